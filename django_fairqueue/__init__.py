@@ -1,0 +1,52 @@
+"""django-fairqueue: a fair, multi-tenant task queue on PostgreSQL.
+
+The public API is small::
+
+    from django_fairqueue import task, enqueue, enqueue_many, EnqueueRequest
+
+Everything else is internal and may change.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ChannelFull",
+    "EnqueueRequest",
+    "FairQueueError",
+    "InvalidChannel",
+    "PayloadError",
+    "UnknownTask",
+    "enqueue",
+    "enqueue_many",
+    "task",
+]
+
+from django_fairqueue.exceptions import (
+    ChannelFull,
+    FairQueueError,
+    InvalidChannel,
+    PayloadError,
+    UnknownTask,
+)
+
+if TYPE_CHECKING:
+    from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many
+    from django_fairqueue.tasks import task
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: importing the package (e.g. from settings.py or INSTALLED_APPS) must not import
+    # models before the app registry is ready.
+    if name in ("enqueue", "enqueue_many", "EnqueueRequest"):
+        from django_fairqueue import api
+
+        return getattr(api, name)
+    if name == "task":
+        from django_fairqueue.tasks import task
+
+        return task
+    raise AttributeError(f"module 'django_fairqueue' has no attribute {name!r}")

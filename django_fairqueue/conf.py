@@ -1,0 +1,168 @@
+"""Settings: one ``FAIRQUEUE = {...}`` dict, read into a frozen dataclass.
+
+Validation happens in :func:`load` so both the system checks (``fairqueue.E0xx``, at start-up)
+and the first use raise the same clear message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from datetime import timedelta
+from functools import lru_cache
+from typing import Any
+
+from django.conf import settings as django_settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+from django_fairqueue.models import MAX_CONCURRENCY_LIMIT, MAX_RELEASE_INTERVAL, MAX_WEIGHT
+
+DELIVERY_MODES = ("at_most_once", "at_least_once")
+_IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+@dataclass(frozen=True)
+class ChannelDefaults:
+    """Limits given to a channel created on first use."""
+
+    max_concurrency: int | None = None
+    release_interval: timedelta = timedelta(0)
+    weight: int = 1
+    max_backlog: int | None = None
+
+
+@dataclass(frozen=True)
+class FairQueueSettings:
+    DATABASE: str = "default"
+    DEFAULT_CHANNEL: str = "default"
+    CHANNEL_DEFAULTS: ChannelDefaults = field(default_factory=ChannelDefaults)
+    DEFAULT_DELIVERY: str = "at_least_once"
+    DEFAULT_MAX_ATTEMPTS: int = 5
+    RETRY_BACKOFF_BASE: float = 2.0  # seconds; attempt n waits base * 2**(n-1), jittered
+    RETRY_BACKOFF_MAX: float = 3600.0
+    LEASE_SECONDS: float = 60.0  # heartbeats renew it every LEASE_SECONDS / 3
+    KEEP_RESULTS: bool = False  # keep succeeded rows (with their return value) until pruned
+    RESULT_RETENTION: timedelta = timedelta(days=1)
+    NOTIFY: bool = True  # LISTEN/NOTIFY wake-ups; polling always runs as well
+    NOTIFY_CHANNEL: str = "fairqueue"
+    POLL_INTERVAL: float = 1.0
+    RESCUE_INTERVAL: float = 15.0
+    PRUNE_INTERVAL: float = 60.0
+    MAX_PAYLOAD_BYTES: int = 1_048_576
+    # Prepare queue statements (named, per connection). Turn off behind a transaction-pooling
+    # proxy that does not support prepared statements (PgBouncer < 1.21).
+    PREPARED_STATEMENTS: bool = True
+    TASK_MODULES: tuple[str, ...] = ()
+
+
+def _duration(value: Any, name: str) -> timedelta:
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return timedelta(seconds=value)
+    raise ValueError(f"{name} must be a number of seconds or a timedelta, got {value!r}")
+
+
+def _number(value: Any, name: str, *, minimum: float, integer: bool = False) -> Any:
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value < minimum:
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"{name} must be {kind} >= {minimum}, got {value!r}")
+    return value
+
+
+def validate_channel_limits(
+    *,
+    max_concurrency: Any = None,
+    release_interval: Any = timedelta(0),
+    weight: Any = 1,
+    max_backlog: Any = None,
+    where: str = "channel",
+) -> ChannelDefaults:
+    """Check channel limits; raise ``ValueError`` with a message naming the bad value."""
+    if max_concurrency is not None:
+        _number(max_concurrency, f"{where} max_concurrency", minimum=1, integer=True)
+        if max_concurrency > MAX_CONCURRENCY_LIMIT:
+            raise ValueError(
+                f"{where} max_concurrency must be at most {MAX_CONCURRENCY_LIMIT}, "
+                f"got {max_concurrency} (leave it empty for no limit)"
+            )
+    interval = _duration(release_interval, f"{where} release_interval")
+    if interval < timedelta(0) or interval > MAX_RELEASE_INTERVAL:
+        raise ValueError(
+            f"{where} release_interval must be between 0 and {MAX_RELEASE_INTERVAL}, got {interval}"
+        )
+    _number(weight, f"{where} weight", minimum=1, integer=True)
+    if weight > MAX_WEIGHT:
+        raise ValueError(f"{where} weight must be at most {MAX_WEIGHT}, got {weight}")
+    if max_backlog is not None:
+        _number(max_backlog, f"{where} max_backlog", minimum=1, integer=True)
+        if max_backlog > 2_147_483_647:
+            raise ValueError(f"{where} max_backlog must fit in 32 bits, got {max_backlog}")
+    return ChannelDefaults(max_concurrency, interval, weight, max_backlog)
+
+
+def load(raw: Any) -> FairQueueSettings:
+    """Build settings from the ``FAIRQUEUE`` dict; raise ``ValueError`` on any bad entry."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"FAIRQUEUE must be a dict, got {type(raw).__name__}")
+    known = {f.name for f in dataclasses.fields(FairQueueSettings)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"FAIRQUEUE has unknown keys {unknown}; known keys: {sorted(known)}")
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key == "CHANNEL_DEFAULTS":
+            if not isinstance(value, dict):
+                raise ValueError("FAIRQUEUE['CHANNEL_DEFAULTS'] must be a dict")
+            extra = sorted(set(value) - {f.name for f in dataclasses.fields(ChannelDefaults)})
+            if extra:
+                raise ValueError(f"FAIRQUEUE['CHANNEL_DEFAULTS'] has unknown keys {extra}")
+            values[key] = validate_channel_limits(**value, where="FAIRQUEUE['CHANNEL_DEFAULTS']")
+        elif key in ("DATABASE", "DEFAULT_CHANNEL"):
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"FAIRQUEUE['{key}'] must be a non-empty string")
+            values[key] = value
+        elif key == "NOTIFY_CHANNEL":
+            if not isinstance(value, str) or not _IDENT.match(value):
+                raise ValueError(
+                    "FAIRQUEUE['NOTIFY_CHANNEL'] must be a lower-case identifier "
+                    f"(letters, digits, _; at most 63), got {value!r}"
+                )
+            values[key] = value
+        elif key == "DEFAULT_DELIVERY":
+            if value not in DELIVERY_MODES:
+                raise ValueError(f"FAIRQUEUE['DEFAULT_DELIVERY'] must be one of {DELIVERY_MODES}")
+            values[key] = value
+        elif key in ("DEFAULT_MAX_ATTEMPTS", "MAX_PAYLOAD_BYTES"):
+            values[key] = _number(value, f"FAIRQUEUE['{key}']", minimum=1, integer=True)
+        elif key in ("KEEP_RESULTS", "NOTIFY", "PREPARED_STATEMENTS"):
+            if not isinstance(value, bool):
+                raise ValueError(f"FAIRQUEUE['{key}'] must be True or False, got {value!r}")
+            values[key] = value
+        elif key == "RESULT_RETENTION":
+            values[key] = _duration(value, "FAIRQUEUE['RESULT_RETENTION']")
+        elif key == "TASK_MODULES":
+            if isinstance(value, str) or not all(isinstance(m, str) for m in value):
+                raise ValueError("FAIRQUEUE['TASK_MODULES'] must be a list of module names")
+            values[key] = tuple(value)
+        else:  # the float-valued intervals
+            minimum = 0.001 if key != "RETRY_BACKOFF_BASE" else 0.0
+            values[key] = float(_number(value, f"FAIRQUEUE['{key}']", minimum=minimum))
+    return FairQueueSettings(**values)
+
+
+@lru_cache(maxsize=1)
+def get() -> FairQueueSettings:
+    """The current settings (cached; the cache is cleared when a test overrides FAIRQUEUE)."""
+    return load(getattr(django_settings, "FAIRQUEUE", {}))
+
+
+@receiver(setting_changed)
+def _reset(*, setting: str, **kwargs: Any) -> None:
+    if setting == "FAIRQUEUE":
+        get.cache_clear()

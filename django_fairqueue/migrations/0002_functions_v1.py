@@ -1,0 +1,59 @@
+"""Server-side functions (sql/functions_v1.sql) and storage settings for the queue tables."""
+
+from django.db import migrations
+
+from django_fairqueue.store import functions_sql
+
+# Queue tables churn: every claim rewrites channel rows and every settlement deletes or updates
+# a message. Vacuum them after a fixed number of dead rows instead of a fraction of the table,
+# without cost-based throttling, so dead index entries never pile up in front of the claim.
+STORAGE = """
+ALTER TABLE fairqueue_channel SET (
+    fillfactor = 70,
+    autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_cost_delay = 0, autovacuum_analyze_scale_factor = 0.05
+);
+ALTER TABLE fairqueue_channel_delta SET (
+    autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_cost_delay = 0
+);
+ALTER TABLE fairqueue_message SET (
+    fillfactor = 90,
+    autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.02,
+    autovacuum_vacuum_cost_delay = 0
+);
+ALTER TABLE fairqueue_work_batch SET (
+    autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0
+);
+"""
+
+UNSTORAGE = """
+ALTER TABLE fairqueue_channel RESET (fillfactor, autovacuum_vacuum_scale_factor,
+    autovacuum_vacuum_threshold, autovacuum_vacuum_cost_delay, autovacuum_analyze_scale_factor);
+ALTER TABLE fairqueue_channel_delta RESET (autovacuum_vacuum_scale_factor,
+    autovacuum_vacuum_threshold, autovacuum_vacuum_cost_delay);
+ALTER TABLE fairqueue_message RESET (fillfactor, autovacuum_vacuum_scale_factor,
+    autovacuum_vacuum_threshold, autovacuum_vacuum_insert_scale_factor,
+    autovacuum_analyze_scale_factor, autovacuum_vacuum_cost_delay);
+ALTER TABLE fairqueue_work_batch RESET (autovacuum_vacuum_scale_factor,
+    autovacuum_vacuum_cost_delay);
+"""
+
+DROP_V1 = """
+DROP FUNCTION IF EXISTS fairqueue_enqueue_v1(text[], text[], jsonb[], smallint[], timestamptz[],
+    integer[], boolean[], integer, interval, integer, integer, text);
+DROP FUNCTION IF EXISTS fairqueue_claim_v1(integer, interval, text, bigint[], bigint[], integer);
+DROP FUNCTION IF EXISTS fairqueue_fold_deltas_v1(integer, boolean);
+DROP FUNCTION IF EXISTS fairqueue_promote_due_v1(timestamptz, integer);
+DROP FUNCTION IF EXISTS fairqueue_lock_key_v1();
+"""
+
+
+class Migration(migrations.Migration):
+    dependencies = [("fairqueue", "0001_initial")]
+
+    operations = [
+        migrations.RunSQL(STORAGE, UNSTORAGE),
+        migrations.RunSQL(functions_sql(1), DROP_V1),
+    ]

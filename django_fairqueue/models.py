@@ -1,0 +1,336 @@
+"""Tables of django-fairqueue.
+
+The models own the DDL (tables, named partial indexes, CHECK constraints), so ``makemigrations`` is
+the single source of truth for the schema. Every statement that *moves* queue state lives in
+``sql/queries.sql`` and ``sql/functions_v1.sql`` and is run by ``store.py``; nothing here writes
+queue state through the ORM.
+
+How the pieces fit (see docs/explanation/fairness.md):
+
+* ``Channel`` is a tenant's virtual queue *and* its scheduler state. ``next_turn_at`` is both the
+  earliest moment the channel may release again (rate limit) and its place in the round-robin:
+  serving a channel moves it to the back by setting ``next_turn_at`` to the claim time.
+* ``Message`` rows are the work. Only the claim, complete/fail/release and the rescuer change
+  their state.
+* ``ChannelDelta`` rows are counter changes written by everything *except* the claim (enqueue,
+  complete, fail, rescue, admin actions). The claim folds them into the channel row. This keeps
+  enqueue and completion from ever locking a channel row, so a view's long transaction cannot
+  stall workers, and a channel row has a single kind of writer: the claim.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.db import models
+from django.db.models import F, Q
+from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
+
+#: Longest channel name accepted (characters). Names are identifiers, not documents.
+CHANNEL_NAME_MAX_LENGTH = 200
+#: Upper bounds that catch typos (a weight of 1e9 is a mistake, not a policy).
+MAX_WEIGHT = 1000
+MAX_CONCURRENCY_LIMIT = 1_000_000
+MAX_RELEASE_INTERVAL = timedelta(days=1)
+TASK_NAME_MAX_LENGTH = 200
+
+
+class MessageState(models.TextChoices):
+    SCHEDULED = "scheduled", _("scheduled")  # waits for run_at
+    READY = "ready", _("ready")  # claimable now
+    RUNNING = "running", _("running")  # claimed, under a lease
+    SUCCEEDED = "succeeded", _("succeeded")  # kept only when keep_result is set
+    FAILED = "failed", _("failed")  # dead letter: out of attempts, or not runnable
+    CANCELLED = "cancelled", _("cancelled")
+
+
+class BatchState(models.TextChoices):
+    PENDING = "pending", _("pending")
+    RUNNING = "running", _("running")
+    SUCCEEDED = "succeeded", _("succeeded")
+    FAILED = "failed", _("failed")
+
+
+class Channel(models.Model):
+    """A tenant's virtual queue, with its limits and its scheduler state."""
+
+    name = models.CharField(max_length=CHANNEL_NAME_MAX_LENGTH, unique=True)
+    # -- limits, editable by operators; each takes effect on the next claim --
+    max_concurrency = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text=_("Most messages of this channel running at once, fleet-wide. Empty: no limit."),
+    )
+    release_interval = models.DurationField(
+        default=timedelta(0),
+        help_text=_("Minimum time between two releases (rate limit). 0: no limit."),
+    )
+    weight = models.PositiveSmallIntegerField(
+        default=1,
+        help_text=_("Share of the workers while backlogged: weight 2 gets twice weight 1."),
+    )
+    paused = models.BooleanField(default=False)
+    max_backlog = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text=_(
+            "Most messages waiting (ready + scheduled). Enqueue past it fails. Empty: no limit."
+        ),
+    )
+    # -- scheduler state, written only by the claim (and by folding deltas) --
+    next_turn_at = models.DateTimeField(default=timezone.now, editable=False)
+    turn_used = models.PositiveIntegerField(default=0, editable=False)
+    ready_count = models.BigIntegerField(default=0, editable=False)
+    scheduled_count = models.BigIntegerField(default=0, editable=False)
+    running_count = models.IntegerField(default=0, editable=False)
+    failed_count = models.BigIntegerField(default=0, editable=False)
+    succeeded_total = models.BigIntegerField(default=0, editable=False)
+    last_claimed_at = models.DateTimeField(null=True, blank=True, editable=False)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        db_table = "fairqueue_channel"
+        ordering = ["name"]
+        indexes = [
+            # The claim walks this index in round-robin order and stops after the first
+            # `limit` rows: it only ever touches channels that can release right now (or
+            # whose turn time has come), never the backlog itself.
+            models.Index(
+                F("next_turn_at"),
+                F("id"),
+                name="fq_channel_turn_idx",
+                condition=Q(ready_count__gt=0)
+                & Q(paused=False)
+                & (Q(max_concurrency__isnull=True) | Q(running_count__lt=F("max_concurrency"))),
+            ),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(name__regex=r"^\S") & Q(name__regex=r"\S$"),
+                name="fq_channel_name_trimmed",
+            ),
+            models.CheckConstraint(
+                condition=Q(max_concurrency__isnull=True)
+                | Q(max_concurrency__gte=1, max_concurrency__lte=MAX_CONCURRENCY_LIMIT),
+                name="fq_channel_max_concurrency_range",
+            ),
+            models.CheckConstraint(
+                condition=Q(release_interval__gte=timedelta(0))
+                & Q(release_interval__lte=MAX_RELEASE_INTERVAL),
+                name="fq_channel_release_interval_range",
+            ),
+            models.CheckConstraint(
+                condition=Q(weight__gte=1, weight__lte=MAX_WEIGHT),
+                name="fq_channel_weight_range",
+            ),
+            models.CheckConstraint(
+                condition=Q(max_backlog__isnull=True) | Q(max_backlog__gte=1),
+                name="fq_channel_max_backlog_positive",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Message(models.Model):
+    """One unit of work for one channel."""
+
+    # No FK index: every lookup by channel goes through a partial index that starts with
+    # channel_id, and an extra full index would be written on every enqueue for nothing.
+    # No FK constraint either: its check runs per inserted row and takes a KEY SHARE lock on
+    # the channel row, which the claim holds FOR UPDATE: PostgreSQL then builds a MultiXact
+    # per row. Channels are only deleted through Django, which cascades in Python.
+    channel = models.ForeignKey(
+        Channel,
+        on_delete=models.CASCADE,
+        related_name="messages",
+        db_index=False,
+        db_constraint=False,
+    )
+    task_name = models.CharField(max_length=TASK_NAME_MAX_LENGTH)
+    payload = models.JSONField(default=dict)
+    priority = models.SmallIntegerField(default=0)
+    state = models.CharField(max_length=16, choices=MessageState.choices)
+    run_at = models.DateTimeField(default=timezone.now)
+    enqueued_at = models.DateTimeField(default=timezone.now)
+    attempts = models.PositiveIntegerField(default=0)
+    max_attempts = models.PositiveIntegerField(default=1)
+    keep_result = models.BooleanField(default=False)
+    # -- lease: set by the claim; every later write must present lease_token --
+    lease_token = models.UUIDField(null=True, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    claimed_at = models.DateTimeField(null=True, blank=True)
+    worker_id = models.CharField(max_length=200, blank=True, default="")
+    finished_at = models.DateTimeField(null=True, blank=True)
+    result = models.JSONField(null=True, blank=True)
+    last_error = models.JSONField(null=True, blank=True)
+
+    class Meta:
+        db_table = "fairqueue_message"
+        ordering = ["id"]
+        indexes = [
+            # Head of each channel: highest priority first, then FIFO. Only ready rows, so the
+            # index stays as small as the claimable backlog.
+            models.Index(
+                F("channel"),
+                F("priority").desc(),
+                F("id"),
+                name="fq_message_ready_idx",
+                condition=Q(state=MessageState.READY),
+            ),
+            # Delayed messages and retries waiting for their backoff: promoted when due.
+            models.Index(
+                F("run_at"),
+                F("id"),
+                name="fq_message_due_idx",
+                condition=Q(state=MessageState.SCHEDULED),
+            ),
+            # The rescuer's scan for expired leases.
+            models.Index(
+                F("lease_expires_at"),
+                name="fq_message_lease_idx",
+                condition=Q(state=MessageState.RUNNING),
+            ),
+            # Dead letters per channel (admin, retry, delete).
+            models.Index(
+                F("channel"),
+                F("id"),
+                name="fq_message_failed_idx",
+                condition=Q(state=MessageState.FAILED),
+            ),
+            # Scheduled messages per channel (admin, purge).
+            models.Index(
+                F("channel"),
+                F("run_at"),
+                name="fq_message_sched_chan_idx",
+                condition=Q(state=MessageState.SCHEDULED),
+            ),
+            # Running messages per channel (admin, exact running counts).
+            models.Index(
+                F("channel"),
+                F("id"),
+                name="fq_message_running_idx",
+                condition=Q(state=MessageState.RUNNING),
+            ),
+            # Pruning finished rows by age.
+            models.Index(
+                F("finished_at"),
+                name="fq_message_finished_idx",
+                condition=Q(state__in=[MessageState.SUCCEEDED, MessageState.CANCELLED]),
+            ),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(state__in=MessageState.values), name="fq_message_state_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(max_attempts__gte=1), name="fq_message_max_attempts_positive"
+            ),
+            models.CheckConstraint(
+                condition=~Q(state=MessageState.RUNNING)
+                | (Q(lease_token__isnull=False) & Q(lease_expires_at__isnull=False)),
+                name="fq_message_running_has_lease",
+            ),
+            models.CheckConstraint(condition=~Q(task_name=""), name="fq_message_task_name"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_name}#{self.pk} ({self.state})"
+
+
+class ChannelDelta(models.Model):
+    """A pending change to a channel's counters, folded into the channel row by the claim.
+
+    Writers other than the claim append here instead of updating the channel row, so they
+    never wait on (or block) a channel lock. The true counter is the channel's column plus the
+    sum of its pending deltas.
+    """
+
+    channel = models.ForeignKey(  # no FK constraint: see Message.channel
+        Channel, on_delete=models.CASCADE, related_name="+", db_index=False, db_constraint=False
+    )
+    ready = models.IntegerField(default=0, db_default=0)
+    scheduled = models.IntegerField(default=0, db_default=0)
+    running = models.IntegerField(default=0, db_default=0)
+    failed = models.IntegerField(default=0, db_default=0)
+    succeeded = models.IntegerField(default=0, db_default=0)
+    # True when folding this delta may make the channel claimable: it adds ready messages, or
+    # frees slots of a channel with a concurrency cap. The claim folds waking deltas before it
+    # picks channels; the others wait until their channel is next charged by a claim.
+    wake = models.BooleanField(default=True, db_default=True)
+
+    class Meta:
+        db_table = "fairqueue_channel_delta"
+        indexes = [
+            models.Index(F("channel"), name="fq_delta_channel_idx"),
+            models.Index(F("id"), name="fq_delta_wake_idx", condition=Q(wake=True)),
+        ]
+
+    def __str__(self) -> str:
+        return f"channel {self.channel_id}: ready {self.ready:+d}, running {self.running:+d}"
+
+
+class WorkBatch(models.Model):
+    """A contiguous id range of a big table, processed as one unit by one worker."""
+
+    channel = models.ForeignKey(  # no FK constraint: see Message.channel
+        Channel,
+        on_delete=models.CASCADE,
+        related_name="work_batches",
+        db_index=False,
+        db_constraint=False,
+    )
+    job_name = models.CharField(max_length=200)
+    start_id = models.BigIntegerField()
+    end_id = models.BigIntegerField(help_text=_("Inclusive."))
+    row_count = models.BigIntegerField(default=0, help_text=_("Rows in the range when planned."))
+    state = models.CharField(max_length=16, choices=BatchState.choices, default=BatchState.PENDING)
+    run_at = models.DateTimeField(default=timezone.now)
+    attempts = models.PositiveIntegerField(default=0)
+    max_attempts = models.PositiveIntegerField(default=3)
+    lease_token = models.UUIDField(null=True, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    worker_id = models.CharField(max_length=200, blank=True, default="")
+    last_error = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    rows_processed = models.BigIntegerField(default=0)
+
+    class Meta:
+        db_table = "fairqueue_work_batch"
+        ordering = ["job_name", "start_id"]
+        indexes = [
+            models.Index(
+                F("channel"),
+                F("run_at"),
+                F("id"),
+                name="fq_batch_pending_idx",
+                condition=Q(state=BatchState.PENDING),
+            ),
+            models.Index(
+                F("lease_expires_at"),
+                name="fq_batch_lease_idx",
+                condition=Q(state=BatchState.RUNNING),
+            ),
+            models.Index(F("job_name"), F("state"), name="fq_batch_job_idx"),
+        ]
+        constraints = [
+            # Planning the same job twice must not duplicate batches.
+            models.UniqueConstraint(
+                fields=["job_name", "start_id"], name="fq_batch_job_start_uniq"
+            ),
+            models.CheckConstraint(condition=Q(end_id__gte=F("start_id")), name="fq_batch_range"),
+            models.CheckConstraint(
+                condition=Q(state__in=BatchState.values), name="fq_batch_state_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(max_attempts__gte=1), name="fq_batch_max_attempts_positive"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.job_name}[{self.start_id}..{self.end_id}] ({self.state})"

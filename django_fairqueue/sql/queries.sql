@@ -1,0 +1,280 @@
+-- django-fairqueue: every statement the Python side runs against the queue tables.
+--
+-- Each statement starts with `-- name: verb_noun` and a one-line description; store.py loads
+-- this file once and has exactly one function per name (tests/test_store.py checks both ways).
+-- Parameters are psycopg named placeholders %(name)s, always bound, never formatted in.
+-- Statements that settle a claim (heartbeat, complete, fail, release) match on the lease
+-- token, so a claimant whose lease expired and was re-claimed changes nothing.
+
+-- name: enqueue_messages
+-- Insert a batch of messages (creating channels on first use) in one round trip.
+SELECT id FROM fairqueue_enqueue_v1(
+    %(channels)s::text[], %(tasks)s::text[], %(payloads)s::jsonb[], %(priorities)s::smallint[],
+    %(run_at)s::timestamptz[], %(max_attempts)s::integer[], %(keep_result)s::boolean[],
+    %(default_max_concurrency)s::integer, %(default_release_interval)s::interval,
+    %(default_weight)s::integer, %(default_max_backlog)s::integer, %(notify_channel)s::text
+) AS id;
+
+-- name: claim_messages
+-- Fair claim of up to `limit` messages under fresh leases (see fairqueue_claim_v1).
+SELECT id, channel_id, channel_name, task_name, payload, priority, attempts, max_attempts,
+       keep_result, lease_token, lease_expires_at, enqueued_at, run_at
+FROM fairqueue_claim_v1(
+    %(limit)s::integer, %(lease)s::interval, %(worker)s::text, %(only)s::bigint[],
+    %(exclude)s::bigint[], %(quantum)s::integer
+);
+
+-- name: heartbeat_messages
+-- Extend the leases still held by these (id, token) pairs; returns the ids still owned.
+UPDATE fairqueue_message m
+SET lease_expires_at = clock_timestamp() + %(lease)s::interval
+WHERE m.id = ANY (%(ids)s::bigint[])
+  AND m.lease_token = ANY (%(tokens)s::uuid[])
+  AND m.state = 'running'
+RETURNING m.id;
+
+-- name: complete_messages
+-- Settle successful messages: delete them, or keep them as succeeded with their result.
+-- Lease tokens are random per claim, so "the row's current token is one the caller holds" is
+-- the (id, token) match without a join (a join to unnest() is planned as a nested loop).
+WITH gone AS (
+    DELETE FROM fairqueue_message m
+    WHERE m.id = ANY (%(ids)s::bigint[])
+      AND m.lease_token = ANY (%(tokens)s::uuid[])
+      AND m.state = 'running' AND NOT m.keep_result
+    RETURNING m.id, m.channel_id
+), kept AS (
+    UPDATE fairqueue_message m
+    SET state = 'succeeded',
+        result = (%(results)s::jsonb[])[array_position(%(ids)s::bigint[], m.id)],
+        finished_at = clock_timestamp(),
+        lease_expires_at = NULL
+    WHERE m.id = ANY (%(ids)s::bigint[])
+      AND m.lease_token = ANY (%(tokens)s::uuid[])
+      AND m.state = 'running' AND m.keep_result
+    RETURNING m.id, m.channel_id
+), settled AS (
+    SELECT * FROM gone UNION ALL SELECT * FROM kept
+), delta AS (
+    -- The concurrency slot is freed here, once: only rows this statement settled count.
+    -- It wakes the claim only for capped channels; other channels fold it in maintenance.
+    INSERT INTO fairqueue_channel_delta (channel_id, running, succeeded, wake)
+    SELECT s.channel_id, -count(*), count(*),
+           (SELECT c.max_concurrency IS NOT NULL FROM fairqueue_channel c WHERE c.id = s.channel_id)
+    FROM settled s GROUP BY s.channel_id
+)
+SELECT id FROM settled;
+
+-- name: fail_messages
+-- Settle failed attempts: retry at `retry_at` (NULL: no retry) while attempts remain, else dead-letter.
+WITH t AS MATERIALIZED (
+    -- each row's own error and retry time, by its position in the arrays
+    SELECT m.id, (%(errors)s::jsonb[])[array_position(%(ids)s::bigint[], m.id)] AS error,
+           (%(retry_at)s::timestamptz[])[array_position(%(ids)s::bigint[], m.id)] AS retry_at,
+           m.attempts >= m.max_attempts AS exhausted
+    FROM fairqueue_message m
+    WHERE m.id = ANY (%(ids)s::bigint[])
+      AND m.lease_token = ANY (%(tokens)s::uuid[])
+      AND m.state = 'running'
+    FOR UPDATE
+), failed AS (
+    UPDATE fairqueue_message m
+    SET state = CASE
+            WHEN t.retry_at IS NULL OR t.exhausted THEN 'failed'
+            WHEN t.retry_at <= clock_timestamp() THEN 'ready'
+            ELSE 'scheduled'
+        END,
+        run_at = CASE WHEN t.retry_at IS NULL OR t.exhausted THEN m.run_at ELSE t.retry_at END,
+        finished_at = CASE WHEN t.retry_at IS NULL OR t.exhausted THEN clock_timestamp() END,
+        last_error = t.error,
+        lease_token = NULL,
+        lease_expires_at = NULL
+    FROM t
+    WHERE m.id = t.id AND m.id = ANY (%(ids)s::bigint[])
+    RETURNING m.id, m.channel_id, m.state
+), delta AS (
+    INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed)
+    SELECT channel_id,
+           count(*) FILTER (WHERE state = 'ready'),
+           count(*) FILTER (WHERE state = 'scheduled'),
+           -count(*),
+           count(*) FILTER (WHERE state = 'failed')
+    FROM failed GROUP BY channel_id
+)
+SELECT id, state FROM failed;
+
+-- name: release_messages
+-- Give claimed messages back unstarted (shutdown): ready again, the attempt not counted.
+WITH released AS (
+    UPDATE fairqueue_message m
+    SET state = 'ready', attempts = greatest(m.attempts - 1, 0), lease_token = NULL,
+        lease_expires_at = NULL, worker_id = ''
+    WHERE m.id = ANY (%(ids)s::bigint[])
+      AND m.lease_token = ANY (%(tokens)s::uuid[])
+      AND m.state = 'running'
+    RETURNING m.id, m.channel_id
+), delta AS (
+    INSERT INTO fairqueue_channel_delta (channel_id, ready, running)
+    SELECT channel_id, count(*), -count(*) FROM released GROUP BY channel_id
+)
+SELECT id FROM released;
+
+-- name: rescue_expired_messages
+-- Return messages whose lease expired (worker died or stalled) to ready, or dead-letter them when out of attempts.
+WITH expired AS (
+    SELECT m.id
+    FROM fairqueue_message m
+    WHERE m.state = 'running' AND m.lease_expires_at < clock_timestamp()
+    ORDER BY m.lease_expires_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), rescued AS (
+    UPDATE fairqueue_message m
+    SET state = CASE WHEN m.attempts >= m.max_attempts THEN 'failed' ELSE 'ready' END,
+        finished_at = CASE WHEN m.attempts >= m.max_attempts THEN clock_timestamp() END,
+        last_error = jsonb_build_object(
+            'type', 'LeaseExpired',
+            'message', format('lease held by worker %s expired at %s during attempt %s of %s',
+                              m.worker_id, m.lease_expires_at, m.attempts, m.max_attempts),
+            'traceback', NULL),
+        lease_token = NULL,
+        lease_expires_at = NULL
+    WHERE m.id = ANY (ARRAY(SELECT expired.id FROM expired))
+    RETURNING m.id, m.channel_id, m.state, m.task_name, m.attempts, m.worker_id
+), delta AS (
+    INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
+    SELECT channel_id, count(*) FILTER (WHERE state = 'ready'), 0, -count(*),
+           count(*) FILTER (WHERE state = 'failed'), 0
+    FROM rescued GROUP BY channel_id
+)
+SELECT id, channel_id, state, task_name, attempts, worker_id FROM rescued;
+
+-- name: promote_due_messages
+-- Move due scheduled messages to ready (the claim also does this on every call).
+SELECT fairqueue_promote_due_v1(clock_timestamp(), %(limit)s::integer) AS promoted;
+
+-- name: fold_channel_deltas
+-- Fold every pending counter delta into its channel row (maintenance; claims fold what they need).
+SELECT fairqueue_fold_deltas_v1(%(limit)s::integer, false) AS folded;
+
+-- name: retry_failed_messages
+-- Make failed messages ready again with a fresh attempt budget; idempotent (non-failed rows are untouched).
+WITH retried AS (
+    UPDATE fairqueue_message m
+    SET state = 'ready', attempts = 0, run_at = clock_timestamp(), finished_at = NULL
+    WHERE m.id = ANY (%(ids)s::bigint[]) AND m.state = 'failed'
+    RETURNING m.id, m.channel_id
+), delta AS (
+    INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
+    SELECT channel_id, count(*), 0, 0, -count(*), 0 FROM retried GROUP BY channel_id
+)
+SELECT id FROM retried;
+
+-- name: select_failed_message_ids
+-- Ids of failed messages, oldest first, optionally of one channel; paged by id cursor.
+SELECT m.id
+FROM fairqueue_message m
+WHERE m.state = 'failed'
+  AND (%(channel_id)s::bigint IS NULL OR m.channel_id = %(channel_id)s::bigint)
+  AND m.id > %(after_id)s::bigint
+ORDER BY m.id
+LIMIT %(limit)s;
+
+-- name: cancel_messages
+-- Cancel waiting (ready or scheduled) messages; running ones are left to finish.
+WITH cancelled AS (
+    UPDATE fairqueue_message m
+    SET state = 'cancelled', finished_at = clock_timestamp()
+    FROM (
+        -- the state before the update, for the counters
+        SELECT o.id, o.state AS old_state
+        FROM fairqueue_message o
+        WHERE o.id = ANY (%(ids)s::bigint[]) AND o.state IN ('ready', 'scheduled')
+        FOR UPDATE SKIP LOCKED
+    ) o
+    WHERE m.id = o.id AND m.id = ANY (%(ids)s::bigint[])
+    RETURNING m.id, m.channel_id, o.old_state
+), delta AS (
+    INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
+    SELECT channel_id,
+           -count(*) FILTER (WHERE old_state = 'ready'),
+           -count(*) FILTER (WHERE old_state = 'scheduled'),
+           0, 0, 0
+    FROM cancelled GROUP BY channel_id
+)
+SELECT id FROM cancelled;
+
+-- name: delete_messages
+-- Delete messages that are not running; returns the ids deleted.
+WITH deleted AS (
+    DELETE FROM fairqueue_message m
+    WHERE m.id = ANY (%(ids)s::bigint[]) AND m.state <> 'running'
+    RETURNING m.id, m.channel_id, m.state
+), delta AS (
+    INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
+    SELECT channel_id,
+           -count(*) FILTER (WHERE state = 'ready'),
+           -count(*) FILTER (WHERE state = 'scheduled'),
+           0,
+           -count(*) FILTER (WHERE state = 'failed'),
+           0
+    FROM deleted GROUP BY channel_id
+)
+SELECT id FROM deleted;
+
+-- name: purge_channel_backlog
+-- Delete up to `limit` waiting (ready or scheduled) messages of one channel; call until it returns 0.
+WITH victims AS (
+    SELECT m.id
+    FROM fairqueue_message m
+    WHERE m.channel_id = %(channel_id)s::bigint AND m.state IN ('ready', 'scheduled')
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), deleted AS (
+    DELETE FROM fairqueue_message m
+    WHERE m.id = ANY (ARRAY(SELECT victims.id FROM victims)) AND m.state IN ('ready', 'scheduled')
+    RETURNING m.channel_id, m.state
+), delta AS (
+    INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
+    SELECT channel_id,
+           -count(*) FILTER (WHERE state = 'ready'),
+           -count(*) FILTER (WHERE state = 'scheduled'),
+           0, 0, 0
+    FROM deleted GROUP BY channel_id
+)
+SELECT count(*) AS purged FROM deleted;
+
+-- name: prune_finished_messages
+-- Delete up to `limit` succeeded or cancelled messages finished before `before`.
+WITH victims AS (
+    SELECT m.id
+    FROM fairqueue_message m
+    WHERE m.state IN ('succeeded', 'cancelled') AND m.finished_at < %(before)s::timestamptz
+    ORDER BY m.finished_at
+    LIMIT %(limit)s
+)
+DELETE FROM fairqueue_message m
+WHERE m.id = ANY (ARRAY(SELECT victims.id FROM victims)) AND m.state IN ('succeeded', 'cancelled')
+RETURNING m.id;
+
+-- name: select_channel_counters
+-- Channel counters including deltas not yet folded: exact, and bounded by the delta backlog.
+SELECT c.id, c.name,
+       c.ready_count + coalesce(d.ready, 0) AS ready,
+       c.scheduled_count + coalesce(d.scheduled, 0) AS scheduled,
+       c.running_count + coalesce(d.running, 0) AS running,
+       c.failed_count + coalesce(d.failed, 0) AS failed,
+       c.succeeded_total + coalesce(d.succeeded, 0) AS succeeded
+FROM fairqueue_channel c
+LEFT JOIN LATERAL (
+    SELECT sum(x.ready) AS ready, sum(x.scheduled) AS scheduled, sum(x.running) AS running,
+           sum(x.failed) AS failed, sum(x.succeeded) AS succeeded
+    FROM fairqueue_channel_delta x
+    WHERE x.channel_id = c.id
+) d ON true
+WHERE c.id = ANY (%(ids)s::bigint[])
+ORDER BY c.id;
+
+-- name: select_channel_ids
+-- Channel ids for names (unknown names are absent from the result).
+SELECT c.id, c.name FROM fairqueue_channel c WHERE c.name = ANY (%(names)s::text[]);

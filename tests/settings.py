@@ -1,0 +1,68 @@
+"""Test settings: PostgreSQL from DATABASE_URL, else the embedded development server."""
+
+from __future__ import annotations
+
+import os
+
+import environ
+
+from django_fairqueue import devdb
+
+# FAIRQUEUE_DB_NAME lets parallel tox environments share one embedded server without sharing a
+# database (pytest-django creates "test_<name>" next to it). Ignored when DATABASE_URL is set.
+DATABASES = {
+    "default": environ.Env.db_url_config(
+        devdb.database_url(os.environ.get("FAIRQUEUE_DB_NAME", "fairqueue")),
+        engine="django.db.backends.postgresql",
+    )
+}
+
+SECRET_KEY = "django-fairqueue-tests-not-secret"
+DEBUG = False
+ALLOWED_HOSTS = ["testserver", "localhost", "127.0.0.1"]
+USE_TZ = True
+TIME_ZONE = "UTC"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+INSTALLED_APPS = [
+    "django.contrib.contenttypes",
+    "django.contrib.auth",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.admin",
+    "django.contrib.staticfiles",
+    "django_fairqueue",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+ROOT_URLCONF = "tests.urls"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+STATIC_URL = "/static/"
+
+# Hashing passwords slowly protects nothing in tests.
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+FAIRQUEUE: dict[str, object] = {}
