@@ -134,6 +134,10 @@ def validate_channel_name(name: Any) -> str:
     return name
 
 
+# One encoder for all calls: json.dumps() with options builds a new encoder every time.
+_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+
+
 class _Payload(str):
     """JSON text already checked; store.py passes it through without re-encoding."""
 
@@ -144,7 +148,7 @@ def encode_payload(
     """Encode call arguments as JSON, refusing anything that would not come back equal."""
     payload = {"args": args, "kwargs": kwargs}
     try:
-        text = json.dumps(payload, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+        text = _ENCODER.encode(payload)
     except (TypeError, ValueError) as exc:
         raise PayloadError(
             f"arguments of task {task_name!r} are not JSON serialisable: {exc}"
@@ -158,12 +162,23 @@ def encode_payload(
         )
     if "\\u0000" in text:
         raise PayloadError(f"arguments of task {task_name!r} contain a NUL character")
-    if json.loads(text) != payload:
+    # Scalars come back from JSON exactly as they went in (NaN was refused above), so the
+    # round trip is only needed for containers, where tuples or int dict keys would change.
+    if not _all_scalars(args, kwargs) and json.loads(text) != payload:
         raise PayloadError(
             f"arguments of task {task_name!r} do not survive a JSON round trip unchanged "
             "(tuples, sets or non-string dict keys?); pass lists and dicts with string keys"
         )
     return _Payload(text)
+
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+def _all_scalars(args: list[Any], kwargs: dict[str, Any]) -> bool:
+    return all(type(a) in _SCALARS for a in args) and all(
+        type(k) is str and type(v) in _SCALARS for k, v in kwargs.items()
+    )
 
 
 def _check_priority(priority: Any) -> int:

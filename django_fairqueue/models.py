@@ -187,7 +187,8 @@ class Message(models.Model):
                 name="fq_message_due_idx",
                 condition=Q(state=MessageState.SCHEDULED),
             ),
-            # The rescuer's scan for expired leases.
+            # The rescuer's scan for expired leases; also lists what is running (there is no
+            # second index on running rows: every claim would pay for it).
             models.Index(
                 F("lease_expires_at"),
                 name="fq_message_lease_idx",
@@ -207,13 +208,6 @@ class Message(models.Model):
                 name="fq_message_sched_chan_idx",
                 condition=Q(state=MessageState.SCHEDULED),
             ),
-            # Running messages per channel (admin, exact running counts).
-            models.Index(
-                F("channel"),
-                F("id"),
-                name="fq_message_running_idx",
-                condition=Q(state=MessageState.RUNNING),
-            ),
             # Pruning finished rows by age.
             models.Index(
                 F("finished_at"),
@@ -228,10 +222,16 @@ class Message(models.Model):
             models.CheckConstraint(
                 condition=Q(max_attempts__gte=1), name="fq_message_max_attempts_positive"
             ),
+            # A lease token exists exactly while the message runs. Settle statements rely on
+            # it: matching (id, token) alone proves the row is running under that claim.
             models.CheckConstraint(
-                condition=~Q(state=MessageState.RUNNING)
-                | (Q(lease_token__isnull=False) & Q(lease_expires_at__isnull=False)),
-                name="fq_message_running_has_lease",
+                condition=Q(
+                    state=MessageState.RUNNING,
+                    lease_token__isnull=False,
+                    lease_expires_at__isnull=False,
+                )
+                | (~Q(state=MessageState.RUNNING) & Q(lease_token__isnull=True)),
+                name="fq_message_lease_iff_running",
             ),
             models.CheckConstraint(condition=~Q(task_name=""), name="fq_message_task_name"),
         ]

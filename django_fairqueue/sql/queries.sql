@@ -4,7 +4,12 @@
 -- this file once and has exactly one function per name (tests/test_store.py checks both ways).
 -- Parameters are psycopg named placeholders %(name)s, always bound, never formatted in.
 -- Statements that settle a claim (heartbeat, complete, fail, release) match on the lease
--- token, so a claimant whose lease expired and was re-claimed changes nothing.
+-- token, so a claimant whose lease expired and was re-claimed changes nothing. A row has a
+-- token exactly while it runs (CHECK fq_message_lease_iff_running), and tokens are random per
+-- claim, so `id = ANY(ids) AND lease_token = ANY(tokens)` selects exactly the caller's running
+-- rows. They deliberately say nothing about `state`: the planner would answer a state
+-- condition with a partial index on running rows and scan all of them (13 ms for 100 rows
+-- with 12,000 in flight) instead of 100 primary-key lookups.
 
 -- name: enqueue_messages
 -- Insert a batch of messages (creating channels on first use) in one round trip.
@@ -30,7 +35,6 @@ UPDATE fairqueue_message m
 SET lease_expires_at = clock_timestamp() + %(lease)s::interval
 WHERE m.id = ANY (%(ids)s::bigint[])
   AND m.lease_token = ANY (%(tokens)s::uuid[])
-  AND m.state = 'running'
 RETURNING m.id;
 
 -- name: complete_messages
@@ -41,17 +45,18 @@ WITH gone AS (
     DELETE FROM fairqueue_message m
     WHERE m.id = ANY (%(ids)s::bigint[])
       AND m.lease_token = ANY (%(tokens)s::uuid[])
-      AND m.state = 'running' AND NOT m.keep_result
+      AND NOT m.keep_result
     RETURNING m.id, m.channel_id
 ), kept AS (
     UPDATE fairqueue_message m
     SET state = 'succeeded',
         result = (%(results)s::jsonb[])[array_position(%(ids)s::bigint[], m.id)],
         finished_at = clock_timestamp(),
+        lease_token = NULL,
         lease_expires_at = NULL
     WHERE m.id = ANY (%(ids)s::bigint[])
       AND m.lease_token = ANY (%(tokens)s::uuid[])
-      AND m.state = 'running' AND m.keep_result
+      AND m.keep_result
     RETURNING m.id, m.channel_id
 ), settled AS (
     SELECT * FROM gone UNION ALL SELECT * FROM kept
@@ -75,7 +80,6 @@ WITH t AS MATERIALIZED (
     FROM fairqueue_message m
     WHERE m.id = ANY (%(ids)s::bigint[])
       AND m.lease_token = ANY (%(tokens)s::uuid[])
-      AND m.state = 'running'
     FOR UPDATE
 ), failed AS (
     UPDATE fairqueue_message m
@@ -111,7 +115,6 @@ WITH released AS (
         lease_expires_at = NULL, worker_id = ''
     WHERE m.id = ANY (%(ids)s::bigint[])
       AND m.lease_token = ANY (%(tokens)s::uuid[])
-      AND m.state = 'running'
     RETURNING m.id, m.channel_id
 ), delta AS (
     INSERT INTO fairqueue_channel_delta (channel_id, ready, running)
@@ -278,3 +281,92 @@ ORDER BY c.id;
 -- name: select_channel_ids
 -- Channel ids for names (unknown names are absent from the result).
 SELECT c.id, c.name FROM fairqueue_channel c WHERE c.name = ANY (%(names)s::text[]);
+
+-- ---------------------------------------------------------------------------------------------
+-- Benchmark harness (django_fairqueue.benchmark, `manage.py fairbench`). Never run by the queue.
+
+-- name: lock_benchmark
+-- Session lock held for a whole fairbench run, so two runs never share (and truncate) one database.
+SELECT pg_try_advisory_lock(fairqueue_lock_key_v1(), -1) AS acquired;
+
+-- name: select_queue_tables_in_use
+-- Which queue tables hold rows: fairbench refuses a database in use.
+SELECT EXISTS (SELECT FROM fairqueue_message) AS messages,
+       EXISTS (SELECT FROM fairqueue_channel) AS channels,
+       EXISTS (SELECT FROM fairqueue_channel_delta) AS channel_deltas,
+       EXISTS (SELECT FROM fairqueue_work_batch) AS work_batches;
+
+-- name: truncate_queue_tables
+-- Empty every queue table and restart its ids (fairbench, on a database it found empty or its scratch database).
+TRUNCATE fairqueue_message, fairqueue_channel_delta, fairqueue_channel, fairqueue_work_batch
+RESTART IDENTITY;
+
+-- name: analyze_queue_tables
+-- Refresh planner statistics of the queue tables after a bulk load (stale ones slow the claim tenfold).
+ANALYZE fairqueue_message, fairqueue_channel, fairqueue_channel_delta;
+
+-- name: load_ready_messages
+-- Bulk-load `count` ready messages round-robin over `channels` (created if missing), with one counter delta per channel.
+-- Message i goes to channels[1 + (i - 1) mod n], so a name listed twice gets twice the share.
+-- The deltas are computed from that rule rather than from the inserted rows, so a million-row
+-- load never aggregates its own RETURNING; the claim (or fold_channel_deltas) folds them.
+WITH created AS (
+    INSERT INTO fairqueue_channel AS c (
+        name, max_concurrency, release_interval, weight, paused, max_backlog,
+        next_turn_at, turn_used, ready_count, scheduled_count, running_count,
+        failed_count, succeeded_total, created_at
+    )
+    SELECT n, %(default_max_concurrency)s::integer, %(default_release_interval)s::interval,
+           %(default_weight)s::integer, false, %(default_max_backlog)s::integer,
+           clock_timestamp(), 0, 0, 0, 0, 0, 0, clock_timestamp()
+    FROM (SELECT DISTINCT n FROM unnest(%(channels)s::text[]) AS n) AS names
+    ORDER BY n
+    ON CONFLICT (name) DO NOTHING
+    RETURNING c.id, c.name
+), chans AS (
+    -- this statement's snapshot does not see `created`'s rows: no name appears twice
+    SELECT created.id, created.name FROM created
+    UNION ALL
+    SELECT c.id, c.name FROM fairqueue_channel c WHERE c.name = ANY (%(channels)s::text[])
+), target AS MATERIALIZED (
+    SELECT array_agg(chans.id ORDER BY t.ord) AS ids, clock_timestamp() AS now
+    FROM unnest(%(channels)s::text[]) WITH ORDINALITY AS t(name, ord)
+    JOIN chans ON chans.name = t.name
+), inserted AS (
+    INSERT INTO fairqueue_message (
+        channel_id, task_name, payload, priority, state, run_at, enqueued_at, attempts,
+        max_attempts, keep_result, worker_id
+    )
+    SELECT t.ids[1 + mod(g - 1, cardinality(t.ids))], %(task)s::text, %(payload)s::jsonb, 0,
+           'ready', t.now, t.now, 0, %(max_attempts)s::integer, false, ''
+    FROM target t, generate_series(1, %(count)s::integer) AS g
+), delta AS (
+    INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
+    SELECT t.ids[k],
+           %(count)s::integer / cardinality(t.ids)
+           + CASE WHEN k <= mod(%(count)s::integer, cardinality(t.ids)) THEN 1 ELSE 0 END,
+           0, 0, 0, 0
+    FROM target t, generate_subscripts(t.ids, 1) AS k
+    WHERE k <= %(count)s::integer
+    RETURNING ready
+)
+SELECT coalesce(sum(delta.ready), 0)::bigint AS loaded FROM delta;
+
+-- name: select_server_settings
+-- Server settings by name, formatted as SHOW prints them (fairbench records the ones that matter).
+SELECT n.name, current_setting(n.name, true) AS value
+FROM unnest(%(names)s::text[]) WITH ORDINALITY AS n(name, ord)
+ORDER BY n.ord;
+
+-- name: select_database_comment
+-- Whether a database exists, and its comment (fairbench marks the scratch databases it creates).
+SELECT shobj_description(d.oid, 'pg_database') AS comment
+FROM pg_database d
+WHERE d.datname = %(name)s::text;
+
+-- name: select_function_digests
+-- md5 of each installed fairqueue function's body, to tell runs apart and spot a stale install.
+SELECT p.proname::text AS name, md5(p.prosrc) AS digest
+FROM pg_proc p
+WHERE p.proname LIKE 'fairqueue\_%%' AND p.pronamespace = to_regnamespace(current_schema())
+ORDER BY p.proname;
