@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from django.contrib.postgres.fields import ArrayField
 from django.db import models
 from django.db.models import F, Q
 from django.utils import timezone
@@ -270,6 +271,44 @@ class ChannelDelta(models.Model):
 
     def __str__(self) -> str:
         return f"channel {self.channel_id}: ready {self.ready:+d}, running {self.running:+d}"
+
+
+#: Upper bounds (milliseconds) of the wait-time histogram buckets in ChannelStat.wait_histogram;
+#: the last bucket is everything above the last bound.
+WAIT_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 30_000, 60_000)
+
+
+class ChannelStat(models.Model):
+    """Per channel and minute: what was claimed and settled, and how long messages waited.
+
+    Workers aggregate in memory and flush one upsert per (channel, minute) every few seconds,
+    so the claim itself writes nothing extra. Feeds the admin dashboard (served shares, wait
+    p50/p95, finished in the last minutes). Rows older than a day are pruned.
+    """
+
+    channel = models.ForeignKey(  # no FK constraint: see Message.channel
+        Channel, on_delete=models.CASCADE, related_name="+", db_index=False, db_constraint=False
+    )
+    minute = models.DateTimeField()
+    claimed = models.IntegerField(default=0)
+    succeeded = models.IntegerField(default=0)
+    failed = models.IntegerField(default=0)
+    retried = models.IntegerField(default=0)
+    wait_ms_sum = models.BigIntegerField(default=0)
+    wait_ms_max = models.IntegerField(default=0)
+    # counts per WAIT_BUCKETS_MS bucket (len(WAIT_BUCKETS_MS) + 1 entries)
+    wait_histogram = ArrayField(models.IntegerField(), default=list)
+    run_ms_sum = models.BigIntegerField(default=0)
+
+    class Meta:
+        db_table = "fairqueue_channel_stat"
+        constraints = [
+            models.UniqueConstraint(fields=["channel", "minute"], name="fq_stat_channel_minute"),
+        ]
+        indexes = [models.Index(F("minute"), name="fq_stat_minute_idx")]
+
+    def __str__(self) -> str:
+        return f"channel {self.channel_id} @ {self.minute:%H:%M}: {self.claimed} claimed"
 
 
 class WorkBatch(models.Model):
