@@ -8,6 +8,7 @@ messages exactly when the transaction commits. No ``on_commit`` is needed (or wa
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -18,7 +19,8 @@ from django.utils import timezone
 
 from django_fairqueue import conf, store
 from django_fairqueue.exceptions import InvalidChannel, PayloadError
-from django_fairqueue.models import CHANNEL_NAME_MAX_LENGTH
+from django_fairqueue.models import CHANNEL_NAME_MAX_LENGTH, Message
+from django_fairqueue.signals import message_enqueued
 from django_fairqueue.tasks import BoundTask, FairTask, TaskSpec, registry
 
 #: Same range as django.tasks, so a task moves between backends unchanged.
@@ -77,11 +79,16 @@ def enqueue_many(requests: Iterable[EnqueueRequest]) -> list[int]:
     cfg = conf.get()
     now = timezone.now()
     messages = [_prepare(r, cfg, now) for r in requests]
-    return store.enqueue_messages(
+    ids = store.enqueue_messages(
         messages,
         defaults=cfg.CHANNEL_DEFAULTS,
         notify_channel=cfg.NOTIFY_CHANNEL if cfg.NOTIFY else None,
     )
+    if ids and message_enqueued.has_listeners(Message):
+        message_enqueued.send(
+            sender=Message, message_ids=ids, channels=[m.channel for m in messages]
+        )
+    return ids
 
 
 def resolve_task(task: TaskRef) -> TaskSpec:
@@ -134,6 +141,10 @@ def validate_channel_name(name: Any) -> str:
     return name
 
 
+# JSON's escape of U+0000: `\u0000` after an even number of backslashes (an odd number means
+# the backslash itself is escaped and the text is a literal backslash followed by "u0000").
+_ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
 # One encoder for all calls: json.dumps() with options builds a new encoder every time.
 _ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"), ensure_ascii=False)
 
@@ -149,18 +160,21 @@ def encode_payload(
     payload = {"args": args, "kwargs": kwargs}
     try:
         text = _ENCODER.encode(payload)
+        size = len(text.encode())
+    except UnicodeEncodeError as exc:  # a lone surrogate: not text PostgreSQL can store
+        raise PayloadError(f"arguments of task {task_name!r} are not valid Unicode: {exc}") from exc
     except (TypeError, ValueError) as exc:
         raise PayloadError(
             f"arguments of task {task_name!r} are not JSON serialisable: {exc}"
         ) from exc
     except RecursionError as exc:
         raise PayloadError(f"arguments of task {task_name!r} are nested too deeply") from exc
-    if len(text.encode()) > max_bytes:
+    if size > max_bytes:
         raise PayloadError(
-            f"arguments of task {task_name!r} take {len(text.encode())} bytes as JSON; "
+            f"arguments of task {task_name!r} take {size} bytes as JSON; "
             f"FAIRQUEUE['MAX_PAYLOAD_BYTES'] is {max_bytes}"
         )
-    if "\\u0000" in text:
+    if _ESCAPED_NUL.search(text):  # jsonb cannot store U+0000
         raise PayloadError(f"arguments of task {task_name!r} contain a NUL character")
     # Scalars come back from JSON exactly as they went in (NaN was refused above), so the
     # round trip is only needed for containers, where tuples or int dict keys would change.

@@ -259,7 +259,8 @@ class ChannelDelta(models.Model):
     succeeded = models.IntegerField(default=0, db_default=0)
     # True when folding this delta may make the channel claimable: it adds ready messages, or
     # frees slots of a channel with a concurrency cap. The claim folds waking deltas before it
-    # picks channels; the others wait until their channel is next charged by a claim.
+    # picks channels; the others (completions on uncapped channels, which change no
+    # eligibility) wait for the workers' maintenance loop, which folds everything.
     wake = models.BooleanField(default=True, db_default=True)
 
     class Meta:

@@ -26,6 +26,7 @@ from typing import Any
 
 import psycopg
 from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 from psycopg.types.json import Jsonb, JsonbBinaryLoader
 
 from django_fairqueue import conf
@@ -56,9 +57,12 @@ def functions_sql(version: int = 1) -> str:
 
 
 @contextmanager
-def _cursor(using: str | None = None) -> Iterator[psycopg.Cursor[Any]]:
+def _cursor(
+    using: str | None = None, *, wrapper: BaseDatabaseWrapper | None = None
+) -> Iterator[psycopg.Cursor[Any]]:
     alias = using or conf.get().DATABASE
-    wrapper = connections[alias]
+    if wrapper is None:
+        wrapper = connections[alias]
     wrapper.validate_no_broken_transaction()
     with wrapper.wrap_database_errors:
         wrapper.ensure_connection()
@@ -204,12 +208,14 @@ def claim_messages(
     only_channel_ids: Sequence[int] | None = None,
     exclude_channel_ids: Sequence[int] | None = None,
     quantum: int | None = None,
+    maintain: bool = True,
     using: str | None = None,
 ) -> list[ClaimedMessage]:
     """Claim up to ``limit`` messages fairly across channels, each under a fresh lease.
 
     A channel's turn is ``weight * quantum`` messages; ``quantum`` defaults to ``limit // 25``
-    (at least 1), so a full batch spreads over about 25 channels.
+    (at least 1), so a full batch spreads over about 25 channels. ``maintain=False`` skips the
+    claim's housekeeping (see :func:`prepare_claims`).
     """
     rows = _run(
         "claim_messages",
@@ -220,10 +226,28 @@ def claim_messages(
             "only": list(only_channel_ids) if only_channel_ids is not None else None,
             "exclude": list(exclude_channel_ids) if exclude_channel_ids is not None else None,
             "quantum": quantum,
+            "maintain": maintain,
         },
         using,
     )
     return [ClaimedMessage(*row) for row in rows]
+
+
+def prepare_claims(*, using: str | None = None) -> None:
+    """Run the claim's housekeeping (promote due messages, fold waking deltas) and commit it.
+
+    On a short-lived connection of its own, in autocommit: a caller about to claim inside a
+    long transaction (exactly-once) does this first and then claims with ``maintain=False``, so
+    its transaction never holds rows of channels it does not serve. (Opening the connection
+    costs a few milliseconds; it is closed at once, so no session lingers.)
+    """
+    alias = using or conf.get().DATABASE
+    side = connections.create_connection(alias)
+    try:
+        with _cursor(alias, wrapper=side) as cur:
+            cur.execute(queries()["prepare_claims"], {}, prepare=False, binary=True)
+    finally:
+        side.close()
 
 
 def heartbeat_messages(
@@ -372,7 +396,208 @@ def select_channel_counters(
     ]
 
 
+@dataclass(frozen=True, slots=True)
+class ChannelMinuteStats:
+    """Tallies of one channel for one minute, as flushed by a worker."""
+
+    channel_id: int
+    minute: datetime
+    claimed: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    retried: int = 0
+    wait_ms_sum: int = 0
+    wait_ms_max: int = 0
+    wait_histogram: tuple[int, ...] = ()
+    run_ms_sum: int = 0
+
+
+def record_channel_stats(
+    stats: Sequence[ChannelMinuteStats], *, using: str | None = None
+) -> None:
+    """Add per-(channel, minute) tallies to the statistics table (one upsert)."""
+    if not stats:
+        return
+    _run(
+        "record_channel_stats",
+        {
+            "channel_ids": [x.channel_id for x in stats],
+            "minutes": [x.minute for x in stats],
+            "claimed": [x.claimed for x in stats],
+            "succeeded": [x.succeeded for x in stats],
+            "failed": [x.failed for x in stats],
+            "retried": [x.retried for x in stats],
+            "wait_ms_sum": [x.wait_ms_sum for x in stats],
+            "wait_ms_max": [x.wait_ms_max for x in stats],
+            "histograms": [Jsonb(list(x.wait_histogram)) for x in stats],
+            "run_ms_sum": [x.run_ms_sum for x in stats],
+        },
+        using,
+    )
+
+
+def prune_channel_stats(before: datetime, *, using: str | None = None) -> None:
+    _run("prune_channel_stats", {"before": before}, using)
+
+
 def select_channel_ids(names: Sequence[str], *, using: str | None = None) -> dict[str, int]:
     if not names:
         return {}
     return {name: cid for cid, name in _run("select_channel_ids", {"names": list(names)}, using)}
+
+
+# --------------------------------------------------------------------------------------------
+# Benchmark harness (django_fairqueue.benchmark, ``manage.py fairbench``). The queue never
+# calls these.
+
+
+@contextmanager
+def lock_benchmark(*, using: str | None = None) -> Iterator[bool]:
+    """Hold fairbench's session lock on a dedicated connection; yields False if another run has it.
+
+    A connection of its own, outside Django's handler, so ``connections.close_all()`` (before
+    the benchmark forks) does not end the session and with it the lock.
+    """
+    alias = using or conf.get().DATABASE
+    wrapper = connections.create_connection(alias)
+    try:
+        with wrapper.wrap_database_errors:
+            wrapper.ensure_connection()
+            with psycopg.Cursor(wrapper.connection) as cur:
+                cur.execute(queries()["lock_benchmark"], {})
+                row = cur.fetchone()
+        yield bool(row and row[0])
+    finally:
+        wrapper.close()  # ends the session, which releases the lock
+
+
+def select_queue_tables_in_use(*, using: str | None = None) -> dict[str, bool]:
+    """{table role: holds rows} for messages, channels, channel_deltas and work_batches."""
+    with _cursor(using) as cur:
+        cur.execute(queries()["select_queue_tables_in_use"], {}, binary=True)
+        row = cur.fetchone()
+        names = [d.name for d in cur.description or ()]
+    return dict(zip(names, (bool(v) for v in row or ()), strict=True))
+
+
+def truncate_queue_tables(*, using: str | None = None) -> None:
+    _run("truncate_queue_tables", {}, using)
+
+
+def analyze_queue_tables(*, using: str | None = None) -> None:
+    _run("analyze_queue_tables", {}, using)
+
+
+def load_ready_messages(
+    channels: Sequence[str],
+    count: int,
+    *,
+    task_name: str,
+    payload: Any,
+    defaults: conf.ChannelDefaults,
+    max_attempts: int = 1,
+    using: str | None = None,
+) -> int:
+    """Insert ``count`` ready messages round-robin over ``channels`` in one statement.
+
+    For benchmarks and demos: about 90,000 rows/s here, where ``enqueue_many`` validates and
+    encodes every payload in Python. Channels are created on first use with ``defaults``;
+    counters stay exact (one delta per channel). Returns how many messages were loaded.
+    """
+    if count <= 0 or not channels:
+        return 0
+    params = {
+        "channels": list(channels),
+        "count": count,
+        "task": task_name,
+        "payload": Jsonb(payload),
+        "max_attempts": max_attempts,
+        "default_max_concurrency": defaults.max_concurrency,
+        "default_release_interval": defaults.release_interval,
+        "default_weight": defaults.weight,
+        "default_max_backlog": defaults.max_backlog,
+    }
+    return int(_run("load_ready_messages", params, using)[0][0])
+
+
+def select_server_settings(names: Sequence[str], *, using: str | None = None) -> dict[str, str]:
+    """Server settings as SHOW prints them; a setting unknown to the server maps to ''."""
+    rows = _run("select_server_settings", {"names": list(names)}, using)
+    return {name: value or "" for name, value in rows}
+
+
+def select_database_comment(name: str, *, using: str | None = None) -> tuple[bool, str | None]:
+    """(exists, comment) of a database on the server of ``using``."""
+    rows = _run("select_database_comment", {"name": name}, using)
+    return (True, rows[0][0]) if rows else (False, None)
+
+
+def select_function_digests(*, using: str | None = None) -> dict[str, str]:
+    """{function name: md5 of its body} for the installed fairqueue_* functions."""
+    return {name: digest for name, digest in _run("select_function_digests", {}, using)}
+
+
+# -- Scratch databases ------------------------------------------------------------------------
+# CREATE/DROP DATABASE take an identifier, which cannot be a bound parameter: these two helpers
+# (and only these) compose SQL, with psycopg.sql.Identifier quoting the name. Neither may run
+# inside a transaction block.
+
+
+def create_scratch_database(name: str, *, comment: str, using: str | None = None) -> None:
+    """CREATE DATABASE ``name`` on the server of ``using``, marked with ``comment``."""
+    from psycopg import sql
+
+    with _cursor(using) as cur:
+        cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        cur.execute(
+            sql.SQL("COMMENT ON DATABASE {} IS {}").format(
+                sql.Identifier(name), sql.Literal(comment)
+            )
+        )
+
+
+def drop_scratch_database(name: str, *, using: str | None = None) -> None:
+    """DROP DATABASE IF EXISTS ``name``, ending its sessions (PostgreSQL 13+)."""
+    from psycopg import sql
+
+    with _cursor(using) as cur:
+        cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+# (end of the benchmark harness helpers)
+# --------------------------------------------------------------------------------------------
+
+
+def delete_failed_messages(ids: Sequence[int], *, using: str | None = None) -> list[int]:
+    """Delete failed messages (dead letters) only; returns the ids deleted."""
+    if not ids:
+        return []
+    return [r[0] for r in _run("delete_failed_messages", {"ids": list(ids)}, using)]
+
+
+def listen_wakeups(conn: psycopg.Connection[Any], channel: str) -> None:
+    """LISTEN on ``channel`` with ``conn``: a dedicated autocommit connection, never Django's.
+
+    The channel name is quoted as an identifier (it cannot be a bound parameter).
+    """
+    from psycopg import sql
+
+    conn.execute(sql.SQL(queries()["listen_wakeups"]).format(channel=sql.Identifier(channel)))
+
+
+def select_channel_oldest_ready(
+    ids: Sequence[int], *, using: str | None = None
+) -> dict[int, datetime]:
+    """{channel id: since when its longest-waiting ready message is ready}, for the channels
+    of ``ids`` that have ready messages (one index probe per priority level in use)."""
+    if not ids:
+        return {}
+    return dict(_run("select_channel_oldest_ready", {"ids": list(ids)}, using))
+
+
+def retry_failed_work_batches(ids: Sequence[int], *, using: str | None = None) -> list[int]:
+    """Set failed work batches back to pending with attempts 0; idempotent. Returns the ids
+    retried now."""
+    if not ids:
+        return []
+    return [r[0] for r in _run("retry_failed_work_batches", {"ids": list(ids)}, using)]

@@ -59,61 +59,84 @@ $$;
 -- Only deltas whose channel row can be locked right now are folded (SKIP LOCKED on both): a
 -- channel locked by a concurrent claim is folded by that claim, so nobody waits here.
 -- Returns how many delta rows were folded.
+-- enable_seqscan = off: on a small channel table the planner prefers a sequential scan to a
+-- hundred primary-key lookups, which is cheaper there but makes the fold's cost grow with the
+-- number of channels; we want it to grow with the number of deltas only, at any size.
 CREATE OR REPLACE FUNCTION fairqueue_fold_deltas_v1(p_limit integer, p_wake_only boolean)
 RETURNS integer
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+SET enable_seqscan = off
+AS $$
 DECLARE
+    v_deltas bigint[];
+    v_wanted bigint[];
+    v_locked bigint[];
+    v_ids bigint[];
+    v_ready bigint[];
+    v_scheduled bigint[];
+    v_running bigint[];
+    v_failed bigint[];
+    v_succeeded bigint[];
     v_count integer;
-    v_picked bigint[];
 BEGIN
-    -- Two statements rather than `d.wake OR NOT p_wake_only`, so the first can use the
-    -- partial index fq_delta_wake_idx (FOR UPDATE rules out a UNION).
+    -- 1. Lock the oldest pending deltas. Two statements rather than `d.wake OR NOT
+    --    p_wake_only`, so the first can use the partial index fq_delta_wake_idx.
     IF p_wake_only THEN
-        SELECT array_agg(x.id) INTO v_picked FROM (
-            SELECT d.id
-            FROM fairqueue_channel_delta d
-            JOIN fairqueue_channel c ON c.id = d.channel_id
-            WHERE d.wake
-            ORDER BY d.id
-            LIMIT p_limit
-            FOR UPDATE OF d, c SKIP LOCKED
+        SELECT array_agg(x.id), array_agg(DISTINCT x.channel_id) INTO v_deltas, v_wanted FROM (
+            SELECT d.id, d.channel_id FROM fairqueue_channel_delta d
+            WHERE d.wake ORDER BY d.id LIMIT p_limit FOR UPDATE SKIP LOCKED
         ) x;
     ELSE
-        SELECT array_agg(x.id) INTO v_picked FROM (
-            SELECT d.id
-            FROM fairqueue_channel_delta d
-            JOIN fairqueue_channel c ON c.id = d.channel_id
-            ORDER BY d.id
-            LIMIT p_limit
-            FOR UPDATE OF d, c SKIP LOCKED
+        SELECT array_agg(x.id), array_agg(DISTINCT x.channel_id) INTO v_deltas, v_wanted FROM (
+            SELECT d.id, d.channel_id FROM fairqueue_channel_delta d
+            ORDER BY d.id LIMIT p_limit FOR UPDATE SKIP LOCKED
         ) x;
     END IF;
-    IF v_picked IS NULL THEN
+    IF v_deltas IS NULL THEN
         RETURN 0;
     END IF;
 
+    -- 2. Lock their channels by primary key, skipping those a claim holds right now (that
+    --    claim, or the next, folds them). A join of deltas to channels in one locking query
+    --    was planned as a sequential scan of every channel.
+    SELECT array_agg(x.id ORDER BY x.id) INTO v_locked FROM (
+        SELECT c.id FROM fairqueue_channel c
+        WHERE c.id = ANY (v_wanted) ORDER BY c.id FOR UPDATE SKIP LOCKED
+    ) x;
+    IF v_locked IS NULL THEN
+        RETURN 0;
+    END IF;
+
+    -- 3. Delete the deltas of the locked channels and sum them per channel.
     WITH gone AS (
         DELETE FROM fairqueue_channel_delta d
-        WHERE d.id = ANY (v_picked)
+        WHERE d.id = ANY (v_deltas) AND d.channel_id = ANY (v_locked)
         RETURNING d.channel_id, d.ready, d.scheduled, d.running, d.failed, d.succeeded
-    ), sums AS (
-        SELECT channel_id,
-               sum(ready) AS ready, sum(scheduled) AS scheduled, sum(running) AS running,
-               sum(failed) AS failed, sum(succeeded) AS succeeded, count(*) AS n
+    ), g AS (
+        SELECT gone.channel_id, sum(gone.ready) AS ready, sum(gone.scheduled) AS scheduled,
+               sum(gone.running) AS running, sum(gone.failed) AS failed,
+               sum(gone.succeeded) AS succeeded, count(*) AS n
         FROM gone
-        GROUP BY channel_id
-    ), folded AS (
-        UPDATE fairqueue_channel c
-        SET ready_count = c.ready_count + sums.ready,
-            scheduled_count = c.scheduled_count + sums.scheduled,
-            running_count = c.running_count + sums.running,
-            failed_count = c.failed_count + sums.failed,
-            succeeded_total = c.succeeded_total + sums.succeeded
-        FROM sums
-        WHERE c.id = sums.channel_id
-        RETURNING sums.n
+        GROUP BY gone.channel_id
     )
-    SELECT coalesce(sum(n), 0) INTO v_count FROM folded;
+    SELECT array_agg(g.channel_id ORDER BY g.channel_id), array_agg(g.ready ORDER BY g.channel_id),
+           array_agg(g.scheduled ORDER BY g.channel_id), array_agg(g.running ORDER BY g.channel_id),
+           array_agg(g.failed ORDER BY g.channel_id), array_agg(g.succeeded ORDER BY g.channel_id),
+           sum(g.n)
+    INTO v_ids, v_ready, v_scheduled, v_running, v_failed, v_succeeded, v_count
+    FROM g;
+    IF v_ids IS NULL THEN
+        RETURN 0;
+    END IF;
+
+    -- 4. Add the sums: primary-key lookups, each row's sums found by its array position.
+    UPDATE fairqueue_channel c
+    SET ready_count = c.ready_count + v_ready[array_position(v_ids, c.id)],
+        scheduled_count = c.scheduled_count + v_scheduled[array_position(v_ids, c.id)],
+        running_count = c.running_count + v_running[array_position(v_ids, c.id)],
+        failed_count = c.failed_count + v_failed[array_position(v_ids, c.id)],
+        succeeded_total = c.succeeded_total + v_succeeded[array_position(v_ids, c.id)]
+    WHERE c.id = ANY (v_ids);
     RETURN v_count;
 END;
 $$;
@@ -123,7 +146,8 @@ $$;
 -- each channel within its concurrency cap, rate limit and weight, highest priority first within
 -- a channel. Every returned row carries a fresh lease_token that later writes must present.
 --
---   1. promote due scheduled messages and fold waking counter deltas (bounded, skip locks);
+--   1. promote due scheduled messages and fold waking counter deltas (bounded, skip locks;
+--      skipped with p_maintain = false);
 --   2. lock up to p_limit eligible channels in turn order (index fq_channel_turn_idx):
 --      eligible = ready_count > 0, not paused, under its cap, next_turn_at <= now;
 --   3. share p_limit among them by weighted water-filling (deficit round-robin in memory);
@@ -139,7 +163,8 @@ CREATE OR REPLACE FUNCTION fairqueue_claim_v1(
     p_worker text,
     p_only bigint[] DEFAULT NULL,
     p_exclude bigint[] DEFAULT NULL,
-    p_quantum integer DEFAULT NULL
+    p_quantum integer DEFAULT NULL,
+    p_maintain boolean DEFAULT true
 )
 RETURNS TABLE (
     id bigint,
@@ -175,6 +200,8 @@ DECLARE
     v_room integer[] := '{}';
     v_interval interval[] := '{}';
     v_alloc integer[];
+    v_last integer[];  -- when each channel was last given messages in this claim (sequence)
+    v_seq integer := 0;
     v_n integer := 0;
     v_covered integer := 0;
     v_left integer;
@@ -192,8 +219,13 @@ BEGIN
             USING ERRCODE = '22023';
     END IF;
 
-    PERFORM fairqueue_promote_due_v1(v_now, 1000);
-    PERFORM fairqueue_fold_deltas_v1(1000, true);
+    -- p_maintain = false skips this housekeeping: a claim inside a caller's long transaction
+    -- (exactly-once) must not hold other channels' rows locked until that caller commits; it
+    -- runs the same housekeeping in a short transaction of its own first.
+    IF p_maintain THEN
+        PERFORM fairqueue_promote_due_v1(v_now, 1000);
+        PERFORM fairqueue_fold_deltas_v1(1000, true);
+    END IF;
 
     -- Step 2. Walk eligible channels in turn order, locking one per FETCH, and stop as soon as
     -- their shares cover p_limit: a claim locks only the channels it will serve.
@@ -246,6 +278,7 @@ BEGIN
     -- give a whole turn each. Earlier channels get the remainder of a partial round, exactly
     -- as a sequence of smaller claims would.
     v_alloc := array_fill(0, ARRAY[v_n]);
+    v_last := array_fill(0, ARRAY[v_n]);
     v_left := p_limit;
     LOOP
         v_progress := false;
@@ -259,6 +292,8 @@ BEGIN
                 v_alloc[i] := v_alloc[i] + v_give;
                 v_left := v_left - v_give;
                 v_progress := true;
+                v_seq := v_seq + 1;
+                v_last[i] := v_seq;
             END IF;
         END LOOP;
         EXIT WHEN v_left = 0 OR NOT v_progress;
@@ -319,9 +354,14 @@ BEGIN
             -- Rate limited: next release no sooner than one interval from now.
             -- Otherwise the channel goes to the back of the round once its turn
             -- (weight * quantum messages) is used up; a partly used turn keeps its place.
+            -- Served channels go to the back in the order this claim served them (one
+            -- microsecond apart), so the next claim resumes the round where this one
+            -- stopped; with all of them at v_now, ties went by id and the lowest ids took
+            -- the remainder of every partial round (seen: 240 vs 160 per channel).
             next_turn_at = CASE
                 WHEN v_interval[got.k] > interval '0' THEN v_now + v_interval[got.k]
-                WHEN v_used[got.k] + got.n >= v_turn[got.k] THEN v_now
+                WHEN v_used[got.k] + got.n >= v_turn[got.k]
+                    THEN v_now - (v_seq - v_last[got.k]) * interval '1 microsecond'
                 ELSE c.next_turn_at
             END,
             turn_used = CASE

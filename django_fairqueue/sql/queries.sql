@@ -1,7 +1,7 @@
 -- django-fairqueue: every statement the Python side runs against the queue tables.
 --
 -- Each statement starts with `-- name: verb_noun` and a one-line description; store.py loads
--- this file once and has exactly one function per name (tests/test_store.py checks both ways).
+-- this file once and has exactly one function per name (tests/test_store_sql.py checks both ways).
 -- Parameters are psycopg named placeholders %(name)s, always bound, never formatted in.
 -- Statements that settle a claim (heartbeat, complete, fail, release) match on the lease
 -- token, so a claimant whose lease expired and was re-claimed changes nothing. A row has a
@@ -26,8 +26,13 @@ SELECT id, channel_id, channel_name, task_name, payload, priority, attempts, max
        keep_result, lease_token, lease_expires_at, enqueued_at, run_at
 FROM fairqueue_claim_v1(
     %(limit)s::integer, %(lease)s::interval, %(worker)s::text, %(only)s::bigint[],
-    %(exclude)s::bigint[], %(quantum)s::integer
+    %(exclude)s::bigint[], %(quantum)s::integer, %(maintain)s::boolean
 );
+
+-- name: prepare_claims
+-- The claim's housekeeping on its own: promote due messages and fold waking deltas.
+SELECT fairqueue_promote_due_v1(clock_timestamp(), 1000) AS promoted,
+       fairqueue_fold_deltas_v1(1000, true) AS folded;
 
 -- name: heartbeat_messages
 -- Extend the leases still held by these (id, token) pairs; returns the ids still owned.
@@ -94,7 +99,9 @@ WITH t AS MATERIALIZED (
         lease_token = NULL,
         lease_expires_at = NULL
     FROM t
-    WHERE m.id = t.id AND m.id = ANY (%(ids)s::bigint[])
+    -- join on t alone: adding `m.id = ANY(ids)` here made the planner repeat the whole
+    -- ANY lookup per row of t (5,050 index probes for 100 rows)
+    WHERE m.id = t.id
     RETURNING m.id, m.channel_id, m.state
 ), delta AS (
     INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed)
@@ -137,7 +144,8 @@ WITH expired AS (
         finished_at = CASE WHEN m.attempts >= m.max_attempts THEN clock_timestamp() END,
         last_error = jsonb_build_object(
             'type', 'LeaseExpired',
-            'message', format('lease held by worker %s expired at %s during attempt %s of %s',
+            -- doubled percent signs: psycopg reads single ones as placeholders
+            'message', format('lease held by worker %%s expired at %%s during attempt %%s of %%s',
                               m.worker_id, m.lease_expires_at, m.attempts, m.max_attempts),
             'traceback', NULL),
         lease_token = NULL,
@@ -278,6 +286,38 @@ LEFT JOIN LATERAL (
 WHERE c.id = ANY (%(ids)s::bigint[])
 ORDER BY c.id;
 
+-- name: record_channel_stats
+-- Add workers' per-(channel, minute) tallies to fairqueue_channel_stat (upsert, sorted so concurrent flushes cannot deadlock).
+INSERT INTO fairqueue_channel_stat AS s (
+    channel_id, minute, claimed, succeeded, failed, retried, wait_ms_sum, wait_ms_max,
+    wait_histogram, run_ms_sum
+)
+SELECT t.channel_id, t.minute, t.claimed, t.succeeded, t.failed, t.retried, t.wait_ms_sum,
+       t.wait_ms_max, ARRAY(SELECT jsonb_array_elements_text(t.histogram)::integer), t.run_ms_sum
+FROM unnest(%(channel_ids)s::bigint[], %(minutes)s::timestamptz[], %(claimed)s::integer[],
+            %(succeeded)s::integer[], %(failed)s::integer[], %(retried)s::integer[],
+            %(wait_ms_sum)s::bigint[], %(wait_ms_max)s::integer[], %(histograms)s::jsonb[],
+            %(run_ms_sum)s::bigint[])
+     AS t(channel_id, minute, claimed, succeeded, failed, retried, wait_ms_sum, wait_ms_max,
+          histogram, run_ms_sum)
+ORDER BY t.channel_id, t.minute
+ON CONFLICT (channel_id, minute) DO UPDATE
+SET claimed = s.claimed + EXCLUDED.claimed,
+    succeeded = s.succeeded + EXCLUDED.succeeded,
+    failed = s.failed + EXCLUDED.failed,
+    retried = s.retried + EXCLUDED.retried,
+    wait_ms_sum = s.wait_ms_sum + EXCLUDED.wait_ms_sum,
+    wait_ms_max = greatest(s.wait_ms_max, EXCLUDED.wait_ms_max),
+    wait_histogram = ARRAY(
+        SELECT coalesce(a, 0) + coalesce(b, 0)
+        FROM unnest(s.wait_histogram, EXCLUDED.wait_histogram) AS h(a, b)
+    ),
+    run_ms_sum = s.run_ms_sum + EXCLUDED.run_ms_sum;
+
+-- name: prune_channel_stats
+-- Delete per-minute channel statistics older than `before`.
+DELETE FROM fairqueue_channel_stat s WHERE s.minute < %(before)s::timestamptz;
+
 -- name: select_channel_ids
 -- Channel ids for names (unknown names are absent from the result).
 SELECT c.id, c.name FROM fairqueue_channel c WHERE c.name = ANY (%(names)s::text[]);
@@ -287,7 +327,9 @@ SELECT c.id, c.name FROM fairqueue_channel c WHERE c.name = ANY (%(names)s::text
 
 -- name: lock_benchmark
 -- Session lock held for a whole fairbench run, so two runs never share (and truncate) one database.
-SELECT pg_try_advisory_lock(fairqueue_lock_key_v1(), -1) AS acquired;
+-- 26225 is fairqueue_lock_key_v1()'s namespace, spelled out: with --scratch the configured
+-- database need not be migrated. Enqueue locks channel ids (>= 0) in it; -1 is never one.
+SELECT pg_try_advisory_lock(26225, -1) AS acquired;
 
 -- name: select_queue_tables_in_use
 -- Which queue tables hold rows: fairbench refuses a database in use.
@@ -370,3 +412,65 @@ SELECT p.proname::text AS name, md5(p.prosrc) AS digest
 FROM pg_proc p
 WHERE p.proname LIKE 'fairqueue\_%%' AND p.pronamespace = to_regnamespace(current_schema())
 ORDER BY p.proname;
+
+-- (end of the benchmark harness statements)
+-- ---------------------------------------------------------------------------------------------
+
+-- name: delete_failed_messages
+-- Delete dead letters; ids of messages in any other state are left alone. Returns the ids deleted.
+WITH deleted AS (
+    DELETE FROM fairqueue_message m
+    WHERE m.id = ANY (%(ids)s::bigint[]) AND m.state = 'failed'
+    RETURNING m.id, m.channel_id
+), delta AS (
+    -- wake = false: fewer failed messages never makes a channel claimable.
+    INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded, wake)
+    SELECT channel_id, 0, 0, 0, -count(*), 0, false FROM deleted GROUP BY channel_id
+)
+SELECT id FROM deleted;
+
+-- name: listen_wakeups
+-- Subscribe a worker's dedicated connection to enqueue wake-ups. LISTEN takes an identifier, not
+-- a value: store.listen_wakeups quotes the name with psycopg.sql.Identifier, never formatting it.
+LISTEN {channel};
+
+-- name: select_channel_oldest_ready
+-- Per channel with ready messages: since when its longest-waiting head of line has been ready.
+-- A loose index scan of fq_message_ready_idx (channel_id, priority DESC, id): the first row of
+-- each priority level, each found by one LIMIT 1 probe restarted below the previous level, so a
+-- channel costs one probe per priority level in use (usually one), never a scan of its backlog.
+-- The first row of a level is its oldest message (ids grow with enqueue). "Ready since" is
+-- greatest(enqueued_at, run_at): a delayed message or a retry is claimable from its run_at.
+SELECT c.id, o.ready_since
+FROM unnest(%(ids)s::bigint[]) AS c(id)
+CROSS JOIN LATERAL (
+    WITH RECURSIVE heads(priority, ready_since) AS (
+        (SELECT m.priority, greatest(m.enqueued_at, m.run_at)
+         FROM fairqueue_message m
+         WHERE m.channel_id = c.id AND m.state = 'ready'
+         ORDER BY m.priority DESC, m.id
+         LIMIT 1)
+        UNION ALL
+        SELECT n.priority, n.ready_since
+        FROM heads h
+        CROSS JOIN LATERAL (
+            SELECT m.priority, greatest(m.enqueued_at, m.run_at) AS ready_since
+            FROM fairqueue_message m
+            WHERE m.channel_id = c.id AND m.state = 'ready' AND m.priority < h.priority
+            ORDER BY m.priority DESC, m.id
+            LIMIT 1
+        ) n
+    )
+    SELECT min(heads.ready_since) AS ready_since FROM heads
+) o
+WHERE o.ready_since IS NOT NULL;
+
+-- name: retry_failed_work_batches
+-- Put failed work batches back to pending with a fresh attempt budget; idempotent (other states are untouched).
+-- The last error is kept for the record; progress restarts, since a batch is redone whole.
+UPDATE fairqueue_work_batch b
+SET state = 'pending', attempts = 0, run_at = clock_timestamp(), started_at = NULL,
+    finished_at = NULL, rows_processed = 0, lease_token = NULL, lease_expires_at = NULL,
+    heartbeat_at = NULL, worker_id = ''
+WHERE b.id = ANY (%(ids)s::bigint[]) AND b.state = 'failed'
+RETURNING b.id;

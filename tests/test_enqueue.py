@@ -1,0 +1,464 @@
+"""Enqueue: channels created on first use, one statement per batch, overflow, validation.
+
+Concurrent enqueuers (advisory locks, no deadlock) are in test_claim_concurrency.py.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import IntegrityError, connection, transaction
+from django.test.utils import CaptureQueriesContext, override_settings
+from django.utils import timezone
+
+from django_fairqueue import ChannelFull, InvalidChannel, PayloadError, UnknownTask, conf, store
+from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many, validate_channel_name
+from django_fairqueue.models import Channel, Message, MessageState
+from tests import factories as f
+
+LEASE = timedelta(minutes=5)
+
+
+def claim(limit: int) -> list[store.ClaimedMessage]:
+    return store.claim_messages(limit, lease=LEASE, worker_id="test-worker")
+
+
+def counters(name: str) -> store.ChannelCounters:
+    (found,) = store.select_channel_counters([f.channel_ids([name])[name]])
+    return found
+
+
+# ------------------------------------------------------------------------------------------------
+# Channels on first use
+
+
+@pytest.mark.django_db
+def test_first_enqueue_creates_the_channel_with_the_configured_defaults() -> None:
+    defaults = {"max_concurrency": 3, "release_interval": 0.5, "weight": 2, "max_backlog": 100}
+    with override_settings(FAIRQUEUE={"CHANNEL_DEFAULTS": defaults}):
+        f.enqueue("alice", 2)
+
+    alice = Channel.objects.get(name="alice")
+    assert (alice.max_concurrency, alice.release_interval, alice.weight, alice.max_backlog) == (
+        3,
+        timedelta(milliseconds=500),
+        2,
+        100,
+    )
+    assert not alice.paused
+    assert counters("alice").ready == 2
+
+    # An existing channel keeps its own limits whatever the defaults say now.
+    with override_settings(FAIRQUEUE={"CHANNEL_DEFAULTS": {"weight": 7}}):
+        f.enqueue("alice", 1)
+    assert Channel.objects.get(name="alice").weight == 2
+    assert Channel.objects.filter(name="alice").count() == 1
+
+
+@pytest.mark.django_db
+def test_without_settings_a_channel_has_no_limits() -> None:
+    f.enqueue("alice")
+
+    alice = Channel.objects.get(name="alice")
+    assert (alice.max_concurrency, alice.release_interval, alice.weight, alice.max_backlog) == (
+        None,
+        timedelta(0),
+        1,
+        None,
+    )
+
+
+@pytest.mark.django_db
+def test_new_channels_of_a_batch_are_created_in_name_order() -> None:
+    names = ["mike", "alpha", "zulu", "kilo", "bravo"]
+    f.enqueue_spread(dict.fromkeys(names, 2))
+
+    by_id = list(Channel.objects.order_by("id").values_list("name", flat=True))
+    assert by_id == sorted(names)
+
+
+@pytest.mark.django_db
+def test_enqueue_many_is_one_statement_whatever_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    f.enqueue_spread({"old-bounded": 1, "old-free": 1})
+    f.set_limits(["old-bounded"], max_backlog=10_000)
+    connection.ensure_connection()
+    executed: list[object] = []
+    real_execute = psycopg.Cursor.execute
+
+    def counting_execute(self: psycopg.Cursor[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
+        executed.append(query)
+        return real_execute(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", counting_execute)
+    names = ["old-bounded", "old-free", "new-1", "new-2", "new-3"]
+    requests = [EnqueueRequest(f.NOOP, (i,), channel=names[i % 5]) for i in range(500)]
+
+    with (
+        override_settings(FAIRQUEUE={"CHANNEL_DEFAULTS": {"max_backlog": 1000}}),
+        CaptureQueriesContext(connection) as orm_queries,
+    ):
+        ids = enqueue_many(requests)
+
+    assert len(executed) == 1, executed
+    assert len(orm_queries) == 0
+    assert len(ids) == 500
+    assert Channel.objects.filter(name__startswith="new-", max_backlog=1000).count() == 3
+
+
+@pytest.mark.django_db
+def test_ids_come_back_in_input_order_with_their_payloads() -> None:
+    requests = [
+        EnqueueRequest(f.NOOP, (i,), {"n": i}, channel=["b", "a", "c"][i % 3], priority=i % 4)
+        for i in range(30)
+    ]
+
+    ids = enqueue_many(requests)
+
+    assert ids == sorted(ids)
+    rows = {m.id: m for m in Message.objects.filter(id__in=ids).select_related("channel")}
+    for i, mid in enumerate(ids):
+        assert rows[mid].payload == {"args": [i], "kwargs": {"n": i}}
+        assert rows[mid].channel.name == requests[i].channel
+        assert rows[mid].priority == i % 4
+        assert rows[mid].state == MessageState.READY
+    f.assert_counters_match_table()
+
+
+@pytest.mark.django_db
+def test_enqueue_joins_the_callers_transaction() -> None:
+    with pytest.raises(RuntimeError), transaction.atomic():
+        f.enqueue("alice", 3)
+        raise RuntimeError("the view failed")
+
+    assert not Message.objects.exists()
+    assert not Channel.objects.exists()
+
+
+@pytest.mark.django_db
+def test_delayed_messages_are_scheduled_and_counted() -> None:
+    f.enqueue("alice", 2, run_after=timedelta(minutes=5))
+    enqueue(f.NOOP, channel="alice", run_after=timezone.now() + timedelta(hours=1))
+    f.enqueue("alice", 1)
+
+    c = counters("alice")
+    assert (c.ready, c.scheduled) == (1, 3)
+    assert Message.objects.filter(state=MessageState.SCHEDULED).count() == 3
+    f.assert_counters_match_table()
+
+
+@pytest.mark.django_db
+def test_payload_round_trips_through_the_claim() -> None:
+    args = ("Zoë", 2**70, 0.1, None, True, [1, [2, {"x": "y"}]], 'quote " and \\ and \u2028')
+    kwargs = {"nested": {"ключ": ["значение"]}, "empty": {}}
+    enqueue(f.NOOP, *args, channel="alice", **kwargs)
+
+    (got,) = claim(1)
+
+    assert got.payload == {"args": list(args), "kwargs": kwargs}
+
+
+# ------------------------------------------------------------------------------------------------
+# Overflow
+
+
+@pytest.mark.django_db
+def test_full_channel_raises_with_the_numbers_and_stores_nothing_of_the_batch() -> None:
+    f.enqueue_spread({"alice": 3, "bob": 1})
+    f.set_limits(["alice"], max_backlog=5)
+    before = set(Message.objects.values_list("id", flat=True))
+    batch = [
+        EnqueueRequest(f.NOOP, channel="bob"),
+        EnqueueRequest(f.NOOP, channel="alice"),
+        EnqueueRequest(f.NOOP, channel="carol"),  # new
+        EnqueueRequest(f.NOOP, channel="alice"),
+        EnqueueRequest(f.NOOP, channel="alice"),
+    ]
+
+    with pytest.raises(ChannelFull) as caught, transaction.atomic():
+        enqueue_many(batch)
+
+    full = caught.value
+    assert (full.channel, full.backlog, full.max_backlog, full.batch) == ("alice", 3, 5, 3)
+    assert "alice" in str(full) and "max_backlog 5" in str(full)
+    assert set(Message.objects.values_list("id", flat=True)) == before
+    assert not Channel.objects.filter(name="carol").exists()
+    # two more fit exactly
+    assert len(enqueue_many(batch[1:2] * 2)) == 2
+    with pytest.raises(ChannelFull), transaction.atomic():
+        f.enqueue("alice", 1)
+    f.assert_counters_match_table()
+
+
+@pytest.mark.django_db
+def test_a_batch_larger_than_max_backlog_is_refused_whole() -> None:
+    with override_settings(FAIRQUEUE={"CHANNEL_DEFAULTS": {"max_backlog": 5}}):
+        with pytest.raises(ChannelFull) as caught, transaction.atomic():
+            f.enqueue("alice", 6)
+        assert (caught.value.backlog, caught.value.batch) == (0, 6)
+        assert f.enqueue("alice", 5)
+    assert Message.objects.count() == 5
+
+
+@pytest.mark.django_db
+def test_scheduled_messages_count_towards_the_backlog_and_running_ones_do_not() -> None:
+    f.enqueue("alice", 2, run_after=timedelta(hours=1))
+    f.enqueue("alice", 2)
+    f.set_limits(["alice"], max_backlog=4)
+
+    with pytest.raises(ChannelFull) as caught, transaction.atomic():
+        f.enqueue("alice", 1)
+    assert caught.value.backlog == 4
+
+    claimed = claim(1)  # a claim makes room: running is not backlog
+    assert len(claimed) == 1
+    assert len(f.enqueue("alice", 1)) == 1
+    with pytest.raises(ChannelFull), transaction.atomic():
+        f.enqueue("alice", 1)
+
+    # completing frees no backlog room (it was running), cancelling a waiting one does
+    store.complete_messages([(claimed[0].id, claimed[0].lease_token, None)])
+    with pytest.raises(ChannelFull), transaction.atomic():
+        f.enqueue("alice", 1)
+    waiting = Message.objects.filter(state=MessageState.SCHEDULED).values_list("id", flat=True)
+    assert len(store.cancel_messages(list(waiting)[:1])) == 1
+    assert len(f.enqueue("alice", 1)) == 1
+    f.assert_counters_match_table()
+
+
+@pytest.mark.django_db
+def test_full_channel_rolls_back_the_callers_transaction() -> None:
+    f.enqueue("alice", 1)
+    f.set_limits(["alice"], max_backlog=1)
+
+    with pytest.raises(ChannelFull), transaction.atomic():
+        f.enqueue("bob", 1)
+        f.enqueue("alice", 1)
+
+    assert not Channel.objects.filter(name="bob").exists()
+    assert Message.objects.count() == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["", "   ", " alice", "alice ", "\talice", "alice\n", "\u00a0alice", "a" * 201, "a\x00b"],
+    ids=["empty", "blanks", "leading", "trailing", "tab", "newline", "nbsp", "201", "nul"],
+)
+@pytest.mark.django_db
+def test_bad_channel_names_are_refused(name: str) -> None:
+    with pytest.raises(InvalidChannel):
+        f.enqueue(name)
+    assert not Channel.objects.exists()
+
+
+@pytest.mark.parametrize("name", [None, 42, b"alice"])
+def test_channel_name_must_be_a_string(name: Any) -> None:
+    with pytest.raises(InvalidChannel, match="must be a string"):
+        validate_channel_name(name)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "a",
+        "a" * 200,
+        "Zoë & Søn",
+        "租户-7",
+        "tenant 🎉",
+        "O'Brien",
+        '"quoted"',
+        "x; DROP TABLE fairqueue_channel; --",
+        "%s %(limit)s %%",
+        "back\\slash",
+        "in ner",
+        "\u200bzero-width",
+    ],
+)
+@pytest.mark.django_db
+def test_any_other_text_is_a_channel_name(name: str) -> None:
+    (mid,) = f.enqueue(name)
+
+    assert Message.objects.get(id=mid).channel.name == name
+    assert store.select_channel_ids([name]) == {name: Message.objects.get(id=mid).channel_id}
+    (got,) = claim(1)
+    assert got.channel == name
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        ((object(),), {}),
+        ((float("nan"),), {}),
+        ((math.inf,), {}),
+        ((b"bytes",), {}),
+        (("a\x00b",), {}),
+        ((), {"k\x00": 1}),
+        (((1, 2),), {}),
+        (({1, 2},), {}),
+        (({1: "x"},), {}),
+        (({"a": {2: "y"}},), {}),
+        ((datetime(2024, 1, 1),), {}),
+    ],
+    ids=[
+        "object",
+        "nan",
+        "inf",
+        "bytes",
+        "nul",
+        "nul-in-key",
+        "tuple",
+        "set",
+        "int-key",
+        "nested-int-key",
+        "datetime",
+    ],
+)
+@pytest.mark.django_db
+def test_unstorable_arguments_raise_payload_error(args: tuple[Any, ...], kwargs: Any) -> None:
+    with pytest.raises(PayloadError):
+        enqueue(f.NOOP, *args, channel="alice", **kwargs)
+    assert not Message.objects.exists()
+
+
+@pytest.mark.django_db
+def test_deeply_nested_arguments_raise_payload_error() -> None:
+    deep: list[Any] = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(PayloadError, match="nested too deeply"):
+        enqueue(f.NOOP, deep, channel="alice")
+
+
+@pytest.mark.django_db
+def test_payload_over_max_payload_bytes_is_refused() -> None:
+    with override_settings(FAIRQUEUE={"MAX_PAYLOAD_BYTES": 200}):
+        enqueue(f.NOOP, "x" * 150, channel="alice")
+        with pytest.raises(PayloadError, match="MAX_PAYLOAD_BYTES"):
+            enqueue(f.NOOP, "x" * 200, channel="alice")
+        with pytest.raises(PayloadError):  # bytes, not characters
+            enqueue(f.NOOP, "é" * 100, channel="alice")
+    assert Message.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_a_backslash_u0000_text_is_not_a_nul() -> None:
+    enqueue(f.NOOP, "C:\\u0000\\file", channel="alice")
+    (got,) = claim(1)
+    assert got.payload["args"] == ["C:\\u0000\\file"]
+
+
+@pytest.mark.django_db
+def test_lone_surrogate_raises_payload_error() -> None:
+    with pytest.raises(PayloadError):
+        enqueue(f.NOOP, "a\ud800b", channel="alice")
+
+
+@pytest.mark.django_db
+def test_unknown_task_raises_and_stores_nothing() -> None:
+    with pytest.raises(UnknownTask) as caught:
+        enqueue_many(
+            [
+                EnqueueRequest(f.NOOP, channel="alice"),
+                EnqueueRequest("tests.no_such_task", channel="alice"),
+            ]
+        )
+    assert caught.value.name == "tests.no_such_task"
+    assert not Message.objects.exists()
+
+
+@pytest.mark.parametrize("priority", [101, -101, True, 1.5, "1"])
+@pytest.mark.django_db
+def test_priority_must_be_an_integer_in_range(priority: Any) -> None:
+    with pytest.raises(ValueError, match="priority"):
+        enqueue(f.NOOP, channel="alice", priority=priority)
+    assert not Message.objects.exists()
+
+
+@pytest.mark.django_db
+def test_run_after_must_be_aware() -> None:
+    with pytest.raises(ValueError, match="aware"):
+        enqueue(f.NOOP, channel="alice", run_after=datetime(2030, 1, 1))
+
+
+# ------------------------------------------------------------------------------------------------
+# Channel limits: Python validation and the database's CHECK constraints
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        {"max_concurrency": 0},
+        {"max_concurrency": -1},
+        {"max_concurrency": 1_000_001},
+        {"max_concurrency": 2.5},
+        {"max_concurrency": True},
+        {"release_interval": -1},
+        {"release_interval": timedelta(days=2)},
+        {"release_interval": "1s"},
+        {"weight": 0},
+        {"weight": 1001},
+        {"weight": None},
+        {"weight": True},
+        {"max_backlog": 0},
+        {"max_backlog": 2**31},
+        {"max_backlog": "10"},
+    ],
+    ids=lambda limits: "-".join(f"{k}={v!r}" for k, v in limits.items()),
+)
+def test_validate_channel_limits_rejects_bad_values(limits: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(limits))):
+        conf.validate_channel_limits(**limits)
+    with pytest.raises(ValueError, match=next(iter(limits))):
+        conf.load({"CHANNEL_DEFAULTS": limits})
+
+
+def test_validate_channel_limits_accepts_the_edges() -> None:
+    assert conf.validate_channel_limits(
+        max_concurrency=1_000_000, release_interval=86_400, weight=1000, max_backlog=2**31 - 1
+    ) == conf.ChannelDefaults(1_000_000, timedelta(days=1), 1000, 2**31 - 1)
+    assert conf.validate_channel_limits(max_concurrency=1, release_interval=0.001, weight=1) == (
+        conf.ChannelDefaults(1, timedelta(milliseconds=1), 1, None)
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"max_concurrency": 0},
+        {"max_concurrency": 1_000_001},
+        {"release_interval": timedelta(seconds=-1)},
+        {"release_interval": timedelta(days=1, seconds=1)},
+        {"weight": 0},
+        {"weight": -1},
+        {"weight": 1001},
+        {"max_backlog": 0},
+        {"max_backlog": -5},
+        {"max_concurrency": -3},
+        {"name": " alice"},
+        {"name": "alice\t"},
+        {"name": ""},
+    ],
+    ids=lambda change: "-".join(f"{k}={v!r}" for k, v in change.items()),
+)
+@pytest.mark.django_db
+def test_database_rejects_absurd_channel_settings(change: dict[str, Any]) -> None:
+    f.enqueue("alice")
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Channel.objects.filter(name="alice").update(**change)
+    assert Channel.objects.filter(name="alice").exists()
+
+
+@pytest.mark.django_db
+def test_database_accepts_the_edges() -> None:
+    f.enqueue("alice")
+    Channel.objects.filter(name="alice").update(
+        max_concurrency=1_000_000, release_interval=timedelta(days=1), weight=1000, max_backlog=1
+    )
+    Channel.objects.filter(name="alice").update(max_concurrency=1, weight=1, max_backlog=None)

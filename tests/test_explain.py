@@ -1,0 +1,243 @@
+"""Prove the plans: the claim and the settle statements touch indexes and a handful of rows,
+never the backlog, at 100,000 queued messages over 1,000 channels.
+
+EXPLAIN of ``SELECT * FROM fairqueue_claim_v1(...)`` shows only a Function Scan: the statements
+that matter run inside the function. auto_explain logs the real plan of every statement,
+nested ones included, with actual row counts; at ``log_level = notice`` PostgreSQL sends each
+plan to the client as a NOTICE, which a psycopg notice handler collects.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from django_fairqueue import store
+from tests import factories as f
+
+# The backlog is loaded and committed once for the module; each test runs in a transaction
+# that is rolled back, so every test starts from the same 100,000 ready messages.
+pytestmark = pytest.mark.django_db
+
+QUEUE_TABLES = {"fairqueue_message", "fairqueue_channel"}
+LIMIT = 100
+LEASE = timedelta(minutes=5)
+
+
+@dataclass
+class Plan:
+    query: str
+    root: dict[str, Any]
+
+    def nodes(self) -> Iterator[dict[str, Any]]:
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.get("Plans", ()))
+
+    def describe(self) -> str:
+        lines = [self.query.strip().splitlines()[0][:100]]
+        for node in self.nodes():
+            lines.append(
+                f"  {node['Node Type']} {node.get('Relation Name', '')} "
+                f"{node.get('Index Name', '')} rows={node.get('Actual Rows')} "
+                f"loops={node.get('Actual Loops')}"
+            )
+        return "\n".join(lines)
+
+
+@dataclass
+class AutoExplain:
+    """Collects the plans auto_explain sends while ``capture()`` is active."""
+
+    plans: list[Plan] = field(default_factory=list)
+
+    def on_notice(self, diag: psycopg.errors.Diagnostic) -> None:
+        message = diag.message_primary or ""
+        if "plan:" in message:
+            data = json.loads(message[message.index("{") :])
+            self.plans.append(Plan(data["Query Text"], data["Plan"]))
+
+    def take(self) -> list[Plan]:
+        plans, self.plans = self.plans, []
+        return plans
+
+
+@pytest.fixture
+def auto_explain() -> Iterator[AutoExplain]:
+    collector = AutoExplain()
+    with connection.cursor() as cur:
+        try:
+            cur.execute("LOAD 'auto_explain'")
+        except Exception as exc:  # e.g. not a superuser on a DATABASE_URL server
+            pytest.skip(f"auto_explain unavailable: {exc}")
+    connection.connection.add_notice_handler(collector.on_notice)
+    with connection.cursor() as cur:
+        for setting in (
+            "auto_explain.log_min_duration = 0",
+            "auto_explain.log_nested_statements = on",
+            "auto_explain.log_analyze = on",
+            "auto_explain.log_buffers = off",
+            "auto_explain.log_timing = off",
+            "auto_explain.log_format = json",
+            "auto_explain.log_level = notice",
+            "client_min_messages = notice",
+        ):
+            cur.execute(f"SET {setting}")
+    collector.take()
+    try:
+        yield collector
+    finally:
+        # the SETs roll back with the test's transaction; auto_explain then logs nothing
+        connection.connection.remove_notice_handler(collector.on_notice)
+
+
+def touched(node: dict[str, Any]) -> float:
+    """Rows a node read over all its loops, including those its filters threw away."""
+    per_loop = (
+        node.get("Actual Rows", 0)
+        + node.get("Rows Removed by Filter", 0)
+        + node.get("Rows Removed by Index Recheck", 0)
+    )
+    return float(per_loop * node.get("Actual Loops", 1))
+
+
+def assert_small_and_indexed(plans: list[Plan], *, budget: int) -> set[str]:
+    """No sequential scan of a queue table, no node on one that reads more than ``budget`` rows.
+    Returns the indexes used."""
+    assert plans, "auto_explain reported no plans"
+    indexes = set()
+    problems = []
+    for plan in plans:
+        for node in plan.nodes():
+            relation = node.get("Relation Name")
+            if "Index Name" in node:
+                indexes.add(node["Index Name"])
+            if relation not in QUEUE_TABLES:
+                continue
+            if "Seq Scan" in node["Node Type"]:
+                problems.append(f"sequential scan of {relation}:\n{plan.describe()}")
+            elif touched(node) > budget:
+                problems.append(
+                    f"{node['Node Type']} on {relation} read {touched(node):.0f} rows "
+                    f"(budget {budget}):\n{plan.describe()}"
+                )
+    assert not problems, "\n".join(problems)
+    return indexes
+
+
+@pytest.fixture(scope="module")
+def backlog(django_db_setup: None, django_db_blocker: Any) -> Iterator[list[int]]:
+    """100,000 ready messages over 1,000 channels and 1,000 delayed ones, committed, with
+    fresh statistics; removed when the module is done."""
+    with django_db_blocker.unblock():
+        channel_ids = f.bulk_load_ready(1_000, 100)
+        f.enqueue("delayed", 1_000, run_after=timedelta(hours=1))
+        f.fold_all()
+        analyze()
+    yield channel_ids
+    with django_db_blocker.unblock(), connection.cursor() as cur:
+        cur.execute("TRUNCATE fairqueue_message, fairqueue_channel, fairqueue_channel_delta")
+
+
+def analyze() -> None:
+    with connection.cursor() as cur:
+        cur.execute("ANALYZE fairqueue_message, fairqueue_channel, fairqueue_channel_delta")
+
+
+def claim() -> list[store.ClaimedMessage]:
+    return store.claim_messages(LIMIT, lease=LEASE, worker_id="explain")
+
+
+@pytest.mark.parametrize("plan_cache_mode", ["auto", "force_custom_plan", "force_generic_plan"])
+def test_claim_reads_indexes_and_a_few_rows_per_call(
+    backlog: list[int], auto_explain: AutoExplain, plan_cache_mode: str
+) -> None:
+    with connection.cursor() as cur:
+        cur.execute("SET plan_cache_mode = %s", [plan_cache_mode])
+
+    # Several calls: PL/pgSQL plans its statements with the first calls' values, then may
+    # switch to a generic plan from the sixth call on. Every call's plans are checked.
+    for call in range(8):
+        got = claim()
+        assert len(got) == LIMIT
+        plans = auto_explain.take()
+        indexes = assert_small_and_indexed(plans, budget=10 * LIMIT)
+        assert {"fq_channel_turn_idx", "fq_message_ready_idx", "fq_message_due_idx"} <= indexes, (
+            f"call {call}: indexes used {sorted(indexes)}\n"
+            + "\n".join(p.describe() for p in plans)
+        )
+        # the batch spread over about 25 channels, not over the backlog of one
+        assert len({m.channel_id for m in got}) >= 20
+
+
+def test_claim_folds_pending_deltas_without_scanning_the_channels(
+    backlog: list[int], auto_explain: AutoExplain
+) -> None:
+    f.enqueue_spread({f"bulk-{i:05d}": 1 for i in range(0, 1_000, 10)})  # 100 waking deltas
+    analyze()
+    auto_explain.take()
+
+    claim()
+
+    assert_small_and_indexed(auto_explain.take(), budget=10 * LIMIT)
+
+
+def settle_plans(auto_explain: AutoExplain, run: Callable[[], object]) -> list[Plan]:
+    """Plans of ``run()``, twice with custom plans and twice with the generic plan a prepared
+    statement may switch to; the second run of each finds its tokens settled (or renewed)."""
+    plans = []
+    for mode in ("force_custom_plan", "force_generic_plan"):
+        with connection.cursor() as cur:
+            cur.execute("SET plan_cache_mode = %s", [mode])
+        for _ in range(2):
+            run()
+            plans += auto_explain.take()
+    return plans
+
+
+@pytest.fixture
+def in_flight(backlog: list[int], auto_explain: AutoExplain) -> list[store.ClaimedMessage]:
+    running = [m for _ in range(30) for m in claim()]  # 3,000 running
+    auto_explain.take()
+    return running
+
+
+@pytest.mark.parametrize("statement", ["complete", "heartbeat", "release"])
+def test_settle_statements_read_primary_keys_only(
+    in_flight: list[store.ClaimedMessage], auto_explain: AutoExplain, statement: str
+) -> None:
+    batch = in_flight[:LIMIT]
+    leases = [(m.id, m.lease_token) for m in batch]
+    run = {
+        "complete": lambda: store.complete_messages([(*lease, 1) for lease in leases]),
+        "heartbeat": lambda: store.heartbeat_messages(leases, lease=LEASE),
+        "release": lambda: store.release_messages(leases),
+    }[statement]
+
+    plans = settle_plans(auto_explain, run)
+
+    indexes = assert_small_and_indexed(plans, budget=3 * LIMIT)
+    assert "fairqueue_message_pkey" in indexes, "\n".join(p.describe() for p in plans)
+
+
+def test_fail_reads_primary_keys_only(
+    in_flight: list[store.ClaimedMessage], auto_explain: AutoExplain
+) -> None:
+    error = {"type": "RuntimeError", "message": "boom", "traceback": None}
+    later = timezone.now() + timedelta(minutes=1)
+    failed = [(m.id, m.lease_token, error, later) for m in in_flight[:LIMIT]]
+
+    plans = settle_plans(auto_explain, lambda: store.fail_messages(failed))
+
+    indexes = assert_small_and_indexed(plans, budget=3 * LIMIT)
+    assert "fairqueue_message_pkey" in indexes

@@ -1,0 +1,169 @@
+"""The "SQL in one place" rules, enforced.
+
+* Every statement named in ``sql/queries.sql`` has a function of the same name in ``store.py``
+  that runs it, and every function of ``store.py`` that runs a named statement runs its own.
+* No Python module of the package writes SQL of its own: the keywords of a statement appear only
+  in ``store.py``, ``devdb.py`` (server bootstrap) and migrations.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import django_fairqueue
+from django_fairqueue import store
+
+PACKAGE = Path(django_fairqueue.__file__).parent
+SQL_ALLOWED = {PACKAGE / "store.py", PACKAGE / "devdb.py"}
+
+
+def _statement_name(node: ast.AST) -> ast.expr | None:
+    """The name expression if ``node`` runs a named statement: ``_run(NAME, ...)`` or
+    ``queries()[NAME]``."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_run":
+        return node.args[0] if node.args else None
+    if (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Name)
+        and node.value.func.id == "queries"
+    ):
+        return node.slice
+    return None
+
+
+def statement_runners() -> dict[str, set[str]]:
+    """For each top-level function of store.py: the names of the statements it runs."""
+    tree = ast.parse((PACKAGE / "store.py").read_text("utf-8"))
+    runners: dict[str, set[str]] = {}
+    for func in tree.body:
+        if not isinstance(func, ast.FunctionDef):
+            continue
+        for node in ast.walk(func):
+            name = _statement_name(node)
+            if name is None:
+                continue
+            if func.name.startswith("_") and not isinstance(name, ast.Constant):
+                continue  # the private runner (_run) executes the statement it is given
+            assert isinstance(name, ast.Constant) and isinstance(name.value, str), (
+                f"store.{func.name} runs a statement whose name is computed"
+            )
+            runners.setdefault(func.name, set()).add(name.value)
+    return runners
+
+
+def test_every_named_statement_has_its_store_function() -> None:
+    runners = statement_runners()
+    missing = sorted(name for name in store.queries() if name not in runners)
+    assert not missing, f"sql/queries.sql names without a store function running them: {missing}"
+    for name in store.queries():
+        assert callable(getattr(store, name, None)), f"store.{name} is not a function"
+
+
+def test_every_store_function_runs_the_statement_of_its_own_name() -> None:
+    named = set(store.queries())
+    for function, statements in statement_runners().items():
+        assert statements == {function}, (
+            f"store.{function} runs {sorted(statements)}; a store function runs exactly the "
+            "statement of its own name"
+        )
+        assert function in named, f"store.{function} runs a statement sql/queries.sql lacks"
+
+
+def test_every_statement_has_a_description() -> None:
+    text = (PACKAGE / "sql" / "queries.sql").read_text("utf-8")
+    for name, body in store.queries().items():
+        assert re.match(r"-- \S", body), f"{name}: the line after `-- name:` must describe it"
+        code = [line for line in body.splitlines() if line.strip() and not line.startswith("--")]
+        assert code and code[-1].rstrip().endswith(";"), f"{name}: a statement ends with `;`"
+    assert len(re.findall(r"^-- name: ", text, re.MULTILINE)) == len(store.queries())
+
+
+def python_files() -> list[Path]:
+    return sorted(
+        path
+        for path in PACKAGE.rglob("*.py")
+        if path not in SQL_ALLOWED and "migrations" not in path.relative_to(PACKAGE).parts
+    )
+
+
+# Statement shapes in upper case (the project writes SQL keywords in capitals), rather than
+# bare keywords, so prose such as "INSERT ... SELECT generate_series" or "Do not LISTEN for
+# wake-ups" in a help text passes while any real statement is caught.
+SQL_SHAPES = re.compile(
+    r"\bSELECT\s.*\bFROM\s|\bSELECT\s+\w+\s*\(|\bUPDATE\s+\w+\s.*\bSET\s"
+    r"|\bINSERT\s+INTO\s+\w|\bDELETE\s+FROM\s+\w|\b(?:TRUNCATE|ANALYZE)\s+fairqueue_",
+    re.DOTALL,
+)
+
+
+def sql_strings(path: Path, root: Path = PACKAGE) -> list[str]:
+    """String literals of a module that look like SQL statements (docstrings excepted)."""
+    tree = ast.parse(path.read_text("utf-8"))
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                docstrings.add(id(body[0].value))
+    return [
+        f"{path.relative_to(root)}:{node.lineno}: {node.value.strip()[:80]!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in docstrings
+        and SQL_SHAPES.search(node.value)
+    ]
+
+
+@pytest.mark.parametrize("path", python_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_sql_outside_store(path: Path) -> None:
+    found = sql_strings(path)
+    assert not found, "SQL outside store.py (move it to sql/queries.sql):\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("text", "is_sql"),
+    [
+        ("SELECT id FROM fairqueue_message", True),
+        ("SELECT pg_notify('fairqueue', '')", True),
+        ("UPDATE fairqueue_channel SET paused = true", True),
+        ("INSERT INTO fairqueue_message (id) VALUES (1)", True),
+        ("DELETE FROM fairqueue_channel_delta", True),
+        ("TRUNCATE fairqueue_message", True),
+        ("ANALYZE fairqueue_message", True),
+        ("bulk-load (INSERT ... SELECT generate_series, fold, ANALYZE)", False),
+        ("Select the channels from the list to update", False),
+        ("Do not LISTEN for wake-ups; poll only", False),
+        ("Press UPDATE to save", False),
+    ],
+)
+def test_the_sql_detector(text: str, is_sql: bool) -> None:
+    assert bool(SQL_SHAPES.search(text)) is is_sql
+
+
+def test_the_rule_flags_string_literals_not_docstrings_or_comments(tmp_path: Path) -> None:
+    module = tmp_path / "module.py"
+    module.write_text(
+        '"""Runs SELECT id FROM fairqueue_message, in the docstring."""\n'
+        "# UPDATE fairqueue_channel SET paused = true (a comment)\n"
+        "def f(cur):\n"
+        '    """DELETE FROM fairqueue_message (a docstring)."""\n'
+        '    cur.execute(f"DELETE FROM fairqueue_message WHERE id = {1}")\n'
+        "    cur.execute('SELECT 1 ' 'FROM fairqueue_channel')\n"
+    )
+
+    found = sql_strings(module, tmp_path)
+
+    assert sorted(line.split(":")[1] for line in found) == ["5", "6"]
+
+
+def test_the_rule_sees_the_package() -> None:
+    files = {p.relative_to(PACKAGE).as_posix() for p in python_files()}
+    assert {"api.py", "models.py", "tasks.py", "conf.py"} <= files
+    assert not any(f.startswith("migrations/") for f in files)
+    assert "store.py" not in files
