@@ -440,6 +440,17 @@ def prune_channel_stats(before: datetime, *, using: str | None = None) -> None:
     _run("prune_channel_stats", {"before": before}, using)
 
 
+def fold_deltas_of_channel(channel_id: int, *, using: str | None = None) -> int:
+    """Fold one channel's pending counter deltas into its row now; returns how many.
+
+    Waits for a claim holding the channel row (claims are short). Call it in the transaction
+    that changes a channel's limits: a cap added to a busy channel must count the completions
+    not yet folded, or the channel looks full until the maintenance loop folds them.
+    """
+    rows = _run("fold_deltas_of_channel", {"channel_id": channel_id}, using)
+    return int(rows[0][0]) if rows else 0
+
+
 def select_channel_ids(names: Sequence[str], *, using: str | None = None) -> dict[str, int]:
     if not names:
         return {}

@@ -318,6 +318,28 @@ SET claimed = s.claimed + EXCLUDED.claimed,
 -- Delete per-minute channel statistics older than `before`.
 DELETE FROM fairqueue_channel_stat s WHERE s.minute < %(before)s::timestamptz;
 
+-- name: fold_deltas_of_channel
+-- Fold one channel's pending deltas now (after an operator changes its limits, so a new cap sees exact counts).
+WITH gone AS (
+    DELETE FROM fairqueue_channel_delta d
+    WHERE d.channel_id = %(channel_id)s::bigint
+    RETURNING d.ready, d.scheduled, d.running, d.failed, d.succeeded
+), sums AS (
+    SELECT coalesce(sum(ready), 0) AS ready, coalesce(sum(scheduled), 0) AS scheduled,
+           coalesce(sum(running), 0) AS running, coalesce(sum(failed), 0) AS failed,
+           coalesce(sum(succeeded), 0) AS succeeded, count(*) AS n
+    FROM gone
+)
+UPDATE fairqueue_channel c
+SET ready_count = c.ready_count + sums.ready,
+    scheduled_count = c.scheduled_count + sums.scheduled,
+    running_count = c.running_count + sums.running,
+    failed_count = c.failed_count + sums.failed,
+    succeeded_total = c.succeeded_total + sums.succeeded
+FROM sums
+WHERE c.id = %(channel_id)s::bigint
+RETURNING sums.n;
+
 -- name: select_channel_ids
 -- Channel ids for names (unknown names are absent from the result).
 SELECT c.id, c.name FROM fairqueue_channel c WHERE c.name = ANY (%(names)s::text[]);
