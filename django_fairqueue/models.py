@@ -342,6 +342,7 @@ class WorkBatch(models.Model):
 
     class Meta:
         db_table = "fairqueue_work_batch"
+        verbose_name_plural = _("work batches")
         ordering = ["job_name", "start_id"]
         indexes = [
             models.Index(
