@@ -7,7 +7,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_http_methods
 
-from django_fairqueue import ChannelFull, enqueue
+from django_fairqueue import ChannelFull, EnqueueRequest, enqueue_many
 from documents.forms import UploadForm
 from documents.models import Document
 
@@ -50,8 +50,13 @@ def upload(request: HttpRequest) -> HttpResponse:
         try:
             with transaction.atomic():
                 documents = Document.objects.bulk_create(form.documents())
-                for document in documents:
-                    enqueue("documents.process", document.pk, channel=document.tenant)
+                # One round trip for the whole upload, in the same transaction as the rows.
+                enqueue_many(
+                    [
+                        EnqueueRequest("documents.process", [d.pk], channel=d.tenant)
+                        for d in documents
+                    ]
+                )
         except ChannelFull:
             messages.error(request, f"{tenant} has too much work queued already; try again later.")
         else:
