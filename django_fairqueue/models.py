@@ -56,7 +56,10 @@ class BatchState(models.TextChoices):
 class Channel(models.Model):
     """A tenant's virtual queue, with its limits and its scheduler state."""
 
-    name = models.CharField(max_length=CHANNEL_NAME_MAX_LENGTH, unique=True)
+    # Unique through Meta.constraints, not unique=True: that would also create a
+    # varchar_pattern_ops index for LIKE, which every claim (it rewrites channel rows) would
+    # maintain for nothing.
+    name = models.CharField(max_length=CHANNEL_NAME_MAX_LENGTH)
     # -- limits, editable by operators; each takes effect on the next claim --
     max_concurrency = models.PositiveIntegerField(
         null=True,
@@ -107,6 +110,7 @@ class Channel(models.Model):
             ),
         ]
         constraints = [
+            models.UniqueConstraint(fields=["name"], name="fq_channel_name_uniq"),
             models.CheckConstraint(
                 condition=Q(name__regex=r"^\S") & Q(name__regex=r"\S$"),
                 name="fq_channel_name_trimmed",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 
+import django
 import environ
 
 from django_fairqueue import devdb
@@ -65,4 +67,16 @@ STATIC_URL = "/static/"
 # Hashing passwords slowly protects nothing in tests.
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
-FAIRQUEUE: dict[str, object] = {}
+FAIRQUEUE: dict[str, object] = {
+    # Tasks the worker tests run, in-process and in `runfairworker` subprocesses.
+    "TASK_MODULES": ["tests.fairtasks"],
+}
+# Worker subprocesses started by tests get their short leases and intervals from here
+# (tests/test_worker_processes.py).
+FAIRQUEUE.update(json.loads(os.environ.get("FAIRQUEUE_TEST_OVERRIDES", "{}")))
+
+# Django's tasks framework on fairqueue (tests/test_backend.py). Django 5.2 has it as the
+# django-tasks backport, an app of its own.
+TASKS = {"default": {"BACKEND": "django_fairqueue.backend.FairQueueBackend"}}
+if django.VERSION < (6, 0):
+    INSTALLED_APPS.append("django_tasks")

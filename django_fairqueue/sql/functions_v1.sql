@@ -493,7 +493,31 @@ BEGIN
 
     -- One wake-up per transaction at most: PostgreSQL folds identical notifications of a
     -- transaction into one, so a batch (or a view enqueueing many times) notifies once.
-    IF p_notify_channel IS NOT NULL THEN
+    -- And only when an idle worker may be waiting: not when the batch has one channel whose
+    -- head became ready over 50 ms ago. Nobody idle took it (workers are busy, or the channel
+    -- is capped, paused or rate limited), and busy workers claim again as they settle, so the
+    -- notification would only cost: NOTIFY serialises commits on a cluster-wide lock and wakes
+    -- every listener. A fresher head may be being claimed right now by a claim that cannot see
+    -- this batch yet: that still notifies. The head is read like the claim reads it (ORDER BY
+    -- and LIMIT 1 on fq_message_ready_idx): one index probe. Batches of several channels
+    -- (rare, and notifying once for many messages) always notify: with the names as an array
+    -- the planner cannot settle on a generic plan and re-plans on every call.
+    IF p_notify_channel IS NOT NULL AND (
+        array_length(v_names, 1) > 1
+        OR NOT EXISTS (
+            SELECT 1
+            FROM fairqueue_channel c
+            CROSS JOIN LATERAL (
+                SELECT m.run_at
+                FROM fairqueue_message m
+                WHERE m.channel_id = c.id AND m.state = 'ready'
+                ORDER BY m.priority DESC, m.id
+                LIMIT 1
+            ) head
+            WHERE c.name = v_names[1]
+              AND head.run_at < v_now - interval '50 milliseconds'
+        )
+    ) THEN
         PERFORM pg_notify(p_notify_channel, '');
     END IF;
 END;

@@ -496,3 +496,28 @@ SET state = 'pending', attempts = 0, run_at = clock_timestamp(), started_at = NU
     heartbeat_at = NULL, worker_id = ''
 WHERE b.id = ANY (%(ids)s::bigint[]) AND b.state = 'failed'
 RETURNING b.id;
+
+-- name: select_claimable_exists
+-- Whether a claim could take a message now (of these channels, or all but the excluded), lock-free.
+-- A claim also comes back empty when concurrent claims hold the channel rows it wanted (SKIP
+-- LOCKED): this tells a drained queue from a contended one.
+SELECT EXISTS (
+    SELECT 1
+    FROM fairqueue_channel c
+    LEFT JOIN LATERAL (
+        -- counter changes not folded yet (new messages, freed slots)
+        SELECT sum(d.ready) AS ready, sum(d.running) AS running
+        FROM fairqueue_channel_delta d
+        WHERE d.channel_id = c.id
+    ) x ON true
+    WHERE NOT c.paused
+      AND c.ready_count + coalesce(x.ready, 0) > 0
+      AND (c.max_concurrency IS NULL
+           OR c.running_count + coalesce(x.running, 0) < c.max_concurrency)
+      AND c.next_turn_at <= clock_timestamp()
+      AND (%(only)s::bigint[] IS NULL OR c.id = ANY (%(only)s::bigint[]))
+      AND (%(exclude)s::bigint[] IS NULL OR NOT (c.id = ANY (%(exclude)s::bigint[])))
+) OR EXISTS (
+    -- due retries and delayed messages: the next claim promotes them
+    SELECT 1 FROM fairqueue_message m WHERE m.state = 'scheduled' AND m.run_at <= clock_timestamp()
+) AS claimable;

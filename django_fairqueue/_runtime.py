@@ -1,0 +1,138 @@
+"""Runtime helpers shared by the worker and ``fairqueue maintain``: stop flags, signals,
+reconnecting after database errors.
+
+Signal handlers run in the main thread between two bytecodes, possibly while that thread is
+inside ``threading.Event.wait()`` holding the event's (non-reentrant) lock: an ``Event.set()``
+from the handler would then deadlock. :class:`StopFlag` uses a reentrant lock instead, so it
+may be set from a signal handler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+from django.db import DatabaseError, InterfaceError, OperationalError, connections
+
+from django_fairqueue import conf
+
+#: Errors that mean "the database is unreachable or restarting": retry with backoff on a fresh
+#: connection. Anything else is a bug or a schema problem and is not retried blindly.
+CONNECTION_ERRORS = (OperationalError, InterfaceError)
+
+#: The signals that ask a worker to stop: the first one gracefully, the second one at once.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopFlag:
+    """A one-way flag that threads can wait on, safe to set from a signal handler."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.RLock())
+        self._set = False
+
+    def set(self) -> None:
+        with self._cond:
+            self._set = True
+            self._cond.notify_all()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Sleep until the flag is set or ``timeout`` passes; returns whether it is set."""
+        with self._cond:
+            if not self._set:
+                self._cond.wait(timeout)
+            return self._set
+
+
+@contextmanager
+def stop_signals(on_signal: Callable[[int], None]) -> Iterator[bool]:
+    """Call ``on_signal(signum)`` on SIGTERM/SIGINT while the block runs.
+
+    Handlers can only be installed from the main thread; elsewhere nothing is installed and the
+    context yields False (the caller stops the loop some other way). The previous handlers are
+    restored on exit.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield False
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        on_signal(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield True
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+class Backoff:
+    """Exponential backoff with jitter for reconnecting: first, 2*first, ... up to cap."""
+
+    def __init__(self, first: float = 0.05, cap: float = 5.0) -> None:
+        self.first = first
+        self.cap = cap
+        self._delay = 0.0
+
+    def next(self) -> float:
+        """The next delay in seconds (a random 50-100% of the current step)."""
+        self._delay = self.first if self._delay == 0 else min(self.cap, self._delay * 2)
+        return self._delay * random.uniform(0.5, 1.0)
+
+    def reset(self) -> None:
+        self._delay = 0.0
+
+
+def reset_connection(alias: str | None = None) -> None:
+    """Drop this thread's queue connection after a connection error; the next use reconnects."""
+    wrapper = connections[alias or conf.get().DATABASE]
+    # Closing a connection the server already dropped may fail too; it is gone either way.
+    # (Django forgets the connection object even when closing it fails.)
+    with contextlib.suppress(DatabaseError):
+        wrapper.close()
+
+
+def drop_broken_connection(alias: str | None = None) -> None:
+    """Close this thread's queue connection if an error left it unusable (keep it otherwise).
+
+    Unlike ``close_old_connections()`` this ignores CONN_MAX_AGE: the worker's own threads keep
+    one connection each for their whole life (with CONN_MAX_AGE = 0, the default,
+    ``close_old_connections()`` would reconnect on every pass).
+    """
+    wrapper = connections[alias or conf.get().DATABASE]
+    if wrapper.connection is not None and wrapper.errors_occurred:
+        if wrapper.is_usable():
+            wrapper.errors_occurred = False
+        else:
+            reset_connection(alias)
+
+
+def configure_logging(verbosity: int) -> None:
+    """Show django-fairqueue's log lines on stderr for a command, unless the project's LOGGING
+    already routes them somewhere (then it is left alone).
+
+    Verbosity 0: warnings and errors; 1: one line per message start and finish; 2+: debug.
+    """
+    import logging
+    import sys
+
+    package = logging.getLogger("django_fairqueue")
+    if package.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s")
+    )
+    package.addHandler(handler)
+    package.setLevel(
+        logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    )

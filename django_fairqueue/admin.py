@@ -1,0 +1,938 @@
+"""The admin: tenants (channels) to see and steer, messages and work batches to act on, and a
+dashboard.
+
+* **Channels**: the per-tenant table (docs/howto/admin.md explains each column), editable
+  limits, and actions (pause, resume, retry failed, purge backlog with a confirmation page).
+  The list stays fast with many channels: counts of the page come from the counters plus
+  pending deltas in a few queries for the whole page (:mod:`django_fairqueue.overview`), never
+  a COUNT(*) of messages per row.
+* **Messages** and **work batches** are read-only; their actions (retry, cancel, delete) go
+  through :mod:`django_fairqueue.store`, like the Python API, so counters stay exact.
+* **Dashboard** at ``<admin>/fairqueue/channel/dashboard/``: charts drawn in the browser by a
+  small script shipped with the app, refreshed from a JSON endpoint next to it.
+
+Permissions: viewing needs the model's view (or change) permission, as usual. Editing a
+channel, pause, resume and retry need *change channel*; purge also needs *delete message*.
+Message retry and cancel need *change message*, message delete needs *delete message*; work
+batch retry needs *change work batch*. Channels and messages are never deleted through the
+ORM here (that would bypass the counters). Every action writes admin log entries.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.admin.views.main import ChangeList
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db import transaction
+from django.db.models import Count, IntegerField, Q, QuerySet, Sum, Value
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.http import urlencode
+from django.utils.safestring import SafeString
+from django.utils.translation import gettext_lazy as _
+from django.utils.translation import ngettext
+from django.views.decorators.http import require_POST
+
+from django_fairqueue import conf, overview, store
+from django_fairqueue.api import validate_channel_name
+from django_fairqueue.exceptions import InvalidChannel
+from django_fairqueue.models import (
+    BatchState,
+    Channel,
+    Message,
+    WorkBatch,
+)
+
+if TYPE_CHECKING:
+    _ChannelAdminBase = admin.ModelAdmin[Channel]
+    _MessageAdminBase = admin.ModelAdmin[Message]
+    _WorkBatchAdminBase = admin.ModelAdmin[WorkBatch]
+    _ChannelFormBase = forms.ModelForm[Channel]
+else:  # the generic aliases exist only for type checkers (no django-stubs-ext at run time)
+    _ChannelAdminBase = _MessageAdminBase = _WorkBatchAdminBase = admin.ModelAdmin
+    _ChannelFormBase = forms.ModelForm
+
+#: The limits an operator edits; a change saves only these columns (see ChannelAdmin.save_model).
+EDITABLE_LIMITS = ("max_concurrency", "release_interval", "weight", "max_backlog", "paused")
+#: Ids per store call in bulk actions: each statement's locks and WAL stay bounded.
+ACTION_CHUNK = 1000
+#: The pseudo-field the "oldest ready" column sorts by (sorted in Python, see ChannelChangeList).
+AGE_ORDER = "oldest_ready_age"
+#: Most tenants the dashboard shows (and its JSON accepts).
+DASHBOARD_MAX_TENANTS = 100
+
+
+def _log_changes(request: HttpRequest, objects: Sequence[Any], message: str) -> None:
+    """One admin log entry (CHANGE) per object, in one INSERT."""
+    if objects:
+        LogEntry.objects.log_actions(
+            user_id=request.user.pk or 0,  # the admin only lets signed-in users this far
+            queryset=objects,
+            action_flag=CHANGE,
+            change_message=message,
+        )
+
+
+def _chunks(ids: Sequence[int], size: int = ACTION_CHUNK) -> Iterator[list[int]]:
+    for start in range(0, len(ids), size):
+        yield list(ids[start : start + size])
+
+
+def _ids_of(queryset: QuerySet[Any]) -> Iterator[list[int]]:
+    """The primary keys of ``queryset`` in chunks, paged by id (also for "select all")."""
+    after = 0
+    while True:
+        chunk = list(
+            queryset.filter(pk__gt=after).order_by("pk").values_list("pk", flat=True)[:ACTION_CHUNK]
+        )
+        if not chunk:
+            return
+        yield chunk
+        after = chunk[-1]
+
+
+def _pretty_json(value: Any) -> str:
+    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True, default=str)
+
+
+def _error_summary(error: Any) -> str:
+    """``Type: message`` of a stored error, on one line, at most 100 characters."""
+    if not isinstance(error, dict):
+        return ""
+    text = " ".join(f"{error.get('type') or 'error'}: {error.get('message') or ''}".split())
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _error_html(error: Any) -> str:
+    """A stored error: type and message, other details as JSON, the traceback as written."""
+    if error is None:
+        return "-"
+    if not isinstance(error, dict):
+        return format_html('<pre class="fq-json">{}</pre>', _pretty_json(error))
+    details = {k: v for k, v in error.items() if k not in ("type", "message", "traceback")}
+    return format_html(
+        '<div class="fq-error"><strong>{}</strong>: {}{}{}</div>',
+        error.get("type") or "error",
+        error.get("message") or "",
+        format_html('<pre class="fq-json">{}</pre>', _pretty_json(details)) if details else "",
+        format_html('<pre class="fq-traceback">{}</pre>', error["traceback"])
+        if error.get("traceback")
+        else "",
+    )
+
+
+def _duration(value: timedelta | None) -> str:
+    if not value:
+        return "0"
+    seconds = value.total_seconds()
+    if seconds < 60:
+        return f"{seconds:g}s"
+    return overview.format_age(seconds)
+
+
+# ============================================================================================
+# Channels
+
+
+class ChannelForm(_ChannelFormBase):
+    """A channel's limits, checked with the same rules as FAIRQUEUE['CHANNEL_DEFAULTS']."""
+
+    class Meta:
+        model = Channel
+        fields = ["name", *EDITABLE_LIMITS]
+
+    def clean_name(self) -> str:
+        name = self.cleaned_data["name"]
+        try:
+            return validate_channel_name(name)
+        except InvalidChannel as exc:
+            raise ValidationError(str(exc)) from None
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        defaults = {"max_concurrency": None, "release_interval": timedelta(0), "weight": 1}
+        # One limit at a time, so each message lands under its own field.
+        for name in ("max_concurrency", "release_interval", "weight", "max_backlog"):
+            if name not in data or name in self.errors:
+                continue
+            value = data[name]
+            if value is None and name in ("release_interval", "weight"):
+                value = defaults[name]
+            try:
+                conf.validate_channel_limits(**{name: value}, where="channel")
+            except ValueError as exc:
+                # "channel max_concurrency must be ..." -> "Max concurrency must be ..."
+                text = str(exc).removeprefix("channel ")
+                label = name.replace("_", " ")
+                self.add_error(name, label.capitalize() + text.removeprefix(name))
+        return data
+
+
+class HasFailuresFilter(admin.SimpleListFilter):
+    title = _("failed messages")
+    parameter_name = "failures"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("yes", str(_("has failed messages"))), ("no", str(_("no failed messages")))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() == "yes":
+            return queryset.filter(failed_now__gt=0)
+        if self.value() == "no":
+            return queryset.filter(failed_now__lte=0)
+        return queryset
+
+
+class BacklogOverFilter(admin.SimpleListFilter):
+    """Channels with more than N ready messages; any N works in the URL (``?backlog_over=250``)."""
+
+    title = _("backlog (ready)")
+    parameter_name = "backlog_over"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [(str(n), f"over {n:,}") for n in (0, 100, 1_000, 10_000, 100_000)]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value is None:
+            return queryset
+        try:
+            over = int(value)
+        except ValueError:
+            return queryset.none()
+        return queryset.filter(backlog__gt=over)
+
+
+class ChannelChangeList(ChangeList):
+    """Adds two things to the standard list: sorting by oldest ready age (computed by the
+    store for the filtered channels, then paged here), and the page's figures fetched for the
+    whole page at once (:func:`django_fairqueue.overview.rows`)."""
+
+    age_order: str | None = None
+
+    def get_ordering(self, request: HttpRequest, queryset: QuerySet[Any]) -> list[Any]:
+        ordering = super().get_ordering(request, queryset)
+        kept = []
+        for field in ordering:
+            if field in (AGE_ORDER, f"-{AGE_ORDER}"):
+                self.age_order = "desc" if field.startswith("-") else "asc"
+            else:
+                kept.append(field)
+        return kept
+
+    def get_results(self, request: HttpRequest) -> None:
+        super().get_results(request)
+        if self.age_order is not None:
+            self.result_list = self._by_age()
+        page = list(self.result_list)
+        now = timezone.now()
+        found = {row.id: row for row in overview.rows([obj.pk for obj in page], now=now)}
+        for obj in page:
+            # Read by the column methods (ChannelAdmin.*_display, through _row).
+            setattr(obj, "_fq_row", found.get(obj.pk))  # noqa: B010
+            setattr(obj, "_fq_now", now)  # noqa: B010
+        self.result_list = page
+
+    def _by_age(self) -> list[Channel]:
+        ids = list(self.queryset.order_by().values_list("pk", flat=True))
+        counts = overview.all_counts()
+        ranked = overview.ranked_ids("age", counts=counts, among=ids)  # longest-waiting first
+        waiting = [cid for cid in ranked if counts[cid].ready > 0]
+        idle = [cid for cid in ranked if counts[cid].ready <= 0]
+        # ascending age: the most recently ready first; channels with nothing ready stay last
+        ordered = (waiting[::-1] if self.age_order == "asc" else waiting) + idle
+        if not (self.show_all and self.can_show_all) and self.multi_page:
+            start = (self.page_num - 1) * self.list_per_page
+            ordered = ordered[start : start + self.list_per_page]
+        objects = self.queryset.order_by().in_bulk(ordered)
+        return [objects[cid] for cid in ordered if cid in objects]
+
+
+def _row(obj: Channel) -> overview.ChannelRow | None:
+    row: overview.ChannelRow | None = getattr(obj, "_fq_row", None)
+    if row is None and getattr(obj, "_fq_now", None) is None:
+        # Outside the change list (a custom template, the shell): fetch this one row.
+        found = overview.rows([obj.pk])
+        row = found[0] if found else None
+    return row
+
+
+@admin.register(Channel)
+class ChannelAdmin(_ChannelAdminBase):
+    class Media:
+        css = {"all": ["django_fairqueue/admin.css"]}
+
+    form = ChannelForm
+    change_list_template = "admin/fairqueue/channel/change_list.html"
+    list_display = [
+        "name",
+        "ready_display",
+        "scheduled_display",
+        "running_display",
+        "failed_display",
+        "release_interval_display",
+        "weight",
+        "paused",
+        "max_backlog_display",
+        "oldest_ready_display",
+        "finished_display",
+    ]
+    list_filter = ["paused", HasFailuresFilter, BacklogOverFilter]
+    # Facet counts would run every filter's query over all channels: not on a page view.
+    show_facets = admin.ShowFacets.NEVER
+    search_fields = ["name"]
+    search_help_text = _("Channel name contains")
+    list_per_page = 100
+    # The unfiltered total is the table's size; one COUNT(*) of channels is cheap, but there is
+    # no need for it twice per page.
+    show_full_result_count = False
+    actions = ["pause_channels", "resume_channels", "retry_failed", "purge_backlog"]
+    fieldsets = [
+        (None, {"fields": ["name"]}),
+        (
+            _("Limits (take effect on the next claim)"),
+            {"fields": list(EDITABLE_LIMITS)},
+        ),
+        (
+            _("State"),
+            {
+                "fields": [
+                    "counters_display",
+                    "oldest_ready_display",
+                    "finished_display",
+                    "last_claimed_at",
+                    "created_at",
+                ]
+            },
+        ),
+    ]
+
+    # -- queryset, permissions ------------------------------------------------------------
+
+    def action_checkbox(self, obj: Channel) -> SafeString:
+        # The same markup as Django's, without rendering a form widget template per row (a
+        # third of the list's rendering time at 100 rows).
+        return format_html(
+            '<input type="checkbox" name="{}" value="{}" class="action-select" aria-label="{}">',
+            helpers.ACTION_CHECKBOX_NAME,
+            obj.pk,
+            format_html(str(_("Select this object for an action - {}")), str(obj)),
+        )
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Channel]:
+        qs = overview.annotate_counters(super().get_queryset(request))
+        # A constant stand-in, so that Django can check an ordering that names the age column
+        # (ChannelChangeList takes it out and sorts by age itself).
+        return qs.annotate(**{AGE_ORDER: Value(0, output_field=IntegerField())})
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return ChannelChangeList
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Channel | None = None) -> list[str]:
+        fields = ["counters_display", "oldest_ready_display", "finished_display"]
+        fields += ["last_claimed_at", "created_at"]
+        if obj is not None:
+            fields.append("name")  # the channel's identity: enqueue finds it by name
+        return fields
+
+    def get_fieldsets(self, request: HttpRequest, obj: Channel | None = None) -> Any:
+        if obj is None:  # adding: only the name and the limits
+            return self.fieldsets[:2]
+        return self.fieldsets
+
+    def has_delete_permission(self, request: HttpRequest, obj: Channel | None = None) -> bool:
+        # Deleting a channel through the ORM would delete its messages behind the counters'
+        # back (and running ones under a worker). Purge its backlog instead.
+        return False
+
+    def has_purge_permission(self, request: HttpRequest) -> bool:
+        return self.has_change_permission(request) and request.user.has_perm(
+            f"{Message._meta.app_label}.delete_message"
+        )
+
+    def save_model(self, request: HttpRequest, obj: Channel, form: Any, change: bool) -> None:
+        if not change:
+            obj.save()
+            return
+        # Only the limits that changed: a full save would write back the counters and turn
+        # state read with this form, undoing what claims did meanwhile (a lost update).
+        fields = [name for name in EDITABLE_LIMITS if name in form.changed_data]
+        if fields:
+            with transaction.atomic(using=conf.get().DATABASE):
+                obj.save(update_fields=fields)
+                # A cap added to a busy channel must count the completions not folded yet,
+                # or the channel looks full until maintenance folds them.
+                store.fold_deltas_of_channel(obj.pk)
+
+    # -- columns ---------------------------------------------------------------------------
+
+    @admin.display(description=_("ready"), ordering="backlog")
+    def ready_display(self, obj: Channel) -> str:
+        row = _row(obj)
+        return f"{row.ready:,}" if row else "-"
+
+    @admin.display(description=_("delayed"))
+    def scheduled_display(self, obj: Channel) -> str:
+        row = _row(obj)
+        return f"{row.scheduled:,}" if row else "-"
+
+    @admin.display(description=_("running / max"))
+    def running_display(self, obj: Channel) -> str:
+        row = _row(obj)
+        if row is None:
+            return "-"
+        cap = "∞" if obj.max_concurrency is None else f"{obj.max_concurrency:,}"
+        return f"{row.running:,} / {cap}"
+
+    @admin.display(description=_("failed"), ordering="failed_now")
+    def failed_display(self, obj: Channel) -> str:
+        row = _row(obj)
+        if row is None:
+            return "-"
+        if row.failed <= 0:
+            return "0"
+        url = (
+            reverse("admin:fairqueue_message_changelist")
+            + "?"
+            + urlencode({"channel__id__exact": str(obj.pk), "state__exact": "failed"})
+        )
+        return format_html('<a href="{}" class="fq-failed">{}</a>', url, f"{row.failed:,}")
+
+    @admin.display(description=_("release interval"), ordering="release_interval")
+    def release_interval_display(self, obj: Channel) -> str:
+        return _duration(obj.release_interval)
+
+    @admin.display(description=_("max backlog"), ordering="max_backlog")
+    def max_backlog_display(self, obj: Channel) -> str:
+        return "-" if obj.max_backlog is None else f"{obj.max_backlog:,}"
+
+    @admin.display(description=_("oldest ready"), ordering=AGE_ORDER)
+    def oldest_ready_display(self, obj: Channel) -> str:
+        row = _row(obj)
+        if row is None or row.oldest_ready_since is None:
+            return "-"
+        now: Any = getattr(obj, "_fq_now", None) or timezone.now()
+        return format_html(
+            '<span title="ready since {}">{}</span>',
+            row.oldest_ready_since.isoformat(timespec="seconds"),
+            overview.format_age(row.oldest_age(now)),
+        )
+
+    @admin.display(description=_("finished 5 min"))
+    def finished_display(self, obj: Channel) -> str:
+        row = _row(obj)
+        return f"{row.finished_recent:,}" if row else "-"
+
+    @admin.display(description=_("counts"))
+    def counters_display(self, obj: Channel) -> str:
+        row = _row(obj)
+        if row is None:
+            return "-"
+        return (
+            f"ready {row.ready:,}, delayed {row.scheduled:,}, running {row.running:,}, "
+            f"failed {row.failed:,}, succeeded {row.succeeded:,} in total"
+        )
+
+    # -- actions ---------------------------------------------------------------------------
+
+    def _set_paused(self, request: HttpRequest, queryset: QuerySet[Channel], paused: bool) -> None:
+        ids = list(queryset.values_list("pk", flat=True))
+        changed = list(Channel.objects.filter(pk__in=ids, paused=not paused).order_by("pk"))
+        # Only the paused column: an UPDATE of one non-counter column, never the counters.
+        Channel.objects.filter(pk__in=[c.pk for c in changed]).update(paused=paused)
+        verb = "Paused" if paused else "Resumed"
+        _log_changes(request, changed, f"{verb} (admin action).")
+        self.message_user(
+            request,
+            ngettext("%(verb)s %(n)d channel.", "%(verb)s %(n)d channels.", len(changed))
+            % {"verb": verb, "n": len(changed)},
+            messages.SUCCESS,
+        )
+
+    @admin.action(description=_("Pause selected channels"), permissions=["change"])
+    def pause_channels(self, request: HttpRequest, queryset: QuerySet[Channel]) -> None:
+        self._set_paused(request, queryset, True)
+
+    @admin.action(description=_("Resume selected channels"), permissions=["change"])
+    def resume_channels(self, request: HttpRequest, queryset: QuerySet[Channel]) -> None:
+        self._set_paused(request, queryset, False)
+
+    @admin.action(
+        description=_("Retry failed messages of selected channels"), permissions=["change"]
+    )
+    def retry_failed(self, request: HttpRequest, queryset: QuerySet[Channel]) -> None:
+        total = 0
+        acted: list[Channel] = []
+        for channel in queryset.order_by("pk"):
+            n = 0
+            after = 0
+            while ids := store.select_failed_message_ids(
+                channel_id=channel.pk, after_id=after, limit=ACTION_CHUNK
+            ):
+                n += len(store.retry_failed_messages(ids))
+                after = ids[-1]
+            if n:
+                acted.append(channel)
+                _log_changes(request, [channel], f"Retried {n} failed messages (admin action).")
+            total += n
+        self.message_user(
+            request,
+            ngettext(
+                "Retried %(n)d failed message of %(c)d channels.",
+                "Retried %(n)d failed messages of %(c)d channels.",
+                total,
+            )
+            % {"n": total, "c": len(acted)},
+            messages.SUCCESS,
+        )
+
+    @admin.action(description=_("Purge backlog of selected channels…"), permissions=["purge"])
+    def purge_backlog(
+        self, request: HttpRequest, queryset: QuerySet[Channel]
+    ) -> TemplateResponse | None:
+        channels = list(queryset.order_by("name"))
+        counters = {c.id: c for c in store.select_channel_counters([c.pk for c in channels])}
+        if request.POST.get("post") == "yes":
+            total = 0
+            for channel in channels:
+                n = store.purge_channel_backlog(channel.pk)
+                total += n
+                _log_changes(
+                    request, [channel], f"Purged the backlog: {n} waiting messages deleted."
+                )
+            self.message_user(
+                request,
+                ngettext(
+                    "Deleted %(n)d waiting message from %(c)d channels.",
+                    "Deleted %(n)d waiting messages from %(c)d channels.",
+                    total,
+                )
+                % {"n": total, "c": len(channels)},
+                messages.SUCCESS,
+            )
+            return None
+        lines: list[dict[str, Any]] = []
+        for channel in channels:
+            c = counters.get(channel.pk)
+            ready, scheduled = (c.ready, c.scheduled) if c else (0, 0)
+            lines.append({"channel": channel, "ready": ready, "scheduled": scheduled})
+        context = {
+            **self.admin_site.each_context(request),
+            "title": _("Purge the backlog?"),
+            "opts": self.model._meta,
+            "lines": lines,
+            "total": sum(x["ready"] + x["scheduled"] for x in lines),
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            "media": self.media,
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, "admin/fairqueue/channel/purge_confirmation.html", context)
+
+    # -- dashboard -------------------------------------------------------------------------
+
+    def get_urls(self) -> list[URLPattern]:
+        wrap: Callable[..., Any] = self.admin_site.admin_view
+        return [
+            path(
+                "dashboard/",
+                wrap(self.dashboard_view),
+                name="fairqueue_channel_dashboard",
+            ),
+            path(
+                "dashboard/data/",
+                wrap(self.dashboard_data_view),
+                name="fairqueue_channel_dashboard_data",
+            ),
+            *super().get_urls(),
+        ]
+
+    def _dashboard_params(self, request: HttpRequest) -> dict[str, Any]:
+        sort = request.GET.get("sort", "backlog")
+        if sort not in overview.SORTS:
+            sort = "backlog"
+        return {
+            "sort": sort,
+            "limit": _int_param(request, "limit", 20, 1, DASHBOARD_MAX_TENANTS),
+            "window": _int_param(request, "window", 5, 1, 60),
+        }
+
+    def dashboard_view(self, request: HttpRequest) -> TemplateResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        params = self._dashboard_params(request)
+        context = {
+            **self.admin_site.each_context(request),
+            "title": _("Fair queue dashboard"),
+            "opts": self.model._meta,
+            "data": overview.dashboard(**params),
+            "params": params,
+            "sorts": overview.SORTS,
+            "data_url": reverse(f"{self.admin_site.name}:fairqueue_channel_dashboard_data"),
+            "refresh_seconds": _int_param(request, "refresh", 5, 1, 300),
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, "admin/fairqueue/dashboard.html", context)
+
+    def dashboard_data_view(self, request: HttpRequest) -> JsonResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        return JsonResponse(overview.dashboard(**self._dashboard_params(request)))
+
+
+def _int_param(request: HttpRequest, name: str, default: int, low: int, high: int) -> int:
+    try:
+        value = int(request.GET.get(name, default))
+    except ValueError:
+        return default
+    return min(max(value, low), high)
+
+
+# ============================================================================================
+# Messages
+
+
+@admin.register(Message)
+class MessageAdmin(_MessageAdminBase):
+    class Media:
+        css = {"all": ["django_fairqueue/admin.css"]}
+
+    list_display = [
+        "id",
+        "channel_link",
+        "task_name",
+        "state",
+        "priority",
+        "attempts_display",
+        "enqueued_at",
+        "run_at",
+        "finished_at",
+        "error_summary",
+    ]
+    list_filter = ["state"]
+    list_select_related = ["channel"]
+    ordering = ["-id"]  # newest first (a backward scan of the primary key)
+    search_fields = ["=id"]
+    search_help_text = _("Message id")
+    # COUNT(*) of a big message table once per page is enough.
+    show_full_result_count = False
+    actions = ["retry_messages", "cancel_messages", "delete_messages"]
+    fieldsets = [
+        (
+            None,
+            {
+                "fields": [
+                    "id",
+                    "channel_link",
+                    "task_name",
+                    "state",
+                    "priority",
+                    "attempts_display",
+                    "keep_result",
+                ]
+            },
+        ),
+        (_("Times"), {"fields": ["enqueued_at", "run_at", "claimed_at", "finished_at"]}),
+        (_("Lease"), {"fields": ["worker_id", "lease_token", "lease_expires_at"]}),
+        (_("Payload and result"), {"fields": ["payload_display", "result_display"]}),
+        (_("Error"), {"fields": ["error_display"]}),
+    ]
+    readonly_fields = [
+        "id",
+        "channel_link",
+        "task_name",
+        "state",
+        "priority",
+        "attempts_display",
+        "keep_result",
+        "enqueued_at",
+        "run_at",
+        "claimed_at",
+        "finished_at",
+        "worker_id",
+        "lease_token",
+        "lease_expires_at",
+        "payload_display",
+        "result_display",
+        "error_display",
+    ]
+
+    # Read-only: no add, no ORM change or delete. The actions below are the only writes, and
+    # they have permissions of their own (has_act_permission, has_remove_permission).
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Message | None = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Message | None = None) -> bool:
+        return False
+
+    def has_view_permission(self, request: HttpRequest, obj: Message | None = None) -> bool:
+        opts = self.opts
+        return request.user.has_perm(f"{opts.app_label}.view_message") or request.user.has_perm(
+            f"{opts.app_label}.change_message"
+        )
+
+    def has_act_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm(f"{self.opts.app_label}.change_message")
+
+    def has_remove_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm(f"{self.opts.app_label}.delete_message")
+
+    # -- columns ---------------------------------------------------------------------------
+
+    @admin.display(description=_("channel"), ordering="channel__name")
+    def channel_link(self, obj: Message) -> str:
+        url = reverse("admin:fairqueue_channel_change", args=[obj.channel_id])
+        return format_html('<a href="{}">{}</a>', url, obj.channel.name)
+
+    @admin.display(description=_("attempts"))
+    def attempts_display(self, obj: Message) -> str:
+        return f"{obj.attempts} / {obj.max_attempts}"
+
+    @admin.display(description=_("error"))
+    def error_summary(self, obj: Message) -> str:
+        return _error_summary(obj.last_error)
+
+    @admin.display(description=_("payload"))
+    def payload_display(self, obj: Message) -> str:
+        return format_html('<pre class="fq-json">{}</pre>', _pretty_json(obj.payload))
+
+    @admin.display(description=_("result"))
+    def result_display(self, obj: Message) -> str:
+        if obj.result is None:
+            return "-"
+        return format_html('<pre class="fq-json">{}</pre>', _pretty_json(obj.result))
+
+    @admin.display(description=_("last error"))
+    def error_display(self, obj: Message) -> str:
+        return _error_html(obj.last_error)
+
+    # -- actions ---------------------------------------------------------------------------
+
+    def _act(
+        self,
+        request: HttpRequest,
+        queryset: QuerySet[Message],
+        action: Callable[[Sequence[int]], list[int]],
+        verb: str,
+        deleting: bool = False,
+    ) -> None:
+        done = 0
+        for ids in _ids_of(queryset):
+            # Fetched before acting: a deleted row can still be named in the log.
+            before = Message.objects.only("id", "task_name", "state").in_bulk(ids)
+            acted = action(ids)
+            done += len(acted)
+            objects = [before[i] for i in acted if i in before]
+            if deleting:
+                self.log_deletions(request, objects)  # type: ignore[arg-type]
+            else:
+                _log_changes(request, objects, f"{verb} (admin action).")
+        self.message_user(
+            request,
+            ngettext("%(verb)s %(n)d message.", "%(verb)s %(n)d messages.", done)
+            % {"verb": verb, "n": done},
+            messages.SUCCESS,
+        )
+
+    @admin.action(description=_("Retry selected failed messages"), permissions=["act"])
+    def retry_messages(self, request: HttpRequest, queryset: QuerySet[Message]) -> None:
+        self._act(request, queryset, store.retry_failed_messages, "Retried")
+        self.message_user(request, _("Only failed messages are retried."), messages.INFO)
+
+    @admin.action(description=_("Cancel selected waiting messages"), permissions=["act"])
+    def cancel_messages(self, request: HttpRequest, queryset: QuerySet[Message]) -> None:
+        self._act(request, queryset, store.cancel_messages, "Cancelled")
+        self.message_user(
+            request, _("Only ready and delayed messages are cancelled."), messages.INFO
+        )
+
+    @admin.action(description=_("Delete selected messages (not running)"), permissions=["remove"])
+    def delete_messages(self, request: HttpRequest, queryset: QuerySet[Message]) -> None:
+        self._act(request, queryset, store.delete_messages, "Deleted", deleting=True)
+        self.message_user(request, _("Running messages are never deleted."), messages.INFO)
+
+
+# ============================================================================================
+# Work batches
+
+
+@admin.register(WorkBatch)
+class WorkBatchAdmin(_WorkBatchAdminBase):
+    class Media:
+        css = {"all": ["django_fairqueue/admin.css"]}
+
+    change_list_template = "admin/fairqueue/workbatch/change_list.html"
+    list_display = [
+        "job_name",
+        "range_display",
+        "state",
+        "row_count",
+        "rows_processed",
+        "attempts_display",
+        "worker_id",
+        "started_at",
+        "finished_at",
+        "error_summary",
+    ]
+    list_filter = ["state", "job_name"]
+    search_fields = ["=job_name"]
+    search_help_text = _("Job name (exact)")
+    show_full_result_count = False
+    actions = ["retry_batches"]
+    readonly_fields = [
+        "job_name",
+        "channel",
+        "start_id",
+        "end_id",
+        "row_count",
+        "state",
+        "run_at",
+        "attempts",
+        "max_attempts",
+        "worker_id",
+        "lease_token",
+        "heartbeat_at",
+        "lease_expires_at",
+        "created_at",
+        "started_at",
+        "finished_at",
+        "rows_processed",
+        "error_display",
+    ]
+    exclude = ["last_error"]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: WorkBatch | None = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: WorkBatch | None = None) -> bool:
+        return False
+
+    def has_view_permission(self, request: HttpRequest, obj: WorkBatch | None = None) -> bool:
+        label = self.opts.app_label
+        return request.user.has_perm(f"{label}.view_workbatch") or self.has_act_permission(request)
+
+    def has_act_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm(f"{self.opts.app_label}.change_workbatch")
+
+    @admin.display(description=_("id range"), ordering="start_id")
+    def range_display(self, obj: WorkBatch) -> str:
+        return f"{obj.start_id:,} … {obj.end_id:,}"
+
+    @admin.display(description=_("attempts"))
+    def attempts_display(self, obj: WorkBatch) -> str:
+        return f"{obj.attempts} / {obj.max_attempts}"
+
+    @admin.display(description=_("error"))
+    def error_summary(self, obj: WorkBatch) -> str:
+        return _error_summary(obj.last_error)
+
+    @admin.display(description=_("last error"))
+    def error_display(self, obj: WorkBatch) -> str:
+        return _error_html(obj.last_error)
+
+    def _retry(self, request: HttpRequest, ids: Sequence[int]) -> int:
+        done = 0
+        for chunk in _chunks(ids):
+            retried = store.retry_failed_work_batches(chunk)
+            done += len(retried)
+            _log_changes(
+                request,
+                list(WorkBatch.objects.filter(pk__in=retried).order_by("pk")),
+                "Retried: back to pending with attempts 0 (admin action).",
+            )
+        return done
+
+    @admin.action(description=_("Retry selected failed batches"), permissions=["act"])
+    def retry_batches(self, request: HttpRequest, queryset: QuerySet[WorkBatch]) -> None:
+        done = sum(self._retry(request, ids) for ids in _ids_of(queryset))
+        self.message_user(
+            request,
+            ngettext("Retried %(n)d failed batch.", "Retried %(n)d failed batches.", done)
+            % {"n": done},
+            messages.SUCCESS,
+        )
+
+    def jobs(self) -> list[dict[str, Any]]:
+        """Progress per job: batches by state, rows planned and rows in finished batches."""
+        done = Q(state=BatchState.SUCCEEDED)
+        rows = (
+            WorkBatch.objects.order_by()
+            .values("job_name")
+            .annotate(
+                total=Count("id"),
+                done=Count("id", filter=done),
+                running=Count("id", filter=Q(state=BatchState.RUNNING)),
+                failed=Count("id", filter=Q(state=BatchState.FAILED)),
+                pending=Count("id", filter=Q(state=BatchState.PENDING)),
+                rows=Sum("row_count"),
+                rows_done=Sum("row_count", filter=done),
+                processed=Sum("rows_processed"),
+            )
+            .order_by("job_name")
+        )
+        out: list[dict[str, Any]] = []
+        for row in rows:
+            job: dict[str, Any] = dict(row)
+            for key in ("rows", "rows_done", "processed"):
+                job[key] = job[key] or 0
+            job["percent"] = round(100 * job["done"] / job["total"], 1) if job["total"] else 0.0
+            out.append(job)
+        return out
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        context = {
+            "jobs": self.jobs() if self.has_view_permission(request) else [],
+            "can_retry": self.has_act_permission(request),
+            **(extra_context or {}),
+        }
+        return super().changelist_view(request, extra_context=context)
+
+    def get_urls(self) -> list[URLPattern]:
+        return [
+            path(
+                "retry-job/",
+                self.admin_site.admin_view(require_POST(self.retry_job_view)),
+                name="fairqueue_workbatch_retry_job",
+            ),
+            *super().get_urls(),
+        ]
+
+    def retry_job_view(self, request: HttpRequest) -> HttpResponseRedirect:
+        if not self.has_act_permission(request):
+            raise PermissionDenied
+        job = request.POST.get("job", "")
+        ids = list(
+            WorkBatch.objects.filter(job_name=job, state=BatchState.FAILED)
+            .order_by("pk")
+            .values_list("pk", flat=True)
+        )
+        done = self._retry(request, ids)
+        self.message_user(
+            request,
+            ngettext(
+                "Retried %(n)d failed batch of job %(job)s.",
+                "Retried %(n)d failed batches of job %(job)s.",
+                done,
+            )
+            % {"n": done, "job": job},
+            messages.SUCCESS,
+        )
+        return HttpResponseRedirect(reverse("admin:fairqueue_workbatch_changelist"))

@@ -1,0 +1,566 @@
+"""A backend for Django's tasks framework (``django.tasks``; the django-tasks backport on 5.2).
+
+::
+
+    TASKS = {
+        "default": {
+            "BACKEND": "django_fairqueue.backend.FairQueueBackend",
+            "OPTIONS": {"CHANNEL_FROM": "myproject.tasks.tenant_channel"},  # all optional
+        }
+    }
+
+Functions decorated with Django's ``@task`` enqueue as fairqueue messages and run on
+``runfairworker``. How the pieces map (docs/howto/django-tasks.md has the reader's version):
+
+* Registration. Django validates a task against its backend when the task is created (the
+  decorator, ``.using()``). Validation registers it in fairqueue's registry under its
+  ``module_path``, with a runner that calls the function (passing a ``TaskContext`` when it
+  takes one). Workers import task modules by app autodiscovery and ``FAIRQUEUE['TASK_MODULES']``
+  and run registered names only; no import path is ever read from a row.
+* Enqueue is fairqueue's enqueue: SQL on Django's connection, so inside ``transaction.atomic()``
+  it commits or rolls back with the caller's writes.
+* Channel: ``task.using(channel=...)``, else ``OPTIONS['CHANNEL_FROM']``, else the task's
+  ``queue_name`` when it is not Django's ``"default"``, else ``OPTIONS['DEFAULT_CHANNEL']``, else
+  ``FAIRQUEUE['DEFAULT_CHANNEL']``.
+* Results: every Django task keeps its row after success (``keep_result``), so ``get_result``
+  works until the pruner removes it (``FAIRQUEUE['RESULT_RETENTION']``).
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import inspect
+import logging
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
+
+from django.apps import apps
+from django.core import checks
+from django.utils import timezone
+from django.utils.module_loading import import_string
+
+from django_fairqueue import api, conf
+from django_fairqueue._tasks_compat import (
+    DEFAULT_TASK_QUEUE_NAME,
+    BaseTaskBackend,
+    InvalidTask,
+    InvalidTaskBackend,
+    Task,
+    TaskContext,
+    TaskError,
+    TaskResult,
+    TaskResultDoesNotExist,
+    TaskResultStatus,
+    normalize_json,
+    task_enqueued,
+    task_finished,
+    task_started,
+)
+from django_fairqueue.context import current_message
+from django_fairqueue.exceptions import InvalidChannel, UnknownTask
+from django_fairqueue.tasks import TaskSpec, registry
+
+if TYPE_CHECKING:
+    from django_fairqueue.models import Message
+    from django_fairqueue.store import ClaimedMessage
+
+    _TaskBase = Task[..., Any]
+
+    #: ``OPTIONS['CHANNEL_FROM']``: ``(task, args, kwargs) -> channel name``, or ``None`` to
+    #: fall through to the next rule.
+    ChannelFrom = Callable[[Task[..., Any], Sequence[Any], Mapping[str, Any]], str | None]
+else:
+    _TaskBase = Task
+
+__all__ = ["OPTION_NAMES", "FairQueueBackend", "FairQueueTask"]
+
+logger = logging.getLogger("django_fairqueue.backend")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: Keys accepted in ``TASKS[alias]['OPTIONS']``.
+OPTION_NAMES = ("CHANNEL_FROM", "DEFAULT_CHANNEL", "DELIVERY", "MAX_ATTEMPTS")
+
+# Message state -> Django status. Django has no "scheduled" (a deferred task is READY) and no
+# "cancelled" (a task that will never run is FAILED: "unable to start").
+_STATUS = {
+    "scheduled": TaskResultStatus.READY,
+    "ready": TaskResultStatus.READY,
+    "running": TaskResultStatus.RUNNING,
+    "succeeded": TaskResultStatus.SUCCESSFUL,
+    "failed": TaskResultStatus.FAILED,
+    "cancelled": TaskResultStatus.FAILED,
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class FairQueueTask(_TaskBase):
+    """Django's ``Task`` plus the fairqueue channel it enqueues to.
+
+    The backend's ``task_class``: Django's ``@task`` builds one for tasks on this backend, so
+    ``my_task.using(channel="alice").enqueue(...)`` works. On Django 6.1 and the backport the
+    decorator also accepts it (``@task(channel="reports")``); Django 6.0's decorator does not
+    forward extra arguments, so there use ``.using(channel=...)``.
+    """
+
+    channel: str | None = None
+
+    def using(self, *, channel: str | None = None, **changes: Any) -> FairQueueTask:
+        """A copy with other defaults: Django's ``priority``, ``queue_name``, ``run_after``,
+        ``backend``, and fairqueue's ``channel``."""
+        # Django's own using() for its options, so options a later Django adds keep working.
+        # Task.using() copies with dataclasses.replace(), which keeps the class.
+        task = cast(FairQueueTask, Task.using(self, **changes)) if changes else self
+        if channel is not None:
+            task = dataclasses.replace(task, channel=channel)
+        return task
+
+
+class _TaskRunner:
+    """What fairqueue's registry holds for a Django task: the worker calls it with the
+    message's arguments, and it calls the task the way Django's own backends do."""
+
+    def __init__(self, task: Task[..., Any]) -> None:
+        self.task = task
+        # The registry refuses a name already registered for another function, comparing
+        # module and qualname: present the task function's, not this class's.
+        self.__module__ = task.func.__module__
+        self.__qualname__ = task.func.__qualname__
+        self.__name__ = task.func.__name__
+        self.__doc__ = task.func.__doc__
+        # The worker checks a message's arguments against the handler's signature before it
+        # calls it, and fails a message whose arguments cannot fit without retrying it. Show
+        # it the task's parameters, less the context the runner passes itself.
+        signature = inspect.signature(task.func)
+        if task.takes_context:
+            signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+        self.__signature__ = signature
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        message = current_message.get()
+        task = self.task
+        if message is None:
+            # Called outside a worker (a test calling the registered function directly):
+            # no message to report on, so no signals and no context.
+            if task.takes_context:
+                raise RuntimeError(
+                    f"task {task.module_path} takes a context, which only a fairqueue worker "
+                    "can provide (no message is running in this thread)"
+                )
+            return normalize_json(task.call(*args, **kwargs))
+        sender = type(task.get_backend())
+        started = timezone.now()
+        running = _result_from_message(task, message, args, kwargs, started)
+        task_started.send(sender=sender, task_result=running)
+        try:
+            if task.takes_context:
+                value = task.call(TaskContext(task_result=running), *args, **kwargs)
+            else:
+                value = task.call(*args, **kwargs)
+            # Django's contract: return values are JSON, normalised (tuples become lists).
+            value = normalize_json(value)
+        except (Exception, SystemExit) as exc:  # what the worker counts as a failed attempt
+            failed = _replace_result(
+                running,
+                status=TaskResultStatus.FAILED,
+                finished_at=timezone.now(),
+                errors=[_task_error(exc)],
+            )
+            # Sent inside the except block, so receivers (Django logs it) see the exception.
+            _send_finished(sender, failed)
+            raise
+        done = _replace_result(
+            running,
+            status=TaskResultStatus.SUCCESSFUL,
+            finished_at=timezone.now(),
+            return_value=value,
+        )
+        _send_finished(sender, done)
+        return value
+
+    def __repr__(self) -> str:
+        return f"<django.tasks runner for {self.task.module_path}>"
+
+
+def _send_finished(sender: type[Any], result: TaskResult[..., Any]) -> None:
+    # The outcome is decided by now: a failing receiver must not turn a success into a retry
+    # (the task would run twice), so it is logged rather than raised.
+    for receiver, response in task_finished.send_robust(sender=sender, task_result=result):
+        if isinstance(response, Exception):
+            logger.error(
+                "task_finished receiver %r failed for task result %s",
+                receiver,
+                result.id,
+                exc_info=response,
+            )
+
+
+def _exception_path(recorded: Any) -> str:
+    """Django's ``exception_class_path`` for the error type a message recorded.
+
+    The worker records built-in exceptions without their module (``"ValueError"``); Django
+    imports the path, so those get ``builtins.`` back. Other names (``"LeaseExpired"``, from
+    the rescuer) are kept as recorded.
+    """
+    kind = str(recorded or "")
+    if "." not in kind and isinstance(getattr(builtins, kind, None), type):
+        return f"builtins.{kind}"
+    return kind
+
+
+def _task_error(exc: BaseException) -> TaskError:
+    kind = type(exc)
+    return TaskError(
+        exception_class_path=f"{kind.__module__}.{kind.__qualname__}",
+        traceback="".join(traceback.format_exception(exc)),
+    )
+
+
+class FairQueueBackend(BaseTaskBackend):
+    """Runs Django tasks on django-fairqueue: fair across channels, transactional enqueue."""
+
+    task_class = FairQueueTask
+
+    supports_defer = True  # run_after becomes the message's run_at
+    # The runner calls Task.call(), which runs a coroutine function to completion with
+    # async_to_sync on the worker thread.
+    supports_async_task = True
+    supports_get_result = True  # rows are kept after success until pruned
+    supports_priority = True  # -100..100, higher first within a channel, as fairqueue's own
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        where = f"TASKS[{alias!r}]['OPTIONS']"
+        options = self.options
+        if not isinstance(options, dict):
+            raise InvalidTaskBackend(f"{where} must be a dict")
+        unknown = sorted(set(options) - set(OPTION_NAMES))
+        if unknown:
+            raise InvalidTaskBackend(
+                f"{where} has unknown keys {unknown}; known keys: {list(OPTION_NAMES)}"
+            )
+        self.default_channel: str | None = None
+        if options.get("DEFAULT_CHANNEL") is not None:
+            try:
+                self.default_channel = api.validate_channel_name(options["DEFAULT_CHANNEL"])
+            except InvalidChannel as exc:
+                raise InvalidTaskBackend(f"{where}['DEFAULT_CHANNEL']: {exc}") from exc
+        channel_from = options.get("CHANNEL_FROM")
+        if channel_from is not None and not isinstance(channel_from, str):
+            raise InvalidTaskBackend(
+                f"{where}['CHANNEL_FROM'] must be the dotted path of a callable "
+                f"(task, args, kwargs) -> channel, got {channel_from!r}"
+            )
+        self._channel_from_path: str | None = channel_from
+        # Imported on first use, not here: the backend is built while a tasks module is being
+        # imported (by its @task decorators), and the callable may live in that very module.
+        self._channel_from: ChannelFrom | None = None
+        delivery = options.get("DELIVERY")
+        if delivery is not None and delivery not in conf.DELIVERY_MODES:
+            raise InvalidTaskBackend(
+                f"{where}['DELIVERY'] must be one of {conf.DELIVERY_MODES}, got {delivery!r}"
+            )
+        self.delivery: str | None = delivery
+        attempts = options.get("MAX_ATTEMPTS")
+        if attempts is not None and (
+            isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1
+        ):
+            raise InvalidTaskBackend(f"{where}['MAX_ATTEMPTS'] must be an integer >= 1")
+        self.max_attempts: int | None = attempts
+
+    # -- Django's backend API ------------------------------------------------------------------
+
+    def validate_task(self, task: Task[..., Any]) -> None:
+        super().validate_task(task)
+        channel = getattr(task, "channel", None)
+        if channel is not None:
+            try:
+                api.validate_channel_name(channel)
+            except InvalidChannel as exc:
+                raise InvalidTask(str(exc)) from exc
+        self._register(task)
+
+    def enqueue(
+        self, task: Task[P, R], args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> TaskResult[P, R]:
+        """Queue one call; part of the caller's transaction, visible to workers at commit."""
+        self.validate_task(task)
+        spec = registry.get(task.module_path)
+        request = api.EnqueueRequest(
+            spec,
+            args,
+            kwargs,
+            channel=self.channel_for(task, args, kwargs),
+            run_after=task.run_after,
+            priority=task.priority,
+        )
+        (message_id,) = api.enqueue_many([request])
+        result = _make_result(
+            task,
+            id=str(message_id),
+            status=TaskResultStatus.READY,
+            # The row's enqueued_at is the database clock a moment earlier; get_result has it.
+            enqueued_at=timezone.now(),
+            args=args,
+            kwargs=kwargs,
+            backend=self.alias,
+        )
+        # Sent now, like every backend: if the surrounding transaction rolls back, the result
+        # id names a message that never existed (get_result raises TaskResultDoesNotExist).
+        task_enqueued.send(type(self), task_result=result)
+        return result
+
+    def get_result(self, result_id: str) -> TaskResult[..., Any]:
+        """The task result of message ``result_id``, from its row (one query)."""
+        from django_fairqueue.models import Message
+
+        try:
+            pk = int(result_id)
+        except (TypeError, ValueError):
+            raise TaskResultDoesNotExist(result_id) from None
+        row = (
+            Message.objects.using(conf.get().DATABASE)
+            .select_related("channel")
+            .filter(pk=pk)
+            .first()
+        )
+        if row is None:
+            raise TaskResultDoesNotExist(result_id)
+        return self.result_from_row(row)
+
+    def check(self, **kwargs: Any) -> list[Any]:
+        errors: list[Any] = list(super().check(**kwargs))
+        if not apps.is_installed("django_fairqueue"):
+            errors.append(
+                checks.Error(
+                    f"Task backend {self.alias!r} is FairQueueBackend, but django_fairqueue is "
+                    "not in INSTALLED_APPS.",
+                    hint="Add 'django_fairqueue' to INSTALLED_APPS and run migrate.",
+                    id="fairqueue.E101",
+                )
+            )
+        if self._channel_from_path is not None:
+            try:
+                self._load_channel_from()
+            except InvalidTaskBackend as exc:
+                errors.append(checks.Error(str(exc), id="fairqueue.E102"))
+        return errors
+
+    # -- fairqueue specifics -------------------------------------------------------------------
+
+    def channel_for(
+        self, task: Task[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> str:
+        """The channel a call of ``task`` goes to (the first rule that gives one wins)."""
+        channel = getattr(task, "channel", None)
+        if channel is None and self._channel_from_path is not None:
+            channel = self._load_channel_from()(task, args, kwargs)
+        if channel is None and task.queue_name != DEFAULT_TASK_QUEUE_NAME:
+            channel = task.queue_name
+        if channel is None:
+            channel = self.default_channel or conf.get().DEFAULT_CHANNEL
+        return channel
+
+    def result_from_row(self, row: Message) -> TaskResult[..., Any]:
+        """Map a message row to Django's ``TaskResult``: the one place that does it.
+
+        * status: scheduled/ready -> READY, running -> RUNNING, succeeded -> SUCCESSFUL (with
+          the return value), failed/cancelled -> FAILED;
+        * ``errors``: the last recorded error, if any (its type, and its traceback); earlier
+          attempts' errors are not kept;
+        * ``started_at`` and ``last_attempted_at``: when the latest attempt was claimed;
+        * ``worker_ids``: fairqueue records the worker of the latest attempt only, so it is
+          repeated once per attempt, keeping ``len(worker_ids) == attempts`` as Django defines.
+        """
+        runner = self._runner(row.task_name, row.pk)
+        payload = row.payload if isinstance(row.payload, dict) else {}
+        errors = []
+        if isinstance(row.last_error, dict):
+            errors.append(
+                TaskError(
+                    exception_class_path=_exception_path(row.last_error.get("type")),
+                    traceback=str(
+                        row.last_error.get("traceback") or row.last_error.get("message") or ""
+                    ),
+                )
+            )
+        state = str(row.state)
+        run_after = row.run_at if row.run_at > row.enqueued_at else None
+        return _make_result(
+            _bound_task(
+                runner.task,
+                backend=self.alias,
+                priority=row.priority,
+                channel=row.channel.name,
+                run_after=run_after if state in ("scheduled", "ready") else None,
+            ),
+            id=str(row.pk),
+            status=_STATUS[state],
+            enqueued_at=row.enqueued_at,
+            started_at=row.claimed_at,
+            last_attempted_at=row.claimed_at,
+            finished_at=row.finished_at,
+            args=payload.get("args", []),
+            kwargs=payload.get("kwargs", {}),
+            backend=self.alias,
+            errors=errors,
+            worker_ids=[row.worker_id] * row.attempts,
+            return_value=row.result if state == "succeeded" else None,
+        )
+
+    def _runner(self, task_name: str, message_id: int) -> _TaskRunner:
+        try:
+            func = registry.get(task_name).func
+        except UnknownTask:
+            func = None
+        if not isinstance(func, _TaskRunner):
+            raise TaskResultDoesNotExist(
+                f"message {message_id} runs {task_name!r}, which is not a django.tasks task "
+                "registered in this process"
+            )
+        return func
+
+    def _register(self, task: Task[..., Any]) -> None:
+        name = task.module_path
+        if name in registry:
+            current = registry.get(name).func
+            if isinstance(current, _TaskRunner) and current.task.func is task.func:
+                return  # validated before (the decorator, an earlier .using())
+        spec = TaskSpec(
+            name=name,
+            func=_TaskRunner(task),
+            delivery=self.delivery,
+            max_attempts=self.max_attempts,
+            keep_result=True,
+        )
+        try:
+            registry.register(spec)
+        except ValueError as exc:
+            raise InvalidTask(str(exc)) from exc
+
+    def _load_channel_from(self) -> ChannelFrom:
+        if self._channel_from is None:
+            path = self._channel_from_path
+            where = f"TASKS[{self.alias!r}]['OPTIONS']['CHANNEL_FROM']"
+            try:
+                func = import_string(str(path))
+            except ImportError as exc:
+                raise InvalidTaskBackend(f"{where} = {path!r} cannot be imported: {exc}") from exc
+            if not callable(func):
+                raise InvalidTaskBackend(f"{where} = {path!r} is not callable")
+            self._channel_from = func
+        return self._channel_from
+
+
+# -- TaskResult construction -------------------------------------------------------------------
+
+
+def _make_result(
+    task: Task[P, R],
+    *,
+    id: str,
+    status: TaskResultStatus,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    backend: str,
+    enqueued_at: datetime | None = None,
+    started_at: datetime | None = None,
+    last_attempted_at: datetime | None = None,
+    finished_at: datetime | None = None,
+    errors: list[TaskError] | None = None,
+    worker_ids: list[str] | None = None,
+    return_value: Any = None,
+) -> TaskResult[P, R]:
+    result = TaskResult(
+        task=task,
+        id=id,
+        status=status,
+        enqueued_at=enqueued_at,
+        started_at=started_at,
+        last_attempted_at=last_attempted_at,
+        finished_at=finished_at,
+        args=list(args),
+        kwargs=dict(kwargs),
+        backend=backend,
+        errors=errors or [],
+        worker_ids=worker_ids or [],
+    )
+    object.__setattr__(result, "_return_value", return_value)
+    return result
+
+
+def _replace_result(result: TaskResult[P, R], **changes: Any) -> TaskResult[P, R]:
+    fields = {
+        name: getattr(result, name)
+        for name in (
+            "task",
+            "id",
+            "status",
+            "enqueued_at",
+            "started_at",
+            "last_attempted_at",
+            "finished_at",
+            "args",
+            "kwargs",
+            "backend",
+            "errors",
+            "worker_ids",
+        )
+    }
+    fields.update(changes)
+    return _make_result(**fields)
+
+
+def _result_from_message(
+    task: Task[..., Any],
+    message: ClaimedMessage,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    started: datetime,
+) -> TaskResult[..., Any]:
+    """The RUNNING result a worker's runner reports (signals, ``TaskContext``).
+
+    Built from the claimed message, without a query: the row may already be gone (at-most-once
+    delivery deletes it before the handler runs). The claim does not tell the handler which
+    worker holds it, so ``worker_ids`` holds an empty string per attempt; ``attempts`` (and so
+    ``TaskContext.attempt``) is exact.
+    """
+    return _make_result(
+        _bound_task(
+            task,
+            backend=task.backend,
+            priority=message.priority,
+            channel=message.channel,
+            run_after=None,
+        ),
+        id=str(message.id),
+        status=TaskResultStatus.RUNNING,
+        enqueued_at=message.enqueued_at,
+        started_at=started,
+        last_attempted_at=started,
+        args=args,
+        kwargs=kwargs,
+        backend=task.backend,
+        worker_ids=[""] * message.attempts,
+    )
+
+
+def _bound_task(
+    task: Task[P, R], *, backend: str, priority: int, channel: str, run_after: datetime | None
+) -> Task[P, R]:
+    """``task`` as a message ran it: its backend, priority, run_after and (when it has the
+    field) channel. One copy at most, since every copy is validated again."""
+    changes: dict[str, Any] = {}
+    if task.backend != backend:
+        changes["backend"] = backend
+    if task.priority != priority:
+        changes["priority"] = priority
+    if task.run_after != run_after:
+        changes["run_after"] = run_after
+    if isinstance(task, FairQueueTask) and task.channel != channel:
+        changes["channel"] = channel
+    return dataclasses.replace(task, **changes) if changes else task

@@ -1,0 +1,39 @@
+"""The benchmark behind ``manage.py fairbench`` (issue 2, section 5).
+
+Scenarios are small modules (``enqueue``, ``claim``, ``latency``, ``fairness``, ``admin``,
+``e2e`` and ``pickup``; the last two through real ``runfairworker`` processes), each a plan of
+cells and a function that runs one cell and returns a frozen dataclass; ``runner.run`` runs
+them on one database and returns a :class:`~django_fairqueue.benchmark.report.Report` (tables,
+JSON, targets). See ``scenario.py`` for how to add one, and docs/performance.md for figures.
+"""
+
+from __future__ import annotations
+
+from django_fairqueue.benchmark import (
+    admin_render,
+    claim,
+    e2e,
+    enqueue,
+    fairness,
+    latency,
+    pickup,
+)
+from django_fairqueue.benchmark.harness import BenchmarkError, Progress
+from django_fairqueue.benchmark.scenario import Scenario
+from django_fairqueue.benchmark.sizes import PRESETS, Sizes
+
+#: Every scenario, in the order a full run performs them.
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        enqueue.SCENARIO,
+        claim.SCENARIO,
+        latency.SCENARIO,
+        fairness.SCENARIO,
+        admin_render.SCENARIO,
+        e2e.SCENARIO,
+        pickup.SCENARIO,
+    )
+}
+
+__all__ = ["PRESETS", "SCENARIOS", "BenchmarkError", "Progress", "Scenario", "Sizes"]

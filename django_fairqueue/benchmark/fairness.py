@@ -1,0 +1,206 @@
+"""Fairness: tenant A has a large backlog, tenant B enqueues a small burst. How long does B wait?
+
+A's backlog is bulk-loaded, then claimer processes start draining it (claim a batch, complete
+it). Once they run, B enqueues ``burst`` messages in one transaction, several rounds apart. B's
+wait is the time from the message's ``enqueued_at`` (the server's clock at enqueue) to the
+moment the claim that took it returned (the claimer's clock: the same machine, so one clock).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.synchronize import Barrier, Event
+from typing import Any
+
+from django_fairqueue import store
+from django_fairqueue.api import EnqueueRequest, enqueue_many
+from django_fairqueue.benchmark.harness import (
+    START_TIMEOUT,
+    Bench,
+    BenchmarkError,
+    load1,
+    median,
+    percentile,
+)
+from django_fairqueue.benchmark.scenario import Column, Scenario
+from django_fairqueue.benchmark.sizes import Sizes
+from django_fairqueue.benchmark.tasks import NOOP_TASK_NAME
+
+LEASE = timedelta(minutes=10)
+A = "tenant-a"
+B = "tenant-b"
+#: A burst not fully claimed within this many seconds fails the cell.
+SERVE_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class FairnessCell:
+    a_backlog: int
+    processes: int
+
+    @property
+    def label(self) -> str:
+        return f"fairness  A backlog {self.a_backlog:>9,}  x{self.processes}"
+
+
+@dataclass(frozen=True)
+class FairnessResult:
+    a_backlog: int
+    processes: int
+    batch: int
+    burst: int
+    rounds: int
+    b_wait_p50_ms: float
+    b_wait_p99_ms: float
+    b_wait_max_ms: float
+    #: the most A messages claimed while a burst waited: by claims that started after its
+    #: commit and returned by the claim of its last message
+    a_before_b_max: int
+    #: the most non-empty claim calls (all processes) a burst waited for: those claims, plus
+    #: the ones that took B's messages
+    claims_before_b_max: int
+    #: A's throughput over the cell (messages/s)
+    a_rate: float
+    a_left: int
+    load1: float
+
+
+def plan(sizes: Sizes) -> list[FairnessCell]:
+    return [FairnessCell(n, p) for n in sizes.fairness_backlogs for p in sizes.fairness_processes]
+
+
+#: One claim call: (started, returned, A messages, [(B id, enqueued_at, returned)]).
+Record = tuple[float, float, int, list[tuple[int, float, float]]]
+
+
+def _worker(
+    index: int, using: str, batch: int, served: Any, stop: Event, start: Barrier
+) -> list[Record]:
+    """Claim until told to stop; returns a record per claim call."""
+    worker_id = f"fairbench-{os.getpid()}"
+    records: list[Record] = []
+    start.wait(START_TIMEOUT)
+    while not stop.is_set():
+        started = time.time()
+        got = store.claim_messages(batch, lease=LEASE, worker_id=worker_id, using=using)
+        returned = time.time()
+        if got:
+            store.complete_messages([(m.id, m.lease_token, None) for m in got], using=using)
+        bs = [(m.id, m.enqueued_at.timestamp(), returned) for m in got if m.channel == B]
+        if bs:
+            with served.get_lock():
+                served.value += len(bs)
+        records.append((started, returned, sum(1 for m in got if m.channel == A), bs))
+    return records
+
+
+def _took(record: Record, ids: list[int]) -> bool:
+    wanted = set(ids)
+    return any(bid in wanted for bid, _, _ in record[3])
+
+
+def run(bench: Bench, cell: FairnessCell) -> FairnessResult:
+    sizes = bench.sizes
+    load = load1()
+    bench.reset()
+    bench.load([A], cell.a_backlog)
+    bursts: list[tuple[list[int], float]] = []  # (B's ids, when their commit returned)
+    with bench.processes() as group:
+        served = group.ctx.Value("i", 0)
+        stop = group.event()
+        start = group.barrier(cell.processes + 1)
+        group.start(cell.processes, _worker, bench.using, sizes.fairness_batch, served, stop, start)
+        start.wait(START_TIMEOUT)
+        began = time.time()
+        time.sleep(sizes.fairness_pause)
+        for r in range(sizes.fairness_rounds):
+            bench.progress.update(
+                f"burst {r + 1}/{sizes.fairness_rounds}", r / sizes.fairness_rounds
+            )
+            ids = enqueue_many(
+                EnqueueRequest(NOOP_TASK_NAME, (r, j), channel=B)
+                for j in range(sizes.fairness_burst)
+            )
+            bursts.append((ids, time.time()))
+            deadline = time.monotonic() + SERVE_TIMEOUT
+            while served.value < sizes.fairness_burst * (r + 1):
+                if time.monotonic() > deadline:
+                    raise BenchmarkError(
+                        f"B's burst {r + 1} was not claimed within {SERVE_TIMEOUT:.0f}s "
+                        f"({served.value - sizes.fairness_burst * r} of {sizes.fairness_burst})"
+                    )
+                time.sleep(0.001)
+            time.sleep(sizes.fairness_pause)
+        stop.set()
+        records = [rec for out in group.collect(timeout=START_TIMEOUT) for rec in out]
+    ended = max((rec[1] for rec in records), default=time.time())
+
+    b_claims = {bid: (enq, ret) for *_, bs in records for bid, enq, ret in bs}
+    waits_ms: list[float] = []
+    a_before: list[int] = []
+    claims_before: list[int] = []
+    for ids, committed in bursts:
+        waits_ms += [1000 * (b_claims[i][1] - b_claims[i][0]) for i in ids]
+        # The claims B had to wait for: those that started once B was committed (claimable)
+        # and returned by the time B's last message was claimed, plus any that took B.
+        last = max(b_claims[i][1] for i in ids)
+        window = [r for r in records if r[1] <= last and (r[0] >= committed or _took(r, ids))]
+        a_before.append(sum(r[2] for r in window))
+        # Empty claims (a peer held the channels) served nobody: they do not count.
+        claims_before.append(sum(1 for r in window if r[2] or r[3]))
+    a_claimed = sum(rec[2] for rec in records)
+    bench.reset()
+    return FairnessResult(
+        a_backlog=cell.a_backlog,
+        processes=cell.processes,
+        batch=sizes.fairness_batch,
+        burst=sizes.fairness_burst,
+        rounds=len(bursts),
+        b_wait_p50_ms=round(median(waits_ms), 2),
+        b_wait_p99_ms=round(percentile(waits_ms, 99), 2),
+        b_wait_max_ms=round(max(waits_ms), 2),
+        a_before_b_max=max(a_before),
+        claims_before_b_max=max(claims_before),
+        a_rate=round(a_claimed / (ended - began), 1) if ended > began else 0.0,
+        a_left=cell.a_backlog - a_claimed,
+        load1=round(load, 2),
+    )
+
+
+SCENARIO = Scenario(
+    name="fairness",
+    title="Fairness: A's backlog, then B's burst (B's wait, ms)",
+    plan=plan,
+    run=run,
+    columns=(
+        Column("A backlog", "a_backlog", ","),
+        Column("processes", "processes"),
+        Column("batch", "batch"),
+        Column("B burst", "burst"),
+        Column("rounds", "rounds"),
+        Column("B p50 ms", "b_wait_p50_ms", ".1f"),
+        Column("B p99 ms", "b_wait_p99_ms", ".1f"),
+        Column("B max ms", "b_wait_max_ms", ".1f"),
+        Column("A before B", "a_before_b_max", ","),
+        Column("claims", "claims_before_b_max"),
+        Column("A msgs/s", "a_rate", ",.0f"),
+        Column("A left", "a_left", ","),
+    ),
+    summary=lambda r: f"B p50 {r.b_wait_p50_ms:.1f} ms, p99 {r.b_wait_p99_ms:.1f} ms",
+    key=("a_backlog", "processes"),
+    metric="b_wait_p99_ms",
+    higher_is_better=False,
+    notes=(
+        "Claimer processes loop claim_messages(batch) -> complete on A's backlog; B then "
+        "enqueues its burst in one transaction, once per round. B's wait: enqueued_at -> the "
+        "return of the claim that took it.",
+        "A before B / claims: over the rounds, the most A messages (non-empty claim calls) a "
+        "burst waited for: claims that started after its commit and returned by the claim of its "
+        "last message, plus the claims that took it.",
+        "A left: A's messages still queued at the end (0 would mean B was measured on an "
+        "idle queue).",
+    ),
+)

@@ -1,0 +1,156 @@
+"""Pickup latency at low load: enqueue commit to handler start, through one idle worker.
+
+One ``runfairworker --concurrency 1`` process waits on an empty queue. The benchmark enqueues
+one message at a time (``enqueue``, committed), notes ``time.time()`` as soon as the enqueue
+returns, pauses, waits for the message to succeed, and enqueues the next. The task returns
+``time.time()`` when its handler starts (kept as the message's result), so the latency is the
+difference of two readings of the same machine's clock. With LISTEN the commit's NOTIFY wakes
+the worker; with ``--no-listen`` it finds the message at its next poll.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from django_fairqueue.api import enqueue
+from django_fairqueue.benchmark.harness import (
+    START_TIMEOUT,
+    Bench,
+    BenchmarkError,
+    load1,
+    median,
+    percentile,
+)
+from django_fairqueue.benchmark.scenario import Column, Scenario
+from django_fairqueue.benchmark.sizes import Sizes
+from django_fairqueue.benchmark.tasks import STAMP_TASK_NAME
+from django_fairqueue.benchmark.workerproc import Fleet
+from django_fairqueue.models import Message, MessageState
+
+CHANNEL = "fairbench-pickup"
+#: Seconds between two looks at whether the message has run.
+POLL = 0.005
+
+
+@dataclass(frozen=True)
+class PickupCell:
+    #: "listen" (LISTEN/NOTIFY wake-ups, the default) or "poll" (``--no-listen``)
+    mode: str
+
+    @property
+    def label(self) -> str:
+        return f"pickup latency  {'LISTEN' if self.mode == 'listen' else 'polling only'}"
+
+
+@dataclass(frozen=True)
+class PickupResult:
+    mode: str
+    poll_interval: float
+    samples: int
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    max_ms: float
+    min_ms: float
+    load1: float
+
+
+def plan(sizes: Sizes) -> list[PickupCell]:
+    return [PickupCell(mode) for mode in sizes.pickup_modes]
+
+
+def _started_at(using: str, message_id: int) -> float | None:
+    """The handler's start time (the task's result), once the message has succeeded."""
+    row = (
+        Message.objects.using(using)
+        .filter(pk=message_id, state=MessageState.SUCCEEDED)
+        .values_list("result", flat=True)
+        .first()
+    )
+    return float(row) if row is not None else None
+
+
+def _one(using: str, timeout: float, pause: float) -> float:
+    """Enqueue one message, wait ``pause``, then until it has run; the latency in seconds.
+
+    Not reading the result during the pause keeps the benchmark off the CPU the worker needs.
+    """
+    message_id = enqueue(STAMP_TASK_NAME, channel=CHANNEL)
+    committed = time.time()
+    time.sleep(pause)
+    deadline = time.monotonic() + timeout
+    while True:
+        started = _started_at(using, message_id)
+        if started is not None:
+            return started - committed
+        if time.monotonic() > deadline:
+            raise BenchmarkError(f"message {message_id} did not run within {timeout:.0f}s")
+        time.sleep(POLL)
+
+
+def run(bench: Bench, cell: PickupCell) -> PickupResult:
+    sizes = bench.sizes
+    using = bench.using
+    load = load1()
+    bench.reset()
+    args = ["--concurrency", "1", "--poll-interval", str(sizes.pickup_poll_interval)]
+    args += ["--verbosity", "0"]
+    if cell.mode == "poll":
+        args.append("--no-listen")
+    count = sizes.pickup_samples if cell.mode == "listen" else sizes.pickup_poll_samples
+    timeout = 10 * sizes.pickup_poll_interval + 5
+    latencies: list[float] = []
+    with Fleet(using, 1, args) as fleet:
+        # The first message waits for the worker to start; the rest warm it up.
+        _one(using, START_TIMEOUT, 0.0)
+        for _ in range(sizes.pickup_warmup):
+            _one(using, timeout, sizes.pickup_pause)
+        for i in range(count):
+            latencies.append(_one(using, timeout, sizes.pickup_pause))
+            bench.progress.update(f"{i + 1}/{count} messages", (i + 1) / count)
+        fleet.check()
+    bench.reset()
+    ms = [1000 * x for x in latencies]
+    return PickupResult(
+        mode=cell.mode,
+        poll_interval=sizes.pickup_poll_interval,
+        samples=len(ms),
+        p50_ms=round(median(ms), 2),
+        p90_ms=round(percentile(ms, 90), 2),
+        p99_ms=round(percentile(ms, 99), 2),
+        max_ms=round(max(ms), 2),
+        min_ms=round(min(ms), 2),
+        load1=round(load, 2),
+    )
+
+
+SCENARIO = Scenario(
+    name="pickup",
+    title="Pickup latency at low load: enqueue commit to handler start (ms)",
+    plan=plan,
+    run=run,
+    columns=(
+        Column("mode", "mode"),
+        Column("poll s", "poll_interval", ".1f"),
+        Column("p50 ms", "p50_ms", ".2f"),
+        Column("p90 ms", "p90_ms", ".2f"),
+        Column("p99 ms", "p99_ms", ".2f"),
+        Column("max ms", "max_ms", ".2f"),
+        Column("min ms", "min_ms", ".2f"),
+        Column("samples", "samples"),
+    ),
+    summary=lambda r: f"p50 {r.p50_ms:.2f} ms, p99 {r.p99_ms:.2f} ms",
+    key=("mode",),
+    metric="p50_ms",
+    higher_is_better=False,
+    notes=(
+        "One idle `runfairworker --concurrency 1` process; messages are enqueued one at a time "
+        "(the next once the previous has run, after a 30 ms pause). Latency: the handler's "
+        "time.time() at start minus the benchmark's time.time() right after enqueue() "
+        "returned (committed); same machine, same clock.",
+        "listen: the commit's NOTIFY wakes the worker. poll: `--no-listen`, the worker claims "
+        "every poll interval, so the latency is spread over 0 to the interval (about half on "
+        "average).",
+    ),
+)

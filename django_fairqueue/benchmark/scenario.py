@@ -1,0 +1,52 @@
+"""A scenario: a plan of cells, how to run one cell, and how to show the results as a table.
+
+To add a scenario (issue 7 adds end-to-end throughput and pickup latency): write a module with
+a frozen ``*Cell`` dataclass, a frozen ``*Result`` dataclass, ``plan(sizes) -> list[Cell]`` and
+``run(bench, cell) -> Result``, build a :class:`Scenario` and add it to
+``django_fairqueue.benchmark.SCENARIOS``. The runner, the table, the JSON and ``--scenario``
+pick it up from there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from django_fairqueue.benchmark.harness import Bench
+from django_fairqueue.benchmark.sizes import Sizes
+
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    attr: str
+    #: ``format()`` spec for the value, e.g. ``",.0f"``; ``None`` is printed as ``-``.
+    spec: str = ""
+
+    def cell(self, result: Any) -> str:
+        value = getattr(result, self.attr)
+        if value is None:
+            return "-"
+        if isinstance(value, bool):
+            return "yes" if value else ""
+        return format(value, self.spec)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    plan: Callable[[Sizes], Sequence[Any]]
+    run: Callable[[Bench, Any], Any]
+    columns: Sequence[Column]
+    #: One short phrase for the progress line of a finished cell.
+    summary: Callable[[Any], str]
+    #: Result fields that identify a cell across runs (for --baseline), and its main figure.
+    key: Sequence[str] = ()
+    metric: str = ""
+    higher_is_better: bool = True
+    #: Fills fields that compare cells (e.g. latency relative to the smallest backlog).
+    finish: Callable[[list[Any]], list[Any]] | None = None
+    #: Printed under the table: what was measured and how.
+    notes: Sequence[str] = field(default_factory=tuple)

@@ -1,0 +1,116 @@
+"""How big each scenario is: the full run, ``--quick`` and the tiny sizes the tests use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Sizes:
+    name: str
+    #: Seconds each throughput cell (enqueue, claim+complete) is measured.
+    duration: float
+    #: Each throughput cell runs this many times; the table shows the median.
+    repeat: int = 1
+    # -- enqueue --
+    enqueue_processes: tuple[int, ...] = (1, 2)
+    enqueue_channels: int = 100
+    # -- claim + complete --
+    claim_channels: tuple[int, ...] = (1, 100)
+    claim_batches: tuple[int, ...] = (1, 100)
+    claimers: tuple[int, ...] = (1, 2, 4)
+    #: Seconds of the single-claimer probe that sizes each cell's pre-fill.
+    calibration: float = 1.0
+    #: Most messages pre-filled for one cell (a faster cell stops early when it runs dry).
+    max_fill: int = 3_000_000
+    # -- claim latency --
+    latency_backlogs: tuple[int, ...] = (1_000, 100_000, 1_000_000)
+    latency_backlog_channels: int = 100
+    latency_channel_counts: tuple[int, ...] = (10, 10_000)
+    latency_channel_backlog: int = 100_000
+    latency_batch: int = 100
+    latency_samples: int = 300
+    latency_warmup: int = 20
+    # -- fairness --
+    fairness_backlogs: tuple[int, ...] = (10_000, 100_000)
+    fairness_processes: tuple[int, ...] = (1, 2)
+    fairness_batch: int = 10
+    fairness_burst: int = 10
+    #: B enqueues its burst this many times per cell (more samples for p99).
+    fairness_rounds: int = 5
+    #: Seconds the claimers run on A's backlog before B's first burst, and between bursts.
+    fairness_pause: float = 0.1
+    # -- end to end (real runfairworker processes) --
+    e2e_channels: tuple[int, ...] = (1, 100)
+    e2e_processes: tuple[int, ...] = (1, 2)
+    e2e_threads: tuple[int, ...] = (1, 2, 4, 32)
+    e2e_batch: int = 100
+    #: Backlog bounds of one cell; within them it is sized to drain in about ``duration``.
+    e2e_min_backlog: int = 2_000
+    e2e_max_backlog: int = 300_000
+    #: Rate (tasks/s) assumed for the first cell of each channel count.
+    e2e_first_guess: float = 500.0
+    # -- pickup latency (one idle runfairworker process) --
+    pickup_modes: tuple[str, ...] = ("listen", "poll")
+    pickup_samples: int = 300
+    #: Samples of the polling cell (each takes half a poll interval on average).
+    pickup_poll_samples: int = 60
+    pickup_warmup: int = 5
+    #: Seconds between a message's completion and the next enqueue.
+    pickup_pause: float = 0.03
+    pickup_poll_interval: float = 1.0
+
+
+FULL = Sizes(name="full", duration=5.0)
+
+QUICK = Sizes(
+    name="quick",
+    duration=1.5,
+    calibration=0.5,
+    max_fill=1_000_000,
+    latency_samples=100,
+    latency_warmup=10,
+    fairness_rounds=3,
+    e2e_threads=(1, 4, 32),
+    e2e_min_backlog=1_000,
+    pickup_samples=100,
+    pickup_poll_samples=20,
+)
+
+#: For tests: every scenario and code path in seconds, figures meaningless.
+TINY = Sizes(
+    name="tiny",
+    duration=0.3,
+    enqueue_processes=(1, 2),
+    enqueue_channels=3,
+    claim_channels=(1, 3),
+    claim_batches=(1, 10),
+    claimers=(1, 2),
+    calibration=0.2,
+    max_fill=20_000,
+    latency_backlogs=(100, 1_000),
+    latency_backlog_channels=5,
+    latency_channel_counts=(2, 20),
+    latency_channel_backlog=1_000,
+    latency_batch=10,
+    latency_samples=5,
+    latency_warmup=2,
+    fairness_backlogs=(300,),
+    fairness_processes=(1, 2),
+    fairness_batch=10,
+    fairness_burst=3,
+    fairness_rounds=2,
+    fairness_pause=0.02,
+    e2e_channels=(3,),
+    e2e_processes=(1,),
+    e2e_threads=(2,),
+    e2e_min_backlog=300,
+    e2e_max_backlog=300,
+    pickup_modes=("listen",),
+    pickup_samples=10,
+    pickup_poll_samples=3,
+    pickup_warmup=2,
+    pickup_pause=0.01,
+)
+
+PRESETS = {s.name: s for s in (FULL, QUICK, TINY)}

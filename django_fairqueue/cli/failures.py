@@ -1,0 +1,162 @@
+"""``manage.py fairqueue failures``: list, retry and delete failed messages.
+
+::
+
+    manage.py fairqueue failures list [--channel C] [--task T] [--limit N] [--after ID] [--json]
+    manage.py fairqueue failures retry (ID ... | --all [--channel C] [--task T]) [--json]
+    manage.py fairqueue failures delete (ID ... | --all [--channel C] [--task T]) [--json]
+
+A subcommand module of the ``fairqueue`` command: it provides ``add_arguments(parser)`` and
+``handle(options, stdout)``; the work is done by :mod:`django_fairqueue.failures`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any, TextIO
+
+from django.core.management.base import CommandError
+
+from django_fairqueue import failures
+
+#: Longest error message shown in the text listing; --json has it whole.
+_ERROR_WIDTH = 80
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(
+        dest="failures_action", metavar="{list,retry,delete}", required=True
+    )
+    listing = actions.add_parser(
+        "list", help="Show failed messages, oldest first (a page at a time)."
+    )
+    _add_filters(listing)
+    listing.add_argument(
+        "--limit", type=_positive, default=100, help="Most messages to show (default: 100)."
+    )
+    listing.add_argument(
+        "--after",
+        type=_non_negative,
+        default=0,
+        metavar="ID",
+        help="Show messages with an id above ID (the next page).",
+    )
+    listing.add_argument("--json", action="store_true", help="Print JSON.")
+    for name, verb in (("retry", "Retry"), ("delete", "Delete")):
+        sub = actions.add_parser(
+            name,
+            help=f"{verb} failed messages by id, or all of them with --all (idempotent).",
+        )
+        sub.add_argument("ids", nargs="*", type=_positive, metavar="ID", help="Message ids.")
+        sub.add_argument(
+            "--all",
+            action="store_true",
+            help="Every failed message (narrowed by --channel and --task).",
+        )
+        _add_filters(sub)
+        sub.add_argument("--json", action="store_true", help="Print JSON.")
+
+
+def handle(options: dict[str, Any], stdout: TextIO) -> None:
+    action = options["failures_action"]
+    if action == "list":
+        _list(options, stdout)
+        return
+    ids: list[int] = options["ids"]
+    channel, task = options["channel"], options["task"]
+    if options["all"] and ids:
+        raise CommandError(f"failures {action}: give message ids or --all, not both")
+    if not options["all"] and not ids:
+        raise CommandError(f"failures {action}: give message ids, or --all for every one")
+    if not options["all"] and (channel is not None or task is not None):
+        raise CommandError(f"failures {action}: --channel and --task only narrow --all")
+    if options["all"]:
+        bulk = failures.retry_all if action == "retry" else failures.delete_all
+        count = bulk(channel=channel, task=task)
+        report: dict[str, Any] = {"action": action, "count": count}
+        text = f"{_past(action)} {_messages(count)}."
+    else:
+        one = failures.retry if action == "retry" else failures.delete
+        done = one(ids)
+        skipped = sorted(set(ids) - set(done))
+        report = {"action": action, "count": len(done), "ids": done, "skipped": skipped}
+        text = f"{_past(action)} {_messages(len(done))}."
+        if skipped:
+            text += f"\nSkipped (not failed): {', '.join(map(str, skipped))}."
+    if options["json"]:
+        _write(stdout, json.dumps(report))
+    else:
+        _write(stdout, text)
+
+
+def _list(options: dict[str, Any], stdout: TextIO) -> None:
+    limit = options["limit"]
+    found = failures.list_failed(
+        channel=options["channel"], task=options["task"], limit=limit, after_id=options["after"]
+    )
+    # A full page may have a next one; a short page is the last.
+    next_after = found[-1].id if len(found) == limit else None
+    if options["json"]:
+        report = {"failed": [m.as_dict() for m in found], "next_after": next_after}
+        _write(stdout, json.dumps(report))
+        return
+    if not found:
+        _write(stdout, "No failed messages.")
+        return
+    rows = [("ID", "CHANNEL", "TASK", "ATTEMPTS", "FINISHED", "ERROR")]
+    for m in found:
+        error = f"{m.error_type}: {m.error_message}" if m.error_message else m.error_type
+        error = " ".join(error.split())  # one line per message
+        if len(error) > _ERROR_WIDTH:
+            error = error[: _ERROR_WIDTH - 3] + "..."
+        finished = m.finished_at.strftime("%Y-%m-%d %H:%M:%S") if m.finished_at else "-"
+        rows.append(
+            (str(m.id), m.channel, m.task, f"{m.attempts}/{m.max_attempts}", finished, error)
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+        _write(stdout, "  ".join([*cells, row[-1]]).rstrip())
+    if next_after is not None:
+        _write(stdout, f"(more may follow: --after {next_after})")
+
+
+def _add_filters(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--channel", help="Only messages of this channel.")
+    parser.add_argument("--task", help="Only messages of this task name.")
+
+
+def _write(stdout: TextIO, line: str) -> None:
+    # An explicit newline: Django's OutputWrapper adds none to text that has one, a plain
+    # stream adds none at all.
+    stdout.write(line + "\n")
+
+
+def _past(action: str) -> str:
+    return "Retried" if action == "retry" else "Deleted"
+
+
+def _messages(count: int) -> str:
+    return f"{count} failed message" + ("" if count == 1 else "s")
+
+
+def _positive(text: str) -> int:
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None

@@ -1,0 +1,47 @@
+"""Run the maintenance services: rescue expired leases, fold counter deltas, prune old rows.
+
+Workers already run these on their intervals; this command is for deployments that start
+workers with ``--no-maintenance``, or for a one-off pass (``--once``), for example from cron.
+Running it next to workers is safe: concurrent copies never move a row twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+from typing import Any
+
+from django.core.management.base import OutputWrapper
+
+from django_fairqueue._runtime import StopFlag, configure_logging, stop_signals
+from django_fairqueue.maintenance import MaintenanceRunner
+
+logger = logging.getLogger("django_fairqueue.maintenance")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--once",
+        action="store_true",
+        help="Run each service once, print what it did and exit (default: run until SIGTERM).",
+    )
+
+
+def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
+    stop = StopFlag()
+    runner = MaintenanceRunner(stop=stop)
+    if options["once"]:
+        counts = runner.run_once()
+        stdout.write(", ".join(f"{name}: {count}" for name, count in counts.items()))
+        return
+
+    def on_signal(signum: int) -> None:
+        stop.set()
+
+    configure_logging(options["verbosity"])
+
+    with stop_signals(on_signal):
+        if threading.current_thread() is threading.main_thread():
+            logger.info("maintenance running; SIGTERM or Ctrl-C stops it")
+        runner.run()

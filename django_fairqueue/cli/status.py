@@ -1,0 +1,186 @@
+"""``manage.py fairqueue status``: the per-tenant table of the admin, in the terminal.
+
+::
+
+    manage.py fairqueue status [--sort backlog|age|name|running|failed] [--limit N] [--json]
+                               [--watch [SECONDS]]
+
+One line per channel (the first ``--limit``, default 20, in ``--sort`` order, default most
+ready first) with the same figures as the admin's channel list, then the totals over all
+channels. ``--json`` prints one JSON document for scripts; ``--watch`` redraws every SECONDS
+(default 2) until Ctrl-C. The figures come from the counters, bounded index probes and the
+per-minute statistics: cheap on a busy queue (see docs/howto/observability.md).
+
+A subcommand module of the ``fairqueue`` command: ``add_arguments(parser)`` and
+``handle(options, stdout)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from datetime import datetime
+from typing import Any, TextIO
+
+from django.db import connections
+from django.utils import timezone
+
+from django_fairqueue import overview, stats
+
+#: Longest channel name printed in the table (the JSON has it whole).
+_NAME_WIDTH = 40
+_WATCH_DEFAULT = 2.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--sort",
+        choices=overview.SORTS,
+        default="backlog",
+        help="Order of the channels: most ready first (default), longest-waiting first (age), "
+        "by name, most running, most failed.",
+    )
+    parser.add_argument(
+        "--limit", type=_positive, default=20, help="Most channels to list (default: 20)."
+    )
+    parser.add_argument("--json", action="store_true", help="Print JSON.")
+    parser.add_argument(
+        "--watch",
+        nargs="?",
+        const=_WATCH_DEFAULT,
+        type=_seconds,
+        metavar="SECONDS",
+        help=f"Redraw every SECONDS (default {_WATCH_DEFAULT:g}) until interrupted.",
+    )
+
+
+def handle(options: dict[str, Any], stdout: TextIO) -> None:
+    interval: float | None = options["watch"]
+    if interval is None:
+        _write(stdout, _render(options))
+        return
+    clear = "\x1b[H\x1b[2J" if _isatty(stdout) and not options["json"] else ""
+    try:
+        while True:
+            text = _render(options)
+            _write(stdout, clear + text if clear else text + ("" if options["json"] else "\n"))
+            # Between redraws, like a worker between passes: a connection the server closed
+            # (restart, idle timeout) is replaced instead of failing the next redraw. Never
+            # inside a transaction (a caller's atomic block, a test case).
+            for conn in connections.all(initialized_only=True):
+                if not conn.in_atomic_block:
+                    conn.close_if_unusable_or_obsolete()
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return
+
+
+def snapshot(sort: str = "backlog", limit: int = 20, now: datetime | None = None) -> dict[str, Any]:
+    """What ``status --json`` prints."""
+    now = now or timezone.now()
+    counts = overview.all_counts()
+    ids = overview.ranked_ids(sort, limit, counts=counts)
+    return {
+        "generated_at": now.isoformat(),
+        "sort": sort,
+        "totals": overview.totals(counts),
+        "finished_last_5m": sum(stats.finished_counts(overview.FINISHED_MINUTES, now=now).values()),
+        "channels": [row.as_dict(now) for row in overview.rows(ids, now=now)],
+    }
+
+
+def _render(options: dict[str, Any]) -> str:
+    now = timezone.now()
+    data = snapshot(options["sort"], options["limit"], now)
+    if options["json"]:
+        return json.dumps(data)
+    return table(data)
+
+
+def table(data: dict[str, Any]) -> str:
+    """The snapshot as aligned text: one line per channel, then the totals."""
+    header = (
+        "CHANNEL",
+        "READY",
+        "DELAYED",
+        "RUNNING",
+        "FAILED",
+        "OLDEST",
+        "DONE 5M",
+        "WEIGHT",
+        "INTERVAL",
+        "PAUSED",
+    )
+    lines: list[tuple[str, ...]] = [header]
+    for c in data["channels"]:
+        name = c["name"]
+        if len(name) > _NAME_WIDTH:
+            name = name[: _NAME_WIDTH - 3] + "..."
+        cap = "-" if c["max_concurrency"] is None else f"{c['max_concurrency']:,}"
+        interval = c["release_interval_seconds"]
+        lines.append(
+            (
+                name,
+                f"{c['ready']:,}",
+                f"{c['scheduled']:,}",
+                f"{c['running']:,}/{cap}",
+                f"{c['failed']:,}",
+                overview.format_age(c["oldest_ready_age_seconds"]),
+                f"{c[f'finished_last_{overview.FINISHED_MINUTES}m']:,}",
+                str(c["weight"]),
+                f"{interval:g}s" if interval else "-",
+                "yes" if c["paused"] else "",
+            )
+        )
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    out = []
+    for row in lines:
+        cells = [
+            cell.ljust(width) if i == 0 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        out.append("  ".join(cells).rstrip())
+    t = data["totals"]
+    shown = len(data["channels"])
+    if not shown:
+        out = ["No channels."]
+    out.append("")
+    out.append(
+        f"{t['channels']:,} channels ({shown:,} shown, sorted by {data['sort']}; "
+        f"{t['backlogged']:,} with ready messages, {t['paused']:,} paused): "
+        f"{t['ready']:,} ready, {t['scheduled']:,} delayed, {t['running']:,} running, "
+        f"{t['failed']:,} failed; {data['finished_last_5m']:,} finished in the last 5 minutes."
+    )
+    return "\n".join(out)
+
+
+def _isatty(stream: TextIO) -> bool:
+    target = getattr(stream, "_out", stream)  # Django's OutputWrapper
+    isatty = getattr(target, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def _write(stdout: TextIO, text: str) -> None:
+    stdout.write(text + "\n")
+    stdout.flush()
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value >= 0.1:
+        raise argparse.ArgumentTypeError(f"must be at least 0.1 seconds, got {text!r}")
+    return value

@@ -1,0 +1,210 @@
+"""Exactly-once processing: claim messages inside your own transaction.
+
+The claim, your writes and the completion commit together, or not at all::
+
+    from django.db import transaction
+    from django_fairqueue import exactly_once
+
+    with transaction.atomic():
+        with exactly_once.batch(limit=50, channels=["alice"]) as batch:
+            for message in batch:
+                Invoice.objects.create(order_id=message.payload["args"][0])
+        # leaving the block completes every message not failed or released
+
+If anything raises inside the ``batch`` block, its savepoint rolls back: the messages return to
+the queue as they were (the claim, its attempt and its counters undone) and your writes inside
+the block are undone with them. A later rollback of the outer transaction does the same.
+
+Exactly once holds for effects *in this database, in this transaction*. A side effect outside
+it (an e-mail, an HTTP call) can still happen twice if the transaction rolls back after it.
+
+While the transaction is open it holds the row locks of the claimed messages and of the
+channels the claim served; other claimers skip those channels (they never wait) until you
+commit, so keep these transactions short. See docs/howto/exactly-once.md.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import connections, transaction
+from django.utils import timezone
+
+from django_fairqueue import conf, store
+from django_fairqueue.exceptions import FairQueueError, LeaseLost
+from django_fairqueue.store import ClaimedMessage
+
+__all__ = ["Batch", "TransactionRequired", "batch"]
+
+
+class TransactionRequired(FairQueueError, RuntimeError):
+    """``exactly_once.batch()`` was used outside ``transaction.atomic()``."""
+
+
+class Batch:
+    """The messages one :func:`batch` claimed, and what to do with each when the block ends.
+
+    Iterate it for the :class:`~django_fairqueue.store.ClaimedMessage` objects (``id``,
+    ``channel``, ``task_name``, ``payload``, ``attempts``, ...). Each message is completed when
+    the block exits normally unless you :meth:`fail` or :meth:`release` it first;
+    :meth:`complete` sets the result a ``keep_result`` message stores.
+    """
+
+    def __init__(self, messages: Sequence[ClaimedMessage]) -> None:
+        self.messages: tuple[ClaimedMessage, ...] = tuple(messages)
+        self._by_id = {m.id: m for m in self.messages}
+        self._results: dict[int, Any] = {}
+        self._failed: dict[int, tuple[dict[str, Any], datetime | None]] = {}
+        self._released: set[int] = set()
+        self._open = True
+
+    def __iter__(self) -> Iterator[ClaimedMessage]:
+        return iter(self.messages)
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+    def __bool__(self) -> bool:
+        return bool(self.messages)
+
+    def complete(self, message: ClaimedMessage, result: Any = None) -> None:
+        """Complete ``message`` with ``result`` (JSON; stored only if it keeps results)."""
+        self._decide(message)
+        self._results[message.id] = result
+
+    def fail(
+        self, message: ClaimedMessage, error: BaseException, *, retry_in: timedelta | None = None
+    ) -> None:
+        """Fail ``message`` with ``error`` (its type, message and traceback are recorded).
+
+        Without ``retry_in`` it becomes a dead letter now (see :mod:`django_fairqueue.failures`).
+        With it, it runs again after that delay while it has attempts left.
+        """
+        if not isinstance(error, BaseException):
+            raise TypeError(f"error must be an exception, got {type(error).__name__}")
+        self._decide(message)
+        retry_at = timezone.now() + retry_in if retry_in is not None else None
+        self._failed[message.id] = (_error(error), retry_at)
+
+    def release(self, message: ClaimedMessage) -> None:
+        """Give ``message`` back unprocessed: ready again, the attempt not counted."""
+        self._decide(message)
+        self._released.add(message.id)
+
+    def _decide(self, message: ClaimedMessage) -> None:
+        if not self._open:
+            raise RuntimeError("this batch is settled: its block has ended")
+        if self._by_id.get(getattr(message, "id", -1)) is not message:
+            raise ValueError(f"{message!r} is not a message of this batch")
+        if (
+            message.id in self._results
+            or message.id in self._failed
+            or message.id in self._released
+        ):
+            raise ValueError(f"message {message.id} was already completed, failed or released")
+
+    def _settle(self, using: str) -> None:
+        self._open = False
+        released = [(m.id, m.lease_token) for m in self.messages if m.id in self._released]
+        failed = [
+            (m.id, m.lease_token, *self._failed[m.id])
+            for m in self.messages
+            if m.id in self._failed
+        ]
+        done = [
+            (m.id, m.lease_token, self._results.get(m.id))
+            for m in self.messages
+            if m.id not in self._released and m.id not in self._failed
+        ]
+        settled = len(store.release_messages(released, using=using))
+        settled += len(store.fail_messages(failed, using=using))
+        settled += len(store.complete_messages(done, using=using))
+        # This transaction holds the rows since the claim, so nobody can have taken them.
+        # If it happens anyway, raising rolls the block back rather than commit half of it.
+        if settled != len(self.messages):
+            raise LeaseLost(
+                f"settled {settled} of the {len(self.messages)} messages this batch claimed"
+            )
+
+
+@contextmanager
+def batch(
+    limit: int = 100,
+    *,
+    channels: Sequence[str] | None = None,
+    exclude_channels: Sequence[str] | None = None,
+    worker_id: str | None = None,
+    using: str | None = None,
+) -> Iterator[Batch]:
+    """Claim up to ``limit`` messages, fairly across channels, inside the open transaction.
+
+    Must run inside ``transaction.atomic()`` (on ``FAIRQUEUE['DATABASE']``, or ``using``);
+    raises :class:`TransactionRequired` otherwise. ``channels`` limits the claim to those
+    channels (unknown names match nothing), ``exclude_channels`` skips some. The block is a
+    savepoint: an exception inside it rolls back the claim and your writes in it, even if you
+    catch the exception outside the block. On normal exit every message is settled.
+
+    The claim may return fewer than ``limit`` messages, or none: channels locked by another
+    transaction are skipped, and channel limits (concurrency, rate) apply as for workers.
+    """
+    checked: object = limit  # callers may pass anything
+    if isinstance(checked, bool) or not isinstance(checked, int) or checked < 1:
+        raise ValueError(f"limit must be an integer >= 1, got {limit!r}")
+    alias = using or conf.get().DATABASE
+    if not connections[alias].in_atomic_block:
+        raise TransactionRequired(
+            "exactly_once.batch() must run inside transaction.atomic(): the claim, your writes "
+            "and the completion have to commit together (or roll back together)"
+        )
+    for names in (channels, exclude_channels):
+        if isinstance(names, str):  # a str is a Sequence[str] too: catch batch(channels="a")
+            raise TypeError("channels and exclude_channels are lists of channel names")
+    with transaction.atomic(using=alias):
+        only = _channel_ids(channels, alias) if channels is not None else None
+        exclude = _channel_ids(exclude_channels, alias) if exclude_channels else None
+        if only == []:
+            messages: list[ClaimedMessage] = []  # none of the channels exists: nothing to claim
+        else:
+            # Housekeeping in a short transaction of its own, then a claim without it: this
+            # transaction must lock only the channels it serves (the claim would otherwise fold
+            # other channels' counters and hold their rows until the caller commits).
+            store.prepare_claims(using=alias)
+            messages = store.claim_messages(
+                limit,
+                lease=timedelta(seconds=conf.get().LEASE_SECONDS),
+                worker_id=worker_id or _default_worker_id(),
+                only_channel_ids=only,
+                exclude_channel_ids=exclude,
+                maintain=False,
+                using=alias,
+            )
+        claimed = Batch(messages)
+        try:
+            yield claimed
+        except BaseException:
+            claimed._open = False  # rolled back: nothing of it is to be settled any more
+            raise
+        claimed._settle(alias)
+
+
+def _channel_ids(names: Sequence[str], alias: str) -> list[int]:
+    return sorted(store.select_channel_ids(list(names), using=alias).values())
+
+
+def _default_worker_id() -> str:
+    return f"exactly-once@{socket.gethostname()}:{os.getpid()}"[:200]
+
+
+def _error(exc: BaseException) -> dict[str, Any]:
+    kind = type(exc)
+    return {
+        "type": f"{kind.__module__}.{kind.__qualname__}",
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+    }

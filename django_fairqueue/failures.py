@@ -1,0 +1,187 @@
+"""Failed messages (dead letters): list, retry, delete.
+
+A message ends in the ``failed`` state when it ran out of attempts, could not run at all (an
+unknown task, a payload that does not decode) or was failed on purpose; it keeps its last error
+(type, message, traceback). From here it can be retried, with a fresh attempt budget, or deleted.
+
+Reads use the ORM; every write goes through :mod:`django_fairqueue.store`. Everything joins the
+caller's transaction when there is one. Retry and delete are idempotent: ids that are not (or
+no longer) failed are skipped, so running the same command twice is harmless.
+
+The same operations as a command: ``manage.py fairqueue failures list|retry|delete``
+(:mod:`django_fairqueue.cli.failures`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from itertools import islice
+from typing import Any
+
+from django.db.models import QuerySet
+
+from django_fairqueue import conf, store
+from django_fairqueue.models import Channel, Message, MessageState
+
+__all__ = [
+    "FailedMessage",
+    "delete",
+    "delete_all",
+    "list_failed",
+    "retry",
+    "retry_all",
+]
+
+#: Ids per statement for the bulk operations: one statement's locks and WAL stay bounded.
+BATCH_SIZE = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class FailedMessage:
+    """One dead letter, as listed."""
+
+    id: int
+    channel: str
+    task: str
+    attempts: int
+    max_attempts: int
+    error_type: str
+    error_message: str
+    finished_at: datetime | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``finished_at`` as ISO 8601."""
+        return {
+            "id": self.id,
+            "channel": self.channel,
+            "task": self.task,
+            "attempts": self.attempts,
+            "max_attempts": self.max_attempts,
+            "error_type": self.error_type,
+            "error_message": self.error_message,
+            "finished_at": self.finished_at.isoformat() if self.finished_at else None,
+        }
+
+
+def list_failed(
+    channel: str | None = None,
+    task: str | None = None,
+    limit: int = 100,
+    after_id: int = 0,
+) -> list[FailedMessage]:
+    """Failed messages, oldest id first, optionally of one channel and/or task name.
+
+    Pages by id: pass the last id you got as ``after_id`` for the next page.
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    rows = _failed(channel, task, after_id).values_list(
+        "id",
+        "channel__name",
+        "task_name",
+        "attempts",
+        "max_attempts",
+        "last_error",
+        "finished_at",
+    )[:limit]
+    return [
+        FailedMessage(
+            id=pk,
+            channel=channel_name,
+            task=task_name,
+            attempts=attempts,
+            max_attempts=max_attempts,
+            error_type=_error_field(error, "type"),
+            error_message=_error_field(error, "message"),
+            finished_at=finished_at,
+        )
+        for pk, channel_name, task_name, attempts, max_attempts, error, finished_at in rows
+    ]
+
+
+def retry(ids: Iterable[int]) -> list[int]:
+    """Make these failed messages ready again, with a fresh attempt budget.
+
+    Returns the ids retried now; ids that are not failed (already retried, deleted, never
+    failed) are skipped.
+    """
+    return _in_batches(ids, store.retry_failed_messages)
+
+
+def retry_all(channel: str | None = None, task: str | None = None) -> int:
+    """Retry every failed message (of a channel and/or task name); returns how many."""
+    return _each_page(channel, task, store.retry_failed_messages)
+
+
+def delete(ids: Iterable[int]) -> list[int]:
+    """Delete these failed messages; returns the ids deleted. Other states are left alone."""
+    return _in_batches(ids, store.delete_failed_messages)
+
+
+def delete_all(channel: str | None = None, task: str | None = None) -> int:
+    """Delete every failed message (of a channel and/or task name); returns how many."""
+    return _each_page(channel, task, store.delete_failed_messages)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _failed(channel: str | None, task: str | None, after_id: int = 0) -> QuerySet[Message]:
+    """The one filter behind listing and the bulk actions, so ``retry_all(channel, task)`` acts
+    on exactly what ``list_failed(channel, task)`` shows. With a channel it reads the partial
+    index fq_message_failed_idx (channel, id)."""
+    database = conf.get().DATABASE
+    qs = Message.objects.using(database).filter(state=MessageState.FAILED, id__gt=after_id)
+    if channel is not None:
+        channel_id = (
+            Channel.objects.using(database).filter(name=channel).values_list("id", flat=True)
+        ).first()
+        if channel_id is None:
+            return qs.none()
+        qs = qs.filter(channel_id=channel_id)
+    if task is not None:
+        qs = qs.filter(task_name=task)
+    return qs.order_by("id")
+
+
+def _each_page(
+    channel: str | None, task: str | None, action: Callable[[Sequence[int]], list[int]]
+) -> int:
+    # An id cursor, not OFFSET: acted-on rows leave the failed state, and a message that fails
+    # again meanwhile keeps its (lower) id, so each message is acted on at most once per call.
+    done = 0
+    after = 0
+    while True:
+        ids = list(_failed(channel, task, after).values_list("id", flat=True)[:BATCH_SIZE])
+        if not ids:
+            return done
+        done += len(action(ids))
+        after = ids[-1]
+
+
+def _in_batches(ids: Iterable[int], action: Callable[[Sequence[int]], list[int]]) -> list[int]:
+    wanted = _ids(ids)
+    done: list[int] = []
+    it = iter(wanted)
+    while chunk := list(islice(it, BATCH_SIZE)):
+        done.extend(action(chunk))
+    return sorted(done)
+
+
+def _ids(ids: Iterable[int]) -> list[int]:
+    if isinstance(ids, str | bytes):
+        raise TypeError("ids must be an iterable of integers, not a string")
+    out = []
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"message ids are integers, got {i!r}")
+        out.append(i)
+    return sorted(set(out))
+
+
+def _error_field(error: Any, key: str) -> str:
+    if isinstance(error, dict) and error.get(key) is not None:
+        return str(error[key])
+    return ""

@@ -1,0 +1,226 @@
+"""Maintenance services: small loops that keep the queue healthy.
+
+* :class:`Rescuer` returns messages whose lease expired (a worker was killed, stalled past its
+  lease, or lost its database connection) to ``ready``, or dead-letters them as ``failed`` when
+  they have no attempts left (``at_most_once`` messages always). **Caveat:** a lease expires
+  because its worker stopped renewing it, not because the handler stopped running. A worker
+  frozen longer than the lease (SIGSTOP, a long GC pause, a partitioned network) may still be
+  running the handler while another worker runs it again; its late writes are fenced by the
+  lease token and change nothing, but the handler's own side effects happen twice. Make
+  at-least-once handlers idempotent.
+* :class:`Pruner` deletes ``succeeded`` and ``cancelled`` rows older than
+  ``FAIRQUEUE['RESULT_RETENTION']``, in bounded batches.
+* :class:`StatsPruner` deletes per-channel statistics older than a day
+  (:func:`django_fairqueue.stats.prune`).
+* :class:`DeltaFolder` folds the channel counter deltas that completions leave behind into the
+  channel rows (the claim folds only the deltas that can make a channel claimable).
+
+Each service has an interval and a ``run_once()`` that does one bounded pass and returns how
+many rows it handled. Every worker runs them in its maintenance thread
+(:class:`MaintenanceRunner`); ``manage.py fairqueue maintain`` runs them alone. Any number of
+copies may run at once: the statements skip or wait out rows another copy holds, and each row
+is moved once.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol
+
+from django.utils import timezone
+
+from django_fairqueue import conf, stats, store
+from django_fairqueue._runtime import (
+    CONNECTION_ERRORS,
+    Backoff,
+    StopFlag,
+    drop_broken_connection,
+    reset_connection,
+)
+
+logger = logging.getLogger("django_fairqueue.maintenance")
+
+
+class Service(Protocol):
+    """A maintenance task run every ``interval`` seconds."""
+
+    name: str
+
+    @property
+    def interval(self) -> float: ...
+
+    def run_once(self) -> int: ...
+
+
+@dataclass
+class Rescuer:
+    """Requeue (or dead-letter) messages whose lease expired."""
+
+    batch_size: int = 1000
+    max_batches: int = 10  # a pass handles at most batch_size * max_batches messages
+    every: float | None = None  # seconds; None: FAIRQUEUE['RESCUE_INTERVAL']
+    name: str = "rescuer"
+
+    @property
+    def interval(self) -> float:
+        return self.every if self.every is not None else conf.get().RESCUE_INTERVAL
+
+    def run_once(self) -> int:
+        total = 0
+        for _ in range(self.max_batches):
+            rescued = store.rescue_expired_messages(self.batch_size)
+            for message in rescued:
+                logger.warning(
+                    "lease expired: message %s (%s) of worker %s, attempt %s -> %s",
+                    message.id,
+                    message.task_name,
+                    message.worker_id or "?",
+                    message.attempts,
+                    message.state,
+                    extra={
+                        "message_id": message.id,
+                        "task": message.task_name,
+                        "attempt": message.attempts,
+                        "outcome": message.state,
+                    },
+                )
+            total += len(rescued)
+            if len(rescued) < self.batch_size:
+                break
+        return total
+
+
+@dataclass
+class Pruner:
+    """Delete succeeded and cancelled messages older than RESULT_RETENTION."""
+
+    batch_size: int = 5000
+    max_batches: int = 20
+    every: float | None = None  # seconds; None: FAIRQUEUE['PRUNE_INTERVAL']
+    name: str = "pruner"
+
+    @property
+    def interval(self) -> float:
+        return self.every if self.every is not None else conf.get().PRUNE_INTERVAL
+
+    def run_once(self) -> int:
+        before = timezone.now() - conf.get().RESULT_RETENTION
+        total = 0
+        for _ in range(self.max_batches):
+            pruned = store.prune_finished_messages(before, limit=self.batch_size)
+            total += pruned
+            if pruned < self.batch_size:
+                break
+        if total:
+            logger.info("pruned %s finished messages", total, extra={"pruned": total})
+        return total
+
+
+@dataclass
+class DeltaFolder:
+    """Fold pending channel counter deltas into the channel rows."""
+
+    batch_size: int = 10_000
+    max_batches: int = 10
+    every: float = 1.0  # seconds
+    name: str = "folder"
+
+    @property
+    def interval(self) -> float:
+        return self.every
+
+    def run_once(self) -> int:
+        total = 0
+        for _ in range(self.max_batches):
+            folded = store.fold_channel_deltas(self.batch_size)
+            total += folded
+            if folded < self.batch_size:
+                break
+        return total
+
+
+@dataclass
+class StatsPruner:
+    """Delete per-channel statistics rows older than ``keep``."""
+
+    keep: timedelta = timedelta(days=1)
+    every: float | None = None  # seconds; None: FAIRQUEUE['PRUNE_INTERVAL']
+    name: str = "stats-pruner"
+
+    @property
+    def interval(self) -> float:
+        return self.every if self.every is not None else conf.get().PRUNE_INTERVAL
+
+    def run_once(self) -> int:
+        stats.prune(self.keep)
+        return 0  # the statement does not count what it deleted
+
+
+def default_services() -> list[Service]:
+    return [DeltaFolder(), Rescuer(), Pruner(), StatsPruner()]
+
+
+class MaintenanceRunner:
+    """Run services on their intervals until ``stop`` is set.
+
+    Every service runs once at start (a restarted worker rescues what it left behind), then
+    every ``interval`` seconds, jittered by ±10% so a fleet started together spreads out.
+    Connection errors are logged and retried with backoff on a fresh connection; any other
+    error is logged with its traceback and the service tries again at its next interval.
+    ``on_work(name, count)`` is called after a pass that handled rows.
+    """
+
+    def __init__(
+        self,
+        services: Sequence[Service] | None = None,
+        *,
+        stop: StopFlag,
+        on_work: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.services = list(services) if services is not None else default_services()
+        self.stop = stop
+        self.on_work = on_work
+        self._backoff = Backoff(first=0.2, cap=10.0)
+
+    def run_once(self) -> dict[str, int]:
+        """Run every service once, in order; errors propagate. Returns {name: rows handled}."""
+        return {service.name: service.run_once() for service in self.services}
+
+    def run(self) -> None:
+        if not self.services:
+            return
+        now = time.monotonic()
+        due = {service.name: now for service in self.services}
+        while not self.stop.is_set():
+            wait = min(due.values()) - time.monotonic()
+            if wait > 0 and self.stop.wait(wait):
+                break
+            for service in self.services:
+                if self.stop.is_set() or due[service.name] > time.monotonic():
+                    continue
+                due[service.name] = time.monotonic() + self._pass(service)
+            drop_broken_connection()
+
+    def _pass(self, service: Service) -> float:
+        """Run one pass of a service; returns seconds until its next pass."""
+        try:
+            count = service.run_once()
+        except CONNECTION_ERRORS as exc:
+            reset_connection()
+            delay = self._backoff.next()
+            logger.warning(
+                "%s: database unavailable (%s); retrying in %.2fs", service.name, exc, delay
+            )
+            return delay
+        except Exception:
+            logger.exception("%s failed; trying again in %.1fs", service.name, service.interval)
+            return service.interval
+        self._backoff.reset()
+        if count and self.on_work is not None:
+            self.on_work(service.name, count)
+        return service.interval * random.uniform(0.9, 1.1)

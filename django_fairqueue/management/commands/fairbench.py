@@ -1,0 +1,171 @@
+"""``manage.py fairbench``: measure the queue on this database (see docs/performance.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from argparse import ArgumentParser
+from pathlib import Path
+from typing import Any, TextIO, cast
+
+from django.core.management.base import BaseCommand, CommandError
+
+from django_fairqueue import conf
+from django_fairqueue.benchmark import PRESETS, SCENARIOS, BenchmarkError, Progress, Scenario, Sizes
+from django_fairqueue.benchmark.database import benchmark_database
+from django_fairqueue.benchmark.report import ScenarioReport, table, targets_table
+from django_fairqueue.benchmark.runner import run, select_cells, with_repeat
+
+
+class Command(BaseCommand):
+    help = (
+        "Benchmark django-fairqueue on this database: enqueue rate, claim+complete throughput, "
+        "claim latency and fairness. Refuses a database whose queue tables hold rows, unless "
+        "--scratch (a separate database on the same server, created and dropped by the run)."
+    )
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument(
+            "--scenario",
+            action="append",
+            choices=list(SCENARIOS),
+            dest="scenarios",
+            metavar="NAME",
+            help=f"run only this scenario (repeatable; default all): {', '.join(SCENARIOS)}",
+        )
+        parser.add_argument(
+            "--quick",
+            action="store_const",
+            const="quick",
+            dest="sizes",
+            default="full",  # argparse takes the default of the first action of a dest
+            help="smaller sizes for a 1-2 minute smoke run (same as --sizes quick)",
+        )
+        parser.add_argument(
+            "--sizes",
+            choices=list(PRESETS),
+            default="full",
+            help="size preset: full (default), quick, or tiny (tests only; figures meaningless)",
+        )
+        parser.add_argument(
+            "--duration", type=float, help="seconds per throughput cell (full: 5, quick: 1.5)"
+        )
+        parser.add_argument(
+            "--repeat",
+            type=int,
+            help="run each throughput cell N times and report the median (default 1)",
+        )
+        parser.add_argument(
+            "--where",
+            action="append",
+            default=[],
+            metavar="FIELD=VALUE",
+            help="run only the cells whose FIELD is VALUE, e.g. --where batch=100 --where "
+            "channels=100 (repeatable; cells without FIELD are kept)",
+        )
+        parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+        parser.add_argument(
+            "--baseline",
+            metavar="PATH",
+            help="an earlier run's --json file: tables add each cell's main figure then, and the "
+            "change",
+        )
+        parser.add_argument(
+            "--database",
+            help="database alias to benchmark (default FAIRQUEUE['DATABASE'])",
+        )
+        parser.add_argument(
+            "--scratch",
+            action="store_true",
+            help="run in a fresh database <name>_fairbench on the same server, dropped afterwards",
+        )
+        parser.add_argument(
+            "--keep-scratch",
+            action="store_true",
+            help="with --scratch: keep the scratch database (its queue tables emptied)",
+        )
+        parser.add_argument(
+            "--no-progress", action="store_true", help="no progress lines on stderr"
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["duration"] is not None and options["duration"] <= 0:
+            raise CommandError("--duration must be positive")
+        if options["repeat"] is not None and options["repeat"] < 1:
+            raise CommandError("--repeat must be at least 1")
+        if options["keep_scratch"] and not options["scratch"]:
+            raise CommandError("--keep-scratch needs --scratch")
+        sizes = with_repeat(
+            PRESETS[options["sizes"]], duration=options["duration"], repeat=options["repeat"]
+        )
+        names = options["scenarios"] or list(SCENARIOS)
+        scenarios = [SCENARIOS[name] for name in SCENARIOS if name in names]
+        alias = options["database"] or conf.get().DATABASE
+        json_path = Path(options["json"]) if options["json"] else None
+        where = self._where(options["where"], scenarios, sizes)
+        baseline = None
+        if options["baseline"]:
+            try:
+                baseline = json.loads(Path(options["baseline"]).read_text())
+            except (OSError, ValueError) as exc:
+                raise CommandError(f"cannot read --baseline {options['baseline']}: {exc}") from exc
+
+        # The stream under Django's OutputWrapper, which would end every \r-redrawn line.
+        stream = cast(TextIO, getattr(self.stderr, "_out", sys.stderr))
+        progress = Progress(0, stream, enabled=not options["no_progress"])
+
+        def show(section: ScenarioReport) -> None:
+            self.stdout.write("\n" + table(section, baseline) + "\n")
+
+        try:
+            with benchmark_database(
+                alias,
+                scratch=options["scratch"],
+                keep_scratch=options["keep_scratch"],
+                say=progress.say,
+            ) as using:
+                report = run(
+                    scenarios,
+                    sizes,
+                    using=using,
+                    progress=progress,
+                    on_scenario=show,
+                    meta={"scratch": options["scratch"]},
+                    where=where,
+                )
+        except BenchmarkError as exc:
+            raise CommandError(str(exc)) from exc
+        if report.targets:
+            self.stdout.write("\n" + targets_table(report.targets) + "\n")
+        meta = report.meta
+        self.stdout.write(
+            f"\n{meta['wall_seconds']:.0f}s on {meta['database']['name']} "
+            f"(PostgreSQL {meta['database']['server'].get('server_version', '?')}, "
+            f"{meta['host']['cpus']} CPUs, load {meta['load_average_before'][0]:.2f} before, "
+            f"{meta['load_average_after'][0]:.2f} after)\n"
+        )
+        if json_path is not None:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(json.dumps(report.as_json(), indent=1) + "\n")
+            self.stdout.write(f"results written to {json_path}\n")
+
+    @staticmethod
+    def _where(terms: list[str], scenarios: list[Scenario], sizes: Sizes) -> dict[str, str]:
+        where: dict[str, str] = {}
+        for term in terms:
+            name, sep, value = term.partition("=")
+            if not sep or not name.strip():
+                raise CommandError(f"--where takes FIELD=VALUE, got {term!r}")
+            where[name.strip()] = value.strip()
+        cells = [cell for s in scenarios for cell in s.plan(sizes)]
+        fields = {f.name for cell in cells for f in dataclasses.fields(cell)}
+        unknown = sorted(set(where) - fields)
+        if unknown:
+            raise CommandError(
+                f"--where: no cell has field(s) {', '.join(unknown)}; fields: "
+                f"{', '.join(sorted(fields))}"
+            )
+        if where and not any(select_cells(s.plan(sizes), where) for s in scenarios):
+            raise CommandError("--where selects no cell")
+        return where

@@ -1,0 +1,165 @@
+"""``manage.py runfairworker``: run a django-fairqueue worker (see django_fairqueue.worker)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_fairqueue import conf
+from django_fairqueue._runtime import configure_logging
+from django_fairqueue.api import validate_channel_name
+from django_fairqueue.exceptions import InvalidChannel
+from django_fairqueue.worker import Worker, WorkerConfig, WorkerCrashed, default_worker_id
+
+
+def _names(value: str | None, option: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    names = [part.strip() for part in value.split(",")]
+    for name in names:
+        if not name:
+            raise CommandError(
+                f"{option} has an empty channel name in {value!r}; "
+                "give a comma-separated list such as --channels alice,bob"
+            )
+        try:
+            validate_channel_name(name)
+        except InvalidChannel as exc:
+            raise CommandError(f"{option}: {exc}") from exc
+    return tuple(dict.fromkeys(names))
+
+
+class Command(BaseCommand):
+    help = (
+        "Run a worker: claim messages fairly across channels and run their tasks on a pool of "
+        "threads. The first SIGTERM/SIGINT stops claiming and lets running messages finish; a "
+        "second one exits at once."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--concurrency",
+            type=int,
+            default=4,
+            help="Handler threads: messages run at once by this process (default 4).",
+        )
+        parser.add_argument(
+            "--channels",
+            metavar="NAMES",
+            help="Claim only from these channels (comma-separated; they need not exist yet).",
+        )
+        parser.add_argument(
+            "--exclude-channels",
+            metavar="NAMES",
+            help="Never claim from these channels (comma-separated).",
+        )
+        parser.add_argument(
+            "--batch-size",
+            type=int,
+            default=100,
+            help="Most messages one claim takes; a claim never exceeds the free threads "
+            "(default 100).",
+        )
+        parser.add_argument(
+            "--poll-interval",
+            type=float,
+            metavar="SECONDS",
+            help="Claim at least this often when no wake-up arrives "
+            "(default FAIRQUEUE['POLL_INTERVAL']).",
+        )
+        parser.add_argument(
+            "--burst",
+            action="store_true",
+            help="Run what is ready, then exit 0 once nothing is ready or running.",
+        )
+        parser.add_argument(
+            "--max-messages",
+            type=int,
+            metavar="N",
+            help="Exit 0 after claiming and finishing N messages.",
+        )
+        parser.add_argument(
+            "--worker-id",
+            help="Name recorded on claimed messages (default host:pid:random; keep it unique).",
+        )
+        parser.add_argument(
+            "--shutdown-grace",
+            type=float,
+            default=30.0,
+            metavar="SECONDS",
+            help="On SIGTERM, how long running messages may take to finish (default 30).",
+        )
+        parser.add_argument(
+            "--lease",
+            type=float,
+            metavar="SECONDS",
+            help="Lease of each claim, renewed by heartbeats (default FAIRQUEUE['LEASE_SECONDS']).",
+        )
+        parser.add_argument(
+            "--no-listen",
+            action="store_true",
+            help="Do not LISTEN for wake-ups; poll only (behind a transaction-pooling proxy).",
+        )
+        parser.add_argument(
+            "--no-maintenance",
+            action="store_true",
+            help="Do not run the rescuer, pruner and delta folder here "
+            "(run `manage.py fairqueue maintain` somewhere instead).",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        config = self._config(options)
+        configure_logging(options["verbosity"])
+        try:
+            handled = Worker(config).run()
+        except WorkerCrashed as exc:
+            raise CommandError(str(exc)) from exc
+        if options["verbosity"] >= 1:
+            self.stderr.write(f"worker {config.worker_id}: {handled} messages handled")
+
+    def _config(self, options: dict[str, Any]) -> WorkerConfig:
+        concurrency = options["concurrency"]
+        if concurrency < 1:
+            raise CommandError(f"--concurrency must be at least 1, got {concurrency}")
+        batch_size = options["batch_size"]
+        if batch_size < 1:
+            raise CommandError(f"--batch-size must be at least 1, got {batch_size}")
+        max_messages = options["max_messages"]
+        if max_messages is not None and max_messages < 1:
+            raise CommandError(f"--max-messages must be at least 1, got {max_messages}")
+        poll = options["poll_interval"]
+        if poll is not None and not poll > 0:
+            raise CommandError(f"--poll-interval must be a positive number of seconds, got {poll}")
+        grace = options["shutdown_grace"]
+        if not grace >= 0:
+            raise CommandError(f"--shutdown-grace must be 0 or more seconds, got {grace}")
+        lease = options["lease"]
+        if lease is not None and not lease > 0:
+            raise CommandError(f"--lease must be a positive number of seconds, got {lease}")
+        worker_id = options["worker_id"]
+        if worker_id is not None and (not worker_id.strip() or len(worker_id) > 200):
+            raise CommandError("--worker-id must be 1 to 200 characters, not blank")
+        channels = _names(options["channels"], "--channels")
+        exclude = _names(options["exclude_channels"], "--exclude-channels")
+        both = sorted(set(channels) & set(exclude))
+        if both:
+            raise CommandError(f"channels both in --channels and --exclude-channels: {both}")
+        try:
+            return WorkerConfig(
+                concurrency=concurrency,
+                channels=channels,
+                exclude_channels=exclude,
+                batch_size=batch_size,
+                poll_interval=poll,
+                burst=options["burst"],
+                max_messages=max_messages,
+                worker_id=worker_id or default_worker_id(),
+                lease=timedelta(seconds=lease) if lease is not None else None,
+                shutdown_grace=grace,
+                listen=not options["no_listen"] and conf.get().NOTIFY,
+                maintenance=not options["no_maintenance"],
+            )
+        except ValueError as exc:
+            raise CommandError(str(exc)) from exc

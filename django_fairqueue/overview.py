@@ -1,0 +1,358 @@
+"""The per-tenant picture shared by the admin, its dashboard, ``fairqueue status`` and metrics.
+
+Every figure comes from maintained counters or bounded probes, never from counting the message
+table:
+
+* counts (ready, delayed, running, failed, succeeded) are the channel row's counters plus its
+  pending counter deltas (docs/explanation/fairness.md, *Counters without a hot row*): for a
+  few channels :func:`django_fairqueue.store.select_channel_counters`, for all of them one read
+  of the channel table and one of the (small) delta table, joined here;
+* the oldest ready message is a loose index scan of ``fq_message_ready_idx``, one probe per
+  priority level in use (:func:`django_fairqueue.store.select_channel_oldest_ready`);
+* finished, served and wait figures come from the per-minute statistics
+  (:mod:`django_fairqueue.stats`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db.models import BigIntegerField, F, OuterRef, QuerySet, Subquery, Sum, Value
+from django.db.models.functions import Coalesce
+from django.utils import timezone
+
+from django_fairqueue import conf, stats, store
+from django_fairqueue.models import Channel, ChannelDelta
+
+__all__ = [
+    "SORTS",
+    "ChannelCounts",
+    "ChannelRow",
+    "all_counts",
+    "annotate_counters",
+    "dashboard",
+    "format_age",
+    "ranked_ids",
+    "rows",
+    "totals",
+]
+
+#: Orders a channel listing can take: most ready first, longest-waiting first, by name, most
+#: running first, most failed first.
+SORTS = ("backlog", "age", "name", "running", "failed")
+#: The window of "finished in the last minutes" (the admin's column, status, dashboard).
+FINISHED_MINUTES = 5
+
+
+def _db() -> str:
+    return conf.get().DATABASE
+
+
+# --------------------------------------------------------------------------------------------
+# Counts of every channel (two reads, joined here)
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelCounts:
+    id: int
+    name: str
+    weight: int
+    paused: bool
+    max_concurrency: int | None
+    ready: int
+    scheduled: int
+    running: int
+    failed: int
+    succeeded: int
+
+
+def all_counts() -> dict[int, ChannelCounts]:
+    """Exact counts of every channel: its counter columns plus its pending deltas.
+
+    Two reads: the channel table (one row per channel) and the pending deltas summed per
+    channel. Cheaper than a correlated sum per channel row: the deltas are read once.
+    """
+    deltas = {
+        row[0]: row[1:]
+        for row in ChannelDelta.objects.using(_db())
+        .order_by()
+        .values("channel_id")
+        .annotate(
+            r=Sum("ready"),
+            s=Sum("scheduled"),
+            n=Sum("running"),
+            f=Sum("failed"),
+            ok=Sum("succeeded"),
+        )
+        .values_list("channel_id", "r", "s", "n", "f", "ok")
+    }
+    out = {}
+    for row in (
+        Channel.objects.using(_db())
+        .order_by()
+        .values_list(
+            "id",
+            "name",
+            "weight",
+            "paused",
+            "max_concurrency",
+            "ready_count",
+            "scheduled_count",
+            "running_count",
+            "failed_count",
+            "succeeded_total",
+        )
+    ):
+        cid, name, weight, paused, cap, ready, scheduled, running, failed, succeeded = row
+        d = deltas.get(cid, (0, 0, 0, 0, 0))
+        out[cid] = ChannelCounts(
+            cid,
+            name,
+            weight,
+            paused,
+            cap,
+            ready + int(d[0] or 0),
+            scheduled + int(d[1] or 0),
+            running + int(d[2] or 0),
+            failed + int(d[3] or 0),
+            succeeded + int(d[4] or 0),
+        )
+    return out
+
+
+def totals(counts: Mapping[int, ChannelCounts]) -> dict[str, int]:
+    """Sums over channels, plus how many channels are backlogged (ready > 0) and paused."""
+    values = counts.values()
+    return {
+        "channels": len(counts),
+        "backlogged": sum(1 for c in values if c.ready > 0),
+        "paused": sum(1 for c in values if c.paused),
+        "ready": sum(c.ready for c in values),
+        "scheduled": sum(c.scheduled for c in values),
+        "running": sum(c.running for c in values),
+        "failed": sum(c.failed for c in values),
+        "succeeded": sum(c.succeeded for c in values),
+    }
+
+
+def _delta_sum(column: str) -> Coalesce:
+    return Coalesce(
+        Subquery(
+            ChannelDelta.objects.filter(channel_id=OuterRef("pk"))
+            .order_by()
+            .values("channel_id")
+            .annotate(total=Sum(column))
+            .values("total")[:1]
+        ),
+        Value(0),
+        output_field=BigIntegerField(),
+    )
+
+
+def annotate_counters(queryset: QuerySet[Channel]) -> QuerySet[Channel]:
+    """Annotate ``backlog`` (ready) and ``failed_now`` with each channel's exact value, for
+    ordering and filtering in the ORM (one probe of ``fq_delta_channel_idx`` per channel row
+    the query evaluates: the page when sorted by name, every row when sorted or filtered by
+    them)."""
+    return queryset.annotate(
+        backlog=F("ready_count") + _delta_sum("ready"),
+        failed_now=F("failed_count") + _delta_sum("failed"),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Rows of a page of channels
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelRow:
+    """One channel's line in a listing: limits, exact counts, oldest ready, recent finishes."""
+
+    id: int
+    name: str
+    ready: int
+    scheduled: int
+    running: int
+    failed: int
+    succeeded: int
+    max_concurrency: int | None
+    release_interval: timedelta
+    weight: int
+    paused: bool
+    max_backlog: int | None
+    #: since when the longest-waiting head of its line has been ready (None: nothing ready)
+    oldest_ready_since: datetime | None
+    #: messages finished (succeeded or failed for good) in the last FINISHED_MINUTES minutes
+    finished_recent: int
+
+    def oldest_age(self, now: datetime) -> float | None:
+        """Seconds the oldest ready message has been waiting (None: nothing ready)."""
+        if self.oldest_ready_since is None:
+            return None
+        return max((now - self.oldest_ready_since).total_seconds(), 0.0)
+
+    def as_dict(self, now: datetime) -> dict[str, Any]:
+        age = self.oldest_age(now)
+        return {
+            "id": self.id,
+            "name": self.name,
+            "ready": self.ready,
+            "scheduled": self.scheduled,
+            "running": self.running,
+            "max_concurrency": self.max_concurrency,
+            "failed": self.failed,
+            "succeeded": self.succeeded,
+            "release_interval_seconds": self.release_interval.total_seconds(),
+            "weight": self.weight,
+            "paused": self.paused,
+            "max_backlog": self.max_backlog,
+            "oldest_ready_since": self.oldest_ready_since.isoformat()
+            if self.oldest_ready_since
+            else None,
+            "oldest_ready_age_seconds": None if age is None else round(age, 3),
+            f"finished_last_{FINISHED_MINUTES}m": self.finished_recent,
+        }
+
+
+def rows(ids: Sequence[int], *, now: datetime | None = None) -> list[ChannelRow]:
+    """The rows of these channels, in the order given (unknown ids are skipped).
+
+    Four queries whatever the number of ids: limits, counters with deltas, oldest ready
+    (only for channels with ready messages), recent finishes.
+    """
+    if not ids:
+        return []
+    ids = list(ids)
+    db = _db()
+    channels = Channel.objects.using(db).in_bulk(ids)
+    counters = {c.id: c for c in store.select_channel_counters(ids, using=db)}
+    with_ready = [cid for cid, c in counters.items() if c.ready > 0]
+    oldest = store.select_channel_oldest_ready(with_ready, using=db)
+    finished = stats.finished_counts(FINISHED_MINUTES, channel_ids=ids, now=now)
+    out = []
+    for cid in ids:
+        channel = channels.get(cid)
+        c = counters.get(cid)
+        if channel is None or c is None:
+            continue
+        out.append(
+            ChannelRow(
+                id=cid,
+                name=channel.name,
+                ready=c.ready,
+                scheduled=c.scheduled,
+                running=c.running,
+                failed=c.failed,
+                succeeded=c.succeeded,
+                max_concurrency=channel.max_concurrency,
+                release_interval=channel.release_interval,
+                weight=channel.weight,
+                paused=channel.paused,
+                max_backlog=channel.max_backlog,
+                oldest_ready_since=oldest.get(cid),
+                finished_recent=finished.get(cid, 0),
+            )
+        )
+    return out
+
+
+def ranked_ids(
+    sort: str,
+    limit: int | None = None,
+    *,
+    counts: Mapping[int, ChannelCounts] | None = None,
+    among: Sequence[int] | None = None,
+) -> list[int]:
+    """Channel ids in the order ``sort`` (one of :data:`SORTS`), at most ``limit``.
+
+    ``among`` restricts the ranking to these channels. Ties break by name. ``age`` puts the
+    channels with nothing ready last (by name); it probes the oldest ready message of every
+    channel with a backlog, so it costs one index probe (per priority level) per such channel.
+    """
+    if sort not in SORTS:
+        raise ValueError(f"sort must be one of {SORTS}, got {sort!r}")
+    if counts is None:
+        counts = all_counts()
+    pool = list(counts.values())
+    if among is not None:
+        wanted = set(among)
+        pool = [c for c in pool if c.id in wanted]
+    if sort == "age":
+        backlogged = [c.id for c in pool if c.ready > 0]
+        since = store.select_channel_oldest_ready(backlogged, using=_db())
+        far = timezone.now() + timedelta(days=36500)
+        pool.sort(key=lambda c: (since.get(c.id, far), c.name))
+    elif sort == "name":
+        pool.sort(key=lambda c: c.name)
+    else:
+        attr = {"backlog": "ready", "running": "running", "failed": "failed"}[sort]
+        pool.sort(key=lambda c: (-getattr(c, attr), c.name))
+    ordered = [c.id for c in pool]
+    return ordered if limit is None else ordered[:limit]
+
+
+def format_age(seconds: float | None) -> str:
+    """A short human duration: ``45s``, ``3m 12s``, ``2h 05m``, ``3d 04h``; ``-`` for None."""
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
+
+
+# --------------------------------------------------------------------------------------------
+# The dashboard's data
+
+
+def dashboard(
+    *,
+    sort: str = "backlog",
+    limit: int = 20,
+    window: int = 5,
+    series_minutes: int = 30,
+    now: datetime | None = None,
+) -> dict[str, Any]:
+    """Everything the admin dashboard shows, JSON-ready.
+
+    ``tenants`` are the first ``limit`` channels in order ``sort``, each with its row, what it
+    was served in the last ``window`` minutes (count and share) and its wait p50/p95 there;
+    ``series`` has one entry per minute of the last ``series_minutes``; ``fairness`` is Jain's
+    index over the backlogged channels (see :mod:`django_fairqueue.stats`).
+    """
+    now = now or timezone.now()
+    counts = all_counts()
+    ids = ranked_ids(sort, limit, counts=counts)
+    served = stats.served_counts(window, now=now)
+    backlogged = {c.id: c.weight for c in counts.values() if c.ready > 0 and not c.paused}
+    fair = stats.fairness(backlogged, window, served=served, now=now)
+    total_served = sum(served.values())
+    waits = stats.wait_by_channel(window, ids, now=now)
+    tenants = []
+    for row in rows(ids, now=now):
+        item = row.as_dict(now)
+        item["served"] = served.get(row.id, 0)
+        item["served_share"] = (
+            round(served.get(row.id, 0) / total_served, 4) if total_served else 0.0
+        )
+        wait = waits.get(row.id)
+        item["wait"] = wait.as_dict() if wait is not None else None
+        tenants.append(item)
+    return {
+        "generated_at": now.isoformat(),
+        "window_minutes": window,
+        "sort": sort,
+        "totals": totals(counts),
+        "served": total_served,
+        "wait": stats.wait_summary(window, now=now).as_dict(),
+        "fairness": fair.as_dict(),
+        "series": [m.as_dict() for m in stats.minute_series(series_minutes, now=now)],
+        "tenants": tenants,
+    }

@@ -1,0 +1,1098 @@
+"""The admin and observability (issue 4): channel list, edits, actions and their permissions,
+message and work batch actions, the dashboard and its JSON, ``fairqueue status``, Prometheus
+metrics, the statistics recorder and its math, signals and structured logging.
+
+Queue data is made the way the queue makes it (enqueue, claim, fail through the store), so the
+counters and their pending deltas are real; tests then check that the admin shows exactly what
+the table holds, and that its actions keep counters and table in agreement.
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib
+import io
+import json
+import logging
+import re
+import sys
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from unittest import mock
+
+import pytest
+from django.contrib.admin.models import CHANGE, DELETION, LogEntry
+from django.contrib.auth.models import Permission, User
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
+from django.db import connection
+from django.test import Client, RequestFactory
+from django.test.utils import CaptureQueriesContext
+from django.urls import reverse
+from django.utils import timezone
+
+from django_fairqueue import overview, stats, store
+from django_fairqueue.admin import ChannelAdmin
+from django_fairqueue.api import EnqueueRequest, enqueue_many
+from django_fairqueue.context import current_message
+from django_fairqueue.logging import JsonFormatter, MessageContextFilter, message_logger
+from django_fairqueue.models import (
+    WAIT_BUCKETS_MS,
+    BatchState,
+    Channel,
+    ChannelDelta,
+    ChannelStat,
+    Message,
+    MessageState,
+    WorkBatch,
+)
+from django_fairqueue.signals import message_enqueued
+from tests.factories import NOOP, assert_counters_match_table, channel_ids, enqueue, fold_all
+
+pytestmark = pytest.mark.django_db
+
+CHANNELS = reverse("admin:fairqueue_channel_changelist")
+MESSAGES = reverse("admin:fairqueue_message_changelist")
+BATCHES = reverse("admin:fairqueue_workbatch_changelist")
+DASHBOARD = reverse("admin:fairqueue_channel_dashboard")
+DASHBOARD_DATA = reverse("admin:fairqueue_channel_dashboard_data")
+LEASE = timedelta(minutes=5)
+FAILURE = {
+    "type": "builtins.ValueError",
+    "message": "bad <input>",
+    "traceback": 'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: bad',
+}
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+def cid(name: str) -> int:
+    return channel_ids([name])[name]
+
+
+def claim(name: str, n: int) -> list[store.ClaimedMessage]:
+    got = store.claim_messages(
+        n, lease=LEASE, worker_id="test-worker", only_channel_ids=[cid(name)], quantum=n
+    )
+    assert len(got) == n
+    return got
+
+
+def make_failed(name: str, n: int) -> list[int]:
+    """``n`` dead letters of channel ``name``, failed the way a worker fails them."""
+    enqueue(name, n)
+    claimed = claim(name, n)
+    states = store.fail_messages([(m.id, m.lease_token, FAILURE, None) for m in claimed])
+    assert set(states.values()) == {"failed"}
+    return sorted(states)
+
+
+def counters(name: str) -> store.ChannelCounters:
+    (c,) = store.select_channel_counters([cid(name)])
+    return c
+
+
+def user_with(*perms: str, staff: bool = True, name: str = "operator") -> User:
+    user = User.objects.create_user(name, password="pw", is_staff=staff)
+    for perm in perms:
+        app, codename = perm.split(".")
+        user.user_permissions.add(
+            Permission.objects.get(content_type__app_label=app, codename=codename)
+        )
+    return User.objects.get(pk=user.pk)  # fresh permission cache
+
+
+def client_for(user: User) -> Client:
+    c = Client()
+    c.force_login(user)
+    return c
+
+
+def action(client: Client, url: str, name: str, ids: list[int], **extra: str) -> Any:
+    return client.post(url, {"action": name, "_selected_action": [str(i) for i in ids], **extra})
+
+
+def page_rows(response: Any) -> dict[str, overview.ChannelRow]:
+    return {obj.name: obj._fq_row for obj in response.context["cl"].result_list}
+
+
+def page_names(response: Any) -> list[str]:
+    return [obj.name for obj in response.context["cl"].result_list]
+
+
+def column(name: str) -> int:
+    """The ``o=`` index of a column of the channel list (0 is the action checkbox)."""
+    return ["action_checkbox", *ChannelAdmin.list_display].index(name)
+
+
+def log_messages(flag: int) -> list[str]:
+    return list(
+        LogEntry.objects.filter(action_flag=flag)
+        .order_by("pk")
+        .values_list("change_message", flat=True)
+    )
+
+
+@pytest.fixture
+def queue() -> dict[str, Any]:
+    """Three tenants: alpha with a backlog (unfolded deltas), beta with failures and a running
+    message, gamma delayed only and paused."""
+    enqueue("alpha", 5)
+    failed = make_failed("beta", 3)
+    enqueue("beta", 2)
+    running = claim("beta", 1)
+    enqueue("gamma", 2, run_after=timedelta(hours=1))
+    Channel.objects.filter(name="gamma").update(paused=True)
+    assert ChannelDelta.objects.exists()  # the list must add pending deltas itself
+    return {"failed": failed, "running": running}
+
+
+# ------------------------------------------------------------------------------------------
+# channel list
+
+
+def test_channel_list_shows_exact_counts_including_pending_deltas(
+    admin_client: Client, queue: dict[str, Any]
+) -> None:
+    response = admin_client.get(CHANNELS)
+    assert response.status_code == 200
+    rows = page_rows(response)
+    assert (rows["alpha"].ready, rows["alpha"].scheduled, rows["alpha"].running) == (5, 0, 0)
+    assert (rows["beta"].ready, rows["beta"].running, rows["beta"].failed) == (1, 1, 3)
+    assert (rows["gamma"].ready, rows["gamma"].scheduled, rows["gamma"].paused) == (0, 2, True)
+    assert rows["alpha"].oldest_ready_since is not None
+    assert rows["gamma"].oldest_ready_since is None
+    html = response.content.decode()
+    failed_link = f"{MESSAGES}?channel__id__exact={cid('beta')}&amp;state__exact=failed"
+    assert failed_link in html  # failed messages one click away
+    assert "1 / ∞" in html  # beta: running / max
+    assert reverse("admin:fairqueue_channel_dashboard") in html
+
+
+def test_channel_list_queries_do_not_grow_with_the_page(admin_client: Client) -> None:
+    def measure() -> tuple[int, int]:
+        calls = 0
+        real = store.select_channel_counters
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            return real(*args, **kwargs)
+
+        with (
+            mock.patch.object(store, "select_channel_counters", counting),
+            CaptureQueriesContext(connection) as queries,
+        ):
+            assert admin_client.get(CHANNELS).status_code == 200
+        return len(queries.captured_queries), calls
+
+    enqueue_many(EnqueueRequest(NOOP, channel=f"t{i}") for i in range(3))
+    few = measure()
+    enqueue_many(EnqueueRequest(NOOP, channel=f"u{i}") for i in range(40))
+    many = measure()
+    assert few == many
+    assert many[1] == 1  # the page's counters in one store call
+
+
+def test_sort_by_backlog_and_by_oldest_age(admin_client: Client) -> None:
+    enqueue("small", 1)
+    enqueue("big", 7)
+    enqueue("middle", 3)
+    now = timezone.now()
+    for name, minutes in (("small", 30), ("big", 5), ("middle", 90)):
+        Message.objects.filter(channel_id=cid(name)).update(
+            enqueued_at=now - timedelta(minutes=minutes), run_at=now - timedelta(minutes=minutes)
+        )
+    store.cancel_messages(enqueue("idle", 1))  # a channel with nothing ready
+
+    by_backlog = admin_client.get(CHANNELS, {"o": f"-{column('ready_display')}"})
+    assert page_names(by_backlog) == ["big", "middle", "small", "idle"]
+    oldest_first = admin_client.get(CHANNELS, {"o": f"-{column('oldest_ready_display')}"})
+    assert page_names(oldest_first) == ["middle", "small", "big", "idle"]
+    youngest_first = admin_client.get(CHANNELS, {"o": str(column("oldest_ready_display"))})
+    assert page_names(youngest_first) == ["big", "small", "middle", "idle"]
+    ages = page_rows(oldest_first)
+    assert ages["middle"].oldest_age(now) == pytest.approx(90 * 60, abs=5)
+    assert "1h 30m" in oldest_first.content.decode()
+
+
+def test_sort_by_age_pages_through_the_filtered_channels(admin_client: Client) -> None:
+    names = [f"p{i:03d}" for i in range(105)]
+    enqueue_many(EnqueueRequest(NOOP, channel=name) for name in names)
+    now = timezone.now()
+    for i, name in enumerate(names):  # p000 oldest
+        Message.objects.filter(channel_id=cid(name)).update(
+            enqueued_at=now - timedelta(minutes=200 - i), run_at=now - timedelta(minutes=200 - i)
+        )
+    o = f"-{column('oldest_ready_display')}"
+    first = admin_client.get(CHANNELS, {"o": o})
+    second = admin_client.get(CHANNELS, {"o": o, "p": "2"})
+    assert page_names(first) == names[:100]
+    assert page_names(second) == names[100:]
+    searched = admin_client.get(CHANNELS, {"o": o, "q": "p10"})
+    assert page_names(searched) == ["p100", "p101", "p102", "p103", "p104"]
+
+
+def test_oldest_ready_looks_past_the_highest_priority() -> None:
+    """The head of the line is the highest priority; an older low-priority message still
+    counts as the oldest ready one (one probe per priority level)."""
+    enqueue("mixed", 2, priority=-5)
+    enqueue("mixed", 2, priority=0)
+    enqueue("mixed", 1, priority=9)
+    now = timezone.now()
+    low = list(Message.objects.filter(channel_id=cid("mixed"), priority=-5))
+    Message.objects.filter(pk=low[0].pk).update(enqueued_at=now - timedelta(hours=2))
+    Message.objects.filter(priority=-5, pk=low[0].pk).update(run_at=now - timedelta(hours=2))
+    since = store.select_channel_oldest_ready([cid("mixed")])[cid("mixed")]
+    assert abs((since - (now - timedelta(hours=2))).total_seconds()) < 1
+    # a delayed message that became due counts from its run_at, not its enqueue time
+    enqueue("late", 1)
+    Message.objects.filter(channel_id=cid("late")).update(
+        enqueued_at=now - timedelta(days=1), run_at=now - timedelta(minutes=1)
+    )
+    since = store.select_channel_oldest_ready([cid("late")])[cid("late")]
+    assert abs((since - (now - timedelta(minutes=1))).total_seconds()) < 1
+
+
+def test_filters_and_search(admin_client: Client, queue: dict[str, Any]) -> None:
+    assert page_names(admin_client.get(CHANNELS, {"paused__exact": "1"})) == ["gamma"]
+    assert page_names(admin_client.get(CHANNELS, {"failures": "yes"})) == ["beta"]
+    assert page_names(admin_client.get(CHANNELS, {"failures": "no"})) == ["alpha", "gamma"]
+    assert page_names(admin_client.get(CHANNELS, {"backlog_over": "1"})) == ["alpha"]
+    assert page_names(admin_client.get(CHANNELS, {"backlog_over": "0"})) == ["alpha", "beta"]
+    assert page_names(admin_client.get(CHANNELS, {"q": "lph"})) == ["alpha"]
+
+
+def test_finished_last_five_minutes_comes_from_the_stats(admin_client: Client) -> None:
+    enqueue("done", 1)
+    now = timezone.now()
+    store.record_channel_stats(
+        [
+            store.ChannelMinuteStats(cid("done"), stats.minute_of(now), succeeded=4, failed=1),
+            store.ChannelMinuteStats(
+                cid("done"), stats.minute_of(now - timedelta(minutes=10)), succeeded=100
+            ),
+        ]
+    )
+    assert page_rows(admin_client.get(CHANNELS))["done"].finished_recent == 5
+
+
+# ------------------------------------------------------------------------------------------
+# editing a channel
+
+
+def change_url(name: str) -> str:
+    return reverse("admin:fairqueue_channel_change", args=[cid(name)])
+
+
+def limits(**values: Any) -> dict[str, Any]:
+    data = {
+        "max_concurrency": "",
+        "release_interval": "0",
+        "weight": "1",
+        "max_backlog": "",
+    }
+    data.update({k: str(v) for k, v in values.items()})
+    return data
+
+
+def test_change_form_saves_limits(admin_client: Client) -> None:
+    enqueue("edit", 2)
+    response = admin_client.post(
+        change_url("edit"),
+        limits(max_concurrency=3, release_interval="00:00:02", weight=4, max_backlog=50),
+    )
+    assert response.status_code == 302, response.content.decode()[:2000]
+    channel = Channel.objects.get(name="edit")
+    assert (channel.max_concurrency, channel.weight, channel.max_backlog) == (3, 4, 50)
+    assert channel.release_interval == timedelta(seconds=2)
+    assert LogEntry.objects.filter(object_id=str(channel.pk), action_flag=CHANGE).exists()
+    assert counters("edit").ready == 2
+
+
+@pytest.mark.parametrize(
+    ("values", "field", "message"),
+    [
+        ({"weight": 0}, "weight", "Weight must be an integer >= 1, got 0"),
+        ({"weight": 5000}, "weight", "Weight must be at most 1000, got 5000"),
+        (
+            {"max_concurrency": 0},
+            "max_concurrency",
+            "Max concurrency must be an integer >= 1, got 0",
+        ),
+        ({"max_concurrency": -2}, "max_concurrency", "greater than or equal to 0"),
+        (
+            {"max_concurrency": 2_000_000},
+            "max_concurrency",
+            "Max concurrency must be at most 1000000, got 2000000",
+        ),
+        (
+            {"release_interval": "2 00:00:00"},
+            "release_interval",
+            "Release interval must be between 0 and 1 day",
+        ),
+        ({"release_interval": "-00:00:01"}, "release_interval", "between 0 and 1 day"),
+        ({"max_backlog": 0}, "max_backlog", "Max backlog must be an integer >= 1, got 0"),
+    ],
+)
+def test_change_form_refuses_bad_limits(
+    admin_client: Client, values: dict[str, Any], field: str, message: str
+) -> None:
+    enqueue("strict", 1)
+    before = Channel.objects.values().get(name="strict")
+    response = admin_client.post(change_url("strict"), limits(**values))
+    assert response.status_code == 200
+    errors = response.context["adminform"].form.errors
+    assert field in errors, errors
+    assert any(message in e for e in errors[field]), errors[field]
+    assert Channel.objects.values().get(name="strict") == before
+
+
+def test_saving_limits_never_writes_the_counters() -> None:
+    """A change saved with a channel read before a claim must not undo that claim."""
+    enqueue("racy", 4)
+    fold_all()
+    stale = Channel.objects.get(name="racy")  # what the admin form was built from
+    claim("racy", 3)  # a worker claims meanwhile: ready 1, running 3 on the row
+    fold_all()
+    request = RequestFactory().post("/")
+    request.user = User.objects.create_superuser("root", password="pw")
+    model_admin = ChannelAdmin(Channel, mock.Mock())
+    stale.weight = 7
+    form = mock.Mock(changed_data=["weight"])
+    model_admin.save_model(request, stale, form, change=True)
+    row = Channel.objects.get(name="racy")
+    assert row.weight == 7
+    assert (row.ready_count, row.running_count) == (1, 3)
+    assert_counters_match_table()
+
+
+def test_adding_a_channel(admin_client: Client) -> None:
+    add = reverse("admin:fairqueue_channel_add")
+    response = admin_client.post(add, {"name": "fresh", **limits(weight=3, max_concurrency=2)})
+    assert response.status_code == 302
+    channel = Channel.objects.get(name="fresh")
+    assert (channel.weight, channel.max_concurrency, channel.ready_count) == (3, 2, 0)
+    enqueue("fresh", 2)  # enqueue finds the channel by name
+    assert counters("fresh").ready == 2
+    blank = admin_client.post(add, {"name": "   ", **limits()})
+    assert "name" in blank.context["adminform"].form.errors
+
+
+def test_a_new_cap_counts_completions_not_folded_yet(admin_client: Client) -> None:
+    enqueue("busy", 6)
+    fold_all()
+    done = claim("busy", 5)
+    store.complete_messages([(m.id, m.lease_token, None) for m in done[:4]])
+    fold_all()  # uncapped: these completion deltas do not wake the claim...
+    store.complete_messages([(m.id, m.lease_token, None) for m in done[4:]])
+    assert ChannelDelta.objects.filter(channel_id=cid("busy")).exists()  # ...this one waits
+    response = admin_client.post(change_url("busy"), limits(max_concurrency=1))
+    assert response.status_code == 302
+    row = Channel.objects.get(name="busy")
+    assert (row.max_concurrency, row.running_count, row.ready_count) == (1, 0, 1)
+    assert not ChannelDelta.objects.filter(channel_id=row.pk).exists()
+    # the cap of 1 has its free slot at once
+    assert len(store.claim_messages(5, lease=LEASE, worker_id="w", only_channel_ids=[row.pk])) == 1
+
+
+def test_channel_name_is_read_only_and_channels_cannot_be_deleted(admin_client: Client) -> None:
+    enqueue("keep", 1)
+    response = admin_client.post(change_url("keep"), {**limits(weight=2), "name": "renamed"})
+    assert response.status_code == 302
+    assert Channel.objects.filter(name="keep", weight=2).exists()
+    delete = reverse("admin:fairqueue_channel_delete", args=[cid("keep")])
+    assert admin_client.post(delete, {"post": "yes"}).status_code == 403
+    assert Channel.objects.filter(name="keep").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# channel actions
+
+
+def test_pause_and_resume(admin_client: Client, queue: dict[str, Any]) -> None:
+    ids = [cid("alpha"), cid("beta")]
+    action(admin_client, CHANNELS, "pause_channels", ids)
+    assert set(Channel.objects.filter(paused=True).values_list("name", flat=True)) == {
+        "alpha",
+        "beta",
+        "gamma",
+    }
+    # a paused channel is not claimed
+    assert store.claim_messages(10, lease=LEASE, worker_id="w", only_channel_ids=ids) == []
+    action(admin_client, CHANNELS, "resume_channels", [*ids, cid("gamma")])
+    assert not Channel.objects.filter(paused=True).exists()
+    assert log_messages(CHANGE).count("Paused (admin action).") == 2
+    assert log_messages(CHANGE).count("Resumed (admin action).") == 3
+    assert_counters_match_table()
+
+
+def test_retry_failed_is_bulk_and_idempotent(admin_client: Client, queue: dict[str, Any]) -> None:
+    response = action(admin_client, CHANNELS, "retry_failed", [cid("beta"), cid("alpha")])
+    assert response.status_code == 302
+    assert counters("beta").failed == 0
+    assert counters("beta").ready == 1 + 3
+    assert set(Message.objects.filter(pk__in=queue["failed"]).values_list("state", flat=True)) == {
+        MessageState.READY
+    }
+    again = action(
+        admin_client,
+        CHANNELS,
+        "retry_failed",
+        [cid("beta")],
+    )
+    assert again.status_code == 302
+    assert counters("beta").ready == 4  # nothing retried twice
+    assert log_messages(CHANGE) == ["Retried 3 failed messages (admin action)."]
+    assert_counters_match_table()
+
+
+def test_purge_backlog_asks_first_then_deletes_waiting_messages(
+    admin_client: Client, queue: dict[str, Any]
+) -> None:
+    ids = [cid("beta"), cid("gamma")]
+    confirm = action(admin_client, CHANNELS, "purge_backlog", ids)
+    assert confirm.status_code == 200
+    text = confirm.content.decode()
+    assert "3 waiting messages will be deleted." in text  # beta 1 ready, gamma 2 delayed
+    assert Message.objects.count() == 5 + 3 + 1 + 1 + 2  # nothing deleted yet
+    done = action(admin_client, CHANNELS, "purge_backlog", ids, post="yes")
+    assert done.status_code == 302
+    assert (counters("beta").ready, counters("gamma").scheduled) == (0, 0)
+    # running and failed messages survive; the other tenant is untouched
+    assert counters("beta").running == 1
+    assert counters("beta").failed == 3
+    assert counters("alpha").ready == 5
+    assert sorted(log_messages(CHANGE)) == [
+        "Purged the backlog: 1 waiting messages deleted.",
+        "Purged the backlog: 2 waiting messages deleted.",
+    ]
+    assert_counters_match_table()
+
+
+def test_channel_actions_need_change_permission(queue: dict[str, Any]) -> None:
+    viewer = client_for(user_with("fairqueue.view_channel"))
+    response = viewer.get(CHANNELS)
+    assert response.status_code == 200
+    assert "pause_channels" not in response.content.decode()
+    action(viewer, CHANNELS, "pause_channels", [cid("alpha")])
+    action(viewer, CHANNELS, "retry_failed", [cid("beta")])
+    action(viewer, CHANNELS, "purge_backlog", [cid("alpha")], post="yes")
+    assert not Channel.objects.filter(name="alpha", paused=True).exists()
+    assert counters("beta").failed == 3
+    assert counters("alpha").ready == 5
+    assert viewer.post(change_url("alpha"), limits(weight=9)).status_code == 403
+    assert Channel.objects.get(name="alpha").weight == 1
+    assert not LogEntry.objects.exists()
+
+
+def test_purge_needs_delete_message_permission(queue: dict[str, Any]) -> None:
+    editor = client_for(user_with("fairqueue.view_channel", "fairqueue.change_channel"))
+    assert "purge_backlog" not in editor.get(CHANNELS).content.decode()
+    action(editor, CHANNELS, "purge_backlog", [cid("alpha")], post="yes")
+    assert counters("alpha").ready == 5
+    action(editor, CHANNELS, "pause_channels", [cid("alpha")])  # change is enough for this
+    assert Channel.objects.get(name="alpha").paused
+    purger = client_for(
+        user_with("fairqueue.change_channel", "fairqueue.delete_message", name="purger")
+    )
+    assert "purge_backlog" in purger.get(CHANNELS).content.decode()
+    action(purger, CHANNELS, "purge_backlog", [cid("alpha")], post="yes")
+    assert counters("alpha").ready == 0
+
+
+def test_non_staff_and_anonymous_get_nothing(queue: dict[str, Any]) -> None:
+    outsider = client_for(user_with("fairqueue.view_channel", staff=False, name="outsider"))
+    for client in (Client(), outsider):
+        for url in (CHANNELS, MESSAGES, BATCHES, DASHBOARD, DASHBOARD_DATA):
+            response = client.get(url)
+            assert response.status_code == 302, url
+            assert response["Location"].startswith(reverse("admin:login")), url
+            assert b"alpha" not in response.content
+        action(client, CHANNELS, "pause_channels", [cid("alpha")])
+    assert not Channel.objects.filter(name="alpha", paused=True).exists()
+
+
+# ------------------------------------------------------------------------------------------
+# messages
+
+
+def test_message_list_and_detail(admin_client: Client, queue: dict[str, Any]) -> None:
+    listing = admin_client.get(MESSAGES, {"state__exact": "failed"})
+    assert listing.status_code == 200
+    shown = {m.pk for m in listing.context["cl"].result_list}
+    assert shown == set(queue["failed"])
+    assert "builtins.ValueError: bad &lt;input&gt;" in listing.content.decode()
+    by_channel = admin_client.get(MESSAGES, {"channel__id__exact": cid("alpha")})
+    assert len(by_channel.context["cl"].result_list) == 5
+    detail = admin_client.get(reverse("admin:fairqueue_message_change", args=[queue["failed"][0]]))
+    html = detail.content.decode()
+    assert detail.status_code == 200
+    assert '<pre class="fq-traceback">Traceback (most recent call last):' in html
+    assert "&quot;args&quot;" in html  # the payload, pretty-printed and escaped
+    assert 'name="_save"' not in html  # read-only
+    running = admin_client.get(
+        reverse("admin:fairqueue_message_change", args=[queue["running"][0].id])
+    )
+    assert str(queue["running"][0].lease_token) in running.content.decode()
+
+
+def test_message_actions_go_through_the_store(admin_client: Client, queue: dict[str, Any]) -> None:
+    alpha = list(Message.objects.filter(channel_id=cid("alpha")).values_list("pk", flat=True))
+    running = queue["running"][0].id
+    # retry: only failed ones
+    action(admin_client, MESSAGES, "retry_messages", [*queue["failed"][:2], alpha[0]])
+    assert counters("beta").failed == 1
+    # cancel: waiting ones only; the running one is left alone
+    action(admin_client, MESSAGES, "cancel_messages", [alpha[0], alpha[1], running])
+    assert Message.objects.get(pk=running).state == MessageState.RUNNING
+    assert Message.objects.get(pk=alpha[0]).state == MessageState.CANCELLED
+    assert counters("alpha").ready == 3
+    # delete: anything not running
+    action(admin_client, MESSAGES, "delete_messages", [alpha[2], queue["failed"][2], running])
+    assert not Message.objects.filter(pk__in=[alpha[2], queue["failed"][2]]).exists()
+    assert Message.objects.filter(pk=running).exists()
+    assert counters("beta").failed == 0
+    assert_counters_match_table()
+    assert log_messages(CHANGE).count("Retried (admin action).") == 2
+    assert log_messages(CHANGE).count("Cancelled (admin action).") == 2
+    assert LogEntry.objects.filter(action_flag=DELETION).count() == 2
+
+
+def test_message_actions_need_their_permissions(queue: dict[str, Any]) -> None:
+    viewer = client_for(user_with("fairqueue.view_message"))
+    assert viewer.get(MESSAGES).status_code == 200
+    action(viewer, MESSAGES, "retry_messages", queue["failed"])
+    action(viewer, MESSAGES, "delete_messages", queue["failed"])
+    assert counters("beta").failed == 3
+    changer = client_for(user_with("fairqueue.change_message", name="changer"))
+    action(changer, MESSAGES, "delete_messages", queue["failed"])
+    assert counters("beta").failed == 3
+    action(changer, MESSAGES, "retry_messages", queue["failed"][:1])
+    assert counters("beta").failed == 2
+    url = reverse("admin:fairqueue_message_delete", args=[queue["failed"][1]])
+    assert changer.post(url, {"post": "yes"}).status_code == 403
+    add = reverse("admin:fairqueue_message_add")
+    assert changer.get(add).status_code == 403
+
+
+# ------------------------------------------------------------------------------------------
+# work batches
+
+
+@pytest.fixture
+def batches() -> dict[str, list[WorkBatch]]:
+    channel = Channel.objects.create(name="pipeline")
+    now = timezone.now()
+
+    def batch(job: str, start: int, state: str, **more: Any) -> WorkBatch:
+        return WorkBatch.objects.create(
+            channel=channel,
+            job_name=job,
+            start_id=start,
+            end_id=start + 99,
+            row_count=100,
+            state=state,
+            **more,
+        )
+
+    failed = dict(attempts=3, last_error=FAILURE, finished_at=now, rows_processed=40)
+    return {
+        "export": [
+            batch("export", 0, BatchState.SUCCEEDED, rows_processed=100, finished_at=now),
+            batch("export", 100, BatchState.RUNNING, attempts=1, started_at=now),
+            batch("export", 200, BatchState.FAILED, **failed),
+            batch("export", 300, BatchState.PENDING),
+        ],
+        "reindex": [
+            batch("reindex", 0, BatchState.FAILED, **failed),
+            batch("reindex", 100, BatchState.FAILED, **failed),
+        ],
+    }
+
+
+def test_work_batch_progress_per_job(admin_client: Client, batches: Any) -> None:
+    response = admin_client.get(BATCHES)
+    assert response.status_code == 200
+    jobs = {j["job_name"]: j for j in response.context["jobs"]}
+    export = jobs["export"]
+    assert (export["done"], export["total"], export["running"], export["failed"]) == (1, 4, 1, 1)
+    assert (export["rows_done"], export["rows"], export["percent"]) == (100, 400, 25.0)
+    assert jobs["reindex"]["failed"] == 2
+    assert "Retry failed" in response.content.decode()
+
+
+def test_work_batch_retry_action_and_per_job(admin_client: Client, batches: Any) -> None:
+    export = batches["export"]
+    action(admin_client, BATCHES, "retry_batches", [b.pk for b in export])
+    states = dict(WorkBatch.objects.filter(job_name="export").values_list("start_id", "state"))
+    assert states == {0: "succeeded", 100: "running", 200: "pending", 300: "pending"}
+    retried = WorkBatch.objects.get(job_name="export", start_id=200)
+    assert (retried.attempts, retried.rows_processed, retried.finished_at) == (0, 0, None)
+    assert retried.last_error == FAILURE  # kept for the record
+    assert store.retry_failed_work_batches([retried.pk]) == []  # idempotent
+    url = reverse("admin:fairqueue_workbatch_retry_job")
+    assert admin_client.post(url, {"job": "reindex"}).status_code == 302
+    assert set(WorkBatch.objects.filter(job_name="reindex").values_list("state", flat=True)) == {
+        "pending"
+    }
+    assert (
+        log_messages(CHANGE).count("Retried: back to pending with attempts 0 (admin action).") == 3
+    )
+
+
+def test_work_batch_retry_needs_change_permission(batches: Any) -> None:
+    viewer = client_for(user_with("fairqueue.view_workbatch"))
+    response = viewer.get(BATCHES)
+    assert response.status_code == 200
+    assert "Retry failed" not in response.content.decode()
+    action(viewer, BATCHES, "retry_batches", [b.pk for b in batches["reindex"]])
+    assert (
+        viewer.post(reverse("admin:fairqueue_workbatch_retry_job"), {"job": "reindex"}).status_code
+        == 403
+    )
+    assert WorkBatch.objects.filter(state=BatchState.FAILED).count() == 3
+
+
+# ------------------------------------------------------------------------------------------
+# dashboard
+
+
+def record_minute(name: str, minute: datetime, claimed: int, waits_ms: list[float]) -> None:
+    hist = [0] * (len(WAIT_BUCKETS_MS) + 1)
+    for w in waits_ms:
+        hist[stats.bucket_of(w)] += 1
+    store.record_channel_stats(
+        [
+            store.ChannelMinuteStats(
+                cid(name),
+                stats.minute_of(minute),
+                claimed=claimed,
+                succeeded=claimed,
+                wait_ms_sum=int(sum(waits_ms)),
+                wait_ms_max=int(max(waits_ms)),
+                wait_histogram=tuple(hist),
+            )
+        ]
+    )
+
+
+def test_dashboard_page_and_json(admin_client: Client, queue: dict[str, Any]) -> None:
+    now = timezone.now()
+    record_minute("alpha", now, 6, [3.0] * 6)
+    record_minute("beta", now, 2, [700.0, 800.0])
+    page = admin_client.get(DASHBOARD)
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "django_fairqueue/dashboard.js" in html
+    assert 'id="fq-initial"' in html
+    assert "alpha" in html and "beta" in html
+    data = admin_client.get(DASHBOARD_DATA, {"sort": "failed", "limit": "2"}).json()
+    assert data["totals"]["ready"] == 5 + 1
+    assert data["totals"]["failed"] == 3
+    assert data["totals"]["backlogged"] == 2
+    assert [t["name"] for t in data["tenants"]] == ["beta", "alpha"]
+    beta = data["tenants"][0]
+    assert (beta["running"], beta["failed"], beta["served"]) == (1, 3, 2)
+    assert beta["served_share"] == 0.25
+    assert 500 <= beta["wait"]["p50_ms"] <= 1000
+    # backlogged and not paused: alpha (6 served) and beta (2): J = 64 / (2 * 40) = 0.8
+    assert data["fairness"]["index"] == 0.8
+    assert len(data["series"]) == 30
+    assert data["series"][-1]["claimed"] == 8
+
+
+def test_dashboard_needs_view_permission(queue: dict[str, Any]) -> None:
+    nobody = client_for(user_with())
+    assert nobody.get(DASHBOARD).status_code == 403
+    assert nobody.get(DASHBOARD_DATA).status_code == 403
+    viewer = client_for(user_with("fairqueue.view_channel", name="viewer"))
+    assert viewer.get(DASHBOARD_DATA).status_code == 200
+
+
+# ------------------------------------------------------------------------------------------
+# fairqueue status
+
+
+def test_status_table_and_json(queue: dict[str, Any]) -> None:
+    out = io.StringIO()
+    call_command("fairqueue", "status", "--sort", "failed", stdout=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0].split() == [
+        "CHANNEL",
+        "READY",
+        "DELAYED",
+        "RUNNING",
+        "FAILED",
+        "OLDEST",
+        "DONE",
+        "5M",
+        "WEIGHT",
+        "INTERVAL",
+        "PAUSED",
+    ]
+    assert lines[1].split()[:5] == ["beta", "1", "0", "1/-", "3"]
+    assert lines[3].split()[-1] == "yes"  # gamma paused
+    assert "3 channels (3 shown, sorted by failed; 2 with ready messages, 1 paused)" in lines[-1]
+    out = io.StringIO()
+    call_command("fairqueue", "status", "--json", "--limit", "1", stdout=out)
+    data = json.loads(out.getvalue())
+    assert [c["name"] for c in data["channels"]] == ["alpha"]
+    assert data["channels"][0]["ready"] == 5
+    assert data["totals"] == {
+        "channels": 3,
+        "backlogged": 2,
+        "paused": 1,
+        "ready": 6,
+        "scheduled": 2,
+        "running": 1,
+        "failed": 3,
+        "succeeded": 0,
+    }
+
+
+def test_status_watch_redraws_until_interrupted(queue: dict[str, Any]) -> None:
+    sleeps: list[float] = []
+
+    def fake_sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        if len(sleeps) == 2:
+            raise KeyboardInterrupt
+
+    out = io.StringIO()
+    with mock.patch("django_fairqueue.cli.status.time.sleep", fake_sleep):
+        call_command("fairqueue", "status", "--json", "--watch", "0.5", stdout=out)
+    documents = [json.loads(line) for line in out.getvalue().splitlines() if line]
+    assert len(documents) == 2
+    assert sleeps == [0.5, 0.5]
+
+
+# ------------------------------------------------------------------------------------------
+# metrics
+
+
+def test_metrics_exposition(queue: dict[str, Any]) -> None:
+    from django_fairqueue import metrics
+
+    Channel.objects.filter(name="beta").update(max_concurrency=4)
+    before = metrics.REGISTRY.get_sample_value("fairqueue_claim_duration_seconds_count") or 0
+    metrics.observe_claim(0.003)
+    metrics.observe_claim(0.2)
+    request = RequestFactory().get("/metrics")
+    request.user = User.objects.create_superuser("root", password="pw")
+    response = metrics.metrics_view(request)
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("text/plain; version=0.0.4")
+    text = response.content.decode()
+    for line in (
+        'fairqueue_channel_ready{channel="alpha"} 5.0',
+        'fairqueue_channel_ready{channel="beta"} 1.0',
+        'fairqueue_channel_running{channel="beta"} 1.0',
+        'fairqueue_channel_failed{channel="beta"} 3.0',
+        'fairqueue_channel_scheduled{channel="gamma"} 2.0',
+        'fairqueue_channel_max_concurrency{channel="beta"} 4.0',
+        'fairqueue_channel_succeeded_total{channel="alpha"} 0.0',
+    ):
+        assert line in text.splitlines(), line
+    assert 'fairqueue_channel_max_concurrency{channel="alpha"}' not in text
+    after = metrics.REGISTRY.get_sample_value("fairqueue_claim_duration_seconds_count")
+    assert after == before + 2
+    assert "fairqueue_claim_duration_seconds_bucket" in text
+
+
+def test_metrics_view_is_not_public(settings: Any) -> None:
+    from django.contrib.auth.models import AnonymousUser
+
+    from django_fairqueue import metrics
+
+    def get(user: Any = None, auth: str | None = None) -> int:
+        headers = {"HTTP_AUTHORIZATION": auth} if auth else {}
+        request = RequestFactory().get("/metrics", **headers)
+        request.user = user or AnonymousUser()
+        return metrics.metrics_view(request).status_code
+
+    assert get() == 403
+    assert get(user_with("fairqueue.view_channel", staff=False, name="notstaff")) == 403
+    assert get(user_with(name="noperm")) == 403
+    assert get(user_with("fairqueue.view_channel", name="staffer")) == 200
+    settings.FAIRQUEUE_METRICS_TOKEN = "s3cret"
+    assert get() == 401
+    assert get(auth="Bearer wrong") == 403
+    assert get(auth="Bearer s3cret") == 200
+    assert get(auth="Basic s3cret") == 403
+
+
+def test_metrics_without_prometheus_client_says_what_to_install() -> None:
+    real_import = builtins.__import__
+
+    def hiding(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "prometheus_client" or name.startswith("prometheus_client."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    saved = sys.modules.pop("django_fairqueue.metrics", None)
+    try:
+        with (
+            mock.patch("builtins.__import__", hiding),
+            pytest.raises(
+                ImproperlyConfigured, match=re.escape("pip install django-fairqueue[prometheus]")
+            ),
+        ):
+            importlib.import_module("django_fairqueue.metrics")
+    finally:
+        sys.modules.pop("django_fairqueue.metrics", None)
+        if saved is not None:
+            sys.modules["django_fairqueue.metrics"] = saved
+
+
+# ------------------------------------------------------------------------------------------
+# statistics
+
+
+def claimed_message(channel_id: int, enqueued: datetime, run_at: datetime) -> store.ClaimedMessage:
+    return store.ClaimedMessage(
+        id=1,
+        channel_id=channel_id,
+        channel="c",
+        task_name=NOOP,
+        payload={},
+        priority=0,
+        attempts=1,
+        max_attempts=1,
+        keep_result=False,
+        lease_token=mock.sentinel.token,  # type: ignore[arg-type]
+        lease_expires_at=enqueued,
+        enqueued_at=enqueued,
+        run_at=run_at,
+    )
+
+
+def test_recorder_tallies_waits_and_outcomes_per_minute() -> None:
+    enqueue("s", 1)
+    channel = cid("s")
+    claimed_at = datetime(2030, 1, 1, 12, 30, 45, tzinfo=UTC)
+    t0 = claimed_at - timedelta(milliseconds=3)
+    recorder = stats.StatsRecorder()
+    recorder.record_claimed(
+        [
+            claimed_message(channel, t0, t0),  # waited 3 ms
+            # a retry: ready from its run_at, 250 ms before the claim
+            claimed_message(
+                channel, claimed_at - timedelta(hours=1), claimed_at - timedelta(milliseconds=250)
+            ),
+            # run_at after the claim (clock skew): counts as 0
+            claimed_message(channel, t0, claimed_at + timedelta(seconds=1)),
+        ],
+        claimed_at,
+    )
+    later = claimed_at + timedelta(minutes=1)
+    recorder.record_settled(channel, "succeeded", 12.4, at=later)
+    recorder.record_settled(channel, "retried", 5, at=later)
+    recorder.record_settled(channel, "failed", 1, at=later)
+    with pytest.raises(ValueError, match="outcome"):
+        recorder.record_settled(channel, "released", 1)  # type: ignore[arg-type]
+    assert recorder.pending() == 2
+    assert recorder.flush() == 2
+    assert recorder.pending() == 0
+    first = ChannelStat.objects.get(channel_id=channel, minute=stats.minute_of(claimed_at))
+    assert first.minute == datetime(2030, 1, 1, 12, 30, tzinfo=UTC)
+    assert (first.claimed, first.wait_ms_sum, first.wait_ms_max) == (3, 253, 250)
+    expected = [0] * (len(WAIT_BUCKETS_MS) + 1)
+    expected[0] += 1  # 0 ms
+    expected[WAIT_BUCKETS_MS.index(5)] += 1  # 3 ms: (2, 5]
+    expected[WAIT_BUCKETS_MS.index(500)] += 1  # 250 ms: (200, 500]
+    assert first.wait_histogram == expected
+    second = ChannelStat.objects.get(channel_id=channel, minute=stats.minute_of(later))
+    assert (second.succeeded, second.retried, second.failed, second.run_ms_sum) == (1, 1, 1, 18)
+    # a second flush adds to the same rows
+    recorder.record_claimed([claimed_message(channel, t0, t0)], claimed_at)
+    recorder.flush()
+    first.refresh_from_db()
+    assert first.claimed == 4
+    assert first.wait_histogram[WAIT_BUCKETS_MS.index(5)] == 2
+
+
+def test_recorder_keeps_tallies_when_a_flush_fails() -> None:
+    enqueue("s", 1)
+    channel = cid("s")
+    recorder = stats.StatsRecorder()
+    now = timezone.now()
+    recorder.record_settled(channel, "succeeded", 10, at=now)
+    with (
+        mock.patch.object(store, "record_channel_stats", side_effect=RuntimeError("db down")),
+        pytest.raises(RuntimeError),
+    ):
+        recorder.flush()
+    recorder.record_settled(channel, "succeeded", 5, at=now)
+    assert recorder.flush() == 1
+    row = ChannelStat.objects.get(channel_id=channel)
+    assert (row.succeeded, row.run_ms_sum) == (2, 15)
+
+
+def test_recorder_is_thread_safe() -> None:
+    import threading
+
+    recorder = stats.StatsRecorder()
+    now = timezone.now()
+
+    def work() -> None:
+        for _ in range(2000):
+            recorder.record_settled(7, "succeeded", 1, at=now)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    tally = recorder._tallies[(7, stats.minute_of(now))]
+    assert (tally.succeeded, tally.run_ms_sum) == (8000, 8000)
+
+
+def test_percentiles_from_histograms() -> None:
+    n = len(WAIT_BUCKETS_MS) + 1
+    hist = [0] * n
+    hist[WAIT_BUCKETS_MS.index(10)] = 100  # 100 waits in (5, 10] ms
+    assert stats.percentile_from_histogram(hist, 50) == pytest.approx(7.5)
+    assert stats.percentile_from_histogram(hist, 95) == pytest.approx(9.75)
+    assert stats.percentile_from_histogram(hist, 100) == pytest.approx(10)
+    # the largest wait seen closes the bucket: all 100 waits are at most 8 ms
+    assert stats.percentile_from_histogram(hist, 100, max_ms=8) == pytest.approx(8)
+    two = [0] * n
+    two[0] = 50  # [0, 1]
+    two[WAIT_BUCKETS_MS.index(1000)] = 50  # (500, 1000]
+    assert stats.percentile_from_histogram(two, 50) == pytest.approx(1.0)
+    assert stats.percentile_from_histogram(two, 95) == pytest.approx(500 + 500 * 45 / 50)
+    # the open last bucket ends at the maximum
+    top = [0] * n
+    top[-1] = 10
+    assert stats.percentile_from_histogram(top, 50, max_ms=90_000) == pytest.approx(75_000)
+    assert stats.percentile_from_histogram([0] * n, 50) is None
+    with pytest.raises(ValueError):
+        stats.percentile_from_histogram([1], 50)
+    summary = stats.WaitSummary.of(two, wait_sum=50 * 1 + 50 * 700, wait_max=900)
+    assert (summary.count, summary.mean_ms, summary.max_ms) == (100, 350.5, 900)
+    assert summary.p95_ms == pytest.approx(500 + 400 * 45 / 50)
+
+
+def test_jain_index() -> None:
+    assert stats.jain_index([5, 5, 5, 5]) == 1.0
+    assert stats.jain_index([10, 0, 0, 0]) == 0.25
+    assert stats.jain_index([1, 2, 3]) == pytest.approx(36 / (3 * 14))
+    assert stats.jain_index([]) is None
+    assert stats.jain_index([0, 0]) is None
+    with pytest.raises(ValueError):
+        stats.jain_index([-1, 2])
+
+
+def test_fairness_weights_shares_and_counts_the_starved() -> None:
+    # weights 1, 2, 1: served 10, 20, 0 (the third starved) -> x = 10, 10, 0
+    fair = stats.fairness({1: 1, 2: 2, 3: 1}, 5, served={1: 10, 2: 20, 9: 99})
+    assert fair.index == pytest.approx(400 / (3 * 200))
+    assert (fair.channels, fair.served) == (3, 30)
+    assert fair.shares == {1: pytest.approx(1 / 3), 2: pytest.approx(2 / 3), 3: 0.0}
+
+
+def test_stats_queries_over_a_window() -> None:
+    enqueue("w1", 1)
+    enqueue("w2", 1)
+    now = datetime(2030, 6, 1, 10, 4, 30, tzinfo=UTC)
+    record_minute("w1", now, 4, [3, 3, 3, 3])
+    record_minute("w2", now - timedelta(minutes=2), 2, [700, 900])
+    record_minute("w1", now - timedelta(minutes=10), 50, [1])
+    assert stats.window_start(5, now) == datetime(2030, 6, 1, 10, 0, tzinfo=UTC)
+    assert stats.served_counts(5, now=now) == {cid("w1"): 4, cid("w2"): 2}
+    assert stats.finished_counts(5, now=now, channel_ids=[cid("w2")]) == {cid("w2"): 2}
+    overall = stats.wait_summary(5, now=now)
+    assert (overall.count, overall.max_ms) == (6, 900)
+    waits = stats.wait_by_channel(5, [cid("w1"), cid("w2")], now=now)
+    assert waits[cid("w1")].p95_ms is not None and waits[cid("w1")].p95_ms <= 5
+    series = stats.minute_series(5, now=now)
+    assert [m.claimed for m in series] == [0, 0, 2, 0, 4]
+    assert series[0].wait.p50_ms is None
+    stats.prune(timedelta(days=1))  # these rows are in 2030: nothing is old
+    assert ChannelStat.objects.count() == 3
+    store.prune_channel_stats(now - timedelta(minutes=5))
+    assert ChannelStat.objects.count() == 2
+
+
+# ------------------------------------------------------------------------------------------
+# signals and logging
+
+
+def test_message_enqueued_signal() -> None:
+    got: list[dict[str, Any]] = []
+
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        got.append({"sender": sender, **kwargs})
+
+    message_enqueued.connect(receiver)
+    try:
+        ids = enqueue_many(
+            [
+                EnqueueRequest(NOOP, channel="one"),
+                EnqueueRequest(NOOP, channel="two"),
+                EnqueueRequest(NOOP, channel="one"),
+            ]
+        )
+        enqueue_many([])  # nothing enqueued, nothing sent
+    finally:
+        message_enqueued.disconnect(receiver)
+    assert got == [
+        {
+            "sender": Message,
+            "signal": message_enqueued,
+            "message_ids": ids,
+            "channels": ["one", "two", "one"],
+        }
+    ]
+    enqueue("three", 1)
+    assert len(got) == 1  # disconnected: not sent
+
+
+def test_logging_filter_adapter_and_json_formatter() -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(MessageContextFilter())
+    handler.setFormatter(JsonFormatter())
+    log = logging.getLogger("tests.fairqueue.logging")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    message = claimed_message(3, timezone.now(), timezone.now())
+    try:
+        log.info("outside")
+        token = current_message.set(message)
+        try:
+            log.info("inside %s", "task", extra={"duration": 0.5})
+            try:
+                raise ValueError("boom")
+            except ValueError:
+                log.exception("failed")
+        finally:
+            current_message.reset(token)
+        message_logger(log, message).warning("settled", extra={"outcome": "succeeded"})
+        log.info("explicit", extra={"channel": "other", "message_id": 99})
+    finally:
+        log.removeHandler(handler)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert lines[0]["message"] == "outside"
+    assert "channel" not in lines[0]
+    assert lines[1]["message"] == "inside task"
+    fields = ("channel", "task", "message_id", "attempt")
+    assert [lines[1][k] for k in fields] == ["c", NOOP, 1, 1]
+    assert lines[1]["duration"] == 0.5
+    assert "ValueError: boom" in lines[2]["exc_info"]
+    assert (lines[3]["channel"], lines[3]["outcome"], lines[3]["level"]) == (
+        "c",
+        "succeeded",
+        "WARNING",
+    )
+    assert (lines[4]["channel"], lines[4]["message_id"]) == ("other", 99)
+    # with a plain format string the fields exist even outside a message
+    record = logging.LogRecord("x", logging.INFO, "x", 1, "m", None, None)
+    MessageContextFilter().filter(record)
+    assert logging.Formatter("%(channel)s %(message_id)s %(message)s").format(record) == (
+        "None None m"
+    )

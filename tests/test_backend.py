@@ -1,0 +1,503 @@
+"""The Django Tasks backend (django_fairqueue.backend): Django's contract, on a real queue.
+
+Runs on Django 6.1 (``django.tasks``) and on Django 5.2 with the django-tasks backport. The
+tasks below are module-level, as Django requires; tests/settings.py makes FairQueueBackend the
+``default`` task backend, so their decorators build ``FairQueueTask`` objects and register them.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+from unittest import mock
+
+import django
+import psycopg
+import pytest
+from asgiref.sync import async_to_sync
+from django.db import transaction
+from django.test import override_settings
+from django.utils import timezone
+
+from django_fairqueue import store
+from django_fairqueue._tasks_compat import (
+    InvalidTask,
+    InvalidTaskBackend,
+    TaskContext,
+    TaskResultDoesNotExist,
+    TaskResultStatus,
+    task,
+    task_backends,
+    task_enqueued,
+    task_finished,
+    task_started,
+)
+from django_fairqueue.backend import FairQueueBackend, FairQueueTask
+from django_fairqueue.context import current_message
+from django_fairqueue.models import Message, MessageState
+from django_fairqueue.tasks import registry
+from django_fairqueue.tasks import task as fairqueue_task
+from django_fairqueue.testing import drain
+
+FAIRQUEUE_BACKEND = "django_fairqueue.backend.FairQueueBackend"
+
+
+# -- tasks (module level, as Django requires) ---------------------------------------------------
+
+
+@task
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+@task
+def greet(name: str, tenant: str | None = None) -> str:
+    return f"hello {name}"
+
+
+@task(takes_context=True)
+def attempt_report(context: TaskContext, fail_before: int) -> dict[str, Any]:
+    if context.attempt < fail_before:
+        raise RuntimeError(f"failing attempt {context.attempt} on purpose")
+    return {"attempt": context.attempt, "id": context.task_result.id}
+
+
+@task
+async def async_double(x: int) -> int:
+    return x * 2
+
+
+@task
+def explode() -> None:
+    raise ValueError("boom")
+
+
+@task
+def pair() -> tuple[int, int]:
+    return (1, 2)
+
+
+def reports() -> str:
+    """Decorated in a test (Django 6.0's decorator would refuse ``channel=`` at import)."""
+    return "report"
+
+
+@fairqueue_task(name="tests.backend.native")
+def native() -> None:
+    """A fairqueue task of its own (not a Django task)."""
+
+
+def tenant_channel(task: Any, args: Any, kwargs: dict[str, Any]) -> str | None:
+    """OPTIONS['CHANNEL_FROM'] for the tests: the ``tenant`` keyword argument, if given."""
+    return kwargs.get("tenant")
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def row(result_id: str) -> Message:
+    return Message.objects.select_related("channel").get(pk=int(result_id))
+
+
+@pytest.fixture
+def tasks_options() -> Iterator[Any]:
+    """Reconfigure the ``default`` task backend for one test: ``tasks_options(OPTIONS=...)``."""
+    overrides: list[Any] = []
+
+    def configure(**params: Any) -> None:
+        override = override_settings(TASKS={"default": {"BACKEND": FAIRQUEUE_BACKEND, **params}})
+        override.enable()
+        overrides.append(override)
+
+    yield configure
+    for override in reversed(overrides):
+        override.disable()
+
+
+# -- the backend's declared features ---------------------------------------------------------
+
+
+def test_backend_declares_what_it_supports() -> None:
+    backend = task_backends["default"]
+    assert isinstance(backend, FairQueueBackend)
+    assert backend.supports_defer is True
+    assert backend.supports_async_task is True
+    assert backend.supports_get_result is True
+    assert backend.supports_priority is True
+    assert backend.task_class is FairQueueTask
+    assert isinstance(add, FairQueueTask)
+
+
+def test_defining_a_task_registers_it_by_module_path_with_results_kept() -> None:
+    spec = registry.get("tests.test_backend.add")
+    assert spec.keep_result is True
+    assert spec.func(2, 3) == 5  # outside a worker the runner just calls the function
+    # .using() validates (and registers) again: same entry, no "registered twice" error
+    add.using(priority=3)
+    assert registry.get("tests.test_backend.add") is spec
+
+
+# -- enqueue ---------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_enqueue_returns_a_ready_result_and_queues_a_message() -> None:
+    before = timezone.now()
+    result = add.enqueue(2, b=3)
+    assert result.status == TaskResultStatus.READY
+    assert result.task is add
+    assert (result.args, result.kwargs) == ([2], {"b": 3})
+    assert result.backend == "default"
+    assert result.enqueued_at is not None and result.enqueued_at >= before
+    assert (result.started_at, result.finished_at, result.errors) == (None, None, [])
+    message = row(result.id)
+    assert message.task_name == "tests.test_backend.add"
+    assert message.channel.name == "default"  # FAIRQUEUE['DEFAULT_CHANNEL']
+    assert message.state == MessageState.READY
+    assert message.payload == {"args": [2], "kwargs": {"b": 3}}
+    assert message.keep_result is True
+
+
+@pytest.mark.django_db
+def test_priority_and_run_after_map_onto_the_message() -> None:
+    later = timezone.now() + timedelta(hours=1)
+    result = add.using(priority=42, run_after=later).enqueue(1, 1)
+    message = row(result.id)
+    assert (message.priority, message.state, message.run_at) == (42, MessageState.SCHEDULED, later)
+    fetched = add.get_result(result.id)
+    assert fetched.status == TaskResultStatus.READY  # Django has no "scheduled"
+    assert (fetched.task.priority, fetched.task.run_after) == (42, later)
+
+
+def test_priority_out_of_range_is_refused_by_django_validation() -> None:
+    with pytest.raises(InvalidTask):
+        add.using(priority=101)
+
+
+@pytest.mark.django_db
+def test_arguments_that_are_not_json_are_refused() -> None:
+    with pytest.raises(TypeError):
+        add.enqueue({1, 2}, 3)
+    assert not Message.objects.exists()
+
+
+@pytest.mark.django_db
+def test_enqueue_sends_task_enqueued() -> None:
+    seen = []
+
+    def receiver(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        seen.append((sender, task_result.id, task_result.status))
+
+    task_enqueued.connect(receiver)
+    try:
+        result = add.enqueue(1, 2)
+    finally:
+        task_enqueued.disconnect(receiver)
+    assert seen == [(FairQueueBackend, result.id, TaskResultStatus.READY)]
+
+
+@pytest.mark.django_db
+def test_aenqueue_and_aget_result() -> None:
+    result = async_to_sync(add.aenqueue)(4, 5)
+    fetched = async_to_sync(add.aget_result)(result.id)
+    assert (fetched.id, fetched.status, fetched.args) == (result.id, TaskResultStatus.READY, [4, 5])
+
+
+# -- channel choice ----------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_using_channel_enqueues_to_that_channel() -> None:
+    result = add.using(channel="alice").enqueue(1, 2)
+    assert row(result.id).channel.name == "alice"
+    assert result.task.channel == "alice"
+    assert add.get_result(result.id).task.channel == "alice"
+    assert add.channel is None  # using() made a copy
+
+
+@pytest.mark.django_db
+def test_using_channel_combines_with_django_options() -> None:
+    bound = add.using(channel="bob", priority=-5)
+    assert (bound.channel, bound.priority) == ("bob", -5)
+    message = row(bound.enqueue(0, 0).id)
+    assert (message.channel.name, message.priority) == ("bob", -5)
+
+
+@pytest.mark.skipif(
+    django.VERSION[:2] == (6, 0), reason="Django 6.0's @task does not forward extra arguments"
+)
+@pytest.mark.django_db
+def test_decorator_accepts_a_channel() -> None:
+    declared = task(channel="reports")(reports)
+    assert declared.channel == "reports"
+    assert row(declared.enqueue().id).channel.name == "reports"
+
+
+def test_invalid_channel_is_refused_when_the_task_is_made() -> None:
+    with pytest.raises(InvalidTask, match="blanks"):
+        add.using(channel=" padded")
+
+
+@pytest.mark.django_db
+def test_channel_from_option_derives_the_channel_from_arguments(tasks_options: Any) -> None:
+    tasks_options(OPTIONS={"CHANNEL_FROM": "tests.test_backend.tenant_channel"})
+    assert row(greet.enqueue("ann", tenant="acme").id).channel.name == "acme"
+    # None falls through to the default channel
+    assert row(greet.enqueue("bea").id).channel.name == "default"
+    # an explicit channel wins over the option
+    assert row(greet.using(channel="vip").enqueue("cy", tenant="acme").id).channel.name == "vip"
+
+
+@pytest.mark.django_db
+def test_default_channel_option_then_fairqueue_setting(tasks_options: Any) -> None:
+    tasks_options(OPTIONS={"DEFAULT_CHANNEL": "misc"})
+    assert row(add.enqueue(1, 1).id).channel.name == "misc"
+    tasks_options()
+    with override_settings(FAIRQUEUE={"DEFAULT_CHANNEL": "fallback"}):
+        assert row(add.enqueue(1, 1).id).channel.name == "fallback"
+
+
+@pytest.mark.django_db
+def test_queue_name_other_than_default_is_the_channel(tasks_options: Any) -> None:
+    tasks_options(QUEUES=[])  # any queue name is valid
+    assert row(add.using(queue_name="emails").enqueue(1, 1).id).channel.name == "emails"
+    assert row(add.enqueue(1, 1).id).channel.name == "default"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"CHANEL_FROM": "x.y"}, "unknown keys"),
+        ({"DEFAULT_CHANNEL": ""}, "DEFAULT_CHANNEL"),
+        ({"CHANNEL_FROM": len}, "dotted path"),
+        ({"DELIVERY": "exactly_once"}, "DELIVERY"),
+        ({"MAX_ATTEMPTS": 0}, "MAX_ATTEMPTS"),
+    ],
+)
+def test_bad_options_are_refused(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidTaskBackend, match=message):
+        FairQueueBackend("bad", {"OPTIONS": options})
+
+
+@pytest.mark.django_db
+def test_channel_from_that_cannot_be_imported_fails_check_and_enqueue(tasks_options: Any) -> None:
+    tasks_options(OPTIONS={"CHANNEL_FROM": "tests.test_backend.no_such_function"})
+    errors = task_backends["default"].check()
+    assert [e.id for e in errors] == ["fairqueue.E102"]
+    with pytest.raises(InvalidTaskBackend, match="cannot be imported"):
+        add.enqueue(1, 2)
+
+
+def test_check_requires_the_app() -> None:
+    backend = task_backends["default"]
+    assert backend.check() == []
+    with mock.patch("django_fairqueue.backend.apps.is_installed", return_value=False):
+        assert [e.id for e in backend.check()] == ["fairqueue.E101"]
+
+
+# -- results through the lifecycle -----------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_get_result_follows_the_message_ready_running_successful() -> None:
+    result = add.enqueue(20, 22)
+    ready = add.get_result(result.id)
+    assert ready.status == TaskResultStatus.READY
+    assert (ready.started_at, ready.worker_ids, ready.attempts) == (None, [], 0)
+    assert ready.enqueued_at == row(result.id).enqueued_at
+
+    (claimed,) = store.claim_messages(1, lease=timedelta(minutes=1), worker_id="w-1")
+    running = add.get_result(result.id)
+    assert running.status == TaskResultStatus.RUNNING
+    assert running.started_at == running.last_attempted_at == row(result.id).claimed_at
+    assert (running.worker_ids, running.attempts) == (["w-1"], 1)
+    with pytest.raises(ValueError, match="not finished"):
+        running.return_value  # noqa: B018
+
+    token = current_message.set(claimed)
+    try:
+        value = registry.get(claimed.task_name).func(*claimed.payload["args"])
+    finally:
+        current_message.reset(token)
+    store.complete_messages([(claimed.id, claimed.lease_token, value)])
+    result.refresh()  # Django's refresh() goes through get_result
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == 42
+    assert result.finished_at is not None and result.is_finished
+    assert row(result.id).state == MessageState.SUCCEEDED  # kept for get_result until pruned
+
+
+@pytest.mark.django_db
+def test_successful_result_after_running_on_the_queue() -> None:
+    results = [add.enqueue(i, i) for i in range(3)]
+    assert drain() == 3
+    for i, result in enumerate(results):
+        fetched = add.get_result(result.id)
+        assert (fetched.status, fetched.return_value) == (TaskResultStatus.SUCCESSFUL, 2 * i)
+
+
+@pytest.mark.django_db
+def test_failed_result_carries_the_error() -> None:
+    with override_settings(FAIRQUEUE={"DEFAULT_MAX_ATTEMPTS": 1}):
+        result = explode.enqueue()
+    assert drain() == 1
+    failed = explode.get_result(result.id)
+    assert failed.status == TaskResultStatus.FAILED
+    assert failed.is_finished and failed.finished_at is not None
+    (error,) = failed.errors
+    assert error.exception_class_path == "builtins.ValueError"
+    assert error.exception_class is ValueError
+    assert "boom" in error.traceback
+    with pytest.raises(ValueError, match="failed"):
+        failed.return_value  # noqa: B018
+
+
+@pytest.mark.django_db
+def test_arguments_that_do_not_fit_fail_at_once_without_retries() -> None:
+    missing = add.enqueue(1)  # b is missing
+    extra = attempt_report.enqueue(1, 2)  # one positional too many (context is not counted)
+    fits = attempt_report.enqueue(fail_before=1)
+    assert drain() == 3
+    for result in (missing, extra):
+        failed = task_backends["default"].get_result(result.id)
+        assert (failed.status, failed.attempts) == (TaskResultStatus.FAILED, 1)
+        assert failed.errors[0].exception_class is TypeError
+    assert attempt_report.get_result(fits.id).return_value == {"attempt": 1, "id": fits.id}
+
+
+@pytest.mark.django_db
+def test_error_types_that_are_not_importable_are_kept_as_recorded() -> None:
+    result = add.enqueue(1, 2)
+    (claimed,) = store.claim_messages(1, lease=timedelta(minutes=1), worker_id="w-1")
+    error = {"type": "LeaseExpired", "message": "lease expired", "traceback": None}
+    store.fail_messages([(claimed.id, claimed.lease_token, error, None)])
+    (recorded,) = add.get_result(result.id).errors
+    assert (recorded.exception_class_path, recorded.traceback) == ("LeaseExpired", "lease expired")
+
+
+@pytest.mark.django_db
+def test_cancelled_message_is_a_failed_result() -> None:
+    result = add.enqueue(1, 2)
+    store.cancel_messages([int(result.id)])
+    assert add.get_result(result.id).status == TaskResultStatus.FAILED
+
+
+@pytest.mark.django_db
+def test_context_gives_the_attempt_and_result_id_and_retries_count() -> None:
+    with override_settings(FAIRQUEUE={"DEFAULT_MAX_ATTEMPTS": 3, "RETRY_BACKOFF_BASE": 0}):
+        result = attempt_report.enqueue(fail_before=2)
+        assert drain() == 2  # attempt 1 fails and is retried at once, attempt 2 succeeds
+    done = attempt_report.get_result(result.id)
+    assert done.status == TaskResultStatus.SUCCESSFUL
+    assert done.return_value == {"attempt": 2, "id": result.id}
+    assert done.attempts == 2
+    # the first attempt's error stays visible on the result
+    assert "failing attempt 1" in done.errors[0].traceback
+
+
+@pytest.mark.django_db
+def test_async_task_runs_to_completion() -> None:
+    result = async_double.enqueue(21)
+    drain()
+    assert async_double.get_result(result.id).return_value == 42
+
+
+@pytest.mark.django_db
+def test_return_value_is_normalised_json() -> None:
+    result = pair.enqueue()
+    drain()
+    assert pair.get_result(result.id).return_value == [1, 2]
+
+
+@pytest.mark.django_db
+def test_get_result_of_unknown_ids_and_other_tasks() -> None:
+    with pytest.raises(TaskResultDoesNotExist):
+        add.get_result("999999999")
+    with pytest.raises(TaskResultDoesNotExist):
+        add.get_result("not-a-number")
+    result = greet.enqueue("x")
+    with pytest.raises(Exception, match="Task does not match"):
+        add.get_result(result.id)
+
+
+@pytest.mark.django_db
+def test_get_result_refuses_messages_of_fairqueue_native_tasks() -> None:
+    from django_fairqueue.api import enqueue
+
+    message_id = enqueue("tests.backend.native", channel="x")
+    with pytest.raises(TaskResultDoesNotExist, match=r"not a django\.tasks task"):
+        task_backends["default"].get_result(str(message_id))
+
+
+# -- signals and the runner ------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_running_sends_started_and_finished_and_a_bad_receiver_cannot_fail_it() -> None:
+    seen = []
+
+    def started(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        seen.append(("started", task_result.status, task_result.attempts))
+
+    def finished(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        seen.append(("finished", task_result.status, task_result.return_value))
+        raise RuntimeError("a broken receiver")
+
+    task_started.connect(started)
+    task_finished.connect(finished)
+    try:
+        result = add.enqueue(1, 2)
+        drain()
+    finally:
+        task_started.disconnect(started)
+        task_finished.disconnect(finished)
+    assert seen == [
+        ("started", TaskResultStatus.RUNNING, 1),
+        ("finished", TaskResultStatus.SUCCESSFUL, 3),
+    ]
+    assert add.get_result(result.id).status == TaskResultStatus.SUCCESSFUL
+
+
+def test_a_context_task_outside_a_worker_says_why_it_cannot_run() -> None:
+    with pytest.raises(RuntimeError, match="only a fairqueue worker"):
+        registry.get("tests.test_backend.attempt_report").func(fail_before=1)
+
+
+@pytest.mark.skipif(django.VERSION < (6, 1), reason="Task pickling is new in Django 6.1")
+def test_fairqueue_task_pickles_with_its_channel() -> None:
+    bound = add.using(channel="alice", priority=3)
+    assert pickle.loads(pickle.dumps(bound)) == bound
+
+
+# -- transactional enqueue -------------------------------------------------------------------
+
+
+def _count_elsewhere(database_url: str, message_id: str) -> int:
+    """Rows with this id, as another connection sees them (committed data only)."""
+    with psycopg.connect(database_url) as other:
+        found = other.execute(
+            "SELECT count(*) FROM fairqueue_message WHERE id = %s", [int(message_id)]
+        ).fetchone()
+    assert found is not None
+    return int(found[0])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_enqueue_inside_atomic_is_visible_at_commit(database_url: str) -> None:
+    with transaction.atomic():
+        result = add.enqueue(1, 2)
+        assert _count_elsewhere(database_url, result.id) == 0  # not committed yet
+    assert _count_elsewhere(database_url, result.id) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_rolled_back_enqueue_leaves_nothing(database_url: str) -> None:
+    with pytest.raises(RuntimeError), transaction.atomic():
+        result = add.enqueue(1, 2)
+        raise RuntimeError("the view failed")
+    assert _count_elsewhere(database_url, result.id) == 0
+    with pytest.raises(TaskResultDoesNotExist):
+        add.get_result(result.id)
+    assert store.claim_messages(10, lease=timedelta(minutes=1), worker_id="w") == []

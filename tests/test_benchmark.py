@@ -1,0 +1,191 @@
+"""``manage.py fairbench``: structure of its results and its refusal to touch queue data.
+
+These run the benchmark with its tiny sizes (a fraction of a second per cell): the figures are
+meaningless and never asserted beyond being positive. The real figures are in
+docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import connection
+
+from django_fairqueue import enqueue, store
+from django_fairqueue.benchmark import SCENARIOS, sizes
+from django_fairqueue.benchmark.database import SCRATCH_COMMENT, scratch_name
+from django_fairqueue.benchmark.harness import percentile
+from django_fairqueue.benchmark.tasks import NOOP_TASK_NAME
+from django_fairqueue.management.commands.fairbench import Command as FairbenchCommand
+from django_fairqueue.models import Message
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def fairbench(*args: str) -> str:
+    out = StringIO()
+    call_command("fairbench", "--sizes", "tiny", "--no-progress", *args, stdout=out, stderr=out)
+    return out.getvalue()
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_tiny_run_reports_every_scenario_as_json(tmp_path: Path) -> None:
+    path = tmp_path / "bench.json"
+    output = fairbench("--json", str(path))
+
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == 1
+    assert set(doc["scenarios"]) == set(SCENARIOS)
+    meta = doc["meta"]
+    assert meta["sizes"]["name"] == "tiny"
+    assert meta["database"]["name"] == connection.settings_dict["NAME"]
+    assert meta["database"]["server"]["server_version"]
+    assert "fairqueue_claim_v1" in meta["database"]["functions"]
+    assert meta["wall_seconds"] > 0
+    for name, scenario in SCENARIOS.items():
+        cells = doc["scenarios"][name]["cells"]
+        assert len(cells) == len(scenario.plan(sizes.TINY)), name
+        assert scenario.title in output
+        for cell in cells:
+            assert cell[scenario.metric] > 0, (name, cell)
+
+    for cell in doc["scenarios"]["enqueue"]["cells"]:
+        assert cell["messages"] > 0 and cell["calls"] > 0
+    for cell in doc["scenarios"]["claim"]["cells"]:
+        assert cell["messages"] > 0 and cell["claims"] > 0
+        assert 0 <= cell["empty_pct"] <= 100
+        assert cell["per_claim"] <= cell["batch"]
+    for cell in doc["scenarios"]["latency"]["cells"]:
+        assert cell["samples"] == sizes.TINY.latency_samples
+        assert 0 < cell["claim_p50_ms"] <= cell["claim_p95_ms"] <= cell["claim_max_ms"]
+        assert cell["per_claim"] == sizes.TINY.latency_batch
+    for cell in doc["scenarios"]["fairness"]["cells"]:
+        assert cell["rounds"] == sizes.TINY.fairness_rounds
+        assert 0 < cell["b_wait_p50_ms"] <= cell["b_wait_p99_ms"] <= cell["b_wait_max_ms"]
+        assert cell["claims_before_b_max"] >= 1
+    # e2e and pickup ran real `runfairworker` subprocesses on this (the test) database.
+    (e2e,) = doc["scenarios"]["e2e"]["cells"]
+    assert (e2e["channels"], e2e["processes"], e2e["threads"]) == (3, 1, 2)
+    assert e2e["backlog"] == sizes.TINY.e2e_min_backlog
+    assert e2e["failed"] == 0
+    assert e2e["drain_rate"] > 0 and e2e["startup_s"] > 0 and e2e["wall_s"] > e2e["drain_s"]
+    (pickup,) = doc["scenarios"]["pickup"]["cells"]
+    assert pickup["mode"] == "listen"
+    assert pickup["samples"] == sizes.TINY.pickup_samples
+    assert 0 < pickup["p50_ms"] <= pickup["p99_ms"] <= pickup["max_ms"]
+    assert {t["name"] for t in doc["targets"]} >= {"enqueue, batch of 100"}
+    assert "pickup latency with LISTEN, p50 (issue 3)" in {t["name"] for t in doc["targets"]}
+    assert "Targets" in output
+
+    # It leaves the queue as empty as it found it.
+    assert store.select_queue_tables_in_use() == dict.fromkeys(
+        ("messages", "channels", "channel_deltas", "work_batches"), False
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_refuses_a_database_holding_queue_rows() -> None:
+    import django_fairqueue.benchmark.tasks  # noqa: F401  (registers the task)
+
+    kept = enqueue(NOOP_TASK_NAME, channel="someone-else")
+    with pytest.raises(CommandError, match=r"holds queue data .*--scratch"):
+        fairbench("--scenario", "latency")
+    assert Message.objects.filter(pk=kept).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_scratch_runs_elsewhere_and_leaves_the_data_alone(
+    tmp_path: Path, database_url: str
+) -> None:
+    # In a subprocess, as a user runs it: pytest-django forbids connections through the
+    # temporary alias the scratch database gets, which is what the command does.
+    import django_fairqueue.benchmark.tasks  # noqa: F401
+
+    kept = enqueue(NOOP_TASK_NAME, channel="someone-else")
+    path = tmp_path / "bench.json"
+    env = {**os.environ, "DATABASE_URL": database_url, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "django", "fairbench", "--settings", "tests.settings"]
+    options = ["--sizes", "tiny", "--scratch", "--scenario", "latency", "--where", "channels=2"]
+    result = subprocess.run(
+        [*command, *options, "--json", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+
+    doc = json.loads(path.read_text())
+    scratch = scratch_name(connection.settings_dict["NAME"])
+    assert doc["meta"]["database"]["name"] == scratch
+    assert doc["meta"]["scratch"] is True
+    # a fresh database: its functions are those of the checked-out sql/functions_v1.sql
+    assert not [w for w in doc["meta"]["warnings"] if "differ" in w]
+    assert [c["channels"] for c in doc["scenarios"]["latency"]["cells"]] == [2]
+    assert "Claim latency" in result.stdout
+    assert f"creating scratch database {scratch!r}" in result.stderr
+    assert Message.objects.filter(pk=kept).exists()
+    # dropped afterwards
+    assert store.select_database_comment(scratch) == (False, None)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_scratch_never_drops_a_database_it_did_not_create() -> None:
+    scratch = scratch_name(connection.settings_dict["NAME"])
+    store.create_scratch_database(scratch, comment="somebody's data")
+    try:
+        with pytest.raises(CommandError, match="not a fairbench scratch database"):
+            fairbench("--scratch", "--scenario", "latency")
+        assert store.select_database_comment(scratch) == (True, "somebody's data")
+    finally:
+        store.drop_scratch_database(scratch)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--where", "colour=blue"], "no cell has field"),
+        (["--where", "batch"], "FIELD=VALUE"),
+        (["--scenario", "claim", "--where", "batch=7"], "selects no cell"),
+        (["--duration", "0"], "positive"),
+        (["--keep-scratch"], "needs --scratch"),
+    ],
+)
+def test_rejects_bad_options(args: list[str], message: str) -> None:
+    with pytest.raises(CommandError, match=message):
+        fairbench(*args)
+
+
+@pytest.mark.parametrize(
+    ("args", "preset"),
+    [([], "full"), (["--quick"], "quick"), (["--sizes", "tiny"], "tiny")],
+)
+def test_size_presets(args: list[str], preset: str) -> None:
+    parser = FairbenchCommand().create_parser("manage.py", "fairbench")
+    assert parser.parse_args(args).sizes == preset
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    values: list[Any] = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 100) == 4.0
+    assert percentile([7.0], 99) == 7.0
+
+
+def test_scratch_name_fits_an_identifier() -> None:
+    assert scratch_name("app") == "app_fairbench"
+    assert len(scratch_name("x" * 80).encode()) == 63
+    assert SCRATCH_COMMENT

@@ -1,0 +1,265 @@
+"""Exactly-once processing (django_fairqueue.exactly_once): the claim, the caller's writes and the
+completion commit together or roll back together.
+
+Most tests commit for real (``transaction=True``) and look from a second connection, which sees
+committed data only: that is what "commit together" means.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from django.contrib.auth.models import Group
+from django.db import transaction
+
+from django_fairqueue import exactly_once, store
+from django_fairqueue.api import EnqueueRequest, enqueue_many
+from django_fairqueue.models import Message, MessageState
+from django_fairqueue.tasks import task
+
+TASK = "tests.exactly_once.record"
+KEPT = "tests.exactly_once.kept"
+
+
+@task(name=TASK)
+def record(n: int) -> None:
+    """Never run here: the tests process the messages themselves."""
+
+
+@task(name=KEPT, keep_result=True)
+def kept(n: int) -> None:
+    """Like ``record``, but its row (and result) is kept after completion."""
+
+
+def enqueue(channel: str, n: int, name: str = TASK) -> list[int]:
+    return enqueue_many(EnqueueRequest(name, [i], channel=channel) for i in range(n))
+
+
+def counters(channel: str) -> tuple[int, int, int, int, int]:
+    ids = store.select_channel_ids([channel])
+    (c,) = store.select_channel_counters([ids[channel]])
+    return (c.ready, c.scheduled, c.running, c.failed, c.succeeded)
+
+
+def snapshot(ids: list[int]) -> list[tuple[Any, ...]]:
+    """What a claim changes on a message row."""
+    return list(
+        Message.objects.filter(pk__in=ids)
+        .order_by("pk")
+        .values_list("pk", "state", "attempts", "lease_token", "claimed_at", "worker_id")
+    )
+
+
+def committed(database_url: str, sql: str, params: list[Any]) -> Any:
+    """One value, as a second connection sees it (committed data only)."""
+    with psycopg.connect(database_url) as other:
+        found = other.execute(sql, params).fetchone()
+    assert found is not None
+    return found[0]
+
+
+def waiting(database_url: str, ids: list[int]) -> int:
+    """How many of these messages another connection still sees."""
+    sql = "SELECT count(*) FROM fairqueue_message WHERE id = ANY(%s)"
+    return int(committed(database_url, sql, [ids]))
+
+
+@pytest.fixture
+def alice_and_bob() -> Iterator[tuple[list[int], list[int]]]:
+    yield enqueue("alice", 3), enqueue("bob", 2)
+
+
+# -- guard rails -----------------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_outside_atomic_it_refuses_to_claim() -> None:
+    ids = enqueue("alice", 1)
+    with (
+        pytest.raises(exactly_once.TransactionRequired, match=r"transaction\.atomic"),
+        exactly_once.batch(limit=1),
+    ):
+        pass
+    assert snapshot(ids)[0][1:3] == (MessageState.READY, 0)
+
+
+@pytest.mark.django_db
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="limit"), exactly_once.batch(limit=0):
+        pass
+    with (
+        pytest.raises(TypeError, match="lists of channel names"),
+        exactly_once.batch(channels="alice"),
+    ):
+        pass
+
+
+# -- commit ----------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_commit_completes_the_messages_together_with_the_callers_writes(
+    database_url: str, alice_and_bob: tuple[list[int], list[int]]
+) -> None:
+    alice, bob = alice_and_bob
+    with transaction.atomic():
+        with exactly_once.batch(limit=10, channels=["alice"]) as batch:
+            assert sorted(m.id for m in batch) == alice
+            assert {m.channel for m in batch} == {"alice"}
+            for message in batch:
+                Group.objects.create(name=f"invoice-{message.payload['args'][0]}")
+        # settled but not committed: another connection still sees them waiting, no invoices
+        assert waiting(database_url, alice) == len(alice)
+        assert committed(database_url, "SELECT count(*) FROM auth_group", []) == 0
+    assert waiting(database_url, alice) == 0
+    assert committed(database_url, "SELECT count(*) FROM auth_group", []) == 3
+    assert counters("alice") == (0, 0, 0, 0, 3)
+    assert counters("bob") == (2, 0, 0, 0, 0)  # other channels untouched
+    assert [s[1] for s in snapshot(bob)] == [MessageState.READY] * 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_fail_release_and_complete_with_a_result() -> None:
+    first, second, third, fourth = enqueue("carol", 4, name=KEPT)
+    with transaction.atomic(), exactly_once.batch(limit=4) as batch:
+        by_id = {m.id: m for m in batch}
+        batch.fail(by_id[first], ValueError("bad invoice"))
+        batch.release(by_id[second])
+        batch.complete(by_id[third], {"invoice": 7})
+        batch.fail(by_id[fourth], RuntimeError("later"), retry_in=timedelta(hours=1))
+    failed, released, done, retried = Message.objects.order_by("pk")
+    assert failed.state == MessageState.FAILED
+    assert failed.last_error["type"] == "builtins.ValueError"
+    assert failed.last_error["message"] == "bad invoice"
+    assert "ValueError: bad invoice" in failed.last_error["traceback"]
+    assert (released.state, released.attempts) == (MessageState.READY, 0)
+    assert (done.state, done.result) == (MessageState.SUCCEEDED, {"invoice": 7})
+    assert (retried.state, retried.attempts) == (MessageState.SCHEDULED, 1)
+    assert counters("carol") == (1, 1, 0, 1, 1)
+
+
+@pytest.mark.django_db(transaction=True)  # a batch claims committed work, like a worker
+def test_a_message_is_decided_once_and_only_while_the_block_runs() -> None:
+    enqueue("dave", 2)
+    with transaction.atomic(), exactly_once.batch(limit=2) as batch:
+        first, second = batch
+        batch.complete(first)
+        with pytest.raises(ValueError, match="already"):
+            batch.fail(first, RuntimeError("x"))
+        with pytest.raises(ValueError, match="not a message of this batch"):
+            batch.complete(dataclasses.replace(second))  # equal, but not the one claimed
+        with pytest.raises(TypeError, match="exception"):
+            batch.fail(second, "not an exception")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="settled"):
+        batch.release(second)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_channel_filters() -> None:
+    enqueue("erin", 2)
+    enqueue("frank", 2)
+    with transaction.atomic(), exactly_once.batch(channels=["nobody"]) as batch:
+        assert len(batch) == 0 and not batch
+    with transaction.atomic(), exactly_once.batch(exclude_channels=["erin"]) as batch:
+        assert {m.channel for m in batch} == {"frank"}
+        for message in batch:
+            batch.release(message)
+
+
+# -- rollback --------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_rollback_returns_the_messages_with_the_claim_undone(
+    alice_and_bob: tuple[list[int], list[int]],
+) -> None:
+    alice, _ = alice_and_bob
+    before_rows, before_counters = snapshot(alice), counters("alice")
+    with (
+        pytest.raises(RuntimeError, match="payment failed"),
+        transaction.atomic(),
+        exactly_once.batch(limit=10, channels=["alice"]) as batch,
+    ):
+        assert len(batch) == 3
+        for message in batch:
+            Group.objects.create(name=f"invoice-{message.id}")
+        raise RuntimeError("payment failed")
+    assert snapshot(alice) == before_rows  # ready, attempts 0, no lease, no worker
+    assert counters("alice") == before_counters == (3, 0, 0, 0, 0)
+    assert not Group.objects.exists()
+    # and they are claimable again
+    assert len(store.claim_messages(10, lease=timedelta(minutes=1), worker_id="w")) == 5
+
+
+@pytest.mark.django_db(transaction=True)
+def test_outer_rollback_after_the_block_undoes_the_completion_too(
+    alice_and_bob: tuple[list[int], list[int]],
+) -> None:
+    alice, _ = alice_and_bob
+    before_rows = snapshot(alice)
+    with pytest.raises(RuntimeError, match="later failure"), transaction.atomic():
+        with exactly_once.batch(limit=10, channels=["alice"]) as batch:
+            for message in batch:
+                Group.objects.create(name=f"invoice-{message.id}")
+        assert not Message.objects.filter(pk__in=alice).exists()  # completed, in here
+        raise RuntimeError("later failure")
+    assert snapshot(alice) == before_rows
+    assert counters("alice") == (3, 0, 0, 0, 0)
+    assert not Group.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_exception_caught_outside_the_block_still_rolls_the_block_back(
+    alice_and_bob: tuple[list[int], list[int]],
+) -> None:
+    alice, _ = alice_and_bob
+    before_rows = snapshot(alice)
+    with transaction.atomic():
+        Group.objects.create(name="outside the block")
+        try:
+            with exactly_once.batch(limit=10, channels=["alice"]) as batch:
+                Group.objects.create(name="inside the block")
+                raise KeyError(batch.messages[0].id)
+        except KeyError:
+            pass
+    assert snapshot(alice) == before_rows
+    assert list(Group.objects.values_list("name", flat=True)) == ["outside the block"]
+
+
+@pytest.mark.django_db
+def test_work_enqueued_by_the_open_transaction_itself_is_not_claimable_yet() -> None:
+    # Like workers, a batch sees committed work only: its housekeeping runs on a connection
+    # of its own, which cannot see this (test) transaction's enqueue.
+    enqueue("gina", 2)
+    with exactly_once.batch(limit=5) as batch:
+        assert len(batch) == 0
+
+
+# -- concurrency -----------------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_other_claimers_skip_the_claimed_channel_until_commit(
+    database_url: str, alice_and_bob: tuple[list[int], list[int]]
+) -> None:
+    alice, bob = alice_and_bob
+    # No folding beforehand: bob's enqueue left waking deltas. The batch must do its
+    # housekeeping outside this transaction, or bob's row would stay locked until we commit.
+    claim_sql = store.queries()["claim_messages"]
+    params = {"limit": 10, "lease": timedelta(minutes=1), "worker": "other", "only": None}
+    params |= {"exclude": None, "quantum": None, "maintain": True}
+    with transaction.atomic(), exactly_once.batch(limit=1, channels=["alice"]) as batch:
+        assert len(batch) == 1
+        # A worker on another connection claims meanwhile: it does not wait for our lock,
+        # and takes nothing of alice's (its row is locked by us).
+        with psycopg.connect(database_url, autocommit=True) as other:
+            got = other.execute(claim_sql, params).fetchall()
+        assert sorted(r[0] for r in got) == bob
+        for message in batch:
+            batch.release(message)
+    assert [s[1] for s in snapshot(alice)] == [MessageState.READY] * 3

@@ -1,0 +1,817 @@
+"""The worker, in-process: run_once (synchronous), run() (threads), drain(), the commands.
+
+Real worker subprocesses (kill -9, signals, SIGSTOP, LISTEN) are in test_worker_processes.py.
+Tests whose worker threads open their own connections need committed data:
+``django_db(transaction=True)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from io import StringIO
+from typing import Any
+
+import psycopg
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import connection, connections, transaction
+from django.db.models import Sum
+from django.utils import timezone
+
+from django_fairqueue import conf, store
+from django_fairqueue.context import current_message
+from django_fairqueue.maintenance import DeltaFolder, Pruner, Rescuer
+from django_fairqueue.models import Channel, ChannelStat, Message, MessageState
+from django_fairqueue.signals import message_finished, message_started
+from django_fairqueue.tasks import registry, task
+from django_fairqueue.testing import drain, enqueued
+from django_fairqueue.worker import Outcome, Worker, WorkerConfig, retry_delay
+from tests import fairtasks
+from tests.workerkit import counters, enqueue_raw, wait_until
+
+SEEN: dict[str, Any] = {}
+
+
+@task(name="tests.worker.capture")
+def capture() -> None:
+    SEEN["message"] = current_message.get()
+
+
+@task(name="tests.worker.once_raises", delivery="at_most_once")
+def once_raises() -> None:
+    raise RuntimeError("at most once")
+
+
+@task(name="tests.worker.unstorable", keep_result=True)
+def unstorable(kind: str) -> Any:
+    return {"set": {1, 2}, "nan": float("nan"), "nul": "a\x00b"}[kind]
+
+
+@task(name="tests.worker.nul_error")
+def nul_error() -> None:
+    raise ValueError("bad \x00 byte and a lone \udc80 surrogate")
+
+
+@task(name="tests.worker.leaky")
+def leaky() -> None:
+    transaction.atomic().__enter__()  # never left: the session would stay idle in transaction
+    Channel.objects.count()
+
+
+@task(name="tests.worker.async_add", keep_result=True)
+async def async_add(a: int, b: int) -> int:
+    return a + b
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+
+
+@pytest.fixture
+def fq(settings: Any) -> Callable[..., None]:
+    """Override FAIRQUEUE keys for one test (TASK_MODULES and the rest stay)."""
+    base = dict(settings.FAIRQUEUE)
+
+    def apply(**overrides: Any) -> None:
+        settings.FAIRQUEUE = {**base, **overrides}
+
+    return apply
+
+
+def one_worker(**config: Any) -> Worker:
+    config.setdefault("worker_id", "test-worker")
+    config.setdefault("listen", False)
+    config.setdefault("maintenance", False)
+    return Worker(WorkerConfig(**config))
+
+
+@contextmanager
+def running(worker: Worker) -> Iterator[dict[str, Any]]:
+    """Run ``worker.run()`` in a thread; stop it and check it ended on leaving."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["handled"] = worker.run()
+        except BaseException as exc:
+            outcome["error"] = exc
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=target, name="test-worker-run")
+    thread.start()
+    try:
+        yield outcome
+    finally:
+        worker.stop()
+        thread.join(30)
+        assert not thread.is_alive(), "the worker did not stop"
+    assert "error" not in outcome, outcome.get("error")
+
+
+def message(mid: int) -> Message:
+    return Message.objects.get(pk=mid)
+
+
+# ------------------------------------------------------------------------------------------------
+# one message, synchronously
+
+
+@pytest.mark.django_db
+def test_run_once_runs_a_message_and_keeps_its_result() -> None:
+    mid = fairtasks.add.enqueue(2, 3, channel="alice")
+
+    assert one_worker(concurrency=1).run_once() == 1
+
+    row = message(mid)
+    assert (row.state, row.result, row.attempts) == (MessageState.SUCCEEDED, 5, 1)
+    c = counters("alice")
+    assert (c.ready, c.running, c.succeeded) == (0, 0, 1)
+    assert one_worker().run_once() == 0
+
+
+@pytest.mark.django_db
+def test_run_once_takes_at_most_concurrency_and_batch_size() -> None:
+    for i in range(5):
+        fairtasks.add.enqueue(i, i, channel="alice")
+    assert one_worker(concurrency=3, batch_size=10).run_once() == 3
+    assert one_worker(concurrency=3, batch_size=1).run_once() == 1
+    assert len(enqueued(channel="alice")) == 1
+
+
+@pytest.mark.django_db
+def test_the_handler_sees_its_message_in_current_message() -> None:
+    mid = capture.enqueue(channel="alice")
+    SEEN.clear()
+
+    one_worker().run_once()
+
+    seen = SEEN["message"]
+    assert (seen.id, seen.channel, seen.attempts) == (mid, "alice", 1)
+    assert current_message.get() is None
+
+
+@pytest.mark.django_db
+def test_async_tasks_run_to_completion() -> None:
+    mid = async_add.enqueue(2, 40, channel="alice")
+    one_worker().run_once()
+    assert message(mid).result == 42
+
+
+# ------------------------------------------------------------------------------------------------
+# poison messages: failed at once, with a clear error, and the worker goes on
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("task_name", "payload", "error_type", "text"),
+    [
+        ("tests.no_such_task", '{"args": [], "kwargs": {}}', "UnknownTask", "no task named"),
+        ("tests.fair.add", '"not an object"', "PayloadError", "JSON object"),
+        ("tests.fair.add", '{"args": {"a": 1}, "kwargs": {}}', "PayloadError", "'args' must"),
+        ("tests.fair.add", '{"args": [1, 2], "kwargs": []}', "PayloadError", "'kwargs' must"),
+        ("tests.fair.add", '{"args": [1, 2]}', "PayloadError", "'kwargs' must"),
+        ("tests.fair.add", '{"args": [1, 2, 3], "kwargs": {}}', "TypeError", "too many"),
+        ("tests.fair.add", '{"args": [1], "kwargs": {"c": 2}}', "TypeError", "do not fit"),
+    ],
+)
+def test_a_message_that_cannot_run_fails_at_once_without_retries(
+    task_name: str, payload: str, error_type: str, text: str
+) -> None:
+    bad = enqueue_raw("alice", task_name, payload, max_attempts=5)
+    good = fairtasks.add.enqueue(1, 1, channel="alice")
+
+    assert drain() == 2
+
+    row = message(bad)
+    assert (row.state, row.attempts) == (MessageState.FAILED, 1)
+    error = row.last_error
+    assert error is not None
+    assert error["type"].endswith(error_type)
+    assert text in error["message"]
+    assert (error["attempt"], error["worker"], error["traceback"]) == (
+        1,
+        "django_fairqueue.testing.drain",
+        None,
+    )
+    assert message(good).state == MessageState.SUCCEEDED
+    c = counters("alice")
+    assert (c.ready, c.running, c.failed, c.succeeded) == (0, 0, 1, 1)
+
+
+@pytest.mark.django_db
+def test_a_raising_task_is_retried_with_backoff_then_dead_lettered(fq: Any) -> None:
+    fq(RETRY_BACKOFF_BASE=100.0, RETRY_BACKOFF_MAX=1000.0)
+    mid = fairtasks.boom.enqueue("kaput", channel="alice")
+    before = timezone.now()
+
+    assert drain() == 1
+
+    row = message(mid)
+    assert row.state == MessageState.SCHEDULED
+    # attempt 1 waits RETRY_BACKOFF_BASE * 2**0 = 100 s, jittered down to no less than half
+    assert before + timedelta(seconds=49) <= row.run_at <= timezone.now() + timedelta(seconds=101)
+    error = row.last_error
+    assert error is not None
+    assert error["type"] == "tests.fairtasks.BoomError"
+    assert error["message"] == "kaput"
+    assert "raise BoomError(text)" in error["traceback"]
+    assert (error["attempt"], error["worker"]) == (1, "django_fairqueue.testing.drain")
+    assert drain() == 0  # not due yet
+    c = counters("alice")
+    assert (c.ready, c.scheduled, c.running) == (0, 1, 0)
+
+
+@pytest.mark.django_db
+def test_out_of_attempts_the_message_is_dead_lettered(fq: Any) -> None:
+    fq(RETRY_BACKOFF_BASE=0)  # retries are due at once, so drain() runs every attempt
+    mid = fairtasks.boom.enqueue(channel="alice")
+
+    assert drain() == 2  # max_attempts=2
+
+    row = message(mid)
+    assert (row.state, row.attempts, row.last_error["attempt"]) == (MessageState.FAILED, 2, 2)
+    assert row.finished_at is not None
+    c = counters("alice")
+    assert (c.ready, c.scheduled, c.running, c.failed) == (0, 0, 0, 1)
+
+
+def test_retry_delay_doubles_per_attempt_with_jitter_and_a_cap(fq: Any) -> None:
+    fq(RETRY_BACKOFF_BASE=2.0, RETRY_BACKOFF_MAX=50.0)
+    for attempt, step in [(1, 2.0), (2, 4.0), (3, 8.0), (5, 32.0), (6, 50.0), (10_000, 50.0)]:
+        delays = [retry_delay(attempt) for _ in range(200)]
+        assert all(step / 2 <= d <= step for d in delays), (attempt, min(delays), max(delays))
+        assert max(delays) - min(delays) > step / 10  # jittered, not constant
+
+
+@pytest.mark.django_db
+def test_at_most_once_fails_without_retry_and_a_lost_lease_dead_letters_it() -> None:
+    raising = once_raises.enqueue(channel="alice")
+    # enqueued while the task was still at-least-once: the worker follows the task's delivery
+    switched = enqueue_raw("alice", once_raises.name, '{"args": [], "kwargs": {}}', 5)
+    assert drain() == 2
+    row = message(raising)
+    assert (row.state, row.attempts, row.max_attempts) == (MessageState.FAILED, 1, 1)
+    row = message(switched)
+    assert (row.state, row.attempts, row.max_attempts) == (MessageState.FAILED, 1, 5)
+
+    # A worker that dies mid-handler: the rescuer dead-letters the message, never reruns it.
+    crashed = fairtasks.at_most_once.enqueue(channel="bob")
+    (claimed,) = store.claim_messages(1, lease=timedelta(milliseconds=1), worker_id="doomed")
+    assert claimed.id == crashed
+    time.sleep(0.01)
+    assert Rescuer().run_once() == 1
+    row = message(crashed)
+    assert (row.state, row.attempts, row.last_error["type"]) == (
+        MessageState.FAILED,
+        1,
+        "LeaseExpired",
+    )
+    assert drain() == 0
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("kind", ["set", "nan", "nul"])
+def test_a_result_that_cannot_be_stored_fails_the_message_without_retry(kind: str) -> None:
+    mid = unstorable.enqueue(kind, channel="alice")
+    assert drain() == 1
+    row = message(mid)
+    assert (row.state, row.attempts) == (MessageState.FAILED, 1)
+    assert "cannot be stored as JSON" in row.last_error["message"]
+
+
+@pytest.mark.django_db
+def test_error_text_postgres_would_refuse_is_stored_escaped() -> None:
+    mid = nul_error.enqueue(channel="alice")
+    assert drain() == 1
+    row = message(mid)
+    assert row.state == MessageState.SCHEDULED
+    assert row.last_error["message"] == "bad \\x00 byte and a lone \\udc80 surrogate"
+
+
+# ------------------------------------------------------------------------------------------------
+# channels, limits, stopping
+
+
+@pytest.mark.django_db
+def test_channel_filters_include_exclude_and_channels_created_later() -> None:
+    for name in ("a", "b", "c"):
+        fairtasks.add.enqueue(1, 1, channel=name)
+
+    only_a = one_worker(concurrency=10, channels=["a", "later"], poll_interval=0.01)
+    assert only_a.run_once() == 1
+    assert [m.channel.name for m in enqueued()] == ["b", "c"]
+
+    assert one_worker(concurrency=10, exclude_channels=["b"]).run_once() == 1
+    assert [m.channel.name for m in enqueued()] == ["b"]
+
+    # "later" did not exist when only_a first resolved its channels; it is picked up once
+    # it does (names are resolved again every poll interval while some are missing).
+    fairtasks.add.enqueue(1, 1, channel="later")
+    time.sleep(0.02)
+    assert only_a.run_once() == 1
+    assert [m.channel.name for m in enqueued()] == ["b"]
+
+
+@pytest.mark.django_db
+def test_max_messages_stops_drain() -> None:
+    for i in range(5):
+        fairtasks.add.enqueue(i, 0, channel="alice")
+    assert drain(max_messages=3) == 3
+    assert len(enqueued()) == 2
+
+
+@pytest.mark.django_db
+def test_a_stop_during_the_claim_gives_the_claimed_messages_back_unstarted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ids = [fairtasks.add.enqueue(i, 0, channel="alice") for i in range(3)]
+    worker = one_worker(concurrency=3)
+    real_claim = store.claim_messages
+
+    def claim_then_signal(*args: Any, **kwargs: Any) -> list[store.ClaimedMessage]:
+        claimed = real_claim(*args, **kwargs)
+        worker.stop()  # SIGTERM arriving while the claim was in flight
+        return claimed
+
+    monkeypatch.setattr(store, "claim_messages", claim_then_signal)
+    assert worker.run_once() == 0
+    rows = Message.objects.filter(pk__in=ids)
+    assert {(r.state, r.attempts, r.lease_token) for r in rows} == {(MessageState.READY, 0, None)}
+    c = counters("alice")
+    assert (c.ready, c.running) == (3, 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# the threaded loop
+
+
+@pytest.mark.django_db(transaction=True)
+def test_run_in_burst_mode_drains_every_channel_then_returns() -> None:
+    ids = [fairtasks.add.enqueue(i, 1, channel=f"c{i % 3}") for i in range(30)]
+    worker = one_worker(concurrency=3, batch_size=4, burst=True)
+
+    assert worker.run() == 30
+
+    rows = Message.objects.filter(pk__in=ids)
+    assert {r.state for r in rows} == {MessageState.SUCCEEDED}
+    assert sorted(r.result for r in rows) == sorted(i + 1 for i in range(30))
+    for name in ("c0", "c1", "c2"):
+        c = counters(name)
+        assert (c.ready, c.running, c.succeeded) == (0, 0, 10)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_empty_claim_under_contention_does_not_end_a_burst_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A claim comes back empty when concurrent claims hold the channel rows it wanted (SKIP
+    # LOCKED), though messages wait. Here the first five claims meet such peers, with nothing
+    # in flight: more than the quick retries absorb, so the lock-free check must see the work.
+    ids = [fairtasks.add.enqueue(i, 0, channel="solo") for i in range(12)]
+    real_claim = store.claim_messages
+    calls = 0
+
+    def contended(*args: Any, **kwargs: Any) -> list[store.ClaimedMessage]:
+        nonlocal calls
+        calls += 1
+        return [] if calls <= 5 else real_claim(*args, **kwargs)
+
+    monkeypatch.setattr(store, "claim_messages", contended)
+    assert one_worker(concurrency=2, burst=True).run() == 12
+    assert {r.state for r in Message.objects.filter(pk__in=ids)} == {MessageState.SUCCEEDED}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_burst_waits_for_retries_that_are_ready_at_once(fq: Any) -> None:
+    fq(RETRY_BACKOFF_BASE=0)
+    mid = fairtasks.fail_first.enqueue(channel="alice")
+    assert one_worker(concurrency=2, burst=True).run() == 2
+    row = message(mid)
+    assert (row.state, row.attempts) == (MessageState.SUCCEEDED, 2)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_max_messages_in_the_threaded_loop() -> None:
+    for i in range(6):
+        fairtasks.add.enqueue(i, 0, channel="alice")
+    assert one_worker(concurrency=2, max_messages=4).run() == 4
+    assert len(enqueued()) == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_heartbeats_keep_a_long_handlers_lease_alive(tmp_path: Any) -> None:
+    marker = tmp_path / "started"
+    mid = fairtasks.sleep.enqueue(2.5, str(marker), channel="alice")
+    # lease 1 s, renewed every 1/3 s; the worker's own rescuer looks every 0.1 s
+    config = WorkerConfig(
+        concurrency=1, lease=timedelta(seconds=1), burst=True, listen=False, worker_id="hb"
+    )
+    worker = Worker(config, services=[Rescuer(every=0.1)])
+    leases: set[Any] = set()
+
+    def watch() -> None:
+        try:
+            while not marker.exists():
+                time.sleep(0.01)
+            while (row := message(mid)).state == MessageState.RUNNING:
+                leases.add(row.lease_expires_at)
+                time.sleep(0.05)
+        finally:
+            connections.close_all()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert worker.run() == 1
+    finally:
+        watcher.join(10)
+
+    row = message(mid)
+    # one attempt: the lease never expired although the handler ran for > 3 lease periods
+    assert (row.state, row.attempts) == (MessageState.SUCCEEDED, 1)
+    assert len(leases) >= 4, leases  # the lease moved forward while the handler slept
+
+
+@pytest.mark.django_db(transaction=True)
+def test_polling_alone_picks_up_work_without_listen() -> None:
+    worker = one_worker(concurrency=1, poll_interval=0.2)
+    with running(worker):
+        time.sleep(0.3)  # idle: past its first (empty) claim
+        mid = fairtasks.add.enqueue(1, 2, channel="alice")
+        wait_until(lambda: message(mid).state == MessageState.SUCCEEDED, timeout=10)
+    assert worker.listening.is_set() is False
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_capped_channel_drains_without_waiting_for_the_poll() -> None:
+    # One message at a time: each completion frees the slot the next one needs. No
+    # notification says so; the worker claims again after recording a completion.
+    Channel.objects.create(name="capped", max_concurrency=1)
+    ids = [fairtasks.add.enqueue(i, 0, channel="capped") for i in range(4)]
+    worker = one_worker(concurrency=4, poll_interval=60.0)
+    with running(worker):
+        wait_until(lambda: counters("capped").succeeded == 4, timeout=20)
+    assert {r.result for r in Message.objects.filter(pk__in=ids)} == {0, 1, 2, 3}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_listen_wakes_an_idle_worker_long_before_the_poll(fq: Any) -> None:
+    fq(POLL_INTERVAL=60.0)
+    worker = one_worker(concurrency=1, listen=True)
+    with running(worker):
+        assert worker.listening.wait(10)
+        time.sleep(0.2)  # let the first (empty) claim pass: now only a wake-up can help
+        mid = fairtasks.record.enqueue("ping", channel="alice")
+        committed = time.time()
+        row = wait_until(
+            lambda: (m := message(mid)).state == MessageState.SUCCEEDED and m, timeout=20
+        )
+    latency = row.result["started"] - committed
+    assert latency < 10, latency  # the poll would have taken 60 s
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_worker_survives_its_connections_being_killed_and_retries_settlements(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="django_fairqueue")
+    marker = tmp_path / "started"
+    worker = one_worker(
+        concurrency=2,
+        poll_interval=0.2,
+        maintenance=True,
+        listen=True,
+        lease=timedelta(seconds=1.5),  # a heartbeat every 0.5 s
+    )
+    with running(worker):
+        # every thread holds a connection: the settler settled something, the heartbeat beat
+        first = fairtasks.add.enqueue(1, 1, channel="alice")
+        wait_until(lambda: message(first).state == MessageState.SUCCEEDED)
+        mid = fairtasks.sleep.enqueue(1.5, str(marker), channel="alice")
+        wait_until(marker.exists)
+        assert worker.listening.wait(10)
+        time.sleep(0.7)
+        # A database restart, as seen by this worker: every session of it ends mid-run
+        # (claimer, settler, heartbeat, maintenance, listener), while a handler is busy.
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                "AND backend_type = 'client backend'"
+            )
+            (killed,) = cursor.fetchone()
+        assert killed >= 3
+        # the handler's outcome is written over a new connection: settled, not lost
+        wait_until(lambda: message(mid).state == MessageState.SUCCEEDED, timeout=20)
+        # and the worker still claims, and listens again
+        later = fairtasks.add.enqueue(2, 2, channel="alice")
+        wait_until(lambda: message(later).state == MessageState.SUCCEEDED, timeout=20)
+        wait_until(worker.listening.is_set, timeout=20)
+    assert message(mid).attempts == 1
+    assert "writing 1 outcomes failed: database unavailable" in caplog.text  # then retried
+    assert "heartbeat failed: database unavailable" in caplog.text
+    assert "wake-up listener lost its connection" in caplog.text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_task_that_leaves_a_transaction_open_does_not_leave_its_session_idle_in_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.ERROR, logger="django_fairqueue")
+    mid = leaky.enqueue(channel="alice")
+    worker = one_worker(concurrency=1, poll_interval=0.1)
+    with running(worker):
+        wait_until(lambda: counters("alice").succeeded == 1)  # (its row is deleted: no result)
+        # the handler thread stays alive, waiting for its next message
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND state LIKE 'idle in transaction%%'"
+            )
+            (idle_in_transaction,) = cursor.fetchone()
+    assert idle_in_transaction == 0
+    assert f"(message {mid}) left a transaction open" in caplog.text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_releases_messages_handed_over_after_the_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ids = [fairtasks.add.enqueue(i, 0, channel="alice") for i in range(4)]
+    worker = one_worker(concurrency=4)
+    real_claim = store.claim_messages
+
+    def claim_then_signal(*args: Any, **kwargs: Any) -> list[store.ClaimedMessage]:
+        claimed = real_claim(*args, **kwargs)
+        if claimed:
+            worker.stop()
+        return claimed
+
+    monkeypatch.setattr(store, "claim_messages", claim_then_signal)
+    assert worker.run() == 0
+    rows = Message.objects.filter(pk__in=ids)
+    assert {(r.state, r.attempts) for r in rows} == {(MessageState.READY, 0)}
+    assert counters("alice").running == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# fencing: a stale claimant's writes change nothing
+
+
+@pytest.mark.django_db
+def test_writes_of_a_worker_whose_lease_was_taken_over_change_nothing() -> None:
+    mid = fairtasks.add.enqueue(1, 2, channel="alice")
+    stale = one_worker(worker_id="stale")
+    (old,) = store.claim_messages(1, lease=timedelta(milliseconds=1), worker_id="stale")
+    time.sleep(0.01)
+    assert Rescuer().run_once() == 1
+    (new,) = store.claim_messages(1, lease=timedelta(minutes=1), worker_id="fresh")
+    assert new.id == old.id == mid
+
+    done = [Outcome(old, "succeeded", result=99)]
+    stale.settle(done)
+    failed = [Outcome(old, "failed", error={"type": "X"})]
+    stale.settle(failed)
+    assert store.heartbeat_messages([(old.id, old.lease_token)], lease=timedelta(hours=1)) == set()
+
+    row = message(mid)
+    assert (row.state, row.worker_id, row.lease_token) == (
+        MessageState.RUNNING,
+        "fresh",
+        new.lease_token,
+    )
+    assert row.lease_expires_at == new.lease_expires_at
+    assert counters("alice").running == 1
+    assert done == failed == []  # written (and fenced), not left to retry
+
+
+# ------------------------------------------------------------------------------------------------
+# testing helpers
+
+
+@pytest.mark.django_db
+def test_enqueued_and_drain_in_a_test_transaction() -> None:
+    fairtasks.add.enqueue(1, 2, channel="alice")
+    fairtasks.add.enqueue(3, 4, channel="bob")
+    fairtasks.record.enqueue("x", channel="alice")
+
+    assert [m.payload for m in enqueued(task=fairtasks.add, channel="alice")] == [
+        {"args": [1, 2], "kwargs": {}}
+    ]
+    assert len(enqueued(task="tests.fair.record")) == 1
+    assert len(enqueued()) == 3
+
+    assert drain(channels="bob") == 1
+    assert len(enqueued()) == 2
+    assert drain() == 2
+    assert enqueued() == []
+
+
+@pytest.mark.django_db
+def test_drain_survives_a_task_whose_database_error_would_break_the_transaction() -> None:
+    @task(name="tests.worker.bad_sql")
+    def bad_sql() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT * FROM no_such_table")
+
+    try:
+        mid = bad_sql.enqueue(channel="alice")
+        ok = fairtasks.add.enqueue(1, 1, channel="alice")
+        assert drain() == 2
+        assert message(mid).state == MessageState.SCHEDULED  # retried later
+        assert message(ok).state == MessageState.SUCCEEDED
+    finally:
+        registry.unregister("tests.worker.bad_sql")
+
+
+# ------------------------------------------------------------------------------------------------
+# maintenance
+
+
+@pytest.mark.django_db
+def test_maintenance_services_rescue_prune_and_fold(fq: Any) -> None:
+    fq(RESULT_RETENTION=0)
+    expired = fairtasks.add.enqueue(1, 1, channel="alice")
+    store.claim_messages(1, lease=timedelta(milliseconds=1), worker_id="gone")
+    done = fairtasks.add.enqueue(2, 2, channel="bob")
+    drain(channels="bob")
+    assert message(done).state == MessageState.SUCCEEDED
+    time.sleep(0.01)
+
+    out = StringIO()
+    call_command("fairqueue", "maintain", "--once", stdout=out)
+
+    assert re.fullmatch(
+        r"folder: \d+, rescuer: 1, pruner: 1, stats-pruner: 0", out.getvalue().strip()
+    )
+    assert message(expired).state == MessageState.READY
+    assert not Message.objects.filter(pk=done).exists()
+    assert DeltaFolder().run_once() == 1  # the rescue's own delta
+    assert Pruner().run_once() == Rescuer().run_once() == 0
+    alice = Channel.objects.get(name="alice")
+    assert (alice.ready_count, alice.running_count) == (1, 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# the command
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["--concurrency", "0"], "--concurrency must be at least 1"),
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--max-messages", "0"], "--max-messages must be at least 1"),
+        (["--poll-interval", "0"], "--poll-interval must be a positive"),
+        (["--shutdown-grace", "-1"], "--shutdown-grace must be 0 or more"),
+        (["--lease", "0"], "--lease must be a positive"),
+        (["--worker-id", " "], "--worker-id must be 1 to 200"),
+        (["--channels", "a,,b"], "--channels has an empty channel name"),
+        (["--exclude-channels", ","], "--exclude-channels has an empty channel name"),
+        (["--channels", "a,b", "--exclude-channels", "b"], "both in --channels and"),
+        (["--channels", "x" * 201], "the most is 200"),
+    ],
+)
+def test_runfairworker_refuses_bad_options_readably(args: list[str], error: str) -> None:
+    with pytest.raises(CommandError, match=error):
+        call_command("runfairworker", *args)
+
+
+def test_worker_config_validates() -> None:
+    with pytest.raises(ValueError, match="concurrency must be an integer >= 1"):
+        WorkerConfig(concurrency=0)
+    with pytest.raises(ValueError, match="not a string"):
+        WorkerConfig(channels="abc")
+    with pytest.raises(ValueError, match="both included and excluded"):
+        WorkerConfig(channels=["a"], exclude_channels=["a"])
+    assert WorkerConfig(channels=["a", "b"]).channels == ("a", "b")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_runfairworker_burst_runs_what_is_ready_and_exits() -> None:
+    ids = [fairtasks.add.enqueue(i, i, channel="alice") for i in range(3)]
+    err = StringIO()
+    call_command(
+        "runfairworker",
+        "--burst",
+        "--concurrency",
+        "2",
+        "--no-listen",
+        "--worker-id",
+        "cmd",
+        stderr=err,
+    )
+    assert "worker cmd: 3 messages handled" in err.getvalue()
+    rows = Message.objects.filter(pk__in=ids)
+    assert sorted(r.result for r in rows) == [0, 2, 4]
+    assert {r.worker_id for r in rows} == {"cmd"}
+
+
+# ------------------------------------------------------------------------------------------------
+# wake-ups sent by enqueue
+
+
+@pytest.mark.django_db(transaction=True)
+def test_enqueue_notifies_only_when_an_idle_worker_may_be_waiting(
+    database_url: str, fq: Any
+) -> None:
+    listener = psycopg.connect(database_url, autocommit=True)
+    try:
+        store.listen_wakeups(listener, conf.get().NOTIFY_CHANNEL)
+
+        def notified() -> int:
+            return sum(1 for _ in listener.notifies(timeout=0.3))
+
+        fairtasks.add.enqueue(1, 1, channel="a")
+        assert notified() == 1  # an empty channel: a worker may be idle
+        time.sleep(0.1)
+        fairtasks.add.enqueue(2, 2, channel="a")
+        assert notified() == 0  # its head waits for a busy worker: no one idle to wake
+        fairtasks.add.enqueue(3, 3, channel="b")
+        assert notified() == 1
+        with transaction.atomic():  # a batch of several channels notifies, once
+            fairtasks.add.enqueue(4, 4, channel="a")
+            fairtasks.add.enqueue(5, 5, channel="c")
+            fairtasks.add.enqueue(6, 6, channel="d")
+        assert notified() == 1
+        fq(NOTIFY=False)
+        fairtasks.add.enqueue(7, 7, channel="e")
+        assert notified() == 0
+    finally:
+        listener.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# signals and statistics (django_fairqueue.signals, django_fairqueue.stats)
+
+
+@pytest.mark.django_db
+def test_the_worker_sends_started_and_finished_signals_and_survives_a_broken_receiver() -> None:
+    seen: list[tuple[str, Any]] = []
+
+    def on_started(sender: Any, message: Any, worker_id: str, **kwargs: Any) -> None:
+        seen.append(("started", (message.id, worker_id)))
+        raise RuntimeError("a broken receiver")
+
+    def on_finished(sender: Any, message: Any, outcome: str, error: Any, **kwargs: Any) -> None:
+        seen.append(("finished", (message.id, outcome, error and error["type"])))
+
+    ok = fairtasks.add.enqueue(1, 1, channel="alice")
+    bad = enqueue_raw("alice", "tests.no_such_task", '{"args": [], "kwargs": {}}')
+    message_started.connect(on_started, sender=Message)
+    message_finished.connect(on_finished, sender=Message)
+    try:
+        assert drain() == 2
+    finally:
+        message_started.disconnect(on_started, sender=Message)
+        message_finished.disconnect(on_finished, sender=Message)
+
+    assert seen == [
+        ("started", (ok, "django_fairqueue.testing.drain")),
+        ("finished", (ok, "succeeded", None)),
+        # a message that cannot run never starts, but finishes (failed)
+        ("finished", (bad, "failed", "django_fairqueue.exceptions.UnknownTask")),
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_threaded_worker_records_per_channel_statistics(fq: Any) -> None:
+    fq(RETRY_BACKOFF_BASE=0)
+    for i in range(3):
+        fairtasks.add.enqueue(i, 1, channel="alice")
+    fairtasks.boom.enqueue(channel="alice")  # retried once, then failed
+
+    assert one_worker(concurrency=2, burst=True).run() == 5
+
+    totals = ChannelStat.objects.filter(channel__name="alice").aggregate(
+        claimed=Sum("claimed"),
+        succeeded=Sum("succeeded"),
+        failed=Sum("failed"),
+        retried=Sum("retried"),
+    )
+    assert totals == {"claimed": 5, "succeeded": 3, "failed": 1, "retried": 1}
+
+
+@pytest.mark.django_db
+def test_select_claimable_exists_tells_a_drained_queue_from_a_busy_one() -> None:
+    assert store.select_claimable_exists() is False
+    fairtasks.add.enqueue(1, 1, channel="a")  # counted through its not yet folded delta
+    a = store.select_channel_ids(["a"])["a"]
+    assert store.select_claimable_exists() is True
+    assert store.select_claimable_exists(exclude_channel_ids=[a]) is False
+    assert store.select_claimable_exists(only_channel_ids=[a]) is True
+    assert store.select_claimable_exists(only_channel_ids=[]) is False
+
+    Channel.objects.filter(pk=a).update(paused=True)  # an operator pauses it
+    assert store.select_claimable_exists() is False
+
+    fairtasks.add.enqueue(2, 2, channel="b", run_after=timedelta(milliseconds=1))
+    time.sleep(0.01)
+    assert store.select_claimable_exists() is True  # due, promoted by the next claim

@@ -1,0 +1,276 @@
+"""Real ``runfairworker`` subprocesses: crashes, signals, stalls, poison messages, LISTEN.
+
+Each worker runs ``python -m django runfairworker --settings tests.settings`` against the test
+database (``DATABASE_URL``), with short leases and intervals passed through
+``FAIRQUEUE_TEST_OVERRIDES`` (read by tests/settings.py). The tests watch the database and the
+workers' logs; they wait for states, never for fixed times, and bound waits generously.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from django_fairqueue.maintenance import Rescuer
+from django_fairqueue.models import Channel, Message, MessageState
+from django_fairqueue.tasks import task
+from tests import fairtasks
+from tests.workerkit import WorkerProcess, counters, enqueue_raw, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+#: Short leases and intervals keep these tests quick; the worker renews leases 3x per period.
+OVERRIDES = {
+    "LEASE_SECONDS": 1.5,
+    "RESCUE_INTERVAL": 0.3,
+    "POLL_INTERVAL": 0.5,
+    "RETRY_BACKOFF_BASE": 0,
+}
+
+FINAL = {MessageState.SUCCEEDED, MessageState.FAILED}
+
+
+@task(name="tests.only_in_the_test_process")
+def only_here() -> None:
+    """Registered here, unknown to the worker subprocesses."""
+
+
+class Workers:
+    def __init__(self, database_url: str) -> None:
+        self.database_url = database_url
+        self.started: list[WorkerProcess] = []
+
+    def start(
+        self, worker_id: str, *args: str, overrides: dict[str, Any] | None = None
+    ) -> WorkerProcess:
+        worker = WorkerProcess(
+            self.database_url, worker_id, *args, overrides={**OVERRIDES, **(overrides or {})}
+        )
+        self.started.append(worker)
+        return worker
+
+
+@pytest.fixture
+def workers(database_url: str) -> Iterator[Workers]:
+    pool = Workers(database_url)
+    try:
+        yield pool
+    finally:
+        for worker in pool.started:
+            worker.close()
+            # shown only when the test fails
+            print(f"--- log of worker {worker.worker_id} ---\n{worker.output}")
+
+
+def row(mid: int) -> Message:
+    return Message.objects.get(pk=mid)
+
+
+def states(*ids: int) -> dict[int, str]:
+    return dict(Message.objects.filter(pk__in=ids).values_list("id", "state"))
+
+
+def all_final(*ids: int) -> bool:
+    found = states(*ids)
+    return len(found) == len(ids) and set(found.values()) <= FINAL
+
+
+def test_kill_9_mid_message_runs_it_again_after_its_lease_and_frees_the_slot_once(
+    workers: Workers, tmp_path: Path
+) -> None:
+    Channel.objects.create(name="k", max_concurrency=1)
+    marker = tmp_path / "started"
+    slow = fairtasks.sleep.enqueue(60, str(marker), True, channel="k")  # long on attempt 1 only
+    after = fairtasks.record.enqueue("after", channel="k")
+
+    a = workers.start("kill-a", "--concurrency", "2")
+    wait_until(marker.exists, 30, "the slow message starting")
+    assert row(after).state == MessageState.READY  # max_concurrency=1 holds it back
+    a.signal(signal.SIGKILL)
+    assert a.wait() == -signal.SIGKILL
+    assert row(slow).state == MessageState.RUNNING  # orphaned until its lease expires
+
+    b = workers.start("kill-b", "--concurrency", "2")
+    wait_until(lambda: all_final(slow, after), 30, "both messages finishing")
+
+    rerun, later = row(slow), row(after)
+    assert (rerun.state, rerun.attempts, rerun.result["pid"]) == ("succeeded", 2, b.pid)
+    assert (later.state, later.attempts, later.result["pid"]) == ("succeeded", 1, b.pid)
+    b.wait_for(f"lease expired: message {slow} (tests.fair.sleep) of worker kill-a, attempt 1")
+    # The rescue freed the dead worker's slot exactly once: a second release would leave
+    # running at -1 (and let two messages of this channel run at once).
+    c = counters("k")
+    assert (c.ready, c.running, c.succeeded, c.failed) == (0, 0, 2, 0)
+
+
+def test_sigterm_lets_running_messages_finish_and_claims_nothing_more(
+    workers: Workers, tmp_path: Path
+) -> None:
+    markers = [tmp_path / "s0", tmp_path / "s1"]
+    slow = [fairtasks.sleep.enqueue(1.5, str(m), channel="t") for m in markers]
+    rest = [fairtasks.record.enqueue(str(i), channel="t") for i in range(3)]
+
+    w = workers.start("term", "--concurrency", "2")
+    wait_until(lambda: all(m.exists() for m in markers), 30, "both slow messages starting")
+    w.signal(signal.SIGTERM)
+
+    assert w.wait() == 0
+    assert "SIGTERM received: claiming nothing more" in w.output
+    for mid in slow:
+        finished = row(mid)
+        assert (finished.state, finished.attempts, finished.result["pid"]) == (
+            "succeeded",
+            1,
+            w.pid,
+        )
+    assert {(r.state, r.attempts) for r in Message.objects.filter(pk__in=rest)} == {("ready", 0)}
+    c = counters("t")
+    assert (c.ready, c.running, c.succeeded) == (3, 0, 2)
+
+
+def test_a_second_signal_exits_at_once_and_the_lease_recovers_the_message(
+    workers: Workers, tmp_path: Path
+) -> None:
+    marker = tmp_path / "started"
+    slow = fairtasks.sleep.enqueue(60, str(marker), channel="t")
+    w = workers.start("twice", "--concurrency", "1")
+    wait_until(marker.exists, 30, "the slow message starting")
+
+    w.signal(signal.SIGTERM)
+    w.wait_for("SIGTERM received")
+    w.signal(signal.SIGTERM)
+
+    assert w.wait(10) == 128 + signal.SIGTERM
+    assert "SIGTERM received again: exiting now" in w.output
+    assert row(slow).state == MessageState.RUNNING
+    # once the lease (1.5 s) expires, any rescuer puts it back
+    wait_until(lambda: Rescuer().run_once(), 15, "the lease expiring")
+    back = row(slow)
+    assert (back.state, back.attempts, back.last_error["type"]) == ("ready", 1, "LeaseExpired")
+
+
+def test_after_the_grace_period_running_messages_are_left_to_their_leases(
+    workers: Workers, tmp_path: Path
+) -> None:
+    marker = tmp_path / "started"
+    slow = fairtasks.sleep.enqueue(60, str(marker), channel="t")
+    w = workers.start("grace", "--concurrency", "1", "--shutdown-grace", "0.5")
+    wait_until(marker.exists, 30, "the slow message starting")
+    w.signal(signal.SIGTERM)
+
+    assert w.wait(20) == 0
+    assert "1 messages still running after the 0.5s grace period" in w.output
+    assert row(slow).state == MessageState.RUNNING
+
+
+def test_a_stalled_worker_past_its_lease_changes_nothing_when_it_wakes_up(
+    workers: Workers, tmp_path: Path
+) -> None:
+    m1, m2 = tmp_path / "m1", tmp_path / "m2"
+    completes = fairtasks.sleep.enqueue(2.0, str(m1), True, channel="s")
+    fails = fairtasks.fail_first.enqueue(2.0, str(m2), channel="s")
+
+    stale = workers.start("stale", "--concurrency", "2")
+    wait_until(lambda: m1.exists() and m2.exists(), 30, "both messages starting")
+    stale.signal(signal.SIGSTOP)  # frozen mid-handler, past its 1.5 s lease
+
+    fresh = workers.start("fresh", "--concurrency", "2")
+    wait_until(
+        lambda: set(states(completes, fails).values()) == {"succeeded"}, 30, "fresh finishing"
+    )
+    fields = ("state", "attempts", "result", "finished_at", "last_error", "lease_expires_at")
+    before = {mid: [getattr(row(mid), f) for f in fields] for mid in (completes, fails)}
+    for mid in (completes, fails):
+        done = row(mid)
+        assert (done.attempts, done.worker_id, done.result["pid"]) == (2, "fresh", fresh.pid)
+        assert done.last_error["type"] == "LeaseExpired"  # the rescue's, kept by the success
+
+    stale.signal(signal.SIGCONT)
+    # its handlers finish (one returns, one raises) and it tries to record both
+    stale.wait_for("complete of 1 messages changed nothing")
+    stale.wait_for("fail of 1 messages changed nothing")
+
+    after = {mid: [getattr(row(mid), f) for f in fields] for mid in (completes, fails)}
+    assert after == before  # no complete, fail or heartbeat of the stale worker landed
+    c = counters("s")
+    assert (c.ready, c.running, c.succeeded, c.failed) == (0, 0, 2, 0)
+
+
+def test_poison_messages_end_failed_while_the_rest_finish(workers: Workers) -> None:
+    unknown = only_here.enqueue(channel="p")
+    bad_payload = enqueue_raw("p", "tests.fair.add", "[1, 2]")
+    bad_args = fairtasks.add.enqueue(1, 2, 3, channel="p")
+    raising = fairtasks.boom.enqueue("kaboom", channel="p")
+    good = [fairtasks.record.enqueue(str(i), channel=f"g{i % 2}") for i in range(6)]
+    # Due once the rest is done, so that nothing else is in flight when it kills the worker.
+    exiting = fairtasks.exit_process.enqueue(3, channel="p", run_after=timedelta(seconds=3))
+
+    a = workers.start("poison-a", "--concurrency", "2")
+    assert a.wait(30) == 3  # the exit task killed it (os._exit(3))
+    rest = [unknown, bad_payload, bad_args, raising, *good]
+    assert all_final(*rest)  # all done by the worker that went on after each poison message
+
+    def error(mid: int) -> tuple[str, int, str, str]:
+        r = row(mid)
+        return (r.state, r.attempts, r.last_error["type"], r.last_error["message"])
+
+    assert error(unknown)[:3] == ("failed", 1, "django_fairqueue.exceptions.UnknownTask")
+    assert error(bad_payload)[:3] == ("failed", 1, "django_fairqueue.exceptions.PayloadError")
+    assert error(bad_args)[:3] == ("failed", 1, "TypeError")
+    assert error(raising) == ("failed", 2, "tests.fairtasks.BoomError", "kaboom")
+    assert {(row(mid).state, row(mid).result["pid"]) for mid in good} == {("succeeded", a.pid)}
+
+    # The message that killed its worker is left running; once its lease expires, another
+    # worker's rescuer dead-letters it (max_attempts=1), and never runs it again.
+    assert row(exiting).state == MessageState.RUNNING
+    b = workers.start("poison-b", "--concurrency", "2")
+    wait_until(lambda: all_final(exiting), 30, "the rescue of the exit message")
+    exited = row(exiting)
+    assert (exited.state, exited.attempts, exited.last_error["type"]) == (
+        "failed",
+        1,
+        "LeaseExpired",
+    )
+    for channel in ("p", "g0", "g1"):
+        assert counters(channel).running == 0
+    assert b.proc.poll() is None  # still running
+
+
+def test_listen_wakes_an_idle_worker_fast_and_the_listener_reconnects(workers: Workers) -> None:
+    # Polling every 30 s: anything picked up sooner was woken by a notification.
+    w = workers.start("listen", "--concurrency", "1", overrides={"POLL_INTERVAL": 30.0})
+    w.wait_for("listening on 'fairqueue' for wake-ups")
+
+    def pick_up(label: str) -> float:
+        mid = fairtasks.record.enqueue(label, channel="l")
+        committed = time.time()
+        done = wait_until(
+            lambda: (r := row(mid)).state == MessageState.SUCCEEDED and r, 20, f"{label} done"
+        )
+        return float(done.result["started"]) - committed
+
+    time.sleep(0.3)  # past the first claim: the worker is idle
+    latencies = sorted(pick_up(f"m{i}") for i in range(7))
+    assert latencies[3] < 3.0, latencies  # the median, far below the 30 s poll
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE application_name = %s",
+            ["fairqueue listener listen"],
+        )
+        assert cursor.fetchone() == (1,)
+    # enqueued while the listener is down: the catch-up claim after reconnecting finds it
+    catch_up = pick_up("during reconnect")
+    w.wait_for("listening again on 'fairqueue'")
+    assert catch_up < 10.0, catch_up
+    again = sorted(pick_up(f"after{i}") for i in range(3))
+    assert again[1] < 3.0, again
+    print(f"\npick-up latency with LISTEN (s): {latencies}; after reconnect: {again}")
