@@ -19,6 +19,13 @@ DATABASES = {
     )
 }
 
+# The same test database through Django's psycopg connection pool (tests/test_pool.py).
+DATABASES["pooled"] = {
+    **DATABASES["default"],
+    "OPTIONS": {"pool": {"min_size": 1, "max_size": 2}},
+    "TEST": {"MIRROR": "default"},
+}
+
 SECRET_KEY = "django-fairqueue-tests-not-secret"
 DEBUG = False
 ALLOWED_HOSTS = ["testserver", "localhost", "127.0.0.1"]

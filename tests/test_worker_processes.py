@@ -11,7 +11,6 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -209,13 +208,15 @@ def test_poison_messages_end_failed_while_the_rest_finish(workers: Workers) -> N
     bad_args = fairtasks.add.enqueue(1, 2, 3, channel="p")
     raising = fairtasks.boom.enqueue("kaboom", channel="p")
     good = [fairtasks.record.enqueue(str(i), channel=f"g{i % 2}") for i in range(6)]
-    # Due once the rest is done, so that nothing else is in flight when it kills the worker.
-    exiting = fairtasks.exit_process.enqueue(3, channel="p", run_after=timedelta(seconds=3))
+    rest = [unknown, bad_payload, bad_args, raising, *good]
 
     a = workers.start("poison-a", "--concurrency", "2")
+    # The worker goes on after each poison message until all of them are final...
+    wait_until(lambda: all_final(*rest), 30, "the poison messages and the good ones")
+    # ...and only then gets the message that kills it, so nothing else is in flight. (A delay
+    # with run_after raced the worker's start-up on a loaded machine.)
+    exiting = fairtasks.exit_process.enqueue(3, channel="p")
     assert a.wait(30) == 3  # the exit task killed it (os._exit(3))
-    rest = [unknown, bad_payload, bad_args, raising, *good]
-    assert all_final(*rest)  # all done by the worker that went on after each poison message
 
     def error(mid: int) -> tuple[str, int, str, str]:
         r = row(mid)
