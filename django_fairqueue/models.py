@@ -21,8 +21,8 @@ How the pieces fit (see docs/explanation/fairness.md):
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
-from django.contrib.postgres.fields import ArrayField
 from django.db import models
 from django.db.models import F, Q
 from django.utils import timezone
@@ -283,6 +283,51 @@ class ChannelDelta(models.Model):
 WAIT_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 30_000, 60_000)
 
 
+class _ArrayIndex(models.Transform):
+    """``field__3``: the element at index 3 (0-based in Python, 1-based in PostgreSQL)."""
+
+    def __init__(self, index: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.index = index
+
+    def as_sql(  # type: ignore[override]  # a Transform needs no function/template
+        self, compiler: Any, connection: Any
+    ) -> tuple[str, tuple[Any, ...]]:
+        lhs, params = compiler.compile(self.lhs)
+        return f"({lhs})[%s]", (*params, self.index + 1)
+
+    @property
+    def output_field(self) -> models.Field:  # type: ignore[type-arg]
+        return models.IntegerField()
+
+
+class IntegerArrayField(models.Field):  # type: ignore[type-arg]
+    """A PostgreSQL ``integer[]`` column, read and written as a list of ints.
+
+    Not ``django.contrib.postgres``'s ArrayField: since Django 6.1 that requires
+    ``django.contrib.postgres`` in INSTALLED_APPS (check postgres.E005), and a reusable app must
+    not impose it. psycopg adapts lists to arrays and back by itself.
+    """
+
+    description = "Array of integers"
+
+    def db_type(self, connection: Any) -> str:
+        return "integer[]"
+
+    def get_prep_value(self, value: Any) -> Any:
+        return None if value is None else [int(v) for v in value]
+
+    def from_db_value(self, value: Any, expression: Any, connection: Any) -> Any:
+        return None if value is None else list(value)
+
+    def get_transform(self, name: str) -> Any:
+        transform = super().get_transform(name)
+        if transform is None and name.isdigit():
+            index = int(name)
+            return lambda *args, **kwargs: _ArrayIndex(index, *args, **kwargs)
+        return transform
+
+
 class ChannelStat(models.Model):
     """Per channel and minute: what was claimed and settled, and how long messages waited.
 
@@ -302,7 +347,7 @@ class ChannelStat(models.Model):
     wait_ms_sum = models.BigIntegerField(default=0)
     wait_ms_max = models.IntegerField(default=0)
     # counts per WAIT_BUCKETS_MS bucket (len(WAIT_BUCKETS_MS) + 1 entries)
-    wait_histogram = ArrayField(models.IntegerField(), default=list)
+    wait_histogram = IntegerArrayField(default=list)
     run_ms_sum = models.BigIntegerField(default=0)
 
     class Meta:

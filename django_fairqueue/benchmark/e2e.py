@@ -76,10 +76,13 @@ def plan(sizes: Sizes) -> list[E2ECell]:
 
 
 def _backlog(bench: Bench, cell: E2ECell) -> int:
-    """Enough to drain in about ``duration`` at the rate the previous cell suggests."""
+    """Enough to drain in about ``duration``, guessed from the previous cell with as many
+    channels: its rate scaled by the ratio of handler threads (an overestimate at many threads,
+    which only lengthens the cell)."""
     sizes = bench.sizes
-    guesses: dict[int, float] = bench.state.setdefault("e2e.rate", {})
-    guess = guesses.get(cell.channels, sizes.e2e_first_guess)
+    previous: dict[int, tuple[float, int]] = bench.state.setdefault("e2e.rate", {})
+    rate, threads = previous.get(cell.channels, (sizes.e2e_first_guess, 1))
+    guess = rate * cell.processes * cell.threads / threads
     wanted = math.ceil(guess * sizes.duration)
     return max(sizes.e2e_min_backlog, min(sizes.e2e_max_backlog, wanted))
 
@@ -133,9 +136,11 @@ def run(bench: Bench, cell: E2ECell) -> E2EResult:
     low = next((t, d) for t, d in samples if d >= STEADY[0] * backlog)
     high = next((t, d) for t, d in samples if d >= STEADY[1] * backlog)
     steady = (high[1] - low[1]) / (high[0] - low[0]) if high[0] > low[0] else math.nan
-    drain = backlog / (last - first) if last > first else math.nan
+    # Drained between two reads of the counters: the poll interval bounds the time.
+    drain = backlog / max(last - first, POLL)
     rate = steady if not math.isnan(steady) else drain
-    bench.state.setdefault("e2e.rate", {})[cell.channels] = max(rate, drain, 1.0)
+    previous = bench.state.setdefault("e2e.rate", {})
+    previous[cell.channels] = (max(rate, drain, 1.0), cell.processes * cell.threads)
     return E2EResult(
         channels=cell.channels,
         processes=cell.processes,

@@ -2,7 +2,9 @@
 
 One ``runfairworker --concurrency 1`` process waits on an empty queue. The benchmark enqueues
 one message at a time (``enqueue``, committed), notes ``time.time()`` as soon as the enqueue
-returns, pauses, waits for the message to succeed, and enqueues the next. The task returns
+returns, waits for the message to succeed, pauses, and enqueues the next. The pause (random,
+at least ``pickup_pause``) outlasts the worker's quick re-claims after a message, so each message
+finds it idle. The task returns
 ``time.time()`` when its handler starts (kept as the message's result), so the latency is the
 difference of two readings of the same machine's clock. With LISTEN the commit's NOTIFY wakes
 the worker; with ``--no-listen`` it finds the message at its next poll.
@@ -10,6 +12,7 @@ the worker; with ``--no-listen`` it finds the message at its next poll.
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 
@@ -29,8 +32,9 @@ from django_fairqueue.benchmark.workerproc import Fleet
 from django_fairqueue.models import Message, MessageState
 
 CHANNEL = "fairbench-pickup"
-#: Seconds between two looks at whether the message has run.
+#: Seconds between two looks at whether the message has run, and before the first.
 POLL = 0.005
+FIRST_LOOK = 0.02
 
 
 @dataclass(frozen=True)
@@ -71,14 +75,15 @@ def _started_at(using: str, message_id: int) -> float | None:
     return float(row) if row is not None else None
 
 
-def _one(using: str, timeout: float, pause: float) -> float:
-    """Enqueue one message, wait ``pause``, then until it has run; the latency in seconds.
+def _one(using: str, timeout: float) -> float:
+    """Enqueue one message and wait until it has run; the latency in seconds.
 
-    Not reading the result during the pause keeps the benchmark off the CPU the worker needs.
+    The first look is after ``FIRST_LOOK``: reading the result sooner would only take CPU the
+    worker needs (the handler stamps its own start, whenever the benchmark looks).
     """
     message_id = enqueue(STAMP_TASK_NAME, channel=CHANNEL)
     committed = time.time()
-    time.sleep(pause)
+    time.sleep(FIRST_LOOK)
     deadline = time.monotonic() + timeout
     while True:
         started = _started_at(using, message_id)
@@ -100,14 +105,18 @@ def run(bench: Bench, cell: PickupCell) -> PickupResult:
         args.append("--no-listen")
     count = sizes.pickup_samples if cell.mode == "listen" else sizes.pickup_poll_samples
     timeout = 10 * sizes.pickup_poll_interval + 5
+    # Random pauses: enqueues arrive at a random point of the worker's poll cycle.
+    jitter = random.Random(0)
+    spread = sizes.pickup_poll_interval if cell.mode == "poll" else sizes.pickup_pause
     latencies: list[float] = []
     with Fleet(using, 1, args) as fleet:
         # The first message waits for the worker to start; the rest warm it up.
-        _one(using, START_TIMEOUT, 0.0)
-        for _ in range(sizes.pickup_warmup):
-            _one(using, timeout, sizes.pickup_pause)
-        for i in range(count):
-            latencies.append(_one(using, timeout, sizes.pickup_pause))
+        _one(using, START_TIMEOUT)
+        for i in range(sizes.pickup_warmup + count):
+            time.sleep(sizes.pickup_pause + jitter.uniform(0, spread))
+            latency = _one(using, timeout)
+            if i >= sizes.pickup_warmup:
+                latencies.append(latency)
             bench.progress.update(f"{i + 1}/{count} messages", (i + 1) / count)
         fleet.check()
     bench.reset()
@@ -146,11 +155,13 @@ SCENARIO = Scenario(
     higher_is_better=False,
     notes=(
         "One idle `runfairworker --concurrency 1` process; messages are enqueued one at a time "
-        "(the next once the previous has run, after a 30 ms pause). Latency: the handler's "
+        "(the next once the previous has run, after a random pause of 0.1-0.2 s, or 0.1 s plus "
+        "up to the poll interval when polling: past the worker's quick re-claims after a "
+        "message, so it is idle). Latency: the handler's "
         "time.time() at start minus the benchmark's time.time() right after enqueue() "
         "returned (committed); same machine, same clock.",
         "listen: the commit's NOTIFY wakes the worker. poll: `--no-listen`, the worker claims "
-        "every poll interval, so the latency is spread over 0 to the interval (about half on "
-        "average).",
+        "every poll interval (jittered +-20%), so the latency is spread over 0 to the interval "
+        "(about half on average).",
     ),
 )

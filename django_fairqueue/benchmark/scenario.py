@@ -1,6 +1,6 @@
 """A scenario: a plan of cells, how to run one cell, and how to show the results as a table.
 
-To add a scenario (issue 7 adds end-to-end throughput and pickup latency): write a module with
+To add a scenario (``e2e.py`` and ``pickup.py`` are recent examples): write a module with
 a frozen ``*Cell`` dataclass, a frozen ``*Result`` dataclass, ``plan(sizes) -> list[Cell]`` and
 ``run(bench, cell) -> Result``, build a :class:`Scenario` and add it to
 ``django_fairqueue.benchmark.SCENARIOS``. The runner, the table, the JSON and ``--scenario``

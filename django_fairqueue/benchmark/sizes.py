@@ -52,12 +52,15 @@ class Sizes:
     e2e_first_guess: float = 500.0
     # -- pickup latency (one idle runfairworker process) --
     pickup_modes: tuple[str, ...] = ("listen", "poll")
-    pickup_samples: int = 300
-    #: Samples of the polling cell (each takes half a poll interval on average).
-    pickup_poll_samples: int = 60
+    pickup_samples: int = 200
+    #: Samples of the polling cell (each takes about a poll interval).
+    pickup_poll_samples: int = 40
     pickup_warmup: int = 5
-    #: Seconds between a message's completion and the next enqueue.
-    pickup_pause: float = 0.03
+    #: Least seconds between a message's completion and the next enqueue: longer than the
+    #: worker's re-claims after a message (worker.EMPTY_CLAIM_RETRIES, up to 60 ms), so every
+    #: message finds the worker idle. A random part is added (up to this again, or up to the
+    #: poll interval when polling).
+    pickup_pause: float = 0.1
     pickup_poll_interval: float = 1.0
 
 
@@ -74,7 +77,7 @@ QUICK = Sizes(
     e2e_threads=(1, 4, 32),
     e2e_min_backlog=1_000,
     pickup_samples=100,
-    pickup_poll_samples=20,
+    pickup_poll_samples=15,
 )
 
 #: For tests: every scenario and code path in seconds, figures meaningless.
@@ -110,7 +113,7 @@ TINY = Sizes(
     pickup_samples=10,
     pickup_poll_samples=3,
     pickup_warmup=2,
-    pickup_pause=0.01,
+    pickup_pause=0.07,
 )
 
 PRESETS = {s.name: s for s in (FULL, QUICK, TINY)}

@@ -21,7 +21,8 @@ from django_fairqueue.benchmark.runner import run, select_cells, with_repeat
 class Command(BaseCommand):
     help = (
         "Benchmark django-fairqueue on this database: enqueue rate, claim+complete throughput, "
-        "claim latency and fairness. Refuses a database whose queue tables hold rows, unless "
+        "claim latency, fairness, and (through real runfairworker processes) end-to-end "
+        "throughput and pickup latency. Refuses a database whose queue tables hold rows, unless "
         "--scratch (a separate database on the same server, created and dropped by the run)."
     )
 
