@@ -322,10 +322,6 @@ def rescue_expired_messages(limit: int = 1000, *, using: str | None = None) -> l
     return [RescuedMessage(*r) for r in _run("rescue_expired_messages", {"limit": limit}, using)]
 
 
-def promote_due_messages(limit: int = 1000, *, using: str | None = None) -> int:
-    return int(_run("promote_due_messages", {"limit": limit}, using)[0][0])
-
-
 def fold_channel_deltas(limit: int = 10_000, *, using: str | None = None) -> int:
     return int(_run("fold_channel_deltas", {"limit": limit}, using)[0][0])
 

@@ -160,10 +160,6 @@ WITH expired AS (
 )
 SELECT id, channel_id, state, task_name, attempts, worker_id FROM rescued;
 
--- name: promote_due_messages
--- Move due scheduled messages to ready (the claim also does this on every call).
-SELECT fairqueue_promote_due_v1(clock_timestamp(), %(limit)s::integer) AS promoted;
-
 -- name: fold_channel_deltas
 -- Fold every pending counter delta into its channel row (maintenance; claims fold what they need).
 SELECT fairqueue_fold_deltas_v1(%(limit)s::integer, false) AS folded;
