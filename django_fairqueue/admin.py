@@ -32,7 +32,7 @@ from django.contrib.admin.models import CHANGE, LogEntry
 from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
-from django.db.models import Count, IntegerField, Q, QuerySet, Sum, Value
+from django.db.models import IntegerField, QuerySet, Value
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
@@ -44,7 +44,7 @@ from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 from django.views.decorators.http import require_POST
 
-from django_fairqueue import conf, overview, store
+from django_fairqueue import batches, conf, overview, store
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.exceptions import InvalidChannel
 from django_fairqueue.models import (
@@ -869,30 +869,28 @@ class WorkBatchAdmin(_WorkBatchAdminBase):
         )
 
     def jobs(self) -> list[dict[str, Any]]:
-        """Progress per job: batches by state, rows planned and rows in finished batches."""
-        done = Q(state=BatchState.SUCCEEDED)
-        rows = (
-            WorkBatch.objects.order_by()
-            .values("job_name")
-            .annotate(
-                total=Count("id"),
-                done=Count("id", filter=done),
-                running=Count("id", filter=Q(state=BatchState.RUNNING)),
-                failed=Count("id", filter=Q(state=BatchState.FAILED)),
-                pending=Count("id", filter=Q(state=BatchState.PENDING)),
-                rows=Sum("row_count"),
-                rows_done=Sum("row_count", filter=done),
-                processed=Sum("rows_processed"),
-            )
-            .order_by("job_name")
-        )
+        """Progress per job: batches by state, rows planned and done, rate and ETA."""
         out: list[dict[str, Any]] = []
-        for row in rows:
-            job: dict[str, Any] = dict(row)
-            for key in ("rows", "rows_done", "processed"):
-                job[key] = job[key] or 0
-            job["percent"] = round(100 * job["done"] / job["total"], 1) if job["total"] else 0.0
-            out.append(job)
+        for job in batches.jobs():
+            by = job.batches_by_state
+            out.append(
+                {
+                    "job_name": job.job_name,
+                    "channel": job.channel,
+                    "state": job.state,
+                    "total": job.batches_total,
+                    "done": by["succeeded"],
+                    "running": by["running"],
+                    "pending": by["pending"],
+                    "failed": by["failed"],
+                    "rows": job.rows_total,
+                    "rows_done": job.rows_done,
+                    "processed": job.rows_written,
+                    "percent": round(100 * job.fraction_done, 1),
+                    "rate": round(job.rows_per_second) if job.rows_per_second else None,
+                    "eta": overview.format_age(job.eta.total_seconds()) if job.eta else None,
+                }
+            )
         return out
 
     def changelist_view(

@@ -45,6 +45,8 @@ class FairQueueSettings:
     LEASE_SECONDS: float = 60.0  # heartbeats renew it every LEASE_SECONDS / 3
     KEEP_RESULTS: bool = False  # keep succeeded rows (with their return value) until pruned
     RESULT_RETENTION: timedelta = timedelta(days=1)
+    # Work batches of a job that fully succeeded are deleted this long after its last batch.
+    BATCH_RETENTION: timedelta = timedelta(days=7)
     NOTIFY: bool = True  # LISTEN/NOTIFY wake-ups; polling always runs as well
     NOTIFY_CHANNEL: str = "fairqueue"
     POLL_INTERVAL: float = 1.0
@@ -55,13 +57,21 @@ class FairQueueSettings:
     # proxy that does not support prepared statements (PgBouncer < 1.21).
     PREPARED_STATEMENTS: bool = True
     TASK_MODULES: tuple[str, ...] = ()
+    # The Spark data pipeline (django_fairqueue.pipeline): MASTER, CONF, PARTITIONS, ...;
+    # checked by django_fairqueue.pipeline.spark.spark_settings().
+    SPARK: dict[str, Any] = field(default_factory=dict)
 
 
 def _duration(value: Any, name: str) -> timedelta:
     if isinstance(value, timedelta):
         return value
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return timedelta(seconds=value)
+        try:
+            return timedelta(seconds=value)
+        except (OverflowError, ValueError):  # beyond timedelta's ~2.7 million years, or NaN
+            raise ValueError(
+                f"{name} must be a duration timedelta can hold, got {value!r}"
+            ) from None
     raise ValueError(f"{name} must be a number of seconds or a timedelta, got {value!r}")
 
 
@@ -144,10 +154,14 @@ def load(raw: Any) -> FairQueueSettings:
             if not isinstance(value, bool):
                 raise ValueError(f"FAIRQUEUE['{key}'] must be True or False, got {value!r}")
             values[key] = value
-        elif key == "RESULT_RETENTION":
-            values[key] = _duration(value, "FAIRQUEUE['RESULT_RETENTION']")
+        elif key in ("RESULT_RETENTION", "BATCH_RETENTION"):
+            values[key] = _duration(value, f"FAIRQUEUE['{key}']")
+        elif key == "SPARK":
+            if not isinstance(value, dict):
+                raise ValueError(f"FAIRQUEUE['SPARK'] must be a dict, got {type(value).__name__}")
+            values[key] = dict(value)
         elif key == "TASK_MODULES":
-            if isinstance(value, str) or not all(isinstance(m, str) for m in value):
+            if not isinstance(value, list | tuple) or not all(isinstance(m, str) for m in value):
                 raise ValueError("FAIRQUEUE['TASK_MODULES'] must be a list of module names")
             values[key] = tuple(value)
         else:  # the float-valued intervals

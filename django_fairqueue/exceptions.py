@@ -42,4 +42,4 @@ class PayloadError(FairQueueError, TypeError):
 
 
 class LeaseLost(FairQueueError):
-    """The worker no longer holds the lease of a message it was running."""
+    """The worker no longer holds the lease of a message (or work batch) it was running."""

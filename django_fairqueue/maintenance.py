@@ -14,6 +14,9 @@
   (:func:`django_fairqueue.stats.prune`).
 * :class:`DeltaFolder` folds the channel counter deltas that completions leave behind into the
   channel rows (the claim folds only the deltas that can make a channel claimable).
+* :class:`BatchRescuer` and :class:`BatchPruner` do the same for work batches
+  (:mod:`django_fairqueue.batches`): expired batch leases go back to pending (or failed), and
+  jobs whose every batch succeeded are deleted after ``FAIRQUEUE['BATCH_RETENTION']``.
 
 Each service has an interval and a ``run_once()`` that does one bounded pass and returns how
 many rows it handled. Every worker runs them in its maintenance thread
@@ -34,7 +37,7 @@ from typing import Protocol
 
 from django.utils import timezone
 
-from django_fairqueue import conf, stats, store
+from django_fairqueue import batches, conf, stats, store
 from django_fairqueue._runtime import (
     CONNECTION_ERRORS,
     Backoff,
@@ -161,8 +164,53 @@ class StatsPruner:
         return 0  # the statement does not count what it deleted
 
 
+@dataclass
+class BatchRescuer:
+    """Return work batches whose lease expired to pending (after a backoff) or failed."""
+
+    batch_size: int = 1000
+    every: float | None = None  # seconds; None: FAIRQUEUE['RESCUE_INTERVAL']
+    name: str = "batch-rescuer"
+
+    @property
+    def interval(self) -> float:
+        return self.every if self.every is not None else conf.get().RESCUE_INTERVAL
+
+    def run_once(self) -> int:
+        rescued = batches.rescue_expired(limit=self.batch_size)
+        for batch in rescued:
+            logger.warning(
+                "lease expired: work batch %s (%s) of worker %s, attempt %s -> %s",
+                batch.id,
+                batch.job_name,
+                batch.worker_id or "?",
+                batch.attempts,
+                batch.state,
+                extra={"batch_id": batch.id, "job": batch.job_name, "outcome": batch.state},
+            )
+        return len(rescued)
+
+
+@dataclass
+class BatchPruner:
+    """Delete the batches of jobs that fully succeeded more than BATCH_RETENTION ago."""
+
+    every: float | None = None  # seconds; None: FAIRQUEUE['PRUNE_INTERVAL']
+    name: str = "batch-pruner"
+
+    @property
+    def interval(self) -> float:
+        return self.every if self.every is not None else conf.get().PRUNE_INTERVAL
+
+    def run_once(self) -> int:
+        pruned = batches.prune()
+        if pruned:
+            logger.info("pruned %s finished work batches", pruned, extra={"pruned": pruned})
+        return pruned
+
+
 def default_services() -> list[Service]:
-    return [DeltaFolder(), Rescuer(), Pruner(), StatsPruner()]
+    return [DeltaFolder(), Rescuer(), Pruner(), StatsPruner(), BatchRescuer(), BatchPruner()]
 
 
 class MaintenanceRunner:

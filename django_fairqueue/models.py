@@ -25,6 +25,7 @@ from typing import Any
 
 from django.db import models
 from django.db.models import F, Q
+from django.db.models.functions import Now
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
@@ -91,6 +92,13 @@ class Channel(models.Model):
     failed_count = models.BigIntegerField(default=0, editable=False)
     succeeded_total = models.BigIntegerField(default=0, editable=False)
     last_claimed_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # -- work-batch round-robin (fairqueue_claim_batch_v1); database defaults, because the
+    # enqueue function creates channel rows without naming these --
+    batch_turn_at = models.DateTimeField(db_default=Now(), editable=False)
+    batch_turn_used = models.PositiveIntegerField(db_default=0, editable=False)
+    # "May have pending batches": set in the same transaction as any change that makes a batch
+    # pending (plan, retry, release, rescue); cleared by a claim that finds none left.
+    batch_pending = models.BooleanField(db_default=False, editable=False)
     created_at = models.DateTimeField(default=timezone.now, editable=False)
 
     class Meta:
@@ -107,6 +115,14 @@ class Channel(models.Model):
                 condition=Q(ready_count__gt=0)
                 & Q(paused=False)
                 & (Q(max_concurrency__isnull=True) | Q(running_count__lt=F("max_concurrency"))),
+            ),
+            # The batch claim walks this one: channels with pending work batches, least
+            # recently served first. Channels without batches have no entry.
+            models.Index(
+                F("batch_turn_at"),
+                F("id"),
+                name="fq_channel_batch_turn_idx",
+                condition=Q(batch_pending=True) & Q(paused=False),
             ),
         ]
         constraints = [
@@ -406,6 +422,12 @@ class WorkBatch(models.Model):
                 name="fq_batch_lease_idx",
                 condition=Q(state=BatchState.RUNNING),
             ),
+            # The batch claim counts a channel's running batches against its max_concurrency.
+            models.Index(
+                F("channel"),
+                name="fq_batch_running_idx",
+                condition=Q(state=BatchState.RUNNING),
+            ),
             models.Index(F("job_name"), F("state"), name="fq_batch_job_idx"),
         ]
         constraints = [
@@ -419,6 +441,13 @@ class WorkBatch(models.Model):
             ),
             models.CheckConstraint(
                 condition=Q(max_attempts__gte=1), name="fq_batch_max_attempts_positive"
+            ),
+            # A lease exists exactly while the batch runs: settling under a token can then
+            # never touch a batch that is pending, finished or claimed again under a new one.
+            models.CheckConstraint(
+                condition=(Q(state=BatchState.RUNNING) & Q(lease_token__isnull=False))
+                | (~Q(state=BatchState.RUNNING) & Q(lease_token__isnull=True)),
+                name="fq_batch_lease_iff_running",
             ),
         ]
 

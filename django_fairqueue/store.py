@@ -18,7 +18,7 @@ import re
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import cache
 from importlib import resources
@@ -27,6 +27,7 @@ from typing import Any
 import psycopg
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
+from psycopg import sql
 from psycopg.types.json import Jsonb, JsonbBinaryLoader
 
 from django_fairqueue import conf
@@ -50,10 +51,13 @@ def queries() -> dict[str, str]:
     return named
 
 
-def functions_sql(version: int = 1) -> str:
-    """DDL of the server-side functions, installed by a migration."""
-    path = f"sql/functions_v{version}.sql"
-    return resources.files("django_fairqueue").joinpath(path).read_text("utf-8")
+def functions_sql(version: int = 1, *, part: str = "") -> str:
+    """DDL of the server-side functions, installed by a migration.
+
+    ``part`` names a separately versioned file: ``functions_batches_v1.sql`` for ``part="batches"``.
+    """
+    stem = f"functions_{part}_v{version}" if part else f"functions_v{version}"
+    return resources.files("django_fairqueue").joinpath(f"sql/{stem}.sql").read_text("utf-8")
 
 
 @contextmanager
@@ -146,12 +150,38 @@ class NewMessage:
     keep_result: bool = False
 
 
+@dataclass(slots=True)
+class NewMessageBatch:
+    """Messages to insert as parallel columns (one element per message), already validated
+    and serialised: what ``api.enqueue_many`` builds, without an object per message."""
+
+    channels: list[str] = field(default_factory=list)
+    task_names: list[str] = field(default_factory=list)
+    payloads: list[str] = field(default_factory=list)  # JSON text
+    priorities: list[int] = field(default_factory=list)
+    run_at: list[datetime | None] = field(default_factory=list)
+    max_attempts: list[int] = field(default_factory=list)
+    keep_result: list[bool] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, messages: Sequence[NewMessage]) -> NewMessageBatch:
+        return cls(
+            [m.channel for m in messages],
+            [m.task_name for m in messages],
+            [m.payload for m in messages],
+            [m.priority for m in messages],
+            [m.run_at for m in messages],
+            [m.max_attempts for m in messages],
+            [m.keep_result for m in messages],
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # Statements
 
 
 def enqueue_messages(
-    messages: Sequence[NewMessage],
+    messages: Sequence[NewMessage] | NewMessageBatch,
     *,
     defaults: conf.ChannelDefaults,
     notify_channel: str | None,
@@ -161,17 +191,20 @@ def enqueue_messages(
 
     Raises :class:`ChannelFull` (and stores nothing) when a bounded channel has no room.
     """
-    if not messages:
+    batch = messages if isinstance(messages, NewMessageBatch) else NewMessageBatch.of(messages)
+    if not batch.channels:
         return []
+    # Bound in binary (the statement's b placeholders): psycopg then sends arrays without quoting
+    # and escaping each element in Python, which cost more than the rest of the call.
     params = {
-        "channels": [m.channel for m in messages],
-        "tasks": [m.task_name for m in messages],
-        # payloads arrive as checked JSON text (api.encode_payload): pass it through as is
-        "payloads": [Jsonb(m.payload, dumps=_as_is) for m in messages],
-        "priorities": [m.priority for m in messages],
-        "run_at": [m.run_at for m in messages],
-        "max_attempts": [m.max_attempts for m in messages],
-        "keep_result": [m.keep_result for m in messages],
+        "channels": batch.channels,
+        "tasks": batch.task_names,
+        # payloads arrive as checked JSON text (api.encode_payload): sent as text, as is
+        "payloads": batch.payloads,
+        "priorities": batch.priorities,
+        "run_at": batch.run_at,
+        "max_attempts": batch.max_attempts,
+        "keep_result": batch.keep_result,
         "default_max_concurrency": defaults.max_concurrency,
         "default_release_interval": defaults.release_interval,
         "default_weight": defaults.weight,
@@ -186,10 +219,6 @@ def enqueue_messages(
             raise full from exc
         raise
     return [r[0] for r in rows]
-
-
-def _as_is(text: str) -> str:
-    return text
 
 
 def _channel_full(exc: BaseException) -> ChannelFull | None:
@@ -280,6 +309,44 @@ def complete_messages(
         using,
     )
     return {r[0] for r in rows}
+
+
+def complete_and_claim_messages(
+    done: Sequence[tuple[int, uuid.UUID, Any]],
+    limit: int,
+    *,
+    lease: timedelta,
+    worker_id: str,
+    only_channel_ids: Sequence[int] | None = None,
+    exclude_channel_ids: Sequence[int] | None = None,
+    quantum: int | None = None,
+    using: str | None = None,
+) -> tuple[set[int], list[ClaimedMessage]]:
+    """:func:`complete_messages` then :func:`claim_messages`, in one transaction and one round
+    trip: returns (the ids actually completed, the messages claimed).
+
+    One commit instead of two per cycle, which is what bounds a claimer that takes one message
+    at a time. The completion comes first, so a slot it frees on a capped channel can be taken
+    by the same claim. Inside a caller's transaction it joins that transaction like the two
+    statements would.
+    """
+    rows = _run(
+        "complete_and_claim_messages",
+        {
+            "ids": [d[0] for d in done],
+            "tokens": [d[1] for d in done],
+            "results": [Jsonb(d[2]) for d in done],
+            "limit": limit,
+            "lease": lease,
+            "worker": worker_id,
+            "only": list(only_channel_ids) if only_channel_ids is not None else None,
+            "exclude": list(exclude_channel_ids) if exclude_channel_ids is not None else None,
+            "quantum": quantum,
+        },
+        using,
+    )
+    completed = {r[1] for r in rows if r[0]}
+    return completed, [ClaimedMessage(*r[1:]) for r in rows if not r[0]]
 
 
 def fail_messages(
@@ -585,8 +652,6 @@ def listen_wakeups(conn: psycopg.Connection[Any], channel: str) -> None:
 
     The channel name is quoted as an identifier (it cannot be a bound parameter).
     """
-    from psycopg import sql
-
     conn.execute(sql.SQL(queries()["listen_wakeups"]).format(channel=sql.Identifier(channel)))
 
 
@@ -620,3 +685,287 @@ def select_claimable_exists(
         "exclude": list(exclude_channel_ids) if exclude_channel_ids is not None else None,
     }
     return bool(_run("select_claimable_exists", params, using)[0][0])
+
+
+# --------------------------------------------------------------------------------------------
+# Work batches (django_fairqueue.batches)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedBatch:
+    """A work batch claimed under a lease. ``attempts`` counts this attempt (1-based)."""
+
+    id: int
+    channel_id: int
+    channel: str
+    job_name: str
+    start_id: int
+    end_id: int
+    row_count: int
+    attempts: int
+    max_attempts: int
+    lease_token: uuid.UUID
+    lease_expires_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class SourceColumn:
+    """A source table's id column, as found in the catalog."""
+
+    schema: str
+    table: str
+    type: str
+
+
+@dataclass(frozen=True, slots=True)
+class IdWindow:
+    """One window of a walk over a source table's id index: how many ids, first and last."""
+
+    count: int
+    first_id: int
+    last_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class RescuedBatch:
+    id: int
+    job_name: str
+    state: str
+    worker_id: str
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class JobRow:
+    """One job's batches and rows by state, straight from select_job_progress."""
+
+    job_name: str
+    channel: str | None
+    batches_total: int
+    pending: int
+    running: int
+    succeeded: int
+    failed: int
+    rows_total: int
+    rows_done: int
+    rows_written: int
+    planned_at: datetime | None
+    started_at: datetime | None
+    last_finished_at: datetime | None
+    now: datetime
+
+
+def ensure_channel(name: str, *, defaults: conf.ChannelDefaults, using: str | None = None) -> int:
+    """The id of channel ``name``, created with ``defaults`` if it does not exist."""
+    params = {
+        "name": name,
+        "default_max_concurrency": defaults.max_concurrency,
+        "default_release_interval": defaults.release_interval,
+        "default_weight": defaults.weight,
+        "default_max_backlog": defaults.max_backlog,
+    }
+    return int(_run("ensure_channel", params, using)[0][0])
+
+
+def select_table_column(
+    table: str, column: str, *, schema: str | None = None, using: str | None = None
+) -> SourceColumn | None:
+    """Where ``table``'s ``column`` lives and its type; None when the table or column is missing."""
+    rows = _run("select_table_column", {"table": table, "column": column, "schema": schema}, using)
+    return SourceColumn(*rows[0]) if rows else None
+
+
+def lock_plan(job: str, *, using: str | None = None) -> None:
+    """Take the job's planning lock until the end of the current transaction."""
+    _run("lock_plan", {"job": job}, using)
+
+
+def select_last_planned_batch(job: str, *, using: str | None = None) -> tuple[int, int] | None:
+    """(channel id, end id) of the job's last planned batch, or None for a new job."""
+    rows = _run("select_last_planned_batch", {"job": job}, using)
+    return (int(rows[0][0]), int(rows[0][1])) if rows else None
+
+
+def _source_sql(
+    text: str, source: SourceColumn, column: str, filters: Sequence[str]
+) -> sql.Composed:
+    """A statement over a source table with its identifiers quoted and filter values bound."""
+    conditions = sql.SQL("").join(
+        sql.SQL(" AND t.{} = {}").format(sql.Identifier(f), sql.Placeholder(f"f{i}"))
+        for i, f in enumerate(filters)
+    )
+    return sql.SQL(text).format(
+        table=sql.Identifier(source.schema, source.table),
+        id=sql.Identifier(column),
+        filters=conditions,
+    )
+
+
+def _run_source(
+    text: str,
+    source: SourceColumn,
+    column: str,
+    filters: dict[str, Any],
+    params: dict[str, Any],
+    using: str | None,
+) -> list[tuple[Any, ...]]:
+    statement = _source_sql(text, source, column, list(filters))
+    bound = {**params, **{f"f{i}": value for i, value in enumerate(filters.values())}}
+    with _cursor(using) as cur:
+        cur.execute(statement, bound, binary=True)
+        return cur.fetchall()
+
+
+def walk_id_index(
+    source: SourceColumn,
+    column: str,
+    *,
+    start: int,
+    size: int,
+    steps: int,
+    filters: dict[str, Any],
+    using: str | None = None,
+) -> list[IdWindow]:
+    """Up to ``steps`` consecutive windows of ``size`` ids from ``start`` (under ``filters``);
+    only the last may be short, and an exhausted table gives fewer (or none)."""
+    params = {"from": start, "size": size, "steps": steps}
+    rows = _run_source(queries()["walk_id_index"], source, column, filters, params, using)
+    return [IdWindow(*r) for r in rows]
+
+
+def select_id_span(
+    source: SourceColumn, column: str, *, filters: dict[str, Any], using: str | None = None
+) -> tuple[int | None, int | None]:
+    """Lowest and highest id of the source table under ``filters`` (None, None when empty)."""
+    rows = _run_source(queries()["select_id_span"], source, column, filters, {}, using)
+    return rows[0][0], rows[0][1]
+
+
+def insert_planned_batches(
+    *,
+    channel_id: int,
+    job: str,
+    ranges: Sequence[tuple[int, int, int]],
+    max_attempts: int,
+    using: str | None = None,
+) -> tuple[int, int]:
+    """Insert planned (start, end, rows) ranges; ranges the job already has are skipped.
+    Returns (batches added, rows they cover)."""
+    params = {
+        "channel_id": channel_id,
+        "job": job,
+        "starts": [r[0] for r in ranges],
+        "ends": [r[1] for r in ranges],
+        "counts": [r[2] for r in ranges],
+        "max_attempts": max_attempts,
+    }
+    added, rows = _run("insert_planned_batches", params, using)[0]
+    return int(added), int(rows)
+
+
+def claim_work_batch(
+    *,
+    worker: str,
+    lease: timedelta,
+    jobs: Sequence[str] | None = None,
+    job_prefixes: Sequence[str] | None = None,
+    only: Sequence[int] | None = None,
+    exclude: Sequence[int] | None = None,
+    using: str | None = None,
+) -> ClaimedBatch | None:
+    """Claim one batch fairly across channels (fairqueue_claim_batch_v1); None if none can run."""
+    params = {
+        "worker": worker,
+        "lease": lease,
+        "jobs": list(jobs) if jobs is not None else None,
+        "job_prefixes": list(job_prefixes) if job_prefixes is not None else None,
+        "only": list(only) if only is not None else None,
+        "exclude": list(exclude) if exclude is not None else None,
+    }
+    rows = _run("claim_work_batch", params, using)
+    return ClaimedBatch(*rows[0]) if rows else None
+
+
+def heartbeat_work_batch(
+    batch_id: int, token: uuid.UUID, *, lease: timedelta, using: str | None = None
+) -> datetime | None:
+    """Extend the lease; returns the new expiry, or None when the lease is lost."""
+    rows = _run("heartbeat_work_batch", {"id": batch_id, "token": token, "lease": lease}, using)
+    return rows[0][0] if rows else None
+
+
+def lock_leased_work_batch(batch_id: int, token: uuid.UUID, *, using: str | None = None) -> bool:
+    """Lock the batch until commit if it still runs under ``token``."""
+    return bool(_run("lock_leased_work_batch", {"id": batch_id, "token": token}, using))
+
+
+def complete_work_batch(
+    batch_id: int, token: uuid.UUID, *, rows: int, using: str | None = None
+) -> bool:
+    """Mark the batch succeeded under ``token``; False when the lease was lost."""
+    return bool(_run("complete_work_batch", {"id": batch_id, "token": token, "rows": rows}, using))
+
+
+def fail_work_batch(
+    batch_id: int,
+    token: uuid.UUID,
+    *,
+    error: dict[str, Any],
+    retry_at: datetime,
+    final: bool = False,
+    using: str | None = None,
+) -> str | None:
+    """Record a failed attempt; returns the new state, or None when the lease was lost."""
+    params = {
+        "id": batch_id,
+        "token": token,
+        "error": Jsonb(error),
+        "retry_at": retry_at,
+        "final": final,
+    }
+    rows = _run("fail_work_batch", params, using)
+    return str(rows[0][0]) if rows else None
+
+
+def release_work_batch(batch_id: int, token: uuid.UUID, *, using: str | None = None) -> bool:
+    """Give the batch back without using an attempt; False when the lease was lost."""
+    return bool(_run("release_work_batch", {"id": batch_id, "token": token}, using))
+
+
+def rescue_expired_work_batches(
+    *,
+    backoff_base: timedelta,
+    backoff_max: timedelta,
+    limit: int = 1000,
+    using: str | None = None,
+) -> list[RescuedBatch]:
+    """Return expired leases to pending (after a backoff) or failed (out of attempts)."""
+    params = {"limit": limit, "backoff_base": backoff_base, "backoff_max": backoff_max}
+    return [RescuedBatch(*r) for r in _run("rescue_expired_work_batches", params, using)]
+
+
+def prune_finished_work_batches(before: datetime, *, using: str | None = None) -> int:
+    """Delete the batches of jobs that fully succeeded before ``before``; returns the count."""
+    with _cursor(using) as cur:
+        cur.execute(queries()["prune_finished_work_batches"], {"before": before})
+        return max(cur.rowcount, 0)
+
+
+def delete_failed_work_batches(ids: Sequence[int], *, using: str | None = None) -> list[int]:
+    """Delete failed batches; ids in other states are left alone. Returns the ids deleted."""
+    if not ids:
+        return []
+    return [r[0] for r in _run("delete_failed_work_batches", {"ids": list(ids)}, using)]
+
+
+def select_failed_work_batch_ids(job: str | None = None, *, using: str | None = None) -> list[int]:
+    """Ids of failed batches of ``job`` (or of every job)."""
+    return [r[0] for r in _run("select_failed_work_batch_ids", {"job": job}, using)]
+
+
+def select_job_progress(
+    *, job: str | None = None, prefix: str | None = None, using: str | None = None
+) -> list[JobRow]:
+    """Per-job batch and row tallies (one job, a name prefix, or all)."""
+    rows = _run("select_job_progress", {"job": job, "prefix": prefix}, using)
+    return [JobRow(*r) for r in rows]

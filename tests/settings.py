@@ -41,6 +41,8 @@ INSTALLED_APPS = [
     "django.contrib.admin",
     "django.contrib.staticfiles",
     "django_fairqueue",
+    # Tables and a pipeline for tests/test_pipeline.py.
+    "tests.pipelineapp",
 ]
 
 MIDDLEWARE = [

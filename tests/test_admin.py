@@ -16,6 +16,7 @@ import json
 import logging
 import re
 import sys
+import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from unittest import mock
@@ -602,7 +603,14 @@ def batches() -> dict[str, list[WorkBatch]]:
     return {
         "export": [
             batch("export", 0, BatchState.SUCCEEDED, rows_processed=100, finished_at=now),
-            batch("export", 100, BatchState.RUNNING, attempts=1, started_at=now),
+            batch(
+                "export",
+                100,
+                BatchState.RUNNING,
+                attempts=1,
+                started_at=now,
+                lease_token=uuid.uuid4(),
+            ),
             batch("export", 200, BatchState.FAILED, **failed),
             batch("export", 300, BatchState.PENDING),
         ],
@@ -620,7 +628,8 @@ def test_work_batch_progress_per_job(admin_client: Client, batches: Any) -> None
     export = jobs["export"]
     assert (export["done"], export["total"], export["running"], export["failed"]) == (1, 4, 1, 1)
     assert (export["rows_done"], export["rows"], export["percent"]) == (100, 400, 25.0)
-    assert jobs["reindex"]["failed"] == 2
+    assert export["state"] == "running" and export["eta"] is None  # no rate measured yet
+    assert jobs["reindex"]["failed"] == 2 and jobs["reindex"]["state"] == "failed"
     assert "Retry failed" in response.content.decode()
 
 

@@ -45,6 +45,9 @@ DROP FUNCTION IF EXISTS fairqueue_enqueue_v1(text[], text[], jsonb[], smallint[]
     integer[], boolean[], integer, interval, integer, integer, text);
 DROP FUNCTION IF EXISTS fairqueue_claim_v1(integer, interval, text, bigint[], bigint[], integer,
     boolean);
+DROP FUNCTION IF EXISTS fairqueue_complete_and_claim_v1(bigint[], uuid[], jsonb[], integer,
+    interval, text, bigint[], bigint[], integer);
+DROP FUNCTION IF EXISTS fairqueue_complete_v1(bigint[], uuid[], jsonb[]);
 DROP FUNCTION IF EXISTS fairqueue_fold_deltas_v1(integer, boolean);
 DROP FUNCTION IF EXISTS fairqueue_promote_due_v1(timestamptz, integer);
 DROP FUNCTION IF EXISTS fairqueue_lock_key_v1();

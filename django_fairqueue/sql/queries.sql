@@ -13,11 +13,14 @@
 
 -- name: enqueue_messages
 -- Insert a batch of messages (creating channels on first use) in one round trip.
+-- Parameters are bound in binary (the b placeholders): arrays then need no quoting or escaping per
+-- element on either side. Payloads come as JSON text (text[]), checked by the caller.
 SELECT id FROM fairqueue_enqueue_v1(
-    %(channels)s::text[], %(tasks)s::text[], %(payloads)s::jsonb[], %(priorities)s::smallint[],
-    %(run_at)s::timestamptz[], %(max_attempts)s::integer[], %(keep_result)s::boolean[],
-    %(default_max_concurrency)s::integer, %(default_release_interval)s::interval,
-    %(default_weight)s::integer, %(default_max_backlog)s::integer, %(notify_channel)s::text
+    %(channels)b::text[], %(tasks)b::text[], %(payloads)b::text[]::jsonb[],
+    %(priorities)b::smallint[], %(run_at)b::timestamptz[], %(max_attempts)b::integer[],
+    %(keep_result)b::boolean[], %(default_max_concurrency)b::integer,
+    %(default_release_interval)b::interval, %(default_weight)b::integer,
+    %(default_max_backlog)b::integer, %(notify_channel)b::text
 ) AS id;
 
 -- name: claim_messages
@@ -44,36 +47,21 @@ RETURNING m.id;
 
 -- name: complete_messages
 -- Settle successful messages: delete them, or keep them as succeeded with their result.
--- Lease tokens are random per claim, so "the row's current token is one the caller holds" is
--- the (id, token) match without a join (a join to unnest() is planned as a nested loop).
-WITH gone AS (
-    DELETE FROM fairqueue_message m
-    WHERE m.id = ANY (%(ids)s::bigint[])
-      AND m.lease_token = ANY (%(tokens)s::uuid[])
-      AND NOT m.keep_result
-    RETURNING m.id, m.channel_id
-), kept AS (
-    UPDATE fairqueue_message m
-    SET state = 'succeeded',
-        result = (%(results)s::jsonb[])[array_position(%(ids)s::bigint[], m.id)],
-        finished_at = clock_timestamp(),
-        lease_token = NULL,
-        lease_expires_at = NULL
-    WHERE m.id = ANY (%(ids)s::bigint[])
-      AND m.lease_token = ANY (%(tokens)s::uuid[])
-      AND m.keep_result
-    RETURNING m.id, m.channel_id
-), settled AS (
-    SELECT * FROM gone UNION ALL SELECT * FROM kept
-), delta AS (
-    -- The concurrency slot is freed here, once: only rows this statement settled count.
-    -- It wakes the claim only for capped channels; other channels fold it in maintenance.
-    INSERT INTO fairqueue_channel_delta (channel_id, running, succeeded, wake)
-    SELECT s.channel_id, -count(*), count(*),
-           (SELECT c.max_concurrency IS NOT NULL FROM fairqueue_channel c WHERE c.id = s.channel_id)
-    FROM settled s GROUP BY s.channel_id
-)
-SELECT id FROM settled;
+-- The statement is in fairqueue_complete_v1 (planned once per session there).
+SELECT id FROM fairqueue_complete_v1(
+    %(ids)b::bigint[], %(tokens)b::uuid[], %(results)b::jsonb[]
+) AS id;
+
+-- name: complete_and_claim_messages
+-- Complete messages and claim up to `limit` more in one transaction (one round trip, one commit).
+-- Rows with `settled` true carry a completed id; the others are claimed messages.
+SELECT settled, id, channel_id, channel_name, task_name, payload, priority, attempts,
+       max_attempts, keep_result, lease_token, lease_expires_at, enqueued_at, run_at
+FROM fairqueue_complete_and_claim_v1(
+    %(ids)b::bigint[], %(tokens)b::uuid[], %(results)b::jsonb[], %(limit)b::integer,
+    %(lease)b::interval, %(worker)b::text, %(only)b::bigint[], %(exclude)b::bigint[],
+    %(quantum)b::integer
+);
 
 -- name: fail_messages
 -- Settle failed attempts: retry at `retry_at` (NULL: no retry) while attempts remain, else dead-letter.
@@ -486,12 +474,24 @@ WHERE o.ready_since IS NOT NULL;
 -- name: retry_failed_work_batches
 -- Put failed work batches back to pending with a fresh attempt budget; idempotent (other states are untouched).
 -- The last error is kept for the record; progress restarts, since a batch is redone whole.
-UPDATE fairqueue_work_batch b
-SET state = 'pending', attempts = 0, run_at = clock_timestamp(), started_at = NULL,
-    finished_at = NULL, rows_processed = 0, lease_token = NULL, lease_expires_at = NULL,
-    heartbeat_at = NULL, worker_id = ''
-WHERE b.id = ANY (%(ids)s::bigint[]) AND b.state = 'failed'
-RETURNING b.id;
+-- Their channels get batch_pending back (locked in id order: two callers cannot deadlock).
+WITH retried AS (
+    UPDATE fairqueue_work_batch b
+    SET state = 'pending', attempts = 0, run_at = clock_timestamp(), started_at = NULL,
+        finished_at = NULL, rows_processed = 0, lease_token = NULL, lease_expires_at = NULL,
+        heartbeat_at = NULL, worker_id = ''
+    WHERE b.id = ANY (%(ids)s::bigint[]) AND b.state = 'failed'
+    RETURNING b.id, b.channel_id
+), channels AS (
+    SELECT c.id FROM fairqueue_channel c
+    WHERE c.id IN (SELECT retried.channel_id FROM retried)
+    ORDER BY c.id
+    FOR NO KEY UPDATE
+), flag AS (
+    UPDATE fairqueue_channel c SET batch_pending = true
+    WHERE c.id IN (SELECT channels.id FROM channels)
+)
+SELECT retried.id FROM retried;
 
 -- name: select_claimable_exists
 -- Whether a claim could take a message now (of these channels, or all but the excluded), lock-free.
@@ -517,3 +517,270 @@ SELECT EXISTS (
     -- due retries and delayed messages: the next claim promotes them
     SELECT 1 FROM fairqueue_message m WHERE m.state = 'scheduled' AND m.run_at <= clock_timestamp()
 ) AS claimable;
+
+-- ---------------------------------------------------------------------------------------------
+-- Work batches (django_fairqueue.batches). Design and locking: docs/explanation/work-batches.md.
+
+-- name: ensure_channel
+-- The id of a channel, created with the default limits when missing (planning a job names one).
+WITH created AS (
+    INSERT INTO fairqueue_channel AS c (
+        name, max_concurrency, release_interval, weight, paused, max_backlog,
+        next_turn_at, turn_used, ready_count, scheduled_count, running_count,
+        failed_count, succeeded_total, created_at
+    )
+    VALUES (%(name)s::text, %(default_max_concurrency)s::integer,
+            %(default_release_interval)s::interval, %(default_weight)s::integer, false,
+            %(default_max_backlog)s::integer, clock_timestamp(), 0, 0, 0, 0, 0, 0,
+            clock_timestamp())
+    ON CONFLICT (name) DO NOTHING
+    RETURNING c.id
+)
+SELECT created.id FROM created
+UNION ALL
+-- this statement's snapshot does not see `created`'s row, so the name appears once
+SELECT c.id FROM fairqueue_channel c WHERE c.name = %(name)s::text;
+
+-- name: select_table_column
+-- Schema, table and type of `column` for a relation named `table` (optionally `schema`), or nothing if either is missing.
+-- The names are matched exactly, as stored (no case folding): planning gets them from a model's
+-- db_table or from the caller, and composes them as quoted identifiers.
+SELECT n.nspname::text AS schema, c.relname::text AS table, format_type(a.atttypid, a.atttypmod) AS type
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+WHERE c.relname = %(table)s::text
+  AND c.relkind IN ('r', 'p', 'v', 'm', 'f')
+  AND a.attname = %(column)s::text
+  AND (CASE WHEN %(schema)s::text IS NULL THEN pg_table_is_visible(c.oid)
+            ELSE n.nspname = %(schema)s::text END);
+
+-- name: lock_plan
+-- Serialise planners of one job until the transaction ends (the second appends after the first).
+-- 26226: an advisory-lock namespace of its own ("fq" + 1), apart from enqueue's channel locks.
+SELECT pg_advisory_xact_lock(26226, hashtext(%(job)s::text));
+
+-- name: select_last_planned_batch
+-- The channel and end of a job's last planned batch: planning resumes after it.
+SELECT b.channel_id, b.end_id
+FROM fairqueue_work_batch b
+WHERE b.job_name = %(job)s::text
+ORDER BY b.start_id DESC
+LIMIT 1;
+
+-- name: walk_id_index
+-- Walk a source table's id index from `from`: up to `steps` windows of `size` ids (count, first, last).
+-- A recursive CTE of index(-only) scans, each starting after the previous window's last id, so
+-- one round trip plans many batches and no id is ever loaded into Python. The table, id column
+-- and filter columns (one equality each) are composed by store.py as quoted identifiers; the
+-- values are bound. An index on the id column (behind the filter columns, if any) is needed.
+WITH RECURSIVE walk(step, n, first_id, last_id) AS (
+    SELECT 1, s.n, s.first_id, s.last_id
+    FROM (
+        SELECT count(*)::bigint AS n, min(x.id)::bigint AS first_id, max(x.id)::bigint AS last_id
+        FROM (
+            SELECT t.{id} AS id
+            FROM {table} t
+            WHERE t.{id} >= %(from)s::bigint{filters}
+            ORDER BY t.{id}
+            LIMIT %(size)s::bigint
+        ) x
+    ) s
+    UNION ALL
+    SELECT w.step + 1, s.n, s.first_id, s.last_id
+    FROM walk w
+    CROSS JOIN LATERAL (
+        SELECT count(*)::bigint AS n, min(x.id)::bigint AS first_id, max(x.id)::bigint AS last_id
+        FROM (
+            SELECT t.{id} AS id
+            FROM {table} t
+            WHERE t.{id} > w.last_id{filters}
+            ORDER BY t.{id}
+            LIMIT %(size)s::bigint
+        ) x
+    ) s
+    WHERE w.step < %(steps)s::integer AND w.n = %(size)s::bigint
+)
+SELECT w.n, w.first_id, w.last_id FROM walk w WHERE w.n > 0 ORDER BY w.step;
+
+-- name: select_id_span
+-- Lowest and highest id of a source table (under the same filters): the planner's progress scale.
+SELECT min(t.{id})::bigint AS low, max(t.{id})::bigint AS high
+FROM {table} t
+WHERE true{filters};
+
+-- name: insert_planned_batches
+-- Planned batches of a job; a range the job already has (same start) is skipped. Returns how many were added.
+WITH added AS (
+    INSERT INTO fairqueue_work_batch (
+        channel_id, job_name, start_id, end_id, row_count, state, run_at, attempts,
+        max_attempts, worker_id, created_at, rows_processed
+    )
+    SELECT %(channel_id)s::bigint, %(job)s::text, r.start_id, r.end_id, r.row_count, 'pending',
+           clock_timestamp(), 0, %(max_attempts)s::integer, '', clock_timestamp(), 0
+    FROM unnest(%(starts)s::bigint[], %(ends)s::bigint[], %(counts)s::bigint[])
+         AS r(start_id, end_id, row_count)
+    ORDER BY r.start_id
+    ON CONFLICT (job_name, start_id) DO NOTHING
+    RETURNING row_count
+), flag AS (
+    -- unconditional, so it takes the channel row lock a clearing claim would conflict with
+    UPDATE fairqueue_channel c SET batch_pending = true WHERE c.id = %(channel_id)s::bigint
+)
+SELECT count(*)::integer, coalesce(sum(added.row_count), 0)::bigint FROM added;
+
+-- name: claim_work_batch
+-- Claim one batch: fair across channels, under the channel's cap (fairqueue_claim_batch_v1).
+SELECT * FROM fairqueue_claim_batch_v1(
+    %(worker)s::text, %(lease)s::interval, %(jobs)s::text[], %(job_prefixes)s::text[],
+    %(only)s::bigint[], %(exclude)s::bigint[]
+);
+
+-- name: heartbeat_work_batch
+-- Extend a running batch's lease; no row back means the lease is lost (expired and rescued, or settled).
+UPDATE fairqueue_work_batch b
+SET heartbeat_at = clock_timestamp(), lease_expires_at = clock_timestamp() + %(lease)s::interval
+WHERE b.id = %(id)s::bigint AND b.lease_token = %(token)s::uuid
+RETURNING b.lease_expires_at;
+
+-- name: lock_leased_work_batch
+-- Lock a batch that still runs under this lease, for the fenced completion; nothing back: lost.
+-- Held to commit, so a rescuer (SKIP LOCKED) cannot hand the batch to another worker meanwhile.
+SELECT b.id
+FROM fairqueue_work_batch b
+WHERE b.id = %(id)s::bigint AND b.lease_token = %(token)s::uuid
+FOR UPDATE;
+
+-- name: complete_work_batch
+-- Mark a batch succeeded under its lease token; returns nothing if the lease was lost.
+UPDATE fairqueue_work_batch b
+SET state = 'succeeded', finished_at = clock_timestamp(), rows_processed = %(rows)s::bigint,
+    lease_token = NULL, lease_expires_at = NULL, heartbeat_at = NULL
+WHERE b.id = %(id)s::bigint AND b.lease_token = %(token)s::uuid
+RETURNING b.id;
+
+-- name: fail_work_batch
+-- Record a failed attempt under the lease token: back to pending at `retry_at`, or failed (a dead
+-- letter) when the attempts are used up or `final` is set. Returns the new state.
+-- A batch pending again flags its channel in the same statement (see the claim's flag clearing).
+WITH failed AS (
+    UPDATE fairqueue_work_batch b
+    SET state = CASE WHEN %(final)s::boolean OR b.attempts >= b.max_attempts
+                     THEN 'failed' ELSE 'pending' END,
+        run_at = CASE WHEN %(final)s::boolean OR b.attempts >= b.max_attempts
+                      THEN b.run_at ELSE %(retry_at)s::timestamptz END,
+        finished_at = CASE WHEN %(final)s::boolean OR b.attempts >= b.max_attempts
+                           THEN clock_timestamp() END,
+        last_error = %(error)s::jsonb,
+        lease_token = NULL, lease_expires_at = NULL, heartbeat_at = NULL
+    WHERE b.id = %(id)s::bigint AND b.lease_token = %(token)s::uuid
+    RETURNING b.state, b.channel_id
+), flag AS (
+    UPDATE fairqueue_channel c SET batch_pending = true
+    WHERE c.id IN (SELECT failed.channel_id FROM failed WHERE failed.state = 'pending')
+)
+SELECT failed.state FROM failed;
+
+-- name: release_work_batch
+-- Give a running batch back (graceful shutdown) without using up an attempt; lease-guarded.
+WITH released AS (
+    UPDATE fairqueue_work_batch b
+    SET state = 'pending', attempts = greatest(b.attempts - 1, 0), run_at = clock_timestamp(),
+        started_at = NULL, lease_token = NULL, lease_expires_at = NULL, heartbeat_at = NULL,
+        worker_id = ''
+    WHERE b.id = %(id)s::bigint AND b.lease_token = %(token)s::uuid
+    RETURNING b.id, b.channel_id
+), flag AS (
+    UPDATE fairqueue_channel c SET batch_pending = true
+    WHERE c.id IN (SELECT released.channel_id FROM released)
+)
+SELECT released.id FROM released;
+
+-- name: rescue_expired_work_batches
+-- Batches whose lease expired (a dead or stalled worker) go back to pending after a backoff, or to
+-- failed when out of attempts. A batch being completed right now is locked and skipped. Channels
+-- of batches made pending are flagged, locked in id order so two rescuers cannot deadlock.
+WITH expired AS (
+    SELECT b.id
+    FROM fairqueue_work_batch b
+    WHERE b.state = 'running' AND b.lease_expires_at < clock_timestamp()
+    ORDER BY b.lease_expires_at
+    LIMIT %(limit)s::integer
+    FOR UPDATE SKIP LOCKED
+), rescued AS (
+    UPDATE fairqueue_work_batch b
+    SET state = CASE WHEN b.attempts >= b.max_attempts THEN 'failed' ELSE 'pending' END,
+        run_at = clock_timestamp()
+                 + least(%(backoff_base)s::interval * power(2, greatest(b.attempts - 1, 0)),
+                         %(backoff_max)s::interval),
+        finished_at = CASE WHEN b.attempts >= b.max_attempts THEN clock_timestamp() END,
+        last_error = jsonb_build_object(
+            'type', 'LeaseExpired',
+            'message', format('worker %%s stopped renewing its lease (attempt %%s of %%s)',
+                              b.worker_id, b.attempts, b.max_attempts),
+            'traceback', NULL, 'attempt', b.attempts, 'worker', b.worker_id),
+        lease_token = NULL, lease_expires_at = NULL, heartbeat_at = NULL
+    FROM expired
+    WHERE b.id = expired.id
+    RETURNING b.id, b.job_name, b.state, b.worker_id, b.attempts, b.channel_id
+), channels AS (
+    SELECT c.id FROM fairqueue_channel c
+    WHERE c.id IN (SELECT rescued.channel_id FROM rescued WHERE rescued.state = 'pending')
+    ORDER BY c.id
+    FOR NO KEY UPDATE
+), flag AS (
+    UPDATE fairqueue_channel c SET batch_pending = true
+    WHERE c.id IN (SELECT channels.id FROM channels)
+)
+SELECT rescued.id, rescued.job_name, rescued.state, rescued.worker_id, rescued.attempts
+FROM rescued;
+
+-- name: prune_finished_work_batches
+-- Delete the batches of jobs that finished (every batch succeeded) before `before`.
+-- Jobs with a failed or unfinished batch are kept whole: dead letters stay inspectable.
+DELETE FROM fairqueue_work_batch b
+WHERE b.job_name IN (
+    SELECT j.job_name
+    FROM fairqueue_work_batch j
+    GROUP BY j.job_name
+    HAVING bool_and(j.state = 'succeeded') AND max(j.finished_at) < %(before)s::timestamptz
+);
+
+-- name: delete_failed_work_batches
+-- Delete failed batches (dead letters) by id; other states are left alone. Returns the ids deleted.
+DELETE FROM fairqueue_work_batch b
+WHERE b.id = ANY (%(ids)s::bigint[]) AND b.state = 'failed'
+RETURNING b.id;
+
+-- name: select_failed_work_batch_ids
+-- Ids of failed batches, of one job or of all.
+SELECT b.id
+FROM fairqueue_work_batch b
+WHERE b.state = 'failed' AND (%(job)s::text IS NULL OR b.job_name = %(job)s::text)
+ORDER BY b.id;
+
+-- name: select_job_progress
+-- Per job (all, one, or those starting with a prefix): batches and rows by state, timings.
+-- One pass over the jobs' batches through fq_batch_job_idx; a job holds thousands of batches
+-- at most (a batch is ~100k rows), so this stays a few milliseconds.
+SELECT b.job_name::text,
+       min(c.name)::text AS channel,
+       count(*)::bigint AS batches_total,
+       count(*) FILTER (WHERE b.state = 'pending')::bigint AS pending,
+       count(*) FILTER (WHERE b.state = 'running')::bigint AS running,
+       count(*) FILTER (WHERE b.state = 'succeeded')::bigint AS succeeded,
+       count(*) FILTER (WHERE b.state = 'failed')::bigint AS failed,
+       coalesce(sum(b.row_count), 0)::bigint AS rows_total,
+       coalesce(sum(b.row_count) FILTER (WHERE b.state = 'succeeded'), 0)::bigint AS rows_done,
+       coalesce(sum(b.rows_processed) FILTER (WHERE b.state = 'succeeded'), 0)::bigint
+           AS rows_written,
+       min(b.created_at) AS planned_at,
+       min(b.started_at) AS started_at,
+       max(b.finished_at) FILTER (WHERE b.state = 'succeeded') AS last_finished_at,
+       clock_timestamp() AS now
+FROM fairqueue_work_batch b
+LEFT JOIN fairqueue_channel c ON c.id = b.channel_id
+WHERE (%(job)s::text IS NULL OR b.job_name = %(job)s::text)
+  AND (%(prefix)s::text IS NULL OR starts_with(b.job_name, %(prefix)s::text))
+GROUP BY b.job_name
+ORDER BY b.job_name;

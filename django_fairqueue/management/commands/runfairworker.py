@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -60,7 +61,14 @@ class Command(BaseCommand):
             type=int,
             default=100,
             help="Most messages one claim takes; a claim never exceeds the free threads "
-            "(default 100).",
+            "plus --prefetch (default 100).",
+        )
+        parser.add_argument(
+            "--prefetch",
+            type=int,
+            default=0,
+            help="Messages to claim beyond the free threads, started as threads free up: "
+            "larger claims for short tasks, at the cost of holding them here (default 0).",
         )
         parser.add_argument(
             "--poll-interval",
@@ -103,6 +111,15 @@ class Command(BaseCommand):
             help="Do not LISTEN for wake-ups; poll only (behind a transaction-pooling proxy).",
         )
         parser.add_argument(
+            "--pipelines",
+            nargs="?",
+            const="",
+            metavar="NAMES",
+            help="Also run Spark pipeline batches, one at a time, in a thread of this process: "
+            "the named pipelines (comma-separated) or, without NAMES, every registered one. "
+            "Needs the spark extra (docs/howto/spark-pipeline.md).",
+        )
+        parser.add_argument(
             "--no-maintenance",
             action="store_true",
             help="Do not run the rescuer, pruner and delta folder here "
@@ -112,10 +129,15 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         config = self._config(options)
         configure_logging(options["verbosity"])
+        pipelines = self._pipeline_runner(options, config)
         try:
             handled = Worker(config).run()
         except WorkerCrashed as exc:
             raise CommandError(str(exc)) from exc
+        finally:
+            if pipelines is not None:
+                pipelines.stop()  # cancels a running Spark job and gives its batch back
+                pipelines.thread.join()
         if options["verbosity"] >= 1:
             self.stderr.write(f"worker {config.worker_id}: {handled} messages handled")
 
@@ -126,6 +148,9 @@ class Command(BaseCommand):
         batch_size = options["batch_size"]
         if batch_size < 1:
             raise CommandError(f"--batch-size must be at least 1, got {batch_size}")
+        prefetch = options["prefetch"]
+        if prefetch < 0:
+            raise CommandError(f"--prefetch must be 0 or more, got {prefetch}")
         max_messages = options["max_messages"]
         if max_messages is not None and max_messages < 1:
             raise CommandError(f"--max-messages must be at least 1, got {max_messages}")
@@ -152,6 +177,7 @@ class Command(BaseCommand):
                 channels=channels,
                 exclude_channels=exclude,
                 batch_size=batch_size,
+                prefetch=prefetch,
                 poll_interval=poll,
                 burst=options["burst"],
                 max_messages=max_messages,
@@ -163,3 +189,30 @@ class Command(BaseCommand):
             )
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
+
+    def _pipeline_runner(self, options: dict[str, Any], config: WorkerConfig) -> Any:
+        """Start the Spark pipeline runner thread if --pipelines was given."""
+        if options["pipelines"] is None:
+            return None
+        from django_fairqueue.pipeline.spark import SparkUnavailable, require_java, require_pyspark
+
+        try:
+            require_pyspark()
+            require_java()
+            from django_fairqueue.pipeline.runner import PipelineRunner, job_patterns
+
+            names = [n.strip() for n in options["pipelines"].split(",") if n.strip()]
+            job_patterns(names)  # an unknown pipeline name fails here, not in the thread
+            runner = PipelineRunner(
+                worker_id=config.worker_id,
+                pipelines=names or None,
+                channels=config.channels or None,
+                lease=config.lease,
+                poll_interval=config.poll_interval,
+                burst=config.burst,
+            )
+        except (SparkUnavailable, LookupError, ValueError) as exc:
+            raise CommandError(f"--pipelines: {exc}") from None
+        runner.thread = threading.Thread(target=runner.run_logged, name="fairqueue-pipeline-runner")
+        runner.thread.start()
+        return runner

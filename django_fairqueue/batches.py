@@ -1,0 +1,596 @@
+"""Work batches: a big table's id range split into batches that workers claim fairly.
+
+A *job* (``"enrich:alice"``) covers one tenant's rows of one source table. :func:`plan` walks the
+table's id index and records contiguous id ranges of about ``batch_size`` rows; workers then
+:func:`claim` batches one at a time — round-robin across channels (tenants), never more running
+at once than the channel's ``max_concurrency`` — keep them alive with heartbeats, and finish
+them with :func:`fenced` (their writes and the batch's completion commit together) or
+:func:`fail` (retry with backoff, then the failed state). The rescuer returns batches whose
+worker died; :func:`prune` deletes finished jobs after ``FAIRQUEUE['BATCH_RETENTION']``.
+
+Every statement is named in ``sql/queries.sql`` (claim: ``sql/functions_batches_v1.sql``) and
+run by ``store.py``. Design and guarantees: docs/explanation/work-batches.md.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import IO, Any
+
+from django.db import connections, models, transaction
+from django.utils import timezone
+
+from django_fairqueue import conf, store
+from django_fairqueue.api import validate_channel_name
+from django_fairqueue.exceptions import LeaseLost
+from django_fairqueue.models import Channel
+from django_fairqueue.store import ClaimedBatch, RescuedBatch
+
+__all__ = [
+    "ClaimedBatch",
+    "Fence",
+    "Heartbeat",
+    "JobProgress",
+    "PlanResult",
+    "RescuedBatch",
+    "claim",
+    "delete_failed",
+    "fail",
+    "fenced",
+    "heartbeat",
+    "jobs",
+    "plan",
+    "progress",
+    "prune",
+    "release",
+    "rescue_expired",
+    "retry_failed",
+]
+
+#: Longest job name (the column's length).
+JOB_NAME_MAX_LENGTH = 200
+#: Where a walk starts for a new job: below every bigint id.
+_BIGINT_MIN = -(2**63)
+_INTEGER_TYPES = ("smallint", "integer", "bigint")
+
+ProgressCallback = Callable[[int, float], None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    job_name: str
+    channel: str
+    created: int  # batches added by this call
+    batches_total: int  # batches the job has now
+    rows_planned: int  # rows covered by the batches added by this call
+    seconds: float
+
+
+def _validate_job_name(job_name: Any) -> str:
+    if not isinstance(job_name, str) or not job_name.strip():
+        raise ValueError(f"job name must be a non-empty string, got {job_name!r}")
+    if job_name != job_name.strip() or "\x00" in job_name:
+        raise ValueError(f"job name must not have surrounding blanks or NUL: {job_name!r}")
+    if len(job_name) > JOB_NAME_MAX_LENGTH:
+        raise ValueError(f"job name is {len(job_name)} characters; the most is 200")
+    return job_name
+
+
+def _source(table: object, id_column: str | None, using: str) -> tuple[store.SourceColumn, str]:
+    """Resolve a model or table name to its catalog entry and integer id column."""
+    if isinstance(table, type) and issubclass(table, models.Model):
+        pk = table._meta.pk
+        schema, name = None, table._meta.db_table
+        column = id_column or pk.column or "id"
+    elif isinstance(table, str) and table:
+        schema, _, name = table.rpartition(".")
+        schema = schema or None
+        column = id_column or "id"
+    else:
+        raise TypeError(f"table must be a Django model or a table name, got {table!r}")
+    found = store.select_table_column(name, column, schema=schema, using=using)
+    if found is None:
+        where = f"{schema}.{name}" if schema else name
+        raise ValueError(f"no column {column!r} in table {where!r} (or no such table)")
+    if found.type not in _INTEGER_TYPES:
+        raise ValueError(
+            f"{found.table}.{column} is {found.type}; work batches need an integer id column "
+            f"({', '.join(_INTEGER_TYPES)})"
+        )
+    return found, column
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def plan(
+    job_name: str,
+    *,
+    channel: str,
+    table: type[models.Model] | str,
+    id_column: str | None = None,
+    batch_size: int = 100_000,
+    max_attempts: int = 3,
+    filters: dict[str, Any] | None = None,
+    progress: bool | ProgressCallback = False,
+    using: str | None = None,
+) -> PlanResult:
+    """Split ``table``'s rows (those matching ``filters``) into batches of ``batch_size`` rows.
+
+    The id index is walked ``batch_size`` entries at a time, so sparse ids still give full
+    batches and no id is ever loaded into Python. Ranges are contiguous (a batch ends where the
+    next begins), so rows inserted later inside a planned range are processed with it. Planning
+    resumes after the job's last batch: planning again adds nothing, or only batches for rows
+    appended since. Concurrent planners of one job take turns per batch (an advisory lock).
+
+    ``filters`` are column = value conditions (``{"tenant_id": 7}``); give the table an index on
+    (filter columns..., id) so the walk reads only the tenant's entries. ``progress=True`` draws
+    a bar on stderr; a callable gets ``(rows_planned, fraction_of_id_span)``.
+    """
+    started = time.monotonic()
+    alias = using or conf.get().DATABASE
+    job_name = _validate_job_name(job_name)
+    channel = validate_channel_name(channel)
+    for name, value in (("batch_size", batch_size), ("max_attempts", max_attempts)):
+        if not _positive_int(value):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    filters = dict(filters or {})
+    source, column = _source(table, id_column, alias)
+    for name in filters:
+        if store.select_table_column(source.table, name, schema=source.schema, using=alias) is None:
+            raise ValueError(f"filter column {name!r} is not a column of {source.table!r}")
+
+    channel_id = store.ensure_channel(channel, defaults=conf.get().CHANNEL_DEFAULTS, using=alias)
+    low, high = store.select_id_span(source, column, filters=filters, using=alias)
+    report = _progress_reporter(progress, job_name)
+    # Windows walked per transaction: about two million index entries, so a step takes well
+    # under a second (the bar moves, other planners of the job get their turn) yet plans many
+    # small batches per round trip.
+    steps = max(1, min(1000, 2_000_000 // batch_size))
+    created = rows = 0
+    while True:
+        with transaction.atomic(using=alias):
+            store.lock_plan(job_name, using=alias)
+            last = store.select_last_planned_batch(job_name, using=alias)
+            if last is not None and last[0] != channel_id:
+                owner = (
+                    Channel.objects.using(alias).filter(pk=last[0]).values_list("name", flat=True)
+                ).first()
+                raise ValueError(
+                    f"job {job_name!r} is planned on channel {owner!r}, not {channel!r}"
+                )
+            start = last[1] + 1 if last is not None else _BIGINT_MIN
+            windows = store.walk_id_index(
+                source,
+                column,
+                start=start,
+                size=batch_size,
+                steps=steps,
+                filters=filters,
+                using=alias,
+            )
+            if not windows:
+                break
+            ranges: list[tuple[int, int, int]] = []
+            for window in windows:
+                # contiguous: a batch starts right after the previous one ends (the first
+                # batch of a job at its first id), so no id between them is ever orphaned
+                first = start if (last is not None or ranges) else window.first_id
+                ranges.append((first, window.last_id, window.count))
+                start = window.last_id + 1
+            added, added_rows = store.insert_planned_batches(
+                channel_id=channel_id,
+                job=job_name,
+                ranges=ranges,
+                max_attempts=max_attempts,
+                using=alias,
+            )
+            created += added
+            rows += added_rows
+            reached = windows[-1].last_id
+        if report is not None:
+            span = (high - low) if high is not None and low is not None else 0
+            fraction = 1.0 if span <= 0 else min(1.0, (reached - (low or 0)) / span)
+            report(rows, fraction)
+    if report is not None:
+        report(rows, 1.0)
+    total = store.select_job_progress(job=job_name, using=alias)
+    return PlanResult(
+        job_name=job_name,
+        channel=channel,
+        created=created,
+        batches_total=total[0].batches_total if total else 0,
+        rows_planned=rows,
+        seconds=time.monotonic() - started,
+    )
+
+
+def _progress_reporter(progress: bool | ProgressCallback, label: str) -> ProgressCallback | None:
+    if callable(progress):
+        return progress
+    if progress:
+        return ProgressBar(label)
+    return None
+
+
+class ProgressBar:
+    """A one-line terminal progress bar: ``label [#####.....] 42% 1,234,567 rows 3.1s``."""
+
+    def __init__(self, label: str, *, stream: IO[str] | None = None, width: int = 30) -> None:
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self.started = time.monotonic()
+        self._last_drawn = 0.0
+        self._done = False
+
+    def __call__(self, rows: int, fraction: float) -> None:
+        now = time.monotonic()
+        if self._done or (fraction < 1.0 and now - self._last_drawn < 0.1):
+            return  # redraw at most ten times a second
+        self._last_drawn = now
+        filled = round(self.width * fraction)
+        bar = "#" * filled + "." * (self.width - filled)
+        line = f"\r{self.label} [{bar}] {fraction:4.0%} {rows:,} rows {now - self.started:.1f}s"
+        self.stream.write(line)
+        if fraction >= 1.0:
+            self.stream.write("\n")
+            self._done = True
+        self.stream.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# Claiming and settling
+
+
+def _split_jobs(jobs: Sequence[str] | None) -> tuple[list[str] | None, list[str] | None]:
+    if jobs is None:
+        return None, None
+    if isinstance(jobs, str):
+        raise TypeError("jobs must be a list of job names, not a string")
+    exact = [j for j in jobs if not j.endswith("*")]
+    prefixes = [j[:-1] for j in jobs if j.endswith("*")]
+    return exact, prefixes
+
+
+def _channel_ids(names: Sequence[str] | None, using: str) -> list[int] | None:
+    if names is None:
+        return None
+    return list(store.select_channel_ids(list(names), using=using).values())
+
+
+def claim(
+    *,
+    worker_id: str,
+    jobs: Sequence[str] | None = None,
+    lease: timedelta | None = None,
+    channels: Sequence[str] | None = None,
+    exclude_channels: Sequence[str] | None = None,
+    using: str | None = None,
+) -> ClaimedBatch | None:
+    """Claim the next batch, or None when no batch can run now.
+
+    Channels take turns (least recently served first; a channel of weight w keeps its turn for w
+    batches), a paused channel waits, and a channel never runs more batches at once than its
+    ``max_concurrency``. ``jobs`` limits the claim to these job names; a name ending in ``*`` is
+    a prefix (``"enrich:*"``). The lease (default ``FAIRQUEUE['LEASE_SECONDS']``) must be
+    renewed (:func:`heartbeat`, :class:`Heartbeat`) until the batch is settled.
+    """
+    alias = using or conf.get().DATABASE
+    exact, prefixes = _split_jobs(jobs)
+    return store.claim_work_batch(
+        worker=worker_id,
+        lease=lease if lease is not None else _default_lease(),
+        jobs=exact,
+        job_prefixes=prefixes,
+        only=_channel_ids(channels, alias),
+        exclude=_channel_ids(exclude_channels, alias),
+        using=alias,
+    )
+
+
+def _default_lease() -> timedelta:
+    return timedelta(seconds=conf.get().LEASE_SECONDS)
+
+
+def heartbeat(
+    batch: ClaimedBatch, *, lease: timedelta | None = None, using: str | None = None
+) -> bool:
+    """Renew the batch's lease; False means it was lost (stop working on it: its writes would be
+    refused)."""
+    expires = store.heartbeat_work_batch(
+        batch.id, batch.lease_token, lease=lease or _default_lease(), using=using
+    )
+    return expires is not None
+
+
+class Heartbeat:
+    """Renew a batch's lease from a background thread while the block runs.
+
+    Renews three times per lease period, so one missed beat never loses the lease. ``lost`` is
+    set when the lease is gone (the batch was rescued and may run elsewhere): stop early.
+    Database errors are retried at the next beat; the lease only expires if they last.
+    """
+
+    def __init__(
+        self,
+        batch: ClaimedBatch,
+        *,
+        lease: timedelta | None = None,
+        interval: float | None = None,
+        using: str | None = None,
+    ) -> None:
+        self.batch = batch
+        self.lease = lease or _default_lease()
+        self.interval = interval if interval is not None else self.lease.total_seconds() / 3
+        self.alias = using or conf.get().DATABASE
+        self.lost = threading.Event()
+        self.beats = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"fairqueue-batch-heartbeat-{batch.id}", daemon=True
+        )
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import logging
+
+        logger = logging.getLogger("django_fairqueue.batches")
+        try:
+            while not self._stop.wait(self.interval):
+                try:
+                    alive = heartbeat(self.batch, lease=self.lease, using=self.alias)
+                except Exception as exc:  # the database may be restarting: try next beat
+                    logger.warning("batch %s: heartbeat failed (%s)", self.batch.id, exc)
+                    connections[self.alias].close()
+                    continue
+                self.beats += 1
+                if not alive:
+                    logger.warning("batch %s: lease lost", self.batch.id)
+                    self.lost.set()
+                    return
+        finally:
+            connections[self.alias].close()  # this thread's own connection
+
+
+@dataclass
+class Fence:
+    """Handed out by :func:`fenced`: set ``rows_processed`` before the block ends."""
+
+    batch: ClaimedBatch
+    rows_processed: int = 0
+    finished_at: datetime | None = field(default=None)
+
+
+@contextmanager
+def fenced(batch: ClaimedBatch, *, using: str | None = None) -> Iterator[Fence]:
+    """Commit the batch's results and its completion together, only if it is still ours.
+
+    Opens a transaction on Django connection ``using`` and locks the batch row under its lease
+    token first: if the lease was lost (it expired and the batch was rescued, so another
+    worker may be redoing it), :class:`~django_fairqueue.exceptions.LeaseLost` is raised before
+    any write. The lock is held to commit, so the rescuer cannot take the batch meanwhile. Write
+    the results inside the block on the same connection; on a clean exit the batch becomes
+    ``succeeded`` in the same commit. An exception rolls back both.
+    """
+    alias = using or conf.get().DATABASE
+    with transaction.atomic(using=alias):
+        if not store.lock_leased_work_batch(batch.id, batch.lease_token, using=alias):
+            raise LeaseLost(
+                f"work batch {batch.id} ({batch.job_name} {batch.start_id}..{batch.end_id}) is "
+                "no longer leased to this worker; its results were not written"
+            )
+        fence = Fence(batch)
+        yield fence
+        if not store.complete_work_batch(
+            batch.id, batch.lease_token, rows=fence.rows_processed, using=alias
+        ):  # cannot happen while the row lock is held; a guard, not a path
+            raise LeaseLost(f"work batch {batch.id} lost its lease while locked")
+        fence.finished_at = timezone.now()
+
+
+def retry_delay(attempt: int) -> float:
+    """Seconds before attempt ``attempt + 1``: the message backoff (base * 2^(n-1), capped),
+    with ±50 % jitter so batches failed together do not retry together."""
+    cfg = conf.get()
+    step = min(cfg.RETRY_BACKOFF_BASE * 2.0 ** min(attempt - 1, 60), cfg.RETRY_BACKOFF_MAX)
+    return step * random.uniform(0.5, 1.5)
+
+
+def _error_dict(error: BaseException | str, batch: ClaimedBatch, worker_id: str) -> dict[str, Any]:
+    if isinstance(error, BaseException):
+        from django_fairqueue.worker import error_info
+
+        return error_info(error, attempt=batch.attempts, worker_id=worker_id)
+    return {
+        "type": "Error",
+        "message": str(error)[:10_000],
+        "traceback": None,
+        "attempt": batch.attempts,
+        "worker": worker_id,
+    }
+
+
+def fail(
+    batch: ClaimedBatch,
+    error: BaseException | str,
+    *,
+    retry_delay_seconds: float | None = None,
+    final: bool = False,
+    worker_id: str = "",
+    using: str | None = None,
+) -> str | None:
+    """Record a failed attempt: back to ``pending`` after a backoff, or ``failed`` (a dead
+    letter keeping the error) when its attempts are used up or ``final`` is set.
+
+    Returns the new state, or None if the lease was already lost (nothing changes).
+    """
+    delay = retry_delay_seconds if retry_delay_seconds is not None else retry_delay(batch.attempts)
+    if not math.isfinite(delay) or delay < 0:
+        raise ValueError(f"retry delay must be a finite number >= 0, got {delay!r}")
+    return store.fail_work_batch(
+        batch.id,
+        batch.lease_token,
+        error=_error_dict(error, batch, worker_id),
+        retry_at=timezone.now() + timedelta(seconds=delay),
+        final=final,
+        using=using,
+    )
+
+
+def release(batch: ClaimedBatch, *, using: str | None = None) -> bool:
+    """Give the batch back untouched (graceful shutdown): pending again, attempt not counted."""
+    return store.release_work_batch(batch.id, batch.lease_token, using=using)
+
+
+# ---------------------------------------------------------------------------------------------
+# Maintenance and dead letters
+
+
+def rescue_expired(*, limit: int = 1000, using: str | None = None) -> list[RescuedBatch]:
+    """Batches whose lease expired go back to pending (after a backoff) or to failed."""
+    cfg = conf.get()
+    return store.rescue_expired_work_batches(
+        backoff_base=timedelta(seconds=cfg.RETRY_BACKOFF_BASE),
+        backoff_max=timedelta(seconds=cfg.RETRY_BACKOFF_MAX),
+        limit=limit,
+        using=using,
+    )
+
+
+def prune(*, older_than: timedelta | None = None, using: str | None = None) -> int:
+    """Delete the batches of jobs whose every batch succeeded more than ``older_than`` ago
+    (default ``FAIRQUEUE['BATCH_RETENTION']``). Jobs with failed batches are kept."""
+    keep = older_than if older_than is not None else conf.get().BATCH_RETENTION
+    return store.prune_finished_work_batches(timezone.now() - keep, using=using)
+
+
+def retry_failed(
+    *, job_name: str | None = None, ids: Sequence[int] | None = None, using: str | None = None
+) -> list[int]:
+    """Put failed batches (by id, or all of a job, or all) back to pending with a fresh attempt
+    budget. Idempotent. Returns the ids retried."""
+    if ids is None:
+        ids = store.select_failed_work_batch_ids(job_name, using=using)
+    return store.retry_failed_work_batches(list(ids), using=using)
+
+
+def delete_failed(ids: Sequence[int], *, using: str | None = None) -> list[int]:
+    """Delete failed batches (dead letters); other states are never deleted."""
+    return store.delete_failed_work_batches(list(ids), using=using)
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    job_name: str
+    channel: str | None
+    batches_total: int
+    batches_by_state: dict[str, int]
+    rows_total: int  # rows in the job's batches when planned
+    rows_done: int  # rows of succeeded batches (as planned)
+    rows_written: int  # rows the succeeded batches reported writing
+    started_at: datetime | None
+    last_finished_at: datetime | None
+    rows_per_second: float | None
+    eta: timedelta | None
+
+    @property
+    def state(self) -> str:
+        """``succeeded``, ``failed`` (only dead letters left), ``running`` or ``pending``."""
+        by = self.batches_by_state
+        if by["succeeded"] == self.batches_total:
+            return "succeeded"
+        if by["pending"] == 0 and by["running"] == 0:
+            return "failed"
+        return "running" if by["running"] or by["succeeded"] or by["failed"] else "pending"
+
+    @property
+    def fraction_done(self) -> float:
+        return self.rows_done / self.rows_total if self.rows_total else 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "job": self.job_name,
+            "channel": self.channel,
+            "state": self.state,
+            "batches_total": self.batches_total,
+            "batches": dict(self.batches_by_state),
+            "rows_total": self.rows_total,
+            "rows_done": self.rows_done,
+            "rows_written": self.rows_written,
+            "started_at": self.started_at.isoformat() if self.started_at else None,
+            "last_finished_at": self.last_finished_at.isoformat()
+            if self.last_finished_at
+            else None,
+            "rows_per_second": self.rows_per_second,
+            "eta_seconds": self.eta.total_seconds() if self.eta is not None else None,
+        }
+
+
+def _job_progress(row: store.JobRow) -> JobProgress:
+    rate: float | None = None
+    eta: timedelta | None = None
+    if row.started_at is not None and row.last_finished_at is not None and row.rows_done:
+        elapsed = (row.last_finished_at - row.started_at).total_seconds()
+        if elapsed > 0:
+            rate = row.rows_done / elapsed
+    remaining = row.rows_total - row.rows_done
+    if rate and remaining > 0 and (row.pending or row.running):
+        eta = timedelta(seconds=remaining / rate)
+    elif remaining <= 0:
+        eta = timedelta(0)
+    return JobProgress(
+        job_name=row.job_name,
+        channel=row.channel,
+        batches_total=row.batches_total,
+        batches_by_state={
+            "pending": row.pending,
+            "running": row.running,
+            "succeeded": row.succeeded,
+            "failed": row.failed,
+        },
+        rows_total=row.rows_total,
+        rows_done=row.rows_done,
+        rows_written=row.rows_written,
+        started_at=row.started_at,
+        last_finished_at=row.last_finished_at,
+        rows_per_second=rate,
+        eta=eta,
+    )
+
+
+def progress(job_name: str, *, using: str | None = None) -> JobProgress:
+    """Batches and rows done / total, rate and ETA of one job; LookupError if it has no batches."""
+    rows = store.select_job_progress(job=job_name, using=using)
+    if not rows:
+        raise LookupError(f"no work batches for job {job_name!r} (planned and since pruned?)")
+    return _job_progress(rows[0])
+
+
+def jobs(*, prefix: str | None = None, using: str | None = None) -> list[JobProgress]:
+    """Progress of every job (or of the jobs whose name starts with ``prefix``), by name."""
+    return [_job_progress(r) for r in store.select_job_progress(prefix=prefix, using=using)]

@@ -1,0 +1,258 @@
+"""``manage.py fairpipeline plan|run|status|retry|bench``: the Spark data pipeline.
+
+Needs the ``spark`` extra for ``plan``, ``run`` and ``bench``
+(``pip install 'django-fairqueue[spark]'``); ``status`` and ``retry`` only read and update work
+batches. Guide: docs/howto/spark-pipeline.md.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from datetime import timedelta
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_fairqueue._runtime import configure_logging
+
+
+def _eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+class Command(BaseCommand):
+    help = (
+        "The Spark data pipeline: plan jobs (one per tenant), run their work batches, show "
+        "progress, retry failed batches, or benchmark against the same formulas in SQL."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+        plan = sub.add_parser("plan", help="Check formulas, then plan a job per tenant.")
+        plan.add_argument("pipeline", help="Pipeline name.")
+        plan.add_argument("--tenant", action="append", help="Only this tenant (repeatable).")
+        plan.add_argument("--batch-size", type=int, help="Rows per batch (default: pipeline's).")
+        plan.add_argument(
+            "--no-spark-check",
+            action="store_true",
+            help="Check formulas with the built-in parser only (no SparkSession started).",
+        )
+
+        run = sub.add_parser("run", help="Run pipeline batches until stopped.")
+        run.add_argument("pipelines", nargs="*", help="Pipelines (default: all registered).")
+        run.add_argument("--tenant", action="append", help="Only this tenant (repeatable).")
+        run.add_argument("--burst", action="store_true", help="Exit once nothing is ready.")
+        run.add_argument("--max-batches", type=int, metavar="N", help="Exit after N batches.")
+        run.add_argument("--lease", type=float, metavar="SECONDS", help="Lease of a batch.")
+        run.add_argument("--poll-interval", type=float, metavar="SECONDS")
+        run.add_argument("--worker-id", help="Name recorded on claimed batches.")
+
+        status = sub.add_parser("status", help="Progress of every pipeline job.")
+        status.add_argument("pipeline", nargs="?", help="Only this pipeline's jobs.")
+        status.add_argument("--json", action="store_true", help="Print JSON.")
+
+        retry = sub.add_parser("retry", help="Put a job's failed batches back to pending.")
+        retry.add_argument("pipeline")
+        retry.add_argument("--tenant", action="append", help="Only this tenant (repeatable).")
+
+        bench = sub.add_parser(
+            "bench", help="Spark pipeline (both sink modes) vs one INSERT ... SELECT."
+        )
+        bench.add_argument(
+            "--rows", type=int, action="append", help="Rows (repeatable; default 1000000)."
+        )
+        bench.add_argument("--batch-size", type=int, help="Rows per batch (default: half).")
+        bench.add_argument("--json", action="store_true", help="Print JSON.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        configure_logging(options["verbosity"])
+        action = options["action"]
+        if action in ("plan", "run", "bench"):
+            self._require_spark(skip_java=action == "plan" and options["no_spark_check"])
+        getattr(self, f"_{action}")(options)
+
+    def _require_spark(self, *, skip_java: bool) -> None:
+        from django_fairqueue.pipeline.spark import SparkUnavailable, require_java, require_pyspark
+
+        try:
+            require_pyspark()
+            if not skip_java:
+                require_java()
+        except SparkUnavailable as exc:
+            raise CommandError(str(exc)) from None
+
+    def _pipeline_errors(self) -> tuple[type[Exception], ...]:
+        from django_fairqueue.pipeline.core import UnknownPipeline
+        from django_fairqueue.pipeline.execute import PipelineError
+        from django_fairqueue.pipeline.formulas import FormulaError
+        from django_fairqueue.pipeline.spark import SparkUnavailable
+
+        return (FormulaError, PipelineError, UnknownPipeline, SparkUnavailable, ValueError)
+
+    # ---- plan
+
+    def _plan(self, options: dict[str, Any]) -> None:
+        from django_fairqueue.pipeline.runner import plan
+        from django_fairqueue.pipeline.spark import get_session
+
+        if options["batch_size"] is not None and options["batch_size"] < 1:
+            raise CommandError("--batch-size must be at least 1")
+        try:
+            spark = None if options["no_spark_check"] else get_session()
+            results = plan(
+                options["pipeline"],
+                tenants=options["tenant"],
+                batch_size=options["batch_size"],
+                spark=spark,
+                progress=options["verbosity"] >= 1 and sys.stderr.isatty(),
+            )
+        except self._pipeline_errors() as exc:
+            raise CommandError(str(exc)) from None
+        for result in results:
+            self.stdout.write(
+                f"{result.job_name}: {result.created} new batches ({result.rows_planned:,} "
+                f"rows), {result.batches_total} in all, {result.seconds:.1f} s"
+            )
+
+    # ---- run
+
+    def _run(self, options: dict[str, Any]) -> None:
+        from django_fairqueue.pipeline.runner import PipelineRunner
+        from django_fairqueue.worker import default_worker_id
+
+        for name in ("lease", "poll_interval"):
+            if options[name] is not None and not options[name] > 0:
+                raise CommandError(f"--{name.replace('_', '-')} must be a positive number")
+        if options["max_batches"] is not None and options["max_batches"] < 1:
+            raise CommandError("--max-batches must be at least 1")
+        try:
+            runner = PipelineRunner(
+                worker_id=options["worker_id"] or default_worker_id(),
+                pipelines=options["pipelines"] or None,
+                channels=options["tenant"],
+                lease=timedelta(seconds=options["lease"]) if options["lease"] else None,
+                poll_interval=options["poll_interval"],
+                burst=options["burst"],
+                max_batches=options["max_batches"],
+            )
+        except self._pipeline_errors() as exc:
+            raise CommandError(str(exc)) from None
+
+        def stop(signum: int, frame: Any) -> None:
+            if runner.stopping.is_set():
+                raise SystemExit(1)  # a second signal: leave now
+            self.stderr.write("stopping: cancelling the running batch and giving it back")
+            runner.stop()
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            stats = runner.run()
+        except self._pipeline_errors() as exc:
+            raise CommandError(str(exc)) from None
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if options["verbosity"] >= 1:
+            self.stderr.write(
+                f"pipeline runner: {stats.succeeded} batches succeeded ({stats.rows:,} rows), "
+                f"{stats.failed} failed, {stats.lost} lost their lease, {stats.released} released"
+            )
+
+    # ---- status
+
+    def _status(self, options: dict[str, Any]) -> None:
+        from django_fairqueue import batches
+
+        name = options["pipeline"]
+        prefix = f"{name}:" if name else None
+        jobs = batches.jobs(prefix=prefix)
+        if not name:
+            from django_fairqueue.pipeline.core import registry
+
+            known = tuple(f"{n}:" for n in registry.names())
+            jobs = [job for job in jobs if job.job_name.startswith(known)] if known else []
+        if options["json"]:
+            self.stdout.write(json.dumps([job.as_dict() for job in jobs], indent=2))
+            return
+        if not jobs:
+            self.stdout.write("no pipeline jobs")
+            return
+        header = f"{'job':<32} {'state':<10} {'batches':>15} {'rows':>25} {'rows/s':>10} {'ETA':>8}"
+        self.stdout.write(header)
+        for job in jobs:
+            by = job.batches_by_state
+            done = f"{by['succeeded']}/{job.batches_total}" + (
+                f" ({by['failed']} failed)" if by["failed"] else ""
+            )
+            rate = f"{job.rows_per_second:,.0f}" if job.rows_per_second else "-"
+            eta = _eta(job.eta.total_seconds() if job.eta is not None else None)
+            self.stdout.write(
+                f"{job.job_name:<32} {job.state:<10} {done:>15} "
+                f"{f'{job.rows_done:,}/{job.rows_total:,}':>25} {rate:>10} {eta:>8}"
+            )
+
+    # ---- retry
+
+    def _retry(self, options: dict[str, Any]) -> None:
+        from django_fairqueue import batches
+        from django_fairqueue.pipeline.core import registry
+
+        try:
+            pipeline = registry.get(options["pipeline"])
+        except self._pipeline_errors() as exc:
+            raise CommandError(str(exc)) from None
+        tenants = options["tenant"] or [
+            job.job_name.partition(":")[2] for job in batches.jobs(prefix=f"{pipeline.name}:")
+        ]
+        total = 0
+        for tenant in tenants:
+            retried = batches.retry_failed(job_name=pipeline.job_name(tenant))
+            total += len(retried)
+            if retried:
+                self.stdout.write(f"{pipeline.job_name(tenant)}: {len(retried)} batches retried")
+        self.stdout.write(f"{total} failed batches back to pending")
+
+    # ---- bench
+
+    def _bench(self, options: dict[str, Any]) -> None:
+        from django_fairqueue import conf
+        from django_fairqueue.pipeline import bench
+
+        sizes = options["rows"] or [1_000_000]
+        if any(n < 2 for n in sizes):
+            raise CommandError("--rows must be at least 2")
+        results = []
+        for rows in sizes:
+            try:
+                result = bench.run(
+                    rows,
+                    using=conf.get().DATABASE,
+                    batch_size=options["batch_size"],
+                    say=lambda text: self.stderr.write(text),
+                )
+            except self._pipeline_errors() as exc:
+                raise CommandError(str(exc)) from None
+            results.append(result)
+            if not options["json"]:
+                self.stdout.write(
+                    f"{rows:>10,} rows  SQL {result.sql_seconds:6.1f} s "
+                    f"({result.sql_rows_per_second:,.0f} rows/s)  Spark atomic "
+                    f"{result.spark_seconds:6.1f} s ({result.spark_rows_per_second:,.0f} rows/s, "
+                    f"{result.ratio:.2f}x SQL)  Spark atomic=False {result.direct_seconds:6.1f} s "
+                    f"({result.direct_rows_per_second:,.0f} rows/s, {result.direct_ratio:.2f}x "
+                    f"SQL)  {result.batches} batches each  "
+                    f"same results: {'yes' if result.results_match else 'NO'}  peak RSS: driver "
+                    f"{result.driver_peak_rss_mb:.0f} MB, JVM {result.jvm_peak_rss_mb:.0f} MB, "
+                    f"Python workers {result.python_workers_peak_rss_mb:.0f} MB"
+                )
+        if options["json"]:
+            self.stdout.write(json.dumps([r.as_dict() for r in results], indent=2))
+        if not all(r.results_match for r in results):
+            raise CommandError("the Spark pipeline and the SQL baseline disagree")

@@ -1,0 +1,263 @@
+"""Declaring pipelines: source, per-tenant transformation, sink; and their registry.
+
+::
+
+    from django_fairqueue.pipeline import Sink, Source, pipeline
+
+    @pipeline(
+        name="analytics.enrich",
+        source=Source(DataObject, columns=["id", "tenant", "price", "qty"], tenant_column="tenant"),
+        sink=Sink(Result, key=["id"], columns=["tenant", "total"]),
+        tenants=lambda: TenantFormula.objects.values_list("tenant", flat=True).distinct(),
+    )
+    def formulas(tenant):  # the tenant's formulas: ["total = price * qty", ...]
+        return TenantFormula.objects.filter(tenant=tenant).values_list("target", "expression")
+
+Workers import every installed app's ``pipelines`` module (like ``tasks``), so a pipeline is
+found by name; a work batch's job is named ``"<pipeline>:<tenant>"``.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from django_fairqueue.pipeline.formulas import DEFAULT_FUNCTIONS
+
+_PIPELINE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}$")
+
+
+class UnknownPipeline(LookupError):
+    def __init__(self, name: str, known: Sequence[str]) -> None:
+        super().__init__(
+            f"no pipeline named {name!r} (registered: {', '.join(known) or 'none'}; pipelines "
+            "are declared in an installed app's `pipelines` module)"
+        )
+
+
+def _table_name(table: Any) -> str:
+    if isinstance(table, str):
+        if not table.strip():
+            raise ValueError("a table name must not be empty")
+        return table
+    meta = getattr(table, "_meta", None)
+    if meta is None:
+        raise TypeError(f"a table is a model class or a table name, got {table!r}")
+    return str(meta.db_table)
+
+
+def _names(values: Iterable[str], what: str) -> tuple[str, ...]:
+    if isinstance(values, str):
+        values = [values]
+    names: tuple[Any, ...] = tuple(values)
+    if any(not isinstance(v, str) or not v for v in names):
+        raise ValueError(f"{what} must be column names, got {names!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{what} names a column twice: {names!r}")
+    return names
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a batch's rows come from: a table (model or name) with an integer id column."""
+
+    table: Any
+    columns: Sequence[str]
+    id_column: str = "id"
+    #: If set, a tenant's job reads only rows whose column equals the tenant's name.
+    tenant_column: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "columns", _names(self.columns, "Source.columns"))
+        if self.id_column not in self.columns:
+            object.__setattr__(self, "columns", (self.id_column, *self.columns))
+
+    @property
+    def table_name(self) -> str:
+        return _table_name(self.table)
+
+
+@dataclass(frozen=True)
+class Sink:
+    """Where results go: a table with a unique key (``INSERT ... ON CONFLICT (key)``).
+
+    Each of ``columns`` is a formula's target, else the source column of the same name, else
+    NULL. Key columns come from the source.
+
+    ``atomic`` (default True): a batch's rows appear all at once, with the batch's completion
+    (staged, then merged in one transaction by the driver). ``atomic=False``: each Spark task
+    upserts its rows straight into the sink in its own transaction, fenced on the batch's
+    lease, so the writes run in parallel but a running batch's rows appear partition by
+    partition (a failed batch may leave some of them; its re-run writes the same rows).
+    """
+
+    table: Any
+    key: Sequence[str] = ("id",)
+    columns: Sequence[str] = ()
+    atomic: bool = True
+
+    def __post_init__(self) -> None:
+        key = _names(self.key, "Sink.key")
+        if not key:
+            raise ValueError("Sink.key needs at least one column")
+        object.__setattr__(self, "key", key)
+        columns = _names(self.columns, "Sink.columns")
+        object.__setattr__(self, "columns", tuple(c for c in columns if c not in key))
+        if not isinstance(self.atomic, bool):
+            raise ValueError(f"Sink.atomic must be True or False, got {self.atomic!r}")
+
+    @property
+    def table_name(self) -> str:
+        return _table_name(self.table)
+
+    @property
+    def all_columns(self) -> tuple[str, ...]:
+        return (*self.key, *self.columns)
+
+
+Formulas = Any  # mapping {target: expr}, or an iterable of "target = expr" or (target, expr)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A declared pipeline. Give ``formulas`` (tenant -> formulas) or ``transform``
+    ((DataFrame, tenant) -> DataFrame), not both."""
+
+    name: str
+    source: Source
+    sink: Sink
+    formulas: Callable[[str], Formulas] | None = None
+    transform: Callable[[Any, str], Any] | None = None
+    #: The tenants the pipeline runs for (``fairpipeline plan`` plans a job for each).
+    tenants: Callable[[], Iterable[str]] | Iterable[str] = ()
+    functions: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_FUNCTIONS))
+    batch_size: int = 100_000
+    max_attempts: int = 3
+    #: Django database alias of source, sink and (it must be the same) the work batches.
+    database: str | None = None
+
+    def __post_init__(self) -> None:
+        name: Any = self.name  # checked at run time: callers may pass anything
+        if not isinstance(name, str) or not _PIPELINE_NAME.match(name):
+            raise ValueError(
+                f"pipeline name must be 1-100 letters, digits, '_', '.', '-' (no ':'), "
+                f"got {self.name!r}"
+            )
+        if (self.formulas is None) == (self.transform is None):
+            raise ValueError(f"pipeline {self.name!r}: give formulas or transform (one of them)")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int):
+            raise ValueError(f"pipeline {self.name!r}: batch_size must be an integer")
+        if self.batch_size < 1 or self.max_attempts < 1:
+            raise ValueError(f"pipeline {self.name!r}: batch_size and max_attempts must be >= 1")
+        missing = [c for c in self.sink.key if c not in self.source.columns]
+        if missing:
+            raise ValueError(
+                f"pipeline {self.name!r}: sink key columns {missing} are not source columns"
+            )
+
+    def job_name(self, tenant: str) -> str:
+        return f"{self.name}:{tenant}"
+
+    def tenant_names(self) -> list[str]:
+        tenants = self.tenants() if callable(self.tenants) else self.tenants
+        return list(dict.fromkeys(str(t) for t in tenants))
+
+    @property
+    def alias(self) -> str:
+        from django_fairqueue import conf
+
+        return self.database or conf.get().DATABASE
+
+
+def parse_job_name(job_name: str) -> tuple[str, str]:
+    """``"pipeline:tenant"`` -> ``("pipeline", "tenant")``."""
+    name, sep, tenant = job_name.partition(":")
+    if not sep or not tenant:
+        raise ValueError(f"not a pipeline job name (pipeline:tenant): {job_name!r}")
+    return name, tenant
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._pipelines: dict[str, Pipeline] = {}
+        self._lock = threading.Lock()
+        self._discovered = False
+
+    def register(self, pipeline: Pipeline) -> Pipeline:
+        with self._lock:
+            old = self._pipelines.get(pipeline.name)
+            if old is not None and old != pipeline and _origin(old) != _origin(pipeline):
+                raise ValueError(f"a pipeline named {pipeline.name!r} is already registered")
+            self._pipelines[pipeline.name] = pipeline
+        return pipeline
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            self._pipelines.pop(name, None)
+
+    def autodiscover(self) -> None:
+        """Import every installed app's ``pipelines`` module."""
+        from django.utils.module_loading import autodiscover_modules
+
+        autodiscover_modules("pipelines")
+        self._discovered = True
+
+    def get(self, name: str) -> Pipeline:
+        if name not in self._pipelines and not self._discovered:
+            self.autodiscover()
+        try:
+            return self._pipelines[name]
+        except KeyError:
+            raise UnknownPipeline(name, self.names()) from None
+
+    def names(self) -> list[str]:
+        if not self._discovered:
+            self.autodiscover()
+        return sorted(self._pipelines)
+
+
+def _origin(pipeline: Pipeline) -> str:
+    func = pipeline.formulas or pipeline.transform
+    return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', '?')}"
+
+
+registry = Registry()
+
+
+def register(pipeline: Pipeline) -> Pipeline:
+    """Register a :class:`Pipeline` (call it in an app's ``pipelines`` module)."""
+    return registry.register(pipeline)
+
+
+def pipeline(
+    *,
+    name: str,
+    source: Source,
+    sink: Sink,
+    tenants: Callable[[], Iterable[str]] | Iterable[str] = (),
+    functions: Mapping[str, str] | None = None,
+    batch_size: int = 100_000,
+    max_attempts: int = 3,
+    database: str | None = None,
+) -> Callable[[Callable[[str], Formulas]], Pipeline]:
+    """Decorate a tenant -> formulas lookup to declare and register a pipeline."""
+
+    def decorate(formulas: Callable[[str], Formulas]) -> Pipeline:
+        return register(
+            Pipeline(
+                name=name,
+                source=source,
+                sink=sink,
+                formulas=formulas,
+                tenants=tenants,
+                functions=dict(functions if functions is not None else DEFAULT_FUNCTIONS),
+                batch_size=batch_size,
+                max_attempts=max_attempts,
+                database=database,
+            )
+        )
+
+    return decorate

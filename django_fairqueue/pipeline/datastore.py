@@ -1,0 +1,601 @@
+"""The only module that runs data-plane SQL: source reads, staging tables, the sink merge.
+
+Statements come from ``sql/pipeline.sql`` (named templates); identifiers are filled with
+``psycopg.sql.Identifier`` and values are always bound. Two kinds of callers:
+
+* the driver (Django is set up): catalog look-ups, staging tables, the fenced merge, on the
+  Django connection of the pipeline's database, so the merge joins ``batches.fenced()``'s
+  transaction;
+* Spark tasks (maybe on another machine, no Django): :func:`read_sub_ranges` and
+  :func:`write_staging`, which get a connection string and pre-composed statements and need only
+  psycopg and pyarrow. Importing this module imports neither Django's models nor pyarrow.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+_NAME_RE = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+STAGING_PREFIX = "fq_stage_"
+
+
+@cache
+def templates() -> dict[str, str]:
+    """Named templates of sql/pipeline.sql, loaded once (without their comment lines)."""
+    text = resources.files("django_fairqueue").joinpath("sql/pipeline.sql").read_text("utf-8")
+    parts = _NAME_RE.split(text)
+    named: dict[str, str] = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        if name in named:
+            raise RuntimeError(f"sql/pipeline.sql names {name!r} twice")
+        lines = [line for line in body.strip().splitlines() if not line.startswith("--")]
+        named[name] = "\n".join(lines).strip().rstrip(";")
+    return named
+
+
+def table_identifier(name: str) -> sql.Identifier:
+    """``"schema"."table"`` or ``"table"`` from a (possibly schema-qualified) table name."""
+    parts = name.split(".")
+    if not 1 <= len(parts) <= 2 or not all(parts):
+        raise ValueError(f"not a table name: {name!r}")
+    return sql.Identifier(*parts)
+
+
+def _names(columns: Sequence[str], table: str | None = None) -> sql.Composed:
+    if table is None:
+        return sql.SQL(", ").join(sql.Identifier(c) for c in columns)
+    return sql.SQL(", ").join(sql.Identifier(table, c) for c in columns)
+
+
+def compose(name: str, **parts: sql.Composable) -> sql.Composed:
+    """Template ``name`` with its ``{...}`` fields filled."""
+    return sql.SQL(templates()[name]).format(**parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Driver side: on a Django connection
+
+
+@contextmanager
+def _cursor(using: str) -> Iterator[psycopg.Cursor[Any]]:
+    from django.db import connections
+
+    wrapper = connections[using]
+    wrapper.validate_no_broken_transaction()
+    with wrapper.wrap_database_errors:
+        wrapper.ensure_connection()
+        cur = psycopg.Cursor(wrapper.connection)
+        try:
+            yield cur
+        finally:
+            cur.close()
+
+
+def _execute(
+    using: str, statement: sql.Composed, params: Mapping[str, Any] | None = None
+) -> list[tuple[Any, ...]]:
+    with _cursor(using) as cur:
+        cur.execute(statement, dict(params or {}))
+        return cur.fetchall() if cur.description is not None else []
+
+
+@dataclass(frozen=True)
+class ColumnType:
+    name: str
+    pg_type: str  # pg_type.typname: int4, float8, numeric, text, ...
+    precision: int | None = None
+    scale: int | None = None
+
+
+def column_types(using: str, table: str) -> dict[str, ColumnType]:
+    """The table's columns in order; empty if the table does not exist."""
+    quoted = table_identifier(table)
+    with _cursor(using) as cur:
+        rows = cur.execute(
+            compose("column_types"), {"table": quoted.as_string(cur.connection)}
+        ).fetchall()
+    return {row[0]: ColumnType(row[0], row[1], row[2], row[3]) for row in rows}
+
+
+def connection_string(using: str) -> str:
+    """A libpq connection string for ``using``, for Spark tasks (which have no Django)."""
+    from django.db import connections
+
+    params = dict(connections[using].get_connection_params())
+    keep = {"dbname", "user", "password", "host", "port", "sslmode", "options", "sslrootcert"}
+    flat = {k: v for k, v in params.items() if k in keep and v not in (None, "")}
+    return psycopg.conninfo.make_conninfo("", **flat)
+
+
+def read_statement(
+    using: str,
+    *,
+    table: str,
+    id_column: str,
+    columns: Sequence[str],
+    tenant_column: str | None,
+) -> str:
+    """The COPY statement Spark tasks run for one sub-range (values still placeholders)."""
+    parts: dict[str, sql.Composable] = {
+        "columns": _names(columns),
+        "table": table_identifier(table),
+        "id": sql.Identifier(id_column),
+    }
+    name = "read_range"
+    if tenant_column is not None:
+        name = "read_range_of_tenant"
+        parts["tenant"] = sql.Identifier(tenant_column)
+    with _cursor(using) as cur:
+        return compose(name, **parts).as_string(cur.connection)
+
+
+@dataclass(frozen=True)
+class StagingStatements:
+    """Pre-composed statements a Spark task runs against a staging table."""
+
+    clear_part: str
+    copy_in: str
+
+
+def create_staging(
+    using: str, *, staging: str, sink: str, columns: Sequence[str]
+) -> StagingStatements:
+    """Create the (empty, UNLOGGED) staging table; return the statements tasks write with."""
+    ident = sql.Identifier(staging)
+    with _cursor(using) as cur:
+        cur.execute(
+            compose(
+                "create_staging",
+                staging=ident,
+                columns=_names(columns),
+                sink=table_identifier(sink),
+            ),
+            {},
+        )
+        return StagingStatements(
+            clear_part=compose("clear_staging_part", staging=ident).as_string(cur.connection),
+            copy_in=compose("copy_into_staging", staging=ident, columns=_names(columns)).as_string(
+                cur.connection
+            ),
+        )
+
+
+def _upsert_parts(sink: str, key: Sequence[str], columns: Sequence[str]) -> dict[str, Any]:
+    updated = [c for c in columns if c not in key]
+    sink_ident = table_identifier(sink)
+    sink_name = sink.split(".")[-1]
+    return {
+        "sink": sink_ident,
+        "columns": _names(columns),
+        "key": _names(key),
+        "updated": _names(updated),
+        "excluded": _names(updated, "excluded"),
+        "sink_updated": _names(updated, sink_name),
+        "_has_updates": bool(updated),
+    }
+
+
+def merge_staging(
+    using: str,
+    *,
+    staging: str,
+    sink: str,
+    key: Sequence[str],
+    columns: Sequence[str],
+    key_range: tuple[int, int] | None = None,
+) -> int:
+    """Upsert the staging table into the sink (in the caller's transaction); rows changed.
+
+    ``key_range``: the smallest and largest (single, integer) key staged, if known. When the
+    sink has no row in that range, the rows go in with a plain ``INSERT`` (no ``ON CONFLICT``
+    work per row: about twice as fast); else they are upserted.
+    """
+    parts = _upsert_parts(sink, key, columns)
+    name = "merge_staging" if parts.pop("_has_updates") else "merge_staging_keys_only"
+    with _cursor(using) as cur:
+        if key_range is not None and len(key) == 1:
+            has_keys = compose("sink_has_keys", sink=parts["sink"], key=parts["key"])
+            lo, hi = key_range
+            if not cur.execute(has_keys, {"lo": lo, "hi": hi}).fetchone()[0]:  # type: ignore[index]
+                name = "insert_staging"
+        cur.execute(compose(name, staging=sql.Identifier(staging), **parts), {})
+        return max(cur.rowcount, 0)
+
+
+def drop_staging(using: str, staging: str) -> None:
+    if not staging.startswith(STAGING_PREFIX):
+        raise ValueError(f"not a staging table: {staging!r}")
+    _execute(using, compose("drop_staging", staging=sql.Identifier(staging)), {})
+
+
+def staging_tables(using: str) -> list[str]:
+    return [row[0] for row in _execute(using, compose("staging_tables"), {})]
+
+
+def upsert_with_sql(
+    using: str,
+    *,
+    source: str,
+    id_column: str,
+    lo: int,
+    hi: int,
+    tenant_column: str | None,
+    tenant: str | None,
+    sink: str,
+    key: Sequence[str],
+    expressions: Mapping[str, sql.Composable],
+) -> int:
+    """The formulas computed by PostgreSQL alone over ids lo..hi (one statement); rows changed.
+
+    ``expressions``: sink column -> expression over the source's columns (see
+    ``FormulaSet.postgres``).
+    """
+    columns = list(expressions)
+    parts = _upsert_parts(sink, key, columns)
+    if not parts.pop("_has_updates"):
+        raise ValueError("the baseline needs a sink column besides the key")
+    tenant_filter: sql.Composable = sql.SQL("")
+    if tenant_column is not None:
+        tenant_filter = compose("tenant_filter", tenant=sql.Identifier(tenant_column))
+    statement = compose(
+        "upsert_with_sql",
+        expressions=sql.SQL(", ").join(expressions.values()),
+        table=table_identifier(source),
+        id=sql.Identifier(id_column),
+        tenant_filter=tenant_filter,
+        **parts,
+    )
+    with _cursor(using) as cur:
+        cur.execute(statement, {"lo": lo, "hi": hi, "tenant": tenant})
+        return max(cur.rowcount, 0)
+
+
+def id_range(using: str, table: str, id_column: str) -> tuple[int | None, int | None, int]:
+    rows = _execute(
+        using, compose("range_of_ids", id=sql.Identifier(id_column), table=table_identifier(table))
+    )
+    low, high, count = rows[0]
+    return low, high, count
+
+
+def checksum(using: str, table: str, column: str) -> tuple[int, float]:
+    statement = compose(
+        "sink_checksum", table=table_identifier(table), column=sql.Identifier(column)
+    )
+    count, total = _execute(using, statement, {})[0]
+    return int(count), float(total)
+
+
+def truncate(using: str, table: str) -> None:
+    _execute(using, compose("truncate_table", table=table_identifier(table)), {})
+
+
+def create_bench_tables(using: str, *, source: str, sink: str) -> None:
+    _execute(using, compose("create_bench_source", table=table_identifier(source)), {})
+    _execute(using, compose("create_bench_sink", table=table_identifier(sink)), {})
+
+
+def fill_bench_source(using: str, table: str, lo: int, hi: int, split: int) -> None:
+    statement = compose("fill_bench_source", table=table_identifier(table))
+    _execute(using, statement, {"lo": lo, "hi": hi, "split": split})
+
+
+def index_bench_source(using: str, table: str) -> None:
+    _execute(using, compose("index_bench_source", table=table_identifier(table)), {})
+
+
+def vacuum_analyze(using: str, table: str) -> None:
+    _execute(using, compose("vacuum_analyze_table", table=table_identifier(table)), {})
+
+
+def drop_table(using: str, table: str) -> None:
+    """Drop a scratch table of the benchmark (same statement as a staging table's)."""
+    _execute(using, compose("drop_staging", staging=table_identifier(table)), {})
+
+
+# --------------------------------------------------------------------------------------------
+# Spark-task side: no Django, a connection string and pre-composed statements
+
+
+@dataclass(frozen=True)
+class ReadSpec:
+    """What a Spark task needs to read its sub-ranges of one batch."""
+
+    conninfo: str
+    statement: str  # read_range / read_range_of_tenant, placeholders %(lo)s %(hi)s %(tenant)s
+    start_id: int
+    end_id: int
+    parts: int
+    tenant: str | None
+    columns: tuple[str, ...]
+    arrow_types: tuple[str, ...]  # see arrow_type()
+    block_size: int = 8 << 20
+
+    def bounds(self, index: int) -> tuple[int, int]:
+        """Ids of sub-range ``index`` of ``parts`` (contiguous, covering start..end)."""
+        span = self.end_id - self.start_id + 1
+        lo = self.start_id + span * index // self.parts
+        hi = self.start_id + span * (index + 1) // self.parts - 1
+        return lo, hi
+
+
+def arrow_type(name: str) -> Any:
+    """An Arrow type from its short name: int16 int32 int64 float32 float64 bool string date32
+    large_string, or decimal128(p,s)."""
+    import pyarrow as pa
+
+    match = re.fullmatch(r"decimal128\((\d+),(\d+)\)", name)
+    if match:
+        return pa.decimal128(int(match.group(1)), int(match.group(2)))
+    return getattr(pa, name)()
+
+
+def read_sub_ranges(spec: ReadSpec, indexes: Iterator[Any]) -> Iterator[Any]:
+    """``mapInArrow`` function: for each sub-range index, COPY its rows into Arrow batches."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    schema = pa.schema(
+        [pa.field(c, arrow_type(t)) for c, t in zip(spec.columns, spec.arrow_types, strict=True)]
+    )
+    has_strings = any("string" in t for t in spec.arrow_types)
+    read_options = pacsv.ReadOptions(
+        column_names=list(spec.columns), block_size=spec.block_size, use_threads=False
+    )
+    parse_options = pacsv.ParseOptions(newlines_in_values=has_strings)
+    convert_options = pacsv.ConvertOptions(
+        column_types=schema,
+        true_values=["t"],
+        false_values=["f"],
+        null_values=[""],
+        strings_can_be_null=True,
+        quoted_strings_can_be_null=False,
+    )
+
+    def parse(rows: list[bytes]) -> Iterator[Any]:
+        table = pacsv.read_csv(
+            pa.py_buffer(b"".join(rows)),
+            read_options=read_options,
+            parse_options=parse_options,
+            convert_options=convert_options,
+        )
+        yield from table.to_batches()
+
+    for batch in indexes:
+        for index in batch.column(0).to_pylist():
+            lo, hi = spec.bounds(index)
+            if lo > hi:
+                continue
+            params = {"lo": lo, "hi": hi, "tenant": spec.tenant}
+            with (
+                psycopg.connect(spec.conninfo, autocommit=True) as conn,
+                conn.cursor().copy(spec.statement, params) as copy,
+            ):
+                # COPY sends one message per row (so a block always ends on a row boundary).
+                # Copying each row to bytes at once and joining them costs about half as much
+                # as a file object over the messages, or as keeping the messages' buffers.
+                rows: list[bytes] = []
+                size = 0
+                for row in copy:
+                    data = bytes(row)
+                    rows.append(data)
+                    size += len(data)
+                    if size >= spec.block_size:
+                        yield from parse(rows)
+                        rows, size = [], 0
+                if rows:
+                    yield from parse(rows)
+
+
+#: The single-row result of a write task: rows written, smallest and largest integer key.
+WRITTEN_SCHEMA = "rows bigint, key_min bigint, key_max bigint"
+
+
+class LeaseLostInTask(RuntimeError):
+    """A Spark task found its batch no longer leased to this run (``lock_batch_for_write``)."""
+
+    MARKER = "fairqueue: work batch lease lost"
+
+
+@dataclass(frozen=True)
+class WriteSpec:
+    """What a Spark task needs to write its rows into the (atomic) staging table."""
+
+    conninfo: str
+    statements: StagingStatements
+    key_index: int | None = None  # column of the single integer key, for its min/max
+
+
+@dataclass(frozen=True)
+class SinkWriteSpec:
+    """What a Spark task needs to upsert its rows straight into the sink (``atomic=False``)."""
+
+    conninfo: str
+    batch_id: int
+    lease_token: str
+    lock_batch: str  # lock_batch_for_write
+    copy_into_sink: str
+    copy_into_task_staging: str
+    create_task_staging: str
+    merge_task_staging: str
+    sink_has_keys: str | None  # None unless the key is one integer column
+    key_index: int | None = None
+    chunk_rows: int = 65_536
+
+
+def sink_write_spec(
+    using: str,
+    *,
+    conninfo: str,
+    batch_id: int,
+    lease_token: str,
+    sink: str,
+    key: Sequence[str],
+    columns: Sequence[str],
+    integer_key: bool,
+) -> SinkWriteSpec:
+    """The statements of :func:`write_sink`, composed on the driver."""
+    parts = _upsert_parts(sink, key, columns)
+    merge = "merge_staging" if parts.pop("_has_updates") else "merge_staging_keys_only"
+    temp = sql.Identifier("fq_task_rows")
+    with _cursor(using) as cur:
+        conn = cur.connection
+        return SinkWriteSpec(
+            conninfo=conninfo,
+            batch_id=batch_id,
+            lease_token=lease_token,
+            lock_batch=compose("lock_batch_for_write").as_string(conn),
+            copy_into_sink=compose(
+                "copy_rows", table=parts["sink"], columns=parts["columns"]
+            ).as_string(conn),
+            copy_into_task_staging=compose(
+                "copy_rows", table=temp, columns=parts["columns"]
+            ).as_string(conn),
+            create_task_staging=compose(
+                "create_task_staging", staging=temp, columns=parts["columns"], sink=parts["sink"]
+            ).as_string(conn),
+            merge_task_staging=compose(merge, staging=temp, **parts).as_string(conn),
+            sink_has_keys=compose("sink_has_keys", sink=parts["sink"], key=parts["key"]).as_string(
+                conn
+            )
+            if integer_key and len(key) == 1
+            else None,
+            key_index=list(columns).index(key[0]) if integer_key and len(key) == 1 else None,
+        )
+
+
+class _Encoder:
+    """Arrow batches -> CSV bytes for COPY, counting rows and tracking the key's min and max."""
+
+    def __init__(self, key_index: int | None, skip: int = 0) -> None:
+        import pyarrow.csv as pacsv
+
+        self.key_index = key_index
+        self.skip = skip  # leading columns not written (the atomic path's partition number)
+        self.options = pacsv.WriteOptions(include_header=False)
+        self.rows = 0
+        self.key_min: int | None = None
+        self.key_max: int | None = None
+
+    def key_range(self, batch: Any) -> tuple[int, int] | None:
+        if self.key_index is None or batch.num_rows == 0:
+            return None
+        import pyarrow.compute as pc
+
+        bounds = pc.min_max(batch.column(self.skip + self.key_index)).as_py()
+        if bounds["min"] is None:
+            return None
+        return int(bounds["min"]), int(bounds["max"])
+
+    def encode(self, batch: Any) -> memoryview:
+        import pyarrow.csv as pacsv
+
+        found = self.key_range(batch)
+        if found is not None:
+            lo, hi = found
+            self.key_min = lo if self.key_min is None else min(self.key_min, lo)
+            self.key_max = hi if self.key_max is None else max(self.key_max, hi)
+        self.rows += batch.num_rows
+        buffer = io.BytesIO()
+        pacsv.write_csv(batch, buffer, self.options)
+        return buffer.getbuffer()
+
+    def result(self) -> Any:
+        import pyarrow as pa
+
+        return pa.record_batch(
+            [
+                pa.array([self.rows], pa.int64()),
+                pa.array([self.key_min], pa.int64()),
+                pa.array([self.key_max], pa.int64()),
+            ],
+            names=["rows", "key_min", "key_max"],
+        )
+
+
+def write_staging(spec: WriteSpec, batches: Iterator[Any]) -> Iterator[Any]:
+    """``mapInArrow`` function: COPY the partition's rows (first column ``fq_part``) into the
+    staging table in one transaction; yield one row (rows written, key min and max)."""
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    part = context.partitionId() if context is not None else 0
+    retry = context is not None and context.attemptNumber() > 0
+    encoder = _Encoder(spec.key_index, skip=1)
+    with psycopg.connect(spec.conninfo) as conn:  # one transaction, committed on exit
+        if retry:  # an earlier attempt of this task may have committed its rows
+            conn.execute(spec.statements.clear_part, {"part": part})
+        with conn.cursor().copy(spec.statements.copy_in) as copy:
+            for batch in batches:
+                if batch.num_rows:
+                    copy.write(encoder.encode(batch))
+    yield encoder.result()
+
+
+def _chunks(batches: Iterator[Any], rows: int) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    size = 0
+    for batch in batches:
+        if not batch.num_rows:
+            continue
+        chunk.append(batch)
+        size += batch.num_rows
+        if size >= rows:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def write_sink(spec: SinkWriteSpec, batches: Iterator[Any]) -> Iterator[Any]:
+    """``mapInArrow`` function (``atomic=False``): upsert the partition's rows into the sink in
+    one transaction fenced on the batch's lease; yield one row (rows written, key min and max).
+
+    The transaction first locks the batch row (``lock_batch_for_write``); if the batch is no
+    longer running under this lease, :class:`LeaseLostInTask` is raised and nothing is written.
+    Rows go in chunks: a chunk whose integer key range the sink has no row in is COPied straight
+    into the sink; other chunks (a re-run, a non-integer key) go through a temporary table and
+    one ``INSERT ... ON CONFLICT DO UPDATE``, so a re-run writes the same rows.
+    """
+    encoder = _Encoder(spec.key_index)
+    with psycopg.connect(spec.conninfo) as conn:  # one transaction, committed on exit
+        fenced = conn.execute(
+            spec.lock_batch, {"batch": spec.batch_id, "token": spec.lease_token}
+        ).fetchone()
+        if fenced is None:
+            raise LeaseLostInTask(
+                f"{LeaseLostInTask.MARKER}: work batch {spec.batch_id} is no longer running "
+                "under this lease; this task wrote nothing"
+            )
+        staged = False
+        for chunk in _chunks(batches, spec.chunk_rows):
+            target = spec.copy_into_sink
+            if spec.sink_has_keys is None:
+                target = spec.copy_into_task_staging
+            else:
+                ranges = [r for r in (encoder.key_range(b) for b in chunk) if r is not None]
+                if ranges:
+                    lo = min(r[0] for r in ranges)
+                    hi = max(r[1] for r in ranges)
+                    row = conn.execute(spec.sink_has_keys, {"lo": lo, "hi": hi}).fetchone()
+                    if row is not None and row[0]:
+                        target = spec.copy_into_task_staging
+            if target == spec.copy_into_task_staging and not staged:
+                conn.execute(spec.create_task_staging)
+                staged = True
+            with conn.cursor().copy(target) as copy:
+                for batch in chunk:
+                    copy.write(encoder.encode(batch))
+        if staged:
+            conn.execute(spec.merge_task_staging)
+    yield encoder.result()

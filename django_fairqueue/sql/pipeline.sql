@@ -1,0 +1,166 @@
+-- django-fairqueue: every statement the Spark pipeline runs against user tables (data plane).
+--
+-- Each template starts with `-- name: verb_noun` and a one-line description; only
+-- django_fairqueue/pipeline/datastore.py loads and runs them. Identifiers ({table}, {columns},
+-- ...) are filled with psycopg.sql.Identifier, never with text; values are psycopg named
+-- placeholders %(name)s, always bound (COPY statements are bound client-side by psycopg).
+-- Queue statements (work batches) live in queries.sql and run through store.py, except
+-- lock_batch_for_write: the fence Spark tasks run themselves, without Django (see there).
+
+-- name: column_types
+-- The columns of a table, in order: name, PostgreSQL type name, precision and scale of numerics.
+SELECT a.attname::text,
+       t.typname::text,
+       CASE WHEN t.typname = 'numeric' AND a.atttypmod >= 4
+            THEN ((a.atttypmod - 4) >> 16) & 65535 END AS numeric_precision,
+       CASE WHEN t.typname = 'numeric' AND a.atttypmod >= 4
+            THEN (a.atttypmod - 4) & 65535 END AS numeric_scale
+FROM pg_attribute a
+JOIN pg_type t ON t.oid = a.atttypid
+WHERE a.attrelid = to_regclass(%(table)s) AND a.attnum > 0 AND NOT a.attisdropped
+ORDER BY a.attnum;
+
+-- name: read_range
+-- One sub-range of a batch's ids, as CSV (read by Spark tasks into Arrow).
+COPY (SELECT {columns} FROM {table} WHERE {id} BETWEEN %(lo)s AND %(hi)s)
+TO STDOUT (FORMAT csv);
+
+-- name: read_range_of_tenant
+-- One sub-range of a batch's ids, only the tenant's rows, as CSV.
+COPY (SELECT {columns} FROM {table} WHERE {id} BETWEEN %(lo)s AND %(hi)s AND {tenant} = %(tenant)s)
+TO STDOUT (FORMAT csv);
+
+-- name: create_staging
+-- An empty UNLOGGED staging table with the sink's columns (and their types) and a partition number.
+CREATE UNLOGGED TABLE {staging} AS
+SELECT 0::integer AS fq_part, {columns} FROM {sink} WITH NO DATA;
+
+-- name: clear_staging_part
+-- Remove what an earlier attempt of a Spark task wrote for this partition.
+DELETE FROM {staging} WHERE fq_part = %(part)s;
+
+-- name: copy_into_staging
+-- Rows computed by one Spark task, as CSV.
+COPY {staging} (fq_part, {columns}) FROM STDIN (FORMAT csv);
+
+-- name: merge_staging
+-- Upsert the staged rows into the sink; rows already equal are left alone (a re-run writes nothing).
+INSERT INTO {sink} ({columns})
+SELECT {columns} FROM {staging}
+ON CONFLICT ({key}) DO UPDATE SET ({updated}) = ROW({excluded})
+WHERE ({sink_updated}) IS DISTINCT FROM ({excluded});
+
+-- name: insert_staging
+-- The staged rows into a sink that has none of their keys yet (checked with sink_has_keys in the
+-- same transaction): a plain INSERT, without ON CONFLICT's per-row speculative insertion. A row
+-- committed meanwhile by another writer makes it fail on the unique key, never duplicate.
+INSERT INTO {sink} ({columns})
+SELECT {columns} FROM {staging};
+
+-- name: sink_has_keys
+-- Whether the sink already has a row whose (single, integer) key is in lo..hi.
+SELECT EXISTS (SELECT FROM {sink} WHERE {key} BETWEEN %(lo)s AND %(hi)s);
+
+-- name: merge_staging_keys_only
+-- Insert the staged keys missing from a sink that has no other column.
+INSERT INTO {sink} ({columns})
+SELECT {columns} FROM {staging}
+ON CONFLICT ({key}) DO NOTHING;
+
+-- name: lock_batch_for_write
+-- Queue SQL kept here on purpose: the first statement of a Spark task's transaction when the sink
+-- is not atomic. Spark executors have no Django (so no store.py / queries.sql); this is their
+-- fence. It takes a share lock on the batch row under the lease token: while the task's
+-- transaction is open the rescuer (FOR UPDATE SKIP LOCKED) cannot take the batch away, and once
+-- the batch was rescued or settled no row comes back and the task writes nothing. Heartbeats
+-- (UPDATE) wait for the task's commit; the lease cannot expire into a rescue meanwhile.
+SELECT 1
+FROM fairqueue_work_batch b
+WHERE b.id = %(batch)s::bigint AND b.lease_token = %(token)s::uuid AND b.state = 'running'
+FOR SHARE;
+
+-- name: create_task_staging
+-- A Spark task's private staging table (its own session, dropped at commit), for rows whose keys
+-- the sink may already have.
+CREATE TEMPORARY TABLE {staging} ON COMMIT DROP AS
+SELECT {columns} FROM {sink} WITH NO DATA;
+
+-- name: copy_rows
+-- Rows computed by one Spark task into a table (the sink or the task's staging table), as CSV.
+COPY {table} ({columns}) FROM STDIN (FORMAT csv);
+
+-- name: drop_staging
+-- Drop a staging table (if it is still there).
+DROP TABLE IF EXISTS {staging};
+
+-- name: staging_tables
+-- The pipeline's staging tables in the current schema.
+SELECT c.relname::text
+FROM pg_class c
+WHERE c.relname LIKE 'fq\_stage\_%%' AND c.relkind = 'r'
+  AND c.relnamespace = current_schema()::regnamespace
+ORDER BY 1;
+
+-- name: upsert_with_sql
+-- The formulas computed by PostgreSQL alone, in one statement (the benchmark's baseline).
+INSERT INTO {sink} ({columns})
+SELECT {expressions} FROM {table} WHERE {id} BETWEEN %(lo)s AND %(hi)s {tenant_filter}
+ON CONFLICT ({key}) DO UPDATE SET ({updated}) = ROW({excluded})
+WHERE ({sink_updated}) IS DISTINCT FROM ({excluded});
+
+-- name: tenant_filter
+-- The condition that limits the baseline to one tenant's rows.
+AND {tenant} = %(tenant)s
+
+-- name: range_of_ids
+-- Smallest and largest id of a table (the benchmark's one-batch range).
+SELECT min({id}), max({id}), count(*) FROM {table};
+
+-- name: sink_checksum
+-- Rows and the sum of one numeric column of a table (the benchmark compares its two results).
+SELECT count(*), coalesce(sum({column}), 0)::double precision FROM {table};
+
+-- name: truncate_table
+-- Empty a table (the benchmark's sink between runs).
+TRUNCATE {table};
+
+-- name: create_bench_source
+-- The benchmark's scratch source table (seed 002's data objects).
+CREATE UNLOGGED TABLE {table} (
+    id bigint PRIMARY KEY,
+    tenant text NOT NULL,
+    price double precision NOT NULL,
+    qty integer NOT NULL,
+    discount double precision NOT NULL,
+    tax_rate double precision NOT NULL
+);
+
+-- name: create_bench_sink
+-- The benchmark's scratch sink table.
+CREATE UNLOGGED TABLE {table} (
+    id bigint PRIMARY KEY,
+    tenant text NOT NULL,
+    subtotal double precision,
+    total double precision,
+    band text
+);
+
+-- name: index_bench_source
+-- The (tenant, id) index the how-to asks of a source read per tenant (plans and reads use it).
+CREATE INDEX ON {table} (tenant, id);
+
+-- name: fill_bench_source
+-- Generate rows lo..hi of the benchmark's source: ids up to `split` are alice's, the rest bob's.
+INSERT INTO {table} (id, tenant, price, qty, discount, tax_rate)
+SELECT g,
+       CASE WHEN g <= %(split)s THEN 'alice' ELSE 'bob' END,
+       round((1 + (g * 7919 %% 100000) / 100.0)::numeric, 2)::double precision,
+       1 + g %% 17,
+       (g %% 5) * 0.05,
+       CASE WHEN g %% 3 = 0 THEN 0.2 ELSE 0.07 END
+FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS g;
+
+-- name: vacuum_analyze_table
+-- Refresh the planner's statistics and the visibility map of a freshly filled table (so the
+-- planning walk is index-only, as on a settled table). Runs outside a transaction block.
+VACUUM (ANALYZE) {table};

@@ -1,0 +1,26 @@
+"""The example's pipeline: each tenant's formulas (TenantFormula rows) over data_objects."""
+
+from __future__ import annotations
+
+from django_fairqueue.pipeline import Sink, Source, pipeline
+
+from .models import DataObject, DataResult, TenantFormula
+
+
+def tenants() -> list[str]:
+    return list(TenantFormula.objects.values_list("tenant", flat=True).distinct())
+
+
+@pipeline(
+    name="analytics.enrich",
+    source=Source(
+        DataObject,
+        columns=["id", "tenant", "price", "qty", "discount", "tax_rate"],
+        tenant_column="tenant",
+    ),
+    sink=Sink(DataResult, key=["id"], columns=["tenant", "subtotal", "total", "band"]),
+    tenants=tenants,
+    batch_size=250_000,
+)
+def formulas(tenant: str) -> list[tuple[str, str]]:
+    return list(TenantFormula.objects.filter(tenant=tenant).values_list("target", "expression"))

@@ -1,0 +1,46 @@
+from django.db import models
+
+
+class DataRow(models.Model):
+    tenant = models.CharField(max_length=50)
+    price = models.FloatField()
+    qty = models.IntegerField()
+    discount = models.FloatField()
+    note = models.TextField(null=True)  # noqa: DJ001  (NULL vs '' matters here)
+
+    class Meta:
+        db_table = "pipelinetest_data"
+        indexes = [models.Index(fields=["tenant", "id"], name="pipelinetest_tenant_id")]
+
+    def __str__(self) -> str:
+        return f"{self.tenant} #{self.pk}"
+
+
+class ResultRow(models.Model):
+    id = models.BigIntegerField(primary_key=True)
+    tenant = models.CharField(max_length=50)
+    subtotal = models.FloatField(null=True)
+    total = models.FloatField(null=True)
+    band = models.TextField(null=True)  # noqa: DJ001  (NULL vs '' matters here)
+
+    class Meta:
+        db_table = "pipelinetest_result"
+
+    def __str__(self) -> str:
+        return f"{self.tenant} #{self.pk}"
+
+
+class ExpectedRow(models.Model):
+    """The same formulas computed by PostgreSQL alone (the oracle)."""
+
+    id = models.BigIntegerField(primary_key=True)
+    tenant = models.CharField(max_length=50)
+    subtotal = models.FloatField(null=True)
+    total = models.FloatField(null=True)
+    band = models.TextField(null=True)  # noqa: DJ001  (NULL vs '' matters here)
+
+    class Meta:
+        db_table = "pipelinetest_expected"
+
+    def __str__(self) -> str:
+        return f"{self.tenant} #{self.pk}"

@@ -1,0 +1,34 @@
+"""The tests' pipeline: formulas per tenant from FORMULAS (tests change it)."""
+
+from __future__ import annotations
+
+from django_fairqueue.pipeline import Sink, Source, pipeline
+from tests.pipelineapp.models import DataRow, ResultRow
+
+FORMULAS: dict[str, list[str]] = {
+    "alice": [
+        "subtotal = price * qty",
+        "total = round(subtotal * (1 - discount), 2)",
+        "band = CASE WHEN total >= 100 THEN 'high' WHEN note IS NULL THEN 'none' ELSE note END",
+    ],
+    "bob": [
+        "subtotal = price * qty - discount",
+        "total = greatest(subtotal, 0) / 3 + 1.5",
+        "band = upper(coalesce(note, 'n/a'))",
+    ],
+}
+
+
+@pipeline(
+    name="test.enrich",
+    source=Source(
+        DataRow,
+        columns=["id", "tenant", "price", "qty", "discount", "note"],
+        tenant_column="tenant",
+    ),
+    sink=Sink(ResultRow, key=["id"], columns=["tenant", "subtotal", "total", "band"]),
+    tenants=lambda: sorted(FORMULAS),
+    batch_size=100,
+)
+def formulas(tenant: str) -> list[str]:
+    return FORMULAS[tenant]

@@ -1,0 +1,496 @@
+"""The Spark data pipeline (django_fairqueue.pipeline): formulas, batches, crashes, fairness.
+
+Spark tests share ONE SparkSession (local[1], small JVM settings) for the whole run and skip
+with a clear reason without PySpark or Java. Data is small: the point is correctness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.core.management import CommandError, call_command
+from psycopg import sql
+
+from django_fairqueue import batches
+from django_fairqueue.exceptions import LeaseLost
+from django_fairqueue.models import WorkBatch
+from django_fairqueue.pipeline import datastore, execute
+from django_fairqueue.pipeline.core import Pipeline, Sink, registry
+from django_fairqueue.pipeline.formulas import FormulaError, parse_formulas
+from django_fairqueue.pipeline.runner import PipelineRunner, plan
+from tests.pipelineapp import pipelines
+from tests.pipelineapp.models import DataRow, ExpectedRow, ResultRow
+from tests.workerkit import WorkerProcess, wait_until
+
+PIPELINE = "test.enrich"
+SPARK_CONF = {
+    "spark.sql.shuffle.partitions": "1",
+    "spark.default.parallelism": "1",
+    "spark.driver.memory": "1g",
+    "spark.sql.codegen.wholeStage": "false",
+    "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+}
+SPARK_SETTINGS = {"MASTER": "local[1]", "CONF": SPARK_CONF}
+
+
+def _spark_missing() -> str | None:
+    try:
+        import pyarrow  # noqa: F401
+        import pyspark  # noqa: F401
+    except ImportError:
+        return "PySpark is not installed: pip install 'django-fairqueue[spark]'"
+    if not (os.environ.get("JAVA_HOME") or shutil.which("java")):
+        return "Java is not installed (the Spark tests need a JRE 17+; .ci/run installs one)"
+    return None
+
+
+needs_spark = pytest.mark.skipif(_spark_missing() is not None, reason=str(_spark_missing()))
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    missing = _spark_missing()
+    if missing:
+        pytest.skip(missing)
+    from pyspark.sql import SparkSession
+
+    from django_fairqueue.pipeline import spark as spark_module
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    builder = SparkSession.builder.master("local[1]").appName("fairqueue-tests")
+    options = spark_module.builder_options(spark_module.SparkSettings(conf=SPARK_CONF))
+    for key, value in options.items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    spark_module.use_session(session)
+    yield session
+    spark_module.use_session(None)
+    session.stop()
+
+
+@pytest.fixture
+def spark_settings(settings: Any) -> None:
+    settings.FAIRQUEUE = {
+        **settings.FAIRQUEUE,
+        "SPARK": SPARK_SETTINGS,
+        "RETRY_BACKOFF_BASE": 0.0,
+        "LEASE_SECONDS": 10.0,
+    }
+
+
+@pytest.fixture
+def formulas(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
+    """The test pipeline's formulas, restored after the test."""
+    copy = {tenant: list(f) for tenant, f in pipelines.FORMULAS.items()}
+    monkeypatch.setattr(pipelines, "FORMULAS", copy)
+    return copy
+
+
+def make_rows(per_tenant: int) -> None:
+    rows = []
+    for i in range(per_tenant):
+        for tenant in ("alice", "bob"):
+            rows.append(
+                DataRow(
+                    tenant=tenant,
+                    price=round(1 + (i * 7.31) % 90, 2),
+                    qty=1 + i % 7,
+                    discount=(i % 4) * 0.05,
+                    note=None if i % 3 == 0 else f"n{i % 5}",
+                )
+            )
+    DataRow.objects.bulk_create(rows)
+
+
+def expected_with_sql() -> None:
+    """The same formulas, computed by PostgreSQL in one INSERT ... SELECT per tenant."""
+    pipeline = registry.get(PIPELINE)
+    for tenant in ("alice", "bob"):
+        prepared = execute.prepare(pipeline, tenant)
+        assert prepared.formulas is not None
+        columns = {c.name: sql.Identifier(c.name) for c in prepared.source}
+        expressions = prepared.formulas.postgres(columns)
+        datastore.upsert_with_sql(
+            "default",
+            source=DataRow._meta.db_table,
+            id_column="id",
+            lo=-(2**62),
+            hi=2**62,
+            tenant_column="tenant",
+            tenant=tenant,
+            sink=ExpectedRow._meta.db_table,
+            key=["id"],
+            expressions={"id": columns["id"], "tenant": columns["tenant"], **expressions},
+        )
+
+
+def sink_rows(model: Any = ResultRow) -> dict[int, tuple[Any, ...]]:
+    return {
+        row[0]: row[1:]
+        for row in model.objects.values_list("id", "tenant", "subtotal", "total", "band")
+    }
+
+
+def assert_same_rows(got: dict[int, tuple[Any, ...]], want: dict[int, tuple[Any, ...]]) -> None:
+    assert got.keys() == want.keys()
+    for key, row in want.items():
+        for a, b in zip(got[key], row, strict=True):
+            if isinstance(b, float):
+                assert math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-12), (key, got[key], row)
+            else:
+                assert a == b, (key, got[key], row)
+
+
+def run_until_done(spark: Any, timeout: float = 60.0, name: str = PIPELINE) -> None:
+    def done() -> bool:
+        PipelineRunner(worker_id="test", pipelines=[name], burst=True, spark=spark).run()
+        return all(j.state == "succeeded" for j in batches.jobs(prefix=f"{name}:"))
+
+    wait_until(done, timeout=timeout, what="every batch succeeded")
+
+
+# --------------------------------------------------------------------------------------------
+# Formulas, without Spark
+
+
+@pytest.mark.parametrize(
+    ("formula", "reason"),
+    [
+        ("total = price * quantity", "unknown column 'quantity'"),
+        ("total = system('rm -rf /')", "function 'system' is not allowed"),
+        ("total = price * qty; DROP TABLE x", "unexpected character ';'"),
+        ("total = (SELECT 1)", "unknown column 'SELECT'"),
+        ("total = price -- comment", "comments are not allowed"),
+        ("total = price - -1 /* x */", "comments are not allowed"),
+        ("total = lower(price)", "lower() needs str"),
+        ("total = price *", "the expression ends too early"),
+        ("secret = price", "'secret' is not a column of the sink"),
+        ("price * qty", "a formula reads `target = expression`"),
+    ],
+)
+def test_a_bad_formula_is_a_clear_error_naming_tenant_and_formula(
+    formula: str, reason: str
+) -> None:
+    with pytest.raises(FormulaError) as caught:
+        parse_formulas(
+            "bob",
+            ["subtotal = price * qty", formula],
+            columns={"id": "int", "price": "float", "qty": "int", "note": "str"},
+            targets=["subtotal", "total", "band"],
+        )
+
+    message = str(caught.value)
+    assert message.startswith("tenant 'bob': invalid formula ")
+    assert formula in message
+    assert reason in message
+
+
+def test_formulas_render_the_same_meaning_for_spark_and_postgresql() -> None:
+    parsed = parse_formulas(
+        "alice",
+        {"subtotal": "qty / 2", "total": "round(subtotal * price, 2) % 7"},
+        columns={"price": "float", "qty": "int"},
+        targets=["subtotal", "total"],
+    )
+
+    assert [f.spark_sql() for f in parsed.formulas] == [
+        "(`qty` / 2)",
+        "(round((`subtotal` * `price`), 2) % 7)",
+    ]
+    pg = parsed.postgres({"price": sql.Identifier("price"), "qty": sql.Identifier("qty")})
+    # Integer division is a double in Spark: PostgreSQL gets a cast; earlier targets are inlined.
+    assert pg["subtotal"].as_string(None) == '((("qty")::double precision / 2))'
+    assert "round((" in pg["total"].as_string(None)
+    assert "::numeric" in pg["total"].as_string(None)
+
+
+# --------------------------------------------------------------------------------------------
+# Planning and claiming, without Spark
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_bad_formula_is_rejected_before_the_job_starts(
+    formulas: dict[str, list[str]],
+) -> None:
+    make_rows(5)
+    formulas["bob"] = ["subtotal = price * qty", "total = subtotal * vat"]
+
+    with pytest.raises(FormulaError, match=r"tenant 'bob'.*'total = subtotal \* vat'.*'vat'"):
+        plan(PIPELINE)
+
+    assert not WorkBatch.objects.exists()  # not even alice's job was planned
+    with pytest.raises(CommandError, match="tenant 'bob'"):
+        call_command("fairpipeline", "plan", PIPELINE, "--no-spark-check")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_batch_claims_are_fair_across_tenants(formulas: dict[str, list[str]]) -> None:
+    DataRow.objects.bulk_create(
+        [DataRow(tenant="alice", price=1, qty=1, discount=0) for _ in range(1000)]
+        + [DataRow(tenant="bob", price=1, qty=1, discount=0) for _ in range(10)]
+    )
+    results = plan(PIPELINE, batch_size=1)
+    assert {r.job_name: r.created for r in results} == {
+        "test.enrich:alice": 1000,
+        "test.enrich:bob": 10,
+    }
+
+    claimed = []
+    for _ in range(20):
+        batch = batches.claim(worker_id="w", jobs=[f"{PIPELINE}:*"], lease=timedelta(minutes=5))
+        assert batch is not None
+        claimed.append(batch.channel)
+
+    # Tenants take turns: bob's 10 batches do not wait behind alice's 1,000.
+    assert claimed.count("bob") == 10
+    assert claimed.count("alice") == 10
+
+
+@pytest.mark.django_db(transaction=True)
+def test_status_shows_progress_per_job(
+    formulas: dict[str, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_rows(150)
+    plan(PIPELINE)
+
+    call_command("fairpipeline", "status", "--json")
+    import json
+
+    jobs = {job["job"]: job for job in json.loads(capsys.readouterr().out)}
+    assert jobs["test.enrich:alice"]["batches_total"] == 2
+    assert jobs["test.enrich:alice"]["rows_total"] == 150
+    assert jobs["test.enrich:bob"]["rows_done"] == 0
+    call_command("fairpipeline", "status")
+    assert "test.enrich:bob" in capsys.readouterr().out
+
+
+def test_without_pyspark_the_commands_say_how_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "pyspark", None)  # import pyspark -> ImportError
+
+    importlib.import_module("django_fairqueue.pipeline")
+    importlib.import_module("django_fairqueue.pipeline.runner")
+    for args in (
+        ["fairpipeline", "run"],
+        ["fairpipeline", "bench"],
+        ["runfairworker", "--pipelines"],
+    ):
+        with pytest.raises(CommandError, match=r"pip install 'django-fairqueue\[spark\]'"):
+            call_command(*args)
+
+
+# --------------------------------------------------------------------------------------------
+# Spark
+
+
+@needs_spark
+@pytest.mark.spark
+@pytest.mark.django_db(transaction=True)
+def test_formulas_are_applied_per_tenant_as_sql_computes_them(
+    spark: Any, spark_settings: None, formulas: dict[str, list[str]]
+) -> None:
+    make_rows(120)  # 2 batches per tenant
+    plan(PIPELINE, spark=spark)
+
+    run_until_done(spark)
+
+    expected_with_sql()
+    want = sink_rows(ExpectedRow)
+    assert len(want) == 240
+    assert_same_rows(sink_rows(), want)
+    assert {row[3] for row in want.values()} >= {"high", "none", "N/A", "N1"}
+    assert not datastore.staging_tables("default")
+
+
+@needs_spark
+@pytest.mark.spark
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_batch_leaves_nothing_and_its_rerun_writes_each_row_once(
+    spark: Any, spark_settings: None, formulas: dict[str, list[str]]
+) -> None:
+    make_rows(30)
+    # qty - 3 is 0 on some rows: Spark's ANSI mode raises DIVIDE_BY_ZERO mid-batch.
+    formulas["bob"] = ["subtotal = price / (qty - 3)"]
+    plan(PIPELINE, spark=spark)
+
+    PipelineRunner(worker_id="test", pipelines=[PIPELINE], burst=True, spark=spark).run()
+
+    bob = batches.progress(f"{PIPELINE}:bob")
+    assert bob.batches_by_state["succeeded"] == 0
+    assert not ResultRow.objects.filter(tenant="bob").exists()  # no partial batch visible
+    assert ResultRow.objects.filter(tenant="alice").count() == 30
+    assert not datastore.staging_tables("default")
+    error = WorkBatch.objects.get(job_name=f"{PIPELINE}:bob").last_error
+    assert "DIVIDE_BY_ZERO" in str(error)
+
+    formulas["bob"] = ["subtotal = price / (qty + 3)"]
+    WorkBatch.objects.filter(job_name=f"{PIPELINE}:bob").update(run_at="2000-01-01T00:00:00Z")
+    call_command("fairpipeline", "retry", PIPELINE)  # failed ones, if attempts ran out
+    run_until_done(spark)
+    first = sink_rows()
+    assert len(first) == 60
+
+    # Re-running a finished batch's range writes the same rows: nothing changes.
+    pipeline = registry.get(PIPELINE)
+    prepared = execute.prepare(pipeline, "bob")
+    staging = "fq_stage_1_" + "0" * 32
+    statements = datastore.create_staging(
+        "default", staging=staging, sink=ResultRow._meta.db_table, columns=pipeline.sink.all_columns
+    )
+    low, high = DataRow.objects.order_by("id")[0].id, DataRow.objects.order_by("-id")[0].id
+    written = execute.run_range(spark, prepared, low, high, staging=statements)
+    assert written.rows == 30
+    assert written.key_range is not None
+    changed = datastore.merge_staging(
+        "default",
+        staging=staging,
+        sink=ResultRow._meta.db_table,
+        key=["id"],
+        columns=pipeline.sink.all_columns,
+        key_range=written.key_range,  # the sink has these keys: an upsert, not a plain INSERT
+    )
+    assert changed == 0
+    assert sink_rows() == first
+    # A staging table whose batch is not running is an orphan: the runner's cleanup drops it.
+    assert execute.drop_orphaned_staging("default") == [staging]
+
+
+@needs_spark
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_killed_mid_batch_has_its_batch_redone_exactly_once(
+    spark: Any, spark_settings: None, database_url: str, formulas: dict[str, list[str]]
+) -> None:
+    make_rows(300)
+    plan(PIPELINE, spark=spark)  # 3 batches per tenant
+    overrides = {"SPARK": SPARK_SETTINGS, "LEASE_SECONDS": 3, "RETRY_BACKOFF_BASE": 0.0}
+    worker = WorkerProcess(
+        database_url, "doomed", "--pipelines", PIPELINE, "--no-listen", overrides=overrides
+    )
+    try:
+        # Kill -9 once Spark is working on a batch (its staging table exists).
+        staging = wait_until(
+            lambda: datastore.staging_tables("default"), timeout=120, what="a batch in Spark"
+        )[0]
+        worker.proc.kill()
+        worker.wait(30)
+    finally:
+        worker.close()
+    killed = WorkBatch.objects.get(lease_token__isnull=False, state="running")
+    assert staging.startswith(f"fq_stage_{killed.id}_")
+
+    run_until_done(spark)  # after the lease expires, the batch is rescued and redone
+
+    killed.refresh_from_db()
+    assert killed.state == "succeeded"
+    assert killed.attempts == 2
+    expected_with_sql()
+    assert ResultRow.objects.count() == 600
+    assert_same_rows(sink_rows(), sink_rows(ExpectedRow))
+    assert not datastore.staging_tables("default")
+
+
+@pytest.fixture
+def unregister() -> Iterator[list[str]]:
+    """Names of pipelines a test registers, unregistered after it."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        registry.unregister(name)
+
+
+def non_atomic(name: str, unregister: list[str]) -> Pipeline:
+    """The test pipeline under another name, with ``Sink(atomic=False)``."""
+    base = registry.get(PIPELINE)
+    sink = Sink(ResultRow, key=base.sink.key, columns=base.sink.columns, atomic=False)
+    unregister.append(name)
+    return registry.register(dataclasses.replace(base, name=name, sink=sink))
+
+
+@needs_spark
+@pytest.mark.spark
+@pytest.mark.django_db(transaction=True)
+def test_a_non_atomic_sink_gets_the_same_rows_and_a_rerun_changes_nothing(
+    spark: Any, spark_settings: None, formulas: dict[str, list[str]], unregister: list[str]
+) -> None:
+    make_rows(120)  # 2 batches per tenant
+    plan(PIPELINE, spark=spark)
+    run_until_done(spark)
+    atomic = sink_rows()
+    assert len(atomic) == 240
+    ResultRow.objects.all().delete()
+
+    direct = non_atomic("test.direct", unregister)
+    plan(direct.name, spark=spark)
+    run_until_done(spark, name=direct.name)
+
+    assert_same_rows(sink_rows(), atomic)
+    assert all(
+        b.rows_processed > 0 for b in WorkBatch.objects.filter(job_name__startswith="test.direct:")
+    )
+
+    # Re-running every batch (as after a crash) writes the same rows: the tasks find their keys
+    # in the sink and upsert; rows deleted meanwhile come back, changed rows are restored.
+    ResultRow.objects.filter(id__in=sorted(atomic)[::7]).delete()
+    ResultRow.objects.filter(id__in=sorted(atomic)[1::5]).update(total=-1.0, band="stale")
+    again = non_atomic("test.direct-again", unregister)
+    plan(again.name, spark=spark)
+    run_until_done(spark, name=again.name)
+
+    assert_same_rows(sink_rows(), atomic)
+
+
+@needs_spark
+@pytest.mark.spark
+@pytest.mark.django_db(transaction=True)
+def test_a_non_atomic_batch_whose_lease_was_lost_writes_nothing(
+    spark: Any, spark_settings: None, formulas: dict[str, list[str]], unregister: list[str]
+) -> None:
+    from django.utils import timezone
+
+    make_rows(40)
+    direct = non_atomic("test.direct", unregister)
+    plan(direct.name, tenants=["alice"], spark=spark)
+    batch = batches.claim(
+        worker_id="stalled", jobs=[f"{direct.name}:*"], lease=timedelta(minutes=5)
+    )
+    assert batch is not None
+    # The worker stalls past its lease; the rescuer gives the batch back to the queue.
+    WorkBatch.objects.filter(pk=batch.id).update(
+        lease_expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    assert [r.id for r in batches.rescue_expired()] == [batch.id]
+
+    # The stalled worker wakes up and runs its batch: every Spark task's fence refuses to write.
+    prepared = execute.prepare(direct, "alice")
+    spec = datastore.sink_write_spec(
+        "default",
+        conninfo=execute.executor_conninfo("default"),
+        batch_id=batch.id,
+        lease_token=str(batch.lease_token),
+        sink=ResultRow._meta.db_table,
+        key=direct.sink.key,
+        columns=direct.sink.all_columns,
+        integer_key=execute.integer_key(prepared),
+    )
+    with pytest.raises(Exception, match=datastore.LeaseLostInTask.MARKER):
+        execute.run_range(spark, prepared, batch.start_id, batch.end_id, sink=spec)
+    with pytest.raises(LeaseLost):
+        execute.execute_batch(spark, batch)
+
+    assert not ResultRow.objects.exists()
+    row = WorkBatch.objects.get(pk=batch.id)
+    assert row.state == "pending"
+    assert row.rows_processed == 0
