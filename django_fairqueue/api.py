@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from json.encoder import c_make_encoder, encode_basestring  # type: ignore[attr-defined]
 from typing import Any
 
 from django.conf import settings
@@ -77,17 +78,14 @@ def enqueue_many(requests: Iterable[EnqueueRequest]) -> list[int]:
     All or nothing: a bad request or a full channel raises before anything is stored.
     """
     cfg = conf.get()
-    now = timezone.now()
-    messages = [_prepare(r, cfg, now) for r in requests]
+    batch = _prepare_batch(requests, cfg)
     ids = store.enqueue_messages(
-        messages,
+        batch,
         defaults=cfg.CHANNEL_DEFAULTS,
         notify_channel=cfg.NOTIFY_CHANNEL if cfg.NOTIFY else None,
     )
     if ids and message_enqueued.has_listeners(Message):
-        message_enqueued.send(
-            sender=Message, message_ids=ids, channels=[m.channel for m in messages]
-        )
+        message_enqueued.send(sender=Message, message_ids=ids, channels=list(batch.channels))
     return ids
 
 
@@ -101,27 +99,74 @@ def resolve_task(task: TaskRef) -> TaskSpec:
     raise TypeError(f"task must be a task name or a registered task, got {type(task).__name__}")
 
 
-def _prepare(
-    request: EnqueueRequest, cfg: conf.FairQueueSettings, now: datetime
-) -> store.NewMessage:
-    spec = resolve_task(request.task)
-    args = list(request.args)
-    kwargs = dict(request.kwargs)
-    channel = request.channel
-    if channel is None and spec.channel_from is not None:
-        channel = spec.channel_from(*args, **kwargs)
-    if channel is None:
-        channel = spec.channel or cfg.DEFAULT_CHANNEL
-    priority = spec.priority if request.priority is None else request.priority
-    return store.NewMessage(
-        channel=validate_channel_name(channel),
-        task_name=spec.name,
-        payload=encode_payload(spec.name, args, kwargs, cfg.MAX_PAYLOAD_BYTES),
-        priority=_check_priority(priority),
-        run_at=_run_at(request.run_after, now),
-        max_attempts=spec.effective_max_attempts,
-        keep_result=spec.effective_keep_result,
-    )
+def _prepare_batch(
+    requests: Iterable[EnqueueRequest], cfg: conf.FairQueueSettings
+) -> store.NewMessageBatch:
+    """Validate and serialise every request into the columns the enqueue statement takes.
+
+    This is the per-message hot path of every enqueue (a batch of 100 spent about as long
+    here as in the database), so what is the same for many messages is worked out once per
+    call: a task's spec and settings-derived values, and each distinct channel name's check.
+    """
+    batch = store.NewMessageBatch()
+    channels = batch.channels
+    tasks = batch.task_names
+    payloads = batch.payloads
+    priorities = batch.priorities
+    run_ats = batch.run_at
+    attempts = batch.max_attempts
+    keep = batch.keep_result
+    # id(task) -> (task, spec, max_attempts, keep_result, default channel). The task object is
+    # kept in the value so its id cannot be reused by another object during the call.
+    specs: dict[int, tuple[object, TaskSpec, int, bool, str]] = {}
+    checked: set[str] = set()
+    max_bytes = cfg.MAX_PAYLOAD_BYTES
+    now: datetime | None = None
+    for request in requests:
+        task = request.task
+        known = specs.get(id(task))
+        if known is None:
+            spec = resolve_task(task)
+            known = (
+                task,
+                spec,
+                spec.effective_max_attempts,
+                spec.effective_keep_result,
+                spec.channel or cfg.DEFAULT_CHANNEL,
+            )
+            specs[id(task)] = known
+        spec = known[1]
+        args = list(request.args)
+        kwargs = dict(request.kwargs)
+        channel = request.channel
+        if channel is None:
+            if spec.channel_from is not None:
+                channel = spec.channel_from(*args, **kwargs)
+            if channel is None:
+                channel = known[4]
+        if type(channel) is not str or channel not in checked:  # (unhashable: not a str)
+            checked.add(validate_channel_name(channel))
+        payload = encode_payload(spec.name, args, kwargs, max_bytes)
+        priority = request.priority
+        if priority is None:
+            priority = spec.priority
+        if type(priority) is not int or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            priority = _check_priority(priority)  # raises unless an int subclass in range
+        run_after = request.run_after
+        if run_after is None:
+            run_at = None
+        else:
+            if now is None:
+                now = timezone.now()
+            run_at = _run_at(run_after, now)
+        channels.append(channel)
+        tasks.append(spec.name)
+        payloads.append(payload)
+        priorities.append(priority)
+        run_ats.append(run_at)
+        attempts.append(known[2])
+        keep.append(known[3])
+    return batch
 
 
 def validate_channel_name(name: Any) -> str:
@@ -138,6 +183,13 @@ def validate_channel_name(name: Any) -> str:
         )
     if "\x00" in name:
         raise InvalidChannel("channel name must not contain NUL characters")
+    if not name.isascii():
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: not text PostgreSQL can store
+            raise InvalidChannel(
+                f"channel name is not valid Unicode (a lone surrogate): {name!r}"
+            ) from None
     return name
 
 
@@ -145,8 +197,43 @@ def validate_channel_name(name: Any) -> str:
 # the backslash itself is escaped and the text is a literal backslash followed by "u0000").
 _ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
-# One encoder for all calls: json.dumps() with options builds a new encoder every time.
-_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+
+def _refuse(value: Any) -> Any:
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+# One C encoder for all calls, called directly: json.dumps() with options builds a new encoder
+# every time, and JSONEncoder.encode() builds a new C encoder per call. Without a markers dict
+# a self-containing argument is not detected as circular but recurses until RecursionError,
+# which is reported like any too deeply nested payload.
+_encode = c_make_encoder(
+    None,  # markers
+    _refuse,  # default
+    encode_basestring,  # ensure_ascii=False
+    None,  # indent
+    ":",  # key separator
+    ",",  # item separator
+    False,  # sort_keys
+    False,  # skipkeys
+    False,  # allow_nan
+)
+
+
+# A JSON string, or a number written with a positive exponent (Python writes 1e+20 for the
+# float 1e20). jsonb keeps numbers as numeric and prints that one as 100000000000000000000,
+# which reads back as an int; written as 100000000000000000000.0 it keeps its scale and reads
+# back as the same float.
+_STRING_OR_BIG_FLOAT = re.compile(r'"(?:[^"\\]|\\.)*"|(-?\d+(?:\.\d+)?e\+\d+)')
+
+
+def _keep_big_floats(text: str) -> str:
+    def fix(match: re.Match[str]) -> str:
+        number = match.group(1)
+        if number is None:
+            return match.group(0)  # a string: left as it is
+        return f"{int(float(number))}.0"  # exact: such a float is a whole number
+
+    return _STRING_OR_BIG_FLOAT.sub(fix, text)
 
 
 class _Payload(str):
@@ -159,8 +246,12 @@ def encode_payload(
     """Encode call arguments as JSON, refusing anything that would not come back equal."""
     payload = {"args": args, "kwargs": kwargs}
     try:
-        text = _ENCODER.encode(payload)
-        size = len(text.encode())
+        text = "".join(_encode(payload, 0))
+        if "e+" in text:
+            text = _keep_big_floats(text)
+        # ASCII text has one byte per character; other text is measured (and a lone
+        # surrogate, which PostgreSQL cannot store, raises here)
+        size = len(text) if text.isascii() else len(text.encode())
     except UnicodeEncodeError as exc:  # a lone surrogate: not text PostgreSQL can store
         raise PayloadError(f"arguments of task {task_name!r} are not valid Unicode: {exc}") from exc
     except (TypeError, ValueError) as exc:
@@ -174,7 +265,7 @@ def encode_payload(
             f"arguments of task {task_name!r} take {size} bytes as JSON; "
             f"FAIRQUEUE['MAX_PAYLOAD_BYTES'] is {max_bytes}"
         )
-    if _ESCAPED_NUL.search(text):  # jsonb cannot store U+0000
+    if "\\u0000" in text and _ESCAPED_NUL.search(text):  # jsonb cannot store U+0000
         raise PayloadError(f"arguments of task {task_name!r} contain a NUL character")
     # Scalars come back from JSON exactly as they went in (NaN was refused above), so the
     # round trip is only needed for containers, where tuples or int dict keys would change.
@@ -190,9 +281,14 @@ _SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
 def _all_scalars(args: list[Any], kwargs: dict[str, Any]) -> bool:
-    return all(type(a) in _SCALARS for a in args) and all(
-        type(k) is str and type(v) in _SCALARS for k, v in kwargs.items()
-    )
+    scalars = _SCALARS
+    for value in args:
+        if type(value) not in scalars:
+            return False
+    for key, value in kwargs.items():
+        if type(key) is not str or type(value) not in scalars:
+            return False
+    return True
 
 
 def _check_priority(priority: Any) -> int:

@@ -4,10 +4,10 @@
 these threads, each with its own database connection (Django's connections are per thread):
 
 * the **claimer** (the thread that calls :meth:`Worker.run`) claims up to the number of free
-  handler slots (at most ``batch_size``) in one ``claim_messages`` call, whenever a slot is free
-  and work may be waiting: after a full claim, on a LISTEN wake-up, when a retry or a rescued
-  message is ready, when the worker is idle in burst mode, or when the jittered poll interval
-  has passed;
+  handler slots plus ``prefetch`` (at most ``batch_size``) in one ``claim_messages`` call,
+  whenever a slot is free and work may be waiting: after a full claim, on a LISTEN wake-up,
+  when a retry or a rescued message is ready, when the worker is idle in burst mode, or when
+  the jittered poll interval has passed;
 * ``concurrency`` **handler** threads run the task functions (a connection only if the task
   uses the database);
 * the **settler** writes outcomes in batches: every completion waiting in one
@@ -48,6 +48,7 @@ import psycopg
 from asgiref.sync import async_to_sync
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, close_old_connections, connections, transaction
+from django.db.backends.signals import connection_created
 from django.utils import timezone
 
 from django_fairqueue import conf, store
@@ -81,6 +82,9 @@ STATS_FLUSH_SECONDS = 5.0
 #: the channel rows they find locked, so two workers sharing few channels often see an empty
 #: claim while a backlog waits.
 EMPTY_CLAIM_RETRIES = 3
+#: Retries of an empty claim made on a wake-up while the queue says work is claimable (a
+#: channel row was locked for a moment): after 5-10 ms, doubling, about 0.3 s at most in all.
+WOKEN_CLAIM_RETRIES = 5
 #: With a backlog, a claim waits up to this long (seconds) for half a batch of free slots
 #: instead of claiming for each slot as it frees: one claim costs about as much for 1 message
 #: as for 50, so short tasks would otherwise spend the database on tiny claims.
@@ -117,8 +121,15 @@ class WorkerConfig:
     channels: Sequence[str] = ()
     #: Never claim from these channels.
     exclude_channels: Sequence[str] = ()
-    #: Most messages one claim takes (a claim never takes more than the free handler slots).
+    #: Most messages one claim takes (a claim never takes more than the free handler slots,
+    #: plus ``prefetch``).
     batch_size: int = 100
+    #: Messages to claim beyond the free handler threads, started as threads free up (opt-in).
+    #: Claims then stay large when tasks are short: a claim costs the database about as much
+    #: for 50 messages as for 5. Prefetched messages are leased (heartbeats renew them), count
+    #: against their channel's ``max_concurrency`` and wait here rather than in the queue,
+    #: where another worker could have started them; a graceful stop gives them back.
+    prefetch: int = 0
     #: Seconds between claims when no wake-up arrives; None: FAIRQUEUE['POLL_INTERVAL'].
     poll_interval: float | None = None
     #: Stop once nothing is ready and nothing is running.
@@ -139,6 +150,7 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         _positive_int(self.concurrency, "concurrency")
         _positive_int(self.batch_size, "batch_size")
+        _positive_int(self.prefetch, "prefetch", minimum=0)
         if self.max_messages is not None:
             _positive_int(self.max_messages, "max_messages")
         if self.poll_interval is not None and not self.poll_interval > 0:
@@ -161,9 +173,9 @@ class WorkerConfig:
             raise ValueError(f"channels both included and excluded: {both}")
 
 
-def _positive_int(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+def _positive_int(value: Any, name: str, *, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,10 +211,21 @@ def decode_payload(payload: Any) -> tuple[list[Any], dict[str, Any]]:
 
 @functools.cache
 def _signature(func: Callable[..., Any]) -> inspect.Signature | None:
+    """The signature to check arguments against; None when any arguments fit (it has none,
+    as some builtins, or it is only ``*args, **kwargs``): binding would then check nothing."""
     try:
-        return inspect.signature(func)
+        sig = inspect.signature(func)
     except (TypeError, ValueError):  # some builtins have none: let the call itself check
         return None
+    kinds = {p.kind for p in sig.parameters.values()}
+    if kinds == {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+        return None
+    return sig
+
+
+@functools.cache
+def _is_async(func: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(func)
 
 
 def check_arguments(spec: TaskSpec, args: list[Any], kwargs: dict[str, Any]) -> None:
@@ -277,7 +300,9 @@ def _claim_observer() -> Callable[[float], None] | None:
 
 def _send_robust(sig: Any, **kwargs: Any) -> None:
     """Send a django_fairqueue signal; a receiver's error is logged, never raised."""
-    if not sig.has_listeners(Message):
+    # `receivers` first: an empty list answers for the common case without has_listeners()
+    # (about 2 us, twice per message)
+    if not sig.receivers or not sig.has_listeners(Message):
         return
     for receiver, response in sig.send_robust(sender=Message, **kwargs):
         if isinstance(response, Exception):
@@ -322,8 +347,10 @@ class Worker:
         # Everything below is guarded by _cond (reentrant: stop() may run in a signal handler
         # while the claimer holds it).
         self._cond = threading.Condition(threading.RLock())
+        # messages this worker holds at most: running, plus waiting for a thread (prefetch)
+        self._capacity = self.config.concurrency + self.config.prefetch
         # free slots worth a claim while a backlog is known (see GATHER_SECONDS)
-        self._half_batch = max(1, min(self.config.batch_size, self.config.concurrency) // 2)
+        self._half_batch = max(1, min(self.config.batch_size, self._capacity) // 2)
         self._unsettled: dict[int, ClaimedMessage] = {}  # claimed, not yet written back
         self._lost: set[int] = set()  # unsettled, but a heartbeat found the lease gone
         self._busy = 0  # handed to handler threads, not finished
@@ -334,6 +361,10 @@ class Worker:
         self._next_poll = 0.0
         self._not_before = 0.0  # no claim before this (backoff, empty-claim retries)
         self._empty_claims = 0  # empty claims in a row
+        # Set when the claim under way was asked for by a wake-up (LISTEN, a settlement, a
+        # retry), not by the poll timer; and how many times an empty woken claim was retried.
+        self._claim_woken = False
+        self._woken_retries = 0
         self._backlog_seen = False  # a full claim since the last empty-claim streak
         self._stop_requested = False
         self._release_unstarted = False
@@ -376,6 +407,7 @@ class Worker:
         """Claim as soon as a handler slot is free (work may be waiting)."""
         with self._cond:
             self._wake = True
+            self._woken_retries = 0  # fresh news: its claim may be retried again
             self._cond.notify_all()
 
     def _on_signal(self, signum: int) -> None:
@@ -565,6 +597,20 @@ class Worker:
             return False
         self._backlog_seen = False
         if not burst:
+            if self._claim_woken and self._woken_retries < WOKEN_CLAIM_RETRIES:
+                # Woken for new work, yet the claim found none. The claim skips channel rows
+                # other transactions hold (a concurrent claim, the maintenance thread folding
+                # counters, an operator's edit), so the new message may sit behind a lock
+                # held for a millisecond: a lock-free look tells that apart from a message
+                # another worker already took, and a short retry then picks it up instead of
+                # the next poll (a second later).
+                only, exclude = self._filters()
+                if store.select_claimable_exists(
+                    only_channel_ids=only, exclude_channel_ids=exclude
+                ):
+                    delay = random.uniform(0.005, 0.01) * 2**self._woken_retries
+                    self._woken_retries += 1
+                    self._retry_claim_in(delay)
             return False  # wait for a wake-up or the poll
         with self._cond:
             if self._unsettled:
@@ -584,7 +630,7 @@ class Worker:
         """Block until a claim is due; returns its size, or None to stop."""
         burst = self.config.burst
         # Outcomes waiting to be written: past this, claiming more would only pile up leases.
-        settle_cap = 2 * max(self.config.batch_size, self.config.concurrency)
+        settle_cap = 2 * max(self.config.batch_size, self._capacity)
         half_batch = self._half_batch
         gather_until: float | None = None
         with self._cond:
@@ -598,7 +644,7 @@ class Worker:
                 if now < self._not_before:
                     self._cond.wait(self._not_before - now)
                     continue
-                free = self.config.concurrency - self._busy
+                free = self._capacity - self._busy
                 settling = len(self._unsettled) - self._busy
                 if free > 0 and settling < settle_cap:
                     idle = not self._unsettled
@@ -610,6 +656,7 @@ class Worker:
                             self._cond.wait(gather_until - now)
                             continue
                     if self._wake or self._more or now >= self._next_poll or (burst and idle):
+                        self._claim_woken = self._wake
                         self._wake = False
                         # Poll again one (jittered) interval after the last claim of any kind.
                         self._next_poll = now + self.poll_interval * random.uniform(0.8, 1.2)
@@ -694,6 +741,10 @@ class Worker:
     # handlers
 
     def _handler_loop(self) -> None:
+        # Whether this thread has opened a database connection (a task used the database).
+        # Until one has, the checks around each message have nothing to look at; they cost
+        # about as much as running a short task, so they are skipped.
+        has_connections = False
         while True:
             message = self._work.get()
             if message is None:
@@ -702,7 +753,8 @@ class Worker:
                 outcome = Outcome(message, "released")
             else:
                 # Like a request: connections past CONN_MAX_AGE or broken are replaced.
-                _close_old_connections()
+                if has_connections:
+                    _close_old_connections()
                 try:
                     outcome = self.execute(message)
                 except BaseException as exc:  # a bug outside the task: never lose the slot
@@ -713,8 +765,10 @@ class Worker:
                         error=error_info(exc, attempt=message.attempts, worker_id=self.worker_id),
                     )
                 finally:
-                    _end_open_transactions(message)
-                    _close_old_connections()
+                    if has_connections or _connected_here():
+                        has_connections = True
+                        _end_open_transactions(message)
+                        _close_old_connections()
             self._outcomes.put(outcome)
             with self._cond:
                 self._busy -= 1
@@ -722,7 +776,7 @@ class Worker:
                     self._claimed -= 1
                 # Wake the claimer only when a claim can become due: the first free slot,
                 # half a batch free (it may be gathering), or nothing running (shutdown).
-                free = self.config.concurrency - self._busy
+                free = self._capacity - self._busy
                 if free == 1 or free == self._half_batch or self._busy == 0:
                     self._cond.notify_all()
 
@@ -763,7 +817,7 @@ class Worker:
         token = current_message.set(message)
         try:
             with _savepoints() if savepoint else contextlib.nullcontext():
-                if inspect.iscoroutinefunction(spec.func):
+                if _is_async(spec.func):
                     result = async_to_sync(spec.func)(*args, **kwargs)
                 else:
                     result = spec.func(*args, **kwargs)
@@ -993,12 +1047,14 @@ class Worker:
     def _after_write(self, verb: str, group: list[Outcome], written: dict[int, str]) -> None:
         stats = self._stats
         if stats is not None and verb != "release":
+            settled_at = timezone.now()  # one clock reading for the group
             for outcome in group:
                 if outcome.message.id in written:
                     stats.record_settled(
                         outcome.message.channel_id,
                         _STATS_OUTCOME[outcome.kind],
                         outcome.duration * 1000.0,
+                        at=settled_at,
                     )
         with self._cond:
             for outcome in group:
@@ -1024,6 +1080,23 @@ class Worker:
             )
 
     # heartbeats
+
+    def _release_queued(self) -> None:
+        """Give back the claimed messages still waiting for a handler thread (prefetched), so a
+        stop does not wait for the threads to reach them."""
+        while True:
+            try:
+                message = self._work.get_nowait()
+            except queue.Empty:
+                return
+            if message is None:  # not put before the handlers are told to stop; keep it
+                self._work.put(None)
+                return
+            self._outcomes.put(Outcome(message, "released"))
+            with self._cond:
+                self._busy -= 1
+                self._claimed -= 1
+                self._cond.notify_all()
 
     def _heartbeat_loop(self) -> None:
         # Three renewals per lease period: one lost or late heartbeat never costs the lease.
@@ -1140,6 +1213,8 @@ class Worker:
         # A graceful stop gives running messages the grace period; burst and max_messages
         # endings wait for them (they were claimed to be run).
         deadline = time.monotonic() + self.config.shutdown_grace if graceful else None
+        if graceful:
+            self._release_queued()
         with self._cond:
             while self._busy > 0 and self._fatal is None:
                 timeout = None if deadline is None else deadline - time.monotonic()
@@ -1169,6 +1244,24 @@ class Worker:
         if not abandoned:
             for thread in threads["handlers"]:
                 thread.join(timeout=5)
+
+
+_connections_made = threading.local()
+
+
+def _note_connection(sender: Any, connection: Any, **kwargs: Any) -> None:
+    _connections_made.any = True
+
+
+# Which threads have connected to a database (connection_created is sent in the thread that
+# connects, pooled connections included): a handler thread checks this flag instead of
+# walking every configured database after each message.
+connection_created.connect(_note_connection, dispatch_uid="django_fairqueue.worker")
+
+
+def _connected_here() -> bool:
+    """Whether the calling thread has ever opened a database connection."""
+    return getattr(_connections_made, "any", False)
 
 
 @contextlib.contextmanager

@@ -478,6 +478,32 @@ def test_listen_wakes_an_idle_worker_long_before_the_poll(fq: Any) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_wake_up_claim_that_meets_a_locked_channel_tries_again_soon(fq: Any) -> None:
+    # The claim skips channel rows other transactions hold (SKIP LOCKED). When the one claim a
+    # wake-up triggers meets the new message's channel locked for a moment (the maintenance
+    # thread folding counters, an operator's edit), the worker must not sleep until its poll.
+    fq(POLL_INTERVAL=60.0)
+    first = fairtasks.add.enqueue(1, 1, channel="alice")
+    worker = one_worker(concurrency=1, listen=True)
+    with running(worker):
+        assert worker.listening.wait(10)
+        wait_until(lambda: message(first).state == MessageState.SUCCEEDED)
+        time.sleep(0.2)  # idle now: only a wake-up (or the 60 s poll) makes it claim
+        empty_before = worker._empty_claims
+        # an autocommit connection like the listener's; the lock lasts until the block ends
+        with psycopg.connect(**worker._listener_params()) as locker, locker.transaction():
+            locker.execute("SELECT 1 FROM fairqueue_channel WHERE name = 'alice' FOR UPDATE")
+            mid = fairtasks.record.enqueue("ping", channel="alice")
+            # the woken claim came back empty: the channel was locked
+            wait_until(lambda: worker._empty_claims > empty_before, timeout=10)
+        released = time.time()
+        row = wait_until(
+            lambda: (m := message(mid)).state == MessageState.SUCCEEDED and m, timeout=20
+        )
+    assert row.result["started"] - released < 5  # not the 60 s poll
+
+
+@pytest.mark.django_db(transaction=True)
 def test_the_worker_survives_its_connections_being_killed_and_retries_settlements(
     tmp_path: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -649,7 +675,8 @@ def test_maintenance_services_rescue_prune_and_fold(fq: Any) -> None:
     call_command("fairqueue", "maintain", "--once", stdout=out)
 
     assert re.fullmatch(
-        r"folder: \d+, rescuer: 1, pruner: 1, stats-pruner: 0", out.getvalue().strip()
+        r"folder: \d+, rescuer: 1, pruner: 1, stats-pruner: 0, batch-rescuer: 0, batch-pruner: 0",
+        out.getvalue().strip(),
     )
     assert message(expired).state == MessageState.READY
     assert not Message.objects.filter(pk=done).exists()
