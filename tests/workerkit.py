@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -110,6 +111,24 @@ class WorkerProcess:
                     raise AssertionError(
                         f"worker {self.worker_id} never logged {text!r}; its log:\n"
                         + "".join(self._lines)
+                    )
+                self._cond.wait(min(left, 0.1))
+
+    def wait_for_sum(self, pattern: str, total: int, timeout: float = 20.0) -> int:
+        """Wait until the numbers captured by ``pattern`` (one group) over all its log lines
+        add up to ``total``: a worker may report one batch of settlements in several lines."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                seen = sum(int(m.group(1)) for m in map(regex.search, self._lines) if m)
+                if seen >= total:
+                    return seen
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(
+                        f"worker {self.worker_id} logged {seen} of {total} for {pattern!r}; "
+                        "its log:\n" + "".join(self._lines)
                     )
                 self._cond.wait(min(left, 0.1))
 

@@ -1,0 +1,625 @@
+"""Bad input (issue 6): hostile or careless channel names, payloads, limits, times, task names and
+settings. Each gets a clear error or is handled correctly, nothing corrupts the tables, and no
+value reaches SQL other than as a bound parameter (or a quoted identifier, for LISTEN).
+
+Property-based with hypothesis, plus the explicit cases the issue lists.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from unittest import mock
+
+import psycopg
+import pytest
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, connection, transaction
+from django.test import override_settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from django_fairqueue import checks, conf, enqueue, store
+from django_fairqueue.api import EnqueueRequest, enqueue_many
+from django_fairqueue.exceptions import InvalidChannel, PayloadError, UnknownTask
+from django_fairqueue.models import Channel, Message, MessageState
+from django_fairqueue.worker import Worker, WorkerConfig
+from tests.factories import NOOP, assert_counters_match_table
+from tests.workerkit import enqueue_raw
+
+pytestmark = pytest.mark.django_db
+
+LEASE = timedelta(minutes=5)
+#: Enough examples to find the edges, few enough for the normal test run (a few seconds each).
+#: Derandomised: CI runs the same examples every time (a new edge found by a wider local run,
+#: e.g. max_examples=2000 without derandomize, becomes an explicit case here).
+EXAMPLES = settings(
+    max_examples=100,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+NASTY_CHANNELS = [
+    "o'brien",
+    'say "hi"',
+    "x'); DROP TABLE fairqueue_message; --",
+    "a; DELETE FROM fairqueue_channel",
+    "$$; SELECT pg_sleep(10); $$",
+    "%(channels)s",
+    "%s %s %%",
+    "{channel}",
+    "back\\slash",
+    "租户-é-🙂",
+    "Ünïcödé\u200bzero-width",
+    "tab\tinside",
+    "new\nline",
+    "-- comment",
+    "x" * 200,
+]
+
+
+def claim_all(limit: int = 1000) -> list[store.ClaimedMessage]:
+    return store.claim_messages(limit, lease=LEASE, worker_id="bad-input")
+
+
+def message_count() -> int:
+    return Message.objects.count()
+
+
+@pytest.fixture
+def tables_intact() -> Iterator[None]:
+    """After the test, the queue tables exist and their counters agree with their rows."""
+    yield
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_tables WHERE tablename IN "
+            "('fairqueue_message', 'fairqueue_channel', 'fairqueue_channel_delta')"
+        )
+        assert cursor.fetchone() == (3,)
+    assert_counters_match_table()
+
+
+# ------------------------------------------------------------------------------------------
+# Channel names
+
+
+@pytest.mark.parametrize("name", NASTY_CHANNELS)
+def test_channel_names_with_sql_and_unicode_are_stored_verbatim(
+    name: str, tables_intact: None
+) -> None:
+    mid = enqueue(NOOP, 1, channel=name)
+    stored = Message.objects.select_related("channel").get(pk=mid)
+    assert stored.channel.name == name
+    (claimed,) = claim_all()
+    assert (claimed.id, claimed.channel) == (mid, name)
+    assert store.select_channel_ids([name]) == {name: stored.channel_id}
+
+
+@pytest.mark.parametrize(
+    ("name", "error"),
+    [
+        ("", "must not be empty"),
+        ("   ", "must not be empty"),
+        (" padded", "must not start or end with blanks"),
+        ("padded\n", "must not start or end with blanks"),
+        ("nbsp\u00a0", "must not start or end with blanks"),
+        ("x" * 201, "201 characters; the most is 200"),
+        ("x" * 10_240, "10240 characters; the most is 200"),
+        ("nul\x00inside", "NUL"),
+        (42, "must be a string"),
+        (3.5, "must be a string"),
+        (b"bytes", "must be a string"),
+    ],
+)
+def test_bad_channel_names_are_refused_clearly(name: Any, error: str, tables_intact: None) -> None:
+    with pytest.raises(InvalidChannel, match=re.escape(error)):
+        enqueue(NOOP, channel=name)
+    assert message_count() == 0
+    assert not Channel.objects.exists()
+
+
+def test_a_channel_name_that_is_not_valid_unicode_is_an_invalid_channel() -> None:
+    with pytest.raises(InvalidChannel):
+        enqueue(NOOP, channel="lone \ud800 surrogate")
+
+
+def test_a_channel_name_that_is_not_valid_unicode_stores_nothing(tables_intact: None) -> None:
+    with pytest.raises(InvalidChannel, match="not valid Unicode"):
+        enqueue(NOOP, channel="lone \ud800 surrogate")
+    assert message_count() == 0
+
+
+@EXAMPLES
+@given(name=st.text(min_size=0, max_size=260))
+def test_any_channel_name_is_stored_verbatim_or_refused(name: str) -> None:
+    try:
+        with transaction.atomic():
+            mid = enqueue(NOOP, channel=name)
+    except InvalidChannel:
+        stripped = name.strip()
+        assert not stripped or stripped != name or len(name) > 200 or "\x00" in name
+        return
+    assert Message.objects.select_related("channel").get(pk=mid).channel.name == name
+
+
+@EXAMPLES
+@given(names=st.lists(st.text(min_size=1, max_size=30).map(lambda s: f"c{s}c"), max_size=8))
+def test_worker_channel_filters_take_any_names(names: list[str]) -> None:
+    clean = [n for n in names if "\x00" not in n and len(n) <= 200]
+    config = WorkerConfig(channels=sorted(set(clean)), worker_id="filters")
+    assert set(config.channels) == set(clean)
+
+
+# ------------------------------------------------------------------------------------------
+# Payloads
+
+
+class Opaque:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error"),
+    [
+        ([Opaque()], {}, "not JSON serialisable"),
+        ([{1, 2}], {}, "not JSON serialisable"),
+        ([b"bytes"], {}, "not JSON serialisable"),
+        ([datetime(2020, 1, 1, tzinfo=UTC)], {}, "not JSON serialisable"),
+        ([uuid.uuid4()], {}, "not JSON serialisable"),
+        ([math.nan], {}, "not JSON serialisable"),
+        ([math.inf], {}, "not JSON serialisable"),
+        ([(1, 2)], {}, "round trip"),
+        ([{1: "int key"}], {}, "round trip"),
+        (["nul \x00 char"], {}, "NUL character"),
+        ([], {"key": "nul \x00"}, "NUL character"),
+        (["lone \ud800 surrogate"], {}, "not valid Unicode"),
+        (["x" * 1_100_000], {}, "bytes as JSON; FAIRQUEUE['MAX_PAYLOAD_BYTES'] is 1048576"),
+    ],
+)
+def test_payloads_that_do_not_survive_json_are_refused(
+    args: list[Any], kwargs: dict[str, Any], error: str, tables_intact: None
+) -> None:
+    with pytest.raises(PayloadError, match=re.escape(error)):
+        enqueue(NOOP, *args, channel="p", **kwargs)
+    assert message_count() == 0
+
+
+def test_a_payload_nested_too_deeply_is_refused(tables_intact: None) -> None:
+    deep: list[Any] = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(PayloadError, match="nested too deeply"):
+        enqueue(NOOP, deep, channel="p")
+    assert message_count() == 0
+
+
+def test_a_payload_nested_as_deeply_as_jsonb_allows_round_trips(tables_intact: None) -> None:
+    nested: Any = "bottom"
+    for _ in range(200):  # 400 levels: under Python's recursion limit, for the encoder
+        nested = {"k": [nested]}
+    enqueue(NOOP, nested, channel="p")
+    (claimed,) = claim_all()
+    assert claimed.payload == {"args": [nested], "kwargs": {}}
+
+
+def test_a_large_payload_under_the_limit_round_trips(tables_intact: None) -> None:
+    big = ["é" * 1000] * 400  # ~800 kB of UTF-8, under the 1 MiB default
+    enqueue(NOOP, big, channel="p")
+    (claimed,) = claim_all()
+    assert claimed.payload["args"] == [big]
+
+
+def test_the_payload_limit_is_a_setting(tables_intact: None) -> None:
+    with override_settings(FAIRQUEUE={"MAX_PAYLOAD_BYTES": 100}):
+        with pytest.raises(PayloadError, match="MAX_PAYLOAD_BYTES'] is 100"):
+            enqueue(NOOP, "x" * 100, channel="p")
+        enqueue(NOOP, "x" * 10, channel="p")
+    assert message_count() == 1
+
+
+JSON_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**53), max_value=2**53)
+    | st.floats(allow_nan=False, allow_infinity=False, min_value=-1e15, max_value=1e15)
+    | st.text(max_size=40)
+)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+def same_types(a: Any, b: Any) -> bool:
+    """Equal with the same types all the way down (a float stays a float, a bool a bool).
+    -0.0 and 0.0 count as the same: jsonb keeps no sign on zero."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same_types(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_types(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    return False
+
+
+@EXAMPLES
+@given(
+    args=st.lists(JSON_VALUES, max_size=3),
+    kwargs=st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=3),
+)
+def test_json_arguments_come_back_to_the_task_unchanged(
+    args: list[Any], kwargs: dict[str, Any]
+) -> None:
+    with transaction.atomic():
+        try:
+            # through EnqueueRequest: a keyword named like an enqueue option ("channel") is
+            # the task's own argument there
+            (mid,) = enqueue_many([EnqueueRequest(NOOP, args, kwargs, channel="json")])
+        except PayloadError:
+            assert _has_nul(args) or _has_nul(kwargs)
+            return
+        assert not (_has_nul(args) or _has_nul(kwargs))
+        (claimed,) = store.claim_messages(1, lease=LEASE, worker_id="json")
+        assert claimed.id == mid
+        assert claimed.payload == {"args": args, "kwargs": kwargs}
+        assert same_types(claimed.payload, {"args": args, "kwargs": kwargs})
+        transaction.set_rollback(True)
+
+
+def test_large_float_arguments_come_back_as_floats() -> None:
+    args = [1e20, 1e308, -2.5e300, 1e-7, 12345.0, 'a "quoted 1e+20" \\', {"k": [7e22]}]
+    enqueue(NOOP, *args, channel="floats")
+    (claimed,) = claim_all()
+    assert claimed.payload["args"] == args
+    assert [type(a) for a in claimed.payload["args"][:5]] == [float] * 5
+    assert type(claimed.payload["args"][6]["k"][0]) is float
+
+
+# ------------------------------------------------------------------------------------------
+# Limits
+
+
+@pytest.mark.parametrize(
+    ("limits", "error"),
+    [
+        ({"max_concurrency": 0}, "max_concurrency must be an integer >= 1"),
+        ({"max_concurrency": -3}, "max_concurrency must be an integer >= 1"),
+        ({"max_concurrency": 2_000_000}, "at most 1000000"),
+        ({"max_concurrency": 1.5}, "max_concurrency must be an integer"),
+        ({"max_concurrency": True}, "max_concurrency must be an integer"),
+        ({"weight": 0}, "weight must be an integer >= 1"),
+        ({"weight": -1}, "weight must be an integer >= 1"),
+        ({"weight": 1001}, "weight must be at most 1000"),
+        ({"max_backlog": 0}, "max_backlog must be an integer >= 1"),
+        ({"max_backlog": -10}, "max_backlog must be an integer >= 1"),
+        ({"max_backlog": 2**31}, "fit in 32 bits"),
+        ({"release_interval": -1}, "release_interval must be between"),
+        ({"release_interval": timedelta(days=2)}, "release_interval must be between"),
+        ({"release_interval": "1s"}, "number of seconds or a timedelta"),
+    ],
+)
+def test_bad_channel_limits_are_refused(limits: dict[str, Any], error: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(error)):
+        conf.validate_channel_limits(**limits)
+    with pytest.raises(ValueError, match=re.escape(error)):
+        conf.load({"CHANNEL_DEFAULTS": limits})
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"max_concurrency": 0},
+        {"weight": 0},
+        {"max_backlog": 0},
+        {"release_interval": timedelta(seconds=-1)},
+        {"release_interval": timedelta(days=3)},
+    ],
+)
+def test_the_database_refuses_bad_limits_written_past_the_model(
+    fields: dict[str, Any], tables_intact: None
+) -> None:
+    channel = Channel(name="limits", **fields)
+    with pytest.raises(ValidationError):
+        channel.full_clean()
+    with pytest.raises(IntegrityError), transaction.atomic():
+        channel.save()
+    assert not Channel.objects.filter(name="limits").exists()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"concurrency": 0}, "concurrency must be an integer >= 1"),
+        ({"concurrency": -4}, "concurrency must be an integer >= 1"),
+        ({"batch_size": 0}, "batch_size must be an integer >= 1"),
+        ({"max_messages": 0}, "max_messages must be an integer >= 1"),
+        ({"poll_interval": 0}, "poll_interval must be > 0"),
+        ({"poll_interval": -1.0}, "poll_interval must be > 0"),
+        ({"lease": timedelta(0)}, "lease must be positive"),
+        ({"shutdown_grace": -1}, "shutdown_grace must be >= 0"),
+        ({"channels": "tenant-1"}, "not a string"),
+        ({"channels": ["a"], "exclude_channels": ["a"]}, "both included and excluded"),
+        ({"worker_id": "  "}, "worker_id must be a non-empty string"),
+    ],
+)
+def test_bad_worker_options_are_refused(kwargs: dict[str, Any], error: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(error)):
+        WorkerConfig(**kwargs)
+
+
+@pytest.mark.parametrize("limit", [0, -1, None])
+def test_a_claim_of_zero_or_fewer_messages_is_refused_by_the_database(limit: Any) -> None:
+    enqueue(NOOP, channel="z")
+    with pytest.raises(Exception, match="claim limit must be >= 1"), transaction.atomic():
+        store.claim_messages(limit, lease=LEASE, worker_id="zero")
+    assert Message.objects.get().state == MessageState.READY
+
+
+@pytest.mark.parametrize("priority", [-101, 101, 2**40, 1.5, "high", True])
+def test_bad_priorities_are_refused(priority: Any) -> None:
+    with pytest.raises(ValueError, match="priority must be"):
+        enqueue(NOOP, channel="p", priority=priority)
+    assert message_count() == 0
+
+
+# ------------------------------------------------------------------------------------------
+# run_after
+
+
+def test_run_after_far_in_the_past_is_ready_now(tables_intact: None) -> None:
+    mid = enqueue(NOOP, channel="t", run_after=datetime(1970, 1, 1, tzinfo=UTC))
+    assert Message.objects.get(pk=mid).state == MessageState.READY
+    assert [m.id for m in claim_all()] == [mid]
+
+
+def test_run_after_a_negative_delay_is_ready_now(tables_intact: None) -> None:
+    mid = enqueue(NOOP, channel="t", run_after=timedelta(days=-365))
+    assert [m.id for m in claim_all()] == [mid]
+
+
+@pytest.mark.parametrize(
+    "when",
+    [datetime(9999, 12, 31, 23, 59, tzinfo=UTC), timedelta(days=365 * 1000)],
+)
+def test_run_after_far_in_the_future_waits(when: Any, tables_intact: None) -> None:
+    mid = enqueue(NOOP, channel="t", run_after=when)
+    assert Message.objects.get(pk=mid).state == MessageState.SCHEDULED
+    assert claim_all() == []
+
+
+@pytest.mark.parametrize(
+    ("when", "error"),
+    [
+        (datetime(2030, 1, 1), ValueError),  # naive, with USE_TZ on
+        ("tomorrow", TypeError),
+        (3600, TypeError),
+        (timedelta(days=10**8), OverflowError),  # past datetime.max: Python says so
+    ],
+)
+def test_bad_run_after_values_are_refused(when: Any, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        enqueue(NOOP, channel="t", run_after=when)
+    assert message_count() == 0
+
+
+# ------------------------------------------------------------------------------------------
+# Task names
+
+
+@pytest.mark.parametrize(
+    "name", ["no.such.task", "", "os.system", "tests.fairtasks.add", "'; DROP TABLE x; --"]
+)
+def test_enqueueing_an_unknown_task_name_fails(name: str) -> None:
+    with pytest.raises(UnknownTask):
+        enqueue(name, channel="t")
+    assert message_count() == 0
+
+
+@pytest.mark.parametrize("task", [None, 42, object()])
+def test_a_task_that_is_neither_a_name_nor_a_task_fails(task: Any) -> None:
+    with pytest.raises(TypeError, match="task must be a task name or a registered task"):
+        enqueue(task, channel="t")
+
+
+def test_a_stored_message_naming_an_unknown_task_fails_without_running(
+    tables_intact: None,
+) -> None:
+    mid = enqueue_raw("t", "no.such.task", '{"args": [], "kwargs": {}}')
+    assert Worker(WorkerConfig(worker_id="unknown")).run_once() == 1
+    failed = Message.objects.get(pk=mid)
+    assert (failed.state, failed.attempts) == (MessageState.FAILED, 1)
+    assert failed.last_error["type"] == "django_fairqueue.exceptions.UnknownTask"
+
+
+@pytest.mark.parametrize(
+    "payload",
+    ["[1, 2]", '"text"', "null", '{"args": {}, "kwargs": {}}', '{"args": [], "kwargs": []}'],
+)
+def test_a_stored_payload_of_the_wrong_shape_fails_without_running(
+    payload: str, tables_intact: None
+) -> None:
+    mid = enqueue_raw("t", "tests.fair.add", payload)
+    Worker(WorkerConfig(worker_id="shape")).run_once()
+    failed = Message.objects.get(pk=mid)
+    assert failed.state == MessageState.FAILED
+    assert failed.last_error["type"] == "django_fairqueue.exceptions.PayloadError"
+
+
+# ------------------------------------------------------------------------------------------
+# Settings: system checks with stable ids
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ("not a dict", "FAIRQUEUE must be a dict"),
+        ({"NO_SUCH_KEY": 1}, "unknown keys ['NO_SUCH_KEY']"),
+        ({"LEASE_SECONDS": "60"}, "LEASE_SECONDS'] must be a number"),
+        ({"LEASE_SECONDS": 0}, "LEASE_SECONDS'] must be a number >= 0.001"),
+        ({"LEASE_SECONDS": -5}, "LEASE_SECONDS'] must be a number >= 0.001"),
+        ({"POLL_INTERVAL": None}, "POLL_INTERVAL'] must be a number"),
+        ({"RETRY_BACKOFF_BASE": -1}, "RETRY_BACKOFF_BASE'] must be a number >= 0.0"),
+        ({"DEFAULT_MAX_ATTEMPTS": 0}, "DEFAULT_MAX_ATTEMPTS'] must be an integer >= 1"),
+        ({"DEFAULT_MAX_ATTEMPTS": 2.5}, "DEFAULT_MAX_ATTEMPTS'] must be an integer"),
+        ({"MAX_PAYLOAD_BYTES": "1MB"}, "MAX_PAYLOAD_BYTES'] must be an integer"),
+        ({"KEEP_RESULTS": "yes"}, "KEEP_RESULTS'] must be True or False"),
+        ({"NOTIFY": 1}, "NOTIFY'] must be True or False"),
+        ({"NOTIFY_CHANNEL": 'x"; DROP TABLE y; --'}, "NOTIFY_CHANNEL'] must be a lower-case"),
+        ({"NOTIFY_CHANNEL": "Upper"}, "NOTIFY_CHANNEL'] must be a lower-case"),
+        ({"NOTIFY_CHANNEL": "x" * 64}, "NOTIFY_CHANNEL'] must be a lower-case"),
+        ({"NOTIFY_CHANNEL": ""}, "NOTIFY_CHANNEL'] must be a lower-case"),
+        ({"DEFAULT_DELIVERY": "exactly_once"}, "DEFAULT_DELIVERY'] must be one of"),
+        ({"DATABASE": ""}, "DATABASE'] must be a non-empty string"),
+        ({"DEFAULT_CHANNEL": 7}, "DEFAULT_CHANNEL'] must be a non-empty string"),
+        ({"RESULT_RETENTION": "1 day"}, "RESULT_RETENTION'] must be a number of seconds"),
+        ({"TASK_MODULES": "tests.fairtasks"}, "TASK_MODULES'] must be a list"),
+        ({"TASK_MODULES": [1]}, "TASK_MODULES'] must be a list"),
+        ({"CHANNEL_DEFAULTS": []}, "CHANNEL_DEFAULTS'] must be a dict"),
+        ({"CHANNEL_DEFAULTS": {"cap": 1}}, "CHANNEL_DEFAULTS'] has unknown keys"),
+        ({"CHANNEL_DEFAULTS": {"weight": 0}}, "weight must be an integer >= 1"),
+    ],
+)
+def test_wrong_settings_stop_start_up_with_check_e001(value: Any, words: str) -> None:
+    with override_settings(FAIRQUEUE=value):
+        errors = checks.check_settings()
+    assert [e.id for e in errors] == ["fairqueue.E001"], errors
+    assert words in errors[0].msg
+    assert errors[0].hint
+
+
+def test_settings_naming_a_missing_database_are_check_e002() -> None:
+    with override_settings(FAIRQUEUE={"DATABASE": "nope"}):
+        assert [e.id for e in checks.check_settings()] == ["fairqueue.E002"]
+
+
+def test_a_default_channel_the_queue_would_refuse_is_check_e004() -> None:
+    for name in ("x" * 201, " padded "):
+        with override_settings(FAIRQUEUE={"DEFAULT_CHANNEL": name}):
+            assert [e.id for e in checks.check_settings()] == ["fairqueue.E004"]
+
+
+SETTING_VALUES = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**6), max_value=10**6)
+    | st.floats(allow_nan=False)
+    | st.just(math.nan)
+    | st.text(max_size=70)
+    | st.lists(st.text(max_size=5), max_size=2)
+    | st.dictionaries(st.text(max_size=5), st.integers(), max_size=2)
+)
+SETTING_KEYS = st.sampled_from(
+    [f.name for f in conf.dataclasses.fields(conf.FairQueueSettings)] + ["BOGUS"]
+)
+
+
+@EXAMPLES
+@given(raw=st.dictionaries(SETTING_KEYS, SETTING_VALUES, max_size=4))
+def test_any_settings_dict_is_valid_or_check_e001_never_a_crash(raw: dict[str, Any]) -> None:
+    with override_settings(FAIRQUEUE=raw):
+        errors = checks.check_settings()
+        ids = {e.id for e in errors}
+        if "fairqueue.E001" in ids:
+            with pytest.raises((ValueError, TypeError)):
+                conf.load(raw)
+        else:
+            conf.load(raw)  # accepted: the settings load the same way at first use
+            assert ids <= {"fairqueue.E002", "fairqueue.E004"}
+
+
+@pytest.mark.parametrize("value", [None, 3])
+def test_a_task_modules_setting_that_is_not_a_list_is_named_in_e001(value: Any) -> None:
+    with override_settings(FAIRQUEUE={"TASK_MODULES": value}):
+        (error,) = checks.check_settings()
+    assert "TASK_MODULES" in error.msg
+
+
+def test_a_duration_setting_too_large_for_timedelta_is_check_e001() -> None:
+    with override_settings(FAIRQUEUE={"RESULT_RETENTION": 8.64e13}):
+        assert [e.id for e in checks.check_settings()] == ["fairqueue.E001"]
+
+
+# ------------------------------------------------------------------------------------------
+# Nothing reaches SQL unparameterised
+
+
+MARKER = "zz'marker\"; SELECT 1; --"
+
+
+def test_no_value_is_ever_part_of_the_sql_text(tables_intact: None) -> None:
+    """Every statement the queue sends is recorded; the marker (in a channel name, a payload,
+    a task error, a result, a worker id) appears only among the bound parameters."""
+    sent: list[str] = []
+    real = psycopg.Cursor.execute
+
+    def spy(self: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        text = query if isinstance(query, str | bytes) else query.as_string(self.connection)
+        sent.append(text if isinstance(text, str) else text.decode())
+        return real(self, query, params, **kwargs)
+
+    with mock.patch.object(psycopg.Cursor, "execute", spy):
+        ids = enqueue_many(
+            [EnqueueRequest(NOOP, [MARKER], {"k": MARKER}, channel=MARKER) for _ in range(3)]
+        )
+        enqueue(NOOP, channel=f"{MARKER}-later", run_after=timedelta(hours=1))
+        cid = store.select_channel_ids([MARKER])[MARKER]
+        claimed = store.claim_messages(3, lease=LEASE, worker_id=MARKER)
+        a, b, c = claimed
+        assert store.heartbeat_messages([(a.id, a.lease_token)], lease=LEASE) == {a.id}
+        store.complete_messages([(a.id, a.lease_token, {"r": MARKER})])
+        store.fail_messages([(b.id, b.lease_token, {"message": MARKER}, None)])
+        store.release_messages([(c.id, c.lease_token)])
+        store.select_channel_counters([cid])
+        store.cancel_messages([c.id])
+        store.delete_failed_messages([b.id])
+    assert sent, "nothing was recorded: the spy is not on the queue's cursor"
+    assert set(ids) >= {a.id, b.id, c.id}
+    leaked = [q for q in sent if "marker" in q]
+    assert leaked == []
+
+
+def test_listen_quotes_the_notify_channel_as_an_identifier(database_url: str) -> None:
+    """LISTEN cannot take a bound parameter; the name is quoted, so even a hostile one (the
+    settings refuse it before) is one identifier, and NOTIFY through pg_notify() reaches it."""
+    hostile = 'wake"; DROP TABLE fairqueue_message; --'
+    with psycopg.connect(database_url, autocommit=True) as listener:
+        store.listen_wakeups(listener, hostile)
+        with psycopg.connect(database_url, autocommit=True) as sender:
+            sender.execute("SELECT pg_notify(%s, 'hello')", [hostile])
+        got = [(n.channel, n.payload) for n in listener.notifies(timeout=5, stop_after=1)]
+    assert got == [(hostile, "hello")]
+    assert Message.objects.count() == 0  # the table is still there
+
+
+def test_named_statements_take_values_only_as_bound_parameters() -> None:
+    """sql/queries.sql: values are %(name)s placeholders. Format fields stand only for what
+    cannot be bound, and store.py fills each through psycopg.sql: LISTEN's channel and a source
+    table's name and id column (sql.Identifier), and its filters (sql.Placeholder conditions).
+    A new field fails this test until it is reviewed and added here."""
+    fields = {
+        field
+        for text in store.queries().values()
+        for field in re.findall(r"(?<![%'])\{(\w+)\}", text)
+    }
+    assert fields <= {"channel", "table", "id", "filters"}, fields
+    assert re.findall(r"\{(\w+)\}", store.queries()["listen_wakeups"]) == ["channel"]
+    for name, text in store.queries().items():
+        # no %s positional placeholders, no Python %-formatting of values
+        assert not re.search(r"(?<!%)%[sd]\b", text), name
