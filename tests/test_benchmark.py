@@ -20,8 +20,11 @@ from django.core.management import CommandError, call_command
 from django.db import connection
 
 from django_fairqueue import enqueue, store
-from django_fairqueue.benchmark import SCENARIOS, sizes
+from django_fairqueue.benchmark import SCENARIOS, plots, sizes
 from django_fairqueue.benchmark.database import SCRATCH_COMMENT, scratch_name
+from django_fairqueue.benchmark.e2e import E2EResult
+from django_fairqueue.benchmark.e2e import finish as e2e_finish
+from django_fairqueue.benchmark.fairness import FairnessResult, jain_index
 from django_fairqueue.benchmark.harness import percentile
 from django_fairqueue.benchmark.tasks import NOOP_TASK_NAME
 from django_fairqueue.management.commands.fairbench import Command as FairbenchCommand
@@ -60,7 +63,13 @@ def test_tiny_run_reports_every_scenario_as_json(tmp_path: Path) -> None:
 
     for cell in doc["scenarios"]["enqueue"]["cells"]:
         assert cell["messages"] > 0 and cell["calls"] > 0
-    for cell in doc["scenarios"]["claim"]["cells"]:
+    claim_cells = doc["scenarios"]["claim"]["cells"]
+    assert {(c["batch"], c["mode"]) for c in claim_cells} == {
+        (1, "separate"),
+        (1, "combined"),  # complete_and_claim_messages
+        (10, "separate"),
+    }
+    for cell in claim_cells:
         assert cell["messages"] > 0 and cell["claims"] > 0
         assert 0 <= cell["empty_pct"] <= 100
         assert cell["per_claim"] <= cell["batch"]
@@ -70,14 +79,16 @@ def test_tiny_run_reports_every_scenario_as_json(tmp_path: Path) -> None:
         assert cell["per_claim"] == sizes.TINY.latency_batch
     for cell in doc["scenarios"]["fairness"]["cells"]:
         assert cell["rounds"] == sizes.TINY.fairness_rounds
+        assert 0.5 <= cell["jain_min"] <= 1.0
         assert 0 < cell["b_wait_p50_ms"] <= cell["b_wait_p99_ms"] <= cell["b_wait_max_ms"]
         assert cell["claims_before_b_max"] >= 1
     # e2e and pickup ran real `runfairworker` subprocesses on this (the test) database.
     (e2e,) = doc["scenarios"]["e2e"]["cells"]
-    assert (e2e["channels"], e2e["processes"], e2e["threads"]) == (3, 1, 2)
+    assert (e2e["channels"], e2e["processes"], e2e["threads"], e2e["prefetch"]) == (3, 1, 2, 4)
     assert e2e["backlog"] == sizes.TINY.e2e_min_backlog
     assert e2e["failed"] == 0
     assert e2e["drain_rate"] > 0 and e2e["startup_s"] > 0 and e2e["wall_s"] > e2e["drain_s"]
+    assert e2e["best"] is True  # the only cell is the fastest
     (pickup,) = doc["scenarios"]["pickup"]["cells"]
     assert pickup["mode"] == "listen"
     assert pickup["samples"] == sizes.TINY.pickup_samples
@@ -189,3 +200,132 @@ def test_scratch_name_fits_an_identifier() -> None:
     assert scratch_name("app") == "app_fairbench"
     assert len(scratch_name("x" * 80).encode()) == 63
     assert SCRATCH_COMMENT
+
+
+def test_jain_index() -> None:
+    assert jain_index([10, 10]) == 1.0
+    assert jain_index([1, 0]) == 0.5
+    assert jain_index([10_000, 10]) == pytest.approx(0.501, abs=1e-3)
+    assert jain_index([0, 0]) == 1.0
+
+
+def _e2e(channels: int, processes: int, threads: int, rate: float) -> E2EResult:
+    return E2EResult(
+        channels=channels,
+        processes=processes,
+        threads=threads,
+        prefetch=0,
+        batch=100,
+        rate=rate,
+        drain_rate=rate,
+        backlog=1000,
+        startup_s=1.0,
+        drain_s=1.0,
+        wall_s=3.0,
+        failed=0,
+        load1=0.1,
+    )
+
+
+def _fairness(a_backlog: int, processes: int, p99: float) -> FairnessResult:
+    return FairnessResult(
+        a_backlog=a_backlog,
+        processes=processes,
+        batch=10,
+        burst=10,
+        rounds=3,
+        b_wait_p50_ms=p99 / 2,
+        b_wait_p99_ms=p99,
+        b_wait_max_ms=p99,
+        a_before_b_max=10,
+        claims_before_b_max=2,
+        jain_min=1.0,
+        a_rate=1000.0,
+        a_left=5,
+        load1=0.1,
+    )
+
+
+def test_e2e_marks_the_fastest_cell_of_each_channel_count() -> None:
+    cells = [_e2e(1, 1, 8, 900), _e2e(1, 2, 32, 1200), _e2e(100, 1, 8, 800), _e2e(100, 2, 32, 700)]
+    assert [c.best for c in e2e_finish(cells)] == [False, True, True, False]
+
+
+def test_plots_are_written(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    results = {
+        "e2e": e2e_finish([_e2e(100, 1, 8, 900), _e2e(100, 2, 32, 1500), _e2e(1, 1, 8, 1000)]),
+        "fairness": [_fairness(10_000, 1, 12.0), _fairness(1_000_000, 1, 15.0)],
+    }
+    written = plots.write_plots(results, tmp_path / "img")
+    assert [p.name for p in written] == [plots.E2E_FILE, plots.FAIRNESS_FILE]
+    for path in written:
+        assert path.read_bytes().startswith(b"\x89PNG")
+    assert plots.e2e_chart(results["e2e"]).xticks == {0.0: "1x8", 1.0: "2x32"}
+
+
+def test_plots_without_matplotlib_fail_before_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(CommandError, match=r"django-fairqueue\[plots\]"):
+        fairbench("--plots", "somewhere")
+
+
+def _system(name: str, batch: float, e2e: float, p99: float | None) -> dict[str, Any]:
+    return {
+        "system": name,
+        "concurrency_unit": "threads",
+        "wakeup": "LISTEN/NOTIFY",
+        "enqueue": [
+            {"mode": "single", "processes": 2, "rate": batch / 20},
+            {"mode": "batch", "processes": 2, "rate": batch},
+        ],
+        "e2e": [
+            {
+                "processes": 2,
+                "concurrency": 32,
+                "label": "2x32",
+                "rate": e2e,
+                "drain_rate": e2e,
+                "backlog": 1000,
+                "startup_s": 1.0,
+                "best": True,
+            },
+        ],
+        "pickup": {"p50_ms": 3.0, "p90_ms": 4.0, "p99_ms": 5.0, "max_ms": 6.0, "samples": 10},
+        "fairness": [
+            {
+                "variant": "fair",
+                "a_backlog": 10_000,
+                "workers": "2x32",
+                "b_p50_ms": p99,
+                "b_p99_ms": p99,
+                "a_before_b_max": 10,
+                "jain_min": 1.0,
+                "a_rate": 1000.0,
+                "rounds": 5,
+                "timed_out": 0,
+            },
+        ],
+    }
+
+
+def test_comparison_goals_and_tables() -> None:
+    """benchmarks/compare (run in its own tox env) reports its goals from the run's JSON."""
+    from benchmarks.compare import report
+
+    doc = {
+        "systems": [
+            _system("raw-sql", 60_000, 20_000, None),
+            _system("django-fairqueue", 25_000, 4_000, 30.0),
+            _system("procrastinate", 10_000, 1_500, 5_000.0),
+        ]
+    }
+    doc["goals"] = goals = report.goals(doc)
+    assert [(g["goal"], g["met"]) for g in goals] == [
+        ("end-to-end >= 2x the fastest peer, while fair", True),
+        ("enqueue batch >= 50% of the raw floor", False),
+        ("B's p99 < 50 ms with A's backlog 10,000", True),
+    ]
+    assert "2.67x" in goals[0]["measured"] and "42%" in goals[1]["measured"]
+    text = report.tables(doc)
+    assert "Goals (issue 7)" in text and "MISSED" in text

@@ -17,6 +17,7 @@ from django_fairqueue.benchmark import (
     fairness,
     latency,
     pickup,
+    plots,
 )
 from django_fairqueue.benchmark.harness import BenchmarkError, Progress
 from django_fairqueue.benchmark.scenario import Scenario
@@ -36,4 +37,4 @@ SCENARIOS: dict[str, Scenario] = {
     )
 }
 
-__all__ = ["PRESETS", "SCENARIOS", "BenchmarkError", "Progress", "Scenario", "Sizes"]
+__all__ = ["PRESETS", "SCENARIOS", "BenchmarkError", "Progress", "Scenario", "Sizes", "plots"]

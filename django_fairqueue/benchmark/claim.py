@@ -1,5 +1,11 @@
 """Claim + complete throughput: N claimer processes in a tight claim -> complete loop.
 
+Two modes: ``separate`` (claim_messages, then complete_messages: two round trips and two
+commits per cycle) and ``combined`` (complete_and_claim_messages: each call completes the
+previous claim and claims the next in one round trip and one commit, as a worker that takes one
+message at a time would). The combined mode runs for the batch sizes in
+``Sizes.claim_combined_batches`` (batch 1: where commits, not rows, bound the rate).
+
 Each cell starts from empty tables, pre-filled with enough ready messages that it should not
 run dry. The pre-fill is sized from a short single-claimer probe per (channels, batch) pair;
 if a cell still drains the queue it stops there and reports the rate over the time it ran.
@@ -33,10 +39,14 @@ class ClaimCell:
     channels: int
     batch: int
     claimers: int
+    mode: str = "separate"  # or "combined": complete_and_claim_messages
 
     @property
     def label(self) -> str:
-        return f"claim+complete {self.channels:>3} ch  batch {self.batch:>3}  x{self.claimers}"
+        return (
+            f"claim+complete {self.channels:>3} ch  batch {self.batch:>3}  x{self.claimers}"
+            f"  {self.mode}"
+        )
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,7 @@ class ClaimResult:
     channels: int
     batch: int
     claimers: int
+    mode: str
     #: messages claimed and completed per second, the median of the runs
     rate: float
     rates: list[float]
@@ -69,9 +80,11 @@ class ClaimResult:
 
 def plan(sizes: Sizes) -> list[ClaimCell]:
     return [
-        ClaimCell(channels, batch, claimers)
+        ClaimCell(channels, batch, claimers, mode)
         for channels in sizes.claim_channels
         for batch in sizes.claim_batches
+        for mode in ("separate", "combined")
+        if mode == "separate" or batch in sizes.claim_combined_batches
         for claimers in sizes.claimers
     ]
 
@@ -84,6 +97,7 @@ def _worker(
     index: int,
     using: str,
     batch: int,
+    mode: str,
     duration: float,
     fill: int,
     claimed: Any,  # ctypes array of per-process claimed counts, shared without a lock
@@ -93,7 +107,17 @@ def _worker(
     worker_id = f"fairbench-{os.getpid()}"
     slack = batch * len(claimed)  # rows other claimers may hold right now
 
+    held: list[store.ClaimedMessage] = []  # combined mode: claimed, completed by the next call
+
     def claim_and_complete() -> int:
+        nonlocal held
+        if mode == "combined":
+            done = [(m.id, m.lease_token, None) for m in held]
+            _, held = store.complete_and_claim_messages(
+                done, batch, lease=LEASE, worker_id=worker_id, using=using
+            )
+            claimed[index] += len(held)
+            return len(held)
         got = store.claim_messages(batch, lease=LEASE, worker_id=worker_id, using=using)
         if got:
             store.complete_messages([(m.id, m.lease_token, None) for m in got], using=using)
@@ -117,7 +141,10 @@ def _worker(
                 claims -= 1
                 break
             empty += 1
-    return messages, claims, empty, began, time.perf_counter()
+    ended = time.perf_counter()
+    if held:  # the last combined claim: complete it outside the measured time
+        store.complete_messages([(m.id, m.lease_token, None) for m in held], using=using)
+    return messages, claims, empty, began, ended
 
 
 def _measure(bench: Bench, cell: ClaimCell, fill: int, duration: float) -> dict[str, Any]:
@@ -128,7 +155,16 @@ def _measure(bench: Bench, cell: ClaimCell, fill: int, duration: float) -> dict[
         dry = group.event()
         start = group.barrier(cell.claimers + 1)
         group.start(
-            cell.claimers, _worker, bench.using, cell.batch, duration, fill, claimed, dry, start
+            cell.claimers,
+            _worker,
+            bench.using,
+            cell.batch,
+            cell.mode,
+            duration,
+            fill,
+            claimed,
+            dry,
+            start,
         )
         start.wait(START_TIMEOUT)
         began = time.monotonic()
@@ -154,10 +190,10 @@ def _measure(bench: Bench, cell: ClaimCell, fill: int, duration: float) -> dict[
     }
 
 
-def _probe_rate(bench: Bench, channels: int, batch: int) -> float:
+def _probe_rate(bench: Bench, channels: int, batch: int, mode: str) -> float:
     """Messages/s of one claimer, measured briefly; sizes the pre-fill of the real cells."""
-    key = (channels, batch)
-    rates: dict[tuple[int, int], float] = bench.state.setdefault("claim.probe", {})
+    key = (channels, batch, mode)
+    rates: dict[tuple[int, int, str], float] = bench.state.setdefault("claim.probe", {})
     if key not in rates:
         sizes = bench.sizes
         # A generous guess for the probe's own fill; running dry only shortens the probe.
@@ -165,7 +201,7 @@ def _probe_rate(bench: Bench, channels: int, batch: int) -> float:
         fill = min(sizes.max_fill, max(1_000, int(guess * sizes.calibration * 2)))
         fill += WARMUP_CLAIMS * batch
         bench.progress.update("probing the rate to size the pre-fill")
-        probe = _measure(bench, ClaimCell(channels, batch, 1), fill, sizes.calibration)
+        probe = _measure(bench, ClaimCell(channels, batch, 1, mode), fill, sizes.calibration)
         rates[key] = max(probe["rate"], 1.0)
     return rates[key]
 
@@ -173,7 +209,7 @@ def _probe_rate(bench: Bench, channels: int, batch: int) -> float:
 def run(bench: Bench, cell: ClaimCell) -> ClaimResult:
     sizes = bench.sizes
     load = load1()
-    rate1 = _probe_rate(bench, cell.channels, cell.batch)
+    rate1 = _probe_rate(bench, cell.channels, cell.batch, cell.mode)
     # Claimers scale at most with the cores (the server shares them); the margin and the
     # early stop cover the rest.
     expected = rate1 * min(cell.claimers, bench.cpus)
@@ -189,6 +225,7 @@ def run(bench: Bench, cell: ClaimCell) -> ClaimResult:
         channels=cell.channels,
         batch=cell.batch,
         claimers=cell.claimers,
+        mode=cell.mode,
         rate=round(median(rates), 1),
         rates=[round(r, 1) for r in rates],
         messages=pick["messages"],
@@ -211,6 +248,7 @@ SCENARIO = Scenario(
         Column("channels", "channels"),
         Column("batch", "batch"),
         Column("claimers", "claimers"),
+        Column("mode", "mode"),
         Column("messages/s", "rate", ",.0f"),
         Column("spread %", "spread_pct", ".0f"),
         Column("empty %", "empty_pct", ".1f"),
@@ -221,11 +259,13 @@ SCENARIO = Scenario(
         Column("ran dry", "ran_dry"),
     ),
     summary=lambda r: f"{r.rate:,.0f} messages/s, {r.empty_pct:.1f}% empty",
-    key=("channels", "batch", "claimers"),
+    key=("channels", "batch", "claimers", "mode"),
     metric="rate",
     notes=(
-        "Each claimer is a process looping claim_messages(batch) -> complete_messages(); "
-        "messages are spread round-robin over the channels and pre-filled, then ANALYZE.",
+        "Each claimer is a process looping claim_messages(batch) -> complete_messages() "
+        "(separate), or complete_and_claim_messages() completing the previous claim "
+        "(combined: one commit per cycle); messages are spread round-robin over the "
+        "channels and pre-filled, then ANALYZE.",
         "empty %: claims that returned nothing while ready messages remained (locked by a "
         "concurrent claim, or the channels' turns were taken).",
         "ran dry: the queue drained early; the rate is over the time the cell ran.",

@@ -1,20 +1,20 @@
 """End-to-end throughput: no-op tasks through real ``runfairworker --burst`` processes.
 
 Each cell bulk-loads a backlog of no-op messages over its channels, starts P worker processes
-with T handler threads each (``runfairworker --burst --concurrency T --batch-size B``), and
-polls the channel counters until every message has succeeded. Unlike ``claim``, this includes
-everything a worker does per message: decoding, looking the task up, running it on a handler
-thread, settling results in batches, heartbeats and maintenance.
+with T handler threads each (``runfairworker --burst --concurrency T --batch-size B
+--prefetch F``), and polls the channel counters until every message has succeeded. Unlike
+``claim``, this includes everything a worker does per message: decoding, looking the task up,
+running it on a handler thread, settling results in batches, heartbeats and maintenance.
 
-A claim never takes more messages than the process has free threads, so with T threads a claim
-takes at most T messages: few threads means small claims.
+A claim never takes more messages than the process has free threads plus F, so with T threads
+and no prefetch a claim takes at most T messages: few threads means small claims.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from django_fairqueue import store
 from django_fairqueue.benchmark.claim import channel_names
@@ -37,11 +37,15 @@ class E2ECell:
     channels: int
     processes: int
     threads: int
+    #: ``runfairworker --prefetch``: messages a claim may take beyond the free threads
+    prefetch: int = 0
 
     @property
     def label(self) -> str:
+        extra = f" +{self.prefetch} prefetch" if self.prefetch else ""
         return (
-            f"end to end {self.channels:>3} ch  {self.processes} proc x {self.threads:>2} threads"
+            f"end to end {self.channels:>3} ch  {self.processes} proc x {self.threads:>2} "
+            f"threads{extra}"
         )
 
 
@@ -50,6 +54,7 @@ class E2EResult:
     channels: int
     processes: int
     threads: int
+    prefetch: int
     batch: int
     #: tasks/s while 10% to 90% of the backlog was done
     rate: float
@@ -64,15 +69,24 @@ class E2EResult:
     wall_s: float
     failed: int
     load1: float
+    #: the fastest cell of its channel count (set once every cell has run)
+    best: bool = False
 
 
 def plan(sizes: Sizes) -> list[E2ECell]:
     return [
-        E2ECell(channels, processes, threads)
+        E2ECell(channels, processes, threads, prefetch)
         for channels in sizes.e2e_channels
-        for processes in sizes.e2e_processes
-        for threads in sizes.e2e_threads
+        for processes, threads, prefetch in sizes.e2e_workers
     ]
+
+
+def finish(results: list[E2EResult]) -> list[E2EResult]:
+    """Mark the fastest cell of each channel count."""
+    best: dict[int, float] = {}
+    for r in results:
+        best[r.channels] = max(best.get(r.channels, 0.0), r.rate)
+    return [replace(r, best=r.rate == best[r.channels]) for r in results]
 
 
 def _backlog(bench: Bench, cell: E2ECell) -> int:
@@ -104,6 +118,8 @@ def run(bench: Bench, cell: E2ECell) -> E2EResult:
         str(sizes.e2e_batch),
         "--verbosity",
         "0",
+        "--prefetch",
+        str(cell.prefetch),
     ]
     samples: list[tuple[float, int]] = []  # (seconds since start, tasks done)
     failed = 0
@@ -145,6 +161,7 @@ def run(bench: Bench, cell: E2ECell) -> E2EResult:
         channels=cell.channels,
         processes=cell.processes,
         threads=cell.threads,
+        prefetch=cell.prefetch,
         batch=sizes.e2e_batch,
         rate=round(rate, 1),
         drain_rate=round(drain, 1),
@@ -162,10 +179,12 @@ SCENARIO = Scenario(
     title="End-to-end no-op task throughput, real runfairworker processes (tasks/s)",
     plan=plan,
     run=run,
+    finish=finish,
     columns=(
         Column("channels", "channels"),
         Column("processes", "processes"),
         Column("threads", "threads"),
+        Column("prefetch", "prefetch"),
         Column("tasks/s", "rate", ",.0f"),
         Column("drain tasks/s", "drain_rate", ",.0f"),
         Column("backlog", "backlog", ","),
@@ -173,18 +192,21 @@ SCENARIO = Scenario(
         Column("drain s", "drain_s", ".2f"),
         Column("wall s", "wall_s", ".1f"),
         Column("failed", "failed", ","),
+        Column("best", "best"),
     ),
     summary=lambda r: f"{r.rate:,.0f} tasks/s ({r.drain_rate:,.0f} over the whole drain)",
-    key=("channels", "processes", "threads"),
+    key=("channels", "processes", "threads", "prefetch"),
     metric="rate",
     notes=(
-        "P `runfairworker --burst --concurrency T --batch-size 100` subprocesses drain a "
-        "bulk-loaded backlog of no-op tasks; the benchmark reads the channel counters every "
-        f"{POLL * 1000:.0f} ms until all have succeeded.",
+        "P `runfairworker --burst --concurrency T --batch-size 100 --prefetch F` subprocesses "
+        "drain a bulk-loaded backlog of no-op tasks; the benchmark reads the channel counters "
+        f"every {POLL * 1000:.0f} ms until all have succeeded.",
         "tasks/s: while 10% to 90% of the backlog was done (start-up and the drain's tail "
         "excluded); drain tasks/s: from the first finished task to the last.",
-        "A claim takes at most as many messages as the process has free threads: with T "
-        "threads, claims of at most T messages, whatever --batch-size says.",
+        "A claim takes at most as many messages as the process has free threads plus "
+        "--prefetch (leased, heartbeated, counted against the caps while they wait): with T "
+        "threads and no prefetch, claims of at most T messages, whatever --batch-size says.",
         "start-up s: process start to the first finished task (Python, Django, connections).",
+        "best: the fastest processes x threads (x prefetch) of each channel count.",
     ),
 )

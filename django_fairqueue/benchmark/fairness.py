@@ -62,6 +62,10 @@ class FairnessResult:
     #: the most non-empty claim calls (all processes) a burst waited for: those claims, plus
     #: the ones that took B's messages
     claims_before_b_max: int
+    #: Jain's fairness index over the first 2 x burst messages claimed by claims started after
+    #: B's commit
+    #: (1.0: equal shares; 0.5: one tenant took everything), the lowest of the rounds
+    jain_min: float
     #: A's throughput over the cell (messages/s)
     a_rate: float
     a_left: int
@@ -95,6 +99,34 @@ def _worker(
                 served.value += len(bs)
         records.append((started, returned, sum(1 for m in got if m.channel == A), bs))
     return records
+
+
+def jain_index(shares: list[float]) -> float:
+    """Jain's fairness index of ``shares``: (sum x)^2 / (n * sum x^2), from 1/n to 1."""
+    squares = sum(x * x for x in shares)
+    if not squares:
+        return 1.0
+    return sum(shares) ** 2 / (len(shares) * squares)
+
+
+def _jain_after(records: list[Record], committed: float, burst: int) -> float:
+    """Jain's index over the first 2 x ``burst`` messages claimed after B's commit.
+
+    Both tenants had ready messages then, so a fair queue gives B about half of them (all of
+    B's burst); first in, first out gives A all of them. Only claims that started after the
+    commit count (one in flight at the commit could not see B), in the order they returned; the
+    last one counts in part, A's messages after B's within it.
+    """
+    wanted = 2 * burst
+    a = b = 0
+    for record in sorted((r for r in records if r[0] >= committed), key=lambda r: r[1]):
+        room = wanted - a - b
+        if room <= 0:
+            break
+        took_b = min(len(record[3]), room)
+        b += took_b
+        a += min(record[2], room - took_b)
+    return jain_index([a, b])
 
 
 def _took(record: Record, ids: list[int]) -> bool:
@@ -142,6 +174,7 @@ def run(bench: Bench, cell: FairnessCell) -> FairnessResult:
     waits_ms: list[float] = []
     a_before: list[int] = []
     claims_before: list[int] = []
+    jains: list[float] = []
     for ids, committed in bursts:
         waits_ms += [1000 * (b_claims[i][1] - b_claims[i][0]) for i in ids]
         # The claims B had to wait for: those that started once B was committed (claimable)
@@ -149,6 +182,7 @@ def run(bench: Bench, cell: FairnessCell) -> FairnessResult:
         last = max(b_claims[i][1] for i in ids)
         window = [r for r in records if r[1] <= last and (r[0] >= committed or _took(r, ids))]
         a_before.append(sum(r[2] for r in window))
+        jains.append(_jain_after(records, committed, len(ids)))
         # Empty claims (a peer held the channels) served nobody: they do not count.
         claims_before.append(sum(1 for r in window if r[2] or r[3]))
     a_claimed = sum(rec[2] for rec in records)
@@ -164,6 +198,7 @@ def run(bench: Bench, cell: FairnessCell) -> FairnessResult:
         b_wait_max_ms=round(max(waits_ms), 2),
         a_before_b_max=max(a_before),
         claims_before_b_max=max(claims_before),
+        jain_min=round(min(jains), 3),
         a_rate=round(a_claimed / (ended - began), 1) if ended > began else 0.0,
         a_left=cell.a_backlog - a_claimed,
         load1=round(load, 2),
@@ -186,6 +221,7 @@ SCENARIO = Scenario(
         Column("B max ms", "b_wait_max_ms", ".1f"),
         Column("A before B", "a_before_b_max", ","),
         Column("claims", "claims_before_b_max"),
+        Column("Jain", "jain_min", ".3f"),
         Column("A msgs/s", "a_rate", ",.0f"),
         Column("A left", "a_left", ","),
     ),
@@ -200,6 +236,9 @@ SCENARIO = Scenario(
         "A before B / claims: over the rounds, the most A messages (non-empty claim calls) a "
         "burst waited for: claims that started after its commit and returned by the claim of its "
         "last message, plus the claims that took it.",
+        "Jain: Jain's index over the first 2 x burst messages taken by claims that started "
+        "after B's commit (both tenants had work then), (a + b)^2 / (2 (a^2 + b^2)); 1 is an "
+        "equal split, 0.5 one tenant served alone; the worst round.",
         "A left: A's messages still queued at the end (0 would mean B was measured on an "
         "idle queue).",
     ),

@@ -183,7 +183,8 @@ def _claim_rule(channels_many: bool, batch: int, floor: float, name: str) -> Cal
         return TargetCheck(
             name,
             f">= {floor:,.0f} messages/s",
-            f"{best.rate:,.0f}/s ({best.claimers} claimer{'s' if best.claimers > 1 else ''})",
+            f"{best.rate:,.0f}/s ({best.claimers} claimer{'s' if best.claimers > 1 else ''}, "
+            f"{getattr(best, 'mode', 'separate')})",
             best.rate >= floor,
         )
 
@@ -267,7 +268,8 @@ def _e2e(report: Report) -> TargetCheck | None:
     return TargetCheck(
         f"end-to-end no-op tasks, {best.channels} channels (issue 3)",
         ">= 8,000 tasks/s",
-        f"{best.rate:,.0f}/s ({best.processes} proc x {best.threads} threads)",
+        f"{best.rate:,.0f}/s ({best.processes} proc x {best.threads} threads"
+        + (f", prefetch {best.prefetch})" if best.prefetch else ")"),
         best.rate >= 8_000,
     )
 

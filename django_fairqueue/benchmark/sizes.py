@@ -18,6 +18,8 @@ class Sizes:
     # -- claim + complete --
     claim_channels: tuple[int, ...] = (1, 100)
     claim_batches: tuple[int, ...] = (1, 100)
+    #: Batch sizes also measured with complete_and_claim_messages (one commit per cycle).
+    claim_combined_batches: tuple[int, ...] = (1,)
     claimers: tuple[int, ...] = (1, 2, 4)
     #: Seconds of the single-claimer probe that sizes each cell's pre-fill.
     calibration: float = 1.0
@@ -32,7 +34,8 @@ class Sizes:
     latency_samples: int = 300
     latency_warmup: int = 20
     # -- fairness --
-    fairness_backlogs: tuple[int, ...] = (10_000, 100_000)
+    #: Issue 7: B's wait with A's backlog at 10,000 and at 1,000,000 (100,000 between them).
+    fairness_backlogs: tuple[int, ...] = (10_000, 100_000, 1_000_000)
     fairness_processes: tuple[int, ...] = (1, 2)
     fairness_batch: int = 10
     fairness_burst: int = 10
@@ -42,8 +45,18 @@ class Sizes:
     fairness_pause: float = 0.1
     # -- end to end (real runfairworker processes) --
     e2e_channels: tuple[int, ...] = (1, 100)
-    e2e_processes: tuple[int, ...] = (1, 2)
-    e2e_threads: tuple[int, ...] = (1, 2, 4, 32)
+    #: The sweep of worker processes x handler threads x prefetch (issue 7); the best cell is
+    #: marked. Prefetch lets one claim fill the threads and queue more behind them.
+    e2e_workers: tuple[tuple[int, int, int], ...] = (
+        (1, 1, 0),
+        (1, 8, 0),
+        (2, 16, 0),
+        (2, 32, 0),
+        (2, 64, 0),
+        (2, 100, 0),
+        (2, 32, 68),
+        (2, 64, 136),
+    )
     e2e_batch: int = 100
     #: Backlog bounds of one cell; within them it is sized to drain in about ``duration``.
     e2e_min_backlog: int = 2_000
@@ -73,8 +86,9 @@ QUICK = Sizes(
     max_fill=1_000_000,
     latency_samples=100,
     latency_warmup=10,
+    fairness_backlogs=(10_000, 100_000),
     fairness_rounds=3,
-    e2e_threads=(1, 4, 32),
+    e2e_workers=((1, 8, 0), (2, 32, 0), (2, 64, 0), (2, 32, 68)),
     e2e_min_backlog=1_000,
     pickup_samples=100,
     pickup_poll_samples=15,
@@ -105,8 +119,7 @@ TINY = Sizes(
     fairness_rounds=2,
     fairness_pause=0.02,
     e2e_channels=(3,),
-    e2e_processes=(1,),
-    e2e_threads=(2,),
+    e2e_workers=((1, 2, 4),),
     e2e_min_backlog=300,
     e2e_max_backlog=300,
     pickup_modes=("listen",),

@@ -12,7 +12,15 @@ from typing import Any, TextIO, cast
 from django.core.management.base import BaseCommand, CommandError
 
 from django_fairqueue import conf
-from django_fairqueue.benchmark import PRESETS, SCENARIOS, BenchmarkError, Progress, Scenario, Sizes
+from django_fairqueue.benchmark import (
+    PRESETS,
+    SCENARIOS,
+    BenchmarkError,
+    Progress,
+    Scenario,
+    Sizes,
+    plots,
+)
 from django_fairqueue.benchmark.database import benchmark_database
 from django_fairqueue.benchmark.report import ScenarioReport, table, targets_table
 from django_fairqueue.benchmark.runner import run, select_cells, with_repeat
@@ -67,6 +75,13 @@ class Command(BaseCommand):
         )
         parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
         parser.add_argument(
+            "--plots",
+            metavar="DIR",
+            help="also draw PNG plots into DIR (needs matplotlib, the `plots` extra): "
+            f"{plots.E2E_FILE} (e2e throughput vs processes x threads) and "
+            f"{plots.FAIRNESS_FILE} (B's wait vs A's backlog), e.g. --plots docs/img",
+        )
+        parser.add_argument(
             "--baseline",
             metavar="PATH",
             help="an earlier run's --json file: tables add each cell's main figure then, and the "
@@ -104,6 +119,12 @@ class Command(BaseCommand):
         scenarios = [SCENARIOS[name] for name in SCENARIOS if name in names]
         alias = options["database"] or conf.get().DATABASE
         json_path = Path(options["json"]) if options["json"] else None
+        plots_dir = Path(options["plots"]) if options["plots"] else None
+        if plots_dir is not None:
+            try:  # before the run, not after minutes of it
+                plots.pyplot()
+            except BenchmarkError as exc:
+                raise CommandError(str(exc)) from exc
         where = self._where(options["where"], scenarios, sizes)
         baseline = None
         if options["baseline"]:
@@ -150,6 +171,10 @@ class Command(BaseCommand):
             json_path.parent.mkdir(parents=True, exist_ok=True)
             json_path.write_text(json.dumps(report.as_json(), indent=1) + "\n")
             self.stdout.write(f"results written to {json_path}\n")
+        if plots_dir is not None:
+            results = {name: s.results for name, s in report.scenarios.items()}
+            for path in plots.write_plots(results, plots_dir):
+                self.stdout.write(f"plot written to {path}\n")
 
     @staticmethod
     def _where(terms: list[str], scenarios: list[Scenario], sizes: Sizes) -> dict[str, str]:

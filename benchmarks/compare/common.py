@@ -1,0 +1,199 @@
+"""What every system's adapter shares: the no-op handler's stamps, worker processes, figures.
+
+Every system runs the same no-op task, ``noop(tenant, seq)``. It does nothing but, for jobs of
+tenants other than ``A`` (and for every job when ``COMPARE_STAMP_ALL=1``), print one line
+``@@stamp TENANT SEQ TIME`` on its worker's standard output: ``TIME`` is ``time.time()`` when
+the handler started. The benchmark reads those lines from the workers' pipes, so B's wait
+and the pickup latency are the difference of two readings of one machine's clock, taken the
+same way for every system.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+STAMP = "@@stamp"
+STAMP_ALL_ENV = "COMPARE_STAMP_ALL"
+DSN_ENV = "COMPARE_DSN"
+#: Seconds a worker gets to stop after SIGTERM before it is killed.
+STOP_TIMEOUT = 15.0
+
+
+def stamp(tenant: str, seq: int) -> None:
+    """The body of every system's no-op task."""
+    if tenant != "A" or _STAMP_ALL:
+        sys.stdout.write(f"{STAMP} {tenant} {seq} {time.time():.6f}\n")
+        sys.stdout.flush()
+
+
+_STAMP_ALL = os.environ.get(STAMP_ALL_ENV) == "1"
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+# --------------------------------------------------------------------------------------------
+# Connections
+
+
+def dsn_with(dsn: str, **changes: Any) -> str:
+    return make_conninfo(dsn, **changes)
+
+
+def dsn_fields(dsn: str) -> dict[str, Any]:
+    return conninfo_to_dict(dsn)
+
+
+def dsn_url(dsn: str) -> str:
+    """``postgres://user:password@host:port/dbname`` (for Django settings and asyncpg)."""
+    f = dsn_fields(dsn)
+    auth = f.get("user", "postgres")
+    if f.get("password"):
+        auth += ":" + str(f["password"])
+    return f"postgres://{auth}@{f.get('host', '127.0.0.1')}:{f.get('port', 5432)}/{f['dbname']}"
+
+
+# --------------------------------------------------------------------------------------------
+# Worker processes
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """P processes, each with C-way concurrency (threads, coroutines or batch size)."""
+
+    processes: int
+    concurrency: int
+    #: django-fairqueue only: ``runfairworker --prefetch``, messages claimed beyond free threads
+    prefetch: int = 0
+
+    @property
+    def label(self) -> str:
+        extra = f"+{self.prefetch}" if self.prefetch else ""
+        return f"{self.processes}x{self.concurrency}{extra}"
+
+
+class Stamps:
+    """Stamp lines read from the workers' pipes: (tenant, seq) -> handler start time."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.times: dict[tuple[str, int], float] = {}
+        self.a_times: list[float] = []
+        self.changed = threading.Condition(self.lock)
+
+    def read(self, pipe: IO[str]) -> None:
+        for line in pipe:
+            if not line.startswith(STAMP):
+                continue
+            _, tenant, seq, at = line.split()
+            with self.changed:
+                if tenant == "A":
+                    self.a_times.append(float(at))
+                else:
+                    self.times[(tenant, int(seq))] = float(at)
+                self.changed.notify_all()
+
+    def wait_for(self, keys: Sequence[tuple[str, int]], timeout: float) -> list[float] | None:
+        """The stamps of ``keys`` once all have arrived; None after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while True:
+                if all(k in self.times for k in keys):
+                    return [self.times[k] for k in keys]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.changed.wait(min(left, 0.05))
+
+
+class Fleet:
+    """Worker subprocesses started from ``argv`` lists; stamps collected from their stdout."""
+
+    def __init__(self, commands: Sequence[Sequence[str]], env: dict[str, str]) -> None:
+        self.stamps = Stamps()
+        self.procs: list[subprocess.Popen[str]] = []
+        self.logs: list[IO[str]] = []
+        self.threads: list[threading.Thread] = []
+        self.started = time.perf_counter()
+        try:
+            for argv in commands:
+                log = tempfile.TemporaryFile("w+", prefix="compare-worker-")  # noqa: SIM115
+                proc = subprocess.Popen(
+                    list(argv),
+                    env={**os.environ, **env},
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                    bufsize=1,
+                )
+                self.logs.append(log)
+                self.procs.append(proc)
+                assert proc.stdout is not None
+                thread = threading.Thread(target=self.stamps.read, args=(proc.stdout,), daemon=True)
+                thread.start()
+                self.threads.append(thread)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def check(self) -> None:
+        for proc, log in zip(self.procs, self.logs, strict=True):
+            code = proc.poll()
+            if code not in (None, 0):
+                log.seek(0)
+                tail = "\n".join(log.read().splitlines()[-25:])
+                raise BenchError(f"worker {' '.join(proc.args)} exited with {code}:\n{tail}")
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()  # our own child, by its pid
+                proc.wait(5)
+        for thread in self.threads:
+            thread.join(5)
+        for log in self.logs:
+            log.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Figures
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def jain(shares: Sequence[float]) -> float:
+    squares = sum(x * x for x in shares)
+    return 1.0 if not squares else sum(shares) ** 2 / (len(shares) * squares)

@@ -1,0 +1,281 @@
+"""Tables, goals and plots of a comparison run (its JSON document)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from django_fairqueue.benchmark.plots import Chart, Series, line_chart
+
+US = "django-fairqueue"
+FLOOR = "raw-sql"
+
+
+def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [list(header)] + [["-" if v is None else str(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = [title, "=" * len(title)]
+    for n, row in enumerate(cells):
+        lines.append(
+            "  ".join(
+                v.ljust(w) if i == 0 else v.rjust(w)
+                for i, (v, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _by_name(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {s["system"]: s for s in doc["systems"]}
+
+
+def _enqueue(system: dict[str, Any], mode: str, processes: int) -> float | None:
+    for c in system["enqueue"]:
+        if c["mode"] == mode and c["processes"] == processes:
+            return float(c["rate"])
+    return None
+
+
+def _best(system: dict[str, Any]) -> dict[str, Any]:
+    return max(system["e2e"], key=lambda c: c["rate"])
+
+
+def _others(cell: dict[str, Any]) -> str | None:
+    """CPU cores other processes used during the cell; ! from 0.5 (not comparable)."""
+    cpu = cell.get("others_cpu")
+    return None if cpu is None else f"{cpu:.2f}" + ("!" if cpu >= 0.5 else "")
+
+
+def _ratio(value: float | None, base: float | None) -> str | None:
+    if value is None or not base:
+        return None
+    return f"{value / base:.2f}"
+
+
+def tables(doc: dict[str, Any]) -> str:
+    systems = _by_name(doc)
+    floor = systems.get(FLOOR)
+    out = []
+    procs = sorted({c["processes"] for s in systems.values() for c in s["enqueue"]})
+    header = ["system"]
+    for mode in ("single", "batch"):
+        header += [f"{mode} x{p}" for p in procs]
+    header += ["batch vs floor"]
+    rows = []
+    for name, s in systems.items():
+        row: list[Any] = [name]
+        for mode in ("single", "batch"):
+            row += [f"{r:,.0f}" if (r := _enqueue(s, mode, p)) is not None else None for p in procs]
+        top = max(procs)
+        row.append(_ratio(_enqueue(s, "batch", top), floor and _enqueue(floor, "batch", top)))
+        rows.append(row)
+    out.append(
+        _table("Enqueue (jobs/s; batch = 100 jobs of one tenant per transaction)", header, rows)
+    )
+
+    rows = []
+    for name, s in systems.items():
+        for c in s["e2e"]:
+            rows.append(
+                [
+                    name,
+                    c["label"],
+                    f"{c['rate']:,.0f}",
+                    f"{c['drain_rate']:,.0f}",
+                    f"{c['backlog']:,}",
+                    f"{c['startup_s']:.1f}",
+                    _others(c),
+                    "best" if c["best"] else "",
+                ]
+            )
+    out.append(
+        _table(
+            "End-to-end no-op jobs by processes x concurrency (jobs/s, 10%-90% of the backlog)",
+            ["system", "P x C", "jobs/s", "drain jobs/s", "backlog", "start-up s", "others", ""],
+            rows,
+        )
+    )
+    rows = []
+    floor_best = _best(floor)["rate"] if floor else None
+    for name, s in systems.items():
+        b = _best(s)
+        rows.append(
+            [
+                name,
+                b["label"],
+                f"{b['rate']:,.0f}",
+                _ratio(b["rate"], floor_best),
+                s["concurrency_unit"],
+            ]
+        )
+    out.append(
+        _table(
+            "End-to-end, each system's best",
+            ["system", "P x C", "jobs/s", "vs floor", "C is"],
+            rows,
+        )
+    )
+
+    rows = [
+        [
+            name,
+            s["pickup"]["p50_ms"],
+            s["pickup"]["p90_ms"],
+            s["pickup"]["p99_ms"],
+            s["pickup"]["max_ms"],
+            s["pickup"]["samples"],
+            _others(s["pickup"]),
+            s["wakeup"],
+        ]
+        for name, s in systems.items()
+    ]
+    out.append(
+        _table(
+            "Pickup latency, one idle worker (ms)",
+            ["system", "p50", "p90", "p99", "max", "samples", "others", "wake-up"],
+            rows,
+        )
+    )
+
+    rows = []
+    for name, s in systems.items():
+        for c in s["fairness"]:
+            rows.append(
+                [
+                    name,
+                    c["variant"],
+                    f"{c['a_backlog']:,}",
+                    c["workers"],
+                    c["b_p50_ms"],
+                    c["b_p99_ms"],
+                    c["a_before_b_max"],
+                    c["jain_min"],
+                    f"{c['a_rate']:,.0f}",
+                    c["rounds"],
+                    c.get("note") or "",
+                    _others(c),
+                ]
+            )
+    out.append(
+        _table(
+            "Fairness: A's backlog, then B's burst of 10 (B's wait in ms, handler start - commit)",
+            [
+                "system",
+                "variant",
+                "A backlog",
+                "P x C",
+                "B p50",
+                "B p99",
+                "A before B",
+                "Jain",
+                "A jobs/s",
+                "rounds",
+                "note",
+                "others",
+            ],
+            rows,
+        )
+    )
+    if doc.get("goals"):
+        rows = [[g["goal"], g["measured"], "met" if g["met"] else "MISSED"] for g in doc["goals"]]
+        out.append(_table("Goals (issue 7)", ["goal", "measured", "verdict"], rows))
+    return "\n\n".join(out)
+
+
+def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    systems = _by_name(doc)
+    us = systems.get(US)
+    if us is None:
+        return []
+    found = []
+    peers = {n: s for n, s in systems.items() if n not in (US, FLOOR)}
+    if peers:
+        name, peer = max(peers.items(), key=lambda kv: _best(kv[1])["rate"])
+        ours, theirs = _best(us)["rate"], _best(peer)["rate"]
+        found.append(
+            {
+                "goal": "end-to-end >= 2x the fastest peer, while fair",
+                "measured": f"{ours:,.0f} vs {theirs:,.0f}/s ({name}): {ours / theirs:.2f}x",
+                "met": ours >= 2 * theirs,
+            }
+        )
+    floor = systems.get(FLOOR)
+    if floor:
+        top = max(c["processes"] for c in us["enqueue"])
+        ours_b, raw_b = _enqueue(us, "batch", top), _enqueue(floor, "batch", top)
+        if ours_b and raw_b:
+            found.append(
+                {
+                    "goal": "enqueue batch >= 50% of the raw floor",
+                    "measured": f"{ours_b:,.0f} vs {raw_b:,.0f}/s ({top} proc): "
+                    f"{100 * ours_b / raw_b:.0f}%",
+                    "met": ours_b >= 0.5 * raw_b,
+                }
+            )
+    for c in us["fairness"]:
+        p99 = c["b_p99_ms"]
+        found.append(
+            {
+                "goal": f"B's p99 < 50 ms with A's backlog {c['a_backlog']:,}",
+                "measured": f"{p99} ms (p50 {c['b_p50_ms']} ms, Jain {c['jain_min']})",
+                "met": p99 is not None and p99 < 50 and not c["timed_out"],
+            }
+        )
+    return found
+
+
+def plots(doc: dict[str, Any], directory: Path) -> list[Path]:
+    systems = _by_name(doc)
+    written = []
+    series = [
+        Series(
+            name,
+            [
+                (c["processes"] * c["concurrency"], c["rate"])
+                for c in sorted(s["e2e"], key=lambda c: c["processes"] * c["concurrency"])
+            ],
+        )
+        for name, s in systems.items()
+    ]
+    written.append(
+        line_chart(
+            Chart(
+                title="End-to-end no-op jobs, same server, same run",
+                xlabel="processes x concurrency (threads, coroutines, batch size; log)",
+                ylabel="jobs/s (log)",
+                series=series,
+                logx=True,
+                logy=True,
+            ),
+            directory / "compare-e2e.png",
+        )
+    )
+    rows = [
+        (f"{name} ({c['variant']})", c)
+        for name, s in systems.items()
+        for c in s["fairness"]
+        if c["b_p99_ms"] is not None
+    ]
+    labels = sorted({label for label, _ in rows})
+    series = [
+        Series(label, sorted((c["a_backlog"], c["b_p99_ms"]) for lab, c in rows if lab == label))
+        for label in labels
+    ]
+    written.append(
+        line_chart(
+            Chart(
+                title="B's p99 wait for a burst of 10 behind A's backlog",
+                xlabel="A's backlog (jobs, log)",
+                ylabel="B's p99 wait (ms, log)",
+                series=series,
+                logx=True,
+                logy=True,
+                hline=(50.0, "goal: 50 ms"),
+            ),
+            directory / "compare-fairness.png",
+        )
+    )
+    return written

@@ -1,0 +1,598 @@
+"""django-fairqueue beside procrastinate, pgqueuer, django-tasks-db and the raw SQL floor.
+
+One command, one PostgreSQL server, one run (docs/performance.md, "Side by side")::
+
+    python3 dev.py tox -e compare -- --plots docs/img
+
+Each system gets a fresh database of its own on the same server (``compare_<system>``, created
+and dropped here; only databases carrying this benchmark's comment are ever dropped), its schema
+installed by its own tools, and runs in a process of its own (the Django-based ones need their
+own settings). The same scenarios for all:
+
+- enqueue: one job per transaction, and batches of 100 of one tenant (the system's batch API
+  where it has one), 1 and 2 processes, for ``duration`` seconds each;
+- end to end: a bulk-loaded backlog of no-op jobs drained by real worker processes, a sweep of
+  processes x concurrency per system; the rate while 10% to 90% of it started;
+- pickup: one idle worker, one job at a time: handler start minus enqueue commit;
+- fairness: tenant A's backlog is loaded and the workers (the system's best end-to-end
+  configuration) start on it; tenant B then enqueues 10 jobs in one transaction, up to 5 rounds
+  while A still has work. B's wait: handler start minus B's commit; A's jobs/s meanwhile;
+  Jain's index over the jobs A and B started while B waited. Each system's fairness variants.
+
+The server is ``DATABASE_URL``'s, or the embedded development server (django_fairqueue.devdb).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from benchmarks.compare.common import (
+    STAMP_ALL_ENV,
+    BenchError,
+    Fleet,
+    WorkerConfig,
+    dsn_fields,
+    dsn_url,
+    dsn_with,
+    jain,
+    percentile,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+SYSTEMS = ("raw-sql", "django-fairqueue", "procrastinate", "pgqueuer", "django-tasks-db")
+DJANGO_SYSTEMS = {"django-fairqueue": "fairqueue", "django-tasks-db": "django-tasks-db"}
+MARK = "django-fairqueue benchmarks/compare database (dropped by every run)"
+SERVER_SETTINGS = (
+    "server_version",
+    "shared_buffers",
+    "work_mem",
+    "synchronous_commit",
+    "fsync",
+    "wal_sync_method",
+    "wal_level",
+    "full_page_writes",
+    "max_wal_size",
+    "checkpoint_timeout",
+    "jit",
+    "max_connections",
+    "autovacuum",
+    "io_method",
+)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    name: str
+    duration: float = 3.0
+    enqueue_processes: tuple[int, ...] = (1, 2)
+    #: an end-to-end backlog drains in about this many seconds at the previous cell's rate
+    e2e_seconds: float = 6.0
+    e2e_min: int = 3_000
+    e2e_max: int = 200_000
+    e2e_first_guess: float = 1_000.0
+    #: how many of each system's configurations (all if 0)
+    e2e_configs: int = 0
+    pickup_samples: int = 60
+    pickup_poll_samples: int = 25
+    fairness_backlogs: tuple[int, ...] = (10_000, 1_000_000)
+    #: backlogs for systems other than django-fairqueue (a first-in-first-out queue makes B
+    #: wait for all of A: at a million that is minutes per cell)
+    peer_backlogs: tuple[int, ...] = (10_000,)
+    fairness_burst: int = 10
+    fairness_rounds: int = 5
+    fairness_pause: float = 0.2
+    #: seconds B's burst may wait before the round is given up (reported as such)
+    fairness_timeout: float = 120.0
+
+
+PRESETS = {
+    "full": Sizes("full"),
+    "quick": Sizes(
+        "quick",
+        duration=1.5,
+        e2e_seconds=3.0,
+        e2e_configs=2,
+        pickup_samples=20,
+        pickup_poll_samples=8,
+        fairness_backlogs=(10_000,),
+        fairness_rounds=3,
+    ),
+    "tiny": Sizes(
+        "tiny",
+        duration=0.5,
+        enqueue_processes=(1,),
+        e2e_seconds=1.0,
+        e2e_min=300,
+        e2e_max=2_000,
+        e2e_configs=1,
+        pickup_samples=3,
+        pickup_poll_samples=2,
+        fairness_backlogs=(500,),
+        peer_backlogs=(500,),
+        fairness_rounds=2,
+        fairness_timeout=60.0,
+    ),
+}
+
+
+# ============================================================================================
+# One system (in its own process)
+
+
+def setup_django(dsn: str, app: str = "fairqueue") -> None:
+    """Django with the comparison's settings: the Django-based systems run on it, and
+    django_fairqueue.benchmark (plots, CPU watch) imports the app's models. Connects to nothing
+    until a system does."""
+    os.environ["COMPARE_DSN"] = dsn
+    os.environ["COMPARE_DJANGO_APP"] = app
+    os.environ["DJANGO_SETTINGS_MODULE"] = "benchmarks.compare.django_settings"
+    import django
+
+    django.setup()
+
+
+def load_system(name: str, dsn: str) -> Any:
+    setup_django(dsn, DJANGO_SYSTEMS.get(name, "fairqueue"))
+    if name == "django-fairqueue":
+        from benchmarks.compare.sys_fairqueue import Fairqueue
+
+        return Fairqueue(dsn)
+    if name == "django-tasks-db":
+        from benchmarks.compare.sys_django_tasks_db import DjangoTasksDb
+
+        return DjangoTasksDb(dsn)
+    if name == "procrastinate":
+        from benchmarks.compare.sys_procrastinate import Procrastinate
+
+        return Procrastinate(dsn)
+    if name == "pgqueuer":
+        from benchmarks.compare.sys_pgqueuer import Pgqueuer
+
+        return Pgqueuer(dsn)
+    from benchmarks.compare.sys_raw import Raw
+
+    return Raw(dsn)
+
+
+def say(message: str) -> None:
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+
+
+def bar(label: str, fraction: float) -> None:
+    if sys.stderr.isatty():
+        filled = int(20 * min(max(fraction, 0.0), 1.0))
+        sys.stderr.write(f"\r\x1b[2K  {label} [{'#' * filled}{'.' * (20 - filled)}]")
+        sys.stderr.flush()
+
+
+def _enqueue_child(system: Any, mode: str, duration: float, start: Any, out: Any) -> None:
+    try:
+        out.put(("ok", system.enqueue_loop(mode, duration, start)))
+    except BaseException as exc:
+        out.put(("error", repr(exc)))
+        raise
+
+
+def enqueue_cell(system: Any, mode: str, processes: int, sizes: Sizes) -> dict[str, Any]:
+    system.reset()
+    system.close()  # nothing open across the fork
+    ctx = multiprocessing.get_context("fork")
+    start = ctx.Barrier(processes + 1)
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_enqueue_child, args=(system, mode, sizes.duration, start, out))
+        for _ in range(processes)
+    ]
+    for p in procs:
+        p.start()
+    start.wait(180)
+    results = []
+    for _ in procs:
+        status, value = out.get(timeout=sizes.duration + 180)
+        if status != "ok":
+            raise BenchError(f"enqueue process failed: {value}")
+        results.append(value)
+    for p in procs:
+        p.join(30)
+    jobs = sum(r[0] for r in results)
+    seconds = max(r[2] for r in results) - min(r[1] for r in results)
+    system.reset()
+    return {
+        "mode": mode,
+        "processes": processes,
+        "jobs": jobs,
+        "seconds": round(seconds, 3),
+        "rate": round(jobs / seconds, 1),
+    }
+
+
+def _steady_rate(times: list[float]) -> float:
+    ordered = sorted(times)
+    low = ordered[int(0.1 * (len(ordered) - 1))]
+    high = ordered[int(0.9 * (len(ordered) - 1))]
+    n = int(0.9 * (len(ordered) - 1)) - int(0.1 * (len(ordered) - 1))
+    return n / (high - low) if high > low else float("nan")
+
+
+def e2e_cell(system: Any, config: WorkerConfig, backlog: int, variant: str) -> dict[str, Any]:
+    system.reset()
+    system.load("A", backlog, variant)
+    system.close()
+    env = {**system.worker_env(), STAMP_ALL_ENV: "1"}
+    label = f"e2e {config.label}"
+    with Fleet(system.worker_commands(config, variant), env) as fleet:
+        began = time.time()
+        deadline = time.monotonic() + 60 + 60 * backlog / 200
+        while len(fleet.stamps.a_times) < backlog:
+            bar(label, len(fleet.stamps.a_times) / backlog)
+            fleet.check()
+            if time.monotonic() > deadline:
+                raise BenchError(
+                    f"{system.name} {config.label}: {len(fleet.stamps.a_times)} of {backlog} "
+                    "jobs ran in time"
+                )
+            time.sleep(0.05)
+        times = list(fleet.stamps.a_times)
+    system.reset()
+    first, last = min(times), max(times)
+    return {
+        "processes": config.processes,
+        "concurrency": config.concurrency,
+        "prefetch": config.prefetch,
+        "label": config.label,
+        "backlog": backlog,
+        "rate": round(_steady_rate(times), 1),
+        "drain_rate": round(backlog / max(last - first, 1e-3), 1),
+        "startup_s": round(first - began, 2),
+        "drain_s": round(last - first, 2),
+    }
+
+
+def pickup_cell(system: Any, samples: int) -> dict[str, Any]:
+    system.reset()
+    system.close()
+    jitter = random.Random(0)
+    latencies = []
+    with Fleet(
+        system.worker_commands(system.pickup_config, system.variants[0]), system.worker_env()
+    ) as fleet:
+        # the first job waits for the worker to start; a few more warm it up
+        for i in range(samples + 3):
+            system.burst("P", [i], system.variants[0])
+            committed = time.time()
+            got = fleet.stamps.wait_for([("P", i)], 60)
+            fleet.check()
+            if got is None:
+                raise BenchError(f"{system.name}: pickup job {i} did not run within 60 s")
+            if i >= 3:
+                latencies.append(1000 * (got[0] - committed))
+            bar("pickup", (i + 1) / (samples + 3))
+            time.sleep(0.1 + jitter.uniform(0, 0.1))
+    system.reset()
+    return {
+        "samples": len(latencies),
+        "p50_ms": round(percentile(latencies, 50), 2),
+        "p90_ms": round(percentile(latencies, 90), 2),
+        "p99_ms": round(percentile(latencies, 99), 2),
+        "max_ms": round(max(latencies), 2),
+    }
+
+
+def fairness_cell(
+    system: Any, variant: str, backlog: int, config: WorkerConfig, sizes: Sizes
+) -> dict[str, Any]:
+    system.reset()
+    load_began = time.monotonic()
+    system.load("A", backlog, variant)
+    load_s = time.monotonic() - load_began
+    system.close()
+    env = {**system.worker_env(), STAMP_ALL_ENV: "1"}
+    bursts: list[tuple[float, list[float]]] = []  # (B's commit, its jobs' starts)
+    timed_out = 0
+    note = ""
+    began = time.monotonic()
+    with Fleet(system.worker_commands(config, variant), env) as fleet:
+        a = fleet.stamps.a_times
+        deadline = time.monotonic() + sizes.fairness_timeout
+        while len(a) < min(backlog // 100 + 1, 20):  # the workers are draining A
+            fleet.check()
+            if time.monotonic() > deadline:
+                note = f"fewer than 20 of A's jobs started in {sizes.fairness_timeout:.0f} s"
+                break
+            time.sleep(0.01)
+        time.sleep(sizes.fairness_pause)
+        for r in range(sizes.fairness_rounds if not note else 0):
+            if len(a) >= backlog - config.processes * (config.concurrency + config.prefetch):
+                break  # A has (almost) nothing left: B would be measured on an idle queue
+            if r and time.monotonic() - began > sizes.fairness_timeout:
+                break  # enough rounds for a slow system
+            seqs = [r * sizes.fairness_burst + j for j in range(sizes.fairness_burst)]
+            system.burst("B", seqs, variant)
+            committed = time.time()
+            got = fleet.stamps.wait_for([("B", s) for s in seqs], sizes.fairness_timeout)
+            fleet.check()
+            if got is None:
+                timed_out += 1
+                note = f"B's burst not run within {sizes.fairness_timeout:.0f} s"
+                break
+            bursts.append((committed, got))
+            bar(f"fairness {variant} {backlog:,}", (r + 1) / sizes.fairness_rounds)
+            time.sleep(sizes.fairness_pause)
+        time.sleep(0.5)  # A's starts after B's last, for Jain's index
+        a_times = sorted(a)
+    system.reset()
+    waits = [1000 * (t - committed) for committed, got in bursts for t in got]
+    a_before: list[int] = []
+    jains: list[float] = []
+    held = config.processes * (config.concurrency + config.prefetch)
+    for committed, got in bursts:
+        a_after = [t for t in a_times if t >= committed]
+        a_before.append(sum(1 for t in a_after if t <= max(got)))
+        # Jain's index over the first 2 x burst jobs the queue chose after B's commit (both
+        # tenants had work): 1.0 when B got half of them, 0.5 when one tenant got them all.
+        # The first P x (C + prefetch) of A's jobs to start may have been taken before the
+        # commit (a worker holds up to that many): not the queue's choice after it, skipped.
+        want = 2 * len(got)
+        first = sorted([(t, "A") for t in a_after[held : held + want]] + [(t, "B") for t in got])
+        b_share = sum(1 for _, who in first[:want] if who == "B")
+        jains.append(jain([min(len(first), want) - b_share, b_share]))
+    a_rate = (len(a_times) - 1) / (a_times[-1] - a_times[0]) if len(a_times) > 1 else 0.0
+    return {
+        "variant": variant,
+        "a_backlog": backlog,
+        "workers": config.label,
+        "rounds": len(bursts) + timed_out,
+        "timed_out": timed_out,
+        "note": note,
+        "b_p50_ms": round(percentile(waits, 50), 1) if waits else None,
+        "b_p99_ms": round(percentile(waits, 99), 1) if waits else None,
+        "b_max_ms": round(max(waits), 1) if waits else None,
+        "a_before_b_max": max(a_before) if a_before else None,
+        "jain_min": round(min(jains), 3) if jains else None,
+        "a_rate": round(a_rate, 1),
+        "a_started": len(a_times),
+        "load_s": round(load_s, 1),
+    }
+
+
+class Watch:
+    """CPU cores other processes used during a cell (django_fairqueue.benchmark.harness)."""
+
+    def __init__(self, dbname: str) -> None:
+        from django_fairqueue.benchmark.harness import CpuWatch
+
+        self.watch = CpuWatch(dbname)
+
+    def __call__(self, cell: dict[str, Any]) -> dict[str, Any]:
+        cell["others_cpu"] = self.watch.stop()
+        cell["load1"] = round(os.getloadavg()[0], 2)
+        return cell
+
+    def start(self) -> None:
+        self.watch.start()
+
+
+def run_system(name: str, dsn: str, sizes: Sizes) -> dict[str, Any]:
+    system = load_system(name, dsn)
+    watch = Watch(str(dsn_fields(dsn)["dbname"]))
+    say(f"== {name} ({system.version})")
+    system.setup()
+    result: dict[str, Any] = {
+        "system": name,
+        "version": system.version,
+        "concurrency_unit": system.concurrency_unit,
+        "wakeup": system.wakeup,
+        "variants": list(system.variants),
+    }
+    cells = []
+    for mode in ("single", "batch"):
+        for processes in sizes.enqueue_processes:
+            watch.start()
+            cell = watch(enqueue_cell(system, mode, processes, sizes))
+            say(f"  enqueue {mode} x{processes}: {cell['rate']:,.0f} jobs/s")
+            cells.append(cell)
+    result["enqueue"] = cells
+
+    configs = list(system.configs)
+    if sizes.e2e_configs:
+        configs = configs[: sizes.e2e_configs]
+    e2e = []
+    rate, capacity = sizes.e2e_first_guess, 1
+    for config in configs:
+        guess = rate * max(1.0, config.processes * config.concurrency / capacity) ** 0.5
+        backlog = int(min(sizes.e2e_max, max(sizes.e2e_min, guess * sizes.e2e_seconds)))
+        watch.start()
+        cell = watch(e2e_cell(system, config, backlog, system.variants[0]))
+        say(f"\r  e2e {config.label}: {cell['rate']:,.0f} jobs/s ({backlog:,} jobs)")
+        e2e.append(cell)
+        # the next backlog from the fastest rate measured so far (not the first guess)
+        rate = max(c["drain_rate"] for c in e2e)
+        capacity = config.processes * config.concurrency
+    best = max(e2e, key=lambda c: c["rate"])
+    for cell in e2e:
+        cell["best"] = cell is best
+    result["e2e"] = e2e
+
+    polling = system.wakeup.startswith("polling")
+    samples = sizes.pickup_poll_samples if polling else sizes.pickup_samples
+    watch.start()
+    result["pickup"] = watch(pickup_cell(system, samples))
+    say(f"\r  pickup: p50 {result['pickup']['p50_ms']} ms, p99 {result['pickup']['p99_ms']} ms")
+
+    fairness = []
+    best_config = WorkerConfig(best["processes"], best["concurrency"], best.get("prefetch", 0))
+    backlogs = sizes.fairness_backlogs if name == "django-fairqueue" else sizes.peer_backlogs
+    for variant in system.variants:
+        for backlog in backlogs:
+            watch.start()
+            try:
+                cell = watch(fairness_cell(system, variant, backlog, best_config, sizes))
+            except BenchError as exc:
+                say(f"\r  fairness {variant} A={backlog:,} failed: {exc}")
+                continue
+            say(
+                f"\r  fairness {variant} A={backlog:,}: B p50 {cell['b_p50_ms']} ms, "
+                f"p99 {cell['b_p99_ms']} ms, Jain {cell['jain_min']}"
+            )
+            fairness.append(cell)
+    result["fairness"] = fairness
+    system.close()
+    return result
+
+
+# ============================================================================================
+# The run: a database per system, a process per system
+
+
+def server_dsn() -> str:
+    url = os.environ.get("DATABASE_URL")
+    if not url:
+        from django_fairqueue import devdb
+
+        url = devdb.database_url("postgres")
+    return dsn_with(url, dbname="postgres")
+
+
+def _admin(dsn: str) -> psycopg.Connection:
+    return psycopg.connect(dsn, autocommit=True)
+
+
+def fresh_database(server: str, name: str) -> str:
+    with _admin(server) as conn:
+        row = conn.execute(
+            "SELECT shobj_description(oid, 'pg_database') FROM pg_database WHERE datname = %s",
+            (name,),
+        ).fetchone()
+        if row is not None:
+            if row[0] != MARK:
+                raise BenchError(f"database {name!r} exists and is not this benchmark's")
+            conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{name}"')
+        conn.execute(f"COMMENT ON DATABASE \"{name}\" IS '{MARK}'")
+    return dsn_with(server, dbname=name)
+
+
+def drop_database(server: str, name: str) -> None:
+    with _admin(server) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def describe(server: str) -> dict[str, Any]:
+    with _admin(server) as conn:
+        settings = {
+            s: str(conn.execute(f"SHOW {s}").fetchone()[0])  # type: ignore[index]
+            for s in SERVER_SETTINGS
+        }
+    git = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    return {
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": " ".join(["python -m benchmarks.compare.run", *sys.argv[1:]]),
+        "host": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "psycopg": psycopg.__version__,
+        },
+        "server": settings,
+        "server_host": dsn_fields(server).get("host", ""),
+        "load_average_before": [round(x, 2) for x in os.getloadavg()],
+        "git": git,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="compare", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--system", action="append", choices=SYSTEMS, help="repeatable; default all"
+    )
+    parser.add_argument("--sizes", choices=list(PRESETS), default="full")
+    parser.add_argument("--json", help="default: docs/bench/compare-<date>.json")
+    parser.add_argument("--plots", metavar="DIR", help="write compare-*.png plots there")
+    parser.add_argument("--keep", action="store_true", help="keep the databases")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one system
+    parser.add_argument("--dsn", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    sizes = PRESETS[args.sizes]
+
+    if args.one:
+        result = run_system(args.one, args.dsn, sizes)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        return 0
+
+    server = server_dsn()
+    setup_django(server)  # for the plots (django_fairqueue.benchmark)
+    from benchmarks.compare import report
+
+    meta = describe(server)
+    meta["sizes"] = asdict(sizes)
+    say(f"compare: server {dsn_url(server)}, load {meta['load_average_before'][0]:.2f}")
+    results = []
+    began = time.monotonic()
+    for name in args.system or SYSTEMS:
+        dbname = "compare_" + name.replace("-", "_")
+        dsn = fresh_database(server, dbname)
+        out = Path(f"/tmp/compare-{os.getpid()}-{dbname}.json")
+        try:
+            code = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.compare.run",
+                    "--sizes",
+                    args.sizes,
+                    "--one",
+                    name,
+                    "--dsn",
+                    dsn,
+                    "--out",
+                    str(out),
+                ],
+                cwd=ROOT,
+                check=False,
+            ).returncode
+            if code != 0:
+                say(f"compare: {name} failed (exit {code}); going on without it")
+                continue
+            results.append(json.loads(out.read_text()))
+        finally:
+            out.unlink(missing_ok=True)
+            if not args.keep:
+                drop_database(server, dbname)
+    meta["wall_seconds"] = round(time.monotonic() - began, 1)
+    meta["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    doc = {"meta": meta, "systems": results}
+    doc["goals"] = report.goals(doc)
+    print(report.tables(doc))
+    path = Path(args.json or ROOT / "docs" / "bench" / f"compare-{datetime.now(UTC):%Y-%m-%d}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"\nresults written to {path}")
+    if args.plots:
+        for written in report.plots(doc, Path(args.plots)):
+            print(f"plot written to {written}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

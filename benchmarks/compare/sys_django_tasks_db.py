@@ -1,0 +1,112 @@
+"""django-tasks-db (PyPI ``django-tasks-db``): the ORM backend of ``django.tasks``.
+
+Its ``DatabaseBackend`` with the ``django-tasks`` backport (Django 5.2; Django 6 has
+``django.tasks`` built in). Enqueue is ``task.enqueue()``: one ``INSERT`` through the ORM per
+job; there is no batch API, so a batch is 100 ``enqueue()`` calls in one
+``transaction.atomic()``. Workers are ``manage.py db_worker``: one job at a time per process,
+``SELECT ... FOR UPDATE SKIP LOCKED`` per job, polling every ``--interval`` (default 1 s) when
+idle. Backlogs are bulk-loaded with ``bulk_create`` of the rows ``enqueue()`` writes (not timed).
+Fairness: no mechanism (queues need a worker each): first in, first out.
+
+Runs with Django set up (``COMPARE_DJANGO_APP=django-tasks-db``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from multiprocessing.synchronize import Barrier
+
+import django_tasks_db
+from django.core.management import call_command
+from django.db import connection, connections, transaction
+from django_tasks_db.models import DBTaskResult, get_date_max
+
+from benchmarks.compare.common import DSN_ENV, WorkerConfig
+from benchmarks.compare.system import BATCH, System, python
+from benchmarks.compare.tasks_django_tasks import noop
+
+CHUNK = 2_000
+
+
+class DjangoTasksDb(System):
+    name = "django-tasks-db"
+    configs = (WorkerConfig(1, 1), WorkerConfig(2, 1), WorkerConfig(4, 1))
+    concurrency_unit = "one job at a time per db_worker process"
+    pickup_config = WorkerConfig(1, 1)
+    wakeup = "polling, --interval 1 s (the default)"
+    version = f"django-tasks-db {getattr(django_tasks_db, '__version__', '')}".strip()
+
+    def setup(self) -> None:
+        call_command("migrate", verbosity=0, interactive=False)
+
+    def reset(self) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(f"TRUNCATE {DBTaskResult._meta.db_table}")
+
+    def _row(self, tenant: str, seq: int) -> DBTaskResult:
+        return DBTaskResult(
+            id=uuid.uuid4(),
+            args_kwargs={"args": [tenant, seq], "kwargs": {}},
+            priority=noop.priority,
+            task_path=noop.module_path,
+            queue_name=noop.queue_name,
+            # what its pre_save handler stores for "no run_after" (bulk_create sends no signals)
+            run_after=noop.run_after or get_date_max(),
+            backend_name="default",
+        )
+
+    def load(self, tenant: str, count: int, variant: str) -> None:
+        for low in range(0, count, CHUNK):
+            rows = [self._row(tenant, low + j) for j in range(min(CHUNK, count - low))]
+            DBTaskResult.objects.bulk_create(rows)
+        with connection.cursor() as cursor:
+            cursor.execute(f"ANALYZE {DBTaskResult._meta.db_table}")
+
+    def enqueue_loop(self, mode: str, duration: float, start: Barrier) -> tuple[int, float, float]:
+        seq = 0
+
+        def call() -> int:
+            nonlocal seq
+            if mode == "single":
+                seq += 1
+                noop.enqueue("E", seq)
+                return 1
+            with transaction.atomic():
+                for j in range(BATCH):
+                    noop.enqueue("E", seq + j)
+            seq += BATCH
+            return BATCH
+
+        for _ in range(3):
+            call()
+        start.wait(120)
+        began = time.perf_counter()
+        jobs = 0
+        while time.perf_counter() < began + duration:
+            jobs += call()
+        ended = time.perf_counter()
+        connections.close_all()
+        return jobs, began, ended
+
+    def burst(self, tenant: str, seqs: Sequence[int], variant: str) -> None:
+        with transaction.atomic():
+            for s in seqs:
+                noop.enqueue(tenant, s)
+
+    def worker_commands(self, config: WorkerConfig, variant: str) -> list[list[str]]:
+        return [
+            python("-m", "django", "db_worker", "--queue-name", "default", "--verbosity", "0")
+            for _ in range(config.processes)
+        ]
+
+    def worker_env(self) -> dict[str, str]:
+        return {
+            DSN_ENV: self.dsn,
+            "DJANGO_SETTINGS_MODULE": "benchmarks.compare.django_settings",
+            "COMPARE_DJANGO_APP": "django-tasks-db",
+        }
+
+    def close(self) -> None:
+        connections.close_all()

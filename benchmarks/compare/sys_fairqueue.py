@@ -1,0 +1,126 @@
+"""django-fairqueue, this project: one channel per tenant, real ``runfairworker`` processes.
+
+Workers: ``python -m django runfairworker --concurrency T --batch-size 100 --prefetch F`` (T
+handler threads per process; a claim takes at most as many messages as there are free threads,
+plus F). Enqueue goes
+through the public API, ``enqueue()`` and ``enqueue_many()``. Backlogs for the throughput and
+fairness cells are bulk-loaded with the benchmark's ``store.load_ready_messages`` (the same
+rows and channel counters ``enqueue_many`` writes), which is not timed.
+
+Runs with Django set up (``benchmarks.compare.django_settings``, ``COMPARE_DJANGO_APP=fairqueue``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from multiprocessing.synchronize import Barrier
+
+from django.core.management import call_command
+from django.db import connections, transaction
+
+import django_fairqueue
+from benchmarks.compare.common import DSN_ENV, WorkerConfig
+from benchmarks.compare.system import BATCH, System, python
+from benchmarks.compare.tasks_fairqueue import NAME
+from django_fairqueue import EnqueueRequest, conf, enqueue, enqueue_many, store
+
+LOAD_CHUNK = 200_000
+
+
+class Fairqueue(System):
+    name = "django-fairqueue"
+    variants = ("fair",)
+    configs = (
+        WorkerConfig(1, 8),
+        WorkerConfig(2, 16),
+        WorkerConfig(2, 32),
+        WorkerConfig(2, 64),
+        WorkerConfig(2, 100),
+        # a claim may take that many messages beyond the free threads (leased, heartbeated,
+        # counted against the caps): fewer, larger claims
+        WorkerConfig(2, 32, prefetch=68),
+        WorkerConfig(2, 64, prefetch=136),
+    )
+    concurrency_unit = "handler threads per worker (--concurrency)"
+    pickup_config = WorkerConfig(1, 1)
+    wakeup = "LISTEN/NOTIFY (the default), polling as a fallback"
+    version = f"django-fairqueue {django_fairqueue.__version__}"
+
+    def setup(self) -> None:
+        call_command("migrate", verbosity=0, interactive=False)
+
+    def reset(self) -> None:
+        store.truncate_queue_tables()
+
+    def load(self, tenant: str, count: int, variant: str) -> None:
+        done = 0
+        while done < count:
+            done += store.load_ready_messages(
+                [tenant],
+                min(LOAD_CHUNK, count - done),
+                task_name=NAME,
+                payload={"args": [tenant, 0], "kwargs": {}},
+                defaults=conf.get().CHANNEL_DEFAULTS,
+            )
+        while store.fold_channel_deltas(10_000) > 0:
+            pass
+        store.analyze_queue_tables()
+
+    def enqueue_loop(self, mode: str, duration: float, start: Barrier) -> tuple[int, float, float]:
+        seq = 0
+
+        def call() -> int:
+            nonlocal seq
+            if mode == "single":
+                seq += 1
+                enqueue(NAME, "E", seq, channel="E")
+                return 1
+            enqueue_many(EnqueueRequest(NAME, ("E", seq + j), channel="E") for j in range(BATCH))
+            seq += BATCH
+            return BATCH
+
+        for _ in range(3):
+            call()
+        start.wait(120)
+        began = time.perf_counter()
+        jobs = 0
+        while time.perf_counter() < began + duration:
+            jobs += call()
+        ended = time.perf_counter()
+        connections.close_all()
+        return jobs, began, ended
+
+    def burst(self, tenant: str, seqs: Sequence[int], variant: str) -> None:
+        with transaction.atomic():
+            enqueue_many(EnqueueRequest(NAME, (tenant, s), channel=tenant) for s in seqs)
+
+    def worker_commands(self, config: WorkerConfig, variant: str) -> list[list[str]]:
+        return [
+            python(
+                "-m",
+                "django",
+                "runfairworker",
+                "--concurrency",
+                str(config.concurrency),
+                "--batch-size",
+                "100",
+                "--prefetch",
+                str(config.prefetch),
+                "--worker-id",
+                f"compare-{i}",
+                "--verbosity",
+                "0",
+            )
+            for i in range(config.processes)
+        ]
+
+    def worker_env(self) -> dict[str, str]:
+        return {
+            DSN_ENV: self.dsn,
+            "DJANGO_SETTINGS_MODULE": "benchmarks.compare.django_settings",
+            "COMPARE_DJANGO_APP": "fairqueue",
+        }
+
+    def close(self) -> None:
+        connections.close_all()

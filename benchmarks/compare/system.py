@@ -1,0 +1,82 @@
+"""The interface each compared system implements (one module per system)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from multiprocessing.synchronize import Barrier
+
+from benchmarks.compare.common import WorkerConfig
+
+#: Messages per call in the batch enqueue cells (one tenant's upload).
+BATCH = 100
+
+
+class System:
+    #: Short name, used on the command line, in tables and in the database's name.
+    name = ""
+    #: Fairness variants: the mechanism used to keep B from waiting behind A. The first is the
+    #: plain configuration, also used for the throughput cells.
+    variants: tuple[str, ...] = ("fifo",)
+    #: The end-to-end sweep: processes x concurrency.
+    configs: tuple[WorkerConfig, ...] = ()
+    #: What "concurrency" means for this system, for the tables.
+    concurrency_unit = ""
+    #: One idle worker for pickup latency.
+    pickup_config = WorkerConfig(1, 1)
+    #: How it finds new work when idle (for the pickup table).
+    wakeup = ""
+    #: The package and version measured.
+    version = ""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+
+    # -- schema and data ----------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Install the system's schema into the (fresh, empty) database."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Empty the system's job tables."""
+        raise NotImplementedError
+
+    def remaining(self) -> int:
+        """Jobs not finished yet (waiting or running)."""
+        raise NotImplementedError
+
+    def load(self, tenant: str, count: int, variant: str) -> None:
+        """Queue ``count`` no-op jobs of ``tenant`` as fast as the system allows (not timed)."""
+        raise NotImplementedError
+
+    # -- enqueue ------------------------------------------------------------------------------
+
+    def enqueue_loop(self, mode: str, duration: float, start: Barrier) -> tuple[int, float, float]:
+        """In a forked process: enqueue in a loop for ``duration`` seconds after ``start``.
+
+        ``mode`` is ``single`` (one job per transaction) or ``batch`` (``BATCH`` jobs of one
+        tenant per transaction, through the system's batch API where it has one). Returns
+        (jobs, began, ended) on ``time.perf_counter()``'s clock.
+        """
+        raise NotImplementedError
+
+    def burst(self, tenant: str, seqs: Sequence[int], variant: str) -> None:
+        """Enqueue one job per seq for ``tenant`` in one transaction (committed on return)."""
+        raise NotImplementedError
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def worker_commands(self, config: WorkerConfig, variant: str) -> list[list[str]]:
+        """One command line per worker process."""
+        raise NotImplementedError
+
+    def worker_env(self) -> dict[str, str]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def python(*args: str) -> list[str]:
+    return [sys.executable, *args]
