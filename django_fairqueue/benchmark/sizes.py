@@ -45,10 +45,13 @@ class Sizes:
     fairness_pause: float = 0.1
     # -- end to end (real runfairworker processes) --
     e2e_channels: tuple[int, ...] = (1, 100)
-    #: The sweep of worker processes x handler threads x prefetch (issue 7); the best cell is
-    #: marked. Prefetch lets one claim fill the threads and queue more behind them.
+    #: The sweep of worker processes x handler threads x prefetch (issues 3 and 7); the best
+    #: cell is marked. Prefetch lets one claim fill the threads and queue more behind them.
     e2e_workers: tuple[tuple[int, int, int], ...] = (
         (1, 1, 0),
+        (2, 1, 0),  # issue 3: 2 processes x 1, 2, 4 threads
+        (2, 2, 0),
+        (2, 4, 0),
         (1, 8, 0),
         (2, 16, 0),
         (2, 32, 0),
