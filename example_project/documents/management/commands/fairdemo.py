@@ -19,7 +19,7 @@ from django.db import transaction
 from django.db.models import Count, Q
 
 from django_fairqueue import EnqueueRequest, enqueue_many
-from django_fairqueue.models import Channel, Message
+from django_fairqueue.models import Channel, Message, MessageState
 from django_fairqueue.store import purge_channel_backlog
 from documents.models import Document
 
@@ -142,7 +142,10 @@ class Command(BaseCommand):
             if b["done"] == b["total"] and s["done"] == s["total"]:
                 break
             time.sleep(0.05 if small_done_after is None else 0.5)
-        waiting = Message.objects.filter(channel__name__in=[BIG, SMALL]).count()
+        waiting = Message.objects.filter(
+            channel__name__in=[BIG, SMALL],
+            state__in=[MessageState.SCHEDULED, MessageState.READY, MessageState.RUNNING],
+        ).count()  # succeeded rows may be kept (KEEP_RESULTS): they are not queued
         if small_done_after is None:
             self.stderr.write(f"{SMALL}'s documents did not finish in {timeout:.0f} s")
             return
