@@ -15,7 +15,6 @@ run by ``store.py``. Design and guarantees: docs/explanation/work-batches.md.
 from __future__ import annotations
 
 import math
-import random
 import sys
 import threading
 import time
@@ -409,26 +408,17 @@ def fenced(batch: ClaimedBatch, *, using: str | None = None) -> Iterator[Fence]:
         fence.finished_at = timezone.now()
 
 
-def retry_delay(attempt: int) -> float:
-    """Seconds before attempt ``attempt + 1``: the message backoff (base * 2^(n-1), capped),
-    with ±50 % jitter so batches failed together do not retry together."""
-    cfg = conf.get()
-    step = min(cfg.RETRY_BACKOFF_BASE * 2.0 ** min(attempt - 1, 60), cfg.RETRY_BACKOFF_MAX)
-    return step * random.uniform(0.5, 1.5)
-
-
 def _error_dict(error: BaseException | str, batch: ClaimedBatch, worker_id: str) -> dict[str, Any]:
-    if isinstance(error, BaseException):
-        from django_fairqueue.worker import error_info
+    """The ``last_error`` of a failed attempt, shaped (and made storable) like a message's."""
+    from django_fairqueue.worker import error_info
 
+    if isinstance(error, BaseException):
         return error_info(error, attempt=batch.attempts, worker_id=worker_id)
-    return {
-        "type": "Error",
-        "message": str(error)[:10_000],
-        "traceback": None,
-        "attempt": batch.attempts,
-        "worker": worker_id,
-    }
+    # A plain message: the same truncation and NUL escaping, no traceback.
+    info = error_info(
+        RuntimeError(error), attempt=batch.attempts, worker_id=worker_id, with_traceback=False
+    )
+    return {**info, "type": "Error"}
 
 
 def fail(
@@ -445,6 +435,8 @@ def fail(
 
     Returns the new state, or None if the lease was already lost (nothing changes).
     """
+    from django_fairqueue.worker import retry_delay  # the messages' backoff, jitter and cap
+
     delay = retry_delay_seconds if retry_delay_seconds is not None else retry_delay(batch.attempts)
     if not math.isfinite(delay) or delay < 0:
         raise ValueError(f"retry delay must be a finite number >= 0, got {delay!r}")
