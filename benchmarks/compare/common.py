@@ -18,8 +18,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing.synchronize import Barrier
 from typing import IO, Any
 
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -182,6 +183,40 @@ class Fleet:
 
 # --------------------------------------------------------------------------------------------
 # Figures
+
+
+#: Untimed enqueue calls before the start line (connections, prepared statements, caches).
+WARMUP_CALLS = 3
+
+
+def timed_calls(
+    call: Callable[[], int], start: Barrier, duration: float
+) -> tuple[int, float, float]:
+    """The enqueue cell's loop: warm up, wait for every process at ``start``, then call
+    ``call`` (returns jobs enqueued) for ``duration`` seconds. Returns (jobs, began, ended)."""
+    for _ in range(WARMUP_CALLS):
+        call()
+    start.wait(120)
+    began = time.perf_counter()
+    jobs = 0
+    while time.perf_counter() < began + duration:
+        jobs += call()
+    return jobs, began, time.perf_counter()
+
+
+async def timed_calls_async(
+    call: Callable[[], Awaitable[int]], start: Barrier, duration: float
+) -> tuple[int, float, float]:
+    """:func:`timed_calls` for an async ``call`` (the barrier wait blocks the loop on purpose:
+    nothing else runs on it before the start)."""
+    for _ in range(WARMUP_CALLS):
+        await call()
+    start.wait(120)
+    began = time.perf_counter()
+    jobs = 0
+    while time.perf_counter() < began + duration:
+        jobs += await call()
+    return jobs, began, time.perf_counter()
 
 
 def percentile(values: Sequence[float], q: float) -> float:

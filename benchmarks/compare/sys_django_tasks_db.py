@@ -13,7 +13,6 @@ Runs with Django set up (``COMPARE_DJANGO_APP=django-tasks-db``).
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
@@ -23,7 +22,7 @@ from django.core.management import call_command
 from django.db import connection, connections, transaction
 from django_tasks_db.models import DBTaskResult, get_date_max
 
-from benchmarks.compare.common import DSN_ENV, WorkerConfig
+from benchmarks.compare.common import DSN_ENV, WorkerConfig, timed_calls
 from benchmarks.compare.system import BATCH, System, python
 from benchmarks.compare.tasks_django_tasks import noop
 
@@ -79,16 +78,10 @@ class DjangoTasksDb(System):
             seq += BATCH
             return BATCH
 
-        for _ in range(3):
-            call()
-        start.wait(120)
-        began = time.perf_counter()
-        jobs = 0
-        while time.perf_counter() < began + duration:
-            jobs += call()
-        ended = time.perf_counter()
-        connections.close_all()
-        return jobs, began, ended
+        try:
+            return timed_calls(call, start, duration)
+        finally:
+            connections.close_all()
 
     def burst(self, tenant: str, seqs: Sequence[int], variant: str) -> None:
         with transaction.atomic():

@@ -12,7 +12,6 @@ Runs with Django set up (``benchmarks.compare.django_settings``, ``COMPARE_DJANG
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
 
@@ -20,7 +19,7 @@ from django.core.management import call_command
 from django.db import connections, transaction
 
 import django_fairqueue
-from benchmarks.compare.common import DSN_ENV, WorkerConfig
+from benchmarks.compare.common import DSN_ENV, WorkerConfig, timed_calls
 from benchmarks.compare.system import BATCH, System, python
 from benchmarks.compare.tasks_fairqueue import NAME
 from django_fairqueue import EnqueueRequest, conf, enqueue, enqueue_many, store
@@ -80,16 +79,10 @@ class Fairqueue(System):
             seq += BATCH
             return BATCH
 
-        for _ in range(3):
-            call()
-        start.wait(120)
-        began = time.perf_counter()
-        jobs = 0
-        while time.perf_counter() < began + duration:
-            jobs += call()
-        ended = time.perf_counter()
-        connections.close_all()
-        return jobs, began, ended
+        try:
+            return timed_calls(call, start, duration)
+        finally:
+            connections.close_all()
 
     def burst(self, tenant: str, seqs: Sequence[int], variant: str) -> None:
         with transaction.atomic():

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
 from typing import Any
@@ -25,7 +24,7 @@ import pgqueuer
 from pgqueuer import AsyncpgDriver, PgQueuer, Queries
 from pgqueuer.models import Job
 
-from benchmarks.compare.common import DSN_ENV, WorkerConfig, dsn_url, stamp
+from benchmarks.compare.common import DSN_ENV, WorkerConfig, dsn_url, stamp, timed_calls_async
 from benchmarks.compare.system import BATCH, System, python
 
 CHUNK = 1_000
@@ -120,14 +119,7 @@ class Pgqueuer(System):
                 return BATCH
 
             try:
-                for _ in range(3):
-                    await call()
-                start.wait(120)
-                began = time.perf_counter()
-                jobs = 0
-                while time.perf_counter() < began + duration:
-                    jobs += await call()
-                return jobs, began, time.perf_counter()
+                return await timed_calls_async(call, start, duration)
             finally:
                 await conn.close()
 

@@ -15,7 +15,6 @@ first in first out.)
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import procrastinate
 import psycopg
 
-from benchmarks.compare.common import DSN_ENV, WorkerConfig, stamp
+from benchmarks.compare.common import DSN_ENV, WorkerConfig, stamp, timed_calls_async
 from benchmarks.compare.system import BATCH, System, python
 
 CHUNK = 1_000
@@ -115,14 +114,7 @@ class Procrastinate(System):
                 seq += BATCH
                 return BATCH
 
-            for _ in range(3):
-                await call()
-            start.wait(120)
-            began = time.perf_counter()
-            jobs = 0
-            while time.perf_counter() < began + duration:
-                jobs += await call()
-            return jobs, began, time.perf_counter()
+            return await timed_calls_async(call, start, duration)
 
         result: tuple[int, float, float] = self._run(self._with_app(go))
         return result

@@ -10,14 +10,13 @@ queues' do.
 from __future__ import annotations
 
 import select
-import time
 from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
 
 import psycopg
 from psycopg.types.json import Jsonb
 
-from benchmarks.compare.common import DSN_ENV, WorkerConfig, stamp
+from benchmarks.compare.common import DSN_ENV, WorkerConfig, stamp, timed_calls
 from benchmarks.compare.system import BATCH, System, python
 
 SCHEMA = """
@@ -86,16 +85,10 @@ class Raw(System):
             conn.execute(INSERT_MANY, (["E"] * BATCH, payloads))
             return BATCH
 
-        for _ in range(3):
-            call()
-        start.wait(120)
-        began = time.perf_counter()
-        jobs = 0
-        while time.perf_counter() < began + duration:
-            jobs += call()
-        ended = time.perf_counter()
-        conn.close()
-        return jobs, began, ended
+        try:
+            return timed_calls(call, start, duration)
+        finally:
+            conn.close()
 
     def burst(self, tenant: str, seqs: Sequence[int], variant: str) -> None:
         with self._connect() as conn, conn.transaction():
