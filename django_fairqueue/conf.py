@@ -7,6 +7,7 @@ and the first use raise the same clear message.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -21,6 +22,7 @@ from django_fairqueue.models import MAX_CONCURRENCY_LIMIT, MAX_RELEASE_INTERVAL,
 
 DELIVERY_MODES = ("at_most_once", "at_least_once")
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+MAX_CLAIM_WAIT = 10.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,10 @@ class FairQueueSettings:
     NOTIFY: bool = True  # LISTEN/NOTIFY wake-ups; polling always runs as well
     NOTIFY_CHANNEL: str = "fairqueue"
     POLL_INTERVAL: float = 1.0
+    # Seconds a claim in a transaction of its own may queue behind concurrent claims holding
+    # the only eligible channels (one hot tenant, several claimers); 0: never wait, come back
+    # empty. See docs/explanation/fairness.md, "Several claimers, one channel".
+    CLAIM_WAIT: float = 0.05
     RESCUE_INTERVAL: float = 15.0
     PRUNE_INTERVAL: float = 60.0
     MAX_PAYLOAD_BYTES: int = 1_048_576
@@ -77,7 +83,14 @@ def _duration(value: Any, name: str) -> timedelta:
 
 def _number(value: Any, name: str, *, minimum: float, integer: bool = False) -> Any:
     kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or value < minimum:
+    # NaN compares false with everything, so it would pass `value < minimum`; infinity makes
+    # no sense for any of these (a sleep, a lease, a wait).
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, kinds)
+        or not math.isfinite(value)
+        or value < minimum
+    ):
         kind = "an integer" if integer else "a number"
         raise ValueError(f"{name} must be {kind} >= {minimum}, got {value!r}")
     return value
@@ -156,6 +169,14 @@ def load(raw: Any) -> FairQueueSettings:
             values[key] = value
         elif key in ("RESULT_RETENTION", "BATCH_RETENTION"):
             values[key] = _duration(value, f"FAIRQUEUE['{key}']")
+        elif key == "CLAIM_WAIT":
+            wait = float(_number(value, "FAIRQUEUE['CLAIM_WAIT']", minimum=0.0))
+            if wait > MAX_CLAIM_WAIT:
+                raise ValueError(
+                    f"FAIRQUEUE['CLAIM_WAIT'] must be at most {MAX_CLAIM_WAIT:g} seconds (a claim "
+                    f"holding its caller that long is a stall, not a queue), got {value!r}"
+                )
+            values[key] = wait
         elif key == "SPARK":
             if not isinstance(value, dict):
                 raise ValueError(f"FAIRQUEUE['SPARK'] must be a dict, got {type(value).__name__}")

@@ -174,9 +174,14 @@ def test_eight_claimers_never_exceed_a_channel_cap_and_free_each_slot_once() -> 
 
 
 @pytest.mark.django_db(transaction=True)
-def test_rate_limited_releases_are_never_closer_than_the_interval() -> None:
+@pytest.mark.parametrize("alone", [False, True], ids=["with-free-channels", "alone"])
+def test_rate_limited_releases_are_never_closer_than_the_interval(alone: bool) -> None:
+    # Alone, the claimers find nothing else to take, so they queue for the metered channel
+    # (CLAIM_WAIT) while another claim holds it: the wait must not release it early either.
     interval = timedelta(milliseconds=200)
-    f.enqueue_spread({"metered": 100, "free-a": 3_000, "free-b": 3_000})
+    f.enqueue_spread(
+        {"metered": 100} if alone else {"metered": 100, "free-a": 3_000, "free-b": 3_000}
+    )
     f.set_limits(["metered"], release_interval=interval)
     hammer_for = 1.2  # seconds
     per_claim: list[int] = []
@@ -335,6 +340,195 @@ def test_a_claim_skips_a_channel_held_by_another_claim_instead_of_waiting() -> N
     assert slow == ["alice"]
     assert fast == ["bob"] * 3
     assert Counter(m.channel for m in claim(10, "later")) == {"alice": 2}
+
+
+# ------------------------------------------------------------------------------------------------
+# Several claimers, one channel: a claim that finds only held channels queues (CLAIM_WAIT)
+
+
+def waiting_for_a_lock() -> int:
+    """Backends of this database waiting for a lock right now (a fresh reading each call)."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT pg_stat_clear_snapshot()")
+        cur.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        row = cur.fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+def hold_channel_until(event: threading.Event, holding: threading.Event) -> list[str]:
+    """Claim one message inside a transaction (which never waits) and keep its channel locked
+    until ``event`` is set."""
+    with transaction.atomic():
+        got = claim(1, "holder")
+        holding.set()
+        assert event.wait(timeout=30)
+    return [m.channel for m in got]
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(FAIRQUEUE={"CLAIM_WAIT": 10})
+def test_a_claim_that_finds_only_held_channels_queues_for_them() -> None:
+    f.enqueue_spread({"alice": 3})
+    f.fold_all()
+    holding, queued, done = threading.Event(), threading.Event(), threading.Event()
+
+    def holder() -> list[str]:
+        got = hold_channel_until(queued, holding)
+        return got
+
+    def claimer() -> list[str]:
+        assert holding.wait(timeout=30)
+        try:
+            return [m.channel for m in claim(10, "claimer")]
+        finally:
+            done.set()
+
+    def watcher() -> list[str]:
+        # Release the holder once the claimer is seen waiting for its lock; a claimer that came
+        # back empty instead never shows up here, and the test fails.
+        assert holding.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while not done.is_set() and time.monotonic() < deadline:
+            if waiting_for_a_lock():
+                queued.set()
+                return ["saw it wait"]
+            time.sleep(0.002)
+        queued.set()
+        return []
+
+    held, got, seen = run_threads(3, lambda i: (holder, claimer, watcher)[i]())
+
+    assert held == ["alice"]
+    assert seen == ["saw it wait"]
+    assert got == ["alice", "alice"]  # served as soon as the holder committed, not empty
+    f.assert_counters_match_table()
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(FAIRQUEUE={"CLAIM_WAIT": 0.2})
+def test_a_claim_waits_at_most_claim_wait_then_comes_back_empty() -> None:
+    f.enqueue_spread({"alice": 3})
+    f.fold_all()
+    holding, release = threading.Event(), threading.Event()
+
+    def claimer() -> tuple[list[str], float]:
+        assert holding.wait(timeout=30)
+        began = time.monotonic()
+        try:
+            return [m.channel for m in claim(10, "claimer")], time.monotonic() - began
+        finally:
+            release.set()
+
+    held, (got, waited) = run_threads(
+        2, lambda i: hold_channel_until(release, holding) if i == 0 else claimer()
+    )
+
+    assert held == ["alice"]
+    assert got == []  # the lock timeout ended the wait; the call ran again without waiting
+    assert waited >= 0.2
+    assert Counter(m.channel for m in claim(10, "later")) == {"alice": 2}
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(FAIRQUEUE={"CLAIM_WAIT": 0.2})
+def test_a_completion_survives_its_claims_wait_timing_out() -> None:
+    # complete_and_claim is one statement: the timed-out wait rolls the completion back too,
+    # and the rerun without waiting must complete it again.
+    f.enqueue_spread({"alice": 3, "bob": 1})
+    f.fold_all()
+    (bob,) = store.claim_messages(
+        1, lease=LEASE, worker_id="claimer", only_channel_ids=[f.channel_ids(["bob"])["bob"]]
+    )
+    holding, release = threading.Event(), threading.Event()
+
+    def claimer() -> tuple[set[int], list[str]]:
+        assert holding.wait(timeout=30)
+        try:
+            done, got = store.complete_and_claim_messages(
+                [(bob.id, bob.lease_token, None)], 10, lease=LEASE, worker_id="claimer"
+            )
+            return done, [m.channel for m in got]
+        finally:
+            release.set()
+
+    _, (done, got) = run_threads(
+        2, lambda i: hold_channel_until(release, holding) if i == 0 else claimer()
+    )
+
+    assert done == {bob.id}
+    assert got == []
+    assert not Message.objects.filter(id=bob.id).exists()
+    f.assert_counters_match_table()
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(FAIRQUEUE={"CLAIM_WAIT": 10})
+def test_a_claim_inside_a_transaction_never_waits() -> None:
+    f.enqueue_spread({"alice": 3})
+    f.fold_all()
+    holding, release = threading.Event(), threading.Event()
+
+    def claimer() -> tuple[list[str], float, int]:
+        assert holding.wait(timeout=30)
+        try:
+            with transaction.atomic():
+                began = time.monotonic()
+                got = claim(10, "claimer")
+                waited = time.monotonic() - began
+                still_usable = Channel.objects.count()  # the transaction was not aborted
+            return [m.channel for m in got], waited, still_usable
+        finally:
+            release.set()
+
+    _, (got, waited, channels) = run_threads(
+        2, lambda i: hold_channel_until(release, holding) if i == 0 else claimer()
+    )
+
+    assert got == []
+    assert waited < 5  # a wait would have lasted until the holder's release: CLAIM_WAIT, 10 s
+    assert channels == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(FAIRQUEUE={"CLAIM_WAIT": 5})
+def test_claimers_of_one_channel_come_back_empty_only_once_it_is_drained() -> None:
+    total, claimers = 300, 4
+    f.enqueue_spread({"alice": total})
+    f.fold_all()
+    lock = threading.Lock()
+    claimed = [0]
+    early_empty: list[int] = []  # claims that came back empty while ready messages remained
+
+    def claimer(i: int) -> int:
+        mine = 0
+        deadline = time.monotonic() + DEADLINE
+        while time.monotonic() < deadline:
+            got = claim(1, f"claimer-{i}")
+            if got:
+                store.complete_messages([(m.id, m.lease_token, None) for m in got])
+                mine += len(got)
+                with lock:
+                    claimed[0] += len(got)
+                continue
+            with lock:
+                # The other claimers may hold one claimed message each, not yet counted.
+                if claimed[0] < total - (claimers - 1):
+                    early_empty.append(claimed[0])
+                else:
+                    return mine
+        return mine
+
+    per_claimer = run_threads(claimers, claimer)
+
+    assert sum(per_claimer) == total
+    # Without the wait, about half of such claims came back empty (the channel row was held).
+    assert not early_empty, f"{len(early_empty)} empty claims while work remained"
+    assert sum(1 for n in per_claimer if n) >= 2, "the claimers did not share the channel"
+    f.assert_counters_match_table()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -192,6 +192,35 @@ def test_claim_folds_pending_deltas_without_scanning_the_channels(
     assert_small_and_indexed(auto_explain.take(), budget=10 * LIMIT)
 
 
+def test_a_claim_that_may_wait_finds_nothing_to_wait_for_from_the_index(
+    backlog: list[int], auto_explain: AutoExplain
+) -> None:
+    # Every channel has ready work but is rate limited, its next release an hour away: nothing
+    # is claimable and no claim holds anything. A claim allowed to wait (CLAIM_WAIT) looks for
+    # a held channel to queue for; it must learn there is none from the index, not by reading
+    # all 1,000 channels and filtering them.
+    with connection.cursor() as cur:
+        cur.execute(
+            "UPDATE fairqueue_channel SET release_interval = interval '1 hour', "
+            "next_turn_at = clock_timestamp() + interval '1 hour'"
+        )
+    auto_explain.take()
+    params = {"limit": LIMIT, "lease": LEASE, "worker": "explain", "only": None}
+    params |= {"exclude": None, "quantum": None, "maintain": True, "wait_ms": 50}
+
+    assert store._run("claim_messages", params) == []  # (the test's transaction: no retry)
+
+    plans = auto_explain.take()
+    turn_scans = [
+        node
+        for plan in plans
+        for node in plan.nodes()
+        if node.get("Index Name") == "fq_channel_turn_idx"
+    ]
+    assert len(turn_scans) == 2, "expected the walk and the wait to scan the turn index"
+    assert_small_and_indexed(plans, budget=LIMIT)
+
+
 def settle_plans(auto_explain: AutoExplain, run: Callable[[], object]) -> list[Plan]:
     """Plans of ``run()``, twice with custom plans and twice with the generic plan a prepared
     statement may switch to; the second run of each finds its tokens settled (or renewed)."""

@@ -23,9 +23,13 @@ SQL_ALLOWED = {PACKAGE / "store.py", PACKAGE / "devdb.py", PACKAGE / "pipeline" 
 
 
 def _statement_name(node: ast.AST) -> ast.expr | None:
-    """The name expression if ``node`` runs a named statement: ``_run(NAME, ...)`` or
-    ``queries()[NAME]``."""
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_run":
+    """The name expression if ``node`` runs a named statement: ``_run(NAME, ...)``,
+    ``_run_claim(NAME, ...)`` or ``queries()[NAME]``."""
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("_run", "_run_claim")
+    ):
         return node.args[0] if node.args else None
     if (
         isinstance(node, ast.Subscript)

@@ -47,6 +47,11 @@ DROP FUNCTION IF EXISTS fairqueue_claim_v1(integer, interval, text, bigint[], bi
     boolean);
 DROP FUNCTION IF EXISTS fairqueue_complete_and_claim_v1(bigint[], uuid[], jsonb[], integer,
     interval, text, bigint[], bigint[], integer);
+-- the signatures as of migration 0004 (p_wait_ms)
+DROP FUNCTION IF EXISTS fairqueue_claim_v1(integer, interval, text, bigint[], bigint[], integer,
+    boolean, integer);
+DROP FUNCTION IF EXISTS fairqueue_complete_and_claim_v1(bigint[], uuid[], jsonb[], integer,
+    interval, text, bigint[], bigint[], integer, integer);
 DROP FUNCTION IF EXISTS fairqueue_complete_v1(bigint[], uuid[], jsonb[]);
 DROP FUNCTION IF EXISTS fairqueue_fold_deltas_v1(integer, boolean);
 DROP FUNCTION IF EXISTS fairqueue_promote_due_v1(timestamptz, integer);

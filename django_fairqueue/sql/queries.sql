@@ -29,7 +29,7 @@ SELECT id, channel_id, channel_name, task_name, payload, priority, attempts, max
        keep_result, lease_token, lease_expires_at, enqueued_at, run_at
 FROM fairqueue_claim_v1(
     %(limit)s::integer, %(lease)s::interval, %(worker)s::text, %(only)s::bigint[],
-    %(exclude)s::bigint[], %(quantum)s::integer, %(maintain)s::boolean
+    %(exclude)s::bigint[], %(quantum)s::integer, %(maintain)s::boolean, %(wait_ms)s::integer
 );
 
 -- name: prepare_claims
@@ -60,7 +60,7 @@ SELECT settled, id, channel_id, channel_name, task_name, payload, priority, atte
 FROM fairqueue_complete_and_claim_v1(
     %(ids)b::bigint[], %(tokens)b::uuid[], %(results)b::jsonb[], %(limit)b::integer,
     %(lease)b::interval, %(worker)b::text, %(only)b::bigint[], %(exclude)b::bigint[],
-    %(quantum)b::integer
+    %(quantum)b::integer, %(wait_ms)b::integer
 );
 
 -- name: fail_messages
