@@ -27,7 +27,7 @@ from typing import IO, Any
 from django.db import connections, models, transaction
 from django.utils import timezone
 
-from django_fairqueue import conf, store
+from django_fairqueue import conf, store, terminal
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.exceptions import LeaseLost
 from django_fairqueue.models import Channel
@@ -233,18 +233,15 @@ class ProgressBar:
         self.stream = stream if stream is not None else sys.stderr
         self.width = width
         self.started = time.monotonic()
-        self._last_drawn = 0.0
+        self._throttle = terminal.Throttle()
         self._done = False
 
     def __call__(self, rows: int, fraction: float) -> None:
-        now = time.monotonic()
-        if self._done or (fraction < 1.0 and now - self._last_drawn < 0.1):
-            return  # redraw at most ten times a second
-        self._last_drawn = now
-        filled = round(self.width * fraction)
-        bar = "#" * filled + "." * (self.width - filled)
-        line = f"\r{self.label} [{bar}] {fraction:4.0%} {rows:,} rows {now - self.started:.1f}s"
-        self.stream.write(line)
+        if self._done or not self._throttle.due(final=fraction >= 1.0):
+            return
+        elapsed = time.monotonic() - self.started
+        drawn = terminal.bar(fraction, self.width)
+        self.stream.write(f"\r{self.label} {drawn} {fraction:4.0%} {rows:,} rows {elapsed:.1f}s")
         if fraction >= 1.0:
             self.stream.write("\n")
             self._done = True

@@ -51,6 +51,7 @@ from benchmarks.compare.common import (
     jain,
     percentile,
 )
+from django_fairqueue import terminal  # no Django import: safe before settings
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = ("raw-sql", "django-fairqueue", "procrastinate", "pgqueuer", "django-tasks-db")
@@ -175,8 +176,7 @@ def say(message: str) -> None:
 
 def bar(label: str, fraction: float) -> None:
     if sys.stderr.isatty():
-        filled = int(20 * min(max(fraction, 0.0), 1.0))
-        sys.stderr.write(f"\r\x1b[2K  {label} [{'#' * filled}{'.' * (20 - filled)}]")
+        sys.stderr.write(f"{terminal.CLEAR_LINE}  {label} {terminal.bar(fraction)}")
         sys.stderr.flush()
 
 

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 from django.db import connections
 
-from django_fairqueue import conf, store
+from django_fairqueue import conf, store, terminal
 from django_fairqueue.benchmark.sizes import Sizes
 from django_fairqueue.benchmark.tasks import NOOP_TASK_NAME
 
@@ -55,7 +55,7 @@ class Progress:
         self.index = 0
         self.label = ""
         self._began = 0.0
-        self._last_draw = 0.0
+        self._throttle = terminal.Throttle()
 
     def start(self, label: str) -> None:
         self.index += 1
@@ -65,18 +65,11 @@ class Progress:
 
     def update(self, note: str, fraction: float | None = None) -> None:
         """Redraw the live line (at most 10 times a second); ``fraction`` draws a bar."""
-        if not self.live:
+        if not self.live or not self._throttle.due(final=fraction is None or fraction >= 1):
             return
-        now = time.monotonic()
-        if now - self._last_draw < 0.1 and fraction is not None and fraction < 1:
-            return
-        self._last_draw = now
-        bar = ""
-        if fraction is not None:
-            filled = int(20 * min(max(fraction, 0.0), 1.0))
-            bar = "[" + "#" * filled + "." * (20 - filled) + "] "
-        line = f"{self._prefix()} {self.label}  {bar}{note}"
-        self.stream.write("\r\x1b[2K" + line[:160])
+        drawn = "" if fraction is None else terminal.bar(fraction) + " "
+        line = f"{self._prefix()} {self.label}  {drawn}{note}"
+        self.stream.write(terminal.CLEAR_LINE + line[:160])
         self.stream.flush()
 
     def done(self, summary: str) -> None:
@@ -84,12 +77,14 @@ class Progress:
             return
         took = time.monotonic() - self._began
         line = f"{self._prefix()} {self.label}: {summary} ({took:.1f}s)"
-        self.stream.write(("\r\x1b[2K" if self.live else "") + line + "\n")
+        self.stream.write((terminal.CLEAR_LINE if self.live else "") + line + "\n")
         self.stream.flush()
 
     def say(self, message: str) -> None:
         if self.enabled:
-            self.stream.write(("\r\x1b[2K" if self.live else "") + f"fairbench: {message}\n")
+            self.stream.write(
+                (terminal.CLEAR_LINE if self.live else "") + f"fairbench: {message}\n"
+            )
             self.stream.flush()
 
     def _prefix(self) -> str:
