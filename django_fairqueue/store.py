@@ -17,7 +17,7 @@ import json
 import math
 import re
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -266,30 +266,40 @@ def claim_messages(
             "maintain": maintain,
         },
         using,
+        timed_out=list,
     )
     return [ClaimedMessage(*row) for row in rows]
 
 
-def _run_claim(name: str, params: dict[str, Any], using: str | None) -> list[tuple[Any, ...]]:
+def _run_claim(
+    name: str,
+    params: dict[str, Any],
+    using: str | None,
+    timed_out: Callable[[], list[tuple[Any, ...]]],
+) -> list[tuple[Any, ...]]:
     """Run a claim statement, letting it wait for a channel when that is safe.
 
     A claim that finds every eligible channel locked by concurrent claims (one hot tenant,
     several claimers) queues behind the first of them for up to ``CLAIM_WAIT`` instead of
     coming back empty. Only a statement that is its own transaction may wait: a channel held
-    longer than that (by a claim inside someone's transaction) fails the statement with
-    SQLSTATE 55P03, which rolls its transaction back (a completion in it too); the statement
-    then runs again without waiting. Inside a caller's transaction it never waits.
+    longer than that fails the statement with SQLSTATE 55P03, which rolls its transaction back,
+    and the result is ``timed_out()``: no messages (and a completion made in the same call,
+    done again on its own). Not the claim again: the channels were still held a moment ago,
+    and a claim that outlasted the wait is slow already (a long transaction elsewhere bloats
+    the channel index), so running another would mostly double the load. Inside a caller's
+    transaction it never waits.
     """
     settings = conf.get()
     wrapper = connections[using or settings.DATABASE]
     wait_ms = math.ceil(settings.CLAIM_WAIT * 1000)
-    if wait_ms and wrapper.get_autocommit() and not wrapper.in_atomic_block:
-        try:
-            return _run(name, {**params, "wait_ms": wait_ms}, using)
-        except DatabaseError as exc:
-            if getattr(exc.__cause__, "sqlstate", None) != "55P03":  # lock_not_available
-                raise
-    return _run(name, {**params, "wait_ms": 0}, using)
+    if not (wait_ms and wrapper.get_autocommit() and not wrapper.in_atomic_block):
+        return _run(name, {**params, "wait_ms": 0}, using)
+    try:
+        return _run(name, {**params, "wait_ms": wait_ms}, using)
+    except DatabaseError as exc:
+        if getattr(exc.__cause__, "sqlstate", None) != "55P03":  # lock_not_available
+            raise
+    return timed_out()
 
 
 def prepare_claims(*, using: str | None = None) -> None:
@@ -374,6 +384,8 @@ def complete_and_claim_messages(
             "quantum": quantum,
         },
         using,
+        # the claim's wait timed out, which rolled the completion back: complete on its own
+        timed_out=lambda: [(True, i) for i in complete_messages(done, using=using)],
     )
     completed = {r[1] for r in rows if r[0]}
     return completed, [ClaimedMessage(*r[1:]) for r in rows if not r[0]]

@@ -429,7 +429,7 @@ def test_a_claim_waits_at_most_claim_wait_then_comes_back_empty() -> None:
     )
 
     assert held == ["alice"]
-    assert got == []  # the lock timeout ended the wait; the call ran again without waiting
+    assert got == []  # the lock timeout ended the wait: no messages, as without waiting
     assert waited >= 0.2
     assert Counter(m.channel for m in claim(10, "later")) == {"alice": 2}
 

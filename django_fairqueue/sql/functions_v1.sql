@@ -248,87 +248,86 @@ BEGIN
     -- SKIP LOCKED: a channel held by a concurrent claim is skipped, never waited for.
     -- FOR UPDATE re-checks the WHERE on the newest row version, so a cap or turn changed by a
     -- claim that committed after our snapshot is honoured (no lost update).
+    --
+    -- Step 2b (p_wait_ms > 0 only), the second pass of the loop. Nothing unlocked was
+    -- eligible. When that is because concurrent claims hold the eligible channels (one hot
+    -- tenant, several claimers), queue behind the first of them in turn order rather than
+    -- come back empty: a claim holds a channel only for the rest of its statement and its
+    -- commit, and a claimer that came back empty would sleep until its next poll. The wait is
+    -- a blocking FOR UPDATE on one channel; it re-checks the WHERE on the row as its holder
+    -- left it, passing over a row that is no longer eligible (drained, at its cap, or rate
+    -- limited), and that row is then served like a row of the walk. The re-check compares
+    -- turns with the clock at that moment, and the clock is read again after the wait: the
+    -- holder's claim may have started after our first reading and moved the turn past it.
+    -- Bounded by lock_timeout = p_wait_ms: a channel held longer (by a claim inside a
+    -- caller's transaction, or a claim slowed down by a long transaction elsewhere) makes
+    -- this statement fail with SQLSTATE 55P03; store.py then reports no messages (and redoes
+    -- a completion of the same call on its own). So only a caller in a transaction of its own
+    -- may wait. No deadlock can last: this transaction's other locks were taken with SKIP
+    -- LOCKED or are on its own leased messages, and lock_timeout, far below deadlock_timeout,
+    -- ends a wait on a channel locked by another claim's counter fold.
     LOOP
-        OPEN v_cur FOR
-            SELECT c.id, c.name::text AS name, (c.weight * v_quantum)::integer AS turn,
-                   c.turn_used::integer AS turn_used, c.release_interval,
-                   -- the most this call may take: ready rows, free slots, one release if
-                   -- rate limited
-                   LEAST(
-                       c.ready_count,
-                       coalesce(c.max_concurrency - c.running_count, p_limit),
-                       CASE WHEN c.release_interval > interval '0' THEN 1 ELSE p_limit END
-                   )::integer AS room
-            FROM fairqueue_channel c
-            WHERE c.ready_count > 0
-              AND NOT c.paused
-              AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
-              AND c.next_turn_at <= v_now
-              AND (p_only IS NULL OR c.id = ANY (p_only))
-              AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
-            ORDER BY c.next_turn_at, c.id
-            LIMIT p_limit
-            FOR UPDATE SKIP LOCKED;
+        IF NOT v_waited THEN
+            OPEN v_cur FOR
+                SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
+                       c.ready_count, c.max_concurrency, c.running_count
+                FROM fairqueue_channel c
+                WHERE c.ready_count > 0
+                  AND NOT c.paused
+                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                  AND c.next_turn_at <= v_now
+                  AND (p_only IS NULL OR c.id = ANY (p_only))
+                  AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
+                ORDER BY c.next_turn_at, c.id
+                LIMIT p_limit
+                FOR UPDATE SKIP LOCKED;
+        ELSE
+            OPEN v_cur FOR
+                SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
+                       c.ready_count, c.max_concurrency, c.running_count
+                FROM fairqueue_channel c
+                WHERE c.ready_count > 0
+                  AND NOT c.paused
+                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                  -- The first bound is the index condition (rate-limited channels due later
+                  -- are not even read); the second, evaluated again on the re-check, is exact.
+                  AND c.next_turn_at <= v_wait_until
+                  AND c.next_turn_at <= clock_timestamp()
+                  AND (p_only IS NULL OR c.id = ANY (p_only))
+                  AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
+                ORDER BY c.next_turn_at, c.id
+                LIMIT 1
+                FOR UPDATE;
+        END IF;
         LOOP
             FETCH v_cur INTO r;
             EXIT WHEN NOT FOUND;
             v_n := v_n + 1;
             v_ids[v_n] := r.id;
             v_names[v_n] := r.name;
-            v_turn[v_n] := r.turn;
+            v_turn[v_n] := r.weight * v_quantum;
             -- a turn left over from a larger quantum is simply finished
-            v_used[v_n] := LEAST(r.turn_used, r.turn - 1);
-            v_room[v_n] := r.room;
+            v_used[v_n] := LEAST(r.turn_used, v_turn[v_n] - 1);
+            -- the most this call may take: ready rows, free slots, one release if rate limited
+            v_room[v_n] := LEAST(
+                r.ready_count,
+                coalesce(r.max_concurrency - r.running_count, p_limit),
+                CASE WHEN r.release_interval > interval '0' THEN 1 ELSE p_limit END);
             v_interval[v_n] := r.release_interval;
-            v_covered := v_covered + LEAST(r.turn - v_used[v_n], r.room);
+            v_covered := v_covered + LEAST(v_turn[v_n] - v_used[v_n], v_room[v_n]);
             EXIT WHEN v_covered >= p_limit;
         END LOOP;
         CLOSE v_cur;
-
-        -- Step 2b (p_wait_ms > 0 only). Nothing unlocked was eligible. When that is because
-        -- concurrent claims hold the eligible channels (one hot tenant, several claimers),
-        -- queue behind the first of them in turn order rather than come back empty: a claim
-        -- holds a channel only for the rest of its statement and its commit, and a claimer
-        -- that came back empty would sleep until its next poll. The wait is a blocking
-        -- FOR UPDATE on one channel (it re-checks the WHERE on the row as its holder left
-        -- it, passing over a row that is no longer eligible); then the walk runs again,
-        -- which finds that channel (our own lock is not skipped) and any freed meanwhile.
-        -- The wait compares turns with the clock as it is when the row is (re)checked, and
-        -- the walk after it reads the clock again: the holder's claim may have started after
-        -- our first reading and moved the channel's turn past it. (A rate-limited channel's
-        -- next release is still in the future then, and is passed over.)
-        -- Bounded by lock_timeout = p_wait_ms: a channel held longer (by a claim inside a
-        -- caller's transaction) makes this statement fail with SQLSTATE 55P03, and store.py
-        -- repeats the call without waiting. So only a caller in a transaction of its own may
-        -- wait.
-        -- No deadlock can last: this transaction's other locks were taken with SKIP LOCKED
-        -- or are on its own leased messages, and lock_timeout, far below deadlock_timeout,
-        -- ends a wait on a channel locked by another claim's counter fold.
-        EXIT WHEN v_n > 0 OR coalesce(p_wait_ms, 0) <= 0 OR v_waited;
+        IF v_waited THEN
+            PERFORM set_config('lock_timeout', v_lock_timeout, true);
+            v_now := clock_timestamp();  -- for the charge, claimed_at and the lease
+            EXIT;
+        END IF;
+        EXIT WHEN v_n > 0 OR coalesce(p_wait_ms, 0) <= 0;
         v_waited := true;
         v_wait_until := clock_timestamp() + p_wait_ms * interval '1 millisecond';
         v_lock_timeout := current_setting('lock_timeout');
         PERFORM set_config('lock_timeout', p_wait_ms || 'ms', true);
-        PERFORM 1 FROM (
-            SELECT c.id
-            FROM fairqueue_channel c
-            WHERE c.ready_count > 0
-              AND NOT c.paused
-              AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
-              -- The first bound is the index condition (rate-limited channels due later
-              -- are not even read); the second, evaluated again on the re-check, is exact.
-              AND c.next_turn_at <= v_wait_until
-              AND c.next_turn_at <= clock_timestamp()
-              AND (p_only IS NULL OR c.id = ANY (p_only))
-              AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
-            ORDER BY c.next_turn_at, c.id
-            LIMIT 1
-            FOR UPDATE
-        ) first_held;
-        v_progress := FOUND;
-        PERFORM set_config('lock_timeout', v_lock_timeout, true);
-        EXIT WHEN NOT v_progress;  -- nothing eligible at all: the queue is empty for us
-        v_now := clock_timestamp();
     END LOOP;
 
     IF v_n = 0 THEN
