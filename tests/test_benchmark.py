@@ -24,9 +24,9 @@ from django_fairqueue.benchmark import SCENARIOS, plots, sizes
 from django_fairqueue.benchmark.database import SCRATCH_COMMENT, scratch_name
 from django_fairqueue.benchmark.e2e import E2EResult
 from django_fairqueue.benchmark.e2e import finish as e2e_finish
-from django_fairqueue.benchmark.fairness import FairnessResult, jain_index
-from django_fairqueue.benchmark.harness import percentile
+from django_fairqueue.benchmark.fairness import FairnessResult
 from django_fairqueue.benchmark.tasks import NOOP_TASK_NAME
+from django_fairqueue.figures import jain_index, percentile
 from django_fairqueue.management.commands.fairbench import Command as FairbenchCommand
 from django_fairqueue.models import Message
 

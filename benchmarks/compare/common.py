@@ -10,7 +10,6 @@ same way for every system.
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import subprocess
@@ -217,18 +216,3 @@ async def timed_calls_async(
     while time.perf_counter() < began + duration:
         jobs += await call()
     return jobs, began, time.perf_counter()
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def jain(shares: Sequence[float]) -> float:
-    squares = sum(x * x for x in shares)
-    return 1.0 if not squares else sum(shares) ** 2 / (len(shares) * squares)

@@ -48,10 +48,9 @@ from benchmarks.compare.common import (
     dsn_fields,
     dsn_url,
     dsn_with,
-    jain,
-    percentile,
 )
 from django_fairqueue import terminal  # no Django import: safe before settings
+from django_fairqueue.figures import jain_index, percentile
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = ("raw-sql", "django-fairqueue", "procrastinate", "pgqueuer", "django-tasks-db")
@@ -350,7 +349,7 @@ def fairness_cell(
         want = 2 * len(got)
         first = sorted([(t, "A") for t in a_after[held : held + want]] + [(t, "B") for t in got])
         b_share = sum(1 for _, who in first[:want] if who == "B")
-        jains.append(jain([min(len(first), want) - b_share, b_share]))
+        jains.append(jain_index([min(len(first), want) - b_share, b_share]))
     a_rate = (len(a_times) - 1) / (a_times[-1] - a_times[0]) if len(a_times) > 1 else 0.0
     return {
         "variant": variant,

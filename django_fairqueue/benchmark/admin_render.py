@@ -29,9 +29,10 @@ from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 
 from django_fairqueue import stats, store
-from django_fairqueue.benchmark.harness import Bench, BenchmarkError, load1, median, percentile
+from django_fairqueue.benchmark.harness import Bench, BenchmarkError, load1
 from django_fairqueue.benchmark.scenario import Column, Scenario
 from django_fairqueue.benchmark.sizes import Sizes
+from django_fairqueue.figures import median, percentile
 
 #: The issue's bound for every page (p95 of the samples).
 TARGET_MS = 500.0

@@ -22,12 +22,11 @@ from django_fairqueue.benchmark.harness import (
     Bench,
     BenchmarkError,
     load1,
-    median,
-    percentile,
 )
 from django_fairqueue.benchmark.scenario import Column, Scenario
 from django_fairqueue.benchmark.sizes import Sizes
 from django_fairqueue.benchmark.tasks import NOOP_TASK_NAME
+from django_fairqueue.figures import jain_index, median, percentile
 
 LEASE = timedelta(minutes=10)
 A = "tenant-a"
@@ -99,14 +98,6 @@ def _worker(
                 served.value += len(bs)
         records.append((started, returned, sum(1 for m in got if m.channel == A), bs))
     return records
-
-
-def jain_index(shares: list[float]) -> float:
-    """Jain's fairness index of ``shares``: (sum x)^2 / (n * sum x^2), from 1/n to 1."""
-    squares = sum(x * x for x in shares)
-    if not squares:
-        return 1.0
-    return sum(shares) ** 2 / (len(shares) * squares)
 
 
 def _jain_after(records: list[Record], committed: float, burst: int) -> float:

@@ -9,7 +9,6 @@ message on the parent's socket. Each child opens, and at the end closes, a conne
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 import os
 import sys
@@ -260,21 +259,6 @@ class ProcessGroup:
 
 # --------------------------------------------------------------------------------------------
 # Figures
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100) with linear interpolation between the closest ranks."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def median(values: Sequence[float]) -> float:
-    return percentile(values, 50)
 
 
 def load1() -> float:

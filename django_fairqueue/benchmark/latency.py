@@ -14,10 +14,11 @@ from datetime import timedelta
 
 from django_fairqueue import store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
-from django_fairqueue.benchmark.harness import Bench, load1, median, percentile
+from django_fairqueue.benchmark.harness import Bench, load1
 from django_fairqueue.benchmark.scenario import Column, Scenario
 from django_fairqueue.benchmark.sizes import Sizes
 from django_fairqueue.benchmark.tasks import NOOP_TASK_NAME
+from django_fairqueue.figures import median, percentile
 
 LEASE = timedelta(minutes=10)
 WORKER_ID = "fairbench-latency"

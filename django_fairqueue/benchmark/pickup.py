@@ -22,13 +22,12 @@ from django_fairqueue.benchmark.harness import (
     Bench,
     BenchmarkError,
     load1,
-    median,
-    percentile,
 )
 from django_fairqueue.benchmark.scenario import Column, Scenario
 from django_fairqueue.benchmark.sizes import Sizes
 from django_fairqueue.benchmark.tasks import STAMP_TASK_NAME
 from django_fairqueue.benchmark.workerproc import Fleet
+from django_fairqueue.figures import median, percentile
 from django_fairqueue.models import Message, MessageState
 
 CHANNEL = "fairbench-pickup"
