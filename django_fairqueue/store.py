@@ -254,21 +254,38 @@ def claim_messages(
     may queue briefly behind a concurrent claim holding the only eligible channels (see
     :func:`_run_claim`).
     """
-    rows = _run_claim(
-        "claim_messages",
-        {
-            "limit": limit,
-            "lease": lease,
-            "worker": worker_id,
-            "only": list(only_channel_ids) if only_channel_ids is not None else None,
-            "exclude": list(exclude_channel_ids) if exclude_channel_ids is not None else None,
-            "quantum": quantum,
-            "maintain": maintain,
-        },
-        using,
-        timed_out=list,
-    )
+    params = _claim_params(limit, lease, worker_id, only_channel_ids, exclude_channel_ids, quantum)
+    rows = _run_claim("claim_messages", {**params, "maintain": maintain}, using, timed_out=list)
     return [ClaimedMessage(*row) for row in rows]
+
+
+def _claim_params(
+    limit: int,
+    lease: timedelta,
+    worker_id: str,
+    only_channel_ids: Sequence[int] | None,
+    exclude_channel_ids: Sequence[int] | None,
+    quantum: int | None,
+) -> dict[str, Any]:
+    """The claim's own parameters, as ``claim_messages`` and ``complete_and_claim_messages``
+    pass them."""
+    return {
+        "limit": limit,
+        "lease": lease,
+        "worker": worker_id,
+        "only": list(only_channel_ids) if only_channel_ids is not None else None,
+        "exclude": list(exclude_channel_ids) if exclude_channel_ids is not None else None,
+        "quantum": quantum,
+    }
+
+
+def _completion_params(done: Sequence[tuple[int, uuid.UUID, Any]]) -> dict[str, Any]:
+    """(id, lease_token, result) triples as the parallel arrays the completion takes."""
+    return {
+        "ids": [d[0] for d in done],
+        "tokens": [d[1] for d in done],
+        "results": [Jsonb(d[2]) for d in done],
+    }
 
 
 def _run_claim(
@@ -339,15 +356,7 @@ def complete_messages(
     """Settle successes given as (id, lease_token, result); returns the ids actually settled."""
     if not done:
         return set()
-    rows = _run(
-        "complete_messages",
-        {
-            "ids": [d[0] for d in done],
-            "tokens": [d[1] for d in done],
-            "results": [Jsonb(d[2]) for d in done],
-        },
-        using,
-    )
+    rows = _run("complete_messages", _completion_params(done), using)
     return {r[0] for r in rows}
 
 
@@ -370,19 +379,10 @@ def complete_and_claim_messages(
     by the same claim. Inside a caller's transaction it joins that transaction like the two
     statements would.
     """
+    claim = _claim_params(limit, lease, worker_id, only_channel_ids, exclude_channel_ids, quantum)
     rows = _run_claim(
         "complete_and_claim_messages",
-        {
-            "ids": [d[0] for d in done],
-            "tokens": [d[1] for d in done],
-            "results": [Jsonb(d[2]) for d in done],
-            "limit": limit,
-            "lease": lease,
-            "worker": worker_id,
-            "only": list(only_channel_ids) if only_channel_ids is not None else None,
-            "exclude": list(exclude_channel_ids) if exclude_channel_ids is not None else None,
-            "quantum": quantum,
-        },
+        {**_completion_params(done), **claim},
         using,
         # the claim's wait timed out, which rolled the completion back: complete on its own
         timed_out=lambda: [(True, i) for i in complete_messages(done, using=using)],
