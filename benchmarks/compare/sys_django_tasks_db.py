@@ -18,27 +18,24 @@ from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
 
 import django_tasks_db
-from django.core.management import call_command
 from django.db import connection, connections, transaction
 from django_tasks_db.models import DBTaskResult, get_date_max
 
-from benchmarks.compare.common import DSN_ENV, WorkerConfig, timed_calls
-from benchmarks.compare.system import BATCH, System, python
+from benchmarks.compare.common import WorkerConfig, timed_calls
+from benchmarks.compare.system import BATCH, DjangoSystem, python
 from benchmarks.compare.tasks_django_tasks import noop
 
 CHUNK = 2_000
 
 
-class DjangoTasksDb(System):
+class DjangoTasksDb(DjangoSystem):
     name = "django-tasks-db"
+    django_app = "django-tasks-db"
     configs = (WorkerConfig(1, 1), WorkerConfig(2, 1), WorkerConfig(4, 1))
     concurrency_unit = "one job at a time per db_worker process"
     pickup_config = WorkerConfig(1, 1)
     wakeup = "polling, --interval 1 s (the default)"
     version = f"django-tasks-db {getattr(django_tasks_db, '__version__', '')}".strip()
-
-    def setup(self) -> None:
-        call_command("migrate", verbosity=0, interactive=False)
 
     def reset(self) -> None:
         with connection.cursor() as cursor:
@@ -93,13 +90,3 @@ class DjangoTasksDb(System):
             python("-m", "django", "db_worker", "--queue-name", "default", "--verbosity", "0")
             for _ in range(config.processes)
         ]
-
-    def worker_env(self) -> dict[str, str]:
-        return {
-            DSN_ENV: self.dsn,
-            "DJANGO_SETTINGS_MODULE": "benchmarks.compare.django_settings",
-            "COMPARE_DJANGO_APP": "django-tasks-db",
-        }
-
-    def close(self) -> None:
-        connections.close_all()

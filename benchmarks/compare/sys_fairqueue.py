@@ -15,20 +15,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
 
-from django.core.management import call_command
 from django.db import connections, transaction
 
 import django_fairqueue
-from benchmarks.compare.common import DSN_ENV, WorkerConfig, timed_calls
-from benchmarks.compare.system import BATCH, System, python
+from benchmarks.compare.common import WorkerConfig, timed_calls
+from benchmarks.compare.system import BATCH, DjangoSystem, python
 from benchmarks.compare.tasks_fairqueue import NAME
 from django_fairqueue import EnqueueRequest, conf, enqueue, enqueue_many, store
 
 LOAD_CHUNK = 200_000
 
 
-class Fairqueue(System):
+class Fairqueue(DjangoSystem):
     name = "django-fairqueue"
+    django_app = "fairqueue"
     variants = ("fair",)
     configs = (
         WorkerConfig(1, 8),
@@ -45,9 +45,6 @@ class Fairqueue(System):
     pickup_config = WorkerConfig(1, 1)
     wakeup = "LISTEN/NOTIFY (the default), polling as a fallback"
     version = f"django-fairqueue {django_fairqueue.__version__}"
-
-    def setup(self) -> None:
-        call_command("migrate", verbosity=0, interactive=False)
 
     def reset(self) -> None:
         store.truncate_queue_tables()
@@ -107,13 +104,3 @@ class Fairqueue(System):
             )
             for i in range(config.processes)
         ]
-
-    def worker_env(self) -> dict[str, str]:
-        return {
-            DSN_ENV: self.dsn,
-            "DJANGO_SETTINGS_MODULE": "benchmarks.compare.django_settings",
-            "COMPARE_DJANGO_APP": "fairqueue",
-        }
-
-    def close(self) -> None:
-        connections.close_all()

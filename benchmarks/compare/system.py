@@ -6,7 +6,7 @@ import sys
 from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
 
-from benchmarks.compare.common import WorkerConfig
+from benchmarks.compare.common import DSN_ENV, WorkerConfig
 
 #: Messages per call in the batch enqueue cells (one tenant's upload).
 BATCH = 100
@@ -76,6 +76,31 @@ class System:
 
     def close(self) -> None:
         pass
+
+
+class DjangoSystem(System):
+    """A system that is a Django app, run with ``benchmarks.compare.django_settings`` (Django is
+    imported only when used: the other systems' processes never configure it)."""
+
+    #: ``COMPARE_DJANGO_APP``: which app django_settings installs.
+    django_app = ""
+
+    def setup(self) -> None:
+        from django.core.management import call_command
+
+        call_command("migrate", verbosity=0, interactive=False)
+
+    def worker_env(self) -> dict[str, str]:
+        return {
+            DSN_ENV: self.dsn,
+            "DJANGO_SETTINGS_MODULE": "benchmarks.compare.django_settings",
+            "COMPARE_DJANGO_APP": self.django_app,
+        }
+
+    def close(self) -> None:
+        from django.db import connections
+
+        connections.close_all()
 
 
 def python(*args: str) -> list[str]:
