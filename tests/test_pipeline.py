@@ -282,12 +282,26 @@ def test_without_pyspark_the_commands_say_how_to_install(
     importlib.import_module("django_fairqueue.pipeline")
     importlib.import_module("django_fairqueue.pipeline.runner")
     for args in (
+        ["fairpipeline", "plan", PIPELINE],
         ["fairpipeline", "run"],
         ["fairpipeline", "bench"],
         ["runfairworker", "--pipelines"],
     ):
         with pytest.raises(CommandError, match=r"pip install 'django-fairqueue\[spark\]'"):
             call_command(*args)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_without_pyspark_planning_with_the_built_in_parser_works(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "pyspark", None)  # import pyspark -> ImportError
+    make_rows(5)
+
+    call_command("fairpipeline", "plan", PIPELINE, "--no-spark-check")
+
+    assert "test.enrich:alice: 1 new batches" in capsys.readouterr().out
+    assert WorkBatch.objects.filter(job_name="test.enrich:alice").count() == 1
 
 
 # --------------------------------------------------------------------------------------------

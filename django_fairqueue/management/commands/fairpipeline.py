@@ -74,17 +74,18 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         configure_logging(options["verbosity"])
         action = options["action"]
-        if action in ("plan", "run", "bench"):
-            self._require_spark(skip_java=action == "plan" and options["no_spark_check"])
+        # Planning with the built-in parser only needs nothing of Spark's: a planner without
+        # PySpark installed (the web host, say) can plan what a Spark host runs.
+        if action in ("run", "bench") or (action == "plan" and not options["no_spark_check"]):
+            self._require_spark()
         getattr(self, f"_{action}")(options)
 
-    def _require_spark(self, *, skip_java: bool) -> None:
+    def _require_spark(self) -> None:
         from django_fairqueue.pipeline.spark import SparkUnavailable, require_java, require_pyspark
 
         try:
             require_pyspark()
-            if not skip_java:
-                require_java()
+            require_java()
         except SparkUnavailable as exc:
             raise CommandError(str(exc)) from None
 
