@@ -585,6 +585,31 @@ def lock_benchmark(*, using: str | None = None) -> Iterator[bool]:
         wrapper.close()  # ends the session, which releases the lock
 
 
+@contextmanager
+def hold_old_snapshot(*, using: str | None = None) -> Iterator[int]:
+    """Open a REPEATABLE READ transaction on a connection of its own and keep its snapshot
+    until the block ends (fairbench's snapshot scenario); yields that session's pid."""
+    alias = using or conf.get().DATABASE
+    wrapper = connections.create_connection(alias)
+    try:
+        with wrapper.wrap_database_errors:
+            wrapper.ensure_connection()
+            conn = wrapper.connection
+            conn.autocommit = False
+            # Two statements in one string: only the simple query protocol (no parameters,
+            # no prepare) takes that.
+            conn.execute(queries()["hold_old_snapshot"], prepare=False)
+            pid = int(conn.info.backend_pid)
+        yield pid
+    finally:
+        wrapper.close()  # ends the transaction and its snapshot
+
+
+def select_backend_holds_xmin(pid: int, *, using: str | None = None) -> bool:
+    rows = _run("select_backend_holds_xmin", {"pid": pid}, using)
+    return bool(rows and rows[0][0])
+
+
 def select_queue_tables_in_use(*, using: str | None = None) -> dict[str, bool]:
     """{table role: holds rows} for messages, channels, channel_deltas and work_batches."""
     with _cursor(using) as cur:

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from io import StringIO
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,18 @@ def test_tiny_run_reports_every_scenario_as_json(tmp_path: Path) -> None:
         assert 0.5 <= cell["jain_min"] <= 1.0
         assert 0 < cell["b_wait_p50_ms"] <= cell["b_wait_p99_ms"] <= cell["b_wait_max_ms"]
         assert cell["claims_before_b_max"] >= 1
+    snapshot_cells = doc["scenarios"]["snapshot"]["cells"]
+    assert [(c["series"], c["cycles"]) for c in snapshot_cells] == [
+        ("held", 0),
+        ("held", 20),
+        ("none", 0),
+        ("none", 20),
+    ]
+    for cell in snapshot_cells:
+        assert cell["samples"] == sizes.TINY.snapshot_samples
+        assert 0 < cell["claim_p50_ms"] <= cell["claim_p95_ms"]
+        assert (cell["cycles_per_second"] > 0) == (cell["cycles"] > 0)
+    assert [c["vs_first"] for c in snapshot_cells if c["cycles"] == 0] == [1.0, 1.0]
     # e2e and pickup ran real `runfairworker` subprocesses on this (the test) database.
     (e2e,) = doc["scenarios"]["e2e"]["cells"]
     assert (e2e["channels"], e2e["processes"], e2e["threads"], e2e["prefetch"]) == (3, 1, 2, 4)
@@ -329,3 +342,17 @@ def test_comparison_goals_and_tables() -> None:
     assert "2.67x" in goals[0]["measured"] and "42%" in goals[1]["measured"]
     text = report.tables(doc)
     assert "Goals (issue 7)" in text and "MISSED" in text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_old_snapshot_holds_back_the_xmin_horizon_until_its_block_ends() -> None:
+    with store.hold_old_snapshot() as pid:
+        assert store.select_backend_holds_xmin(pid)
+        held = connection.cursor()
+        held.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", [pid])
+        assert held.fetchone() == ("idle in transaction",)
+    # Closing sends Terminate; the server ends the session (and the snapshot) just after.
+    deadline = time.monotonic() + 10
+    while store.select_backend_holds_xmin(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not store.select_backend_holds_xmin(pid)

@@ -1,10 +1,11 @@
 """The benchmark behind ``manage.py fairbench`` (issue 2, section 5).
 
-Scenarios are small modules (``enqueue``, ``claim``, ``latency``, ``fairness``, ``admin``,
-``e2e`` and ``pickup``; the last two through real ``runfairworker`` processes), each a plan of
-cells and a function that runs one cell and returns a frozen dataclass; ``runner.run`` runs
-them on one database and returns a :class:`~django_fairqueue.benchmark.report.Report` (tables,
-JSON, targets). See ``scenario.py`` for how to add one, and docs/performance.md for figures.
+Scenarios are small modules (``enqueue``, ``claim``, ``latency``, ``fairness``, ``snapshot``,
+``admin``, ``e2e`` and ``pickup``; the last two through real ``runfairworker`` processes), each
+a plan of cells and a function that runs one cell and returns a frozen dataclass;
+``runner.run`` runs them on one database and returns a
+:class:`~django_fairqueue.benchmark.report.Report` (tables, JSON, targets). See
+``scenario.py`` for how to add one, and docs/performance.md for figures.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from django_fairqueue.benchmark import (
     latency,
     pickup,
     plots,
+    snapshot,
 )
 from django_fairqueue.benchmark.harness import BenchmarkError, Progress
 from django_fairqueue.benchmark.scenario import Scenario
@@ -31,6 +33,7 @@ SCENARIOS: dict[str, Scenario] = {
         claim.SCENARIO,
         latency.SCENARIO,
         fairness.SCENARIO,
+        snapshot.SCENARIO,
         admin_render.SCENARIO,
         e2e.SCENARIO,
         pickup.SCENARIO,

@@ -43,6 +43,12 @@ class Sizes:
     fairness_rounds: int = 5
     #: Seconds the claimers run on A's backlog before B's first burst, and between bursts.
     fairness_pause: float = 0.1
+    # -- claims under an old snapshot (a long transaction elsewhere) --
+    snapshot_channels: int = 20
+    snapshot_backlog: int = 2_000
+    #: Cycles (enqueue 1, claim 1, complete) run while the snapshot is held, one cell each.
+    snapshot_cycles: tuple[int, ...] = (0, 5_000, 10_000)
+    snapshot_samples: int = 200
     # -- end to end (real runfairworker processes) --
     e2e_channels: tuple[int, ...] = (1, 100)
     #: The sweep of worker processes x handler threads x prefetch (issues 3 and 7); the best
@@ -91,6 +97,8 @@ QUICK = Sizes(
     latency_warmup=10,
     fairness_backlogs=(10_000, 100_000),
     fairness_rounds=3,
+    snapshot_cycles=(0, 2_000, 5_000),
+    snapshot_samples=100,
     e2e_workers=((1, 8, 0), (2, 32, 0), (2, 64, 0), (2, 32, 68)),
     e2e_min_backlog=1_000,
     pickup_samples=100,
@@ -121,6 +129,10 @@ TINY = Sizes(
     fairness_burst=3,
     fairness_rounds=2,
     fairness_pause=0.02,
+    snapshot_channels=3,
+    snapshot_backlog=30,
+    snapshot_cycles=(0, 20),
+    snapshot_samples=5,
     e2e_channels=(3,),
     e2e_workers=((1, 2, 4),),
     e2e_min_backlog=300,

@@ -337,6 +337,18 @@ SELECT c.id, c.name FROM fairqueue_channel c WHERE c.name = ANY (%(names)s::text
 -- database need not be migrated. Enqueue locks channel ids (>= 0) in it; -1 is never one.
 SELECT pg_try_advisory_lock(26225, -1) AS acquired;
 
+-- name: hold_old_snapshot
+-- fairbench's snapshot scenario: a REPEATABLE READ transaction's first query takes the snapshot
+-- it keeps until it ends, holding back the xmin horizon as pg_dump or a session left idle in
+-- transaction would. Sent as one simple-protocol string: SET TRANSACTION must come first.
+SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM fairqueue_message;
+
+-- name: select_backend_holds_xmin
+-- Whether session `pid` still holds back the xmin horizon (checked before its figures count).
+SELECT EXISTS (
+    SELECT FROM pg_stat_activity WHERE pid = %(pid)s AND backend_xmin IS NOT NULL
+) AS holds;
+
 -- name: select_queue_tables_in_use
 -- Which queue tables hold rows: fairbench refuses a database in use.
 SELECT EXISTS (SELECT FROM fairqueue_message) AS messages,

@@ -1,0 +1,161 @@
+"""Claim latency while another session holds an old snapshot (docs/reliability.md, scenario 5).
+
+A snapshot held open (``pg_dump``, an analytics query, a session left idle in transaction)
+stops every cleanup of row versions newer than it: no VACUUM, no page pruning, no marking of
+dead index entries. The queue writes new versions all the time (each claim updates its
+channel rows, each settlement deletes a message and inserts a counter delta), so while the
+snapshot lasts, every claim walks past more of them.
+
+One cell: a few channels with a standing backlog; with the snapshot held (or, for the
+``none`` series, without one) ``cycles`` untimed cycles run, each enqueueing one message,
+claiming one and completing it, as steady traffic would; then ``samples`` more cycles are run
+with their claim timed. The ``held`` series shows how a claim's cost grows with the traffic
+since the snapshot began; the ``none`` series, the same traffic without it, is the control.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+from django_fairqueue import store
+from django_fairqueue.api import EnqueueRequest, enqueue_many
+from django_fairqueue.benchmark.harness import Bench, BenchmarkError, load1
+from django_fairqueue.benchmark.scenario import Column, Scenario
+from django_fairqueue.benchmark.sizes import Sizes
+from django_fairqueue.benchmark.tasks import NOOP_TASK_NAME
+from django_fairqueue.figures import median, percentile
+
+LEASE = timedelta(minutes=10)
+WORKER_ID = "fairbench-snapshot"
+
+
+@dataclass(frozen=True)
+class SnapshotCell:
+    #: "held" (an old snapshot open during the cycles) or "none" (the control)
+    series: str
+    #: claim cycles run (untimed) since the snapshot began, before the timed ones
+    cycles: int
+
+    @property
+    def label(self) -> str:
+        return f"old snapshot  {self.series:<4}  after {self.cycles:>7,} cycles"
+
+
+@dataclass(frozen=True)
+class SnapshotResult:
+    series: str
+    cycles: int
+    channels: int
+    samples: int
+    claim_p50_ms: float
+    claim_p95_ms: float
+    #: claim p50 relative to the series' cell with the fewest cycles
+    vs_first: float | None
+    #: untimed cycles per second (enqueue + claim + complete, one process)
+    cycles_per_second: float
+    load1: float
+
+
+def plan(sizes: Sizes) -> list[SnapshotCell]:
+    cells = [SnapshotCell("held", n) for n in sizes.snapshot_cycles]
+    cells += [
+        SnapshotCell("none", n) for n in (min(sizes.snapshot_cycles), max(sizes.snapshot_cycles))
+    ]
+    return cells
+
+
+def _cycle(bench: Bench, channels: list[str], i: int) -> float:
+    """Enqueue one message, claim one, complete it; returns the claim's milliseconds."""
+    enqueue_many([EnqueueRequest(NOOP_TASK_NAME, channel=channels[i % len(channels)])])
+    began = time.perf_counter()
+    got = store.claim_messages(1, lease=LEASE, worker_id=WORKER_ID, using=bench.using)
+    claimed = time.perf_counter()
+    if not got:
+        raise BenchmarkError("snapshot: a claim came back empty with a standing backlog")
+    store.complete_messages([(m.id, m.lease_token, None) for m in got], using=bench.using)
+    return 1000 * (claimed - began)
+
+
+def _run_cycles(bench: Bench, channels: list[str], cell: SnapshotCell) -> tuple[list[float], float]:
+    sizes = bench.sizes
+    began = time.perf_counter()
+    for i in range(cell.cycles):
+        _cycle(bench, channels, i)
+        if i % 200 == 0:
+            bench.progress.update(f"{i:,}/{cell.cycles:,} cycles", i / cell.cycles)
+    per_second = cell.cycles / (time.perf_counter() - began) if cell.cycles else 0.0
+    claim_ms = [_cycle(bench, channels, cell.cycles + i) for i in range(sizes.snapshot_samples)]
+    return claim_ms, per_second
+
+
+def run(bench: Bench, cell: SnapshotCell) -> SnapshotResult:
+    sizes = bench.sizes
+    load = load1()
+    bench.reset()
+    channels = [f"tenant-{i:02d}" for i in range(sizes.snapshot_channels)]
+    bench.load(channels, sizes.snapshot_backlog)
+    if cell.series == "held":
+        with store.hold_old_snapshot(using=bench.using) as pid:
+            claim_ms, per_second = _run_cycles(bench, channels, cell)
+            # A snapshot that was not really held would make these figures the control's.
+            if not store.select_backend_holds_xmin(pid, using=bench.using):
+                raise BenchmarkError(
+                    "snapshot: the old snapshot did not hold back the xmin horizon"
+                )
+    else:
+        claim_ms, per_second = _run_cycles(bench, channels, cell)
+    bench.reset()
+    return SnapshotResult(
+        series=cell.series,
+        cycles=cell.cycles,
+        channels=sizes.snapshot_channels,
+        samples=len(claim_ms),
+        claim_p50_ms=round(median(claim_ms), 3),
+        claim_p95_ms=round(percentile(claim_ms, 95), 3),
+        vs_first=None,
+        cycles_per_second=round(per_second, 1),
+        load1=round(load, 2),
+    )
+
+
+def finish(results: list[SnapshotResult]) -> list[SnapshotResult]:
+    first: dict[str, float] = {}
+    out = []
+    for r in sorted(results, key=lambda r: (r.series, r.cycles)):
+        first.setdefault(r.series, r.claim_p50_ms)
+    for r in results:
+        base = first[r.series]
+        out.append(replace(r, vs_first=round(r.claim_p50_ms / base, 2) if base else None))
+    return out
+
+
+SCENARIO = Scenario(
+    name="snapshot",
+    title="Claim latency under an old snapshot (ms per claim of 1)",
+    plan=plan,
+    run=run,
+    finish=finish,
+    columns=(
+        Column("series", "series"),
+        Column("cycles", "cycles", ","),
+        Column("channels", "channels"),
+        Column("p50 ms", "claim_p50_ms", ".2f"),
+        Column("p95 ms", "claim_p95_ms", ".2f"),
+        Column("x first", "vs_first", ".2f"),
+        Column("cycles/s", "cycles_per_second", ",.0f"),
+        Column("samples", "samples"),
+    ),
+    summary=lambda r: f"p50 {r.claim_p50_ms:.2f} ms ({r.series})",
+    key=("series", "cycles"),
+    metric="claim_p50_ms",
+    higher_is_better=False,
+    notes=(
+        "held: a REPEATABLE READ session keeps its snapshot while `cycles` cycles (enqueue 1, "
+        "claim 1, complete; one process) run, then the claims of `samples` more are timed. "
+        "none: the same traffic without the snapshot, the control.",
+        "Nothing newer than the snapshot can be cleaned up, so each claim walks past every "
+        "channel row version and counter delta written since it began.",
+    ),
+)
