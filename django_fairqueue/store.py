@@ -610,6 +610,22 @@ def select_backend_holds_xmin(pid: int, *, using: str | None = None) -> bool:
     return bool(rows and rows[0][0])
 
 
+def enable_function_timing(*, using: str | None = None) -> None:
+    _run("enable_function_timing", {}, using)
+
+
+def force_stats_flush(*, using: str | None = None) -> None:
+    _run("force_stats_flush", {}, using)
+
+
+def select_function_times(*, using: str | None = None) -> dict[str, tuple[int, float, float]]:
+    """{function: (calls, total ms, self ms)} of the fairqueue_* PL/pgSQL functions."""
+    return {
+        name: (int(calls), float(total), float(own))
+        for name, calls, total, own in _run("select_function_times", {}, using)
+    }
+
+
 def select_queue_tables_in_use(*, using: str | None = None) -> dict[str, bool]:
     """{table role: holds rows} for messages, channels, channel_deltas and work_batches."""
     with _cursor(using) as cur:

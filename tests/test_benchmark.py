@@ -95,6 +95,20 @@ def test_tiny_run_reports_every_scenario_as_json(tmp_path: Path) -> None:
         assert 0 < cell["claim_p50_ms"] <= cell["claim_p95_ms"]
         assert (cell["cycles_per_second"] > 0) == (cell["cycles"] > 0)
     assert [c["vs_first"] for c in snapshot_cells if c["cycles"] == 0] == [1.0, 1.0]
+    function_cells = doc["scenarios"]["functions"]["cells"]
+    assert [(c["case"], c["batch"]) for c in function_cells] == [
+        ("empty", 1),
+        ("backlog", 1),
+        ("backlog", 10),
+    ]
+    for cell in function_cells:
+        # A claim's time includes the two housekeeping calls it makes first.
+        assert cell["claim_us"] >= cell["claim_body_us"] > 0
+        assert cell["promote_us"] > 0 and cell["fold_us"] > 0
+        assert cell["claim_us"] == pytest.approx(
+            cell["claim_body_us"] + cell["promote_us"] + cell["fold_us"], abs=0.5
+        )
+        assert (cell["complete_us"] is None) == (cell["case"] == "empty")
     # e2e and pickup ran real `runfairworker` subprocesses on this (the test) database.
     (e2e,) = doc["scenarios"]["e2e"]["cells"]
     assert (e2e["channels"], e2e["processes"], e2e["threads"], e2e["prefetch"]) == (3, 1, 2, 4)

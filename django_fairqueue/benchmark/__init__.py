@@ -1,9 +1,9 @@
 """The benchmark behind ``manage.py fairbench`` (issue 2, section 5).
 
 Scenarios are small modules (``enqueue``, ``claim``, ``latency``, ``fairness``, ``snapshot``,
-``admin``, ``e2e`` and ``pickup``; the last two through real ``runfairworker`` processes), each
-a plan of cells and a function that runs one cell and returns a frozen dataclass;
-``runner.run`` runs them on one database and returns a
+``functions``, ``admin``, ``e2e`` and ``pickup``; the last two through real ``runfairworker``
+processes), each a plan of cells and a function that runs one cell and returns a frozen
+dataclass; ``runner.run`` runs them on one database and returns a
 :class:`~django_fairqueue.benchmark.report.Report` (tables, JSON, targets). See
 ``scenario.py`` for how to add one, and docs/performance.md for figures.
 """
@@ -16,6 +16,7 @@ from django_fairqueue.benchmark import (
     e2e,
     enqueue,
     fairness,
+    functions,
     latency,
     pickup,
     plots,
@@ -34,6 +35,7 @@ SCENARIOS: dict[str, Scenario] = {
         latency.SCENARIO,
         fairness.SCENARIO,
         snapshot.SCENARIO,
+        functions.SCENARIO,
         admin_render.SCENARIO,
         e2e.SCENARIO,
         pickup.SCENARIO,

@@ -49,6 +49,11 @@ class Sizes:
     #: Cycles (enqueue 1, claim 1, complete) run while the snapshot is held, one cell each.
     snapshot_cycles: tuple[int, ...] = (0, 5_000, 10_000)
     snapshot_samples: int = 200
+    # -- server time inside the claim's functions --
+    functions_batches: tuple[int, ...] = (1, 100)
+    functions_backlog: int = 100_000
+    #: calls of the empty claim; the backlog cells make half as many
+    functions_samples: int = 4_000
     # -- end to end (real runfairworker processes) --
     e2e_channels: tuple[int, ...] = (1, 100)
     #: The sweep of worker processes x handler threads x prefetch (issues 3 and 7); the best
@@ -99,6 +104,7 @@ QUICK = Sizes(
     fairness_rounds=3,
     snapshot_cycles=(0, 2_000, 5_000),
     snapshot_samples=100,
+    functions_samples=1_000,
     e2e_workers=((1, 8, 0), (2, 32, 0), (2, 64, 0), (2, 32, 68)),
     e2e_min_backlog=1_000,
     pickup_samples=100,
@@ -133,6 +139,9 @@ TINY = Sizes(
     snapshot_backlog=30,
     snapshot_cycles=(0, 20),
     snapshot_samples=5,
+    functions_batches=(1, 10),
+    functions_backlog=1_000,
+    functions_samples=20,
     e2e_channels=(3,),
     e2e_workers=((1, 2, 4),),
     e2e_min_backlog=300,

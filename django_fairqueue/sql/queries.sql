@@ -349,6 +349,23 @@ SELECT EXISTS (
     SELECT FROM pg_stat_activity WHERE pid = %(pid)s AND backend_xmin IS NOT NULL
 ) AS holds;
 
+-- name: enable_function_timing
+-- fairbench's functions scenario: count calls and time of PL/pgSQL functions in this session
+-- (track_functions is superuser-only; the scenario says so when it is refused).
+SELECT set_config('track_functions', 'pl', false) AS track_functions;
+
+-- name: force_stats_flush
+-- Make this session's pending statistics visible at the end of this statement (PostgreSQL 15+),
+-- rather than up to a second later.
+SELECT pg_stat_force_next_flush();
+
+-- name: select_function_times
+-- Cumulative calls and milliseconds (with and without nested calls) of the queue's functions,
+-- as flushed to the statistics so far; the scenario takes differences.
+SELECT f.funcname::text AS name, f.calls, f.total_time, f.self_time
+FROM pg_stat_user_functions f
+WHERE f.funcname LIKE 'fairqueue\_%%';
+
 -- name: select_queue_tables_in_use
 -- Which queue tables hold rows: fairbench refuses a database in use.
 SELECT EXISTS (SELECT FROM fairqueue_message) AS messages,

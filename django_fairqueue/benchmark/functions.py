@@ -1,0 +1,165 @@
+"""Server time inside the claim's functions, per call (``track_functions``).
+
+Throughput and latency figures include the network round trip, the client and, for anything
+that writes, the commit's WAL flush, all of which vary with the machine's mood (the same code
+has measured a third apart an hour later). The time PostgreSQL spends inside each PL/pgSQL
+function is much steadier, and it is what a change to ``functions_v1.sql`` changes: this
+scenario reads it from ``pg_stat_user_functions`` (with ``track_functions = 'pl'`` for its own
+session) as differences over ``samples`` calls.
+
+Cells: ``empty`` (nothing to claim, nothing due, nothing to fold: the fixed cost every poll of an
+idle queue pays), and ``batch 1`` / ``batch 100`` over a standing backlog in 100 channels, each
+claim followed by its completion and by as many new messages to the same channels (so every
+claim also folds an enqueue delta, as in steady traffic). Needs PostgreSQL 15+ and a role
+allowed to set ``track_functions`` (a superuser, or one granted it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.db import DatabaseError
+
+from django_fairqueue import store
+from django_fairqueue.api import EnqueueRequest, enqueue_many
+from django_fairqueue.benchmark.harness import Bench, BenchmarkError, load1
+from django_fairqueue.benchmark.scenario import Column, Scenario
+from django_fairqueue.benchmark.sizes import Sizes
+from django_fairqueue.benchmark.tasks import NOOP_TASK_NAME
+
+LEASE = timedelta(minutes=10)
+WORKER_ID = "fairbench-functions"
+CLAIM = "fairqueue_claim_v1"
+PROMOTE = "fairqueue_promote_due_v1"
+FOLD = "fairqueue_fold_deltas_v1"
+COMPLETE = "fairqueue_complete_v1"
+
+
+@dataclass(frozen=True)
+class FunctionsCell:
+    #: "empty", or "backlog" (claims of ``batch`` over a standing backlog)
+    case: str
+    batch: int
+
+    @property
+    def label(self) -> str:
+        return f"function time  {self.case:<7}  batch {self.batch:>3}"
+
+
+@dataclass(frozen=True)
+class FunctionsResult:
+    case: str
+    batch: int
+    calls: int
+    #: microseconds per claim call: all of it, and its own body (without the two below)
+    claim_us: float
+    claim_body_us: float
+    promote_us: float
+    fold_us: float
+    #: microseconds per completion call (none in the empty case)
+    complete_us: float | None
+    load1: float
+
+
+def plan(sizes: Sizes) -> list[FunctionsCell]:
+    return [FunctionsCell("empty", 1)] + [
+        FunctionsCell("backlog", batch) for batch in sizes.functions_batches
+    ]
+
+
+def _per_call(
+    before: dict[str, tuple[int, float, float]],
+    after: dict[str, tuple[int, float, float]],
+    name: str,
+    calls: int,
+    *,
+    own: bool = False,
+) -> float:
+    old = before.get(name, (0, 0.0, 0.0))
+    new = after.get(name)
+    if new is None or new[0] - old[0] < calls:
+        raise BenchmarkError(
+            f"functions: pg_stat_user_functions counted {0 if new is None else new[0] - old[0]} "
+            f"calls of {name}, expected at least {calls} (statistics not flushed?)"
+        )
+    index = 2 if own else 1
+    return round(1000 * (new[index] - old[index]) / (new[0] - old[0]), 1)
+
+
+def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
+    sizes = bench.sizes
+    using = bench.using
+    load = load1()
+    bench.reset()
+    channels = [f"tenant-{i:03d}" for i in range(100)]
+    if cell.case == "backlog":
+        bench.load(channels, sizes.functions_backlog)
+    try:
+        store.enable_function_timing(using=using)
+        store.force_stats_flush(using=using)
+    except DatabaseError as exc:
+        raise BenchmarkError(
+            "functions: needs PostgreSQL 15+ and a role that may set track_functions "
+            f"(a superuser): {exc}"
+        ) from exc
+    calls = sizes.functions_samples if cell.case == "empty" else sizes.functions_samples // 2
+    # Warm-up: plans cached, statements prepared.
+    for _ in range(10):
+        got = store.claim_messages(cell.batch, lease=LEASE, worker_id=WORKER_ID, using=using)
+        store.release_messages([(m.id, m.lease_token) for m in got], using=using)
+    before = store.select_function_times(using=using)
+    completions = 0
+    for i in range(calls):
+        got = store.claim_messages(cell.batch, lease=LEASE, worker_id=WORKER_ID, using=using)
+        if cell.case == "backlog":
+            if len(got) != cell.batch:
+                raise BenchmarkError(f"functions: a claim of {cell.batch} got {len(got)}")
+            store.complete_messages([(m.id, m.lease_token, None) for m in got], using=using)
+            completions += 1
+            enqueue_many(EnqueueRequest(NOOP_TASK_NAME, channel=m.channel) for m in got)
+        if i % 100 == 0:
+            bench.progress.update(f"{i:,}/{calls:,} claims", i / calls)
+    store.force_stats_flush(using=using)
+    after = store.select_function_times(using=using)
+    bench.reset()
+    return FunctionsResult(
+        case=cell.case,
+        batch=cell.batch,
+        calls=calls,
+        claim_us=_per_call(before, after, CLAIM, calls),
+        claim_body_us=_per_call(before, after, CLAIM, calls, own=True),
+        promote_us=_per_call(before, after, PROMOTE, calls),
+        fold_us=_per_call(before, after, FOLD, calls),
+        complete_us=_per_call(before, after, COMPLETE, completions) if completions else None,
+        load1=round(load, 2),
+    )
+
+
+SCENARIO = Scenario(
+    name="functions",
+    title="Server time inside the claim's functions (microseconds per call)",
+    plan=plan,
+    run=run,
+    columns=(
+        Column("case", "case"),
+        Column("batch", "batch"),
+        Column("claim µs", "claim_us", ".1f"),
+        Column("its body", "claim_body_us", ".1f"),
+        Column("promote", "promote_us", ".1f"),
+        Column("fold", "fold_us", ".1f"),
+        Column("complete µs", "complete_us", ".1f"),
+        Column("calls", "calls", ","),
+    ),
+    summary=lambda r: f"claim {r.claim_us:.1f} µs",
+    key=("case", "batch"),
+    metric="claim_us",
+    higher_is_better=False,
+    notes=(
+        "Time inside PL/pgSQL functions as pg_stat_user_functions counts it (track_functions = "
+        "'pl'), per call: no round trip, no client, no commit. claim µs includes promote and "
+        "fold, which every claim runs first; its body is the rest.",
+        "empty: nothing to claim, promote or fold (an idle queue's poll). backlog: claims over "
+        "100 channels, each completed and its messages enqueued again, untimed.",
+    ),
+)
