@@ -28,6 +28,14 @@ AS $$
 DECLARE
     v_count integer;
 BEGIN
+    -- Every claim calls this, and almost always nothing is due. One probe of fq_message_due_idx
+    -- settles that for about a fifth of what the writing statement below costs even when it
+    -- writes nothing (measured with track_functions: 68 us of a 181 us empty claim).
+    IF NOT EXISTS (
+        SELECT FROM fairqueue_message m WHERE m.state = 'scheduled' AND m.run_at <= p_now
+    ) THEN
+        RETURN 0;
+    END IF;
     WITH due AS (
         SELECT m.id
         FROM fairqueue_message m
@@ -83,8 +91,13 @@ DECLARE
     v_count integer;
 BEGIN
     -- 1. Lock the oldest pending deltas. Two statements rather than `d.wake OR NOT
-    --    p_wake_only`, so the first can use the partial index fq_delta_wake_idx.
+    --    p_wake_only`, so the first can use the partial index fq_delta_wake_idx. Every claim
+    --    calls this and there is usually nothing to fold: a bare probe of the index answers
+    --    that for less than the locking aggregate.
     IF p_wake_only THEN
+        IF NOT EXISTS (SELECT FROM fairqueue_channel_delta d WHERE d.wake) THEN
+            RETURN 0;
+        END IF;
         SELECT array_agg(x.id), array_agg(DISTINCT x.channel_id) INTO v_deltas, v_wanted FROM (
             SELECT d.id, d.channel_id FROM fairqueue_channel_delta d
             WHERE d.wake ORDER BY d.id LIMIT p_limit FOR UPDATE SKIP LOCKED
