@@ -1,9 +1,10 @@
-"""The claim's housekeeping returns at once when there is nothing to do.
+"""The claim's housekeeping: probes first, and the fold deletes by primary key.
 
 fairqueue_promote_due_v1 and fairqueue_fold_deltas_v1 (which every claim calls first) start
-with one index probe each and return 0 when nothing is due or waiting to be folded: the same
-signatures and results, so the v1 names stay, and the v1 file is installed again (CREATE OR
-REPLACE).
+with one index probe each and return 0 when nothing is due or waiting to be folded, and the
+fold deletes the deltas it folds by primary key alone (a plan through the channel index read
+every pending delta of the channels). The same signatures and results, so the v1 names stay,
+and the v1 file is installed again (CREATE OR REPLACE).
 """
 
 from django.db import migrations
