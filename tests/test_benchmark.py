@@ -370,3 +370,27 @@ def test_the_old_snapshot_holds_back_the_xmin_horizon_until_its_block_ends() -> 
     while store.select_backend_holds_xmin(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not store.select_backend_holds_xmin(pid)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_scenario_that_cannot_run_here_is_skipped_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from django.db import DatabaseError
+
+    from django_fairqueue.benchmark import functions, runner
+
+    assert functions.unavailable(connection.alias) is None  # the test server: a superuser
+
+    def refused(**_: Any) -> None:
+        raise DatabaseError('permission denied to set parameter "track_functions"')
+
+    monkeypatch.setattr(store, "enable_function_timing", refused)
+    reason = functions.unavailable(connection.alias)
+    assert reason is not None and "track_functions" in reason
+
+    report = runner.run(
+        [SCENARIOS["functions"], SCENARIOS["snapshot"]], sizes.TINY, using=connection.alias
+    )
+    assert list(report.scenarios) == ["snapshot"]  # the other scenario still ran
+    assert any(w.startswith("scenario functions skipped: needs") for w in report.meta["warnings"])

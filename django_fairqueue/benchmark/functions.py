@@ -87,6 +87,17 @@ def _per_call(
     return round(1000 * (new[index] - old[index]) / (new[0] - old[0]), 1)
 
 
+def unavailable(using: str) -> str | None:
+    """Why the statistics cannot be read on ``using`` (checked before the run), or None."""
+    try:
+        store.enable_function_timing(using=using)
+        store.force_stats_flush(using=using)
+    except DatabaseError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"needs PostgreSQL 15+ and a role that may set track_functions ({first})"
+    return None
+
+
 def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
     sizes = bench.sizes
     using = bench.using
@@ -155,6 +166,7 @@ SCENARIO = Scenario(
     key=("case", "batch"),
     metric="claim_us",
     higher_is_better=False,
+    unavailable=unavailable,
     notes=(
         "Time inside PL/pgSQL functions as pg_stat_user_functions counts it (track_functions = "
         "'pl'), per call: no round trip, no client, no commit. claim µs includes promote and "

@@ -75,11 +75,20 @@ def run(
     """
     plans = [(s, select_cells(s.plan(sizes), where or {})) for s in scenarios]
     plans = [(s, cells) for s, cells in plans if cells]
+    runnable, skipped = [], []
+    for scenario, cells in plans:
+        reason = scenario.unavailable(using) if scenario.unavailable is not None else None
+        if reason is None:
+            runnable.append((scenario, cells))
+        else:
+            skipped.append(f"scenario {scenario.name} skipped: {reason}")
+    plans = runnable
     progress = progress or Progress(sum(len(cells) for _, cells in plans), enabled=False)
     progress.total = sum(len(cells) for _, cells in plans)
     bench = Bench(using=using, sizes=sizes, progress=progress)
     began = time.monotonic()
     report = Report(meta={**(meta or {}), **describe(using, sizes)})
+    report.meta["warnings"].extend(skipped)
     watch = CpuWatch(str(report.meta["database"]["name"]))
     for message in report.meta["warnings"]:
         progress.say(f"warning: {message}")

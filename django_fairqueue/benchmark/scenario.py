@@ -50,3 +50,7 @@ class Scenario:
     finish: Callable[[list[Any]], list[Any]] | None = None
     #: Printed under the table: what was measured and how.
     notes: Sequence[str] = field(default_factory=tuple)
+    #: Checked on the benchmark's database before any cell runs: why the scenario cannot run
+    #: there (a server too old, a privilege missing), or None. A scenario that cannot run is
+    #: skipped with a warning, rather than failing the run after minutes of other scenarios.
+    unavailable: Callable[[str], str | None] | None = None
