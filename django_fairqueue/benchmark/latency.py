@@ -9,13 +9,13 @@ steady traffic.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 
 from django_fairqueue import store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.benchmark.harness import Bench, load1
-from django_fairqueue.benchmark.scenario import Column, Scenario
+from django_fairqueue.benchmark.scenario import Column, Scenario, relative_to_first
 from django_fairqueue.benchmark.sizes import Sizes
 from django_fairqueue.benchmark.tasks import NOOP_TASK_NAME
 from django_fairqueue.figures import median, percentile
@@ -117,12 +117,7 @@ def run(bench: Bench, cell: LatencyCell) -> LatencyResult:
 
 
 def finish(results: list[LatencyResult]) -> list[LatencyResult]:
-    first: dict[str, float] = {}
-    out = []
-    for r in results:
-        base = first.setdefault(r.series, r.claim_p50_ms)
-        out.append(replace(r, vs_first=round(r.claim_p50_ms / base, 2) if base else None))
-    return out
+    return relative_to_first(results, group="series", value="claim_p50_ms", into="vs_first")
 
 
 SCENARIO = Scenario(

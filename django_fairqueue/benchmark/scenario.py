@@ -10,7 +10,7 @@ pick it up from there.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from django_fairqueue.benchmark.harness import Bench
@@ -54,3 +54,16 @@ class Scenario:
     #: there (a server too old, a privilege missing), or None. A scenario that cannot run is
     #: skipped with a warning, rather than failing the run after minutes of other scenarios.
     unavailable: Callable[[str], str | None] | None = None
+
+
+def relative_to_first(results: list[Any], *, group: str, value: str, into: str) -> list[Any]:
+    """Each result (a frozen dataclass) with ``into`` set to its ``value`` over the ``value`` of
+    the first result of its ``group`` in run order (None when that is 0): a scenario's
+    ``finish`` for "x first" columns."""
+    first: dict[Any, float] = {}
+    out = []
+    for r in results:
+        base = first.setdefault(getattr(r, group), getattr(r, value))
+        ratio = round(getattr(r, value) / base, 2) if base else None
+        out.append(replace(r, **{into: ratio}))
+    return out

@@ -16,13 +16,13 @@ since the snapshot began; the ``none`` series, the same traffic without it, is t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 
 from django_fairqueue import store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.benchmark.harness import Bench, BenchmarkError, load1
-from django_fairqueue.benchmark.scenario import Column, Scenario
+from django_fairqueue.benchmark.scenario import Column, Scenario, relative_to_first
 from django_fairqueue.benchmark.sizes import Sizes
 from django_fairqueue.benchmark.tasks import NOOP_TASK_NAME
 from django_fairqueue.figures import median, percentile
@@ -51,7 +51,7 @@ class SnapshotResult:
     samples: int
     claim_p50_ms: float
     claim_p95_ms: float
-    #: claim p50 relative to the series' cell with the fewest cycles
+    #: claim p50 relative to the first cell run of the series (the fewest cycles)
     vs_first: float | None
     #: untimed cycles per second (enqueue + claim + complete, one process)
     cycles_per_second: float
@@ -121,14 +121,7 @@ def run(bench: Bench, cell: SnapshotCell) -> SnapshotResult:
 
 
 def finish(results: list[SnapshotResult]) -> list[SnapshotResult]:
-    first: dict[str, float] = {}
-    out = []
-    for r in sorted(results, key=lambda r: (r.series, r.cycles)):
-        first.setdefault(r.series, r.claim_p50_ms)
-    for r in results:
-        base = first[r.series]
-        out.append(replace(r, vs_first=round(r.claim_p50_ms / base, 2) if base else None))
-    return out
+    return relative_to_first(results, group="series", value="claim_p50_ms", into="vs_first")
 
 
 SCENARIO = Scenario(
