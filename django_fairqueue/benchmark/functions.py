@@ -106,14 +106,10 @@ def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
     channels = [f"tenant-{i:03d}" for i in range(100)]
     if cell.case == "backlog":
         bench.load(channels, sizes.functions_backlog)
-    try:
-        store.enable_function_timing(using=using)
-        store.force_stats_flush(using=using)
-    except DatabaseError as exc:
-        raise BenchmarkError(
-            "functions: needs PostgreSQL 15+ and a role that may set track_functions "
-            f"(a superuser): {exc}"
-        ) from exc
+    # Again here, on the connection this cell uses (a reset may have replaced the one checked).
+    reason = unavailable(using)
+    if reason is not None:
+        raise BenchmarkError(f"functions: {reason}")
     calls = sizes.functions_samples if cell.case == "empty" else sizes.functions_samples // 2
     # Warm-up: plans cached, statements prepared.
     for _ in range(10):
