@@ -327,13 +327,18 @@ def prepare_claims(*, using: str | None = None) -> None:
     its transaction never holds rows of channels it does not serve. (Opening the connection
     costs a few milliseconds; it is closed at once, so no session lingers.)
     """
-    alias = using or conf.get().DATABASE
-    side = connections.create_connection(alias)
+    with _own_connection(using) as side, _cursor(side.alias, wrapper=side) as cur:
+        cur.execute(queries()["prepare_claims"], {}, prepare=False, binary=True)
+
+
+@contextmanager
+def _own_connection(using: str | None) -> Iterator[BaseDatabaseWrapper]:
+    """A connection of its own, outside Django's handler, closed (its session ended) on exit."""
+    wrapper = connections.create_connection(using or conf.get().DATABASE)
     try:
-        with _cursor(alias, wrapper=side) as cur:
-            cur.execute(queries()["prepare_claims"], {}, prepare=False, binary=True)
+        yield wrapper
     finally:
-        side.close()
+        wrapper.close()
 
 
 def heartbeat_messages(
@@ -572,26 +577,20 @@ def lock_benchmark(*, using: str | None = None) -> Iterator[bool]:
     A connection of its own, outside Django's handler, so ``connections.close_all()`` (before
     the benchmark forks) does not end the session and with it the lock.
     """
-    alias = using or conf.get().DATABASE
-    wrapper = connections.create_connection(alias)
-    try:
+    with _own_connection(using) as wrapper:  # closing it ends the session and the lock
         with wrapper.wrap_database_errors:
             wrapper.ensure_connection()
             with psycopg.Cursor(wrapper.connection) as cur:
                 cur.execute(queries()["lock_benchmark"], {})
                 row = cur.fetchone()
         yield bool(row and row[0])
-    finally:
-        wrapper.close()  # ends the session, which releases the lock
 
 
 @contextmanager
 def hold_old_snapshot(*, using: str | None = None) -> Iterator[int]:
     """Open a REPEATABLE READ transaction on a connection of its own and keep its snapshot
     until the block ends (fairbench's snapshot scenario); yields that session's pid."""
-    alias = using or conf.get().DATABASE
-    wrapper = connections.create_connection(alias)
-    try:
+    with _own_connection(using) as wrapper:  # closing it ends the transaction and snapshot
         with wrapper.wrap_database_errors:
             wrapper.ensure_connection()
             conn = wrapper.connection
@@ -601,8 +600,6 @@ def hold_old_snapshot(*, using: str | None = None) -> Iterator[int]:
             conn.execute(queries()["hold_old_snapshot"], prepare=False)
             pid = int(conn.info.backend_pid)
         yield pid
-    finally:
-        wrapper.close()  # ends the transaction and its snapshot
 
 
 def select_backend_holds_xmin(pid: int, *, using: str | None = None) -> bool:
