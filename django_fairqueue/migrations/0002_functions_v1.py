@@ -1,8 +1,13 @@
-"""Server-side functions (sql/functions_v1.sql) and storage settings for the queue tables."""
+"""Server-side functions and storage settings for the queue tables.
+
+The functions are functions_v1.sql as it stood before migration 0003 (sql/0002_functions_v1.sql).
+fairqueue_complete_v1 and fairqueue_complete_and_claim_v1 came later, with 0004's copy; the
+reverse drops them too, so that going back to 0001 from any later state leaves no function.
+"""
 
 from django.db import migrations
 
-from django_fairqueue.store import functions_sql
+from django_fairqueue.migrations._sql import migration_sql
 
 # Queue tables churn: every claim rewrites channel rows and every settlement deletes or updates
 # a message. Vacuum them after a fixed number of dead rows instead of a fraction of the table,
@@ -64,5 +69,5 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.RunSQL(STORAGE, UNSTORAGE),
-        migrations.RunSQL(functions_sql(1), DROP_V1),
+        migrations.RunSQL(migration_sql("0002_functions_v1"), DROP_V1),
     ]
