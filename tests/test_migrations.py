@@ -1,11 +1,25 @@
-"""Migrations that replace server-side functions leave exactly one callable version."""
+"""Migrations install server-side functions from frozen copies, and end with exactly the live ones.
+
+A migration that replaces functions leaves exactly one callable version of each.
+"""
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
+import re
+import sys
+from pathlib import Path
 
 import pytest
-from django.db import connection
+from django.db import connection, migrations, transaction
+from django.db.migrations.executor import MigrationExecutor
+from django.db.migrations.loader import MigrationLoader
+
+import django_fairqueue.migrations as fairqueue_migrations
+from django_fairqueue import store
+from django_fairqueue.migrations._sql import migration_sql
 
 functions_v1 = importlib.import_module("django_fairqueue.migrations.0002_functions_v1")
 claim_wait = importlib.import_module("django_fairqueue.migrations.0004_claim_wait")
@@ -52,3 +66,125 @@ def test_0004_replaces_the_old_claim_signature_and_old_calls_still_work() -> Non
             "NULL, NULL, NULL, true)"
         )
         assert cur.fetchone() == (0,)
+
+
+# --- Every migration installs a frozen copy of its SQL ------------------------------------------
+#
+# Migrations read migrations/sql/<name>.sql (django_fairqueue/migrations/_sql.py), never the live
+# sql/*.sql files. The live files are what the code calls, so a fully migrated database must
+# have exactly their functions: an edit of a live file needs a new migration with its own copy.
+
+APP = "fairqueue"
+FROZEN_DIR = Path(fairqueue_migrations.__file__).parent / "sql"
+CREATE_FUNCTION_RE = re.compile(r"\bCREATE\s+(?:OR\s+REPLACE\s+)?FUNCTION\b", re.IGNORECASE)
+
+
+def installed_functions() -> dict[str, str]:
+    """Signature -> pg_get_functiondef of every function whose name starts with fairqueue_."""
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT p.oid::regprocedure::text, pg_get_functiondef(p.oid) FROM pg_proc p "
+            "WHERE starts_with(p.proname, 'fairqueue_') ORDER BY 1"
+        )
+        return dict(cur.fetchall())
+
+
+def live_functions() -> dict[str, str]:
+    """The functions of the live sql/ files, installed alone (rolled back afterwards)."""
+    with transaction.atomic(), connection.cursor() as cur:
+        for signature in installed_functions():
+            cur.execute(f"DROP FUNCTION {signature}")
+        cur.execute(store.functions_sql(1))
+        cur.execute(store.functions_sql(1, part="batches"))
+        functions = installed_functions()
+        transaction.set_rollback(True)
+    return functions
+
+
+def app_migrations() -> list[str]:
+    """Names of the app's migrations, in the order they apply."""
+    graph = MigrationLoader(connection).graph
+    (leaf,) = graph.leaf_nodes(APP)
+    return [name for app, name in graph.forwards_plan(leaf) if app == APP]
+
+
+def migrate(name: str | None) -> None:
+    """Migrate the app forwards or backwards to migration ``name`` (None: unapplied)."""
+    MigrationExecutor(connection).migrate([(APP, name)])
+
+
+def differences(got: dict[str, str], want: dict[str, str]) -> str:
+    """What a reader needs to see where two sets of functions differ (empty if they do not)."""
+    lines = [f"missing: {s}" for s in sorted(want.keys() - got.keys())]
+    lines += [f"unexpected: {s}" for s in sorted(got.keys() - want.keys())]
+    for signature in sorted(want.keys() & got.keys()):
+        if got[signature] != want[signature]:
+            diff = difflib.unified_diff(
+                want[signature].splitlines(),
+                got[signature].splitlines(),
+                "live",
+                "migrated",
+                n=1,
+                lineterm="",
+            )
+            lines += [f"differs: {signature}", *list(diff)[:40]]
+    return "\n".join(lines)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_migrating_from_zero_or_any_step_installs_exactly_the_live_functions() -> None:
+    want = live_functions()
+    assert {"fairqueue_claim_v1", "fairqueue_claim_batch_v1"} <= {s.split("(")[0] for s in want}
+    names = app_migrations()
+    latest = names[-1]
+    hint = (
+        "\n\nA migrated database's functions differ from the live sql/ files: after editing "
+        "sql/functions_v1.sql or sql/functions_batches_v1.sql, add a migration that installs a "
+        "copy of the edited file (django_fairqueue/migrations/_sql.py)."
+    )
+    try:
+        for step in [None, *names[:-1]]:
+            # A database at this step, upgraded: one migrated back to it (the reverses that do
+            # not drop functions leave newer ones behind), and one migrated up to it from zero.
+            for from_zero in (False, True):
+                if from_zero:
+                    migrate(None)
+                migrate(step)
+                migrate(latest)
+                found = differences(installed_functions(), want)
+                how = "up from zero" if from_zero else "back from the latest"
+                assert not found, f"{step or 'zero'} ({how}) -> {latest}:\n{found}{hint}"
+    finally:
+        # Later tests share the database: leave every app fully migrated.
+        executor = MigrationExecutor(connection)
+        executor.migrate(executor.loader.graph.leaf_nodes())
+
+
+def test_each_migration_installs_functions_from_its_own_frozen_copy() -> None:
+    loader = MigrationLoader(None, ignore_no_migrations=True)
+    installers: set[str] = set()
+    for (app, name), migration in loader.disk_migrations.items():
+        if app != APP:
+            continue
+        source = inspect.getsource(sys.modules[type(migration).__module__])
+        # store.functions_sql reads the live files, which change with the code.
+        assert "functions_sql" not in source, name
+        for operation in migration.operations:
+            if not isinstance(operation, migrations.RunSQL):
+                continue
+            statements = [operation.sql] if isinstance(operation.sql, str) else operation.sql
+            sql = "\n".join(s if isinstance(s, str) else s[0] for s in statements)
+            if not CREATE_FUNCTION_RE.search(sql):
+                continue
+            frozen = FROZEN_DIR / f"{name}.sql"
+            assert frozen.is_file(), f"{name} creates functions but has no {frozen.name}"
+            copy = migration_sql(name)
+            assert copy in sql, f"{name} does not run its copy {frozen.name} whole"
+            assert not CREATE_FUNCTION_RE.search(sql.replace(copy, "")), (
+                f"{name} creates functions outside its copy {frozen.name}"
+            )
+            installers.add(name)
+    assert {"0002_functions_v1", "0003_work_batch_claim"} <= installers
+    # Every copy belongs to a migration that installs it (a misnamed copy would not be run).
+    copies = {path.stem for path in FROZEN_DIR.glob("*.sql")}
+    assert copies == installers
