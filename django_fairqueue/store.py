@@ -53,9 +53,11 @@ def queries() -> dict[str, str]:
 
 
 def functions_sql(version: int = 1, *, part: str = "") -> str:
-    """DDL of the server-side functions, installed by a migration.
+    """DDL of the server-side functions as the code calls them: the live ``sql/`` file.
 
     ``part`` names a separately versioned file: ``functions_batches_v1.sql`` for ``part="batches"``.
+    Migrations never read it (each installs its own frozen copy, see ``migrations/_sql.py``);
+    tests/test_migrations.py checks that a migrated database has exactly these functions.
     """
     stem = f"functions_{part}_v{version}" if part else f"functions_v{version}"
     return resources.files("django_fairqueue").joinpath(f"sql/{stem}.sql").read_text("utf-8")

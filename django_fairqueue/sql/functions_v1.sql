@@ -1,8 +1,12 @@
 -- django-fairqueue: server-side functions, version 1.
 --
--- Installed by migration 0002 with CREATE OR REPLACE. A later incompatible change adds
--- functions_v2.sql with new names (fairqueue_claim_v2, ...) so old and new workers can run side
--- by side during a rolling deploy; v1 is dropped one release later.
+-- Installed with CREATE OR REPLACE by migrations (0002 first), each from its own never-edited
+-- copy of this file, migrations/sql/<migration name>.sql. Editing this file changes no database:
+-- add a migration that installs a copy of the edited file (see migrations/_sql.py);
+-- tests/test_migrations.py fails until a fully migrated database has exactly these functions.
+-- A later incompatible change adds functions_v2.sql with new names (fairqueue_claim_v2, ...) so
+-- old and new workers can run side by side during a rolling deploy; v1 is dropped one release
+-- later.
 --
 -- Locking rules (see docs/explanation/fairness.md, "Why it cannot deadlock"):
 --   * A channel row is written only by fairqueue_claim_v1 (under FOR UPDATE SKIP LOCKED, so a
