@@ -6,7 +6,9 @@ server-side functions reads ``migrations/sql/<migration name>.sql``, a copy of t
 it stood when that migration was the latest. These copies are never edited. To change a
 function, edit the live file (``sql/functions_v1.sql``, ``sql/functions_batches_v1.sql``), then
 add a migration ``NNNN_<name>.py`` and copy the edited live file, unchanged, to
-``migrations/sql/NNNN_<name>.sql``; the migration runs ``migration_sql("NNNN_<name>")``.
+``migrations/sql/NNNN_<name>.sql``; the migration runs ``migration_sql("NNNN_<name>")``. A
+migration that installs both files has one copy of each: ``NNNN_<name>.sql`` and
+``NNNN_<name>.batches.sql`` (``migration_sql("NNNN_<name>.batches")``).
 tests/test_migrations.py fails while the functions a fully migrated database has differ from the
 live files, and when a migration reads anything but its own copy.
 
