@@ -25,6 +25,36 @@ from django_fairqueue import conf
 #: connection. Anything else is a bug or a schema problem and is not retried blindly.
 CONNECTION_ERRORS = (OperationalError, InterfaceError)
 
+#: SQLSTATEs, among CONNECTION_ERRORS, of a statement that lost a race with another transaction
+#: and was rolled back: the database is fine, and the statement is safe to run again (every
+#: worker statement is its own transaction, and settlements are fenced by lease tokens).
+CONFLICTS = {
+    "40P01": "deadlock detected",
+    "40001": "serialization failure",
+    "55P03": "lock not available",
+}
+
+
+def conflict(exc: BaseException) -> str | None:
+    """What kind of conflict ``exc`` is (see CONFLICTS), or None."""
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    return CONFLICTS.get(getattr(cause, "sqlstate", None) or "")
+
+
+def after_database_error(exc: BaseException, alias: str | None = None) -> str:
+    """Deal with one of CONNECTION_ERRORS and say what it was, for the log line.
+
+    A conflict (deadlock, serialization failure) keeps the connection, which is fine; anything
+    else means the database is unreachable or restarting, and the connection is dropped so
+    the next use reconnects.
+    """
+    kind = conflict(exc)
+    if kind is not None:
+        return f"{kind}, rolled back ({str(exc).strip()})"
+    reset_connection(alias)
+    return f"database unavailable ({str(exc).strip()})"
+
+
 #: The signals that ask a worker to stop: the first one gracefully, the second one at once.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

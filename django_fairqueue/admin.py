@@ -311,7 +311,7 @@ class ChannelAdmin(_ChannelAdminBase):
                     "counters_display",
                     "oldest_ready_display",
                     "finished_display",
-                    "last_claimed_at",
+                    "last_claimed_display",
                     "created_at",
                 ]
             },
@@ -341,7 +341,7 @@ class ChannelAdmin(_ChannelAdminBase):
 
     def get_readonly_fields(self, request: HttpRequest, obj: Channel | None = None) -> list[str]:
         fields = ["counters_display", "oldest_ready_display", "finished_display"]
-        fields += ["last_claimed_at", "created_at"]
+        fields += ["last_claimed_display", "created_at"]
         if obj is not None:
             fields.append("name")  # the channel's identity: enqueue finds it by name
         return fields
@@ -352,8 +352,8 @@ class ChannelAdmin(_ChannelAdminBase):
         return self.fieldsets
 
     def has_delete_permission(self, request: HttpRequest, obj: Channel | None = None) -> bool:
-        # Deleting a channel through the ORM would delete its messages behind the counters'
-        # back (and running ones under a worker). Purge its backlog instead.
+        # Django's confirmation page would collect and list every message of the channel (a
+        # million rows for a big tenant). Purge its backlog instead; deleting in code is safe.
         return False
 
     def has_purge_permission(self, request: HttpRequest) -> bool:
@@ -365,8 +365,9 @@ class ChannelAdmin(_ChannelAdminBase):
         if not change:
             obj.save()
             return
-        # Only the limits that changed: a full save would write back the counters and turn
-        # state read with this form, undoing what claims did meanwhile (a lost update).
+        # Only the limits that changed: another operator's edit of another limit, made since
+        # this form was loaded, stays. (The scheduler's state is no model field: no save can
+        # write it back.)
         fields = [name for name in EDITABLE_LIMITS if name in form.changed_data]
         if fields:
             with transaction.atomic(using=conf.get().DATABASE):
@@ -433,6 +434,11 @@ class ChannelAdmin(_ChannelAdminBase):
     def finished_display(self, obj: Channel) -> str:
         row = _row(obj)
         return f"{row.finished_recent:,}" if row else "-"
+
+    @admin.display(description=_("last claimed at"))
+    def last_claimed_display(self, obj: Channel) -> Any:
+        # a scheduler column, read by the queryset (overview.annotate_counters), not a field
+        return getattr(obj, "last_claimed_at", None) or "-"
 
     @admin.display(description=_("counts"))
     def counters_display(self, obj: Channel) -> str:

@@ -121,7 +121,10 @@ def _prepare_batch(
     specs: dict[int, tuple[object, TaskSpec, int, bool, str]] = {}
     checked: set[str] = set()
     max_bytes = cfg.MAX_PAYLOAD_BYTES
-    now: datetime | None = None
+    # A timedelta run_after travels as a delay and is added to the database's clock, the clock
+    # the claim compares run_at with (an application server's clock may be off). The column
+    # exists only once some message has a delay.
+    delays: list[timedelta | None] | None = None
     for request in requests:
         task = request.task
         known = specs.get(id(task))
@@ -153,12 +156,18 @@ def _prepare_batch(
         if type(priority) is not int or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
             priority = _check_priority(priority)  # raises unless an int subclass in range
         run_after = request.run_after
-        if run_after is None:
-            run_at = None
-        else:
-            if now is None:
-                now = timezone.now()
-            run_at = _run_at(run_after, now)
+        run_at = delay = None
+        if isinstance(run_after, timedelta):
+            delay = run_after
+            if delay > _LONGEST_DELAY:
+                # what adding it to any date from now on would say
+                raise OverflowError(f"run_after {delay} is past the last representable date")
+            if delays is None:
+                delays = [None] * len(channels)
+        elif run_after is not None:
+            run_at = _run_at(run_after)
+        if delays is not None:
+            delays.append(delay)
         channels.append(channel)
         tasks.append(spec.name)
         payloads.append(payload)
@@ -166,6 +175,7 @@ def _prepare_batch(
         run_ats.append(run_at)
         attempts.append(known[2])
         keep.append(known[3])
+    batch.delays = delays
     return batch
 
 
@@ -301,11 +311,12 @@ def _check_priority(priority: Any) -> int:
     return priority
 
 
-def _run_at(run_after: datetime | timedelta | None, now: datetime) -> datetime | None:
-    if run_after is None:
-        return None
-    if isinstance(run_after, timedelta):
-        return now + run_after
+#: The longest delay whose run time a datetime can hold (from a few years from now on).
+_LONGEST_DELAY = datetime.max - datetime(2100, 1, 1)
+
+
+def _run_at(run_after: datetime) -> datetime:
+    """An absolute run_after, checked (a timedelta one is sent as a delay instead)."""
     if isinstance(run_after, datetime):
         if timezone.is_naive(run_after):
             if settings.USE_TZ:

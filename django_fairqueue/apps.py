@@ -9,4 +9,9 @@ class FairQueueConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from django_fairqueue import checks  # noqa: F401  (registers the system checks)
+        from django_fairqueue import (
+            checks,  # noqa: F401  (registers the system checks)
+            integrity,
+        )
+
+        integrity.connect()

@@ -441,7 +441,7 @@ def fail(
         batch.id,
         batch.lease_token,
         error=_error_dict(error, batch, worker_id),
-        retry_at=timezone.now() + timedelta(seconds=delay),
+        retry_in=timedelta(seconds=delay),
         final=final,
         using=using,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import Error, Tags, register
+from django.core.checks import Error, Tags, Warning, register
 from django.db import connections
 
 from django_fairqueue import conf
@@ -49,3 +49,47 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
             )
         )
     return errors
+
+
+@register(Tags.database)
+def check_isolation_level(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
+    """The queue's guarantees assume READ COMMITTED, PostgreSQL's default.
+
+    Under REPEATABLE READ or SERIALIZABLE a transaction's snapshot cannot see enqueues committed
+    meanwhile, so the max_backlog bound cannot be checked (enqueue to a bounded channel is
+    refused) and serialization failures replace waits.
+    """
+    databases = kwargs.get("databases")
+    alias = _queue_alias()
+    if alias is None or (databases is not None and alias not in databases):
+        return []
+    options = settings.DATABASES[alias].get("OPTIONS", {})
+    level = options.get("isolation_level")
+    if level is None:
+        return []
+    try:
+        from psycopg import IsolationLevel
+
+        name = IsolationLevel(level).name
+    except (ImportError, ValueError):
+        name = str(level)
+    if name.replace("_", " ").upper() == "READ COMMITTED":
+        return []
+    return [
+        Warning(
+            f"The queue's database {alias!r} uses isolation level {name}; django-fairqueue "
+            "expects READ COMMITTED.",
+            hint="Enqueue to a channel with max_backlog is refused at other levels, and "
+            "concurrent queue statements fail with serialization errors instead of waiting. "
+            "Use a separate DATABASES alias at READ COMMITTED for FAIRQUEUE['DATABASE'].",
+            id="fairqueue.W001",
+        )
+    ]
+
+
+def _queue_alias() -> str | None:
+    try:
+        alias = conf.load(getattr(settings, "FAIRQUEUE", {})).DATABASE
+    except (ValueError, TypeError):
+        return None  # reported by check_settings
+    return alias if alias in settings.DATABASES else None

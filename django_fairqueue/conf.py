@@ -58,6 +58,9 @@ class FairQueueSettings:
     CLAIM_WAIT: float = 0.05
     RESCUE_INTERVAL: float = 15.0
     PRUNE_INTERVAL: float = 60.0
+    # Seconds between recounts of every channel's counters from its rows (maintenance), which
+    # repair and log any drift; a pass reads the queue's waiting and running rows once.
+    VERIFY_INTERVAL: float = 600.0
     MAX_PAYLOAD_BYTES: int = 1_048_576
     # Prepare queue statements (named, per connection). Turn off behind a transaction-pooling
     # proxy that does not support prepared statements (PgBouncer < 1.21).

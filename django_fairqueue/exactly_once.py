@@ -30,11 +30,10 @@ import socket
 import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from django.db import connections, transaction
-from django.utils import timezone
 
 from django_fairqueue import conf, store
 from django_fairqueue.exceptions import FairQueueError, LeaseLost
@@ -60,7 +59,7 @@ class Batch:
         self.messages: tuple[ClaimedMessage, ...] = tuple(messages)
         self._by_id = {m.id: m for m in self.messages}
         self._results: dict[int, Any] = {}
-        self._failed: dict[int, tuple[dict[str, Any], datetime | None]] = {}
+        self._failed: dict[int, tuple[dict[str, Any], timedelta | None]] = {}
         self._released: set[int] = set()
         self._open = True
 
@@ -89,8 +88,7 @@ class Batch:
         if not isinstance(error, BaseException):
             raise TypeError(f"error must be an exception, got {type(error).__name__}")
         self._decide(message)
-        retry_at = timezone.now() + retry_in if retry_in is not None else None
-        self._failed[message.id] = (_error(error), retry_at)
+        self._failed[message.id] = (_error(error), retry_in)
 
     def release(self, message: ClaimedMessage) -> None:
         """Give ``message`` back unprocessed: ready again, the attempt not counted."""

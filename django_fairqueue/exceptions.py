@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 
 class FairQueueError(Exception):
     """Base class of every django-fairqueue error."""
@@ -19,6 +21,37 @@ class ChannelFull(FairQueueError):
             f"channel {channel!r} is full: {backlog} waiting, max_backlog {max_backlog}, "
             f"refused a batch of {batch}"
         )
+
+    @classmethod
+    def from_error(cls, exc: BaseException) -> ChannelFull | None:
+        """The ChannelFull a database error stands for, or None.
+
+        Inside a transaction, ``enqueue()`` refuses at once a batch for a channel already full,
+        and the exact bound is checked again when the transaction commits, in channel order
+        (so concurrent transactions never deadlock over it). A transaction that would overfill
+        the channel then fails at commit, the end of its ``atomic()`` block, with a
+        ``django.db.DatabaseError``; this gives the ChannelFull it stands for::
+
+            try:
+                with transaction.atomic():
+                    enqueue(..., channel="acme")
+            except DatabaseError as exc:
+                if (full := ChannelFull.from_error(exc)) is None:
+                    raise
+                ...  # nothing of the transaction was stored
+        """
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        if getattr(cause, "sqlstate", None) != "FQ001":
+            return None
+        detail = json.loads(cause.diag.message_detail or "{}")  # type: ignore[attr-defined]
+        return cls(detail["channel"], detail["backlog"], detail["max_backlog"], detail["batch"])
+
+
+class IsolationLevelError(FairQueueError):
+    """Enqueue to a channel with ``max_backlog`` inside a REPEATABLE READ or SERIALIZABLE
+    transaction: its snapshot cannot see the enqueues committed meanwhile, so the bound cannot
+    be checked. Nothing was stored. Enqueue outside that transaction (the queue expects READ
+    COMMITTED, PostgreSQL's default)."""
 
 
 class InvalidChannel(FairQueueError, ValueError):

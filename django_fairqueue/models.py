@@ -7,15 +7,18 @@ queue state through the ORM.
 
 How the pieces fit (see docs/explanation/fairness.md):
 
-* ``Channel`` is a tenant's virtual queue *and* its scheduler state. ``next_turn_at`` is both the
-  earliest moment the channel may release again (rate limit) and its place in the round-robin:
-  serving a channel moves it to the back by setting ``next_turn_at`` to the claim time.
+* ``Channel`` is a tenant's virtual queue. Its model maps the name and the limits operators
+  edit; the scheduler's state (counters and turns) shares the row but is written only by the
+  SQL functions and is not a model field (see the class docstring). ``next_turn_at`` is both
+  the earliest moment the channel may release again (rate limit) and its place in the
+  round-robin: serving a channel moves it to the back by setting ``next_turn_at`` to the
+  claim time.
 * ``Message`` rows are the work. Only the claim, complete/fail/release and the rescuer change
   their state.
-* ``ChannelDelta`` rows are counter changes written by everything *except* the claim (enqueue,
-  complete, fail, rescue, admin actions). The claim folds them into the channel row. This keeps
-  enqueue and completion from ever locking a channel row, so a view's long transaction cannot
-  stall workers, and a channel row has a single kind of writer: the claim.
+* ``ChannelDelta`` rows are counter changes written by everything *except* the claims
+  (enqueue, complete, fail, rescue, admin actions, work-batch settlements). The claims fold
+  them into the channel row. This keeps enqueue and completion from ever locking a channel
+  row, so a view's long transaction cannot stall workers.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from typing import Any
 
 from django.db import models
 from django.db.models import F, Q
-from django.db.models.functions import Now
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
+
+from django_fairqueue.integrity import TrackedModel, TrackedQuerySet
 
 #: Longest channel name accepted (characters). Names are identifiers, not documents.
 CHANNEL_NAME_MAX_LENGTH = 200
@@ -55,7 +59,21 @@ class BatchState(models.TextChoices):
 
 
 class Channel(models.Model):
-    """A tenant's virtual queue, with its limits and its scheduler state."""
+    """A tenant's virtual queue: its name and the limits operators edit.
+
+    The scheduler's state lives in the same table row but is deliberately *not* mapped here:
+    counters (``ready_count``, ``scheduled_count``, ``running_count``, ``failed_count``,
+    ``succeeded_total``), the round-robin turn (``next_turn_at``, ``turn_used``,
+    ``last_claimed_at``) and the work-batch turn (``batch_turn_at``, ``batch_turn_used``,
+    ``batch_pending``) are written only by the queue's SQL functions and have database
+    defaults. So the ORM never loads them and can never write them back: ``save()`` of an
+    instance loaded an hour ago, ``QuerySet.update()``, ``bulk_update()``, admin edits and
+    ``loaddata`` all write configuration columns only, and an UPDATE of those (under READ
+    COMMITTED) re-reads the row a claim just changed instead of overwriting it. Read the
+    state with :func:`django_fairqueue.store.select_channel_counters` or the admin. The two
+    partial indexes the claims walk are created by migrations, not declared here, for the
+    same reason. See docs/explanation/fairness.md, "Lock order".
+    """
 
     # Unique through Meta.constraints, not unique=True: that would also create a
     # varchar_pattern_ops index for LIKE, which every claim (it rewrites channel rows) would
@@ -83,48 +101,11 @@ class Channel(models.Model):
             "Most messages waiting (ready + scheduled). Enqueue past it fails. Empty: no limit."
         ),
     )
-    # -- scheduler state, written only by the claim (and by folding deltas) --
-    next_turn_at = models.DateTimeField(default=timezone.now, editable=False)
-    turn_used = models.PositiveIntegerField(default=0, editable=False)
-    ready_count = models.BigIntegerField(default=0, editable=False)
-    scheduled_count = models.BigIntegerField(default=0, editable=False)
-    running_count = models.IntegerField(default=0, editable=False)
-    failed_count = models.BigIntegerField(default=0, editable=False)
-    succeeded_total = models.BigIntegerField(default=0, editable=False)
-    last_claimed_at = models.DateTimeField(null=True, blank=True, editable=False)
-    # -- work-batch round-robin (fairqueue_claim_batch_v1); database defaults, because the
-    # enqueue function creates channel rows without naming these --
-    batch_turn_at = models.DateTimeField(db_default=Now(), editable=False)
-    batch_turn_used = models.PositiveIntegerField(db_default=0, editable=False)
-    # "May have pending batches": set in the same transaction as any change that makes a batch
-    # pending (plan, retry, release, rescue); cleared by a claim that finds none left.
-    batch_pending = models.BooleanField(db_default=False, editable=False)
     created_at = models.DateTimeField(default=timezone.now, editable=False)
 
     class Meta:
         db_table = "fairqueue_channel"
         ordering = ["name"]
-        indexes = [
-            # The claim walks this index in round-robin order and stops after the first
-            # `limit` rows: it only ever touches channels that can release right now (or
-            # whose turn time has come), never the backlog itself.
-            models.Index(
-                F("next_turn_at"),
-                F("id"),
-                name="fq_channel_turn_idx",
-                condition=Q(ready_count__gt=0)
-                & Q(paused=False)
-                & (Q(max_concurrency__isnull=True) | Q(running_count__lt=F("max_concurrency"))),
-            ),
-            # The batch claim walks this one: channels with pending work batches, least
-            # recently served first. Channels without batches have no entry.
-            models.Index(
-                F("batch_turn_at"),
-                F("id"),
-                name="fq_channel_batch_turn_idx",
-                condition=Q(batch_pending=True) & Q(paused=False),
-            ),
-        ]
         constraints = [
             models.UniqueConstraint(fields=["name"], name="fq_channel_name_uniq"),
             models.CheckConstraint(
@@ -155,8 +136,15 @@ class Channel(models.Model):
         return self.name
 
 
-class Message(models.Model):
-    """One unit of work for one channel."""
+class Message(TrackedModel):
+    """One unit of work for one channel.
+
+    Write messages with the queue's API; an ORM write (``save()``, ``update()``, ``delete()``,
+    bulk operations, ``loaddata``) is allowed and recounts its channels when it commits
+    (:mod:`django_fairqueue.integrity`).
+    """
+
+    objects = TrackedQuerySet.as_manager()
 
     # No FK index: every lookup by channel goes through a partial index that starts with
     # channel_id, and an extra full index would be written on every enqueue for nothing.
@@ -261,13 +249,15 @@ class Message(models.Model):
         return f"{self.task_name}#{self.pk} ({self.state})"
 
 
-class ChannelDelta(models.Model):
+class ChannelDelta(TrackedModel):
     """A pending change to a channel's counters, folded into the channel row by the claim.
 
     Writers other than the claim append here instead of updating the channel row, so they
     never wait on (or block) a channel lock. The true counter is the channel's column plus the
     sum of its pending deltas.
     """
+
+    objects = TrackedQuerySet.as_manager()
 
     channel = models.ForeignKey(  # no FK constraint: see Message.channel
         Channel, on_delete=models.CASCADE, related_name="+", db_index=False, db_constraint=False
@@ -282,6 +272,12 @@ class ChannelDelta(models.Model):
     # picks channels; the others (completions on uncapped channels, which change no
     # eligibility) wait for the workers' maintenance loop, which folds everything.
     wake = models.BooleanField(default=True, db_default=True)
+    # The channel may have pending work batches now (planned, retried, failed or released
+    # ones): the fold sets the channel's batch_pending flag.
+    batch_pending = models.BooleanField(default=False, db_default=False)
+    # Written by an enqueue to a channel with max_backlog: a deferred constraint trigger checks
+    # the bound when the enqueuing transaction commits (sql/functions_v1.sql).
+    backlog_check = models.BooleanField(default=False, db_default=False)
 
     class Meta:
         db_table = "fairqueue_channel_delta"
@@ -377,8 +373,10 @@ class ChannelStat(models.Model):
         return f"channel {self.channel_id} @ {self.minute:%H:%M}: {self.claimed} claimed"
 
 
-class WorkBatch(models.Model):
+class WorkBatch(TrackedModel):
     """A contiguous id range of a big table, processed as one unit by one worker."""
+
+    objects = TrackedQuerySet.as_manager()
 
     channel = models.ForeignKey(  # no FK constraint: see Message.channel
         Channel,

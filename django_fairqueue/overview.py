@@ -20,7 +20,17 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db.models import BigIntegerField, F, OuterRef, QuerySet, Subquery, Sum, Value
+from django.db.models import (
+    BigIntegerField,
+    DateTimeField,
+    Field,
+    OuterRef,
+    QuerySet,
+    Subquery,
+    Sum,
+    Value,
+)
+from django.db.models.expressions import RawSQL
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -49,6 +59,32 @@ FINISHED_MINUTES = 5
 
 def _db() -> str:
     return conf.get().DATABASE
+
+
+def state_column(name: str, output_field: Field[Any, Any] | None = None) -> RawSQL:
+    """A scheduler column of the channel row, for reading in a ``Channel`` queryset.
+
+    The scheduler's columns are not model fields (so no ORM write can touch them); a query
+    reads them by name. Only for querysets whose base table is the channel table.
+    """
+    if name not in STATE_COLUMNS:
+        raise ValueError(f"not a scheduler column of fairqueue_channel: {name!r}")
+    table = Channel._meta.db_table
+    return RawSQL(f'"{table}"."{name}"', (), output_field=output_field or BigIntegerField())
+
+
+#: Scheduler columns of fairqueue_channel, written only by the queue's SQL functions.
+STATE_COLUMNS = frozenset(
+    {
+        "ready_count",
+        "scheduled_count",
+        "running_count",
+        "failed_count",
+        "succeeded_total",
+        "last_claimed_at",
+        "next_turn_at",
+    }
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -90,20 +126,24 @@ def all_counts() -> dict[int, ChannelCounts]:
         .values_list("channel_id", "r", "s", "n", "f", "ok")
     }
     out = {}
+    counters = (
+        "ready_count",
+        "scheduled_count",
+        "running_count",
+        "failed_count",
+        "succeeded_total",
+    )
     for row in (
         Channel.objects.using(_db())
         .order_by()
+        .annotate(**{f"_{name}": state_column(name) for name in counters})
         .values_list(
             "id",
             "name",
             "weight",
             "paused",
             "max_concurrency",
-            "ready_count",
-            "scheduled_count",
-            "running_count",
-            "failed_count",
-            "succeeded_total",
+            *(f"_{name}" for name in counters),
         )
     ):
         cid, name, weight, paused, cap, ready, scheduled, running, failed, succeeded = row
@@ -158,8 +198,9 @@ def annotate_counters(queryset: QuerySet[Channel]) -> QuerySet[Channel]:
     the query evaluates: the page when sorted by name, every row when sorted or filtered by
     them)."""
     return queryset.annotate(
-        backlog=F("ready_count") + _delta_sum("ready"),
-        failed_now=F("failed_count") + _delta_sum("failed"),
+        backlog=state_column("ready_count") + _delta_sum("ready"),
+        failed_now=state_column("failed_count") + _delta_sum("failed"),
+        last_claimed_at=state_column("last_claimed_at", DateTimeField()),
     )
 
 

@@ -13,7 +13,6 @@ transaction for rollback exactly as an ORM error would.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import uuid
@@ -32,7 +31,7 @@ from psycopg import pq, sql
 from psycopg.types.json import Jsonb, JsonbBinaryLoader
 
 from django_fairqueue import conf
-from django_fairqueue.exceptions import ChannelFull
+from django_fairqueue.exceptions import ChannelFull, IsolationLevelError
 
 _NEVER = 2**31
 _NAME_RE = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
@@ -156,6 +155,8 @@ class NewMessage:
     run_at: datetime | None = None
     max_attempts: int = 1
     keep_result: bool = False
+    #: a delay from now on the database clock (``run_at`` is absolute); at most one of the two
+    delay: timedelta | None = None
 
 
 @dataclass(slots=True)
@@ -170,6 +171,8 @@ class NewMessageBatch:
     run_at: list[datetime | None] = field(default_factory=list)
     max_attempts: list[int] = field(default_factory=list)
     keep_result: list[bool] = field(default_factory=list)
+    #: per-message delays from now on the database clock; None when no message has one
+    delays: list[timedelta | None] | None = None
 
     @classmethod
     def of(cls, messages: Sequence[NewMessage]) -> NewMessageBatch:
@@ -181,6 +184,7 @@ class NewMessageBatch:
             [m.run_at for m in messages],
             [m.max_attempts for m in messages],
             [m.keep_result for m in messages],
+            [m.delay for m in messages] if any(m.delay is not None for m in messages) else None,
         )
 
 
@@ -198,10 +202,17 @@ def enqueue_messages(
     """Insert messages in one round trip; returns their ids in input order.
 
     Raises :class:`ChannelFull` (and stores nothing) when a bounded channel has no room.
+
+    Inside a transaction, channels that do not exist yet are created in a short transaction of
+    their own first (a second round trip, once per new channel): a new channel's name is held
+    by its creator until it commits, and two transactions creating channels in opposite orders
+    would deadlock. In autocommit the statement creates them itself.
     """
     batch = messages if isinstance(messages, NewMessageBatch) else NewMessageBatch.of(messages)
     if not batch.channels:
         return []
+    wrapper = connections[using or conf.get().DATABASE]
+    create_apart = _creates_channels_apart(wrapper)
     # Bound in binary (the statement's b placeholders): psycopg then sends arrays without quoting
     # and escaping each element in Python, which cost more than the rest of the call.
     params = {
@@ -218,23 +229,63 @@ def enqueue_messages(
         "default_weight": defaults.weight,
         "default_max_backlog": defaults.max_backlog,
         "notify_channel": notify_channel,
+        "delays": batch.delays,
+        "create": not create_apart,
     }
     try:
         rows = _run("enqueue_messages", params, using)
+        if len(rows) < len(batch.channels):
+            # Nothing was stored: a channel is missing. Create it apart, then store for real
+            # (creating inline now, should the apart creation have given up on a lock).
+            create_channels(batch.channels, defaults=defaults, using=using)
+            rows = _run("enqueue_messages", {**params, "create": True}, using)
     except Exception as exc:
-        full = _channel_full(exc)
+        full = ChannelFull.from_error(exc)
         if full is not None:
             raise full from exc
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        if getattr(cause, "sqlstate", None) == "FQ002":
+            raise IsolationLevelError(cause.diag.message_primary) from exc  # type: ignore[attr-defined]
         raise
     return [r[0] for r in rows]
 
 
-def _channel_full(exc: BaseException) -> ChannelFull | None:
-    cause = exc.__cause__ if exc.__cause__ is not None else exc
-    if getattr(cause, "sqlstate", None) != "FQ001":
-        return None
-    detail = json.loads(cause.diag.message_detail or "{}")  # type: ignore[attr-defined]
-    return ChannelFull(detail["channel"], detail["backlog"], detail["max_backlog"], detail["batch"])
+def _creates_channels_apart(wrapper: BaseDatabaseWrapper) -> bool:
+    """Whether new channels must be created in a transaction of their own: inside any
+    transaction, except one a Django test case opened (a test's rows roll back with it, and
+    nothing else runs concurrently on its connection to deadlock with)."""
+    if wrapper.get_autocommit() and not wrapper.in_atomic_block:
+        return False
+    blocks = wrapper.atomic_blocks
+    return not (blocks and getattr(blocks[0], "_from_testcase", False))
+
+
+#: How long creating channels apart waits for a name another transaction is creating (and
+#: holds until it commits) before leaving the creation to the caller's own transaction, where
+#: PostgreSQL's deadlock detector sees any cycle. Without a bound, a wait on a transaction that
+#: itself waits for the caller would hang both, unseen by the detector.
+CREATE_CHANNELS_LOCK_TIMEOUT = "2s"
+
+
+def create_channels(
+    names: Sequence[str], *, defaults: conf.ChannelDefaults, using: str | None = None
+) -> None:
+    """Create the channels of ``names`` that do not exist, committed at once on a connection
+    of its own (so no caller's transaction holds a new channel's name)."""
+    params = {
+        "names": sorted(set(names)),
+        "default_max_concurrency": defaults.max_concurrency,
+        "default_release_interval": defaults.release_interval,
+        "default_weight": defaults.weight,
+        "default_max_backlog": defaults.max_backlog,
+        "lock_timeout": CREATE_CHANNELS_LOCK_TIMEOUT,
+    }
+    try:
+        with _own_connection(using) as side, _cursor(side.alias, wrapper=side) as cur:
+            cur.execute(queries()["create_channels"], params, prepare=False, binary=True)
+    except DatabaseError as exc:
+        if getattr(exc.__cause__, "sqlstate", None) != "55P03":  # lock_not_available
+            raise
 
 
 def claim_messages(
@@ -399,11 +450,15 @@ def complete_and_claim_messages(
 
 
 def fail_messages(
-    failed: Sequence[tuple[int, uuid.UUID, dict[str, Any], datetime | None]],
+    failed: Sequence[tuple[int, uuid.UUID, dict[str, Any], timedelta | None]],
     *,
     using: str | None = None,
 ) -> dict[int, str]:
-    """Settle failures given as (id, token, error, retry_at); returns {id: new state}."""
+    """Settle failures given as (id, token, error, retry_in); returns {id: new state}.
+
+    ``retry_in`` is the backoff before the next attempt (None: no retry); the retry time is
+    the database's clock plus it, the clock the claim compares it with.
+    """
     if not failed:
         return {}
     rows = _run(
@@ -412,7 +467,7 @@ def fail_messages(
             "ids": [f[0] for f in failed],
             "tokens": [f[1] for f in failed],
             "errors": [Jsonb(f[2]) for f in failed],
-            "retry_at": [f[3] for f in failed],
+            "retry_in": [f[3] for f in failed],
         },
         using,
     )
@@ -553,12 +608,60 @@ def prune_channel_stats(before: datetime, *, using: str | None = None) -> None:
 def fold_deltas_of_channel(channel_id: int, *, using: str | None = None) -> int:
     """Fold one channel's pending counter deltas into its row now; returns how many.
 
-    Waits for a claim holding the channel row (claims are short). Call it in the transaction
-    that changes a channel's limits: a cap added to a busy channel must count the completions
-    not yet folded, or the channel looks full until the maintenance loop folds them.
+    Waits for a claim holding the channel row (claims are short). Call it after changing a
+    channel's limits: a cap added to a busy channel must count the completions not folded
+    yet, or the channel looks full until the maintenance loop folds them; a rate limit
+    removed must not leave its next turn in the future.
     """
     rows = _run("fold_deltas_of_channel", {"channel_id": channel_id}, using)
     return int(rows[0][0]) if rows else 0
+
+
+@dataclass(frozen=True, slots=True)
+class CounterDrift:
+    """A channel counter that disagrees with the rows it counts."""
+
+    channel_id: int
+    channel: str
+    counter: str
+    recorded: int
+    actual: int
+
+
+def verify_channel_counters(
+    ids: Sequence[int] | None = None, *, using: str | None = None
+) -> list[CounterDrift]:
+    """Counters (of the channels of ``ids``, or of all) that disagree with their messages and
+    work batches. Read-only and lock-free: one snapshot sees every writer's rows and counters
+    together (a scan of the queue's waiting and running rows)."""
+    rows = _run("verify_channel_counters", {"ids": list(ids) if ids is not None else None}, using)
+    return [CounterDrift(*r) for r in rows]
+
+
+def repair_channel_counters(ids: Sequence[int], *, using: str | None = None) -> list[CounterDrift]:
+    """Recount the channels of ``ids`` from their rows, each under its row lock (waits for a
+    claim holding it). Returns what was wrong at that moment."""
+    if not ids:
+        return []
+    return [CounterDrift(*r) for r in _run("repair_channel_counters", {"ids": list(ids)}, using)]
+
+
+def verify_orphans(*, using: str | None = None) -> dict[str, int]:
+    """{table: rows whose channel no longer exists}."""
+    return {table: int(n) for table, n in _run("verify_orphans", {}, using)}
+
+
+def repair_orphans(*, using: str | None = None) -> dict[str, int]:
+    """Delete the rows :func:`verify_orphans` counts; returns {table: rows deleted}."""
+    return {table: int(n) for table, n in _run("repair_orphans", {}, using)}
+
+
+def lock_channel_names(names: Sequence[str], *, using: str | None = None) -> None:
+    """Hold channel names against enqueues until the current transaction ends: deleting a
+    channel takes this first, so an enqueue in flight finishes (and its messages are deleted
+    with the channel) and a later one creates the channel anew."""
+    if names:
+        _run("lock_channel_names", {"names": list(names)}, using)
 
 
 def select_channel_ids(names: Sequence[str], *, using: str | None = None) -> dict[str, int]:
@@ -993,7 +1096,7 @@ def fail_work_batch(
     token: uuid.UUID,
     *,
     error: dict[str, Any],
-    retry_at: datetime,
+    retry_in: timedelta,
     final: bool = False,
     using: str | None = None,
 ) -> str | None:
@@ -1002,7 +1105,7 @@ def fail_work_batch(
         "id": batch_id,
         "token": token,
         "error": Jsonb(error),
-        "retry_at": retry_at,
+        "retry_in": retry_in,
         "final": final,
     }
     rows = _run("fail_work_batch", params, using)

@@ -41,7 +41,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any, Literal
 
 import psycopg
@@ -56,8 +56,8 @@ from django_fairqueue._runtime import (
     CONNECTION_ERRORS,
     Backoff,
     StopFlag,
+    after_database_error,
     drop_broken_connection,
-    reset_connection,
     stop_signals,
 )
 from django_fairqueue.api import validate_channel_name
@@ -186,7 +186,8 @@ class Outcome:
     kind: OutcomeKind
     result: Any = None
     error: dict[str, Any] | None = None
-    retry_at: datetime | None = None
+    #: backoff before the next attempt; the database adds it to its own clock
+    retry_in: timedelta | None = None
     duration: float = 0.0
 
 
@@ -567,11 +568,9 @@ class Worker:
                 messages = self._claim(limit)
                 drained = not messages and self._after_empty_claim()
             except CONNECTION_ERRORS as exc:
-                reset_connection()
+                what = after_database_error(exc)
                 delay = backoff.next()
-                logger.warning(
-                    "claim failed: database unavailable (%s); retry in %.2fs", exc, delay
-                )
+                logger.warning("claim failed: %s; retry in %.2fs", what, delay)
                 with self._cond:
                     self._not_before = time.monotonic() + delay
                     self._wake = True
@@ -873,12 +872,11 @@ class Worker:
             and message.attempts < message.max_attempts
             and spec.effective_delivery != "at_most_once"
         ):
-            retry_at = timezone.now() + timedelta(seconds=retry_delay(message.attempts))
             return Outcome(
                 message,
                 "retry",
                 error=error,
-                retry_at=retry_at,
+                retry_in=timedelta(seconds=retry_delay(message.attempts)),
                 duration=time.monotonic() - started,
             )
         return Outcome(message, "failed", error=error, duration=time.monotonic() - started)
@@ -893,9 +891,8 @@ class Worker:
         else:
             error = outcome.error or {}
             cause = f"{error.get('type')}: {error.get('message')}"
-            if outcome.kind == "retry" and outcome.retry_at is not None:
-                delay = (outcome.retry_at - timezone.now()).total_seconds()
-                what = f"failed ({cause}); retry in {max(delay, 0):.1f}s"
+            if outcome.kind == "retry" and outcome.retry_in is not None:
+                what = f"failed ({cause}); retry in {outcome.retry_in.total_seconds():.1f}s"
             else:
                 what = f"failed for good ({cause})"
         logger.log(
@@ -942,21 +939,21 @@ class Worker:
                 try:
                     self.settle(backlog)
                 except CONNECTION_ERRORS as exc:
-                    reset_connection()
+                    what = after_database_error(exc)
                     delay = backoff.next()
                     deadline = self._settle_deadline
                     if deadline is not None and time.monotonic() + delay > deadline:
                         logger.error(
-                            "giving up writing %d outcomes at shutdown (database unavailable: "
-                            "%s); their leases will expire and the rescuer will requeue them",
+                            "giving up writing %d outcomes at shutdown (%s); their leases "
+                            "will expire and the rescuer will requeue them",
                             len(backlog),
-                            exc,
+                            what,
                         )
                         return
                     logger.warning(
-                        "writing %d outcomes failed: database unavailable (%s); retry in %.2fs",
+                        "writing %d outcomes failed: %s; retry in %.2fs",
                         len(backlog),
-                        exc,
+                        what,
                         delay,
                     )
                     time.sleep(delay)
@@ -974,8 +971,8 @@ class Worker:
         try:
             stats.flush()  # on failure it keeps the tallies for the next flush
         except CONNECTION_ERRORS as exc:
-            reset_connection()
-            logger.warning("writing statistics failed (%s); kept for the next try", exc)
+            what = after_database_error(exc)
+            logger.warning("writing statistics failed: %s; kept for the next try", what)
         except DatabaseError:
             logger.exception("writing statistics failed; statistics are off for this worker")
             self._stats = None
@@ -1039,7 +1036,7 @@ class Worker:
             return {i: "succeeded" for i in done}
         if verb == "fail":
             return store.fail_messages(
-                [(o.message.id, o.message.lease_token, o.error or {}, o.retry_at) for o in group]
+                [(o.message.id, o.message.lease_token, o.error or {}, o.retry_in) for o in group]
             )
         released = store.release_messages([(o.message.id, o.message.lease_token) for o in group])
         return {i: "ready" for i in released}
@@ -1119,9 +1116,9 @@ class Worker:
                     chunk = leases[start : start + HEARTBEAT_BATCH]
                     owned |= store.heartbeat_messages(chunk, lease=self.lease)
             except CONNECTION_ERRORS as exc:
-                reset_connection()
+                what = after_database_error(exc)
                 wait = min(backoff.next(), interval)
-                logger.warning("heartbeat failed: database unavailable (%s)", exc)
+                logger.warning("heartbeat failed: %s", what)
                 continue
             backoff.reset()
             drop_broken_connection()

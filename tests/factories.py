@@ -188,6 +188,21 @@ def table_counts() -> dict[int, Counter[str]]:
     return counts
 
 
+def channel_state(name: str) -> dict[str, Any]:
+    """The scheduler's columns of a channel row (no model fields: read with SQL)."""
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT ready_count, scheduled_count, running_count, failed_count, succeeded_total, "
+            "next_turn_at, turn_used, last_claimed_at, batch_pending, batch_turn_at "
+            "FROM fairqueue_channel WHERE name = %s",
+            [name],
+        )
+        row = cur.fetchone()
+        assert row is not None, f"no channel {name!r}"
+        names = [d.name for d in cur.description]
+    return dict(zip(names, row, strict=True))
+
+
 def assert_counters_match_table(*, fold: bool = True) -> None:
     """Every channel's counters (row + pending deltas, and the row alone after folding) equal
     the number of its messages per state in the table."""
@@ -207,9 +222,12 @@ def assert_counters_match_table(*, fold: bool = True) -> None:
         )
     if fold:
         fold_all()
-        rows = Channel.objects.values_list(
-            "id", "name", "ready_count", "scheduled_count", "running_count", "failed_count"
-        )
+        with connection.cursor() as cur:
+            cur.execute(
+                "SELECT id, name, ready_count, scheduled_count, running_count, failed_count "
+                "FROM fairqueue_channel"
+            )
+            rows = cur.fetchall()
         for cid, name, *row in rows:
             assert tuple(row) == expected(cid), (
                 f"channel {name} after folding: row {tuple(row)}, table {expected(cid)}"

@@ -18,7 +18,7 @@ from django.db import DataError, connection, transaction
 from django.utils import timezone
 
 from django_fairqueue import store
-from django_fairqueue.models import Channel, Message, MessageState
+from django_fairqueue.models import Message, MessageState
 from tests import factories as f
 
 LEASE = timedelta(minutes=5)
@@ -268,7 +268,10 @@ def test_rate_limited_channel_releases_one_message_per_interval() -> None:
     assert claim(20) == []  # the next release is an hour away
 
     # An hour later (moved back rather than waited for), it releases one more.
-    Channel.objects.filter(name="metered").update(next_turn_at=timezone.now())
+    with connection.cursor() as cur:
+        cur.execute(
+            "UPDATE fairqueue_channel SET next_turn_at = now() WHERE name = %s", ["metered"]
+        )
     assert [m.channel for m in claim(20)] == ["metered"]
 
 
@@ -418,8 +421,8 @@ def test_fail_retries_or_dead_letters_and_keeps_counters() -> None:
 
     states = store.fail_messages(
         [
-            (now_retry.id, now_retry.lease_token, error, timezone.now() - timedelta(seconds=1)),
-            (later_retry.id, later_retry.lease_token, error, timezone.now() + timedelta(hours=1)),
+            (now_retry.id, now_retry.lease_token, error, timedelta(0)),
+            (later_retry.id, later_retry.lease_token, error, timedelta(hours=1)),
             (no_retry.id, no_retry.lease_token, error, None),
         ]
     )

@@ -18,7 +18,6 @@ from typing import Any
 import psycopg
 import pytest
 from django.db import connection
-from django.utils import timezone
 
 from django_fairqueue import store
 from django_fairqueue.models import ChannelDelta
@@ -297,8 +296,7 @@ def test_fail_reads_primary_keys_only(
     in_flight: list[store.ClaimedMessage], auto_explain: AutoExplain
 ) -> None:
     error = {"type": "RuntimeError", "message": "boom", "traceback": None}
-    later = timezone.now() + timedelta(minutes=1)
-    failed = [(m.id, m.lease_token, error, later) for m in in_flight[:LIMIT]]
+    failed = [(m.id, m.lease_token, error, timedelta(minutes=1)) for m in in_flight[:LIMIT]]
 
     plans = settle_plans(auto_explain, lambda: store.fail_messages(failed))
 

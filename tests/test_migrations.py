@@ -93,7 +93,7 @@ def live_functions() -> dict[str, str]:
     """The functions of the live sql/ files, installed alone (rolled back afterwards)."""
     with transaction.atomic(), connection.cursor() as cur:
         for signature in installed_functions():
-            cur.execute(f"DROP FUNCTION {signature}")
+            cur.execute(f"DROP FUNCTION {signature} CASCADE")  # and the trigger using it
         cur.execute(store.functions_sql(1))
         cur.execute(store.functions_sql(1, part="batches"))
         functions = installed_functions()

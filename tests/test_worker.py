@@ -33,6 +33,7 @@ from django_fairqueue.tasks import registry, task
 from django_fairqueue.testing import drain, enqueued
 from django_fairqueue.worker import Outcome, Worker, WorkerConfig, retry_delay
 from tests import fairtasks
+from tests.factories import channel_state
 from tests.workerkit import counters, enqueue_raw, wait_until
 
 SEEN: dict[str, Any] = {}
@@ -675,15 +676,16 @@ def test_maintenance_services_rescue_prune_and_fold(fq: Any) -> None:
     call_command("fairqueue", "maintain", "--once", stdout=out)
 
     assert re.fullmatch(
-        r"folder: \d+, rescuer: 1, pruner: 1, stats-pruner: 0, batch-rescuer: 0, batch-pruner: 0",
+        r"folder: \d+, rescuer: 1, pruner: 1, stats-pruner: 0, batch-rescuer: 0, batch-pruner: 0, "
+        r"verifier: 0",
         out.getvalue().strip(),
     )
     assert message(expired).state == MessageState.READY
     assert not Message.objects.filter(pk=done).exists()
     assert DeltaFolder().run_once() == 1  # the rescue's own delta
     assert Pruner().run_once() == Rescuer().run_once() == 0
-    alice = Channel.objects.get(name="alice")
-    assert (alice.ready_count, alice.running_count) == (1, 0)
+    alice = channel_state("alice")
+    assert (alice["ready_count"], alice["running_count"]) == (1, 0)
 
 
 # ------------------------------------------------------------------------------------------------

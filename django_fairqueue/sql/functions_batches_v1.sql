@@ -1,16 +1,24 @@
 -- django-fairqueue: server-side function of the work-batch queue, version 1.
 --
--- Installed by migration 0003 with CREATE OR REPLACE (versioning as in functions_v1.sql).
+-- Installed by migration 0003 with CREATE OR REPLACE, and again by later migrations that change
+-- it, each from a copy of its own (versioning as in functions_v1.sql).
 --
 -- Locking rules (docs/explanation/work-batches.md):
 --   * The batch claim locks one channel row at a time, FOR NO KEY UPDATE SKIP LOCKED, and writes
---     only its batch_turn_* columns. It never waits for a channel: a channel locked by a message
---     claim or another batch claim is skipped, exactly as message claims skip it.
---   * Channel.batch_pending ("may have pending batches") is set, in the same transaction, by
---     every statement that makes a batch pending, and cleared only by a claim holding the
---     channel row that sees no pending batch (see the comment at the clearing).
---   * Holding the channel row serialises batch claims of that channel, so counting its running
---     batches and taking one more is atomic fleet-wide: the cap cannot be overshot.
+--     its batch_turn_* columns and running_count. It never waits for a channel: a channel
+--     locked by a message claim or another batch claim is skipped, exactly as message claims
+--     skip it.
+--   * A channel's max_concurrency covers its running messages and its running work batches
+--     together: running_count counts both. The batch claim adds its batch to running_count
+--     under the channel row lock, as the message claim adds its messages; every way a batch
+--     stops running (completion, failure, release, rescue) records running -1 as a counter
+--     delta, as message settlements do. Holding the channel row serialises all claims of that
+--     channel, so checking the cap and taking one more is atomic fleet-wide.
+--   * Channel.batch_pending ("may have pending batches") is set through a counter delta
+--     (batch_pending true) by every statement that makes a batch pending, in the same
+--     transaction, and cleared only by a claim holding the channel row that sees no pending
+--     batch (see the comment at the clearing). Nothing but claims, the fold and the repair
+--     writes the scheduler's columns of a channel row.
 --   * Batch rows are then locked FOR UPDATE SKIP LOCKED; heartbeats, completion, failure and
 --     release touch a batch only under its lease token, the rescuer only when its lease expired.
 
@@ -35,8 +43,11 @@ DECLARE
     v_cur refcursor;
     v_channel record;
     v_batch bigint;
-    v_running bigint;
 BEGIN
+    -- Fold waking counter deltas first (as the message claim does): freed slots of capped
+    -- channels, and batch_pending flags of channels with newly pending batches.
+    PERFORM fairqueue_fold_deltas_v1(1000, true);
+
     -- Channels that may have pending batches, least recently served first: a walk of
     -- fq_channel_batch_turn_idx that stops at the first channel able to give a batch. It passes
     -- over channels at their cap (at most one per running batch, so bounded by the fleet's
@@ -44,7 +55,7 @@ BEGIN
     -- An explicit cursor with one FETCH per channel locks channels one by one (a FOR loop
     -- would prefetch, and lock, ten at a time).
     OPEN v_cur FOR
-        SELECT c.id, c.name, c.max_concurrency, c.weight, c.batch_turn_used
+        SELECT c.id, c.name, c.max_concurrency, c.running_count, c.weight, c.batch_turn_used
         FROM fairqueue_channel c
         WHERE c.batch_pending AND NOT c.paused
           AND (p_only IS NULL OR c.id = ANY (p_only))
@@ -54,14 +65,11 @@ BEGIN
     LOOP
         FETCH v_cur INTO v_channel;
         EXIT WHEN NOT FOUND;
-        IF v_channel.max_concurrency IS NOT NULL THEN
-            -- A fresh snapshot (READ COMMITTED, volatile function) taken after the channel lock:
-            -- every batch claimed under this lock before us is committed and counted.
-            SELECT count(*) INTO v_running
-            FROM fairqueue_work_batch b
-            WHERE b.channel_id = v_channel.id AND b.state = 'running';
-            CONTINUE WHEN v_running >= v_channel.max_concurrency;
-        END IF;
+        -- The row as locked is the newest version: every claim of this channel (message or
+        -- batch) committed before us is counted. Deltas not folded yet only lower the count
+        -- (a settlement frees a slot), so this errs on the safe side.
+        CONTINUE WHEN v_channel.max_concurrency IS NOT NULL
+                      AND v_channel.running_count >= v_channel.max_concurrency;
         SELECT b.id INTO v_batch
         FROM fairqueue_work_batch b
         WHERE b.channel_id = v_channel.id AND b.state = 'pending' AND b.run_at <= v_now
@@ -90,7 +98,8 @@ BEGIN
         SET batch_turn_at = CASE WHEN v_channel.batch_turn_used + 1 >= v_channel.weight
                                  THEN v_now ELSE c.batch_turn_at END,
             batch_turn_used = CASE WHEN v_channel.batch_turn_used + 1 >= v_channel.weight
-                                   THEN 0 ELSE v_channel.batch_turn_used + 1 END
+                                   THEN 0 ELSE v_channel.batch_turn_used + 1 END,
+            running_count = c.running_count + 1
         WHERE c.id = v_channel.id;
 
         CLOSE v_cur;

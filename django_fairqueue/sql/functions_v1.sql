@@ -8,16 +8,23 @@
 -- old and new workers can run side by side during a rolling deploy; v1 is dropped one release
 -- later.
 --
--- Locking rules (see docs/explanation/fairness.md, "Why it cannot deadlock"):
---   * A channel row is written only by fairqueue_claim_v1 (under FOR UPDATE SKIP LOCKED, so a
---     claim never waits for a channel) and by operators' edits. Everything else records counter
---     changes in fairqueue_channel_delta, which the claim folds in.
---   * Message rows are locked FOR UPDATE SKIP LOCKED by claims, and by UPDATE/DELETE ... WHERE
---     lease_token = ... by settlements; a settlement touches only rows its claim owns.
---   * Enqueue takes an advisory lock per *bounded* channel (max_backlog set), in channel id
---     order, so concurrent batches to overlapping channels cannot deadlock.
+-- Lock order (docs/explanation/fairness.md, "Lock order"); every statement follows it:
+--   1. advisory locks on channel names, shared (enqueue) or exclusive (deleting a channel);
+--   2. fairqueue_channel rows, in id order. Claims (messages and work batches), the fold and
+--      the repair write counters and turns; operators write only configuration columns (the
+--      Django model maps no other). Claims and the fold never wait for a channel row: they
+--      use SKIP LOCKED (a claim's bounded CLAIM_WAIT ends in lock_timeout, not a deadlock);
+--   3. fairqueue_channel_delta rows: inserted by every writer of messages, deleted by the fold
+--      and the repair, which lock them SKIP LOCKED or after the channel;
+--   4. fairqueue_message and fairqueue_work_batch rows, in id order within one statement.
+--      Claims lock ready rows SKIP LOCKED (they never wait on a message), settlements only
+--      rows their lease token owns;
+--   5. the bounded-backlog advisory locks, taken only while the transaction commits, all at
+--      once in channel id order (fairqueue_backlog_check_v1).
+-- Nothing takes a lock of an earlier rank while it waits for a later one, except a caller's
+-- own transaction doing so across statements, which the SKIP LOCKED waits above tolerate.
 
--- Advisory-lock namespace for bounded-backlog enqueue: ("fq" as int, channel id).
+-- Advisory-lock namespace of the bounded-backlog check at commit: ("fq" as int, channel id).
 CREATE OR REPLACE FUNCTION fairqueue_lock_key_v1() RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 26225 $$;
 
@@ -93,6 +100,7 @@ DECLARE
     v_running bigint[];
     v_failed bigint[];
     v_succeeded bigint[];
+    v_batches boolean[];
     v_count integer;
 BEGIN
     -- 1. Lock the oldest pending deltas. Two statements rather than `d.wake OR NOT
@@ -126,6 +134,14 @@ BEGIN
         SELECT c.id FROM fairqueue_channel c
         WHERE c.id = ANY (v_wanted) ORDER BY c.id FOR UPDATE SKIP LOCKED
     ) x;
+    IF coalesce(cardinality(v_locked), 0) < cardinality(v_wanted) THEN
+        -- Deltas of a channel deleted meanwhile (a completion that committed after the
+        -- deletion began) belong to nobody: delete them, or every claim would find them again.
+        DELETE FROM fairqueue_channel_delta d
+        WHERE d.id = ANY (ARRAY(
+            SELECT x.id FROM unnest(v_deltas, v_delta_channels) AS x(id, channel_id)
+            WHERE NOT EXISTS (SELECT FROM fairqueue_channel c WHERE c.id = x.channel_id)));
+    END IF;
     IF v_locked IS NULL THEN
         RETURN 0;
     END IF;
@@ -143,19 +159,21 @@ BEGIN
     WITH gone AS (
         DELETE FROM fairqueue_channel_delta d
         WHERE d.id = ANY (v_deltas)
-        RETURNING d.channel_id, d.ready, d.scheduled, d.running, d.failed, d.succeeded
+        RETURNING d.channel_id, d.ready, d.scheduled, d.running, d.failed, d.succeeded,
+                  d.batch_pending
     ), g AS (
         SELECT gone.channel_id, sum(gone.ready) AS ready, sum(gone.scheduled) AS scheduled,
                sum(gone.running) AS running, sum(gone.failed) AS failed,
-               sum(gone.succeeded) AS succeeded, count(*) AS n
+               sum(gone.succeeded) AS succeeded, bool_or(gone.batch_pending) AS batches,
+               count(*) AS n
         FROM gone
         GROUP BY gone.channel_id
     )
     SELECT array_agg(g.channel_id ORDER BY g.channel_id), array_agg(g.ready ORDER BY g.channel_id),
            array_agg(g.scheduled ORDER BY g.channel_id), array_agg(g.running ORDER BY g.channel_id),
            array_agg(g.failed ORDER BY g.channel_id), array_agg(g.succeeded ORDER BY g.channel_id),
-           sum(g.n)
-    INTO v_ids, v_ready, v_scheduled, v_running, v_failed, v_succeeded, v_count
+           array_agg(g.batches ORDER BY g.channel_id), sum(g.n)
+    INTO v_ids, v_ready, v_scheduled, v_running, v_failed, v_succeeded, v_batches, v_count
     FROM g;
     IF v_ids IS NULL THEN
         RETURN 0;
@@ -167,7 +185,22 @@ BEGIN
         scheduled_count = c.scheduled_count + v_scheduled[array_position(v_ids, c.id)],
         running_count = c.running_count + v_running[array_position(v_ids, c.id)],
         failed_count = c.failed_count + v_failed[array_position(v_ids, c.id)],
-        succeeded_total = c.succeeded_total + v_succeeded[array_position(v_ids, c.id)]
+        succeeded_total = c.succeeded_total + v_succeeded[array_position(v_ids, c.id)],
+        -- set by whatever made a work batch pending (plan, retry, failure, release, rescue);
+        -- cleared only by a batch claim holding the row that finds none pending
+        batch_pending = c.batch_pending OR v_batches[array_position(v_ids, c.id)],
+        -- A channel without a rate limit is never due later than now. Its turn can only be in
+        -- the future when the database clock stepped back (the turn was set by the old clock)
+        -- or an operator removed its rate limit: either would park it until the clock caught
+        -- up. Folding is what makes a channel claimable, so this is where it is put right
+        -- (at the front of the round: a one-off, not a way to jump the queue). The start of
+        -- the statement, not the clock now: the claim calling this compares turns with the
+        -- clock it read before.
+        next_turn_at = CASE
+            WHEN c.release_interval = interval '0' AND c.next_turn_at > statement_timestamp()
+                THEN statement_timestamp()
+            ELSE c.next_turn_at
+        END
     WHERE c.id = ANY (v_ids);
     RETURN v_count;
 END;
@@ -391,13 +424,16 @@ BEGIN
     END LOOP;
 
     -- Steps 4 and 5 in one statement. The LATERAL subquery reads each channel's head from
-    -- fq_message_ready_idx and stops after its share. No row locks are needed there: ready
-    -- messages of a channel are only ever claimed by the holder of that channel's row lock,
-    -- which we took in step 2, and this statement's snapshot was taken after we got it, so it
-    -- sees every earlier claim of the channel as committed. (Locking each row first cost a WAL
-    -- record and a page write per message for nothing.) The UPDATE re-checks state = 'ready'
-    -- against an operator deleting or cancelling a message meanwhile. Channels are charged
-    -- with what was actually claimed (`got`), which may be less than their share.
+    -- fq_message_ready_idx and stops after its share. Ready messages of a channel are only
+    -- ever claimed by the holder of that channel's row lock, which we took in step 2, and this
+    -- statement's snapshot was taken after we got it, so it sees every earlier claim of the
+    -- channel as committed. The rows are still locked, SKIP LOCKED: a ready row can be locked
+    -- by someone else than a claim (cancel, delete, purge, an ORM update of the caller's),
+    -- and a claim that waited for it while holding channel rows would deadlock with that
+    -- transaction as soon as it wrote one of those channels. Skipping costs a lock record per
+    -- claimed row; waiting could cost the whole fleet. The UPDATE re-checks state = 'ready'.
+    -- Channels are charged with what was actually claimed (`got`), which may be less than
+    -- their share.
     RETURN QUERY
     WITH alloc AS (
         SELECT a.cid, a.n FROM unnest(v_ids, v_alloc) AS a(cid, n)
@@ -410,6 +446,7 @@ BEGIN
             WHERE m.channel_id = alloc.cid AND m.state = 'ready'
             ORDER BY m.priority DESC, m.id
             LIMIT alloc.n
+            FOR UPDATE OF m SKIP LOCKED
         ) h
         WHERE alloc.n > 0
     ), claimed AS (
@@ -468,7 +505,8 @@ BEGIN
            claimed.max_attempts::integer, claimed.keep_result, claimed.lease_token,
            claimed.lease_expires_at, claimed.enqueued_at, claimed.run_at
     FROM claimed
-    ORDER BY claimed.id;
+    -- In the order a worker should start them (it may prefetch more than it runs at once).
+    ORDER BY claimed.priority DESC, claimed.id;
     -- (`charged` is not read: PostgreSQL runs every data-modifying CTE to completion.)
 END;
 $$;
@@ -496,6 +534,25 @@ BEGIN
     -- Nothing here says `state = 'running'`: a token exists exactly while a row runs (CHECK
     -- fq_message_lease_iff_running), and a state condition would be answered with the partial
     -- index of running rows, scanning all of them instead of primary-key lookups.
+    --
+    -- The statement below locks the plain rows (DELETE) before the kept ones (UPDATE), each
+    -- set in id order but the two together not: a batch mixing both would lock out of id
+    -- order and could deadlock with a heartbeat of the same rows, which locks in id order (a
+    -- worker running django.tasks tasks beside native ones settles such batches). Such a
+    -- batch locks all its rows in id order first. A read-only probe finds out, so batches of
+    -- one kind (nearly all) pay no extra lock.
+    IF cardinality(p_ids) > 1
+       AND EXISTS (SELECT FROM fairqueue_message m
+                   WHERE m.id = ANY (p_ids) AND m.lease_token = ANY (p_tokens) AND m.keep_result)
+       AND EXISTS (SELECT FROM fairqueue_message m
+                   WHERE m.id = ANY (p_ids) AND m.lease_token = ANY (p_tokens)
+                     AND NOT m.keep_result)
+    THEN
+        PERFORM FROM fairqueue_message m
+        WHERE m.id = ANY (p_ids) AND m.lease_token = ANY (p_tokens)
+        ORDER BY m.id
+        FOR UPDATE;
+    END IF;
     RETURN QUERY
     WITH gone AS (
         DELETE FROM fairqueue_message m
@@ -586,11 +643,106 @@ END;
 $$;
 
 
--- Enqueue a batch in one round trip. Arrays are parallel, one element per message.
--- Channels are created on first use with the given defaults. For channels with a max_backlog,
--- an advisory lock per channel (taken in channel id order, so concurrent batches cannot
--- deadlock) serialises enqueuers of that channel only, and the backlog is checked under it;
--- a full channel raises SQLSTATE FQ001 and nothing of the batch is inserted.
+-- Channel existence: every enqueue holds a shared lock per channel name (in this namespace,
+-- keyed by hashtext(name)) until its transaction ends, and deleting a channel takes the
+-- exclusive one first. A deletion therefore waits for enqueues in flight (and then deletes
+-- their messages too), and an enqueue that comes after it finds the name gone and creates the
+-- channel anew: no message is ever left behind with a channel id that no longer exists.
+-- Shared locks never conflict with each other, so enqueues cannot deadlock on them.
+CREATE OR REPLACE FUNCTION fairqueue_channel_lock_key_v1() RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 26227 $$;
+
+
+-- Raise SQLSTATE FQ001 if a bounded channel of p_ids would hold more than its max_backlog
+-- waiting messages with this transaction's p_batch[i] messages for it. The backlog is the
+-- channel's counters plus the deltas not yet folded, as this statement sees them: everything
+-- committed, and this transaction's own enqueues; p_included says whether the batch is among
+-- them already (at commit) or not (before it is inserted). The error reports the backlog
+-- without the batch, and the batch.
+CREATE OR REPLACE FUNCTION fairqueue_check_backlog_v1(
+    p_ids bigint[], p_batch bigint[], p_included boolean
+)
+RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN
+        SELECT c.id, c.name, c.max_backlog,
+               c.ready_count + c.scheduled_count
+               + coalesce((SELECT sum(d.ready + d.scheduled)
+                           FROM fairqueue_channel_delta d WHERE d.channel_id = c.id), 0)
+               AS backlog,
+               coalesce(p_batch[array_position(p_ids, c.id)], 0) AS extra
+        FROM fairqueue_channel c
+        WHERE c.id = ANY (p_ids) AND c.max_backlog IS NOT NULL
+        ORDER BY c.id
+    LOOP
+        IF p_included THEN
+            r.backlog := r.backlog - r.extra;
+        END IF;
+        IF r.backlog + r.extra > r.max_backlog THEN
+            RAISE EXCEPTION 'fairqueue: channel % is full (backlog %, max_backlog %, batch %)',
+                quote_literal(r.name), r.backlog, r.max_backlog, r.extra
+                USING ERRCODE = 'FQ001',
+                      DETAIL = json_build_object(
+                          'channel', r.name, 'backlog', r.backlog,
+                          'max_backlog', r.max_backlog, 'batch', r.extra)::text;
+        END IF;
+    END LOOP;
+END;
+$$;
+
+
+-- The bound of max_backlog, checked when the enqueuing transaction commits (a deferred
+-- constraint trigger on the delta rows enqueue marks with backlog_check). An enqueue inside a
+-- transaction holds no lock for the bound; at commit, the transaction takes one advisory lock
+-- per bounded channel it enqueued to, all at once and in channel id order, checks every one of
+-- them with a fresh snapshot (which sees what earlier holders committed), and keeps the locks
+-- for the moment of its commit only. Two transactions touching the same channels in opposite
+-- orders can therefore not deadlock, however many enqueue() calls each made.
+-- The channels to check, with how many messages the transaction enqueued to each, travel in
+-- the transaction-local setting fairqueue.bounded as "id:n,id:n" (a savepoint rolled back takes
+-- its part of the list with it, as it takes its deltas).
+CREATE OR REPLACE FUNCTION fairqueue_backlog_check_v1() RETURNS trigger
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_ids bigint[];
+    v_batch bigint[];
+    v_id bigint;
+BEGIN
+    SELECT array_agg(x.id ORDER BY x.id), array_agg(x.n ORDER BY x.id) INTO v_ids, v_batch
+    FROM (
+        SELECT split_part(e, ':', 1)::bigint AS id, sum(split_part(e, ':', 2)::bigint) AS n
+        FROM unnest(string_to_array(nullif(current_setting('fairqueue.bounded', true), ''), ','))
+             AS e
+        GROUP BY 1
+    ) x;
+    IF v_ids IS NULL THEN
+        RETURN NULL;  -- an earlier row's trigger of this transaction checked them all
+    END IF;
+    PERFORM set_config('fairqueue.bounded', '', true);
+    FOREACH v_id IN ARRAY v_ids LOOP
+        PERFORM pg_advisory_xact_lock(fairqueue_lock_key_v1(), (v_id % 2147483647)::integer);
+    END LOOP;
+    PERFORM fairqueue_check_backlog_v1(v_ids, v_batch, true);
+    RETURN NULL;
+END;
+$$;
+
+
+-- Enqueue a batch in one round trip. Arrays are parallel, one element per message; p_delay
+-- (optional) gives per-message delays measured on the database clock, p_run_at absolute times.
+-- Channels are created on first use with the given defaults, unless p_create is false: then a
+-- batch naming a channel that does not exist inserts nothing and returns no rows, and the
+-- caller creates the channels in a short transaction of its own and calls again. (Creating a
+-- channel inside a long transaction holds its new name until that transaction ends; two
+-- transactions creating channels in opposite orders would deadlock.)
+-- Bounded channels (max_backlog set) are checked at once against what is committed, and
+-- again, exactly, when the transaction commits (fairqueue_backlog_check_v1); a full channel
+-- raises SQLSTATE FQ001 and nothing of the batch is stored. The bound needs READ COMMITTED
+-- (a REPEATABLE READ snapshot cannot see the enqueues committed meanwhile): at any other
+-- isolation level a batch for a bounded channel raises SQLSTATE FQ002.
 -- Returns the new message ids in input order.
 CREATE OR REPLACE FUNCTION fairqueue_enqueue_v1(
     p_channels text[],
@@ -604,69 +756,88 @@ CREATE OR REPLACE FUNCTION fairqueue_enqueue_v1(
     p_default_release_interval interval,
     p_default_weight integer,
     p_default_max_backlog integer,
-    p_notify_channel text
+    p_notify_channel text,
+    p_delay interval[] DEFAULT NULL,
+    p_create boolean DEFAULT true
 )
 RETURNS SETOF bigint
 LANGUAGE plpgsql AS $$
 DECLARE
     v_now timestamptz := clock_timestamp();
     v_names text[];
+    v_ids bigint[];
+    v_bounded bigint[];
+    v_want bigint[];
     v_found integer;
-    v_bounded record;
-    v_backlog bigint;
 BEGIN
-    SELECT array_agg(DISTINCT n ORDER BY n) INTO v_names FROM unnest(p_channels) AS n;
+    SELECT array_agg(x.n ORDER BY x.n) INTO v_names
+    FROM (SELECT DISTINCT n FROM unnest(p_channels) AS n) x;
+    -- Hold the names against deletion (see fairqueue_channel_lock_key_v1) before resolving
+    -- them, so the statements below see any deletion that committed first.
+    PERFORM pg_advisory_xact_lock_shared(fairqueue_channel_lock_key_v1(), hashtext(n))
+    FROM unnest(v_names) AS n;
 
-    -- Resolve channel ids, creating missing channels in name order. A new statement sees rows
-    -- committed by concurrent creators, which ON CONFLICT DO NOTHING waited for.
-    SELECT count(*) INTO v_found FROM fairqueue_channel c WHERE c.name = ANY (v_names);
-    IF v_found < array_length(v_names, 1) THEN
+    SELECT count(*), array_agg(c.id ORDER BY c.id) FILTER (WHERE c.max_backlog IS NOT NULL)
+    INTO v_found, v_bounded
+    FROM fairqueue_channel c WHERE c.name = ANY (v_names);
+    IF v_found < cardinality(v_names) THEN
+        -- (Not at REPEATABLE READ or SERIALIZABLE: this transaction's snapshot would not see
+        -- channels committed apart, so it creates them itself.)
+        IF NOT p_create AND current_setting('transaction_isolation') = 'read committed' THEN
+            RETURN;  -- the caller creates them in a transaction of its own, then calls again
+        END IF;
+        -- A new statement sees rows committed by concurrent creators, which ON CONFLICT DO
+        -- NOTHING waited for; names are inserted in order, so single-statement creators
+        -- cannot deadlock.
         INSERT INTO fairqueue_channel AS c (
-            name, max_concurrency, release_interval, weight, paused, max_backlog,
-            next_turn_at, turn_used, ready_count, scheduled_count, running_count,
-            failed_count, succeeded_total, created_at
+            name, max_concurrency, release_interval, weight, paused, max_backlog, created_at,
+            next_turn_at
         )
         SELECT n, p_default_max_concurrency, p_default_release_interval, p_default_weight,
-               false, p_default_max_backlog, v_now, 0, 0, 0, 0, 0, 0, v_now
+               false, p_default_max_backlog, v_now, v_now
         FROM unnest(v_names) AS n
         ORDER BY n
         ON CONFLICT (name) DO NOTHING;
+        SELECT array_agg(c.id ORDER BY c.id) FILTER (WHERE c.max_backlog IS NOT NULL)
+        INTO v_bounded
+        FROM fairqueue_channel c WHERE c.name = ANY (v_names);
     END IF;
 
-    -- Bounded channels: serialise their enqueuers and check room for this batch.
-    FOR v_bounded IN
-        SELECT c.id, c.name, c.max_backlog, want.n
-        FROM fairqueue_channel c
-        JOIN (SELECT n AS name, count(*) AS n FROM unnest(p_channels) AS n GROUP BY n) want
-          ON want.name = c.name
-        WHERE c.name = ANY (v_names) AND c.max_backlog IS NOT NULL
-        ORDER BY c.id
-    LOOP
-        PERFORM pg_advisory_xact_lock(fairqueue_lock_key_v1(), (v_bounded.id % 2147483647)::integer);
-        -- Counters as committed now (new snapshot after the lock) plus deltas not yet folded.
-        SELECT c.ready_count + c.scheduled_count
-               + coalesce((SELECT sum(d.ready + d.scheduled)
-                           FROM fairqueue_channel_delta d WHERE d.channel_id = c.id), 0)
-        INTO v_backlog
-        FROM fairqueue_channel c WHERE c.id = v_bounded.id;
-        IF v_backlog + v_bounded.n > v_bounded.max_backlog THEN
-            RAISE EXCEPTION 'fairqueue: channel % is full (backlog %, max_backlog %, batch %)',
-                quote_literal(v_bounded.name), v_backlog, v_bounded.max_backlog, v_bounded.n
-                USING ERRCODE = 'FQ001',
-                      DETAIL = json_build_object(
-                          'channel', v_bounded.name, 'backlog', v_backlog,
-                          'max_backlog', v_bounded.max_backlog, 'batch', v_bounded.n)::text;
+    IF v_bounded IS NOT NULL THEN
+        IF current_setting('transaction_isolation') <> 'read committed' THEN
+            RAISE EXCEPTION 'fairqueue: a channel with max_backlog accepts messages only in '
+                            'READ COMMITTED transactions; this one is %',
+                            upper(current_setting('transaction_isolation'))
+                USING ERRCODE = 'FQ002',
+                      HINT = 'Enqueue outside the REPEATABLE READ / SERIALIZABLE transaction, '
+                             'or clear the channel''s max_backlog.';
         END IF;
-    END LOOP;
+        SELECT array_agg(coalesce(w.n, 0) ORDER BY b.id) INTO v_want
+        FROM unnest(v_bounded) AS b(id)
+        JOIN fairqueue_channel c ON c.id = b.id
+        LEFT JOIN (SELECT n AS name, count(*) AS n FROM unnest(p_channels) AS n GROUP BY n) w
+          ON w.name = c.name;
+        -- At once, lock-free: a channel already full refuses without waiting for the commit.
+        PERFORM fairqueue_check_backlog_v1(v_bounded, v_want, false);
+        PERFORM set_config(
+            'fairqueue.bounded',
+            concat_ws(',', nullif(current_setting('fairqueue.bounded', true), ''),
+                      (SELECT string_agg(x.id || ':' || x.n, ',')
+                       FROM unnest(v_bounded, v_want) AS x(id, n))),
+            true);
+    END IF;
 
     RETURN QUERY
     WITH input AS (
-        SELECT t.ord, c.id AS cid, t.task, t.payload, t.priority,
-               coalesce(t.run_at, v_now) AS run_at, t.max_attempts, t.keep_result
+        SELECT t.ord, c.id AS cid, c.max_backlog IS NOT NULL AS bounded, t.task, t.payload,
+               t.priority,
+               coalesce(t.run_at, v_now + t.delay, v_now) AS run_at, t.max_attempts,
+               t.keep_result
         FROM unnest(p_channels, p_tasks, p_payloads, p_priorities, p_run_at, p_max_attempts,
-                    p_keep_result)
+                    p_keep_result, coalesce(p_delay, array_fill(NULL::interval,
+                                                                 ARRAY[cardinality(p_channels)])))
              WITH ORDINALITY AS t(channel, task, payload, priority, run_at, max_attempts,
-                                  keep_result, ord)
+                                  keep_result, delay, ord)
         JOIN fairqueue_channel c ON c.name = t.channel
     ), inserted AS (
         INSERT INTO fairqueue_message (
@@ -680,11 +851,14 @@ BEGIN
         ORDER BY ord
         RETURNING fairqueue_message.id, fairqueue_message.channel_id, fairqueue_message.state
     ), delta AS (
-        INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
+        INSERT INTO fairqueue_channel_delta (
+            channel_id, ready, scheduled, running, failed, succeeded, backlog_check
+        )
         SELECT inserted.channel_id,
                count(*) FILTER (WHERE inserted.state = 'ready'),
                count(*) FILTER (WHERE inserted.state = 'scheduled'),
-               0, 0, 0
+               0, 0, 0,
+               coalesce(inserted.channel_id = ANY (v_bounded), false)
         FROM inserted
         GROUP BY inserted.channel_id
         RETURNING 1
@@ -700,27 +874,236 @@ BEGIN
     -- is capped, paused or rate limited), and busy workers claim again as they settle, so the
     -- notification would only cost: NOTIFY serialises commits on a cluster-wide lock and wakes
     -- every listener. A fresher head may be being claimed right now by a claim that cannot see
-    -- this batch yet: that still notifies. The head is read like the claim reads it (ORDER BY
-    -- and LIMIT 1 on fq_message_ready_idx): one index probe. Batches of several channels
-    -- (rare, and notifying once for many messages) always notify: with the names as an array
-    -- the planner cannot settle on a generic plan and re-plans on every call.
+    -- this batch yet: that still notifies. "Became ready" is the later of enqueued_at and
+    -- run_at: a message enqueued just now with a run_after already past is a fresh head.
+    -- The head is read like the claim reads it (ORDER BY and LIMIT 1 on fq_message_ready_idx):
+    -- one index probe. Batches of several channels (rare, and notifying once for many
+    -- messages) always notify: with the names as an array the planner cannot settle on a
+    -- generic plan and re-plans on every call.
     IF p_notify_channel IS NOT NULL AND (
-        array_length(v_names, 1) > 1
+        cardinality(v_names) > 1
         OR NOT EXISTS (
             SELECT 1
             FROM fairqueue_channel c
             CROSS JOIN LATERAL (
-                SELECT m.run_at
+                SELECT m.run_at, m.enqueued_at
                 FROM fairqueue_message m
                 WHERE m.channel_id = c.id AND m.state = 'ready'
                 ORDER BY m.priority DESC, m.id
                 LIMIT 1
             ) head
             WHERE c.name = v_names[1]
-              AND head.run_at < v_now - interval '50 milliseconds'
+              AND greatest(head.run_at, head.enqueued_at) < v_now - interval '50 milliseconds'
         )
     ) THEN
         PERFORM pg_notify(p_notify_channel, '');
     END IF;
+END;
+$$;
+
+
+-- The bounded-backlog check at commit, on the delta rows an enqueue to a bounded channel writes.
+DROP TRIGGER IF EXISTS fairqueue_backlog_check ON fairqueue_channel_delta;
+CREATE CONSTRAINT TRIGGER fairqueue_backlog_check
+    AFTER INSERT ON fairqueue_channel_delta
+    DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW
+    WHEN (NEW.backlog_check)
+    EXECUTE FUNCTION fairqueue_backlog_check_v1();
+
+
+-- Fold one channel's pending deltas now, waiting for its row lock: after an operator changes a
+-- channel's limits (a cap added to a busy channel must count the completions not folded yet,
+-- and a rate limit removed must not leave the channel due later). The channel row is locked
+-- before its deltas, in the lock order every statement follows. Returns how many were folded.
+CREATE OR REPLACE FUNCTION fairqueue_fold_channel_v1(p_channel_id bigint)
+RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_n integer;
+BEGIN
+    PERFORM FROM fairqueue_channel c WHERE c.id = p_channel_id FOR UPDATE;
+    WITH gone AS (
+        DELETE FROM fairqueue_channel_delta d
+        WHERE d.channel_id = p_channel_id
+        RETURNING d.ready, d.scheduled, d.running, d.failed, d.succeeded, d.batch_pending
+    ), sums AS (
+        SELECT coalesce(sum(ready), 0) AS ready, coalesce(sum(scheduled), 0) AS scheduled,
+               coalesce(sum(running), 0) AS running, coalesce(sum(failed), 0) AS failed,
+               coalesce(sum(succeeded), 0) AS succeeded,
+               coalesce(bool_or(batch_pending), false) AS batches, count(*) AS n
+        FROM gone
+    )
+    UPDATE fairqueue_channel c
+    SET ready_count = c.ready_count + sums.ready,
+        scheduled_count = c.scheduled_count + sums.scheduled,
+        running_count = c.running_count + sums.running,
+        failed_count = c.failed_count + sums.failed,
+        succeeded_total = c.succeeded_total + sums.succeeded,
+        batch_pending = c.batch_pending OR sums.batches,
+        next_turn_at = CASE  -- as in fairqueue_fold_deltas_v1
+            WHEN c.release_interval = interval '0' AND c.next_turn_at > statement_timestamp()
+                THEN statement_timestamp()
+            ELSE c.next_turn_at
+        END
+    FROM sums
+    WHERE c.id = p_channel_id
+    RETURNING sums.n INTO v_n;
+    RETURN coalesce(v_n, 0);
+END;
+$$;
+
+
+-- Counters that disagree with the rows they count: for the channels of p_ids (NULL: all), each
+-- counter as recorded (the channel's column plus its pending deltas) and as counted from
+-- fairqueue_message and fairqueue_work_batch. One statement, so one snapshot: every writer
+-- changes rows and counters (or deltas) in one transaction, so a consistent channel reads the
+-- same both ways without any lock. running counts running messages and running work batches
+-- (one max_concurrency covers both). batch_pending may be true without a pending batch (it
+-- means "may have"), never false with one. succeeded_total is a running total of rows that
+-- are gone, and cannot be checked.
+CREATE OR REPLACE FUNCTION fairqueue_verify_channels_v1(p_ids bigint[])
+RETURNS TABLE (channel_id bigint, channel_name text, counter text, recorded bigint,
+               actual bigint)
+LANGUAGE sql STABLE AS $$
+    WITH ch AS (
+        SELECT c.id, c.name, c.ready_count, c.scheduled_count, c.running_count, c.failed_count,
+               c.batch_pending
+        FROM fairqueue_channel c
+        WHERE p_ids IS NULL OR c.id = ANY (p_ids)
+    ), d AS (
+        SELECT x.channel_id, sum(x.ready) AS ready, sum(x.scheduled) AS scheduled,
+               sum(x.running) AS running, sum(x.failed) AS failed,
+               bool_or(x.batch_pending) AS batches
+        FROM fairqueue_channel_delta x
+        WHERE p_ids IS NULL OR x.channel_id = ANY (p_ids)
+        GROUP BY x.channel_id
+    ), m AS (
+        SELECT x.channel_id,
+               count(*) FILTER (WHERE x.state = 'ready') AS ready,
+               count(*) FILTER (WHERE x.state = 'scheduled') AS scheduled,
+               count(*) FILTER (WHERE x.state = 'running') AS running,
+               count(*) FILTER (WHERE x.state = 'failed') AS failed
+        FROM fairqueue_message x
+        WHERE x.state IN ('ready', 'scheduled', 'running', 'failed')
+          AND (p_ids IS NULL OR x.channel_id = ANY (p_ids))
+        GROUP BY x.channel_id
+    ), b AS (
+        SELECT x.channel_id,
+               count(*) FILTER (WHERE x.state = 'running') AS running,
+               bool_or(x.state = 'pending') AS pending
+        FROM fairqueue_work_batch x
+        WHERE x.state IN ('running', 'pending')
+          AND (p_ids IS NULL OR x.channel_id = ANY (p_ids))
+        GROUP BY x.channel_id
+    )
+    SELECT ch.id, ch.name::text, v.counter, v.recorded, v.actual
+    FROM ch
+    LEFT JOIN d ON d.channel_id = ch.id
+    LEFT JOIN m ON m.channel_id = ch.id
+    LEFT JOIN b ON b.channel_id = ch.id
+    CROSS JOIN LATERAL (VALUES
+        ('ready', ch.ready_count + coalesce(d.ready, 0), coalesce(m.ready, 0)),
+        ('scheduled', ch.scheduled_count + coalesce(d.scheduled, 0), coalesce(m.scheduled, 0)),
+        ('running', ch.running_count + coalesce(d.running, 0),
+         coalesce(m.running, 0) + coalesce(b.running, 0)),
+        ('failed', ch.failed_count + coalesce(d.failed, 0), coalesce(m.failed, 0)),
+        ('batch_pending', (ch.batch_pending OR coalesce(d.batches, false))::integer::bigint,
+         coalesce(b.pending, false)::integer::bigint)
+    ) AS v(counter, recorded, actual)
+    WHERE CASE WHEN v.counter = 'batch_pending' THEN v.recorded < v.actual
+               ELSE v.recorded <> v.actual END
+    ORDER BY ch.id, v.counter
+$$;
+
+
+-- Recount the channels of p_ids from their rows, one at a time in id order, each under its row
+-- lock (so no claim changes it meanwhile). Returns what was wrong, as seen under the lock.
+-- The pending deltas are deleted and the rows counted in one statement, so one snapshot: a
+-- writer that commits meanwhile has both its rows and its delta outside that snapshot, and
+-- its delta (not deleted) keeps the counter exact when the fold adds it later.
+CREATE OR REPLACE FUNCTION fairqueue_repair_channels_v1(p_ids bigint[])
+RETURNS TABLE (channel_id bigint, channel_name text, counter text, recorded bigint,
+               actual bigint)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_id bigint;
+BEGIN
+    FOR v_id IN SELECT c.id FROM fairqueue_channel c WHERE c.id = ANY (p_ids) ORDER BY c.id LOOP
+        PERFORM FROM fairqueue_channel c WHERE c.id = v_id FOR UPDATE;
+        RETURN QUERY SELECT * FROM fairqueue_verify_channels_v1(ARRAY[v_id]);
+        WITH gone AS (
+            DELETE FROM fairqueue_channel_delta d
+            WHERE d.channel_id = v_id
+            RETURNING d.succeeded, d.batch_pending
+        ), m AS (
+            SELECT count(*) FILTER (WHERE x.state = 'ready') AS ready,
+                   count(*) FILTER (WHERE x.state = 'scheduled') AS scheduled,
+                   count(*) FILTER (WHERE x.state = 'running') AS running,
+                   count(*) FILTER (WHERE x.state = 'failed') AS failed
+            FROM fairqueue_message x
+            WHERE x.channel_id = v_id AND x.state IN ('ready', 'scheduled', 'running', 'failed')
+        ), b AS (
+            SELECT count(*) FILTER (WHERE x.state = 'running') AS running,
+                   coalesce(bool_or(x.state = 'pending'), false) AS pending
+            FROM fairqueue_work_batch x
+            WHERE x.channel_id = v_id AND x.state IN ('running', 'pending')
+        ), g AS (
+            SELECT coalesce(sum(gone.succeeded), 0) AS succeeded,
+                   coalesce(bool_or(gone.batch_pending), false) AS batches
+            FROM gone
+        )
+        UPDATE fairqueue_channel c
+        SET ready_count = m.ready,
+            scheduled_count = m.scheduled,
+            running_count = m.running + b.running,
+            failed_count = m.failed,
+            succeeded_total = c.succeeded_total + g.succeeded,
+            batch_pending = c.batch_pending OR g.batches OR b.pending
+        FROM m, b, g
+        WHERE c.id = v_id;
+    END LOOP;
+END;
+$$;
+
+
+-- Rows whose channel no longer exists, per table. Deleting a channel holds its name against
+-- enqueues and deletes its rows in one transaction, so there should be none; a database
+-- restored from a partial dump, or rows written by hand, can still have some.
+CREATE OR REPLACE FUNCTION fairqueue_verify_orphans_v1()
+RETURNS TABLE (tbl text, n bigint)
+LANGUAGE sql STABLE AS $$
+    SELECT 'fairqueue_message', count(*) FROM fairqueue_message x
+    WHERE NOT EXISTS (SELECT FROM fairqueue_channel c WHERE c.id = x.channel_id)
+    UNION ALL
+    SELECT 'fairqueue_channel_delta', count(*) FROM fairqueue_channel_delta x
+    WHERE NOT EXISTS (SELECT FROM fairqueue_channel c WHERE c.id = x.channel_id)
+    UNION ALL
+    SELECT 'fairqueue_work_batch', count(*) FROM fairqueue_work_batch x
+    WHERE NOT EXISTS (SELECT FROM fairqueue_channel c WHERE c.id = x.channel_id)
+$$;
+
+
+-- Delete the rows fairqueue_verify_orphans_v1 counts (they would never run: no claim walks a
+-- channel that does not exist). Returns how many of each were deleted.
+CREATE OR REPLACE FUNCTION fairqueue_repair_orphans_v1()
+RETURNS TABLE (tbl text, n bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_n bigint;
+BEGIN
+    DELETE FROM fairqueue_message x
+    WHERE NOT EXISTS (SELECT FROM fairqueue_channel c WHERE c.id = x.channel_id);
+    GET DIAGNOSTICS v_n = ROW_COUNT;
+    tbl := 'fairqueue_message'; n := v_n; RETURN NEXT;
+    DELETE FROM fairqueue_channel_delta x
+    WHERE NOT EXISTS (SELECT FROM fairqueue_channel c WHERE c.id = x.channel_id);
+    GET DIAGNOSTICS v_n = ROW_COUNT;
+    tbl := 'fairqueue_channel_delta'; n := v_n; RETURN NEXT;
+    DELETE FROM fairqueue_work_batch x
+    WHERE NOT EXISTS (SELECT FROM fairqueue_channel c WHERE c.id = x.channel_id);
+    GET DIAGNOSTICS v_n = ROW_COUNT;
+    tbl := 'fairqueue_work_batch'; n := v_n; RETURN NEXT;
 END;
 $$;

@@ -20,8 +20,24 @@ SELECT id FROM fairqueue_enqueue_v1(
     %(priorities)b::smallint[], %(run_at)b::timestamptz[], %(max_attempts)b::integer[],
     %(keep_result)b::boolean[], %(default_max_concurrency)b::integer,
     %(default_release_interval)b::interval, %(default_weight)b::integer,
-    %(default_max_backlog)b::integer, %(notify_channel)b::text
+    %(default_max_backlog)b::integer, %(notify_channel)b::text, %(delays)b::interval[],
+    %(create)b::boolean
 ) AS id;
+
+-- name: create_channels
+-- Create the named channels that do not exist (in name order), on a connection of its own, committed at once.
+-- The lock timeout bounds the wait for a name another transaction is creating right now.
+WITH timeout AS MATERIALIZED (
+    SELECT set_config('lock_timeout', %(lock_timeout)s::text, true)
+)
+INSERT INTO fairqueue_channel (name, max_concurrency, release_interval, weight, paused,
+                               max_backlog, created_at, next_turn_at)
+SELECT n, %(default_max_concurrency)s::integer, %(default_release_interval)s::interval,
+       %(default_weight)s::integer, false, %(default_max_backlog)s::integer, clock_timestamp(),
+       clock_timestamp()
+FROM timeout, unnest(%(names)s::text[]) AS n
+ORDER BY n
+ON CONFLICT (name) DO NOTHING;
 
 -- name: claim_messages
 -- Fair claim of up to `limit` messages under fresh leases (see fairqueue_claim_v1).
@@ -64,11 +80,13 @@ FROM fairqueue_complete_and_claim_v1(
 );
 
 -- name: fail_messages
--- Settle failed attempts: retry at `retry_at` (NULL: no retry) while attempts remain, else dead-letter.
+-- Settle failed attempts: retry after `retry_in` (NULL: no retry) while attempts remain, else dead-letter.
+-- Retry times are the database clock plus the delay, the clock the claim compares them with.
 WITH t AS MATERIALIZED (
     -- each row's own error and retry time, by its position in the arrays
     SELECT m.id, (%(errors)s::jsonb[])[array_position(%(ids)s::bigint[], m.id)] AS error,
-           (%(retry_at)s::timestamptz[])[array_position(%(ids)s::bigint[], m.id)] AS retry_at,
+           clock_timestamp()
+           + (%(retry_in)s::interval[])[array_position(%(ids)s::bigint[], m.id)] AS retry_at,
            m.attempts >= m.max_attempts AS exhausted
     FROM fairqueue_message m
     WHERE m.id = ANY (%(ids)s::bigint[])
@@ -304,25 +322,31 @@ DELETE FROM fairqueue_channel_stat s WHERE s.minute < %(before)s::timestamptz;
 
 -- name: fold_deltas_of_channel
 -- Fold one channel's pending deltas now (after an operator changes its limits, so a new cap sees exact counts).
-WITH gone AS (
-    DELETE FROM fairqueue_channel_delta d
-    WHERE d.channel_id = %(channel_id)s::bigint
-    RETURNING d.ready, d.scheduled, d.running, d.failed, d.succeeded
-), sums AS (
-    SELECT coalesce(sum(ready), 0) AS ready, coalesce(sum(scheduled), 0) AS scheduled,
-           coalesce(sum(running), 0) AS running, coalesce(sum(failed), 0) AS failed,
-           coalesce(sum(succeeded), 0) AS succeeded, count(*) AS n
-    FROM gone
-)
-UPDATE fairqueue_channel c
-SET ready_count = c.ready_count + sums.ready,
-    scheduled_count = c.scheduled_count + sums.scheduled,
-    running_count = c.running_count + sums.running,
-    failed_count = c.failed_count + sums.failed,
-    succeeded_total = c.succeeded_total + sums.succeeded
-FROM sums
-WHERE c.id = %(channel_id)s::bigint
-RETURNING sums.n;
+SELECT fairqueue_fold_channel_v1(%(channel_id)s::bigint) AS folded;
+
+-- name: verify_channel_counters
+-- Channels (of `ids`, or all) whose counters disagree with their messages and work batches.
+SELECT channel_id, channel_name, counter, recorded, actual
+FROM fairqueue_verify_channels_v1(%(ids)s::bigint[]);
+
+-- name: repair_channel_counters
+-- Recount the channels of `ids` from their messages and work batches, each under its row lock; returns what was wrong.
+SELECT channel_id, channel_name, counter, recorded, actual
+FROM fairqueue_repair_channels_v1(%(ids)s::bigint[]);
+
+-- name: verify_orphans
+-- Messages, deltas and work batches whose channel no longer exists, by table.
+SELECT tbl, n FROM fairqueue_verify_orphans_v1();
+
+-- name: repair_orphans
+-- Delete messages, deltas and work batches whose channel no longer exists; returns how many by table.
+SELECT tbl, n FROM fairqueue_repair_orphans_v1();
+
+-- name: lock_channel_names
+-- Hold a channel name against enqueues until the transaction ends (deleting the channel).
+SELECT pg_advisory_xact_lock(fairqueue_channel_lock_key_v1(), hashtext(n))
+FROM unnest(%(names)s::text[]) AS n
+ORDER BY n;
 
 -- name: select_channel_ids
 -- Channel ids for names (unknown names are absent from the result).
@@ -503,7 +527,7 @@ WHERE o.ready_since IS NOT NULL;
 -- name: retry_failed_work_batches
 -- Put failed work batches back to pending with a fresh attempt budget; idempotent (other states are untouched).
 -- The last error is kept for the record; progress restarts, since a batch is redone whole.
--- Their channels get batch_pending back (locked in id order: two callers cannot deadlock).
+-- Their channels get batch_pending back through a counter delta (no channel row is locked).
 WITH retried AS (
     UPDATE fairqueue_work_batch b
     SET state = 'pending', attempts = 0, run_at = clock_timestamp(), started_at = NULL,
@@ -511,14 +535,9 @@ WITH retried AS (
         heartbeat_at = NULL, worker_id = ''
     WHERE b.id = ANY (%(ids)s::bigint[]) AND b.state = 'failed'
     RETURNING b.id, b.channel_id
-), channels AS (
-    SELECT c.id FROM fairqueue_channel c
-    WHERE c.id IN (SELECT retried.channel_id FROM retried)
-    ORDER BY c.id
-    FOR NO KEY UPDATE
 ), flag AS (
-    UPDATE fairqueue_channel c SET batch_pending = true
-    WHERE c.id IN (SELECT channels.id FROM channels)
+    INSERT INTO fairqueue_channel_delta (channel_id, batch_pending)
+    SELECT DISTINCT retried.channel_id, true FROM retried
 )
 SELECT retried.id FROM retried;
 
@@ -653,8 +672,9 @@ WITH added AS (
     ON CONFLICT (job_name, start_id) DO NOTHING
     RETURNING row_count
 ), flag AS (
-    -- unconditional, so it takes the channel row lock a clearing claim would conflict with
-    UPDATE fairqueue_channel c SET batch_pending = true WHERE c.id = %(channel_id)s::bigint
+    -- unconditional (a claim may have cleared the flag while batches were still being added)
+    INSERT INTO fairqueue_channel_delta (channel_id, batch_pending)
+    VALUES (%(channel_id)s::bigint, true)
 )
 SELECT count(*)::integer, coalesce(sum(added.row_count), 0)::bigint FROM added;
 
@@ -682,31 +702,39 @@ FOR UPDATE;
 
 -- name: complete_work_batch
 -- Mark a batch succeeded under its lease token; returns nothing if the lease was lost.
-UPDATE fairqueue_work_batch b
-SET state = 'succeeded', finished_at = clock_timestamp(), rows_processed = %(rows)s::bigint,
-    lease_token = NULL, lease_expires_at = NULL, heartbeat_at = NULL
-WHERE b.id = %(id)s::bigint AND b.lease_token = %(token)s::uuid
-RETURNING b.id;
+-- The batch's concurrency slot is freed (a counter delta) only when this statement settled it.
+WITH done AS (
+    UPDATE fairqueue_work_batch b
+    SET state = 'succeeded', finished_at = clock_timestamp(), rows_processed = %(rows)s::bigint,
+        lease_token = NULL, lease_expires_at = NULL, heartbeat_at = NULL
+    WHERE b.id = %(id)s::bigint AND b.lease_token = %(token)s::uuid
+    RETURNING b.id, b.channel_id
+), slot AS (
+    INSERT INTO fairqueue_channel_delta (channel_id, running)
+    SELECT done.channel_id, -1 FROM done
+)
+SELECT done.id FROM done;
 
 -- name: fail_work_batch
--- Record a failed attempt under the lease token: back to pending at `retry_at`, or failed (a dead
--- letter) when the attempts are used up or `final` is set. Returns the new state.
--- A batch pending again flags its channel in the same statement (see the claim's flag clearing).
+-- Record a failed attempt under the lease token: back to pending after `retry_in` (on the
+-- database clock), or failed (a dead letter) when the attempts are used up or `final` is set.
+-- Returns the new state. The slot is freed and a batch pending again flags its channel, both
+-- through a counter delta in the same statement (see the claim's flag clearing).
 WITH failed AS (
     UPDATE fairqueue_work_batch b
     SET state = CASE WHEN %(final)s::boolean OR b.attempts >= b.max_attempts
                      THEN 'failed' ELSE 'pending' END,
         run_at = CASE WHEN %(final)s::boolean OR b.attempts >= b.max_attempts
-                      THEN b.run_at ELSE %(retry_at)s::timestamptz END,
+                      THEN b.run_at ELSE clock_timestamp() + %(retry_in)s::interval END,
         finished_at = CASE WHEN %(final)s::boolean OR b.attempts >= b.max_attempts
                            THEN clock_timestamp() END,
         last_error = %(error)s::jsonb,
         lease_token = NULL, lease_expires_at = NULL, heartbeat_at = NULL
     WHERE b.id = %(id)s::bigint AND b.lease_token = %(token)s::uuid
     RETURNING b.state, b.channel_id
-), flag AS (
-    UPDATE fairqueue_channel c SET batch_pending = true
-    WHERE c.id IN (SELECT failed.channel_id FROM failed WHERE failed.state = 'pending')
+), delta AS (
+    INSERT INTO fairqueue_channel_delta (channel_id, running, batch_pending)
+    SELECT failed.channel_id, -1, failed.state = 'pending' FROM failed
 )
 SELECT failed.state FROM failed;
 
@@ -719,16 +747,16 @@ WITH released AS (
         worker_id = ''
     WHERE b.id = %(id)s::bigint AND b.lease_token = %(token)s::uuid
     RETURNING b.id, b.channel_id
-), flag AS (
-    UPDATE fairqueue_channel c SET batch_pending = true
-    WHERE c.id IN (SELECT released.channel_id FROM released)
+), delta AS (
+    INSERT INTO fairqueue_channel_delta (channel_id, running, batch_pending)
+    SELECT released.channel_id, -1, true FROM released
 )
 SELECT released.id FROM released;
 
 -- name: rescue_expired_work_batches
 -- Batches whose lease expired (a dead or stalled worker) go back to pending after a backoff, or to
--- failed when out of attempts. A batch being completed right now is locked and skipped. Channels
--- of batches made pending are flagged, locked in id order so two rescuers cannot deadlock.
+-- failed when out of attempts. A batch being completed right now is locked and skipped. Each
+-- frees its slot, and channels of batches made pending are flagged, through counter deltas.
 WITH expired AS (
     SELECT b.id
     FROM fairqueue_work_batch b
@@ -752,14 +780,10 @@ WITH expired AS (
     FROM expired
     WHERE b.id = expired.id
     RETURNING b.id, b.job_name, b.state, b.worker_id, b.attempts, b.channel_id
-), channels AS (
-    SELECT c.id FROM fairqueue_channel c
-    WHERE c.id IN (SELECT rescued.channel_id FROM rescued WHERE rescued.state = 'pending')
-    ORDER BY c.id
-    FOR NO KEY UPDATE
-), flag AS (
-    UPDATE fairqueue_channel c SET batch_pending = true
-    WHERE c.id IN (SELECT channels.id FROM channels)
+), delta AS (
+    INSERT INTO fairqueue_channel_delta (channel_id, running, batch_pending)
+    SELECT rescued.channel_id, -count(*), bool_or(rescued.state = 'pending')
+    FROM rescued GROUP BY rescued.channel_id
 )
 SELECT rescued.id, rescued.job_name, rescued.state, rescued.worker_id, rescued.attempts
 FROM rescued;

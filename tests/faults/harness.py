@@ -134,6 +134,8 @@ def enqueue(
             "default_weight": 1,
             "default_max_backlog": max_backlog,
             "notify_channel": "fairqueue",
+            "delays": None,
+            "create": True,  # one statement per transaction: it creates channels itself
         }
         with db.conn.transaction():
             got = [r[0] for r in db.conn.execute(sql, params).fetchall()]

@@ -1,0 +1,44 @@
+"""Check every channel's counters against its messages and work batches; --repair fixes them.
+
+The counters the claim trusts (ready, delayed, running, failed) are recounted from the rows in
+one read-only snapshot, without locks. With --repair, each channel found wrong is recounted
+under its row lock and rows whose channel no longer exists are deleted. Workers do the same
+every FAIRQUEUE['VERIFY_INTERVAL'] seconds and log what they repaired. Exits with status 1
+when it found drift and did not repair it, so a monitoring job can alert on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from django.core.management.base import CommandError, OutputWrapper
+
+from django_fairqueue.maintenance import verify
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--repair",
+        action="store_true",
+        help="Recount the channels found wrong (under their row locks) and delete rows of "
+        "channels that no longer exist.",
+    )
+
+
+def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
+    repair = options["repair"]
+    drift = verify(repair=repair)
+    for d in drift:
+        stdout.write(
+            f"channel {d.channel!r}: {d.counter} recorded {d.recorded}, counted {d.actual}"
+            + (" (repaired)" if repair else "")
+        )
+    if not drift:
+        stdout.write("every channel's counters match its rows")
+    elif not repair:
+        raise CommandError(
+            f"{len(drift)} counter(s) disagree with the rows; run with --repair to fix them"
+        )
+    else:
+        stdout.write(f"repaired {len(drift)} counter(s)")
