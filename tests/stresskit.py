@@ -338,5 +338,14 @@ def log_tail(log: str, chars: int = 3000) -> str:
     return "\n".join(kept)[-chars:]
 
 
+_RECORD_START = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", re.MULTILINE)
+
+
 def deadlock_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if "deadlock" in line.lower()]
+    """Log records (a line and its continuation lines: the error's DETAIL names the cycle)
+    that mention a deadlock."""
+    starts = [m.start() for m in _RECORD_START.finditer(text)]
+    if not starts or starts[0] != 0:
+        starts.insert(0, 0)
+    records = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+    return [r.strip()[:2000] for r in records if "deadlock" in r.lower()]
