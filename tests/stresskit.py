@@ -31,7 +31,9 @@ WITH running AS (
     FROM running GROUP BY channel_id
 )
 SELECT c.id, c.name, c.max_concurrency, per.n, per.batches, per.newest,
-       e.at AS edited, e.how, per.messages, clock_timestamp()
+       e.at AS edited, e.how, per.messages, clock_timestamp(), c.running_count,
+       (SELECT coalesce(sum(d.running), 0) FROM fairqueue_channel_delta d
+        WHERE d.channel_id = c.id) AS running_deltas
 FROM per JOIN fairqueue_channel c ON c.id = per.channel_id
 LEFT JOIN LATERAL (
     SELECT e.at, e.how FROM stress_limit_edit e WHERE e.channel = c.name ORDER BY e.at DESC LIMIT 1
@@ -77,7 +79,7 @@ class Sampler:
                 self.db.reconnect()
                 continue
             self.samples += 1
-            for cid, name, cap, n, batches, newest, edited, how, messages, at in rows:
+            for cid, name, cap, n, batches, newest, edited, how, messages, at, *rc in rows:
                 if edited is not None and newest <= edited:
                     self.over_cut_cap += 1
                     continue
@@ -92,6 +94,8 @@ class Sampler:
                         "cap_edited": str(edited),
                         "last_edit": how,
                         "message_ids": messages,
+                        # what the claim believed: the column plus its pending deltas
+                        "running_recorded": f"column {rc[0]} + deltas {rc[1]}",
                         "at": str(at),
                     }
                 )
