@@ -5,8 +5,8 @@
 Run by tests/test_stress.py with ``DATABASE_URL`` naming the test database (tests/settings.py
 uses it). Every enqueue also notes its ids in ``stress_enqueued`` in the same transaction, so
 the table holds exactly the committed messages. Every limit edit is noted in
-``stress_limit_edit`` after it committed (the cap check forgives a channel over a cap that was
-just lowered). At the end the client writes what it did (operations by kind, errors with their
+``stress_limit_edit`` in the edit's own transaction (the cap check forgives a channel over a
+cap lowered under running work). At the end the client writes what it did (operations by kind, errors with their
 text) to ``--out`` as JSON.
 """
 
@@ -23,6 +23,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
+
+from django.db import transaction
 
 #: Task arguments: mostly fast no-ops; some fail once (retried), some always (dead letters,
 #: ``max_attempts`` 3), a few sleep.
@@ -92,8 +94,6 @@ class Client:
 
     def enqueue_calls(self, channels: list[str], rollback: bool, pause: float) -> None:
         """One ``enqueue()`` call per channel, in this order, in one transaction."""
-        from django.db import transaction
-
         from django_fairqueue import enqueue
 
         ids: list[int] = []
@@ -121,6 +121,9 @@ class Client:
         self.enqueued += len(ids)
 
     def edited(self, names: list[str], how: str) -> None:
+        """Note a limit edit in its own transaction, after its write: the note commits with
+        the edit, and its time is after the edit locked the channel rows, so a claim charged
+        later than that saw the new limits (a claim holds the row until it commits)."""
         from django.db import connection
 
         with connection.cursor() as cursor:
@@ -147,8 +150,6 @@ class Client:
         self.enqueue_calls([self.channel()], rollback=False, pause=0)
 
     def op_enqueue_many(self) -> None:
-        from django.db import transaction
-
         from django_fairqueue import enqueue_many
 
         rng = self.rng
@@ -201,8 +202,9 @@ class Client:
         channel = self.rng.choice(old)
         for field, value in self.limits(channel.name).items():
             setattr(channel, field, value)
-        channel.save()
-        self.edited([channel.name], "stale_save")
+        with transaction.atomic():  # as the admin's change view runs it
+            channel.save()
+            self.edited([channel.name], "stale_save")
 
     def op_edit_update_fields(self) -> None:
         from django_fairqueue.models import Channel
@@ -214,16 +216,18 @@ class Client:
         fields = self.rng.sample(sorted(limits), self.rng.randint(1, len(limits)))
         for field in fields:
             setattr(channel, field, limits[field])
-        channel.save(update_fields=fields)
-        self.edited([channel.name], "update_fields")
+        with transaction.atomic():
+            channel.save(update_fields=fields)
+            self.edited([channel.name], "update_fields")
 
     def op_edit_queryset_update(self) -> None:
         from django_fairqueue.models import Channel
 
         names = self.rng.sample(self.channels, self.rng.randint(1, 3))
         bounded = any(n.startswith("b") for n in names)
-        Channel.objects.filter(name__in=names).update(**self.limits("b" if bounded else ""))
-        self.edited(names, "queryset_update")
+        with transaction.atomic():
+            Channel.objects.filter(name__in=names).update(**self.limits("b" if bounded else ""))
+            self.edited(names, "queryset_update")
 
     def op_edit_bulk_update(self) -> None:
         from django_fairqueue.models import Channel
@@ -233,10 +237,11 @@ class Client:
         for channel in channels:
             for field, value in self.limits(channel.name).items():
                 setattr(channel, field, value)
-        Channel.objects.bulk_update(
-            channels, ["max_concurrency", "weight", "release_interval", "max_backlog"]
-        )
-        self.edited([c.name for c in channels], "bulk_update")
+        with transaction.atomic():
+            Channel.objects.bulk_update(
+                channels, ["max_concurrency", "weight", "release_interval", "max_backlog"]
+            )
+            self.edited([c.name for c in channels], "bulk_update")
 
     def op_pause(self) -> None:
         from django_fairqueue.models import Channel
