@@ -6,8 +6,8 @@ Run by tests/test_stress.py with ``DATABASE_URL`` naming the test database (test
 uses it). Every enqueue also notes its ids in ``stress_enqueued`` in the same transaction, so
 the table holds exactly the committed messages. Every limit edit is noted in
 ``stress_limit_edit`` in the edit's own transaction (the cap check forgives a channel over a
-cap lowered under running work). At the end the client writes what it did (operations by kind, errors with their
-text) to ``--out`` as JSON.
+cap lowered under running work). At the end the client writes what it did (operations by
+kind, errors with their text) to ``--out`` as JSON.
 """
 
 from __future__ import annotations
