@@ -206,19 +206,32 @@ def unsettled(db: Db) -> int:
 
 
 def stuck(db: Db) -> list[dict[str, Any]]:
-    """Messages not terminal after the drain, by channel and state."""
+    """Messages not terminal after the drain, by channel and state, with the channel's limits
+    and scheduler state (why no claim took them)."""
     rows = db.rows(
         """
         SELECT coalesce(c.name, '(no channel row)'), m.channel_id, m.state, count(*),
-               array_agg(m.id ORDER BY m.id)
+               array_agg(m.id ORDER BY m.id),
+               min(m.run_at) FILTER (WHERE m.state = 'scheduled'),
+               c.paused, c.max_concurrency, c.release_interval, c.next_turn_at, c.ready_count,
+               c.running_count, clock_timestamp()
         FROM fairqueue_message m LEFT JOIN fairqueue_channel c ON c.id = m.channel_id
         WHERE m.state IN ('ready', 'scheduled', 'running')
-        GROUP BY 1, 2, 3 ORDER BY 1, 3
+        GROUP BY 1, 2, 3, 7, 8, 9, 10, 11, 12 ORDER BY 1, 3
         """
     )
     return [
-        {"channel": n, "channel_id": cid, "state": s, "messages": int(k), "ids": list(ids)[:20]}
-        for n, cid, s, k, ids in rows
+        {
+            "channel": n,
+            "channel_id": cid,
+            "state": s,
+            "messages": int(k),
+            "ids": list(ids)[:20],
+            "earliest_run_at": str(due) if due else None,
+            "channel_row": f"paused {paused}, cap {cap}, interval {interval}, next turn "
+            f"{turn} (now {now}), ready_count {ready}, running_count {running}",
+        }
+        for n, cid, s, k, ids, due, paused, cap, interval, turn, ready, running, now in rows
     ]
 
 
@@ -326,13 +339,22 @@ def deadlocks_of_database(db: Db) -> int:
     )
 
 
-def wait_unsettled(db: Db, timeout: float) -> tuple[float, int]:
-    """Wait until nothing is ready, scheduled or running; (seconds waited, left)."""
+def wait_unsettled(db: Db, stall: float, limit: float) -> tuple[float, int, list[int]]:
+    """Wait until nothing is ready, scheduled or running, giving up when that count has not
+    gone down for ``stall`` seconds or after ``limit`` seconds in all; returns (seconds waited,
+    left, the count once a second)."""
     began = time.monotonic()
+    best, best_at = unsettled(db), began
+    trace = [best]
     while True:
         left = unsettled(db)
-        if left == 0 or time.monotonic() - began > timeout:
-            return time.monotonic() - began, left
+        now = time.monotonic()
+        if now - began >= len(trace):
+            trace.append(left)
+        if left < best:
+            best, best_at = left, now
+        if left == 0 or now - best_at > stall or now - began > limit:
+            return now - began, left, trace
         time.sleep(0.25)
 
 
