@@ -346,7 +346,7 @@ class Client:
                 if connection.in_atomic_block:  # never: every atomic block above is closed
                     raise
                 connection.close()  # a fresh connection for the next operation
-            time.sleep(self.rng.uniform(0, 0.01))
+            time.sleep(self.rng.uniform(0.002, 0.02))
 
     def report(self) -> dict[str, Any]:
         return {

@@ -33,7 +33,6 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from datetime import timedelta
