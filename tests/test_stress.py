@@ -22,6 +22,7 @@ every 50 ms. Then the clients stop, the workers drain the queue, and the test ch
 
 ``FAIRQUEUE_STRESS_SEED`` replays a seed (the operation mix, not the timing);
 ``FAIRQUEUE_STRESS_CLIENTS`` sets the number of client processes (default 3);
+``FAIRQUEUE_STRESS_SKIP`` leaves operation kinds out of the mix;
 ``FAIRQUEUE_STRESS_REPORT=path`` writes the figures as JSON. See docs/reliability.md.
 """
 
