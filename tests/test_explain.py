@@ -250,7 +250,8 @@ def test_a_claim_that_may_wait_finds_nothing_to_wait_for_from_the_index(
         for node in plan.nodes()
         if node.get("Index Name") == "fq_channel_turn_idx"
     ]
-    assert len(turn_scans) == 2, "expected the walk and the wait to scan the turn index"
+    # the walk, the wait, and the walk once more after it (a concurrent fold may have committed)
+    assert len(turn_scans) == 3, "expected the walk, the wait and the last walk on the index"
     assert_small_and_indexed(plans, budget=LIMIT)
 
 

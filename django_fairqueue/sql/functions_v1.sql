@@ -282,6 +282,8 @@ DECLARE
     v_progress boolean;
     v_round integer := 0;
     v_waited boolean := false;
+    v_fold_waited boolean := false;
+    v_folding bigint;
     v_wait_until timestamptz;
     v_lock_timeout text;
     i integer;
@@ -381,11 +383,34 @@ BEGIN
         END LOOP;
         CLOSE v_cur;
         IF v_waited THEN
+            -- Step 2c. Still nothing. A channel a concurrent claim has just folded is not
+            -- eligible in our snapshots yet (its new messages were still deltas there), and that
+            -- claim holds the channel row until it commits, even when it does not serve the
+            -- channel: wait for it the same way (bounded by the same lock_timeout), if a waking
+            -- delta is still to be seen. Then, as any wait may have let such a claim commit,
+            -- walk once more with a new snapshot, which sees its fold.
+            IF v_n = 0 AND NOT v_fold_waited THEN
+                SELECT d.channel_id INTO v_folding
+                FROM fairqueue_channel_delta d
+                WHERE d.wake
+                  AND (p_only IS NULL OR d.channel_id = ANY (p_only))
+                  AND (p_exclude IS NULL OR NOT (d.channel_id = ANY (p_exclude)))
+                ORDER BY d.id
+                LIMIT 1;
+                IF FOUND THEN
+                    PERFORM FROM fairqueue_channel c WHERE c.id = v_folding FOR UPDATE;
+                END IF;
+                PERFORM set_config('lock_timeout', v_lock_timeout, true);
+                v_fold_waited := true;
+                v_waited := false;
+                v_now := clock_timestamp();
+                CONTINUE;
+            END IF;
             PERFORM set_config('lock_timeout', v_lock_timeout, true);
             v_now := clock_timestamp();  -- for the charge, claimed_at and the lease
             EXIT;
         END IF;
-        EXIT WHEN v_n > 0 OR coalesce(p_wait_ms, 0) <= 0;
+        EXIT WHEN v_n > 0 OR coalesce(p_wait_ms, 0) <= 0 OR v_fold_waited;
         v_waited := true;
         v_wait_until := clock_timestamp() + p_wait_ms * interval '1 millisecond';
         v_lock_timeout := current_setting('lock_timeout');
@@ -1082,6 +1107,10 @@ LANGUAGE sql STABLE AS $$
     UNION ALL
     SELECT 'fairqueue_work_batch', count(*) FROM fairqueue_work_batch x
     WHERE NOT EXISTS (SELECT FROM fairqueue_channel c WHERE c.id = x.channel_id)
+    UNION ALL
+    -- a worker's statistics flush for a channel deleted since it claimed from it
+    SELECT 'fairqueue_channel_stat', count(*) FROM fairqueue_channel_stat x
+    WHERE NOT EXISTS (SELECT FROM fairqueue_channel c WHERE c.id = x.channel_id)
 $$;
 
 
@@ -1105,5 +1134,9 @@ BEGIN
     WHERE NOT EXISTS (SELECT FROM fairqueue_channel c WHERE c.id = x.channel_id);
     GET DIAGNOSTICS v_n = ROW_COUNT;
     tbl := 'fairqueue_work_batch'; n := v_n; RETURN NEXT;
+    DELETE FROM fairqueue_channel_stat x
+    WHERE NOT EXISTS (SELECT FROM fairqueue_channel c WHERE c.id = x.channel_id);
+    GET DIAGNOSTICS v_n = ROW_COUNT;
+    tbl := 'fairqueue_channel_stat'; n := v_n; RETURN NEXT;
 END;
 $$;
