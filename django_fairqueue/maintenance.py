@@ -235,8 +235,7 @@ def verify(*, repair: bool, log: logging.Logger | None = None) -> list[store.Cou
     named ``(none)``); with ``repair``, recount and delete them, then report what was wrong."""
     drift = store.verify_channel_counters()
     if repair and drift:
-        # Recounted under the row lock, so a disagreement seen a moment ago by the lock-free
-        # read but settled meanwhile (it cannot be: one snapshot) reports what is wrong now.
+        # each drifted channel recounted under its row lock; what was wrong then is reported
         drift = store.repair_channel_counters(sorted({d.channel_id for d in drift}))
     orphans = {t: n for t, n in store.verify_orphans().items() if n}
     if repair and orphans:

@@ -770,6 +770,12 @@ def test_enqueue_notifies_only_when_an_idle_worker_may_be_waiting(
             fairtasks.add.enqueue(5, 5, channel="c")
             fairtasks.add.enqueue(6, 6, channel="d")
         assert notified() == 1
+        # An empty channel whose new message was due an hour ago is a fresh head all the same
+        # (it became ready just now): a worker may be idle. (This wake-up used to be lost.)
+        from django_fairqueue.api import enqueue
+
+        enqueue(fairtasks.add, 8, 8, channel="f", run_after=timezone.now() - timedelta(hours=1))
+        assert notified() == 1
         fq(NOTIFY=False)
         fairtasks.add.enqueue(7, 7, channel="e")
         assert notified() == 0
