@@ -8,6 +8,8 @@ workers' logs; they wait for states, never for fixed times, and bound waits gene
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -275,3 +277,49 @@ def test_listen_wakes_an_idle_worker_fast_and_the_listener_reconnects(workers: W
     again = sorted(pick_up(f"after{i}") for i in range(3))
     assert again[1] < 3.0, again
     print(f"\npick-up latency with LISTEN (s): {latencies}; after reconnect: {again}")
+
+
+# ------------------------------------------------------------------------------------------------
+# the supervisor: runfairworker --processes
+
+
+def test_a_supervisor_restarts_workers_a_task_kills_and_stops_them_all(workers: Workers) -> None:
+    killers = [fairtasks.exit_process.enqueue(3, channel=f"k{i}") for i in range(3)]
+    good = [fairtasks.record.enqueue(str(i), channel=f"s{i % 3}") for i in range(30)]
+    sup = workers.start(
+        "sup", "--processes", "2", "--concurrency", "1", "--max-tasks-per-child", "7"
+    )
+    # Every message ends final: the good ones run, each killer takes one child down with it
+    # and is dead-lettered once its lease expires, and the supervisor keeps two children alive.
+    wait_until(lambda: all_final(*good, *killers), 60, "every message final")
+    assert {row(mid).state for mid in good} == {MessageState.SUCCEEDED}
+    assert {row(mid).last_error["type"] for mid in killers} == {"LeaseExpired"}
+    # each killer took one child down, and its slot was started again after a backoff
+    deaths = [line for line in sup.output.splitlines() if "died (exit status 3)" in line]
+    assert len(deaths) == 3, sup.output
+    assert all(re.search(r"restart \d+ in \d+\.\ds$", line) for line in deaths), deaths
+    # 30 messages over children that are replaced every 7: at least 4 recycled
+    sup.wait_for("recycled; starting a fresh one")
+    pids = {r.result["pid"] for r in Message.objects.filter(pk__in=good)}
+    assert len(pids) >= 4, pids
+    assert sup.pid not in pids  # the supervisor itself ran nothing
+    sup.signal(signal.SIGTERM)
+    assert sup.wait(30) == 0
+    sup.wait_for("signal SIGTERM, stopping gracefully")
+    time.sleep(0.5)
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    assert alive == [], f"children outlived their supervisor: {alive}"
+
+
+def test_a_supervisor_refuses_max_messages() -> None:
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    with pytest.raises(CommandError, match="--max-tasks-per-child"):
+        call_command("runfairworker", "--processes", "2", "--max-messages", "5")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from datetime import timedelta
 from typing import Any
@@ -120,6 +121,23 @@ class Command(BaseCommand):
             "Needs the spark extra (docs/howto/spark-pipeline.md).",
         )
         parser.add_argument(
+            "--processes",
+            type=int,
+            default=1,
+            metavar="N",
+            help="Run N worker processes (each with --concurrency threads) under a supervisor "
+            "that restarts any that dies, with a growing backoff: a task that kills its process "
+            "(os._exit, a segfault, the OOM killer) takes down one worker, not the fleet "
+            "(default 1: this process is the worker).",
+        )
+        parser.add_argument(
+            "--max-tasks-per-child",
+            type=int,
+            metavar="N",
+            help="With a supervisor: replace each worker process after it handled N messages "
+            "(for tasks whose memory grows). Implies the supervisor even with --processes 1.",
+        )
+        parser.add_argument(
             "--no-maintenance",
             action="store_true",
             help="Do not run the rescuer, pruner and delta folder here "
@@ -129,6 +147,9 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         config = self._config(options)
         configure_logging(options["verbosity"])
+        if options["processes"] > 1 or options["max_tasks_per_child"] is not None:
+            self._supervise(options)
+            return
         pipelines = self._pipeline_runner(options, config)
         try:
             handled = Worker(config).run()
@@ -141,6 +162,33 @@ class Command(BaseCommand):
         if options["verbosity"] >= 1:
             self.stderr.write(f"worker {config.worker_id}: {handled} messages handled")
 
+    def _supervise(self, options: dict[str, Any]) -> None:
+        from django_fairqueue import supervisor
+
+        processes = options["processes"]
+        recycle = options["max_tasks_per_child"]
+        if recycle is not None and recycle < 1:
+            raise CommandError(f"--max-tasks-per-child must be at least 1, got {recycle}")
+        if options["max_messages"] is not None:
+            raise CommandError(
+                "--max-messages with a supervisor: use --max-tasks-per-child (each process "
+                "is replaced after that many messages)"
+            )
+        prefix = _invocation()
+        flags = _child_flags(options)
+        base_id = options["worker_id"]
+
+        def command_for(index: int) -> list[str]:
+            own = ["--worker-id", f"{base_id}-{index}"] if base_id else []
+            more = ["--max-messages", str(recycle)] if recycle is not None else []
+            return [*prefix, *flags, *own, *more]
+
+        code = supervisor.Supervisor(
+            command_for, processes, burst=options["burst"], env=supervisor.environment()
+        ).run()
+        if code:
+            raise CommandError("a worker process did not stop cleanly", returncode=code)
+
     def _config(self, options: dict[str, Any]) -> WorkerConfig:
         concurrency = options["concurrency"]
         if concurrency < 1:
@@ -151,6 +199,9 @@ class Command(BaseCommand):
         prefetch = options["prefetch"]
         if prefetch < 0:
             raise CommandError(f"--prefetch must be 0 or more, got {prefetch}")
+        processes = options["processes"]
+        if processes < 1:
+            raise CommandError(f"--processes must be at least 1, got {processes}")
         max_messages = options["max_messages"]
         if max_messages is not None and max_messages < 1:
             raise CommandError(f"--max-messages must be at least 1, got {max_messages}")
@@ -216,3 +267,39 @@ class Command(BaseCommand):
         runner.thread = threading.Thread(target=runner.run_logged, name="fairqueue-pipeline-runner")
         runner.thread.start()
         return runner
+
+
+def _invocation() -> list[str]:
+    """How this process was started, up to and including ``runfairworker``: the children are
+    started the same way (``python manage.py``, ``python -m django``, ``django-admin``)."""
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    if "runfairworker" in argv[1:]:
+        end = argv.index("runfairworker", 1)
+        return [sys.executable, *argv[1 : end + 1]]
+    # called in process (call_command): Django's own entry point, with the settings in the env
+    return [sys.executable, "-m", "django", "runfairworker"]
+
+
+def _child_flags(options: dict[str, Any]) -> list[str]:
+    """The options of one supervised worker: this command's, less the supervisor's own."""
+    flags = [
+        "--concurrency",
+        str(options["concurrency"]),
+        "--batch-size",
+        str(options["batch_size"]),
+        "--prefetch",
+        str(options["prefetch"]),
+        "--shutdown-grace",
+        str(options["shutdown_grace"]),
+        "--verbosity",
+        str(options["verbosity"]),
+    ]
+    for name in ("channels", "exclude_channels", "poll_interval", "lease", "pythonpath"):
+        if options.get(name) is not None:
+            flags += [f"--{name.replace('_', '-')}", str(options[name])]
+    for name in ("burst", "no_listen", "no_maintenance", "traceback"):
+        if options.get(name):
+            flags.append(f"--{name.replace('_', '-')}")
+    if options["pipelines"] is not None:
+        flags += ["--pipelines", options["pipelines"]] if options["pipelines"] else ["--pipelines"]
+    return flags

@@ -1,0 +1,206 @@
+"""Keep N worker processes running: ``runfairworker --processes N``.
+
+A task that kills its process (``os._exit``, a segfault in a C extension, the OOM killer)
+takes down the worker running it, and every retry of that task takes down another. Run under
+a supervisor, each worker is a child process: one that dies is started again (after a backoff
+that grows while it keeps dying young), so the rest of the fleet and the other tenants carry
+on, and the killer task reaches its last attempt and becomes a dead letter.
+
+* The supervisor touches no database and imports no task: it only starts, watches and stops
+  children, each a ``runfairworker`` of its own (with the same options, less the supervisor's).
+* The first SIGTERM/SIGINT is forwarded to every child as a graceful stop (no more claims,
+  running messages finish within ``--shutdown-grace``) and nothing is restarted any more; a
+  second one is forwarded too, and the children exit at once.
+* ``--max-tasks-per-child N`` recycles a child after N messages (a worker whose memory grows
+  with every task): it exits 0 after its N-th message and a fresh one takes its place at once.
+* With ``--burst`` a child that exits 0 is done (nothing was left to run); one that died is
+  started again, since its work is not.
+
+Why not a process manager (systemd, supervisord, Kubernetes)? Use one for the supervisor
+itself; this loop only adds what they lack here: restarting each worker slot on its own with
+a per-slot backoff, recycling by message count, and a clean two-step stop of the whole set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from django_fairqueue._runtime import StopFlag, stop_signals
+
+logger = logging.getLogger("django_fairqueue.supervisor")
+
+#: Restart backoff for a child that died: first, doubled while it keeps dying young, at most cap.
+RESTART_FIRST = 1.0
+RESTART_CAP = 30.0
+#: A child that ran this long before dying was not crash-looping: its backoff starts over.
+STABLE_AFTER = 60.0
+#: How often the supervisor looks at its children.
+POLL = 0.2
+
+
+@dataclass
+class Slot:
+    """One worker position: the child running in it now, and its restart history."""
+
+    index: int
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    restart_at: float | None = None
+    backoff: float = 0.0
+    restarts: int = 0
+    done: bool = False
+    exits: list[int] = field(default_factory=list)
+
+
+class Supervisor:
+    """Run ``command_for(i)`` in ``processes`` slots until stopped (see the module docstring)."""
+
+    def __init__(
+        self,
+        command_for: Callable[[int], Sequence[str]],
+        processes: int,
+        *,
+        burst: bool = False,
+        env: dict[str, str] | None = None,
+        stop: StopFlag | None = None,
+    ) -> None:
+        if processes < 1:
+            raise ValueError(f"processes must be at least 1, got {processes}")
+        self.command_for = command_for
+        self.slots = [Slot(i) for i in range(processes)]
+        self.burst = burst
+        self.env = env
+        self.stop = stop or StopFlag()
+        self.signals = 0
+
+    def run(self) -> int:
+        """Supervise until stopped (or, with burst, until every child is done).
+
+        Returns 0 after a clean stop, 1 if a child still had to be killed or a burst child
+        never finished cleanly.
+        """
+        with stop_signals(self._on_signal):
+            for slot in self.slots:
+                self._start(slot)
+            while True:
+                now = time.monotonic()
+                for slot in self.slots:
+                    self._check(slot, now)
+                if all(slot.proc is None and (slot.done or self.stopping) for slot in self.slots):
+                    break
+                self.stop.wait(POLL)
+        clean = all(code == 0 for slot in self.slots for code in slot.exits[-1:])
+        return 0 if clean or self.stopping else 1
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop.is_set()
+
+    def _on_signal(self, signum: int) -> None:
+        self.signals += 1
+        self.stop.set()
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.poll() is None:
+                # The child counts signals as the worker does: the first is a graceful stop,
+                # the second an immediate exit.
+                slot.proc.send_signal(signal.SIGTERM)
+        what = "stopping gracefully" if self.signals == 1 else "stopping now"
+        logger.warning("supervisor: signal %s, %s", signal.Signals(signum).name, what)
+
+    def _start(self, slot: Slot) -> None:
+        command = list(self.command_for(slot.index))
+        # A session of its own: Ctrl-C in a terminal signals the whole foreground group, and a
+        # child that got it directly and again from us would take it as the second signal
+        # (exit at once). The children hear signals from the supervisor only, and die with it.
+        slot.proc = subprocess.Popen(
+            command,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        slot.started = time.monotonic()
+        slot.restart_at = None
+        logger.info("supervisor: worker %s started (pid %s)", slot.index, slot.proc.pid)
+
+    def _check(self, slot: Slot, now: float) -> None:
+        if slot.proc is None:
+            if slot.restart_at is not None and now >= slot.restart_at and not self.stopping:
+                self._start(slot)
+            return
+        code = slot.proc.poll()
+        if code is None:
+            return
+        pid = slot.proc.pid
+        slot.proc = None
+        slot.exits.append(code)
+        if self.stopping:
+            logger.info("supervisor: worker %s (pid %s) stopped (%s)", slot.index, pid, _how(code))
+            return
+        if code == 0:
+            if self.burst:
+                slot.done = True
+                logger.info("supervisor: worker %s (pid %s) finished its burst", slot.index, pid)
+                return
+            # recycled after --max-tasks-per-child messages: replace it at once
+            logger.info(
+                "supervisor: worker %s (pid %s) recycled; starting a fresh one", slot.index, pid
+            )
+            slot.backoff = 0.0
+            self._start(slot)
+            return
+        lived = now - slot.started
+        slot.backoff = (
+            RESTART_FIRST
+            if lived >= STABLE_AFTER or slot.backoff == 0
+            else min(RESTART_CAP, slot.backoff * 2)
+        )
+        slot.restarts += 1
+        slot.restart_at = now + slot.backoff
+        logger.warning(
+            "supervisor: worker %s (pid %s) died (%s) after %.1fs; restart %s in %.1fs",
+            slot.index,
+            pid,
+            _how(code),
+            lived,
+            slot.restarts,
+            slot.backoff,
+        )
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux for SIGTERM when the supervisor dies, even by
+    SIGKILL (elsewhere a no-op: an orphaned worker still stops on its own SIGTERM)."""
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit status {code}"
+
+
+def environment() -> dict[str, str]:
+    """The children's environment: this process's, with the settings module it runs with."""
+    from django.conf import settings
+
+    env = dict(os.environ)
+    module = getattr(settings, "SETTINGS_MODULE", None)
+    if module and "DJANGO_SETTINGS_MODULE" not in env:
+        env["DJANGO_SETTINGS_MODULE"] = module
+    return env
