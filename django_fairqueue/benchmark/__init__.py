@@ -1,4 +1,4 @@
-"""The benchmark behind ``manage.py fairbench`` (issue 2, section 5).
+"""The benchmark behind ``manage.py fairbench`` (docs/performance.md).
 
 Scenarios are small modules (``enqueue``, ``claim``, ``latency``, ``fairness``, ``snapshot``,
 ``functions``, ``admin``, ``e2e`` and ``pickup``; the last two through real ``runfairworker``

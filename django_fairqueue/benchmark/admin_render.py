@@ -1,4 +1,4 @@
-"""Admin render time: the channel list and the dashboard over a big queue (issue 4).
+"""Admin render time: the channel list and the dashboard over a big queue.
 
 Target: with 1,000,000 queued messages over 10,000 channels, the channel list and the dashboard
 render in under 500 ms. The backlog is bulk-loaded (``load_ready_messages``), then some of it is

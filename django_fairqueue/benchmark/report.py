@@ -124,7 +124,7 @@ def _baseline_figures(
 
 
 def targets_table(checks: Sequence[TargetCheck]) -> str:
-    title = "Targets (issue 2, section 5)"
+    title = "Targets"
     width = max([len(c.name) for c in checks] + [6])
     target_width = max([len(c.target) for c in checks] + [6])
     out = [title, "=" * len(title)]
@@ -253,7 +253,7 @@ def _fairness_p99(report: Report) -> TargetCheck | None:
         return None
     worst = max(cells, key=lambda c: c.b_wait_p99_ms)
     return TargetCheck(
-        "B's p99 wait (issue 7)",
+        "B's p99 wait",
         "< 50 ms",
         f"{worst.b_wait_p99_ms:.1f} ms (A backlog {worst.a_backlog:,}, {worst.processes} proc)",
         worst.b_wait_p99_ms < 50,
@@ -266,7 +266,7 @@ def _e2e(report: Report) -> TargetCheck | None:
         return None
     best = max(cells, key=lambda c: c.rate)
     return TargetCheck(
-        f"end-to-end no-op tasks, {best.channels} channels (issue 3)",
+        f"end-to-end no-op tasks, {best.channels} channels",
         ">= 8,000 tasks/s",
         f"{best.rate:,.0f}/s ({best.processes} proc x {best.threads} threads"
         + (f", prefetch {best.prefetch})" if best.prefetch else ")"),
@@ -280,7 +280,7 @@ def _pickup(report: Report) -> TargetCheck | None:
         return None
     cell = cells[0]
     return TargetCheck(
-        "pickup latency with LISTEN, p50 (issue 3)",
+        "pickup latency with LISTEN, p50",
         "<= 5 ms",
         f"{cell.p50_ms:.2f} ms (p99 {cell.p99_ms:.2f} ms)",
         cell.p50_ms <= 5.0,

@@ -34,7 +34,7 @@ class Sizes:
     latency_samples: int = 300
     latency_warmup: int = 20
     # -- fairness --
-    #: Issue 7: B's wait with A's backlog at 10,000 and at 1,000,000 (100,000 between them).
+    #: B's wait with A's backlog at 10,000 and at 1,000,000 (100,000 between them).
     fairness_backlogs: tuple[int, ...] = (10_000, 100_000, 1_000_000)
     fairness_processes: tuple[int, ...] = (1, 2)
     fairness_batch: int = 10
@@ -56,11 +56,11 @@ class Sizes:
     functions_samples: int = 4_000
     # -- end to end (real runfairworker processes) --
     e2e_channels: tuple[int, ...] = (1, 100)
-    #: The sweep of worker processes x handler threads x prefetch (issues 3 and 7); the best
+    #: The sweep of worker processes x handler threads x prefetch; the best
     #: cell is marked. Prefetch lets one claim fill the threads and queue more behind them.
     e2e_workers: tuple[tuple[int, int, int], ...] = (
         (1, 1, 0),
-        (2, 1, 0),  # issue 3: 2 processes x 1, 2, 4 threads
+        (2, 1, 0),  # 2 processes x 1, 2, 4 threads
         (2, 2, 0),
         (2, 4, 0),
         (1, 8, 0),
