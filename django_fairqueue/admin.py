@@ -44,7 +44,7 @@ from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 from django.views.decorators.http import require_POST
 
-from django_fairqueue import batches, conf, overview, store
+from django_fairqueue import batches, conf, overview, registry, store
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.exceptions import InvalidChannel
 from django_fairqueue.models import (
@@ -52,15 +52,18 @@ from django_fairqueue.models import (
     Channel,
     Message,
     WorkBatch,
+    WorkerRecord,
 )
 
 if TYPE_CHECKING:
     _ChannelAdminBase = admin.ModelAdmin[Channel]
     _MessageAdminBase = admin.ModelAdmin[Message]
     _WorkBatchAdminBase = admin.ModelAdmin[WorkBatch]
+    _WorkerAdminBase = admin.ModelAdmin[WorkerRecord]
     _ChannelFormBase = forms.ModelForm[Channel]
 else:  # the generic aliases exist only for type checkers (no django-stubs-ext at run time)
     _ChannelAdminBase = _MessageAdminBase = _WorkBatchAdminBase = admin.ModelAdmin
+    _WorkerAdminBase = admin.ModelAdmin
     _ChannelFormBase = forms.ModelForm
 
 #: The limits an operator edits; a change saves only these columns (see ChannelAdmin.save_model).
@@ -940,3 +943,60 @@ class WorkBatchAdmin(_WorkBatchAdminBase):
             messages.SUCCESS,
         )
         return HttpResponseRedirect(reverse("admin:fairqueue_workbatch_changelist"))
+
+
+# ============================================================================================
+# Workers
+
+
+@admin.register(WorkerRecord)
+class WorkerAdmin(_WorkerAdminBase):
+    """The worker registry, read-only: who runs, where, what, and since when."""
+
+    list_display = [
+        "worker_id",
+        "alive_display",
+        "host",
+        "pid",
+        "version",
+        "running_display",
+        "handled",
+        "started_at",
+        "heartbeat_at",
+        "last_claim_at",
+        "filters_display",
+    ]
+    list_filter = ["state", "host"]
+    search_fields = ["worker_id", "host"]
+    show_full_result_count = False
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: WorkerRecord | None = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: WorkerRecord | None = None) -> bool:
+        return False
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
+        # one read of the registry per page: the state shown needs the beat's age
+        self._states = {v.worker_id: v.state for v in registry.workers()}
+        return super().changelist_view(request, extra_context)
+
+    @admin.display(description=_("state"))
+    def alive_display(self, obj: WorkerRecord) -> str:
+        states: dict[str, str] = getattr(self, "_states", {})
+        return states.get(obj.worker_id, obj.state)
+
+    @admin.display(description=_("running / threads"), ordering="running")
+    def running_display(self, obj: WorkerRecord) -> str:
+        return f"{obj.running} / {obj.concurrency}" if obj.state == "running" else "-"
+
+    @admin.display(description=_("channels"))
+    def filters_display(self, obj: WorkerRecord) -> str:
+        if obj.channels:
+            return ", ".join(obj.channels)
+        if obj.exclude_channels:
+            return str(_("all but %s")) % ", ".join(obj.exclude_channels)
+        return str(_("all"))

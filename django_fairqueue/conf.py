@@ -61,6 +61,10 @@ class FairQueueSettings:
     # Seconds between recounts of every channel's counters from its rows (maintenance), which
     # repair and log any drift; a pass reads the queue's waiting and running rows once.
     VERIFY_INTERVAL: float = 600.0
+    # Seconds between a worker's beats in the worker registry, and how long without one makes
+    # it dead (its leases are then expired at once and rescued, instead of after the lease).
+    WORKER_HEARTBEAT: float = 5.0
+    WORKER_DEAD_AFTER: float = 30.0
     MAX_PAYLOAD_BYTES: int = 1_048_576
     # Prepare queue statements (named, per connection). Turn off behind a transaction-pooling
     # proxy that does not support prepared statements (PgBouncer < 1.21).

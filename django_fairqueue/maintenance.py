@@ -37,7 +37,7 @@ from typing import Protocol
 
 from django.utils import timezone
 
-from django_fairqueue import batches, conf, stats, store
+from django_fairqueue import batches, conf, registry, stats, store
 from django_fairqueue._runtime import (
     CONNECTION_ERRORS,
     Backoff,
@@ -62,7 +62,8 @@ class Service(Protocol):
 
 @dataclass
 class Rescuer:
-    """Requeue (or dead-letter) messages whose lease expired."""
+    """Requeue (or dead-letter) messages whose lease expired, after expiring the leases of
+    workers the registry finds dead (no beat for WORKER_DEAD_AFTER)."""
 
     batch_size: int = 1000
     max_batches: int = 10  # a pass handles at most batch_size * max_batches messages
@@ -74,6 +75,7 @@ class Rescuer:
         return self.every if self.every is not None else conf.get().RESCUE_INTERVAL
 
     def run_once(self) -> int:
+        registry.rescue_dead_workers()
         total = 0
         for _ in range(self.max_batches):
             rescued = store.rescue_expired_messages(self.batch_size)
@@ -149,7 +151,8 @@ class DeltaFolder:
 
 @dataclass
 class StatsPruner:
-    """Delete per-channel statistics rows older than ``keep``."""
+    """Delete per-channel statistics rows older than ``keep``, and the registry rows of
+    workers stopped or dead for that long."""
 
     keep: timedelta = timedelta(days=1)
     every: float | None = None  # seconds; None: FAIRQUEUE['PRUNE_INTERVAL']
@@ -161,7 +164,8 @@ class StatsPruner:
 
     def run_once(self) -> int:
         stats.prune(self.keep)
-        return 0  # the statement does not count what it deleted
+        store.prune_workers(timezone.now() - self.keep)
+        return 0  # the statements do not count what they deleted
 
 
 @dataclass

@@ -45,7 +45,7 @@ except ImportError as exc:  # tests/test_admin.py hides the package to check thi
         "django_fairqueue.metrics needs prometheus-client: pip install django-fairqueue[prometheus]"
     ) from exc
 
-from django_fairqueue import overview
+from django_fairqueue import overview, registry
 from django_fairqueue.models import Channel
 
 __all__ = [
@@ -105,6 +105,15 @@ class QueueCollector(Collector):
         yield from families.values()
         yield cap
         yield succeeded
+        views = registry.workers()
+        workers = GaugeMetricFamily(
+            "fairqueue_workers",
+            "Workers in the registry by state: alive, silent (beat late), dead, stopped.",
+            labels=["state"],
+        )
+        for state in ("alive", "silent", "dead", "stopped"):
+            workers.add_metric([state], sum(1 for v in views if v.state == state))
+        yield workers
 
 
 REGISTRY = CollectorRegistry(auto_describe=False)

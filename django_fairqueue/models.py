@@ -451,3 +451,56 @@ class WorkBatch(TrackedModel):
 
     def __str__(self) -> str:
         return f"{self.job_name}[{self.start_id}..{self.end_id}] ({self.state})"
+
+
+class WorkerState(models.TextChoices):
+    RUNNING = "running", _("running")
+    STOPPED = "stopped", _("stopped")  # deregistered on a graceful stop
+    DEAD = "dead", _("dead")  # no beat for WORKER_DEAD_AFTER; its leases were expired
+
+
+class WorkerRecord(models.Model):
+    """A worker process in the registry (:mod:`django_fairqueue.registry`).
+
+    Written only by the registry's statements in ``store.py``: a worker registers before it
+    claims, beats every ``WORKER_HEARTBEAT`` seconds and marks itself stopped on a graceful
+    stop; the maintenance loop marks a silent one dead. Rows of stopped and dead workers are
+    kept for a day (the pruner), so an operator can see what ran where.
+    """
+
+    worker_id = models.CharField(max_length=200, unique=True)
+    host = models.CharField(max_length=255)
+    pid = models.IntegerField()
+    version = models.CharField(max_length=50)
+    concurrency = models.IntegerField()
+    #: channel filters (--channels / --exclude-channels); empty lists: every channel
+    channels = models.JSONField(default=list)
+    exclude_channels = models.JSONField(default=list)
+    state = models.CharField(max_length=16, choices=WorkerState.choices)
+    started_at = models.DateTimeField()
+    heartbeat_at = models.DateTimeField()
+    last_claim_at = models.DateTimeField(null=True, blank=True)
+    #: messages running at the last beat, and handled since the process started
+    running = models.IntegerField(default=0)
+    handled = models.BigIntegerField(default=0)
+    stopped_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "fairqueue_worker"
+        ordering = ["-heartbeat_at"]
+        indexes = [
+            # the dead-worker check: registered workers by their last beat
+            models.Index(
+                F("heartbeat_at"),
+                name="fq_worker_beat_idx",
+                condition=Q(state=WorkerState.RUNNING),
+            ),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(state__in=WorkerState.values), name="fq_worker_state_valid"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.worker_id} ({self.state})"

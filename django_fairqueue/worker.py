@@ -41,7 +41,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 import psycopg
@@ -65,6 +65,7 @@ from django_fairqueue.context import current_message
 from django_fairqueue.exceptions import FairQueueError, PayloadError, UnknownTask
 from django_fairqueue.maintenance import MaintenanceRunner, Service, default_services
 from django_fairqueue.models import Message
+from django_fairqueue.registry import Beat, Registration, wall_clock
 from django_fairqueue.signals import message_finished, message_started
 from django_fairqueue.stats import StatsRecorder
 from django_fairqueue.store import ClaimedMessage
@@ -357,6 +358,7 @@ class Worker:
         self._busy = 0  # handed to handler threads, not finished
         self._claimed = 0  # claimed and not given back (max_messages counts these)
         self._handled = 0  # settled: succeeded, retried or failed
+        self._last_claim_at: datetime | None = None  # for the registry (operators' eyes only)
         self._wake = True  # claim as soon as a slot is free
         self._more = False  # the last claim was full: more may be ready
         self._next_poll = 0.0
@@ -487,14 +489,25 @@ class Worker:
             ", burst" if self.config.burst else "",
             extra={"worker_id": self.worker_id},
         )
+        # In the registry before the first claim (registering expires leases a previous
+        # process with this worker id left behind, so none of this one's may exist yet).
+        registration = Registration(
+            self.worker_id,
+            concurrency=self.config.concurrency,
+            channels=self.config.channels,
+            exclude_channels=self.config.exclude_channels,
+        )
+        registration.register()
         with stop_signals(self._on_signal):
-            threads = self._start_threads()
+            threads = self._start_threads(registration)
             try:
                 self._claim_loop()
             except BaseException as exc:
                 self._crashed("claimer", exc)
             finally:
                 self._shutdown(threads)
+        if self._fatal is None:
+            registration.deregister(self._registry_beat())
         if self._fatal is not None:
             raise WorkerCrashed(f"worker {self.worker_id} stopped: {self._fatal!r}") from (
                 self._fatal
@@ -513,7 +526,11 @@ class Worker:
             registry.autodiscover()
             self._discovered = True
 
-    def _start_threads(self) -> dict[str, list[threading.Thread]]:
+    def _registry_beat(self) -> Beat:
+        with self._cond:
+            return Beat(self._busy, self._handled, self._last_claim_at)
+
+    def _start_threads(self, registration: Registration) -> dict[str, list[threading.Thread]]:
         def start(name: str, target: Callable[[], None]) -> threading.Thread:
             thread = threading.Thread(
                 target=self._guard, args=(name, target), name=f"fairqueue-{name}", daemon=True
@@ -528,7 +545,12 @@ class Worker:
             ],
             "settler": [start("settler", self._settler_loop)],
             "heartbeat": [start("heartbeat", self._heartbeat_loop)],
-            "background": [],
+            "background": [
+                start(
+                    "registry",
+                    lambda: registration.beat_until(self._threads_stop, self._registry_beat),
+                )
+            ],
         }
         if self.config.maintenance:
             threads["background"].append(start("maintenance", self._maintenance_loop))
@@ -577,6 +599,8 @@ class Worker:
                 continue
             backoff.reset()
             drop_broken_connection()
+            if messages:
+                self._last_claim_at = wall_clock()
             if messages and self._stats is not None:
                 # the database's claim time: the lease runs from it
                 self._stats.record_claimed(messages, messages[0].lease_expires_at - self.lease)

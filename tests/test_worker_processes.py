@@ -323,3 +323,45 @@ def test_a_supervisor_refuses_max_messages() -> None:
 
     with pytest.raises(CommandError, match="--max-tasks-per-child"):
         call_command("runfairworker", "--processes", "2", "--max-messages", "5")
+
+
+# ------------------------------------------------------------------------------------------------
+# the worker registry
+
+
+def test_workers_register_beat_and_deregister_and_a_dead_ones_leases_are_rescued_at_once(
+    workers: Workers, tmp_path: Path, settings: Any
+) -> None:
+    from django_fairqueue import registry
+    from django_fairqueue.models import WorkerRecord
+
+    fast = {"WORKER_HEARTBEAT": 0.2, "WORKER_DEAD_AFTER": 3.0, "LEASE_SECONDS": 60.0}
+    settings.FAIRQUEUE = {**settings.FAIRQUEUE, **fast}
+    marker = tmp_path / "started"
+    slow = fairtasks.sleep.enqueue(120, str(marker), True, channel="d")
+    a = workers.start("reg-a", "--concurrency", "2", "--channels", "d", overrides=fast)
+    wait_until(marker.exists, 30, "the slow message starting")
+    b = workers.start("reg-b", "--concurrency", "3", overrides=fast)  # after: a runs it
+    rec = wait_until(
+        lambda: WorkerRecord.objects.filter(worker_id="reg-a", running=1).first(), 20, "a beat"
+    )
+    assert (rec.pid, rec.concurrency, rec.channels, rec.state) == (a.pid, 2, ["d"], "running")
+    both = {"reg-a": "alive", "reg-b": "alive"}
+    wait_until(lambda: {v.worker_id: v.state for v in registry.workers()} == both, 30, "both")
+
+    # reg-a dies holding the slow message under a 60 s lease; reg-b's maintenance loop (its
+    # rescuer runs every 0.3 s here) finds it silent past WORKER_DEAD_AFTER and requeues the
+    # message at once. (attempt 2 does not sleep: first_attempt_only)
+    a.signal(signal.SIGKILL)
+    killed = time.monotonic()
+    wait_until(lambda: row(slow).state == MessageState.SUCCEEDED, 30, "the rescue and rerun")
+    rescued_after = time.monotonic() - killed
+    assert rescued_after < 20, rescued_after  # far below the 60 s lease
+    assert row(slow).result["pid"] == b.pid
+    assert WorkerRecord.objects.get(worker_id="reg-a").state == "dead"
+    b.wait_for("is dead: no beat for")
+    print(f"\ndead worker's message rerun {rescued_after:.1f}s after kill -9 (lease 60 s)")
+
+    b.signal(signal.SIGTERM)
+    assert b.wait(30) == 0
+    assert WorkerRecord.objects.get(worker_id="reg-b").state == "stopped"

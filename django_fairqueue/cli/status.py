@@ -26,7 +26,7 @@ from typing import Any, TextIO
 from django.db import connections
 from django.utils import timezone
 
-from django_fairqueue import overview, stats
+from django_fairqueue import overview, registry, stats
 
 #: Longest channel name printed in the table (the JSON has it whole).
 _NAME_WIDTH = 40
@@ -81,10 +81,18 @@ def snapshot(sort: str = "backlog", limit: int = 20, now: datetime | None = None
     now = now or timezone.now()
     counts = overview.all_counts()
     ids = overview.ranked_ids(sort, limit, counts=counts)
+    views = registry.workers(now)
+    alive = registry.live(views)
     return {
         "generated_at": now.isoformat(),
         "sort": sort,
         "totals": overview.totals(counts),
+        "workers": {
+            "live": len(alive),
+            "threads": sum(v.concurrency for v in alive),
+            "running": sum(v.running for v in alive),
+            "dead": sum(1 for v in views if v.state == "dead"),
+        },
         "finished_last_5m": sum(stats.finished_counts(overview.FINISHED_MINUTES, now=now).values()),
         "channels": [row.as_dict(now) for row in overview.rows(ids, now=now)],
     }
@@ -152,6 +160,17 @@ def table(data: dict[str, Any]) -> str:
         f"{t['ready']:,} ready, {t['scheduled']:,} delayed, {t['running']:,} running, "
         f"{t['failed']:,} failed; {data['finished_last_5m']:,} finished in the last 5 minutes."
     )
+    w = data["workers"]
+    out.append(
+        f"{w['live']:,} live workers ({w['threads']:,} threads, {w['running']:,} running)"
+        + (f", {w['dead']:,} dead" if w["dead"] else "")
+        + " (manage.py fairqueue workers lists them)."
+    )
+    if not w["live"] and (t["ready"] or t["running"]):
+        out.append(
+            "WARNING: no live worker: nothing will run. Messages shown as running belong to "
+            "dead workers and are requeued once their leases expire and a worker rescues them."
+        )
     return "\n".join(out)
 
 

@@ -1,0 +1,55 @@
+"""List the workers in the registry: alive, silent, dead or stopped, and what each runs.
+
+A worker beats every FAIRQUEUE['WORKER_HEARTBEAT'] seconds; one silent for longer than
+WORKER_DEAD_AFTER is dead, and the maintenance loop of any live worker then requeues the
+messages it was running. Stopped and dead workers stay listed for a day.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from django.core.management.base import OutputWrapper
+
+from django_fairqueue import overview, registry
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+
+
+def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
+    now = datetime.now(UTC)
+    views = registry.workers(now)
+    if options["json"]:
+        stdout.write(json.dumps([v.as_dict() for v in views]))
+        return
+    if not views:
+        stdout.write("No workers have registered (start one with manage.py runfairworker).")
+        return
+    header = ("WORKER", "STATE", "HOST", "PID", "VERSION", "RUNNING", "HANDLED", "BEAT", "CLAIM")
+    lines = [header]
+    for v in views:
+        beat = overview.format_age((now - v.heartbeat_at).total_seconds())
+        claim = v.last_claim_at and overview.format_age((now - v.last_claim_at).total_seconds())
+        lines.append(
+            (
+                v.worker_id,
+                v.state,
+                v.host,
+                str(v.pid),
+                v.version,
+                f"{v.running}/{v.concurrency}",
+                f"{v.handled:,}",
+                f"{beat} ago",
+                f"{claim} ago" if claim else "-",
+            )
+        )
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    for row in lines:
+        stdout.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    alive = registry.live(views)
+    stdout.write(f"\n{len(alive)} live of {len(views)} registered.")

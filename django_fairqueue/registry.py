@@ -1,0 +1,185 @@
+"""The worker registry: which workers are alive, what they run, and rescuing the dead ones.
+
+Every worker registers in ``fairqueue_worker`` before it claims anything, beats every
+``FAIRQUEUE['WORKER_HEARTBEAT']`` seconds (running count, last claim), and marks itself
+stopped on a graceful stop. A worker whose beat is older than ``WORKER_DEAD_AFTER`` is dead:
+the maintenance loop of any live worker (or ``fairqueue maintain``) marks it so and expires the
+leases of the messages it was running, which the rescuer then requeues in the same pass, so a
+killed worker's tenants resume after ``WORKER_DEAD_AFTER`` rather than after the full lease.
+
+Registering also expires the leases still held under the same worker id: a process that has
+not claimed yet holds none, so they belong to a previous process with that id (a supervised
+worker restarted in its slot, a container restarted with a fixed ``--worker-id``).
+
+The registry is written only through ``store.py``'s statements; the admin shows it read-only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from django_fairqueue import __version__, conf, store
+from django_fairqueue._runtime import CONNECTION_ERRORS, StopFlag, after_database_error
+
+logger = logging.getLogger("django_fairqueue.registry")
+
+
+@dataclass(frozen=True)
+class Beat:
+    """What a worker reports with each beat."""
+
+    running: int
+    handled: int
+    last_claim_at: datetime | None
+
+
+class Registration:
+    """One worker process's row in the registry, from register() to deregister()."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        *,
+        concurrency: int,
+        channels: Sequence[str] = (),
+        exclude_channels: Sequence[str] = (),
+    ) -> None:
+        self.worker_id = worker_id
+        self.concurrency = concurrency
+        self.channels = channels
+        self.exclude_channels = exclude_channels
+
+    def register(self) -> int:
+        """Record this worker as running; returns how many leases of a previous process with
+        the same worker id it expired (the rescuer requeues those messages)."""
+        orphaned = store.register_worker(
+            self.worker_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            version=__version__,
+            concurrency=self.concurrency,
+            channels=list(self.channels),
+            exclude_channels=list(self.exclude_channels),
+        )
+        if orphaned:
+            logger.warning(
+                "worker %s: expired %d leases a previous process with this id left behind",
+                self.worker_id,
+                orphaned,
+                extra={"worker_id": self.worker_id},
+            )
+        return orphaned
+
+    def beat_until(self, stop: StopFlag, status: Callable[[], Beat]) -> None:
+        """Beat every WORKER_HEARTBEAT seconds until ``stop`` is set; a failed beat is logged
+        and retried at the next one (missing a few does not make a worker dead)."""
+        while not stop.wait(conf.get().WORKER_HEARTBEAT):
+            self.beat(status())
+
+    def beat(self, now: Beat) -> None:
+        try:
+            store.beat_worker(
+                self.worker_id,
+                running=now.running,
+                handled=now.handled,
+                last_claim_at=now.last_claim_at,
+            )
+        except CONNECTION_ERRORS as exc:
+            logger.warning("worker registry beat failed: %s", after_database_error(exc))
+
+    def deregister(self, now: Beat) -> None:
+        try:
+            store.deregister_worker(self.worker_id, handled=now.handled)
+        except CONNECTION_ERRORS as exc:  # it will look dead after WORKER_DEAD_AFTER instead
+            logger.warning("worker registry: could not mark stopped: %s", after_database_error(exc))
+
+
+def wall_clock() -> datetime:
+    """For last_claim_at, shown to operators only (no due time is computed from it)."""
+    return datetime.now(UTC)
+
+
+def rescue_dead_workers() -> list[store.DeadWorker]:
+    """Mark workers whose beat is older than WORKER_DEAD_AFTER dead and expire their leases."""
+    dead = store.expire_dead_workers(conf.get().WORKER_DEAD_AFTER)
+    for worker in dead:
+        logger.warning(
+            "worker %s (%s pid %s) is dead: no beat for %.0fs; expired its %d leases",
+            worker.worker_id,
+            worker.host,
+            worker.pid,
+            worker.silent_seconds,
+            worker.leases_expired,
+            extra={"worker_id": worker.worker_id},
+        )
+    return dead
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One registry row as operators see it: alive means running with a recent beat."""
+
+    worker_id: str
+    host: str
+    pid: int
+    version: str
+    state: str  # "alive", "silent" (beats late: dead soon), "dead" or "stopped"
+    concurrency: int
+    running: int
+    handled: int
+    channels: list[str]
+    exclude_channels: list[str]
+    started_at: datetime
+    heartbeat_at: datetime
+    last_claim_at: datetime | None
+
+    def as_dict(self) -> dict[str, object]:
+        out = dict(self.__dict__)
+        for key in ("started_at", "heartbeat_at", "last_claim_at"):
+            value = out[key]
+            out[key] = value.isoformat() if isinstance(value, datetime) else value
+        return out
+
+
+def workers(now: datetime | None = None) -> list[WorkerView]:
+    """Every worker in the registry, live ones first, then by last beat."""
+    from django_fairqueue.models import WorkerRecord
+
+    now = now or datetime.now(UTC)
+    cfg = conf.get()
+    rows = []
+    for w in WorkerRecord.objects.using(cfg.DATABASE).order_by("-heartbeat_at"):
+        state = w.state
+        if state == "running":
+            silent = (now - w.heartbeat_at).total_seconds()
+            state = "alive" if silent <= 3 * cfg.WORKER_HEARTBEAT else "silent"
+            if silent > cfg.WORKER_DEAD_AFTER:
+                state = "dead"  # not marked yet: no maintenance pass since
+        rows.append(
+            WorkerView(
+                w.worker_id,
+                w.host,
+                w.pid,
+                w.version,
+                state,
+                w.concurrency,
+                w.running if state in ("alive", "silent") else 0,
+                w.handled,
+                list(w.channels or []),
+                list(w.exclude_channels or []),
+                w.started_at,
+                w.heartbeat_at,
+                w.last_claim_at,
+            )
+        )
+    order = {"alive": 0, "silent": 1, "dead": 2, "stopped": 3}
+    return sorted(rows, key=lambda r: order.get(r.state, 4))
+
+
+def live(views: list[WorkerView]) -> list[WorkerView]:
+    return [v for v in views if v.state in ("alive", "silent")]

@@ -1,0 +1,83 @@
+"""The worker registry seen from outside a worker: registering, status, the admin page."""
+
+from __future__ import annotations
+
+import io
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.core.management import call_command
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from django_fairqueue import registry, store
+from django_fairqueue.maintenance import Rescuer
+from django_fairqueue.models import Message, MessageState, WorkerRecord
+from tests import factories as f
+
+pytestmark = pytest.mark.django_db
+
+LEASE = timedelta(minutes=10)
+
+
+def test_registering_expires_the_leases_a_previous_process_with_the_same_id_left() -> None:
+    f.enqueue("slot", 3)
+    claimed = store.claim_messages(2, lease=LEASE, worker_id="sup-0")
+    assert len(claimed) == 2
+    # the same slot's next process registers: nothing of its own can be running yet
+    assert registry.Registration("sup-0", concurrency=4).register() == 2
+    assert Rescuer().run_once() == 2
+    assert Message.objects.filter(state=MessageState.READY).count() == 3
+    f.assert_counters_match_table()
+
+
+def test_a_silent_worker_is_dead_and_its_leases_expire(settings: Any) -> None:
+    settings.FAIRQUEUE = {**settings.FAIRQUEUE, "WORKER_DEAD_AFTER": 30.0}
+    f.enqueue("x", 1)
+    registry.Registration("gone", concurrency=1).register()
+    (m,) = store.claim_messages(1, lease=LEASE, worker_id="gone")
+    WorkerRecord.objects.filter(worker_id="gone").update(
+        heartbeat_at=timezone.now() - timedelta(minutes=1)
+    )
+    (dead,) = registry.rescue_dead_workers()
+    assert (dead.worker_id, dead.leases_expired) == ("gone", 1)
+    assert dead.silent_seconds >= 59
+    assert Rescuer().run_once() == 1
+    assert Message.objects.get(pk=m.id).state == MessageState.READY
+    assert [v.state for v in registry.workers()] == ["dead"]
+
+
+def test_status_warns_when_no_worker_is_alive_and_workers_lists_them() -> None:
+    f.enqueue("waiting", 2)
+    out = io.StringIO()
+    call_command("fairqueue", "status", stdout=out)
+    assert "0 live workers" in out.getvalue()
+    assert "WARNING: no live worker" in out.getvalue()
+    registry.Registration("w-1", concurrency=8, channels=["waiting"]).register()
+    out = io.StringIO()
+    call_command("fairqueue", "status", stdout=out)
+    assert "1 live workers (8 threads, 0 running)" in out.getvalue()
+    assert "WARNING" not in out.getvalue()
+    out = io.StringIO()
+    call_command("fairqueue", "workers", stdout=out)
+    assert "w-1" in out.getvalue() and "alive" in out.getvalue()
+    assert "1 live of 1 registered." in out.getvalue()
+
+
+def test_the_workers_admin_page_is_read_only(client: Client) -> None:
+    registry.Registration("w-admin", concurrency=2, exclude_channels=["noisy"]).register()
+    viewer = User.objects.create_user("viewer", password="pw", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_workerrecord"))
+    client.force_login(viewer)
+    page = client.get(reverse("admin:fairqueue_workerrecord_changelist"))
+    assert page.status_code == 200
+    text = page.content.decode()
+    assert "w-admin" in text and "alive" in text and "all but noisy" in text
+    pk = WorkerRecord.objects.get(worker_id="w-admin").pk
+    change = client.post(reverse("admin:fairqueue_workerrecord_change", args=[pk]), {})
+    assert change.status_code in (302, 403) or "readonly" in change.content.decode()
+    assert WorkerRecord.objects.get(pk=pk).state == "running"
+    assert client.get(reverse("admin:fairqueue_workerrecord_add")).status_code == 403
