@@ -68,8 +68,17 @@ def enqueue(
         if priority is None:
             priority = task.priority
         task = task.task
-    request = EnqueueRequest(task, args, kwargs, channel, run_after, priority)
-    return enqueue_many([request])[0]
+    cfg = conf.get()
+    spec = resolve_task(task)
+    message = _prepare_one(spec, list(args), kwargs, channel, run_after, priority, cfg)
+    message_id = store.enqueue_message(
+        message,
+        defaults=cfg.CHANNEL_DEFAULTS,
+        notify_channel=cfg.NOTIFY_CHANNEL if cfg.NOTIFY else None,
+    )
+    if message_enqueued.has_listeners(Message):
+        message_enqueued.send(sender=Message, message_ids=[message_id], channels=[message.channel])
+    return message_id
 
 
 def enqueue_many(requests: Iterable[EnqueueRequest]) -> list[int]:
@@ -177,6 +186,47 @@ def _prepare_batch(
         keep.append(known[3])
     batch.delays = delays
     return batch
+
+
+def _prepare_one(
+    spec: TaskSpec,
+    args: list[Any],
+    kwargs: dict[str, Any],
+    channel: str | None,
+    run_after: datetime | timedelta | None,
+    priority: int | None,
+    cfg: conf.FairQueueSettings,
+) -> store.NewMessage:
+    """One message, checked and serialised as :func:`_prepare_batch` does it for each request
+    (for :func:`enqueue`: no batch columns to build for a single message)."""
+    if channel is None:
+        if spec.channel_from is not None:
+            channel = spec.channel_from(*args, **kwargs)
+        if channel is None:
+            channel = spec.channel or cfg.DEFAULT_CHANNEL
+    validate_channel_name(channel)
+    payload = encode_payload(spec.name, args, kwargs, cfg.MAX_PAYLOAD_BYTES)
+    if priority is None:
+        priority = spec.priority
+    if type(priority) is not int or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        priority = _check_priority(priority)  # raises unless an int subclass in range
+    run_at = delay = None
+    if isinstance(run_after, timedelta):
+        delay = run_after
+        if delay > _LONGEST_DELAY:
+            raise OverflowError(f"run_after {delay} is past the last representable date")
+    elif run_after is not None:
+        run_at = _run_at(run_after)
+    return store.NewMessage(
+        channel,
+        spec.name,
+        payload,
+        priority,
+        run_at,
+        spec.effective_max_attempts,
+        spec.effective_keep_result,
+        delay,
+    )
 
 
 def validate_channel_name(name: Any) -> str:

@@ -64,8 +64,11 @@ def functions_sql(version: int = 1, *, part: str = "") -> str:
 
 @contextmanager
 def _cursor(
-    using: str | None = None, *, wrapper: BaseDatabaseWrapper | None = None
+    using: str | None = None, *, wrapper: BaseDatabaseWrapper | None = None, values: bool = True
 ) -> Iterator[psycopg.Cursor[Any]]:
+    """A psycopg cursor on the Django connection (see the module's docstring). ``values=False``
+    for statements whose results hold no jsonb: the cursor then shares the connection's
+    adapters instead of copying them to register a loader (a measurable part of one enqueue)."""
     alias = using or conf.get().DATABASE
     if wrapper is None:
         wrapper = connections[alias]
@@ -84,7 +87,8 @@ def _cursor(
         # Results come back in binary format: psycopg's C loaders then apply, where Django's
         # connection registers Python text loaders (timestamptz) that cost ~1.5 ms per 100
         # claimed rows. Django keeps jsonb as text for its JSONField; here we want values.
-        cur.adapters.register_loader("jsonb", JsonbBinaryLoader)
+        if values:
+            cur.adapters.register_loader("jsonb", JsonbBinaryLoader)
         try:
             yield cur
         finally:
@@ -215,21 +219,24 @@ def enqueue_messages(
     create_apart = _creates_channels_apart(wrapper)
     # Bound in binary (the statement's b placeholders): psycopg then sends arrays without quoting
     # and escaping each element in Python, which cost more than the rest of the call.
+    # A column with one value for every message (one channel, one task: the usual batch) is
+    # sent as that one value, which the function repeats: psycopg dumps array elements one
+    # by one in Python.
     params = {
-        "channels": batch.channels,
-        "tasks": batch.task_names,
+        "channels": _once(batch.channels),
+        "tasks": _once(batch.task_names),
         # payloads arrive as checked JSON text (api.encode_payload): sent as text, as is
         "payloads": batch.payloads,
-        "priorities": batch.priorities,
-        "run_at": batch.run_at,
-        "max_attempts": batch.max_attempts,
-        "keep_result": batch.keep_result,
+        "priorities": _once(batch.priorities),
+        "run_at": _once(batch.run_at),
+        "max_attempts": _once(batch.max_attempts),
+        "keep_result": _once(batch.keep_result),
         "default_max_concurrency": defaults.max_concurrency,
         "default_release_interval": defaults.release_interval,
         "default_weight": defaults.weight,
         "default_max_backlog": defaults.max_backlog,
         "notify_channel": notify_channel,
-        "delays": batch.delays,
+        "delays": None if batch.delays is None else _once(batch.delays),
         "create": not create_apart,
     }
     try:
@@ -240,14 +247,74 @@ def enqueue_messages(
             create_channels(batch.channels, defaults=defaults, using=using)
             rows = _run("enqueue_messages", {**params, "create": True}, using)
     except Exception as exc:
-        full = ChannelFull.from_error(exc)
-        if full is not None:
-            raise full from exc
-        cause = exc.__cause__ if exc.__cause__ is not None else exc
-        if getattr(cause, "sqlstate", None) == "FQ002":
-            raise IsolationLevelError(cause.diag.message_primary) from exc  # type: ignore[attr-defined]
+        _raise_enqueue_error(exc)
         raise
     return [r[0] for r in rows]
+
+
+def enqueue_message(
+    message: NewMessage,
+    *,
+    defaults: conf.ChannelDefaults,
+    notify_channel: str | None,
+    using: str | None = None,
+) -> int:
+    """Insert one message; returns its id. :func:`enqueue_messages` for one message, with
+    the same guarantees (channel creation apart inside a transaction, :class:`ChannelFull`),
+    through a statement that takes scalars (``fairqueue_enqueue_one_v1``)."""
+    wrapper = connections[using or conf.get().DATABASE]
+    params = {
+        "channel": message.channel,
+        "task": message.task_name,
+        "payload": message.payload,
+        "priority": message.priority,
+        "run_at": message.run_at,
+        "max_attempts": message.max_attempts,
+        "keep_result": message.keep_result,
+        "default_max_concurrency": defaults.max_concurrency,
+        "default_release_interval": defaults.release_interval,
+        "default_weight": defaults.weight,
+        "default_max_backlog": defaults.max_backlog,
+        "notify_channel": notify_channel,
+        "delay": message.delay,
+        "create": not _creates_channels_apart(wrapper),
+    }
+    statement = queries()["enqueue_message"]
+    prepare = conf.get().PREPARED_STATEMENTS
+    try:
+        with _cursor(using, wrapper=wrapper, values=False) as cur:
+            cur.execute(statement, params, prepare=prepare, binary=True)
+            row = cur.fetchone()
+            if row is None or row[0] is None:
+                # Nothing was stored: the channel is missing. Create it apart, then store for
+                # real (creating inline now, should the apart creation have given up on a lock).
+                create_channels([message.channel], defaults=defaults, using=using)
+                cur.execute(statement, {**params, "create": True}, prepare=prepare, binary=True)
+                row = cur.fetchone()
+    except Exception as exc:
+        _raise_enqueue_error(exc)
+        raise
+    assert row is not None and row[0] is not None
+    return int(row[0])
+
+
+def _raise_enqueue_error(exc: Exception) -> None:
+    """Raise what an enqueue's error means to the caller (a full channel, an isolation level
+    the bound cannot work at), from ``exc``; return for any other error."""
+    full = ChannelFull.from_error(exc)
+    if full is not None:
+        raise full from exc
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    if getattr(cause, "sqlstate", None) == "FQ002":
+        raise IsolationLevelError(cause.diag.message_primary) from exc  # type: ignore[attr-defined]
+
+
+def _once(column: list[Any]) -> list[Any]:
+    """``column``, or its one element when all of its elements are that one (fairqueue_enqueue_v1
+    repeats a one-element array for every message)."""
+    if len(column) > 1 and column.count(column[0]) == len(column):
+        return column[:1]
+    return column
 
 
 def _creates_channels_apart(wrapper: BaseDatabaseWrapper) -> bool:

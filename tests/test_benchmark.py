@@ -336,6 +336,14 @@ def _system(name: str, batch: float, e2e: float, p99: float | None) -> dict[str,
     }
 
 
+def _ratio_row(text: str, system: str) -> list[str]:
+    """A system's row of the enqueue ratios table, without its name."""
+    table = text.split("Enqueue ratios", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split() for line in table.splitlines() if line.startswith(system + " ")]
+    assert len(rows) == 1, table
+    return rows[0][1:]
+
+
 def test_comparison_goals_and_tables() -> None:
     """benchmarks/compare (run in its own tox env) reports its goals from the run's JSON."""
     from benchmarks.compare import report
@@ -355,7 +363,32 @@ def test_comparison_goals_and_tables() -> None:
     ]
     assert "2.67x" in goals[0]["measured"] and "42%" in goals[1]["measured"]
     text = report.tables(doc)
-    assert "Goals (issue 7)" in text and "MISSED" in text
+    assert "Goals" in text and "MISSED" in text
+    # ratios to the floor and to the fastest other system (raw-sql aside), per process count
+    assert _ratio_row(text, "django-fairqueue") == ["x2", "0.42", "0.42", "2.50", "2.50"]
+
+
+def test_comparison_report_with_scenarios_left_out(tmp_path: Path) -> None:
+    """``--scenario enqueue``: the other scenarios' lists are empty, ``pickup`` is None; the
+    tables, goals and plots show what ran and skip the rest."""
+    from benchmarks.compare import report, run
+
+    assert run.parse_args([]).scenarios == ["enqueue", "e2e", "pickup", "fairness"]
+    chosen = run.parse_args(["--scenario", "pickup", "--scenario", "enqueue"]).scenarios
+    assert chosen == ["enqueue", "pickup"]  # in running order
+    doc: dict[str, Any] = {"systems": []}
+    for name, rate in (("raw-sql", 60_000), ("django-fairqueue", 30_000), ("pgqueuer", 40_000)):
+        system = _system(name, rate, 1.0, None)
+        system.update(e2e=[], pickup=None, fairness=[], scenarios=["enqueue"])
+        doc["systems"].append(system)
+    doc["goals"] = goals = report.goals(doc)
+    assert [g["goal"] for g in goals] == ["enqueue batch >= 50% of the raw floor"]
+    text = report.tables(doc)
+    assert "Enqueue ratios" in text
+    assert _ratio_row(text, "django-fairqueue") == ["x2", "0.50", "0.50", "0.75", "0.75"]
+    assert _ratio_row(text, "pgqueuer") == ["x2", "0.67", "0.67", "1.33", "1.33"]
+    assert "End-to-end" not in text and "Pickup" not in text and "Fairness" not in text
+    assert report.plots(doc, tmp_path) == []
 
 
 @pytest.mark.django_db(transaction=True)

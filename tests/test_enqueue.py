@@ -6,6 +6,7 @@ Concurrent enqueuers (advisory locks, no deadlock) are in test_claim_concurrency
 from __future__ import annotations
 
 import math
+import time
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -126,6 +127,72 @@ def test_ids_come_back_in_input_order_with_their_payloads() -> None:
         assert rows[mid].priority == i % 4
         assert rows[mid].state == MessageState.READY
     f.assert_counters_match_table()
+
+
+@pytest.mark.django_db
+def test_a_batch_of_one_channel_and_one_task_stores_every_column_per_message() -> None:
+    """Columns with one value for the whole batch travel once and are repeated by the
+    function; a column that differs anywhere travels whole."""
+    run_at = timezone.now() + timedelta(hours=1)
+    same = [EnqueueRequest(f.NOOP, (i,), channel="one", priority=7) for i in range(20)]
+    later = [EnqueueRequest(f.NOOP, (i,), channel="one", run_after=run_at) for i in range(3)]
+    delayed = [EnqueueRequest(f.NOOP, (i,), channel="one", run_after=LEASE) for i in range(3)]
+    mixed = [EnqueueRequest(f.NOOP, (i,), channel="one", priority=i - 1) for i in range(3)]
+
+    ids = [enqueue_many(batch) for batch in (same, later, delayed, mixed)]
+
+    rows = {m.id: m for m in Message.objects.select_related("channel")}
+    assert [rows[i].priority for i in ids[0]] == [7] * 20
+    assert [rows[i].payload["args"] for i in ids[0]] == [[i] for i in range(20)]
+    assert {rows[i].run_at for i in ids[1]} == {run_at}
+    assert {rows[i].state for i in ids[1] + ids[2]} == {MessageState.SCHEDULED}
+    assert [rows[i].priority for i in ids[3]] == [-1, 0, 1]
+    assert {rows[i].channel.name for i in rows} == {"one"}
+    f.assert_counters_match_table()
+
+
+@pytest.mark.django_db
+def test_enqueue_of_one_message_takes_one_statement_and_stores_what_a_batch_would() -> None:
+    f.enqueue("alice", 1)  # the channel exists
+    connection.ensure_connection()
+    run_at = timezone.now() + timedelta(minutes=3)
+    with CaptureQueriesContext(connection) as orm_queries:
+        first = enqueue(f.NOOP, 1, channel="alice", priority=5, run_after=run_at)
+        second = enqueue(f.NOOP, 2, x=[1, {"y": None}], channel="alice", run_after=LEASE)
+        third = enqueue(f.NOOP, 3, channel="bob")  # a new channel
+    assert len(orm_queries) == 0
+    one, two, three = (
+        Message.objects.select_related("channel").get(id=i) for i in (first, second, third)
+    )
+    assert (one.priority, one.run_at, one.state) == (5, run_at, MessageState.SCHEDULED)
+    assert two.payload == {"args": [2], "kwargs": {"x": [1, {"y": None}]}}
+    assert two.state == MessageState.SCHEDULED and two.run_at > timezone.now() + LEASE / 2
+    assert (three.channel.name, three.state) == ("bob", MessageState.READY)
+    f.assert_counters_match_table()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_one_message_wakes_workers_unless_a_stale_head_still_comes_first(
+    database_url: str,
+) -> None:
+    """The wake-up rule of fairqueue_enqueue_v1 (no NOTIFY when the channel's head became ready
+    over 50 ms ago and nobody took it), as enqueue() of one message applies it."""
+    listener = psycopg.connect(database_url, autocommit=True)
+    try:
+        store.listen_wakeups(listener, conf.get().NOTIFY_CHANNEL)
+
+        def notified(**kwargs: Any) -> bool:
+            enqueue(f.NOOP, 0, channel="alice", **kwargs)
+            return any(True for _ in listener.notifies(timeout=0.5, stop_after=1))
+
+        assert notified()  # an empty channel: this message is the head
+        time.sleep(0.1)  # the head is now stale
+        assert not notified()  # behind the stale head, same priority
+        assert not notified(priority=-1)
+        assert not notified(run_after=timedelta(hours=1))  # scheduled: the head stays first
+        assert notified(priority=1)  # this message is the new head, fresh
+    finally:
+        listener.close()
 
 
 @pytest.mark.django_db

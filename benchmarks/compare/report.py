@@ -59,26 +59,66 @@ def tables(doc: dict[str, Any]) -> str:
     systems = _by_name(doc)
     floor = systems.get(FLOOR)
     out = []
-    procs = sorted({c["processes"] for s in systems.values() for c in s["enqueue"]})
+    procs = sorted({c["processes"] for s in systems.values() for c in s.get("enqueue") or []})
+    if procs:
+        out += _enqueue_tables(systems, floor, procs)
+    if any(s.get("e2e") for s in systems.values()):
+        out += _e2e_tables(systems, floor)
+    if any(s.get("pickup") for s in systems.values()):
+        out.append(_pickup_table(systems))
+    if any(s.get("fairness") for s in systems.values()):
+        out.append(_fairness_table(systems))
+    if doc.get("goals"):
+        rows = [[g["goal"], g["measured"], "met" if g["met"] else "MISSED"] for g in doc["goals"]]
+        out.append(_table("Goals", ["goal", "measured", "verdict"], rows))
+    return "\n\n".join(out)
+
+
+def _enqueue_tables(
+    systems: dict[str, dict[str, Any]], floor: dict[str, Any] | None, procs: list[int]
+) -> list[str]:
+    """The rates, then each system's ratios to the floor and to the fastest of the others."""
     header = ["system"]
     for mode in ("single", "batch"):
         header += [f"{mode} x{p}" for p in procs]
-    header += ["batch vs floor"]
     rows = []
     for name, s in systems.items():
+        if not s.get("enqueue"):
+            continue
         row: list[Any] = [name]
         for mode in ("single", "batch"):
             row += [f"{r:,.0f}" if (r := _enqueue(s, mode, p)) is not None else None for p in procs]
-        top = max(procs)
-        row.append(_ratio(_enqueue(s, "batch", top), floor and _enqueue(floor, "batch", top)))
         rows.append(row)
-    out.append(
-        _table("Enqueue (jobs/s; batch = 100 jobs of one tenant per transaction)", header, rows)
-    )
+    rates = _table("Enqueue (jobs/s; batch = 100 jobs of one tenant per transaction)", header, rows)
 
     rows = []
     for name, s in systems.items():
-        for c in s["e2e"]:
+        if not s.get("enqueue") or name == FLOOR:
+            continue
+        peers = [p for n, p in systems.items() if n not in (name, FLOOR) and p.get("enqueue")]
+        for processes in procs:
+            row = [name, f"x{processes}"]
+            for mode in ("single", "batch"):
+                row.append(
+                    _ratio(_enqueue(s, mode, processes), floor and _enqueue(floor, mode, processes))
+                )
+            for mode in ("single", "batch"):
+                theirs = [r for p in peers if (r := _enqueue(p, mode, processes)) is not None]
+                row.append(_ratio(_enqueue(s, mode, processes), max(theirs, default=None)))
+            rows.append(row)
+    ratios = _table(
+        "Enqueue ratios (to the raw floor; to the fastest other system, floor aside)",
+        ["system", "procs", "single/floor", "batch/floor", "single/peer", "batch/peer"],
+        rows,
+    )
+    return [rates, ratios]
+
+
+def _e2e_tables(systems: dict[str, dict[str, Any]], floor: dict[str, Any] | None) -> list[str]:
+    out = []
+    rows = []
+    for name, s in systems.items():
+        for c in s.get("e2e") or []:
             rows.append(
                 [
                     name,
@@ -99,8 +139,10 @@ def tables(doc: dict[str, Any]) -> str:
         )
     )
     rows = []
-    floor_best = _best(floor)["rate"] if floor else None
+    floor_best = _best(floor)["rate"] if floor and floor.get("e2e") else None
     for name, s in systems.items():
+        if not s.get("e2e"):
+            continue
         b = _best(s)
         rows.append(
             [
@@ -118,7 +160,10 @@ def tables(doc: dict[str, Any]) -> str:
             rows,
         )
     )
+    return out
 
+
+def _pickup_table(systems: dict[str, dict[str, Any]]) -> str:
     rows = [
         [
             name,
@@ -131,18 +176,19 @@ def tables(doc: dict[str, Any]) -> str:
             s["wakeup"],
         ]
         for name, s in systems.items()
+        if s.get("pickup")
     ]
-    out.append(
-        _table(
-            "Pickup latency, one idle worker (ms)",
-            ["system", "p50", "p90", "p99", "max", "samples", "others", "wake-up"],
-            rows,
-        )
+    return _table(
+        "Pickup latency, one idle worker (ms)",
+        ["system", "p50", "p90", "p99", "max", "samples", "others", "wake-up"],
+        rows,
     )
 
+
+def _fairness_table(systems: dict[str, dict[str, Any]]) -> str:
     rows = []
     for name, s in systems.items():
-        for c in s["fairness"]:
+        for c in s.get("fairness") or []:
             rows.append(
                 [
                     name,
@@ -159,30 +205,24 @@ def tables(doc: dict[str, Any]) -> str:
                     _others(c),
                 ]
             )
-    out.append(
-        _table(
-            "Fairness: A's backlog, then B's burst of 10 (B's wait in ms, handler start - commit)",
-            [
-                "system",
-                "variant",
-                "A backlog",
-                "P x C",
-                "B p50",
-                "B p99",
-                "A before B",
-                "Jain",
-                "A jobs/s",
-                "rounds",
-                "note",
-                "others",
-            ],
-            rows,
-        )
+    return _table(
+        "Fairness: A's backlog, then B's burst of 10 (B's wait in ms, handler start - commit)",
+        [
+            "system",
+            "variant",
+            "A backlog",
+            "P x C",
+            "B p50",
+            "B p99",
+            "A before B",
+            "Jain",
+            "A jobs/s",
+            "rounds",
+            "note",
+            "others",
+        ],
+        rows,
     )
-    if doc.get("goals"):
-        rows = [[g["goal"], g["measured"], "met" if g["met"] else "MISSED"] for g in doc["goals"]]
-        out.append(_table("Goals (issue 7)", ["goal", "measured", "verdict"], rows))
-    return "\n\n".join(out)
 
 
 def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -191,8 +231,8 @@ def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
     if us is None:
         return []
     found = []
-    peers = {n: s for n, s in systems.items() if n not in (US, FLOOR)}
-    if peers:
+    peers = {n: s for n, s in systems.items() if n not in (US, FLOOR) and s.get("e2e")}
+    if peers and us.get("e2e"):
         name, peer = max(peers.items(), key=lambda kv: _best(kv[1])["rate"])
         ours, theirs = _best(us)["rate"], _best(peer)["rate"]
         found.append(
@@ -203,7 +243,7 @@ def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
     floor = systems.get(FLOOR)
-    if floor:
+    if floor and us.get("enqueue") and floor.get("enqueue"):
         top = max(c["processes"] for c in us["enqueue"])
         ours_b, raw_b = _enqueue(us, "batch", top), _enqueue(floor, "batch", top)
         if ours_b and raw_b:
@@ -215,7 +255,7 @@ def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
                     "met": ours_b >= 0.5 * raw_b,
                 }
             )
-    for c in us["fairness"]:
+    for c in us.get("fairness") or []:
         p99 = c["b_p99_ms"]
         found.append(
             {
@@ -229,7 +269,7 @@ def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 def plots(doc: dict[str, Any], directory: Path) -> list[Path]:
     systems = _by_name(doc)
-    written = []
+    written: list[Path] = []
     series = [
         Series(
             name,
@@ -239,24 +279,26 @@ def plots(doc: dict[str, Any], directory: Path) -> list[Path]:
             ],
         )
         for name, s in systems.items()
+        if s.get("e2e")
     ]
-    written.append(
-        line_chart(
-            Chart(
-                title="End-to-end no-op jobs, same server, same run",
-                xlabel="processes x concurrency (threads, coroutines, batch size; log)",
-                ylabel="jobs/s (log)",
-                series=series,
-                logx=True,
-                logy=True,
-            ),
-            directory / "compare-e2e.png",
+    if series:
+        written.append(
+            line_chart(
+                Chart(
+                    title="End-to-end no-op jobs, same server, same run",
+                    xlabel="processes x concurrency (threads, coroutines, batch size; log)",
+                    ylabel="jobs/s (log)",
+                    series=series,
+                    logx=True,
+                    logy=True,
+                ),
+                directory / "compare-e2e.png",
+            )
         )
-    )
     rows = [
         (f"{name} ({c['variant']})", c)
         for name, s in systems.items()
-        for c in s["fairness"]
+        for c in s.get("fairness") or []
         if c["b_p99_ms"] is not None
     ]
     labels = sorted({label for label, _ in rows})
@@ -264,18 +306,19 @@ def plots(doc: dict[str, Any], directory: Path) -> list[Path]:
         Series(label, sorted((c["a_backlog"], c["b_p99_ms"]) for lab, c in rows if lab == label))
         for label in labels
     ]
-    written.append(
-        line_chart(
-            Chart(
-                title="B's p99 wait for a burst of 10 behind A's backlog",
-                xlabel="A's backlog (jobs, log)",
-                ylabel="B's p99 wait (ms, log)",
-                series=series,
-                logx=True,
-                logy=True,
-                hline=(50.0, "goal: 50 ms"),
-            ),
-            directory / "compare-fairness.png",
+    if series:
+        written.append(
+            line_chart(
+                Chart(
+                    title="B's p99 wait for a burst of 10 behind A's backlog",
+                    xlabel="A's backlog (jobs, log)",
+                    ylabel="B's p99 wait (ms, log)",
+                    series=series,
+                    logx=True,
+                    logy=True,
+                    hline=(50.0, "goal: 50 ms"),
+                ),
+                directory / "compare-fairness.png",
+            )
         )
-    )
     return written

@@ -33,6 +33,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -54,6 +55,8 @@ from django_fairqueue.figures import jain_index, percentile
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = ("raw-sql", "django-fairqueue", "procrastinate", "pgqueuer", "django-tasks-db")
+#: What ``--scenario`` may name, in the order they run.
+SCENARIOS = ("enqueue", "e2e", "pickup", "fairness")
 DJANGO_SYSTEMS = {"django-fairqueue": "fairqueue", "django-tasks-db": "django-tasks-db"}
 MARK = "django-fairqueue benchmarks/compare database (dropped by every run)"
 SERVER_SETTINGS = (
@@ -386,7 +389,12 @@ class Watch:
         self.watch.start()
 
 
-def run_system(name: str, dsn: str, sizes: Sizes) -> dict[str, Any]:
+def run_system(
+    name: str, dsn: str, sizes: Sizes, scenarios: Sequence[str] = SCENARIOS
+) -> dict[str, Any]:
+    """Run ``scenarios`` for one system. A scenario left out is an empty list (``pickup``:
+    None) in the result, which the report skips. Fairness runs on the best end-to-end
+    configuration, or on the first one when e2e was left out."""
     system = load_system(name, dsn)
     watch = Watch(str(dsn_fields(dsn)["dbname"]))
     say(f"== {name} ({system.version})")
@@ -397,59 +405,69 @@ def run_system(name: str, dsn: str, sizes: Sizes) -> dict[str, Any]:
         "concurrency_unit": system.concurrency_unit,
         "wakeup": system.wakeup,
         "variants": list(system.variants),
+        "scenarios": [s for s in SCENARIOS if s in scenarios],
+        "enqueue": [],
+        "e2e": [],
+        "pickup": None,
+        "fairness": [],
     }
-    cells = []
-    for mode in ("single", "batch"):
-        for processes in sizes.enqueue_processes:
-            watch.start()
-            cell = watch(enqueue_cell(system, mode, processes, sizes))
-            say(f"  enqueue {mode} x{processes}: {cell['rate']:,.0f} jobs/s")
-            cells.append(cell)
-    result["enqueue"] = cells
+    if "enqueue" in scenarios:
+        cells = []
+        for mode in ("single", "batch"):
+            for processes in sizes.enqueue_processes:
+                watch.start()
+                cell = watch(enqueue_cell(system, mode, processes, sizes))
+                say(f"  enqueue {mode} x{processes}: {cell['rate']:,.0f} jobs/s")
+                cells.append(cell)
+        result["enqueue"] = cells
 
     configs = list(system.configs)
     if sizes.e2e_configs:
         configs = configs[: sizes.e2e_configs]
-    e2e = []
-    rate, capacity = sizes.e2e_first_guess, 1
-    for config in configs:
-        guess = rate * max(1.0, config.processes * config.concurrency / capacity) ** 0.5
-        backlog = int(min(sizes.e2e_max, max(sizes.e2e_min, guess * sizes.e2e_seconds)))
-        watch.start()
-        cell = watch(e2e_cell(system, config, backlog, system.variants[0]))
-        say(f"\r  e2e {config.label}: {cell['rate']:,.0f} jobs/s ({backlog:,} jobs)")
-        e2e.append(cell)
-        # the next backlog from the fastest rate measured so far (not the first guess)
-        rate = max(c["drain_rate"] for c in e2e)
-        capacity = config.processes * config.concurrency
-    best = max(e2e, key=lambda c: c["rate"])
-    for cell in e2e:
-        cell["best"] = cell is best
-    result["e2e"] = e2e
-
-    polling = system.wakeup.startswith("polling")
-    samples = sizes.pickup_poll_samples if polling else sizes.pickup_samples
-    watch.start()
-    result["pickup"] = watch(pickup_cell(system, samples))
-    say(f"\r  pickup: p50 {result['pickup']['p50_ms']} ms, p99 {result['pickup']['p99_ms']} ms")
-
-    fairness = []
-    best_config = WorkerConfig(best["processes"], best["concurrency"], best.get("prefetch", 0))
-    backlogs = sizes.fairness_backlogs if name == "django-fairqueue" else sizes.peer_backlogs
-    for variant in system.variants:
-        for backlog in backlogs:
+    best_config = configs[0]
+    if "e2e" in scenarios:
+        e2e = []
+        rate, capacity = sizes.e2e_first_guess, 1
+        for config in configs:
+            guess = rate * max(1.0, config.processes * config.concurrency / capacity) ** 0.5
+            backlog = int(min(sizes.e2e_max, max(sizes.e2e_min, guess * sizes.e2e_seconds)))
             watch.start()
-            try:
-                cell = watch(fairness_cell(system, variant, backlog, best_config, sizes))
-            except BenchError as exc:
-                say(f"\r  fairness {variant} A={backlog:,} failed: {exc}")
-                continue
-            say(
-                f"\r  fairness {variant} A={backlog:,}: B p50 {cell['b_p50_ms']} ms, "
-                f"p99 {cell['b_p99_ms']} ms, Jain {cell['jain_min']}"
-            )
-            fairness.append(cell)
-    result["fairness"] = fairness
+            cell = watch(e2e_cell(system, config, backlog, system.variants[0]))
+            say(f"\r  e2e {config.label}: {cell['rate']:,.0f} jobs/s ({backlog:,} jobs)")
+            e2e.append(cell)
+            # the next backlog from the fastest rate measured so far (not the first guess)
+            rate = max(c["drain_rate"] for c in e2e)
+            capacity = config.processes * config.concurrency
+        best = max(e2e, key=lambda c: c["rate"])
+        for cell in e2e:
+            cell["best"] = cell is best
+        result["e2e"] = e2e
+        best_config = WorkerConfig(best["processes"], best["concurrency"], best.get("prefetch", 0))
+
+    if "pickup" in scenarios:
+        polling = system.wakeup.startswith("polling")
+        samples = sizes.pickup_poll_samples if polling else sizes.pickup_samples
+        watch.start()
+        result["pickup"] = watch(pickup_cell(system, samples))
+        say(f"\r  pickup: p50 {result['pickup']['p50_ms']} ms, p99 {result['pickup']['p99_ms']} ms")
+
+    if "fairness" in scenarios:
+        fairness = []
+        backlogs = sizes.fairness_backlogs if name == "django-fairqueue" else sizes.peer_backlogs
+        for variant in system.variants:
+            for backlog in backlogs:
+                watch.start()
+                try:
+                    cell = watch(fairness_cell(system, variant, backlog, best_config, sizes))
+                except BenchError as exc:
+                    say(f"\r  fairness {variant} A={backlog:,} failed: {exc}")
+                    continue
+                say(
+                    f"\r  fairness {variant} A={backlog:,}: B p50 {cell['b_p50_ms']} ms, "
+                    f"p99 {cell['b_p99_ms']} ms, Jain {cell['jain_min']}"
+                )
+                fairness.append(cell)
+        result["fairness"] = fairness
     system.close()
     return result
 
@@ -519,12 +537,19 @@ def describe(server: str) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; ``scenarios`` is the ``--scenario`` choices in running order."""
     parser = argparse.ArgumentParser(prog="compare", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--system", action="append", choices=SYSTEMS, help="repeatable; default all"
     )
     parser.add_argument("--sizes", choices=list(PRESETS), default="full")
+    parser.add_argument(
+        "--scenario",
+        action="append",
+        choices=SCENARIOS,
+        help="repeatable; default all (the enqueue cells alone take about a minute)",
+    )
     parser.add_argument("--json", help="default: docs/bench/compare-<date>.json")
     parser.add_argument("--plots", metavar="DIR", help="write compare-*.png plots there")
     parser.add_argument("--keep", action="store_true", help="keep the databases")
@@ -532,10 +557,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dsn", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.scenarios = [s for s in SCENARIOS if s in (args.scenario or SCENARIOS)]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     sizes = PRESETS[args.sizes]
+    scenarios = args.scenarios
 
     if args.one:
-        result = run_system(args.one, args.dsn, sizes)
+        result = run_system(args.one, args.dsn, sizes, scenarios)
         Path(args.out).write_text(json.dumps(result, indent=1))
         return 0
 
@@ -545,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = describe(server)
     meta["sizes"] = asdict(sizes)
+    meta["scenarios"] = scenarios
     say(f"compare: server {dsn_url(server)}, load {meta['load_average_before'][0]:.2f}")
     results = []
     began = time.monotonic()
@@ -560,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
                     "benchmarks.compare.run",
                     "--sizes",
                     args.sizes,
+                    *(a for s in scenarios for a in ("--scenario", s)),
                     "--one",
                     name,
                     "--dsn",

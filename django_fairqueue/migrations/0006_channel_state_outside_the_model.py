@@ -9,7 +9,8 @@
   bound is checked when the enqueuing transaction commits, by a deferred constraint trigger).
 * The functions are installed again from this migration's own copies (``sql/0006_*.sql``):
   ``fairqueue_enqueue_v1`` takes two more arguments with defaults (its old signature is dropped
-  first, as 0004 did for the claim); the other changes keep their signatures.
+  first, as 0004 did for the claim); ``fairqueue_enqueue_one_v1`` is new (one message, the
+  call ``enqueue()`` makes); the other changes keep their signatures.
 """
 
 from django.db import migrations, models
@@ -68,6 +69,8 @@ DROP FUNCTION IF EXISTS fairqueue_verify_channels_v1(bigint[]);
 DROP FUNCTION IF EXISTS fairqueue_repair_channels_v1(bigint[]);
 DROP FUNCTION IF EXISTS fairqueue_verify_orphans_v1();
 DROP FUNCTION IF EXISTS fairqueue_repair_orphans_v1();
+DROP FUNCTION IF EXISTS fairqueue_enqueue_one_v1(text, text, jsonb, smallint, timestamptz, integer,
+    boolean, integer, interval, integer, integer, text, interval, boolean);
 DROP FUNCTION IF EXISTS fairqueue_enqueue_v1(text[], text[], jsonb[], smallint[], timestamptz[],
     integer[], boolean[], integer, interval, integer, integer, text, interval[], boolean);
 """

@@ -24,6 +24,17 @@ SELECT id FROM fairqueue_enqueue_v1(
     %(create)b::boolean
 ) AS id;
 
+-- name: enqueue_message
+-- Insert one message (creating its channel on first use) in one round trip: enqueue_messages for one.
+-- Scalar arguments, bound in binary: nothing to build per call but the values themselves.
+SELECT fairqueue_enqueue_one_v1(
+    %(channel)b::text, %(task)b::text, %(payload)b::text::jsonb, %(priority)b::smallint,
+    %(run_at)b::timestamptz, %(max_attempts)b::integer, %(keep_result)b::boolean,
+    %(default_max_concurrency)b::integer, %(default_release_interval)b::interval,
+    %(default_weight)b::integer, %(default_max_backlog)b::integer, %(notify_channel)b::text,
+    %(delay)b::interval, %(create)b::boolean
+) AS id;
+
 -- name: create_channels
 -- Create the named channels that do not exist (in name order), on a connection of its own, committed at once.
 -- The lock timeout bounds the wait for a name another transaction is creating right now.

@@ -769,6 +769,9 @@ $$;
 -- (a REPEATABLE READ snapshot cannot see the enqueues committed meanwhile): at any other
 -- isolation level a batch for a bounded channel raises SQLSTATE FQ002.
 -- Returns the new message ids in input order.
+-- One message per element of p_payloads; every other per-message array may instead have one
+-- element, which then holds for every message (a batch of one channel and one task sends its
+-- channel, task, priority, ... once instead of once per message).
 CREATE OR REPLACE FUNCTION fairqueue_enqueue_v1(
     p_channels text[],
     p_tasks text[],
@@ -794,9 +797,36 @@ DECLARE
     v_bounded bigint[];
     v_want bigint[];
     v_found integer;
+    v_n integer := cardinality(p_payloads);
 BEGIN
-    SELECT array_agg(x.n ORDER BY x.n) INTO v_names
-    FROM (SELECT DISTINCT n FROM unnest(p_channels) AS n) x;
+    IF v_n > 1 THEN  -- one element for all messages: as many copies as there are messages
+        IF cardinality(p_channels) = 1 THEN
+            v_names := p_channels;
+            p_channels := array_fill(p_channels[1], ARRAY[v_n]);
+        END IF;
+        IF cardinality(p_tasks) = 1 THEN
+            p_tasks := array_fill(p_tasks[1], ARRAY[v_n]);
+        END IF;
+        IF cardinality(p_priorities) = 1 THEN
+            p_priorities := array_fill(p_priorities[1], ARRAY[v_n]);
+        END IF;
+        IF cardinality(p_run_at) = 1 THEN
+            p_run_at := array_fill(p_run_at[1], ARRAY[v_n]);
+        END IF;
+        IF cardinality(p_max_attempts) = 1 THEN
+            p_max_attempts := array_fill(p_max_attempts[1], ARRAY[v_n]);
+        END IF;
+        IF cardinality(p_keep_result) = 1 THEN
+            p_keep_result := array_fill(p_keep_result[1], ARRAY[v_n]);
+        END IF;
+        IF cardinality(p_delay) = 1 THEN
+            p_delay := array_fill(p_delay[1], ARRAY[v_n]);
+        END IF;
+    END IF;
+    IF v_names IS NULL THEN
+        SELECT array_agg(x.n ORDER BY x.n) INTO v_names
+        FROM (SELECT DISTINCT n FROM unnest(p_channels) AS n) x;
+    END IF;
     -- Hold the names against deletion (see fairqueue_channel_lock_key_v1) before resolving
     -- them, so the statements below see any deletion that committed first.
     PERFORM pg_advisory_xact_lock_shared(fairqueue_channel_lock_key_v1(), hashtext(n))
@@ -923,6 +953,99 @@ BEGIN
     ) THEN
         PERFORM pg_notify(p_notify_channel, '');
     END IF;
+END;
+$$;
+
+
+-- Enqueue one message: what fairqueue_enqueue_v1 does for a batch of one, in fewer statements
+-- (a view's enqueue() is the call made most). Scalar arguments, as fairqueue_enqueue_v1's
+-- arrays' elements. An existing channel without max_backlog takes the fast path: the name
+-- lock (the same shared lock, taken first, in a statement of its own, so the next statement's
+-- snapshot sees any deletion that committed before it), then one statement that resolves the
+-- name, reads the channel's head for the wake-up decision and inserts the message and its
+-- delta. A missing or bounded channel goes through fairqueue_enqueue_v1 (channel creation, the
+-- at-once and at-commit bounds); returns NULL where it returns no rows (p_create false).
+-- The head is read before the insert, in the same statement: the message does not notify when
+-- that head became ready over 50 ms ago and still comes first after the insert (same or
+-- higher priority, or this message is scheduled), exactly when fairqueue_enqueue_v1's probe
+-- after the insert would find that stale head.
+CREATE OR REPLACE FUNCTION fairqueue_enqueue_one_v1(
+    p_channel text,
+    p_task text,
+    p_payload jsonb,
+    p_priority smallint,
+    p_run_at timestamptz,
+    p_max_attempts integer,
+    p_keep_result boolean,
+    p_default_max_concurrency integer,
+    p_default_release_interval interval,
+    p_default_weight integer,
+    p_default_max_backlog integer,
+    p_notify_channel text,
+    p_delay interval DEFAULT NULL,
+    p_create boolean DEFAULT true
+)
+RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_run_at timestamptz := coalesce(p_run_at, v_now + p_delay, v_now);
+    v_key integer := hashtext(p_channel);
+    v_id bigint;
+    v_quiet boolean;
+BEGIN
+    -- (An expression, not PERFORM: PL/pgSQL evaluates it without starting an executor. The
+    -- lock is the one fairqueue_enqueue_v1 takes; it waits only while a deletion holds it.)
+    IF NOT pg_try_advisory_xact_lock_shared(fairqueue_channel_lock_key_v1(), v_key) THEN
+        PERFORM pg_advisory_xact_lock_shared(fairqueue_channel_lock_key_v1(), v_key);
+    END IF;
+    WITH ch AS (
+        SELECT c.id
+        FROM fairqueue_channel c
+        WHERE c.name = p_channel AND c.max_backlog IS NULL
+    ), head AS (
+        SELECT m.priority, greatest(m.run_at, m.enqueued_at) AS since
+        FROM fairqueue_message m
+        WHERE m.channel_id = (SELECT ch.id FROM ch) AND m.state = 'ready'
+        ORDER BY m.priority DESC, m.id
+        LIMIT 1
+    ), inserted AS (
+        INSERT INTO fairqueue_message (
+            channel_id, task_name, payload, priority, state, run_at, enqueued_at, attempts,
+            max_attempts, keep_result, worker_id
+        )
+        SELECT ch.id, p_task, p_payload, p_priority,
+               CASE WHEN v_run_at > v_now THEN 'scheduled' ELSE 'ready' END,
+               v_run_at, v_now, 0, p_max_attempts, p_keep_result, ''
+        FROM ch
+        RETURNING fairqueue_message.id, fairqueue_message.channel_id
+    ), delta AS (
+        INSERT INTO fairqueue_channel_delta (
+            channel_id, ready, scheduled, running, failed, succeeded, backlog_check
+        )
+        SELECT inserted.channel_id, (v_run_at <= v_now)::integer, (v_run_at > v_now)::integer,
+               0, 0, 0, false
+        FROM inserted
+    )
+    SELECT inserted.id,
+           EXISTS (SELECT FROM head
+                   WHERE head.since < v_now - interval '50 milliseconds'
+                     AND (head.priority >= p_priority OR v_run_at > v_now))
+    INTO v_id, v_quiet
+    FROM inserted;
+    IF v_id IS NULL THEN  -- a missing or bounded channel: nothing was inserted
+        SELECT e.id INTO v_id
+        FROM fairqueue_enqueue_v1(
+            ARRAY[p_channel], ARRAY[p_task], ARRAY[p_payload], ARRAY[p_priority],
+            ARRAY[p_run_at], ARRAY[p_max_attempts], ARRAY[p_keep_result],
+            p_default_max_concurrency, p_default_release_interval, p_default_weight,
+            p_default_max_backlog, p_notify_channel, ARRAY[p_delay], p_create) AS e(id);
+        RETURN v_id;
+    END IF;
+    IF p_notify_channel IS NOT NULL AND NOT v_quiet THEN
+        PERFORM pg_notify(p_notify_channel, '');
+    END IF;
+    RETURN v_id;
 END;
 $$;
 
