@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import json
 import logging
 import os
 import queue
@@ -62,13 +61,18 @@ from django_fairqueue._runtime import (
 )
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.context import current_message
-from django_fairqueue.exceptions import FairQueueError, PayloadError, UnknownTask
+from django_fairqueue.exceptions import (
+    FairQueueError,
+    PayloadError,
+    ResultNotStorable,
+    UnknownTask,
+)
 from django_fairqueue.maintenance import MaintenanceRunner, Service, default_services
 from django_fairqueue.models import Message
 from django_fairqueue.signals import message_finished, message_started
 from django_fairqueue.stats import StatsRecorder
 from django_fairqueue.store import ClaimedMessage
-from django_fairqueue.tasks import TaskSpec, registry
+from django_fairqueue.tasks import TaskSpec, check_result, registry
 
 logger = logging.getLogger("django_fairqueue.worker")
 
@@ -276,18 +280,6 @@ def error_info(
         "attempt": attempt,
         "worker": worker_id,
     }
-
-
-def _check_result(result: Any) -> None:
-    """Raise ValueError/TypeError unless ``result`` can be stored as jsonb."""
-    text = json.dumps(result, allow_nan=False, ensure_ascii=False)
-    if "\\u0000" in text:
-        raise ValueError("it contains a NUL character")
-    text.encode("utf-8")  # lone surrogates: UnicodeEncodeError (a ValueError)
-
-
-class _ResultNotStorable(FairQueueError, TypeError):
-    """A task's return value cannot be stored as JSON."""
 
 
 def _claim_observer() -> Callable[[float], None] | None:
@@ -821,14 +813,8 @@ class Worker:
                 else:
                     result = spec.func(*args, **kwargs)
             if message.keep_result:
-                try:
-                    _check_result(result)
-                except (TypeError, ValueError) as exc:
-                    raise _ResultNotStorable(
-                        f"the return value of {message.task_name} cannot be stored as JSON "
-                        f"({exc}); the task ran, and is not retried"
-                    ) from exc
-        except _ResultNotStorable as exc:
+                check_result(message.task_name, result)
+        except ResultNotStorable as exc:  # the task ran: running it again repeats its effects
             outcome = self._failed(message, spec, exc, started, retry=False)
         except (Exception, SystemExit) as exc:
             outcome = self._failed(message, spec, exc, started, retry=True)

@@ -51,6 +51,15 @@ def once_raises() -> None:
 
 @task(name="tests.worker.unstorable", keep_result=True)
 def unstorable(kind: str) -> Any:
+    if kind == "deep":  # deeper than JSON encoding can recurse
+        deep: list[Any] = []
+        for _ in range(100_000):
+            deep = [deep]
+        return deep
+    if kind == "circular":
+        loop: list[Any] = []
+        loop.append(loop)
+        return loop
     return {"set": {1, 2}, "nan": float("nan"), "nul": "a\x00b"}[kind]
 
 
@@ -278,13 +287,27 @@ def test_at_most_once_fails_without_retry_and_a_lost_lease_dead_letters_it() -> 
 
 
 @pytest.mark.django_db
-@pytest.mark.parametrize("kind", ["set", "nan", "nul"])
-def test_a_result_that_cannot_be_stored_fails_the_message_without_retry(kind: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "why"),
+    [
+        ("set", "(set) cannot be stored as JSON: Object of type set is not JSON serializable"),
+        ("nan", "(float) cannot be stored as JSON: Out of range float values are not JSON"),
+        ("nul", "(str) cannot be stored as JSON: it contains a NUL character"),
+        ("deep", "(list) cannot be stored as JSON: it is nested too deeply"),
+        ("circular", "(list) cannot be stored as JSON: Circular reference detected"),
+    ],
+)
+def test_a_result_that_cannot_be_stored_fails_the_message_without_retry(
+    kind: str, why: str
+) -> None:
     mid = unstorable.enqueue(kind, channel="alice")
     assert drain() == 1
     row = message(mid)
     assert (row.state, row.attempts) == (MessageState.FAILED, 1)
-    assert "cannot be stored as JSON" in row.last_error["message"]
+    assert row.last_error["type"] == "django_fairqueue.exceptions.ResultNotStorable"
+    text = row.last_error["message"]
+    assert text.startswith(f"the return value of tests.worker.unstorable {why}"), text
+    assert text.endswith("; the task ran, and is not retried"), text
 
 
 @pytest.mark.django_db
