@@ -98,6 +98,16 @@ GATHER_SECONDS = 0.005
 MAX_ERROR_MESSAGE = 8_000
 MAX_TRACEBACK = 32_000
 
+#: The clock leases are estimated with: monotonic, and on Linux counting time suspended too (a
+#: machine that slept past a lease must see it expired). Never compared with the database's
+#: clock: a lease's local deadline is this clock when the statement that set the lease was
+#: sent, plus the lease (the database's expiry minus its time of that statement).
+_lease_clock: Callable[[], float] = (
+    functools.partial(time.clock_gettime, time.CLOCK_BOOTTIME)
+    if hasattr(time, "CLOCK_BOOTTIME")
+    else time.monotonic
+)
+
 OutcomeKind = Literal["succeeded", "retry", "failed", "released"]
 _STATS_OUTCOME: dict[str, Literal["succeeded", "failed", "retried"]] = {
     "succeeded": "succeeded",
@@ -346,6 +356,9 @@ class Worker:
         self._half_batch = max(1, min(self.config.batch_size, self._capacity) // 2)
         self._unsettled: dict[int, ClaimedMessage] = {}  # claimed, not yet written back
         self._lost: set[int] = set()  # unsettled, but a heartbeat found the lease gone
+        # unsettled (or in a run_once pass): when the lease expires at the latest, on
+        # _lease_clock (the claim or the last renewal, sent at that time, plus the lease)
+        self._lease_deadlines: dict[int, float] = {}
         self._busy = 0  # handed to handler threads, not finished
         self._claimed = 0  # claimed and not given back (max_messages counts these)
         self._handled = 0  # settled: succeeded, retried or failed
@@ -448,6 +461,8 @@ class Worker:
         for message in messages:
             if self._release_unstarted:
                 outcomes.append(Outcome(message, "released"))
+            elif self._lease_gone(message):
+                self._drop(message)  # an earlier message of the pass outlasted the lease
             else:
                 outcomes.append(self.execute(message, savepoint=in_atomic))
         handled = sum(o.kind != "released" for o in outcomes)
@@ -691,6 +706,7 @@ class Worker:
         if only == []:
             return []  # none of the channels exists yet
         started = time.monotonic()
+        sent = _lease_clock()  # the claim's database time is later than this
         messages = store.claim_messages(
             limit,
             lease=self.lease,
@@ -700,15 +716,19 @@ class Worker:
         )
         if self._observe_claim is not None:
             self._observe_claim(time.monotonic() - started)
-        if not (self.config.channels or self.config.exclude_channels):
-            return messages
-        # A channel deleted and re-created under a filtered name has a new id: a claim made
-        # with stale ids may return it. Give such messages back untouched and re-resolve.
-        wrong = [m for m in messages if not self._channel_allowed(m.channel)]
-        if wrong:
-            store.release_messages([(m.id, m.lease_token) for m in wrong])
-            self._filters_resolved_at = -float("inf")
-            messages = [m for m in messages if self._channel_allowed(m.channel)]
+        if self.config.channels or self.config.exclude_channels:
+            # A channel deleted and re-created under a filtered name has a new id: a claim made
+            # with stale ids may return it. Give such messages back untouched and re-resolve.
+            wrong = [m for m in messages if not self._channel_allowed(m.channel)]
+            if wrong:
+                store.release_messages([(m.id, m.lease_token) for m in wrong])
+                self._filters_resolved_at = -float("inf")
+                messages = [m for m in messages if self._channel_allowed(m.channel)]
+        if messages:
+            deadline = sent + self.lease.total_seconds()
+            with self._cond:
+                for message in messages:
+                    self._lease_deadlines[message.id] = deadline
         return messages
 
     def _channel_allowed(self, name: str) -> bool:
@@ -740,8 +760,12 @@ class Worker:
             message = self._work.get()
             if message is None:
                 return
+            outcome: Outcome | None
             if self._release_unstarted:
                 outcome = Outcome(message, "released")
+            elif self._lease_gone(message):
+                self._drop(message)
+                outcome = None
             else:
                 # Like a request: connections past CONN_MAX_AGE or broken are replaced.
                 if has_connections:
@@ -760,16 +784,46 @@ class Worker:
                         has_connections = True
                         _end_open_transactions(message)
                         _close_old_connections()
-            self._outcomes.put(outcome)
+            if outcome is not None:
+                self._outcomes.put(outcome)
             with self._cond:
                 self._busy -= 1
-                if outcome.kind == "released":
-                    self._claimed -= 1
+                if outcome is None or outcome.kind == "released":
+                    self._claimed -= 1  # not run: max_messages does not count it
                 # Wake the claimer only when a claim can become due: the first free slot,
                 # half a batch free (it may be gathering), or nothing running (shutdown).
                 free = self._capacity - self._busy
                 if free == 1 or free == self._half_batch or self._busy == 0:
                     self._cond.notify_all()
+
+    def _lease_gone(self, message: ClaimedMessage) -> bool:
+        """Whether the lease of a message not started yet is known lost (a heartbeat found it
+        gone) or expired by this process's clock: a worker that was frozen (SIGSTOP, a VM
+        pause), or whose heartbeats could not reach the database, must not start what another
+        worker may be running by now."""
+        # Single lookups, safe without the lock (the GIL, or the objects' own locks): a
+        # renewal racing with this check can only make it drop a message sooner.
+        if message.id in self._lost:
+            return True
+        deadline = self._lease_deadlines.get(message.id)
+        return deadline is not None and _lease_clock() >= deadline
+
+    def _drop(self, message: ClaimedMessage) -> None:
+        """Forget a claimed message without running it or writing anything, as a worker that
+        died holding it would: the rescuer requeues it once its lease has expired (or did
+        already, and another worker may hold it now). Heartbeats stop renewing it."""
+        with self._cond:
+            self._unsettled.pop(message.id, None)
+            self._lost.discard(message.id)
+            self._lease_deadlines.pop(message.id, None)
+        logger.warning(
+            "not starting message %s (%s, channel %r): its lease expired or was lost while it "
+            "waited for a handler thread; the rescuer requeues it",
+            message.id,
+            message.task_name,
+            message.channel,
+            extra=_log_extra(message, worker_id=self.worker_id, outcome="lease_lost"),
+        )
 
     def execute(self, message: ClaimedMessage, *, savepoint: bool = False) -> Outcome:
         """Run one claimed message's task here and now; returns what to write back.
@@ -1043,6 +1097,7 @@ class Worker:
             for outcome in group:
                 self._unsettled.pop(outcome.message.id, None)
                 self._lost.discard(outcome.message.id)
+                self._lease_deadlines.pop(outcome.message.id, None)
             if verb != "release":
                 self._handled += len(group)
             if written and verb != "release" and not self._more:
@@ -1100,7 +1155,14 @@ class Worker:
             try:
                 for start in range(0, len(leases), HEARTBEAT_BATCH):
                     chunk = leases[start : start + HEARTBEAT_BATCH]
-                    owned |= store.heartbeat_messages(chunk, lease=self.lease)
+                    sent = _lease_clock()  # the renewal's database time is later than this
+                    renewed = store.heartbeat_messages(chunk, lease=self.lease)
+                    owned |= renewed
+                    deadline = sent + self.lease.total_seconds()
+                    with self._cond:
+                        for message_id in renewed:
+                            if message_id in self._lease_deadlines:
+                                self._lease_deadlines[message_id] = deadline
             except CONNECTION_ERRORS as exc:
                 what = after_database_error(exc)
                 wait = min(backoff.next(), interval)
