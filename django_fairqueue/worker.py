@@ -93,6 +93,11 @@ WOKEN_CLAIM_RETRIES = 5
 #: instead of claiming for each slot as it frees: one claim costs about as much for 1 message
 #: as for 50, so short tasks would otherwise spend the database on tiny claims.
 GATHER_SECONDS = 0.005
+#: A burst worker is done once nothing is ready and nothing is due within this many seconds:
+#: it waits for a rate-limited channel's next turn, and for retries and delayed messages due
+#: that soon, rather than leave them behind (``WorkerConfig.burst_horizon``).
+BURST_HORIZON = 5.0
+MAX_BURST_HORIZON = 86_400.0
 #: Longest error message and traceback kept in ``last_error`` (characters). The traceback keeps
 #: its end, where the exception was raised.
 MAX_ERROR_MESSAGE = 8_000
@@ -146,8 +151,12 @@ class WorkerConfig:
     prefetch: int = 0
     #: Seconds between claims when no wake-up arrives; None: FAIRQUEUE['POLL_INTERVAL'].
     poll_interval: float | None = None
-    #: Stop once nothing is ready and nothing is running.
+    #: Stop once nothing is ready, nothing is running and nothing is due within
+    #: ``burst_horizon`` seconds.
     burst: bool = False
+    #: In burst mode, work due within this many seconds is waited for: a rate-limited
+    #: channel's next turn (it has ready messages), a retry or a delayed message. 0: none.
+    burst_horizon: float = BURST_HORIZON
     #: Stop after claiming this many messages (and finishing them).
     max_messages: int | None = None
     worker_id: str = field(default_factory=default_worker_id)
@@ -171,6 +180,11 @@ class WorkerConfig:
             raise ValueError(f"poll_interval must be > 0 seconds, got {self.poll_interval!r}")
         if self.lease is not None and self.lease <= timedelta(0):
             raise ValueError(f"lease must be positive, got {self.lease}")
+        if not 0 <= self.burst_horizon <= MAX_BURST_HORIZON:
+            raise ValueError(
+                f"burst_horizon must be 0 to {MAX_BURST_HORIZON:g} seconds, "
+                f"got {self.burst_horizon!r}"
+            )
         if not self.shutdown_grace >= 0:
             raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace!r}")
         if not self.worker_id.strip():
@@ -589,7 +603,9 @@ class Worker:
                 self._stats.record_claimed(messages, messages[0].lease_expires_at - self.lease)
             self._dispatch(messages, limit)
             if drained:
-                logger.info("burst: nothing left to claim")
+                logger.info(
+                    "burst: nothing left to claim, nor due within %gs", self.config.burst_horizon
+                )
                 return
 
     def _after_empty_claim(self) -> bool:
@@ -625,6 +641,17 @@ class Worker:
         if store.select_claimable_exists(only_channel_ids=only, exclude_channel_ids=exclude):
             self._retry_claim_in(random.uniform(0.01, 0.05))  # others hold it right now
             return False
+        horizon = self.config.burst_horizon
+        if horizon > 0:
+            # Not done while work is due soon: a rate-limited channel's next turn, a retry or
+            # a delayed message. The database tells how far off it is on its own clock.
+            due_in = store.select_next_due(
+                timedelta(seconds=horizon), only_channel_ids=only, exclude_channel_ids=exclude
+            )
+            if due_in is not None:
+                logger.debug("burst: work due in %.3fs; waiting for it", due_in)
+                self._retry_claim_in(max(due_in, 0.0) + random.uniform(0.002, 0.01))
+                return False
         return True
 
     def _retry_claim_in(self, seconds: float) -> None:
