@@ -61,7 +61,7 @@ from django_fairqueue._tasks_compat import (
 )
 from django_fairqueue.context import current_message
 from django_fairqueue.exceptions import InvalidChannel, UnknownTask
-from django_fairqueue.tasks import TaskSpec, registry
+from django_fairqueue.tasks import TaskSpec, check_result, registry, result_not_storable
 
 if TYPE_CHECKING:
     from django_fairqueue.models import Message
@@ -161,8 +161,7 @@ class _TaskRunner:
                 value = task.call(TaskContext(task_result=running), *args, **kwargs)
             else:
                 value = task.call(*args, **kwargs)
-            # Django's contract: return values are JSON, normalised (tuples become lists).
-            value = normalize_json(value)
+            value = _normalized(task, value)
         except (Exception, SystemExit) as exc:  # what the worker counts as a failed attempt
             failed = _replace_result(
                 running,
@@ -184,6 +183,21 @@ class _TaskRunner:
 
     def __repr__(self) -> str:
         return f"<django.tasks runner for {self.task.module_path}>"
+
+
+def _normalized(task: Task[..., Any], value: Any) -> Any:
+    """The return value as Django's contract has it: JSON, normalised (tuples become lists).
+
+    A value that is not JSON, or that jsonb cannot store (NaN, a NUL character), raises
+    :class:`ResultNotStorable`: the attempt fails and is not retried, since the task ran (as
+    Django's own backends fail a task whose return value is not JSON, after its one run).
+    """
+    try:
+        value = normalize_json(value)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise result_not_storable(task.module_path, value, exc) from exc
+    check_result(task.module_path, value)
+    return value
 
 
 def _send_finished(sender: type[Any], result: TaskResult[..., Any]) -> None:

@@ -38,6 +38,7 @@ from django.db import connections, transaction
 from django_fairqueue import conf, store
 from django_fairqueue.exceptions import FairQueueError, LeaseLost
 from django_fairqueue.store import ClaimedMessage
+from django_fairqueue.tasks import check_result
 
 __all__ = ["Batch", "TransactionRequired", "batch"]
 
@@ -73,9 +74,16 @@ class Batch:
         return bool(self.messages)
 
     def complete(self, message: ClaimedMessage, result: Any = None) -> None:
-        """Complete ``message`` with ``result`` (JSON; stored only if it keeps results)."""
+        """Complete ``message`` with ``result`` (JSON; stored only if it keeps results).
+
+        A result to be stored that JSON cannot hold raises
+        :class:`~django_fairqueue.exceptions.ResultNotStorable` (a ``TypeError``) here, and
+        the message stays undecided: :meth:`fail` it instead.
+        """
         self._decide(message)
-        self._results[message.id] = result
+        if message.keep_result:
+            check_result(message.task_name, result)
+        self._results[message.id] = result if message.keep_result else None
 
     def fail(
         self, message: ClaimedMessage, error: BaseException, *, retry_in: timedelta | None = None

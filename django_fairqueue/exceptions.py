@@ -74,5 +74,10 @@ class PayloadError(FairQueueError, TypeError):
     """Task arguments that cannot be stored as JSON (or are too large / too deep)."""
 
 
+class ResultNotStorable(FairQueueError, TypeError):
+    """A task's return value cannot be stored as a JSON result. The task ran: the attempt
+    fails, and is not retried (running the task again would repeat its effects)."""
+
+
 class LeaseLost(FairQueueError):
     """The worker no longer holds the lease of a message (or work batch) it was running."""

@@ -939,6 +939,25 @@ def select_claimable_exists(
     return bool(_run("select_claimable_exists", params, using)[0][0])
 
 
+def select_next_due(
+    horizon: timedelta,
+    *,
+    only_channel_ids: Sequence[int] | None = None,
+    exclude_channel_ids: Sequence[int] | None = None,
+    using: str | None = None,
+) -> float | None:
+    """Seconds until a claim with these channel filters could take a message that none can take
+    now (a rate-limited channel's next turn, a scheduled message's run_at), if within
+    ``horizon``; None if nothing is due by then. Negative when it is due already. No locks."""
+    params = {
+        "horizon": horizon,
+        "only": list(only_channel_ids) if only_channel_ids is not None else None,
+        "exclude": list(exclude_channel_ids) if exclude_channel_ids is not None else None,
+    }
+    due_in = _run("select_next_due", params, using)[0][0]
+    return None if due_in is None else float(due_in)
+
+
 # --------------------------------------------------------------------------------------------
 # Work batches (django_fairqueue.batches)
 

@@ -7,6 +7,7 @@ project configures (each installed app's ``tasks`` module and ``FAIRQUEUE['TASK_
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from datetime import datetime
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 from django_fairqueue import conf
-from django_fairqueue.exceptions import UnknownTask
+from django_fairqueue.exceptions import ResultNotStorable, UnknownTask
 from django_fairqueue.models import TASK_NAME_MAX_LENGTH
 
 P = ParamSpec("P")
@@ -51,6 +52,30 @@ class TaskSpec:
         if self.keep_result is None:
             return conf.get().KEEP_RESULTS
         return self.keep_result
+
+
+def check_result(task_name: str, value: Any) -> None:
+    """Raise :class:`ResultNotStorable` unless ``value`` can be stored as a message's result
+    (jsonb): JSON without NaN or infinities, NUL characters or lone surrogates, not nested
+    deeper than the encoder recurses."""
+    try:
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False)
+        if "\\u0000" in text:
+            raise ValueError("it contains a NUL character")
+        text.encode("utf-8")  # lone surrogates: UnicodeEncodeError (a ValueError)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise result_not_storable(task_name, value, exc) from exc
+
+
+def result_not_storable(task_name: str, value: Any, exc: BaseException) -> ResultNotStorable:
+    """The error of a return value that JSON cannot hold: the value's type, and why."""
+    kind = type(value)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else str(kind)
+    why = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+    return ResultNotStorable(
+        f"the return value of {task_name} ({name}) cannot be stored as JSON: {why}; "
+        "the task ran, and is not retried"
+    )
 
 
 class Registry:

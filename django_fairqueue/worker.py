@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import json
 import logging
 import os
 import queue
@@ -62,14 +61,19 @@ from django_fairqueue._runtime import (
 )
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.context import current_message
-from django_fairqueue.exceptions import FairQueueError, PayloadError, UnknownTask
+from django_fairqueue.exceptions import (
+    FairQueueError,
+    PayloadError,
+    ResultNotStorable,
+    UnknownTask,
+)
 from django_fairqueue.maintenance import MaintenanceRunner, Service, default_services
 from django_fairqueue.models import Message
 from django_fairqueue.registry import Beat, Registration, wall_clock
 from django_fairqueue.signals import message_finished, message_started
 from django_fairqueue.stats import StatsRecorder
 from django_fairqueue.store import ClaimedMessage
-from django_fairqueue.tasks import TaskSpec, registry
+from django_fairqueue.tasks import TaskSpec, check_result, registry
 
 logger = logging.getLogger("django_fairqueue.worker")
 
@@ -90,10 +94,25 @@ WOKEN_CLAIM_RETRIES = 5
 #: instead of claiming for each slot as it frees: one claim costs about as much for 1 message
 #: as for 50, so short tasks would otherwise spend the database on tiny claims.
 GATHER_SECONDS = 0.005
+#: A burst worker is done once nothing is ready and nothing is due within this many seconds:
+#: it waits for a rate-limited channel's next turn, and for retries and delayed messages due
+#: that soon, rather than leave them behind (``WorkerConfig.burst_horizon``).
+BURST_HORIZON = 5.0
+MAX_BURST_HORIZON = 86_400.0
 #: Longest error message and traceback kept in ``last_error`` (characters). The traceback keeps
 #: its end, where the exception was raised.
 MAX_ERROR_MESSAGE = 8_000
 MAX_TRACEBACK = 32_000
+
+#: The clock leases are estimated with: monotonic, and on Linux counting time suspended too (a
+#: machine that slept past a lease must see it expired). Never compared with the database's
+#: clock: a lease's local deadline is this clock when the statement that set the lease was
+#: sent, plus the lease (the database's expiry minus its time of that statement).
+_lease_clock: Callable[[], float] = (
+    functools.partial(time.clock_gettime, time.CLOCK_BOOTTIME)
+    if hasattr(time, "CLOCK_BOOTTIME")
+    else time.monotonic
+)
 
 OutcomeKind = Literal["succeeded", "retry", "failed", "released"]
 _STATS_OUTCOME: dict[str, Literal["succeeded", "failed", "retried"]] = {
@@ -133,8 +152,12 @@ class WorkerConfig:
     prefetch: int = 0
     #: Seconds between claims when no wake-up arrives; None: FAIRQUEUE['POLL_INTERVAL'].
     poll_interval: float | None = None
-    #: Stop once nothing is ready and nothing is running.
+    #: Stop once nothing is ready, nothing is running and nothing is due within
+    #: ``burst_horizon`` seconds.
     burst: bool = False
+    #: In burst mode, work due within this many seconds is waited for: a rate-limited
+    #: channel's next turn (it has ready messages), a retry or a delayed message. 0: none.
+    burst_horizon: float = BURST_HORIZON
     #: Stop after claiming this many messages (and finishing them).
     max_messages: int | None = None
     worker_id: str = field(default_factory=default_worker_id)
@@ -158,6 +181,11 @@ class WorkerConfig:
             raise ValueError(f"poll_interval must be > 0 seconds, got {self.poll_interval!r}")
         if self.lease is not None and self.lease <= timedelta(0):
             raise ValueError(f"lease must be positive, got {self.lease}")
+        if not 0 <= self.burst_horizon <= MAX_BURST_HORIZON:
+            raise ValueError(
+                f"burst_horizon must be 0 to {MAX_BURST_HORIZON:g} seconds, "
+                f"got {self.burst_horizon!r}"
+            )
         if not self.shutdown_grace >= 0:
             raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace!r}")
         if not self.worker_id.strip():
@@ -279,18 +307,6 @@ def error_info(
     }
 
 
-def _check_result(result: Any) -> None:
-    """Raise ValueError/TypeError unless ``result`` can be stored as jsonb."""
-    text = json.dumps(result, allow_nan=False, ensure_ascii=False)
-    if "\\u0000" in text:
-        raise ValueError("it contains a NUL character")
-    text.encode("utf-8")  # lone surrogates: UnicodeEncodeError (a ValueError)
-
-
-class _ResultNotStorable(FairQueueError, TypeError):
-    """A task's return value cannot be stored as JSON."""
-
-
 def _claim_observer() -> Callable[[float], None] | None:
     """``metrics.observe_claim`` when the prometheus extra is installed, else None."""
     try:
@@ -355,6 +371,9 @@ class Worker:
         self._half_batch = max(1, min(self.config.batch_size, self._capacity) // 2)
         self._unsettled: dict[int, ClaimedMessage] = {}  # claimed, not yet written back
         self._lost: set[int] = set()  # unsettled, but a heartbeat found the lease gone
+        # unsettled (or in a run_once pass): when the lease expires at the latest, on
+        # _lease_clock (the claim or the last renewal, sent at that time, plus the lease)
+        self._lease_deadlines: dict[int, float] = {}
         self._busy = 0  # handed to handler threads, not finished
         self._claimed = 0  # claimed and not given back (max_messages counts these)
         self._handled = 0  # settled: succeeded, retried or failed
@@ -458,6 +477,8 @@ class Worker:
         for message in messages:
             if self._release_unstarted:
                 outcomes.append(Outcome(message, "released"))
+            elif self._lease_gone(message):
+                self._drop(message)  # an earlier message of the pass outlasted the lease
             else:
                 outcomes.append(self.execute(message, savepoint=in_atomic))
         handled = sum(o.kind != "released" for o in outcomes)
@@ -606,7 +627,9 @@ class Worker:
                 self._stats.record_claimed(messages, messages[0].lease_expires_at - self.lease)
             self._dispatch(messages, limit)
             if drained:
-                logger.info("burst: nothing left to claim")
+                logger.info(
+                    "burst: nothing left to claim, nor due within %gs", self.config.burst_horizon
+                )
                 return
 
     def _after_empty_claim(self) -> bool:
@@ -642,6 +665,17 @@ class Worker:
         if store.select_claimable_exists(only_channel_ids=only, exclude_channel_ids=exclude):
             self._retry_claim_in(random.uniform(0.01, 0.05))  # others hold it right now
             return False
+        horizon = self.config.burst_horizon
+        if horizon > 0:
+            # Not done while work is due soon: a rate-limited channel's next turn, a retry or
+            # a delayed message. The database tells how far off it is on its own clock.
+            due_in = store.select_next_due(
+                timedelta(seconds=horizon), only_channel_ids=only, exclude_channel_ids=exclude
+            )
+            if due_in is not None:
+                logger.debug("burst: work due in %.3fs; waiting for it", due_in)
+                self._retry_claim_in(max(due_in, 0.0) + random.uniform(0.002, 0.01))
+                return False
         return True
 
     def _retry_claim_in(self, seconds: float) -> None:
@@ -723,6 +757,7 @@ class Worker:
         if only == []:
             return []  # none of the channels exists yet
         started = time.monotonic()
+        sent = _lease_clock()  # the claim's database time is later than this
         messages = store.claim_messages(
             limit,
             lease=self.lease,
@@ -732,15 +767,19 @@ class Worker:
         )
         if self._observe_claim is not None:
             self._observe_claim(time.monotonic() - started)
-        if not (self.config.channels or self.config.exclude_channels):
-            return messages
-        # A channel deleted and re-created under a filtered name has a new id: a claim made
-        # with stale ids may return it. Give such messages back untouched and re-resolve.
-        wrong = [m for m in messages if not self._channel_allowed(m.channel)]
-        if wrong:
-            store.release_messages([(m.id, m.lease_token) for m in wrong])
-            self._filters_resolved_at = -float("inf")
-            messages = [m for m in messages if self._channel_allowed(m.channel)]
+        if self.config.channels or self.config.exclude_channels:
+            # A channel deleted and re-created under a filtered name has a new id: a claim made
+            # with stale ids may return it. Give such messages back untouched and re-resolve.
+            wrong = [m for m in messages if not self._channel_allowed(m.channel)]
+            if wrong:
+                store.release_messages([(m.id, m.lease_token) for m in wrong])
+                self._filters_resolved_at = -float("inf")
+                messages = [m for m in messages if self._channel_allowed(m.channel)]
+        if messages:
+            deadline = sent + self.lease.total_seconds()
+            with self._cond:
+                for message in messages:
+                    self._lease_deadlines[message.id] = deadline
         return messages
 
     def _channel_allowed(self, name: str) -> bool:
@@ -772,8 +811,12 @@ class Worker:
             message = self._work.get()
             if message is None:
                 return
+            outcome: Outcome | None
             if self._release_unstarted:
                 outcome = Outcome(message, "released")
+            elif self._lease_gone(message):
+                self._drop(message)
+                outcome = None
             else:
                 # Like a request: connections past CONN_MAX_AGE or broken are replaced.
                 if has_connections:
@@ -792,16 +835,46 @@ class Worker:
                         has_connections = True
                         _end_open_transactions(message)
                         _close_old_connections()
-            self._outcomes.put(outcome)
+            if outcome is not None:
+                self._outcomes.put(outcome)
             with self._cond:
                 self._busy -= 1
-                if outcome.kind == "released":
-                    self._claimed -= 1
+                if outcome is None or outcome.kind == "released":
+                    self._claimed -= 1  # not run: max_messages does not count it
                 # Wake the claimer only when a claim can become due: the first free slot,
                 # half a batch free (it may be gathering), or nothing running (shutdown).
                 free = self._capacity - self._busy
                 if free == 1 or free == self._half_batch or self._busy == 0:
                     self._cond.notify_all()
+
+    def _lease_gone(self, message: ClaimedMessage) -> bool:
+        """Whether the lease of a message not started yet is known lost (a heartbeat found it
+        gone) or expired by this process's clock: a worker that was frozen (SIGSTOP, a VM
+        pause), or whose heartbeats could not reach the database, must not start what another
+        worker may be running by now."""
+        # Single lookups, safe without the lock (the GIL, or the objects' own locks): a
+        # renewal racing with this check can only make it drop a message sooner.
+        if message.id in self._lost:
+            return True
+        deadline = self._lease_deadlines.get(message.id)
+        return deadline is not None and _lease_clock() >= deadline
+
+    def _drop(self, message: ClaimedMessage) -> None:
+        """Forget a claimed message without running it or writing anything, as a worker that
+        died holding it would: the rescuer requeues it once its lease has expired (or did
+        already, and another worker may hold it now). Heartbeats stop renewing it."""
+        with self._cond:
+            self._unsettled.pop(message.id, None)
+            self._lost.discard(message.id)
+            self._lease_deadlines.pop(message.id, None)
+        logger.warning(
+            "not starting message %s (%s, channel %r): its lease expired or was lost while it "
+            "waited for a handler thread; the rescuer requeues it",
+            message.id,
+            message.task_name,
+            message.channel,
+            extra=_log_extra(message, worker_id=self.worker_id, outcome="lease_lost"),
+        )
 
     def execute(self, message: ClaimedMessage, *, savepoint: bool = False) -> Outcome:
         """Run one claimed message's task here and now; returns what to write back.
@@ -845,14 +918,8 @@ class Worker:
                 else:
                     result = spec.func(*args, **kwargs)
             if message.keep_result:
-                try:
-                    _check_result(result)
-                except (TypeError, ValueError) as exc:
-                    raise _ResultNotStorable(
-                        f"the return value of {message.task_name} cannot be stored as JSON "
-                        f"({exc}); the task ran, and is not retried"
-                    ) from exc
-        except _ResultNotStorable as exc:
+                check_result(message.task_name, result)
+        except ResultNotStorable as exc:  # the task ran: running it again repeats its effects
             outcome = self._failed(message, spec, exc, started, retry=False)
         except (Exception, SystemExit) as exc:
             outcome = self._failed(message, spec, exc, started, retry=True)
@@ -1081,6 +1148,7 @@ class Worker:
             for outcome in group:
                 self._unsettled.pop(outcome.message.id, None)
                 self._lost.discard(outcome.message.id)
+                self._lease_deadlines.pop(outcome.message.id, None)
             if verb != "release":
                 self._handled += len(group)
             if written and verb != "release" and not self._more:
@@ -1138,7 +1206,14 @@ class Worker:
             try:
                 for start in range(0, len(leases), HEARTBEAT_BATCH):
                     chunk = leases[start : start + HEARTBEAT_BATCH]
-                    owned |= store.heartbeat_messages(chunk, lease=self.lease)
+                    sent = _lease_clock()  # the renewal's database time is later than this
+                    renewed = store.heartbeat_messages(chunk, lease=self.lease)
+                    owned |= renewed
+                    deadline = sent + self.lease.total_seconds()
+                    with self._cond:
+                        for message_id in renewed:
+                            if message_id in self._lease_deadlines:
+                                self._lease_deadlines[message_id] = deadline
             except CONNECTION_ERRORS as exc:
                 what = after_database_error(exc)
                 wait = min(backoff.next(), interval)

@@ -79,6 +79,22 @@ def pair() -> tuple[int, int]:
     return (1, 2)
 
 
+#: How many times each task below that returns what JSON cannot hold has run.
+UNSTORABLE_RUNS: dict[str, int] = {}
+
+
+@task
+def returns_a_set() -> set[int]:
+    UNSTORABLE_RUNS["set"] = UNSTORABLE_RUNS.get("set", 0) + 1
+    return {1, 2}
+
+
+@task
+def returns_nan() -> float:
+    UNSTORABLE_RUNS["nan"] = UNSTORABLE_RUNS.get("nan", 0) + 1
+    return float("nan")
+
+
 def reports() -> str:
     """Decorated in a test (Django 6.0's decorator would refuse ``channel=`` at import)."""
     return "report"
@@ -409,6 +425,41 @@ def test_return_value_is_normalised_json() -> None:
     result = pair.enqueue()
     drain()
     assert pair.get_result(result.id).return_value == [1, 2]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("kind", "returning", "why"),
+    [
+        ("set", returns_a_set, "(set) cannot be stored as JSON: Unsupported type: <class 'set'>"),
+        ("nan", returns_nan, "(float) cannot be stored as JSON: Out of range float values"),
+    ],
+)
+def test_a_return_value_that_is_not_json_fails_after_one_run_without_retries(
+    kind: str, returning: Any, why: str
+) -> None:
+    UNSTORABLE_RUNS.pop(kind, None)
+    finished = []
+
+    def receiver(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        finished.append(task_result.status)
+
+    task_finished.connect(receiver)
+    try:
+        with override_settings(FAIRQUEUE={"DEFAULT_MAX_ATTEMPTS": 3, "RETRY_BACKOFF_BASE": 0}):
+            result = returning.enqueue()
+            assert drain() == 1  # a retry would be ready at once, and drain() would run it
+    finally:
+        task_finished.disconnect(receiver)
+    assert UNSTORABLE_RUNS[kind] == 1
+    assert finished == [TaskResultStatus.FAILED]
+    failed = returning.get_result(result.id)
+    assert (failed.status, failed.attempts) == (TaskResultStatus.FAILED, 1)
+    (error,) = failed.errors
+    assert error.exception_class_path == "django_fairqueue.exceptions.ResultNotStorable"
+    # readable: which task, the value's type, and why JSON cannot hold it
+    assert f"the return value of {returning.module_path} {why}" in error.traceback
+    assert "not retried" in error.traceback
 
 
 @pytest.mark.django_db

@@ -19,6 +19,7 @@ from django.db import transaction
 
 from django_fairqueue import exactly_once, store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
+from django_fairqueue.exceptions import ResultNotStorable
 from django_fairqueue.models import Message, MessageState
 from django_fairqueue.tasks import task
 
@@ -141,6 +142,24 @@ def test_fail_release_and_complete_with_a_result() -> None:
     assert (done.state, done.result) == (MessageState.SUCCEEDED, {"invoice": 7})
     assert (retried.state, retried.attempts) == (MessageState.SCHEDULED, 1)
     assert counters("carol") == (1, 1, 0, 1, 1)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_result_that_cannot_be_stored_is_refused_by_complete_and_the_message_can_fail() -> None:
+    (kept_id,) = enqueue("carol", 1, name=KEPT)
+    (not_kept_id,) = enqueue("carol", 1)
+    with transaction.atomic(), exactly_once.batch(limit=2) as batch:
+        by_id = {m.id: m for m in batch}
+        with pytest.raises(ResultNotStorable, match=r"\(set\) cannot be stored as JSON"):
+            batch.complete(by_id[kept_id], {1, 2})
+        batch.fail(by_id[kept_id], ValueError("no JSON result"))  # still undecided
+        batch.complete(by_id[not_kept_id], {1, 2})  # not stored, so not refused
+    kept_row = Message.objects.get(pk=kept_id)
+    assert (kept_row.state, kept_row.last_error["message"]) == (
+        MessageState.FAILED,
+        "no JSON result",
+    )
+    assert not Message.objects.filter(pk=not_kept_id).exists()  # completed, row not kept
 
 
 @pytest.mark.django_db(transaction=True)  # a batch claims committed work, like a worker

@@ -33,7 +33,7 @@ from django_fairqueue.tasks import registry, task
 from django_fairqueue.testing import drain, enqueued
 from django_fairqueue.worker import Outcome, Worker, WorkerConfig, retry_delay
 from tests import fairtasks
-from tests.factories import channel_state
+from tests.factories import channel_state, set_limits
 from tests.workerkit import counters, enqueue_raw, wait_until
 
 SEEN: dict[str, Any] = {}
@@ -51,6 +51,15 @@ def once_raises() -> None:
 
 @task(name="tests.worker.unstorable", keep_result=True)
 def unstorable(kind: str) -> Any:
+    if kind == "deep":  # deeper than JSON encoding can recurse
+        deep: list[Any] = []
+        for _ in range(100_000):
+            deep = [deep]
+        return deep
+    if kind == "circular":
+        loop: list[Any] = []
+        loop.append(loop)
+        return loop
     return {"set": {1, 2}, "nan": float("nan"), "nul": "a\x00b"}[kind]
 
 
@@ -278,13 +287,27 @@ def test_at_most_once_fails_without_retry_and_a_lost_lease_dead_letters_it() -> 
 
 
 @pytest.mark.django_db
-@pytest.mark.parametrize("kind", ["set", "nan", "nul"])
-def test_a_result_that_cannot_be_stored_fails_the_message_without_retry(kind: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "why"),
+    [
+        ("set", "(set) cannot be stored as JSON: Object of type set is not JSON serializable"),
+        ("nan", "(float) cannot be stored as JSON: Out of range float values are not JSON"),
+        ("nul", "(str) cannot be stored as JSON: it contains a NUL character"),
+        ("deep", "(list) cannot be stored as JSON: it is nested too deeply"),
+        ("circular", "(list) cannot be stored as JSON: Circular reference detected"),
+    ],
+)
+def test_a_result_that_cannot_be_stored_fails_the_message_without_retry(
+    kind: str, why: str
+) -> None:
     mid = unstorable.enqueue(kind, channel="alice")
     assert drain() == 1
     row = message(mid)
     assert (row.state, row.attempts) == (MessageState.FAILED, 1)
-    assert "cannot be stored as JSON" in row.last_error["message"]
+    assert row.last_error["type"] == "django_fairqueue.exceptions.ResultNotStorable"
+    text = row.last_error["message"]
+    assert text.startswith(f"the return value of tests.worker.unstorable {why}"), text
+    assert text.endswith("; the task ran, and is not retried"), text
 
 
 @pytest.mark.django_db
@@ -701,6 +724,8 @@ def test_maintenance_services_rescue_prune_and_fold(fq: Any) -> None:
         (["--poll-interval", "0"], "--poll-interval must be a positive"),
         (["--shutdown-grace", "-1"], "--shutdown-grace must be 0 or more"),
         (["--lease", "0"], "--lease must be a positive"),
+        (["--burst-horizon", "-1"], "--burst-horizon must be 0 to 86400 seconds"),
+        (["--burst-horizon", "nan"], "--burst-horizon must be 0 to 86400 seconds"),
         (["--worker-id", " "], "--worker-id must be 1 to 200"),
         (["--channels", "a,,b"], "--channels has an empty channel name"),
         (["--exclude-channels", ","], "--exclude-channels has an empty channel name"),
@@ -716,6 +741,8 @@ def test_runfairworker_refuses_bad_options_readably(args: list[str], error: str)
 def test_worker_config_validates() -> None:
     with pytest.raises(ValueError, match="concurrency must be an integer >= 1"):
         WorkerConfig(concurrency=0)
+    with pytest.raises(ValueError, match="burst_horizon must be 0 to 86400 seconds"):
+        WorkerConfig(burst_horizon=-0.5)
     with pytest.raises(ValueError, match="not a string"):
         WorkerConfig(channels="abc")
     with pytest.raises(ValueError, match="both included and excluded"):
@@ -741,6 +768,49 @@ def test_runfairworker_burst_runs_what_is_ready_and_exits() -> None:
     rows = Message.objects.filter(pk__in=ids)
     assert sorted(r.result for r in rows) == [0, 2, 4]
     assert {r.worker_id for r in rows} == {"cmd"}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_runfairworker_burst_waits_for_a_rate_limited_channel_and_work_due_soon() -> None:
+    # A channel releasing one message per 0.2 s has ready messages whose turn is a moment
+    # away, and a message delayed by 0.5 s is due within the burst horizon (a few seconds by
+    # default): a burst run is not done before all of them ran.
+    ids = [fairtasks.add.enqueue(i, 1, channel="metered") for i in range(5)]
+    set_limits(["metered"], release_interval=timedelta(seconds=0.2))
+    soon = timezone.now() + timedelta(seconds=0.5)
+    delayed = fairtasks.add.enqueue(9, 1, channel="other", run_after=soon)
+    # due long after the horizon: not waited for
+    later = fairtasks.add.enqueue(0, 0, channel="other", run_after=soon + timedelta(minutes=5))
+    err = StringIO()
+    started = time.monotonic()
+    call_command(
+        "runfairworker",
+        "--burst",
+        "--no-listen",
+        "--no-maintenance",
+        "--worker-id",
+        "cmd",
+        stderr=err,
+    )
+    elapsed = time.monotonic() - started
+    assert "worker cmd: 6 messages handled" in err.getvalue()
+    rows = Message.objects.filter(pk__in=[*ids, delayed])
+    assert {(r.state, r.worker_id) for r in rows} == {(MessageState.SUCCEEDED, "cmd")}
+    assert message(later).state == MessageState.SCHEDULED
+    assert elapsed < 5  # it did not wait for the message due in five minutes
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_burst_run_does_not_wait_past_its_horizon() -> None:
+    fairtasks.add.enqueue(1, 1, channel="metered")
+    later = fairtasks.add.enqueue(
+        0, 0, channel="metered", run_after=timezone.now() + timedelta(seconds=2)
+    )
+    worker = one_worker(burst=True, burst_horizon=0.5)
+    started = time.monotonic()
+    assert worker.run() == 1
+    assert time.monotonic() - started < 1.5
+    assert message(later).state == MessageState.SCHEDULED
 
 
 # ------------------------------------------------------------------------------------------------

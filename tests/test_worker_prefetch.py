@@ -3,7 +3,10 @@ the messages claimed but not started."""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -114,3 +117,69 @@ def test_a_graceful_stop_gives_back_prefetched_messages_at_once() -> None:
         [(MessageState.SUCCEEDED, 1)] + [(MessageState.READY, 0)] * 3
     )
     assert counters("alice").running == 0
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("heartbeat", ["finds_the_leases_lost", "cannot_reach_the_database"])
+def test_prefetched_messages_whose_lease_expired_are_dropped_not_started(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, heartbeat: str
+) -> None:
+    """A worker frozen or cut off past the lease must not start what it claimed before: the
+    rescuer gives those messages to another worker, and running them here too runs them twice.
+    The heartbeat either reports the leases lost, or never comes back (the database hangs):
+    then only the worker's own clock tells the leases are over."""
+    from django_fairqueue.signals import message_started
+
+    lease = 0.5
+    started: list[int] = []
+    first_started = threading.Event()
+    unblock = threading.Event()
+
+    def hold_first(message: Any, **kwargs: Any) -> None:
+        started.append(message.id)
+        if not first_started.is_set():
+            first_started.set()
+            time.sleep(3 * lease)  # the first message outlasts every lease of the claim
+
+    def heartbeat_messages(leases: Any, **kwargs: Any) -> set[int]:
+        if heartbeat == "cannot_reach_the_database":
+            unblock.wait(30)
+            return {message_id for message_id, _ in leases}
+        return set()  # every lease renewed was found expired (taken over)
+
+    monkeypatch.setattr(store, "heartbeat_messages", heartbeat_messages)
+    ids = [fairtasks.sleep.enqueue(0.0, channel="alice") for _ in range(4)]
+    w = worker(concurrency=1, prefetch=3, lease=timedelta(seconds=lease))
+    message_started.connect(hold_first, weak=False)
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["handled"] = w.run()
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    try:
+        with caplog.at_level(logging.WARNING, logger="django_fairqueue.worker"):
+            thread.start()
+            assert first_started.wait(10)
+            assert counters("alice").running == 4  # one running, three prefetched
+            wait_until(lambda: Message.objects.get(pk=ids[0]).state == MessageState.SUCCEEDED)
+            time.sleep(0.3)  # time for the handler to start the next ones, if it would
+            w.stop()
+            unblock.set()
+            thread.join(30)
+            assert not thread.is_alive()
+    finally:
+        unblock.set()
+        message_started.disconnect(hold_first)
+    assert started == ids[:1]
+    assert outcome["handled"] == 1
+    # neither run nor written back: left to the rescuer, as by a worker that died
+    rows = Message.objects.filter(pk__in=ids[1:])
+    assert {(r.state, r.attempts, r.worker_id) for r in rows} == {
+        (MessageState.RUNNING, 1, "prefetch")
+    }
+    dropped = [r for r in caplog.records if r.getMessage().startswith("not starting message")]
+    assert sorted(r.message_id for r in dropped) == ids[1:]  # type: ignore[attr-defined]

@@ -577,6 +577,49 @@ SELECT EXISTS (
     SELECT 1 FROM fairqueue_message m WHERE m.state = 'scheduled' AND m.run_at <= clock_timestamp()
 ) AS claimable;
 
+-- name: select_next_due
+-- Seconds until a claim could take a message none can take now (of these channels, or all but
+-- the excluded), if that is within the horizon; else NULL. Lock-free, for a burst worker
+-- deciding whether to wait: the next turn of a rate-limited channel that has ready messages and
+-- a free slot, or the run_at of the next scheduled message (a retry, a delayed message) of a
+-- channel not paused. Differences of the database's own clock, never compared with the caller's.
+WITH horizon AS (
+    SELECT clock_timestamp() AS now, clock_timestamp() + %(horizon)s::interval AS until
+), next_turn AS (
+    SELECT min(c.next_turn_at) AS at
+    FROM fairqueue_channel c
+    CROSS JOIN horizon h
+    LEFT JOIN LATERAL (
+        -- counter changes not folded yet (new messages, freed slots)
+        SELECT sum(d.ready) AS ready, sum(d.running) AS running
+        FROM fairqueue_channel_delta d
+        WHERE d.channel_id = c.id
+    ) x ON true
+    WHERE NOT c.paused
+      AND c.ready_count + coalesce(x.ready, 0) > 0
+      AND (c.max_concurrency IS NULL
+           OR c.running_count + coalesce(x.running, 0) < c.max_concurrency)
+      AND c.next_turn_at <= h.until
+      AND (%(only)s::bigint[] IS NULL OR c.id = ANY (%(only)s::bigint[]))
+      AND (%(exclude)s::bigint[] IS NULL OR NOT (c.id = ANY (%(exclude)s::bigint[])))
+), next_scheduled AS (
+    -- fq_message_due_idx in run_at order, bounded by the horizon
+    SELECT m.run_at AS at
+    FROM fairqueue_message m
+    JOIN fairqueue_channel c ON c.id = m.channel_id
+    CROSS JOIN horizon h
+    WHERE m.state = 'scheduled'
+      AND m.run_at <= h.until
+      AND NOT c.paused
+      AND (%(only)s::bigint[] IS NULL OR m.channel_id = ANY (%(only)s::bigint[]))
+      AND (%(exclude)s::bigint[] IS NULL OR NOT (m.channel_id = ANY (%(exclude)s::bigint[])))
+    ORDER BY m.run_at
+    LIMIT 1
+)
+SELECT extract(epoch FROM least(
+           (SELECT at FROM next_turn), (SELECT at FROM next_scheduled)
+       ) - (SELECT now FROM horizon))::float8 AS due_in;
+
 -- ---------------------------------------------------------------------------------------------
 -- Work batches (django_fairqueue.batches). Design and locking: docs/explanation/work-batches.md.
 

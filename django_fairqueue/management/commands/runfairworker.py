@@ -13,7 +13,14 @@ from django_fairqueue import conf
 from django_fairqueue._runtime import configure_logging
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.exceptions import InvalidChannel
-from django_fairqueue.worker import Worker, WorkerConfig, WorkerCrashed, default_worker_id
+from django_fairqueue.worker import (
+    BURST_HORIZON,
+    MAX_BURST_HORIZON,
+    Worker,
+    WorkerConfig,
+    WorkerCrashed,
+    default_worker_id,
+)
 
 
 def _names(value: str | None, option: str) -> tuple[str, ...]:
@@ -81,7 +88,17 @@ class Command(BaseCommand):
         parser.add_argument(
             "--burst",
             action="store_true",
-            help="Run what is ready, then exit 0 once nothing is ready or running.",
+            help="Run what is ready, then exit 0 once nothing is ready or running and nothing "
+            "is due within the burst horizon.",
+        )
+        parser.add_argument(
+            "--burst-horizon",
+            type=float,
+            default=BURST_HORIZON,
+            metavar="SECONDS",
+            help="With --burst: also wait for work due within this many seconds (a "
+            "rate-limited channel's next turn, a retry, a delayed message); 0 waits for none "
+            f"(default {BURST_HORIZON:g}).",
         )
         parser.add_argument(
             "--max-messages",
@@ -211,6 +228,11 @@ class Command(BaseCommand):
         grace = options["shutdown_grace"]
         if not grace >= 0:
             raise CommandError(f"--shutdown-grace must be 0 or more seconds, got {grace}")
+        horizon = options["burst_horizon"]
+        if not 0 <= horizon <= MAX_BURST_HORIZON:
+            raise CommandError(
+                f"--burst-horizon must be 0 to {MAX_BURST_HORIZON:g} seconds, got {horizon}"
+            )
         lease = options["lease"]
         if lease is not None and not lease > 0:
             raise CommandError(f"--lease must be a positive number of seconds, got {lease}")
@@ -231,6 +253,7 @@ class Command(BaseCommand):
                 prefetch=prefetch,
                 poll_interval=poll,
                 burst=options["burst"],
+                burst_horizon=horizon,
                 max_messages=max_messages,
                 worker_id=worker_id or default_worker_id(),
                 lease=timedelta(seconds=lease) if lease is not None else None,
