@@ -90,6 +90,11 @@ EMPTY_CLAIM_RETRIES = 3
 #: Retries of an empty claim made on a wake-up while the queue says work is claimable (a
 #: channel row was locked for a moment): after 5-10 ms, doubling, about 0.3 s at most in all.
 WOKEN_CLAIM_RETRIES = 5
+#: An idle worker claims this long after the next work's due time (the database's figure), so
+#: the claim's clock is past it; and the first wait when work is due yet none was claimed
+#: (doubling, at most the poll interval).
+DUE_SLACK = 0.002
+DUE_RETRY_FIRST = 0.005
 #: With a backlog, a claim waits up to this long (seconds) for half a batch of free slots
 #: instead of claiming for each slot as it frees: one claim costs about as much for 1 message
 #: as for 50, so short tasks would otherwise spend the database on tiny claims.
@@ -387,6 +392,7 @@ class Worker:
         # retry), not by the poll timer; and how many times an empty woken claim was retried.
         self._claim_woken = False
         self._woken_retries = 0
+        self._due_misses = 0  # empty claims in a row while the database said work was due
         self._backlog_seen = False  # a full claim since the last empty-claim streak
         self._stop_requested = False
         self._release_unstarted = False
@@ -657,7 +663,9 @@ class Worker:
                     delay = random.uniform(0.005, 0.01) * 2**self._woken_retries
                     self._woken_retries += 1
                     self._retry_claim_in(delay)
-            return False  # wait for a wake-up or the poll
+                    return False
+            self._claim_when_due()
+            return False  # wait for a wake-up, the poll, or the next work coming due
         with self._cond:
             if self._unsettled:
                 return False  # running messages may retry; their settlement wakes us
@@ -677,6 +685,36 @@ class Worker:
                 self._retry_claim_in(max(due_in, 0.0) + random.uniform(0.002, 0.01))
                 return False
         return True
+
+    def _claim_when_due(self) -> None:
+        """After an empty claim: claim again when the next work comes due (a rate-limited
+        channel's next turn, a delayed message, a retry's backoff), if that is before the next
+        poll. A wake-up still claims at once meanwhile: this only brings the poll forward.
+
+        The database says how far off the work is, on its own clock (the one the claim compares
+        due times with); the worker waits that long on its monotonic clock.
+        """
+        only, exclude = self._filters()
+        if only == []:
+            return
+        due_in = store.select_next_due(
+            timedelta(seconds=self.poll_interval * 1.2),
+            only_channel_ids=only,
+            exclude_channel_ids=exclude,
+        )
+        if due_in is None:
+            self._due_misses = 0
+            return
+        if due_in <= 0:
+            # Due already, yet the claim found nothing (it was taken, or something holds it):
+            # back off so such work cannot make the worker spin.
+            self._due_misses += 1
+            wait = min(DUE_RETRY_FIRST * 2**self._due_misses, self.poll_interval)
+        else:
+            self._due_misses = 0
+            wait = due_in + DUE_SLACK
+        with self._cond:
+            self._next_poll = min(self._next_poll, time.monotonic() + wait)
 
     def _retry_claim_in(self, seconds: float) -> None:
         with self._cond:
@@ -726,6 +764,7 @@ class Worker:
     def _dispatch(self, messages: list[ClaimedMessage], limit: int) -> None:
         if messages:
             self._empty_claims = 0
+            self._due_misses = 0
         if len(messages) >= limit:
             self._backlog_seen = True
         with self._cond:

@@ -920,3 +920,51 @@ def test_select_claimable_exists_tells_a_drained_queue_from_a_busy_one() -> None
     fairtasks.add.enqueue(2, 2, channel="b", run_after=timedelta(milliseconds=1))
     time.sleep(0.01)
     assert store.select_claimable_exists() is True  # due, promoted by the next claim
+
+
+# ------------------------------------------------------------------------------------------------
+# an idle worker claims when work comes due, not at its next poll
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_idle_worker_claims_when_work_comes_due_not_at_the_next_poll() -> None:
+    # Polling every 30 s: whatever starts sooner was claimed at its due time (the wake-up an
+    # enqueue sends comes before it is due). Six messages on a channel releasing one per
+    # 0.1 s, and delayed messages (a retry's backoff is the same: a scheduled message).
+    metered = [fairtasks.record.enqueue(f"m{i}", channel="metered") for i in range(6)]
+    set_limits(["metered"], release_interval=timedelta(seconds=0.1))
+    worker = one_worker(concurrency=2, poll_interval=30.0, listen=True)
+    delayed: list[int] = []
+    lateness: list[float] = []
+    with running(worker):
+        wait_until(
+            lambda: all(message(m).state == MessageState.SUCCEEDED for m in metered),
+            10,
+            "the rate-limited channel drained",
+        )
+        time.sleep(0.2)  # idle now, its next poll 30 s away
+        for i in range(12):
+            due = 0.15 + 0.05 * i
+            delayed.append(
+                fairtasks.record.enqueue(
+                    f"d{i}", channel=f"later{i % 3}", run_after=timedelta(seconds=due)
+                )
+            )
+        wait_until(
+            lambda: all(message(m).state == MessageState.SUCCEEDED for m in delayed),
+            10,
+            "the delayed messages",
+        )
+    starts = sorted(float(message(m).result["started"]) for m in metered)
+    assert starts[-1] - starts[0] < 2.0, starts  # 6 releases 0.1 s apart, not 6 polls
+    for mid in delayed:
+        row = message(mid)
+        lateness.append(float(row.result["started"]) - row.run_at.timestamp())
+    lateness.sort()
+    print(
+        f"\nrate-limited 6 x 0.1 s drained in {starts[-1] - starts[0]:.2f}s; delayed messages "
+        f"started after their run_at: p50 {lateness[len(lateness) // 2] * 1000:.1f} ms, "
+        f"max {lateness[-1] * 1000:.1f} ms"
+    )
+    assert lateness[0] >= 0  # never early
+    assert lateness[-1] < 1.0, lateness  # at its due time, not 30 s later
