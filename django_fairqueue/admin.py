@@ -44,7 +44,7 @@ from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 from django.views.decorators.http import require_POST
 
-from django_fairqueue import batches, conf, overview, registry, store
+from django_fairqueue import batches, conf, overview, registry, store, waiting
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.exceptions import InvalidChannel
 from django_fairqueue.models import (
@@ -312,6 +312,7 @@ class ChannelAdmin(_ChannelAdminBase):
             {
                 "fields": [
                     "counters_display",
+                    "why_waiting_display",
                     "oldest_ready_display",
                     "finished_display",
                     "last_claimed_display",
@@ -343,7 +344,8 @@ class ChannelAdmin(_ChannelAdminBase):
         return ChannelChangeList
 
     def get_readonly_fields(self, request: HttpRequest, obj: Channel | None = None) -> list[str]:
-        fields = ["counters_display", "oldest_ready_display", "finished_display"]
+        fields = ["counters_display", "why_waiting_display", "oldest_ready_display"]
+        fields.append("finished_display")
         fields += ["last_claimed_display", "created_at"]
         if obj is not None:
             fields.append("name")  # the channel's identity: enqueue finds it by name
@@ -437,6 +439,10 @@ class ChannelAdmin(_ChannelAdminBase):
     def finished_display(self, obj: Channel) -> str:
         row = _row(obj)
         return f"{row.finished_recent:,}" if row else "-"
+
+    @admin.display(description=_("why it waits"))
+    def why_waiting_display(self, obj: Channel) -> str:
+        return waiting.channel(obj.pk).text
 
     @admin.display(description=_("last claimed at"))
     def last_claimed_display(self, obj: Channel) -> Any:
@@ -621,6 +627,7 @@ class MessageAdmin(_MessageAdminBase):
         "channel_link",
         "task_name",
         "state",
+        "why_waiting_display",
         "priority",
         "attempts_display",
         "enqueued_at",
@@ -645,6 +652,7 @@ class MessageAdmin(_MessageAdminBase):
                     "channel_link",
                     "task_name",
                     "state",
+                    "why_waiting_display",
                     "priority",
                     "attempts_display",
                     "keep_result",
@@ -675,6 +683,10 @@ class MessageAdmin(_MessageAdminBase):
         "result_display",
         "error_display",
     ]
+
+    @admin.display(description=_("why it waits"))
+    def why_waiting_display(self, obj: Message) -> str:
+        return waiting.message(obj).text
 
     # Read-only: no add, no ORM change or delete. The actions below are the only writes, and
     # they have permissions of their own (has_act_permission, has_remove_permission).

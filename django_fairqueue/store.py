@@ -1308,3 +1308,41 @@ def expire_dead_workers(dead_after: float, *, using: str | None = None) -> list[
 
 def prune_workers(before: datetime, *, using: str | None = None) -> None:
     _run("prune_workers", {"before": before}, using)
+
+
+# --------------------------------------------------------------------------------------------
+# Why something waits (django_fairqueue.waiting)
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelWaitState:
+    name: str
+    paused: bool
+    max_concurrency: int | None
+    release_interval: timedelta
+    next_turn_at: datetime
+    ready: int
+    running: int
+    now: datetime
+    ahead: int
+    oldest_running_since: datetime | None
+    claimed_recently: int
+
+
+def select_channel_wait_state(
+    channel_id: int, *, using: str | None = None
+) -> ChannelWaitState | None:
+    rows = _run("select_channel_wait_state", {"channel_id": channel_id}, using)
+    if not rows:
+        return None
+    r = rows[0]
+    return ChannelWaitState(
+        r[0], r[1], r[2], r[3], r[4], int(r[5]), int(r[6]), r[7], int(r[8]), r[9], int(r[10])
+    )
+
+
+def select_messages_ahead(
+    channel_id: int, priority: int, message_id: int, *, using: str | None = None
+) -> int:
+    params = {"channel_id": channel_id, "priority": priority, "id": message_id}
+    return int(_run("select_messages_ahead", params, using)[0][0])

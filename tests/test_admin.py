@@ -754,7 +754,9 @@ def test_status_table_and_json(queue: dict[str, Any]) -> None:
     ]
     assert lines[1].split()[:5] == ["beta", "1", "0", "1/-", "3"]
     assert lines[3].split()[-1] == "yes"  # gamma paused
-    assert "3 channels (3 shown, sorted by failed; 2 with ready messages, 1 paused)" in lines[-1]
+    assert "3 channels (3 shown, sorted by failed; 2 with ready messages, 1 paused)" in lines[5]
+    assert lines[6].startswith("0 live workers")  # then the warning: work waits, no worker
+    assert lines[-1].startswith("WARNING: no live worker")
     out = io.StringIO()
     call_command("fairqueue", "status", "--json", "--limit", "1", stdout=out)
     data = json.loads(out.getvalue())

@@ -23,10 +23,11 @@ import time
 from datetime import datetime
 from typing import Any, TextIO
 
+from django.core.management.base import CommandError
 from django.db import connections
 from django.utils import timezone
 
-from django_fairqueue import overview, registry, stats
+from django_fairqueue import overview, registry, stats, store, waiting
 
 #: Longest channel name printed in the table (the JSON has it whole).
 _NAME_WIDTH = 40
@@ -34,6 +35,12 @@ _WATCH_DEFAULT = 2.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "channel",
+        nargs="?",
+        metavar="CHANNEL",
+        help="Show this channel alone, with why its messages wait.",
+    )
     parser.add_argument(
         "--sort",
         choices=overview.SORTS,
@@ -64,6 +71,9 @@ def handle(options: dict[str, Any], stdout: TextIO) -> None:
     try:
         while True:
             text = _render(options)
+            if not options["json"]:
+                stamp = timezone.localtime().strftime("%Y-%m-%d %H:%M:%S %Z")
+                text = f"{stamp}, every {interval:g}s (Ctrl-C stops)\n\n{text}"
             _write(stdout, clear + text if clear else text + ("" if options["json"] else "\n"))
             # Between redraws, like a worker between passes: a connection the server closed
             # (restart, idle timeout) is replaced instead of failing the next redraw. Never
@@ -100,13 +110,33 @@ def snapshot(sort: str = "backlog", limit: int = 20, now: datetime | None = None
 
 def _render(options: dict[str, Any]) -> str:
     now = timezone.now()
+    if options.get("channel"):
+        return _render_channel(options["channel"], options["json"], now)
     data = snapshot(options["sort"], options["limit"], now)
     if options["json"]:
         return json.dumps(data)
     return table(data)
 
 
-def table(data: dict[str, Any]) -> str:
+def _render_channel(name: str, as_json: bool, now: datetime) -> str:
+    ids = store.select_channel_ids([name])
+    if name not in ids:
+        raise CommandError(f"no channel named {name!r}")
+    (row,) = overview.rows([ids[name]], now=now)
+    why = waiting.channel(ids[name])
+    if as_json:
+        return json.dumps({**row.as_dict(now), "why_waiting": why.text, "cause": why.cause})
+    single = {
+        "channels": [row.as_dict(now)],
+        "sort": "name",
+        "totals": overview.totals({}),
+        "finished_last_5m": row.finished_recent,
+        "workers": None,
+    }
+    return table(single, summary=False) + f"\nWhy it waits: {why.text}"
+
+
+def table(data: dict[str, Any], *, summary: bool = True) -> str:
     """The snapshot as aligned text: one line per channel, then the totals."""
     header = (
         "CHANNEL",
@@ -149,6 +179,8 @@ def table(data: dict[str, Any]) -> str:
             for i, (cell, width) in enumerate(zip(row, widths, strict=True))
         ]
         out.append("  ".join(cells).rstrip())
+    if not summary:
+        return "\n".join(out)
     t = data["totals"]
     shown = len(data["channels"])
     if not shown:

@@ -966,3 +966,41 @@ ORDER BY dead.worker_id;
 -- Forget workers stopped or dead before `before`.
 DELETE FROM fairqueue_worker w
 WHERE w.state <> 'running' AND w.heartbeat_at < %(before)s::timestamptz;
+
+-- name: select_channel_wait_state
+-- What the "why is this waiting" sentence needs of one channel, read lock-free: its limits and exact counters, its turn, how many claimable channels come before it in the round, since when its oldest running message runs, and the messages claimed in the last 5 minutes over all channels.
+-- The channels ahead are counted on fq_channel_turn_idx (its predicate repeated word for word):
+-- the claimable channels whose turn comes before this one's.
+SELECT c.name::text, c.paused, c.max_concurrency, c.release_interval, c.next_turn_at,
+       c.ready_count + coalesce(d.ready, 0) AS ready,
+       c.running_count + coalesce(d.running, 0) AS running,
+       clock_timestamp() AS now,
+       (SELECT count(*)
+        FROM fairqueue_channel o
+        WHERE o.ready_count > 0
+          AND NOT o.paused
+          AND (o.max_concurrency IS NULL OR o.running_count < o.max_concurrency)
+          AND (o.next_turn_at, o.id) < (c.next_turn_at, c.id)
+          AND o.next_turn_at <= clock_timestamp()) AS ahead,
+       (SELECT min(m.claimed_at)
+        FROM fairqueue_message m
+        WHERE m.state = 'running' AND m.channel_id = c.id) AS oldest_running_since,
+       (SELECT coalesce(sum(s.claimed), 0)
+        FROM fairqueue_channel_stat s
+        WHERE s.minute >= date_trunc('minute', clock_timestamp()) - interval '4 minutes')
+        AS claimed_recently
+FROM fairqueue_channel c
+LEFT JOIN LATERAL (
+    SELECT sum(x.ready) AS ready, sum(x.running) AS running
+    FROM fairqueue_channel_delta x
+    WHERE x.channel_id = c.id
+) d ON true
+WHERE c.id = %(channel_id)s::bigint;
+
+-- name: select_messages_ahead
+-- Ready messages of a channel that a claim takes before this one (higher priority, or the same and older): fq_message_ready_idx.
+SELECT count(*)
+FROM fairqueue_message m
+WHERE m.channel_id = %(channel_id)s::bigint AND m.state = 'ready'
+  AND (m.priority > %(priority)s::smallint
+       OR (m.priority = %(priority)s::smallint AND m.id < %(id)s::bigint));

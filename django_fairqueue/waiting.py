@@ -1,0 +1,151 @@
+"""Why is this waiting? One sentence, computed from the scheduler's own state.
+
+For a channel (the admin's channel page, ``fairqueue status CHANNEL``) and for a message (the
+admin's message page), the first cause that applies, in the order the claim itself checks:
+
+1. a message that is not waiting says what it is doing (running, finished);
+2. delayed until T, or waiting to retry at T after a failed attempt;
+3. its lease expired and it waits for the rescuer;
+4. the channel is paused;
+5. the channel is at its cap (n of n running, the oldest since T);
+6. the channel is rate limited until T;
+7. no live worker serves the channel (none at all, or none whose channel filters include it);
+8. otherwise its place: how many channels come before it in the round (and for a message, how
+   many messages before it in its channel), with an estimate from the recent claim rate.
+
+Every read is lock-free and bounded: the channel row and its pending deltas, two index range
+counts, the worker registry and five minutes of statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django_fairqueue import conf, overview, registry, store
+from django_fairqueue.models import Message, MessageState
+
+#: The window of claims the estimate is based on (the statistics hold one row per minute).
+RATE_MINUTES = 5
+
+
+@dataclass(frozen=True)
+class Why:
+    """The answer: a cause (a short key, stable for tests and tools) and the sentence."""
+
+    cause: str
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _when(moment: datetime, now: datetime) -> str:
+    seconds = (moment - now).total_seconds()
+    at = moment.isoformat(timespec="seconds")
+    if seconds >= 0:
+        return f"{at} (in {overview.format_age(seconds)})"
+    return f"{at} ({overview.format_age(-seconds)} ago)"
+
+
+def channel(channel_id: int, *, views: list[registry.WorkerView] | None = None) -> Why:
+    """Why the ready messages of a channel wait (or that nothing does)."""
+    state = store.select_channel_wait_state(channel_id)
+    if state is None:
+        return Why("missing", "no such channel")
+    if state.ready <= 0:
+        return Why("empty", "nothing waits: the channel has no ready message")
+    return _channel_cause(channel_id, state, views)
+
+
+def _channel_cause(
+    channel_id: int,
+    state: store.ChannelWaitState,
+    views: list[registry.WorkerView] | None,
+) -> Why:
+    now = state.now
+    if state.paused:
+        return Why("paused", "paused: none of its messages is claimed until it is resumed")
+    cap = state.max_concurrency
+    if cap is not None and state.running >= cap:
+        since = ""
+        if state.oldest_running_since is not None:
+            since = f", the oldest since {_when(state.oldest_running_since, now)}"
+        return Why(
+            "at_cap",
+            f"at its cap: {state.running} of {cap} running{since}; the next starts when one "
+            "finishes",
+        )
+    if state.release_interval > timedelta(0) and state.next_turn_at > now:
+        return Why(
+            "rate_limited",
+            f"rate limited (one message every {state.release_interval.total_seconds():g}s): "
+            f"its next release is at {_when(state.next_turn_at, now)}",
+        )
+    views = registry.workers(now) if views is None else views
+    alive = registry.live(views)
+    if not alive:
+        return Why("no_worker", "no live worker: nothing runs until one starts")
+    if not any(_serves(v, state.name) for v in alive):
+        return Why(
+            "no_worker_for_channel",
+            f"no live worker serves this channel: the {len(alive)} live ones are limited to "
+            "other channels (--channels / --exclude-channels)",
+        )
+    rate = state.claimed_recently / (RATE_MINUTES * 60)
+    if state.ahead == 0:
+        return Why("next", "next in the round: the next claim of a free worker takes it")
+    estimate = f"; at the recent rate of {rate:,.1f} messages/s" if rate > 0 else ""
+    if rate > 0:
+        estimate += f", about {overview.format_age(state.ahead / rate)}"
+    return Why(
+        "in_round",
+        f"{state.ahead:,} channel{'s' if state.ahead != 1 else ''} ahead of it in the round"
+        f"{estimate}",
+    )
+
+
+def _serves(view: registry.WorkerView, name: str) -> bool:
+    if view.channels:
+        return name in view.channels
+    return name not in view.exclude_channels
+
+
+def message(msg: Message, *, views: list[registry.WorkerView] | None = None) -> Why:
+    """Why this message has not run yet (or what it is doing instead)."""
+    if msg.state in (MessageState.SUCCEEDED, MessageState.FAILED, MessageState.CANCELLED):
+        done = msg.finished_at.isoformat(timespec="seconds") if msg.finished_at else "?"
+        return Why("finished", f"not waiting: {msg.state} at {done}")
+    state = store.select_channel_wait_state(msg.channel_id)
+    if state is None:
+        return Why("missing", "its channel no longer exists")
+    now = state.now
+    if msg.state == MessageState.RUNNING:
+        expires = msg.lease_expires_at
+        if expires is not None and expires < now:
+            every = conf.get().RESCUE_INTERVAL
+            return Why(
+                "lease_expired",
+                f"its lease expired at {_when(expires, now)} (worker {msg.worker_id or '?'} "
+                f"stopped renewing it): the rescuer of a live worker requeues it (every "
+                f"{every:g}s)",
+            )
+        since = _when(msg.claimed_at, now) if msg.claimed_at else "?"
+        return Why("running", f"not waiting: running on {msg.worker_id or '?'} since {since}")
+    if msg.state == MessageState.SCHEDULED:
+        if msg.attempts > 0:
+            error = msg.last_error or {}
+            what = f"{error.get('type', 'error')}: {error.get('message', '')}".strip(": ")
+            return Why(
+                "retry",
+                f"waiting to retry at {_when(msg.run_at, now)} (attempt {msg.attempts} of "
+                f"{msg.max_attempts} failed: {what})",
+            )
+        return Why("delayed", f"delayed until {_when(msg.run_at, now)}")
+    cause = _channel_cause(msg.channel_id, state, views)
+    ahead = store.select_messages_ahead(msg.channel_id, msg.priority, msg.pk)
+    if ahead:
+        noun = "message" if ahead == 1 else "messages"
+        text = f"{ahead:,} {noun} of its channel ahead of it; the channel: {cause.text}"
+        return Why(cause.cause, text)
+    return cause
