@@ -88,7 +88,7 @@ def test_a_messages_own_causes() -> None:
     (delayed,) = f.enqueue("m", 1, run_after=timedelta(hours=1))
     assert waiting.message(Message.objects.get(pk=delayed)).cause == "delayed"
 
-    first, second = f.enqueue("m2", 2)
+    _first, second = f.enqueue("m2", 2)
     f.fold_all()
     ahead = waiting.message(Message.objects.get(pk=second))
     assert ahead.text.startswith("1 message of its channel ahead of it")
