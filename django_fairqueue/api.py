@@ -16,6 +16,7 @@ from json.encoder import c_make_encoder, encode_basestring  # type: ignore[attr-
 from typing import Any
 
 from django.conf import settings
+from django.db.models import Model
 from django.utils import timezone
 
 from django_fairqueue import conf, store
@@ -38,7 +39,7 @@ class EnqueueRequest:
     task: TaskRef
     args: Sequence[Any] = ()
     kwargs: Mapping[str, Any] = field(default_factory=dict)
-    channel: str | None = None
+    channel: str | Model | None = None
     run_after: datetime | timedelta | None = None
     priority: int | None = None
 
@@ -46,7 +47,7 @@ class EnqueueRequest:
 def enqueue(
     task: TaskRef | BoundTask,
     *args: Any,
-    channel: str | None = None,
+    channel: str | Model | None = None,
     run_after: datetime | timedelta | None = None,
     priority: int | None = None,
     **kwargs: Any,
@@ -157,7 +158,8 @@ def _prepare_batch(
             if channel is None:
                 channel = known[4]
         if type(channel) is not str or channel not in checked:  # (unhashable: not a str)
-            checked.add(validate_channel_name(channel))
+            channel = validate_channel_name(channel)
+            checked.add(channel)
         payload = encode_payload(spec.name, args, kwargs, max_bytes)
         priority = request.priority
         if priority is None:
@@ -192,7 +194,7 @@ def _prepare_one(
     spec: TaskSpec,
     args: list[Any],
     kwargs: dict[str, Any],
-    channel: str | None,
+    channel: str | Model | None,
     run_after: datetime | timedelta | None,
     priority: int | None,
     cfg: conf.FairQueueSettings,
@@ -204,7 +206,7 @@ def _prepare_one(
             channel = spec.channel_from(*args, **kwargs)
         if channel is None:
             channel = spec.channel or cfg.DEFAULT_CHANNEL
-    validate_channel_name(channel)
+    channel = validate_channel_name(channel)
     payload = encode_payload(spec.name, args, kwargs, cfg.MAX_PAYLOAD_BYTES)
     if priority is None:
         priority = spec.priority
@@ -230,7 +232,18 @@ def _prepare_one(
 
 
 def validate_channel_name(name: Any) -> str:
-    """A channel name is 1-200 characters of any text, without surrounding blanks or NUL."""
+    """A channel name is 1-200 characters of any text, without surrounding blanks or NUL.
+
+    A saved model instance (a tenant, an account) stands for ``"<app_label>.<model>:<pk>"``,
+    so ``channel=doc.tenant`` works and two models' ids never share a channel. Returns the name.
+    """
+    if isinstance(name, Model):
+        if name.pk is None:
+            raise InvalidChannel(
+                f"channel is an unsaved {type(name).__name__}: save it first (its primary key "
+                "names the channel)"
+            )
+        name = f"{name._meta.label_lower}:{name.pk}"
     if not isinstance(name, str):
         raise InvalidChannel(f"channel name must be a string, got {type(name).__name__}")
     if not name or not name.strip():

@@ -529,3 +529,16 @@ def test_database_accepts_the_edges() -> None:
         max_concurrency=1_000_000, release_interval=timedelta(days=1), weight=1000, max_backlog=1
     )
     Channel.objects.filter(name="alice").update(max_concurrency=1, weight=1, max_backlog=None)
+
+
+@pytest.mark.django_db
+def test_a_model_instance_names_its_channel_by_label_and_primary_key() -> None:
+    from django.contrib.auth.models import Group
+
+    team = Group.objects.create(name="acme")
+    mid = enqueue(f.NOOP, channel=team)
+    assert Message.objects.get(pk=mid).channel.name == f"auth.group:{team.pk}"
+    (other,) = enqueue_many([EnqueueRequest(f.NOOP, channel=team)])
+    assert Message.objects.get(pk=other).channel_id == Message.objects.get(pk=mid).channel_id
+    with pytest.raises(InvalidChannel, match="unsaved Group"):
+        enqueue(f.NOOP, channel=Group(name="draft"))

@@ -1,14 +1,15 @@
-"""``manage.py fairqueue failures``: list, retry and delete failed messages.
+"""List, retry and delete failed messages (dead letters).
 
-::
+  fairqueue failures list [--channel C] [--task T] [--limit N] [--after ID] [--json]
+  fairqueue failures retry (ID ... | --all [--channel C] [--task T]) [--json]
+  fairqueue failures delete (ID ... | --all [--channel C] [--task T]) [--json]
 
-    manage.py fairqueue failures list [--channel C] [--task T] [--limit N] [--after ID] [--json]
-    manage.py fairqueue failures retry (ID ... | --all [--channel C] [--task T]) [--json]
-    manage.py fairqueue failures delete (ID ... | --all [--channel C] [--task T]) [--json]
-
-A subcommand module of the ``fairqueue`` command: it provides ``add_arguments(parser)`` and
-``handle(options, stdout)``; the work is done by :mod:`django_fairqueue.failures`.
+Retry makes a failed message ready again with a fresh attempt budget; delete removes it. Both
+are idempotent: ids of messages that are not failed (any more) are left alone.
 """
+
+# A subcommand module of the ``fairqueue`` command; the work is done by
+# django_fairqueue.failures.
 
 from __future__ import annotations
 

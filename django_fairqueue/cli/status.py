@@ -1,19 +1,13 @@
-"""``manage.py fairqueue status``: the per-tenant table of the admin, in the terminal.
+"""Show the channels as the admin lists them: backlog, running against the cap, failures, age.
 
-::
-
-    manage.py fairqueue status [--sort backlog|age|name|running|failed] [--limit N] [--json]
-                               [--watch [SECONDS]]
-
-One line per channel (the first ``--limit``, default 20, in ``--sort`` order, default most
-ready first) with the same figures as the admin's channel list, then the totals over all
-channels. ``--json`` prints one JSON document for scripts; ``--watch`` redraws every SECONDS
-(default 2) until Ctrl-C. The figures come from the counters, bounded index probes and the
-per-minute statistics: cheap on a busy queue (see docs/howto/observability.md).
-
-A subcommand module of the ``fairqueue`` command: ``add_arguments(parser)`` and
-``handle(options, stdout)``.
+One line per channel (the first --limit, default 20, in --sort order, default most ready first),
+then the totals over all channels and the live workers. Name a CHANNEL to see it alone, with
+why its messages wait. --json prints one JSON document for scripts; --watch redraws every
+SECONDS (default 2) until Ctrl-C. The figures come from the counters, bounded index probes and
+the per-minute statistics: cheap on a busy queue (docs/howto/observability.md).
 """
+
+# A subcommand module of the ``fairqueue`` command: add_arguments(parser), handle(options, stdout).
 
 from __future__ import annotations
 

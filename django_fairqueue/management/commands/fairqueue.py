@@ -6,6 +6,7 @@ The subcommands live in ``django_fairqueue/cli/`` (one module each, listed in
 
 from __future__ import annotations
 
+import argparse
 from importlib import import_module
 from types import ModuleType
 from typing import Any
@@ -27,8 +28,12 @@ class Command(BaseCommand):
         for name in SUBCOMMANDS:
             module = _subcommand(name)
             doc = (module.__doc__ or "").strip()
+            # the docstring speaks to users and is laid out by hand: printed as written
             subparser = subparsers.add_parser(
-                name, help=doc.splitlines()[0] if doc else None, description=doc or None
+                name,
+                help=doc.splitlines()[0] if doc else None,
+                description=doc or None,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
             )
             module.add_arguments(subparser)
 

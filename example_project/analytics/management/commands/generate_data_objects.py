@@ -28,7 +28,8 @@ FORMULAS = {
 GENERATE = """
 INSERT INTO data_objects (tenant, price, qty, discount, tax_rate)
 SELECT CASE WHEN g %% 4 = 0 THEN 'globex' ELSE 'acme' END,
-       round((1 + (g * 7919 %% 100000) / 100.0)::numeric, 2)::double precision,
+       -- bigint: g * 7919 passes the integer range from g = 271,184 on
+       round((1 + (g::bigint * 7919 %% 100000) / 100.0)::numeric, 2)::double precision,
        1 + g %% 17,
        (g %% 5) * 0.05,
        CASE WHEN g %% 3 = 0 THEN 0.2 ELSE 0.07 END
