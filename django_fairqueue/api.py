@@ -21,7 +21,8 @@ from django.utils import timezone
 
 from django_fairqueue import conf, store
 from django_fairqueue.exceptions import InvalidChannel, PayloadError
-from django_fairqueue.models import CHANNEL_NAME_MAX_LENGTH, Message
+from django_fairqueue.limits import CHANNEL_NAME_MAX_LENGTH
+from django_fairqueue.models import Message
 from django_fairqueue.signals import message_enqueued
 from django_fairqueue.tasks import BoundTask, FairTask, TaskSpec, registry
 

@@ -18,7 +18,7 @@ from django.conf import settings as django_settings
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-from django_fairqueue.models import MAX_CONCURRENCY_LIMIT, MAX_RELEASE_INTERVAL, MAX_WEIGHT
+from django_fairqueue.limits import MAX_CONCURRENCY_LIMIT, MAX_RELEASE_INTERVAL, MAX_WEIGHT
 
 DELIVERY_MODES = ("at_most_once", "at_least_once")
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")

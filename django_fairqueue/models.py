@@ -32,14 +32,13 @@ from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
 from django_fairqueue.integrity import TrackedModel, TrackedQuerySet
-
-#: Longest channel name accepted (characters). Names are identifiers, not documents.
-CHANNEL_NAME_MAX_LENGTH = 200
-#: Upper bounds that catch typos (a weight of 1e9 is a mistake, not a policy).
-MAX_WEIGHT = 1000
-MAX_CONCURRENCY_LIMIT = 1_000_000
-MAX_RELEASE_INTERVAL = timedelta(days=1)
-TASK_NAME_MAX_LENGTH = 200
+from django_fairqueue.limits import (
+    CHANNEL_NAME_MAX_LENGTH,
+    MAX_CONCURRENCY_LIMIT,
+    MAX_RELEASE_INTERVAL,
+    MAX_WEIGHT,
+    TASK_NAME_MAX_LENGTH,
+)
 
 
 class MessageState(models.TextChoices):

@@ -16,7 +16,7 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 from django_fairqueue import conf
 from django_fairqueue.exceptions import ResultNotStorable, UnknownTask
-from django_fairqueue.models import TASK_NAME_MAX_LENGTH
+from django_fairqueue.limits import TASK_NAME_MAX_LENGTH
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -1,0 +1,17 @@
+"""Bounds of names and channel limits, shared by the models, the settings and the API.
+
+A module of constants only (no Django import), so that settings validation (``conf``) and the
+task registry need not import the models.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+#: Longest channel name accepted (characters). Names are identifiers, not documents.
+CHANNEL_NAME_MAX_LENGTH = 200
+#: Upper bounds that catch typos (a weight of 1e9 is a mistake, not a policy).
+MAX_WEIGHT = 1000
+MAX_CONCURRENCY_LIMIT = 1_000_000
+MAX_RELEASE_INTERVAL = timedelta(days=1)
+TASK_NAME_MAX_LENGTH = 200
