@@ -45,11 +45,12 @@ except ImportError as exc:  # tests/test_admin.py hides the package to check thi
         "django_fairqueue.metrics needs prometheus-client: pip install django-fairqueue[prometheus]"
     ) from exc
 
-from django_fairqueue import overview, registry
+from django_fairqueue import overview, registry, stats, store
 from django_fairqueue.models import Channel
 
 __all__ = [
     "CLAIM_LATENCY",
+    "PROCESS_REGISTRY",
     "REGISTRY",
     "QueueCollector",
     "metrics_view",
@@ -61,6 +62,13 @@ __all__ = [
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: The setting holding the bearer token that grants access to :func:`metrics_view`.
 TOKEN_SETTING = "FAIRQUEUE_METRICS_TOKEN"
+#: The setting bounding the per-channel series of the age and wait metrics: the channels whose
+#: oldest ready message waits longest (plus an aggregate over all, ``channel="(all)"``).
+TOP_SETTING = "FAIRQUEUE_METRICS_TOP_CHANNELS"
+TOP_DEFAULT = 20
+#: The window of the wait, retry and failure figures (the per-minute statistics).
+WINDOW_MINUTES = 5
+ALL = "(all)"
 
 
 class QueueCollector(Collector):
@@ -114,16 +122,79 @@ class QueueCollector(Collector):
         for state in ("alive", "silent", "dead", "stopped"):
             workers.add_metric([state], sum(1 for v in views if v.state == state))
         yield workers
+        yield from self._alerting(counts)
+
+    def _alerting(self, counts: dict[int, overview.ChannelCounts]) -> Iterator[Metric]:
+        """What to alert on: who starves (oldest ready age, waits), who fails, stale leases.
+
+        Per channel only for the TOP_SETTING channels waiting longest, so a queue of 10,000
+        tenants does not export 10,000 series of each; the aggregate covers every channel.
+        """
+        top = int(getattr(settings, TOP_SETTING, TOP_DEFAULT))
+        now = store.select_clock()
+        backlogged = [c.id for c in counts.values() if c.ready > 0]
+        since = store.select_channel_oldest_ready(backlogged)
+        oldest = sorted(since.items(), key=lambda item: item[1])[:top]
+        age = GaugeMetricFamily(
+            "fairqueue_oldest_ready_age_seconds",
+            f"How long the longest-waiting ready message has waited: the {top} channels "
+            f"waiting longest, and the longest of all as channel={ALL!r}.",
+            labels=["channel"],
+        )
+        for cid, ready_since in oldest:
+            age.add_metric([counts[cid].name], max((now - ready_since).total_seconds(), 0.0))
+        age.add_metric([ALL], max((now - oldest[0][1]).total_seconds(), 0.0) if oldest else 0.0)
+        yield age
+        wait = GaugeMetricFamily(
+            "fairqueue_wait_seconds",
+            f"Wait from ready to claimed over the last {WINDOW_MINUTES} minutes (p50, p95), for "
+            f"the same channels and over all.",
+            labels=["channel", "quantile"],
+        )
+        per_channel = stats.wait_by_channel(WINDOW_MINUTES, [cid for cid, _ in oldest])
+        overall = stats.wait_summary(WINDOW_MINUTES)
+        for name, summary in [
+            *((counts[cid].name, s) for cid, s in per_channel.items()),
+            (ALL, overall),
+        ]:
+            for quantile, value in (("0.5", summary.p50_ms), ("0.95", summary.p95_ms)):
+                if value is not None:
+                    wait.add_metric([name, quantile], value / 1000)
+        yield wait
+        window = stats.outcome_totals(WINDOW_MINUTES)
+        for key, text in (
+            ("retried", "Attempts that failed and will be retried"),
+            ("failed", "Messages that failed for good (new dead letters)"),
+            ("succeeded", "Messages that succeeded"),
+        ):
+            family = GaugeMetricFamily(
+                f"fairqueue_{key}_last_{WINDOW_MINUTES}m",
+                f"{text}, over the last {WINDOW_MINUTES} minutes (all channels).",
+            )
+            family.add_metric([], window[key])
+            yield family
+        stale = GaugeMetricFamily(
+            "fairqueue_stale_leases",
+            "Running messages whose lease has expired: their worker died or stalled, and they "
+            "wait for a live worker's rescuer.",
+        )
+        stale.add_metric([], store.select_stale_lease_count())
+        yield stale
 
 
+#: The queue as the database sees it (served by :func:`metrics_view`, from any process).
 REGISTRY = CollectorRegistry(auto_describe=False)
 REGISTRY.register(QueueCollector())
+
+#: What only this process knows (served by :func:`start_http_server` in a worker): a web
+#: process never claims, so its view would export an always-empty histogram.
+PROCESS_REGISTRY = CollectorRegistry(auto_describe=False)
 
 CLAIM_LATENCY = Histogram(
     "fairqueue_claim_duration_seconds",
     "Duration of one claim_messages call (round trip included), in this worker process.",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
-    registry=REGISTRY,
+    registry=PROCESS_REGISTRY,
 )
 
 
@@ -133,10 +204,10 @@ def observe_claim(seconds: float) -> None:
 
 
 def start_http_server(port: int, addr: str = "127.0.0.1") -> Any:
-    """Serve :data:`REGISTRY` from this process on ``addr:port`` (a daemon thread); for worker
-    processes, whose claim latency no other process sees. Bind to a private address: this
-    endpoint has no access control of its own."""
-    return _start_http_server(port, addr=addr, registry=REGISTRY)
+    """Serve :data:`PROCESS_REGISTRY` from this process on ``addr:port`` (a daemon thread); for
+    worker processes, whose claim latency no other process sees. Bind to a private address:
+    this endpoint has no access control of its own."""
+    return _start_http_server(port, addr=addr, registry=PROCESS_REGISTRY)
 
 
 def _allowed(request: HttpRequest) -> tuple[bool, bool]:

@@ -471,3 +471,14 @@ def fairness(
     index = jain_index(got[cid] / max(weight, 1) for cid, weight in backlogged.items())
     shares = {cid: (n / total if total else 0.0) for cid, n in got.items()}
     return Fairness(minutes, index, len(backlogged), total, shares)
+
+
+def outcome_totals(minutes: int = 5, *, now: datetime | None = None) -> dict[str, int]:
+    """Claimed, succeeded, retried and failed (for good) over the window, over all channels."""
+    row = _window(minutes, now, None).aggregate(
+        claimed=Sum("claimed"),
+        succeeded=Sum("succeeded"),
+        retried=Sum("retried"),
+        failed=Sum("failed"),
+    )
+    return {key: int(value or 0) for key, value in row.items()}

@@ -1346,3 +1346,11 @@ def select_messages_ahead(
 ) -> int:
     params = {"channel_id": channel_id, "priority": priority, "id": message_id}
     return int(_run("select_messages_ahead", params, using)[0][0])
+
+
+def select_clock(*, using: str | None = None) -> datetime:
+    return _run("select_clock", {}, using)[0][0]  # type: ignore[no-any-return]
+
+
+def select_stale_lease_count(*, using: str | None = None) -> int:
+    return int(_run("select_stale_lease_count", {}, using)[0][0])

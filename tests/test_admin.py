@@ -798,7 +798,8 @@ def test_metrics_exposition(queue: dict[str, Any]) -> None:
     from django_fairqueue import metrics
 
     Channel.objects.filter(name="beta").update(max_concurrency=4)
-    before = metrics.REGISTRY.get_sample_value("fairqueue_claim_duration_seconds_count") or 0
+    process = metrics.PROCESS_REGISTRY
+    before = process.get_sample_value("fairqueue_claim_duration_seconds_count") or 0
     metrics.observe_claim(0.003)
     metrics.observe_claim(0.2)
     request = RequestFactory().get("/metrics")
@@ -818,9 +819,20 @@ def test_metrics_exposition(queue: dict[str, Any]) -> None:
     ):
         assert line in text.splitlines(), line
     assert 'fairqueue_channel_max_concurrency{channel="alpha"}' not in text
-    after = metrics.REGISTRY.get_sample_value("fairqueue_claim_duration_seconds_count")
+    after = process.get_sample_value("fairqueue_claim_duration_seconds_count")
     assert after == before + 2
-    assert "fairqueue_claim_duration_seconds_bucket" in text
+    # a web process claims nothing: its view exports no (always empty) claim histogram
+    assert "fairqueue_claim_duration_seconds" not in text
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in metrics.REGISTRY.collect()
+        for s in family.samples
+    }
+    ages = {dict(k[1])["channel"]: v for k, v in samples.items() if k[0].endswith("age_seconds")}
+    assert set(ages) >= {"alpha", "(all)"} and ages["(all)"] >= ages["alpha"] >= 0
+    assert ("fairqueue_stale_leases", ()) in samples
+    assert ("fairqueue_retried_last_5m", ()) in samples
+    assert samples[("fairqueue_workers", (("state", "alive"),))] == 0
 
 
 def test_metrics_view_is_not_public(settings: Any) -> None:

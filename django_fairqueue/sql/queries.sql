@@ -1004,3 +1004,12 @@ FROM fairqueue_message m
 WHERE m.channel_id = %(channel_id)s::bigint AND m.state = 'ready'
   AND (m.priority > %(priority)s::smallint
        OR (m.priority = %(priority)s::smallint AND m.id < %(id)s::bigint));
+
+-- name: select_clock
+-- The database's clock, for figures computed against its timestamps.
+SELECT clock_timestamp();
+
+-- name: select_stale_lease_count
+-- Running messages whose lease expired (their worker died or stalled): fq_message_lease_idx.
+SELECT count(*) FROM fairqueue_message m
+WHERE m.state = 'running' AND m.lease_expires_at < clock_timestamp();
