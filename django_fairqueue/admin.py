@@ -32,7 +32,7 @@ from django.contrib.admin.models import CHANGE, LogEntry
 from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
-from django.db.models import IntegerField, QuerySet, Value
+from django.db.models import F, IntegerField, QuerySet, Value
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
@@ -44,7 +44,7 @@ from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 from django.views.decorators.http import require_POST
 
-from django_fairqueue import batches, conf, overview, registry, store, waiting
+from django_fairqueue import batches, conf, overview, registry, stats, store, waiting
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.exceptions import InvalidChannel
 from django_fairqueue.models import (
@@ -217,6 +217,64 @@ class BacklogOverFilter(admin.SimpleListFilter):
         return queryset.filter(backlog__gt=over)
 
 
+class CapFilter(admin.SimpleListFilter):
+    """Channels at their concurrency cap, or over it (after the cap was lowered)."""
+
+    title = _("concurrency cap")
+    parameter_name = "cap"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("at", str(_("at or over its cap"))), ("over", str(_("over its cap")))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        capped = queryset.filter(max_concurrency__isnull=False)
+        if self.value() == "at":
+            return capped.filter(running_now__gte=F("max_concurrency"))
+        if self.value() == "over":
+            return capped.filter(running_now__gt=F("max_concurrency"))
+        return queryset
+
+
+class StarvingFilter(admin.SimpleListFilter):
+    """Channels whose longest-waiting ready message has waited longer than N seconds
+    (``?starving=60``): one index probe per channel with a backlog."""
+
+    title = _("oldest ready waits")
+    parameter_name = "starving"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [(str(s), f"over {overview.format_age(s)}") for s in (10, 60, 600, 3600)]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value is None:
+            return queryset
+        try:
+            seconds = float(value)
+        except ValueError:
+            return queryset.none()
+        ids = list(queryset.filter(backlog__gt=0).values_list("pk", flat=True))
+        since = store.select_channel_oldest_ready(ids, using=conf.get().DATABASE)
+        cutoff = store.select_clock() - timedelta(seconds=seconds)
+        return queryset.filter(pk__in=[cid for cid, t in since.items() if t < cutoff])
+
+
+class FailingFilter(admin.SimpleListFilter):
+    """Channels failing now: an attempt failed (retried or for good) in the last minutes."""
+
+    title = _("failing")
+    parameter_name = "failing"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("yes", str(_("failed in the last %d minutes")) % overview.FINISHED_MINUTES)]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() != "yes":
+            return queryset
+        failing = stats.failing_counts(overview.FINISHED_MINUTES)
+        return queryset.filter(pk__in=list(failing))
+
+
 class ChannelChangeList(ChangeList):
     """Adds two things to the standard list: sorting by oldest ready age (computed by the
     store for the filtered channels, then paged here), and the page's figures fetched for the
@@ -241,10 +299,12 @@ class ChannelChangeList(ChangeList):
         page = list(self.result_list)
         now = timezone.now()
         found = {row.id: row for row in overview.rows([obj.pk for obj in page], now=now)}
+        failing = stats.failing_counts(overview.FINISHED_MINUTES, channel_ids=list(found))
         for obj in page:
             # Read by the column methods (ChannelAdmin.*_display, through _row).
             setattr(obj, "_fq_row", found.get(obj.pk))  # noqa: B010
             setattr(obj, "_fq_now", now)  # noqa: B010
+            setattr(obj, "_fq_failing", failing)  # noqa: B010
         self.result_list = page
 
     def _by_age(self) -> list[Channel]:
@@ -278,20 +338,30 @@ class ChannelAdmin(_ChannelAdminBase):
 
     form = ChannelForm
     change_list_template = "admin/fairqueue/channel/change_list.html"
+    # What a support engineer looks for first (backlog, running against the cap, how long the
+    # oldest waits, failures), then the rest; the limits come last.
     list_display = [
         "name",
         "ready_display",
-        "scheduled_display",
         "running_display",
-        "failed_display",
-        "release_interval_display",
-        "weight",
-        "paused",
-        "max_backlog_display",
         "oldest_ready_display",
+        "failing_display",
+        "failed_display",
+        "scheduled_display",
         "finished_display",
+        "paused",
+        "weight",
+        "release_interval_display",
+        "max_backlog_display",
     ]
-    list_filter = ["paused", HasFailuresFilter, BacklogOverFilter]
+    list_filter = [
+        CapFilter,
+        StarvingFilter,
+        FailingFilter,
+        "paused",
+        HasFailuresFilter,
+        BacklogOverFilter,
+    ]
     # Facet counts would run every filter's query over all channels: not on a page view.
     show_facets = admin.ShowFacets.NEVER
     search_fields = ["name"]
@@ -393,13 +463,28 @@ class ChannelAdmin(_ChannelAdminBase):
         row = _row(obj)
         return f"{row.scheduled:,}" if row else "-"
 
-    @admin.display(description=_("running / max"))
+    @admin.display(description=_("running / max"), ordering="running_now")
     def running_display(self, obj: Channel) -> str:
         row = _row(obj)
         if row is None:
             return "-"
-        cap = "∞" if obj.max_concurrency is None else f"{obj.max_concurrency:,}"
-        return f"{row.running:,} / {cap}"
+        cap = obj.max_concurrency
+        text = f"{row.running:,} / {'∞' if cap is None else f'{cap:,}'}"
+        if cap is not None and row.running > cap:  # a cap lowered below what runs
+            return format_html(
+                '<span class="fq-over-cap" title="{}">{}</span>', _("over cap"), text
+            )
+        if cap is not None and row.running == cap:
+            return format_html('<span class="fq-at-cap" title="{}">{}</span>', _("at cap"), text)
+        return text
+
+    @admin.display(description=_("failing 5 min"))
+    def failing_display(self, obj: Channel) -> str:
+        failing: dict[int, int] = getattr(obj, "_fq_failing", {})
+        n = failing.get(obj.pk, 0)
+        if not n:
+            return "0"
+        return format_html('<span class="fq-failed">{}</span>', f"{n:,}")
 
     @admin.display(description=_("failed"), ordering="failed_now")
     def failed_display(self, obj: Channel) -> str:

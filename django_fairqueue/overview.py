@@ -199,6 +199,7 @@ def annotate_counters(queryset: QuerySet[Channel]) -> QuerySet[Channel]:
     them)."""
     return queryset.annotate(
         backlog=state_column("ready_count") + _delta_sum("ready"),
+        running_now=state_column("running_count") + _delta_sum("running"),
         failed_now=state_column("failed_count") + _delta_sum("failed"),
         last_claimed_at=state_column("last_claimed_at", DateTimeField()),
     )

@@ -482,3 +482,16 @@ def outcome_totals(minutes: int = 5, *, now: datetime | None = None) -> dict[str
         failed=Sum("failed"),
     )
     return {key: int(value or 0) for key, value in row.items()}
+
+
+def failing_counts(
+    minutes: int = 5, *, channel_ids: Sequence[int] | None = None, now: datetime | None = None
+) -> dict[int, int]:
+    """{channel id: attempts that failed in the window}: retried plus failed for good."""
+    rows = (
+        _window(minutes, now, channel_ids)
+        .values("channel_id")
+        .annotate(retried=Sum("retried"), bad=Sum("failed"))
+        .values_list("channel_id", "retried", "bad")
+    )
+    return {cid: int(r or 0) + int(b or 0) for cid, r, b in rows if (r or 0) + (b or 0)}

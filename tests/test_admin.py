@@ -1129,3 +1129,40 @@ def test_logging_filter_adapter_and_json_formatter() -> None:
     assert logging.Formatter("%(channel)s %(message_id)s %(message)s").format(record) == (
         "None None m"
     )
+
+
+def test_channel_list_puts_starvation_and_failure_first_and_filters_by_them(
+    admin_client: Client, queue: dict[str, Any]
+) -> None:
+    from django_fairqueue import store
+
+    # beta runs 1 under a cap lowered to... 1 (at cap), then a second running one: over cap
+    Channel.objects.filter(name="beta").update(max_concurrency=1)
+    html = admin_client.get(CHANNELS).content.decode()
+    columns = ("ready", "running", "oldest_ready", "failing", "failed", "weight")
+    order = [
+        html.index(f'class="sortable column-{c}')
+        if f"sortable column-{c}" in html
+        else html.index(f'class="column-{c}')
+        for c in columns
+    ]
+    assert order == sorted(order), "the columns that matter come before the limits"
+    assert '<span class="fq-at-cap"' in html
+    with connection.cursor() as cur:  # a cap lowered below what runs (an operator's edit)
+        cur.execute("UPDATE fairqueue_channel SET running_count = 2 WHERE name = 'beta'")
+    html = admin_client.get(CHANNELS).content.decode()
+    assert '<span class="fq-over-cap" title="over cap">2 / 1</span>' in html
+
+    def names(query: str) -> set[str]:
+        return set(page_rows(admin_client.get(f"{CHANNELS}?{query}")))
+
+    assert names("cap=at") == names("cap=over") == {"beta"}
+    assert names("o=3") and names("o=-3")  # sortable by running
+    assert names("starving=0") == {"alpha", "beta"}
+    assert names("starving=3600") == set()
+    store.record_channel_stats(
+        [store.ChannelMinuteStats(cid("beta"), timezone.now().replace(second=0), failed=2)]
+    )
+    assert names("failing=yes") == {"beta"}
+    html = admin_client.get(CHANNELS).content.decode()
+    assert '<span class="fq-failed">2</span>' in html
