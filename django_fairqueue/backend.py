@@ -59,7 +59,7 @@ from django_fairqueue._tasks_compat import (
     task_finished,
     task_started,
 )
-from django_fairqueue.context import current_message
+from django_fairqueue.context import current_message, timed_out
 from django_fairqueue.exceptions import InvalidChannel, UnknownTask
 from django_fairqueue.tasks import TaskSpec, check_result, registry, result_not_storable
 
@@ -83,7 +83,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 #: Keys accepted in ``TASKS[alias]['OPTIONS']``.
-OPTION_NAMES = ("CHANNEL_FROM", "DEFAULT_CHANNEL", "DELIVERY", "MAX_ATTEMPTS")
+OPTION_NAMES = ("CHANNEL_FROM", "DEFAULT_CHANNEL", "DELIVERY", "MAX_ATTEMPTS", "TASK_TIMEOUT")
 
 # Message state -> Django status. Django has no "scheduled" (a deferred task is READY) and no
 # "cancelled" (a task that will never run is FAILED: "unable to start").
@@ -105,9 +105,15 @@ class FairQueueTask(_TaskBase):
     ``my_task.using(channel="alice").enqueue(...)`` works. On Django 6.1 and the backport the
     decorator also accepts it (``@task(channel="reports")``); Django 6.0's decorator does not
     forward extra arguments, so there use ``.using(channel=...)``.
+
+    ``timeout`` is the time limit of one attempt in seconds (``@task(timeout=30)``, where the
+    decorator forwards it; 0: none), else ``OPTIONS['TASK_TIMEOUT']``, else
+    ``FAIRQUEUE['TASK_TIMEOUT']``. It belongs to the task, not to a call: ``.using()`` does
+    not change it.
     """
 
     channel: str | None = None
+    timeout: float | None = None
 
     def using(self, *, channel: str | None = None, **changes: Any) -> FairQueueTask:
         """A copy with other defaults: Django's ``priority``, ``queue_name``, ``run_after``,
@@ -170,8 +176,11 @@ class _TaskRunner:
                 errors=[_task_error(exc)],
             )
             # Sent inside the except block, so receivers (Django logs it) see the exception.
-            _send_finished(sender, failed)
+            if not timed_out():  # else the worker discards this outcome: no signal for it
+                _send_finished(sender, failed)
             raise
+        if timed_out():  # past its time limit: the worker settled the attempt as failed
+            return value
         done = _replace_result(
             running,
             status=TaskResultStatus.SUCCESSFUL,
@@ -285,11 +294,23 @@ class FairQueueBackend(BaseTaskBackend):
         ):
             raise InvalidTaskBackend(f"{where}['MAX_ATTEMPTS'] must be an integer >= 1")
         self.max_attempts: int | None = attempts
+        try:
+            self.task_timeout = conf.validate_timeout(
+                options.get("TASK_TIMEOUT"), f"{where}['TASK_TIMEOUT']"
+            )
+        except ValueError as exc:
+            raise InvalidTaskBackend(str(exc)) from exc
 
     # -- Django's backend API ------------------------------------------------------------------
 
     def validate_task(self, task: Task[..., Any]) -> None:
         super().validate_task(task)
+        try:
+            conf.validate_timeout(
+                getattr(task, "timeout", None), f"task {task.module_path}: timeout"
+            )
+        except ValueError as exc:
+            raise InvalidTask(str(exc)) from exc
         channel = getattr(task, "channel", None)
         if channel is not None:
             try:
@@ -444,12 +465,14 @@ class FairQueueBackend(BaseTaskBackend):
             current = registry.get(name).func
             if isinstance(current, _TaskRunner) and current.task.func is task.func:
                 return  # validated before (the decorator, an earlier .using())
+        timeout = conf.validate_timeout(getattr(task, "timeout", None), f"task {name}: timeout")
         spec = TaskSpec(
             name=name,
             func=_TaskRunner(task),
             delivery=self.delivery,
             max_attempts=self.max_attempts,
             keep_result=True,
+            timeout=timeout if timeout is not None else self.task_timeout,
         )
         try:
             registry.register(spec)

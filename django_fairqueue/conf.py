@@ -66,6 +66,9 @@ class FairQueueSettings:
     WORKER_HEARTBEAT: float = 5.0
     WORKER_DEAD_AFTER: float = 30.0
     MAX_PAYLOAD_BYTES: int = 1_048_576
+    # Seconds an attempt may run before the worker fails it (TaskTimeout) and stops waiting
+    # for its thread; None: no limit. A task's own ``timeout`` overrides it.
+    TASK_TIMEOUT: float | None = None
     # Prepare queue statements (named, per connection). Turn off behind a transaction-pooling
     # proxy that does not support prepared statements (PgBouncer < 1.21).
     PREPARED_STATEMENTS: bool = True
@@ -101,6 +104,25 @@ def _number(value: Any, name: str, *, minimum: float, integer: bool = False) -> 
         kind = "an integer" if integer else "a number"
         raise ValueError(f"{name} must be {kind} >= {minimum}, got {value!r}")
     return value
+
+
+def validate_timeout(value: Any, name: str) -> float | None:
+    """A task time limit in seconds: None (no limit of its own), or a positive number or
+    timedelta; 0 means no limit. Raise ``ValueError`` naming the bad value."""
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(
+            f"{name} must be a number of seconds >= 0 (0: no limit) or None, got {value!r}"
+        )
+    return float(value)
 
 
 def validate_channel_limits(
@@ -184,6 +206,9 @@ def load(raw: Any) -> FairQueueSettings:
                     f"holding its caller that long is a stall, not a queue), got {value!r}"
                 )
             values[key] = wait
+        elif key == "TASK_TIMEOUT":
+            timeout = validate_timeout(value, "FAIRQUEUE['TASK_TIMEOUT']")
+            values[key] = timeout or None  # 0: no limit, as None
         elif key == "SPARK":
             if not isinstance(value, dict):
                 raise ValueError(f"FAIRQUEUE['SPARK'] must be a dict, got {type(value).__name__}")

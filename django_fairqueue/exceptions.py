@@ -79,5 +79,12 @@ class ResultNotStorable(FairQueueError, TypeError):
     fails, and is not retried (running the task again would repeat its effects)."""
 
 
+class TaskTimeout(FairQueueError):
+    """An attempt ran past its task's time limit (``@task(timeout=...)``,
+    ``FAIRQUEUE['TASK_TIMEOUT']``). The worker fails the attempt at the limit (it is retried
+    like any failed attempt) and stops waiting for its thread, which Python cannot stop: that
+    thread's eventual return is discarded."""
+
+
 class LeaseLost(FairQueueError):
     """The worker no longer holds the lease of a message (or work batch) it was running."""

@@ -148,7 +148,8 @@ class Supervisor:
                 slot.done = True
                 logger.info("supervisor: worker %s (pid %s) finished its burst", slot.index, pid)
                 return
-            # recycled after --max-tasks-per-child messages: replace it at once
+            # recycled (after --max-tasks-per-child messages, or with --max-abandoned-threads
+            # threads stuck in timed-out tasks): replace it at once
             logger.info(
                 "supervisor: worker %s (pid %s) recycled; starting a fresh one", slot.index, pid
             )

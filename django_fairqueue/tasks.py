@@ -35,6 +35,16 @@ class TaskSpec:
     channel: str | None = None
     # Derive the channel from the call's arguments, e.g. ``lambda doc_id, tenant: tenant``.
     channel_from: Callable[..., str] | None = None
+    # Seconds an attempt may run (a worker fails it past that, TaskTimeout); None:
+    # FAIRQUEUE['TASK_TIMEOUT']; 0: no limit whatever the setting says.
+    timeout: float | None = None
+
+    @property
+    def effective_timeout(self) -> float | None:
+        """The time limit of an attempt in seconds, or None for no limit."""
+        if self.timeout is None:
+            return conf.get().TASK_TIMEOUT
+        return self.timeout or None
 
     @property
     def effective_delivery(self) -> str:
@@ -96,6 +106,7 @@ class Registry:
             isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1
         ):
             raise ValueError(f"task {spec.name!r}: max_attempts must be an integer >= 1")
+        conf.validate_timeout(spec.timeout, f"task {spec.name!r}: timeout")
         with self._lock:
             old = self._specs.get(spec.name)
             if (
@@ -222,6 +233,7 @@ def task(
     priority: int = 0,
     channel: str | None = None,
     channel_from: Callable[..., str] | None = None,
+    timeout: float | None = None,
 ) -> Callable[[Callable[P, R]], FairTask[P, R]]: ...
 
 
@@ -236,17 +248,21 @@ def task(
     priority: int = 0,
     channel: str | None = None,
     channel_from: Callable[..., str] | None = None,
+    timeout: float | None = None,
 ) -> FairTask[P, R] | Callable[[Callable[P, R]], FairTask[P, R]]:
     """Register a function as a task.
 
     ``name`` defaults to ``module.qualname``; ``delivery`` is ``"at_least_once"`` (default) or
     ``"at_most_once"``; ``channel`` or ``channel_from`` choose the channel when ``enqueue`` is not
-    given one.
+    given one; ``timeout`` is the time limit of one attempt in seconds (default
+    ``FAIRQUEUE['TASK_TIMEOUT']``, 0 for none): past it the worker fails the attempt with
+    :class:`~django_fairqueue.exceptions.TaskTimeout` and retries it like any failure.
     """
 
     def wrap(f: Callable[P, R]) -> FairTask[P, R]:
+        task_name = name or _qualname(f)
         spec = TaskSpec(
-            name=name or _qualname(f),
+            name=task_name,
             func=f,
             delivery=delivery,
             max_attempts=max_attempts,
@@ -254,6 +270,8 @@ def task(
             priority=priority,
             channel=channel,
             channel_from=channel_from,
+            # seconds (a timedelta is accepted too); a bad value raises ValueError here
+            timeout=conf.validate_timeout(timeout, f"task {task_name!r}: timeout"),
         )
         registry.register(spec)
         return FairTask(spec)

@@ -10,6 +10,10 @@ these threads, each with its own database connection (Django's connections are p
   the jittered poll interval has passed;
 * ``concurrency`` **handler** threads run the task functions (a connection only if the task
   uses the database);
+* the **timer** fails an attempt that outlives its task's time limit (``TaskTimeout``), frees
+  its slot and starts a handler thread in place of the stuck one (Python cannot stop a
+  thread; its eventual outcome is discarded); past ``max_abandoned_threads`` stuck threads the
+  worker stops claiming, finishes what runs and exits, for a fresh process to replace it;
 * the **settler** writes outcomes in batches: every completion waiting in one
   ``complete_messages``, every failure in one ``fail_messages``;
 * the **heartbeat** thread renews the lease of every claimed, unsettled message in one
@@ -26,6 +30,7 @@ Every write after the claim presents the claim's lease token, so a worker that l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -35,6 +40,7 @@ import random
 import secrets
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -60,11 +66,12 @@ from django_fairqueue._runtime import (
     stop_signals,
 )
 from django_fairqueue.api import validate_channel_name
-from django_fairqueue.context import current_message
+from django_fairqueue.context import current_message, time_limit_passed
 from django_fairqueue.exceptions import (
     FairQueueError,
     PayloadError,
     ResultNotStorable,
+    TaskTimeout,
     UnknownTask,
 )
 from django_fairqueue.maintenance import MaintenanceRunner, Service, default_services
@@ -104,6 +111,8 @@ GATHER_SECONDS = 0.005
 #: that soon, rather than leave them behind (``WorkerConfig.burst_horizon``).
 BURST_HORIZON = 5.0
 MAX_BURST_HORIZON = 86_400.0
+#: Stuck handler threads (tasks past their time limit) after which a worker recycles itself.
+MAX_ABANDONED_THREADS = 10
 #: Longest error message and traceback kept in ``last_error`` (characters). The traceback keeps
 #: its end, where the exception was raised.
 MAX_ERROR_MESSAGE = 8_000
@@ -175,11 +184,17 @@ class WorkerConfig:
     listen: bool = True
     #: Run the rescuer, pruner and delta folder in this process.
     maintenance: bool = True
+    #: Handler threads left stuck in tasks past their time limit (Python cannot stop a thread;
+    #: each was replaced by a new one) at which the worker recycles itself: it claims nothing
+    #: more, finishes the running messages and exits normally, for a process manager or
+    #: ``runfairworker --processes`` to start a fresh process.
+    max_abandoned_threads: int = MAX_ABANDONED_THREADS
 
     def __post_init__(self) -> None:
         _positive_int(self.concurrency, "concurrency")
         _positive_int(self.batch_size, "batch_size")
         _positive_int(self.prefetch, "prefetch", minimum=0)
+        _positive_int(self.max_abandoned_threads, "max_abandoned_threads")
         if self.max_messages is not None:
             _positive_int(self.max_messages, "max_messages")
         if self.poll_interval is not None and not self.poll_interval > 0:
@@ -223,6 +238,29 @@ class Outcome:
     #: backoff before the next attempt; the database adds it to its own clock
     retry_in: timedelta | None = None
     duration: float = 0.0
+
+
+@dataclass(eq=False)
+class _Attempt:
+    """A running attempt with a time limit (compared by identity: a message id comes back
+    with its retries)."""
+
+    message: ClaimedMessage
+    spec: TaskSpec
+    thread: threading.Thread
+    timeout: float
+    started: float  # time.monotonic()
+    #: Set by the timer (under the worker's lock) when the limit passed: the attempt was
+    #: settled as timed out, and its thread no longer belongs to the pool.
+    abandoned: bool = False
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.timeout
+
+    def passed(self) -> bool:
+        """Whether the limit has passed (a read of one flag: no lock needed)."""
+        return self.abandoned
 
 
 # ------------------------------------------------------------------------------------------------
@@ -368,8 +406,18 @@ class Worker:
         self.listen = self.config.listen and cfg.NOTIFY
         self._services = services
         # Everything below is guarded by _cond (reentrant: stop() may run in a signal handler
-        # while the claimer holds it).
-        self._cond = threading.Condition(threading.RLock())
+        # while the claimer holds it). The timer waits on a condition of the same lock, so the
+        # frequent notifications of _cond do not wake it.
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        self._timer_cond = threading.Condition(lock)
+        # attempts running with a time limit, and the handler threads that are in the pool
+        self._timed: set[_Attempt] = set()
+        self._handlers: list[threading.Thread] = []
+        self._handlers_started = 0  # for thread names
+        self._handlers_closing = False  # told to stop: no more replacements
+        self._abandoned = 0  # handler threads still stuck in a timed-out attempt
+        self._recycling = False
         # messages this worker holds at most: running, plus waiting for a thread (prefetch)
         self._capacity = self.config.concurrency + self.config.prefetch
         # free slots worth a claim while a backlog is known (see GATHER_SECONDS)
@@ -557,21 +605,28 @@ class Worker:
         with self._cond:
             return Beat(self._busy, self._handled, self._last_claim_at)
 
-    def _start_threads(self, registration: Registration) -> dict[str, list[threading.Thread]]:
-        def start(name: str, target: Callable[[], None]) -> threading.Thread:
-            thread = threading.Thread(
-                target=self._guard, args=(name, target), name=f"fairqueue-{name}", daemon=True
-            )
-            thread.start()
-            return thread
+    def _start_thread(self, name: str, target: Callable[[], None]) -> threading.Thread:
+        thread = threading.Thread(
+            target=self._guard, args=(name, target), name=f"fairqueue-{name}", daemon=True
+        )
+        thread.start()
+        return thread
 
+    def _start_handler(self) -> None:
+        """Start a handler thread and count it in the pool (call with the lock held)."""
+        self._handlers_started += 1
+        thread = self._start_thread(f"handler-{self._handlers_started}", self._handler_loop)
+        self._handlers.append(thread)
+
+    def _start_threads(self, registration: Registration) -> dict[str, list[threading.Thread]]:
+        start = self._start_thread
+        with self._cond:
+            for _ in range(self.config.concurrency):
+                self._start_handler()
         threads: dict[str, list[threading.Thread]] = {
-            "handlers": [
-                start(f"handler-{i + 1}", self._handler_loop)
-                for i in range(self.config.concurrency)
-            ],
             "settler": [start("settler", self._settler_loop)],
             "heartbeat": [start("heartbeat", self._heartbeat_loop)],
+            "timer": [start("timer", self._timer_loop)],
             "background": [
                 start(
                     "registry",
@@ -861,7 +916,7 @@ class Worker:
                 if has_connections:
                     _close_old_connections()
                 try:
-                    outcome = self.execute(message)
+                    outcome = self._execute(message, timed=True)
                 except BaseException as exc:  # a bug outside the task: never lose the slot
                     logger.exception("running message %s failed", message.id)
                     outcome = Outcome(
@@ -874,6 +929,9 @@ class Worker:
                         has_connections = True
                         _end_open_transactions(message)
                         _close_old_connections()
+                if outcome is None:  # it ran past its time limit, and was settled then
+                    self._retire()
+                    return  # another thread has taken this one's place
             if outcome is not None:
                 self._outcomes.put(outcome)
             with self._cond:
@@ -920,8 +978,18 @@ class Worker:
 
         Never raises for a task's error: a bad message (unknown task, unusable payload,
         arguments that do not fit) fails at once without retries; a task that raises is retried
-        with backoff while attempts remain, then fails.
+        with backoff while attempts remain, then fails. The task's time limit is not enforced
+        here (only the threaded loop can leave a stuck thread behind).
         """
+        outcome = self._execute(message, savepoint=savepoint)
+        assert outcome is not None  # only a timed attempt is abandoned
+        return outcome
+
+    def _execute(
+        self, message: ClaimedMessage, *, savepoint: bool = False, timed: bool = False
+    ) -> Outcome | None:
+        """:meth:`execute`; with ``timed``, under the task's time limit: None when the limit
+        passed first (the timer settled the attempt; this outcome is discarded)."""
         started = time.monotonic()
         try:
             spec = registry.get(message.task_name)
@@ -949,7 +1017,9 @@ class Worker:
                 message.max_attempts,
                 extra=_log_extra(message),
             )
+        attempt = self._start_attempt(message, spec) if timed else None
         token = current_message.set(message)
+        limit_token = time_limit_passed.set(attempt.passed) if attempt is not None else None
         try:
             with _savepoints() if savepoint else contextlib.nullcontext():
                 if _is_async(spec.func):
@@ -962,6 +1032,10 @@ class Worker:
             outcome = self._failed(message, spec, exc, started, retry=False)
         except (Exception, SystemExit) as exc:
             outcome = self._failed(message, spec, exc, started, retry=True)
+        except BaseException:
+            if attempt is not None and not self._end_attempt(attempt):
+                return None  # settled as timed out already
+            raise
         else:
             outcome = Outcome(
                 message,
@@ -971,8 +1045,129 @@ class Worker:
             )
         finally:
             current_message.reset(token)
+            if limit_token is not None:
+                time_limit_passed.reset(limit_token)
+        if attempt is not None and not self._end_attempt(attempt):
+            logger.warning(
+                "message %s (%s, channel %r) returned %.1fs after its time limit of %gs: "
+                "discarded its outcome (%s); the attempt was settled as timed out at the limit",
+                message.id,
+                message.task_name,
+                message.channel,
+                outcome.duration - attempt.timeout,
+                attempt.timeout,
+                outcome.kind,
+                extra=_log_extra(message, worker_id=self.worker_id, outcome="discarded"),
+            )
+            return None
         self._finished(outcome)
         return outcome
+
+    # time limits
+
+    def _start_attempt(self, message: ClaimedMessage, spec: TaskSpec) -> _Attempt | None:
+        """Put an attempt under its task's time limit (None: the task has none)."""
+        timeout = spec.effective_timeout
+        if timeout is None:
+            return None
+        attempt = _Attempt(message, spec, threading.current_thread(), timeout, time.monotonic())
+        with self._cond:
+            self._timed.add(attempt)
+            self._timer_cond.notify()  # it may be the next deadline
+        return attempt
+
+    def _end_attempt(self, attempt: _Attempt) -> bool:
+        """The attempt returned: whether its outcome is still this thread's to settle (False
+        when the timer settled it as timed out first)."""
+        with self._cond:
+            if attempt.abandoned:
+                return False
+            self._timed.discard(attempt)
+            return True
+
+    def _retire(self) -> None:
+        """A thread abandoned to a timed-out attempt got it back: it leaves the worker (its
+        replacement is running), no longer counted as stuck."""
+        with self._cond:
+            self._abandoned -= 1
+
+    def _timer_loop(self) -> None:
+        """Settle each attempt that outlives its time limit as a failed attempt, at once."""
+        while not self._threads_stop.is_set():
+            with self._cond:
+                now = time.monotonic()
+                expired = [a for a in self._timed if a.deadline <= now]
+                for attempt in expired:
+                    self._abandon(attempt)
+                if not expired:
+                    # the next deadline, checked again at least every second (the stop)
+                    wait = min((a.deadline for a in self._timed), default=now + 1.0) - now
+                    self._timer_cond.wait(min(max(wait, 0.001), 1.0))
+            for attempt in expired:
+                self._time_out(attempt)
+
+    def _abandon(self, attempt: _Attempt) -> None:
+        """Take a timed-out attempt's thread out of the pool (call with the lock held): the
+        slot is free for the next claim, and a new handler thread takes the stuck one's place."""
+        self._timed.discard(attempt)
+        attempt.abandoned = True
+        self._busy -= 1
+        self._abandoned += 1
+        if attempt.thread in self._handlers:
+            self._handlers.remove(attempt.thread)
+        if not self._handlers_closing:
+            self._start_handler()
+        self._cond.notify_all()
+
+    def _time_out(self, attempt: _Attempt) -> None:
+        """Settle an attempt past its time limit as failed (retried while attempts remain)."""
+        message = attempt.message
+        exc = TaskTimeout(
+            f"task {message.task_name} exceeded its time limit of {attempt.timeout:g} s "
+            f"(attempt {message.attempts} of {message.max_attempts})"
+        )
+        error = error_info(exc, attempt=message.attempts, worker_id=self.worker_id)
+        frame = sys._current_frames().get(attempt.thread.ident or -1)
+        if frame is not None:  # where the task was stuck, for the operator
+            stack = "".join(traceback.format_stack(frame))
+            error["traceback"] = _storable(
+                "Stack of the handler thread at the time limit (most recent call last):\n"
+                f"{stack}{error['type']}: {error['message']}\n",
+                MAX_TRACEBACK,
+                keep_end=True,
+            )
+        outcome = self._failed(message, attempt.spec, exc, attempt.started, retry=True)
+        outcome = dataclasses.replace(outcome, error=error)
+        self._outcomes.put(outcome)
+        with self._cond:
+            stuck = self._abandoned
+            recycle = stuck >= self.config.max_abandoned_threads and not self._recycling
+            if recycle:
+                self._recycling = True
+        logger.error(
+            "message %s (%s, channel %r) exceeded its time limit of %gs: attempt %s of %s "
+            "failed; its handler thread was replaced (%d stuck in this worker)",
+            message.id,
+            message.task_name,
+            message.channel,
+            attempt.timeout,
+            message.attempts,
+            message.max_attempts,
+            stuck,
+            extra=_log_extra(message, worker_id=self.worker_id, outcome="timeout"),
+        )
+        self._finished(outcome)
+        if recycle:
+            logger.warning(
+                "worker %s recycling: %d handler threads are stuck in tasks past their time "
+                "limit (max_abandoned_threads %d); claiming nothing more, finishing the running "
+                "messages, then exiting for a fresh process to take over",
+                self.worker_id,
+                stuck,
+                self.config.max_abandoned_threads,
+                extra={"worker_id": self.worker_id, "outcome": "recycle"},
+            )
+            self.stop()
 
     def _finished(self, outcome: Outcome) -> None:
         self._log_finish(outcome)
@@ -1185,9 +1380,12 @@ class Worker:
                     )
         with self._cond:
             for outcome in group:
-                self._unsettled.pop(outcome.message.id, None)
-                self._lost.discard(outcome.message.id)
-                self._lease_deadlines.pop(outcome.message.id, None)
+                message_id = outcome.message.id
+                if self._unsettled.get(message_id, outcome.message) is not outcome.message:
+                    continue  # its retry, claimed again already (a timed-out attempt's, say)
+                self._unsettled.pop(message_id, None)
+                self._lost.discard(message_id)
+                self._lease_deadlines.pop(message_id, None)
             if verb != "release":
                 self._handled += len(group)
             if written and verb != "release" and not self._more:
@@ -1364,7 +1562,10 @@ class Worker:
                 abandoned,
                 self.config.shutdown_grace,
             )
-        for _ in threads["handlers"]:
+        with self._cond:
+            self._handlers_closing = True  # no more replacements: the pool is final
+            handlers = list(self._handlers)
+        for _ in handlers:
             self._work.put(None)
         # Write what is waiting, retrying through a database outage for at most the grace
         # period (at least a few seconds), then give up: the leases recover the rest.
@@ -1374,10 +1575,12 @@ class Worker:
             thread.join()
         # Heartbeats run until everything is written, so no lease expires meanwhile.
         self._threads_stop.set()
-        for thread in threads["heartbeat"] + threads["background"]:
+        with self._timer_cond:
+            self._timer_cond.notify()
+        for thread in threads["heartbeat"] + threads["timer"] + threads["background"]:
             thread.join(timeout=10)
         if not abandoned:
-            for thread in threads["handlers"]:
+            for thread in handlers:  # not those stuck past a time limit: they may never return
                 thread.join(timeout=5)
 
 

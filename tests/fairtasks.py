@@ -84,3 +84,10 @@ def at_most_once(seconds: float = 0.0, marker: str | None = None) -> dict[str, A
     _mark(marker)
     time.sleep(seconds)
     return _ran()
+
+
+@task(name="tests.fair.hang", timeout=0.3, max_attempts=1)
+def hang(marker: str | None = None) -> None:
+    """Never returns in time (an hour): past its time limit of 0.3 s, its thread is abandoned."""
+    _mark(marker)
+    time.sleep(3600)

@@ -8,6 +8,8 @@ tasks below are module-level, as Django requires; tests/settings.py makes FairQu
 from __future__ import annotations
 
 import pickle
+import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -17,7 +19,7 @@ import django
 import psycopg
 import pytest
 from asgiref.sync import async_to_sync
-from django.db import transaction
+from django.db import connections, transaction
 from django.test import override_settings
 from django.utils import timezone
 
@@ -36,10 +38,12 @@ from django_fairqueue._tasks_compat import (
 )
 from django_fairqueue.backend import FairQueueBackend, FairQueueTask
 from django_fairqueue.context import current_message
+from django_fairqueue.exceptions import TaskTimeout
 from django_fairqueue.models import Message, MessageState
 from django_fairqueue.tasks import registry
 from django_fairqueue.tasks import task as fairqueue_task
 from django_fairqueue.testing import drain
+from django_fairqueue.worker import Worker, WorkerConfig
 
 FAIRQUEUE_BACKEND = "django_fairqueue.backend.FairQueueBackend"
 
@@ -98,6 +102,21 @@ def returns_nan() -> float:
 def reports() -> str:
     """Decorated in a test (Django 6.0's decorator would refuse ``channel=`` at import)."""
     return "report"
+
+
+#: Set when a test below is done: lets the handler threads stuck in these tasks return.
+RELEASE_STUCK = threading.Event()
+
+
+def stuck() -> str:
+    """Decorated in a test, after OPTIONS['TASK_TIMEOUT'] is set: never returns in time."""
+    RELEASE_STUCK.wait(3600)
+    return "too late"
+
+
+def stuck_briefly() -> str:
+    """Decorated in a test with a time limit of its own."""
+    return "quick"
 
 
 @fairqueue_task(name="tests.backend.native")
@@ -290,6 +309,7 @@ def test_queue_name_other_than_default_is_the_channel(tasks_options: Any) -> Non
         ({"CHANNEL_FROM": len}, "dotted path"),
         ({"DELIVERY": "exactly_once"}, "DELIVERY"),
         ({"MAX_ATTEMPTS": 0}, "MAX_ATTEMPTS"),
+        ({"TASK_TIMEOUT": -1}, r"TASK_TIMEOUT'\] must be a number of seconds"),
     ],
 )
 def test_bad_options_are_refused(options: dict[str, Any], message: str) -> None:
@@ -552,3 +572,70 @@ def test_rolled_back_enqueue_leaves_nothing(database_url: str) -> None:
     with pytest.raises(TaskResultDoesNotExist):
         add.get_result(result.id)
     assert store.claim_messages(10, lease=timedelta(minutes=1), worker_id="w") == []
+
+
+# -- time limits -----------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_task_past_the_task_timeout_option_ends_failed_with_the_timeout(
+    tasks_options: Any,
+) -> None:
+    tasks_options(OPTIONS={"TASK_TIMEOUT": 0.3, "MAX_ATTEMPTS": 2})
+    declared = task(stuck)  # registered now, under this backend's options
+    name = declared.module_path
+    assert registry.get(name).effective_timeout == 0.3
+    RELEASE_STUCK.clear()
+    finished: list[Any] = []
+
+    def on_finished(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        finished.append(task_result.status)
+
+    task_finished.connect(on_finished)
+    worker = Worker(WorkerConfig(concurrency=1, listen=False, maintenance=False, worker_id="t"))
+    thread = threading.Thread(target=lambda: (worker.run(), connections.close_all()))
+    try:
+        with override_settings(FAIRQUEUE={"RETRY_BACKOFF_BASE": 0, "POLL_INTERVAL": 0.2}):
+            result = declared.enqueue()
+            thread.start()
+            deadline = time.monotonic() + 20
+            while declared.get_result(result.id).status != TaskResultStatus.FAILED:
+                assert time.monotonic() < deadline, "the task never timed out"
+                time.sleep(0.05)
+        failed = declared.get_result(result.id)
+        assert failed.status == TaskResultStatus.FAILED
+        assert failed.attempts == 2
+        (error,) = failed.errors
+        assert error.exception_class_path == "django_fairqueue.exceptions.TaskTimeout"
+        assert error.exception_class is TaskTimeout
+        assert f"task {name} exceeded its time limit of 0.3 s (attempt 2 of 2)" in error.traceback
+        assert "RELEASE_STUCK.wait(3600)" in error.traceback  # where it was stuck
+        RELEASE_STUCK.set()  # both stuck threads return now: their outcomes are discarded
+        deadline = time.monotonic() + 10
+        while worker._abandoned:
+            assert time.monotonic() < deadline, "the stuck threads never returned"
+            time.sleep(0.02)
+        assert finished == []  # no task_finished for a timed-out attempt, even a late one
+        assert declared.get_result(result.id).status == TaskResultStatus.FAILED
+    finally:
+        task_finished.disconnect(on_finished)
+        worker.stop()
+        thread.join(30)
+        RELEASE_STUCK.set()
+        registry.unregister(name)
+
+
+@pytest.mark.skipif(
+    django.VERSION[:2] == (6, 0), reason="Django 6.0's @task does not forward extra arguments"
+)
+def test_a_task_timeout_of_its_own_wins_over_the_option(tasks_options: Any) -> None:
+    tasks_options(OPTIONS={"TASK_TIMEOUT": 30})
+    declared = task(timeout=5)(stuck_briefly)
+    try:
+        assert declared.timeout == 5
+        assert registry.get(declared.module_path).effective_timeout == 5
+        assert declared.using(priority=3).timeout == 5
+    finally:
+        registry.unregister(declared.module_path)
+    with pytest.raises(InvalidTask, match="timeout must be a number of seconds"):
+        task(timeout="soon")(stuck_briefly)

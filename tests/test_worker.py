@@ -33,7 +33,7 @@ from django_fairqueue.tasks import registry, task
 from django_fairqueue.testing import drain, enqueued
 from django_fairqueue.worker import Outcome, Worker, WorkerConfig, retry_delay
 from tests import fairtasks
-from tests.factories import channel_state, set_limits
+from tests.factories import assert_counters_match_table, channel_state, set_limits
 from tests.workerkit import counters, enqueue_raw, wait_until
 
 SEEN: dict[str, Any] = {}
@@ -968,3 +968,175 @@ def test_an_idle_worker_claims_when_work_comes_due_not_at_the_next_poll() -> Non
     )
     assert lateness[0] >= 0  # never early
     assert lateness[-1] < 1.0, lateness  # at its due time, not 30 s later
+
+
+# time limits: a task that never returns (or returns too late)
+
+#: Set at the end of each test below: lets their stuck handler threads return.
+RELEASE_HUNG = threading.Event()
+HUNG_STARTS: list[tuple[int, int, float]] = []  # (message id, attempt, wall clock at start)
+
+
+@task(name="tests.worker.hang", timeout=0.5, max_attempts=2, keep_result=True)
+def hang() -> str:
+    """Waits (for an hour, unless the test lets it go) on every attempt."""
+    message = current_message.get()
+    assert message is not None
+    HUNG_STARTS.append((message.id, message.attempts, time.time()))
+    RELEASE_HUNG.wait(3600)
+    return "returned late"
+
+
+@task(name="tests.worker.hang_once", timeout=0.3, max_attempts=2, keep_result=True)
+def hang_once() -> str:
+    """Stuck on its first attempt (until the test lets it go); the retry returns at once."""
+    message = current_message.get()
+    assert message is not None
+    if message.attempts == 1:
+        RELEASE_HUNG.wait(3600)
+        return "first attempt"
+    return "second attempt"
+
+
+@task(name="tests.worker.untimed")
+def untimed() -> None:
+    """No time limit of its own: FAIRQUEUE['TASK_TIMEOUT'] applies."""
+    RELEASE_HUNG.wait(3600)
+
+
+@task(name="tests.worker.meet", keep_result=True)
+def meet() -> bool:
+    """Returns only if another message of the test runs at the same time."""
+    MEETING.wait()
+    return True
+
+
+MEETING = threading.Barrier(2, timeout=10)
+
+
+@pytest.fixture
+def hung() -> Iterator[None]:
+    RELEASE_HUNG.clear()
+    HUNG_STARTS.clear()
+    MEETING.reset()
+    try:
+        yield
+    finally:
+        RELEASE_HUNG.set()  # the abandoned threads return (and their outcomes are discarded)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_hung_task_times_out_frees_its_tenant_is_retried_then_dead_lettered(
+    fq: Any, hung: None
+) -> None:
+    # The retry waits 0.5-1 s: the tenant's other messages go first (else, as the oldest
+    # message of its channel, the retry would).
+    fq(RETRY_BACKOFF_BASE=1.0)
+    Channel.objects.create(name="capped", max_concurrency=1)
+    stuck = hang.enqueue(channel="capped")
+    after = [fairtasks.record.enqueue(str(i), channel="capped") for i in range(3)]
+    # Polls are for the retry (scheduled, no wake-up says it is due); the tenant's next
+    # message is claimed on the settlement's wake-up (its figure is well under a poll).
+    worker = one_worker(concurrency=2, poll_interval=2.0)
+    with running(worker):
+        wait_until(lambda: all_in(after, MessageState.SUCCEEDED), 20, "the tenant's messages")
+        wait_until(lambda: message(stuck).state == MessageState.FAILED, 20, "the dead letter")
+        # Both attempts' threads are stuck, each replaced: the pool still has 2 threads.
+        with worker._cond:
+            assert (worker._abandoned, len(worker._handlers)) == (2, 2)
+        meeting = [meet.enqueue(channel=f"m{i}") for i in range(2)]
+        worker.wake()  # no LISTEN here
+        wait_until(lambda: all_in(meeting, MessageState.SUCCEEDED), 20, "two at once")
+
+    row = message(stuck)
+    assert (row.state, row.attempts, row.result) == (MessageState.FAILED, 2, None)
+    error = row.last_error
+    assert error["type"] == "django_fairqueue.exceptions.TaskTimeout"
+    assert error["message"] == (
+        "task tests.worker.hang exceeded its time limit of 0.5 s (attempt 2 of 2)"
+    )
+    assert "RELEASE_HUNG.wait(3600)" in error["traceback"]  # where it was stuck
+    # The tenant's next message started right after the time limit, not after a lease.
+    (first_start,) = [t for _, attempt, t in HUNG_STARTS if attempt == 1]
+    started = sorted(message(m).result["started"] for m in after)
+    latency = started[0] - (first_start + 0.5)
+    print(f"\ntime limit -> the tenant's next message started: {latency * 1000:.0f} ms")
+    assert 0 <= latency < 1.0, latency
+    c = counters("capped")
+    assert (c.ready, c.running, c.failed, c.succeeded) == (0, 0, 1, 3)
+    assert_counters_match_table()
+
+
+def all_in(ids: list[int], state: str) -> bool:
+    return set(Message.objects.filter(pk__in=ids).values_list("state", flat=True)) == {state}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_late_return_of_a_timed_out_attempt_changes_nothing(
+    fq: Any, hung: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    fq(RETRY_BACKOFF_BASE=0)
+    finished: list[tuple[int, str]] = []
+
+    def on_finished(sender: Any, message: Any, outcome: str, **kwargs: Any) -> None:
+        finished.append((message.attempts, outcome))
+
+    message_finished.connect(on_finished)
+    mid = hang_once.enqueue(channel="alice")
+    worker = one_worker(concurrency=1, poll_interval=60.0)
+    try:
+        with running(worker), caplog.at_level(logging.INFO, "django_fairqueue.worker"):
+            wait_until(lambda: message(mid).state == MessageState.SUCCEEDED, 20, "the retry")
+            RELEASE_HUNG.set()  # the first attempt's thread returns "first attempt" now
+            wait_until(lambda: worker._abandoned == 0, 10, "the stuck thread returning")
+            time.sleep(0.2)  # anything it would write, it has written by now
+            row = message(mid)
+            assert (row.state, row.attempts, row.result) == (
+                MessageState.SUCCEEDED,
+                2,
+                "second attempt",
+            )
+            assert row.last_error["type"] == "django_fairqueue.exceptions.TaskTimeout"
+    finally:
+        message_finished.disconnect(on_finished)
+    assert finished == [(1, "retry"), (2, "succeeded")]  # nothing for the late return
+    assert f"message {mid} (tests.worker.hang_once, channel 'alice') returned" in caplog.text
+    assert "discarded its outcome (succeeded)" in caplog.text
+    assert counters("alice").running == 0
+    assert worker.handled == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_task_timeout_setting_limits_tasks_without_a_timeout_of_their_own(
+    fq: Any, hung: None
+) -> None:
+    fq(TASK_TIMEOUT=0.3, DEFAULT_MAX_ATTEMPTS=1)
+    assert registry.get("tests.worker.untimed").effective_timeout == 0.3
+    assert registry.get("tests.worker.hang").effective_timeout == 0.5  # its own wins
+    mid = untimed.enqueue(channel="alice")
+    with running(one_worker(concurrency=1, poll_interval=60.0)):
+        wait_until(lambda: message(mid).state == MessageState.FAILED, 10, "the time limit")
+    assert message(mid).last_error["message"] == (
+        "task tests.worker.untimed exceeded its time limit of 0.3 s (attempt 1 of 1)"
+    )
+
+
+def test_time_limits_are_validated(fq: Any) -> None:
+    for good, seconds in [(None, None), (0, None), (2, 2.0), (timedelta(minutes=1), 60.0)]:
+        fq(TASK_TIMEOUT=good)
+        assert seconds == conf.get().TASK_TIMEOUT
+    for bad in [-1, "30", float("nan"), float("inf"), True]:
+        with pytest.raises(ValueError, match=r"TASK_TIMEOUT'\] must be a number of seconds"):
+            conf.load({"TASK_TIMEOUT": bad})
+
+    def plain() -> None:
+        pass
+
+    with pytest.raises(ValueError, match=r"'tests\.worker\.bad_timeout': timeout must be"):
+        task(name="tests.worker.bad_timeout", timeout=-1)(plain)
+    assert task(name="tests.worker.no_limit", timeout=0)(plain).spec.effective_timeout is None
+    registry.unregister("tests.worker.no_limit")
+    with pytest.raises(ValueError, match="max_abandoned_threads must be an integer >= 1"):
+        WorkerConfig(max_abandoned_threads=0)
+    with pytest.raises(CommandError, match="--max-abandoned-threads must be at least 1"):
+        call_command("runfairworker", "--max-abandoned-threads", "0")

@@ -365,3 +365,33 @@ def test_workers_register_beat_and_deregister_and_a_dead_ones_leases_are_rescued
     b.signal(signal.SIGTERM)
     assert b.wait(30) == 0
     assert WorkerRecord.objects.get(worker_id="reg-b").state == "stopped"
+
+
+def test_a_worker_replaces_threads_stuck_past_a_time_limit_then_recycles_itself(
+    workers: Workers, tmp_path: Path
+) -> None:
+    Channel.objects.create(name="h", max_concurrency=1)
+    w = workers.start("recycle", "--concurrency", "2", "--max-abandoned-threads", "2")
+    quick = [fairtasks.record.enqueue(str(i), channel="r") for i in range(4)]
+    wait_until(lambda: all_final(*quick), 20, "the quick messages")
+    markers = [tmp_path / "h0", tmp_path / "h1"]
+    hung = [fairtasks.hang.enqueue(str(m), channel="h") for m in markers]  # one at a time
+    w.wait_for("exceeded its time limit of 0.3s: attempt 1 of 1 failed; its handler thread")
+    # One thread is stuck, its replacement runs the rest alongside the other thread.
+    more = [fairtasks.record.enqueue(str(i), channel="r") for i in range(4)]
+    wait_until(lambda: all_final(*more), 20, "messages after the first time-out")
+    line = w.wait_for("recycling: 2 handler threads are stuck in tasks past their time limit")
+    assert "max_abandoned_threads 2" in line
+    assert w.wait(30) == 0  # a normal exit: the supervisor or process manager starts a new one
+    assert all(m.exists() for m in markers)
+    for mid in hung:
+        failed = row(mid)
+        assert (failed.state, failed.attempts) == (MessageState.FAILED, 1)
+        assert failed.last_error["type"] == "django_fairqueue.exceptions.TaskTimeout"
+        assert failed.last_error["message"] == (
+            "task tests.fair.hang exceeded its time limit of 0.3 s (attempt 1 of 1)"
+        )
+    assert {row(m).state for m in quick + more} == {MessageState.SUCCEEDED}
+    c = counters("h")
+    assert (c.ready, c.running, c.failed) == (0, 0, 2)
+    w.wait_for(f"worker recycle stopped after {len(quick) + len(more) + 2} messages")

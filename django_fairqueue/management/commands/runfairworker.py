@@ -15,6 +15,7 @@ from django_fairqueue.api import validate_channel_name
 from django_fairqueue.exceptions import InvalidChannel
 from django_fairqueue.worker import (
     BURST_HORIZON,
+    MAX_ABANDONED_THREADS,
     MAX_BURST_HORIZON,
     Worker,
     WorkerConfig,
@@ -122,6 +123,16 @@ class Command(BaseCommand):
             type=float,
             metavar="SECONDS",
             help="Lease of each claim, renewed by heartbeats (default FAIRQUEUE['LEASE_SECONDS']).",
+        )
+        parser.add_argument(
+            "--max-abandoned-threads",
+            type=int,
+            default=MAX_ABANDONED_THREADS,
+            metavar="N",
+            help="Recycle the worker once N handler threads are stuck in tasks past their time "
+            "limit (each is replaced, since Python cannot stop a thread): claim nothing more, "
+            "finish the running messages, exit 0 for a process manager or --processes to "
+            f"restart it (default {MAX_ABANDONED_THREADS}).",
         )
         parser.add_argument(
             "--no-listen",
@@ -233,6 +244,9 @@ class Command(BaseCommand):
             raise CommandError(
                 f"--burst-horizon must be 0 to {MAX_BURST_HORIZON:g} seconds, got {horizon}"
             )
+        abandoned = options["max_abandoned_threads"]
+        if abandoned < 1:
+            raise CommandError(f"--max-abandoned-threads must be at least 1, got {abandoned}")
         lease = options["lease"]
         if lease is not None and not lease > 0:
             raise CommandError(f"--lease must be a positive number of seconds, got {lease}")
@@ -258,6 +272,7 @@ class Command(BaseCommand):
                 worker_id=worker_id or default_worker_id(),
                 lease=timedelta(seconds=lease) if lease is not None else None,
                 shutdown_grace=grace,
+                max_abandoned_threads=abandoned,
                 listen=not options["no_listen"] and conf.get().NOTIFY,
                 maintenance=not options["no_maintenance"],
             )
@@ -314,6 +329,8 @@ def _child_flags(options: dict[str, Any]) -> list[str]:
         str(options["prefetch"]),
         "--shutdown-grace",
         str(options["shutdown_grace"]),
+        "--max-abandoned-threads",
+        str(options["max_abandoned_threads"]),
         "--verbosity",
         str(options["verbosity"]),
     ]
