@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from json.encoder import c_make_encoder, encode_basestring  # type: ignore[attr-defined]
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 from django.conf import settings
 from django.db.models import Model
@@ -24,13 +24,16 @@ from django_fairqueue.exceptions import InvalidChannel, PayloadError
 from django_fairqueue.limits import CHANNEL_NAME_MAX_LENGTH
 from django_fairqueue.models import Message
 from django_fairqueue.signals import message_enqueued
-from django_fairqueue.tasks import BoundTask, FairTask, TaskSpec, registry
+from django_fairqueue.taskspec import TaskSpec, registry
+
+if TYPE_CHECKING:
+    from django_fairqueue.tasks import BoundTask, FairTask
 
 #: Same range as django.tasks, so a task moves between backends unchanged.
 MIN_PRIORITY = -100
 MAX_PRIORITY = 100
 
-TaskRef = str | FairTask[Any, Any] | TaskSpec
+TaskRef: TypeAlias = "str | FairTask[Any, Any] | TaskSpec"
 
 
 @dataclass(frozen=True)
@@ -62,16 +65,19 @@ def enqueue(
     Raises :class:`~django_fairqueue.exceptions.ChannelFull` when the channel's backlog is at its
     ``max_backlog``.
     """
-    if isinstance(task, BoundTask):
+    if isinstance(getattr(getattr(task, "task", None), "spec", None), TaskSpec):
+        # a BoundTask (task.using(...)): its queue options, then its task
+        bound = cast("BoundTask", task)
         if channel is None:
-            channel = task.channel
+            channel = bound.channel
         if run_after is None:
-            run_after = task.run_after
+            run_after = bound.run_after
         if priority is None:
-            priority = task.priority
-        task = task.task
+            priority = bound.priority
+        spec = bound.task.spec
+    else:
+        spec = resolve_task(cast(TaskRef, task))
     cfg = conf.get()
-    spec = resolve_task(task)
     message = _prepare_one(spec, list(args), kwargs, channel, run_after, priority, cfg)
     message_id = store.enqueue_message(
         message,
@@ -101,8 +107,9 @@ def enqueue_many(requests: Iterable[EnqueueRequest]) -> list[int]:
 
 
 def resolve_task(task: TaskRef) -> TaskSpec:
-    if isinstance(task, FairTask):
-        return task.spec
+    spec = getattr(task, "spec", None)  # a task object (@task); the API imports none
+    if isinstance(spec, TaskSpec):
+        return spec
     if isinstance(task, TaskSpec):
         return task
     if isinstance(task, str):

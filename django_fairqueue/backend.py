@@ -61,7 +61,7 @@ from django_fairqueue._tasks_compat import (
 )
 from django_fairqueue.context import current_message, timed_out
 from django_fairqueue.exceptions import InvalidChannel, UnknownTask
-from django_fairqueue.tasks import TaskSpec, check_result, registry, result_not_storable
+from django_fairqueue.taskspec import TaskSpec, check_result, registry, result_not_storable
 
 if TYPE_CHECKING:
     from django_fairqueue.models import Message

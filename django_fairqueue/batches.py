@@ -29,6 +29,7 @@ from django.utils import timezone
 
 from django_fairqueue import conf, store, terminal
 from django_fairqueue.api import validate_channel_name
+from django_fairqueue.attempts import error_info, retry_delay  # messages' backoff and record
 from django_fairqueue.exceptions import LeaseLost
 from django_fairqueue.models import Channel
 from django_fairqueue.store import ClaimedBatch, RescuedBatch
@@ -407,8 +408,6 @@ def fenced(batch: ClaimedBatch, *, using: str | None = None) -> Iterator[Fence]:
 
 def _error_dict(error: BaseException | str, batch: ClaimedBatch, worker_id: str) -> dict[str, Any]:
     """The ``last_error`` of a failed attempt, shaped (and made storable) like a message's."""
-    from django_fairqueue.worker import error_info
-
     if isinstance(error, BaseException):
         return error_info(error, attempt=batch.attempts, worker_id=worker_id)
     # A plain message: the same truncation and NUL escaping, no traceback.
@@ -432,8 +431,6 @@ def fail(
 
     Returns the new state, or None if the lease was already lost (nothing changes).
     """
-    from django_fairqueue.worker import retry_delay  # the messages' backoff, jitter and cap
-
     delay = retry_delay_seconds if retry_delay_seconds is not None else retry_delay(batch.attempts)
     if not math.isfinite(delay) or delay < 0:
         raise ValueError(f"retry delay must be a finite number >= 0, got {delay!r}")

@@ -38,7 +38,7 @@ from django.db import connections, transaction
 from django_fairqueue import conf, store
 from django_fairqueue.exceptions import FairQueueError, LeaseLost
 from django_fairqueue.store import ClaimedMessage
-from django_fairqueue.tasks import check_result
+from django_fairqueue.taskspec import check_result
 
 __all__ = ["Batch", "TransactionRequired", "batch"]
 

@@ -13,15 +13,8 @@ from django_fairqueue import conf
 from django_fairqueue._runtime import configure_logging
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.exceptions import InvalidChannel
-from django_fairqueue.worker import (
-    BURST_HORIZON,
-    MAX_ABANDONED_THREADS,
-    MAX_BURST_HORIZON,
-    Worker,
-    WorkerConfig,
-    WorkerCrashed,
-    default_worker_id,
-)
+from django_fairqueue.worker import Worker, WorkerConfig, WorkerCrashed, default_worker_id
+from django_fairqueue.worker.config import BURST_HORIZON, MAX_ABANDONED_THREADS, MAX_BURST_HORIZON
 
 
 def _names(value: str | None, option: str) -> tuple[str, ...]:
@@ -191,7 +184,7 @@ class Command(BaseCommand):
             self.stderr.write(f"worker {config.worker_id}: {handled} messages handled")
 
     def _supervise(self, options: dict[str, Any]) -> None:
-        from django_fairqueue import supervisor
+        from django_fairqueue.worker import supervisor
 
         processes = options["processes"]
         recycle = options["max_tasks_per_child"]

@@ -1,0 +1,52 @@
+"""What a failed attempt records, and when it is tried again (messages and work batches)."""
+
+from __future__ import annotations
+
+import random
+import traceback
+from typing import Any
+
+from django_fairqueue import conf
+
+#: Longest error message and traceback kept in ``last_error`` (characters). The traceback keeps
+#: its end, where the exception was raised.
+MAX_ERROR_MESSAGE = 8_000
+MAX_TRACEBACK = 32_000
+
+
+def retry_delay(attempt: int) -> float:
+    """Seconds before retrying after failed attempt ``attempt`` (1-based).
+
+    ``RETRY_BACKOFF_BASE * 2**(attempt - 1)``, capped at ``RETRY_BACKOFF_MAX``, then scaled by a
+    random factor in [0.5, 1] so that messages failing together do not retry together.
+    """
+    cfg = conf.get()
+    step = min(cfg.RETRY_BACKOFF_BASE * 2.0 ** min(attempt - 1, 60), cfg.RETRY_BACKOFF_MAX)
+    return step * random.uniform(0.5, 1.0)
+
+
+def _qualified_name(cls: type) -> str:
+    module = cls.__module__
+    return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
+
+
+def _storable(text: str, limit: int, *, keep_end: bool = False) -> str:
+    """Text jsonb accepts (no NUL, no lone surrogates), at most ``limit`` characters."""
+    text = text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(text) > limit:
+        text = "[...]" + text[-limit:] if keep_end else text[:limit] + "[...]"
+    return text
+
+
+def error_info(
+    exc: BaseException, *, attempt: int, worker_id: str, with_traceback: bool = True
+) -> dict[str, Any]:
+    """The ``last_error`` of a failed attempt."""
+    tb = "".join(traceback.format_exception(exc)) if with_traceback else None
+    return {
+        "type": _qualified_name(type(exc)),
+        "message": _storable(str(exc), MAX_ERROR_MESSAGE),
+        "traceback": _storable(tb, MAX_TRACEBACK, keep_end=True) if tb is not None else None,
+        "attempt": attempt,
+        "worker": worker_id,
+    }

@@ -1,0 +1,164 @@
+"""Task specifications and the registry workers look tasks up in, by name.
+
+A worker runs only functions registered here. A row never names code to import: the task name
+is a key into this registry, which is filled by importing the modules the project configures
+(each installed app's ``tasks`` module and ``FAIRQUEUE['TASK_MODULES']``). The ``@task``
+decorator and the task objects it returns are in :mod:`django_fairqueue.tasks`; this module
+depends on neither them nor the enqueue API, so both can depend on it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from django_fairqueue import conf
+from django_fairqueue.exceptions import ResultNotStorable, UnknownTask
+from django_fairqueue.limits import TASK_NAME_MAX_LENGTH
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """How a registered task is run. ``None`` fields fall back to FAIRQUEUE settings."""
+
+    name: str
+    func: Callable[..., Any]
+    delivery: str | None = None
+    max_attempts: int | None = None
+    keep_result: bool | None = None
+    priority: int = 0
+    channel: str | None = None
+    # Derive the channel from the call's arguments, e.g. ``lambda doc_id, tenant: tenant``.
+    channel_from: Callable[..., str] | None = None
+    # Seconds an attempt may run (a worker fails it past that, TaskTimeout); None:
+    # FAIRQUEUE['TASK_TIMEOUT']; 0: no limit whatever the setting says.
+    timeout: float | None = None
+
+    @property
+    def effective_timeout(self) -> float | None:
+        """The time limit of an attempt in seconds, or None for no limit."""
+        if self.timeout is None:
+            return conf.get().TASK_TIMEOUT
+        return self.timeout or None
+
+    @property
+    def effective_delivery(self) -> str:
+        return self.delivery or conf.get().DEFAULT_DELIVERY
+
+    @property
+    def effective_max_attempts(self) -> int:
+        # at-most-once: one attempt, never redelivered (a lost lease dead-letters it)
+        if self.effective_delivery == "at_most_once":
+            return 1
+        return self.max_attempts or conf.get().DEFAULT_MAX_ATTEMPTS
+
+    @property
+    def effective_keep_result(self) -> bool:
+        if self.keep_result is None:
+            return conf.get().KEEP_RESULTS
+        return self.keep_result
+
+
+def check_result(task_name: str, value: Any) -> None:
+    """Raise :class:`ResultNotStorable` unless ``value`` can be stored as a message's result
+    (jsonb): JSON without NaN or infinities, NUL characters or lone surrogates, not nested
+    deeper than the encoder recurses."""
+    try:
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False)
+        if "\\u0000" in text:
+            raise ValueError("it contains a NUL character")
+        text.encode("utf-8")  # lone surrogates: UnicodeEncodeError (a ValueError)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise result_not_storable(task_name, value, exc) from exc
+
+
+def result_not_storable(task_name: str, value: Any, exc: BaseException) -> ResultNotStorable:
+    """The error of a return value that JSON cannot hold: the value's type, and why."""
+    kind = type(value)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else str(kind)
+    why = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+    return ResultNotStorable(
+        f"the return value of {task_name} ({name}) cannot be stored as JSON: {why}; "
+        "the task ran, and is not retried"
+    )
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._specs: dict[str, TaskSpec] = {}
+        self._lock = threading.Lock()
+        self._discovered = False
+
+    def register(self, spec: TaskSpec) -> None:
+        _check_task_name(spec.name)
+        if spec.delivery is not None and spec.delivery not in conf.DELIVERY_MODES:
+            raise ValueError(
+                f"task {spec.name!r}: delivery must be one of {conf.DELIVERY_MODES}, "
+                f"got {spec.delivery!r}"
+            )
+        attempts: object = spec.max_attempts  # checked at run time: callers may pass anything
+        if attempts is not None and (
+            isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1
+        ):
+            raise ValueError(f"task {spec.name!r}: max_attempts must be an integer >= 1")
+        conf.validate_timeout(spec.timeout, f"task {spec.name!r}: timeout")
+        with self._lock:
+            old = self._specs.get(spec.name)
+            if (
+                old is not None
+                and old.func is not spec.func
+                and _qualname(old.func) != _qualname(spec.func)
+            ):
+                raise ValueError(
+                    f"task name {spec.name!r} is already registered for {_qualname(old.func)}"
+                )
+            self._specs[spec.name] = spec
+
+    def get(self, name: str) -> TaskSpec:
+        spec = self._specs.get(name)
+        if spec is None and not self._discovered:
+            self.autodiscover()
+            spec = self._specs.get(name)
+        if spec is None:
+            raise UnknownTask(name)
+        return spec
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._specs
+
+    def names(self) -> list[str]:
+        return sorted(self._specs)
+
+    def autodiscover(self) -> None:
+        """Import every installed app's ``tasks`` module and FAIRQUEUE['TASK_MODULES']."""
+        from importlib import import_module
+
+        from django.utils.module_loading import autodiscover_modules
+
+        autodiscover_modules("tasks")
+        for module in conf.get().TASK_MODULES:
+            import_module(module)
+        self._discovered = True
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            self._specs.pop(name, None)
+
+
+registry = Registry()
+
+
+def _qualname(func: Callable[..., Any]) -> str:
+    return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"
+
+
+def _check_task_name(name: Any) -> None:
+    if not isinstance(name, str) or not name.strip() or name != name.strip():
+        raise ValueError(
+            f"task name must be a non-empty string without surrounding blanks: {name!r}"
+        )
+    if len(name) > TASK_NAME_MAX_LENGTH:
+        raise ValueError(f"task name is longer than {TASK_NAME_MAX_LENGTH} characters")

@@ -1,0 +1,268 @@
+"""The claimer: claims fairly when a slot is free and work may wait, and wakes when it is due."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from datetime import timedelta
+
+from django_fairqueue import store
+from django_fairqueue._runtime import (
+    CONNECTION_ERRORS,
+    Backoff,
+    after_database_error,
+    drop_broken_connection,
+)
+from django_fairqueue.registry import wall_clock
+from django_fairqueue.store import ClaimedMessage
+from django_fairqueue.worker.base import WorkerBase
+from django_fairqueue.worker.config import (
+    DUE_RETRY_FIRST,
+    DUE_SLACK,
+    EMPTY_CLAIM_RETRIES,
+    GATHER_SECONDS,
+    WOKEN_CLAIM_RETRIES,
+    Outcome,
+    _lease_clock,
+)
+
+logger = logging.getLogger("django_fairqueue.worker")
+
+
+class Claimer(WorkerBase):
+    """The claimer: claims when a slot is free and work may wait, and when work comes due."""
+
+    def _claim_loop(self) -> None:
+        backoff = Backoff()
+        while True:
+            limit = self._wait_for_claim()
+            if limit is None:
+                return
+            try:
+                messages = self._claim(limit)
+                drained = not messages and self._after_empty_claim()
+            except CONNECTION_ERRORS as exc:
+                what = after_database_error(exc)
+                delay = backoff.next()
+                logger.warning("claim failed: %s; retry in %.2fs", what, delay)
+                with self._cond:
+                    self._not_before = time.monotonic() + delay
+                    self._wake = True
+                continue
+            backoff.reset()
+            drop_broken_connection()
+            if messages:
+                self._last_claim_at = wall_clock()
+            if messages and self._stats is not None:
+                # the database's claim time: the lease runs from it
+                self._stats.record_claimed(messages, messages[0].lease_expires_at - self.lease)
+            self._dispatch(messages, limit)
+            if drained:
+                logger.info(
+                    "burst: nothing left to claim, nor due within %gs", self.config.burst_horizon
+                )
+                return
+
+    def _after_empty_claim(self) -> bool:
+        """Decide what an empty claim means; returns True when a burst worker is done."""
+        self._empty_claims += 1
+        burst = self.config.burst
+        if (self._backlog_seen or burst) and self._empty_claims <= EMPTY_CLAIM_RETRIES:
+            # Right after a full claim this is probably contention, not an empty queue: try
+            # again in a few milliseconds.
+            self._retry_claim_in(random.uniform(0.002, 0.01) * self._empty_claims)
+            return False
+        self._backlog_seen = False
+        if not burst:
+            if self._claim_woken and self._woken_retries < WOKEN_CLAIM_RETRIES:
+                # Woken for new work, yet the claim found none. The claim skips channel rows
+                # other transactions hold (a concurrent claim, the maintenance thread folding
+                # counters, an operator's edit), so the new message may sit behind a lock
+                # held for a millisecond: a lock-free look tells that apart from a message
+                # another worker already took, and a short retry then picks it up instead of
+                # the next poll (a second later).
+                only, exclude = self._filters()
+                if store.select_claimable_exists(
+                    only_channel_ids=only, exclude_channel_ids=exclude
+                ):
+                    delay = random.uniform(0.005, 0.01) * 2**self._woken_retries
+                    self._woken_retries += 1
+                    self._retry_claim_in(delay)
+                    return False
+            self._claim_when_due()
+            return False  # wait for a wake-up, the poll, or the next work coming due
+        with self._cond:
+            if self._unsettled:
+                return False  # running messages may retry; their settlement wakes us
+        only, exclude = self._filters()
+        if store.select_claimable_exists(only_channel_ids=only, exclude_channel_ids=exclude):
+            self._retry_claim_in(random.uniform(0.01, 0.05))  # others hold it right now
+            return False
+        horizon = self.config.burst_horizon
+        if horizon > 0:
+            # Not done while work is due soon: a rate-limited channel's next turn, a retry or
+            # a delayed message. The database tells how far off it is on its own clock.
+            due_in = store.select_next_due(
+                timedelta(seconds=horizon), only_channel_ids=only, exclude_channel_ids=exclude
+            )
+            if due_in is not None:
+                logger.debug("burst: work due in %.3fs; waiting for it", due_in)
+                self._retry_claim_in(max(due_in, 0.0) + random.uniform(0.002, 0.01))
+                return False
+        return True
+
+    def _claim_when_due(self) -> None:
+        """After an empty claim: claim again when the next work comes due (a rate-limited
+        channel's next turn, a delayed message, a retry's backoff), if that is before the next
+        poll. A wake-up still claims at once meanwhile: this only brings the poll forward.
+
+        The database says how far off the work is, on its own clock (the one the claim compares
+        due times with); the worker waits that long on its monotonic clock.
+        """
+        only, exclude = self._filters()
+        if only == []:
+            return
+        due_in = store.select_next_due(
+            timedelta(seconds=self.poll_interval * 1.2),
+            only_channel_ids=only,
+            exclude_channel_ids=exclude,
+        )
+        if due_in is None:
+            self._due_misses = 0
+            return
+        if due_in <= 0:
+            # Due already, yet the claim found nothing (it was taken, or something holds it):
+            # back off so such work cannot make the worker spin.
+            self._due_misses += 1
+            wait = min(DUE_RETRY_FIRST * 2**self._due_misses, self.poll_interval)
+        else:
+            self._due_misses = 0
+            wait = due_in + DUE_SLACK
+        with self._cond:
+            self._next_poll = min(self._next_poll, time.monotonic() + wait)
+
+    def _retry_claim_in(self, seconds: float) -> None:
+        with self._cond:
+            self._not_before = time.monotonic() + seconds
+            self._wake = True
+
+    def _wait_for_claim(self) -> int | None:
+        """Block until a claim is due; returns its size, or None to stop."""
+        burst = self.config.burst
+        # Outcomes waiting to be written: past this, claiming more would only pile up leases.
+        settle_cap = 2 * max(self.config.batch_size, self._capacity)
+        half_batch = self._half_batch
+        gather_until: float | None = None
+        with self._cond:
+            while True:
+                if self._stop_requested:
+                    return None
+                remaining = self._remaining()
+                if remaining <= 0:
+                    return None
+                now = time.monotonic()
+                if now < self._not_before:
+                    self._cond.wait(self._not_before - now)
+                    continue
+                free = self._capacity - self._busy
+                settling = len(self._unsettled) - self._busy
+                if free > 0 and settling < settle_cap:
+                    idle = not self._unsettled
+                    if self._more and not self._wake and free < half_batch:
+                        # a backlog, and only a few slots free yet: let more handlers finish
+                        if gather_until is None:
+                            gather_until = now + GATHER_SECONDS
+                        if now < gather_until:
+                            self._cond.wait(gather_until - now)
+                            continue
+                    if self._wake or self._more or now >= self._next_poll or (burst and idle):
+                        self._claim_woken = self._wake
+                        self._wake = False
+                        # Poll again one (jittered) interval after the last claim of any kind.
+                        self._next_poll = now + self.poll_interval * random.uniform(0.8, 1.2)
+                        return min(free, self.config.batch_size, remaining)
+                    timeout = self._next_poll - now
+                else:
+                    timeout = self.poll_interval
+                self._cond.wait(timeout)
+
+    def _dispatch(self, messages: list[ClaimedMessage], limit: int) -> None:
+        if messages:
+            self._empty_claims = 0
+            self._due_misses = 0
+        if len(messages) >= limit:
+            self._backlog_seen = True
+        with self._cond:
+            self._more = len(messages) >= limit
+            release = self._release_unstarted  # stopped while the claim was in flight
+            for message in messages:
+                self._unsettled[message.id] = message
+            if not release:
+                self._busy += len(messages)
+                self._claimed += len(messages)
+        for message in messages:
+            if release:
+                self._outcomes.put(Outcome(message, "released"))
+            else:
+                self._work.put(message)
+
+    def _filters(self) -> tuple[list[int] | None, list[int] | None]:
+        """Channel ids to claim from (None: all) and to leave alone (None: none)."""
+        if not (self.config.channels or self.config.exclude_channels):
+            return None, None
+        self._resolve_channels()
+        # no channel of the list exists yet: an empty list, which matches nothing
+        only = (self._only_ids or []) if self.config.channels else None
+        return only, self._exclude_ids
+
+    def _claim(self, limit: int) -> list[ClaimedMessage]:
+        """One claim honouring the channel filters."""
+        only, exclude = self._filters()
+        if only == []:
+            return []  # none of the channels exists yet
+        started = time.monotonic()
+        sent = _lease_clock()  # the claim's database time is later than this
+        messages = store.claim_messages(
+            limit,
+            lease=self.lease,
+            worker_id=self.worker_id,
+            only_channel_ids=only,
+            exclude_channel_ids=exclude,
+        )
+        if self._observe_claim is not None:
+            self._observe_claim(time.monotonic() - started)
+        if self.config.channels or self.config.exclude_channels:
+            # A channel deleted and re-created under a filtered name has a new id: a claim made
+            # with stale ids may return it. Give such messages back untouched and re-resolve.
+            wrong = [m for m in messages if not self._channel_allowed(m.channel)]
+            if wrong:
+                store.release_messages([(m.id, m.lease_token) for m in wrong])
+                self._filters_resolved_at = -float("inf")
+                messages = [m for m in messages if self._channel_allowed(m.channel)]
+        if messages:
+            deadline = sent + self.lease.total_seconds()
+            with self._cond:
+                for message in messages:
+                    self._lease_deadlines[message.id] = deadline
+        return messages
+
+    def _channel_allowed(self, name: str) -> bool:
+        if self.config.channels and name not in self.config.channels:
+            return False
+        return name not in self.config.exclude_channels
+
+    def _resolve_channels(self) -> None:
+        # Names that do not exist yet are looked up again every poll interval; once all exist,
+        # every minute (a channel may be deleted and re-created with a new id).
+        age = time.monotonic() - self._filters_resolved_at
+        if age < (60.0 if self._filters_complete else self.poll_interval):
+            return
+        names = [*self.config.channels, *self.config.exclude_channels]
+        ids = store.select_channel_ids(names)
+        self._only_ids = [ids[n] for n in self.config.channels if n in ids] or None
+        self._exclude_ids = [ids[n] for n in self.config.exclude_channels if n in ids] or None
+        self._filters_complete = len(ids) == len(set(names))
+        self._filters_resolved_at = time.monotonic()
+
+    # handlers

@@ -1,0 +1,202 @@
+"""A worker's settings, its tunable constants, and the records its parts pass each other."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal
+
+from django_fairqueue.api import validate_channel_name
+from django_fairqueue.exceptions import (
+    FairQueueError,
+)
+from django_fairqueue.store import ClaimedMessage
+from django_fairqueue.taskspec import TaskSpec
+
+logger = logging.getLogger("django_fairqueue.worker")
+
+
+#: Most outcomes written by one settle statement, and leases renewed by one heartbeat.
+SETTLE_BATCH = 1000
+HEARTBEAT_BATCH = 5000
+#: Seconds between two writes of the per-channel statistics (django_fairqueue.stats).
+STATS_FLUSH_SECONDS = 5.0
+#: An empty claim right after a full one (or in burst mode) is retried this many times, after
+#: a few milliseconds each, before the worker believes nothing is ready: concurrent claims skip
+#: the channel rows they find locked, so two workers sharing few channels often see an empty
+#: claim while a backlog waits.
+EMPTY_CLAIM_RETRIES = 3
+#: Retries of an empty claim made on a wake-up while the queue says work is claimable (a
+#: channel row was locked for a moment): after 5-10 ms, doubling, about 0.3 s at most in all.
+WOKEN_CLAIM_RETRIES = 5
+#: An idle worker claims this long after the next work's due time (the database's figure), so
+#: the claim's clock is past it; and the first wait when work is due yet none was claimed
+#: (doubling, at most the poll interval).
+DUE_SLACK = 0.002
+DUE_RETRY_FIRST = 0.005
+#: With a backlog, a claim waits up to this long (seconds) for half a batch of free slots
+#: instead of claiming for each slot as it frees: one claim costs about as much for 1 message
+#: as for 50, so short tasks would otherwise spend the database on tiny claims.
+GATHER_SECONDS = 0.005
+#: A burst worker is done once nothing is ready and nothing is due within this many seconds:
+#: it waits for a rate-limited channel's next turn, and for retries and delayed messages due
+#: that soon, rather than leave them behind (``WorkerConfig.burst_horizon``).
+BURST_HORIZON = 5.0
+MAX_BURST_HORIZON = 86_400.0
+#: Stuck handler threads (tasks past their time limit) after which a worker recycles itself.
+MAX_ABANDONED_THREADS = 10
+
+#: The clock leases are estimated with: monotonic, and on Linux counting time suspended too (a
+#: machine that slept past a lease must see it expired). Never compared with the database's
+#: clock: a lease's local deadline is this clock when the statement that set the lease was
+#: sent, plus the lease (the database's expiry minus its time of that statement).
+_lease_clock: Callable[[], float] = (
+    functools.partial(time.clock_gettime, time.CLOCK_BOOTTIME)
+    if hasattr(time, "CLOCK_BOOTTIME")
+    else time.monotonic
+)
+
+OutcomeKind = Literal["succeeded", "retry", "failed", "released"]
+_STATS_OUTCOME: dict[str, Literal["succeeded", "failed", "retried"]] = {
+    "succeeded": "succeeded",
+    "retry": "retried",
+    "failed": "failed",
+}
+
+
+class WorkerCrashed(FairQueueError):
+    """A thread of the worker failed unexpectedly; the worker stopped."""
+
+
+def default_worker_id() -> str:
+    """``host:pid:random``: unique per process, so a restarted worker never hides its orphans."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How a worker runs. ``None`` fields fall back to the FAIRQUEUE settings."""
+
+    #: Handler threads: how many messages run at once in this process.
+    concurrency: int = 4
+    #: Claim only from these channels (names; channels created later are picked up).
+    channels: Sequence[str] = ()
+    #: Never claim from these channels.
+    exclude_channels: Sequence[str] = ()
+    #: Most messages one claim takes (a claim never takes more than the free handler slots,
+    #: plus ``prefetch``).
+    batch_size: int = 100
+    #: Messages to claim beyond the free handler threads, started as threads free up (opt-in).
+    #: Claims then stay large when tasks are short: a claim costs the database about as much
+    #: for 50 messages as for 5. Prefetched messages are leased (heartbeats renew them), count
+    #: against their channel's ``max_concurrency`` and wait here rather than in the queue,
+    #: where another worker could have started them; a graceful stop gives them back.
+    prefetch: int = 0
+    #: Seconds between claims when no wake-up arrives; None: FAIRQUEUE['POLL_INTERVAL'].
+    poll_interval: float | None = None
+    #: Stop once nothing is ready, nothing is running and nothing is due within
+    #: ``burst_horizon`` seconds.
+    burst: bool = False
+    #: In burst mode, work due within this many seconds is waited for: a rate-limited
+    #: channel's next turn (it has ready messages), a retry or a delayed message. 0: none.
+    burst_horizon: float = BURST_HORIZON
+    #: Stop after claiming this many messages (and finishing them).
+    max_messages: int | None = None
+    worker_id: str = field(default_factory=default_worker_id)
+    #: Lease of each claim, renewed by heartbeats; None: FAIRQUEUE['LEASE_SECONDS'].
+    lease: timedelta | None = None
+    #: Seconds a graceful stop waits for running messages before leaving them to their leases.
+    shutdown_grace: float = 30.0
+    #: LISTEN for enqueue wake-ups (only when FAIRQUEUE['NOTIFY'] is on). Off behind a
+    #: transaction-pooling proxy, where LISTEN does not work: polling alone then.
+    listen: bool = True
+    #: Run the rescuer, pruner and delta folder in this process.
+    maintenance: bool = True
+    #: Handler threads left stuck in tasks past their time limit (Python cannot stop a thread;
+    #: each was replaced by a new one) at which the worker recycles itself: it claims nothing
+    #: more, finishes the running messages and exits normally, for a process manager or
+    #: ``runfairworker --processes`` to start a fresh process.
+    max_abandoned_threads: int = MAX_ABANDONED_THREADS
+
+    def __post_init__(self) -> None:
+        _positive_int(self.concurrency, "concurrency")
+        _positive_int(self.batch_size, "batch_size")
+        _positive_int(self.prefetch, "prefetch", minimum=0)
+        _positive_int(self.max_abandoned_threads, "max_abandoned_threads")
+        if self.max_messages is not None:
+            _positive_int(self.max_messages, "max_messages")
+        if self.poll_interval is not None and not self.poll_interval > 0:
+            raise ValueError(f"poll_interval must be > 0 seconds, got {self.poll_interval!r}")
+        if self.lease is not None and self.lease <= timedelta(0):
+            raise ValueError(f"lease must be positive, got {self.lease}")
+        if not 0 <= self.burst_horizon <= MAX_BURST_HORIZON:
+            raise ValueError(
+                f"burst_horizon must be 0 to {MAX_BURST_HORIZON:g} seconds, "
+                f"got {self.burst_horizon!r}"
+            )
+        if not self.shutdown_grace >= 0:
+            raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace!r}")
+        if not self.worker_id.strip():
+            raise ValueError("worker_id must be a non-empty string")
+        if len(self.worker_id) > 200:
+            raise ValueError("worker_id must be at most 200 characters")
+        for attr in ("channels", "exclude_channels"):
+            names = getattr(self, attr)
+            if isinstance(names, str):
+                raise ValueError(f"{attr} must be a list of channel names, not a string")
+            object.__setattr__(self, attr, tuple(validate_channel_name(n) for n in names))
+        both = sorted(set(self.channels) & set(self.exclude_channels))
+        if both:
+            raise ValueError(f"channels both included and excluded: {both}")
+
+
+def _positive_int(value: Any, name: str, *, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What happened to one claimed message, waiting to be written."""
+
+    message: ClaimedMessage
+    kind: OutcomeKind
+    result: Any = None
+    error: dict[str, Any] | None = None
+    #: backoff before the next attempt; the database adds it to its own clock
+    retry_in: timedelta | None = None
+    duration: float = 0.0
+
+
+@dataclass(eq=False)
+class _Attempt:
+    """A running attempt with a time limit (compared by identity: a message id comes back
+    with its retries)."""
+
+    message: ClaimedMessage
+    spec: TaskSpec
+    thread: threading.Thread
+    timeout: float
+    started: float  # time.monotonic()
+    #: Set by the timer (under the worker's lock) when the limit passed: the attempt was
+    #: settled as timed out, and its thread no longer belongs to the pool.
+    abandoned: bool = False
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.timeout
+
+    def passed(self) -> bool:
+        """Whether the limit has passed (a read of one flag: no lock needed)."""
+        return self.abandoned
+
+
+# ------------------------------------------------------------------------------------------------
