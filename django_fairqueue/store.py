@@ -738,7 +738,7 @@ def select_channel_ids(names: Sequence[str], *, using: str | None = None) -> dic
 
 
 # --------------------------------------------------------------------------------------------
-# Benchmark harness (django_fairqueue.benchmark, ``manage.py fairbench``). The queue never
+# Benchmark harness (django_fairqueue.contrib.bench, ``manage.py fairbench``). The queue never
 # calls these.
 
 

@@ -21,14 +21,15 @@ from django.core.management import CommandError, call_command
 from django.db import connection
 
 from django_fairqueue import enqueue, store
-from django_fairqueue.benchmark import SCENARIOS, plots, sizes
-from django_fairqueue.benchmark.database import SCRATCH_COMMENT, scratch_name
-from django_fairqueue.benchmark.e2e import E2EResult
-from django_fairqueue.benchmark.e2e import finish as e2e_finish
-from django_fairqueue.benchmark.fairness import FairnessResult
-from django_fairqueue.benchmark.tasks import NOOP_TASK_NAME
+from django_fairqueue.contrib.bench import plots, sizes
+from django_fairqueue.contrib.bench.database import SCRATCH_COMMENT, scratch_name
+from django_fairqueue.contrib.bench.e2e import E2EResult
+from django_fairqueue.contrib.bench.e2e import finish as e2e_finish
+from django_fairqueue.contrib.bench.fairness import FairnessResult
+from django_fairqueue.contrib.bench.management.commands.fairbench import Command as FairbenchCommand
+from django_fairqueue.contrib.bench.scenarios import SCENARIOS
+from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
 from django_fairqueue.figures import jain_index, percentile
-from django_fairqueue.management.commands.fairbench import Command as FairbenchCommand
 from django_fairqueue.models import Message
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,7 +133,7 @@ def test_tiny_run_reports_every_scenario_as_json(tmp_path: Path) -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_refuses_a_database_holding_queue_rows() -> None:
-    import django_fairqueue.benchmark.tasks  # noqa: F401  (registers the task)
+    import django_fairqueue.contrib.bench.tasks  # noqa: F401  (registers the task)
 
     kept = enqueue(NOOP_TASK_NAME, channel="someone-else")
     with pytest.raises(CommandError, match=r"holds queue data .*--scratch"):
@@ -147,7 +148,7 @@ def test_scratch_runs_elsewhere_and_leaves_the_data_alone(
 ) -> None:
     # In a subprocess, as a user runs it: pytest-django forbids connections through the
     # temporary alias the scratch database gets, which is what the command does.
-    import django_fairqueue.benchmark.tasks  # noqa: F401
+    import django_fairqueue.contrib.bench.tasks  # noqa: F401
 
     kept = enqueue(NOOP_TASK_NAME, channel="someone-else")
     path = tmp_path / "bench.json"
@@ -411,7 +412,7 @@ def test_a_scenario_that_cannot_run_here_is_skipped_with_a_warning(
 ) -> None:
     from django.db import DatabaseError
 
-    from django_fairqueue.benchmark import functions, runner
+    from django_fairqueue.contrib.bench import functions, runner
 
     assert functions.unavailable(connection.alias) is None  # the test server: a superuser
 

@@ -24,8 +24,8 @@ from typing import Any, TextIO
 from django.db import connections
 
 from django_fairqueue import conf, store, terminal
-from django_fairqueue.benchmark.sizes import Sizes
-from django_fairqueue.benchmark.tasks import NOOP_TASK_NAME
+from django_fairqueue.contrib.bench.sizes import Sizes
+from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
 
 #: Rows per bulk-load statement: progress moves, and no single transaction writes a gigabyte.
 LOAD_CHUNK = 200_000

@@ -23,10 +23,10 @@ from django.db import connections
 
 import django_fairqueue
 from django_fairqueue import conf, store
-from django_fairqueue.benchmark.harness import Bench, CpuWatch, Progress
-from django_fairqueue.benchmark.report import Report, ScenarioReport, check_targets
-from django_fairqueue.benchmark.scenario import Scenario
-from django_fairqueue.benchmark.sizes import Sizes
+from django_fairqueue.contrib.bench.harness import Bench, CpuWatch, Progress
+from django_fairqueue.contrib.bench.report import Report, ScenarioReport, check_targets
+from django_fairqueue.contrib.bench.scenario import Scenario
+from django_fairqueue.contrib.bench.sizes import Sizes
 
 #: Server settings recorded with every run (the ones that move queue figures).
 SERVER_SETTINGS = (

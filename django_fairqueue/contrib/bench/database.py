@@ -16,7 +16,7 @@ from django.core.management import call_command
 from django.db import DatabaseError, connections
 
 from django_fairqueue import store
-from django_fairqueue.benchmark.harness import BenchmarkError
+from django_fairqueue.contrib.bench.harness import BenchmarkError
 
 SCRATCH_ALIAS = "fairbench_scratch"
 SCRATCH_SUFFIX = "_fairbench"
