@@ -1,7 +1,7 @@
 """Summary figures the benchmarks print: percentiles and Jain's fairness index.
 
 Free of Django, so the peer comparison (``benchmarks/compare``) uses it in processes that never
-configure Django, as fairbench (``django_fairqueue.benchmark``) does in its own. (The admin's
+configure Django, as fairbench (``django_fairqueue.contrib.bench``) does in its own. (The admin's
 figures come from histograms and maintained counters instead: ``django_fairqueue.stats``.)
 """
 

@@ -41,6 +41,8 @@ INSTALLED_APPS = [
     "django.contrib.admin",
     "django.contrib.staticfiles",
     "django_fairqueue",
+    # manage.py fairbench (tests/test_benchmark.py).
+    "django_fairqueue.contrib.bench",
     # Tables and a pipeline for tests/test_pipeline.py.
     "tests.pipelineapp",
 ]

@@ -20,15 +20,16 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.db import connection
 
-from django_fairqueue import enqueue, store
-from django_fairqueue.benchmark import SCENARIOS, plots, sizes
-from django_fairqueue.benchmark.database import SCRATCH_COMMENT, scratch_name
-from django_fairqueue.benchmark.e2e import E2EResult
-from django_fairqueue.benchmark.e2e import finish as e2e_finish
-from django_fairqueue.benchmark.fairness import FairnessResult
-from django_fairqueue.benchmark.tasks import NOOP_TASK_NAME
+from django_fairqueue import enqueue
+from django_fairqueue.contrib.bench import db, plots, sizes
+from django_fairqueue.contrib.bench.database import SCRATCH_COMMENT, scratch_name
+from django_fairqueue.contrib.bench.e2e import E2EResult
+from django_fairqueue.contrib.bench.e2e import finish as e2e_finish
+from django_fairqueue.contrib.bench.fairness import FairnessResult
+from django_fairqueue.contrib.bench.management.commands.fairbench import Command as FairbenchCommand
+from django_fairqueue.contrib.bench.scenarios import SCENARIOS
+from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
 from django_fairqueue.figures import jain_index, percentile
-from django_fairqueue.management.commands.fairbench import Command as FairbenchCommand
 from django_fairqueue.models import Message
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,14 +126,14 @@ def test_tiny_run_reports_every_scenario_as_json(tmp_path: Path) -> None:
     assert "Targets" in output
 
     # It leaves the queue as empty as it found it.
-    assert store.select_queue_tables_in_use() == dict.fromkeys(
+    assert db.select_queue_tables_in_use() == dict.fromkeys(
         ("messages", "channels", "channel_deltas", "work_batches"), False
     )
 
 
 @pytest.mark.django_db(transaction=True)
 def test_refuses_a_database_holding_queue_rows() -> None:
-    import django_fairqueue.benchmark.tasks  # noqa: F401  (registers the task)
+    import django_fairqueue.contrib.bench.tasks  # noqa: F401  (registers the task)
 
     kept = enqueue(NOOP_TASK_NAME, channel="someone-else")
     with pytest.raises(CommandError, match=r"holds queue data .*--scratch"):
@@ -147,7 +148,7 @@ def test_scratch_runs_elsewhere_and_leaves_the_data_alone(
 ) -> None:
     # In a subprocess, as a user runs it: pytest-django forbids connections through the
     # temporary alias the scratch database gets, which is what the command does.
-    import django_fairqueue.benchmark.tasks  # noqa: F401
+    import django_fairqueue.contrib.bench.tasks  # noqa: F401
 
     kept = enqueue(NOOP_TASK_NAME, channel="someone-else")
     path = tmp_path / "bench.json"
@@ -176,19 +177,19 @@ def test_scratch_runs_elsewhere_and_leaves_the_data_alone(
     assert f"creating scratch database {scratch!r}" in result.stderr
     assert Message.objects.filter(pk=kept).exists()
     # dropped afterwards
-    assert store.select_database_comment(scratch) == (False, None)
+    assert db.select_database_comment(scratch) == (False, None)
 
 
 @pytest.mark.django_db(transaction=True)
 def test_scratch_never_drops_a_database_it_did_not_create() -> None:
     scratch = scratch_name(connection.settings_dict["NAME"])
-    store.create_scratch_database(scratch, comment="somebody's data")
+    db.create_scratch_database(scratch, comment="somebody's data")
     try:
         with pytest.raises(CommandError, match="not a fairbench scratch database"):
             fairbench("--scratch", "--scenario", "latency")
-        assert store.select_database_comment(scratch) == (True, "somebody's data")
+        assert db.select_database_comment(scratch) == (True, "somebody's data")
     finally:
-        store.drop_scratch_database(scratch)
+        db.drop_scratch_database(scratch)
 
 
 @pytest.mark.parametrize(
@@ -393,16 +394,16 @@ def test_comparison_report_with_scenarios_left_out(tmp_path: Path) -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_the_old_snapshot_holds_back_the_xmin_horizon_until_its_block_ends() -> None:
-    with store.hold_old_snapshot() as pid:
-        assert store.select_backend_holds_xmin(pid)
+    with db.hold_old_snapshot() as pid:
+        assert db.select_backend_holds_xmin(pid)
         held = connection.cursor()
         held.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", [pid])
         assert held.fetchone() == ("idle in transaction",)
     # Closing sends Terminate; the server ends the session (and the snapshot) just after.
     deadline = time.monotonic() + 10
-    while store.select_backend_holds_xmin(pid) and time.monotonic() < deadline:
+    while db.select_backend_holds_xmin(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not store.select_backend_holds_xmin(pid)
+    assert not db.select_backend_holds_xmin(pid)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -411,14 +412,14 @@ def test_a_scenario_that_cannot_run_here_is_skipped_with_a_warning(
 ) -> None:
     from django.db import DatabaseError
 
-    from django_fairqueue.benchmark import functions, runner
+    from django_fairqueue.contrib.bench import functions, runner
 
     assert functions.unavailable(connection.alias) is None  # the test server: a superuser
 
     def refused(**_: Any) -> None:
         raise DatabaseError('permission denied to set parameter "track_functions"')
 
-    monkeypatch.setattr(store, "enable_function_timing", refused)
+    monkeypatch.setattr(db, "enable_function_timing", refused)
     reason = functions.unavailable(connection.alias)
     assert reason is not None and "track_functions" in reason
 

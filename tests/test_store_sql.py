@@ -2,8 +2,9 @@
 
 * Every statement named in ``sql/queries.sql`` has a function of the same name in ``store.py``
   that runs it, and every function of ``store.py`` that runs a named statement runs its own.
+  The same holds for the benchmark app's ``contrib/bench/sql/bench.sql`` and its ``db.py``.
 * No Python module of the package writes SQL of its own: the keywords of a statement appear only
-  in ``store.py``, ``devdb.py`` (server bootstrap) and migrations.
+  in ``store.py``, the bench app's ``db.py``, ``devdb.py`` (server bootstrap) and migrations.
 """
 
 from __future__ import annotations
@@ -11,15 +12,29 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 import django_fairqueue
 from django_fairqueue import store
+from django_fairqueue.contrib.bench import db as bench_db
 
 PACKAGE = Path(django_fairqueue.__file__).parent
+BENCH = PACKAGE / "contrib" / "bench"
 # pipeline/datastore.py runs the data-plane statements of sql/pipeline.sql (user tables).
-SQL_ALLOWED = {PACKAGE / "store.py", PACKAGE / "devdb.py", PACKAGE / "pipeline" / "datastore.py"}
+SQL_ALLOWED = {
+    PACKAGE / "store.py",
+    BENCH / "db.py",
+    PACKAGE / "devdb.py",
+    PACKAGE / "pipeline" / "datastore.py",
+}
+
+# Each module that runs named statements, with the SQL file of its statements.
+STATEMENT_MODULES = [
+    pytest.param(store, PACKAGE / "sql" / "queries.sql", id="store"),
+    pytest.param(bench_db, BENCH / "sql" / "bench.sql", id="bench-db"),
+]
 
 
 def _statement_name(node: ast.AST) -> ast.expr | None:
@@ -41,9 +56,10 @@ def _statement_name(node: ast.AST) -> ast.expr | None:
     return None
 
 
-def statement_runners() -> dict[str, set[str]]:
-    """For each top-level function of store.py: the names of the statements it runs."""
-    tree = ast.parse((PACKAGE / "store.py").read_text("utf-8"))
+def statement_runners(module: ModuleType) -> dict[str, set[str]]:
+    """For each top-level function of ``module``: the names of the statements it runs."""
+    assert module.__file__ is not None
+    tree = ast.parse(Path(module.__file__).read_text("utf-8"))
     runners: dict[str, set[str]] = {}
     for func in tree.body:
         if not isinstance(func, ast.FunctionDef):
@@ -55,37 +71,49 @@ def statement_runners() -> dict[str, set[str]]:
             if func.name.startswith("_") and not isinstance(name, ast.Constant):
                 continue  # the private runner (_run) executes the statement it is given
             assert isinstance(name, ast.Constant) and isinstance(name.value, str), (
-                f"store.{func.name} runs a statement whose name is computed"
+                f"{module.__name__}.{func.name} runs a statement whose name is computed"
             )
             runners.setdefault(func.name, set()).add(name.value)
     return runners
 
 
-def test_every_named_statement_has_its_store_function() -> None:
-    runners = statement_runners()
-    missing = sorted(name for name in store.queries() if name not in runners)
-    assert not missing, f"sql/queries.sql names without a store function running them: {missing}"
-    for name in store.queries():
-        assert callable(getattr(store, name, None)), f"store.{name} is not a function"
+@pytest.mark.parametrize(("module", "sql_file"), STATEMENT_MODULES)
+def test_every_named_statement_has_its_store_function(module: ModuleType, sql_file: Path) -> None:
+    runners = statement_runners(module)
+    missing = sorted(name for name in module.queries() if name not in runners)
+    assert not missing, f"{sql_file.name} names without a function running them: {missing}"
+    for name in module.queries():
+        assert callable(getattr(module, name, None)), f"{module.__name__}.{name} is not a function"
 
 
-def test_every_store_function_runs_the_statement_of_its_own_name() -> None:
-    named = set(store.queries())
-    for function, statements in statement_runners().items():
+@pytest.mark.parametrize(("module", "sql_file"), STATEMENT_MODULES)
+def test_every_store_function_runs_the_statement_of_its_own_name(
+    module: ModuleType, sql_file: Path
+) -> None:
+    named = set(module.queries())
+    for function, statements in statement_runners(module).items():
         assert statements == {function}, (
-            f"store.{function} runs {sorted(statements)}; a store function runs exactly the "
-            "statement of its own name"
+            f"{module.__name__}.{function} runs {sorted(statements)}; a store function runs "
+            "exactly the statement of its own name"
         )
-        assert function in named, f"store.{function} runs a statement sql/queries.sql lacks"
+        assert function in named, (
+            f"{module.__name__}.{function} runs a statement {sql_file.name} lacks"
+        )
 
 
-def test_every_statement_has_a_description() -> None:
-    text = (PACKAGE / "sql" / "queries.sql").read_text("utf-8")
-    for name, body in store.queries().items():
+@pytest.mark.parametrize(("module", "sql_file"), STATEMENT_MODULES)
+def test_every_statement_has_a_description(module: ModuleType, sql_file: Path) -> None:
+    text = sql_file.read_text("utf-8")
+    for name, body in module.queries().items():
         assert re.match(r"-- \S", body), f"{name}: the line after `-- name:` must describe it"
         code = [line for line in body.splitlines() if line.strip() and not line.startswith("--")]
         assert code and code[-1].rstrip().endswith(";"), f"{name}: a statement ends with `;`"
-    assert len(re.findall(r"^-- name: ", text, re.MULTILINE)) == len(store.queries())
+    assert len(re.findall(r"^-- name: ", text, re.MULTILINE)) == len(module.queries())
+
+
+def test_a_statement_name_belongs_to_one_file() -> None:
+    shared = sorted(set(store.queries()) & set(bench_db.queries()))
+    assert not shared, f"named in both sql/queries.sql and the bench app's sql/bench.sql: {shared}"
 
 
 def python_files() -> list[Path]:
@@ -172,3 +200,5 @@ def test_the_rule_sees_the_package() -> None:
     assert {"api.py", "models.py", "tasks.py", "conf.py"} <= files
     assert not any(f.startswith("migrations/") for f in files)
     assert "store.py" not in files
+    assert "contrib/bench/harness.py" in files
+    assert "contrib/bench/db.py" not in files

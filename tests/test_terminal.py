@@ -6,7 +6,7 @@ import io
 
 from django_fairqueue import terminal
 from django_fairqueue.batches import ProgressBar
-from django_fairqueue.benchmark.harness import Progress
+from django_fairqueue.contrib.bench.harness import Progress
 
 
 class Tty(io.StringIO):

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from django_fairqueue.benchmark.plots import Chart, Series, line_chart
+from django_fairqueue.contrib.bench.plots import Chart, Series, line_chart
 
 US = "django-fairqueue"
 FLOOR = "raw-sql"

@@ -138,7 +138,7 @@ PRESETS = {
 
 def setup_django(dsn: str, app: str = "fairqueue") -> None:
     """Django with the comparison's settings: the Django-based systems run on it, and
-    django_fairqueue.benchmark (plots, CPU watch) imports the app's models. Connects to nothing
+    django_fairqueue.contrib.bench (plots, CPU watch) imports the app's models. Connects to nothing
     until a system does."""
     os.environ["COMPARE_DSN"] = dsn
     os.environ["COMPARE_DJANGO_APP"] = app
@@ -373,10 +373,10 @@ def fairness_cell(
 
 
 class Watch:
-    """CPU cores other processes used during a cell (django_fairqueue.benchmark.harness)."""
+    """CPU cores other processes used during a cell (django_fairqueue.contrib.bench.harness)."""
 
     def __init__(self, dbname: str) -> None:
-        from django_fairqueue.benchmark.harness import CpuWatch
+        from django_fairqueue.contrib.bench.harness import CpuWatch
 
         self.watch = CpuWatch(dbname)
 
@@ -572,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     server = server_dsn()
-    setup_django(server)  # for the plots (django_fairqueue.benchmark)
+    setup_django(server)  # for the plots (django_fairqueue.contrib.bench)
     from benchmarks.compare import report
 
     meta = describe(server)

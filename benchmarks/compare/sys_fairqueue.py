@@ -4,7 +4,7 @@ Workers: ``python -m django runfairworker --concurrency T --batch-size 100 --pre
 handler threads per process; a claim takes at most as many messages as there are free threads,
 plus F). Enqueue goes
 through the public API, ``enqueue()`` and ``enqueue_many()``. Backlogs for the throughput and
-fairness cells are bulk-loaded with the benchmark's ``store.load_ready_messages`` (the same
+fairness cells are bulk-loaded with the bench app's ``db.load_ready_messages`` (the same
 rows and channel counters ``enqueue_many`` writes), which is not timed.
 
 Runs with Django set up (``benchmarks.compare.django_settings``, ``COMPARE_DJANGO_APP=fairqueue``).
@@ -22,6 +22,7 @@ from benchmarks.compare.common import WorkerConfig, timed_calls
 from benchmarks.compare.system import BATCH, DjangoSystem, python
 from benchmarks.compare.tasks_fairqueue import NAME
 from django_fairqueue import EnqueueRequest, conf, enqueue, enqueue_many, store
+from django_fairqueue.contrib.bench import db
 
 LOAD_CHUNK = 200_000
 
@@ -47,12 +48,12 @@ class Fairqueue(DjangoSystem):
     version = f"django-fairqueue {django_fairqueue.__version__}"
 
     def reset(self) -> None:
-        store.truncate_queue_tables()
+        db.truncate_queue_tables()
 
     def load(self, tenant: str, count: int, variant: str) -> None:
         done = 0
         while done < count:
-            done += store.load_ready_messages(
+            done += db.load_ready_messages(
                 [tenant],
                 min(LOAD_CHUNK, count - done),
                 task_name=NAME,
@@ -61,7 +62,7 @@ class Fairqueue(DjangoSystem):
             )
         while store.fold_channel_deltas(10_000) > 0:
             pass
-        store.analyze_queue_tables()
+        db.analyze_queue_tables()
 
     def enqueue_loop(self, mode: str, duration: float, start: Barrier) -> tuple[int, float, float]:
         seq = 0

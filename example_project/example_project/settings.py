@@ -33,6 +33,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django_fairqueue",
+    "django_fairqueue.contrib.bench",  # manage.py fairbench (optional)
     "documents",
     "analytics",
 ]

@@ -21,10 +21,11 @@ from datetime import timedelta
 
 from django_fairqueue import store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
-from django_fairqueue.benchmark.harness import Bench, BenchmarkError, load1
-from django_fairqueue.benchmark.scenario import Column, Scenario, relative_to_first
-from django_fairqueue.benchmark.sizes import Sizes
-from django_fairqueue.benchmark.tasks import NOOP_TASK_NAME
+from django_fairqueue.contrib.bench import db
+from django_fairqueue.contrib.bench.harness import Bench, BenchmarkError, load1
+from django_fairqueue.contrib.bench.scenario import Column, Scenario, relative_to_first
+from django_fairqueue.contrib.bench.sizes import Sizes
+from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
 from django_fairqueue.figures import median, percentile
 
 LEASE = timedelta(minutes=10)
@@ -97,10 +98,10 @@ def run(bench: Bench, cell: SnapshotCell) -> SnapshotResult:
     channels = [f"tenant-{i:02d}" for i in range(sizes.snapshot_channels)]
     bench.load(channels, sizes.snapshot_backlog)
     if cell.series == "held":
-        with store.hold_old_snapshot(using=bench.using) as pid:
+        with db.hold_old_snapshot(using=bench.using) as pid:
             claim_ms, per_second = _run_cycles(bench, channels, cell)
             # A snapshot that was not really held would make these figures the control's.
-            if not store.select_backend_holds_xmin(pid, using=bench.using):
+            if not db.select_backend_holds_xmin(pid, using=bench.using):
                 raise BenchmarkError(
                     "snapshot: the old snapshot did not hold back the xmin horizon"
                 )

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from django_fairqueue.benchmark.scenario import Scenario
+from django_fairqueue.contrib.bench.scenario import Scenario
 
 #: Bump when the JSON layout changes incompatibly.
 SCHEMA_VERSION = 1

@@ -1,16 +1,16 @@
-"""The benchmark behind ``manage.py fairbench`` (docs/performance.md).
+"""Every scenario of ``manage.py fairbench``, and the names the command uses.
 
 Scenarios are small modules (``enqueue``, ``claim``, ``latency``, ``fairness``, ``snapshot``,
 ``functions``, ``admin``, ``e2e`` and ``pickup``; the last two through real ``runfairworker``
 processes), each a plan of cells and a function that runs one cell and returns a frozen
 dataclass; ``runner.run`` runs them on one database and returns a
-:class:`~django_fairqueue.benchmark.report.Report` (tables, JSON, targets). See
+:class:`~django_fairqueue.contrib.bench.report.Report` (tables, JSON, targets). See
 ``scenario.py`` for how to add one, and docs/performance.md for figures.
 """
 
 from __future__ import annotations
 
-from django_fairqueue.benchmark import (
+from django_fairqueue.contrib.bench import (
     admin_render,
     claim,
     e2e,
@@ -22,9 +22,9 @@ from django_fairqueue.benchmark import (
     plots,
     snapshot,
 )
-from django_fairqueue.benchmark.harness import BenchmarkError, Progress
-from django_fairqueue.benchmark.scenario import Scenario
-from django_fairqueue.benchmark.sizes import PRESETS, Sizes
+from django_fairqueue.contrib.bench.harness import BenchmarkError, Progress
+from django_fairqueue.contrib.bench.scenario import Scenario
+from django_fairqueue.contrib.bench.sizes import PRESETS, Sizes
 
 #: Every scenario, in the order a full run performs them.
 SCENARIOS: dict[str, Scenario] = {

@@ -23,10 +23,11 @@ from django.db import connections
 
 import django_fairqueue
 from django_fairqueue import conf, store
-from django_fairqueue.benchmark.harness import Bench, CpuWatch, Progress
-from django_fairqueue.benchmark.report import Report, ScenarioReport, check_targets
-from django_fairqueue.benchmark.scenario import Scenario
-from django_fairqueue.benchmark.sizes import Sizes
+from django_fairqueue.contrib.bench import db
+from django_fairqueue.contrib.bench.harness import Bench, CpuWatch, Progress
+from django_fairqueue.contrib.bench.report import Report, ScenarioReport, check_targets
+from django_fairqueue.contrib.bench.scenario import Scenario
+from django_fairqueue.contrib.bench.sizes import Sizes
 
 #: Server settings recorded with every run (the ones that move queue figures).
 SERVER_SETTINGS = (
@@ -142,9 +143,9 @@ def queue_database(using: str) -> Iterator[None]:
 
 def describe(using: str, sizes: Sizes) -> dict[str, Any]:
     """What a reader needs to trust or reproduce the figures: machine, server, code, load."""
-    db = connections[using].settings_dict
-    installed = store.select_function_digests(using=using)
-    server = store.select_server_settings(SERVER_SETTINGS, using=using)
+    settings_dict = connections[using].settings_dict
+    installed = db.select_function_digests(using=using)
+    server = db.select_server_settings(SERVER_SETTINGS, using=using)
     warnings = []
     stale = _stale_functions(installed)
     if stale:
@@ -172,8 +173,8 @@ def describe(using: str, sizes: Sizes) -> dict[str, Any]:
         "load_average_before": [round(x, 2) for x in load],
         "database": {
             "alias": using,
-            "name": db["NAME"],
-            "host": db.get("HOST") or "",
+            "name": settings_dict["NAME"],
+            "host": settings_dict.get("HOST") or "",
             "server": server,
             "functions": installed,
             "fairqueue_settings": {

@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass, replace
 
 from django_fairqueue import store
-from django_fairqueue.benchmark.claim import channel_names
-from django_fairqueue.benchmark.harness import START_TIMEOUT, Bench, BenchmarkError, load1
-from django_fairqueue.benchmark.scenario import Column, Scenario
-from django_fairqueue.benchmark.sizes import Sizes
-from django_fairqueue.benchmark.workerproc import Fleet
+from django_fairqueue.contrib.bench.claim import channel_names
+from django_fairqueue.contrib.bench.harness import START_TIMEOUT, Bench, BenchmarkError, load1
+from django_fairqueue.contrib.bench.scenario import Column, Scenario
+from django_fairqueue.contrib.bench.sizes import Sizes
+from django_fairqueue.contrib.bench.workerproc import Fleet
 
 #: Seconds between two reads of the channel counters.
 POLL = 0.02

@@ -23,10 +23,11 @@ from django.db import DatabaseError
 
 from django_fairqueue import store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
-from django_fairqueue.benchmark.harness import Bench, BenchmarkError, load1
-from django_fairqueue.benchmark.scenario import Column, Scenario
-from django_fairqueue.benchmark.sizes import Sizes
-from django_fairqueue.benchmark.tasks import NOOP_TASK_NAME
+from django_fairqueue.contrib.bench import db
+from django_fairqueue.contrib.bench.harness import Bench, BenchmarkError, load1
+from django_fairqueue.contrib.bench.scenario import Column, Scenario
+from django_fairqueue.contrib.bench.sizes import Sizes
+from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
 
 LEASE = timedelta(minutes=10)
 WORKER_ID = "fairbench-functions"
@@ -90,8 +91,8 @@ def _per_call(
 def unavailable(using: str) -> str | None:
     """Why the statistics cannot be read on ``using`` (checked before the run), or None."""
     try:
-        store.enable_function_timing(using=using)
-        store.force_stats_flush(using=using)
+        db.enable_function_timing(using=using)
+        db.force_stats_flush(using=using)
     except DatabaseError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return f"needs PostgreSQL 15+ and a role that may set track_functions ({first})"
@@ -115,7 +116,7 @@ def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
     for _ in range(10):
         got = store.claim_messages(cell.batch, lease=LEASE, worker_id=WORKER_ID, using=using)
         store.release_messages([(m.id, m.lease_token) for m in got], using=using)
-    before = store.select_function_times(using=using)
+    before = db.select_function_times(using=using)
     completions = 0
     for i in range(calls):
         got = store.claim_messages(cell.batch, lease=LEASE, worker_id=WORKER_ID, using=using)
@@ -127,8 +128,8 @@ def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
             enqueue_many(EnqueueRequest(NOOP_TASK_NAME, channel=m.channel) for m in got)
         if i % 100 == 0:
             bench.progress.update(f"{i:,}/{calls:,} claims", i / calls)
-    store.force_stats_flush(using=using)
-    after = store.select_function_times(using=using)
+    db.force_stats_flush(using=using)
+    after = db.select_function_times(using=using)
     bench.reset()
     return FunctionsResult(
         case=cell.case,

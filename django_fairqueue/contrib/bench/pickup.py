@@ -17,16 +17,16 @@ import time
 from dataclasses import dataclass
 
 from django_fairqueue.api import enqueue
-from django_fairqueue.benchmark.harness import (
+from django_fairqueue.contrib.bench.harness import (
     START_TIMEOUT,
     Bench,
     BenchmarkError,
     load1,
 )
-from django_fairqueue.benchmark.scenario import Column, Scenario
-from django_fairqueue.benchmark.sizes import Sizes
-from django_fairqueue.benchmark.tasks import STAMP_TASK_NAME
-from django_fairqueue.benchmark.workerproc import Fleet
+from django_fairqueue.contrib.bench.scenario import Column, Scenario
+from django_fairqueue.contrib.bench.sizes import Sizes
+from django_fairqueue.contrib.bench.tasks import STAMP_TASK_NAME
+from django_fairqueue.contrib.bench.workerproc import Fleet
 from django_fairqueue.figures import median, percentile
 from django_fairqueue.models import Message, MessageState
 

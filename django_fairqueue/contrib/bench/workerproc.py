@@ -24,7 +24,7 @@ from typing import IO, Any
 
 from django.db import connections
 
-from django_fairqueue.benchmark.harness import BenchmarkError
+from django_fairqueue.contrib.bench.harness import BenchmarkError
 
 #: Environment variable carrying the benchmark database's connection fields (JSON).
 DATABASE_ENV = "FAIRBENCH_DATABASE"
@@ -33,7 +33,7 @@ FIELDS = ("NAME", "USER", "PASSWORD", "HOST", "PORT")
 #: The child's program: Django first, then this module.
 BOOT = (
     "import sys, django; django.setup(); "
-    "from django_fairqueue.benchmark.workerproc import main; main(sys.argv[1:])"
+    "from django_fairqueue.contrib.bench.workerproc import main; main(sys.argv[1:])"
 )
 #: Seconds a worker gets to exit after SIGTERM before it is killed.
 STOP_TIMEOUT = 15.0
@@ -163,6 +163,6 @@ def main(argv: Sequence[str]) -> None:
     # Before any connection exists: the wrapper reads this dict when it connects.
     settings.DATABASES[alias].update(fields)
     connections[alias].settings_dict.update(fields)
-    import django_fairqueue.benchmark.tasks  # noqa: F401  (registers the benchmark's tasks)
+    import django_fairqueue.contrib.bench.tasks  # noqa: F401  (registers the benchmark's tasks)
 
     execute_from_command_line(["manage.py", "runfairworker", *argv])

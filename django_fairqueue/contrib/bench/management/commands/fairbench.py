@@ -12,7 +12,10 @@ from typing import Any, TextIO, cast
 from django.core.management.base import BaseCommand, CommandError
 
 from django_fairqueue import conf
-from django_fairqueue.benchmark import (
+from django_fairqueue.contrib.bench.database import benchmark_database
+from django_fairqueue.contrib.bench.report import ScenarioReport, table, targets_table
+from django_fairqueue.contrib.bench.runner import run, select_cells, with_repeat
+from django_fairqueue.contrib.bench.scenarios import (
     PRESETS,
     SCENARIOS,
     BenchmarkError,
@@ -21,9 +24,6 @@ from django_fairqueue.benchmark import (
     Sizes,
     plots,
 )
-from django_fairqueue.benchmark.database import benchmark_database
-from django_fairqueue.benchmark.report import ScenarioReport, table, targets_table
-from django_fairqueue.benchmark.runner import run, select_cells, with_repeat
 
 
 class Command(BaseCommand):

@@ -15,8 +15,8 @@ from contextlib import contextmanager
 from django.core.management import call_command
 from django.db import DatabaseError, connections
 
-from django_fairqueue import store
-from django_fairqueue.benchmark.harness import BenchmarkError
+from django_fairqueue.contrib.bench import db
+from django_fairqueue.contrib.bench.harness import BenchmarkError
 
 SCRATCH_ALIAS = "fairbench_scratch"
 SCRATCH_SUFFIX = "_fairbench"
@@ -36,7 +36,7 @@ def scratch_name(dbname: str) -> str:
 def tables_in_use(alias: str) -> list[str]:
     """Queue tables of ``alias`` that hold rows; raises BenchmarkError if they do not exist."""
     try:
-        in_use = store.select_queue_tables_in_use(using=alias)
+        in_use = db.select_queue_tables_in_use(using=alias)
     except DatabaseError as exc:
         connections[alias].close()
         raise BenchmarkError(
@@ -58,7 +58,7 @@ def benchmark_database(
     dbname = str(connections[alias].settings_dict["NAME"])
     # The lock lives in the configured database, so it also guards the scratch database
     # derived from it: a second run cannot drop or truncate the database the first one uses.
-    with store.lock_benchmark(using=alias) as acquired:
+    with db.lock_benchmark(using=alias) as acquired:
         if not acquired:
             raise BenchmarkError(f"another fairbench run is using database {dbname!r}")
         if not scratch:
@@ -73,7 +73,7 @@ def benchmark_database(
             try:
                 yield alias
             finally:
-                store.truncate_queue_tables(using=alias)  # as empty as we found them
+                db.truncate_queue_tables(using=alias)  # as empty as we found them
             return
         with _scratch(alias, scratch_name(dbname), keep=keep_scratch, say=say) as scratch_alias:
             yield scratch_alias
@@ -81,16 +81,16 @@ def benchmark_database(
 
 @contextmanager
 def _scratch(alias: str, name: str, *, keep: bool, say: Callable[[str], None]) -> Iterator[str]:
-    exists, comment = store.select_database_comment(name, using=alias)
+    exists, comment = db.select_database_comment(name, using=alias)
     if exists and comment != SCRATCH_COMMENT:
         raise BenchmarkError(
             f"database {name!r} exists and is not a fairbench scratch database; "
             "drop or rename it to use --scratch"
         )
     if exists:
-        store.drop_scratch_database(name, using=alias)
+        db.drop_scratch_database(name, using=alias)
     say(f"creating scratch database {name!r} and migrating it")
-    store.create_scratch_database(name, comment=SCRATCH_COMMENT, using=alias)
+    db.create_scratch_database(name, comment=SCRATCH_COMMENT, using=alias)
     # A temporary alias with the configured connection settings and another database name.
     connections.settings[SCRATCH_ALIAS] = {**connections[alias].settings_dict, "NAME": name}
     try:
@@ -103,4 +103,4 @@ def _scratch(alias: str, name: str, *, keep: bool, say: Callable[[str], None]) -
         if keep:
             say(f"kept scratch database {name!r} (its queue tables are empty)")
         else:
-            store.drop_scratch_database(name, using=alias)
+            db.drop_scratch_database(name, using=alias)

@@ -24,8 +24,9 @@ from typing import Any, TextIO
 from django.db import connections
 
 from django_fairqueue import conf, store, terminal
-from django_fairqueue.benchmark.sizes import Sizes
-from django_fairqueue.benchmark.tasks import NOOP_TASK_NAME
+from django_fairqueue.contrib.bench import db
+from django_fairqueue.contrib.bench.sizes import Sizes
+from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
 
 #: Rows per bulk-load statement: progress moves, and no single transaction writes a gigabyte.
 LOAD_CHUNK = 200_000
@@ -109,7 +110,7 @@ class Bench:
     def reset(self) -> None:
         """Empty the queue tables (TRUNCATE ... RESTART IDENTITY)."""
         connections[self.using].close_if_unusable_or_obsolete()
-        store.truncate_queue_tables(using=self.using)
+        db.truncate_queue_tables(using=self.using)
 
     def load(self, channels: Sequence[str], count: int) -> float:
         """Bulk-load ``count`` ready no-op messages round-robin over ``channels``, fold the
@@ -120,7 +121,7 @@ class Bench:
         while done < count:
             n = min(chunk, count - done)
             self.progress.update(f"loading {done:,}/{count:,} messages")
-            done += store.load_ready_messages(
+            done += db.load_ready_messages(
                 channels,
                 n,
                 task_name=NOOP_TASK_NAME,
@@ -136,7 +137,7 @@ class Bench:
         self.progress.update("folding counters, ANALYZE")
         while store.fold_channel_deltas(10_000, using=self.using) > 0:
             pass
-        store.analyze_queue_tables(using=self.using)
+        db.analyze_queue_tables(using=self.using)
 
     def processes(self) -> ProcessGroup:
         return ProcessGroup(self.using)

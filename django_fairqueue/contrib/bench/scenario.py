@@ -3,7 +3,7 @@
 To add a scenario (``e2e.py`` and ``pickup.py`` are recent examples): write a module with
 a frozen ``*Cell`` dataclass, a frozen ``*Result`` dataclass, ``plan(sizes) -> list[Cell]`` and
 ``run(bench, cell) -> Result``, build a :class:`Scenario` and add it to
-``django_fairqueue.benchmark.SCENARIOS``. The runner, the table, the JSON and ``--scenario``
+``django_fairqueue.contrib.bench.SCENARIOS``. The runner, the table, the JSON and ``--scenario``
 pick it up from there.
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from django_fairqueue.benchmark.harness import Bench
-from django_fairqueue.benchmark.sizes import Sizes
+from django_fairqueue.contrib.bench.harness import Bench
+from django_fairqueue.contrib.bench.sizes import Sizes
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 
 from django_fairqueue import stats, store
-from django_fairqueue.benchmark.harness import Bench, BenchmarkError, load1
-from django_fairqueue.benchmark.scenario import Column, Scenario
-from django_fairqueue.benchmark.sizes import Sizes
+from django_fairqueue.contrib.bench.harness import Bench, BenchmarkError, load1
+from django_fairqueue.contrib.bench.scenario import Column, Scenario
+from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.figures import median, percentile
 
 #: The issue's bound for every page (p95 of the samples).

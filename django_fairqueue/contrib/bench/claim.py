@@ -22,9 +22,9 @@ from multiprocessing.synchronize import Barrier, Event
 from typing import Any
 
 from django_fairqueue import store
-from django_fairqueue.benchmark.harness import START_TIMEOUT, Bench, load1
-from django_fairqueue.benchmark.scenario import Column, Scenario
-from django_fairqueue.benchmark.sizes import Sizes
+from django_fairqueue.contrib.bench.harness import START_TIMEOUT, Bench, load1
+from django_fairqueue.contrib.bench.scenario import Column, Scenario
+from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.figures import median
 
 LEASE = timedelta(minutes=10)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from django_fairqueue.benchmark.harness import BenchmarkError
+from django_fairqueue.contrib.bench.harness import BenchmarkError
 
 E2E_FILE = "fairbench-e2e.png"
 FAIRNESS_FILE = "fairbench-fairness.png"

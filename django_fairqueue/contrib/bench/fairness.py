@@ -17,15 +17,15 @@ from typing import Any
 
 from django_fairqueue import store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
-from django_fairqueue.benchmark.harness import (
+from django_fairqueue.contrib.bench.harness import (
     START_TIMEOUT,
     Bench,
     BenchmarkError,
     load1,
 )
-from django_fairqueue.benchmark.scenario import Column, Scenario
-from django_fairqueue.benchmark.sizes import Sizes
-from django_fairqueue.benchmark.tasks import NOOP_TASK_NAME
+from django_fairqueue.contrib.bench.scenario import Column, Scenario
+from django_fairqueue.contrib.bench.sizes import Sizes
+from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
 from django_fairqueue.figures import jain_index, median, percentile
 
 LEASE = timedelta(minutes=10)

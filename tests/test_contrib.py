@@ -1,0 +1,159 @@
+"""The optional apps (``django_fairqueue.contrib``) stay optional.
+
+The queue imports nothing from them: no module outside ``contrib/`` names them in an import,
+and a project without them in ``INSTALLED_APPS`` never loads them, whatever it uses of the
+queue (worker, admin, API, commands).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from django.core.management import get_commands
+
+import django_fairqueue
+
+PACKAGE = Path(django_fairqueue.__file__).parent
+ROOT = PACKAGE.parent
+CONTRIB = "django_fairqueue.contrib"
+
+
+def core_modules() -> list[Path]:
+    """Every Python file of the package outside ``contrib/``."""
+    return sorted(p for p in PACKAGE.rglob("*.py") if "contrib" not in p.relative_to(PACKAGE).parts)
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_names(path: Path, root: Path = ROOT) -> list[str]:
+    """Modules ``path`` imports (relative imports resolved), and string constants that name a
+    module of the package (``import_module("django_fairqueue.x")``, settings, task paths)."""
+    tree = ast.parse(path.read_text("utf-8"))
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            names.append(module)
+            names += [f"{module}.{alias.name}" for alias in node.names]
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.startswith("django_fairqueue.")
+        ):
+            names.append(node.value)
+    return names
+
+
+def test_the_queue_imports_nothing_from_contrib() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in core_modules()
+        for name in imported_names(path)
+        if name == CONTRIB or name.startswith(CONTRIB + ".")
+    ]
+    assert found == [], "the queue imports an optional app:\n" + "\n".join(found)
+
+
+def test_the_rule_sees_imports_of_every_kind(tmp_path: Path) -> None:
+    # A stand-in module at django_fairqueue/cli/x.py, to resolve its relative imports.
+    path = tmp_path / "django_fairqueue" / "cli" / "x.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(
+        "import django_fairqueue.contrib.bench.db\n"
+        "from django_fairqueue.contrib.bench import runner\n"
+        "from ..contrib import bench\n"
+        "from .. import contrib\n"
+        "import_module('django_fairqueue.contrib.bench.plots')\n"
+    )
+    names = [
+        n for n in imported_names(path, tmp_path) if n == CONTRIB or n.startswith(CONTRIB + ".")
+    ]
+    assert names == [
+        "django_fairqueue.contrib.bench.db",
+        "django_fairqueue.contrib.bench",
+        "django_fairqueue.contrib.bench.runner",
+        "django_fairqueue.contrib",
+        "django_fairqueue.contrib.bench",
+        "django_fairqueue.contrib",
+        "django_fairqueue.contrib.bench.plots",
+    ]
+
+
+def test_the_rule_sees_the_package() -> None:
+    files = {p.relative_to(PACKAGE).as_posix() for p in core_modules()}
+    assert {"worker.py", "admin.py", "store.py", "management/commands/fairqueue.py"} <= files
+    assert not any(f.startswith("contrib/") for f in files)
+
+
+# Sets Django up without the optional apps, imports every module of the queue and prints the
+# modules of django_fairqueue.contrib that got loaded. pipeline/spark.py needs PySpark (an
+# extra), so it is left out when PySpark is absent.
+PROBE = """
+import importlib, importlib.util, json, sys
+import django
+from django.conf import settings
+settings.configure(
+    INSTALLED_APPS=[
+        "django.contrib.contenttypes", "django.contrib.auth", "django.contrib.sessions",
+        "django.contrib.messages", "django.contrib.admin", "django.contrib.staticfiles",
+        "django_fairqueue",
+    ],
+    DATABASES={"default": {"ENGINE": "django.db.backends.postgresql", "NAME": "unused"}},
+    USE_TZ=True,
+)
+django.setup()
+for name in json.loads(sys.argv[1]):
+    if name == "django_fairqueue.pipeline.spark" and importlib.util.find_spec("pyspark") is None:
+        continue
+    importlib.import_module(name)
+from django.core.management import get_commands
+print(json.dumps({
+    "contrib": sorted(m for m in sys.modules if m.startswith("django_fairqueue.contrib")),
+    "fairbench": "fairbench" in get_commands(),
+    "imported": len([m for m in sys.modules if m.startswith("django_fairqueue.")]),
+}))
+"""
+
+
+def test_a_project_without_the_bench_app_never_loads_it() -> None:
+    modules = [
+        module_name(p) for p in core_modules() if "migrations" not in p.relative_to(PACKAGE).parts
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(modules)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    probe = json.loads(result.stdout.splitlines()[-1])
+    assert probe["contrib"] == []
+    assert probe["fairbench"] is False  # the command comes with the app
+    assert probe["imported"] >= 30  # the probe did import the queue
+
+
+def test_the_installed_bench_app_brings_fairbench() -> None:
+    # tests/settings.py installs it.
+    assert get_commands()["fairbench"] == "django_fairqueue.contrib.bench"
