@@ -247,8 +247,9 @@ def test_a_claim_skips_a_ready_row_another_transaction_holds(side: Any) -> None:
     f.assert_counters_match_table()
 
 
-@pytest.mark.django_db(transaction=True)
-def test_transactions_creating_channels_in_opposite_orders_do_not_deadlock() -> None:
+def enqueue_in_opposite_orders(a: str, b: str) -> None:
+    """Two transactions, each enqueueing to ``a`` and ``b`` in separate calls, in opposite
+    orders, the second call of each after the first of both: the pattern that deadlocked."""
     barrier = threading.Barrier(2, timeout=10)
 
     def session(first: str, second: str) -> None:
@@ -257,11 +258,16 @@ def test_transactions_creating_channels_in_opposite_orders_do_not_deadlock() -> 
             barrier.wait()
             f.enqueue(second, 1)
 
-    one, out1 = in_thread(lambda: session("new-a", "new-b"))
-    two, out2 = in_thread(lambda: session("new-b", "new-a"))
+    one, out1 = in_thread(lambda: session(a, b))
+    two, out2 = in_thread(lambda: session(b, a))
     one.join(20)
     two.join(20)
     assert "error" not in out1 and "error" not in out2, (out1, out2)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_transactions_creating_channels_in_opposite_orders_do_not_deadlock() -> None:
+    enqueue_in_opposite_orders("new-a", "new-b")
     assert Message.objects.filter(channel__name__in=["new-a", "new-b"]).count() == 4
     f.assert_counters_match_table()
 
@@ -270,19 +276,7 @@ def test_transactions_creating_channels_in_opposite_orders_do_not_deadlock() -> 
 def test_enqueues_to_bounded_channels_in_opposite_orders_do_not_deadlock() -> None:
     f.enqueue_spread({"bound-a": 1, "bound-b": 1})
     f.set_limits(["bound-a", "bound-b"], max_backlog=10)
-    barrier = threading.Barrier(2, timeout=10)
-
-    def session(first: str, second: str) -> None:
-        with transaction.atomic():
-            f.enqueue(first, 1)
-            barrier.wait()
-            f.enqueue(second, 1)
-
-    one, out1 = in_thread(lambda: session("bound-a", "bound-b"))
-    two, out2 = in_thread(lambda: session("bound-b", "bound-a"))
-    one.join(20)
-    two.join(20)
-    assert "error" not in out1 and "error" not in out2, (out1, out2)
+    enqueue_in_opposite_orders("bound-a", "bound-b")
     f.assert_counters_match_table()
     assert Message.objects.count() == 6
 
