@@ -792,20 +792,6 @@ def retry_failed_work_batches(ids: Sequence[int], *, using: str | None = None) -
     return [r[0] for r in _run("retry_failed_work_batches", {"ids": list(ids)}, using)]
 
 
-def select_claimable_exists(
-    *,
-    only_channel_ids: Sequence[int] | None = None,
-    exclude_channel_ids: Sequence[int] | None = None,
-    using: str | None = None,
-) -> bool:
-    """Whether a claim with these channel filters could take a message now (no locks taken)."""
-    params = {
-        "only": list(only_channel_ids) if only_channel_ids is not None else None,
-        "exclude": list(exclude_channel_ids) if exclude_channel_ids is not None else None,
-    }
-    return bool(_run("select_claimable_exists", params, using)[0][0])
-
-
 def select_next_due(
     horizon: timedelta,
     *,

@@ -513,13 +513,14 @@ def test_a_wake_up_claim_that_meets_a_locked_channel_tries_again_soon(fq: Any) -
         assert worker.listening.wait(10)
         wait_until(lambda: message(first).state == MessageState.SUCCEEDED)
         time.sleep(0.2)  # idle now: only a wake-up (or the 60 s poll) makes it claim
-        empty_before = worker._empty_claims
+        misses_before = worker._due_misses
         # an autocommit connection like the listener's; the lock lasts until the block ends
         with psycopg.connect(**worker._listener_params()) as locker, locker.transaction():
             locker.execute("SELECT 1 FROM fairqueue_channel WHERE name = 'alice' FOR UPDATE")
             mid = fairtasks.record.enqueue("ping", channel="alice")
-            # the woken claim came back empty: the channel was locked
-            wait_until(lambda: worker._empty_claims > empty_before, timeout=10)
+            # the woken claim came back empty although the queue said work was claimable (the
+            # channel was locked): the worker backs off briefly instead of waiting for the poll
+            wait_until(lambda: worker._due_misses > misses_before, timeout=10)
         released = time.time()
         row = wait_until(
             lambda: (m := message(mid)).state == MessageState.SUCCEEDED and m, timeout=20
@@ -905,21 +906,26 @@ def test_the_threaded_worker_records_per_channel_statistics(fq: Any) -> None:
 
 
 @pytest.mark.django_db
-def test_select_claimable_exists_tells_a_drained_queue_from_a_busy_one() -> None:
-    assert store.select_claimable_exists() is False
+def test_select_next_due_tells_a_drained_queue_from_a_busy_one() -> None:
+    def due(**filters: Any) -> float | None:
+        return store.select_next_due(timedelta(seconds=5), **filters)
+
+    assert due() is None
     fairtasks.add.enqueue(1, 1, channel="a")  # counted through its not yet folded delta
     a = store.select_channel_ids(["a"])["a"]
-    assert store.select_claimable_exists() is True
-    assert store.select_claimable_exists(exclude_channel_ids=[a]) is False
-    assert store.select_claimable_exists(only_channel_ids=[a]) is True
-    assert store.select_claimable_exists(only_channel_ids=[]) is False
+    assert (due() or 1) <= 0  # claimable now
+    assert due(exclude_channel_ids=[a]) is None
+    assert (due(only_channel_ids=[a]) or 1) <= 0
+    assert due(only_channel_ids=[]) is None
 
     Channel.objects.filter(pk=a).update(paused=True)  # an operator pauses it
-    assert store.select_claimable_exists() is False
+    assert due() is None
 
     fairtasks.add.enqueue(2, 2, channel="b", run_after=timedelta(milliseconds=1))
     time.sleep(0.01)
-    assert store.select_claimable_exists() is True  # due, promoted by the next claim
+    assert (due() or 1) <= 0  # due, promoted by the next claim
+    fairtasks.add.enqueue(3, 3, channel="c", run_after=timedelta(seconds=2))
+    assert 1 < (due(exclude_channel_ids=[store.select_channel_ids(["b"])["b"]]) or 0) <= 2
 
 
 # ------------------------------------------------------------------------------------------------

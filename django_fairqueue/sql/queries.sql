@@ -429,35 +429,10 @@ WITH retried AS (
 )
 SELECT retried.id FROM retried;
 
--- name: select_claimable_exists
--- Whether a claim could take a message now (of these channels, or all but the excluded), lock-free.
--- A claim also comes back empty when concurrent claims hold the channel rows it wanted (SKIP
--- LOCKED): this tells a drained queue from a contended one.
-SELECT EXISTS (
-    SELECT 1
-    FROM fairqueue_channel c
-    LEFT JOIN LATERAL (
-        -- counter changes not folded yet (new messages, freed slots)
-        SELECT sum(d.ready) AS ready, sum(d.running) AS running
-        FROM fairqueue_channel_delta d
-        WHERE d.channel_id = c.id
-    ) x ON true
-    WHERE NOT c.paused
-      AND c.ready_count + coalesce(x.ready, 0) > 0
-      AND (c.max_concurrency IS NULL
-           OR c.running_count + coalesce(x.running, 0) < c.max_concurrency)
-      AND c.next_turn_at <= clock_timestamp()
-      AND (%(only)s::bigint[] IS NULL OR c.id = ANY (%(only)s::bigint[]))
-      AND (%(exclude)s::bigint[] IS NULL OR NOT (c.id = ANY (%(exclude)s::bigint[])))
-) OR EXISTS (
-    -- due retries and delayed messages: the next claim promotes them
-    SELECT 1 FROM fairqueue_message m WHERE m.state = 'scheduled' AND m.run_at <= clock_timestamp()
-) AS claimable;
-
 -- name: select_next_due
--- Seconds until a claim could take a message none can take now (of these channels, or all but
--- the excluded), if that is within the horizon; else NULL. Lock-free, for a burst worker
--- deciding whether to wait: the next turn of a rate-limited channel that has ready messages and
+-- Seconds until a claim could take a message (of these channels, or all but the excluded), if
+-- within the horizon; else NULL; zero or less when one is claimable now. Lock-free: what a
+-- worker whose claim came back empty asks to decide when to claim again: the next turn of a rate-limited channel that has ready messages and
 -- a free slot, or the run_at of the next scheduled message (a retry, a delayed message) of a
 -- channel not paused. Differences of the database's own clock, never compared with the caller's.
 WITH horizon AS (

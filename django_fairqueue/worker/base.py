@@ -75,14 +75,8 @@ class WorkerBase:
         self._wake = True  # claim as soon as a slot is free
         self._more = False  # the last claim was full: more may be ready
         self._next_poll = 0.0
-        self._not_before = 0.0  # no claim before this (backoff, empty-claim retries)
-        self._empty_claims = 0  # empty claims in a row
-        # Set when the claim under way was asked for by a wake-up (LISTEN, a settlement, a
-        # retry), not by the poll timer; and how many times an empty woken claim was retried.
-        self._claim_woken = False
-        self._woken_retries = 0
-        self._due_misses = 0  # empty claims in a row while the database said work was due
-        self._backlog_seen = False  # a full claim since the last empty-claim streak
+        self._not_before = 0.0  # no claim before this (backoff, a burst's due work)
+        self._due_misses = 0  # empty claims in a row while the database said work was claimable
         self._stop_requested = False
         self._release_unstarted = False
         self._signals = 0
@@ -124,7 +118,6 @@ class WorkerBase:
         """Claim as soon as a handler slot is free (work may be waiting)."""
         with self._cond:
             self._wake = True
-            self._woken_retries = 0  # fresh news: its claim may be retried again
             self._cond.notify_all()
 
     def _on_signal(self, signum: int) -> None:

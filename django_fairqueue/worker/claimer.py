@@ -20,9 +20,7 @@ from django_fairqueue.worker.base import WorkerBase
 from django_fairqueue.worker.config import (
     DUE_RETRY_FIRST,
     DUE_SLACK,
-    EMPTY_CLAIM_RETRIES,
     GATHER_SECONDS,
-    WOKEN_CLAIM_RETRIES,
     Outcome,
     _lease_clock,
 )
@@ -65,82 +63,50 @@ class Claimer(WorkerBase):
                 return
 
     def _after_empty_claim(self) -> bool:
-        """Decide what an empty claim means; returns True when a burst worker is done."""
-        self._empty_claims += 1
+        """What an empty claim means, decided one way: ask the database when work this worker
+        may claim comes (one lock-free statement, on its own clock), and claim then.
+
+        The claim itself already waited (``CLAIM_WAIT``) for channels concurrent claims held,
+        and for channels they had just folded. So what is left:
+
+        * work claimable now (another transaction still holds it, or took it first): claim
+          again after a short backoff, doubling up to the poll interval;
+        * work due later (a rate-limited channel's next turn, a delayed message, a retry's
+          backoff): claim when it is due;
+        * nothing within the horizon (the poll interval; ``burst_horizon`` in burst mode): wait
+          for a wake-up or the poll. A burst worker is then done, once its own running
+          messages are settled (they may retry, and their settlement wakes it).
+
+        A wake-up (LISTEN, a settlement) still claims at once meanwhile. Returns True when a
+        burst worker is done.
+        """
         burst = self.config.burst
-        if (self._backlog_seen or burst) and self._empty_claims <= EMPTY_CLAIM_RETRIES:
-            # Right after a full claim this is probably contention, not an empty queue: try
-            # again in a few milliseconds.
-            self._retry_claim_in(random.uniform(0.002, 0.01) * self._empty_claims)
-            return False
-        self._backlog_seen = False
-        if not burst:
-            if self._claim_woken and self._woken_retries < WOKEN_CLAIM_RETRIES:
-                # Woken for new work, yet the claim found none. The claim skips channel rows
-                # other transactions hold (a concurrent claim, the maintenance thread folding
-                # counters, an operator's edit), so the new message may sit behind a lock
-                # held for a millisecond: a lock-free look tells that apart from a message
-                # another worker already took, and a short retry then picks it up instead of
-                # the next poll (a second later).
-                only, exclude = self._filters()
-                if store.select_claimable_exists(
-                    only_channel_ids=only, exclude_channel_ids=exclude
-                ):
-                    delay = random.uniform(0.005, 0.01) * 2**self._woken_retries
-                    self._woken_retries += 1
-                    self._retry_claim_in(delay)
-                    return False
-            self._claim_when_due()
-            return False  # wait for a wake-up, the poll, or the next work coming due
-        with self._cond:
-            if self._unsettled:
-                return False  # running messages may retry; their settlement wakes us
         only, exclude = self._filters()
-        if store.select_claimable_exists(only_channel_ids=only, exclude_channel_ids=exclude):
-            self._retry_claim_in(random.uniform(0.01, 0.05))  # others hold it right now
-            return False
-        horizon = self.config.burst_horizon
-        if horizon > 0:
-            # Not done while work is due soon: a rate-limited channel's next turn, a retry or
-            # a delayed message. The database tells how far off it is on its own clock.
+        horizon = self.config.burst_horizon if burst else self.poll_interval * 1.2
+        due_in = None
+        if only != []:  # (no channel of --channels exists yet: nothing to ask about)
             due_in = store.select_next_due(
                 timedelta(seconds=horizon), only_channel_ids=only, exclude_channel_ids=exclude
             )
-            if due_in is not None:
-                logger.debug("burst: work due in %.3fs; waiting for it", due_in)
-                self._retry_claim_in(max(due_in, 0.0) + random.uniform(0.002, 0.01))
-                return False
-        return True
-
-    def _claim_when_due(self) -> None:
-        """After an empty claim: claim again when the next work comes due (a rate-limited
-        channel's next turn, a delayed message, a retry's backoff), if that is before the next
-        poll. A wake-up still claims at once meanwhile: this only brings the poll forward.
-
-        The database says how far off the work is, on its own clock (the one the claim compares
-        due times with); the worker waits that long on its monotonic clock.
-        """
-        only, exclude = self._filters()
-        if only == []:
-            return
-        due_in = store.select_next_due(
-            timedelta(seconds=self.poll_interval * 1.2),
-            only_channel_ids=only,
-            exclude_channel_ids=exclude,
-        )
         if due_in is None:
             self._due_misses = 0
-            return
+            if not burst:
+                return False
+            with self._cond:
+                return not self._unsettled
         if due_in <= 0:
-            # Due already, yet the claim found nothing (it was taken, or something holds it):
-            # back off so such work cannot make the worker spin.
             self._due_misses += 1
             wait = min(DUE_RETRY_FIRST * 2**self._due_misses, self.poll_interval)
         else:
             self._due_misses = 0
             wait = due_in + DUE_SLACK
-        with self._cond:
-            self._next_poll = min(self._next_poll, time.monotonic() + wait)
+        if burst:
+            logger.debug("burst: work due in %.3fs; claiming then", max(due_in, 0.0))
+            self._retry_claim_in(wait)
+        else:
+            with self._cond:
+                self._next_poll = min(self._next_poll, time.monotonic() + wait)
+        return False
 
     def _retry_claim_in(self, seconds: float) -> None:
         with self._cond:
@@ -177,7 +143,6 @@ class Claimer(WorkerBase):
                             self._cond.wait(gather_until - now)
                             continue
                     if self._wake or self._more or now >= self._next_poll or (burst and idle):
-                        self._claim_woken = self._wake
                         self._wake = False
                         # Poll again one (jittered) interval after the last claim of any kind.
                         self._next_poll = now + self.poll_interval * random.uniform(0.8, 1.2)
@@ -189,10 +154,7 @@ class Claimer(WorkerBase):
 
     def _dispatch(self, messages: list[ClaimedMessage], limit: int) -> None:
         if messages:
-            self._empty_claims = 0
             self._due_misses = 0
-        if len(messages) >= limit:
-            self._backlog_seen = True
         with self._cond:
             self._more = len(messages) >= limit
             release = self._release_unstarted  # stopped while the claim was in flight

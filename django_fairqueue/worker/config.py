@@ -29,17 +29,10 @@ SETTLE_BATCH = 1000
 HEARTBEAT_BATCH = 5000
 #: Seconds between two writes of the per-channel statistics (django_fairqueue.stats).
 STATS_FLUSH_SECONDS = 5.0
-#: An empty claim right after a full one (or in burst mode) is retried this many times, after
-#: a few milliseconds each, before the worker believes nothing is ready: concurrent claims skip
-#: the channel rows they find locked, so two workers sharing few channels often see an empty
-#: claim while a backlog waits.
-EMPTY_CLAIM_RETRIES = 3
-#: Retries of an empty claim made on a wake-up while the queue says work is claimable (a
-#: channel row was locked for a moment): after 5-10 ms, doubling, about 0.3 s at most in all.
-WOKEN_CLAIM_RETRIES = 5
-#: An idle worker claims this long after the next work's due time (the database's figure), so
-#: the claim's clock is past it; and the first wait when work is due yet none was claimed
-#: (doubling, at most the poll interval).
+#: After an empty claim a worker claims again this long after the next work's due time (the
+#: database's figure), so the claim's clock is past it; and, when work was claimable yet the
+#: claim got none (another transaction held it), it waits DUE_RETRY_FIRST doubled per empty
+#: claim in a row, at most the poll interval.
 DUE_SLACK = 0.002
 DUE_RETRY_FIRST = 0.005
 #: With a backlog, a claim waits up to this long (seconds) for half a batch of free slots

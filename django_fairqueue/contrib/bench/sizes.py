@@ -84,7 +84,7 @@ class Sizes:
     pickup_poll_samples: int = 40
     pickup_warmup: int = 5
     #: Least seconds between a message's completion and the next enqueue: longer than the
-    #: worker's re-claims after a message (worker.EMPTY_CLAIM_RETRIES, up to 60 ms), so every
+    #: worker's quick re-claims after an empty claim (10 ms, doubling), so every
     #: message finds the worker idle. A random part is added (up to this again, or up to the
     #: poll interval when polling).
     pickup_pause: float = 0.1
