@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -397,7 +397,7 @@ def claim_messages(
     :func:`_run_claim`).
     """
     params = _claim_params(limit, lease, worker_id, only_channel_ids, exclude_channel_ids, quantum)
-    rows = _run_claim("claim_messages", {**params, "maintain": maintain}, using, timed_out=list)
+    rows = _run_claim("claim_messages", {**params, "maintain": maintain}, using)
     return [ClaimedMessage(*row) for row in rows]
 
 
@@ -409,8 +409,7 @@ def _claim_params(
     exclude_channel_ids: Sequence[int] | None,
     quantum: int | None,
 ) -> dict[str, Any]:
-    """The claim's own parameters, as ``claim_messages`` and ``complete_and_claim_messages``
-    pass them."""
+    """The claim statement's parameters."""
     return {
         "limit": limit,
         "lease": lease,
@@ -430,20 +429,14 @@ def _completion_params(done: Sequence[tuple[int, uuid.UUID, Any]]) -> dict[str, 
     }
 
 
-def _run_claim(
-    name: str,
-    params: dict[str, Any],
-    using: str | None,
-    timed_out: Callable[[], list[tuple[Any, ...]]],
-) -> list[tuple[Any, ...]]:
+def _run_claim(name: str, params: dict[str, Any], using: str | None) -> list[tuple[Any, ...]]:
     """Run a claim statement, letting it wait for a channel when that is safe.
 
     A claim that finds every eligible channel locked by concurrent claims (one hot tenant,
     several claimers) queues behind the first of them for up to ``CLAIM_WAIT`` instead of
     coming back empty. Only a statement that is its own transaction may wait: a channel held
     longer than that fails the statement with SQLSTATE 55P03, which rolls its transaction back,
-    and the result is ``timed_out()``: no messages (and a completion made in the same call,
-    done again on its own). Not the claim again: the channels were still held a moment ago,
+    and the result is no messages. Not the claim again: the channels were still held a moment ago,
     and a claim that outlasted the wait is slow already (a long transaction elsewhere bloats
     the channel index), so running another would mostly double the load. Inside a caller's
     transaction it never waits.
@@ -458,7 +451,7 @@ def _run_claim(
     except DatabaseError as exc:
         if getattr(exc.__cause__, "sqlstate", None) != "55P03":  # lock_not_available
             raise
-    return timed_out()
+    return []
 
 
 def prepare_claims(*, using: str | None = None) -> None:
@@ -505,37 +498,6 @@ def complete_messages(
         return set()
     rows = _run("complete_messages", _completion_params(done), using)
     return {r[0] for r in rows}
-
-
-def complete_and_claim_messages(
-    done: Sequence[tuple[int, uuid.UUID, Any]],
-    limit: int,
-    *,
-    lease: timedelta,
-    worker_id: str,
-    only_channel_ids: Sequence[int] | None = None,
-    exclude_channel_ids: Sequence[int] | None = None,
-    quantum: int | None = None,
-    using: str | None = None,
-) -> tuple[set[int], list[ClaimedMessage]]:
-    """:func:`complete_messages` then :func:`claim_messages`, in one transaction and one round
-    trip: returns (the ids actually completed, the messages claimed).
-
-    One commit instead of two per cycle, which is what bounds a claimer that takes one message
-    at a time. The completion comes first, so a slot it frees on a capped channel can be taken
-    by the same claim. Inside a caller's transaction it joins that transaction like the two
-    statements would.
-    """
-    claim = _claim_params(limit, lease, worker_id, only_channel_ids, exclude_channel_ids, quantum)
-    rows = _run_claim(
-        "complete_and_claim_messages",
-        {**_completion_params(done), **claim},
-        using,
-        # the claim's wait timed out, which rolled the completion back: complete on its own
-        timed_out=lambda: [(True, i) for i in complete_messages(done, using=using)],
-    )
-    completed = {r[1] for r in rows if r[0]}
-    return completed, [ClaimedMessage(*r[1:]) for r in rows if not r[0]]
 
 
 def fail_messages(

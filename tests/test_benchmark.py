@@ -66,11 +66,7 @@ def test_tiny_run_reports_every_scenario_as_json(tmp_path: Path) -> None:
     for cell in doc["scenarios"]["enqueue"]["cells"]:
         assert cell["messages"] > 0 and cell["calls"] > 0
     claim_cells = doc["scenarios"]["claim"]["cells"]
-    assert {(c["batch"], c["mode"]) for c in claim_cells} == {
-        (1, "separate"),
-        (1, "combined"),  # complete_and_claim_messages
-        (10, "separate"),
-    }
+    assert {(c["batch"], c["mode"]) for c in claim_cells} == {(1, "separate"), (10, "separate")}
     for cell in claim_cells:
         assert cell["messages"] > 0 and cell["claims"] > 0
         assert 0 <= cell["empty_pct"] <= 100

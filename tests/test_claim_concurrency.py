@@ -436,38 +436,6 @@ def test_a_claim_waits_at_most_claim_wait_then_comes_back_empty() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-@override_settings(FAIRQUEUE={"CLAIM_WAIT": 0.2})
-def test_a_completion_survives_its_claims_wait_timing_out() -> None:
-    # complete_and_claim is one statement: the timed-out wait rolls the completion back too,
-    # and the rerun without waiting must complete it again.
-    f.enqueue_spread({"alice": 3, "bob": 1})
-    f.fold_all()
-    (bob,) = store.claim_messages(
-        1, lease=LEASE, worker_id="claimer", only_channel_ids=[f.channel_ids(["bob"])["bob"]]
-    )
-    holding, release = threading.Event(), threading.Event()
-
-    def claimer() -> tuple[set[int], list[str]]:
-        assert holding.wait(timeout=30)
-        try:
-            done, got = store.complete_and_claim_messages(
-                [(bob.id, bob.lease_token, None)], 10, lease=LEASE, worker_id="claimer"
-            )
-            return done, [m.channel for m in got]
-        finally:
-            release.set()
-
-    _, (done, got) = run_threads(
-        2, lambda i: hold_channel_until(release, holding) if i == 0 else claimer()
-    )
-
-    assert done == {bob.id}
-    assert got == []
-    assert not Message.objects.filter(id=bob.id).exists()
-    f.assert_counters_match_table()
-
-
-@pytest.mark.django_db(transaction=True)
 @override_settings(FAIRQUEUE={"CLAIM_WAIT": 10})
 def test_a_claim_inside_a_transaction_never_waits() -> None:
     f.enqueue_spread({"alice": 3})

@@ -10,7 +10,8 @@
 * The functions are installed again from this migration's own copies (``sql/0006_*.sql``):
   ``fairqueue_enqueue_v1`` takes two more arguments with defaults (its old signature is dropped
   first, as 0004 did for the claim); ``fairqueue_enqueue_one_v1`` is new (one message, the
-  call ``enqueue()`` makes); the other changes keep their signatures.
+  call ``enqueue()`` makes); ``fairqueue_complete_and_claim_v1`` is dropped (the worker never
+  called it); the other changes keep their signatures.
 """
 
 from django.db import migrations, models
@@ -57,6 +58,12 @@ ALTER TABLE fairqueue_channel
 DROP_OLD_ENQUEUE = """
 DROP FUNCTION IF EXISTS fairqueue_enqueue_v1(text[], text[], jsonb[], smallint[], timestamptz[],
     integer[], boolean[], integer, interval, integer, integer, text);
+-- Completing and claiming in one call is gone: the worker settles in a thread of its own,
+-- batching completions across its handlers, and never called it.
+DROP FUNCTION IF EXISTS fairqueue_complete_and_claim_v1(bigint[], uuid[], jsonb[], integer,
+    interval, text, bigint[], bigint[], integer, integer);
+DROP FUNCTION IF EXISTS fairqueue_complete_and_claim_v1(bigint[], uuid[], jsonb[], integer,
+    interval, text, bigint[], bigint[], integer);
 """
 
 DROP_NEW = """
@@ -101,12 +108,13 @@ class Migration(migrations.Migration):
             name="backlog_check",
             field=models.BooleanField(db_default=False, default=False),
         ),
-        # Backwards: the new functions go; the previous migration's reverse drops the others
-        # (going back further) and going forward again installs them anew.
+        # Backwards: the new functions go and the previous migration's are installed again.
         migrations.RunSQL(
-            DROP_OLD_ENQUEUE + migration_sql("0006_channel_state_outside_the_model"), DROP_NEW
+            DROP_OLD_ENQUEUE + migration_sql("0006_channel_state_outside_the_model"),
+            DROP_NEW + migration_sql("0005_maintenance_probes"),
         ),
         migrations.RunSQL(
-            migration_sql("0006_channel_state_outside_the_model.batches"), migrations.RunSQL.noop
+            migration_sql("0006_channel_state_outside_the_model.batches"),
+            migration_sql("0003_work_batch_claim"),
         ),
     ]

@@ -79,17 +79,6 @@ SELECT id FROM fairqueue_complete_v1(
     %(ids)b::bigint[], %(tokens)b::uuid[], %(results)b::jsonb[]
 ) AS id;
 
--- name: complete_and_claim_messages
--- Complete messages and claim up to `limit` more in one transaction (one round trip, one commit).
--- Rows with `settled` true carry a completed id; the others are claimed messages.
-SELECT settled, id, channel_id, channel_name, task_name, payload, priority, attempts,
-       max_attempts, keep_result, lease_token, lease_expires_at, enqueued_at, run_at
-FROM fairqueue_complete_and_claim_v1(
-    %(ids)b::bigint[], %(tokens)b::uuid[], %(results)b::jsonb[], %(limit)b::integer,
-    %(lease)b::interval, %(worker)b::text, %(only)b::bigint[], %(exclude)b::bigint[],
-    %(quantum)b::integer, %(wait_ms)b::integer
-);
-
 -- name: fail_messages
 -- Settle failed attempts: retry after `retry_in` (NULL: no retry) while attempts remain, else dead-letter.
 -- Retry times are the database clock plus the delay, the clock the claim compares them with.

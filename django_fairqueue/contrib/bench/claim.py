@@ -1,10 +1,8 @@
 """Claim + complete throughput: N claimer processes in a tight claim -> complete loop.
 
-Two modes: ``separate`` (claim_messages, then complete_messages: two round trips and two
-commits per cycle) and ``combined`` (complete_and_claim_messages: each call completes the
-previous claim and claims the next in one round trip and one commit, as a worker that takes one
-message at a time would). The combined mode runs for the batch sizes in
-``Sizes.claim_combined_batches`` (batch 1: where commits, not rows, bound the rate).
+Each cycle is claim_messages, then complete_messages: two round trips and two commits, as the
+worker's claimer and settler make them (``mode`` is always ``separate``; earlier records also
+have a ``combined`` mode, of a complete-and-claim call the worker never used, since removed).
 
 Each cell starts from empty tables, pre-filled with enough ready messages that it should not
 run dry. The pre-fill is sized from a short single-claimer probe per (channels, batch) pair;
@@ -40,7 +38,7 @@ class ClaimCell:
     channels: int
     batch: int
     claimers: int
-    mode: str = "separate"  # or "combined": complete_and_claim_messages
+    mode: str = "separate"  # the only mode now (older records also have "combined")
 
     @property
     def label(self) -> str:
@@ -84,8 +82,7 @@ def plan(sizes: Sizes) -> list[ClaimCell]:
         ClaimCell(channels, batch, claimers, mode)
         for channels in sizes.claim_channels
         for batch in sizes.claim_batches
-        for mode in ("separate", "combined")
-        if mode == "separate" or batch in sizes.claim_combined_batches
+        for mode in ("separate",)
         for claimers in sizes.claimers
     ]
 
@@ -108,17 +105,7 @@ def _worker(
     worker_id = f"fairbench-{os.getpid()}"
     slack = batch * len(claimed)  # rows other claimers may hold right now
 
-    held: list[store.ClaimedMessage] = []  # combined mode: claimed, completed by the next call
-
     def claim_and_complete() -> int:
-        nonlocal held
-        if mode == "combined":
-            done = [(m.id, m.lease_token, None) for m in held]
-            _, held = store.complete_and_claim_messages(
-                done, batch, lease=LEASE, worker_id=worker_id, using=using
-            )
-            claimed[index] += len(held)
-            return len(held)
         got = store.claim_messages(batch, lease=LEASE, worker_id=worker_id, using=using)
         if got:
             store.complete_messages([(m.id, m.lease_token, None) for m in got], using=using)
@@ -143,8 +130,6 @@ def _worker(
                 break
             empty += 1
     ended = time.perf_counter()
-    if held:  # the last combined claim: complete it outside the measured time
-        store.complete_messages([(m.id, m.lease_token, None) for m in held], using=using)
     return messages, claims, empty, began, ended
 
 
@@ -263,9 +248,8 @@ SCENARIO = Scenario(
     key=("channels", "batch", "claimers", "mode"),
     metric="rate",
     notes=(
-        "Each claimer is a process looping claim_messages(batch) -> complete_messages() "
-        "(separate), or complete_and_claim_messages() completing the previous claim "
-        "(combined: one commit per cycle); messages are spread round-robin over the "
+        "Each claimer is a process looping claim_messages(batch) -> complete_messages(), as "
+        "a worker's claimer and settler do; messages are spread round-robin over the "
         "channels and pre-filled, then ANALYZE.",
         "empty %: claims that returned nothing while ready messages remained (locked by a "
         "concurrent claim, or the channels' turns were taken).",

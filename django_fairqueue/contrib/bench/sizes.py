@@ -18,8 +18,6 @@ class Sizes:
     # -- claim + complete --
     claim_channels: tuple[int, ...] = (1, 100)
     claim_batches: tuple[int, ...] = (1, 100)
-    #: Batch sizes also measured with complete_and_claim_messages (one commit per cycle).
-    claim_combined_batches: tuple[int, ...] = (1,)
     claimers: tuple[int, ...] = (1, 2, 4)
     #: Seconds of the single-claimer probe that sizes each cell's pre-fill.
     calibration: float = 1.0
