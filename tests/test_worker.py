@@ -1151,3 +1151,25 @@ def test_time_limits_are_validated(fq: Any) -> None:
         WorkerConfig(max_abandoned_threads=0)
     with pytest.raises(CommandError, match="--max-abandoned-threads must be at least 1"):
         call_command("runfairworker", "--max-abandoned-threads", "0")
+
+
+def test_supervised_workers_get_every_option_of_the_command_but_the_supervisors() -> None:
+    from django_fairqueue.management.commands.runfairworker import Command
+    from django_fairqueue.worker import supervisor
+
+    parser = Command().create_parser("manage.py", "runfairworker")
+    given = [
+        "--concurrency", "3", "--channels", "a,b", "--batch-size", "7", "--prefetch", "2",
+        "--poll-interval", "0.5", "--burst", "--burst-horizon", "2", "--lease", "9",
+        "--no-listen", "--no-maintenance", "--max-abandoned-threads", "4",
+        "--shutdown-grace", "3", "--pipelines", "enrich",
+    ]  # fmt: skip
+    options = vars(parser.parse_args([*given, "--processes", "2", "--max-tasks-per-child", "5"]))
+    child = vars(parser.parse_args(supervisor.child_flags(options)))
+    for key in (
+        "concurrency", "channels", "batch_size", "prefetch", "poll_interval", "burst",
+        "burst_horizon", "lease", "no_listen", "no_maintenance", "max_abandoned_threads",
+        "shutdown_grace", "pipelines",
+    ):  # fmt: skip
+        assert child[key] == options[key], key
+    assert (child["processes"], child["max_tasks_per_child"]) == (1, None)

@@ -27,9 +27,11 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from django_fairqueue._runtime import StopFlag, stop_signals
 
@@ -205,3 +207,48 @@ def environment() -> dict[str, str]:
     if module and "DJANGO_SETTINGS_MODULE" not in env:
         env["DJANGO_SETTINGS_MODULE"] = module
     return env
+
+
+def invocation() -> list[str]:
+    """How this process was started, up to and including ``runfairworker``: the children are
+    started the same way (``python manage.py``, ``python -m django``, ``django-admin``)."""
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    if "runfairworker" in argv[1:]:
+        end = argv.index("runfairworker", 1)
+        return [sys.executable, *argv[1 : end + 1]]
+    # called in process (call_command): Django's own entry point, with the settings in the env
+    return [sys.executable, "-m", "django", "runfairworker"]
+
+
+def child_flags(options: dict[str, Any]) -> list[str]:
+    """The options of one supervised worker: this command's, less the supervisor's own."""
+    flags = [
+        "--concurrency",
+        str(options["concurrency"]),
+        "--batch-size",
+        str(options["batch_size"]),
+        "--prefetch",
+        str(options["prefetch"]),
+        "--shutdown-grace",
+        str(options["shutdown_grace"]),
+        "--max-abandoned-threads",
+        str(options["max_abandoned_threads"]),
+        "--verbosity",
+        str(options["verbosity"]),
+    ]
+    for name in (
+        "channels",
+        "exclude_channels",
+        "poll_interval",
+        "lease",
+        "burst_horizon",
+        "pythonpath",
+    ):
+        if options.get(name) is not None:
+            flags += [f"--{name.replace('_', '-')}", str(options[name])]
+    for name in ("burst", "no_listen", "no_maintenance", "traceback"):
+        if options.get(name):
+            flags.append(f"--{name.replace('_', '-')}")
+    if options["pipelines"] is not None:
+        flags += ["--pipelines", options["pipelines"]] if options["pipelines"] else ["--pipelines"]
+    return flags

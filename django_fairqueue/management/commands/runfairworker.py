@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 from datetime import timedelta
 from typing import Any
@@ -195,8 +194,8 @@ class Command(BaseCommand):
                 "--max-messages with a supervisor: use --max-tasks-per-child (each process "
                 "is replaced after that many messages)"
             )
-        prefix = _invocation()
-        flags = _child_flags(options)
+        prefix = supervisor.invocation()
+        flags = supervisor.child_flags(options)
         base_id = options["worker_id"]
 
         def command_for(index: int) -> list[str]:
@@ -298,41 +297,3 @@ class Command(BaseCommand):
         runner.thread = threading.Thread(target=runner.run_logged, name="fairqueue-pipeline-runner")
         runner.thread.start()
         return runner
-
-
-def _invocation() -> list[str]:
-    """How this process was started, up to and including ``runfairworker``: the children are
-    started the same way (``python manage.py``, ``python -m django``, ``django-admin``)."""
-    argv = list(getattr(sys, "orig_argv", sys.argv))
-    if "runfairworker" in argv[1:]:
-        end = argv.index("runfairworker", 1)
-        return [sys.executable, *argv[1 : end + 1]]
-    # called in process (call_command): Django's own entry point, with the settings in the env
-    return [sys.executable, "-m", "django", "runfairworker"]
-
-
-def _child_flags(options: dict[str, Any]) -> list[str]:
-    """The options of one supervised worker: this command's, less the supervisor's own."""
-    flags = [
-        "--concurrency",
-        str(options["concurrency"]),
-        "--batch-size",
-        str(options["batch_size"]),
-        "--prefetch",
-        str(options["prefetch"]),
-        "--shutdown-grace",
-        str(options["shutdown_grace"]),
-        "--max-abandoned-threads",
-        str(options["max_abandoned_threads"]),
-        "--verbosity",
-        str(options["verbosity"]),
-    ]
-    for name in ("channels", "exclude_channels", "poll_interval", "lease", "pythonpath"):
-        if options.get(name) is not None:
-            flags += [f"--{name.replace('_', '-')}", str(options[name])]
-    for name in ("burst", "no_listen", "no_maintenance", "traceback"):
-        if options.get(name):
-            flags.append(f"--{name.replace('_', '-')}")
-    if options["pipelines"] is not None:
-        flags += ["--pipelines", options["pipelines"]] if options["pipelines"] else ["--pipelines"]
-    return flags
