@@ -147,11 +147,16 @@ class WorkerView:
 
 
 def workers(now: datetime | None = None) -> list[WorkerView]:
-    """Every worker in the registry, live ones first, then by last beat."""
+    """Every worker in the registry, live ones first, then by last beat.
+
+    A beat's age is measured on the database's clock (``now`` defaults to it), the clock that
+    stamped the beat and that the maintenance loop judges death by: a web server whose clock
+    drifts from the database's then shows the same states the rescuer acts on.
+    """
     from django_fairqueue.models import WorkerRecord
 
-    now = now or datetime.now(UTC)
     cfg = conf.get()
+    now = now or store.select_clock(using=cfg.DATABASE)
     rows = []
     for w in WorkerRecord.objects.using(cfg.DATABASE).order_by("-heartbeat_at"):
         state = w.state

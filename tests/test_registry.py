@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -14,6 +14,8 @@ from django.urls import reverse
 from django.utils import timezone
 
 from django_fairqueue import registry, store
+from django_fairqueue.cli import status as status_cli
+from django_fairqueue.cli import workers as workers_cli
 from django_fairqueue.maintenance import Rescuer
 from django_fairqueue.models import Message, MessageState, WorkerRecord
 from tests import factories as f
@@ -48,6 +50,33 @@ def test_a_silent_worker_is_dead_and_its_leases_expire(settings: Any) -> None:
     assert Rescuer().run_once() == 1
     assert Message.objects.get(pk=m.id).state == MessageState.READY
     assert [v.state for v in registry.workers()] == ["dead"]
+
+
+def test_beats_age_on_the_database_clock_not_the_web_servers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A web server whose clock runs an hour ahead of the database's still sees a worker that
+    just beat as alive, in the registry, ``status`` and ``workers``: the rescuer (on the
+    database's clock) would not call it dead either."""
+    registry.Registration("w-skew", concurrency=2).register()
+
+    class AheadClock(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:
+            return datetime.now(tz) + timedelta(hours=1)
+
+    for module in (registry, status_cli, workers_cli):
+        if hasattr(module, "datetime"):
+            monkeypatch.setattr(module, "datetime", AheadClock)
+    monkeypatch.setattr(timezone, "now", lambda: AheadClock.now(UTC))
+    assert [v.state for v in registry.workers()] == ["alive"]
+    out = io.StringIO()
+    call_command("fairqueue", "workers", stdout=out)
+    assert "1 live of 1 registered" in out.getvalue()
+    out = io.StringIO()
+    call_command("fairqueue", "status", stdout=out)
+    assert "1 live worker" in out.getvalue()
+    assert registry.rescue_dead_workers() == []
 
 
 def test_status_warns_when_no_worker_is_alive_and_workers_lists_them() -> None:

@@ -83,9 +83,9 @@ def handle(options: dict[str, Any], stdout: TextIO) -> None:
 def snapshot(sort: str = "backlog", limit: int = 20, now: datetime | None = None) -> dict[str, Any]:
     """What ``status --json`` prints."""
     now = now or timezone.now()
+    views = registry.workers()  # beats age on the database's clock, which stamped them
     counts = overview.all_counts()
     ids = overview.ranked_ids(sort, limit, counts=counts)
-    views = registry.workers(now)
     alive = registry.live(views)
     return {
         "generated_at": now.isoformat(),

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from datetime import UTC, datetime
 from typing import Any
 
 from django.core.management.base import OutputWrapper
 
-from django_fairqueue import overview, registry
+from django_fairqueue import overview, registry, store
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
-    now = datetime.now(UTC)
+    now = store.select_clock()  # the clock that stamped the beats
     views = registry.workers(now)
     if options["json"]:
         stdout.write(json.dumps([v.as_dict() for v in views]))
