@@ -660,10 +660,22 @@ class ChannelAdmin(_ChannelAdminBase):
             )
             return None
         lines: list[dict[str, Any]] = []
+        retrying = store.select_channel_retrying(
+            [cid for cid, c in counters.items() if c.scheduled > 0]
+        )
         for channel in channels:
             c = counters.get(channel.pk)
             ready, scheduled = (c.ready, c.scheduled) if c else (0, 0)
-            lines.append({"channel": channel, "ready": ready, "scheduled": scheduled})
+            again = retrying.get(channel.pk, 0)
+            lines.append(
+                {
+                    "channel": channel,
+                    "ready": ready,
+                    "scheduled": scheduled,
+                    "delayed": max(scheduled - again, 0),
+                    "retrying": again,
+                }
+            )
         context = {
             **self.admin_site.each_context(request),
             "title": _("Purge the backlog?"),
@@ -1086,6 +1098,9 @@ class WorkBatchAdmin(_WorkBatchAdminBase):
 @admin.register(WorkerRecord)
 class WorkerAdmin(_WorkerAdminBase):
     """The worker registry, read-only: who runs, where, what, and since when."""
+
+    class Media:
+        css = {"all": ["django_fairqueue/admin.css"]}
 
     list_display = [
         "worker_id",

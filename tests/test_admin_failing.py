@@ -311,6 +311,17 @@ def test_breadcrumbs_use_the_running_djangos_markup(
             assert f'&rsaquo; <a href="{CHANNELS}">Channels</a>' in html
 
 
+def test_purge_page_tells_delayed_from_retrying(
+    admin_client: Client, flaky: dict[str, Any]
+) -> None:
+    response = admin_client.post(
+        CHANNELS, {"action": "purge_backlog", "_selected_action": [str(cid("flaky"))]}
+    )
+    html = response.content.decode()
+    assert "6 waiting messages will be deleted." in html  # 1 ready, 2 delayed, 3 retrying
+    assert "<tr><td>flaky</td><td>1</td><td>2</td><td>3</td></tr>" in html
+
+
 def test_jobs_table_headers_use_the_admins_header_markup(admin_client: Client) -> None:
     channel = Channel.objects.create(name="pipeline")
     WorkBatch.objects.create(
@@ -325,5 +336,24 @@ def test_jobs_table_headers_use_the_admins_header_markup(admin_client: Client) -
     table = html.split('<table class="fq-jobs"', 1)[1].split("</thead>", 1)[0]
     # In a change list, the admin zeroes th padding and pads `th .text span` instead.
     headers = table.count("<th ")
-    assert headers == 10
+    assert headers == 9
     assert table.count('<div class="text"><span') == headers
+
+
+def test_retry_job_forms_are_not_inside_the_change_list_form(admin_client: Client) -> None:
+    """A form inside another is dropped by the browser's parser: the button would submit the
+    change list's action form instead."""
+    channel = Channel.objects.create(name="pipeline")
+    WorkBatch.objects.create(
+        channel=channel,
+        job_name="export",
+        start_id=0,
+        end_id=99,
+        row_count=100,
+        state=BatchState.FAILED,
+        attempts=3,
+    )
+    html = admin_client.get(BATCHES).content.decode()
+    retry = html.index(f'action="{reverse("admin:fairqueue_workbatch_retry_job")}"')
+    changelist_form = html.index('<form id="changelist-form"')
+    assert html.index('<table class="fq-jobs"') < retry < changelist_form

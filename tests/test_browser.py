@@ -452,6 +452,8 @@ def test_every_admin_page_looks_right_light_and_dark(
         message = Message.objects.filter(state=MessageState.FAILED).order_by("pk").first()
         batch = WorkBatch.objects.filter(state=BatchState.FAILED).order_by("pk").first()
         assert message is not None and batch is not None
+        for worker in ("web-1:4242", "web-2:311"):  # alive: a fresh beat
+            store.beat_worker(worker, running=3, handled=1200, last_claim_at=timezone.now())
         return {"acme": demo, "message": message.pk, "batch": batch.pk}
 
     ids = off_loop(demo_ids)
@@ -501,6 +503,17 @@ def test_every_admin_page_looks_right_light_and_dark(
     visit(page, live_server.url, "work-batches", ids)
     export = page.locator("#fq-jobs tbody tr", has_text="orders-export").inner_text()
     assert "8 / 12" in export and "40,000 / 60,000" in export
+    # the job's retry button works (its form is not nested in the change list's form)
+    reindex = page.locator("#fq-jobs tbody tr", has_text="search-reindex")
+    reindex.locator("input[type=submit]").click()
+    page.wait_for_selector(".messagelist .success")
+    assert "Retried 2 failed batches of job search-reindex." in page.inner_text(".messagelist")
+    states = off_loop(
+        lambda: set(
+            WorkBatch.objects.filter(job_name="search-reindex").values_list("state", flat=True)
+        )
+    )
+    assert states == {BatchState.PENDING, BatchState.SUCCEEDED}
     assert not problems, problems
     assert off_loop(lambda: Message.objects.filter(state=MessageState.READY).count()) > 0
     for shot in shots:
