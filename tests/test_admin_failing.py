@@ -357,3 +357,18 @@ def test_retry_job_forms_are_not_inside_the_change_list_form(admin_client: Clien
     retry = html.index(f'action="{reverse("admin:fairqueue_workbatch_retry_job")}"')
     changelist_form = html.index('<form id="changelist-form"')
     assert html.index('<table class="fq-jobs"') < retry < changelist_form
+
+
+def test_metrics_export_the_retrying_total(flaky: dict[str, Any]) -> None:
+    pytest.importorskip("prometheus_client")
+    from django_fairqueue import metrics
+
+    samples = {
+        s.name: s.value
+        for family in metrics.REGISTRY.collect()
+        for s in family.samples
+        if not s.labels
+    }
+    assert samples["fairqueue_retrying"] == 3  # flaky's retries, not the delayed messages
+    assert samples["fairqueue_retried_last_5m"] == 3
+    assert samples["fairqueue_failed_last_5m"] == 2
