@@ -31,7 +31,7 @@ from psycopg import pq, sql
 from psycopg.types.json import Jsonb, JsonbBinaryLoader
 
 from django_fairqueue import conf
-from django_fairqueue.exceptions import ChannelFull, IsolationLevelError
+from django_fairqueue.exceptions import ChannelFull, DuplicateJob, IsolationLevelError
 
 _NEVER = 2**31
 _NAME_RE = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
@@ -183,6 +183,11 @@ class NewMessage:
     keep_result: bool = False
     #: a delay from now on the database clock (``run_at`` is absolute); at most one of the two
     delay: timedelta | None = None
+    #: unique jobs: the key (None: none), its scope ("queued", "active") and what to do when
+    #: another message of the channel holds it ("keep", "replace", "raise")
+    unique_key: str | None = None
+    unique_scope: str = "queued"
+    on_conflict: str = "keep"
 
 
 @dataclass(slots=True)
@@ -199,9 +204,15 @@ class NewMessageBatch:
     keep_result: list[bool] = field(default_factory=list)
     #: per-message delays from now on the database clock; None when no message has one
     delays: list[timedelta | None] | None = None
+    #: unique jobs: per-message keys (None elements for messages without one), scopes and
+    #: conflict policies; all three None when no message has a key
+    unique_keys: list[str | None] | None = None
+    unique_scopes: list[str] | None = None
+    on_conflict: list[str] | None = None
 
     @classmethod
     def of(cls, messages: Sequence[NewMessage]) -> NewMessageBatch:
+        keyed = any(m.unique_key is not None for m in messages)
         return cls(
             [m.channel for m in messages],
             [m.task_name for m in messages],
@@ -211,6 +222,9 @@ class NewMessageBatch:
             [m.max_attempts for m in messages],
             [m.keep_result for m in messages],
             [m.delay for m in messages] if any(m.delay is not None for m in messages) else None,
+            [m.unique_key for m in messages] if keyed else None,
+            [m.unique_scope for m in messages] if keyed else None,
+            [m.on_conflict for m in messages] if keyed else None,
         )
 
 
@@ -260,6 +274,9 @@ def enqueue_messages(
         "notify_channel": notify_channel,
         "delays": None if batch.delays is None else _once(batch.delays),
         "create": not create_apart,
+        "unique_keys": batch.unique_keys,
+        "unique_scopes": None if batch.unique_scopes is None else _once(batch.unique_scopes),
+        "on_conflict": None if batch.on_conflict is None else _once(batch.on_conflict),
     }
     try:
         rows = _run("enqueue_messages", params, using)
@@ -300,6 +317,9 @@ def enqueue_message(
         "notify_channel": notify_channel,
         "delay": message.delay,
         "create": not _creates_channels_apart(wrapper),
+        "unique_key": message.unique_key,
+        "unique_scope": None if message.unique_key is None else message.unique_scope,
+        "on_conflict": None if message.unique_key is None else message.on_conflict,
     }
     statement = queries()["enqueue_message"]
     prepare = conf.get().PREPARED_STATEMENTS
@@ -326,6 +346,9 @@ def _raise_enqueue_error(exc: Exception) -> None:
     full = ChannelFull.from_error(exc)
     if full is not None:
         raise full from exc
+    duplicate = DuplicateJob.from_error(exc)
+    if duplicate is not None:
+        raise duplicate from exc
     cause = exc.__cause__ if exc.__cause__ is not None else exc
     if getattr(cause, "sqlstate", None) == "FQ002":
         raise IsolationLevelError(cause.diag.message_primary) from exc  # type: ignore[attr-defined]
@@ -478,16 +501,16 @@ def _own_connection(using: str | None) -> Iterator[BaseDatabaseWrapper]:
 
 def heartbeat_messages(
     leases: Sequence[tuple[int, uuid.UUID]], *, lease: timedelta, using: str | None = None
-) -> set[int]:
-    """Extend leases; returns the ids whose lease is still ours."""
+) -> dict[int, bool]:
+    """Extend leases; returns {id: abort requested} of the ids whose lease is still ours."""
     if not leases:
-        return set()
+        return {}
     rows = _run(
         "heartbeat_messages",
         {"ids": [i for i, _ in leases], "tokens": [t for _, t in leases], "lease": lease},
         using,
     )
-    return {r[0] for r in rows}
+    return {r[0]: r[1] for r in rows}
 
 
 def complete_messages(
@@ -575,6 +598,63 @@ def cancel_messages(ids: Sequence[int], *, using: str | None = None) -> list[int
     if not ids:
         return []
     return [r[0] for r in _run("cancel_messages", {"ids": list(ids)}, using)]
+
+
+def cancel_matching_messages(
+    *,
+    channel_id: int | None = None,
+    task: str | None = None,
+    chunk: int = 10_000,
+    using: str | None = None,
+) -> list[int]:
+    """Cancel the waiting messages of a channel and/or a task, ``chunk`` rows per statement
+    (each its own statement, so a large backlog is not locked at once). Returns the ids."""
+    cancelled: list[int] = []
+    while True:
+        rows = _run(
+            "cancel_matching_messages",
+            {"channel_id": channel_id, "task": task, "limit": chunk},
+            using,
+        )
+        cancelled.extend(r[0] for r in rows)
+        if len(rows) < chunk:
+            return cancelled
+
+
+def select_running_message_ids(
+    *, channel_id: int | None = None, task: str | None = None, using: str | None = None
+) -> list[int]:
+    """Ids of the running messages of a channel and/or a task."""
+    return [
+        r[0] for r in _run("select_running_message_ids", {"channel_id": channel_id, "task": task}, using)
+    ]
+
+
+def abort_messages(ids: Sequence[int], *, using: str | None = None) -> dict[int, str]:
+    """Cancel the waiting messages of ``ids`` and request an abort of the running ones;
+    returns {id: "cancelled" or "abort_requested"} (finished or unknown ids are left out)."""
+    if not ids:
+        return {}
+    return {r[0]: r[1] for r in _run("abort_messages", {"ids": sorted(set(ids))}, using)}
+
+
+def settle_aborted_messages(
+    aborted: Sequence[tuple[int, uuid.UUID, dict[str, Any]]], *, using: str | None = None
+) -> set[int]:
+    """Settle attempts stopped by an abort, given as (id, token, error); returns the ids
+    settled (a lost lease settles nothing)."""
+    if not aborted:
+        return set()
+    rows = _run(
+        "settle_aborted_messages",
+        {
+            "ids": [a[0] for a in aborted],
+            "tokens": [a[1] for a in aborted],
+            "errors": [Jsonb(a[2]) for a in aborted],
+        },
+        using,
+    )
+    return {r[0] for r in rows}
 
 
 def delete_messages(ids: Sequence[int], *, using: str | None = None) -> list[int]:
