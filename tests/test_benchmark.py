@@ -96,7 +96,9 @@ def test_tiny_run_reports_every_scenario_as_json(tmp_path: Path) -> None:
     assert [(c["case"], c["batch"]) for c in function_cells] == [
         ("empty", 1),
         ("backlog", 1),
+        ("keyed", 1),
         ("backlog", 10),
+        ("keyed", 10),
     ]
     for cell in function_cells:
         # A claim's time includes the two housekeeping calls it makes first.

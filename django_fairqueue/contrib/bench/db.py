@@ -101,6 +101,11 @@ def analyze_queue_tables(*, using: str | None = None) -> None:
     _run("analyze_queue_tables", {}, using)
 
 
+def key_ready_messages(*, using: str | None = None) -> None:
+    """Give every ready message a unique key held while it runs (the keyed backlog)."""
+    _run("key_ready_messages", {}, using)
+
+
 def load_ready_messages(
     channels: Sequence[str],
     count: int,

@@ -10,7 +10,9 @@ session) as differences over ``samples`` calls.
 Cells: ``empty`` (nothing to claim, nothing due, nothing to fold: the fixed cost every poll of an
 idle queue pays), and ``batch 1`` / ``batch 100`` over a standing backlog in 100 channels, each
 claim followed by its completion and by as many new messages to the same channels (so every
-claim also folds an enqueue delta, as in steady traffic). Needs PostgreSQL 15+ and a role
+claim also folds an enqueue delta, as in steady traffic). ``keyed`` is the backlog case with every
+message a unique job held while it runs (scope ``active``, the costlier one: the claim writes
+an entry of the unique index for each message it takes), refilled with new keys. Needs PostgreSQL 15+ and a role
 allowed to set ``track_functions`` (a superuser, or one granted it).
 """
 
@@ -39,7 +41,8 @@ COMPLETE = "fairqueue_complete_v1"
 
 @dataclass(frozen=True)
 class FunctionsCell:
-    #: "empty", or "backlog" (claims of ``batch`` over a standing backlog)
+    #: "empty", "backlog" (claims of ``batch`` over a standing backlog) or "keyed" (the same,
+    #: every message a unique job of scope "active")
     case: str
     batch: int
 
@@ -65,7 +68,9 @@ class FunctionsResult:
 
 def plan(sizes: Sizes) -> list[FunctionsCell]:
     return [FunctionsCell("empty", 1)] + [
-        FunctionsCell("backlog", batch) for batch in sizes.functions_batches
+        FunctionsCell(case, batch)
+        for batch in sizes.functions_batches
+        for case in ("backlog", "keyed")
     ]
 
 
@@ -105,8 +110,10 @@ def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
     load = load1()
     bench.reset()
     channels = [f"tenant-{i:03d}" for i in range(100)]
-    if cell.case == "backlog":
+    if cell.case != "empty":
         bench.load(channels, sizes.functions_backlog)
+    if cell.case == "keyed":
+        db.key_ready_messages(using=using)
     # Again here, on the connection this cell uses (a reset may have replaced the one checked).
     reason = unavailable(using)
     if reason is not None:
@@ -120,12 +127,21 @@ def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
     completions = 0
     for i in range(calls):
         got = store.claim_messages(cell.batch, lease=LEASE, worker_id=WORKER_ID, using=using)
-        if cell.case == "backlog":
+        if cell.case != "empty":
             if len(got) != cell.batch:
                 raise BenchmarkError(f"functions: a claim of {cell.batch} got {len(got)}")
             store.complete_messages([(m.id, m.lease_token, None) for m in got], using=using)
             completions += 1
-            enqueue_many(EnqueueRequest(NOOP_TASK_NAME, channel=m.channel) for m in got)
+            keyed = cell.case == "keyed"
+            enqueue_many(
+                EnqueueRequest(
+                    NOOP_TASK_NAME,
+                    channel=m.channel,
+                    unique_key=f"k{i}-{j}" if keyed else None,
+                    unique_scope="active" if keyed else None,
+                )
+                for j, m in enumerate(got)
+            )
         if i % 100 == 0:
             bench.progress.update(f"{i:,}/{calls:,} claims", i / calls)
     db.force_stats_flush(using=using)
@@ -169,6 +185,7 @@ SCENARIO = Scenario(
         "'pl'), per call: no round trip, no client, no commit. claim µs includes promote and "
         "fold, which every claim runs first; its body is the rest.",
         "empty: nothing to claim, promote or fold (an idle queue's poll). backlog: claims over "
-        "100 channels, each completed and its messages enqueued again, untimed.",
+        "100 channels, each completed and its messages enqueued again, untimed. keyed: the "
+        "same with every message a unique job held while it runs (scope 'active').",
     ),
 )

@@ -104,6 +104,12 @@ WITH created AS (
 )
 SELECT coalesce(sum(delta.ready), 0)::bigint AS loaded FROM delta;
 
+-- name: key_ready_messages
+-- Make every ready message a unique job held while it runs (key 'k' || id, scope 'active'): the functions scenario's keyed backlog.
+UPDATE fairqueue_message m
+SET unique_key = 'k' || m.id, unique_scope = 'active'
+WHERE m.state = 'ready';
+
 -- name: select_server_settings
 -- Server settings by name, formatted as SHOW prints them (fairbench records the ones that matter).
 SELECT n.name, current_setting(n.name, true) AS value
