@@ -366,9 +366,7 @@ def _prepare_one(
     )
 
 
-def _unique_options(
-    unique_key: Any, unique_scope: Any, on_conflict: Any
-) -> dict[str, Any]:
+def _unique_options(unique_key: Any, unique_scope: Any, on_conflict: Any) -> dict[str, Any]:
     """The unique-job options of one call, checked (as NewMessage's fields)."""
     if unique_key is None:
         raise ValueError("unique_scope and on_conflict need a unique_key")

@@ -140,7 +140,7 @@ class FairQueueTask(_TaskBase):
         # Django's own using() for its options, so options a later Django adds keep working.
         # Task.using() copies with dataclasses.replace(), which keeps the class.
         task = cast(FairQueueTask, Task.using(self, **changes)) if changes else self
-        ours = {
+        ours: dict[str, Any] = {
             name: value
             for name, value in (
                 ("channel", channel),

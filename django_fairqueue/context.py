@@ -30,6 +30,7 @@ def timed_out() -> bool:
     passed = time_limit_passed.get()
     return passed is not None and passed()
 
+
 #: Set by the worker around each call it runs in a handler thread: tells whether an abort of
 #: the running message was requested (the worker's heartbeat reads the request).
 abort_flag: ContextVar[Callable[[], bool] | None] = ContextVar("fairqueue_abort_flag", default=None)

@@ -188,9 +188,12 @@ class Message(TrackedModel):
     result = models.JSONField(null=True, blank=True)
     last_error = models.JSONField(null=True, blank=True)
     # -- unique jobs: at most one message per (channel, unique_key) in the states of its scope
-    # (the partial unique index fq_message_unique_idx) --
-    unique_key = models.CharField(max_length=UNIQUE_KEY_MAX_LENGTH, null=True, blank=True)
-    unique_scope = models.CharField(
+    # (the partial unique index fq_message_unique_idx). NULL, not "", for "no key": the
+    # index holds only rows with a key, and an empty key is refused --
+    unique_key = models.CharField(  # noqa: DJ001
+        max_length=UNIQUE_KEY_MAX_LENGTH, null=True, blank=True
+    )
+    unique_scope = models.CharField(  # noqa: DJ001
         max_length=8, choices=UniqueScope.choices, null=True, blank=True
     )
     # -- abort: set by abort() on a running message; the worker's heartbeat reads it --

@@ -625,9 +625,8 @@ def select_running_message_ids(
     *, channel_id: int | None = None, task: str | None = None, using: str | None = None
 ) -> list[int]:
     """Ids of the running messages of a channel and/or a task."""
-    return [
-        r[0] for r in _run("select_running_message_ids", {"channel_id": channel_id, "task": task}, using)
-    ]
+    params = {"channel_id": channel_id, "task": task}
+    return [r[0] for r in _run("select_running_message_ids", params, using)]
 
 
 def abort_messages(ids: Sequence[int], *, using: str | None = None) -> dict[int, str]:

@@ -19,7 +19,6 @@ from django.core.management import CommandError, call_command
 from django.db import connections
 
 from django_fairqueue import abort, abort_requested, cancel, store
-from django_fairqueue.maintenance import Rescuer
 from django_fairqueue.models import Message, MessageState
 from django_fairqueue.worker import Worker, WorkerConfig
 from tests import fairtasks
@@ -189,13 +188,13 @@ def test_abort_racing_completion_leaves_consistent_counters() -> None:
             if i % 3 == 0:
                 abort(chunk)
             elif i % 3 == 1:
-                mine |= store.complete_messages(
-                    [(j, by_id[j].lease_token, None) for j in chunk]
-                )
+                mine |= store.complete_messages([(j, by_id[j].lease_token, None) for j in chunk])
             else:
-                mine |= set(store.fail_messages(
-                    [(j, by_id[j].lease_token, {"type": "E"}, None) for j in chunk]
-                ))
+                mine |= set(
+                    store.fail_messages(
+                        [(j, by_id[j].lease_token, {"type": "E"}, None) for j in chunk]
+                    )
+                )
         aborting = Message.objects.filter(pk__in=chunk, state="running").exclude(
             abort_requested_at=None
         )
@@ -298,7 +297,10 @@ def test_cli_cancel_and_abort() -> None:
     out = StringIO()
     call_command("fairqueue", "cancel", str(a), "999999", "--json", stdout=out)
     assert json.loads(out.getvalue()) == {
-        "action": "cancel", "count": 1, "ids": [a], "skipped": [999999]
+        "action": "cancel",
+        "count": 1,
+        "ids": [a],
+        "skipped": [999999],
     }
     out = StringIO()
     call_command("fairqueue", "cancel", "--channel", "a", stdout=out)

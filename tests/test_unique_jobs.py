@@ -15,7 +15,7 @@ from django.db import connection, transaction
 
 from django_fairqueue import DuplicateJob, enqueue, enqueue_many, store
 from django_fairqueue.api import EnqueueRequest
-from django_fairqueue.models import Message, MessageState
+from django_fairqueue.models import Message
 from tests import fairtasks
 from tests.factories import assert_counters_match_table
 from tests.test_claim_concurrency import run_threads
@@ -28,9 +28,7 @@ def claim(limit: int = 100) -> list[store.ClaimedMessage]:
 
 
 def holders(channel: str, key: str) -> list[Message]:
-    return list(
-        Message.objects.filter(channel__name=channel, unique_key=key).order_by("id")
-    )
+    return list(Message.objects.filter(channel__name=channel, unique_key=key).order_by("id"))
 
 
 @pytest.mark.django_db
@@ -76,8 +74,14 @@ def test_replace_rewrites_a_queued_holder_in_place_and_keeps_a_running_one() -> 
     held = fairtasks.add.enqueue(1, 1, channel="acme", unique_key="k")
     later = timedelta(hours=1)
     replaced = enqueue(
-        fairtasks.add, 5, 6, channel="acme", unique_key="k", on_conflict="replace",
-        run_after=later, priority=7,
+        fairtasks.add,
+        5,
+        6,
+        channel="acme",
+        unique_key="k",
+        on_conflict="replace",
+        run_after=later,
+        priority=7,
     )
     assert replaced == held
     row = Message.objects.get(pk=held)
@@ -89,9 +93,7 @@ def test_replace_rewrites_a_queued_holder_in_place_and_keeps_a_running_one() -> 
     assert (row.payload["args"], row.state) == ([8, 9], "ready")
     assert_counters_match_table()
 
-    running = enqueue(
-        fairtasks.add, 1, 1, channel="acme", unique_key="r", unique_scope="active"
-    )
+    running = enqueue(fairtasks.add, 1, 1, channel="acme", unique_key="r", unique_scope="active")
     claimed = {m.id for m in claim()}
     assert running in claimed
     assert (
@@ -110,12 +112,15 @@ def test_raise_names_the_holder_and_stores_nothing_of_the_batch() -> None:
         enqueue_many(
             [
                 EnqueueRequest(fairtasks.add, (1, 2), channel="acme"),
-                EnqueueRequest(fairtasks.add, (3, 4), channel="acme", unique_key="k",
-                               on_conflict="raise"),
+                EnqueueRequest(
+                    fairtasks.add, (3, 4), channel="acme", unique_key="k", on_conflict="raise"
+                ),
             ]
         )
     assert (caught.value.message_id, caught.value.unique_key, caught.value.state) == (
-        held, "k", "ready"
+        held,
+        "k",
+        "ready",
     )
     assert caught.value.channel == "acme"
     assert Message.objects.count() == before
@@ -131,10 +136,12 @@ def test_enqueue_many_mixes_keys_and_plain_messages_in_input_order() -> None:
             EnqueueRequest(fairtasks.add, (3, 3), channel="acme", unique_key="k2"),
             EnqueueRequest(fairtasks.add, (4, 4), channel="beta"),
             EnqueueRequest(fairtasks.add, (5, 5), channel="acme", unique_key="k2"),
-            EnqueueRequest(fairtasks.add, (6, 6), channel="acme", unique_key="k3",
-                           on_conflict="replace"),
-            EnqueueRequest(fairtasks.add, (7, 7), channel="acme", unique_key="k3",
-                           on_conflict="replace"),
+            EnqueueRequest(
+                fairtasks.add, (6, 6), channel="acme", unique_key="k3", on_conflict="replace"
+            ),
+            EnqueueRequest(
+                fairtasks.add, (7, 7), channel="acme", unique_key="k3", on_conflict="replace"
+            ),
         ]
     )
     assert ids[1] == held
@@ -231,7 +238,11 @@ def test_concurrent_enqueuers_of_one_key_make_exactly_one_message(policy: str) -
             with transaction.atomic():
                 ids.append(
                     enqueue(
-                        fairtasks.add, i, round_, channel="acme", unique_key=f"k{round_}",
+                        fairtasks.add,
+                        i,
+                        round_,
+                        channel="acme",
+                        unique_key=f"k{round_}",
                         on_conflict=policy,
                     )
                 )
@@ -260,15 +271,29 @@ def test_concurrent_enqueuers_and_claimers_never_hold_a_key_twice() -> None:
                 policy = ("keep", "replace", "raise")[round_ % 3]
                 try:
                     if round_ % 2:
-                        enqueue(fairtasks.add, i, round_, channel="acme", unique_key=key,
-                                unique_scope=scope, on_conflict=policy)
+                        enqueue(
+                            fairtasks.add,
+                            i,
+                            round_,
+                            channel="acme",
+                            unique_key=key,
+                            unique_scope=scope,
+                            on_conflict=policy,
+                        )
                     else:
-                        enqueue_many([
-                            EnqueueRequest(fairtasks.add, (i, round_), channel="acme",
-                                           unique_key=key, unique_scope=scope,
-                                           on_conflict=policy),
-                            EnqueueRequest(fairtasks.add, (i, -1), channel="acme"),
-                        ])
+                        enqueue_many(
+                            [
+                                EnqueueRequest(
+                                    fairtasks.add,
+                                    (i, round_),
+                                    channel="acme",
+                                    unique_key=key,
+                                    unique_scope=scope,
+                                    on_conflict=policy,
+                                ),
+                                EnqueueRequest(fairtasks.add, (i, -1), channel="acme"),
+                            ]
+                        )
                 except DuplicateJob:
                     pass
             else:
@@ -298,8 +323,7 @@ def test_concurrent_raise_lets_exactly_one_enqueuer_through() -> None:
     def target(i: int) -> str:
         try:
             with transaction.atomic():
-                enqueue(fairtasks.add, i, i, channel="acme", unique_key="once",
-                        on_conflict="raise")
+                enqueue(fairtasks.add, i, i, channel="acme", unique_key="once", on_conflict="raise")
         except DuplicateJob:
             return "refused"
         return "stored"

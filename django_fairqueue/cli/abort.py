@@ -41,9 +41,7 @@ def handle(options: dict[str, Any], stdout: TextIO) -> None:
         "cancelled": cancelled,
         "abort_requested": requested,
     }
-    text = (
-        f"Cancelled {len(cancelled)} waiting, requested the abort of {len(requested)} running."
-    )
+    text = f"Cancelled {len(cancelled)} waiting, requested the abort of {len(requested)} running."
     if "ids" in chosen:
         skipped = sorted(set(chosen["ids"]) - set(done))
         report["skipped"] = skipped

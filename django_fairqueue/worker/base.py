@@ -120,7 +120,6 @@ class WorkerBase:
         self._timed.add(attempt)
         self._timer_cond.notify()  # it may be the next deadline
 
-
     def stop(self) -> None:
         """Stop gracefully: claim nothing more, let running messages finish within the grace
         period, give back claimed messages that have not started. Safe from any thread and from

@@ -14,8 +14,8 @@ from django_fairqueue.attempts import error_info, retry_delay
 from django_fairqueue.context import abort_flag, current_message, time_limit_passed
 from django_fairqueue.exceptions import (
     PayloadError,
-    TaskAborted,
     ResultNotStorable,
+    TaskAborted,
     UnknownTask,
 )
 from django_fairqueue.signals import message_finished, message_started
@@ -215,14 +215,17 @@ class Handlers(WorkerBase):
             self._finished(outcome)
             return outcome
         if attempt is not None and not self._end_attempt(attempt):
+            limit = attempt.deadline - attempt.started
+            what = "its abort's grace period" if attempt.abort_seen else "its time limit"
             logger.warning(
-                "message %s (%s, channel %r) returned %.1fs after its time limit of %gs: "
-                "discarded its outcome (%s); the attempt was settled as timed out at the limit",
+                "message %s (%s, channel %r) returned %.1fs after %s (%gs): discarded its "
+                "outcome (%s); the attempt was settled at the limit",
                 message.id,
                 message.task_name,
                 message.channel,
-                outcome.duration - attempt.timeout,
-                attempt.timeout,
+                outcome.duration - limit,
+                what,
+                limit,
                 outcome.kind,
                 extra=_log_extra(message, worker_id=self.worker_id, outcome="discarded"),
             )

@@ -12,8 +12,8 @@ idle queue pays), and ``batch 1`` / ``batch 100`` over a standing backlog in 100
 claim followed by its completion and by as many new messages to the same channels (so every
 claim also folds an enqueue delta, as in steady traffic). ``keyed`` is the backlog case with every
 message a unique job held while it runs (scope ``active``, the costlier one: the claim writes
-an entry of the unique index for each message it takes), refilled with new keys. Needs PostgreSQL 15+ and a role
-allowed to set ``track_functions`` (a superuser, or one granted it).
+an entry of the unique index for each message it takes), refilled with new keys. Needs
+PostgreSQL 15+ and a role allowed to set ``track_functions`` (a superuser, or one granted it).
 """
 
 from __future__ import annotations
