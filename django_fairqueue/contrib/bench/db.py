@@ -101,11 +101,6 @@ def analyze_queue_tables(*, using: str | None = None) -> None:
     _run("analyze_queue_tables", {}, using)
 
 
-def key_ready_messages(*, using: str | None = None) -> None:
-    """Give every ready message a unique key held while it runs (the keyed backlog)."""
-    _run("key_ready_messages", {}, using)
-
-
 def load_ready_messages(
     channels: Sequence[str],
     count: int,
@@ -114,9 +109,11 @@ def load_ready_messages(
     payload: Any,
     defaults: conf.ChannelDefaults,
     max_attempts: int = 1,
+    unique_scope: str | None = None,
     using: str | None = None,
 ) -> int:
-    """Insert ``count`` ready messages round-robin over ``channels`` in one statement.
+    """Insert ``count`` ready messages round-robin over ``channels`` in one statement (with
+    ``unique_scope``, each a unique job of that scope with a random key).
 
     For benchmarks and demos: about 90,000 rows/s here, where ``enqueue_many`` validates and
     encodes every payload in Python. Channels are created on first use with ``defaults``;
@@ -130,6 +127,7 @@ def load_ready_messages(
         "task": task_name,
         "payload": Jsonb(payload),
         "max_attempts": max_attempts,
+        "unique_scope": unique_scope,
         "default_max_concurrency": defaults.max_concurrency,
         "default_release_interval": defaults.release_interval,
         "default_weight": defaults.weight,

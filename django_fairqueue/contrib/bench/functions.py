@@ -111,9 +111,8 @@ def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
     bench.reset()
     channels = [f"tenant-{i:03d}" for i in range(100)]
     if cell.case != "empty":
-        bench.load(channels, sizes.functions_backlog)
-    if cell.case == "keyed":
-        db.key_ready_messages(using=using)
+        scope = "active" if cell.case == "keyed" else None
+        bench.load(channels, sizes.functions_backlog, unique_scope=scope)
     # Again here, on the connection this cell uses (a reset may have replaced the one checked).
     reason = unavailable(using)
     if reason is not None:

@@ -112,9 +112,12 @@ class Bench:
         connections[self.using].close_if_unusable_or_obsolete()
         db.truncate_queue_tables(using=self.using)
 
-    def load(self, channels: Sequence[str], count: int) -> float:
-        """Bulk-load ``count`` ready no-op messages round-robin over ``channels``, fold the
-        counter deltas and ANALYZE; returns the seconds it took."""
+    def load(
+        self, channels: Sequence[str], count: int, *, unique_scope: str | None = None
+    ) -> float:
+        """Bulk-load ``count`` ready no-op messages round-robin over ``channels`` (unique jobs
+        of ``unique_scope``, if given), fold the counter deltas and ANALYZE; returns the
+        seconds it took."""
         began = time.perf_counter()
         chunk = max(len(channels), LOAD_CHUNK // len(channels) * len(channels))
         done = 0
@@ -127,6 +130,7 @@ class Bench:
                 task_name=NOOP_TASK_NAME,
                 payload=NOOP_PAYLOAD,
                 defaults=conf.get().CHANNEL_DEFAULTS,
+                unique_scope=unique_scope,
                 using=self.using,
             )
         self.settle()
