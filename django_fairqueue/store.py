@@ -1246,5 +1246,10 @@ def select_clock(*, using: str | None = None) -> datetime:
     return _run("select_clock", {}, using)[0][0]  # type: ignore[no-any-return]
 
 
+def select_abort_pending_count(*, using: str | None = None) -> int:
+    """Running messages asked to abort that have not stopped yet."""
+    return int(_run("select_abort_pending_count", {}, using)[0][0])
+
+
 def select_stale_lease_count(*, using: str | None = None) -> int:
     return int(_run("select_stale_lease_count", {}, using)[0][0])

@@ -831,6 +831,7 @@ def test_metrics_exposition(queue: dict[str, Any]) -> None:
     ages = {dict(k[1])["channel"]: v for k, v in samples.items() if k[0].endswith("age_seconds")}
     assert set(ages) >= {"alpha", "(all)"} and ages["(all)"] >= ages["alpha"] >= 0
     assert ("fairqueue_stale_leases", ()) in samples
+    assert ("fairqueue_aborts_pending", ()) in samples
     assert ("fairqueue_retried_last_5m", ()) in samples
     assert samples[("fairqueue_workers", (("state", "alive"),))] == 0
 

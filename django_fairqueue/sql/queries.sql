@@ -995,6 +995,11 @@ WHERE m.channel_id = %(channel_id)s::bigint AND m.state = 'ready'
 -- The database's clock, for figures computed against its timestamps.
 SELECT clock_timestamp();
 
+-- name: select_abort_pending_count
+-- Running messages with an abort requested that have not stopped yet: fq_message_lease_idx (running rows only).
+SELECT count(*) FROM fairqueue_message m
+WHERE m.state = 'running' AND m.abort_requested_at IS NOT NULL;
+
 -- name: select_stale_lease_count
 -- Running messages whose lease expired (their worker died or stalled): fq_message_lease_idx.
 SELECT count(*) FROM fairqueue_message m
