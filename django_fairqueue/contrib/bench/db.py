@@ -101,6 +101,10 @@ def analyze_queue_tables(*, using: str | None = None) -> None:
     _run("analyze_queue_tables", {}, using)
 
 
+def select_backend_pid(*, using: str | None = None) -> int:
+    return int(_run("select_backend_pid", {}, using)[0][0])
+
+
 def load_ready_messages(
     channels: Sequence[str],
     count: int,

@@ -266,6 +266,32 @@ class ProcessGroup:
 # Figures
 
 
+def backend_cpu(using: str) -> Callable[[], float] | None:
+    """A clock of the CPU seconds the server backend of ``using``'s connection has used (user
+    and system, from ``/proc``), or None where it cannot be read (a server on another host).
+
+    Unlike time measured inside the server, it does not count the time the backend waited for
+    a core: on a shared machine the figure to compare."""
+    pid = db.select_backend_pid(using=using)
+    path = f"/proc/{pid}/stat"
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def read() -> float:
+        with open(path) as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / ticks
+
+    try:
+        # the same pid on this host may be another process (a server in a container)
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            if b"postgres" not in cmdline.read():
+                return None
+        read()
+    except OSError:
+        return None
+    return read
+
+
 def load1() -> float:
     """The one-minute load average (how busy the shared machine was)."""
     return os.getloadavg()[0]

@@ -107,6 +107,10 @@ WITH created AS (
 )
 SELECT coalesce(sum(delta.ready), 0)::bigint AS loaded FROM delta;
 
+-- name: select_backend_pid
+-- The process id of this connection's server backend (its CPU time is read from /proc).
+SELECT pg_backend_pid();
+
 -- name: select_server_settings
 -- Server settings by name, formatted as SHOW prints them (fairbench records the ones that matter).
 SELECT n.name, current_setting(n.name, true) AS value
