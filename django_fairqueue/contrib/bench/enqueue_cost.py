@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from django_fairqueue import api
 from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many
@@ -101,12 +102,15 @@ def run(bench: Bench, cell: EnqueueCostCell) -> EnqueueCostResult:
             enqueue(NOOP_TASK_NAME, k, channel=channel, unique_key="held")
         else:
             keyed = cell.mode == "batch-key"
+            # (no unique_key argument at all when unkeyed: the scenario also measures code from
+            # before unique jobs, whose EnqueueRequest has no such field)
+            options: dict[str, Any] = {}
             enqueue_many(
                 EnqueueRequest(
                     NOOP_TASK_NAME,
                     (k, j),
                     channel=channel,
-                    **({"unique_key": f"k{k}-{j}"} if keyed else {}),
+                    **({**options, "unique_key": f"k{k}-{j}"} if keyed else options),
                 )
                 for j in range(BATCH)
             )
