@@ -13,6 +13,7 @@ transaction for rollback exactly as an ORM error would.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import uuid
@@ -25,13 +26,15 @@ from importlib import resources
 from typing import Any
 
 import psycopg
-from django.db import DatabaseError, connections
+from django.db import DatabaseError, IntegrityError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from psycopg import pq, sql
 from psycopg.types.json import Jsonb, JsonbBinaryLoader
 
 from django_fairqueue import conf
 from django_fairqueue.exceptions import ChannelFull, DuplicateJob, IsolationLevelError
+
+logger = logging.getLogger("django_fairqueue.store")
 
 _NEVER = 2**31
 _NAME_RE = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
@@ -126,6 +129,41 @@ def run_statement(
 
 def _run(name: str, params: dict[str, Any], using: str | None = None) -> list[tuple[Any, ...]]:
     return run_statement(queries()[name], params, using)
+
+
+#: How often a statement that puts running messages back in the queue is run again after it
+#: met a unique job's key taken meanwhile (see :func:`_run_back_to_queue`).
+_KEY_TAKEN_RETRIES = 5
+
+
+def _run_back_to_queue(
+    name: str, params: dict[str, Any], using: str | None = None
+) -> list[tuple[Any, ...]]:
+    """Run a statement that moves running messages back to the queue (fail with a retry,
+    release, rescue), again if it met a unique key taken meanwhile.
+
+    Such a statement first looks for a newer message holding a returning unique job's key
+    (the returning one then ends cancelled, superseded). A holder enqueued after that look, in
+    the instant before the write, makes the write fail with a unique violation of
+    ``fq_message_unique_idx`` and the whole statement roll back; run again, its new snapshot
+    sees the holder. Inside a transaction the statement runs in a savepoint, so the caller's
+    transaction survives the first try.
+    """
+    alias = using or conf.get().DATABASE
+    wrapper = connections[alias]
+    for attempt in range(_KEY_TAKEN_RETRIES + 1):
+        try:
+            if wrapper.in_atomic_block:
+                with transaction.atomic(using=alias):
+                    return _run(name, params, using)
+            return _run(name, params, using)
+        except IntegrityError as exc:
+            cause = exc.__cause__
+            constraint = getattr(getattr(cause, "diag", None), "constraint_name", None)
+            if constraint != "fq_message_unique_idx" or attempt == _KEY_TAKEN_RETRIES:
+                raise
+            logger.debug("%s met a unique key taken meanwhile; running it again", name)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 # --------------------------------------------------------------------------------------------
@@ -535,7 +573,7 @@ def fail_messages(
     """
     if not failed:
         return {}
-    rows = _run(
+    rows = _run_back_to_queue(
         "fail_messages",
         {
             "ids": [f[0] for f in failed],
@@ -554,7 +592,7 @@ def release_messages(
     """Return unstarted claimed messages to the queue; the attempt is not counted."""
     if not leases:
         return set()
-    rows = _run(
+    rows = _run_back_to_queue(
         "release_messages",
         {"ids": [i for i, _ in leases], "tokens": [t for _, t in leases]},
         using,
@@ -564,7 +602,8 @@ def release_messages(
 
 def rescue_expired_messages(limit: int = 1000, *, using: str | None = None) -> list[RescuedMessage]:
     """Requeue (or dead-letter) messages whose lease expired."""
-    return [RescuedMessage(*r) for r in _run("rescue_expired_messages", {"limit": limit}, using)]
+    rows = _run_back_to_queue("rescue_expired_messages", {"limit": limit}, using)
+    return [RescuedMessage(*r) for r in rows]
 
 
 def fold_channel_deltas(limit: int = 10_000, *, using: str | None = None) -> int:

@@ -736,7 +736,11 @@ CREATE OR REPLACE FUNCTION fairqueue_enqueue_unique_v1(
     p_bounded bigint[]
 )
 RETURNS SETOF bigint
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+-- Plan each statement once per session (see fairqueue_claim_v1): its parameters are arrays,
+-- which PL/pgSQL would otherwise re-plan on every call.
+SET plan_cache_mode = force_generic_plan
+AS $$
 DECLARE
     v_n integer := cardinality(p_payloads);
     v_cids bigint[];
@@ -817,12 +821,12 @@ BEGIN
     -- Ids by position: messages without a key in input order (the sequence follows it); a
     -- keyed message by its channel and key, only at the first position with that pair (a
     -- later one in the same batch meets the first as the holder, below).
+    -- (A hash join, not a look-up per position: that was a scan of the inserted keys for each
+    -- message, quadratic in the batch.)
     v_out := ARRAY(
         SELECT CASE
-                   WHEN x.ukey IS NULL THEN v_plain[x.rank]
-                   WHEN x.rank = 1 THEN (
-                       SELECT k.id FROM unnest(v_kid, v_kch, v_kkey) AS k(id, ch, ukey)
-                       WHERE k.ch = x.cid AND k.ukey = x.ukey)
+                   WHEN y.ukey IS NULL THEN v_plain[y.rank_plain]
+                   WHEN y.rank_keyed = 1 THEN k.id
                END
         FROM (
             SELECT t.ord, t.ukey, v_cids[t.ord] AS cid,
@@ -831,11 +835,9 @@ BEGIN
                    row_number() OVER (PARTITION BY t.ukey IS NULL ORDER BY t.ord) AS rank_plain
             FROM unnest(p_keys) WITH ORDINALITY AS t(ukey, ord)
         ) y
-        CROSS JOIN LATERAL (
-            SELECT y.ord, y.ukey, y.cid,
-                   CASE WHEN y.ukey IS NULL THEN y.rank_plain ELSE y.rank_keyed END AS rank
-        ) x
-        ORDER BY x.ord);
+        LEFT JOIN unnest(v_kid, v_kch, v_kkey) AS k(id, ch, ukey)
+          ON k.ch = y.cid AND k.ukey = y.ukey
+        ORDER BY y.ord);
 
     FOR i IN 1 .. v_n LOOP
         CONTINUE WHEN v_out[i] IS NOT NULL;
@@ -1182,7 +1184,49 @@ DECLARE
     v_id bigint;
     v_quiet boolean;
 BEGIN
-    IF p_unique_key IS NOT NULL THEN  -- a unique job: fairqueue_enqueue_unique_v1's rules
+    IF p_unique_key IS NOT NULL THEN
+        -- A unique job. The common case, an existing channel without max_backlog and a key
+        -- nobody holds, is one statement like the plain one below (the same name lock first),
+        -- its insert arbitrated by fq_message_unique_idx. Anything else (a missing or bounded
+        -- channel, a held key and its policy) goes through fairqueue_enqueue_unique_v1's rules.
+        IF NOT pg_try_advisory_xact_lock_shared(fairqueue_channel_lock_key_v1(), v_key) THEN
+            PERFORM pg_advisory_xact_lock_shared(fairqueue_channel_lock_key_v1(), v_key);
+        END IF;
+        WITH ch AS (
+            SELECT c.id
+            FROM fairqueue_channel c
+            WHERE c.name = p_channel AND c.max_backlog IS NULL
+        ), inserted AS (
+            INSERT INTO fairqueue_message AS m (
+                channel_id, task_name, payload, priority, state, run_at, enqueued_at, attempts,
+                max_attempts, keep_result, worker_id, unique_key, unique_scope
+            )
+            SELECT ch.id, p_task, p_payload, p_priority,
+                   CASE WHEN v_run_at > v_now THEN 'scheduled' ELSE 'ready' END,
+                   v_run_at, v_now, 0, p_max_attempts, p_keep_result, '', p_unique_key,
+                   coalesce(p_unique_scope, 'queued')
+            FROM ch
+            ON CONFLICT (channel_id, unique_key)
+                WHERE unique_key IS NOT NULL
+                  AND (state IN ('ready', 'scheduled') OR (state = 'running' AND unique_scope = 'active'))
+                DO NOTHING
+            RETURNING m.id, m.channel_id
+        ), delta AS (
+            INSERT INTO fairqueue_channel_delta (
+                channel_id, ready, scheduled, running, failed, succeeded, backlog_check
+            )
+            SELECT inserted.channel_id, (v_run_at <= v_now)::integer,
+                   (v_run_at > v_now)::integer, 0, 0, 0, false
+            FROM inserted
+        )
+        SELECT inserted.id INTO v_id FROM inserted;
+        IF v_id IS NOT NULL THEN
+            -- (without the plain path's test of a stale head: a unique job always wakes)
+            IF p_notify_channel IS NOT NULL THEN
+                PERFORM pg_notify(p_notify_channel, '');
+            END IF;
+            RETURN v_id;
+        END IF;
         SELECT e.id INTO v_id
         FROM fairqueue_enqueue_v1(
             ARRAY[p_channel], ARRAY[p_task], ARRAY[p_payload], ARRAY[p_priority],
