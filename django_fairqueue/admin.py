@@ -776,7 +776,7 @@ class MessageAdmin(_MessageAdminBase):
     search_help_text = _("Message id")
     # COUNT(*) of a big message table once per page is enough.
     show_full_result_count = False
-    actions = ["retry_messages", "cancel_messages", "delete_messages"]
+    actions = ["retry_messages", "cancel_messages", "abort_messages", "delete_messages"]
     fieldsets = [
         (
             None,
@@ -790,6 +790,9 @@ class MessageAdmin(_MessageAdminBase):
                     "priority",
                     "attempts_display",
                     "keep_result",
+                    "unique_key",
+                    "unique_scope",
+                    "abort_requested_at",
                 ]
             },
         ),
@@ -806,6 +809,9 @@ class MessageAdmin(_MessageAdminBase):
         "priority",
         "attempts_display",
         "keep_result",
+        "unique_key",
+        "unique_scope",
+        "abort_requested_at",
         "enqueued_at",
         "run_at",
         "claimed_at",
@@ -912,6 +918,21 @@ class MessageAdmin(_MessageAdminBase):
         self._act(request, queryset, store.cancel_messages, "Cancelled")
         self.message_user(
             request, _("Only ready and delayed messages are cancelled."), messages.INFO
+        )
+
+    @admin.action(
+        description=_("Abort selected messages (cancel waiting, stop running)"),
+        permissions=["act"],
+    )
+    def abort_messages(self, request: HttpRequest, queryset: QuerySet[Message]) -> None:
+        self._act(request, queryset, lambda ids: sorted(store.abort_messages(ids)), "Aborted")
+        self.message_user(
+            request,
+            _(
+                "Waiting messages are cancelled. Running ones are asked to stop: they end "
+                "aborted once their task stops, or after the abort grace period."
+            ),
+            messages.INFO,
         )
 
     @admin.action(description=_("Delete selected messages (not running)"), permissions=["remove"])

@@ -188,6 +188,13 @@ class QueueCollector(Collector):
         )
         stale.add_metric([], store.select_stale_lease_count())
         yield stale
+        aborting = GaugeMetricFamily(
+            "fairqueue_aborts_pending",
+            "Running messages asked to abort that have not stopped yet (each ends aborted "
+            "within a heartbeat and ABORT_GRACE, unless its worker is gone).",
+        )
+        aborting.add_metric([], store.select_abort_pending_count())
+        yield aborting
 
 
 #: The queue as the database sees it (served by :func:`metrics_view`, from any process).

@@ -38,6 +38,7 @@ from django_fairqueue.limits import (
     MAX_RELEASE_INTERVAL,
     MAX_WEIGHT,
     TASK_NAME_MAX_LENGTH,
+    UNIQUE_KEY_MAX_LENGTH,
 )
 
 
@@ -47,7 +48,19 @@ class MessageState(models.TextChoices):
     RUNNING = "running", _("running")  # claimed, under a lease
     SUCCEEDED = "succeeded", _("succeeded")  # kept only when keep_result is set
     FAILED = "failed", _("failed")  # dead letter: out of attempts, or not runnable
-    CANCELLED = "cancelled", _("cancelled")
+    CANCELLED = "cancelled", _("cancelled")  # taken off the queue before it ran
+    ABORTED = "aborted", _("aborted")  # stopped while running, on request
+
+
+class UniqueScope(models.TextChoices):
+    """How long a message's ``unique_key`` keeps other messages with that key out."""
+
+    QUEUED = "queued", _("while queued")  # ready or scheduled (retries included)
+    ACTIVE = "active", _("while queued or running")
+
+
+#: States whose messages hold their unique key (``UniqueScope.ACTIVE`` ones while running too).
+UNIQUE_HELD_STATES = ("ready", "scheduled")
 
 
 class BatchState(models.TextChoices):
@@ -174,6 +187,17 @@ class Message(TrackedModel):
     finished_at = models.DateTimeField(null=True, blank=True)
     result = models.JSONField(null=True, blank=True)
     last_error = models.JSONField(null=True, blank=True)
+    # -- unique jobs: at most one message per (channel, unique_key) in the states of its scope
+    # (the partial unique index fq_message_unique_idx). NULL, not "", for "no key": the
+    # index holds only rows with a key, and an empty key is refused --
+    unique_key = models.CharField(  # noqa: DJ001
+        max_length=UNIQUE_KEY_MAX_LENGTH, null=True, blank=True
+    )
+    unique_scope = models.CharField(  # noqa: DJ001
+        max_length=8, choices=UniqueScope.choices, null=True, blank=True
+    )
+    # -- abort: set by abort() on a running message; the worker's heartbeat reads it --
+    abort_requested_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "fairqueue_message"
@@ -220,7 +244,13 @@ class Message(TrackedModel):
             models.Index(
                 F("finished_at"),
                 name="fq_message_finished_idx",
-                condition=Q(state__in=[MessageState.SUCCEEDED, MessageState.CANCELLED]),
+                condition=Q(
+                    state__in=[
+                        MessageState.SUCCEEDED,
+                        MessageState.CANCELLED,
+                        MessageState.ABORTED,
+                    ]
+                ),
             ),
         ]
         constraints = [
@@ -242,6 +272,25 @@ class Message(TrackedModel):
                 name="fq_message_lease_iff_running",
             ),
             models.CheckConstraint(condition=~Q(task_name=""), name="fq_message_task_name"),
+            # Unique jobs. Only keyed rows are in the index (an enqueue without a key writes
+            # no entry), and only while they hold their key: queued, or running when their
+            # scope says so. The enqueue's ON CONFLICT repeats this predicate word for word
+            # (sql/functions_v1.sql), so it must not change without the SQL.
+            models.UniqueConstraint(
+                F("channel"),
+                F("unique_key"),
+                name="fq_message_unique_idx",
+                condition=Q(unique_key__isnull=False)
+                & (
+                    Q(state__in=UNIQUE_HELD_STATES)
+                    | Q(state=MessageState.RUNNING, unique_scope=UniqueScope.ACTIVE)
+                ),
+            ),
+            models.CheckConstraint(
+                condition=Q(unique_key__isnull=True, unique_scope__isnull=True)
+                | Q(unique_key__isnull=False, unique_scope__in=UniqueScope.values),
+                name="fq_message_unique_scope",
+            ),
         ]
 
     def __str__(self) -> str:

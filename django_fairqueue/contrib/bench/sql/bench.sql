@@ -60,6 +60,7 @@ ANALYZE fairqueue_message, fairqueue_channel, fairqueue_channel_delta;
 -- name: load_ready_messages
 -- Bulk-load `count` ready messages round-robin over `channels` (created if missing), with one counter delta per channel.
 -- Message i goes to channels[1 + (i - 1) mod n], so a name listed twice gets twice the share.
+-- With `unique_scope`, every message is a unique job of that scope with a key of its own.
 -- The deltas are computed from that rule rather than from the inserted rows, so a million-row
 -- load never aggregates its own RETURNING; the claim (or fold_channel_deltas) folds them.
 WITH created AS (
@@ -87,10 +88,12 @@ WITH created AS (
 ), inserted AS (
     INSERT INTO fairqueue_message (
         channel_id, task_name, payload, priority, state, run_at, enqueued_at, attempts,
-        max_attempts, keep_result, worker_id
+        max_attempts, keep_result, worker_id, unique_key, unique_scope
     )
     SELECT t.ids[1 + mod(g - 1, cardinality(t.ids))], %(task)s::text, %(payload)s::jsonb, 0,
-           'ready', t.now, t.now, 0, %(max_attempts)s::integer, false, ''
+           'ready', t.now, t.now, 0, %(max_attempts)s::integer, false, '',
+           CASE WHEN %(unique_scope)s::text IS NOT NULL THEN gen_random_uuid()::text END,
+           %(unique_scope)s::text
     FROM target t, generate_series(1, %(count)s::integer) AS g
 ), delta AS (
     INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
@@ -103,6 +106,10 @@ WITH created AS (
     RETURNING ready
 )
 SELECT coalesce(sum(delta.ready), 0)::bigint AS loaded FROM delta;
+
+-- name: select_backend_pid
+-- The process id of this connection's server backend (its CPU time is read from /proc).
+SELECT pg_backend_pid();
 
 -- name: select_server_settings
 -- Server settings by name, formatted as SHOW prints them (fairbench records the ones that matter).
