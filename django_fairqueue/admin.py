@@ -803,6 +803,9 @@ class MessageAdmin(_MessageAdminBase):
         "error_display",
     ]
 
+    # The checkbox without a widget template per row (see ChannelAdmin.action_checkbox).
+    action_checkbox = ChannelAdmin.action_checkbox
+
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return adminlist.KeysetChangeList
 

@@ -65,13 +65,19 @@ def _round(n: int) -> int:
 
 
 def planner_estimate(queryset: QuerySet[Any]) -> int:
-    """The planner's row estimate for ``queryset`` (its ``EXPLAIN``, nothing executed)."""
+    """The planner's row estimate for ``queryset`` (its ``EXPLAIN``, nothing executed); 0 for
+    a query Django knows is empty (it sends no SQL for it)."""
+    if queryset.query.is_empty():
+        return 0
     plan = json.loads(queryset.order_by().values("pk").explain(format="json"))
     return int(plan[0]["Plan"]["Plan Rows"])
 
 
-def count_rows(queryset: QuerySet[Any], exact_up_to: int = EXACT_COUNT_UP_TO) -> ResultCount:
-    """Exact when small (at most ``exact_up_to`` rows, counted with a LIMIT), else estimated."""
+def count_rows(queryset: QuerySet[Any], exact_up_to: int | None = None) -> ResultCount:
+    """Exact when small (at most ``exact_up_to`` rows, default :data:`EXACT_COUNT_UP_TO`,
+    counted with a LIMIT), else estimated."""
+    if exact_up_to is None:
+        exact_up_to = EXACT_COUNT_UP_TO
     estimate = planner_estimate(queryset)
     if estimate > exact_up_to:
         return ResultCount(estimate, exact=False)

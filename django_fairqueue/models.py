@@ -145,9 +145,8 @@ class Message(TrackedModel):
 
     objects = TrackedQuerySet.as_manager()
 
-    # No FK index: every lookup by channel goes through a partial index that starts with
-    # channel_id, and an extra full index would be written on every enqueue for nothing.
-    # No FK constraint either: its check runs per inserted row and takes a KEY SHARE lock on
+    # No FK index from the field: the one index of all a channel's messages is
+    # fq_message_channel_idx below, (channel_id, id), for the admin. No FK constraint either: its check runs per inserted row and takes a KEY SHARE lock on
     # the channel row, which the claim holds FOR UPDATE: PostgreSQL then builds a MultiXact
     # per row. Channels are only deleted through Django, which cascades in Python.
     channel = models.ForeignKey(
@@ -216,6 +215,10 @@ class Message(TrackedModel):
                 name="fq_message_sched_chan_idx",
                 condition=Q(state=MessageState.SCHEDULED),
             ),
+            # Every message of a channel, newest or oldest first: the admin's channel filter
+            # and its sort by channel, paged by (channel_id, id). The one full index besides
+            # the primary key: each enqueue and each state change writes an entry in it.
+            models.Index(F("channel"), F("id"), name="fq_message_channel_idx"),
             # Pruning finished rows by age.
             models.Index(
                 F("finished_at"),

@@ -283,16 +283,10 @@ def _load(bench: Bench, cell: AdminCell) -> dict[str, Any]:
     db.vacuum_queue_tables(using=using)
 
     def one(state: str) -> int:
-        pk = (
-            Message.objects.using(using)
-            .filter(state=state, channel_id=ids[0])
-            .order_by("pk")
-            .values_list("pk", flat=True)
-            .first()
-        )
-        if pk is None:  # a queue too small for every state in the first channel
-            pk = Message.objects.using(using).order_by("pk").values_list("pk", flat=True)[0]
-        return int(pk)
+        found = Message.objects.using(using).order_by("pk").values_list("pk", flat=True)
+        # of the first channel, else of any (a small queue), else any message at all
+        pk = found.filter(state=state, channel_id=ids[0]).first() or found.filter(state=state).first()
+        return int(pk or found[0])
 
     return {
         "channel": ids[0],

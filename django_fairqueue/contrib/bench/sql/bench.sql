@@ -124,9 +124,9 @@ WHERE p.proname LIKE 'fairqueue\_%%' AND p.pronamespace = to_regnamespace(curren
 ORDER BY p.proname;
 
 -- name: load_admin_messages
--- Bulk-load messages `start`..`start + count - 1` of an admin benchmark queue of `total` messages over the channels `channel_ids` (round-robin).
--- Ids follow enqueue order, so the oldest 60 % have finished (most succeeded, 1 in 20 failed for
--- good, 1 in 20 cancelled), the next 1 % run (under leases of 8 workers), and the newest 39 %
+-- Bulk-load messages `start`..`start + count - 1` of an admin benchmark queue of `total` messages over the channels `channel_ids` (round-robin, shifted by one a round).
+-- Ids follow enqueue order, so the oldest 60 percent have finished (most succeeded, 1 in 20 failed for
+-- good, 1 in 20 cancelled), the next 1 percent run (under leases of 8 workers), and the newest 39 %
 -- wait: 3 in 4 ready, 1 in 4 delayed. Task names: 9 common ones and a rare one (1 in 100).
 -- Counters are not touched: count_admin_messages writes the deltas after the last chunk.
 INSERT INTO fairqueue_message (
@@ -134,7 +134,9 @@ INSERT INTO fairqueue_message (
     max_attempts, keep_result, lease_token, lease_expires_at, claimed_at, worker_id,
     finished_at, result, last_error
 )
-SELECT %(channel_ids)s::bigint[][1 + mod(g - 1, cardinality(%(channel_ids)s::bigint[]))],
+SELECT (%(channel_ids)s::bigint[])[
+           1 + mod(g - 1 + (g - 1) / cardinality(%(channel_ids)s::bigint[]),
+                   cardinality(%(channel_ids)s::bigint[]))],
        CASE WHEN mod(g, 100) = 0 THEN 'bench.admin.rare_report'
             ELSE 'bench.admin.task_' || mod(g, 9) END,
        jsonb_build_object('args', jsonb_build_array(g), 'kwargs', '{}'::jsonb),
