@@ -804,7 +804,7 @@ class MessageAdmin(_MessageAdminBase):
     ]
 
     # The checkbox without a widget template per row (see ChannelAdmin.action_checkbox).
-    action_checkbox = ChannelAdmin.action_checkbox
+    action_checkbox = ChannelAdmin.action_checkbox  # type: ignore[assignment]
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return adminlist.KeysetChangeList

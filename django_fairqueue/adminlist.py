@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,7 +130,7 @@ class KeysetChangeList(ChangeList):
 
     @property
     def keyset_orders(self) -> dict[str, tuple[str, ...]]:
-        orders: dict[str, tuple[str, ...]] = self.model_admin.keyset_orders
+        orders: dict[str, tuple[str, ...]] = getattr(self.model_admin, "keyset_orders")  # noqa: B009
         return orders
 
     def __init__(self, request: HttpRequest, *args: Any, **kwargs: Any) -> None:
@@ -147,12 +147,12 @@ class KeysetChangeList(ChangeList):
         return lookup
 
     def get_query_string(
-        self, new_params: dict[str, Any] | None = None, remove: Sequence[str] | None = None
+        self, new_params: dict[str, Any] | None = None, remove: Iterable[str] | None = None
     ) -> str:
         new_params = dict(new_params or {})
         if CURSOR_VAR not in new_params:
             remove = [*(remove or ()), CURSOR_VAR]
-        return super().get_query_string(new_params, remove)  # type: ignore[no-any-return]
+        return super().get_query_string(new_params, remove)
 
     # -- sort: only keys an index serves --------------------------------------------------------
 
@@ -171,12 +171,12 @@ class KeysetChangeList(ChangeList):
             return default_column, self.keyset_orders[default_column], True
         return column, self.keyset_orders[column], first.startswith("-")
 
-    def get_ordering(self, request: HttpRequest, queryset: QuerySet[Any]) -> list[str]:
+    def get_ordering(self, request: HttpRequest, queryset: QuerySet[Any]) -> list[Any]:
         _, key, descending = self._sort()
         sign = "-" if descending else ""
         return [sign + name for name in key]
 
-    def get_ordering_field_columns(self) -> dict[int, str]:
+    def get_ordering_field_columns(self) -> dict[int, Any]:
         column, _, descending = self._sort()
         return {list(self.list_display).index(column): "desc" if descending else "asc"}
 
@@ -190,7 +190,9 @@ class KeysetChangeList(ChangeList):
         """Rows strictly past ``key`` in the list's order (``forward``) or before it."""
         _, columns, descending = self._sort()
         table = queryset.model._meta.db_table
-        names = ", ".join(f'"{table}"."{queryset.model._meta.get_field(c).column}"' for c in columns)
+        names = ", ".join(
+            f'"{table}"."{queryset.model._meta.get_field(c).column}"' for c in columns
+        )
         operator = "<" if descending == forward else ">"
         marks = ", ".join(["%s"] * len(key))
         condition = RawSQL(f"({names}) {operator} ({marks})", key, output_field=BooleanField())
@@ -308,7 +310,7 @@ class ChannelFilter(admin.ListFilter):
         value: int | None = self.used_parameters.get(self.parameter_name)
         return value
 
-    def expected_parameters(self) -> list[str]:
+    def expected_parameters(self) -> list[str | None]:
         return [self.parameter_name]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:

@@ -146,9 +146,10 @@ class Message(TrackedModel):
     objects = TrackedQuerySet.as_manager()
 
     # No FK index from the field: the one index of all a channel's messages is
-    # fq_message_channel_idx below, (channel_id, id), for the admin. No FK constraint either: its check runs per inserted row and takes a KEY SHARE lock on
-    # the channel row, which the claim holds FOR UPDATE: PostgreSQL then builds a MultiXact
-    # per row. Channels are only deleted through Django, which cascades in Python.
+    # fq_message_channel_idx below, (channel_id, id), for the admin. No FK constraint either:
+    # its check runs per inserted row and takes a KEY SHARE lock on the channel row, which the
+    # claim holds FOR UPDATE: PostgreSQL then builds a MultiXact per row. Channels are only
+    # deleted through Django, which cascades in Python.
     channel = models.ForeignKey(
         Channel,
         on_delete=models.CASCADE,

@@ -206,9 +206,9 @@ def test_filter_by_state_task_name_and_channel(admin_client: Client, spread: lis
     assert "gamma" not in html.split('id="changelist-filter"')[1].split("</details>")[2]
     alpha = admin_client.get(MESSAGES, {adminlist.CHANNEL_VAR: ids["alpha"]})
     assert len(shown(alpha)) == 100
-    assert set(Message.objects.filter(pk__in=shown(alpha)).values_list("channel_id", flat=True)) == {
-        ids["alpha"]
-    }
+    assert set(
+        Message.objects.filter(pk__in=shown(alpha)).values_list("channel_id", flat=True)
+    ) == {ids["alpha"]}
     assert f'<option value="{ids["alpha"]}" selected>alpha</option>' in alpha.content.decode()
     both = admin_client.get(
         MESSAGES, {adminlist.CHANNEL_VAR: ids["beta"], "state__exact": "running"}

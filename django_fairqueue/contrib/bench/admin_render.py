@@ -125,8 +125,8 @@ def _filter_queries(model_admin: Any, model: type[models.Model]) -> list[tuple[s
             field = model._meta.get_field(spec)
             if isinstance(field, models.BooleanField):
                 out += [(f"{spec}={v}", f"{spec}__exact={v}") for v in (1, 0)]
-            elif getattr(field, "choices", None):
-                out += [(f"{spec}={v}", f"{spec}__exact={v}") for v, _ in field.choices]
+            elif choices := getattr(field, "choices", None):
+                out += [(f"{spec}={v}", f"{spec}__exact={v}") for v, _ in choices]
         elif isinstance(spec, type) and issubclass(spec, admin.SimpleListFilter):
             flt = spec(None, {}, model, model_admin)  # type: ignore[arg-type]
             out += [
@@ -181,7 +181,9 @@ def pages() -> list[Page]:
     out += [
         Page("messages task common", messages, query=f"task_name={COMMON_TASK}"),
         Page("messages task rare", messages, query=f"task_name={RARE_TASK}"),
-        Page("messages task rare deep", messages, query=f"task_name={RARE_TASK}&{cur}=a{{deep_id}}"),
+        Page(
+            "messages task rare deep", messages, query=f"task_name={RARE_TASK}&{cur}=a{{deep_id}}"
+        ),
         Page("messages one channel", messages, query="channel__id__exact={channel}"),
         Page(
             "messages channel failed",
@@ -285,7 +287,10 @@ def _load(bench: Bench, cell: AdminCell) -> dict[str, Any]:
     def one(state: str) -> int:
         found = Message.objects.using(using).order_by("pk").values_list("pk", flat=True)
         # of the first channel, else of any (a small queue), else any message at all
-        pk = found.filter(state=state, channel_id=ids[0]).first() or found.filter(state=state).first()
+        pk = (
+            found.filter(state=state, channel_id=ids[0]).first()
+            or found.filter(state=state).first()
+        )
         return int(pk or found[0])
 
     return {
