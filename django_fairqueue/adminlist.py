@@ -36,7 +36,7 @@ from django_fairqueue.taskspec import registry
 #: ``last``; a key is ``<id>`` or, sorted by channel, ``<channel id>.<id>``.
 CURSOR_VAR = "cursor"
 #: Up to this many rows a count is exact (a bounded COUNT); above, the planner's estimate.
-EXACT_COUNT_UP_TO = 10_000
+EXACT_COUNT_UP_TO = 1_000
 #: The channel filter's query parameter (the channel list links to it).
 CHANNEL_VAR = "channel__id__exact"
 
@@ -217,7 +217,10 @@ class KeysetChangeList(ChangeList):
             rows = list(back.reverse()[: per_page + 1])
             self.has_previous, self.has_next = len(rows) > per_page, cursor.direction != "last"
             rows = rows[:per_page][::-1]
-        self.count = count_rows(qs)
+        if cursor is None and not self.has_next:  # the whole list is on this page
+            self.count = ResultCount(len(rows), exact=True)
+        else:
+            self.count = count_rows(qs)
         self.result_count = self.count.value
         self.full_result_count = None
         self.show_full_result_count = False

@@ -217,9 +217,15 @@ class Message(TrackedModel):
                 condition=Q(state=MessageState.SCHEDULED),
             ),
             # Every message of a channel, newest or oldest first: the admin's channel filter
-            # and its sort by channel, paged by (channel_id, id). The one full index besides
-            # the primary key: each enqueue and each state change writes an entry in it.
+            # and its sort by channel, paged by (channel_id, id). A full index: each enqueue
+            # and each state change writes an entry in it.
             models.Index(F("channel"), F("id"), name="fq_message_channel_idx"),
+            # Every message in a state, newest or oldest first: the admin's state filter. The
+            # partial indexes above order each state by something else (the claim's order, the
+            # due time, the lease), and ids follow enqueue order, so without it a filter on an
+            # old state walks the primary key past every newer message. Written like the one
+            # above, on each enqueue and each state change.
+            models.Index(F("state"), F("id"), name="fq_message_state_idx"),
             # Pruning finished rows by age.
             models.Index(
                 F("finished_at"),
