@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django import forms
@@ -134,6 +134,15 @@ def _error_html(error: Any) -> str:
         if error.get("traceback")
         else "",
     )
+
+
+def _timestamp(value: datetime | None) -> str:
+    """``2026-11-25 21:04:05`` in the current time zone; ``-`` for None."""
+    if value is None:
+        return "-"
+    if timezone.is_aware(value):
+        value = timezone.localtime(value)
+    return value.strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _duration(value: timedelta | None) -> str:
@@ -728,12 +737,12 @@ class MessageAdmin(_MessageAdminBase):
         "state",
         "priority",
         "attempts_display",
-        "enqueued_at",
-        "run_at",
+        "enqueued_display",
+        "run_at_display",
         "worker_link",
         "running_for_display",
         "lease_display",
-        "finished_at",
+        "finished_display",
         "error_summary",
     ]
     list_filter = ["state", adminlist.TaskNameFilter, adminlist.ChannelFilter]
@@ -824,8 +833,13 @@ class MessageAdmin(_MessageAdminBase):
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:
-        # The columns of running messages are relative to the database's clock, read once.
+        # The columns of running messages are relative to the database's clock, read once;
+        # the links of a page share their URL prefixes (one reverse() each, not one a row).
         self._now = store.select_clock()
+        self._urls = {
+            "channel": reverse("admin:fairqueue_channel_changelist"),
+            "workers": reverse("admin:fairqueue_workerrecord_changelist"),
+        }
         return super().changelist_view(request, extra_context)
 
     @admin.display(description=_("why it waits"))
@@ -857,10 +871,35 @@ class MessageAdmin(_MessageAdminBase):
 
     # -- columns ---------------------------------------------------------------------------
 
+    def _url(self, name: str) -> str:
+        urls: dict[str, str] = getattr(self, "_urls", {})
+        if name in urls:
+            return urls[name]
+        return reverse(
+            "admin:fairqueue_channel_changelist"
+            if name == "channel"
+            else "admin:fairqueue_workerrecord_changelist"
+        )
+
     @admin.display(description=_("channel"), ordering="channel_id")
     def channel_link(self, obj: Message) -> str:
-        url = reverse("admin:fairqueue_channel_change", args=[obj.channel_id])
+        # <changelist>/<id>/change/: the admin's own URL of an object's page
+        url = f"{self._url('channel')}{obj.channel_id}/change/"
         return format_html('<a href="{}">{}</a>', url, obj.channel.name)
+
+    # The list's times, formatted directly (Django's localized formatting of a datetime costs
+    # ten times more, a fifth of the list's rendering at 100 rows); the detail page keeps it.
+    @admin.display(description=_("enqueued at"))
+    def enqueued_display(self, obj: Message) -> str:
+        return _timestamp(obj.enqueued_at)
+
+    @admin.display(description=_("run at"))
+    def run_at_display(self, obj: Message) -> str:
+        return _timestamp(obj.run_at)
+
+    @admin.display(description=_("finished at"))
+    def finished_display(self, obj: Message) -> str:
+        return _timestamp(obj.finished_at)
 
     @admin.display(description=_("attempts"))
     def attempts_display(self, obj: Message) -> str:
@@ -874,11 +913,7 @@ class MessageAdmin(_MessageAdminBase):
         """The worker running it (or that last ran it), linked to the worker registry."""
         if not obj.worker_id:
             return "-"
-        url = (
-            reverse("admin:fairqueue_workerrecord_changelist")
-            + "?"
-            + urlencode({"worker_id__exact": obj.worker_id})
-        )
+        url = self._url("workers") + "?" + urlencode({"worker_id__exact": obj.worker_id})
         return format_html('<a href="{}">{}</a>', url, obj.worker_id)
 
     @admin.display(description=_("running for"))
