@@ -1,13 +1,15 @@
 """The message list of the admin at a million rows: estimated counts, keyset paging, and filters
 that never list the whole table.
 
-* **Counts**: the planner's estimate of the filtered query (``EXPLAIN``); only when it is at
-  most :data:`EXACT_COUNT_UP_TO` rows is the count exact, and then bounded (``LIMIT``), so a
-  wrong estimate never costs more than that many rows. The page says "about N" otherwise.
+* **Counts**: a list that fits its page is counted by the page. Otherwise the planner's
+  estimate of the filtered query (``EXPLAIN``); only when it is at most
+  :data:`EXACT_COUNT_UP_TO` rows is the count exact, and then bounded (``LIMIT``), so a wrong
+  estimate never costs more than that many rows. The page says "about N" otherwise.
 * **Paging**: by cursor, never ``OFFSET``. A page is the next :attr:`list_per_page` rows after
   (or before) the sort key of the previous page's last (or first) row, which an index range scan
   finds as fast on the ten-thousandth page as on the first. The sorts are the ones an index
-  serves: by id (the primary key) and by channel then id (``fq_message_channel_idx``).
+  serves: by id (the primary key) and by channel then id (``fq_message_channel_idx``); a state
+  filter reads ``fq_message_state_idx`` (state, id) in the same order.
 * **Filters**: the channel is picked by name with the admin's autocomplete, not from a list of
   every channel; task names are the registered ones (no ``DISTINCT`` over the table).
 """
