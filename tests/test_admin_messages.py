@@ -118,6 +118,19 @@ def test_a_deep_cursor_shows_the_rows_after_it(admin_client: Client, spread: lis
     )
 
 
+def test_a_deep_cursor_within_a_state(admin_client: Client, spread: list[int]) -> None:
+    cancelled = spread[::3]  # every third message, old and new alike
+    store.cancel_messages(cancelled)
+    pivot = spread[200]
+    response = admin_client.get(
+        MESSAGES, {"state__exact": "ready", adminlist.CURSOR_VAR: f"a{pivot}"}
+    )
+    ready = [i for i in spread if i not in cancelled]
+    assert shown(response) == sorted((i for i in ready if i < pivot), reverse=True)[:100]
+    back = admin_client.get(MESSAGES + str(links(response)["previous"]))
+    assert shown(back) == sorted((i for i in ready if i >= pivot), reverse=True)[-100:]
+
+
 def test_sort_by_channel_pages_by_channel_then_id(admin_client: Client, spread: list[int]) -> None:
     rows = list(Message.objects.order_by("channel_id", "id").values_list("channel_id", "id"))
     order = [pk for _, pk in rows]
