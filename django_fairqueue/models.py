@@ -158,11 +158,11 @@ class Message(TrackedModel):
 
     objects = TrackedQuerySet.as_manager()
 
-    # No FK index: every lookup by channel goes through a partial index that starts with
-    # channel_id, and an extra full index would be written on every enqueue for nothing.
-    # No FK constraint either: its check runs per inserted row and takes a KEY SHARE lock on
-    # the channel row, which the claim holds FOR UPDATE: PostgreSQL then builds a MultiXact
-    # per row. Channels are only deleted through Django, which cascades in Python.
+    # No FK index from the field: the one index of all a channel's messages is
+    # fq_message_channel_idx below, (channel_id, id), for the admin. No FK constraint either:
+    # its check runs per inserted row and takes a KEY SHARE lock on the channel row, which the
+    # claim holds FOR UPDATE: PostgreSQL then builds a MultiXact per row. Channels are only
+    # deleted through Django, which cascades in Python.
     channel = models.ForeignKey(
         Channel,
         on_delete=models.CASCADE,
@@ -240,6 +240,16 @@ class Message(TrackedModel):
                 name="fq_message_sched_chan_idx",
                 condition=Q(state=MessageState.SCHEDULED),
             ),
+            # Every message of a channel, newest or oldest first: the admin's channel filter
+            # and its sort by channel, paged by (channel_id, id). A full index: each enqueue
+            # and each state change writes an entry in it.
+            models.Index(F("channel"), F("id"), name="fq_message_channel_idx"),
+            # Every message in a state, newest or oldest first: the admin's state filter. The
+            # partial indexes above order each state by something else (the claim's order, the
+            # due time, the lease), and ids follow enqueue order, so without it a filter on an
+            # old state walks the primary key past every newer message. Written like the one
+            # above, on each enqueue and each state change.
+            models.Index(F("state"), F("id"), name="fq_message_state_idx"),
             # Pruning finished rows by age.
             models.Index(
                 F("finished_at"),

@@ -178,3 +178,36 @@ def drop_scratch_database(name: str, *, using: str | None = None) -> None:
     """DROP DATABASE IF EXISTS ``name``, ending its sessions (PostgreSQL 13+)."""
     with _cursor(using) as cur:
         cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+# -- The admin scenario's queue ----------------------------------------------------------------
+
+
+def load_admin_messages(
+    channel_ids: Sequence[int], start: int, count: int, total: int, *, using: str | None = None
+) -> None:
+    """Insert messages ``start .. start + count - 1`` of an admin benchmark queue of ``total``
+    (their state, task name and times follow from their position; see sql/bench.sql)."""
+    params = {"channel_ids": list(channel_ids), "start": start, "count": count, "total": total}
+    _run("load_admin_messages", params, using)
+
+
+def count_admin_messages(*, using: str | None = None) -> None:
+    """One counter delta per channel for the messages ``load_admin_messages`` wrote."""
+    _run("count_admin_messages", {}, using)
+
+
+def load_admin_workers(*, using: str | None = None) -> None:
+    _run("load_admin_workers", {}, using)
+
+
+def delete_admin_workers(*, using: str | None = None) -> None:
+    _run("delete_admin_workers", {}, using)
+
+
+def load_admin_work_batches(channel_id: int, count: int, *, using: str | None = None) -> None:
+    _run("load_admin_work_batches", {"channel_id": channel_id, "count": count}, using)
+
+
+def vacuum_queue_tables(*, using: str | None = None) -> None:
+    _run("vacuum_queue_tables", {}, using)
