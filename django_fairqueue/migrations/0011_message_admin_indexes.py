@@ -14,7 +14,7 @@ class Migration(migrations.Migration):
     atomic = False
 
     dependencies = [
-        ("fairqueue", "0007_worker_registry"),
+        ("fairqueue", "0009_unique_jobs_and_abort"),
     ]
 
     operations = [
