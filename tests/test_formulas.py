@@ -174,7 +174,8 @@ CASES: list[tuple[str, Any]] = [
     ("t IS NOT NULL", True), ("ISBLANK(b)", True), ("ISBLANK(n)", False),
     ("COALESCE(b, z, n)", 0.0), ("NULLIF(n, 10)", None), ("NULLIF(n, 3)", 10.0),
     # numbers
-    ("ROUND(2.5)", 3.0), ("ROUND(-2.5)", -3.0), ("ROUND(1.005, 2)", 1.01), ("ROUND(1234, -2)", 1200.0),
+    ("ROUND(2.5)", 3.0), ("ROUND(-2.5)", -3.0), ("ROUND(1.005, 2)", 1.01),
+    ("ROUND(1234, -2)", 1200.0),
     ("ABS(-n)", 10.0), ("SIGN(-n)", -1.0), ("INT(-2.5)", -3.0), ("FLOOR(2.7)", 2.0),
     ("CEILING(2.1)", 3.0), ("CEIL(-2.1)", -2.0), ("MOD(-3, 2)", 1.0), ("MOD(3, -2)", -1.0),
     ("MOD(n, z)", ERROR), ("POWER(2, 10)", 1024.0), ("POW(-8, 0.5)", ERROR),
@@ -258,14 +259,14 @@ def test_aggregates_over_the_tenant_grouped_and_not(spark: Any) -> None:  # noqa
             "n = COUNT(x)",
             "lo = MIN(x)",
             "hi = MAX(x BY g)",
-            "rank = IF(x >= AVERAGE(x), \"top\", \"low\")",
+            'rank = IF(x >= AVERAGE(x), "top", "low")',
         ],
         columns={"id": "int", "x": "float", "g": "str"},
         targets=None,
     )
     values = fc.compute_aggregates(df, formulas, today=TODAY, max_groups=100)
     joined, names = fc.join_aggregates(spark, df, values, today=TODAY, formulas=formulas)
-    out, outputs = fc.apply_formulas(joined, formulas, today=TODAY, names=names)
+    out, _ = fc.apply_formulas(joined, formulas, today=TODAY, names=names)
     got = {r["id"]: r.asDict() for r in out.collect()}
 
     assert got[1]["share"] == 0.25 and got[2]["share"] == 0.75

@@ -319,9 +319,7 @@ def test_a_failed_batch_leaves_nothing_and_its_rerun_writes_each_row_once(
     make_rows(30)
     # The sink refuses some of bob's rows: the batch's merge fails after Spark wrote staging.
     with connection.cursor() as cursor:
-        cursor.execute(
-            "ALTER TABLE pipelinetest_result ADD CONSTRAINT small CHECK (band <> 'N/A')"
-        )
+        cursor.execute("ALTER TABLE pipelinetest_result ADD CONSTRAINT small CHECK (band <> 'N/A')")
     plan(PIPELINE)
 
     PipelineRunner(worker_id="test", pipelines=[PIPELINE], burst=True, spark=spark).run()

@@ -54,9 +54,7 @@ def _baseline(tenant: str) -> dict[str, Any]:
     if tenant == "alice":
         subtotal = "(price * qty)"
         total = f"round(({subtotal} * (1 - discount) * (1 + tax_rate))::text::numeric, 2)::float8"
-        band = (
-            f"CASE WHEN {total} >= 500 THEN 'high' WHEN {total} >= 100 THEN 'mid' ELSE 'low' END"
-        )
+        band = f"CASE WHEN {total} >= 500 THEN 'high' WHEN {total} >= 100 THEN 'mid' ELSE 'low' END"
     else:
         subtotal = "(price * qty - discount * price)"
         total = f"(greatest({subtotal}, 0) * (1 + tax_rate) + 4.95)"

@@ -31,6 +31,7 @@ from django_fairqueue.pipeline.formulas import (
     TEXT,
     FormulaSet,
     Node,
+    constant_number,
 )
 
 Pair = tuple[Column, Column | None]
@@ -220,7 +221,9 @@ class Compiler:
 
     def _op_XOR(self, node: Node) -> Pair:
         values, error = self.values(node.args)
-        count = sum((_condition(v).cast("int") for v in values[1:]), _condition(values[0]).cast("int"))
+        count = sum(
+            (_condition(v).cast("int") for v in values[1:]), _condition(values[0]).cast("int")
+        )
         return (count % 2) == 1, error
 
     def _op_NOT(self, node: Node) -> Pair:
@@ -326,7 +329,7 @@ class Compiler:
         value, error = self(node.args[0])
         digits = 0
         if len(node.args) > 1:
-            digits = int(node.args[1].value)
+            digits = int(constant_number(node.args[1]) or 0)
         return F.round(_number(value), digits), error
 
     def _unary_number(self, node: Node, f: Callable[[Column], Column]) -> Pair:
@@ -362,7 +365,9 @@ class Compiler:
 
     _op_POW = _op_POWER
 
-    def _domain(self, node: Node, f: Callable[[Column], Column], ok: Callable[[Column], Column]) -> Pair:
+    def _domain(
+        self, node: Node, f: Callable[[Column], Column], ok: Callable[[Column], Column]
+    ) -> Pair:
         value, error = self(node.args[0])
         value = _number(value)
         valid = ok(value)

@@ -115,7 +115,8 @@ class Sink:
         if not isinstance(self.atomic, bool):
             raise ValueError(f"Sink.atomic must be True or False, got {self.atomic!r}")
         if self.results is not None:
-            if not isinstance(self.results, str) or not self.results:
+            results: Any = self.results  # checked at run time: callers may pass anything
+            if not isinstance(results, str) or not results:
                 raise ValueError(f"Sink.results must be a column name, got {self.results!r}")
             if self.results in key or self.results in self.columns:
                 raise ValueError(f"Sink.results {self.results!r} is also a key or a column")

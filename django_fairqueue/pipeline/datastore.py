@@ -517,7 +517,9 @@ class _Encoder:
             width = batch.num_columns - self.error_columns
             for i in range(self.error_columns):
                 flags = batch.column(width + i)
-                self.errors[i] += int(pc.sum(pc.cast(pc.fill_null(flags, False), pa.int64())).as_py() or 0)
+                self.errors[i] += int(
+                    pc.sum(pc.cast(pc.fill_null(flags, False), pa.int64())).as_py() or 0
+                )
             batch = pa.RecordBatch.from_arrays(
                 batch.columns[:width], names=batch.schema.names[:width]
             )

@@ -44,7 +44,6 @@ from django_fairqueue.pipeline.formulas import (
     FLOAT,
     INT,
     STR,
-    FormulaError,
     FormulaSet,
     parse_formulas,
     split_formulas,
@@ -167,9 +166,7 @@ def prepare(
             targets=None if results else pipeline.sink.columns,
             functions=pipeline.functions,
         )
-    return Prepared(
-        pipeline, tenant, tuple(source), tuple(sink), parsed, today or dt.date.today()
-    )
+    return Prepared(pipeline, tenant, tuple(source), tuple(sink), parsed, today or dt.date.today())
 
 
 def current_formulas(pipeline: Pipeline, tenant: str) -> list[tuple[str, str]]:
@@ -426,7 +423,7 @@ def prepare_batch(pipeline: Pipeline, tenant: str, job_name: str) -> Prepared:
     if job.cancelled_at is not None:
         raise JobCancelled(f"job {job_name} was cancelled at {job.cancelled_at:%Y-%m-%d %H:%M}")
     formulas = [tuple(pair) for pair in job.formulas] if job.formulas is not None else None
-    return prepare(pipeline, tenant, formulas=formulas, today=job.today)  # type: ignore[arg-type]
+    return prepare(pipeline, tenant, formulas=formulas, today=job.today)
 
 
 class _AggregateCache:

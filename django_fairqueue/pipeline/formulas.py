@@ -232,11 +232,22 @@ def _all_texts(result: str = TEXT) -> Any:
     return check
 
 
+def constant_number(node: Node) -> float | None:
+    """The value of a number constant (``2``, ``-2``), else None."""
+    if node.op == "neg":
+        inner = constant_number(node.args[0])
+        return None if inner is None else -inner
+    if node.op == "const" and node.type == NUMBER:
+        return float(node.value)
+    return None
+
+
 def _check_round(args: list[Node]) -> tuple[str, bool]:
     _numbers()(args)
-    if len(args) > 1 and (args[1].op != "const" or args[1].value != int(args[1].value or 0)
-                          or not -20 <= args[1].value <= 20):  # fmt: skip
-        raise _Invalid("the number of digits must be a whole number from -20 to 20")
+    if len(args) > 1:
+        digits = constant_number(args[1])
+        if digits is None or digits != int(digits) or not -20 <= digits <= 20:
+            raise _Invalid("the number of digits must be a whole number from -20 to 20")
     return NUMBER, False
 
 
@@ -504,7 +515,8 @@ class _Builder:
         method = getattr(self, f"_{tree.data}", None)
         if method is None:
             raise _Invalid(f"unsupported construct {tree.data}")
-        return method(*tree.children)
+        node: Node = method(*tree.children)
+        return node
 
     # constants
     def _number(self, token: Any) -> Node:
@@ -757,8 +769,8 @@ def _parse(
     try:
         tree = _parser().parse(body)
     except UnexpectedCharacters as exc:
-        raise _Invalid(f"unexpected character {body[exc.pos_in_stream]!r} at position "
-                       f"{exc.pos_in_stream + 1}") from None  # fmt: skip
+        pos = int(exc.pos_in_stream)
+        raise _Invalid(f"unexpected character {body[pos]!r} at position {pos + 1}") from None
     except UnexpectedEOF:
         raise _Invalid("the expression ends too early") from None
     except UnexpectedToken as exc:

@@ -127,8 +127,8 @@ class Command(BaseCommand):
                 f"{result.created} new batches ({result.rows_planned:,} rows), "
                 f"{result.batches_total} in all, {result.seconds:.1f} s"
             )
-        for exc in report.refused.values():
-            self.stderr.write(f"not planned: {exc}")
+        for refusal in report.refused.values():
+            self.stderr.write(f"not planned: {refusal}")
         if report.refused:
             raise CommandError(
                 f"{len(report.refused)} of {len(report.refused) + len(report.planned)} tenants "
@@ -208,13 +208,30 @@ class Command(BaseCommand):
 
             known = tuple(f"{n}:" for n in registry.names())
             jobs = [job for job in jobs if job.job_name.startswith(known)] if known else []
+        from django_fairqueue.models import PipelineJob
+
+        pinned = {
+            p.job_name: p
+            for p in PipelineJob.objects.filter(job_name__in=[j.job_name for j in jobs])
+        }
         if options["json"]:
-            self.stdout.write(json.dumps([job.as_dict() for job in jobs], indent=2))
+            shown = []
+            for job in jobs:
+                row = job.as_dict()
+                pin = pinned.get(job.job_name)
+                row["version"] = pin.version if pin else None
+                row["errors"] = dict(pin.errors) if pin else {}
+                row["cancelled"] = bool(pin and pin.cancelled_at)
+                shown.append(row)
+            self.stdout.write(json.dumps(shown, indent=2, default=str))
             return
         if not jobs:
             self.stdout.write("no pipeline jobs")
             return
-        header = f"{'job':<32} {'state':<10} {'batches':>15} {'rows':>25} {'rows/s':>10} {'ETA':>8}"
+        header = (
+            f"{'job':<32} {'state':<10} {'batches':>15} {'rows':>25} {'rows/s':>10} {'ETA':>8} "
+            f"{'version':<16} {'errors':>8}"
+        )
         self.stdout.write(header)
         for job in jobs:
             by = job.batches_by_state
@@ -223,9 +240,13 @@ class Command(BaseCommand):
             )
             rate = f"{job.rows_per_second:,.0f}" if job.rows_per_second else "-"
             eta = _eta(job.eta.total_seconds() if job.eta is not None else None)
+            pin = pinned.get(job.job_name)
+            state = "cancelled" if pin and pin.cancelled_at else job.state
+            errors = sum(int(v) for v in pin.errors.values()) if pin else 0
             self.stdout.write(
-                f"{job.job_name:<32} {job.state:<10} {done:>15} "
-                f"{f'{job.rows_done:,}/{job.rows_total:,}':>25} {rate:>10} {eta:>8}"
+                f"{job.job_name:<32} {state:<10} {done:>15} "
+                f"{f'{job.rows_done:,}/{job.rows_total:,}':>25} {rate:>10} {eta:>8} "
+                f"{pin.version if pin else '-':<16} {errors:>8,}"
             )
 
     # ---- retry
