@@ -769,7 +769,7 @@ def _parse(
     try:
         tree = _parser().parse(body)
     except UnexpectedCharacters as exc:
-        pos = int(exc.pos_in_stream)
+        pos: int = getattr(exc, "pos_in_stream", 0) or 0
         raise _Invalid(f"unexpected character {body[pos]!r} at position {pos + 1}") from None
     except UnexpectedEOF:
         raise _Invalid("the expression ends too early") from None
