@@ -340,9 +340,37 @@ def arrow_type(name: str) -> Any:
     return getattr(pa, name)()
 
 
+#: The Spark job property carrying a batch's own values (JSON): its id range, staging
+#: statements, batch id and lease token. Tasks read them from it, so one Spark plan serves
+#: every batch of a job (analysing a plan of hundreds of formulas takes seconds).
+BATCH_PROPERTY = "fairqueue.batch"
+
+
+def for_batch(spec: Any) -> Any:
+    """``spec`` with the running Spark job's batch values (see :data:`BATCH_PROPERTY`)."""
+    import dataclasses
+    import json
+
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    raw = context.getLocalProperty(BATCH_PROPERTY) if context is not None else None
+    if not raw:
+        return spec
+    values = json.loads(raw)
+    changes: dict[str, Any] = {
+        f.name: values[f.name] for f in dataclasses.fields(spec) if f.name in values
+    }
+    if "statements" in changes:
+        changes["statements"] = StagingStatements(**changes["statements"])
+    return dataclasses.replace(spec, **changes)
+
+
 def read_sub_ranges(spec: ReadSpec, indexes: Iterator[Any]) -> Iterator[Any]:
     """``mapInArrow`` function: for each sub-range index, COPY its rows into Arrow batches."""
     import pyarrow as pa
+
+    spec = for_batch(spec)
     import pyarrow.csv as pacsv
 
     schema = pa.schema(
@@ -546,6 +574,7 @@ def write_staging(spec: WriteSpec, batches: Iterator[Any]) -> Iterator[Any]:
     staging table in one transaction; yield one row (rows written, key min and max)."""
     from pyspark import TaskContext
 
+    spec = for_batch(spec)
     context = TaskContext.get()
     part = context.partitionId() if context is not None else 0
     retry = context is not None and context.attemptNumber() > 0
@@ -585,6 +614,7 @@ def write_sink(spec: SinkWriteSpec, batches: Iterator[Any]) -> Iterator[Any]:
     into the sink; other chunks (a re-run, a non-integer key) go through a temporary table and
     one ``INSERT ... ON CONFLICT DO UPDATE``, so a re-run writes the same rows.
     """
+    spec = for_batch(spec)
     encoder = _Encoder(spec.key_index, error_columns=spec.error_columns)
     with psycopg.connect(spec.conninfo) as conn:  # one transaction, committed on exit
         fenced = conn.execute(
