@@ -493,3 +493,45 @@ def test_a_non_atomic_batch_whose_lease_was_lost_writes_nothing(
     row = WorkBatch.objects.get(pk=batch.id)
     assert row.state == "pending"
     assert row.rows_processed == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_heartbeat_after_the_batch_settled_reports_no_lost_lease(
+    formulas: dict[str, list[str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+    import time
+
+    from django.utils import timezone
+
+    make_rows(20)
+    plan(PIPELINE, batch_size=5, tenants=["alice"])
+    caplog.set_level(logging.WARNING, logger="django_fairqueue.batches")
+    settled = []
+    for settle in ("complete", "fail", "release"):
+        batch = batches.claim(worker_id="w", jobs=[f"{PIPELINE}:*"], lease=timedelta(minutes=5))
+        assert batch is not None
+        with batches.Heartbeat(batch, interval=0.05) as beat:
+            if settle == "complete":
+                with batches.fenced(batch):
+                    pass
+            elif settle == "fail":
+                batches.fail(batch, RuntimeError("boom"), final=True)
+            else:
+                batches.release(batch)
+            time.sleep(0.4)  # several beats after the settlement
+        settled.append(beat.lost.is_set())
+    assert settled == [False, False, False]
+    assert "lease lost" not in caplog.text
+
+    # A lease really lost (rescued elsewhere) is still reported.
+    batch = batches.claim(worker_id="w", jobs=[f"{PIPELINE}:*"], lease=timedelta(minutes=5))
+    assert batch is not None
+    with batches.Heartbeat(batch, interval=0.05) as beat:
+        WorkBatch.objects.filter(pk=batch.id).update(
+            lease_expires_at=timezone.now() - timedelta(seconds=1)
+        )
+        batches.rescue_expired()
+        time.sleep(0.4)
+    assert beat.lost.is_set()
+    assert f"batch {batch.id}: lease lost" in caplog.text
