@@ -159,6 +159,10 @@ class Pipeline:
                 f"pipeline name must be 1-100 letters, digits, '_', '.', '-' (no ':'), "
                 f"got {self.name!r}"
             )
+        functions: Any = self.functions
+        if isinstance(functions, str) or not all(isinstance(f, str) for f in functions):
+            raise ValueError(f"pipeline {self.name!r}: functions must be function names")
+        object.__setattr__(self, "functions", frozenset(f.upper() for f in functions))
         if (self.formulas is None) == (self.transform is None):
             raise ValueError(f"pipeline {self.name!r}: give formulas or transform (one of them)")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int):
