@@ -1123,7 +1123,7 @@ class PipelineJobAdmin(_PipelineJobAdminBase):
         "created_at",
         "cancelled_at",
     ]
-    exclude = ["formulas"]
+    exclude = ["formulas", "aggregates"]
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

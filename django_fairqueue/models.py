@@ -524,6 +524,9 @@ class PipelineJob(models.Model):
     errors = models.JSONField(
         default=dict, blank=True, help_text=_("Error values written, per rule.")
     )
+    aggregates = models.JSONField(
+        null=True, blank=True, help_text=_("The tenant aggregates its batches use (phase one).")
+    )
     created_at = models.DateTimeField(default=timezone.now)
     cancelled_at = models.DateTimeField(null=True, blank=True)
 

@@ -422,3 +422,38 @@ def test_a_cancelled_job_drops_pending_batches_and_a_running_one_writes_nothing(
         execute.execute_batch(spark, running)
     assert not JsonResultRow.objects.exists()
     assert PipelineJob.objects.get(job_name="test.json:alice").cancelled_at is not None
+
+
+@needs_spark
+@pytest.mark.spark
+@pytest.mark.django_db(transaction=True)
+def test_every_batch_of_a_job_uses_the_aggregates_stored_with_the_job(
+    spark: Any,  # noqa: F811
+    spark_settings: None,  # noqa: F811
+    json_formulas: dict[str, list[str]],
+) -> None:
+    from django_fairqueue.pipeline import execute
+
+    json_rows(100)  # 2 batches
+    json_formulas["alice"] = ["share = price / SUM(price)"]
+    plan("test.json", tenants=["alice"])
+    PipelineRunner(
+        worker_id="test", pipelines=["test.json"], burst=True, max_batches=1, spark=spark
+    ).run()
+    job = PipelineJob.objects.get(job_name="test.json:alice")
+    total = sum(DataRow.objects.filter(tenant="alice").values_list("price", flat=True))
+    assert job.aggregates["version"] == job.version
+    assert job.aggregates["groups"] == [[[total, False]]]
+
+    # Another worker (here: this process, its memory cleared) uses the stored values, so the
+    # job's batches cannot disagree even if the rows changed meanwhile.
+    job.aggregates["groups"] = [[[total * 2, False]]]
+    job.save()
+    execute.aggregate_cache._values.clear()
+    DataRow.objects.filter(tenant="alice").update(price=1000.0)
+    run_all(spark)
+
+    shares = sorted(r.results["share"] for r in JsonResultRow.objects.filter(tenant="alice"))
+    done_first = [s for s in shares if s < 1000 / total / 2 - 1e-12]
+    assert len(done_first) == 50  # the first batch: the prices as they were, over the total
+    assert all(s == pytest.approx(1000.0 / (total * 2)) for s in shares[50:])

@@ -20,6 +20,7 @@ class Migration(migrations.Migration):
                 ("formulas", models.JSONField(blank=True, help_text="The pinned formulas: [name, expression] pairs.", null=True)),
                 ("today", models.DateField(help_text="What TODAY() is for every batch of the job.")),
                 ("errors", models.JSONField(blank=True, default=dict, help_text="Error values written, per rule.")),
+                ("aggregates", models.JSONField(blank=True, help_text="The tenant aggregates its batches use (phase one).", null=True)),
                 ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
                 ("cancelled_at", models.DateTimeField(blank=True, null=True)),
             ],

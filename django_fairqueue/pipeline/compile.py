@@ -598,6 +598,16 @@ def _aggregate_column(node: Node, value: Column, error: Column | None) -> tuple[
             return F.max(clean), has_error
 
 
+def aggregate_shapes(formulas: FormulaSet) -> list[tuple[tuple[Node, ...], list[Node]]]:
+    """The aggregates grouped by ``BY`` list, in a fixed order: one Spark aggregation each."""
+    by_groups: dict[str, tuple[tuple[Node, ...], list[Node]]] = {}
+    for node in formulas.aggregates:
+        groups = tuple(node.args[1:])
+        key = "|".join(g.key() for g in groups)
+        by_groups.setdefault(key, (groups, []))[1].append(node)
+    return list(by_groups.values())
+
+
 def compute_aggregates(
     df: DataFrame, formulas: FormulaSet, *, today: dt.date, max_groups: int
 ) -> AggregateValues:
@@ -608,13 +618,8 @@ def compute_aggregates(
     """
     rules = {f.target: f.tree for f in formulas.formulas}
     compiler = Compiler(today=today, names={}, inline=rules)
-    by_groups: dict[str, tuple[tuple[Node, ...], list[Node]]] = {}
-    for node in formulas.aggregates:
-        groups = tuple(node.args[1:])
-        key = "|".join(g.key() for g in groups)
-        by_groups.setdefault(key, (groups, []))[1].append(node)
     results = []
-    for groups, nodes in by_groups.values():
+    for groups, nodes in aggregate_shapes(formulas):
         keys = [compiler(g)[0].alias(f"g{i}") for i, g in enumerate(groups)]
         columns: list[Column] = []
         for i, node in enumerate(nodes):

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from django.db import transaction
+
 from django_fairqueue.pipeline import datastore
 from django_fairqueue.pipeline.core import Pipeline, parse_job_name, registry
 from django_fairqueue.pipeline.formulas import (
@@ -514,7 +516,9 @@ def prepare_batch(pipeline: Pipeline, tenant: str, job_name: str) -> Prepared:
 
 
 class _AggregateCache:
-    """Phase one's results per job, version and id range, kept by the process."""
+    """Phase one's results per job, version and id range: computed by the first batch that
+    needs them, stored with the job (``PipelineJob.aggregates``) so that every batch and every
+    worker of the job uses the same values, and kept by the process."""
 
     def __init__(self) -> None:
         self._values: dict[tuple[str, str, int, int], Any] = {}
@@ -537,13 +541,25 @@ class _AggregateCache:
         with self._lock:
             if key in self._values:
                 return self._values[key]
+        stored = _stored_aggregates(prepared, job_name, lo, hi)
+        if stored is not None:
+            with self._lock:
+                self._values[key] = stored
+            return stored
         rows = _source_frame(spark, prepared, lo, hi, job_group)
+        context = spark.sparkContext
+        if job_group is not None:
+            context.addJobTag(job_group)  # a stopping runner cancels this job too
         try:
             values = fc.compute_aggregates(
                 rows, prepared.formulas, today=prepared.today, max_groups=MAX_AGGREGATE_GROUPS
             )
         except ValueError as exc:
             raise PipelineError(str(exc)) from None
+        finally:
+            if job_group is not None:
+                context.removeJobTag(job_group)
+        values = _store_aggregates(prepared, job_name, lo, hi, values)
         with self._lock:
             self._values = {k: v for k, v in self._values.items() if k[0] != job_name}
             self._values[key] = values
@@ -551,6 +567,83 @@ class _AggregateCache:
 
 
 aggregate_cache = _AggregateCache()
+
+
+def _json_value(value: Any) -> Any:
+    return value.isoformat() if isinstance(value, dt.date) else value
+
+
+def _typed_value(value: Any, value_type: str) -> Any:
+    from django_fairqueue.pipeline.formulas import DATE_T
+
+    if value is None:
+        return None
+    if value_type == DATE_T:
+        return dt.date.fromisoformat(value)
+    return value
+
+
+def _decode_aggregates(prepared: Prepared, stored: Any) -> Any:
+    """Phase one's values from their JSON form (None if they do not fit the formulas)."""
+    from django_fairqueue.pipeline import compile as fc
+
+    assert prepared.formulas is not None
+    shapes = fc.aggregate_shapes(prepared.formulas)
+    if not isinstance(stored, list) or len(stored) != len(shapes):
+        return None
+    groups = []
+    for (keys, nodes), rows in zip(shapes, stored, strict=True):
+        types = [k.type for k in keys]
+        for node in nodes:
+            types += [node.type, "boolean"]
+        decoded = tuple(
+            tuple(_typed_value(v, t) for v, t in zip(row, types, strict=True)) for row in rows
+        )
+        groups.append((keys, nodes, decoded))
+    return fc.AggregateValues(groups=tuple(groups))
+
+
+def _stored_aggregates(prepared: Prepared, job_name: str, lo: int, hi: int) -> Any:
+    from django_fairqueue.models import PipelineJob
+
+    assert prepared.formulas is not None
+    job = PipelineJob.objects.using(prepared.pipeline.alias).filter(job_name=job_name).first()
+    if job is None or not job.aggregates:
+        return None
+    saved = job.aggregates
+    if saved.get("version") != prepared.formulas.version or saved.get("range") != [lo, hi]:
+        return None
+    return _decode_aggregates(prepared, saved.get("groups"))
+
+
+def _store_aggregates(prepared: Prepared, job_name: str, lo: int, hi: int, values: Any) -> Any:
+    """Store phase one's values with the job unless another worker stored them first; return
+    the stored ones (so that every worker computes with the same)."""
+    from django_fairqueue.models import PipelineJob
+
+    assert prepared.formulas is not None
+    payload = {
+        "version": prepared.formulas.version,
+        "range": [lo, hi],
+        "groups": [[[_json_value(v) for v in row] for row in rows] for _, _, rows in values.groups],
+    }
+    alias = prepared.pipeline.alias
+    with transaction.atomic(using=alias):
+        job = (
+            PipelineJob.objects.using(alias)
+            .select_for_update()
+            .filter(job_name=job_name, version=prepared.formulas.version)
+            .first()
+        )
+        if job is None:  # planned without pinning: keep them in the process only
+            return values
+        saved = job.aggregates or {}
+        if saved.get("version") == payload["version"] and saved.get("range") == [lo, hi]:
+            stored = _decode_aggregates(prepared, saved.get("groups"))
+            return stored if stored is not None else values
+        job.aggregates = payload
+        job.save(update_fields=["aggregates"])
+    return values
 
 
 def _source_frame(spark: Any, prepared: Prepared, lo: int, hi: int, job_group: str | None) -> Any:

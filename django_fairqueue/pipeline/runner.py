@@ -144,6 +144,7 @@ def _pin(pipeline: Pipeline, tenant: str, prepared: Any, *, rerun: bool) -> None
         job.formulas = formulas
         job.today = prepared.today
         job.errors = {}
+        job.aggregates = None
         job.cancelled_at = None
         job.created_at = timezone.now()
         job.save()
