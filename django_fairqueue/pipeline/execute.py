@@ -599,7 +599,7 @@ def _decode_aggregates(prepared: Prepared, stored: Any) -> Any:
         decoded = tuple(
             tuple(_typed_value(v, t) for v, t in zip(row, types, strict=True)) for row in rows
         )
-        groups.append((keys, nodes, decoded))
+        groups.append((keys, tuple(nodes), decoded))
     return fc.AggregateValues(groups=tuple(groups))
 
 
