@@ -415,7 +415,10 @@ def non_atomic(name: str, unregister: list[str]) -> Pipeline:
     base = registry.get(PIPELINE)
     sink = Sink(ResultRow, key=base.sink.key, columns=base.sink.columns, atomic=False)
     unregister.append(name)
-    return registry.register(dataclasses.replace(base, name=name, sink=sink))
+    # tenants as a list (a Pipeline holding a list is not hashable: the plan cache copes)
+    return registry.register(
+        dataclasses.replace(base, name=name, sink=sink, tenants=["alice", "bob"])
+    )
 
 
 @needs_spark

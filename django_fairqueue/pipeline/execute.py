@@ -360,6 +360,7 @@ class _Plan:
     frame: Any  # the DataFrame of write results; its analysed plan is reused
     counted: list[str]  # the rules whose error flags the write tasks count
     aggregates: Any
+    pipeline: Pipeline
 
 
 class _Plans:
@@ -391,7 +392,8 @@ class _Plans:
             sink = dataclasses.replace(sink, batch_id=0, lease_token="")
         key = (
             id(spark),
-            pipeline,
+            pipeline.name,
+            id(pipeline),  # a Pipeline may hold lists (tenants=[...]): not hashable
             prepared.tenant,
             prepared.fingerprint,
             prepared.today,
@@ -404,7 +406,7 @@ class _Plans:
         )
         with self._lock:
             found = self._plans.get(key)
-        if found is not None and found.aggregates is aggregates:
+        if found is not None and found.aggregates is aggregates and found.pipeline is pipeline:
             return found
         built = self._build(spark, prepared, parts, aggregates, conninfo, sink)
         with self._lock:
@@ -449,7 +451,8 @@ class _Plans:
             task = partial(
                 datastore.write_sink, dataclasses.replace(sink, error_columns=len(counted))
             )
-        return _Plan(out.mapInArrow(task, datastore.WRITTEN_SCHEMA), counted, aggregates)
+        frame = out.mapInArrow(task, datastore.WRITTEN_SCHEMA)
+        return _Plan(frame, counted, aggregates, prepared.pipeline)
 
 
 plans = _Plans()
