@@ -10,14 +10,14 @@ from django.test import override_settings
 
 pytest.importorskip("opentelemetry.sdk")
 
-from opentelemetry import trace  # noqa: E402
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider  # noqa: E402
-from opentelemetry.trace import SpanKind, StatusCode  # noqa: E402
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.trace import SpanKind, StatusCode
 
-from django_fairqueue import EnqueueRequest, enqueue, enqueue_many  # noqa: E402
-from django_fairqueue.models import Message  # noqa: E402
-from django_fairqueue.testing import drain  # noqa: E402
-from tests import fairtasks  # noqa: E402
+from django_fairqueue import EnqueueRequest, enqueue, enqueue_many
+from django_fairqueue.models import Message
+from django_fairqueue.testing import drain
+from tests import fairtasks
 
 pytestmark = pytest.mark.django_db
 
