@@ -604,7 +604,7 @@ def test_a_batch_that_keeps_failing_like_infrastructure_while_the_check_passes_i
         "SPARK": {**SPARK_SETTINGS, "PAUSE_SECONDS": 0.1, "PAUSE_MAX_SECONDS": 0.2},
     }
     base = registry.get(PIPELINE)
-    udf = F.udf(_needs_a_module, "double")
+    udf = F.udf(_needs_a_module, "double", useArrow=False)
 
     def transform(df: Any, tenant: str) -> Any:
         return df.withColumn("total", udf(df["price"]))
@@ -641,28 +641,56 @@ def test_pool_names_are_the_channel_names_made_safe() -> None:
     assert odd != cluster.pool_name("acme corp/<eu)")  # no two channels share a pool
 
 
-def _stage_pools(session: Any) -> list[str]:
-    stages = session.sparkContext._jsc.sc().statusStore().stageList(None)
-    return [str(stages.get(i).schedulingPool()) for i in range(stages.size())]
+def _pool_seen_by_task(rows: Iterator[Any]) -> Iterator[str | None]:
+    from pyspark import TaskContext
+
+    for _ in rows:
+        pass
+    context = TaskContext.get()
+    yield context.getLocalProperty(cluster.POOL_PROPERTY) if context is not None else None
+
+
+def record_pools(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str | None]]:
+    """(channel, pool) of each batch the runner executes, as a Spark task of the batch's thread
+    sees it (the pool Spark schedules the batch's jobs in)."""
+    from pyspark import cloudpickle
+
+    seen: list[tuple[str, str | None]] = []
+    real = execute.execute_batch
+
+    def recording(session: Any, batch: Any, **kwargs: Any) -> Any:
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        try:
+            (pool,) = (
+                session.sparkContext.parallelize([0], 1).mapPartitions(_pool_seen_by_task).collect()
+            )
+        finally:
+            cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        seen.append((batch.channel, pool))
+        return real(session, batch, **kwargs)
+
+    monkeypatch.setattr("django_fairqueue.pipeline.runner.execute_batch", recording)
+    return seen
 
 
 @needs_spark
 @pytest.mark.spark
 @pytest.mark.django_db(transaction=True)
 def test_each_channels_batches_run_in_a_fair_pool_weighted_like_the_channel(
-    spark: Any, spark_settings: None, formulas: dict[str, list[str]]
+    spark: Any,
+    spark_settings: None,
+    formulas: dict[str, list[str]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert spark.sparkContext.getConf().get("spark.scheduler.mode") == "FAIR"
     make_rows(150)  # 2 batches per tenant
     plan(PIPELINE)
     Channel.objects.filter(name="alice").update(weight=3)
-    before = _stage_pools(spark)
+    seen = record_pools(monkeypatch)
 
     run_until_done(spark)
 
-    after = _stage_pools(spark)[: len(_stage_pools(spark)) - len(before)]
-    assert "alice" in after
-    assert "bob" in after
+    assert sorted(seen) == [("alice", "alice")] * 2 + [("bob", "bob")] * 2
     assert cluster.pool_weight(spark, "alice") == 3
     assert cluster.pool_weight(spark, "bob") == 1
     assert spark.sparkContext.getLocalProperty(cluster.POOL_PROPERTY) is None  # cleared after
@@ -687,14 +715,7 @@ def test_without_fair_scheduling_no_pool_is_set(
     monkeypatch.setattr(cluster, "fair", lambda session: False)
     make_rows(5)
     plan(PIPELINE, tenants=["bob"])
-    seen: list[str | None] = []
-    real = execute.execute_batch
-
-    def recording(session: Any, batch: Any, **kwargs: Any) -> Any:
-        seen.append(session.sparkContext.getLocalProperty(cluster.POOL_PROPERTY))
-        return real(session, batch, **kwargs)
-
-    monkeypatch.setattr("django_fairqueue.pipeline.runner.execute_batch", recording)
+    seen = record_pools(monkeypatch)
     PipelineRunner(worker_id="fifo", pipelines=[PIPELINE], spark=spark, burst=True).run()
-    assert seen == [None]
+    assert seen == [("bob", None)]
     assert batches.progress(f"{PIPELINE}:bob").batches_by_state["succeeded"] == 1
