@@ -41,6 +41,7 @@ process builds one on first use and keeps it: never one per batch.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -520,6 +521,7 @@ def jvm_peak_rss_bytes() -> int:
 _FILE_PARAMETERS = ("sslcert", "sslkey", "sslrootcert", "sslcrl", "sslcrldir", "passfile")
 
 
+@functools.cache
 def _libpq_keywords() -> frozenset[str]:
     from psycopg import pq
 
