@@ -459,8 +459,10 @@ plans = _Plans()
 
 
 def executor_conninfo(alias: str) -> str:
-    """How Spark tasks connect to the database."""
-    return spark_settings().executor_database_url or datastore.connection_string(alias)
+    """How Spark tasks connect to the database: every libpq option of ``alias``'s settings."""
+    from django_fairqueue.pipeline import spark
+
+    return spark.executor_conninfo(alias)
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,6 +4,11 @@ One :class:`PipelineRunner` per process runs one batch at a time on the process'
 (a batch already uses every core Spark has). ``manage.py fairpipeline run`` runs it in the
 foreground; ``manage.py runfairworker --pipelines`` runs it in a thread next to the message
 threads.
+
+Errors of the infrastructure (:mod:`.cluster`: the executors' Python, the database unreachable,
+executors lost) do not use up a batch's attempts: the batch is given back and the runner pauses,
+with a growing pause, until a check of the executors passes. Errors of the data or the formulas
+count an attempt, as they would fail again.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from django_fairqueue import batches, conf
 from django_fairqueue._runtime import StopFlag
 from django_fairqueue.exceptions import LeaseLost
 from django_fairqueue.models import BatchState, PipelineJob, WorkBatch
-from django_fairqueue.pipeline.core import Pipeline, UnknownPipeline, registry
+from django_fairqueue.pipeline import cluster
+from django_fairqueue.pipeline.core import Pipeline, UnknownPipeline, parse_job_name, registry
 from django_fairqueue.pipeline.execute import (
     BatchOutcome,
     JobCancelled,
@@ -39,6 +45,9 @@ logger = logging.getLogger("django_fairqueue.pipeline")
 
 #: How often a runner drops orphaned staging tables and rescues expired batches.
 MAINTENANCE_INTERVAL = 30.0
+#: A batch that fails this many times in a row on an infrastructure error while the check of the
+#: executors passes in between is charged an attempt: the batch itself may be the cause.
+INFRASTRUCTURE_STRIKES = 3
 
 
 @dataclass
@@ -198,6 +207,8 @@ class RunnerStats:
     lost: int = 0
     released: int = 0
     rows: int = 0
+    #: Pauses after an infrastructure error (no attempt used).
+    paused: int = 0
 
 
 class PipelineRunner:
@@ -237,6 +248,14 @@ class PipelineRunner:
         self._finished = threading.Event()
         #: The thread running :meth:`run_logged`, when a worker runs the runner next to it.
         self.thread: threading.Thread | None = None
+        #: Why the runner is paused (an :class:`~.cluster.InfrastructureError`), else None.
+        self.paused_by: cluster.InfrastructureError | None = None
+        #: When the current pause ends (``time.monotonic()``), else None.
+        self.paused_until: float | None = None
+        self._pause = 0.0
+        self._strikes: dict[int, int] = {}
+        self._pending: tuple[cluster.InfrastructureError, BaseException] | None = None
+        self._own_session = spark is None
 
     def stop(self) -> None:
         self.stopping.set()  # the watcher thread cancels the Spark job (no py4j call here)
@@ -263,29 +282,51 @@ class PipelineRunner:
                 logger.info("dropped %d orphaned staging tables", len(dropped))
 
     def run(self) -> RunnerStats:
-        from django_fairqueue.pipeline.spark import get_session
+        """Run batches until stopped (or, with ``burst``, until none is ready).
+
+        A master that cannot be reached fails here, when the session starts
+        (:class:`~.spark.SparkClusterError`). Later infrastructure errors pause the runner; with
+        ``burst`` they stop it, raising the :class:`~.cluster.InfrastructureError`.
+        """
+        from django_fairqueue.pipeline.spark import describe_session, get_session
 
         patterns = job_patterns(self.pipelines)
         if self.spark is None:
             self.spark = get_session()
+        logger.info("pipeline runner %s: %s", self.worker_id, describe_session(self.spark))
         done = 0
         try:
             while not self.stopping.is_set():
-                if time.monotonic() >= self._next_maintenance:
-                    self.maintain()
-                    self._next_maintenance = time.monotonic() + MAINTENANCE_INTERVAL
-                batch = batches.claim(
-                    worker_id=self.worker_id,
-                    jobs=patterns,
-                    lease=self.lease,
-                    channels=self.channels,
-                )
+                try:
+                    if time.monotonic() >= self._next_maintenance:
+                        self.maintain()
+                        self._next_maintenance = time.monotonic() + MAINTENANCE_INTERVAL
+                    self._check()
+                    batch = batches.claim(
+                        worker_id=self.worker_id,
+                        jobs=patterns,
+                        lease=self.lease,
+                        channels=self.channels,
+                    )
+                except Exception as exc:
+                    error = cluster.infrastructure_error(exc)
+                    if error is None:
+                        raise
+                    if self.stopping.is_set():
+                        break
+                    self._pause_for(error, exc)
+                    continue
                 if batch is None:
                     if self.burst:
                         break
                     self.stopping.wait(self.poll_interval)
                     continue
                 self.process(batch)
+                if self._pending is not None:
+                    error, cause = self._pending
+                    self._pending = None
+                    self._pause_for(error, cause)
+                    continue
                 done += 1
                 if self.max_batches is not None and done >= self.max_batches:
                     break
@@ -301,6 +342,89 @@ class PipelineRunner:
         except Exception:
             logger.exception("the pipeline runner stopped on an error")
 
+    # ---- infrastructure: the executors' check, pauses, scheduler pools
+
+    def _check(self) -> None:
+        """Before claiming: check the executors (once, then again after each pause)."""
+        from django_fairqueue.pipeline.spark import executor_conninfo, get_session, spark_settings
+
+        if self.spark is None:  # the session stopped and was dropped: build a new one
+            self.spark = get_session()
+        settings = spark_settings()
+        result = cluster.check(
+            self.spark,
+            sorted({executor_conninfo(alias) for alias in self._aliases()}),
+            executor_timeout=settings.executor_timeout,
+            job_tag=self._tag,
+            wait=self.stopping.wait,
+        )
+        if result is not None:
+            executors = ", ".join(result.executors) or "local mode"
+            logger.info(
+                "pipeline runner %s: executors checked in %.1f s (executors: %s; Python: %s)",
+                self.worker_id,
+                result.seconds,
+                executors,
+                "; ".join(result.pythons),
+            )
+        if self.paused_by is not None:
+            logger.warning(
+                "pipeline runner %s resumed: the executors' check passes (paused %d time(s) "
+                "by: %s)",
+                self.worker_id,
+                self.stats.paused,
+                self.paused_by,
+            )
+            self.paused_by = None
+            self._pause = 0.0
+
+    def _pause_for(self, error: cluster.InfrastructureError, cause: BaseException) -> None:
+        """Pause after an infrastructure error (stop, raising it, in burst mode)."""
+        from django_fairqueue.pipeline.spark import spark_settings, stop_session
+
+        settings = spark_settings()
+        self.stats.paused += 1
+        self.paused_by = error
+        cluster.forget(self.spark)
+        for alias in connections:  # a broken connection is reopened on the next use
+            connections[alias].close_if_unusable_or_obsolete()
+        if error.kind in (cluster.SESSION_STOPPED,) and self._own_session:
+            try:
+                stop_session()
+            except Exception as exc:
+                logger.debug("stopping the Spark session failed: %s", exc)
+            self.spark = None
+        if self.burst:
+            raise error from cause
+        self._pause = min(max(self._pause * 2, settings.pause_seconds), settings.pause_max_seconds)
+        self.paused_until = time.monotonic() + self._pause
+        logger.error(
+            "pipeline runner %s paused for %.0f s: %s. No batch attempt is used; the runner "
+            "checks the executors before it claims again",
+            self.worker_id,
+            self._pause,
+            error,
+        )
+        try:
+            self.stopping.wait(self._pause)
+        finally:
+            self.paused_until = None
+
+    def _pool(self, batch: batches.ClaimedBatch) -> str | None:
+        """The batch's channel's Spark scheduler pool (weighted like the channel)."""
+        from django_fairqueue.models import Channel
+
+        if self.spark is None or not cluster.fair(self.spark):
+            return None
+        alias = registry.get(parse_job_name(batch.job_name)[0]).alias
+        weight = (
+            Channel.objects.using(alias)
+            .filter(pk=batch.channel_id)
+            .values_list("weight", flat=True)
+            .first()
+        )
+        return cluster.ensure_pool(self.spark, batch.channel, weight or 1)
+
     def process(self, batch: batches.ClaimedBatch) -> None:
         started = time.monotonic()
         with batches.Heartbeat(batch, lease=self.lease) as beat:
@@ -309,7 +433,11 @@ class PipelineRunner:
             )
             finished = self._finished = threading.Event()
             watcher.start()
+            pool = None
             try:
+                pool = self._pool(batch)
+                if pool is not None:
+                    self.spark.sparkContext.setLocalProperty(cluster.POOL_PROPERTY, pool)
                 outcome = execute_batch(
                     self.spark, batch, job_group=self._tag, lease_lost=beat.lost.is_set
                 )
@@ -319,6 +447,7 @@ class PipelineRunner:
             except Exception as exc:
                 self._settle_error(batch, exc, lost=beat.lost.is_set())
             else:
+                self._strikes.pop(batch.id, None)
                 self.stats.succeeded += 1
                 self.stats.rows += outcome.rows
                 logger.info(
@@ -335,6 +464,8 @@ class PipelineRunner:
                 if self.on_batch is not None:
                     self.on_batch(outcome)
             finally:
+                if pool is not None and self.spark is not None:
+                    self.spark.sparkContext.setLocalProperty(cluster.POOL_PROPERTY, None)
                 finished.set()
                 watcher.join()
 
@@ -355,11 +486,42 @@ class PipelineRunner:
                 self.stats.released += 1
                 logger.info("batch %s released (shutting down)", batch.id)
             return
+        error = cluster.infrastructure_error(exc)
+        if error is not None:
+            strikes = self._strikes[batch.id] = self._strikes.get(batch.id, 0) + 1
+            if strikes < INFRASTRUCTURE_STRIKES:
+                self._give_back(batch, error)
+                self._pending = (error, exc)  # the runner pauses once the heartbeat stopped
+                return
+            logger.error(
+                "batch %s failed %d times in a row on %s while the executors' check passed in "
+                "between: counting an attempt",
+                batch.id,
+                strikes,
+                error.kind,
+            )
+            self._strikes.pop(batch.id, None)
         # A bad formula or declaration fails the same way on every attempt: dead-letter it.
         final = isinstance(exc, FormulaError | PipelineError | UnknownPipeline | JobCancelled)
         state = batches.fail(batch, exc, final=final, worker_id=self.worker_id)
         self.stats.failed += 1
         logger.error("batch %s (%s) failed, now %s: %s", batch.id, batch.job_name, state, exc)
+
+    def _give_back(self, batch: batches.ClaimedBatch, error: cluster.InfrastructureError) -> None:
+        try:
+            released = batches.release(batch)
+        except Exception as exc:  # the database itself may be what is down
+            logger.error(
+                "batch %s could not be given back (%s): it is retried when its lease expires",
+                batch.id,
+                exc,
+            )
+            return
+        if released:
+            self.stats.released += 1
+            logger.warning(
+                "batch %s (%s) given back, no attempt used: %s", batch.id, batch.job_name, error
+            )
 
 
 def describe(pipeline: Pipeline) -> dict[str, Any]:

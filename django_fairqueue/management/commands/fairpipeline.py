@@ -96,12 +96,20 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
 
     def _pipeline_errors(self) -> tuple[type[Exception], ...]:
+        from django_fairqueue.pipeline.cluster import InfrastructureError
         from django_fairqueue.pipeline.core import UnknownPipeline
         from django_fairqueue.pipeline.execute import PipelineError
         from django_fairqueue.pipeline.formulas import FormulaError
         from django_fairqueue.pipeline.spark import SparkUnavailable
 
-        return (FormulaError, PipelineError, UnknownPipeline, SparkUnavailable, ValueError)
+        return (
+            FormulaError,
+            PipelineError,
+            UnknownPipeline,
+            SparkUnavailable,
+            InfrastructureError,
+            ValueError,
+        )
 
     # ---- plan
 
@@ -193,6 +201,11 @@ class Command(BaseCommand):
             self.stderr.write(
                 f"pipeline runner: {stats.succeeded} batches succeeded ({stats.rows:,} rows), "
                 f"{stats.failed} failed, {stats.lost} lost their lease, {stats.released} released"
+                + (
+                    f", paused {stats.paused} time(s) by infrastructure errors"
+                    if stats.paused
+                    else ""
+                )
             )
 
     # ---- status
