@@ -5,7 +5,7 @@ import django.utils.timezone
 class Migration(migrations.Migration):
 
     dependencies = [
-        ("fairqueue", "0007_worker_registry"),
+        ("fairqueue", "0011_message_admin_indexes"),
     ]
 
     operations = [
