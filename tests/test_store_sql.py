@@ -39,11 +39,11 @@ STATEMENT_MODULES = [
 
 def _statement_name(node: ast.AST) -> ast.expr | None:
     """The name expression if ``node`` runs a named statement: ``_run(NAME, ...)``,
-    ``_run_claim(NAME, ...)`` or ``queries()[NAME]``."""
+    ``_run_claim(NAME, ...)``, ``_run_back_to_queue(NAME, ...)`` or ``queries()[NAME]``."""
     if (
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Name)
-        and node.func.id in ("_run", "_run_claim")
+        and node.func.id in ("_run", "_run_claim", "_run_back_to_queue")
     ):
         return node.args[0] if node.args else None
     if (

@@ -716,9 +716,11 @@ $$;
 -- concurrent inserter of the same key and then sees its row. Each look-up below is a
 -- statement of its own, so its snapshot sees the holder the insert conflicted with (committed
 -- after this statement began, perhaps). A holder that stops holding meanwhile (claimed, with
--- scope 'queued'; finished) sends the message round the loop to be inserted after all.
+-- scope 'queued'; finished, cancelled) makes the call start over, its keys given back.
 -- Lock order: only message rows (rank 4): a replace locks the queued holder it rewrites;
--- a keep locks nothing, so an enqueue in a long transaction never holds up a worker.
+-- a keep locks nothing, so an enqueue in a long transaction never holds up a worker. Keys
+-- are inserted, and held keys handled, in (channel, key) order, so concurrent batches cannot
+-- deadlock over them (separate calls in one transaction are the caller's order).
 -- Returns the ids in input order (a kept or replaced message's id is its holder's).
 CREATE OR REPLACE FUNCTION fairqueue_enqueue_unique_v1(
     p_channels text[],
@@ -756,6 +758,7 @@ DECLARE
     v_policy text;
     v_scope text;
     v_tries integer;
+    v_attempt integer;
     i integer;
 BEGIN
     IF cardinality(p_keys) <> v_n THEN
@@ -774,154 +777,154 @@ BEGIN
         ORDER BY t.ord);
     p_delay := coalesce(p_delay, array_fill(NULL::interval, ARRAY[v_n]));
 
-    WITH input AS (
-        SELECT t.ord, v_cids[t.ord] AS cid, t.task, t.payload, t.priority,
-               coalesce(t.run_at, p_now + t.delay, p_now) AS run_at, t.max_attempts,
-               t.keep_result, t.ukey,
-               CASE WHEN t.ukey IS NOT NULL THEN coalesce(t.scope, 'queued') END AS scope
-        FROM unnest(p_tasks, p_payloads, p_priorities, p_run_at, p_max_attempts,
-                    p_keep_result, p_delay, p_keys, p_scopes)
-             WITH ORDINALITY AS t(task, payload, priority, run_at, max_attempts, keep_result,
-                                  delay, ukey, scope, ord)
-    ), inserted AS (
-        INSERT INTO fairqueue_message AS m (
-            channel_id, task_name, payload, priority, state, run_at, enqueued_at, attempts,
-            max_attempts, keep_result, worker_id, unique_key, unique_scope
-        )
-        SELECT input.cid, input.task, input.payload, input.priority,
-               CASE WHEN input.run_at > p_now THEN 'scheduled' ELSE 'ready' END,
-               input.run_at, p_now, 0, input.max_attempts, input.keep_result, '', input.ukey,
-               input.scope
-        FROM input
-        ORDER BY input.ord
-        ON CONFLICT (channel_id, unique_key)
-            WHERE unique_key IS NOT NULL
-              AND (state IN ('ready', 'scheduled') OR (state = 'running' AND unique_scope = 'active'))
-            DO NOTHING
-        RETURNING m.id, m.channel_id, m.state, m.unique_key
-    ), delta AS (
-        INSERT INTO fairqueue_channel_delta (
-            channel_id, ready, scheduled, running, failed, succeeded, backlog_check
-        )
-        SELECT inserted.channel_id,
-               count(*) FILTER (WHERE inserted.state = 'ready'),
-               count(*) FILTER (WHERE inserted.state = 'scheduled'),
-               0, 0, 0,
-               coalesce(inserted.channel_id = ANY (p_bounded), false)
-        FROM inserted
-        GROUP BY inserted.channel_id
-    )
-    SELECT array_agg(inserted.id ORDER BY inserted.id) FILTER (WHERE inserted.unique_key IS NULL),
-           array_agg(inserted.id) FILTER (WHERE inserted.unique_key IS NOT NULL),
-           array_agg(inserted.channel_id) FILTER (WHERE inserted.unique_key IS NOT NULL),
-           array_agg(inserted.unique_key) FILTER (WHERE inserted.unique_key IS NOT NULL)
-    INTO v_plain, v_kid, v_kch, v_kkey
-    FROM inserted;
-
-    -- Ids by position: messages without a key in input order (the sequence follows it); a
-    -- keyed message by its channel and key, only at the first position with that pair (a
-    -- later one in the same batch meets the first as the holder, below).
-    -- (A hash join, not a look-up per position: that was a scan of the inserted keys for each
-    -- message, quadratic in the batch.)
-    v_out := ARRAY(
-        SELECT CASE
-                   WHEN y.ukey IS NULL THEN v_plain[y.rank_plain]
-                   WHEN y.rank_keyed = 1 THEN k.id
-               END
-        FROM (
-            SELECT t.ord, t.ukey, v_cids[t.ord] AS cid,
-                   row_number() OVER (PARTITION BY t.ukey IS NULL, v_cids[t.ord], t.ukey
-                                      ORDER BY t.ord) AS rank_keyed,
-                   row_number() OVER (PARTITION BY t.ukey IS NULL ORDER BY t.ord) AS rank_plain
-            FROM unnest(p_keys) WITH ORDINALITY AS t(ukey, ord)
-        ) y
-        LEFT JOIN unnest(v_kid, v_kch, v_kkey) AS k(id, ch, ukey)
-          ON k.ch = y.cid AND k.ukey = y.ukey
-        ORDER BY y.ord);
-
-    FOR i IN 1 .. v_n LOOP
-        CONTINUE WHEN v_out[i] IS NOT NULL;
-        v_policy := coalesce(p_policies[i], 'keep');
-        v_scope := coalesce(p_scopes[i], 'queued');
-        v_run_at := coalesce(p_run_at[i], p_now + p_delay[i], p_now);
-        v_new_state := CASE WHEN v_run_at > p_now THEN 'scheduled' ELSE 'ready' END;
-        v_tries := 0;
-        LOOP
-            v_tries := v_tries + 1;
-            IF v_tries > 100 THEN  -- the key kept changing hands: let the caller retry
-                RAISE EXCEPTION 'fairqueue: unique key % of channel % kept changing hands',
-                    quote_literal(p_keys[i]), quote_literal(p_channels[i])
-                    USING ERRCODE = '40001';
-            END IF;
-            SELECT m.id, m.state INTO v_id, v_state
-            FROM fairqueue_message m
-            WHERE m.channel_id = v_cids[i] AND m.unique_key = p_keys[i]
-              AND (m.state IN ('ready', 'scheduled')
-                   OR (m.state = 'running' AND m.unique_scope = 'active'));
-            IF FOUND THEN
-                IF v_policy = 'raise' THEN
-                    RAISE EXCEPTION 'fairqueue: channel % already has message % (%) with unique key %',
-                        quote_literal(p_channels[i]), v_id, v_state, quote_literal(p_keys[i])
-                        USING ERRCODE = 'FQ003',
-                              DETAIL = json_build_object(
-                                  'channel', p_channels[i], 'unique_key', p_keys[i],
-                                  'message_id', v_id, 'state', v_state)::text;
-                END IF;
-                IF v_policy = 'replace' AND v_state <> 'running' THEN
-                    -- Lock it, re-checked on its newest version: a claim may be taking it.
-                    SELECT m.state INTO v_state
-                    FROM fairqueue_message m
-                    WHERE m.id = v_id AND m.unique_key = p_keys[i]
-                      AND m.state IN ('ready', 'scheduled')
-                    FOR UPDATE;
-                    CONTINUE WHEN NOT FOUND;  -- it started or went meanwhile: look again
-                    UPDATE fairqueue_message m
-                    SET task_name = p_tasks[i], payload = p_payloads[i],
-                        priority = p_priorities[i], run_at = v_run_at, state = v_new_state,
-                        max_attempts = p_max_attempts[i], keep_result = p_keep_result[i],
-                        unique_scope = v_scope, attempts = 0
-                    WHERE m.id = v_id;
-                    IF v_state <> v_new_state THEN
-                        INSERT INTO fairqueue_channel_delta (
-                            channel_id, ready, scheduled, running, failed, succeeded,
-                            backlog_check
-                        )
-                        VALUES (v_cids[i],
-                                CASE WHEN v_new_state = 'ready' THEN 1 ELSE -1 END,
-                                CASE WHEN v_new_state = 'ready' THEN -1 ELSE 1 END,
-                                0, 0, 0, false);
-                    END IF;
-                END IF;
-                v_out[i] := v_id;
-                EXIT;
-            END IF;
-            -- Nobody holds the key now (its holder started or finished): insert after all.
-            v_id := NULL;
-            INSERT INTO fairqueue_message AS m (
-                channel_id, task_name, payload, priority, state, run_at, enqueued_at,
-                attempts, max_attempts, keep_result, worker_id, unique_key, unique_scope
-            )
-            VALUES (v_cids[i], p_tasks[i], p_payloads[i], p_priorities[i], v_new_state,
-                    v_run_at, p_now, 0, p_max_attempts[i], p_keep_result[i], '', p_keys[i],
-                    v_scope)
-            ON CONFLICT (channel_id, unique_key)
-                WHERE unique_key IS NOT NULL
-                  AND (state IN ('ready', 'scheduled') OR (state = 'running' AND unique_scope = 'active'))
-                DO NOTHING
-            RETURNING m.id INTO v_id;
-            IF v_id IS NOT NULL THEN
+    -- Every attempt in a block of its own (a subtransaction): see the restart below.
+    FOR v_attempt IN 1 .. 20 LOOP
+        BEGIN
+            WITH input AS (
+                SELECT t.ord, v_cids[t.ord] AS cid, t.task, t.payload, t.priority,
+                       coalesce(t.run_at, p_now + t.delay, p_now) AS run_at, t.max_attempts,
+                       t.keep_result, t.ukey,
+                       CASE WHEN t.ukey IS NOT NULL THEN coalesce(t.scope, 'queued') END AS scope
+                FROM unnest(p_tasks, p_payloads, p_priorities, p_run_at, p_max_attempts,
+                            p_keep_result, p_delay, p_keys, p_scopes)
+                     WITH ORDINALITY AS t(task, payload, priority, run_at, max_attempts, keep_result,
+                                          delay, ukey, scope, ord)
+            ), inserted AS (
+                INSERT INTO fairqueue_message AS m (
+                    channel_id, task_name, payload, priority, state, run_at, enqueued_at, attempts,
+                    max_attempts, keep_result, worker_id, unique_key, unique_scope
+                )
+                SELECT input.cid, input.task, input.payload, input.priority,
+                       CASE WHEN input.run_at > p_now THEN 'scheduled' ELSE 'ready' END,
+                       input.run_at, p_now, 0, input.max_attempts, input.keep_result, '', input.ukey,
+                       input.scope
+                FROM input
+                -- Keyed rows in (channel, key) order: two batches inserting the same keys in opposite
+                -- orders would each wait for the other's first key (ON CONFLICT waits for an insert
+                -- in progress), a deadlock. The rows without a key come first, in input order, so
+                -- their ids still follow it.
+                ORDER BY input.ukey IS NOT NULL, input.cid, input.ukey, input.ord
+                ON CONFLICT (channel_id, unique_key)
+                    WHERE unique_key IS NOT NULL
+                      AND (state IN ('ready', 'scheduled') OR (state = 'running' AND unique_scope = 'active'))
+                    DO NOTHING
+                RETURNING m.id, m.channel_id, m.state, m.unique_key
+            ), delta AS (
                 INSERT INTO fairqueue_channel_delta (
                     channel_id, ready, scheduled, running, failed, succeeded, backlog_check
                 )
-                VALUES (v_cids[i], (v_new_state = 'ready')::integer,
-                        (v_new_state = 'scheduled')::integer, 0, 0, 0,
-                        coalesce(v_cids[i] = ANY (p_bounded), false));
-                v_out[i] := v_id;
-                EXIT;
-            END IF;
-        END LOOP;
+                SELECT inserted.channel_id,
+                       count(*) FILTER (WHERE inserted.state = 'ready'),
+                       count(*) FILTER (WHERE inserted.state = 'scheduled'),
+                       0, 0, 0,
+                       coalesce(inserted.channel_id = ANY (p_bounded), false)
+                FROM inserted
+                GROUP BY inserted.channel_id
+            )
+            SELECT array_agg(inserted.id ORDER BY inserted.id) FILTER (WHERE inserted.unique_key IS NULL),
+                   array_agg(inserted.id) FILTER (WHERE inserted.unique_key IS NOT NULL),
+                   array_agg(inserted.channel_id) FILTER (WHERE inserted.unique_key IS NOT NULL),
+                   array_agg(inserted.unique_key) FILTER (WHERE inserted.unique_key IS NOT NULL)
+            INTO v_plain, v_kid, v_kch, v_kkey
+            FROM inserted;
+
+            -- Ids by position: messages without a key in input order (the sequence follows it); a
+            -- keyed message by its channel and key, only at the first position with that pair (a
+            -- later one in the same batch meets the first as the holder, below).
+            -- (A hash join, not a look-up per position: that was a scan of the inserted keys for each
+            -- message, quadratic in the batch.)
+            v_out := ARRAY(
+                SELECT CASE
+                           WHEN y.ukey IS NULL THEN v_plain[y.rank_plain]
+                           WHEN y.rank_keyed = 1 THEN k.id
+                       END
+                FROM (
+                    SELECT t.ord, t.ukey, v_cids[t.ord] AS cid,
+                           row_number() OVER (PARTITION BY t.ukey IS NULL, v_cids[t.ord], t.ukey
+                                              ORDER BY t.ord) AS rank_keyed,
+                           row_number() OVER (PARTITION BY t.ukey IS NULL ORDER BY t.ord) AS rank_plain
+                    FROM unnest(p_keys) WITH ORDINALITY AS t(ukey, ord)
+                ) y
+                LEFT JOIN unnest(v_kid, v_kch, v_kkey) AS k(id, ch, ukey)
+                  ON k.ch = y.cid AND k.ukey = y.ukey
+                ORDER BY y.ord);
+
+            -- Held keys, in (channel, key) order too: a replace locks the holder it rewrites.
+            FOREACH i IN ARRAY ARRAY(
+                SELECT t.ord FROM unnest(p_keys) WITH ORDINALITY AS t(ukey, ord)
+                WHERE v_out[t.ord] IS NULL
+                ORDER BY v_cids[t.ord], t.ukey, t.ord
+            ) LOOP
+                CONTINUE WHEN v_out[i] IS NOT NULL;
+                v_policy := coalesce(p_policies[i], 'keep');
+                v_scope := coalesce(p_scopes[i], 'queued');
+                v_run_at := coalesce(p_run_at[i], p_now + p_delay[i], p_now);
+                v_new_state := CASE WHEN v_run_at > p_now THEN 'scheduled' ELSE 'ready' END;
+                v_tries := 0;
+                LOOP
+                    v_tries := v_tries + 1;
+                    IF v_tries > 100 THEN  -- the key kept changing hands: let the caller retry
+                        RAISE EXCEPTION 'fairqueue: unique key % of channel % kept changing hands',
+                            quote_literal(p_keys[i]), quote_literal(p_channels[i])
+                            USING ERRCODE = '40001';
+                    END IF;
+                    SELECT m.id, m.state INTO v_id, v_state
+                    FROM fairqueue_message m
+                    WHERE m.channel_id = v_cids[i] AND m.unique_key = p_keys[i]
+                      AND (m.state IN ('ready', 'scheduled')
+                           OR (m.state = 'running' AND m.unique_scope = 'active'));
+                    IF FOUND THEN
+                        IF v_policy = 'raise' THEN
+                            RAISE EXCEPTION 'fairqueue: channel % already has message % (%) with unique key %',
+                                quote_literal(p_channels[i]), v_id, v_state, quote_literal(p_keys[i])
+                                USING ERRCODE = 'FQ003',
+                                      DETAIL = json_build_object(
+                                          'channel', p_channels[i], 'unique_key', p_keys[i],
+                                          'message_id', v_id, 'state', v_state)::text;
+                        END IF;
+                        IF v_policy = 'replace' AND v_state <> 'running' THEN
+                            -- Lock it, re-checked on its newest version: a claim may be taking it.
+                            SELECT m.state INTO v_state
+                            FROM fairqueue_message m
+                            WHERE m.id = v_id AND m.unique_key = p_keys[i]
+                              AND m.state IN ('ready', 'scheduled')
+                            FOR UPDATE;
+                            CONTINUE WHEN NOT FOUND;  -- it started or went meanwhile: look again
+                            UPDATE fairqueue_message m
+                            SET task_name = p_tasks[i], payload = p_payloads[i],
+                                priority = p_priorities[i], run_at = v_run_at, state = v_new_state,
+                                max_attempts = p_max_attempts[i], keep_result = p_keep_result[i],
+                                unique_scope = v_scope, attempts = 0
+                            WHERE m.id = v_id;
+                            IF v_state <> v_new_state THEN
+                                INSERT INTO fairqueue_channel_delta (
+                                    channel_id, ready, scheduled, running, failed, succeeded,
+                                    backlog_check
+                                )
+                                VALUES (v_cids[i],
+                                        CASE WHEN v_new_state = 'ready' THEN 1 ELSE -1 END,
+                                        CASE WHEN v_new_state = 'ready' THEN -1 ELSE 1 END,
+                                        0, 0, 0, false);
+                            END IF;
+                        END IF;
+                        v_out[i] := v_id;
+                        EXIT;
+                    END IF;
+                    -- Nobody holds the key now (its holder started or finished). Inserting it here
+                    -- could wait for a concurrent batch's insert of this key while this one holds
+                    -- later keys that batch waits for: start over instead, from the first pass (the
+                    -- block's rollback gives back every key this call took).
+                    RAISE EXCEPTION USING ERRCODE = 'FQ004';
+                END LOOP;
+            END LOOP;
+            RETURN QUERY SELECT x FROM unnest(v_out) AS x;
+            RETURN;
+        EXCEPTION WHEN SQLSTATE 'FQ004' THEN
+            NULL;  -- a key freed meanwhile: everything of this attempt is rolled back
+        END;
     END LOOP;
-    RETURN QUERY SELECT x FROM unnest(v_out) AS x;
+    RAISE EXCEPTION 'fairqueue: unique keys of channel % kept changing hands',
+        quote_literal(p_channels[1]) USING ERRCODE = '40001';
 END;
 $$;
 
