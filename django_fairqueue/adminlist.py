@@ -200,6 +200,19 @@ class KeysetChangeList(ChangeList):
         condition = RawSQL(f"({names}) {operator} ({marks})", key, output_field=BooleanField())
         return queryset.filter(condition)
 
+    def _fetch(self, queryset: QuerySet[Any], limit: int) -> list[Any]:
+        """The first ``limit`` rows of ``queryset``, in its order: their keys first, then the rows.
+
+        The keys alone can come from an index-only scan of the index that serves the filter
+        (``(state, id)``, ``(channel_id, id)``). Asked for whole rows, the planner prefers a
+        backward scan of the primary key that skips non-matching rows, counting on the matches
+        being spread evenly; but ids follow enqueue order, so the messages of an old state lie
+        far back, behind every newer one.
+        """
+        ids = list(queryset.values_list("pk", flat=True)[:limit])
+        found = self.queryset.order_by().in_bulk(ids)
+        return [found[pk] for pk in ids if pk in found]
+
     def get_results(self, request: HttpRequest) -> None:
         _, key, _ = self._sort()
         self.cursor = Cursor.parse(request.GET.get(CURSOR_VAR), len(key))
@@ -207,16 +220,16 @@ class KeysetChangeList(ChangeList):
         qs = self.queryset
         cursor = self.cursor
         if cursor is None:
-            rows = list(qs[: per_page + 1])
+            rows = self._fetch(qs, per_page + 1)
             self.has_next, self.has_previous = len(rows) > per_page, False
             rows = rows[:per_page]
         elif cursor.direction == "after":
-            rows = list(self._seek(qs, cursor.key, forward=True)[: per_page + 1])
+            rows = self._fetch(self._seek(qs, cursor.key, forward=True), per_page + 1)
             self.has_next, self.has_previous = len(rows) > per_page, True
             rows = rows[:per_page]
         else:  # before a key, or the last page: read backwards, show in the list's order
             back = qs if cursor.direction == "last" else self._seek(qs, cursor.key, forward=False)
-            rows = list(back.reverse()[: per_page + 1])
+            rows = self._fetch(back.reverse(), per_page + 1)
             self.has_previous, self.has_next = len(rows) > per_page, cursor.direction != "last"
             rows = rows[:per_page][::-1]
         if cursor is None and not self.has_next:  # the whole list is on this page
