@@ -3,6 +3,7 @@
 The public API is small::
 
     from django_fairqueue import task, enqueue, enqueue_many, EnqueueRequest
+    from django_fairqueue import cancel, abort, abort_requested
 
 Everything else is internal and may change.
 """
@@ -15,33 +16,42 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ChannelFull",
+    "DuplicateJob",
     "EnqueueRequest",
     "FairQueueError",
     "InvalidChannel",
     "PayloadError",
+    "TaskAborted",
     "UnknownTask",
+    "abort",
+    "abort_requested",
+    "cancel",
     "enqueue",
     "enqueue_many",
+    "raise_if_abort_requested",
     "task",
 ]
 
+from django_fairqueue.context import abort_requested, raise_if_abort_requested
 from django_fairqueue.exceptions import (
     ChannelFull,
+    DuplicateJob,
     FairQueueError,
     InvalidChannel,
     PayloadError,
+    TaskAborted,
     UnknownTask,
 )
 
 if TYPE_CHECKING:
-    from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many
+    from django_fairqueue.api import EnqueueRequest, abort, cancel, enqueue, enqueue_many
     from django_fairqueue.tasks import task
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: importing the package (e.g. from settings.py or INSTALLED_APPS) must not import
     # models before the app registry is ready.
-    if name in ("enqueue", "enqueue_many", "EnqueueRequest"):
+    if name in ("enqueue", "enqueue_many", "EnqueueRequest", "cancel", "abort"):
         from django_fairqueue import api
 
         return getattr(api, name)

@@ -7,6 +7,7 @@ messages exactly when the transaction commits. No ``on_commit`` is needed (or wa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,7 +22,7 @@ from django.utils import timezone
 
 from django_fairqueue import conf, store, tracing
 from django_fairqueue.exceptions import InvalidChannel, PayloadError
-from django_fairqueue.limits import CHANNEL_NAME_MAX_LENGTH
+from django_fairqueue.limits import CHANNEL_NAME_MAX_LENGTH, UNIQUE_KEY_MAX_LENGTH
 from django_fairqueue.models import Message
 from django_fairqueue.signals import message_enqueued
 from django_fairqueue.taskspec import TaskSpec, registry
@@ -46,6 +47,16 @@ class EnqueueRequest:
     channel: str | Model | None = None
     run_after: datetime | timedelta | None = None
     priority: int | None = None
+    #: unique jobs (see :func:`enqueue`)
+    unique_key: str | None = None
+    unique_scope: str | None = None
+    on_conflict: str | None = None
+
+
+#: ``unique_scope`` values: how long a message keeps its ``unique_key`` from others.
+UNIQUE_SCOPES = ("queued", "active")
+#: ``on_conflict`` values: what an enqueue does when another message holds its key.
+CONFLICT_POLICIES = ("keep", "replace", "raise")
 
 
 def enqueue(
@@ -54,6 +65,9 @@ def enqueue(
     channel: str | Model | None = None,
     run_after: datetime | timedelta | None = None,
     priority: int | None = None,
+    unique_key: str | None = None,
+    unique_scope: str | None = None,
+    on_conflict: str | None = None,
     **kwargs: Any,
 ) -> int:
     """Queue one call of a registered task; returns the message id.
@@ -64,6 +78,13 @@ def enqueue(
     the message; ``priority`` (-100..100, higher first) orders it within its channel.
     Raises :class:`~django_fairqueue.exceptions.ChannelFull` when the channel's backlog is at its
     ``max_backlog``.
+
+    ``unique_key`` makes it a unique job: at most one message of the channel holds a key,
+    while it is queued (``unique_scope="queued"``, the default) or also while it runs
+    (``"active"``). When another message holds it, ``on_conflict`` decides: ``"keep"`` (the
+    default) returns that message's id and stores nothing, ``"replace"`` gives a queued holder
+    this call's arguments, run time and priority in place (a running one is kept) and returns
+    its id, ``"raise"`` raises :class:`~django_fairqueue.exceptions.DuplicateJob`.
     """
     if isinstance(getattr(getattr(task, "task", None), "spec", None), TaskSpec):
         # a BoundTask (task.using(...)): its queue options, then its task
@@ -74,11 +95,21 @@ def enqueue(
             run_after = bound.run_after
         if priority is None:
             priority = bound.priority
+        if unique_key is None:
+            unique_key = bound.unique_key
+        if unique_scope is None:
+            unique_scope = bound.unique_scope
+        if on_conflict is None:
+            on_conflict = bound.on_conflict
         spec = bound.task.spec
     else:
         spec = resolve_task(cast(TaskRef, task))
     cfg = conf.get()
     message = _prepare_one(spec, list(args), kwargs, channel, run_after, priority, cfg)
+    if unique_key is not None or unique_scope is not None or on_conflict is not None:
+        message = dataclasses.replace(
+            message, **_unique_options(unique_key, unique_scope, on_conflict)
+        )
     message_id = store.enqueue_message(
         message,
         defaults=cfg.CHANNEL_DEFAULTS,
@@ -104,6 +135,85 @@ def enqueue_many(requests: Iterable[EnqueueRequest]) -> list[int]:
     if ids and message_enqueued.has_listeners(Message):
         message_enqueued.send(sender=Message, message_ids=ids, channels=list(batch.channels))
     return ids
+
+
+def cancel(
+    ids: Iterable[int] | None = None,
+    *,
+    channel: str | Model | None = None,
+    task: TaskRef | None = None,
+) -> list[int]:
+    """Cancel waiting (ready or scheduled) messages; returns the ids cancelled.
+
+    Give message ``ids``, or a ``channel`` and/or a ``task`` (every waiting message of it).
+    Running messages are left alone (see :func:`abort`), and so is a message a worker is
+    claiming at that very moment: it runs. A cancelled message keeps its row, in state
+    ``cancelled``, until the pruner removes it (``FAIRQUEUE['RESULT_RETENTION']``); its unique
+    key, if it had one, is free at once. Part of the caller's transaction.
+    """
+    if ids is not None:
+        if channel is not None or task is not None:
+            raise ValueError("cancel() takes ids, or channel and/or task, not both")
+        return store.cancel_messages(_ids(ids))
+    channel_id, task_name = _selection(channel, task, "cancel")
+    if channel_id == -1:
+        return []
+    return store.cancel_matching_messages(channel_id=channel_id, task=task_name)
+
+
+def abort(
+    ids: Iterable[int] | None = None,
+    *,
+    channel: str | Model | None = None,
+    task: TaskRef | None = None,
+) -> dict[int, str]:
+    """Stop messages wherever they are; returns ``{id: "cancelled" or "abort_requested"}``.
+
+    Waiting messages are cancelled; running ones get an abort request, which their worker
+    sees at its next heartbeat: the task's :func:`~django_fairqueue.abort_requested` turns
+    True, and the attempt ends ``aborted`` when the task returns, or at
+    ``FAIRQUEUE['ABORT_GRACE']`` if it does not. An aborted message is not retried. Give
+    message ``ids``, or a ``channel`` and/or a ``task`` (its *running* messages; cancel the
+    waiting ones with :func:`cancel`). Part of the caller's transaction.
+    """
+    if ids is not None:
+        if channel is not None or task is not None:
+            raise ValueError("abort() takes ids, or channel and/or task, not both")
+        return store.abort_messages(_ids(ids))
+    channel_id, task_name = _selection(channel, task, "abort")
+    if channel_id == -1:
+        return {}
+    return store.abort_messages(
+        store.select_running_message_ids(channel_id=channel_id, task=task_name)
+    )
+
+
+def _ids(ids: Iterable[int]) -> list[int]:
+    if isinstance(ids, int | str):
+        raise TypeError("ids must be a list of message ids")
+    checked = []
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"message ids must be integers, got {i!r}")
+        checked.append(i)
+    return checked
+
+
+def _selection(
+    channel: str | Model | None, task: TaskRef | None, verb: str
+) -> tuple[int | None, str | None]:
+    """(channel id, task name) of a selection by channel and/or task; channel id -1 when the
+    channel does not exist (nothing to select)."""
+    if channel is None and task is None:
+        raise ValueError(f"{verb}() needs ids, a channel or a task")
+    channel_id: int | None = None
+    if channel is not None:
+        name = validate_channel_name(channel)
+        channel_id = store.select_channel_ids([name]).get(name, -1)
+    task_name: str | None = None
+    if task is not None:
+        task_name = task if isinstance(task, str) else resolve_task(task).name
+    return channel_id, task_name
 
 
 def resolve_task(task: TaskRef) -> TaskSpec:
@@ -190,6 +300,23 @@ def _prepare_batch(
             run_at = _run_at(run_after)
         if delays is not None:
             delays.append(delay)
+        if (
+            request.unique_key is not None
+            or request.unique_scope is not None
+            or request.on_conflict is not None
+        ):
+            unique = _unique_options(request.unique_key, request.unique_scope, request.on_conflict)
+            if batch.unique_keys is None:
+                batch.unique_keys = [None] * len(channels)
+                batch.unique_scopes = ["queued"] * len(channels)
+                batch.on_conflict = ["keep"] * len(channels)
+            batch.unique_keys.append(unique["unique_key"])
+            batch.unique_scopes.append(unique["unique_scope"])  # type: ignore[union-attr]
+            batch.on_conflict.append(unique["on_conflict"])  # type: ignore[union-attr]
+        elif batch.unique_keys is not None:
+            batch.unique_keys.append(None)
+            batch.unique_scopes.append("queued")  # type: ignore[union-attr]
+            batch.on_conflict.append("keep")  # type: ignore[union-attr]
         channels.append(channel)
         tasks.append(spec.name)
         payloads.append(payload)
@@ -243,6 +370,32 @@ def _prepare_one(
         spec.effective_keep_result,
         delay,
     )
+
+
+def _unique_options(unique_key: Any, unique_scope: Any, on_conflict: Any) -> dict[str, Any]:
+    """The unique-job options of one call, checked (as NewMessage's fields)."""
+    if unique_key is None:
+        raise ValueError("unique_scope and on_conflict need a unique_key")
+    if not isinstance(unique_key, str):
+        raise ValueError(f"unique_key must be a string, got {type(unique_key).__name__}")
+    if not unique_key or len(unique_key) > UNIQUE_KEY_MAX_LENGTH:
+        raise ValueError(
+            f"unique_key must be 1 to {UNIQUE_KEY_MAX_LENGTH} characters, got {len(unique_key)}"
+        )
+    if "\x00" in unique_key:
+        raise ValueError("unique_key must not contain NUL characters")
+    if not unique_key.isascii():
+        try:
+            unique_key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"unique_key is not valid Unicode: {unique_key!r}") from None
+    scope = "queued" if unique_scope is None else unique_scope
+    if scope not in UNIQUE_SCOPES:
+        raise ValueError(f"unique_scope must be one of {UNIQUE_SCOPES}, got {unique_scope!r}")
+    policy = "keep" if on_conflict is None else on_conflict
+    if policy not in CONFLICT_POLICIES:
+        raise ValueError(f"on_conflict must be one of {CONFLICT_POLICIES}, got {on_conflict!r}")
+    return {"unique_key": unique_key, "unique_scope": scope, "on_conflict": policy}
 
 
 def validate_channel_name(name: Any) -> str:

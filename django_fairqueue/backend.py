@@ -59,8 +59,8 @@ from django_fairqueue._tasks_compat import (
     task_finished,
     task_started,
 )
-from django_fairqueue.context import current_message, timed_out
-from django_fairqueue.exceptions import InvalidChannel, UnknownTask
+from django_fairqueue.context import abort_requested, current_message, timed_out
+from django_fairqueue.exceptions import InvalidChannel, TaskAborted, UnknownTask
 from django_fairqueue.taskspec import TaskSpec, check_result, registry, result_not_storable
 
 if TYPE_CHECKING:
@@ -86,7 +86,8 @@ R = TypeVar("R")
 OPTION_NAMES = ("CHANNEL_FROM", "DEFAULT_CHANNEL", "DELIVERY", "MAX_ATTEMPTS", "TASK_TIMEOUT")
 
 # Message state -> Django status. Django has no "scheduled" (a deferred task is READY) and no
-# "cancelled" (a task that will never run is FAILED: "unable to start").
+# "cancelled" or "aborted": a task that will never run, or was stopped, is FAILED, and its
+# errors say which (TaskCancelled, TaskAborted).
 _STATUS = {
     "scheduled": TaskResultStatus.READY,
     "ready": TaskResultStatus.READY,
@@ -94,6 +95,11 @@ _STATUS = {
     "succeeded": TaskResultStatus.SUCCESSFUL,
     "failed": TaskResultStatus.FAILED,
     "cancelled": TaskResultStatus.FAILED,
+    "aborted": TaskResultStatus.FAILED,
+}
+_STOPPED_ERRORS = {
+    "cancelled": "django_fairqueue.exceptions.TaskCancelled",
+    "aborted": "django_fairqueue.exceptions.TaskAborted",
 }
 
 
@@ -114,15 +120,38 @@ class FairQueueTask(_TaskBase):
 
     channel: str | None = None
     timeout: float | None = None
+    #: unique jobs (``django_fairqueue.enqueue``'s options of the same names)
+    unique_key: str | None = None
+    unique_scope: str | None = None
+    on_conflict: str | None = None
 
-    def using(self, *, channel: str | None = None, **changes: Any) -> FairQueueTask:
+    def using(
+        self,
+        *,
+        channel: str | None = None,
+        unique_key: str | None = None,
+        unique_scope: str | None = None,
+        on_conflict: str | None = None,
+        **changes: Any,
+    ) -> FairQueueTask:
         """A copy with other defaults: Django's ``priority``, ``queue_name``, ``run_after``,
-        ``backend``, and fairqueue's ``channel``."""
+        ``backend``, and fairqueue's ``channel``, ``unique_key``, ``unique_scope`` and
+        ``on_conflict``."""
         # Django's own using() for its options, so options a later Django adds keep working.
         # Task.using() copies with dataclasses.replace(), which keeps the class.
         task = cast(FairQueueTask, Task.using(self, **changes)) if changes else self
-        if channel is not None:
-            task = dataclasses.replace(task, channel=channel)
+        ours: dict[str, Any] = {
+            name: value
+            for name, value in (
+                ("channel", channel),
+                ("unique_key", unique_key),
+                ("unique_scope", unique_scope),
+                ("on_conflict", on_conflict),
+            )
+            if value is not None
+        }
+        if ours:
+            task = dataclasses.replace(task, **ours)
         return task
 
 
@@ -168,6 +197,8 @@ class _TaskRunner:
             else:
                 value = task.call(*args, **kwargs)
             value = _normalized(task, value)
+            if abort_requested():  # the attempt ends aborted, whatever the task returned
+                raise TaskAborted(f"task {task.module_path}: abort requested")
         except (Exception, SystemExit) as exc:  # what the worker counts as a failed attempt
             failed = _replace_result(
                 running,
@@ -332,6 +363,9 @@ class FairQueueBackend(BaseTaskBackend):
             channel=self.channel_for(task, args, kwargs),
             run_after=task.run_after,
             priority=task.priority,
+            unique_key=getattr(task, "unique_key", None),
+            unique_scope=getattr(task, "unique_scope", None),
+            on_conflict=getattr(task, "on_conflict", None),
         )
         (message_id,) = api.enqueue_many([request])
         result = _make_result(
@@ -404,7 +438,9 @@ class FairQueueBackend(BaseTaskBackend):
         """Map a message row to Django's ``TaskResult``: the one place that does it.
 
         * status: scheduled/ready -> READY, running -> RUNNING, succeeded -> SUCCESSFUL (with
-          the return value), failed/cancelled -> FAILED;
+          the return value), failed/cancelled/aborted -> FAILED;
+        * a cancelled or aborted message's ``errors`` name ``TaskCancelled`` or ``TaskAborted``
+          (an aborted attempt's recorded error, or one without a traceback);
         * ``errors``: the last recorded error, if any (its type, and its traceback); earlier
           attempts' errors are not kept;
         * ``started_at`` and ``last_attempted_at``: when the latest attempt was claimed;
@@ -424,6 +460,9 @@ class FairQueueBackend(BaseTaskBackend):
                 )
             )
         state = str(row.state)
+        stopped = _STOPPED_ERRORS.get(state)
+        if stopped is not None and not any(e.exception_class_path == stopped for e in errors):
+            errors.append(TaskError(exception_class_path=stopped, traceback=""))
         run_after = row.run_at if row.run_at > row.enqueued_at else None
         return _make_result(
             _bound_task(

@@ -314,6 +314,29 @@ def heartbeat(
     return expires is not None
 
 
+class _Settled:
+    """Leases this process settled (completed, failed, released), so that a heartbeat racing
+    the settlement stops quietly instead of reporting the lease lost. Bounded: the newest
+    1,024."""
+
+    def __init__(self) -> None:
+        self._leases: dict[tuple[int, Any], None] = {}
+        self._lock = threading.Lock()
+
+    def add(self, batch: ClaimedBatch) -> None:
+        with self._lock:
+            self._leases[(batch.id, batch.lease_token)] = None
+            while len(self._leases) > 1024:
+                self._leases.pop(next(iter(self._leases)))
+
+    def __contains__(self, batch: ClaimedBatch) -> bool:
+        with self._lock:
+            return (batch.id, batch.lease_token) in self._leases
+
+
+_settled = _Settled()
+
+
 class Heartbeat:
     """Renew a batch's lease from a background thread while the block runs.
 
@@ -363,6 +386,8 @@ class Heartbeat:
                     continue
                 self.beats += 1
                 if not alive:
+                    if self.batch in _settled:  # this process settled it meanwhile
+                        return
                     logger.warning("batch %s: lease lost", self.batch.id)
                     self.lost.set()
                     return
@@ -404,6 +429,7 @@ def fenced(batch: ClaimedBatch, *, using: str | None = None) -> Iterator[Fence]:
         ):  # cannot happen while the row lock is held; a guard, not a path
             raise LeaseLost(f"work batch {batch.id} lost its lease while locked")
         fence.finished_at = timezone.now()
+    _settled.add(batch)
 
 
 def _error_dict(error: BaseException | str, batch: ClaimedBatch, worker_id: str) -> dict[str, Any]:
@@ -434,7 +460,7 @@ def fail(
     delay = retry_delay_seconds if retry_delay_seconds is not None else retry_delay(batch.attempts)
     if not math.isfinite(delay) or delay < 0:
         raise ValueError(f"retry delay must be a finite number >= 0, got {delay!r}")
-    return store.fail_work_batch(
+    state = store.fail_work_batch(
         batch.id,
         batch.lease_token,
         error=_error_dict(error, batch, worker_id),
@@ -442,11 +468,17 @@ def fail(
         final=final,
         using=using,
     )
+    if state is not None:
+        _settled.add(batch)
+    return state
 
 
 def release(batch: ClaimedBatch, *, using: str | None = None) -> bool:
     """Give the batch back untouched (graceful shutdown): pending again, attempt not counted."""
-    return store.release_work_batch(batch.id, batch.lease_token, using=using)
+    released = store.release_work_batch(batch.id, batch.lease_token, using=using)
+    if released:
+        _settled.add(batch)
+    return released
 
 
 # ---------------------------------------------------------------------------------------------

@@ -69,6 +69,9 @@ class FairQueueSettings:
     # Seconds an attempt may run before the worker fails it (TaskTimeout) and stops waiting
     # for its thread; None: no limit. A task's own ``timeout`` overrides it.
     TASK_TIMEOUT: float | None = None
+    # Seconds a running task has, after its worker saw an abort request, to stop by itself;
+    # then the worker settles it as aborted and abandons its thread, as at a time limit.
+    ABORT_GRACE: float = 30.0
     # Prepare queue statements (named, per connection). Turn off behind a transaction-pooling
     # proxy that does not support prepared statements (PgBouncer < 1.21).
     PREPARED_STATEMENTS: bool = True

@@ -29,3 +29,32 @@ def timed_out() -> bool:
     task without one). A long task may check it to stop early: its outcome is discarded."""
     passed = time_limit_passed.get()
     return passed is not None and passed()
+
+
+#: Set by the worker around each call it runs in a handler thread: tells whether an abort of
+#: the running message was requested (the worker's heartbeat reads the request).
+abort_flag: ContextVar[Callable[[], bool] | None] = ContextVar("fairqueue_abort_flag", default=None)
+
+
+def abort_requested() -> bool:
+    """Whether an abort of the running message was requested (``django_fairqueue.abort()``,
+    the admin, ``fairqueue cancel --abort-running``). False outside a worker.
+
+    A long task checks it now and then and stops when it is True: return, or raise
+    :class:`~django_fairqueue.exceptions.TaskAborted` (:func:`raise_if_abort_requested`). The
+    attempt then ends ``aborted`` whatever it returns, and is not retried. A task that does not
+    stop within ``FAIRQUEUE['ABORT_GRACE']`` seconds is settled as aborted at that point and
+    its thread abandoned, as at a time limit. The worker learns of a request at its next
+    heartbeat (every ``LEASE_SECONDS / 3``).
+    """
+    flag = abort_flag.get()
+    return flag is not None and flag()
+
+
+def raise_if_abort_requested() -> None:
+    """Raise :class:`~django_fairqueue.exceptions.TaskAborted` if :func:`abort_requested`."""
+    if abort_requested():
+        from django_fairqueue.exceptions import TaskAborted
+
+        message = current_message.get()
+        raise TaskAborted(f"abort of message {message.id if message else '?'} requested")

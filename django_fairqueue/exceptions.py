@@ -88,3 +88,38 @@ class TaskTimeout(FairQueueError):
 
 class LeaseLost(FairQueueError):
     """The worker no longer holds the lease of a message (or work batch) it was running."""
+
+
+class DuplicateJob(FairQueueError):
+    """Enqueue with ``unique_key=...`` and ``on_conflict="raise"`` met a message of the same
+    channel that holds the key. Nothing of the batch was stored."""
+
+    def __init__(self, channel: str, unique_key: str, message_id: int, state: str) -> None:
+        self.channel = channel
+        self.unique_key = unique_key
+        #: the message holding the key, and its state then
+        self.message_id = message_id
+        self.state = state
+        super().__init__(
+            f"channel {channel!r} already has message {message_id} ({state}) with unique key "
+            f"{unique_key!r}"
+        )
+
+    @classmethod
+    def from_error(cls, exc: BaseException) -> DuplicateJob | None:
+        """The DuplicateJob a database error stands for (SQLSTATE FQ003), or None."""
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        if getattr(cause, "sqlstate", None) != "FQ003":
+            return None
+        detail = json.loads(cause.diag.message_detail or "{}")  # type: ignore[attr-defined]
+        return cls(detail["channel"], detail["unique_key"], detail["message_id"], detail["state"])
+
+
+class TaskCancelled(FairQueueError):
+    """What a cancelled message's result reports: it was taken off the queue before it ran
+    (by ``cancel()``, ``abort()`` or an operator, or superseded by a newer unique job)."""
+
+
+class TaskAborted(FairQueueError):
+    """Raised by :func:`django_fairqueue.raise_if_abort_requested` inside a task whose abort
+    was requested, and what an aborted message's result reports."""

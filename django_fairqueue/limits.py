@@ -15,3 +15,5 @@ MAX_WEIGHT = 1000
 MAX_CONCURRENCY_LIMIT = 1_000_000
 MAX_RELEASE_INTERVAL = timedelta(days=1)
 TASK_NAME_MAX_LENGTH = 200
+#: Longest unique key accepted (characters), as channel names.
+UNIQUE_KEY_MAX_LENGTH = 200

@@ -38,6 +38,7 @@ from django_fairqueue.limits import (
     MAX_RELEASE_INTERVAL,
     MAX_WEIGHT,
     TASK_NAME_MAX_LENGTH,
+    UNIQUE_KEY_MAX_LENGTH,
 )
 
 
@@ -47,7 +48,19 @@ class MessageState(models.TextChoices):
     RUNNING = "running", _("running")  # claimed, under a lease
     SUCCEEDED = "succeeded", _("succeeded")  # kept only when keep_result is set
     FAILED = "failed", _("failed")  # dead letter: out of attempts, or not runnable
-    CANCELLED = "cancelled", _("cancelled")
+    CANCELLED = "cancelled", _("cancelled")  # taken off the queue before it ran
+    ABORTED = "aborted", _("aborted")  # stopped while running, on request
+
+
+class UniqueScope(models.TextChoices):
+    """How long a message's ``unique_key`` keeps other messages with that key out."""
+
+    QUEUED = "queued", _("while queued")  # ready or scheduled (retries included)
+    ACTIVE = "active", _("while queued or running")
+
+
+#: States whose messages hold their unique key (``UniqueScope.ACTIVE`` ones while running too).
+UNIQUE_HELD_STATES = ("ready", "scheduled")
 
 
 class BatchState(models.TextChoices):
@@ -145,11 +158,11 @@ class Message(TrackedModel):
 
     objects = TrackedQuerySet.as_manager()
 
-    # No FK index: every lookup by channel goes through a partial index that starts with
-    # channel_id, and an extra full index would be written on every enqueue for nothing.
-    # No FK constraint either: its check runs per inserted row and takes a KEY SHARE lock on
-    # the channel row, which the claim holds FOR UPDATE: PostgreSQL then builds a MultiXact
-    # per row. Channels are only deleted through Django, which cascades in Python.
+    # No FK index from the field: the one index of all a channel's messages is
+    # fq_message_channel_idx below, (channel_id, id), for the admin. No FK constraint either:
+    # its check runs per inserted row and takes a KEY SHARE lock on the channel row, which the
+    # claim holds FOR UPDATE: PostgreSQL then builds a MultiXact per row. Channels are only
+    # deleted through Django, which cascades in Python.
     channel = models.ForeignKey(
         Channel,
         on_delete=models.CASCADE,
@@ -174,6 +187,17 @@ class Message(TrackedModel):
     finished_at = models.DateTimeField(null=True, blank=True)
     result = models.JSONField(null=True, blank=True)
     last_error = models.JSONField(null=True, blank=True)
+    # -- unique jobs: at most one message per (channel, unique_key) in the states of its scope
+    # (the partial unique index fq_message_unique_idx). NULL, not "", for "no key": the
+    # index holds only rows with a key, and an empty key is refused --
+    unique_key = models.CharField(  # noqa: DJ001
+        max_length=UNIQUE_KEY_MAX_LENGTH, null=True, blank=True
+    )
+    unique_scope = models.CharField(  # noqa: DJ001
+        max_length=8, choices=UniqueScope.choices, null=True, blank=True
+    )
+    # -- abort: set by abort() on a running message; the worker's heartbeat reads it --
+    abort_requested_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "fairqueue_message"
@@ -216,11 +240,27 @@ class Message(TrackedModel):
                 name="fq_message_sched_chan_idx",
                 condition=Q(state=MessageState.SCHEDULED),
             ),
+            # Every message of a channel, newest or oldest first: the admin's channel filter
+            # and its sort by channel, paged by (channel_id, id). A full index: each enqueue
+            # and each state change writes an entry in it.
+            models.Index(F("channel"), F("id"), name="fq_message_channel_idx"),
+            # Every message in a state, newest or oldest first: the admin's state filter. The
+            # partial indexes above order each state by something else (the claim's order, the
+            # due time, the lease), and ids follow enqueue order, so without it a filter on an
+            # old state walks the primary key past every newer message. Written like the one
+            # above, on each enqueue and each state change.
+            models.Index(F("state"), F("id"), name="fq_message_state_idx"),
             # Pruning finished rows by age.
             models.Index(
                 F("finished_at"),
                 name="fq_message_finished_idx",
-                condition=Q(state__in=[MessageState.SUCCEEDED, MessageState.CANCELLED]),
+                condition=Q(
+                    state__in=[
+                        MessageState.SUCCEEDED,
+                        MessageState.CANCELLED,
+                        MessageState.ABORTED,
+                    ]
+                ),
             ),
         ]
         constraints = [
@@ -242,6 +282,25 @@ class Message(TrackedModel):
                 name="fq_message_lease_iff_running",
             ),
             models.CheckConstraint(condition=~Q(task_name=""), name="fq_message_task_name"),
+            # Unique jobs. Only keyed rows are in the index (an enqueue without a key writes
+            # no entry), and only while they hold their key: queued, or running when their
+            # scope says so. The enqueue's ON CONFLICT repeats this predicate word for word
+            # (sql/functions_v1.sql), so it must not change without the SQL.
+            models.UniqueConstraint(
+                F("channel"),
+                F("unique_key"),
+                name="fq_message_unique_idx",
+                condition=Q(unique_key__isnull=False)
+                & (
+                    Q(state__in=UNIQUE_HELD_STATES)
+                    | Q(state=MessageState.RUNNING, unique_scope=UniqueScope.ACTIVE)
+                ),
+            ),
+            models.CheckConstraint(
+                condition=Q(unique_key__isnull=True, unique_scope__isnull=True)
+                | Q(unique_key__isnull=False, unique_scope__in=UniqueScope.values),
+                name="fq_message_unique_scope",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -503,3 +562,36 @@ class WorkerRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.worker_id} ({self.state})"
+
+
+class PipelineJob(models.Model):
+    """A planned pipeline job (``pipeline:tenant``) and the formula set it is pinned to.
+
+    Planning pins the tenant's formulas as they are (their content hash is the ``version``)
+    and the date ``TODAY()`` gives; every batch of the job computes with exactly those, even
+    if the tenant edits a formula meanwhile. Batches add their rules' error counts.
+    """
+
+    job_name = models.CharField(max_length=200, unique=True)
+    pipeline = models.CharField(max_length=100)
+    tenant = models.CharField(max_length=200)
+    version = models.CharField(max_length=16, help_text=_("Content hash of the formula set."))
+    formulas = models.JSONField(
+        null=True, blank=True, help_text=_("The pinned formulas: [name, expression] pairs.")
+    )
+    today = models.DateField(help_text=_("What TODAY() is for every batch of the job."))
+    errors = models.JSONField(
+        default=dict, blank=True, help_text=_("Error values written, per rule.")
+    )
+    aggregates = models.JSONField(
+        null=True, blank=True, help_text=_("The tenant aggregates its batches use (phase one).")
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+    cancelled_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "fairqueue_pipeline_job"
+        ordering = ["job_name"]
+
+    def __str__(self) -> str:
+        return f"{self.job_name} @ {self.version}"

@@ -13,6 +13,7 @@ transaction for rollback exactly as an ORM error would.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import uuid
@@ -25,13 +26,15 @@ from importlib import resources
 from typing import Any
 
 import psycopg
-from django.db import DatabaseError, connections
+from django.db import DatabaseError, IntegrityError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from psycopg import pq, sql
 from psycopg.types.json import Jsonb, JsonbBinaryLoader
 
 from django_fairqueue import conf
-from django_fairqueue.exceptions import ChannelFull, IsolationLevelError
+from django_fairqueue.exceptions import ChannelFull, DuplicateJob, IsolationLevelError
+
+logger = logging.getLogger("django_fairqueue.store")
 
 _NEVER = 2**31
 _NAME_RE = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
@@ -128,6 +131,41 @@ def _run(name: str, params: dict[str, Any], using: str | None = None) -> list[tu
     return run_statement(queries()[name], params, using)
 
 
+#: How often a statement that puts running messages back in the queue is run again after it
+#: met a unique job's key taken meanwhile (see :func:`_run_back_to_queue`).
+_KEY_TAKEN_RETRIES = 5
+
+
+def _run_back_to_queue(
+    name: str, params: dict[str, Any], using: str | None = None
+) -> list[tuple[Any, ...]]:
+    """Run a statement that moves running messages back to the queue (fail with a retry,
+    release, rescue), again if it met a unique key taken meanwhile.
+
+    Such a statement first looks for a newer message holding a returning unique job's key
+    (the returning one then ends cancelled, superseded). A holder enqueued after that look, in
+    the instant before the write, makes the write fail with a unique violation of
+    ``fq_message_unique_idx`` and the whole statement roll back; run again, its new snapshot
+    sees the holder. Inside a transaction the statement runs in a savepoint, so the caller's
+    transaction survives the first try.
+    """
+    alias = using or conf.get().DATABASE
+    wrapper = connections[alias]
+    for attempt in range(_KEY_TAKEN_RETRIES + 1):
+        try:
+            if wrapper.in_atomic_block:
+                with transaction.atomic(using=alias):
+                    return _run(name, params, using)
+            return _run(name, params, using)
+        except IntegrityError as exc:
+            cause = exc.__cause__
+            constraint = getattr(getattr(cause, "diag", None), "constraint_name", None)
+            if constraint != "fq_message_unique_idx" or attempt == _KEY_TAKEN_RETRIES:
+                raise
+            logger.debug("%s met a unique key taken meanwhile; running it again", name)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 # --------------------------------------------------------------------------------------------
 # Results
 
@@ -183,6 +221,11 @@ class NewMessage:
     keep_result: bool = False
     #: a delay from now on the database clock (``run_at`` is absolute); at most one of the two
     delay: timedelta | None = None
+    #: unique jobs: the key (None: none), its scope ("queued", "active") and what to do when
+    #: another message of the channel holds it ("keep", "replace", "raise")
+    unique_key: str | None = None
+    unique_scope: str = "queued"
+    on_conflict: str = "keep"
 
 
 @dataclass(slots=True)
@@ -199,9 +242,15 @@ class NewMessageBatch:
     keep_result: list[bool] = field(default_factory=list)
     #: per-message delays from now on the database clock; None when no message has one
     delays: list[timedelta | None] | None = None
+    #: unique jobs: per-message keys (None elements for messages without one), scopes and
+    #: conflict policies; all three None when no message has a key
+    unique_keys: list[str | None] | None = None
+    unique_scopes: list[str] | None = None
+    on_conflict: list[str] | None = None
 
     @classmethod
     def of(cls, messages: Sequence[NewMessage]) -> NewMessageBatch:
+        keyed = any(m.unique_key is not None for m in messages)
         return cls(
             [m.channel for m in messages],
             [m.task_name for m in messages],
@@ -211,6 +260,9 @@ class NewMessageBatch:
             [m.max_attempts for m in messages],
             [m.keep_result for m in messages],
             [m.delay for m in messages] if any(m.delay is not None for m in messages) else None,
+            [m.unique_key for m in messages] if keyed else None,
+            [m.unique_scope for m in messages] if keyed else None,
+            [m.on_conflict for m in messages] if keyed else None,
         )
 
 
@@ -260,6 +312,9 @@ def enqueue_messages(
         "notify_channel": notify_channel,
         "delays": None if batch.delays is None else _once(batch.delays),
         "create": not create_apart,
+        "unique_keys": batch.unique_keys,
+        "unique_scopes": None if batch.unique_scopes is None else _once(batch.unique_scopes),
+        "on_conflict": None if batch.on_conflict is None else _once(batch.on_conflict),
     }
     try:
         rows = _run("enqueue_messages", params, using)
@@ -300,6 +355,9 @@ def enqueue_message(
         "notify_channel": notify_channel,
         "delay": message.delay,
         "create": not _creates_channels_apart(wrapper),
+        "unique_key": message.unique_key,
+        "unique_scope": None if message.unique_key is None else message.unique_scope,
+        "on_conflict": None if message.unique_key is None else message.on_conflict,
     }
     statement = queries()["enqueue_message"]
     prepare = conf.get().PREPARED_STATEMENTS
@@ -326,6 +384,9 @@ def _raise_enqueue_error(exc: Exception) -> None:
     full = ChannelFull.from_error(exc)
     if full is not None:
         raise full from exc
+    duplicate = DuplicateJob.from_error(exc)
+    if duplicate is not None:
+        raise duplicate from exc
     cause = exc.__cause__ if exc.__cause__ is not None else exc
     if getattr(cause, "sqlstate", None) == "FQ002":
         raise IsolationLevelError(cause.diag.message_primary) from exc  # type: ignore[attr-defined]
@@ -478,16 +539,16 @@ def _own_connection(using: str | None) -> Iterator[BaseDatabaseWrapper]:
 
 def heartbeat_messages(
     leases: Sequence[tuple[int, uuid.UUID]], *, lease: timedelta, using: str | None = None
-) -> set[int]:
-    """Extend leases; returns the ids whose lease is still ours."""
+) -> dict[int, bool]:
+    """Extend leases; returns {id: abort requested} of the ids whose lease is still ours."""
     if not leases:
-        return set()
+        return {}
     rows = _run(
         "heartbeat_messages",
         {"ids": [i for i, _ in leases], "tokens": [t for _, t in leases], "lease": lease},
         using,
     )
-    return {r[0] for r in rows}
+    return {r[0]: r[1] for r in rows}
 
 
 def complete_messages(
@@ -512,7 +573,7 @@ def fail_messages(
     """
     if not failed:
         return {}
-    rows = _run(
+    rows = _run_back_to_queue(
         "fail_messages",
         {
             "ids": [f[0] for f in failed],
@@ -531,7 +592,7 @@ def release_messages(
     """Return unstarted claimed messages to the queue; the attempt is not counted."""
     if not leases:
         return set()
-    rows = _run(
+    rows = _run_back_to_queue(
         "release_messages",
         {"ids": [i for i, _ in leases], "tokens": [t for _, t in leases]},
         using,
@@ -541,7 +602,8 @@ def release_messages(
 
 def rescue_expired_messages(limit: int = 1000, *, using: str | None = None) -> list[RescuedMessage]:
     """Requeue (or dead-letter) messages whose lease expired."""
-    return [RescuedMessage(*r) for r in _run("rescue_expired_messages", {"limit": limit}, using)]
+    rows = _run_back_to_queue("rescue_expired_messages", {"limit": limit}, using)
+    return [RescuedMessage(*r) for r in rows]
 
 
 def fold_channel_deltas(limit: int = 10_000, *, using: str | None = None) -> int:
@@ -575,6 +637,62 @@ def cancel_messages(ids: Sequence[int], *, using: str | None = None) -> list[int
     if not ids:
         return []
     return [r[0] for r in _run("cancel_messages", {"ids": list(ids)}, using)]
+
+
+def cancel_matching_messages(
+    *,
+    channel_id: int | None = None,
+    task: str | None = None,
+    chunk: int = 10_000,
+    using: str | None = None,
+) -> list[int]:
+    """Cancel the waiting messages of a channel and/or a task, ``chunk`` rows per statement
+    (each its own statement, so a large backlog is not locked at once). Returns the ids."""
+    cancelled: list[int] = []
+    while True:
+        rows = _run(
+            "cancel_matching_messages",
+            {"channel_id": channel_id, "task": task, "limit": chunk},
+            using,
+        )
+        cancelled.extend(r[0] for r in rows)
+        if len(rows) < chunk:
+            return cancelled
+
+
+def select_running_message_ids(
+    *, channel_id: int | None = None, task: str | None = None, using: str | None = None
+) -> list[int]:
+    """Ids of the running messages of a channel and/or a task."""
+    params = {"channel_id": channel_id, "task": task}
+    return [r[0] for r in _run("select_running_message_ids", params, using)]
+
+
+def abort_messages(ids: Sequence[int], *, using: str | None = None) -> dict[int, str]:
+    """Cancel the waiting messages of ``ids`` and request an abort of the running ones;
+    returns {id: "cancelled" or "abort_requested"} (finished or unknown ids are left out)."""
+    if not ids:
+        return {}
+    return {r[0]: r[1] for r in _run("abort_messages", {"ids": sorted(set(ids))}, using)}
+
+
+def settle_aborted_messages(
+    aborted: Sequence[tuple[int, uuid.UUID, dict[str, Any]]], *, using: str | None = None
+) -> set[int]:
+    """Settle attempts stopped by an abort, given as (id, token, error); returns the ids
+    settled (a lost lease settles nothing)."""
+    if not aborted:
+        return set()
+    rows = _run(
+        "settle_aborted_messages",
+        {
+            "ids": [a[0] for a in aborted],
+            "tokens": [a[1] for a in aborted],
+            "errors": [Jsonb(a[2]) for a in aborted],
+        },
+        using,
+    )
+    return {r[0] for r in rows}
 
 
 def delete_messages(ids: Sequence[int], *, using: str | None = None) -> list[int]:
@@ -744,6 +862,14 @@ def select_channel_oldest_ready(
     if not ids:
         return {}
     return dict(_run("select_channel_oldest_ready", {"ids": list(ids)}, using))
+
+
+def select_channel_retrying(ids: Sequence[int], *, using: str | None = None) -> dict[int, int]:
+    """{channel id: messages waiting out a retry's backoff}, for the channels of ``ids`` that
+    have any. Reads the scheduled rows of these channels (pass those with scheduled > 0)."""
+    if not ids:
+        return {}
+    return {cid: int(n) for cid, n in _run("select_channel_retrying", {"ids": list(ids)}, using)}
 
 
 def retry_failed_work_batches(ids: Sequence[int], *, using: str | None = None) -> list[int]:
@@ -1165,6 +1291,11 @@ def select_messages_ahead(
 
 def select_clock(*, using: str | None = None) -> datetime:
     return _run("select_clock", {}, using)[0][0]  # type: ignore[no-any-return]
+
+
+def select_abort_pending_count(*, using: str | None = None) -> int:
+    """Running messages asked to abort that have not stopped yet."""
+    return int(_run("select_abort_pending_count", {}, using)[0][0])
 
 
 def select_stale_lease_count(*, using: str | None = None) -> int:

@@ -50,7 +50,8 @@ class FairTask(Generic[P, R]):
         return self.spec.func(*args, **kwargs)  # type: ignore[no-any-return]
 
     def enqueue(self, *args: Any, **kwargs: Any) -> int:
-        """Queue a call; ``channel=``, ``run_after=``, ``priority=`` are queue options."""
+        """Queue a call; ``channel=``, ``run_after=``, ``priority=``, ``unique_key=``,
+        ``unique_scope=`` and ``on_conflict=`` are queue options."""
         from django_fairqueue.api import enqueue
 
         return enqueue(self, *args, **kwargs)
@@ -61,9 +62,20 @@ class FairTask(Generic[P, R]):
         channel: str | None = None,
         run_after: datetime | None = None,
         priority: int | None = None,
+        unique_key: str | None = None,
+        unique_scope: str | None = None,
+        on_conflict: str | None = None,
     ) -> BoundTask:
-        """Fix queue options for calls whose own arguments are named channel/priority/run_after."""
-        return BoundTask(self, channel=channel, run_after=run_after, priority=priority)
+        """Fix queue options (also for calls whose own arguments share their names)."""
+        return BoundTask(
+            self,
+            channel=channel,
+            run_after=run_after,
+            priority=priority,
+            unique_key=unique_key,
+            unique_scope=unique_scope,
+            on_conflict=on_conflict,
+        )
 
     def __repr__(self) -> str:
         return f"<FairTask {self.name}>"
@@ -77,6 +89,9 @@ class BoundTask:
     channel: str | None = None
     run_after: datetime | None = None
     priority: int | None = None
+    unique_key: str | None = None
+    unique_scope: str | None = None
+    on_conflict: str | None = None
 
     def enqueue(self, *args: Any, **kwargs: Any) -> int:
         from django_fairqueue.api import EnqueueRequest, enqueue_many
@@ -88,6 +103,9 @@ class BoundTask:
             channel=self.channel,
             run_after=self.run_after,
             priority=self.priority,
+            unique_key=self.unique_key,
+            unique_scope=self.unique_scope,
+            on_conflict=self.on_conflict,
         )
         return enqueue_many([request])[0]
 

@@ -28,8 +28,10 @@ from django_fairqueue import conf
 try:  # the `otel` extra
     from opentelemetry import context as otel_context
     from opentelemetry import propagate, trace
+
+    _INSTALLED = True
 except ImportError:  # pragma: no cover - exercised by installs without the extra
-    trace = None  # type: ignore[assignment]
+    _INSTALLED = False
 
 if TYPE_CHECKING:
     from django_fairqueue.store import ClaimedMessage
@@ -46,7 +48,7 @@ _MAX_HEADER_CHARS = 512
 
 def enabled() -> bool:
     """Whether tracing is on: the package is installed and the setting allows it."""
-    return trace is not None and conf.get().TRACING
+    return _INSTALLED and conf.get().TRACING
 
 
 def carrier() -> dict[str, str] | None:

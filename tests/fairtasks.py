@@ -91,3 +91,25 @@ def hang(marker: str | None = None) -> None:
     """Never returns in time (an hour): past its time limit of 0.3 s, its thread is abandoned."""
     _mark(marker)
     time.sleep(3600)
+
+
+@task(name="tests.fair.until_aborted", keep_result=True, max_attempts=3)
+def until_aborted(marker: str | None = None, seconds: float = 30.0) -> str:
+    """Run until its abort is requested (checking every 10 ms), then stop; at most ``seconds``."""
+    from django_fairqueue import abort_requested
+
+    _mark(marker)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if abort_requested():
+            return "stopped"
+        time.sleep(0.01)
+    return "ran out"
+
+
+@task(name="tests.fair.ignores_abort", keep_result=True, max_attempts=3)
+def ignores_abort(marker: str | None = None, seconds: float = 5.0) -> str:
+    """Sleep ``seconds`` without ever looking at abort_requested()."""
+    _mark(marker)
+    time.sleep(seconds)
+    return "finished"

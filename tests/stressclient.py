@@ -86,9 +86,10 @@ class Client:
 
         with connection.cursor() as cursor:
             cursor.execute(
+                # a unique job kept or replaced returns its holder's id, noted already
                 "INSERT INTO stress_enqueued (message_id, channel, client) "
                 "SELECT * FROM unnest(%s::bigint[], %s::text[], "
-                "array_fill(%s::integer, ARRAY[%s]))",
+                "array_fill(%s::integer, ARRAY[%s])) ON CONFLICT DO NOTHING",
                 [ids, channels, self.number, len(ids)],
             )
 
@@ -267,6 +268,57 @@ class Client:
         # What the admin's "Cancel selected waiting messages" action runs.
         self.outcomes["cancelled"] += len(store.cancel_messages(chosen))
 
+    def op_enqueue_unique(self) -> None:
+        """Unique jobs: a few keys per channel, every scope and policy, alone or in a batch
+        with plain messages (never rolled back: a kept id is its holder's, committed)."""
+        from django_fairqueue import enqueue_many
+
+        rng = self.rng
+        requests = []
+        for _ in range(rng.randint(1, 4)):
+            name = self.channel()
+            request = self.request(name)
+            requests.append(
+                type(request)(
+                    request.task,
+                    kwargs=request.kwargs,
+                    channel=name,
+                    run_after=request.run_after,
+                    priority=request.priority,
+                    unique_key=f"key-{rng.randint(1, 3)}",
+                    unique_scope=rng.choice(("queued", "active")),
+                    on_conflict=rng.choice(("keep", "keep", "replace", "raise")),
+                )
+            )
+            if rng.random() < 0.3:
+                requests.append(self.request(name))
+        with transaction.atomic():
+            ids = enqueue_many(requests)
+            self.note(ids, [r.channel for r in requests])
+        self.enqueued += len(set(ids))
+
+    def op_cancel_matching(self) -> None:
+        """Cancel every waiting message of a channel (of one task, sometimes)."""
+        from django_fairqueue import cancel
+        from tests import stresstasks
+
+        task = stresstasks.kept if self.rng.random() < 0.3 else None
+        self.outcomes["cancelled"] += len(cancel(channel=self.channel(), task=task))
+
+    def op_abort(self) -> None:
+        """Abort a few recent messages, running or waiting (what the admin's action runs)."""
+        from django_fairqueue import abort
+        from django_fairqueue.models import Message
+
+        ids = list(
+            Message.objects.filter(state__in=["ready", "scheduled", "running"])
+            .order_by("-id")
+            .values_list("id", flat=True)[:40]
+        )
+        chosen = self.rng.sample(ids, min(len(ids), self.rng.randint(1, 3)))
+        for what in abort(chosen).values():
+            self.outcomes[f"abort_{what}"] += 1
+
     def op_retry_failed(self) -> None:
         from django_fairqueue import failures
 
@@ -319,6 +371,9 @@ class Client:
             (2, self.op_pause),
             (3, self.op_resume),
             (3, self.op_cancel),
+            (6, self.op_enqueue_unique),
+            (1, self.op_cancel_matching),
+            (2, self.op_abort),
             (3, self.op_retry_failed),
             (1, self.op_delete_failed),
             (1, self.op_purge),
@@ -328,7 +383,7 @@ class Client:
     def run(self, seconds: float, skip: Sequence[str] = ()) -> None:
         from django.db import connection
 
-        from django_fairqueue.exceptions import ChannelFull
+        from django_fairqueue.exceptions import ChannelFull, DuplicateJob
 
         ops = [(w, op) for w, op in self.operations() if op.__name__[3:] not in skip]
         weights = [w for w, _ in ops]
@@ -341,6 +396,8 @@ class Client:
                 op()
             except ChannelFull:
                 self.outcomes["channel_full"] += 1
+            except DuplicateJob:
+                self.outcomes["duplicate_job_refused"] += 1
             except Exception as exc:
                 if ChannelFull.from_error(exc) is not None:
                     # the exact bound, checked when a transaction of several calls commits

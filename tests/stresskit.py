@@ -57,6 +57,8 @@ class Sampler:
     samples: int = 0
     violations: list[dict[str, Any]] = field(default_factory=list)
     over_cut_cap: int = 0
+    #: unique keys seen held by two messages of a channel at once (the index forbids it)
+    key_violations: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -74,6 +76,7 @@ class Sampler:
         while not self._stop.wait(self.every):
             try:
                 rows = self.db.rows(OVER_CAP)
+                self.key_violations.extend(keys_held_twice(self.db))
             except Exception as exc:  # noted; a sampler that cannot read is a failure too
                 self.errors.append(f"{type(exc).__name__}: {exc}")
                 self.db.reconnect()
@@ -157,6 +160,28 @@ def counter_mismatches(db: Db) -> list[dict[str, Any]]:
                 }
             )
     return out
+
+
+def keys_held_twice(db: Db) -> list[dict[str, Any]]:
+    """Unique keys held by more than one message of a channel (the index forbids it)."""
+    return [
+        {"channel_id": cid, "unique_key": key, "ids": list(ids)}
+        for cid, key, ids in db.rows(
+            "SELECT channel_id, unique_key, array_agg(id ORDER BY id) FROM fairqueue_message "
+            "WHERE unique_key IS NOT NULL AND (state IN ('ready', 'scheduled') "
+            "OR (state = 'running' AND unique_scope = 'active')) "
+            "GROUP BY 1, 2 HAVING count(*) > 1"
+        )
+    ]
+
+
+def stopped_messages(db: Db) -> dict[str, int]:
+    """Messages cancelled and aborted (and aborted ones whose run log shows a later run)."""
+    rows = db.rows(
+        "SELECT state, count(*) FROM fairqueue_message "
+        "WHERE state IN ('cancelled', 'aborted') GROUP BY state"
+    )
+    return {state: int(n) for state, n in rows}
 
 
 ORPHANS = """

@@ -570,6 +570,13 @@ def test_message_actions_go_through_the_store(admin_client: Client, queue: dict[
     assert log_messages(CHANGE).count("Retried (admin action).") == 2
     assert log_messages(CHANGE).count("Cancelled (admin action).") == 2
     assert LogEntry.objects.filter(action_flag=DELETION).count() == 2
+    # abort: a waiting message is cancelled, the running one asked to stop
+    action(admin_client, MESSAGES, "abort_messages", [alpha[3], running])
+    assert Message.objects.get(pk=alpha[3]).state == MessageState.CANCELLED
+    aborting = Message.objects.get(pk=running)
+    assert aborting.state == MessageState.RUNNING and aborting.abort_requested_at is not None
+    assert log_messages(CHANGE).count("Aborted (admin action).") == 2
+    assert_counters_match_table()
 
 
 def test_message_actions_need_their_permissions(queue: dict[str, Any]) -> None:
@@ -578,6 +585,12 @@ def test_message_actions_need_their_permissions(queue: dict[str, Any]) -> None:
     action(viewer, MESSAGES, "retry_messages", queue["failed"])
     action(viewer, MESSAGES, "delete_messages", queue["failed"])
     assert counters("beta").failed == 3
+    running = queue["running"][0].id
+    action(viewer, MESSAGES, "abort_messages", [running])
+    ready = list(Message.objects.filter(state="ready").values_list("pk", flat=True))
+    action(viewer, MESSAGES, "cancel_messages", ready)
+    assert Message.objects.get(pk=running).abort_requested_at is None
+    assert not Message.objects.filter(state="cancelled").exists()
     changer = client_for(user_with("fairqueue.change_message", name="changer"))
     action(changer, MESSAGES, "delete_messages", queue["failed"])
     assert counters("beta").failed == 3
@@ -831,6 +844,7 @@ def test_metrics_exposition(queue: dict[str, Any]) -> None:
     ages = {dict(k[1])["channel"]: v for k, v in samples.items() if k[0].endswith("age_seconds")}
     assert set(ages) >= {"alpha", "(all)"} and ages["(all)"] >= ages["alpha"] >= 0
     assert ("fairqueue_stale_leases", ()) in samples
+    assert ("fairqueue_aborts_pending", ()) in samples
     assert ("fairqueue_retried_last_5m", ()) in samples
     assert samples[("fairqueue_workers", (("state", "alive"),))] == 0
 

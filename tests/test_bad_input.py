@@ -587,7 +587,7 @@ def test_no_value_is_ever_part_of_the_sql_text(tables_intact: None) -> None:
         cid = store.select_channel_ids([MARKER])[MARKER]
         claimed = store.claim_messages(3, lease=LEASE, worker_id=MARKER)
         a, b, c = claimed
-        assert store.heartbeat_messages([(a.id, a.lease_token)], lease=LEASE) == {a.id}
+        assert store.heartbeat_messages([(a.id, a.lease_token)], lease=LEASE) == {a.id: False}
         store.complete_messages([(a.id, a.lease_token, {"r": MARKER})])
         store.fail_messages([(b.id, b.lease_token, {"message": MARKER}, None)])
         store.release_messages([(c.id, c.lease_token)])

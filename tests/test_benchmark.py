@@ -96,8 +96,22 @@ def test_tiny_run_reports_every_scenario_as_json(tmp_path: Path) -> None:
     assert [(c["case"], c["batch"]) for c in function_cells] == [
         ("empty", 1),
         ("backlog", 1),
+        ("key-queued", 1),
+        ("key-active", 1),
         ("backlog", 10),
+        ("key-queued", 10),
+        ("key-active", 10),
     ]
+    cost_cells = doc["scenarios"]["enqueue_cost"]["cells"]
+    assert [c["mode"] for c in cost_cells] == [
+        "single",
+        "batch",
+        "single-key",
+        "batch-key",
+        "single-held",
+    ]
+    for cell in cost_cells:
+        assert cell["server_us"] > 0 and cell["client_us"] > 0
     for cell in function_cells:
         # A claim's time includes the two housekeeping calls it makes first.
         assert cell["claim_us"] >= cell["claim_body_us"] > 0

@@ -378,7 +378,7 @@ def test_stale_lease_token_changes_nothing_and_frees_no_slot() -> None:
 
     assert store.complete_messages([(*stale, "late result")]) == set()
     assert store.fail_messages([(*stale, {"type": "X"}, None)]) == {}
-    assert store.heartbeat_messages([stale], lease=LEASE) == set()
+    assert store.heartbeat_messages([stale], lease=LEASE) == {}
     assert store.release_messages([stale]) == set()
 
     row = Message.objects.get(id=first.id)
@@ -408,7 +408,7 @@ def test_heartbeat_extends_only_the_leases_still_held() -> None:
 
     assert store.heartbeat_messages(
         [(a.id, a.lease_token), (b.id, b.lease_token)], lease=timedelta(hours=2)
-    ) == {a.id}
+    ) == {a.id: False}
     assert Message.objects.get(id=a.id).lease_expires_at > a.lease_expires_at
 
 

@@ -275,7 +275,9 @@ def in_flight(backlog: list[int], auto_explain: AutoExplain) -> list[store.Claim
     return running
 
 
-@pytest.mark.parametrize("statement", ["complete", "heartbeat", "release"])
+@pytest.mark.parametrize(
+    "statement", ["complete", "heartbeat", "release", "abort", "settle_aborted"]
+)
 def test_settle_statements_read_primary_keys_only(
     in_flight: list[store.ClaimedMessage], auto_explain: AutoExplain, statement: str
 ) -> None:
@@ -285,6 +287,10 @@ def test_settle_statements_read_primary_keys_only(
         "complete": lambda: store.complete_messages([(*lease, 1) for lease in leases]),
         "heartbeat": lambda: store.heartbeat_messages(leases, lease=LEASE),
         "release": lambda: store.release_messages(leases),
+        "abort": lambda: store.abort_messages([m.id for m in batch]),
+        "settle_aborted": lambda: store.settle_aborted_messages(
+            [(*lease, {"type": "TaskAborted"}) for lease in leases]
+        ),
     }[statement]
 
     plans = settle_plans(auto_explain, run)
@@ -303,3 +309,41 @@ def test_fail_reads_primary_keys_only(
 
     indexes = assert_small_and_indexed(plans, budget=3 * LIMIT)
     assert "fairqueue_message_pkey" in indexes
+
+
+def test_a_returning_unique_job_looks_for_a_newer_holder_in_the_unique_index(
+    backlog: list[int], auto_explain: AutoExplain
+) -> None:
+    """A unique job (scope queued) failing with a retry checks whether a newer message took its
+    key: one probe of fq_message_unique_idx per keyed row, on top of primary-key lookups."""
+    from django_fairqueue.api import EnqueueRequest, enqueue_many
+
+    keyed = enqueue_many(
+        [
+            EnqueueRequest("tests.fair.add", (1, 1), channel="keyed", unique_key=f"k{i}")
+            for i in range(LIMIT)
+        ]
+    )
+    f.fold_all()
+    got = store.claim_messages(
+        LIMIT,
+        lease=LEASE,
+        worker_id="explain",
+        only_channel_ids=[f.channel_ids(["keyed"])["keyed"]],
+    )
+    assert {m.id for m in got} == set(keyed)
+    enqueue_many(  # newer holders of half the keys
+        [
+            EnqueueRequest("tests.fair.add", (2, 2), channel="keyed", unique_key=f"k{i}")
+            for i in range(0, LIMIT, 2)
+        ]
+    )
+    auto_explain.take()
+    error = {"type": "RuntimeError", "message": "boom", "traceback": None}
+    states = store.fail_messages([(m.id, m.lease_token, error, timedelta(0)) for m in got])
+    plans = auto_explain.take()
+    assert sorted(states.values()).count("cancelled") == LIMIT // 2
+    indexes = assert_small_and_indexed(plans, budget=3 * LIMIT)
+    assert {"fairqueue_message_pkey", "fq_message_unique_idx"} <= indexes, "\n".join(
+        p.describe() for p in plans
+    )

@@ -48,7 +48,7 @@ def test_enqueue_claim_settle_on_pooled_connections(pooled: str) -> None:
     claimed = store.claim_messages(6, lease=timedelta(minutes=1), worker_id="pool")
     assert sorted(m.id for m in claimed) == ids
     leases = [(m.id, m.lease_token) for m in claimed]
-    assert store.heartbeat_messages(leases, lease=timedelta(minutes=1)) == set(ids)
+    assert store.heartbeat_messages(leases, lease=timedelta(minutes=1)) == dict.fromkeys(ids, False)
 
     # Give the connection back between statements, as a worker does between passes: the next
     # statement gets a pooled connection again (maybe another one), prepared statements and all.

@@ -18,7 +18,11 @@ every 50 ms. Then the clients stop, the workers drain the queue, and the test ch
 4. no sample saw a channel running more than its cap (unless the cap was lowered after);
 5. every channel's counters (columns + pending deltas) equal the real counts, and no queue row
    belongs to a channel that no longer exists;
-6. no client operation failed other than in the ways the mix expects.
+6. no client operation failed other than in the ways the mix expects;
+7. no unique key is held by two messages of a channel at once.
+
+The mix also enqueues unique jobs (every scope and conflict policy, alone and in batches),
+cancels by channel and task, and aborts waiting and running messages.
 
 ``FAIRQUEUE_STRESS_SEED`` replays a seed (the operation mix, not the timing);
 ``FAIRQUEUE_STRESS_CLIENTS`` sets the number of client processes (default 3);
@@ -226,6 +230,8 @@ def test_stress(database_url: str, tmp_path: Path) -> None:
         phantoms = stresskit.phantoms(db, rolled_back)
         reruns = stresskit.reruns(db, killed, lost)
         mismatches = stresskit.counter_mismatches(db)
+        keys_twice = sampler.key_violations + stresskit.keys_held_twice(db)
+        stopped = stresskit.stopped_messages(db)
         orphans = stresskit.orphans(db)
         enqueued = int(db.value("SELECT count(*) FROM stress_enqueued"))
         executions, messages_run = db.rows(
@@ -259,6 +265,9 @@ def test_stress(database_url: str, tmp_path: Path) -> None:
             "stuck_messages": sum(s["messages"] for s in stuck),
             "phantoms": sum(len(v) for v in phantoms.values()),
             "counter_mismatches": len(mismatches),
+            "unique_keys_held_twice": len(keys_twice),
+            "cancelled_messages": stopped.get("cancelled", 0),
+            "aborted_messages": stopped.get("aborted", 0),
             "orphan_rows": sum(o["rows"] for o in orphans),
             "orphan_stat_rows": stresskit.orphan_stats(db),
             "cap_samples": sampler.samples,
@@ -315,6 +324,8 @@ def test_stress(database_url: str, tmp_path: Path) -> None:
         fail(f"5. {len(mismatches)} channels' counters differ from the real counts", mismatches)
     if orphans:
         fail("5. queue rows of channels that no longer exist", orphans)
+    if keys_twice:
+        fail("7. unique keys held by two messages at once", keys_twice)
     if unexpected:
         fail(
             f"6. {len(unexpected)} client operations failed unexpectedly",

@@ -630,7 +630,7 @@ def test_writes_of_a_worker_whose_lease_was_taken_over_change_nothing() -> None:
     stale.settle(done)
     failed = [Outcome(old, "failed", error={"type": "X"})]
     stale.settle(failed)
-    assert store.heartbeat_messages([(old.id, old.lease_token)], lease=timedelta(hours=1)) == set()
+    assert store.heartbeat_messages([(old.id, old.lease_token)], lease=timedelta(hours=1)) == {}
 
     row = message(mid)
     assert (row.state, row.worker_id, row.lease_token) == (

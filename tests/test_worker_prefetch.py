@@ -141,11 +141,11 @@ def test_prefetched_messages_whose_lease_expired_are_dropped_not_started(
             first_started.set()
             time.sleep(3 * lease)  # the first message outlasts every lease of the claim
 
-    def heartbeat_messages(leases: Any, **kwargs: Any) -> set[int]:
+    def heartbeat_messages(leases: Any, **kwargs: Any) -> dict[int, bool]:
         if heartbeat == "cannot_reach_the_database":
             unblock.wait(30)
-            return {message_id for message_id, _ in leases}
-        return set()  # every lease renewed was found expired (taken over)
+            return {message_id: False for message_id, _ in leases}
+        return {}  # every lease renewed was found expired (taken over)
 
     monkeypatch.setattr(store, "heartbeat_messages", heartbeat_messages)
     ids = [fairtasks.sleep.enqueue(0.0, channel="alice") for _ in range(4)]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,11 @@ class Sink:
     Each of ``columns`` is a formula's target, else the source column of the same name, else
     NULL. Key columns come from the source.
 
+    ``results``: a ``jsonb`` column that gets every formula's result by name (``{"total":
+    12.5, "band": "high"}``), so a tenant may have any number of rules without a column for
+    each; a formula named like one of ``columns`` goes to that (typed) column instead. Without
+    ``results``, every formula must be named after one of ``columns``.
+
     ``atomic`` (default True): a batch's rows appear all at once, with the batch's completion
     (staged, then merged in one transaction by the driver). ``atomic=False``: each Spark task
     upserts its rows straight into the sink in its own transaction, fenced on the batch's
@@ -98,6 +103,7 @@ class Sink:
     key: Sequence[str] = ("id",)
     columns: Sequence[str] = ()
     atomic: bool = True
+    results: str | None = None
 
     def __post_init__(self) -> None:
         key = _names(self.key, "Sink.key")
@@ -108,6 +114,12 @@ class Sink:
         object.__setattr__(self, "columns", tuple(c for c in columns if c not in key))
         if not isinstance(self.atomic, bool):
             raise ValueError(f"Sink.atomic must be True or False, got {self.atomic!r}")
+        if self.results is not None:
+            results: Any = self.results  # checked at run time: callers may pass anything
+            if not isinstance(results, str) or not results:
+                raise ValueError(f"Sink.results must be a column name, got {self.results!r}")
+            if self.results in key or self.results in self.columns:
+                raise ValueError(f"Sink.results {self.results!r} is also a key or a column")
 
     @property
     def table_name(self) -> str:
@@ -115,7 +127,7 @@ class Sink:
 
     @property
     def all_columns(self) -> tuple[str, ...]:
-        return (*self.key, *self.columns)
+        return (*self.key, *self.columns, *([self.results] if self.results else []))
 
 
 Formulas = Any  # mapping {target: expr}, or an iterable of "target = expr" or (target, expr)
@@ -133,7 +145,8 @@ class Pipeline:
     transform: Callable[[Any, str], Any] | None = None
     #: The tenants the pipeline runs for (``fairpipeline plan`` plans a job for each).
     tenants: Callable[[], Iterable[str]] | Iterable[str] = ()
-    functions: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_FUNCTIONS))
+    #: The functions formulas may call (names, case-insensitive); default: all of them.
+    functions: Iterable[str] = field(default_factory=lambda: DEFAULT_FUNCTIONS)
     batch_size: int = 100_000
     max_attempts: int = 3
     #: Django database alias of source, sink and (it must be the same) the work batches.
@@ -146,6 +159,10 @@ class Pipeline:
                 f"pipeline name must be 1-100 letters, digits, '_', '.', '-' (no ':'), "
                 f"got {self.name!r}"
             )
+        functions: Any = self.functions
+        if isinstance(functions, str) or not all(isinstance(f, str) for f in functions):
+            raise ValueError(f"pipeline {self.name!r}: functions must be function names")
+        object.__setattr__(self, "functions", frozenset(f.upper() for f in functions))
         if (self.formulas is None) == (self.transform is None):
             raise ValueError(f"pipeline {self.name!r}: give formulas or transform (one of them)")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int):
@@ -238,7 +255,7 @@ def pipeline(
     source: Source,
     sink: Sink,
     tenants: Callable[[], Iterable[str]] | Iterable[str] = (),
-    functions: Mapping[str, str] | None = None,
+    functions: Iterable[str] | None = None,
     batch_size: int = 100_000,
     max_attempts: int = 3,
     database: str | None = None,
@@ -253,7 +270,7 @@ def pipeline(
                 sink=sink,
                 formulas=formulas,
                 tenants=tenants,
-                functions=dict(functions if functions is not None else DEFAULT_FUNCTIONS),
+                functions=frozenset(functions) if functions is not None else DEFAULT_FUNCTIONS,
                 batch_size=batch_size,
                 max_attempts=max_attempts,
                 database=database,

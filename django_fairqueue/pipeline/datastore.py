@@ -340,9 +340,37 @@ def arrow_type(name: str) -> Any:
     return getattr(pa, name)()
 
 
+#: The Spark job property carrying a batch's own values (JSON): its id range, staging
+#: statements, batch id and lease token. Tasks read them from it, so one Spark plan serves
+#: every batch of a job (analysing a plan of hundreds of formulas takes seconds).
+BATCH_PROPERTY = "fairqueue.batch"
+
+
+def for_batch(spec: Any) -> Any:
+    """``spec`` with the running Spark job's batch values (see :data:`BATCH_PROPERTY`)."""
+    import dataclasses
+    import json
+
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    raw = context.getLocalProperty(BATCH_PROPERTY) if context is not None else None
+    if not raw:
+        return spec
+    values = json.loads(raw)
+    changes: dict[str, Any] = {
+        f.name: values[f.name] for f in dataclasses.fields(spec) if f.name in values
+    }
+    if "statements" in changes:
+        changes["statements"] = StagingStatements(**changes["statements"])
+    return dataclasses.replace(spec, **changes)
+
+
 def read_sub_ranges(spec: ReadSpec, indexes: Iterator[Any]) -> Iterator[Any]:
     """``mapInArrow`` function: for each sub-range index, COPY its rows into Arrow batches."""
     import pyarrow as pa
+
+    spec = for_batch(spec)
     import pyarrow.csv as pacsv
 
     schema = pa.schema(
@@ -398,7 +426,7 @@ def read_sub_ranges(spec: ReadSpec, indexes: Iterator[Any]) -> Iterator[Any]:
 
 
 #: The single-row result of a write task: rows written, smallest and largest integer key.
-WRITTEN_SCHEMA = "rows bigint, key_min bigint, key_max bigint"
+WRITTEN_SCHEMA = "rows bigint, key_min bigint, key_max bigint, errors array<bigint>"
 
 
 class LeaseLostInTask(RuntimeError):
@@ -414,6 +442,7 @@ class WriteSpec:
     conninfo: str
     statements: StagingStatements
     key_index: int | None = None  # column of the single integer key, for its min/max
+    error_columns: int = 0  # trailing boolean columns: a rule's error flags, counted, not written
 
 
 @dataclass(frozen=True)
@@ -431,6 +460,7 @@ class SinkWriteSpec:
     sink_has_keys: str | None  # None unless the key is one integer column
     key_index: int | None = None
     chunk_rows: int = 65_536
+    error_columns: int = 0  # trailing boolean columns: a rule's error flags, counted, not written
 
 
 def sink_write_spec(
@@ -477,11 +507,13 @@ def sink_write_spec(
 class _Encoder:
     """Arrow batches -> CSV bytes for COPY, counting rows and tracking the key's min and max."""
 
-    def __init__(self, key_index: int | None, skip: int = 0) -> None:
+    def __init__(self, key_index: int | None, skip: int = 0, error_columns: int = 0) -> None:
         import pyarrow.csv as pacsv
 
         self.key_index = key_index
         self.skip = skip  # leading columns not written (the atomic path's partition number)
+        self.error_columns = error_columns  # trailing columns counted, not written
+        self.errors = [0] * error_columns
         self.options = pacsv.WriteOptions(include_header=False)
         self.rows = 0
         self.key_min: int | None = None
@@ -506,6 +538,19 @@ class _Encoder:
             self.key_min = lo if self.key_min is None else min(self.key_min, lo)
             self.key_max = hi if self.key_max is None else max(self.key_max, hi)
         self.rows += batch.num_rows
+        if self.error_columns:
+            import pyarrow as pa
+            import pyarrow.compute as pc
+
+            width = batch.num_columns - self.error_columns
+            for i in range(self.error_columns):
+                flags = batch.column(width + i)
+                self.errors[i] += int(
+                    pc.sum(pc.cast(pc.fill_null(flags, False), pa.int64())).as_py() or 0
+                )
+            batch = pa.RecordBatch.from_arrays(
+                batch.columns[:width], names=batch.schema.names[:width]
+            )
         buffer = io.BytesIO()
         pacsv.write_csv(batch, buffer, self.options)
         return buffer.getbuffer()
@@ -518,8 +563,9 @@ class _Encoder:
                 pa.array([self.rows], pa.int64()),
                 pa.array([self.key_min], pa.int64()),
                 pa.array([self.key_max], pa.int64()),
+                pa.array([self.errors], pa.list_(pa.int64())),
             ],
-            names=["rows", "key_min", "key_max"],
+            names=["rows", "key_min", "key_max", "errors"],
         )
 
 
@@ -528,10 +574,11 @@ def write_staging(spec: WriteSpec, batches: Iterator[Any]) -> Iterator[Any]:
     staging table in one transaction; yield one row (rows written, key min and max)."""
     from pyspark import TaskContext
 
+    spec = for_batch(spec)
     context = TaskContext.get()
     part = context.partitionId() if context is not None else 0
     retry = context is not None and context.attemptNumber() > 0
-    encoder = _Encoder(spec.key_index, skip=1)
+    encoder = _Encoder(spec.key_index, skip=1, error_columns=spec.error_columns)
     with psycopg.connect(spec.conninfo) as conn:  # one transaction, committed on exit
         if retry:  # an earlier attempt of this task may have committed its rows
             conn.execute(spec.statements.clear_part, {"part": part})
@@ -567,7 +614,8 @@ def write_sink(spec: SinkWriteSpec, batches: Iterator[Any]) -> Iterator[Any]:
     into the sink; other chunks (a re-run, a non-integer key) go through a temporary table and
     one ``INSERT ... ON CONFLICT DO UPDATE``, so a re-run writes the same rows.
     """
-    encoder = _Encoder(spec.key_index)
+    spec = for_batch(spec)
+    encoder = _Encoder(spec.key_index, error_columns=spec.error_columns)
     with psycopg.connect(spec.conninfo) as conn:  # one transaction, committed on exit
         fenced = conn.execute(
             spec.lock_batch, {"batch": spec.batch_id, "token": spec.lease_token}

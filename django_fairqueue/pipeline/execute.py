@@ -21,7 +21,9 @@ driver while Spark works (that would pin an xid and hold back vacuum).
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
+import datetime as dt
+import json
 import logging
 import re
 import threading
@@ -34,6 +36,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from django.db import transaction
+
 from django_fairqueue.pipeline import datastore
 from django_fairqueue.pipeline.core import Pipeline, parse_job_name, registry
 from django_fairqueue.pipeline.formulas import (
@@ -43,9 +47,9 @@ from django_fairqueue.pipeline.formulas import (
     FLOAT,
     INT,
     STR,
-    FormulaError,
     FormulaSet,
     parse_formulas,
+    split_formulas,
 )
 from django_fairqueue.pipeline.spark import spark_settings
 
@@ -63,9 +67,12 @@ _SIMPLE_TYPES: dict[str, tuple[str, str, str]] = {
     "varchar": (STR, "string", "string"),
     "bpchar": (STR, "string", "string"),
     "date": (DATE, "date32", "date"),
+    "jsonb": ("json", "string", "string"),
 }
 SUPPORTED_TYPES = "smallint, integer, bigint, real, double precision, numeric(p,s), boolean, " \
-    "text, varchar, char, date"  # fmt: skip
+    "text, varchar, char, date, jsonb (a results column)"  # fmt: skip
+#: Groups one tenant aggregate ``BY`` list may have (their values come back to the driver).
+MAX_AGGREGATE_GROUPS = 200_000
 _STAGING_NAME = re.compile(r"^fq_stage_(\d+)_([0-9a-f]{32})$")
 
 
@@ -119,30 +126,56 @@ class Prepared:
     source: tuple[ColumnSpec, ...]
     sink: tuple[ColumnSpec, ...]
     formulas: FormulaSet | None
+    #: What TODAY() is: the date the job was planned (the same for all its batches).
+    today: dt.date
 
     @property
     def fingerprint(self) -> str:
-        text = repr([f.text for f in self.formulas.formulas]) if self.formulas else "transform"
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        """The formula set's content hash (its version), or ``transform``."""
+        return self.formulas.version if self.formulas else "transform"
 
 
-def prepare(pipeline: Pipeline, tenant: str) -> Prepared:
-    """Resolve the tables and parse the tenant's formulas; :class:`FormulaError` if invalid."""
+def prepare(
+    pipeline: Pipeline,
+    tenant: str,
+    *,
+    formulas: list[tuple[str, str]] | None = None,
+    today: dt.date | None = None,
+) -> Prepared:
+    """Resolve the tables and parse the tenant's formulas; :class:`FormulaError` if invalid.
+
+    ``formulas``: the pinned formula set of a planned job (default: the tenant's current one).
+    """
     alias = pipeline.alias
     source = _columns(alias, pipeline.source.table_name, tuple(pipeline.source.columns), "source")
     if pipeline.source.tenant_column is not None:
         _columns(alias, pipeline.source.table_name, (pipeline.source.tenant_column,), "source")
     sink = _columns(alias, pipeline.sink.table_name, pipeline.sink.all_columns, "sink")
-    formulas = None
+    results = pipeline.sink.results
+    for column in sink:
+        if column.kind == "json" and column.name != results:
+            raise PipelineError(
+                f"the sink column {column.name!r} is jsonb: declare it Sink(results=...)"
+            )
+        if column.name == results and column.kind != "json":
+            raise PipelineError(f"the sink's results column {results!r} must be jsonb")
+    parsed = None
     if pipeline.formulas is not None:
-        formulas = parse_formulas(
+        raw = formulas if formulas is not None else pipeline.formulas(tenant)
+        parsed = parse_formulas(
             tenant,
-            pipeline.formulas(tenant),
+            raw,
             columns={c.name: c.kind for c in source},
-            targets=pipeline.sink.columns,
+            targets=None if results else pipeline.sink.columns,
             functions=pipeline.functions,
         )
-    return Prepared(pipeline, tenant, tuple(source), tuple(sink), formulas)
+    return Prepared(pipeline, tenant, tuple(source), tuple(sink), parsed, today or dt.date.today())
+
+
+def current_formulas(pipeline: Pipeline, tenant: str) -> list[tuple[str, str]]:
+    """The tenant's formulas now, as (name, expression) pairs (what a job pins)."""
+    assert pipeline.formulas is not None
+    return split_formulas(pipeline.formulas(tenant))
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,33 +186,60 @@ def _spark_schema(columns: tuple[ColumnSpec, ...]) -> str:
     return ", ".join(f"`{c.name}` {c.spark}" for c in columns)
 
 
-def apply_transform(df: Any, prepared: Prepared) -> Any:
-    """The tenant's formulas (or the pipeline's transform), then the sink's columns and types."""
+def apply_transform(
+    df: Any, prepared: Prepared, names: dict[str, Any] | None = None
+) -> tuple[Any, list[str]]:
+    """The tenant's formulas (or the pipeline's transform), then the sink's columns and types.
+
+    Returns the DataFrame (sink columns, then one boolean error column per rule that can
+    have errors) and the names of the rules those error columns count.
+    """
     from pyspark.sql import functions as F
 
+    from django_fairqueue.pipeline import compile as fc
+
+    present: set[str]
+    errors: dict[str, Any] = {}
+    values: dict[str, Any] = {}
     if prepared.formulas is not None:
-        level: dict[str, Any] = {}
-        for formula in prepared.formulas.formulas:
-            used = _columns_used(formula.spark_sql())
-            if formula.target in level or used & set(level):
-                df = df.withColumns(level)
-                level = {}
-            level[formula.target] = F.expr(formula.spark_sql())
-        if level:
-            df = df.withColumns(level)
+        df, outputs = fc.apply_formulas(
+            df, prepared.formulas, today=prepared.today, names=dict(names or {})
+        )
+        for output in outputs:
+            values[output.name] = fc.quoted(output.name)
+            if output.error_column is not None:
+                errors[output.name] = fc.quoted(output.error_column)
+        present = {c.name for c in prepared.source}
     else:
         assert prepared.pipeline.transform is not None
         df = prepared.pipeline.transform(df, prepared.tenant)
-    present = set(df.columns)
+        present = set(df.columns)
+        values = {name: fc.quoted(name) for name in present}
     selected = []
+    results = prepared.pipeline.sink.results
+    typed = {c.name for c in prepared.sink}
     for column in prepared.sink:
-        value = F.col(f"`{column.name}`") if column.name in present else F.lit(None)
-        selected.append(value.cast(column.spark).alias(column.name))
-    return df.select(*selected)
-
-
-def _columns_used(spark_sql: str) -> set[str]:
-    return {name.replace("``", "`") for name in re.findall(r"`((?:[^`]|``)+)`", spark_sql)}
+        if column.name == results:
+            fields = [values[n].alias(n) for n in values if n not in typed]
+            json = F.to_json(F.struct(*fields)) if fields else F.lit("{}")
+            selected.append(json.alias(column.name))
+            continue
+        if column.name in values:
+            value = values[column.name]
+            cast = value.try_cast(column.spark)
+            if prepared.formulas is not None:
+                # A value the column cannot hold (out of range, not a date...) is an error.
+                bad = value.isNotNull() & cast.isNull()
+                errors[column.name] = (errors[column.name] | bad) if column.name in errors else bad
+            selected.append(cast.alias(column.name))
+        elif column.name in present:
+            selected.append(fc.quoted(column.name).cast(column.spark).alias(column.name))
+        else:
+            selected.append(F.lit(None).cast(column.spark).alias(column.name))
+    counted = list(errors)
+    flags = [F.coalesce(errors[n], F.lit(False)).alias(f"{fc.ERROR_PREFIX}{i}")
+             for i, n in enumerate(counted)]  # fmt: skip
+    return df.select(*selected, *flags), counted
 
 
 @contextmanager
@@ -195,45 +255,23 @@ def _quiet_analysis() -> Iterator[None]:
 
 
 def check_with_spark(spark: Any, prepared: Prepared) -> None:
-    """Let Spark's analyzer check the formulas against the source schema (no data is read).
+    """Let Spark's analyzer check a ``transform`` against the source and sink (no data read).
 
-    Raises :class:`FormulaError` naming the tenant and the first formula Spark rejects.
+    Formulas need no such check: they are typed and compiled to columns of known types.
     """
     from pyspark.errors import PySparkException
 
+    if prepared.formulas is not None:
+        return
     empty = spark.createDataFrame([], _spark_schema(prepared.source))
     with _quiet_analysis():
-        if prepared.formulas is None:
-            try:
-                _ = apply_transform(empty, prepared).schema
-            except PySparkException as exc:
-                raise PipelineError(
-                    f"pipeline {prepared.pipeline.name!r}, tenant {prepared.tenant!r}: the "
-                    f"transform does not fit the source or sink: {_first_line(exc)}"
-                ) from None
-            return
         try:
-            _ = apply_transform(empty, prepared).schema  # one analysis when all is well
-            return
-        except PySparkException as whole:
-            failure = whole
-        # Find the first formula Spark rejects, to name it.
-        df = empty
-        for formula in prepared.formulas.formulas:
-            try:
-                df = df.withColumns({formula.target: _expr(formula.spark_sql())})
-                _ = df.schema
-            except PySparkException as exc:
-                raise FormulaError(prepared.tenant, formula.text, _first_line(exc)) from None
-        raise FormulaError(
-            prepared.tenant, "; ".join(prepared.formulas.targets()), _first_line(failure)
-        ) from None
-
-
-def _expr(text: str) -> Any:
-    from pyspark.sql import functions as F
-
-    return F.expr(text)
+            _ = apply_transform(empty, prepared)[0].schema
+        except PySparkException as exc:
+            raise PipelineError(
+                f"pipeline {prepared.pipeline.name!r}, tenant {prepared.tenant!r}: the "
+                f"transform does not fit the source or sink: {_first_line(exc)}"
+            ) from None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -246,10 +284,12 @@ def staging_name(batch_id: int, lease_token: uuid.UUID) -> str:
 
 @dataclass(frozen=True)
 class Written:
-    """What a Spark job wrote: rows, and the smallest and largest key if it is one integer."""
+    """What a Spark job wrote: rows, the smallest and largest key if it is one integer, and
+    the error values per rule."""
 
     rows: int
     key_range: tuple[int, int] | None
+    errors: dict[str, int]
 
 
 def integer_key(prepared: Prepared) -> bool:
@@ -267,6 +307,7 @@ def run_range(
     staging: datastore.StagingStatements | None = None,
     sink: datastore.SinkWriteSpec | None = None,
     job_group: str | None = None,
+    aggregates: Any = None,
 ) -> Written:
     """One Spark job: read ids start..end in sub-ranges, transform, write.
 
@@ -276,61 +317,145 @@ def run_range(
     """
     if (staging is None) == (sink is None):
         raise ValueError("run_range writes to staging or to the sink: give one of them")
-    pipeline = prepared.pipeline
-    alias = pipeline.alias
     settings = spark_settings()
     parts = settings.partitions or max(1, int(spark.sparkContext.defaultParallelism))
     parts = max(1, min(parts, end_id - start_id + 1))
-    conninfo = executor_conninfo(alias)
-    read = datastore.ReadSpec(
-        conninfo=conninfo,
-        statement=datastore.read_statement(
-            alias,
-            table=pipeline.source.table_name,
-            id_column=pipeline.source.id_column,
-            columns=pipeline.source.columns,
-            tenant_column=pipeline.source.tenant_column,
-        ),
-        start_id=start_id,
-        end_id=end_id,
-        parts=parts,
-        tenant=prepared.tenant if pipeline.source.tenant_column else None,
-        columns=tuple(c.name for c in prepared.source),
-        arrow_types=tuple(c.arrow for c in prepared.source),
-    )
-    from pyspark.sql import functions as F
-
+    batch: dict[str, Any] = {"start_id": start_id, "end_id": end_id}
+    if staging is not None:
+        batch["statements"] = dataclasses.asdict(staging)
+    else:
+        assert sink is not None
+        batch["batch_id"] = sink.batch_id
+        batch["lease_token"] = sink.lease_token
     context = spark.sparkContext
     if job_group is not None:
         context.addJobTag(job_group)  # cancelJobsWithTag(job_group) stops this job
+    context.setLocalProperty(datastore.BATCH_PROPERTY, json.dumps(batch))
     try:
         with warnings.catch_warnings():
             # pyspark 4 warns about pandas 3 on every mapInArrow; the Arrow path uses no pandas.
             warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas")
-            rows = spark.range(0, parts, 1, parts).mapInArrow(
-                partial(datastore.read_sub_ranges, read), _spark_schema(prepared.source)
-            )
-            out = apply_transform(rows, prepared)
-            if staging is not None:
-                key_index = 0 if integer_key(prepared) else None
-                write = datastore.WriteSpec(
-                    conninfo=conninfo, statements=staging, key_index=key_index
-                )
-                out = out.select(F.spark_partition_id().alias("fq_part"), *out.columns)
-                task = partial(datastore.write_staging, write)
-            else:
-                assert sink is not None
-                task = partial(datastore.write_sink, sink)
-            results = out.mapInArrow(task, datastore.WRITTEN_SCHEMA).collect()
+            job = plans.get(spark, prepared, parts, aggregates, sink=sink)
+            results = job.frame.collect()
     finally:
+        context.setLocalProperty(datastore.BATCH_PROPERTY, None)
         if job_group is not None:
             context.removeJobTag(job_group)
+    counted = job.counted
     lows = [int(r[1]) for r in results if r[1] is not None]
     highs = [int(r[2]) for r in results if r[2] is not None]
+    errors = dict.fromkeys(counted, 0)
+    for r in results:
+        for name, count in zip(counted, r[3] or (), strict=False):
+            errors[name] += int(count)
     return Written(
         rows=sum(int(r[0]) for r in results),
         key_range=(min(lows), max(highs)) if lows and highs else None,
+        errors={name: count for name, count in errors.items() if count},
     )
+
+
+@dataclass(frozen=True)
+class _Plan:
+    frame: Any  # the DataFrame of write results; its analysed plan is reused
+    counted: list[str]  # the rules whose error flags the write tasks count
+    aggregates: Any
+    pipeline: Pipeline
+
+
+class _Plans:
+    """The Spark plan of a job's batches, built once per process and formula version.
+
+    A batch's own values (ids, staging table, lease) reach the tasks as a job property
+    (``datastore.BATCH_PROPERTY``), so every batch of a job runs the same DataFrame, analysed
+    and planned once: with hundreds of formulas that saves seconds per batch.
+    """
+
+    size = 16
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[Any, ...], _Plan] = {}
+        self._lock = threading.Lock()
+
+    def get(
+        self,
+        spark: Any,
+        prepared: Prepared,
+        parts: int,
+        aggregates: Any,
+        *,
+        sink: datastore.SinkWriteSpec | None,
+    ) -> _Plan:
+        pipeline = prepared.pipeline
+        conninfo = executor_conninfo(pipeline.alias)
+        if sink is not None:
+            sink = dataclasses.replace(sink, batch_id=0, lease_token="")
+        key = (
+            id(spark),
+            pipeline.name,
+            id(pipeline),  # a Pipeline may hold lists (tenants=[...]): not hashable
+            prepared.tenant,
+            prepared.fingerprint,
+            prepared.today,
+            prepared.source,
+            prepared.sink,
+            parts,
+            conninfo,
+            sink,
+            id(aggregates),
+        )
+        with self._lock:
+            found = self._plans.get(key)
+        if found is not None and found.aggregates is aggregates and found.pipeline is pipeline:
+            return found
+        built = self._build(spark, prepared, parts, aggregates, conninfo, sink)
+        with self._lock:
+            if len(self._plans) >= self.size:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = built
+        return built
+
+    def _build(
+        self,
+        spark: Any,
+        prepared: Prepared,
+        parts: int,
+        aggregates: Any,
+        conninfo: str,
+        sink: datastore.SinkWriteSpec | None,
+    ) -> _Plan:
+        from pyspark.sql import functions as F
+
+        # The ids 0..0 are placeholders: tasks read the batch's range from the job property.
+        rows = _source_frame(spark, prepared, 0, parts - 1, None)
+        names: dict[str, Any] = {}
+        if aggregates is not None:
+            from django_fairqueue.pipeline import compile as fc
+
+            assert prepared.formulas is not None
+            rows, names = fc.join_aggregates(
+                spark, rows, aggregates, today=prepared.today, formulas=prepared.formulas
+            )
+        out, counted = apply_transform(rows, prepared, names)
+        if sink is None:
+            key_index = 0 if integer_key(prepared) else None
+            write = datastore.WriteSpec(
+                conninfo=conninfo,
+                statements=datastore.StagingStatements(clear_part="", copy_in=""),
+                key_index=key_index,
+                error_columns=len(counted),
+            )
+            out = out.select(F.spark_partition_id().alias("fq_part"), *out.columns)
+            task = partial(datastore.write_staging, write)
+        else:
+            task = partial(
+                datastore.write_sink, dataclasses.replace(sink, error_columns=len(counted))
+            )
+        frame = out.mapInArrow(task, datastore.WRITTEN_SCHEMA)
+        return _Plan(frame, counted, aggregates, prepared.pipeline)
+
+
+plans = _Plans()
 
 
 def executor_conninfo(alias: str) -> str:
@@ -373,6 +498,186 @@ class BatchOutcome:
     merge_seconds: float
 
 
+class JobCancelled(RuntimeError):
+    """The batch's job was cancelled (``fairpipeline cancel``): nothing is written."""
+
+
+def pinned(job_name: str, using: str) -> Any:
+    """The job's :class:`~django_fairqueue.models.PipelineJob` (its pinned formulas), or None."""
+    from django_fairqueue.models import PipelineJob
+
+    return PipelineJob.objects.using(using).filter(job_name=job_name).first()
+
+
+def prepare_batch(pipeline: Pipeline, tenant: str, job_name: str) -> Prepared:
+    """:func:`prepare` with the formula set and date the job was planned with."""
+    job = pinned(job_name, pipeline.alias)
+    if job is None:  # planned by batches.plan() directly: today's formulas
+        return prepare(pipeline, tenant)
+    if job.cancelled_at is not None:
+        raise JobCancelled(f"job {job_name} was cancelled at {job.cancelled_at:%Y-%m-%d %H:%M}")
+    formulas = [tuple(pair) for pair in job.formulas] if job.formulas is not None else None
+    return prepare(pipeline, tenant, formulas=formulas, today=job.today)
+
+
+class _AggregateCache:
+    """Phase one's results per job, version and id range: computed by the first batch that
+    needs them, stored with the job (``PipelineJob.aggregates``) so that every batch and every
+    worker of the job uses the same values, and kept by the process."""
+
+    def __init__(self) -> None:
+        self._values: dict[tuple[str, str, int, int], Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, spark: Any, prepared: Prepared, job_name: str, job_group: str | None) -> Any:
+        from django.db.models import Max, Min
+
+        from django_fairqueue.models import WorkBatch
+        from django_fairqueue.pipeline import compile as fc
+
+        assert prepared.formulas is not None
+        bounds = (
+            WorkBatch.objects.using(prepared.pipeline.alias)
+            .filter(job_name=job_name)
+            .aggregate(lo=Min("start_id"), hi=Max("end_id"))
+        )
+        lo, hi = int(bounds["lo"]), int(bounds["hi"])
+        key = (job_name, prepared.formulas.version, lo, hi)
+        with self._lock:
+            if key in self._values:
+                return self._values[key]
+        stored = _stored_aggregates(prepared, job_name, lo, hi)
+        if stored is not None:
+            with self._lock:
+                self._values[key] = stored
+            return stored
+        rows = _source_frame(spark, prepared, lo, hi, job_group)
+        context = spark.sparkContext
+        if job_group is not None:
+            context.addJobTag(job_group)  # a stopping runner cancels this job too
+        try:
+            values = fc.compute_aggregates(
+                rows, prepared.formulas, today=prepared.today, max_groups=MAX_AGGREGATE_GROUPS
+            )
+        except ValueError as exc:
+            raise PipelineError(str(exc)) from None
+        finally:
+            if job_group is not None:
+                context.removeJobTag(job_group)
+        values = _store_aggregates(prepared, job_name, lo, hi, values)
+        with self._lock:
+            self._values = {k: v for k, v in self._values.items() if k[0] != job_name}
+            self._values[key] = values
+        return values
+
+
+aggregate_cache = _AggregateCache()
+
+
+def _json_value(value: Any) -> Any:
+    return value.isoformat() if isinstance(value, dt.date) else value
+
+
+def _typed_value(value: Any, value_type: str) -> Any:
+    from django_fairqueue.pipeline.formulas import DATE_T
+
+    if value is None:
+        return None
+    if value_type == DATE_T:
+        return dt.date.fromisoformat(value)
+    return value
+
+
+def _decode_aggregates(prepared: Prepared, stored: Any) -> Any:
+    """Phase one's values from their JSON form (None if they do not fit the formulas)."""
+    from django_fairqueue.pipeline import compile as fc
+
+    assert prepared.formulas is not None
+    shapes = fc.aggregate_shapes(prepared.formulas)
+    if not isinstance(stored, list) or len(stored) != len(shapes):
+        return None
+    groups = []
+    for (keys, nodes), rows in zip(shapes, stored, strict=True):
+        types = [k.type for k in keys]
+        for node in nodes:
+            types += [node.type, "boolean"]
+        decoded = tuple(
+            tuple(_typed_value(v, t) for v, t in zip(row, types, strict=True)) for row in rows
+        )
+        groups.append((keys, tuple(nodes), decoded))
+    return fc.AggregateValues(groups=tuple(groups))
+
+
+def _stored_aggregates(prepared: Prepared, job_name: str, lo: int, hi: int) -> Any:
+    from django_fairqueue.models import PipelineJob
+
+    assert prepared.formulas is not None
+    job = PipelineJob.objects.using(prepared.pipeline.alias).filter(job_name=job_name).first()
+    if job is None or not job.aggregates:
+        return None
+    saved = job.aggregates
+    if saved.get("version") != prepared.formulas.version or saved.get("range") != [lo, hi]:
+        return None
+    return _decode_aggregates(prepared, saved.get("groups"))
+
+
+def _store_aggregates(prepared: Prepared, job_name: str, lo: int, hi: int, values: Any) -> Any:
+    """Store phase one's values with the job unless another worker stored them first; return
+    the stored ones (so that every worker computes with the same)."""
+    from django_fairqueue.models import PipelineJob
+
+    assert prepared.formulas is not None
+    payload = {
+        "version": prepared.formulas.version,
+        "range": [lo, hi],
+        "groups": [[[_json_value(v) for v in row] for row in rows] for _, _, rows in values.groups],
+    }
+    alias = prepared.pipeline.alias
+    with transaction.atomic(using=alias):
+        job = (
+            PipelineJob.objects.using(alias)
+            .select_for_update()
+            .filter(job_name=job_name, version=prepared.formulas.version)
+            .first()
+        )
+        if job is None:  # planned without pinning: keep them in the process only
+            return values
+        saved = job.aggregates or {}
+        if saved.get("version") == payload["version"] and saved.get("range") == [lo, hi]:
+            stored = _decode_aggregates(prepared, saved.get("groups"))
+            return stored if stored is not None else values
+        job.aggregates = payload
+        job.save(update_fields=["aggregates"])
+    return values
+
+
+def _source_frame(spark: Any, prepared: Prepared, lo: int, hi: int, job_group: str | None) -> Any:
+    """A DataFrame over the tenant's source rows with ids lo..hi (read by Spark tasks)."""
+    pipeline = prepared.pipeline
+    settings = spark_settings()
+    parts = settings.partitions or max(1, int(spark.sparkContext.defaultParallelism))
+    parts = max(1, min(parts, hi - lo + 1))
+    read = datastore.ReadSpec(
+        conninfo=executor_conninfo(pipeline.alias),
+        statement=datastore.read_statement(
+            pipeline.alias,
+            table=pipeline.source.table_name,
+            id_column=pipeline.source.id_column,
+            columns=pipeline.source.columns,
+            tenant_column=pipeline.source.tenant_column,
+        ),
+        start_id=lo,
+        end_id=hi,
+        parts=parts,
+        tenant=prepared.tenant if pipeline.source.tenant_column else None,
+        columns=tuple(c.name for c in prepared.source),
+        arrow_types=tuple(c.arrow for c in prepared.source),
+    )
+    return spark.range(0, parts, 1, parts).mapInArrow(
+        partial(datastore.read_sub_ranges, read), _spark_schema(prepared.source)
+    )
+
+
 def execute_batch(
     spark: Any,
     batch: Any,
@@ -383,18 +688,22 @@ def execute_batch(
     """Run a claimed work batch (``batches.ClaimedBatch``) end to end; see the module doc.
 
     Raises ``LeaseLost`` if the lease was lost (nothing written by this run after the loss),
-    :class:`FormulaError` for a bad formula, or whatever Spark or the database raised; the
-    staging table (atomic sinks) is dropped in every case.
+    :class:`FormulaError` for a bad formula, :class:`JobCancelled` for a cancelled job, or
+    whatever Spark or the database raised; the staging table (atomic sinks) is dropped in
+    every case.
     """
     started = time.monotonic()
     name, tenant = parse_job_name(batch.job_name)
     pipeline = registry.get(name)
-    prepared = prepare(pipeline, tenant)
+    prepared = prepare_batch(pipeline, tenant, batch.job_name)
     checked.ensure(spark, prepared)
+    aggregates = None
+    if prepared.formulas is not None and prepared.formulas.aggregates:
+        aggregates = aggregate_cache.get(spark, prepared, batch.job_name, job_group)
     if pipeline.sink.atomic:
-        rows, spark_done = _run_atomic(spark, batch, prepared, job_group, lease_lost)
+        rows, spark_done = _run_atomic(spark, batch, prepared, job_group, lease_lost, aggregates)
     else:
-        rows, spark_done = _run_direct(spark, batch, prepared, job_group)
+        rows, spark_done = _run_direct(spark, batch, prepared, job_group, aggregates)
     finished = time.monotonic()
     return BatchOutcome(
         batch_id=batch.id,
@@ -405,12 +714,30 @@ def execute_batch(
     )
 
 
+def _settle_job(alias: str, job_name: str, errors: dict[str, int]) -> None:
+    """Inside the batch's fence: refuse if the job was cancelled, add the error counts."""
+    from django_fairqueue.models import PipelineJob
+
+    job = PipelineJob.objects.using(alias).select_for_update().filter(job_name=job_name).first()
+    if job is None:
+        return
+    if job.cancelled_at is not None:
+        raise JobCancelled(f"job {job_name} was cancelled while the batch ran; not written")
+    if errors:
+        merged = dict(job.errors or {})
+        for rule, count in errors.items():
+            merged[rule] = int(merged.get(rule, 0)) + count
+        job.errors = merged
+        job.save(update_fields=["errors"])
+
+
 def _run_atomic(
     spark: Any,
     batch: Any,
     prepared: Prepared,
     job_group: str | None,
     lease_lost: Callable[[], bool],
+    aggregates: Any = None,
 ) -> tuple[int, float]:
     """Spark tasks stage the rows; the driver merges them under the fence (all or nothing)."""
     from django_fairqueue import batches
@@ -424,12 +751,19 @@ def _run_atomic(
     )
     try:
         written = run_range(
-            spark, prepared, batch.start_id, batch.end_id, staging=statements, job_group=job_group
+            spark,
+            prepared,
+            batch.start_id,
+            batch.end_id,
+            staging=statements,
+            job_group=job_group,
+            aggregates=aggregates,
         )
         spark_done = time.monotonic()
         if lease_lost():
             raise LeaseLost(f"work batch {batch.id}: lease lost while Spark ran; not written")
         with batches.fenced(batch, using=alias) as fence:
+            _settle_job(alias, batch.job_name, written.errors)
             if written.rows:
                 datastore.merge_staging(
                     alias,
@@ -447,7 +781,7 @@ def _run_atomic(
 
 
 def _run_direct(
-    spark: Any, batch: Any, prepared: Prepared, job_group: str | None
+    spark: Any, batch: Any, prepared: Prepared, job_group: str | None, aggregates: Any = None
 ) -> tuple[int, float]:
     """``atomic=False``: Spark tasks upsert into the sink, each in its own transaction fenced on
     the lease; the driver then completes the batch (no writes of its own)."""
@@ -468,7 +802,13 @@ def _run_direct(
     )
     try:
         written = run_range(
-            spark, prepared, batch.start_id, batch.end_id, sink=spec, job_group=job_group
+            spark,
+            prepared,
+            batch.start_id,
+            batch.end_id,
+            sink=spec,
+            job_group=job_group,
+            aggregates=aggregates,
         )
     except Exception as exc:
         if datastore.LeaseLostInTask.MARKER in str(exc):
@@ -478,6 +818,7 @@ def _run_direct(
         raise
     spark_done = time.monotonic()
     with batches.fenced(batch, using=alias) as fence:
+        _settle_job(alias, batch.job_name, written.errors)
         fence.rows_processed = written.rows
     return written.rows, spark_done
 

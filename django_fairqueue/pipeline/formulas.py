@@ -1,51 +1,32 @@
-"""Tenant formulas: ``total = price * qty``, parsed and checked before any job starts.
+"""Tenant formulas: a spreadsheet-like language, parsed and type-checked before any job starts.
 
-A formula is ``target = expression``; the expression is a small, safe subset of Spark SQL:
-numbers, strings, ``TRUE``/``FALSE``/``NULL``, columns, arithmetic (``+ - * / %``), comparisons,
-``AND``/``OR``/``NOT``, ``IS [NOT] NULL``, ``[NOT] BETWEEN``, ``[NOT] IN (...)``,
-``CASE WHEN ... THEN ... [ELSE ...] END``, ``CAST(x AS type)`` and calls of allow-listed
-functions. Anything else (sub-queries, ``;``, comments, unknown columns or functions) is refused
-with a :class:`FormulaError` naming the tenant and the formula.
+A formula is ``name = expression`` (an expression may start with ``=``, as in a spreadsheet
+cell): ``total = IF(qty > 0, price * qty, 0)``, ``label = UPPER(LEFT(city, 3)) & "-" & id``,
+``share = total / SUM(total BY region)``. The grammar is an LALR grammar run by `lark
+<https://github.com/lark-parser/lark>`_ (no recursion while parsing, so no input can exhaust
+Python's stack); this module turns lark's tree into a small typed tree (:class:`Node`) after
+checking its depth and size, and checks every name, function, argument count and type. No
+Spark session is needed for any of it: :mod:`.compile` turns a checked tree into PySpark
+``Column`` objects (never SQL text) when a batch runs.
 
-The parsed tree renders both as Spark SQL (what the pipeline runs) and as PostgreSQL (the same
-formulas as one ``INSERT ... SELECT``: the benchmark's baseline and the tests' oracle).
+Types: number, text, boolean, date, and the blank (``NULL``/a missing value). Errors (a
+division by zero, ``SQRT(-1)``, ``VALUE("abc")``, ...) are values, as in a spreadsheet: the
+cell is empty and the rule's error count goes up; they never fail a batch.
+
 This module needs neither Django's app registry nor PySpark.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
-from psycopg import sql
-
-#: Functions a formula may call, by default: Spark SQL name -> PostgreSQL name.
-DEFAULT_FUNCTIONS: Mapping[str, str] = {
-    "abs": "abs",
-    "round": "round",
-    "floor": "floor",
-    "ceil": "ceil",
-    "ceiling": "ceil",
-    "sqrt": "sqrt",
-    "exp": "exp",
-    "ln": "ln",
-    "log10": "log10",
-    "power": "power",
-    "pow": "power",
-    "sign": "sign",
-    "greatest": "greatest",
-    "least": "least",
-    "coalesce": "coalesce",
-    "nullif": "nullif",
-    "lower": "lower",
-    "upper": "upper",
-    "length": "length",
-    "trim": "trim",
-}
-
-#: Column kinds of the small type system used to render the same meaning in both dialects.
+#: Kinds of source and sink columns (from their PostgreSQL types; see execute.py).
 INT, FLOAT, DECIMAL, STR, BOOL, DATE, NULL = (
     "int",
     "float",
@@ -57,37 +38,19 @@ INT, FLOAT, DECIMAL, STR, BOOL, DATE, NULL = (
 )
 NUMERIC_KINDS = (INT, FLOAT, DECIMAL)
 
-#: CAST(x AS type): accepted Spark type names -> (kind, PostgreSQL type).
-CAST_TYPES: Mapping[str, tuple[str, str]] = {
-    "int": (INT, "integer"),
-    "integer": (INT, "integer"),
-    "bigint": (INT, "bigint"),
-    "long": (INT, "bigint"),
-    "double": (FLOAT, "double precision"),
-    "float": (FLOAT, "double precision"),
-    "string": (STR, "text"),
-    "boolean": (BOOL, "boolean"),
-    "date": (DATE, "date"),
-}
+#: Types of formula values.
+NUMBER, TEXT, BOOLEAN, DATE_T, BLANK = "number", "text", "boolean", "date", "blank"
+_KIND_TYPE = {INT: NUMBER, FLOAT: NUMBER, DECIMAL: NUMBER, STR: TEXT, BOOL: BOOLEAN, DATE: DATE_T}
 
-_KEYWORDS = {
-    "and", "or", "not", "is", "null", "true", "false", "between", "in", "case", "when", "then",
-    "else", "end", "cast", "as", "decimal",
-}  # fmt: skip
-_TOKEN = re.compile(
-    r"""
-    (?P<space>\s+)
-  | (?P<number>(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)
-  | (?P<string>'(?:[^'\\]|''|\\.)*')
-  | (?P<quoted>`(?:[^`]|``)+`)
-  | (?P<name>[A-Za-z_][A-Za-z0-9_]*)
-  | (?P<op><=|>=|<>|!=|==|[-+*/%(),<>=])
-    """,
-    re.VERBOSE,
-)
+#: Limits, checked before anything recursive runs.
+MAX_FORMULA_LENGTH = 8192  # characters of one expression (a spreadsheet cell's limit)
+MAX_DEPTH = 64  # nesting of one expression (a spreadsheet's function nesting limit)
+MAX_NODES = 2000  # operators, calls, names and constants in one expression
+MAX_RULES = 2000  # formulas of one tenant
+MAX_TOTAL_NODES = 200_000  # over all of a tenant's formulas
+MAX_CHAIN_DEPTH = 400  # nesting once each rule's references to earlier rules are counted
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _TARGET = re.compile(r"^\s*`?([A-Za-z_][A-Za-z0-9_]*)`?\s*=(?!=)\s*(.*)$", re.DOTALL)
-MAX_FORMULA_LENGTH = 4000
-MAX_DEPTH = 60
 
 
 class FormulaError(ValueError):
@@ -105,518 +68,761 @@ class _Invalid(Exception):
 
 
 # --------------------------------------------------------------------------------------------
-# Tree
+# Grammar
+
+GRAMMAR = r"""
+?start: expr
+?expr: or_expr
+?or_expr: and_expr | or_expr OR and_expr -> or_op
+?and_expr: not_expr | and_expr AND not_expr -> and_op
+?not_expr: comparison | NOT not_expr -> not_op
+?comparison: concat
+    | concat CMP concat -> compare
+    | concat IS NULL -> is_null
+    | concat IS NOT NULL -> is_not_null
+    | concat BETWEEN concat AND concat -> between
+    | concat NOT BETWEEN concat AND concat -> not_between
+    | concat IN "(" expr ("," expr)* ")" -> in_list
+    | concat NOT IN "(" expr ("," expr)* ")" -> not_in_list
+?concat: sum | concat "&" sum -> concat
+?sum: product | sum ADDOP product -> arith
+?product: power | product MULOP power -> arith
+?power: unary | power POWOP unary -> arith
+?unary: atom | ADDOP unary -> unary
+?atom: NUMBER -> number
+    | STRING -> string
+    | TRUE -> true
+    | FALSE -> false
+    | NULL -> null
+    | NAME -> name
+    | QUOTED -> name
+    | NAME "(" [args] [by] ")" -> call
+    | CASE (WHEN expr THEN expr)+ [ELSE expr] END -> case
+    | CAST "(" expr AS NAME ["(" NUMBER ["," NUMBER] ")"] ")" -> cast
+    | "(" expr ")"
+args: expr ("," expr)*
+by: BY expr ("," expr)*
+CMP: "<=" | ">=" | "<>" | "!=" | "==" | "=" | "<" | ">"
+ADDOP: "+" | "-"
+MULOP: "*" | "/" | "%"
+POWOP: "^"
+OR: "OR"i
+AND: "AND"i
+NOT: "NOT"i
+IS: "IS"i
+NULL: "NULL"i
+BETWEEN: "BETWEEN"i
+IN: "IN"i
+TRUE: "TRUE"i
+FALSE: "FALSE"i
+CASE: "CASE"i
+WHEN: "WHEN"i
+THEN: "THEN"i
+ELSE: "ELSE"i
+END: "END"i
+CAST: "CAST"i
+AS: "AS"i
+BY: "BY"i
+NAME: /[A-Za-z_][A-Za-z0-9_]*/i
+QUOTED: /`(?:[^`]|``)+`/
+NUMBER: /(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?/
+STRING: /"(?:[^"]|"")*"/ | /'(?:[^']|'')*'/
+%ignore /[ \t\r\n]+/
+"""
+
+
+@cache
+def _parser() -> Any:
+    try:
+        from lark import Lark
+    except ImportError:
+        raise ImportError(
+            "the pipeline's formulas need lark: pip install 'django-fairqueue[pipeline]'"
+        ) from None
+
+    return Lark(GRAMMAR, parser="lalr", lexer="contextual", maybe_placeholders=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Typed tree
 
 
 @dataclass(frozen=True)
 class Node:
-    kind: str = field(default="", compare=False)
+    """A checked expression: ``op`` with typed ``args``.
 
+    ``op``: ``const`` (``value``), ``col`` (a source column), ``ref`` (an earlier rule),
+    ``agg`` (a tenant aggregate: ``value`` is the function, ``args`` its argument then the
+    ``BY`` expressions), ``case`` (condition, value, ..., [default]), ``cast`` (``value``: the
+    target type), or an operator or function name (``+``, ``=``, ``and``, ``concat``, ``IF``, ...).
+    ``fallible``: whether evaluating it (or a part of it) can give an error value.
+    """
 
-@dataclass(frozen=True)
-class Literal(Node):
-    text: str = ""  # a number as written, or TRUE/FALSE/NULL
-    value: str | None = None  # a string literal's value
-
-
-@dataclass(frozen=True)
-class Column(Node):
-    name: str = ""
-
-
-@dataclass(frozen=True)
-class Call(Node):
-    name: str = ""
+    op: str
+    type: str
     args: tuple[Node, ...] = ()
+    value: Any = None
+    fallible: bool = False
+
+    def key(self) -> str:
+        """A canonical text of the tree (equal trees, equal keys)."""
+        return json.dumps(_plain(self), separators=(",", ":"), default=str)
+
+
+def _plain(node: Node) -> Any:
+    return [node.op, node.type, node.value, [_plain(a) for a in node.args]]
+
+
+def _node(op: str, type_: str, args: Sequence[Node] = (), value: Any = None,
+          fallible: bool = False) -> Node:  # fmt: skip
+    return Node(op, type_, tuple(args), value, fallible or any(a.fallible for a in args))
 
 
 @dataclass(frozen=True)
-class Unary(Node):
-    op: str = ""
-    operand: Node = field(default_factory=Node)
+class Function:
+    """A function's signature: argument counts and the types it takes and gives."""
+
+    name: str
+    min_args: int
+    max_args: int | None  # None: any number
+    check: Callable[[list[Node]], tuple[str, bool]]  # -> (result type, can give an error)
+    summary: str
+    example: str
+    aggregate: bool = False
 
 
-@dataclass(frozen=True)
-class Binary(Node):
-    op: str = ""
-    left: Node = field(default_factory=Node)
-    right: Node = field(default_factory=Node)
+def _require(node: Node, types: Sequence[str], what: str) -> None:
+    if node.type not in (*types, BLANK):
+        raise _Invalid(f"{what} needs {' or '.join(types)}, got {node.type}")
 
 
-@dataclass(frozen=True)
-class IsNull(Node):
-    operand: Node = field(default_factory=Node)
-    negated: bool = False
+def _common(nodes: Sequence[Node], what: str) -> str:
+    types = {n.type for n in nodes} - {BLANK}
+    if not types:
+        return BLANK
+    if len(types) == 1:
+        return types.pop()
+    raise _Invalid(f"{what} mixes {' and '.join(sorted(types))}")
 
 
-@dataclass(frozen=True)
-class Between(Node):
-    operand: Node = field(default_factory=Node)
-    low: Node = field(default_factory=Node)
-    high: Node = field(default_factory=Node)
-    negated: bool = False
+def _numbers(result: str = NUMBER, fallible: bool = False) -> Callable[[list[Node]], Any]:
+    def check(args: list[Node]) -> tuple[str, bool]:
+        for i, arg in enumerate(args):
+            _require(arg, (NUMBER,), f"argument {i + 1}")
+        return result, fallible
+
+    return check
 
 
-@dataclass(frozen=True)
-class InList(Node):
-    operand: Node = field(default_factory=Node)
-    items: tuple[Node, ...] = ()
-    negated: bool = False
+def _texts(result: str = TEXT, fallible: bool = False, numbers_after: int = 1) -> Any:
+    """First ``numbers_after`` arguments are text (any value converts), the rest numbers."""
+
+    def check(args: list[Node]) -> tuple[str, bool]:
+        for i, arg in enumerate(args[numbers_after:], start=numbers_after):
+            _require(arg, (NUMBER,), f"argument {i + 1}")
+        return result, fallible
+
+    return check
 
 
-@dataclass(frozen=True)
-class Case(Node):
-    whens: tuple[tuple[Node, Node], ...] = ()
-    default: Node | None = None
+def _all_texts(result: str = TEXT) -> Any:
+    def check(args: list[Node]) -> tuple[str, bool]:
+        return result, False
+
+    return check
 
 
-@dataclass(frozen=True)
-class Cast(Node):
-    operand: Node = field(default_factory=Node)
-    spark_type: str = ""
-    pg_type: str = ""
+def constant_number(node: Node) -> float | None:
+    """The value of a number constant (``2``, ``-2``), else None."""
+    if node.op == "neg":
+        inner = constant_number(node.args[0])
+        return None if inner is None else -inner
+    if node.op == "const" and node.type == NUMBER:
+        return float(node.value)
+    return None
+
+
+def _check_round(args: list[Node]) -> tuple[str, bool]:
+    _numbers()(args)
+    if len(args) > 1:
+        digits = constant_number(args[1])
+        if digits is None or digits != int(digits) or not -20 <= digits <= 20:
+            raise _Invalid("the number of digits must be a whole number from -20 to 20")
+    return NUMBER, False
+
+
+def _check_if(args: list[Node]) -> tuple[str, bool]:
+    _require(args[0], (BOOLEAN,), "IF's condition")
+    return _common(args[1:], "IF's values"), False
+
+
+def _check_ifs(args: list[Node]) -> tuple[str, bool]:
+    if len(args) % 2:
+        raise _Invalid("IFS takes pairs: condition, value, condition, value, ...")
+    for condition in args[0::2]:
+        _require(condition, (BOOLEAN,), "IFS's conditions")
+    return _common(args[1::2], "IFS's values"), True  # no condition true: an error (#N/A)
+
+
+def _check_logical(args: list[Node]) -> tuple[str, bool]:
+    for arg in args:
+        _require(arg, (BOOLEAN,), "a logical function")
+    return BOOLEAN, False
+
+
+def _check_same(what: str) -> Callable[[list[Node]], tuple[str, bool]]:
+    def check(args: list[Node]) -> tuple[str, bool]:
+        return _common(args, what), False
+
+    return check
+
+
+def _check_minmax(args: list[Node]) -> tuple[str, bool]:
+    kind = _common(args, "MIN/MAX")
+    if kind not in (NUMBER, DATE_T, TEXT, BLANK):
+        raise _Invalid(f"MIN/MAX need numbers, dates or text, got {kind}")
+    return kind if kind != BLANK else NUMBER, False
+
+
+def _check_any(result: str, fallible: bool = False) -> Callable[[list[Node]], tuple[str, bool]]:
+    return lambda args: (result, fallible)
+
+
+def _check_date(args: list[Node]) -> tuple[str, bool]:
+    _numbers()(args)
+    return DATE_T, True  # a year out of 1..9999
+
+
+def _check_date_part(args: list[Node]) -> tuple[str, bool]:
+    _require(args[0], (DATE_T,), "a date function")
+    return NUMBER, False
+
+
+def _check_edate(args: list[Node]) -> tuple[str, bool]:
+    _require(args[0], (DATE_T,), "argument 1")
+    _require(args[1], (NUMBER,), "argument 2")
+    return DATE_T, False
+
+
+def _check_days(args: list[Node]) -> tuple[str, bool]:
+    for arg in args:
+        _require(arg, (DATE_T,), "DAYS")
+    return NUMBER, False
+
+
+def _check_datedif(args: list[Node]) -> tuple[str, bool]:
+    _require(args[0], (DATE_T,), "DATEDIF's start")
+    _require(args[1], (DATE_T,), "DATEDIF's end")
+    unit = args[2]
+    if unit.op != "const" or not isinstance(unit.value, str) or unit.value.upper() not in (
+        "D", "M", "Y"
+    ):  # fmt: skip
+        raise _Invalid('DATEDIF\'s unit must be "D", "M" or "Y"')
+    return NUMBER, True  # start after end: an error
+
+
+def _check_aggregate(numeric: bool) -> Callable[[list[Node]], tuple[str, bool]]:
+    def check(args: list[Node]) -> tuple[str, bool]:
+        if numeric:
+            _require(args[0], (NUMBER,), "the aggregate")
+        return NUMBER, True  # over an error: an error; AVERAGE of nothing: an error
+
+    return check
+
+
+def _check_agg_minmax(args: list[Node]) -> tuple[str, bool]:
+    _require(args[0], (NUMBER, DATE_T), "MIN/MAX")
+    return (args[0].type if args[0].type != BLANK else NUMBER), True
+
+
+def _f(name: str, lo: int, hi: int | None, check: Any, summary: str, example: str,
+       aggregate: bool = False) -> Function:  # fmt: skip
+    return Function(name, lo, hi, check, summary, example, aggregate)
+
+
+#: Every function of the language, by upper-case name (the reference table of the how-to is
+#: this table). Names are case-insensitive.
+FUNCTIONS: dict[str, Function] = {
+    f.name: f
+    for f in [
+        # logic
+        _f("IF", 2, 3, _check_if, "value by condition; blank if false and no else",
+           'IF(qty > 10, "bulk", "retail")'),
+        _f("IFS", 2, None, _check_ifs, "the value of the first true condition; none: error",
+           'IFS(total >= 500, "high", total >= 100, "mid", TRUE, "low")'),
+        _f("AND", 1, None, _check_logical, "all true (blank is false)", "AND(qty > 0, price > 0)"),
+        _f("OR", 1, None, _check_logical, "any true", "OR(qty = 0, ISBLANK(price))"),
+        _f("NOT", 1, 1, _check_logical, "not", "NOT(ISBLANK(note))"),
+        _f("XOR", 1, None, _check_logical, "an odd number true", "XOR(a > 0, b > 0)"),
+        _f("IFERROR", 2, 2, _check_same("IFERROR"), "the value, or the second if it is an error",
+           "IFERROR(price / qty, 0)"),
+        _f("ISERROR", 1, 1, _check_any(BOOLEAN), "whether the value is an error",
+           "ISERROR(price / qty)"),
+        _f("ISBLANK", 1, 1, _check_any(BOOLEAN), "whether the value is blank", "ISBLANK(note)"),
+        _f("COALESCE", 1, None, _check_same("COALESCE"), "the first non-blank value",
+           'COALESCE(note, "n/a")'),
+        _f("NULLIF", 2, 2, _check_same("NULLIF"), "blank if both are equal, else the first",
+           "NULLIF(qty, 0)"),
+        # numbers
+        _f("ROUND", 1, 2, _check_round, "round half away from zero to n digits (default 0)",
+           "ROUND(price * 1.2, 2)"),
+        _f("ABS", 1, 1, _numbers(), "absolute value", "ABS(delta)"),
+        _f("SIGN", 1, 1, _numbers(), "-1, 0 or 1", "SIGN(delta)"),
+        _f("INT", 1, 1, _numbers(), "round down to an integer", "INT(price)"),
+        _f("FLOOR", 1, 1, _numbers(), "round down to an integer", "FLOOR(price)"),
+        _f("CEILING", 1, 1, _numbers(), "round up to an integer", "CEILING(price)"),
+        _f("CEIL", 1, 1, _numbers(), "same as CEILING", "CEIL(price)"),
+        _f("MOD", 2, 2, _numbers(fallible=True), "remainder, with the divisor's sign; "
+           "divisor 0: error", "MOD(id, 7)"),
+        _f("POWER", 2, 2, _numbers(fallible=True), "x to the power y; no real result: error",
+           "POWER(1 + rate, years)"),
+        _f("POW", 2, 2, _numbers(fallible=True), "same as POWER", "POW(2, 10)"),
+        _f("SQRT", 1, 1, _numbers(fallible=True), "square root; negative: error", "SQRT(area)"),
+        _f("EXP", 1, 1, _numbers(fallible=True), "e to the power x", "EXP(rate)"),
+        _f("LN", 1, 1, _numbers(fallible=True), "natural logarithm; x <= 0: error", "LN(price)"),
+        _f("LOG10", 1, 1, _numbers(fallible=True), "base-10 logarithm; x <= 0: error",
+           "LOG10(price)"),
+        _f("MIN", 1, None, _check_minmax, "one argument: the tenant's minimum (aggregate); "
+           "several: the smallest, blanks ignored", "MIN(price, 100)"),
+        _f("MAX", 1, None, _check_minmax, "one argument: the tenant's maximum (aggregate); "
+           "several: the largest, blanks ignored", "MAX(price - discount, 0)"),
+        _f("LEAST", 1, None, _check_minmax, "the smallest (blanks ignored)", "LEAST(a, b)"),
+        _f("GREATEST", 1, None, _check_minmax, "the largest (blanks ignored)", "GREATEST(a, 0)"),
+        _f("SUM", 1, None, _numbers(), "one argument: the tenant's total (aggregate); several: "
+           "their sum, blanks as 0", "SUM(price, tax, shipping)"),
+        _f("AVERAGE", 1, None, _numbers(fallible=True), "one argument: the tenant's mean "
+           "(aggregate); several: the mean of the non-blank ones", "AVERAGE(q1, q2, q3, q4)"),
+        _f("COUNT", 1, 1, _check_aggregate(False), "the tenant's number of non-blank values "
+           "(aggregate)", "COUNT(price BY region)"),
+        _f("VALUE", 1, 1, _all_texts(NUMBER), "text to a number; not a number: error",
+           'VALUE("12.5")'),
+        # text
+        _f("CONCAT", 1, None, _all_texts(), "the values joined as text (blank as \"\"); "
+           "same as &", 'CONCAT(city, ", ", country)'),
+        _f("CONCATENATE", 1, None, _all_texts(), "same as CONCAT", 'CONCATENATE(a, "-", b)'),
+        _f("LEFT", 1, 2, _texts(fallible=True), "the first n characters (default 1); "
+           "n < 0: error", "LEFT(sku, 3)"),
+        _f("RIGHT", 1, 2, _texts(fallible=True), "the last n characters (default 1); "
+           "n < 0: error", "RIGHT(sku, 2)"),
+        _f("MID", 3, 3, _texts(fallible=True), "n characters from position start (from 1); "
+           "start < 1 or n < 0: error", "MID(sku, 2, 3)"),
+        _f("LEN", 1, 1, _all_texts(NUMBER), "number of characters", "LEN(TRIM(name))"),
+        _f("LENGTH", 1, 1, _all_texts(NUMBER), "same as LEN", "LENGTH(name)"),
+        _f("UPPER", 1, 1, _all_texts(), "upper case", "UPPER(country)"),
+        _f("LOWER", 1, 1, _all_texts(), "lower case", "LOWER(email)"),
+        _f("TRIM", 1, 1, _all_texts(), "spaces removed at both ends, runs of spaces made one",
+           "TRIM(name)"),
+        _f("SUBSTITUTE", 3, 3, _all_texts(), "every occurrence of old replaced by new",
+           'SUBSTITUTE(phone, "-", "")'),
+        # dates
+        _f("DATE", 3, 3, _check_date, "the date of year, month, day (months and days past "
+           "the end roll over); year outside 1-9999: error", "DATE(2026, 12, 31)"),
+        _f("DATEVALUE", 1, 1, _all_texts(DATE_T), "text (YYYY-MM-DD) to a date; not a date: "
+           "error", 'DATEVALUE("2026-11-25")'),
+        _f("YEAR", 1, 1, _check_date_part, "the year of a date", "YEAR(ordered_on)"),
+        _f("MONTH", 1, 1, _check_date_part, "the month (1-12)", "MONTH(ordered_on)"),
+        _f("DAY", 1, 1, _check_date_part, "the day of the month (1-31)", "DAY(ordered_on)"),
+        _f("WEEKDAY", 1, 1, _check_date_part, "1 (Sunday) to 7 (Saturday)",
+           "WEEKDAY(ordered_on)"),
+        _f("TODAY", 0, 0, _check_any(DATE_T), "the job's date (the same for every batch of a "
+           "job: pinned when the job is planned)", "TODAY() - ordered_on"),
+        _f("DAYS", 2, 2, _check_days, "days from start to end: DAYS(end, start)",
+           "DAYS(TODAY(), ordered_on)"),
+        _f("DATEDIF", 3, 3, _check_datedif, 'whole days ("D"), months ("M") or years ("Y") '
+           "from start to end; start after end: error", 'DATEDIF(born_on, TODAY(), "Y")'),
+        _f("EDATE", 2, 2, _check_edate, "the date n months later (earlier if n < 0)",
+           "EDATE(ordered_on, 3)"),
+        _f("EOMONTH", 2, 2, _check_edate, "the last day of the month n months later",
+           "EOMONTH(ordered_on, 0)"),
+    ]
+}  # fmt: skip
+#: The tenant aggregates (one argument, optionally ``BY`` expressions).
+AGGREGATES = ("SUM", "AVERAGE", "COUNT", "MIN", "MAX")
+#: Functions a pipeline allows by default: all of them.
+DEFAULT_FUNCTIONS: frozenset[str] = frozenset(FUNCTIONS)
+
+#: CAST(x AS type): accepted type names -> value type.
+CAST_TYPES: Mapping[str, str] = {
+    "int": NUMBER,
+    "integer": NUMBER,
+    "bigint": NUMBER,
+    "long": NUMBER,
+    "double": NUMBER,
+    "float": NUMBER,
+    "decimal": NUMBER,
+    "numeric": NUMBER,
+    "number": NUMBER,
+    "string": TEXT,
+    "text": TEXT,
+    "varchar": TEXT,
+    "boolean": BOOLEAN,
+    "date": DATE_T,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# From lark's tree to a checked Node
+
+
+def _depth_and_size(tree: Any) -> tuple[int, int]:
+    """Nesting depth and node count of a lark tree, without recursion."""
+    from lark import Tree
+
+    deepest, count = 0, 0
+    stack: list[tuple[Any, int]] = [(tree, 1)]
+    while stack:
+        item, depth = stack.pop()
+        count += 1
+        deepest = max(deepest, depth)
+        if isinstance(item, Tree):
+            stack.extend((child, depth + 1) for child in item.children if child is not None)
+    return deepest, count
+
+
+def _expression_depth(tree: Any) -> int:
+    """Nesting counted as a reader counts it: operators and calls, not lark's helper rules."""
+    from lark import Tree
+
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(tree, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if not isinstance(item, Tree):
+            continue
+        here = depth if item.data in ("args", "by") else depth + 1
+        deepest = max(deepest, here)
+        stack.extend((child, here) for child in item.children if child is not None)
+    return deepest
+
+
+class _Builder:
+    def __init__(
+        self,
+        columns: Mapping[str, str],
+        rules: Mapping[str, Node],
+        functions: frozenset[str],
+    ) -> None:
+        self.columns = columns  # source column -> value type
+        self.rules = rules  # earlier rule -> its checked tree
+        self.functions = functions
+        self.in_aggregate = False
+
+    def build(self, tree: Any) -> Node:
+        from lark import Token
+
+        if isinstance(tree, Token):  # a bare "(expr)" never reaches here; names do
+            raise _Invalid(f"unexpected {tree!s}")
+        method = getattr(self, f"_{tree.data}", None)
+        if method is None:
+            raise _Invalid(f"unsupported construct {tree.data}")
+        node: Node = method(*tree.children)
+        return node
+
+    # constants
+    def _number(self, token: Any) -> Node:
+        value = float(token)
+        if value != value or value in (float("inf"), float("-inf")):
+            raise _Invalid(f"number out of range: {token}")
+        return _node("const", NUMBER, value=value)
+
+    def _string(self, token: Any) -> Node:
+        quote = token[0]
+        return _node("const", TEXT, value=token[1:-1].replace(quote * 2, quote))
+
+    def _true(self, _: Any) -> Node:
+        return _node("const", BOOLEAN, value=True)
+
+    def _false(self, _: Any) -> Node:
+        return _node("const", BOOLEAN, value=False)
+
+    def _null(self, _: Any) -> Node:
+        return _node("const", BLANK)
+
+    def _name(self, token: Any) -> Node:
+        name = str(token)
+        if name.startswith("`"):
+            name = name[1:-1].replace("``", "`")
+        if name in self.rules:
+            rule = self.rules[name]
+            if self.in_aggregate and _has_aggregate(rule):
+                raise _Invalid(f"an aggregate's argument uses {name!r}, itself an aggregate")
+            return _node("ref", rule.type, value=name, fallible=rule.fallible)
+        if name in self.columns:
+            return _node("col", self.columns[name], value=name)
+        known = ", ".join(sorted({*self.columns, *self.rules})) or "none"
+        raise _Invalid(f"unknown name {name!r} (known: {known})")
+
+    # operators
+    def _unary(self, op: Any, operand: Any) -> Node:
+        node = self.build(operand)
+        _require(node, (NUMBER,), f"unary {op}")
+        return node if str(op) == "+" else _node("neg", NUMBER, [node])
+
+    def _arith(self, left: Any, op: Any, right: Any) -> Node:
+        a, b = self.build(left), self.build(right)
+        symbol = str(op)
+        if symbol in ("+", "-") and DATE_T in (a.type, b.type):
+            if symbol == "-" and a.type == DATE_T and b.type == DATE_T:
+                return _node("days", NUMBER, [a, b])
+            date, number = (a, b) if a.type == DATE_T else (b, a)
+            if symbol == "-" and date is b:
+                raise _Invalid("a number minus a date means nothing; subtract dates or days")
+            _require(number, (NUMBER,), f"date {symbol}")
+            return _node("date+" if symbol == "+" else "date-", DATE_T, [date, number])
+        _require(a, (NUMBER,), symbol)
+        _require(b, (NUMBER,), symbol)
+        fallible = symbol in ("/", "%", "^", "*")  # division by zero; overflow; no real power
+        return _node(symbol, NUMBER, [a, b], fallible=fallible)
+
+    def _concat(self, left: Any, right: Any) -> Node:
+        return _node("CONCAT", TEXT, [self.build(left), self.build(right)])
+
+    def _compare(self, left: Any, op: Any, right: Any) -> Node:
+        a, b = self.build(left), self.build(right)
+        _common([a, b], f"comparison {op}")
+        symbol = {"==": "=", "!=": "<>"}.get(str(op), str(op))
+        return _node(symbol, BOOLEAN, [a, b])
+
+    def _logical(self, op: str, left: Any, right: Any) -> Node:
+        a, b = self.build(left), self.build(right)
+        _require(a, (BOOLEAN,), op.upper())
+        _require(b, (BOOLEAN,), op.upper())
+        return _node(op.upper(), BOOLEAN, [a, b])
+
+    def _or_op(self, left: Any, _: Any, right: Any) -> Node:
+        return self._logical("or", left, right)
+
+    def _and_op(self, left: Any, _: Any, right: Any) -> Node:
+        return self._logical("and", left, right)
+
+    def _not_op(self, _: Any, operand: Any) -> Node:
+        node = self.build(operand)
+        _require(node, (BOOLEAN,), "NOT")
+        return _node("NOT", BOOLEAN, [node])
+
+    def _is_null(self, operand: Any, *_: Any) -> Node:
+        return _node("ISBLANK", BOOLEAN, [self.build(operand)])
+
+    def _is_not_null(self, operand: Any, *_: Any) -> Node:
+        return _node("NOT", BOOLEAN, [_node("ISBLANK", BOOLEAN, [self.build(operand)])])
+
+    def _between(self, operand: Any, _b: Any, low: Any, _a: Any, high: Any) -> Node:
+        x = self.build(operand)
+        lo, hi = self.build(low), self.build(high)
+        _common([x, lo, hi], "BETWEEN")
+        return _node("AND", BOOLEAN, [_node(">=", BOOLEAN, [x, lo]), _node("<=", BOOLEAN, [x, hi])])
+
+    def _not_between(self, operand: Any, _n: Any, *rest: Any) -> Node:
+        return _node("NOT", BOOLEAN, [self._between(operand, *rest)])
+
+    def _in_list(self, operand: Any, _in: Any, *items: Any) -> Node:
+        x = self.build(operand)
+        values = [self.build(item) for item in items]
+        _common([x, *values], "IN")
+        tests = [_node("=", BOOLEAN, [x, value]) for value in values]
+        node = tests[0]
+        for test in tests[1:]:
+            node = _node("OR", BOOLEAN, [node, test])
+        return node
+
+    def _not_in_list(self, operand: Any, _n: Any, *rest: Any) -> Node:
+        return _node("NOT", BOOLEAN, [self._in_list(operand, *rest)])
+
+    def _case(self, *children: Any) -> Node:
+        from lark import Token
+
+        parts = [c for c in children if not isinstance(c, Token) and c is not None]
+        has_else = any(isinstance(c, Token) and c.type == "ELSE" for c in children)
+        built = [self.build(p) for p in parts]
+        pairs = built[: len(built) - 1] if has_else else built
+        for condition in pairs[0::2]:
+            _require(condition, (BOOLEAN,), "WHEN")
+        values = [*pairs[1::2], *(built[-1:] if has_else else [])]
+        return _node("case", _common(values, "CASE"), built, value=has_else)
+
+    def _cast(self, _c: Any, operand: Any, _as: Any, type_name: Any, *digits: Any) -> Node:
+        node = self.build(operand)
+        name = str(type_name).lower()
+        if name not in CAST_TYPES:
+            raise _Invalid(
+                f"CAST to an unsupported type {type_name!s}; use one of "
+                f"{', '.join(sorted(CAST_TYPES))}"
+            )
+        scale = None
+        if name in ("decimal", "numeric") and len(digits) > 1 and digits[1] is not None:
+            scale = int(float(digits[1]))
+        target = CAST_TYPES[name]
+        integer = name in ("int", "integer", "bigint", "long")
+        fallible = node.type != target and node.type != BLANK
+        return _node("cast", target, [node], value=(target, integer, scale), fallible=fallible)
+
+    def _call(self, name_token: Any, args: Any, by: Any) -> Node:
+        name = str(name_token).upper()
+        function = FUNCTIONS.get(name)
+        if function is None or name not in self.functions:
+            allowed = ", ".join(sorted(self.functions))
+            raise _Invalid(f"function {name_token!s} is not allowed (allowed: {allowed})")
+        raw_args = [] if args is None else [c for c in args.children if c is not None]
+        raw_by = [] if by is None else [c for c in by.children[1:] if c is not None]
+        if name in AGGREGATES and len(raw_args) == 1:
+            return self._aggregate(name, raw_args[0], raw_by)
+        if raw_by:
+            raise _Invalid(f"BY goes with an aggregate: {'/'.join(AGGREGATES)} of one argument")
+        if name == "COUNT":
+            raise _Invalid("COUNT takes one argument (the tenant's count of non-blank values)")
+        if len(raw_args) < function.min_args or (
+            function.max_args is not None and len(raw_args) > function.max_args
+        ):
+            if function.max_args is None:
+                expected = f"at least {function.min_args}"
+            elif function.min_args == function.max_args:
+                expected = str(function.min_args)
+            else:
+                expected = f"{function.min_args} to {function.max_args}"
+            raise _Invalid(f"{name}() takes {expected} arguments, got {len(raw_args)}")
+        built = [self.build(arg) for arg in raw_args]
+        try:
+            result, fallible = function.check(built)
+        except _Invalid as exc:
+            raise _Invalid(f"{name}(): {exc}") from None
+        return _node(name, result, built, fallible=fallible)
+
+    def _aggregate(self, name: str, arg: Any, by: list[Any]) -> Node:
+        if self.in_aggregate:
+            raise _Invalid(f"{name}(): an aggregate inside an aggregate")
+        self.in_aggregate = True
+        try:
+            built = self.build(arg)
+            groups = [self.build(b) for b in by]
+        finally:
+            self.in_aggregate = False
+        for group in groups:
+            if group.type == BLANK:
+                raise _Invalid(f"{name}(... BY ...): a group must not be blank")
+        check = {
+            "SUM": _check_aggregate(True),
+            "AVERAGE": _check_aggregate(True),
+            "COUNT": _check_aggregate(False),
+            "MIN": _check_agg_minmax,
+            "MAX": _check_agg_minmax,
+        }[name]
+        try:
+            result, _ = check([built])
+        except _Invalid as exc:
+            raise _Invalid(f"{name}(): {exc}") from None
+        return Node("agg", result, (built, *groups), name, True)
+
+
+def _has_aggregate(node: Node) -> bool:
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if item.op == "agg":
+            return True
+        stack.extend(item.args)
+    return False
+
+
+def parse_expression(
+    text: str,
+    *,
+    columns: Mapping[str, str],
+    rules: Mapping[str, Node] | None = None,
+    functions: Iterable[str] | None = None,
+) -> Node:
+    """Parse and check one expression; raises ``ValueError`` (the reason) if invalid.
+
+    ``columns``: source column -> kind (``int``, ``float``, ``str``, ...) or value type.
+    """
+    try:
+        return _parse(text, _value_types(columns), dict(rules or {}), _allowed(functions))
+    except _Invalid as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _value_types(columns: Mapping[str, str]) -> dict[str, str]:
+    return {name: _KIND_TYPE.get(kind, kind) for name, kind in columns.items()}
+
+
+def _allowed(functions: Iterable[str] | None) -> frozenset[str]:
+    if functions is None:
+        return DEFAULT_FUNCTIONS
+    names = frozenset(str(f).upper() for f in functions)
+    unknown = sorted(names - set(FUNCTIONS))
+    if unknown:
+        raise ValueError(f"unknown functions {unknown}; the language has {sorted(FUNCTIONS)}")
+    return names
+
+
+def _parse(
+    text: str, columns: Mapping[str, str], rules: Mapping[str, Node], functions: frozenset[str]
+) -> Node:
+    from lark.exceptions import LarkError, UnexpectedCharacters, UnexpectedEOF, UnexpectedToken
+
+    body = text.strip()
+    if body.startswith("=") and not body.startswith("=="):
+        body = body[1:].lstrip()
+    if not body:
+        raise _Invalid("the expression is empty")
+    if len(body) > MAX_FORMULA_LENGTH:
+        raise _Invalid(f"longer than {MAX_FORMULA_LENGTH} characters")
+    try:
+        tree = _parser().parse(body)
+    except UnexpectedCharacters as exc:
+        pos: int = getattr(exc, "pos_in_stream", 0) or 0
+        raise _Invalid(f"unexpected character {body[pos]!r} at position {pos + 1}") from None
+    except UnexpectedEOF:
+        raise _Invalid("the expression ends too early") from None
+    except UnexpectedToken as exc:
+        if exc.token.type == "$END":
+            raise _Invalid("the expression ends too early") from None
+        raise _Invalid(f"unexpected {exc.token!s} at position {exc.column}") from None
+    except LarkError as exc:  # anything else lark reports: still a clear error
+        raise _Invalid(str(exc).strip().splitlines()[0]) from None
+    depth = _expression_depth(tree)
+    if depth > MAX_DEPTH:
+        raise _Invalid(f"nested {depth} levels deep; at most {MAX_DEPTH} are allowed")
+    _, size = _depth_and_size(tree)
+    if size > MAX_NODES * 3:
+        raise _Invalid(f"too large: at most {MAX_NODES} operators, names and constants")
+    return _Builder(columns, rules, functions).build(tree)
+
+
+# --------------------------------------------------------------------------------------------
+# Formula sets
 
 
 @dataclass(frozen=True)
 class Formula:
-    """One parsed formula: ``target = expression``."""
+    """One checked formula: ``target = expression``."""
 
     target: str
     source: str  # the expression as written
     tree: Node
-    kind: str
+    kind: str  # the value type
 
     @property
     def text(self) -> str:
         return f"{self.target} = {self.source}"
 
-    def spark_sql(self) -> str:
-        """The expression as Spark SQL (identifiers back-quoted)."""
-        return _spark(self.tree)
+    @property
+    def intermediate(self) -> bool:
+        """A name starting with ``_``: usable by later formulas, not written to the sink."""
+        return self.target.startswith("_")
+
+    @property
+    def uses_aggregate(self) -> bool:
+        return _uses_aggregate(self.tree, {})
 
 
-# --------------------------------------------------------------------------------------------
-# Parsing
-
-
-def _tokenize(text: str) -> list[tuple[str, str]]:
-    tokens: list[tuple[str, str]] = []
-    pos = 0
-    while pos < len(text):
-        if text.startswith(("--", "/*"), pos):
-            raise _Invalid(f"comments are not allowed (position {pos + 1})")
-        match = _TOKEN.match(text, pos)
-        if match is None:
-            raise _Invalid(f"unexpected character {text[pos]!r} at position {pos + 1}")
-        kind = match.lastgroup or ""
-        value = match.group()
-        pos = match.end()
-        if kind == "space":
-            continue
-        if kind == "quoted":
-            kind, value = "name", value[1:-1].replace("``", "`")
-            tokens.append(("ident", value))
-            continue
-        if kind == "name" and value.lower() in _KEYWORDS:
-            tokens.append(("kw", value.lower()))
-            continue
-        tokens.append(("ident" if kind == "name" else kind, value))
-    return tokens
-
-
-class _Parser:
-    def __init__(self, text: str, columns: Mapping[str, str], functions: Mapping[str, str]) -> None:
-        self.tokens = _tokenize(text)
-        self.pos = 0
-        self.columns = columns
-        self.functions = functions
-        self.depth = 0
-
-    # token helpers
-    def peek(self, offset: int = 0) -> tuple[str, str] | None:
-        index = self.pos + offset
-        return self.tokens[index] if index < len(self.tokens) else None
-
-    def accept(self, kind: str, value: str | None = None) -> bool:
-        token = self.peek()
-        if token is not None and token[0] == kind and (value is None or token[1] == value):
-            self.pos += 1
+def _uses_aggregate(node: Node, memo: dict[str, bool]) -> bool:
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if item.op == "agg" or (item.op == "ref" and memo.get(item.value, False)):
             return True
-        return False
-
-    def expect(self, kind: str, value: str) -> None:
-        if not self.accept(kind, value):
-            raise _Invalid(f"expected {value.upper()!r} {self.where()}")
-
-    def where(self) -> str:
-        token = self.peek()
-        return "at the end" if token is None else f"before {token[1]!r}"
-
-    def parse(self) -> Node:
-        if not self.tokens:
-            raise _Invalid("the expression is empty")
-        node = self.expr()
-        if self.peek() is not None:
-            raise _Invalid(f"unexpected {self.peek()[1]!r}")  # type: ignore[index]
-        return node
-
-    def expr(self) -> Node:
-        self.depth += 1
-        if self.depth > MAX_DEPTH:
-            raise _Invalid(f"nested more than {MAX_DEPTH} levels deep")
-        try:
-            return self.or_()
-        finally:
-            self.depth -= 1
-
-    def or_(self) -> Node:
-        node = self.and_()
-        while self.accept("kw", "or"):
-            node = _logical("OR", node, self.and_())
-        return node
-
-    def and_(self) -> Node:
-        node = self.not_()
-        while self.accept("kw", "and"):
-            node = _logical("AND", node, self.not_())
-        return node
-
-    def not_(self) -> Node:
-        if self.accept("kw", "not"):
-            operand = self.not_()
-            _require(operand, (BOOL,), "NOT")
-            return Unary(kind=BOOL, op="NOT", operand=operand)
-        return self.comparison()
-
-    def comparison(self) -> Node:
-        node = self.additive()
-        token = self.peek()
-        if token is None:
-            return node
-        if token[0] == "op" and token[1] in ("=", "==", "!=", "<>", "<", "<=", ">", ">="):
-            self.pos += 1
-            op = {"==": "=", "!=": "<>"}.get(token[1], token[1])
-            right = self.additive()
-            _comparable(node, right, op)
-            return Binary(kind=BOOL, op=op, left=node, right=right)
-        if self.accept("kw", "is"):
-            negated = self.accept("kw", "not")
-            self.expect("kw", "null")
-            return IsNull(kind=BOOL, operand=node, negated=negated)
-        negated = False
-        if token == ("kw", "not") and self.peek(1) in (("kw", "between"), ("kw", "in")):
-            self.pos += 1
-            negated = True
-        if self.accept("kw", "between"):
-            low = self.additive()
-            self.expect("kw", "and")
-            high = self.additive()
-            _comparable(node, low, "BETWEEN")
-            _comparable(node, high, "BETWEEN")
-            return Between(kind=BOOL, operand=node, low=low, high=high, negated=negated)
-        if self.accept("kw", "in"):
-            self.expect("op", "(")
-            items = [self.expr()]
-            while self.accept("op", ","):
-                items.append(self.expr())
-            self.expect("op", ")")
-            for item in items:
-                _comparable(node, item, "IN")
-            return InList(kind=BOOL, operand=node, items=tuple(items), negated=negated)
-        if negated:
-            raise _Invalid(f"expected BETWEEN or IN after NOT {self.where()}")
-        return node
-
-    def additive(self) -> Node:
-        node = self.multiplicative()
-        while (token := self.peek()) is not None and token in (("op", "+"), ("op", "-")):
-            self.pos += 1
-            node = _arithmetic(token[1], node, self.multiplicative())
-        return node
-
-    def multiplicative(self) -> Node:
-        node = self.unary()
-        while (token := self.peek()) is not None and token[0] == "op" and token[1] in "*/%":
-            self.pos += 1
-            node = _arithmetic(token[1], node, self.unary())
-        return node
-
-    def unary(self) -> Node:
-        token = self.peek()
-        if token in (("op", "-"), ("op", "+")):
-            self.pos += 1
-            operand = self.unary()
-            _require(operand, NUMERIC_KINDS, f"unary {token[1]}")
-            return Unary(kind=operand.kind, op=token[1], operand=operand)
-        return self.primary()
-
-    def primary(self) -> Node:
-        token = self.peek()
-        if token is None:
-            raise _Invalid("the expression ends too early")
-        kind, value = token
-        self.pos += 1
-        if kind == "number":
-            is_float = any(c in value for c in ".eE")
-            # Spark reads 1.5 as a decimal and 1e3 as a double; both are exact enough here.
-            return Literal(kind=FLOAT if is_float else INT, text=value)
-        if kind == "string":
-            body = value[1:-1]
-            if "\\" in body:
-                raise _Invalid("backslash escapes in strings are not supported")
-            return Literal(kind=STR, value=body.replace("''", "'"))
-        if kind == "kw" and value in ("true", "false"):
-            return Literal(kind=BOOL, text=value.upper())
-        if kind == "kw" and value == "null":
-            return Literal(kind=NULL, text="NULL")
-        if kind == "op" and value == "(":
-            node = self.expr()
-            self.expect("op", ")")
-            return node
-        if kind == "kw" and value == "case":
-            return self.case()
-        if kind == "kw" and value == "cast":
-            return self.cast()
-        if kind == "ident":
-            if self.accept("op", "("):
-                return self.call(value)
-            name = value
-            if name not in self.columns:
-                known = ", ".join(sorted(self.columns)) or "none"
-                raise _Invalid(f"unknown column {name!r} (known: {known})")
-            return Column(kind=self.columns[name], name=name)
-        raise _Invalid(f"unexpected {value!r}")
-
-    def call(self, name: str) -> Node:
-        function = name.lower()
-        if function not in self.functions:
-            allowed = ", ".join(sorted(self.functions))
-            raise _Invalid(f"function {name!r} is not allowed (allowed: {allowed})")
-        args: list[Node] = []
-        if not self.accept("op", ")"):
-            args.append(self.expr())
-            while self.accept("op", ","):
-                args.append(self.expr())
-            self.expect("op", ")")
-        return Call(kind=_call_kind(function, args), name=function, args=tuple(args))
-
-    def case(self) -> Node:
-        whens: list[tuple[Node, Node]] = []
-        while self.accept("kw", "when"):
-            condition = self.expr()
-            _require(condition, (BOOL,), "WHEN")
-            self.expect("kw", "then")
-            whens.append((condition, self.expr()))
-        if not whens:
-            raise _Invalid(f"CASE needs WHEN ... THEN ... {self.where()}")
-        default = self.expr() if self.accept("kw", "else") else None
-        self.expect("kw", "end")
-        branches = [then for _, then in whens] + ([default] if default is not None else [])
-        return Case(kind=_common_kind(branches, "CASE"), whens=tuple(whens), default=default)
-
-    def cast(self) -> Node:
-        self.expect("op", "(")
-        operand = self.expr()
-        self.expect("kw", "as")
-        token = self.peek()
-        if token == ("kw", "decimal"):
-            self.pos += 1
-            self.expect("op", "(")
-            precision = self._integer()
-            scale = self._integer() if self.accept("op", ",") else 0
-            self.expect("op", ")")
-            if not 1 <= precision <= 38 or not 0 <= scale <= precision:
-                raise _Invalid(f"DECIMAL({precision},{scale}) is out of range")
-            self.expect("op", ")")
-            return Cast(
-                kind=DECIMAL,
-                operand=operand,
-                spark_type=f"DECIMAL({precision},{scale})",
-                pg_type=f"numeric({precision},{scale})",
-            )
-        if token is None or token[0] != "ident" or token[1].lower() not in CAST_TYPES:
-            raise _Invalid(f"CAST to an unsupported type {self.where()}; use one of "
-                           f"{', '.join(sorted(CAST_TYPES))} or DECIMAL(p,s)")  # fmt: skip
-        self.pos += 1
-        self.expect("op", ")")
-        kind, pg_type = CAST_TYPES[token[1].lower()]
-        return Cast(kind=kind, operand=operand, spark_type=token[1].upper(), pg_type=pg_type)
-
-    def _integer(self) -> int:
-        token = self.peek()
-        if token is None or token[0] != "number" or not token[1].isdigit():
-            raise _Invalid(f"expected an integer {self.where()}")
-        self.pos += 1
-        return int(token[1])
-
-
-def _require(node: Node, kinds: Sequence[str], what: str) -> None:
-    if node.kind not in (*kinds, NULL):
-        raise _Invalid(f"{what} needs {' or '.join(kinds)}, got {node.kind}")
-
-
-def _logical(op: str, left: Node, right: Node) -> Node:
-    _require(left, (BOOL,), op)
-    _require(right, (BOOL,), op)
-    return Binary(kind=BOOL, op=op, left=left, right=right)
-
-
-def _comparable(left: Node, right: Node, what: str) -> None:
-    _common_kind([left, right], what)
-
-
-def _common_kind(nodes: Sequence[Node], what: str) -> str:
-    kinds = {node.kind for node in nodes} - {NULL}
-    if not kinds:
-        return NULL
-    if len(kinds) == 1:
-        return kinds.pop()
-    if kinds <= set(NUMERIC_KINDS):
-        return FLOAT if FLOAT in kinds else DECIMAL
-    raise _Invalid(f"{what} mixes {' and '.join(sorted(kinds))}")
-
-
-def _arithmetic(op: str, left: Node, right: Node) -> Node:
-    _require(left, NUMERIC_KINDS, op)
-    _require(right, NUMERIC_KINDS, op)
-    kind = _common_kind([left, right], op)
-    if op == "/" and kind in (INT, NULL):
-        kind = FLOAT  # Spark's / on integers gives a double
-    return Binary(kind=kind, op=op, left=left, right=right)
-
-
-def _call_kind(name: str, args: Sequence[Node]) -> str:
-    arity = {
-        "round": (1, 2), "abs": (1, 1), "floor": (1, 1), "ceil": (1, 1), "ceiling": (1, 1),
-        "sqrt": (1, 1), "exp": (1, 1), "ln": (1, 1), "log10": (1, 1), "power": (2, 2),
-        "pow": (2, 2), "sign": (1, 1), "nullif": (2, 2), "lower": (1, 1), "upper": (1, 1),
-        "length": (1, 1), "trim": (1, 1),
-    }.get(name, (1, 255))  # fmt: skip
-    if not arity[0] <= len(args) <= arity[1]:
-        expected = str(arity[0]) if arity[0] == arity[1] else f"{arity[0]} to {arity[1]}"
-        raise _Invalid(f"{name}() takes {expected} arguments, got {len(args)}")
-    if name in ("lower", "upper", "trim"):
-        _require(args[0], (STR,), f"{name}()")
-        return STR
-    if name == "length":
-        _require(args[0], (STR,), "length()")
-        return INT
-    if name in ("coalesce", "greatest", "least", "nullif"):
-        return _common_kind(args, f"{name}()")
-    for arg in args:
-        _require(arg, NUMERIC_KINDS, f"{name}()")
-    if name == "round" and len(args) == 2 and args[1].kind != INT:
-        raise _Invalid("round()'s second argument must be an integer")
-    if name in ("sqrt", "exp", "ln", "log10", "power", "pow"):
-        return FLOAT
-    if name in ("floor", "ceil", "ceiling"):
-        return INT if args[0].kind in (INT, FLOAT) else DECIMAL
-    return args[0].kind if args[0].kind != NULL else FLOAT
-
-
-# --------------------------------------------------------------------------------------------
-# Rendering
-
-
-def _quote_spark(name: str) -> str:
-    return "`" + name.replace("`", "``") + "`"
-
-
-def _spark(node: Node) -> str:
-    match node:
-        case Literal(value=str() as value):
-            return "'" + value.replace("'", "''") + "'"
-        case Literal(text=text) if node.kind == FLOAT and "e" not in text.lower():
-            return f"{text}D"  # a double, as in PostgreSQL (Spark reads 1.5 as a decimal)
-        case Literal(text=text):
-            return text
-        case Column(name=name):
-            return _quote_spark(name)
-        case Call(name=name, args=args):
-            return f"{name}({', '.join(_spark(arg) for arg in args)})"
-        case Unary(op=op, operand=operand):
-            return f"({op} {_spark(operand)})"
-        case Binary(op=op, left=left, right=right):
-            return f"({_spark(left)} {op} {_spark(right)})"
-        case IsNull(operand=operand, negated=negated):
-            return f"({_spark(operand)} IS {'NOT ' if negated else ''}NULL)"
-        case Between(operand=operand, low=low, high=high, negated=negated):
-            not_ = "NOT " if negated else ""
-            return f"({_spark(operand)} {not_}BETWEEN {_spark(low)} AND {_spark(high)})"
-        case InList(operand=operand, items=items, negated=negated):
-            listed = ", ".join(_spark(item) for item in items)
-            return f"({_spark(operand)} {'NOT ' if negated else ''}IN ({listed}))"
-        case Case(whens=whens, default=default):
-            parts = [f"WHEN {_spark(c)} THEN {_spark(t)}" for c, t in whens]
-            if default is not None:
-                parts.append(f"ELSE {_spark(default)}")
-            return f"(CASE {' '.join(parts)} END)"
-        case Cast(operand=operand, spark_type=spark_type):
-            return f"CAST({_spark(operand)} AS {spark_type})"
-    raise TypeError(f"cannot render {node!r}")
-
-
-def _pg(node: Node, names: Mapping[str, sql.Composable], functions: Mapping[str, str]) -> Any:
-    def r(child: Node) -> Any:
-        return _pg(child, names, functions)
-
-    match node:
-        case Literal(value=str() as value):
-            return sql.Literal(value)
-        case Literal(text=text) if node.kind == FLOAT:
-            return sql.SQL("{}::double precision").format(sql.Literal(text))
-        case Literal(text=text) if node.kind == INT:
-            return sql.Literal(int(text))
-        case Literal(text=text):
-            return sql.SQL({"TRUE": "TRUE", "FALSE": "FALSE", "NULL": "NULL"}[text])
-        case Column(name=name):
-            return names[name]
-        case Call(name="round", args=args) if args[0].kind == FLOAT:
-            # PostgreSQL's round(double) rounds half to even; Spark rounds the double's
-            # shortest decimal form half up. float8::numeric keeps only 15 digits, while
-            # float8::text is the shortest exact form (extra_float_digits >= 1, the default).
-            rest = [r(arg) for arg in args[1:]]
-            joined = sql.SQL(", ").join([sql.SQL("({})::text::numeric").format(r(args[0])), *rest])
-            return sql.SQL("round({})::double precision").format(joined)
-        case Call(name=name, args=args):
-            joined = sql.SQL(", ").join([r(arg) for arg in args])
-            return sql.SQL("{}({})").format(sql.SQL(functions[name]), joined)
-        case Unary(op=op, operand=operand):
-            return sql.SQL("({} {})").format(sql.SQL(op), r(operand))
-        case Binary(op="/", left=left, right=right) if node.kind == FLOAT:
-            return sql.SQL("(({})::double precision / {})").format(r(left), r(right))
-        case Binary(op="%", left=left, right=right):
-            if node.kind == FLOAT:
-                return sql.SQL("mod(({})::text::numeric, ({})::text::numeric)::float8").format(
-                    r(left), r(right)
-                )
-            return sql.SQL("mod({}, {})").format(r(left), r(right))
-        case Binary(op=op, left=left, right=right):
-            return sql.SQL("({} {} {})").format(r(left), sql.SQL(op), r(right))
-        case IsNull(operand=operand, negated=negated):
-            return sql.SQL("({} IS {}NULL)").format(r(operand), sql.SQL("NOT " if negated else ""))
-        case Between(operand=operand, low=low, high=high, negated=negated):
-            return sql.SQL("({} {}BETWEEN {} AND {})").format(
-                r(operand), sql.SQL("NOT " if negated else ""), r(low), r(high)
-            )
-        case InList(operand=operand, items=items, negated=negated):
-            return sql.SQL("({} {}IN ({}))").format(
-                r(operand),
-                sql.SQL("NOT " if negated else ""),
-                sql.SQL(", ").join([r(item) for item in items]),
-            )
-        case Case(whens=whens, default=default):
-            parts = [sql.SQL("WHEN {} THEN {}").format(r(c), r(t)) for c, t in whens]
-            if default is not None:
-                parts.append(sql.SQL("ELSE {}").format(r(default)))
-            return sql.SQL("(CASE {} END)").format(sql.SQL(" ").join(parts))
-        case Cast(operand=operand, pg_type=pg_type):
-            return sql.SQL("CAST({} AS {})").format(r(operand), sql.SQL(pg_type))
-    raise TypeError(f"cannot render {node!r}")
-
-
-# --------------------------------------------------------------------------------------------
-# Formula sets
+        stack.extend(item.args)
+    return False
 
 
 def split_formulas(raw: Any) -> list[tuple[str, str]]:
@@ -643,29 +849,30 @@ def split_formulas(raw: Any) -> list[tuple[str, str]]:
     return pairs
 
 
+def version_of(pairs: Sequence[tuple[str, str]]) -> str:
+    """The content hash of a formula set (16 hex digits): equal formulas, equal version."""
+    text = json.dumps([[t, e.strip()] for t, e in pairs], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class FormulaSet:
-    """A tenant's parsed formulas, in order (a formula may use the targets before it)."""
+    """A tenant's checked formulas, in order (a formula may use the ones before it)."""
 
     tenant: str
     formulas: tuple[Formula, ...]
+    version: str = ""
+    aggregates: tuple[Node, ...] = field(default=())  # distinct tenant aggregates, in order
 
     def targets(self) -> list[str]:
         return [f.target for f in self.formulas]
 
-    def postgres(
-        self, columns: Mapping[str, sql.Composable], functions: Mapping[str, str] | None = None
-    ) -> dict[str, sql.Composable]:
-        """target -> PostgreSQL expression over ``columns`` (earlier targets inlined)."""
-        names: dict[str, sql.Composable] = dict(columns)
-        rendered: dict[str, sql.Composable] = {}
-        for formula in self.formulas:
-            expression = sql.SQL("({})").format(
-                _pg(formula.tree, names, functions or DEFAULT_FUNCTIONS)
-            )
-            rendered[formula.target] = expression
-            names[formula.target] = expression
-        return rendered
+    def outputs(self) -> list[Formula]:
+        """The formulas whose results are written (not the ``_``-named intermediates)."""
+        return [f for f in self.formulas if not f.intermediate]
+
+    def pairs(self) -> list[tuple[str, str]]:
+        return [(f.target, f.source) for f in self.formulas]
 
 
 def parse_formulas(
@@ -673,45 +880,117 @@ def parse_formulas(
     raw: Any,
     *,
     columns: Mapping[str, str],
-    targets: Iterable[str],
-    functions: Mapping[str, str] | None = None,
+    targets: Iterable[str] | None,
+    functions: Iterable[str] | None = None,
 ) -> FormulaSet:
     """Parse and check a tenant's formulas against the source ``columns`` (name -> kind).
 
-    ``targets``: the columns a formula may define (the sink's). Raises :class:`FormulaError`
-    for the first invalid formula.
+    ``targets``: the names a formula may define (a typed sink's columns), or None for any
+    name (a JSON results sink). Names starting with ``_`` are intermediate results, always
+    allowed. Raises :class:`FormulaError` for the first invalid formula.
     """
-    allowed_targets = set(targets)
-    functions = DEFAULT_FUNCTIONS if functions is None else functions
-    known: dict[str, str] = dict(columns)
+    allowed_targets = None if targets is None else set(targets)
+    try:
+        allowed = _allowed(functions)
+    except ValueError as exc:
+        raise FormulaError(tenant, "", str(exc)) from None
+    known = _value_types(columns)
+    rules: dict[str, Node] = {}
+    aggregated: dict[str, bool] = {}
     parsed: list[Formula] = []
-    seen: set[str] = set()
     try:
         pairs = split_formulas(raw)
     except (TypeError, ValueError) as exc:
-        raise FormulaError(tenant, repr(raw), f"cannot read the formulas: {exc}") from None
+        raise FormulaError(tenant, repr(raw)[:200], f"cannot read the formulas: {exc}") from None
     if not pairs:
         raise FormulaError(tenant, "", "the tenant has no formulas")
+    if len(pairs) > MAX_RULES:
+        raise FormulaError(tenant, "", f"{len(pairs)} formulas; at most {MAX_RULES} per tenant")
+    total = 0
+    chain: dict[str, int] = {}
+    aggregates: dict[str, Node] = {}
     for target, expression in pairs:
         text = f"{target} = {expression}" if target else expression
+        shown = text if len(text) <= 200 else text[:200] + "..."
         if not target:
-            raise FormulaError(tenant, text, "a formula reads `target = expression`")
-        if len(expression) > MAX_FORMULA_LENGTH:
-            raise FormulaError(tenant, text[:80] + "...", f"longer than {MAX_FORMULA_LENGTH}")
-        if target not in allowed_targets:
+            raise FormulaError(tenant, shown, "a formula reads `name = expression`")
+        if not _NAME.match(target):
+            raise FormulaError(tenant, shown, "a name is letters, digits and _ (at most 63)")
+        if (
+            allowed_targets is not None
+            and not target.startswith("_")
+            and target not in allowed_targets
+        ):
             raise FormulaError(
                 tenant,
-                text,
+                shown,
                 f"{target!r} is not a column of the sink (sink columns: "
                 f"{', '.join(sorted(allowed_targets))})",
             )
-        if target in seen:
-            raise FormulaError(tenant, text, f"{target!r} is defined twice")
+        if target in rules:
+            raise FormulaError(tenant, shown, f"{target!r} is defined twice")
+        if target in known:
+            raise FormulaError(tenant, shown, f"{target!r} is a source column's name")
         try:
-            tree = _Parser(expression, known, functions).parse()
+            builder_rules = {
+                name: (node if not aggregated[name] else _mark_aggregate(node))
+                for name, node in rules.items()
+            }
+            tree = _parse(expression, known, builder_rules, allowed)
         except _Invalid as exc:
-            raise FormulaError(tenant, text, str(exc)) from None
-        seen.add(target)
-        known[target] = tree.kind
-        parsed.append(Formula(target=target, source=expression.strip(), tree=tree, kind=tree.kind))
-    return FormulaSet(tenant=tenant, formulas=tuple(parsed))
+            raise FormulaError(tenant, shown, str(exc)) from None
+        size, depth = _tree_size_and_chain(tree, chain)
+        total += size
+        if total > MAX_TOTAL_NODES:
+            raise FormulaError(tenant, shown, f"the formulas are too large together: at most "
+                               f"{MAX_TOTAL_NODES} operators, names and constants")  # fmt: skip
+        if depth > MAX_CHAIN_DEPTH:
+            raise FormulaError(
+                tenant,
+                shown,
+                f"nested {depth} levels deep counting the formulas it uses; at most "
+                f"{MAX_CHAIN_DEPTH} are allowed",
+            )
+        chain[target] = depth
+        rules[target] = tree
+        aggregated[target] = _uses_aggregate(tree, aggregated)
+        for node in _aggregate_nodes(tree):
+            aggregates.setdefault(node.key(), node)
+        parsed.append(Formula(target=target, source=expression.strip(), tree=tree, kind=tree.type))
+    return FormulaSet(
+        tenant=tenant,
+        formulas=tuple(parsed),
+        version=version_of(pairs),
+        aggregates=tuple(aggregates.values()),
+    )
+
+
+def _mark_aggregate(node: Node) -> Node:
+    """A stand-in for a rule that uses an aggregate: the builder refuses it in an aggregate."""
+    return Node("agg", node.type, (), "ref", node.fallible)
+
+
+def _aggregate_nodes(tree: Node) -> list[Node]:
+    found: list[Node] = []
+    stack = [tree]
+    while stack:
+        item = stack.pop()
+        if item.op == "agg":
+            found.append(item)
+            continue  # no aggregate inside an aggregate
+        stack.extend(item.args)
+    return found
+
+
+def _tree_size_and_chain(tree: Node, chain: Mapping[str, int]) -> tuple[int, int]:
+    """Node count, and depth counting each referenced rule's own depth."""
+    size, deepest = 0, 0
+    stack: list[tuple[Node, int]] = [(tree, 1)]
+    while stack:
+        item, depth = stack.pop()
+        size += 1
+        if item.op == "ref":
+            depth += chain.get(item.value, 0)
+        deepest = max(deepest, depth)
+        stack.extend((arg, depth + 1) for arg in item.args)
+    return size, deepest

@@ -22,17 +22,19 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from django.db import connections
+from django.db import connections, transaction
+from django.utils import timezone
 
 from django_fairqueue import batches, conf
 from django_fairqueue._runtime import StopFlag
 from django_fairqueue.exceptions import LeaseLost
+from django_fairqueue.models import BatchState, PipelineJob, WorkBatch
 from django_fairqueue.pipeline import cluster
 from django_fairqueue.pipeline.core import Pipeline, UnknownPipeline, parse_job_name, registry
 from django_fairqueue.pipeline.execute import (
     BatchOutcome,
+    JobCancelled,
     PipelineError,
-    checked,
     drop_orphaned_staging,
     execute_batch,
     prepare,
@@ -48,44 +50,146 @@ MAINTENANCE_INTERVAL = 30.0
 INFRASTRUCTURE_STRIKES = 3
 
 
+@dataclass
+class PlanReport:
+    """What :func:`plan` did: the jobs planned, and the tenants it could not plan, with why."""
+
+    planned: list[batches.PlanResult]
+    refused: dict[str, Exception]
+    versions: dict[str, str]  # tenant -> the formula version its job is pinned to
+
+
 def plan(
     name: str,
     *,
     tenants: Sequence[str] | None = None,
     batch_size: int | None = None,
-    spark: Any = None,
     progress: bool | Callable[[int, float], None] = False,
-) -> list[batches.PlanResult]:
-    """Validate every tenant's formulas, then plan one job per tenant (``pipeline:tenant``).
+    rerun: bool = False,
+) -> PlanReport:
+    """Check each tenant's formulas, pin them, and plan one job per tenant (``pipeline:tenant``).
 
-    Nothing is planned if any tenant's formula is invalid (:class:`FormulaError` names the
-    tenant and the formula). With ``spark`` (a SparkSession), Spark's analyzer checks the
-    formulas too. Planning again adds only batches for rows appended since.
+    A tenant whose formulas are invalid is refused (``report.refused``, with the
+    :class:`FormulaError` naming the formula) and the others are planned: one tenant's mistake
+    blocks only that tenant. No Spark session is needed.
+
+    A job is pinned to the formula set it was planned with (its content hash, the version):
+    planning again with the same formulas adds batches for rows appended since; with edited
+    formulas, a finished (or cancelled) job is planned anew from the start under the new
+    version, while an unfinished one is refused (cancel it, or wait). ``rerun``: plan a
+    finished job again from the start.
     """
     pipeline = registry.get(name)
     chosen = list(tenants) if tenants is not None else pipeline.tenant_names()
     if not chosen:
         raise PipelineError(f"pipeline {name!r} has no tenants to plan")
-    prepared = [prepare(pipeline, tenant) for tenant in chosen]
-    if spark is not None:
-        for one in prepared:
-            checked.ensure(spark, one)  # remembered: the batches' runs do not check again
-    return [
-        batches.plan(
-            pipeline.job_name(tenant),
-            channel=tenant,
-            table=pipeline.source.table_name,
-            id_column=pipeline.source.id_column,
-            batch_size=batch_size or pipeline.batch_size,
-            max_attempts=pipeline.max_attempts,
-            filters={pipeline.source.tenant_column: tenant}
-            if pipeline.source.tenant_column
-            else None,
-            progress=progress,
-            using=pipeline.alias,
+    report = PlanReport(planned=[], refused={}, versions={})
+    for tenant in chosen:
+        try:
+            prepared = prepare(pipeline, tenant)
+            _pin(pipeline, tenant, prepared, rerun=rerun)
+        except (FormulaError, PipelineError) as exc:
+            report.refused[tenant] = exc
+            continue
+        report.versions[tenant] = prepared.fingerprint
+        report.planned.append(
+            batches.plan(
+                pipeline.job_name(tenant),
+                channel=tenant,
+                table=pipeline.source.table_name,
+                id_column=pipeline.source.id_column,
+                batch_size=batch_size or pipeline.batch_size,
+                max_attempts=pipeline.max_attempts,
+                filters={pipeline.source.tenant_column: tenant}
+                if pipeline.source.tenant_column
+                else None,
+                progress=progress,
+                using=pipeline.alias,
+            )
         )
-        for tenant in chosen
-    ]
+    return report
+
+
+_UNFINISHED = (BatchState.PENDING, BatchState.RUNNING)
+
+
+def _pin(pipeline: Pipeline, tenant: str, prepared: Any, *, rerun: bool) -> None:
+    """Record (or keep) the job's pinned formula set; clear a finished job to plan it anew."""
+    alias = pipeline.alias
+    job_name = pipeline.job_name(tenant)
+    formulas = prepared.formulas.pairs() if prepared.formulas is not None else None
+    with transaction.atomic(using=alias):
+        job = PipelineJob.objects.using(alias).select_for_update().filter(job_name=job_name).first()
+        job_batches = WorkBatch.objects.using(alias).filter(job_name=job_name)
+        if job is None:
+            if job_batches.exists():  # planned before jobs were pinned: start afresh
+                _clear(job_batches, job_name)
+            PipelineJob.objects.using(alias).create(
+                job_name=job_name,
+                pipeline=pipeline.name,
+                tenant=tenant,
+                version=prepared.fingerprint,
+                formulas=formulas,
+                today=prepared.today,
+            )
+            return
+        changed = job.version != prepared.fingerprint
+        if not changed and not rerun:
+            if job.cancelled_at is not None:
+                job.cancelled_at = None
+                job.save(update_fields=["cancelled_at"])
+            return
+        unfinished = job_batches.filter(state__in=_UNFINISHED).count()
+        if unfinished and job.cancelled_at is None:
+            what = f"its formulas changed (now version {prepared.fingerprint})" if changed else ""
+            raise PipelineError(
+                f"tenant {tenant!r}: job {job_name} (version {job.version}) still has "
+                f"{unfinished} unfinished batches{'; ' + what if what else ''}: wait for it or "
+                f"cancel it (fairpipeline cancel {pipeline.name} --tenant {tenant}), then plan "
+                "again"
+            )
+        _clear(job_batches, job_name)
+        job.version = prepared.fingerprint
+        job.formulas = formulas
+        job.today = prepared.today
+        job.errors = {}
+        job.aggregates = None
+        job.cancelled_at = None
+        job.created_at = timezone.now()
+        job.save()
+
+
+def _clear(job_batches: Any, job_name: str) -> None:
+    running = job_batches.filter(state=BatchState.RUNNING).count()
+    if running:
+        raise PipelineError(
+            f"job {job_name} has {running} running batches; plan again when they end"
+        )
+    job_batches.delete()
+
+
+def cancel(name: str, *, tenants: Sequence[str] | None = None) -> dict[str, int]:
+    """Cancel jobs: pending batches are dropped, running ones write nothing when they end
+    (their batch fails with :class:`JobCancelled`). Returns tenant -> batches dropped."""
+    pipeline = registry.get(name)
+    alias = pipeline.alias
+    chosen = list(tenants) if tenants is not None else None
+    jobs = PipelineJob.objects.using(alias).filter(pipeline=name, cancelled_at__isnull=True)
+    if chosen is not None:
+        jobs = jobs.filter(tenant__in=chosen)
+    dropped: dict[str, int] = {}
+    for job in jobs:
+        with transaction.atomic(using=alias):
+            locked = PipelineJob.objects.using(alias).select_for_update().get(pk=job.pk)
+            locked.cancelled_at = timezone.now()
+            locked.save(update_fields=["cancelled_at"])
+            count, _ = (
+                WorkBatch.objects.using(alias)
+                .filter(job_name=job.job_name, state=BatchState.PENDING)
+                .delete()
+            )
+        dropped[job.tenant] = count
+    return dropped
 
 
 def job_patterns(names: Sequence[str] | None) -> list[str]:
@@ -398,7 +502,7 @@ class PipelineRunner:
             )
             self._strikes.pop(batch.id, None)
         # A bad formula or declaration fails the same way on every attempt: dead-letter it.
-        final = isinstance(exc, FormulaError | PipelineError | UnknownPipeline)
+        final = isinstance(exc, FormulaError | PipelineError | UnknownPipeline | JobCancelled)
         state = batches.fail(batch, exc, final=final, worker_id=self.worker_id)
         self.stats.failed += 1
         logger.error("batch %s (%s) failed, now %s: %s", batch.id, batch.job_name, state, exc)

@@ -700,6 +700,232 @@ END;
 $$;
 
 
+-- Unique jobs: the part of fairqueue_enqueue_v1 that runs when a batch carries unique keys
+-- (p_keys, NULL elements for messages without one), after the channels exist and the names are
+-- held. At most one message per (channel, unique key) holds the key: while it is ready or
+-- scheduled, and while it runs too when its scope is 'active' (the partial unique index
+-- fq_message_unique_idx; the ON CONFLICT below repeats its predicate word for word, which is
+-- how PostgreSQL matches the index). A message whose key is held is not inserted, and its
+-- policy decides (p_policies):
+--   keep     return the holder's id;
+--   replace  give a queued holder this message's task, payload, priority, run time and
+--            limits, in place (same id, same place in its channel); a running holder is kept
+--            as it is (a running task's arguments cannot change) and its id returned;
+--   raise    SQLSTATE FQ003, with the holder in DETAIL; nothing of the batch is stored.
+-- Race-free: the index admits one holder whatever the interleaving; ON CONFLICT waits for a
+-- concurrent inserter of the same key and then sees its row. Each look-up below is a
+-- statement of its own, so its snapshot sees the holder the insert conflicted with (committed
+-- after this statement began, perhaps). A holder that stops holding meanwhile (claimed, with
+-- scope 'queued'; finished) sends the message round the loop to be inserted after all.
+-- Lock order: only message rows (rank 4): a replace locks the queued holder it rewrites;
+-- a keep locks nothing, so an enqueue in a long transaction never holds up a worker.
+-- Returns the ids in input order (a kept or replaced message's id is its holder's).
+CREATE OR REPLACE FUNCTION fairqueue_enqueue_unique_v1(
+    p_channels text[],
+    p_tasks text[],
+    p_payloads jsonb[],
+    p_priorities smallint[],
+    p_run_at timestamptz[],
+    p_max_attempts integer[],
+    p_keep_result boolean[],
+    p_delay interval[],
+    p_keys text[],
+    p_scopes text[],
+    p_policies text[],
+    p_now timestamptz,
+    p_bounded bigint[]
+)
+RETURNS SETOF bigint
+LANGUAGE plpgsql
+-- Plan each statement once per session (see fairqueue_claim_v1): its parameters are arrays,
+-- which PL/pgSQL would otherwise re-plan on every call.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_n integer := cardinality(p_payloads);
+    v_cids bigint[];
+    v_plain bigint[];
+    v_kid bigint[];
+    v_kch bigint[];
+    v_kkey text[];
+    v_out bigint[];
+    v_id bigint;
+    v_state text;
+    v_new_state text;
+    v_run_at timestamptz;
+    v_policy text;
+    v_scope text;
+    v_tries integer;
+    i integer;
+BEGIN
+    IF cardinality(p_keys) <> v_n THEN
+        RAISE EXCEPTION 'fairqueue: % unique keys for % messages', cardinality(p_keys), v_n
+            USING ERRCODE = '22023';
+    END IF;
+    IF EXISTS (SELECT FROM unnest(p_policies) AS x WHERE x NOT IN ('keep', 'replace', 'raise'))
+    THEN
+        RAISE EXCEPTION 'fairqueue: on_conflict must be keep, replace or raise, got %',
+            p_policies USING ERRCODE = '22023';
+    END IF;
+    v_cids := ARRAY(
+        SELECT c.id
+        FROM unnest(p_channels) WITH ORDINALITY AS t(name, ord)
+        JOIN fairqueue_channel c ON c.name = t.name
+        ORDER BY t.ord);
+    p_delay := coalesce(p_delay, array_fill(NULL::interval, ARRAY[v_n]));
+
+    WITH input AS (
+        SELECT t.ord, v_cids[t.ord] AS cid, t.task, t.payload, t.priority,
+               coalesce(t.run_at, p_now + t.delay, p_now) AS run_at, t.max_attempts,
+               t.keep_result, t.ukey,
+               CASE WHEN t.ukey IS NOT NULL THEN coalesce(t.scope, 'queued') END AS scope
+        FROM unnest(p_tasks, p_payloads, p_priorities, p_run_at, p_max_attempts,
+                    p_keep_result, p_delay, p_keys, p_scopes)
+             WITH ORDINALITY AS t(task, payload, priority, run_at, max_attempts, keep_result,
+                                  delay, ukey, scope, ord)
+    ), inserted AS (
+        INSERT INTO fairqueue_message AS m (
+            channel_id, task_name, payload, priority, state, run_at, enqueued_at, attempts,
+            max_attempts, keep_result, worker_id, unique_key, unique_scope
+        )
+        SELECT input.cid, input.task, input.payload, input.priority,
+               CASE WHEN input.run_at > p_now THEN 'scheduled' ELSE 'ready' END,
+               input.run_at, p_now, 0, input.max_attempts, input.keep_result, '', input.ukey,
+               input.scope
+        FROM input
+        ORDER BY input.ord
+        ON CONFLICT (channel_id, unique_key)
+            WHERE unique_key IS NOT NULL
+              AND (state IN ('ready', 'scheduled') OR (state = 'running' AND unique_scope = 'active'))
+            DO NOTHING
+        RETURNING m.id, m.channel_id, m.state, m.unique_key
+    ), delta AS (
+        INSERT INTO fairqueue_channel_delta (
+            channel_id, ready, scheduled, running, failed, succeeded, backlog_check
+        )
+        SELECT inserted.channel_id,
+               count(*) FILTER (WHERE inserted.state = 'ready'),
+               count(*) FILTER (WHERE inserted.state = 'scheduled'),
+               0, 0, 0,
+               coalesce(inserted.channel_id = ANY (p_bounded), false)
+        FROM inserted
+        GROUP BY inserted.channel_id
+    )
+    SELECT array_agg(inserted.id ORDER BY inserted.id) FILTER (WHERE inserted.unique_key IS NULL),
+           array_agg(inserted.id) FILTER (WHERE inserted.unique_key IS NOT NULL),
+           array_agg(inserted.channel_id) FILTER (WHERE inserted.unique_key IS NOT NULL),
+           array_agg(inserted.unique_key) FILTER (WHERE inserted.unique_key IS NOT NULL)
+    INTO v_plain, v_kid, v_kch, v_kkey
+    FROM inserted;
+
+    -- Ids by position: messages without a key in input order (the sequence follows it); a
+    -- keyed message by its channel and key, only at the first position with that pair (a
+    -- later one in the same batch meets the first as the holder, below).
+    -- (A hash join, not a look-up per position: that was a scan of the inserted keys for each
+    -- message, quadratic in the batch.)
+    v_out := ARRAY(
+        SELECT CASE
+                   WHEN y.ukey IS NULL THEN v_plain[y.rank_plain]
+                   WHEN y.rank_keyed = 1 THEN k.id
+               END
+        FROM (
+            SELECT t.ord, t.ukey, v_cids[t.ord] AS cid,
+                   row_number() OVER (PARTITION BY t.ukey IS NULL, v_cids[t.ord], t.ukey
+                                      ORDER BY t.ord) AS rank_keyed,
+                   row_number() OVER (PARTITION BY t.ukey IS NULL ORDER BY t.ord) AS rank_plain
+            FROM unnest(p_keys) WITH ORDINALITY AS t(ukey, ord)
+        ) y
+        LEFT JOIN unnest(v_kid, v_kch, v_kkey) AS k(id, ch, ukey)
+          ON k.ch = y.cid AND k.ukey = y.ukey
+        ORDER BY y.ord);
+
+    FOR i IN 1 .. v_n LOOP
+        CONTINUE WHEN v_out[i] IS NOT NULL;
+        v_policy := coalesce(p_policies[i], 'keep');
+        v_scope := coalesce(p_scopes[i], 'queued');
+        v_run_at := coalesce(p_run_at[i], p_now + p_delay[i], p_now);
+        v_new_state := CASE WHEN v_run_at > p_now THEN 'scheduled' ELSE 'ready' END;
+        v_tries := 0;
+        LOOP
+            v_tries := v_tries + 1;
+            IF v_tries > 100 THEN  -- the key kept changing hands: let the caller retry
+                RAISE EXCEPTION 'fairqueue: unique key % of channel % kept changing hands',
+                    quote_literal(p_keys[i]), quote_literal(p_channels[i])
+                    USING ERRCODE = '40001';
+            END IF;
+            SELECT m.id, m.state INTO v_id, v_state
+            FROM fairqueue_message m
+            WHERE m.channel_id = v_cids[i] AND m.unique_key = p_keys[i]
+              AND (m.state IN ('ready', 'scheduled')
+                   OR (m.state = 'running' AND m.unique_scope = 'active'));
+            IF FOUND THEN
+                IF v_policy = 'raise' THEN
+                    RAISE EXCEPTION 'fairqueue: channel % already has message % (%) with unique key %',
+                        quote_literal(p_channels[i]), v_id, v_state, quote_literal(p_keys[i])
+                        USING ERRCODE = 'FQ003',
+                              DETAIL = json_build_object(
+                                  'channel', p_channels[i], 'unique_key', p_keys[i],
+                                  'message_id', v_id, 'state', v_state)::text;
+                END IF;
+                IF v_policy = 'replace' AND v_state <> 'running' THEN
+                    -- Lock it, re-checked on its newest version: a claim may be taking it.
+                    SELECT m.state INTO v_state
+                    FROM fairqueue_message m
+                    WHERE m.id = v_id AND m.unique_key = p_keys[i]
+                      AND m.state IN ('ready', 'scheduled')
+                    FOR UPDATE;
+                    CONTINUE WHEN NOT FOUND;  -- it started or went meanwhile: look again
+                    UPDATE fairqueue_message m
+                    SET task_name = p_tasks[i], payload = p_payloads[i],
+                        priority = p_priorities[i], run_at = v_run_at, state = v_new_state,
+                        max_attempts = p_max_attempts[i], keep_result = p_keep_result[i],
+                        unique_scope = v_scope, attempts = 0
+                    WHERE m.id = v_id;
+                    IF v_state <> v_new_state THEN
+                        INSERT INTO fairqueue_channel_delta (
+                            channel_id, ready, scheduled, running, failed, succeeded,
+                            backlog_check
+                        )
+                        VALUES (v_cids[i],
+                                CASE WHEN v_new_state = 'ready' THEN 1 ELSE -1 END,
+                                CASE WHEN v_new_state = 'ready' THEN -1 ELSE 1 END,
+                                0, 0, 0, false);
+                    END IF;
+                END IF;
+                v_out[i] := v_id;
+                EXIT;
+            END IF;
+            -- Nobody holds the key now (its holder started or finished): insert after all.
+            v_id := NULL;
+            INSERT INTO fairqueue_message AS m (
+                channel_id, task_name, payload, priority, state, run_at, enqueued_at,
+                attempts, max_attempts, keep_result, worker_id, unique_key, unique_scope
+            )
+            VALUES (v_cids[i], p_tasks[i], p_payloads[i], p_priorities[i], v_new_state,
+                    v_run_at, p_now, 0, p_max_attempts[i], p_keep_result[i], '', p_keys[i],
+                    v_scope)
+            ON CONFLICT (channel_id, unique_key)
+                WHERE unique_key IS NOT NULL
+                  AND (state IN ('ready', 'scheduled') OR (state = 'running' AND unique_scope = 'active'))
+                DO NOTHING
+            RETURNING m.id INTO v_id;
+            IF v_id IS NOT NULL THEN
+                INSERT INTO fairqueue_channel_delta (
+                    channel_id, ready, scheduled, running, failed, succeeded, backlog_check
+                )
+                VALUES (v_cids[i], (v_new_state = 'ready')::integer,
+                        (v_new_state = 'scheduled')::integer, 0, 0, 0,
+                        coalesce(v_cids[i] = ANY (p_bounded), false));
+                v_out[i] := v_id;
+                EXIT;
+            END IF;
+        END LOOP;
+    END LOOP;
+    RETURN QUERY SELECT x FROM unnest(v_out) AS x;
+END;
+$$;
+
+
 -- Enqueue a batch in one round trip. Arrays are parallel, one element per message; p_delay
 -- (optional) gives per-message delays measured on the database clock, p_run_at absolute times.
 -- Channels are created on first use with the given defaults, unless p_create is false: then a
@@ -730,7 +956,10 @@ CREATE OR REPLACE FUNCTION fairqueue_enqueue_v1(
     p_default_max_backlog integer,
     p_notify_channel text,
     p_delay interval[] DEFAULT NULL,
-    p_create boolean DEFAULT true
+    p_create boolean DEFAULT true,
+    p_unique_keys text[] DEFAULT NULL,
+    p_unique_scopes text[] DEFAULT NULL,
+    p_on_conflict text[] DEFAULT NULL
 )
 RETURNS SETOF bigint
 LANGUAGE plpgsql AS $$
@@ -765,6 +994,12 @@ BEGIN
         END IF;
         IF cardinality(p_delay) = 1 THEN
             p_delay := array_fill(p_delay[1], ARRAY[v_n]);
+        END IF;
+        IF cardinality(p_unique_scopes) = 1 THEN
+            p_unique_scopes := array_fill(p_unique_scopes[1], ARRAY[v_n]);
+        END IF;
+        IF cardinality(p_on_conflict) = 1 THEN
+            p_on_conflict := array_fill(p_on_conflict[1], ARRAY[v_n]);
         END IF;
     END IF;
     IF v_names IS NULL THEN
@@ -826,6 +1061,13 @@ BEGIN
             true);
     END IF;
 
+    IF p_unique_keys IS NOT NULL THEN
+        -- Unique jobs: their own path, so a batch without keys pays nothing for them.
+        RETURN QUERY SELECT u.id FROM fairqueue_enqueue_unique_v1(
+            p_channels, p_tasks, p_payloads, p_priorities, p_run_at, p_max_attempts,
+            p_keep_result, p_delay, p_unique_keys, p_unique_scopes, p_on_conflict, v_now,
+            v_bounded) AS u(id);
+    ELSE
     RETURN QUERY
     WITH input AS (
         SELECT t.ord, c.id AS cid, c.max_backlog IS NOT NULL AS bounded, t.task, t.payload,
@@ -865,6 +1107,7 @@ BEGIN
     -- ids come from the sequence in insertion order, which follows `ord`
     -- (`delta` is not read: PostgreSQL runs every data-modifying CTE to completion.)
     SELECT inserted.id FROM inserted ORDER BY inserted.id;
+    END IF;
 
     -- One wake-up per transaction at most: PostgreSQL folds identical notifications of a
     -- transaction into one, so a batch (or a view enqueueing many times) notifies once.
@@ -927,7 +1170,10 @@ CREATE OR REPLACE FUNCTION fairqueue_enqueue_one_v1(
     p_default_max_backlog integer,
     p_notify_channel text,
     p_delay interval DEFAULT NULL,
-    p_create boolean DEFAULT true
+    p_create boolean DEFAULT true,
+    p_unique_key text DEFAULT NULL,
+    p_unique_scope text DEFAULT NULL,
+    p_on_conflict text DEFAULT NULL
 )
 RETURNS bigint
 LANGUAGE plpgsql AS $$
@@ -938,6 +1184,58 @@ DECLARE
     v_id bigint;
     v_quiet boolean;
 BEGIN
+    IF p_unique_key IS NOT NULL THEN
+        -- A unique job. The common case, an existing channel without max_backlog and a key
+        -- nobody holds, is one statement like the plain one below (the same name lock first),
+        -- its insert arbitrated by fq_message_unique_idx. Anything else (a missing or bounded
+        -- channel, a held key and its policy) goes through fairqueue_enqueue_unique_v1's rules.
+        IF NOT pg_try_advisory_xact_lock_shared(fairqueue_channel_lock_key_v1(), v_key) THEN
+            PERFORM pg_advisory_xact_lock_shared(fairqueue_channel_lock_key_v1(), v_key);
+        END IF;
+        WITH ch AS (
+            SELECT c.id
+            FROM fairqueue_channel c
+            WHERE c.name = p_channel AND c.max_backlog IS NULL
+        ), inserted AS (
+            INSERT INTO fairqueue_message AS m (
+                channel_id, task_name, payload, priority, state, run_at, enqueued_at, attempts,
+                max_attempts, keep_result, worker_id, unique_key, unique_scope
+            )
+            SELECT ch.id, p_task, p_payload, p_priority,
+                   CASE WHEN v_run_at > v_now THEN 'scheduled' ELSE 'ready' END,
+                   v_run_at, v_now, 0, p_max_attempts, p_keep_result, '', p_unique_key,
+                   coalesce(p_unique_scope, 'queued')
+            FROM ch
+            ON CONFLICT (channel_id, unique_key)
+                WHERE unique_key IS NOT NULL
+                  AND (state IN ('ready', 'scheduled') OR (state = 'running' AND unique_scope = 'active'))
+                DO NOTHING
+            RETURNING m.id, m.channel_id
+        ), delta AS (
+            INSERT INTO fairqueue_channel_delta (
+                channel_id, ready, scheduled, running, failed, succeeded, backlog_check
+            )
+            SELECT inserted.channel_id, (v_run_at <= v_now)::integer,
+                   (v_run_at > v_now)::integer, 0, 0, 0, false
+            FROM inserted
+        )
+        SELECT inserted.id INTO v_id FROM inserted;
+        IF v_id IS NOT NULL THEN
+            -- (without the plain path's test of a stale head: a unique job always wakes)
+            IF p_notify_channel IS NOT NULL THEN
+                PERFORM pg_notify(p_notify_channel, '');
+            END IF;
+            RETURN v_id;
+        END IF;
+        SELECT e.id INTO v_id
+        FROM fairqueue_enqueue_v1(
+            ARRAY[p_channel], ARRAY[p_task], ARRAY[p_payload], ARRAY[p_priority],
+            ARRAY[p_run_at], ARRAY[p_max_attempts], ARRAY[p_keep_result],
+            p_default_max_concurrency, p_default_release_interval, p_default_weight,
+            p_default_max_backlog, p_notify_channel, ARRAY[p_delay], p_create,
+            ARRAY[p_unique_key], ARRAY[p_unique_scope], ARRAY[p_on_conflict]) AS e(id);
+        RETURN v_id;
+    END IF;
     -- (An expression, not PERFORM: PL/pgSQL evaluates it without starting an executor. The
     -- lock is the one fairqueue_enqueue_v1 takes; it waits only while a deletion holds it.)
     IF NOT pg_try_advisory_xact_lock_shared(fairqueue_channel_lock_key_v1(), v_key) THEN

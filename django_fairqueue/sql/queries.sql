@@ -21,7 +21,8 @@ SELECT id FROM fairqueue_enqueue_v1(
     %(keep_result)b::boolean[], %(default_max_concurrency)b::integer,
     %(default_release_interval)b::interval, %(default_weight)b::integer,
     %(default_max_backlog)b::integer, %(notify_channel)b::text, %(delays)b::interval[],
-    %(create)b::boolean
+    %(create)b::boolean, %(unique_keys)b::text[], %(unique_scopes)b::text[],
+    %(on_conflict)b::text[]
 ) AS id;
 
 -- name: enqueue_message
@@ -32,7 +33,8 @@ SELECT fairqueue_enqueue_one_v1(
     %(run_at)b::timestamptz, %(max_attempts)b::integer, %(keep_result)b::boolean,
     %(default_max_concurrency)b::integer, %(default_release_interval)b::interval,
     %(default_weight)b::integer, %(default_max_backlog)b::integer, %(notify_channel)b::text,
-    %(delay)b::interval, %(create)b::boolean
+    %(delay)b::interval, %(create)b::boolean, %(unique_key)b::text, %(unique_scope)b::text,
+    %(on_conflict)b::text
 ) AS id;
 
 -- name: create_channels
@@ -65,12 +67,12 @@ SELECT fairqueue_promote_due_v1(clock_timestamp(), 1000) AS promoted,
        fairqueue_fold_deltas_v1(1000, true) AS folded;
 
 -- name: heartbeat_messages
--- Extend the leases still held by these (id, token) pairs; returns the ids still owned.
+-- Extend the leases still held by these (id, token) pairs; returns the ids still owned, each with whether an abort was requested.
 UPDATE fairqueue_message m
 SET lease_expires_at = clock_timestamp() + %(lease)s::interval
 WHERE m.id = ANY (%(ids)s::bigint[])
   AND m.lease_token = ANY (%(tokens)s::uuid[])
-RETURNING m.id;
+RETURNING m.id, m.abort_requested_at IS NOT NULL;
 
 -- name: complete_messages
 -- Settle successful messages: delete them, or keep them as succeeded with their result.
@@ -82,25 +84,38 @@ SELECT id FROM fairqueue_complete_v1(
 -- name: fail_messages
 -- Settle failed attempts: retry after `retry_in` (NULL: no retry) while attempts remain, else dead-letter.
 -- Retry times are the database clock plus the delay, the clock the claim compares them with.
+-- A message with an abort requested is not retried: it ends aborted. A retry of a unique job
+-- (scope 'queued') whose key another message took while it ran is superseded by that message:
+-- it ends cancelled rather than queue twice (a unique key is held by one queued message).
 WITH t AS MATERIALIZED (
     -- each row's own error and retry time, by its position in the arrays
     SELECT m.id, (%(errors)s::jsonb[])[array_position(%(ids)s::bigint[], m.id)] AS error,
            clock_timestamp()
            + (%(retry_in)s::interval[])[array_position(%(ids)s::bigint[], m.id)] AS retry_at,
-           m.attempts >= m.max_attempts AS exhausted
+           m.attempts >= m.max_attempts AS exhausted,
+           m.abort_requested_at IS NOT NULL AS aborted,
+           (m.unique_key IS NOT NULL AND m.unique_scope = 'queued' AND EXISTS (
+               SELECT FROM fairqueue_message o
+               WHERE o.channel_id = m.channel_id AND o.unique_key = m.unique_key
+                 AND (o.state IN ('ready', 'scheduled')
+                      OR (o.state = 'running' AND o.unique_scope = 'active')))) AS superseded
     FROM fairqueue_message m
     WHERE m.id = ANY (%(ids)s::bigint[])
       AND m.lease_token = ANY (%(tokens)s::uuid[])
-    FOR UPDATE
+    FOR UPDATE OF m
 ), failed AS (
     UPDATE fairqueue_message m
     SET state = CASE
+            WHEN t.aborted THEN 'aborted'
             WHEN t.retry_at IS NULL OR t.exhausted THEN 'failed'
+            WHEN t.superseded THEN 'cancelled'
             WHEN t.retry_at <= clock_timestamp() THEN 'ready'
             ELSE 'scheduled'
         END,
-        run_at = CASE WHEN t.retry_at IS NULL OR t.exhausted THEN m.run_at ELSE t.retry_at END,
-        finished_at = CASE WHEN t.retry_at IS NULL OR t.exhausted THEN clock_timestamp() END,
+        run_at = CASE WHEN t.retry_at IS NULL OR t.exhausted OR t.aborted OR t.superseded
+                      THEN m.run_at ELSE t.retry_at END,
+        finished_at = CASE WHEN t.retry_at IS NULL OR t.exhausted OR t.aborted OR t.superseded
+                           THEN clock_timestamp() END,
         last_error = t.error,
         lease_token = NULL,
         lease_expires_at = NULL
@@ -122,16 +137,34 @@ SELECT id, state FROM failed;
 
 -- name: release_messages
 -- Give claimed messages back unstarted (shutdown): ready again, the attempt not counted.
-WITH released AS (
-    UPDATE fairqueue_message m
-    SET state = 'ready', attempts = greatest(m.attempts - 1, 0), lease_token = NULL,
-        lease_expires_at = NULL, worker_id = ''
+-- One with an abort requested ends aborted instead, and a unique job whose key was taken
+-- while it was claimed (scope 'queued') ends cancelled, superseded (see fail_messages).
+WITH t AS MATERIALIZED (
+    SELECT m.id,
+           m.abort_requested_at IS NOT NULL AS aborted,
+           (m.unique_key IS NOT NULL AND m.unique_scope = 'queued' AND EXISTS (
+               SELECT FROM fairqueue_message o
+               WHERE o.channel_id = m.channel_id AND o.unique_key = m.unique_key
+                 AND (o.state IN ('ready', 'scheduled')
+                      OR (o.state = 'running' AND o.unique_scope = 'active')))) AS superseded
+    FROM fairqueue_message m
     WHERE m.id = ANY (%(ids)s::bigint[])
       AND m.lease_token = ANY (%(tokens)s::uuid[])
-    RETURNING m.id, m.channel_id
+    FOR UPDATE OF m
+), released AS (
+    UPDATE fairqueue_message m
+    SET state = CASE WHEN t.aborted THEN 'aborted' WHEN t.superseded THEN 'cancelled'
+                     ELSE 'ready' END,
+        attempts = greatest(m.attempts - 1, 0), lease_token = NULL,
+        lease_expires_at = NULL, worker_id = '',
+        finished_at = CASE WHEN t.aborted OR t.superseded THEN clock_timestamp() END
+    FROM t
+    WHERE m.id = t.id
+    RETURNING m.id, m.channel_id, m.state
 ), delta AS (
     INSERT INTO fairqueue_channel_delta (channel_id, ready, running)
-    SELECT channel_id, count(*), -count(*) FROM released GROUP BY channel_id
+    SELECT channel_id, count(*) FILTER (WHERE state = 'ready'), -count(*)
+    FROM released GROUP BY channel_id
 )
 SELECT id FROM released;
 
@@ -145,9 +178,29 @@ WITH expired AS (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ), rescued AS (
+    -- An abort requested: aborted, not requeued. A unique job whose key another message took
+    -- while it ran (scope 'queued'): cancelled, superseded (see fail_messages).
     UPDATE fairqueue_message m
-    SET state = CASE WHEN m.attempts >= m.max_attempts THEN 'failed' ELSE 'ready' END,
-        finished_at = CASE WHEN m.attempts >= m.max_attempts THEN clock_timestamp() END,
+    SET state = CASE
+            WHEN m.abort_requested_at IS NOT NULL THEN 'aborted'
+            WHEN m.attempts >= m.max_attempts THEN 'failed'
+            WHEN m.unique_key IS NOT NULL AND m.unique_scope = 'queued' AND EXISTS (
+                SELECT FROM fairqueue_message o
+                WHERE o.channel_id = m.channel_id AND o.unique_key = m.unique_key
+                  AND (o.state IN ('ready', 'scheduled')
+                       OR (o.state = 'running' AND o.unique_scope = 'active'))) THEN 'cancelled'
+            ELSE 'ready'
+        END,
+        finished_at = CASE
+            WHEN m.abort_requested_at IS NOT NULL OR m.attempts >= m.max_attempts
+                THEN clock_timestamp()
+            WHEN m.unique_key IS NOT NULL AND m.unique_scope = 'queued' AND EXISTS (
+                SELECT FROM fairqueue_message o
+                WHERE o.channel_id = m.channel_id AND o.unique_key = m.unique_key
+                  AND (o.state IN ('ready', 'scheduled')
+                       OR (o.state = 'running' AND o.unique_scope = 'active')))
+                THEN clock_timestamp()
+        END,
         last_error = jsonb_build_object(
             'type', 'LeaseExpired',
             -- doubled percent signs: psycopg reads single ones as placeholders
@@ -172,10 +225,17 @@ SELECT fairqueue_fold_deltas_v1(%(limit)s::integer, false) AS folded;
 
 -- name: retry_failed_messages
 -- Make failed messages ready again with a fresh attempt budget; idempotent (non-failed rows are untouched).
+-- A unique job whose key another message holds now stays failed (that message does its work).
 WITH retried AS (
     UPDATE fairqueue_message m
-    SET state = 'ready', attempts = 0, run_at = clock_timestamp(), finished_at = NULL
+    SET state = 'ready', attempts = 0, run_at = clock_timestamp(), finished_at = NULL,
+        abort_requested_at = NULL
     WHERE m.id = ANY (%(ids)s::bigint[]) AND m.state = 'failed'
+      AND NOT (m.unique_key IS NOT NULL AND EXISTS (
+          SELECT FROM fairqueue_message o
+          WHERE o.channel_id = m.channel_id AND o.unique_key = m.unique_key
+            AND (o.state IN ('ready', 'scheduled')
+                 OR (o.state = 'running' AND o.unique_scope = 'active'))))
     RETURNING m.id, m.channel_id
 ), delta AS (
     INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
@@ -216,6 +276,89 @@ WITH cancelled AS (
     FROM cancelled GROUP BY channel_id
 )
 SELECT id FROM cancelled;
+
+-- name: cancel_matching_messages
+-- Cancel up to `limit` waiting (ready or scheduled) messages of a channel and/or a task; call until it returns 0.
+-- Rows another transaction holds (a claim taking them right now) are skipped, as by cancel_messages.
+WITH victims AS (
+    SELECT m.id, m.state AS old_state
+    FROM fairqueue_message m
+    WHERE m.state IN ('ready', 'scheduled')
+      AND (%(channel_id)s::bigint IS NULL OR m.channel_id = %(channel_id)s::bigint)
+      AND (%(task)s::text IS NULL OR m.task_name = %(task)s::text)
+    LIMIT %(limit)s::integer
+    FOR UPDATE SKIP LOCKED
+), cancelled AS (
+    UPDATE fairqueue_message m
+    SET state = 'cancelled', finished_at = clock_timestamp()
+    FROM victims
+    WHERE m.id = victims.id
+    RETURNING m.id, m.channel_id, victims.old_state
+), delta AS (
+    INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
+    SELECT channel_id,
+           -count(*) FILTER (WHERE old_state = 'ready'),
+           -count(*) FILTER (WHERE old_state = 'scheduled'),
+           0, 0, 0
+    FROM cancelled GROUP BY channel_id
+)
+SELECT id FROM cancelled;
+
+-- name: select_running_message_ids
+-- Ids of running messages of a channel and/or a task (for abort by channel or task): fq_message_lease_idx.
+SELECT m.id
+FROM fairqueue_message m
+WHERE m.state = 'running'
+  AND (%(channel_id)s::bigint IS NULL OR m.channel_id = %(channel_id)s::bigint)
+  AND (%(task)s::text IS NULL OR m.task_name = %(task)s::text)
+ORDER BY m.id;
+
+-- name: abort_messages
+-- Stop messages wherever they are: waiting ones are cancelled, running ones get an abort request (their worker's heartbeat reads it); returns (id, 'cancelled' or 'abort_requested').
+-- Waits for a row another transaction holds (a claim taking it, a settlement), then acts on
+-- its newest version (FOR UPDATE re-checks it): a message claimed meanwhile gets the request,
+-- one settled meanwhile is left alone. Rows are locked in id order, as settlements lock them.
+WITH t AS MATERIALIZED (
+    SELECT o.id, o.state AS old_state
+    FROM fairqueue_message o
+    WHERE o.id = ANY (%(ids)s::bigint[]) AND o.state IN ('ready', 'scheduled', 'running')
+    ORDER BY o.id
+    FOR UPDATE
+), stopped AS (
+    UPDATE fairqueue_message m
+    SET state = CASE WHEN t.old_state = 'running' THEN 'running' ELSE 'cancelled' END,
+        finished_at = CASE WHEN t.old_state = 'running' THEN NULL ELSE clock_timestamp() END,
+        abort_requested_at = CASE WHEN t.old_state = 'running'
+                                  THEN coalesce(m.abort_requested_at, clock_timestamp()) END
+    FROM t
+    WHERE m.id = t.id
+    RETURNING m.id, m.channel_id, t.old_state
+), delta AS (
+    INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
+    SELECT channel_id,
+           -count(*) FILTER (WHERE old_state = 'ready'),
+           -count(*) FILTER (WHERE old_state = 'scheduled'),
+           0, 0, 0
+    FROM stopped WHERE old_state <> 'running' GROUP BY channel_id
+)
+SELECT id, CASE WHEN old_state = 'running' THEN 'abort_requested' ELSE 'cancelled' END
+FROM stopped ORDER BY id;
+
+-- name: settle_aborted_messages
+-- Settle attempts that stopped on an abort request (or outran its grace period): aborted, fenced by the lease token; frees each slot once.
+WITH aborted AS (
+    UPDATE fairqueue_message m
+    SET state = 'aborted', finished_at = clock_timestamp(),
+        last_error = (%(errors)s::jsonb[])[array_position(%(ids)s::bigint[], m.id)],
+        lease_token = NULL, lease_expires_at = NULL
+    WHERE m.id = ANY (%(ids)s::bigint[])
+      AND m.lease_token = ANY (%(tokens)s::uuid[])
+    RETURNING m.id, m.channel_id
+), delta AS (
+    INSERT INTO fairqueue_channel_delta (channel_id, running)
+    SELECT channel_id, -count(*) FROM aborted GROUP BY channel_id
+)
+SELECT id FROM aborted;
 
 -- name: delete_messages
 -- Delete messages that are not running; returns the ids deleted.
@@ -258,16 +401,18 @@ WITH victims AS (
 SELECT count(*) AS purged FROM deleted;
 
 -- name: prune_finished_messages
--- Delete up to `limit` succeeded or cancelled messages finished before `before`.
+-- Delete up to `limit` succeeded, cancelled or aborted messages finished before `before`.
 WITH victims AS (
     SELECT m.id
     FROM fairqueue_message m
-    WHERE m.state IN ('succeeded', 'cancelled') AND m.finished_at < %(before)s::timestamptz
+    WHERE m.state IN ('succeeded', 'cancelled', 'aborted')
+      AND m.finished_at < %(before)s::timestamptz
     ORDER BY m.finished_at
     LIMIT %(limit)s
 )
 DELETE FROM fairqueue_message m
-WHERE m.id = ANY (ARRAY(SELECT victims.id FROM victims)) AND m.state IN ('succeeded', 'cancelled')
+WHERE m.id = ANY (ARRAY(SELECT victims.id FROM victims))
+  AND m.state IN ('succeeded', 'cancelled', 'aborted')
 RETURNING m.id;
 
 -- name: select_channel_counters
@@ -850,7 +995,23 @@ WHERE m.channel_id = %(channel_id)s::bigint AND m.state = 'ready'
 -- The database's clock, for figures computed against its timestamps.
 SELECT clock_timestamp();
 
+-- name: select_abort_pending_count
+-- Running messages with an abort requested that have not stopped yet: fq_message_lease_idx (running rows only).
+SELECT count(*) FROM fairqueue_message m
+WHERE m.state = 'running' AND m.abort_requested_at IS NOT NULL;
+
 -- name: select_stale_lease_count
 -- Running messages whose lease expired (their worker died or stalled): fq_message_lease_idx.
 SELECT count(*) FROM fairqueue_message m
 WHERE m.state = 'running' AND m.lease_expires_at < clock_timestamp();
+
+-- name: select_channel_retrying
+-- Per channel of `ids`: messages waiting out a retry's backoff (scheduled after a failed attempt).
+-- A scheduled message with attempts > 0 has run and failed: enqueue and retry_failed_messages
+-- start at 0, release_messages gives the attempt back. Walks fq_message_sched_chan_idx
+-- (channel_id, run_at) over the scheduled rows of these channels only; callers pass the
+-- channels whose scheduled counter is positive.
+SELECT m.channel_id, count(*)
+FROM fairqueue_message m
+WHERE m.channel_id = ANY (%(ids)s::bigint[]) AND m.state = 'scheduled' AND m.attempts > 0
+GROUP BY m.channel_id;

@@ -7,6 +7,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 
@@ -54,6 +55,11 @@ class WorkerBase:
         self._timer_cond = threading.Condition(lock)
         # attempts running with a time limit, and the handler threads that are in the pool
         self._timed: set[_Attempt] = set()
+        # every attempt running in a handler thread, by message id (abort requests find them)
+        self._attempts: dict[int, _Attempt] = {}
+        # unsettled messages whose abort was requested (seen by a heartbeat)
+        self._abort_pending: set[int] = set()
+        self._abort_grace = cfg.ABORT_GRACE
         self._handlers: list[threading.Thread] = []
         self._handlers_started = 0  # for thread names
         self._handlers_closing = False  # told to stop: no more replacements
@@ -104,6 +110,15 @@ class WorkerBase:
         return self._handled
 
     # -- control ---------------------------------------------------------------------------------
+
+    def _start_abort(self, attempt: _Attempt) -> None:
+        """Put a running attempt on its abort's grace period (call with the lock held)."""
+        if attempt.abort_seen or attempt.abandoned:
+            return
+        attempt.abort_seen = True
+        attempt.abort_at = time.monotonic() + self._abort_grace
+        self._timed.add(attempt)
+        self._timer_cond.notify()  # it may be the next deadline
 
     def stop(self) -> None:
         """Stop gracefully: claim nothing more, let running messages finish within the grace

@@ -57,7 +57,7 @@ _lease_clock: Callable[[], float] = (
     else time.monotonic
 )
 
-OutcomeKind = Literal["succeeded", "retry", "failed", "released"]
+OutcomeKind = Literal["succeeded", "retry", "failed", "released", "aborted"]
 _STATS_OUTCOME: dict[str, Literal["succeeded", "failed", "retried"]] = {
     "succeeded": "succeeded",
     "retry": "retried",
@@ -171,21 +171,30 @@ class Outcome:
 
 @dataclass(eq=False)
 class _Attempt:
-    """A running attempt with a time limit (compared by identity: a message id comes back
-    with its retries)."""
+    """A running attempt, under its time limit if it has one (compared by identity: a message
+    id comes back with its retries)."""
 
     message: ClaimedMessage
     spec: TaskSpec
     thread: threading.Thread
-    timeout: float
+    timeout: float | None  # None: no time limit
     started: float  # time.monotonic()
     #: Set by the timer (under the worker's lock) when the limit passed: the attempt was
     #: settled as timed out, and its thread no longer belongs to the pool.
     abandoned: bool = False
+    #: Set (under the worker's lock) when a heartbeat found an abort requested: the task's
+    #: abort_requested() turns True, and the attempt ends aborted by ``abort_at`` at the latest.
+    abort_seen: bool = False
+    abort_at: float | None = None
 
     @property
     def deadline(self) -> float:
-        return self.started + self.timeout
+        limit = self.started + self.timeout if self.timeout is not None else float("inf")
+        return min(limit, self.abort_at) if self.abort_at is not None else limit
+
+    def aborting(self) -> bool:
+        """Whether an abort was requested (a read of one flag: no lock needed)."""
+        return self.abort_seen
 
     def passed(self) -> bool:
         """Whether the limit has passed (a read of one flag: no lock needed)."""

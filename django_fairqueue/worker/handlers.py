@@ -12,10 +12,11 @@ from asgiref.sync import async_to_sync
 
 from django_fairqueue import tracing
 from django_fairqueue.attempts import error_info, retry_delay
-from django_fairqueue.context import current_message, time_limit_passed
+from django_fairqueue.context import abort_flag, current_message, time_limit_passed
 from django_fairqueue.exceptions import (
     PayloadError,
     ResultNotStorable,
+    TaskAborted,
     UnknownTask,
 )
 from django_fairqueue.signals import message_finished, message_started
@@ -61,7 +62,10 @@ class Handlers(WorkerBase):
             if message is None:
                 return
             outcome: Outcome | None
-            if self._release_unstarted:
+            if message.id in self._abort_pending:  # aborted while it waited for a thread
+                outcome = self._aborted(message, "before it started", 0.0)
+                self._finished(outcome)
+            elif self._release_unstarted:
                 outcome = Outcome(message, "released")
             elif self._lease_gone(message):
                 self._drop(message)
@@ -119,6 +123,7 @@ class Handlers(WorkerBase):
             self._unsettled.pop(message.id, None)
             self._lost.discard(message.id)
             self._lease_deadlines.pop(message.id, None)
+            self._abort_pending.discard(message.id)
         logger.warning(
             "not starting message %s (%s, channel %r): its lease expired or was lost while it "
             "waited for a handler thread; the rescuer requeues it",
@@ -175,6 +180,7 @@ class Handlers(WorkerBase):
         attempt = self._start_attempt(message, spec) if timed else None
         token = current_message.set(message)
         limit_token = time_limit_passed.set(attempt.passed) if attempt is not None else None
+        abort_token = abort_flag.set(attempt.aborting) if attempt is not None else None
         try:
             with (
                 tracing.run_span(message),
@@ -205,15 +211,25 @@ class Handlers(WorkerBase):
             current_message.reset(token)
             if limit_token is not None:
                 time_limit_passed.reset(limit_token)
+            if abort_token is not None:
+                abort_flag.reset(abort_token)
+        if attempt is not None and attempt.abort_seen and self._end_attempt(attempt):
+            # Its abort was requested: it ends aborted, whatever it returned or raised.
+            outcome = self._aborted(message, "and the task stopped", outcome.duration)
+            self._finished(outcome)
+            return outcome
         if attempt is not None and not self._end_attempt(attempt):
+            limit = attempt.deadline - attempt.started
+            what = "its abort's grace period" if attempt.abort_seen else "its time limit"
             logger.warning(
-                "message %s (%s, channel %r) returned %.1fs after its time limit of %gs: "
-                "discarded its outcome (%s); the attempt was settled as timed out at the limit",
+                "message %s (%s, channel %r) returned %.1fs after %s (%gs): discarded its "
+                "outcome (%s); the attempt was settled at the limit",
                 message.id,
                 message.task_name,
                 message.channel,
-                outcome.duration - attempt.timeout,
-                attempt.timeout,
+                outcome.duration - limit,
+                what,
+                limit,
                 outcome.kind,
                 extra=_log_extra(message, worker_id=self.worker_id, outcome="discarded"),
             )
@@ -223,25 +239,42 @@ class Handlers(WorkerBase):
 
     # time limits
 
-    def _start_attempt(self, message: ClaimedMessage, spec: TaskSpec) -> _Attempt | None:
-        """Put an attempt under its task's time limit (None: the task has none)."""
+    def _start_attempt(self, message: ClaimedMessage, spec: TaskSpec) -> _Attempt:
+        """Record a running attempt (abort requests find it), under its task's time limit
+        when it has one."""
         timeout = spec.effective_timeout
-        if timeout is None:
-            return None
         attempt = _Attempt(message, spec, threading.current_thread(), timeout, time.monotonic())
         with self._cond:
-            self._timed.add(attempt)
-            self._timer_cond.notify()  # it may be the next deadline
+            self._attempts[message.id] = attempt
+            if message.id in self._abort_pending:  # requested between its claim and now
+                self._start_abort(attempt)
+            elif timeout is not None:
+                self._timed.add(attempt)
+                self._timer_cond.notify()  # it may be the next deadline
         return attempt
 
     def _end_attempt(self, attempt: _Attempt) -> bool:
         """The attempt returned: whether its outcome is still this thread's to settle (False
-        when the timer settled it as timed out first)."""
+        when the timer settled it as timed out or aborted first). Idempotent."""
         with self._cond:
+            if self._attempts.get(attempt.message.id) is attempt:
+                del self._attempts[attempt.message.id]
             if attempt.abandoned:
                 return False
             self._timed.discard(attempt)
             return True
+
+    def _aborted(self, message: ClaimedMessage, how: str, duration: float) -> Outcome:
+        """The outcome of an attempt whose abort was requested."""
+        exc = TaskAborted(f"message {message.id} aborted on request, {how}")
+        return Outcome(
+            message,
+            "aborted",
+            error=error_info(
+                exc, attempt=message.attempts, worker_id=self.worker_id, with_traceback=False
+            ),
+            duration=duration,
+        )
 
     def _retire(self) -> None:
         """A thread abandoned to a timed-out attempt got it back: it leaves the worker (its
@@ -293,6 +326,8 @@ class Handlers(WorkerBase):
             return
         if outcome.kind == "succeeded":
             what = "succeeded"
+        elif outcome.kind == "aborted":
+            what = "aborted"
         else:
             error = outcome.error or {}
             cause = f"{error.get('type')}: {error.get('message')}"

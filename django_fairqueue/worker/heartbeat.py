@@ -44,12 +44,13 @@ class Heartbeat(WorkerBase):
                     chunk = leases[start : start + HEARTBEAT_BATCH]
                     sent = _lease_clock()  # the renewal's database time is later than this
                     renewed = store.heartbeat_messages(chunk, lease=self.lease)
-                    owned |= renewed
+                    owned |= renewed.keys()
                     deadline = sent + self.lease.total_seconds()
                     with self._cond:
                         for message_id in renewed:
                             if message_id in self._lease_deadlines:
                                 self._lease_deadlines[message_id] = deadline
+                        self._note_aborts([i for i, asked in renewed.items() if asked])
             except CONNECTION_ERRORS as exc:
                 what = after_database_error(exc)
                 wait = min(backoff.next(), interval)
@@ -68,5 +69,23 @@ class Heartbeat(WorkerBase):
                     lost[:20],
                     extra={"worker_id": self.worker_id, "outcome": "lease_lost"},
                 )
+
+    def _note_aborts(self, ids: list[int]) -> None:
+        """Abort requests found by a heartbeat (call with the lock held): a running attempt's
+        task sees abort_requested() turn True and has ABORT_GRACE seconds to stop; one not
+        started yet is settled as aborted without running."""
+        for message_id in ids:
+            if message_id in self._abort_pending or message_id not in self._unsettled:
+                continue
+            self._abort_pending.add(message_id)
+            attempt = self._attempts.get(message_id)
+            if attempt is not None:
+                self._start_abort(attempt)
+        if ids:
+            logger.info(
+                "abort requested for running messages %s",
+                ids[:20],
+                extra={"worker_id": self.worker_id, "outcome": "abort_requested"},
+            )
 
     # maintenance and wake-ups

@@ -114,6 +114,7 @@ class Settler(WorkerBase):
             ("complete", [o for o in outcomes if o.kind == "succeeded"]),
             ("fail", [o for o in outcomes if o.kind in ("retry", "failed")]),
             ("release", [o for o in outcomes if o.kind == "released"]),
+            ("abort", [o for o in outcomes if o.kind == "aborted"]),
         ]
         for verb, group in groups:
             if not group:
@@ -163,15 +164,20 @@ class Settler(WorkerBase):
             return store.fail_messages(
                 [(o.message.id, o.message.lease_token, o.error or {}, o.retry_in) for o in group]
             )
+        if verb == "abort":
+            aborted = store.settle_aborted_messages(
+                [(o.message.id, o.message.lease_token, o.error or {}) for o in group]
+            )
+            return {i: "aborted" for i in aborted}
         released = store.release_messages([(o.message.id, o.message.lease_token) for o in group])
         return {i: "ready" for i in released}
 
     def _after_write(self, verb: str, group: list[Outcome], written: dict[int, str]) -> None:
         stats = self._stats
-        if stats is not None and verb != "release":
+        if stats is not None and verb not in ("release", "abort"):
             settled_at = timezone.now()  # one clock reading for the group
             for outcome in group:
-                if outcome.message.id in written:
+                if outcome.message.id in written and outcome.kind in _STATS_OUTCOME:
                     stats.record_settled(
                         outcome.message.channel_id,
                         _STATS_OUTCOME[outcome.kind],
@@ -186,6 +192,7 @@ class Settler(WorkerBase):
                 self._unsettled.pop(message_id, None)
                 self._lost.discard(message_id)
                 self._lease_deadlines.pop(message_id, None)
+                self._abort_pending.discard(message_id)
             if verb != "release":
                 self._handled += len(group)
             if written and verb != "release" and not self._more:

@@ -53,8 +53,34 @@ class TimeLimits(Handlers):
         self._cond.notify_all()
 
     def _time_out(self, attempt: _Attempt) -> None:
-        """Settle an attempt past its time limit as failed (retried while attempts remain)."""
+        """Settle an attempt past its time limit as failed (retried while attempts remain),
+        or one past its abort's grace period as aborted."""
         message = attempt.message
+        with self._cond:
+            if self._attempts.get(message.id) is attempt:
+                del self._attempts[message.id]
+        if attempt.abort_seen:  # its abort was requested: aborted, whichever limit came first
+            outcome = self._aborted(
+                message,
+                f"and the task did not stop within ABORT_GRACE ({self._abort_grace:g} s)",
+                time.monotonic() - attempt.started,
+            )
+            self._outcomes.put(outcome)
+            with self._cond:
+                stuck = self._abandoned
+            logger.error(
+                "message %s (%s, channel %r) did not stop within %gs of its abort request: "
+                "settled as aborted; its handler thread was replaced (%d stuck in this worker)",
+                message.id,
+                message.task_name,
+                message.channel,
+                self._abort_grace,
+                stuck,
+                extra=_log_extra(message, worker_id=self.worker_id, outcome="aborted"),
+            )
+            self._finished(outcome)
+            self._maybe_recycle()
+            return
         exc = TaskTimeout(
             f"task {message.task_name} exceeded its time limit of {attempt.timeout:g} s "
             f"(attempt {message.attempts} of {message.max_attempts})"
@@ -74,9 +100,6 @@ class TimeLimits(Handlers):
         self._outcomes.put(outcome)
         with self._cond:
             stuck = self._abandoned
-            recycle = stuck >= self.config.max_abandoned_threads and not self._recycling
-            if recycle:
-                self._recycling = True
         logger.error(
             "message %s (%s, channel %r) exceeded its time limit of %gs: attempt %s of %s "
             "failed; its handler thread was replaced (%d stuck in this worker)",
@@ -90,6 +113,15 @@ class TimeLimits(Handlers):
             extra=_log_extra(message, worker_id=self.worker_id, outcome="timeout"),
         )
         self._finished(outcome)
+        self._maybe_recycle()
+
+    def _maybe_recycle(self) -> None:
+        """Recycle the worker once max_abandoned_threads handler threads are stuck."""
+        with self._cond:
+            stuck = self._abandoned
+            recycle = stuck >= self.config.max_abandoned_threads and not self._recycling
+            if recycle:
+                self._recycling = True
         if recycle:
             logger.warning(
                 "worker %s recycling: %d handler threads are stuck in tasks past their time "

@@ -9,6 +9,8 @@ class DataObject(models.Model):
     qty = models.IntegerField()
     discount = models.FloatField(default=0)
     tax_rate = models.FloatField(default=0)
+    region = models.CharField(max_length=20, blank=True, default="")
+    ordered_on = models.DateField(null=True, blank=True)
 
     class Meta:
         db_table = "data_objects"
@@ -27,6 +29,8 @@ class DataResult(models.Model):
     subtotal = models.FloatField(null=True)
     total = models.FloatField(null=True)
     band = models.CharField(max_length=20, blank=True, default="")
+    #: Every other rule's value by name (a tenant may have hundreds of rules).
+    results = models.JSONField(null=True, blank=True)
 
     class Meta:
         db_table = "data_results"
@@ -36,7 +40,8 @@ class DataResult(models.Model):
 
 
 class TenantFormula(models.Model):
-    """One formula of a tenant: ``target = expression`` (Spark SQL), applied in ``position``."""
+    """One rule of a tenant: ``target = expression`` (the pipeline's spreadsheet-like formula
+    language), applied in ``position`` order."""
 
     tenant = models.CharField(max_length=50)
     position = models.PositiveIntegerField(default=0)

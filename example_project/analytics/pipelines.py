@@ -15,12 +15,22 @@ def tenants() -> list[str]:
     name="analytics.enrich",
     source=Source(
         DataObject,
-        columns=["id", "tenant", "price", "qty", "discount", "tax_rate"],
+        columns=["id", "tenant", "price", "qty", "discount", "tax_rate", "region", "ordered_on"],
         tenant_column="tenant",
     ),
-    sink=Sink(DataResult, key=["id"], columns=["tenant", "subtotal", "total", "band"]),
+    # Rules named subtotal, total or band go to those columns; every other rule to `results`.
+    sink=Sink(
+        DataResult,
+        key=["id"],
+        columns=["tenant", "subtotal", "total", "band"],
+        results="results",
+    ),
     tenants=tenants,
     batch_size=250_000,
 )
 def formulas(tenant: str) -> list[tuple[str, str]]:
-    return list(TenantFormula.objects.filter(tenant=tenant).values_list("target", "expression"))
+    return list(
+        TenantFormula.objects.filter(tenant=tenant)
+        .order_by("position")
+        .values_list("target", "expression")
+    )

@@ -136,6 +136,9 @@ def enqueue(
             "notify_channel": "fairqueue",
             "delays": None,
             "create": True,  # one statement per transaction: it creates channels itself
+            "unique_keys": None,
+            "unique_scopes": None,
+            "on_conflict": None,
         }
         with db.conn.transaction():
             got = [r[0] for r in db.conn.execute(sql, params).fetchall()]

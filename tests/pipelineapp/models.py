@@ -7,6 +7,7 @@ class DataRow(models.Model):
     qty = models.IntegerField()
     discount = models.FloatField()
     note = models.TextField(null=True)  # noqa: DJ001  (NULL vs '' matters here)
+    ordered_on = models.DateField(null=True)
 
     class Meta:
         db_table = "pipelinetest_data"
@@ -41,6 +42,20 @@ class ExpectedRow(models.Model):
 
     class Meta:
         db_table = "pipelinetest_expected"
+
+    def __str__(self) -> str:
+        return f"{self.tenant} #{self.pk}"
+
+
+class JsonResultRow(models.Model):
+    """A sink with a JSON results column: any number of rules per tenant."""
+
+    id = models.BigIntegerField(primary_key=True)
+    tenant = models.CharField(max_length=50)
+    results = models.JSONField(null=True)
+
+    class Meta:
+        db_table = "pipelinetest_json_result"
 
     def __str__(self) -> str:
         return f"{self.tenant} #{self.pk}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from django_fairqueue.pipeline import Sink, Source, pipeline
-from tests.pipelineapp.models import DataRow, ResultRow
+from tests.pipelineapp.models import DataRow, JsonResultRow, ResultRow
 
 FORMULAS: dict[str, list[str]] = {
     "alice": [
@@ -32,3 +32,34 @@ FORMULAS: dict[str, list[str]] = {
 )
 def formulas(tenant: str) -> list[str]:
     return FORMULAS[tenant]
+
+
+#: The JSON-sink pipeline's rules (tests change them).
+JSON_FORMULAS: dict[str, list[str]] = {
+    "alice": [
+        "_gross = price * qty",
+        "net = ROUND(_gross * (1 - discount), 2)",
+        "share = net / SUM(net BY note)",
+        "unit = price / (qty - 3)",
+        'label = UPPER(LEFT(COALESCE(note, "none"), 2)) & "-" & id',
+        'size = IF(qty > 3, "big", "small")',
+        "age = DAYS(TODAY(), ordered_on)",
+        "month = MONTH(ordered_on)",
+    ],
+    "bob": ["double = price * 2"],
+}
+
+
+@pipeline(
+    name="test.json",
+    source=Source(
+        DataRow,
+        columns=["id", "tenant", "price", "qty", "discount", "note", "ordered_on"],
+        tenant_column="tenant",
+    ),
+    sink=Sink(JsonResultRow, key=["id"], columns=["tenant"], results="results"),
+    tenants=lambda: sorted(JSON_FORMULAS),
+    batch_size=50,
+)
+def json_formulas(tenant: str) -> list[str]:
+    return JSON_FORMULAS[tenant]

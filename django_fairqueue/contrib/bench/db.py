@@ -101,6 +101,10 @@ def analyze_queue_tables(*, using: str | None = None) -> None:
     _run("analyze_queue_tables", {}, using)
 
 
+def select_backend_pid(*, using: str | None = None) -> int:
+    return int(_run("select_backend_pid", {}, using)[0][0])
+
+
 def load_ready_messages(
     channels: Sequence[str],
     count: int,
@@ -109,9 +113,11 @@ def load_ready_messages(
     payload: Any,
     defaults: conf.ChannelDefaults,
     max_attempts: int = 1,
+    unique_scope: str | None = None,
     using: str | None = None,
 ) -> int:
-    """Insert ``count`` ready messages round-robin over ``channels`` in one statement.
+    """Insert ``count`` ready messages round-robin over ``channels`` in one statement (with
+    ``unique_scope``, each a unique job of that scope with a random key).
 
     For benchmarks and demos: about 90,000 rows/s here, where ``enqueue_many`` validates and
     encodes every payload in Python. Channels are created on first use with ``defaults``;
@@ -125,6 +131,7 @@ def load_ready_messages(
         "task": task_name,
         "payload": Jsonb(payload),
         "max_attempts": max_attempts,
+        "unique_scope": unique_scope,
         "default_max_concurrency": defaults.max_concurrency,
         "default_release_interval": defaults.release_interval,
         "default_weight": defaults.weight,
@@ -171,3 +178,36 @@ def drop_scratch_database(name: str, *, using: str | None = None) -> None:
     """DROP DATABASE IF EXISTS ``name``, ending its sessions (PostgreSQL 13+)."""
     with _cursor(using) as cur:
         cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+# -- The admin scenario's queue ----------------------------------------------------------------
+
+
+def load_admin_messages(
+    channel_ids: Sequence[int], start: int, count: int, total: int, *, using: str | None = None
+) -> None:
+    """Insert messages ``start .. start + count - 1`` of an admin benchmark queue of ``total``
+    (their state, task name and times follow from their position; see sql/bench.sql)."""
+    params = {"channel_ids": list(channel_ids), "start": start, "count": count, "total": total}
+    _run("load_admin_messages", params, using)
+
+
+def count_admin_messages(*, using: str | None = None) -> None:
+    """One counter delta per channel for the messages ``load_admin_messages`` wrote."""
+    _run("count_admin_messages", {}, using)
+
+
+def load_admin_workers(*, using: str | None = None) -> None:
+    _run("load_admin_workers", {}, using)
+
+
+def delete_admin_workers(*, using: str | None = None) -> None:
+    _run("delete_admin_workers", {}, using)
+
+
+def load_admin_work_batches(channel_id: int, count: int, *, using: str | None = None) -> None:
+    _run("load_admin_work_batches", {"channel_id": channel_id, "count": count}, using)
+
+
+def vacuum_queue_tables(*, using: str | None = None) -> None:
+    _run("vacuum_queue_tables", {}, using)

@@ -1,4 +1,5 @@
-"""Enqueue rate through the public API: one message per transaction, and batches of 100."""
+"""Enqueue rate through the public API: one message per transaction, and batches of 100; plain,
+and as unique jobs (a new key per message, and a key already held)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ MODES = {
     "single": "enqueue(), one message per transaction",
     "batch": f"enqueue_many() of {BATCH}, one channel per call",
     "batch-mixed": f"enqueue_many() of {BATCH}, spread over {BATCH} channels",
+    "single-key": "enqueue() with a new unique_key each call (every message stored)",
+    "batch-key": f"enqueue_many() of {BATCH}, one channel, a new unique_key per message",
+    "single-held": "enqueue() of a unique_key its channel's message holds (keep: nothing stored)",
 }
 
 
@@ -31,6 +35,10 @@ class EnqueueCell:
     @property
     def label(self) -> str:
         return f"enqueue {self.mode:<11} x{self.processes}"
+
+
+def _is_single(mode: str) -> bool:
+    return mode.startswith("single")
 
 
 @dataclass(frozen=True)
@@ -69,10 +77,23 @@ def _worker(index: int, mode: str, duration: float, channels: int, start: Barrie
         if mode == "single":
             enqueue(NOOP_TASK_NAME, k, channel=names[k % channels])
             return 1
-        if mode == "batch":
+        if mode == "single-key":
+            enqueue(NOOP_TASK_NAME, k, channel=names[k % channels], unique_key=f"{index}-{k}")
+            return 1
+        if mode == "single-held":
+            enqueue(NOOP_TASK_NAME, k, channel=names[k % channels], unique_key="held")
+            return 1
+        if mode in ("batch", "batch-key"):
             channel = names[k % channels]
+            keyed = mode == "batch-key"
             enqueue_many(
-                EnqueueRequest(NOOP_TASK_NAME, (k, j), channel=channel) for j in range(BATCH)
+                EnqueueRequest(
+                    NOOP_TASK_NAME,
+                    (k, j),
+                    channel=channel,
+                    unique_key=f"{index}-{k}-{j}" if keyed else None,
+                )
+                for j in range(BATCH)
             )
         else:
             enqueue_many(
@@ -126,7 +147,7 @@ def run(bench: Bench, cell: EnqueueCell) -> EnqueueResult:
     bench.reset()
     return EnqueueResult(
         mode=cell.mode,
-        batch=1 if cell.mode == "single" else BATCH,
+        batch=1 if _is_single(cell.mode) else BATCH,
         processes=cell.processes,
         messages=messages,
         calls=calls,

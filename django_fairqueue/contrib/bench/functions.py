@@ -10,8 +10,13 @@ session) as differences over ``samples`` calls.
 Cells: ``empty`` (nothing to claim, nothing due, nothing to fold: the fixed cost every poll of an
 idle queue pays), and ``batch 1`` / ``batch 100`` over a standing backlog in 100 channels, each
 claim followed by its completion and by as many new messages to the same channels (so every
-claim also folds an enqueue delta, as in steady traffic). Needs PostgreSQL 15+ and a role
-allowed to set ``track_functions`` (a superuser, or one granted it).
+claim also folds an enqueue delta, as in steady traffic). ``key-queued`` and ``key-active`` are
+the backlog case with every message a unique job of that scope, refilled with new keys (scope
+``active`` is the costlier: the claim writes an entry of the unique index for each message it
+takes). Where the server runs on this host, the backend's CPU time per claim and per completion
+is read from ``/proc`` too: unlike time inside the server, it does not count waits for a core,
+so it is the figure to compare on a busy machine. Needs PostgreSQL 15+ and a role allowed to
+set ``track_functions`` (a superuser, or one granted it).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from django.db import DatabaseError
 from django_fairqueue import store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.contrib.bench import db
-from django_fairqueue.contrib.bench.harness import Bench, BenchmarkError, load1
+from django_fairqueue.contrib.bench.harness import Bench, BenchmarkError, backend_cpu, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
@@ -39,7 +44,8 @@ COMPLETE = "fairqueue_complete_v1"
 
 @dataclass(frozen=True)
 class FunctionsCell:
-    #: "empty", or "backlog" (claims of ``batch`` over a standing backlog)
+    #: "empty", "backlog" (claims of ``batch`` over a standing backlog), "key-queued" or
+    #: "key-active" (the same, every message a unique job of that scope)
     case: str
     batch: int
 
@@ -60,12 +66,17 @@ class FunctionsResult:
     fold_us: float
     #: microseconds per completion call (none in the empty case)
     complete_us: float | None
+    #: the server backend's CPU microseconds per claim and per completion (None: unreadable)
+    claim_cpu_us: float | None
+    complete_cpu_us: float | None
     load1: float
 
 
 def plan(sizes: Sizes) -> list[FunctionsCell]:
     return [FunctionsCell("empty", 1)] + [
-        FunctionsCell("backlog", batch) for batch in sizes.functions_batches
+        FunctionsCell(case, batch)
+        for batch in sizes.functions_batches
+        for case in ("backlog", "key-queued", "key-active")
     ]
 
 
@@ -105,8 +116,9 @@ def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
     load = load1()
     bench.reset()
     channels = [f"tenant-{i:03d}" for i in range(100)]
-    if cell.case == "backlog":
-        bench.load(channels, sizes.functions_backlog)
+    scope = cell.case.removeprefix("key-") if cell.case.startswith("key-") else None
+    if cell.case != "empty":
+        bench.load(channels, sizes.functions_backlog, unique_scope=scope)
     # Again here, on the connection this cell uses (a reset may have replaced the one checked).
     reason = unavailable(using)
     if reason is not None:
@@ -116,16 +128,30 @@ def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
     for _ in range(10):
         got = store.claim_messages(cell.batch, lease=LEASE, worker_id=WORKER_ID, using=using)
         store.release_messages([(m.id, m.lease_token) for m in got], using=using)
+    cpu = backend_cpu(using)
+    claim_cpu = complete_cpu = 0.0
     before = db.select_function_times(using=using)
     completions = 0
     for i in range(calls):
+        started = cpu() if cpu is not None else 0.0
         got = store.claim_messages(cell.batch, lease=LEASE, worker_id=WORKER_ID, using=using)
-        if cell.case == "backlog":
+        claimed = cpu() if cpu is not None else 0.0
+        claim_cpu += claimed - started
+        if cell.case != "empty":
             if len(got) != cell.batch:
                 raise BenchmarkError(f"functions: a claim of {cell.batch} got {len(got)}")
             store.complete_messages([(m.id, m.lease_token, None) for m in got], using=using)
+            complete_cpu += (cpu() if cpu is not None else 0.0) - claimed
             completions += 1
-            enqueue_many(EnqueueRequest(NOOP_TASK_NAME, channel=m.channel) for m in got)
+            enqueue_many(
+                EnqueueRequest(
+                    NOOP_TASK_NAME,
+                    channel=m.channel,
+                    unique_key=f"k{i}-{j}" if scope else None,
+                    unique_scope=scope,
+                )
+                for j, m in enumerate(got)
+            )
         if i % 100 == 0:
             bench.progress.update(f"{i:,}/{calls:,} claims", i / calls)
     db.force_stats_flush(using=using)
@@ -140,6 +166,10 @@ def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
         promote_us=_per_call(before, after, PROMOTE, calls),
         fold_us=_per_call(before, after, FOLD, calls),
         complete_us=_per_call(before, after, COMPLETE, completions) if completions else None,
+        claim_cpu_us=round(1e6 * claim_cpu / calls) if cpu is not None else None,
+        complete_cpu_us=(
+            round(1e6 * complete_cpu / completions) if cpu is not None and completions else None
+        ),
         load1=round(load, 2),
     )
 
@@ -157,6 +187,8 @@ SCENARIO = Scenario(
         Column("promote", "promote_us", ".1f"),
         Column("fold", "fold_us", ".1f"),
         Column("complete µs", "complete_us", ".1f"),
+        Column("claim CPU µs", "claim_cpu_us", ".0f"),
+        Column("complete CPU µs", "complete_cpu_us", ".0f"),
         Column("calls", "calls", ","),
     ),
     summary=lambda r: f"claim {r.claim_us:.1f} µs",
@@ -169,6 +201,10 @@ SCENARIO = Scenario(
         "'pl'), per call: no round trip, no client, no commit. claim µs includes promote and "
         "fold, which every claim runs first; its body is the rest.",
         "empty: nothing to claim, promote or fold (an idle queue's poll). backlog: claims over "
-        "100 channels, each completed and its messages enqueued again, untimed.",
+        "100 channels, each completed and its messages enqueued again, untimed. key-queued, "
+        "key-active: the same with every message a unique job of that scope.",
+        "CPU µs: the server backend's CPU time per call, from /proc (where the server runs on "
+        "this host): it leaves out waits for a core, so it is the figure to compare on a busy "
+        "machine.",
     ),
 )

@@ -112,9 +112,12 @@ class Bench:
         connections[self.using].close_if_unusable_or_obsolete()
         db.truncate_queue_tables(using=self.using)
 
-    def load(self, channels: Sequence[str], count: int) -> float:
-        """Bulk-load ``count`` ready no-op messages round-robin over ``channels``, fold the
-        counter deltas and ANALYZE; returns the seconds it took."""
+    def load(
+        self, channels: Sequence[str], count: int, *, unique_scope: str | None = None
+    ) -> float:
+        """Bulk-load ``count`` ready no-op messages round-robin over ``channels`` (unique jobs
+        of ``unique_scope``, if given), fold the counter deltas and ANALYZE; returns the
+        seconds it took."""
         began = time.perf_counter()
         chunk = max(len(channels), LOAD_CHUNK // len(channels) * len(channels))
         done = 0
@@ -127,6 +130,7 @@ class Bench:
                 task_name=NOOP_TASK_NAME,
                 payload=NOOP_PAYLOAD,
                 defaults=conf.get().CHANNEL_DEFAULTS,
+                unique_scope=unique_scope,
                 using=self.using,
             )
         self.settle()
@@ -260,6 +264,32 @@ class ProcessGroup:
 
 # --------------------------------------------------------------------------------------------
 # Figures
+
+
+def backend_cpu(using: str) -> Callable[[], float] | None:
+    """A clock of the CPU seconds the server backend of ``using``'s connection has used (user
+    and system, from ``/proc``), or None where it cannot be read (a server on another host).
+
+    Unlike time measured inside the server, it does not count the time the backend waited for
+    a core: on a shared machine the figure to compare."""
+    pid = db.select_backend_pid(using=using)
+    path = f"/proc/{pid}/stat"
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def read() -> float:
+        with open(path) as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / ticks
+
+    try:
+        # the same pid on this host may be another process (a server in a container)
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            if b"postgres" not in cmdline.read():
+                return None
+        read()
+    except OSError:
+        return None
+    return read
 
 
 def load1() -> float:

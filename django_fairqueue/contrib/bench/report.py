@@ -287,6 +287,20 @@ def _pickup(report: Report) -> TargetCheck | None:
     )
 
 
+def _admin(report: Report) -> TargetCheck | None:
+    cells = _cells(report, "admin")
+    if not cells:
+        return None
+    worst = max(cells, key=lambda c: c.median_ms)
+    return TargetCheck(
+        f"every admin page, {worst.messages:,} messages / {worst.channels:,} channels",
+        "<= 300 ms (median)",
+        f"slowest {worst.median_ms:.0f} ms ({worst.page}); "
+        f"{sum(not c.under_target for c in cells)} of {len(cells)} pages over",
+        all(c.under_target for c in cells),
+    )
+
+
 _RULES: list[Callable[[Report], TargetCheck | None]] = [
     _enqueue_batch,
     _claim_rule(True, 100, 15_000, "claim+complete, batch 100, many channels"),
@@ -300,4 +314,5 @@ _RULES: list[Callable[[Report], TargetCheck | None]] = [
     _fairness_p99,
     _e2e,
     _pickup,
+    _admin,
 ]

@@ -1,9 +1,9 @@
 """Every scenario of ``manage.py fairbench``, and the names the command uses.
 
 Scenarios are small modules (``enqueue``, ``claim``, ``latency``, ``fairness``, ``snapshot``,
-``functions``, ``admin``, ``e2e`` and ``pickup``; the last two through real ``runfairworker``
-processes), each a plan of cells and a function that runs one cell and returns a frozen
-dataclass; ``runner.run`` runs them on one database and returns a
+``functions``, ``enqueue_cost``, ``admin``, ``e2e`` and ``pickup``; the last two through real
+``runfairworker`` processes), each a plan of cells and a function that runs one cell and
+returns a frozen dataclass; ``runner.run`` runs them on one database and returns a
 :class:`~django_fairqueue.contrib.bench.report.Report` (tables, JSON, targets). See
 ``scenario.py`` for how to add one, and docs/performance.md for figures.
 """
@@ -15,6 +15,7 @@ from django_fairqueue.contrib.bench import (
     claim,
     e2e,
     enqueue,
+    enqueue_cost,
     fairness,
     functions,
     latency,
@@ -36,6 +37,7 @@ SCENARIOS: dict[str, Scenario] = {
         fairness.SCENARIO,
         snapshot.SCENARIO,
         functions.SCENARIO,
+        enqueue_cost.SCENARIO,
         admin_render.SCENARIO,
         e2e.SCENARIO,
         pickup.SCENARIO,

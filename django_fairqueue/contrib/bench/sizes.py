@@ -87,6 +87,11 @@ class Sizes:
     #: poll interval when polling).
     pickup_pause: float = 0.1
     pickup_poll_interval: float = 1.0
+    # -- admin pages (``--messages`` / ``--channels`` override the first two) --
+    admin_messages: int = 1_000_000
+    admin_channels: int = 10_000
+    #: Timed requests per page (after one warm-up); the table shows their median.
+    admin_samples: int = 5
 
 
 FULL = Sizes(name="full", duration=5.0)
@@ -107,6 +112,8 @@ QUICK = Sizes(
     e2e_min_backlog=1_000,
     pickup_samples=100,
     pickup_poll_samples=15,
+    admin_messages=200_000,
+    admin_samples=3,
 )
 
 #: For tests: every scenario and code path in seconds, figures meaningless.
@@ -149,6 +156,9 @@ TINY = Sizes(
     pickup_poll_samples=3,
     pickup_warmup=2,
     pickup_pause=0.07,
+    admin_messages=3_000,
+    admin_channels=30,
+    admin_samples=1,
 )
 
 PRESETS = {s.name: s for s in (FULL, QUICK, TINY)}

@@ -1,8 +1,8 @@
-"""``manage.py fairpipeline plan|run|status|retry|bench``: the Spark data pipeline.
+"""``manage.py fairpipeline plan|run|status|retry|cancel|bench``: the Spark data pipeline.
 
-Needs the ``spark`` extra for ``plan``, ``run`` and ``bench``
-(``pip install 'django-fairqueue[spark]'``); ``status`` and ``retry`` only read and update work
-batches. Guide: docs/howto/spark-pipeline.md.
+Needs the ``spark`` extra for ``run`` and ``bench`` (``pip install 'django-fairqueue[spark]'``);
+``plan`` checks formulas without Spark; ``status``, ``retry`` and ``cancel`` only read and
+update jobs and work batches. Guide: docs/howto/spark-pipeline.md.
 """
 
 from __future__ import annotations
@@ -40,10 +40,16 @@ class Command(BaseCommand):
         plan.add_argument("--tenant", action="append", help="Only this tenant (repeatable).")
         plan.add_argument("--batch-size", type=int, help="Rows per batch (default: pipeline's).")
         plan.add_argument(
-            "--no-spark-check",
+            "--rerun",
             action="store_true",
-            help="Check formulas with the built-in parser only (no SparkSession started).",
+            help="Plan finished jobs again from the start (every row recomputed).",
         )
+
+        cancel = sub.add_parser(
+            "cancel", help="Cancel jobs: pending batches dropped, running ones write nothing."
+        )
+        cancel.add_argument("pipeline")
+        cancel.add_argument("--tenant", action="append", help="Only this tenant (repeatable).")
 
         run = sub.add_parser("run", help="Run pipeline batches until stopped.")
         run.add_argument("pipelines", nargs="*", help="Pipelines (default: all registered).")
@@ -74,9 +80,9 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         configure_logging(options["verbosity"])
         action = options["action"]
-        # Planning with the built-in parser only needs nothing of Spark's: a planner without
-        # PySpark installed (the web host, say) can plan what a Spark host runs.
-        if action in ("run", "bench") or (action == "plan" and not options["no_spark_check"]):
+        # Planning needs nothing of Spark's: a planner without PySpark installed (the web
+        # host, say) checks formulas and plans what a Spark host runs.
+        if action in ("run", "bench"):
             self._require_spark()
         getattr(self, f"_{action}")(options)
 
@@ -109,26 +115,49 @@ class Command(BaseCommand):
 
     def _plan(self, options: dict[str, Any]) -> None:
         from django_fairqueue.pipeline.runner import plan
-        from django_fairqueue.pipeline.spark import get_session
 
         if options["batch_size"] is not None and options["batch_size"] < 1:
             raise CommandError("--batch-size must be at least 1")
         try:
-            spark = None if options["no_spark_check"] else get_session()
-            results = plan(
+            report = plan(
                 options["pipeline"],
                 tenants=options["tenant"],
                 batch_size=options["batch_size"],
-                spark=spark,
                 progress=options["verbosity"] >= 1 and sys.stderr.isatty(),
+                rerun=options["rerun"],
             )
         except self._pipeline_errors() as exc:
             raise CommandError(str(exc)) from None
-        for result in results:
+        for result in report.planned:
+            tenant = result.job_name.partition(":")[2]
             self.stdout.write(
-                f"{result.job_name}: {result.created} new batches ({result.rows_planned:,} "
-                f"rows), {result.batches_total} in all, {result.seconds:.1f} s"
+                f"{result.job_name} (formulas {report.versions.get(tenant, '-')}): "
+                f"{result.created} new batches ({result.rows_planned:,} rows), "
+                f"{result.batches_total} in all, {result.seconds:.1f} s"
             )
+        for refusal in report.refused.values():
+            self.stderr.write(f"not planned: {refusal}")
+        if report.refused:
+            raise CommandError(
+                f"{len(report.refused)} of {len(report.refused) + len(report.planned)} tenants "
+                "not planned (above); the others are"
+            )
+
+    # ---- cancel
+
+    def _cancel(self, options: dict[str, Any]) -> None:
+        from django_fairqueue.pipeline.runner import cancel
+
+        try:
+            dropped = cancel(options["pipeline"], tenants=options["tenant"])
+        except self._pipeline_errors() as exc:
+            raise CommandError(str(exc)) from None
+        for tenant, count in dropped.items():
+            self.stdout.write(
+                f"{options['pipeline']}:{tenant}: cancelled, {count} pending batches dropped"
+            )
+        if not dropped:
+            self.stdout.write("no job to cancel")
 
     # ---- run
 
@@ -192,13 +221,30 @@ class Command(BaseCommand):
 
             known = tuple(f"{n}:" for n in registry.names())
             jobs = [job for job in jobs if job.job_name.startswith(known)] if known else []
+        from django_fairqueue.models import PipelineJob
+
+        pinned = {
+            p.job_name: p
+            for p in PipelineJob.objects.filter(job_name__in=[j.job_name for j in jobs])
+        }
         if options["json"]:
-            self.stdout.write(json.dumps([job.as_dict() for job in jobs], indent=2))
+            shown = []
+            for job in jobs:
+                row = job.as_dict()
+                pin = pinned.get(job.job_name)
+                row["version"] = pin.version if pin else None
+                row["errors"] = dict(pin.errors) if pin else {}
+                row["cancelled"] = bool(pin and pin.cancelled_at)
+                shown.append(row)
+            self.stdout.write(json.dumps(shown, indent=2, default=str))
             return
         if not jobs:
             self.stdout.write("no pipeline jobs")
             return
-        header = f"{'job':<32} {'state':<10} {'batches':>15} {'rows':>25} {'rows/s':>10} {'ETA':>8}"
+        header = (
+            f"{'job':<32} {'state':<10} {'batches':>15} {'rows':>25} {'rows/s':>10} {'ETA':>8} "
+            f"{'version':<16} {'errors':>8}"
+        )
         self.stdout.write(header)
         for job in jobs:
             by = job.batches_by_state
@@ -207,9 +253,13 @@ class Command(BaseCommand):
             )
             rate = f"{job.rows_per_second:,.0f}" if job.rows_per_second else "-"
             eta = _eta(job.eta.total_seconds() if job.eta is not None else None)
+            pin = pinned.get(job.job_name)
+            state = "cancelled" if pin and pin.cancelled_at else job.state
+            errors = sum(int(v) for v in pin.errors.values()) if pin else 0
             self.stdout.write(
-                f"{job.job_name:<32} {job.state:<10} {done:>15} "
-                f"{f'{job.rows_done:,}/{job.rows_total:,}':>25} {rate:>10} {eta:>8}"
+                f"{job.job_name:<32} {state:<10} {done:>15} "
+                f"{f'{job.rows_done:,}/{job.rows_total:,}':>25} {rate:>10} {eta:>8} "
+                f"{pin.version if pin else '-':<16} {errors:>8,}"
             )
 
     # ---- retry

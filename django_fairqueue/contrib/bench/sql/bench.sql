@@ -60,6 +60,7 @@ ANALYZE fairqueue_message, fairqueue_channel, fairqueue_channel_delta;
 -- name: load_ready_messages
 -- Bulk-load `count` ready messages round-robin over `channels` (created if missing), with one counter delta per channel.
 -- Message i goes to channels[1 + (i - 1) mod n], so a name listed twice gets twice the share.
+-- With `unique_scope`, every message is a unique job of that scope with a key of its own.
 -- The deltas are computed from that rule rather than from the inserted rows, so a million-row
 -- load never aggregates its own RETURNING; the claim (or fold_channel_deltas) folds them.
 WITH created AS (
@@ -87,10 +88,12 @@ WITH created AS (
 ), inserted AS (
     INSERT INTO fairqueue_message (
         channel_id, task_name, payload, priority, state, run_at, enqueued_at, attempts,
-        max_attempts, keep_result, worker_id
+        max_attempts, keep_result, worker_id, unique_key, unique_scope
     )
     SELECT t.ids[1 + mod(g - 1, cardinality(t.ids))], %(task)s::text, %(payload)s::jsonb, 0,
-           'ready', t.now, t.now, 0, %(max_attempts)s::integer, false, ''
+           'ready', t.now, t.now, 0, %(max_attempts)s::integer, false, '',
+           CASE WHEN %(unique_scope)s::text IS NOT NULL THEN gen_random_uuid()::text END,
+           %(unique_scope)s::text
     FROM target t, generate_series(1, %(count)s::integer) AS g
 ), delta AS (
     INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
@@ -103,6 +106,10 @@ WITH created AS (
     RETURNING ready
 )
 SELECT coalesce(sum(delta.ready), 0)::bigint AS loaded FROM delta;
+
+-- name: select_backend_pid
+-- The process id of this connection's server backend (its CPU time is read from /proc).
+SELECT pg_backend_pid();
 
 -- name: select_server_settings
 -- Server settings by name, formatted as SHOW prints them (fairbench records the ones that matter).
@@ -122,3 +129,108 @@ SELECT p.proname::text AS name, md5(p.prosrc) AS digest
 FROM pg_proc p
 WHERE p.proname LIKE 'fairqueue\_%%' AND p.pronamespace = to_regnamespace(current_schema())
 ORDER BY p.proname;
+
+-- name: load_admin_messages
+-- Bulk-load messages `start`..`start + count - 1` of an admin benchmark queue of `total` messages over the channels `channel_ids` (round-robin, shifted by one a round).
+-- Ids follow enqueue order, so the oldest 60 percent have finished (most succeeded, 1 in 20 failed for
+-- good, 1 in 20 cancelled), the next 1 percent run (under leases of 8 workers), and the newest 39 %
+-- wait: 3 in 4 ready, 1 in 4 delayed. Task names: 9 common ones and a rare one (1 in 100).
+-- Counters are not touched: count_admin_messages writes the deltas after the last chunk.
+INSERT INTO fairqueue_message (
+    channel_id, task_name, payload, priority, state, run_at, enqueued_at, attempts,
+    max_attempts, keep_result, lease_token, lease_expires_at, claimed_at, worker_id,
+    finished_at, result, last_error
+)
+SELECT (%(channel_ids)s::bigint[])[
+           1 + mod(g - 1 + (g - 1) / cardinality(%(channel_ids)s::bigint[]),
+                   cardinality(%(channel_ids)s::bigint[]))],
+       CASE WHEN mod(g, 100) = 0 THEN 'bench.admin.rare_report'
+            ELSE 'bench.admin.task_' || mod(g, 9) END,
+       jsonb_build_object('args', jsonb_build_array(g), 'kwargs', '{}'::jsonb),
+       CASE WHEN mod(g, 50) = 0 THEN 10 ELSE 0 END,
+       s.state,
+       CASE WHEN s.state = 'scheduled' THEN s.at + interval '1 hour' ELSE s.at END,
+       s.at,
+       CASE WHEN s.state IN ('ready', 'scheduled') THEN 0 ELSE 1 END,
+       CASE WHEN s.state = 'failed' THEN 1 ELSE 3 END,
+       s.state = 'succeeded',
+       CASE WHEN s.state = 'running' THEN gen_random_uuid() END,
+       CASE WHEN s.state = 'running' THEN now() + interval '5 minutes' END,
+       CASE WHEN s.state IN ('running', 'succeeded', 'failed') THEN s.at + interval '1 second' END,
+       CASE WHEN s.state IN ('ready', 'scheduled') THEN ''
+            ELSE 'fairbench-admin-' || mod(g, 8) END,
+       CASE WHEN s.state IN ('succeeded', 'failed', 'cancelled') THEN s.at + interval '2 seconds' END,
+       CASE WHEN s.state = 'succeeded' THEN jsonb_build_object('ok', g) END,
+       CASE WHEN s.state = 'failed' THEN jsonb_build_object(
+           'type', 'fairbench.Error', 'message', 'failed on purpose', 'traceback', NULL) END
+FROM generate_series(%(start)s::bigint, %(start)s::bigint + %(count)s::bigint - 1) AS g,
+LATERAL (
+    SELECT CASE
+               WHEN g <= %(total)s::bigint * 60 / 100 THEN
+                   CASE mod(g, 20) WHEN 0 THEN 'failed' WHEN 1 THEN 'cancelled' ELSE 'succeeded' END
+               WHEN g <= %(total)s::bigint * 61 / 100 THEN 'running'
+               WHEN mod(g, 4) = 0 THEN 'scheduled'
+               ELSE 'ready'
+           END AS state,
+           -- enqueued over the last day, oldest first
+           now() - interval '1 day' * (1 - g::float8 / %(total)s::bigint) AS at
+) AS s;
+
+-- name: count_admin_messages
+-- One counter delta per channel from the messages loaded by load_admin_messages (the claim or fold_channel_deltas folds them).
+INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
+SELECT m.channel_id,
+       count(*) FILTER (WHERE m.state = 'ready'),
+       count(*) FILTER (WHERE m.state = 'scheduled'),
+       count(*) FILTER (WHERE m.state = 'running'),
+       count(*) FILTER (WHERE m.state = 'failed'),
+       count(*) FILTER (WHERE m.state = 'succeeded')
+FROM fairqueue_message m
+GROUP BY m.channel_id;
+
+-- name: load_admin_workers
+-- The 8 workers the admin benchmark's running messages name, registered and beating.
+INSERT INTO fairqueue_worker (
+    worker_id, host, pid, version, concurrency, channels, exclude_channels, state,
+    started_at, heartbeat_at, last_claim_at, running, handled, stopped_at
+)
+SELECT 'fairbench-admin-' || k, 'bench-host-' || mod(k, 2), 1000 + k, 'bench', 32,
+       '[]'::jsonb, '[]'::jsonb, 'running', now() - interval '1 hour', now(), now(), 32,
+       100000 + k, NULL
+FROM generate_series(0, 7) AS k
+ON CONFLICT (worker_id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at, state = 'running';
+
+-- name: delete_admin_workers
+-- Remove the admin benchmark's workers from the registry.
+DELETE FROM fairqueue_worker WHERE worker_id LIKE 'fairbench-admin-%%';
+
+-- name: load_admin_work_batches
+-- One job of `count` work batches over the benchmark's first channel: most succeeded, a few running, failed and pending.
+INSERT INTO fairqueue_work_batch (
+    channel_id, job_name, start_id, end_id, row_count, state, run_at, attempts, max_attempts,
+    lease_token, heartbeat_at, lease_expires_at, worker_id, last_error, created_at, started_at,
+    finished_at, rows_processed
+)
+SELECT %(channel_id)s::bigint, 'fairbench.admin.backfill', (k - 1) * 10000 + 1, k * 10000, 10000,
+       s.state, now(), CASE WHEN s.state = 'pending' THEN 0 ELSE 1 END, 3,
+       CASE WHEN s.state = 'running' THEN gen_random_uuid() END,
+       CASE WHEN s.state = 'running' THEN now() END,
+       CASE WHEN s.state = 'running' THEN now() + interval '5 minutes' END,
+       CASE WHEN s.state = 'pending' THEN '' ELSE 'fairbench-admin-' || mod(k, 8) END,
+       CASE WHEN s.state = 'failed' THEN jsonb_build_object('type', 'fairbench.Error',
+           'message', 'failed on purpose') END,
+       now() - interval '1 hour',
+       CASE WHEN s.state <> 'pending' THEN now() - interval '30 minutes' END,
+       CASE WHEN s.state IN ('succeeded', 'failed') THEN now() - interval '10 minutes' END,
+       CASE WHEN s.state = 'succeeded' THEN 10000 ELSE 0 END
+FROM generate_series(1, %(count)s::integer) AS k,
+LATERAL (
+    SELECT CASE WHEN k <= %(count)s * 8 / 10 THEN
+                CASE WHEN mod(k, 25) = 0 THEN 'failed' ELSE 'succeeded' END
+            WHEN k <= %(count)s * 85 / 100 THEN 'running'
+            ELSE 'pending' END AS state
+) AS s;
+
+-- name: vacuum_queue_tables
+-- VACUUM and ANALYZE the message and channel tables after a bulk load, as autovacuum would have done on a queue that old (visibility map set, statistics fresh).
+VACUUM (ANALYZE) fairqueue_message, fairqueue_channel;

@@ -73,6 +73,17 @@ class Command(BaseCommand):
             help="run only the cells whose FIELD is VALUE, e.g. --where batch=100 --where "
             "channels=100 (repeatable; cells without FIELD are kept)",
         )
+        parser.add_argument(
+            "--messages",
+            type=int,
+            help="admin scenario: messages in the queue whose pages are timed "
+            "(full: 1,000,000, quick: 200,000)",
+        )
+        parser.add_argument(
+            "--channels",
+            type=int,
+            help="admin scenario: channels those messages spread over (default 10,000)",
+        )
         parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
         parser.add_argument(
             "--plots",
@@ -112,9 +123,16 @@ class Command(BaseCommand):
             raise CommandError("--repeat must be at least 1")
         if options["keep_scratch"] and not options["scratch"]:
             raise CommandError("--keep-scratch needs --scratch")
+        for name in ("messages", "channels"):
+            if options[name] is not None and options[name] < 1:
+                raise CommandError(f"--{name} must be at least 1")
         sizes = with_repeat(
             PRESETS[options["sizes"]], duration=options["duration"], repeat=options["repeat"]
         )
+        if options["messages"] is not None:
+            sizes = dataclasses.replace(sizes, admin_messages=options["messages"])
+        if options["channels"] is not None:
+            sizes = dataclasses.replace(sizes, admin_channels=options["channels"])
         names = options["scenarios"] or list(SCENARIOS)
         scenarios = [SCENARIOS[name] for name in SCENARIOS if name in names]
         alias = options["database"] or conf.get().DATABASE

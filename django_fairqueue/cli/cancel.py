@@ -1,0 +1,82 @@
+"""Cancel waiting messages by id, channel or task.
+
+  fairqueue cancel (ID ... | --channel C [--task T] | --task T) [--json]
+
+Ready and delayed messages become ``cancelled`` (kept until pruned; a unique key they held is
+free at once). Running messages are left alone: stop them with ``fairqueue abort``. A message
+a worker is claiming at that very moment runs.
+"""
+
+# A subcommand module of the ``fairqueue`` command; the work is done by django_fairqueue.api.
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any, TextIO
+
+from django.core.management.base import CommandError
+
+from django_fairqueue import api
+from django_fairqueue.exceptions import InvalidChannel
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_selection(parser)
+
+
+def add_selection(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ids", nargs="*", type=_positive, metavar="ID", help="Message ids.")
+    parser.add_argument("--channel", help="Every message of this channel (with --task: of both).")
+    parser.add_argument("--task", help="Every message of this task name.")
+    parser.add_argument("--json", action="store_true", help="Print JSON.")
+
+
+def selection(options: dict[str, Any], verb: str) -> dict[str, Any]:
+    """The ids / channel / task keywords of the api call the options ask for."""
+    ids: list[int] = options["ids"]
+    channel, task = options["channel"], options["task"]
+    if ids and (channel is not None or task is not None):
+        raise CommandError(f"{verb}: give message ids, or --channel and/or --task, not both")
+    if not ids and channel is None and task is None:
+        raise CommandError(f"{verb}: give message ids, --channel or --task")
+    if ids:
+        return {"ids": ids}
+    return {"channel": channel, "task": task}
+
+
+def handle(options: dict[str, Any], stdout: TextIO) -> None:
+    chosen = selection(options, "cancel")
+    try:
+        done = api.cancel(**chosen)
+    except InvalidChannel as exc:
+        raise CommandError(f"cancel: {exc}") from exc
+    report: dict[str, Any] = {"action": "cancel", "count": len(done), "ids": done}
+    text = f"Cancelled {_messages(len(done))}."
+    if "ids" in chosen:
+        skipped = sorted(set(chosen["ids"]) - set(done))
+        report["skipped"] = skipped
+        if skipped:
+            text += (
+                f"\nSkipped (not waiting: running, finished, unknown, or being claimed): "
+                f"{', '.join(map(str, skipped))}."
+            )
+    write(stdout, json.dumps(report) if options["json"] else text)
+
+
+def write(stdout: TextIO, line: str) -> None:
+    stdout.write(line + "\n")
+
+
+def _messages(n: int) -> str:
+    return f"{n} message" if n == 1 else f"{n} messages"
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a message id: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a message id: {text!r}")
+    return value
