@@ -153,22 +153,20 @@ def test_cores_max_defaults_to_the_partitions_and_can_be_lifted(settings: Any) -
     )
 
 
-def test_an_unreachable_master_fails_loudly_before_spark_starts(settings: Any) -> None:
+def test_an_unreachable_master_fails_loudly_before_spark_starts(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     port = free_port()  # nothing listens there
     master = f"spark://127.0.0.1:{port}"
     with pytest.raises(SparkClusterError, match=rf"cannot reach the Spark master {master}"):
         check_master(master, timeout=2)
 
     settings.FAIRQUEUE = {**settings.FAIRQUEUE, "SPARK": {"MASTER": master}}
-    saved = spark_module._session
-    spark_module._session = None  # no session of this process in the way
-    try:
-        with pytest.raises(
-            CommandError, match=r"cannot reach the Spark master .*never falls back to local"
-        ):
-            call_command("fairpipeline", "run", "--burst")
-    finally:
-        spark_module._session = saved
+    monkeypatch.setattr(spark_module, "_session", None)  # no session of this process in the way
+    with pytest.raises(
+        CommandError, match=r"cannot reach the Spark master .*never falls back to local"
+    ):
+        call_command("fairpipeline", "run", "--burst")
 
 
 def test_a_master_on_any_of_its_addresses_is_reachable() -> None:
@@ -183,34 +181,33 @@ def test_a_master_on_any_of_its_addresses_is_reachable() -> None:
 # How executors connect
 
 
-def test_executors_connections_keep_every_libpq_option(tmp_path: Path) -> None:
-    os.chdir(tmp_path)  # pytest restores nothing here; relative paths resolve against this
-    try:
-        dsn = conninfo_from_params(
-            {
-                "dbname": "app",
-                "user": "u",
-                "password": "p w",
-                "host": "db.internal",
-                "port": 6432,
-                "connect_timeout": 7,
-                "sslmode": "verify-full",
-                "sslcert": "certs/client.crt",
-                "sslkey": "/etc/keys/client.key",
-                "sslrootcert": "system",
-                "options": "-c statement_timeout=5000",
-                "application_name": "reports",
-                "target_session_attrs": "read-write",
-                "client_encoding": "UTF8",
-                # Django's Python-side parameters: not libpq's.
-                "cursor_factory": object,
-                "context": object(),
-                "prepare_threshold": None,
-            },
-            connect_timeout=10,
-        )
-    finally:
-        os.chdir(Path(__file__).resolve().parent.parent)
+def test_executors_connections_keep_every_libpq_option(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # relative file paths resolve against the driver's directory
+    dsn = conninfo_from_params(
+        {
+            "dbname": "app",
+            "user": "u",
+            "password": "p w",
+            "host": "db.internal",
+            "port": 6432,
+            "connect_timeout": 7,
+            "sslmode": "verify-full",
+            "sslcert": "certs/client.crt",
+            "sslkey": "/etc/keys/client.key",
+            "sslrootcert": "system",
+            "options": "-c statement_timeout=5000",
+            "application_name": "reports",
+            "target_session_attrs": "read-write",
+            "client_encoding": "UTF8",
+            # Django's Python-side parameters: not libpq's.
+            "cursor_factory": object,
+            "context": object(),
+            "prepare_threshold": None,
+        },
+        connect_timeout=10,
+    )
 
     assert psycopg.conninfo.conninfo_to_dict(dsn) == {
         "dbname": "app",
