@@ -14,7 +14,7 @@ class Migration(migrations.Migration):
     atomic = False
 
     dependencies = [
-        ("fairqueue", "0009_unique_jobs_and_abort"),
+        ("fairqueue", "0010_unique_batches_in_key_order"),
     ]
 
     operations = [
