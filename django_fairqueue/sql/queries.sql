@@ -56,13 +56,14 @@ SELECT id, channel_id, channel_name, task_name, payload, priority, attempts, max
        keep_result, lease_token, lease_expires_at, enqueued_at, run_at
 FROM fairqueue_claim_v1(
     %(limit)s::integer, %(lease)s::interval, %(worker)s::text, %(only)s::bigint[],
-    %(exclude)s::bigint[], %(quantum)s::integer, %(maintain)s::boolean, %(wait_ms)s::integer
+    %(exclude)s::bigint[], %(quantum)s::integer, %(maintain)s::boolean, %(wait_ms)s::integer,
+    %(by_time)s::boolean
 );
 
 -- name: prepare_claims
 -- The claim's housekeeping on its own: promote due messages and fold waking deltas.
 SELECT fairqueue_promote_due_v1(clock_timestamp(), 1000) AS promoted,
-       fairqueue_fold_deltas_v1(1000, true) AS folded;
+       fairqueue_fold_deltas_v1(1000, true, %(by_time)s::boolean) AS folded;
 
 -- name: heartbeat_messages
 -- Extend the leases still held by these (id, token) pairs; returns the ids still owned.
@@ -76,18 +77,22 @@ RETURNING m.id;
 -- Settle successful messages: delete them, or keep them as succeeded with their result.
 -- The statement is in fairqueue_complete_v1 (planned once per session there).
 SELECT id FROM fairqueue_complete_v1(
-    %(ids)b::bigint[], %(tokens)b::uuid[], %(results)b::jsonb[]
+    %(ids)b::bigint[], %(tokens)b::uuid[], %(results)b::jsonb[], %(runs)b::float8[]
 ) AS id;
 
 -- name: fail_messages
 -- Settle failed attempts: retry after `retry_in` (NULL: no retry) while attempts remain, else dead-letter.
 -- Retry times are the database clock plus the delay, the clock the claim compares them with.
+-- `runs`: each attempt's run time as its worker measured it (a timed-out attempt: its time
+-- limit), recorded in the delta for fairness by time.
 WITH t AS MATERIALIZED (
-    -- each row's own error and retry time, by its position in the arrays
+    -- each row's own error, retry time and run time, by its position in the arrays
     SELECT m.id, (%(errors)s::jsonb[])[array_position(%(ids)s::bigint[], m.id)] AS error,
            clock_timestamp()
            + (%(retry_in)s::interval[])[array_position(%(ids)s::bigint[], m.id)] AS retry_at,
-           m.attempts >= m.max_attempts AS exhausted
+           m.attempts >= m.max_attempts AS exhausted,
+           fairqueue_run_seconds_v1(
+               (%(runs)s::float8[])[array_position(%(ids)s::bigint[], m.id)], m.claimed_at) AS run
     FROM fairqueue_message m
     WHERE m.id = ANY (%(ids)s::bigint[])
       AND m.lease_token = ANY (%(tokens)s::uuid[])
@@ -108,20 +113,25 @@ WITH t AS MATERIALIZED (
     -- join on t alone: adding `m.id = ANY(ids)` here made the planner repeat the whole
     -- ANY lookup per row of t (5,050 index probes for 100 rows)
     WHERE m.id = t.id
-    RETURNING m.id, m.channel_id, m.state
+    RETURNING m.id, m.channel_id, m.state, t.run
 ), delta AS (
-    INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed)
+    INSERT INTO fairqueue_channel_delta (
+        channel_id, ready, scheduled, running, failed, run_seconds, run_count
+    )
     SELECT channel_id,
            count(*) FILTER (WHERE state = 'ready'),
            count(*) FILTER (WHERE state = 'scheduled'),
            -count(*),
-           count(*) FILTER (WHERE state = 'failed')
+           count(*) FILTER (WHERE state = 'failed'),
+           sum(run), count(*)
     FROM failed GROUP BY channel_id
 )
 SELECT id, state FROM failed;
 
 -- name: release_messages
 -- Give claimed messages back unstarted (shutdown): ready again, the attempt not counted.
+-- Nothing ran: the delta gives back the run time the claim charged in advance (run_count
+-- with no run_seconds).
 WITH released AS (
     UPDATE fairqueue_message m
     SET state = 'ready', attempts = greatest(m.attempts - 1, 0), lease_token = NULL,
@@ -130,13 +140,15 @@ WITH released AS (
       AND m.lease_token = ANY (%(tokens)s::uuid[])
     RETURNING m.id, m.channel_id
 ), delta AS (
-    INSERT INTO fairqueue_channel_delta (channel_id, ready, running)
-    SELECT channel_id, count(*), -count(*) FROM released GROUP BY channel_id
+    INSERT INTO fairqueue_channel_delta (channel_id, ready, running, run_count)
+    SELECT channel_id, count(*), -count(*), count(*) FROM released GROUP BY channel_id
 )
 SELECT id FROM released;
 
 -- name: rescue_expired_messages
 -- Return messages whose lease expired (worker died or stalled) to ready, or dead-letter them when out of attempts.
+-- For fairness by time each is charged the time since its claim, at most `max_charge` seconds
+-- (one lease): its worker cannot say how long it ran.
 WITH expired AS (
     SELECT m.id
     FROM fairqueue_message m
@@ -157,18 +169,22 @@ WITH expired AS (
         lease_token = NULL,
         lease_expires_at = NULL
     WHERE m.id = ANY (ARRAY(SELECT expired.id FROM expired))
-    RETURNING m.id, m.channel_id, m.state, m.task_name, m.attempts, m.worker_id
+    RETURNING m.id, m.channel_id, m.state, m.task_name, m.attempts, m.worker_id,
+              least(fairqueue_run_seconds_v1(NULL, m.claimed_at),
+                    %(max_charge)s::float8) AS run
 ), delta AS (
-    INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
+    INSERT INTO fairqueue_channel_delta (
+        channel_id, ready, scheduled, running, failed, succeeded, run_seconds, run_count
+    )
     SELECT channel_id, count(*) FILTER (WHERE state = 'ready'), 0, -count(*),
-           count(*) FILTER (WHERE state = 'failed'), 0
+           count(*) FILTER (WHERE state = 'failed'), 0, sum(run), count(*)
     FROM rescued GROUP BY channel_id
 )
 SELECT id, channel_id, state, task_name, attempts, worker_id FROM rescued;
 
 -- name: fold_channel_deltas
 -- Fold every pending counter delta into its channel row (maintenance; claims fold what they need).
-SELECT fairqueue_fold_deltas_v1(%(limit)s::integer, false) AS folded;
+SELECT fairqueue_fold_deltas_v1(%(limit)s::integer, false, %(by_time)s::boolean) AS folded;
 
 -- name: retry_failed_messages
 -- Make failed messages ready again with a fresh attempt budget; idempotent (non-failed rows are untouched).
