@@ -21,6 +21,7 @@ from django_fairqueue.contrib.bench import (
     pickup,
     plots,
     snapshot,
+    timeshare,
 )
 from django_fairqueue.contrib.bench.harness import BenchmarkError, Progress
 from django_fairqueue.contrib.bench.scenario import Scenario
@@ -34,6 +35,7 @@ SCENARIOS: dict[str, Scenario] = {
         claim.SCENARIO,
         latency.SCENARIO,
         fairness.SCENARIO,
+        timeshare.SCENARIO,
         snapshot.SCENARIO,
         functions.SCENARIO,
         admin_render.SCENARIO,

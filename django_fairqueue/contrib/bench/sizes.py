@@ -87,6 +87,16 @@ class Sizes:
     #: poll interval when polling).
     pickup_pause: float = 0.1
     pickup_poll_interval: float = 1.0
+    # -- fairness by count and by time (timeshare) --
+    timeshare_workloads: tuple[str, ...] = ("flood", "sybil", "heavy", "weights", "bursts")
+    #: Every workload at the first backlog; only these at the larger ones as well.
+    timeshare_backlogs: tuple[int, ...] = (10_000, 1_000_000)
+    timeshare_big_workloads: tuple[str, ...] = ("flood", "sybil")
+    timeshare_workers: int = 4
+    #: Seconds the heavy and weights workloads run; the bursts arrive within 0.6 of it.
+    timeshare_window: float = 15.0
+    timeshare_tenants: int = 50
+    timeshare_burst_max: int = 40
 
 
 FULL = Sizes(name="full", duration=5.0)
@@ -107,6 +117,7 @@ QUICK = Sizes(
     e2e_min_backlog=1_000,
     pickup_samples=100,
     pickup_poll_samples=15,
+    timeshare_backlogs=(10_000,),
 )
 
 #: For tests: every scenario and code path in seconds, figures meaningless.
@@ -149,6 +160,11 @@ TINY = Sizes(
     pickup_poll_samples=3,
     pickup_warmup=2,
     pickup_pause=0.07,
+    timeshare_backlogs=(300,),
+    timeshare_workers=2,
+    timeshare_window=1.0,
+    timeshare_tenants=4,
+    timeshare_burst_max=3,
 )
 
 PRESETS = {s.name: s for s in (FULL, QUICK, TINY)}
