@@ -583,8 +583,10 @@ def rescue_expired_messages(limit: int = 1000, *, using: str | None = None) -> l
     return [RescuedMessage(*r) for r in _run("rescue_expired_messages", params, using)]
 
 
-def fold_channel_deltas(limit: int = 10_000, *, using: str | None = None) -> int:
-    params = {"limit": limit, "by_time": _by_time(None)}
+def fold_channel_deltas(
+    limit: int = 10_000, *, fairness: str | None = None, using: str | None = None
+) -> int:
+    params = {"limit": limit, "by_time": _by_time(fairness)}
     return int(_run("fold_channel_deltas", params, using)[0][0])
 
 

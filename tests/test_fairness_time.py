@@ -95,7 +95,7 @@ def jain(values: list[float]) -> float:
 def test_the_setting_takes_count_or_time_only() -> None:
     assert load({}).FAIRNESS == "count"
     assert load({"FAIRNESS": "time"}).FAIRNESS == "time"
-    with pytest.raises(ValueError, match="FAIRNESS.*must be one of"):
+    with pytest.raises(ValueError, match=r"FAIRNESS.*must be one of"):
         load({"FAIRNESS": "seconds"})
     with pytest.raises(ValueError, match="fairness must be one of"):
         claim(1, fairness="fifo")
@@ -187,7 +187,7 @@ def test_a_channel_idle_while_others_ran_comes_back_level_not_ahead() -> None:
     f.fold_all()
     assert vtime("alice") >= min(vtime("bob"), vtime("carol")) - 1e-9
     # Back level: alice gets her third, not the 10 s she "missed".
-    spent, counts = run({"alice": 0.1, "bob": 0.1, "carol": 0.1}, 30)
+    _spent, counts = run({"alice": 0.1, "bob": 0.1, "carol": 0.1}, 30)
     assert 8 <= counts["alice"] <= 12, counts
 
 
@@ -203,7 +203,7 @@ def test_after_the_queue_went_idle_nobody_comes_back_ahead() -> None:
     f.fold_all()
     f.enqueue("bob", 100)
     f.fold_all()
-    spent, counts = run({"alice": 0.2, "bob": 0.2}, 20)
+    _spent, counts = run({"alice": 0.2, "bob": 0.2}, 20)
     assert abs(counts["alice"] - counts["bob"]) <= 2, counts
 
 
@@ -216,7 +216,7 @@ def test_a_resumed_channel_does_not_bring_the_time_it_was_paused() -> None:
     # what the admin's resume action does: unpause, then fold the channel (which lifts it)
     f.set_limits(["alice"], paused=False)
     store.fold_deltas_of_channel(f.channel_ids(["alice"])["alice"])
-    spent, counts = run({"alice": 0.1, "bob": 0.1}, 20)
+    _spent, counts = run({"alice": 0.1, "bob": 0.1}, 20)
     assert abs(counts["alice"] - counts["bob"]) <= 2, counts
 
 
@@ -245,8 +245,10 @@ def test_a_failure_charges_its_reported_time_but_never_more_than_the_database_sa
     # a timed-out attempt reports its time limit (1.5 s); a worker whose clock jumped reports
     # an hour, but only about 2 s passed on the database's clock since the claim
     store.fail_messages(
-        [(first.id, first.lease_token, {"type": "TaskTimeout"}, None),
-         (second.id, second.lease_token, {"type": "X"}, None)],
+        [
+            (first.id, first.lease_token, {"type": "TaskTimeout"}, None),
+            (second.id, second.lease_token, {"type": "X"}, None),
+        ],
         run_seconds=[1.5, 3600.0],
     )
     run_seconds, run_count = delta_runs("a")
@@ -328,7 +330,7 @@ def test_concurrent_claimers_by_time_never_exceed_caps_nor_claim_twice() -> None
                 )
                 if i == 0:
                     store.fold_channel_deltas()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
+        except BaseException as exc:
             errors.append(exc)
         finally:
             connection.close()

@@ -28,7 +28,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.synchronize import Barrier, Event
-from typing import Any
 
 from django.db import connections
 
@@ -111,7 +110,7 @@ def _worker(
     start.wait(START_TIMEOUT)
     while not stop.is_set():
         if index == 0 and time.monotonic() >= next_fold:
-            store.fold_channel_deltas(10_000, using=using)
+            store.fold_channel_deltas(10_000, fairness=fairness, using=using)
             next_fold = time.monotonic() + FOLD_EVERY
         started = time.time()
         got = store.claim_messages(
@@ -140,9 +139,9 @@ def tenant(channel: str) -> str:
     return channel.split("-")[0]
 
 
-def _shares(seen: list[Seen], since: float, until: float, weights: dict[str, int]) -> tuple[
-    dict[str, float], dict[str, int]
-]:
+def _shares(
+    seen: list[Seen], since: float, until: float, weights: dict[str, int]
+) -> tuple[dict[str, float], dict[str, int]]:
     """Worker time and counts per tenant of the messages claimed within [since, until]."""
     spent: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
@@ -313,22 +312,19 @@ def run(bench: Bench, cell: TimeshareCell) -> TimeshareResult:
             if ch != "bob":
                 finish[ch] = max(finish.get(ch, 0.0), fin)
         jobs = {
-            name: (committed - began, len(ids) * durations[name])
-            for name, committed, ids in bursts
+            name: (committed - began, len(ids) * durations[name]) for name, committed, ids in bursts
         }
         ideal = _fluid_ideal(workers, jobs, background=True)
-        slow = [
-            (finish[k] - began - jobs[k][0]) / max(ideal[k] - jobs[k][0], 1e-3) for k in jobs
-        ]
+        slow = [(finish[k] - began - jobs[k][0]) / max(ideal[k] - jobs[k][0], 1e-3) for k in jobs]
         slow_p50 = round(percentile(slow, 50), 2)
         slow_max = round(max(slow), 2)
         hi = max(finish.values())
         spent, counts = _shares(seen, began, hi, weights)
         small = [spent.get(k, 0) for k in jobs]
-        jain_time = round(jain_index([s / max(jobs[k][1], 1e-9) for s, k in zip(small, jobs)]), 3)
-        jain_count = round(
-            jain_index([counts.get(k, 0) / len(ids) for k, _, ids in bursts]), 3
+        jain_time = round(
+            jain_index([s / max(jobs[k][1], 1e-9) for s, k in zip(small, jobs, strict=False)]), 3
         )
+        jain_count = round(jain_index([counts.get(k, 0) / len(ids) for k, _, ids in bursts]), 3)
         bob_share = spent.get("bob", 0) / (sum(spent.values()) or 1.0)
         shares = f"bob {bob_share:.2f} of worker time while bursts ran"
         busy = {name: (committed, finish[name]) for name, committed, _ in bursts}

@@ -378,6 +378,10 @@ DECLARE
     v_room integer[] := '{}';
     v_interval interval[] := '{}';
     v_est double precision[] := '{}';  -- the tag's charge per message (by time)
+    v_first_tag double precision;  -- the tag of the first channel the walk locked (by time)
+    v_front double precision;  -- the smallest claimable tag plus one charge (by time)
+    v_skipped integer := 0;  -- channels locked by the walk and given nothing (by time)
+    v_kept_room integer[];
     v_alloc integer[];
     v_last integer[];  -- when each channel was last given messages in this claim (sequence)
     v_seq integer := 0;
@@ -443,7 +447,7 @@ BEGIN
             -- (a range scan there would have to sort every claimable channel by tag).
             OPEN v_cur FOR
                 SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
-                       c.ready_count, c.max_concurrency, c.running_count, c.mean_run
+                       c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
                 FROM fairqueue_channel c
                 WHERE c.ready_count > 0
                   AND NOT c.paused
@@ -457,7 +461,7 @@ BEGIN
         ELSIF p_by_time THEN
             OPEN v_cur FOR
                 SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
-                       c.ready_count, c.max_concurrency, c.running_count, c.mean_run
+                       c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
                 FROM fairqueue_channel c
                 WHERE c.ready_count > 0
                   AND NOT c.paused
@@ -473,7 +477,7 @@ BEGIN
         ELSIF NOT v_waited THEN
             OPEN v_cur FOR
                 SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
-                       c.ready_count, c.max_concurrency, c.running_count, c.mean_run
+                       c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
                 FROM fairqueue_channel c
                 WHERE c.ready_count > 0
                   AND NOT c.paused
@@ -487,7 +491,7 @@ BEGIN
         ELSE
             OPEN v_cur FOR
                 SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
-                       c.ready_count, c.max_concurrency, c.running_count, c.mean_run
+                       c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
                 FROM fairqueue_channel c
                 WHERE c.ready_count > 0
                   AND NOT c.paused
@@ -517,6 +521,9 @@ BEGIN
                 coalesce(r.max_concurrency - r.running_count, p_limit),
                 CASE WHEN r.release_interval > interval '0' THEN 1 ELSE p_limit END);
             v_interval[v_n] := r.release_interval;
+            IF v_n = 1 THEN
+                v_first_tag := r.vtime;
+            END IF;
             v_est[v_n] := greatest(coalesce(r.mean_run, fairqueue_default_run_v1()), 1e-6)
                           / r.weight;
             v_covered := v_covered + LEAST(v_turn[v_n] - v_used[v_n], v_room[v_n]);
@@ -549,9 +556,39 @@ BEGIN
             END IF;
             PERFORM set_config('lock_timeout', v_lock_timeout, true);
             v_now := clock_timestamp();  -- for the charge, claimed_at and the lease
+            IF v_skipped > 0 AND v_n = v_skipped THEN
+                v_room := v_kept_room;  -- the channel waited for was no longer claimable
+            END IF;
             EXIT;
         END IF;
-        EXIT WHEN v_n > 0 OR coalesce(p_wait_ms, 0) <= 0 OR v_fold_waited;
+        -- By time, a channel held by a concurrent claim may be far ahead in tag order of the
+        -- first one this walk locked (a tenant of short tasks, claimed by several claimers at
+        -- once): skipping it would hand the claim to a channel of long tasks every time, and
+        -- the shares would follow the lock traffic, not the tags. So when the smallest
+        -- claimable tag (read without a lock) is below ours by more than one of its messages'
+        -- charge, wait for that channel as in step 2b, and serve only it: the channels this
+        -- walk locked are kept (locked to the commit) but given nothing.
+        IF p_by_time AND v_n > 0 AND coalesce(p_wait_ms, 0) > 0 AND NOT v_fold_waited THEN
+            SELECT c.vtime + greatest(coalesce(c.mean_run, fairqueue_default_run_v1()), 1e-6)
+                             / c.weight
+            INTO v_front
+            FROM fairqueue_channel c
+            WHERE c.ready_count > 0
+              AND NOT c.paused
+              AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+              AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
+              AND (p_only IS NULL OR c.id = ANY (p_only))
+              AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
+            ORDER BY c.vtime, c.id
+            LIMIT 1;
+            IF v_front < v_first_tag THEN
+                v_skipped := v_n;
+                v_kept_room := v_room;
+                v_room := array_fill(0, ARRAY[v_n]);
+                v_covered := 0;
+            END IF;
+        END IF;
+        EXIT WHEN (v_n > v_skipped) OR coalesce(p_wait_ms, 0) <= 0 OR v_fold_waited;
         v_waited := true;
         v_wait_until := clock_timestamp() + p_wait_ms * interval '1 millisecond';
         v_lock_timeout := current_setting('lock_timeout');
