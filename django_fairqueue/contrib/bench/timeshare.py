@@ -284,9 +284,10 @@ def run(bench: Bench, cell: TimeshareCell) -> TimeshareResult:
         waits = [1000 * (ret - enq) for ch, enq, _, ret, _, _ in seen if ch == "alice"]
         wait_p50 = round(percentile(waits, 50), 2)
         wait_p99 = round(percentile(waits, 99), 2)
-        for who, committed, _ in bursts:
-            last = max(ret for ch, _, _, ret, _, _ in seen if ch == who)
-            busy.setdefault(f"{who}@{committed}", (committed, last))
+        ends = [c for _, c, _ in bursts[1:]] + [float("inf")]
+        for (who, committed, _), end in zip(bursts, ends, strict=True):
+            last = max(ret for ch, _, _, ret, _, _ in seen if ch == who and committed <= ret < end)
+            busy[f"{who}@{committed}"] = (committed, last)
         # counts over the windows while alice had work: her 10 vs what bob got meanwhile
         a = b = 0
         for _, committed, _ in bursts:
