@@ -1189,7 +1189,8 @@ class ChannelWaitState:
 def select_channel_wait_state(
     channel_id: int, *, using: str | None = None
 ) -> ChannelWaitState | None:
-    rows = _run("select_channel_wait_state", {"channel_id": channel_id}, using)
+    params = {"channel_id": channel_id, "by_time": _by_time(None)}
+    rows = _run("select_channel_wait_state", params, using)
     if not rows:
         return None
     r = rows[0]

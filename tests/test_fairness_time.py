@@ -345,3 +345,19 @@ def test_concurrent_claimers_by_time_never_exceed_caps_nor_claim_twice() -> None
     for cid in cap_ids:
         assert worst[cid] <= 2, f"channel {cid} ran {worst[cid]} at once, cap 2"
     f.assert_counters_match_table()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_why_waiting_counts_the_channels_of_smaller_tags_ahead() -> None:
+    f.enqueue_spread({"heavy": 50, "light": 50, "idle": 1})
+    run({"heavy": 0.2, "light": 0.005, "idle": 0.001}, 12)
+    ids = f.channel_ids(["heavy", "light"])
+    heavy = store.select_channel_wait_state(ids["heavy"])
+    light = store.select_channel_wait_state(ids["light"])
+    assert heavy is not None and light is not None
+    # by time the order is the tags': whichever was charged less is ahead of the other
+    smaller = "heavy" if vtime("heavy") < vtime("light") else "light"
+    assert {"heavy": heavy.ahead, "light": light.ahead}[smaller] == 0
+    assert {"heavy": heavy.ahead, "light": light.ahead}[
+        "light" if smaller == "heavy" else "heavy"
+    ] == 1

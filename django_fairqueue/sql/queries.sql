@@ -827,18 +827,29 @@ WHERE w.state <> 'running' AND w.heartbeat_at < %(before)s::timestamptz;
 -- name: select_channel_wait_state
 -- What the "why is this waiting" sentence needs of one channel, read lock-free: its limits and exact counters, its turn, how many claimable channels come before it in the round, since when its oldest running message runs, and the messages claimed in the last 5 minutes over all channels.
 -- The channels ahead are counted on fq_channel_turn_idx (its predicate repeated word for word):
--- the claimable channels whose turn comes before this one's.
+-- the claimable channels whose turn comes before this one's; by time, on fq_channel_vtime_idx,
+-- those whose tag is smaller.
 SELECT c.name::text, c.paused, c.max_concurrency, c.release_interval, c.next_turn_at,
        c.ready_count + coalesce(d.ready, 0) AS ready,
        c.running_count + coalesce(d.running, 0) AS running,
        clock_timestamp() AS now,
-       (SELECT count(*)
-        FROM fairqueue_channel o
-        WHERE o.ready_count > 0
-          AND NOT o.paused
-          AND (o.max_concurrency IS NULL OR o.running_count < o.max_concurrency)
-          AND (o.next_turn_at, o.id) < (c.next_turn_at, c.id)
-          AND o.next_turn_at <= clock_timestamp()) AS ahead,
+       CASE WHEN NOT %(by_time)s::boolean THEN
+           (SELECT count(*)
+            FROM fairqueue_channel o
+            WHERE o.ready_count > 0
+              AND NOT o.paused
+              AND (o.max_concurrency IS NULL OR o.running_count < o.max_concurrency)
+              AND (o.next_turn_at, o.id) < (c.next_turn_at, c.id)
+              AND o.next_turn_at <= clock_timestamp())
+       ELSE  -- fairness by time: the claimable channels of smaller tags (fq_channel_vtime_idx)
+           (SELECT count(*)
+            FROM fairqueue_channel o
+            WHERE o.ready_count > 0
+              AND NOT o.paused
+              AND (o.max_concurrency IS NULL OR o.running_count < o.max_concurrency)
+              AND (o.vtime, o.id) < (c.vtime, c.id)
+              AND (o.release_interval = interval '0' OR o.next_turn_at <= clock_timestamp()))
+       END AS ahead,
        (SELECT min(m.claimed_at)
         FROM fairqueue_message m
         WHERE m.state = 'running' AND m.channel_id = c.id) AS oldest_running_since,
