@@ -361,3 +361,15 @@ def test_why_waiting_counts_the_channels_of_smaller_tags_ahead() -> None:
     assert {"heavy": heavy.ahead, "light": light.ahead}[
         "light" if smaller == "heavy" else "heavy"
     ] == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_of_several_goes_by_tags_not_one_turn_each() -> None:
+    """By count a claim of 4 with turns of 1 gives each channel its turn; by time it gives
+    every message to the channel whose next one would start first, so a channel far ahead in
+    tag order gets none, however many slots the claim fills."""
+    f.enqueue_spread({"heavy": 50, "light": 200})
+    run({"heavy": 0.2, "light": 0.005}, 20)
+    assert vtime("light") + 4 * 0.005 < vtime("heavy")
+    got = claim(4, quantum=1)
+    assert [m.channel for m in got] == ["light"] * 4

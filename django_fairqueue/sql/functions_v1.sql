@@ -378,6 +378,7 @@ DECLARE
     v_room integer[] := '{}';
     v_interval interval[] := '{}';
     v_est double precision[] := '{}';  -- the tag's charge per message (by time)
+    v_tag double precision[] := '{}';  -- the channels' tags as the walk locked them (by time)
     v_first_tag double precision;  -- the tag of the first channel the walk locked (by time)
     v_front double precision;  -- the smallest claimable tag plus one charge (by time)
     v_skipped integer := 0;  -- channels locked by the walk and given nothing (by time)
@@ -521,6 +522,7 @@ BEGIN
                 coalesce(r.max_concurrency - r.running_count, p_limit),
                 CASE WHEN r.release_interval > interval '0' THEN 1 ELSE p_limit END);
             v_interval[v_n] := r.release_interval;
+            v_tag[v_n] := r.vtime;
             IF v_n = 1 THEN
                 v_first_tag := r.vtime;
             END IF;
@@ -599,32 +601,59 @@ BEGIN
         RETURN;
     END IF;
 
+    -- Step 3, by time: each message goes to the channel whose next message would start at the
+    -- smallest tag (its tag plus what this claim gave it already, at its charge per message),
+    -- up to its room: a merge of the channels' sequences of start tags, one statement on the
+    -- arrays. A channel far ahead in tag order gets nothing though the walk locked it (with
+    -- turns it would get its turn, and a tenant of long tasks took a slot in every claim of
+    -- several messages). Channels go to the back in walk order.
+    IF p_by_time THEN
+        SELECT array_agg(coalesce(g.n, 0)::integer ORDER BY o.k)
+        INTO v_alloc
+        FROM generate_series(1, v_n) AS o(k)
+        LEFT JOIN (
+            SELECT x.k, count(*) AS n
+            FROM (
+                SELECT a.k
+                FROM unnest(v_tag, v_est, v_room) WITH ORDINALITY AS a(tag, est, room, k)
+                CROSS JOIN LATERAL generate_series(0, LEAST(a.room, p_limit) - 1) AS s(i)
+                ORDER BY a.tag + s.i * a.est, a.k
+                LIMIT p_limit
+            ) x
+            GROUP BY x.k
+        ) g ON g.k = o.k;
+        v_last := ARRAY(SELECT generate_series(1, v_n));
+        v_seq := v_n;
+    END IF;
+
     -- Step 3. Weighted water-filling in turn order. Round 0 gives each channel what is left of
     -- its current turn; later rounds (only when the channels found could not cover p_limit)
     -- give a whole turn each. Earlier channels get the remainder of a partial round, exactly
     -- as a sequence of smaller claims would.
-    v_alloc := array_fill(0, ARRAY[v_n]);
-    v_last := array_fill(0, ARRAY[v_n]);
-    v_left := p_limit;
-    LOOP
-        v_progress := false;
-        FOR i IN 1 .. v_n LOOP
-            EXIT WHEN v_left = 0;
-            v_give := LEAST(
-                CASE WHEN v_round = 0 THEN v_turn[i] - v_used[i] ELSE v_turn[i] END,
-                v_room[i] - v_alloc[i],
-                v_left);
-            IF v_give > 0 THEN
-                v_alloc[i] := v_alloc[i] + v_give;
-                v_left := v_left - v_give;
-                v_progress := true;
-                v_seq := v_seq + 1;
-                v_last[i] := v_seq;
-            END IF;
+    IF NOT p_by_time THEN
+        v_alloc := array_fill(0, ARRAY[v_n]);
+        v_last := array_fill(0, ARRAY[v_n]);
+        v_left := p_limit;
+        LOOP
+            v_progress := false;
+            FOR i IN 1 .. v_n LOOP
+                EXIT WHEN v_left = 0;
+                v_give := LEAST(
+                    CASE WHEN v_round = 0 THEN v_turn[i] - v_used[i] ELSE v_turn[i] END,
+                    v_room[i] - v_alloc[i],
+                    v_left);
+                IF v_give > 0 THEN
+                    v_alloc[i] := v_alloc[i] + v_give;
+                    v_left := v_left - v_give;
+                    v_progress := true;
+                    v_seq := v_seq + 1;
+                    v_last[i] := v_seq;
+                END IF;
+            END LOOP;
+            EXIT WHEN v_left = 0 OR NOT v_progress;
+            v_round := v_round + 1;
         END LOOP;
-        EXIT WHEN v_left = 0 OR NOT v_progress;
-        v_round := v_round + 1;
-    END LOOP;
+    END IF;
 
     -- Steps 4 and 5 in one statement. The LATERAL subquery reads each channel's head from
     -- fq_message_ready_idx and stops after its share. Ready messages of a channel are only
