@@ -522,12 +522,14 @@ BEGIN
                 coalesce(r.max_concurrency - r.running_count, p_limit),
                 CASE WHEN r.release_interval > interval '0' THEN 1 ELSE p_limit END);
             v_interval[v_n] := r.release_interval;
-            v_tag[v_n] := r.vtime;
-            IF v_n = 1 THEN
-                v_first_tag := r.vtime;
+            IF p_by_time THEN  -- (not computed by count: a function call per channel)
+                v_tag[v_n] := r.vtime;
+                IF v_n = 1 THEN
+                    v_first_tag := r.vtime;
+                END IF;
+                v_est[v_n] := greatest(coalesce(r.mean_run, fairqueue_default_run_v1()), 1e-6)
+                              / r.weight;
             END IF;
-            v_est[v_n] := greatest(coalesce(r.mean_run, fairqueue_default_run_v1()), 1e-6)
-                          / r.weight;
             v_covered := v_covered + LEAST(v_turn[v_n] - v_used[v_n], v_room[v_n]);
             EXIT WHEN v_covered >= p_limit;
         END LOOP;
