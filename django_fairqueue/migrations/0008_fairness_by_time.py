@@ -5,7 +5,8 @@
   estimate a claim charges before the settlement says what really ran). Scheduler state, so
   not model fields (see the Channel docstring). ``fq_channel_vtime_idx`` is the claim's walk
   in tag order (the predicate of ``fq_channel_turn_idx``); ``fq_channel_vtime_max_idx``
-  answers the largest tag, the system's virtual time when no channel is claimable.
+  answers the largest tag, the system's virtual time when no channel is claimable (tags above
+  0 only: fairness by count leaves every tag at 0, so its writes never touch this index).
 * ``fairqueue_channel_delta`` gains ``run_seconds`` and ``run_count``: settlements record the
   run time there, never in the channel row.
 * The functions are installed again from this migration's own copy (``sql/0008_*.sql``).
@@ -26,7 +27,7 @@ ALTER TABLE fairqueue_channel
 CREATE INDEX fq_channel_vtime_idx ON fairqueue_channel (vtime, id)
 WHERE ready_count > 0 AND NOT paused
   AND (max_concurrency IS NULL OR running_count < max_concurrency);
-CREATE INDEX fq_channel_vtime_max_idx ON fairqueue_channel (vtime);
+CREATE INDEX fq_channel_vtime_max_idx ON fairqueue_channel (vtime) WHERE vtime > 0;
 """
 
 UNCOLUMNS = """

@@ -91,6 +91,8 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 0.01::double precision $$;
 -- channel is claimable, the largest tag of any channel (fq_channel_vtime_max_idx): after the
 -- queue went idle every channel starts level with the most served one, so a channel that was
 -- idle longest cannot come back ahead of one that ran recently. Two index probes, no lock.
+-- (That index holds only tags above 0: by count no tag moves, so claims and folds by count
+-- add nothing to it; a largest tag of 0 is the same as none.)
 CREATE OR REPLACE FUNCTION fairqueue_virtual_time_v1(p_exclude bigint DEFAULT NULL)
 RETURNS double precision
 LANGUAGE sql STABLE AS $$
@@ -102,7 +104,8 @@ LANGUAGE sql STABLE AS $$
            AND c.id IS DISTINCT FROM p_exclude
          ORDER BY c.vtime, c.id
          LIMIT 1),
-        (SELECT max(c.vtime) FROM fairqueue_channel c WHERE c.id IS DISTINCT FROM p_exclude),
+        (SELECT max(c.vtime) FROM fairqueue_channel c
+         WHERE c.vtime > 0 AND c.id IS DISTINCT FROM p_exclude),
         0)
 $$;
 
