@@ -600,6 +600,11 @@ class ChannelAdmin(_ChannelAdminBase):
         changed = list(Channel.objects.filter(pk__in=ids, paused=not paused).order_by("pk"))
         # Only the paused column: an UPDATE of one non-counter column, never the counters.
         Channel.objects.filter(pk__in=[c.pk for c in changed]).update(paused=paused)
+        if not paused:
+            # A resumed channel is lifted to the others' virtual time (fairness by time): it
+            # must not come back with the credit of the time it was paused.
+            for channel in changed:
+                store.fold_deltas_of_channel(channel.pk)
         verb = "Paused" if paused else "Resumed"
         _log_changes(request, changed, f"{verb} (admin action).")
         self.message_user(

@@ -21,6 +21,7 @@ from django.dispatch import receiver
 from django_fairqueue.limits import MAX_CONCURRENCY_LIMIT, MAX_RELEASE_INTERVAL, MAX_WEIGHT
 
 DELIVERY_MODES = ("at_most_once", "at_least_once")
+FAIRNESS_MODES = ("count", "time")
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 MAX_CLAIM_WAIT = 10.0
 
@@ -56,6 +57,10 @@ class FairQueueSettings:
     # the only eligible channels (one hot tenant, several claimers); 0: never wait, come back
     # empty. See docs/explanation/fairness.md, "Several claimers, one channel".
     CLAIM_WAIT: float = 0.05
+    # What channels share fairly: "count", turns of messages (weight x quantum each), or
+    # "time", the worker time their messages run (weights divide the charge). See
+    # docs/explanation/fairness.md, "Fairness by time".
+    FAIRNESS: str = "count"
     RESCUE_INTERVAL: float = 15.0
     PRUNE_INTERVAL: float = 60.0
     # Seconds between recounts of every channel's counters from its rows (maintenance), which
@@ -190,6 +195,12 @@ def load(raw: Any) -> FairQueueSettings:
                 raise ValueError(
                     "FAIRQUEUE['NOTIFY_CHANNEL'] must be a lower-case identifier "
                     f"(letters, digits, _; at most 63), got {value!r}"
+                )
+            values[key] = value
+        elif key == "FAIRNESS":
+            if value not in FAIRNESS_MODES:
+                raise ValueError(
+                    f"FAIRQUEUE['FAIRNESS'] must be one of {FAIRNESS_MODES}, got {value!r}"
                 )
             values[key] = value
         elif key == "DEFAULT_DELIVERY":

@@ -76,15 +76,16 @@ class Channel(models.Model):
     The scheduler's state lives in the same table row but is deliberately *not* mapped here:
     counters (``ready_count``, ``scheduled_count``, ``running_count``, ``failed_count``,
     ``succeeded_total``), the round-robin turn (``next_turn_at``, ``turn_used``,
-    ``last_claimed_at``) and the work-batch turn (``batch_turn_at``, ``batch_turn_used``,
-    ``batch_pending``) are written only by the queue's SQL functions and have database
-    defaults. So the ORM never loads them and can never write them back: ``save()`` of an
-    instance loaded an hour ago, ``QuerySet.update()``, ``bulk_update()``, admin edits and
-    ``loaddata`` all write configuration columns only, and an UPDATE of those (under READ
-    COMMITTED) re-reads the row a claim just changed instead of overwriting it. Read the
-    state with :func:`django_fairqueue.store.select_channel_counters` or the admin. The two
-    partial indexes the claims walk are created by migrations, not declared here, for the
-    same reason. See docs/explanation/fairness.md, "Lock order".
+    ``last_claimed_at``), the virtual tag of fairness by time (``vtime``, ``mean_run``) and the
+    work-batch turn (``batch_turn_at``, ``batch_turn_used``, ``batch_pending``) are written only
+    by the queue's SQL functions and have database defaults. So the ORM never loads them and can
+    never write them back: ``save()`` of an instance loaded an hour ago, ``QuerySet.update()``,
+    ``bulk_update()``, admin edits and ``loaddata`` all write configuration columns only, and an
+    UPDATE of those (under READ COMMITTED) re-reads the row a claim just changed instead of
+    overwriting it. Read the state with :func:`django_fairqueue.store.select_channel_counters`
+    or the admin. The two partial indexes the claims walk are created by migrations, not
+    declared here, for the same reason (and the two of ``vtime``). See
+    docs/explanation/fairness.md, "Lock order".
     """
 
     # Unique through Meta.constraints, not unique=True: that would also create a
@@ -336,6 +337,11 @@ class ChannelDelta(TrackedModel):
     # Written by an enqueue to a channel with max_backlog: a deferred constraint trigger checks
     # the bound when the enqueuing transaction commits (sql/functions_v1.sql).
     backlog_check = models.BooleanField(default=False, db_default=False)
+    # Fairness by time: seconds the settled messages ran (as their workers measured them,
+    # bounded by the database's clock), and how many messages the claim charged an estimate
+    # for that this delta settles; the fold puts the channel's virtual tag right with both.
+    run_seconds = models.FloatField(default=0.0, db_default=0.0)
+    run_count = models.IntegerField(default=0, db_default=0)
 
     class Meta:
         db_table = "fairqueue_channel_delta"

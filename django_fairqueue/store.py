@@ -447,6 +447,7 @@ def claim_messages(
     exclude_channel_ids: Sequence[int] | None = None,
     quantum: int | None = None,
     maintain: bool = True,
+    fairness: str | None = None,
     using: str | None = None,
 ) -> list[ClaimedMessage]:
     """Claim up to ``limit`` messages fairly across channels, each under a fresh lease.
@@ -455,10 +456,12 @@ def claim_messages(
     (at least 1), so a full batch spreads over about 25 channels. ``maintain=False`` skips the
     claim's housekeeping (see :func:`prepare_claims`). In a transaction of its own the claim
     may queue briefly behind a concurrent claim holding the only eligible channels (see
-    :func:`_run_claim`).
+    :func:`_run_claim`). ``fairness`` (``"count"`` or ``"time"``) overrides the
+    ``FAIRNESS`` setting: which channel comes next, by turns of messages or by worker time.
     """
     params = _claim_params(limit, lease, worker_id, only_channel_ids, exclude_channel_ids, quantum)
-    rows = _run_claim("claim_messages", {**params, "maintain": maintain}, using)
+    params.update(maintain=maintain, by_time=_by_time(fairness))
+    rows = _run_claim("claim_messages", params, using)
     return [ClaimedMessage(*row) for row in rows]
 
 
@@ -481,12 +484,33 @@ def _claim_params(
     }
 
 
-def _completion_params(done: Sequence[tuple[int, uuid.UUID, Any]]) -> dict[str, Any]:
+def _by_time(fairness: str | None) -> bool:
+    """Whether the claim orders channels by worker time (``fairness``, else the setting)."""
+    mode = fairness if fairness is not None else conf.get().FAIRNESS
+    if mode not in conf.FAIRNESS_MODES:
+        raise ValueError(f"fairness must be one of {conf.FAIRNESS_MODES}, got {mode!r}")
+    return mode == "time"
+
+
+def _run_times(run_seconds: Sequence[float | None] | None, n: int) -> list[float | None]:
+    """Run times parallel to ``n`` settled messages (None: not measured)."""
+    if run_seconds is None:
+        return [None] * n
+    if len(run_seconds) != n:
+        raise ValueError(f"run_seconds has {len(run_seconds)} entries for {n} messages")
+    return [None if r is None else float(r) for r in run_seconds]
+
+
+def _completion_params(
+    done: Sequence[tuple[int, uuid.UUID, Any]],
+    run_seconds: Sequence[float | None] | None = None,
+) -> dict[str, Any]:
     """(id, lease_token, result) triples as the parallel arrays the completion takes."""
     return {
         "ids": [d[0] for d in done],
         "tokens": [d[1] for d in done],
         "results": [Jsonb(d[2]) for d in done],
+        "runs": _run_times(run_seconds, len(done)),
     }
 
 
@@ -523,8 +547,9 @@ def prepare_claims(*, using: str | None = None) -> None:
     its transaction never holds rows of channels it does not serve. (Opening the connection
     costs a few milliseconds; it is closed at once, so no session lingers.)
     """
+    params = {"by_time": _by_time(None)}
     with _own_connection(using) as side, _cursor(side.alias, wrapper=side) as cur:
-        cur.execute(queries()["prepare_claims"], {}, prepare=False, binary=True)
+        cur.execute(queries()["prepare_claims"], params, prepare=False, binary=True)
 
 
 @contextmanager
@@ -552,18 +577,26 @@ def heartbeat_messages(
 
 
 def complete_messages(
-    done: Sequence[tuple[int, uuid.UUID, Any]], *, using: str | None = None
+    done: Sequence[tuple[int, uuid.UUID, Any]],
+    *,
+    run_seconds: Sequence[float | None] | None = None,
+    using: str | None = None,
 ) -> set[int]:
-    """Settle successes given as (id, lease_token, result); returns the ids actually settled."""
+    """Settle successes given as (id, lease_token, result); returns the ids actually settled.
+
+    ``run_seconds``, parallel to ``done``: how long each ran (None: the time since its claim,
+    on the database's clock), charged to its channel when fairness is by time.
+    """
     if not done:
         return set()
-    rows = _run("complete_messages", _completion_params(done), using)
+    rows = _run("complete_messages", _completion_params(done, run_seconds), using)
     return {r[0] for r in rows}
 
 
 def fail_messages(
     failed: Sequence[tuple[int, uuid.UUID, dict[str, Any], timedelta | None]],
     *,
+    run_seconds: Sequence[float | None] | None = None,
     using: str | None = None,
 ) -> dict[int, str]:
     """Settle failures given as (id, token, error, retry_in); returns {id: new state}.
@@ -580,6 +613,7 @@ def fail_messages(
             "tokens": [f[1] for f in failed],
             "errors": [Jsonb(f[2]) for f in failed],
             "retry_in": [f[3] for f in failed],
+            "runs": _run_times(run_seconds, len(failed)),
         },
         using,
     )
@@ -601,13 +635,21 @@ def release_messages(
 
 
 def rescue_expired_messages(limit: int = 1000, *, using: str | None = None) -> list[RescuedMessage]:
-    """Requeue (or dead-letter) messages whose lease expired."""
-    rows = _run_back_to_queue("rescue_expired_messages", {"limit": limit}, using)
+    """Requeue (or dead-letter) messages whose lease expired.
+
+    For fairness by time each is charged the time since its claim, at most one lease
+    (``LEASE_SECONDS``).
+    """
+    params = {"limit": limit, "max_charge": conf.get().LEASE_SECONDS}
+    rows = _run_back_to_queue("rescue_expired_messages", params, using)
     return [RescuedMessage(*r) for r in rows]
 
 
-def fold_channel_deltas(limit: int = 10_000, *, using: str | None = None) -> int:
-    return int(_run("fold_channel_deltas", {"limit": limit}, using)[0][0])
+def fold_channel_deltas(
+    limit: int = 10_000, *, fairness: str | None = None, using: str | None = None
+) -> int:
+    params = {"limit": limit, "by_time": _by_time(fairness)}
+    return int(_run("fold_channel_deltas", params, using)[0][0])
 
 
 def retry_failed_messages(ids: Sequence[int], *, using: str | None = None) -> list[int]:
@@ -1273,7 +1315,8 @@ class ChannelWaitState:
 def select_channel_wait_state(
     channel_id: int, *, using: str | None = None
 ) -> ChannelWaitState | None:
-    rows = _run("select_channel_wait_state", {"channel_id": channel_id}, using)
+    params = {"channel_id": channel_id, "by_time": _by_time(None)}
+    rows = _run("select_channel_wait_state", params, using)
     if not rows:
         return None
     r = rows[0]

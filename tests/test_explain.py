@@ -154,25 +154,28 @@ def analyze() -> None:
         cur.execute("ANALYZE fairqueue_message, fairqueue_channel, fairqueue_channel_delta")
 
 
-def claim() -> list[store.ClaimedMessage]:
-    return store.claim_messages(LIMIT, lease=LEASE, worker_id="explain")
+def claim(fairness: str = "count") -> list[store.ClaimedMessage]:
+    return store.claim_messages(LIMIT, lease=LEASE, worker_id="explain", fairness=fairness)
 
 
+@pytest.mark.parametrize("fairness", ["count", "time"])
 @pytest.mark.parametrize("plan_cache_mode", ["auto", "force_custom_plan", "force_generic_plan"])
 def test_claim_reads_indexes_and_a_few_rows_per_call(
-    backlog: list[int], auto_explain: AutoExplain, plan_cache_mode: str
+    backlog: list[int], auto_explain: AutoExplain, plan_cache_mode: str, fairness: str
 ) -> None:
     with connection.cursor() as cur:
         cur.execute("SET plan_cache_mode = %s", [plan_cache_mode])
 
     # Several calls: PL/pgSQL plans its statements with the first calls' values, then may
     # switch to a generic plan from the sixth call on. Every call's plans are checked.
+    # By time the walk is on the tag index instead of the turn index.
+    walk = "fq_channel_turn_idx" if fairness == "count" else "fq_channel_vtime_idx"
     for call in range(8):
-        got = claim()
+        got = claim(fairness)
         assert len(got) == LIMIT
         plans = auto_explain.take()
         indexes = assert_small_and_indexed(plans, budget=10 * LIMIT)
-        assert {"fq_channel_turn_idx", "fq_message_ready_idx", "fq_message_due_idx"} <= indexes, (
+        assert {walk, "fq_message_ready_idx", "fq_message_due_idx"} <= indexes, (
             f"call {call}: indexes used {sorted(indexes)}\n"
             + "\n".join(p.describe() for p in plans)
         )
@@ -180,14 +183,16 @@ def test_claim_reads_indexes_and_a_few_rows_per_call(
         assert len({m.channel_id for m in got}) >= 20
 
 
+@pytest.mark.parametrize("fairness", ["count", "time"])
 def test_claim_folds_pending_deltas_without_scanning_the_channels(
-    backlog: list[int], auto_explain: AutoExplain
+    backlog: list[int], auto_explain: AutoExplain, fairness: str
 ) -> None:
+    # By time the fold also reads the system's virtual time: two index probes.
     f.enqueue_spread({f"bulk-{i:05d}": 1 for i in range(0, 1_000, 10)})  # 100 waking deltas
     analyze()
     auto_explain.take()
 
-    claim()
+    claim(fairness)
 
     assert_small_and_indexed(auto_explain.take(), budget=10 * LIMIT)
 
@@ -239,7 +244,7 @@ def test_a_claim_that_may_wait_finds_nothing_to_wait_for_from_the_index(
         )
     auto_explain.take()
     params = {"limit": LIMIT, "lease": LEASE, "worker": "explain", "only": None}
-    params |= {"exclude": None, "quantum": None, "maintain": True, "wait_ms": 50}
+    params |= {"exclude": None, "quantum": None, "maintain": True, "wait_ms": 50, "by_time": False}
 
     assert store._run("claim_messages", params) == []  # (the test's transaction: no retry)
 

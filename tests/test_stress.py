@@ -59,6 +59,8 @@ CLIENTS = int(os.environ.get("FAIRQUEUE_STRESS_CLIENTS", "3"))
 #: Operation kinds left out of the mix (comma-separated, e.g. "edit_stale_save,delete_channel"),
 #: to tell which operation breaks an invariant.
 SKIP = os.environ.get("FAIRQUEUE_STRESS_SKIP", "")
+#: The workers' FAIRNESS setting: "count" (the default) or "time"; the invariants are the same.
+FAIRNESS = os.environ.get("FAIRQUEUE_STRESS_FAIRNESS", "count")
 WORKERS = 2
 #: The workers drain what the clients left until nothing is left, or nothing more settled for
 #: DRAIN_STALL seconds, or DRAIN_LIMIT seconds passed.
@@ -72,6 +74,7 @@ OVERRIDES = {
     "POLL_INTERVAL": 0.5,
     "RETRY_BACKOFF_BASE": 0.1,
     "RETRY_BACKOFF_MAX": 0.5,
+    "FAIRNESS": FAIRNESS,
 }
 WORKER_ARGS = ("--concurrency", "4", "--batch-size", "10", "--verbosity", "0")
 
@@ -112,7 +115,10 @@ def _where(error: dict[str, str]) -> list[str]:
 
 def test_stress(database_url: str, tmp_path: Path) -> None:
     seed = _seed()
-    print(f"\nstress: seed {seed} (FAIRQUEUE_STRESS_SEED={seed} replays the operation mix)")
+    print(
+        f"\nstress: seed {seed} (FAIRQUEUE_STRESS_SEED={seed} replays the operation mix), "
+        f"fairness by {FAIRNESS} (FAIRQUEUE_STRESS_FAIRNESS)"
+    )
     db = Db(database_url)
     db.conn.execute(LOG_TABLES)
     deadlocks_before = stresskit.deadlocks_of_database(db)

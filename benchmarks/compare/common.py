@@ -10,6 +10,7 @@ same way for every system.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -26,19 +27,39 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 STAMP = "@@stamp"
 STAMP_ALL_ENV = "COMPARE_STAMP_ALL"
+#: "A=0.2,B=0.005": seconds each tenant's job takes after its stamp (the timeshare scenario)
+WORK_ENV = "COMPARE_WORK"
 DSN_ENV = "COMPARE_DSN"
 #: Seconds a worker gets to stop after SIGTERM before it is killed.
 STOP_TIMEOUT = 15.0
 
 
-def stamp(tenant: str, seq: int) -> None:
-    """The body of every system's no-op task."""
+def _line(tenant: str, seq: int) -> None:
     if tenant != "A" or _STAMP_ALL:
         sys.stdout.write(f"{STAMP} {tenant} {seq} {time.time():.6f}\n")
         sys.stdout.flush()
 
 
+def stamp(tenant: str, seq: int) -> None:
+    """The body of every system's no-op task (a thread's: it sleeps the tenant's work)."""
+    _line(tenant, seq)
+    if _WORK.get(tenant):
+        time.sleep(_WORK[tenant])
+
+
+async def astamp(tenant: str, seq: int) -> None:
+    """The same, for a coroutine (it awaits the tenant's work instead of blocking its loop)."""
+    _line(tenant, seq)
+    if _WORK.get(tenant):
+        await asyncio.sleep(_WORK[tenant])
+
+
+def _work(spec: str) -> dict[str, float]:
+    return {k: float(v) for k, _, v in (p.partition("=") for p in spec.split(",") if p)}
+
+
 _STAMP_ALL = os.environ.get(STAMP_ALL_ENV) == "1"
+_WORK = _work(os.environ.get(WORK_ENV, ""))
 
 
 class BenchError(RuntimeError):
@@ -92,6 +113,8 @@ class Stamps:
         self.lock = threading.Lock()
         self.times: dict[tuple[str, int], float] = {}
         self.a_times: list[float] = []
+        #: every stamp's time per tenant (with COMPARE_STAMP_ALL=1, A's too)
+        self.starts: dict[str, list[float]] = {}
         self.changed = threading.Condition(self.lock)
 
     def read(self, pipe: IO[str]) -> None:
@@ -100,6 +123,7 @@ class Stamps:
                 continue
             _, tenant, seq, at = line.split()
             with self.changed:
+                self.starts.setdefault(tenant, []).append(float(at))
                 if tenant == "A":
                     self.a_times.append(float(at))
                 else:

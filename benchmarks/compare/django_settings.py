@@ -41,7 +41,11 @@ LOGGING = {
 
 if APP == "fairqueue":
     INSTALLED_APPS += ["django_fairqueue"]
-    FAIRQUEUE = {"TASK_MODULES": ["benchmarks.compare.tasks_fairqueue"]}
+    FAIRQUEUE = {
+        "TASK_MODULES": ["benchmarks.compare.tasks_fairqueue"],
+        # the timeshare scenario's "by-time" variant
+        "FAIRNESS": os.environ.get("COMPARE_FAIRNESS", "count"),
+    }
 else:
     # django_fairqueue too, unused: the benchmark's CPU watch imports its models.
     INSTALLED_APPS += ["django_tasks", "django_tasks_db", "django_fairqueue"]

@@ -106,6 +106,8 @@ def tables(doc: dict[str, Any]) -> str:
         out.append(_pickup_table(systems))
     if any(s.get("fairness") for s in systems.values()):
         out.append(_fairness_table(systems))
+    if any(s.get("timeshare") for s in systems.values()):
+        out.append(_timeshare_table(systems))
     if doc.get("goals"):
         rows = [[g["goal"], g["measured"], "met" if g["met"] else "MISSED"] for g in doc["goals"]]
         out.append(_table("Goals", ["goal", "measured", "verdict"], rows))
@@ -263,6 +265,50 @@ def _fairness_table(systems: dict[str, dict[str, Any]]) -> str:
             "others",
         ],
         rows,
+    )
+
+
+def _timeshare_table(systems: dict[str, dict[str, Any]]) -> str:
+    rows = []
+    for name, s in systems.items():
+        for c in s.get("timeshare") or []:
+            rows.append(
+                [
+                    name,
+                    c["variant"],
+                    f"{c['backlog']:,}",
+                    c["workers"],
+                    c["a_jobs"],
+                    c["b_jobs"],
+                    f"{c['a_time_share']:.2f} / {c['b_time_share']:.2f}",
+                    c["jain_time"],
+                    c["jain_count"],
+                    c.get("note") or "",
+                    _others(c),
+                ]
+            )
+    table = _table(
+        "Heavy against light: A's jobs take 200 ms, B's 5 ms, both backlogged",
+        [
+            "system",
+            "variant",
+            "backlog each",
+            "P x C",
+            "A jobs",
+            "B jobs",
+            "time A / B",
+            "Jain time",
+            "Jain count",
+            "note",
+            "others",
+        ],
+        rows,
+    )
+    return table + (
+        "\n  * time A / B: shares of worker time (jobs started in the last 80 % of the window x "
+        "their duration). No peer has weights or a charge by run time: weights 3:1 by time, "
+        "and a tenant spread over many keys, are measured by fairbench's timeshare scenario "
+        "for django-fairqueue only."
     )
 
 

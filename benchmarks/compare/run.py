@@ -18,6 +18,11 @@ own settings). The same scenarios for all:
   configuration) start on it; tenant B then enqueues 10 jobs in one transaction, up to 5 rounds
   while A still has work. B's wait: handler start minus B's commit; A's jobs/s meanwhile;
   Jain's index over the jobs A and B started while B waited. Each system's fairness variants.
+- timeshare: heavy against light, both backlogged: A's jobs take 200 ms, B's 5 ms (the
+  handler sleeps after its stamp); the same 2 x 4 workers for every system; each tenant's
+  share of worker time and Jain's index over worker time and over counts. django-fairqueue
+  runs fair by count and by time. Weights (3:1 by time) have no counterpart in the peers; the
+  fairbench ``timeshare`` scenario measures them.
 
 The server is ``DATABASE_URL``'s, or the embedded development server (django_fairqueue.devdb).
 """
@@ -44,6 +49,7 @@ import psycopg
 
 from benchmarks.compare.common import (
     STAMP_ALL_ENV,
+    WORK_ENV,
     BenchError,
     Fleet,
     WorkerConfig,
@@ -57,7 +63,7 @@ from django_fairqueue.figures import jain_index, percentile
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = ("raw-sql", "django-fairqueue", "procrastinate", "pgqueuer", "django-tasks-db")
 #: What ``--scenario`` may name, in the order they run.
-SCENARIOS = ("enqueue", "e2e", "pickup", "fairness")
+SCENARIOS = ("enqueue", "e2e", "pickup", "fairness", "timeshare")
 DJANGO_SYSTEMS = {"django-fairqueue": "fairqueue", "django-tasks-db": "django-tasks-db"}
 MARK = "django-fairqueue benchmarks/compare database (dropped by every run)"
 SERVER_SETTINGS = (
@@ -101,6 +107,11 @@ class Sizes:
     fairness_pause: float = 0.2
     #: seconds B's burst may wait before the round is given up (reported as such)
     fairness_timeout: float = 120.0
+    #: timeshare: each tenant's backlog, loaded in alternating chunks (so first in, first
+    #: out serves them alternately too), and the seconds measured after both started
+    timeshare_backlog: int = 10_000
+    timeshare_chunk: int = 100
+    timeshare_window: float = 15.0
 
 
 PRESETS = {
@@ -129,6 +140,9 @@ PRESETS = {
         peer_backlogs=(500,),
         fairness_rounds=2,
         fairness_timeout=60.0,
+        timeshare_backlog=200,
+        timeshare_chunk=50,
+        timeshare_window=1.0,
     ),
 }
 
@@ -373,6 +387,66 @@ def fairness_cell(
     }
 
 
+#: The timeshare scenario: seconds each tenant's job runs, and the workers every system gets.
+TIMESHARE_WORK = {"A": 0.2, "B": 0.005}
+TIMESHARE_CONFIG = WorkerConfig(2, 4)
+
+
+def timeshare_cell(system: Any, variant: str, sizes: Sizes) -> dict[str, Any]:
+    """A (200 ms jobs) and B (5 ms jobs) both backlogged: shares of worker time."""
+    system.reset()
+    load_began = time.monotonic()
+    loaded = 0
+    while loaded < sizes.timeshare_backlog:
+        n = min(sizes.timeshare_chunk, sizes.timeshare_backlog - loaded)
+        system.load("A", n, variant)
+        system.load("B", n, variant)
+        loaded += n
+    load_s = time.monotonic() - load_began
+    system.close()
+    env = {
+        **system.worker_env(),
+        STAMP_ALL_ENV: "1",
+        WORK_ENV: ",".join(f"{k}={v}" for k, v in TIMESHARE_WORK.items()),
+        "COMPARE_FAIRNESS": "time" if variant == "by-time" else "count",
+    }
+    note = ""
+    with Fleet(system.worker_commands(TIMESHARE_CONFIG, variant), env) as fleet:
+        starts = fleet.stamps.starts
+        deadline = time.monotonic() + 60
+        while not (starts.get("A") and starts.get("B")):
+            fleet.check()
+            if time.monotonic() > deadline:
+                note = "one tenant had not started within 60 s"
+                break
+            time.sleep(0.01)
+        began = time.time()
+        end = began + sizes.timeshare_window
+        while time.time() < end:
+            fleet.check()
+            bar(f"timeshare {variant}", (time.time() - began) / sizes.timeshare_window)
+            time.sleep(0.1)
+        # the last 80 % of the window: past the start-up and the first estimates
+        lo = began + 0.2 * sizes.timeshare_window
+        counts = {k: sum(1 for t in starts.get(k, []) if lo <= t <= end) for k in TIMESHARE_WORK}
+    system.reset()
+    spent = {k: counts[k] * TIMESHARE_WORK[k] for k in TIMESHARE_WORK}
+    total = sum(spent.values()) or 1.0
+    return {
+        "variant": variant,
+        "backlog": sizes.timeshare_backlog,
+        "workers": TIMESHARE_CONFIG.label,
+        "a_jobs": counts["A"],
+        "b_jobs": counts["B"],
+        "a_time_share": round(spent["A"] / total, 3),
+        "b_time_share": round(spent["B"] / total, 3),
+        "jain_time": round(jain_index(list(spent.values())), 3),
+        "jain_count": round(jain_index(list(counts.values())), 3),
+        "note": note,
+        "load_s": round(load_s, 1),
+    }
+
+
 class Watch:
     """CPU cores other processes used during a cell (django_fairqueue.contrib.bench.harness)."""
 
@@ -411,6 +485,7 @@ def run_system(
         "e2e": [],
         "pickup": None,
         "fairness": [],
+        "timeshare": [],
     }
     if "enqueue" in scenarios:
         cells = []
@@ -469,6 +544,23 @@ def run_system(
                 )
                 fairness.append(cell)
         result["fairness"] = fairness
+
+    if "timeshare" in scenarios:
+        timeshare = []
+        for variant in getattr(system, "timeshare_variants", system.variants):
+            watch.start()
+            try:
+                cell = watch(timeshare_cell(system, variant, sizes))
+            except BenchError as exc:
+                say(f"\r  timeshare {variant} failed: {exc}")
+                continue
+            say(
+                f"\r  timeshare {variant}: A {cell['a_time_share']:.2f} / B "
+                f"{cell['b_time_share']:.2f} of worker time, Jain time {cell['jain_time']}, "
+                f"count {cell['jain_count']}"
+            )
+            timeshare.append(cell)
+        result["timeshare"] = timeshare
     system.close()
     return result
 

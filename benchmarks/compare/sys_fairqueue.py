@@ -31,6 +31,8 @@ class Fairqueue(DjangoSystem):
     name = "django-fairqueue"
     django_app = "fairqueue"
     variants = ("fair",)
+    #: the timeshare scenario: fairness by count (the default) and by time
+    timeshare_variants = ("fair", "by-time")
     configs = (
         WorkerConfig(1, 8),
         WorkerConfig(2, 16),

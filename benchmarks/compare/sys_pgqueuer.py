@@ -24,7 +24,7 @@ import pgqueuer
 from pgqueuer import AsyncpgDriver, PgQueuer, Queries
 from pgqueuer.models import Job
 
-from benchmarks.compare.common import DSN_ENV, WorkerConfig, dsn_url, stamp, timed_calls_async
+from benchmarks.compare.common import DSN_ENV, WorkerConfig, astamp, dsn_url, timed_calls_async
 from benchmarks.compare.system import BATCH, System, python
 
 CHUNK = 1_000
@@ -152,7 +152,7 @@ class Pgqueuer(System):
 
 async def _noop(job: Job) -> None:
     data = json.loads(job.payload or b"{}")
-    stamp(data["tenant"], data["seq"])
+    await astamp(data["tenant"], data["seq"])
 
 
 async def work(dsn: str, batch_size: int, variant: str, limit: int) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import procrastinate
 import psycopg
 
-from benchmarks.compare.common import DSN_ENV, WorkerConfig, stamp, timed_calls_async
+from benchmarks.compare.common import DSN_ENV, WorkerConfig, astamp, timed_calls_async
 from benchmarks.compare.system import BATCH, System, python
 
 CHUNK = 1_000
@@ -36,7 +36,7 @@ def make_app(dsn: str, pool: int = 4) -> procrastinate.App:
 
     @app.task(name="noop", queue="default")
     async def noop(tenant: str, seq: int) -> None:
-        stamp(tenant, seq)
+        await astamp(tenant, seq)
 
     return app
 

@@ -72,6 +72,72 @@ END;
 $$;
 
 
+-- Fairness by time (FAIRQUEUE['FAIRNESS'] = 'time'; docs/explanation/fairness.md, "Fairness by
+-- time"). Each channel carries `vtime`, its virtual start tag: the seconds of worker time it
+-- was charged, divided by its weight. The claim serves the claimable channel with the smallest
+-- tag (index fq_channel_vtime_idx) and charges it the channel's mean run time per message
+-- (`mean_run`, FAIRQUEUE_DEFAULT_RUN when unknown); the settlement's delta carries the time
+-- the messages really ran, and the fold puts the difference right. A channel that becomes
+-- claimable (new work after being idle, a freed slot, unpaused) is lifted to the system's
+-- virtual time, so it cannot bank credit while it was away.
+
+-- The estimate charged per message of a channel with no recorded run time yet (seconds).
+CREATE OR REPLACE FUNCTION fairqueue_default_run_v1() RETURNS double precision
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 0.01::double precision $$;
+
+
+-- The system virtual time: the smallest tag of a claimable channel (the first entry of
+-- fq_channel_vtime_idx, its predicate repeated word for word), other than p_exclude. When no
+-- channel is claimable, the largest tag of any channel (fq_channel_vtime_max_idx): after the
+-- queue went idle every channel starts level with the most served one, so a channel that was
+-- idle longest cannot come back ahead of one that ran recently. Two index probes, no lock.
+-- (That index holds only tags above 0: by count no tag moves, so claims and folds by count
+-- add nothing to it; a largest tag of 0 is the same as none.)
+CREATE OR REPLACE FUNCTION fairqueue_virtual_time_v1(p_exclude bigint DEFAULT NULL)
+RETURNS double precision
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce(
+        (SELECT c.vtime FROM fairqueue_channel c
+         WHERE c.ready_count > 0
+           AND NOT c.paused
+           AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+           AND c.id IS DISTINCT FROM p_exclude
+         ORDER BY c.vtime, c.id
+         LIMIT 1),
+        (SELECT max(c.vtime) FROM fairqueue_channel c
+         WHERE c.vtime > 0 AND c.id IS DISTINCT FROM p_exclude),
+        0)
+$$;
+
+
+-- A channel's tag after a fold: p_tag, lifted to the virtual time p_vnow when the channel
+-- becomes claimable (p_before false, p_after true).
+CREATE OR REPLACE FUNCTION fairqueue_lift_v1(
+    p_tag double precision, p_vnow double precision, p_before boolean, p_after boolean
+)
+RETURNS double precision
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE WHEN p_after AND NOT p_before THEN greatest(p_tag, coalesce(p_vnow, p_tag))
+                ELSE p_tag END
+$$;
+
+
+-- A channel's mean run time after p_runs more messages that ran p_run seconds in all: an
+-- exponentially weighted mean, each message weighing 1/10 (so it follows a change of the
+-- workload within a few dozen messages and shrugs off one outlier).
+CREATE OR REPLACE FUNCTION fairqueue_mean_run_v1(
+    p_mean double precision, p_run double precision, p_runs bigint
+)
+RETURNS double precision
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE
+        WHEN coalesce(p_runs, 0) <= 0 THEN p_mean
+        WHEN p_mean IS NULL THEN p_run / p_runs
+        ELSE p_mean + (1 - power(0.9, p_runs)) * (p_run / p_runs - p_mean)
+    END
+$$;
+
+
 -- Fold pending counter deltas into their channel rows. With p_wake_only, only deltas that may
 -- make a channel claimable (new ready messages; freed slots of a capped channel) are folded:
 -- the claim does this before picking channels. The others (completions on uncapped channels)
@@ -83,7 +149,13 @@ $$;
 -- enable_seqscan = off: on a small channel table the planner prefers a sequential scan to a
 -- hundred primary-key lookups, which is cheaper there but makes the fold's cost grow with the
 -- number of channels; we want it to grow with the number of deltas only, at any size.
-CREATE OR REPLACE FUNCTION fairqueue_fold_deltas_v1(p_limit integer, p_wake_only boolean)
+-- Every fold adds the run time settlements recorded to the channel's mean (`mean_run`). With
+-- p_by_time (fairness by time) it also corrects the tags (the claim charged the mean; the
+-- delta says what really ran) and lifts each channel it makes claimable to the system's
+-- virtual time (fairqueue_virtual_time_v1, read once per call, before the update).
+CREATE OR REPLACE FUNCTION fairqueue_fold_deltas_v1(
+    p_limit integer, p_wake_only boolean, p_by_time boolean DEFAULT false
+)
 RETURNS integer
 LANGUAGE plpgsql
 SET enable_seqscan = off
@@ -101,6 +173,10 @@ DECLARE
     v_failed bigint[];
     v_succeeded bigint[];
     v_batches boolean[];
+    v_run double precision[];
+    v_runs bigint[];
+    v_ran bigint[];
+    v_vnow double precision;
     v_count integer;
 BEGIN
     -- 1. Lock the oldest pending deltas. Two statements rather than `d.wake OR NOT
@@ -160,11 +236,14 @@ BEGIN
         DELETE FROM fairqueue_channel_delta d
         WHERE d.id = ANY (v_deltas)
         RETURNING d.channel_id, d.ready, d.scheduled, d.running, d.failed, d.succeeded,
-                  d.batch_pending
+                  d.batch_pending, d.run_seconds, d.run_count
     ), g AS (
         SELECT gone.channel_id, sum(gone.ready) AS ready, sum(gone.scheduled) AS scheduled,
                sum(gone.running) AS running, sum(gone.failed) AS failed,
                sum(gone.succeeded) AS succeeded, bool_or(gone.batch_pending) AS batches,
+               sum(gone.run_seconds) AS run, sum(gone.run_count) AS runs,
+               -- the mean learns from messages that ran, not from releases (nothing ran)
+               coalesce(sum(gone.run_count) FILTER (WHERE gone.run_seconds > 0), 0) AS ran,
                count(*) AS n
         FROM gone
         GROUP BY gone.channel_id
@@ -172,11 +251,17 @@ BEGIN
     SELECT array_agg(g.channel_id ORDER BY g.channel_id), array_agg(g.ready ORDER BY g.channel_id),
            array_agg(g.scheduled ORDER BY g.channel_id), array_agg(g.running ORDER BY g.channel_id),
            array_agg(g.failed ORDER BY g.channel_id), array_agg(g.succeeded ORDER BY g.channel_id),
-           array_agg(g.batches ORDER BY g.channel_id), sum(g.n)
-    INTO v_ids, v_ready, v_scheduled, v_running, v_failed, v_succeeded, v_batches, v_count
+           array_agg(g.batches ORDER BY g.channel_id), array_agg(g.run ORDER BY g.channel_id),
+           array_agg(g.runs ORDER BY g.channel_id), array_agg(g.ran ORDER BY g.channel_id),
+           sum(g.n)
+    INTO v_ids, v_ready, v_scheduled, v_running, v_failed, v_succeeded, v_batches, v_run,
+         v_runs, v_ran, v_count
     FROM g;
     IF v_ids IS NULL THEN
         RETURN 0;
+    END IF;
+    IF p_by_time THEN
+        v_vnow := fairqueue_virtual_time_v1();
     END IF;
 
     -- 4. Add the sums: primary-key lookups, each row's sums found by its array position.
@@ -200,7 +285,24 @@ BEGIN
             WHEN c.release_interval = interval '0' AND c.next_turn_at > statement_timestamp()
                 THEN statement_timestamp()
             ELSE c.next_turn_at
-        END
+        END,
+        -- The tag: the claim charged the mean run time per message; add what really ran
+        -- minus that (divided by the weight). A channel this fold makes claimable (it was
+        -- not: no ready message, or at its cap) is lifted to the system's virtual time.
+        vtime = CASE WHEN NOT p_by_time THEN c.vtime ELSE fairqueue_lift_v1(
+            c.vtime + (v_run[array_position(v_ids, c.id)]
+                       - v_runs[array_position(v_ids, c.id)]
+                         * coalesce(c.mean_run, fairqueue_default_run_v1())) / c.weight,
+            v_vnow,
+            c.ready_count > 0 AND NOT c.paused
+                AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency),
+            c.ready_count + v_ready[array_position(v_ids, c.id)] > 0 AND NOT c.paused
+                AND (c.max_concurrency IS NULL
+                     OR c.running_count + v_running[array_position(v_ids, c.id)]
+                        < c.max_concurrency))
+        END,
+        mean_run = fairqueue_mean_run_v1(
+            c.mean_run, v_run[array_position(v_ids, c.id)], v_ran[array_position(v_ids, c.id)])
     WHERE c.id = ANY (v_ids);
     RETURN v_count;
 END;
@@ -222,6 +324,11 @@ $$;
 -- Cost: steps 2-5 touch only the chosen channels and the rows claimed; nothing scans the
 -- backlog, so the cost is flat in the number of queued messages and grows with the number of
 -- channels one call serves (at most p_limit).
+--
+-- p_by_time (fairness by time): step 2 walks fq_channel_vtime_idx instead, smallest virtual
+-- tag first, passing over rate-limited channels not due yet (the tag index cannot bound
+-- them by time), and step 5 also charges each channel its mean run time per message claimed,
+-- divided by its weight. Shares, caps, rate limits and locks are as in turn order.
 CREATE OR REPLACE FUNCTION fairqueue_claim_v1(
     p_limit integer,
     p_lease interval,
@@ -230,7 +337,8 @@ CREATE OR REPLACE FUNCTION fairqueue_claim_v1(
     p_exclude bigint[] DEFAULT NULL,
     p_quantum integer DEFAULT NULL,
     p_maintain boolean DEFAULT true,
-    p_wait_ms integer DEFAULT 0
+    p_wait_ms integer DEFAULT 0,
+    p_by_time boolean DEFAULT false
 )
 RETURNS TABLE (
     id bigint,
@@ -272,6 +380,12 @@ DECLARE
     v_used integer[] := '{}';
     v_room integer[] := '{}';
     v_interval interval[] := '{}';
+    v_est double precision[] := '{}';  -- the tag's charge per message (by time)
+    v_tag double precision[] := '{}';  -- the channels' tags as the walk locked them (by time)
+    v_first_tag double precision;  -- the tag of the first channel the walk locked (by time)
+    v_front double precision;  -- the smallest claimable tag plus one charge (by time)
+    v_skipped integer := 0;  -- channels locked by the walk and given nothing (by time)
+    v_kept_room integer[];
     v_alloc integer[];
     v_last integer[];  -- when each channel was last given messages in this claim (sequence)
     v_seq integer := 0;
@@ -302,7 +416,7 @@ BEGIN
     -- runs the same housekeeping in a short transaction of its own first.
     IF p_maintain THEN
         PERFORM fairqueue_promote_due_v1(v_now, 1000);
-        PERFORM fairqueue_fold_deltas_v1(1000, true);
+        PERFORM fairqueue_fold_deltas_v1(1000, true, p_by_time);
     END IF;
 
     -- Step 2. Walk eligible channels in turn order, locking one per FETCH, and stop as soon as
@@ -331,10 +445,43 @@ BEGIN
     -- LOCKED or are on its own leased messages, and lock_timeout, far below deadlock_timeout,
     -- ends a wait on a channel locked by another claim's counter fold.
     LOOP
-        IF NOT v_waited THEN
+        IF p_by_time AND NOT v_waited THEN
+            -- The same walk in tag order. The rate limit is a filter here, not an index
+            -- bound: `release_interval = 0 OR` keeps the planner off fq_channel_turn_idx
+            -- (a range scan there would have to sort every claimable channel by tag).
             OPEN v_cur FOR
                 SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
-                       c.ready_count, c.max_concurrency, c.running_count
+                       c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
+                FROM fairqueue_channel c
+                WHERE c.ready_count > 0
+                  AND NOT c.paused
+                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                  AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
+                  AND (p_only IS NULL OR c.id = ANY (p_only))
+                  AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
+                ORDER BY c.vtime, c.id
+                LIMIT p_limit
+                FOR UPDATE SKIP LOCKED;
+        ELSIF p_by_time THEN
+            OPEN v_cur FOR
+                SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
+                       c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
+                FROM fairqueue_channel c
+                WHERE c.ready_count > 0
+                  AND NOT c.paused
+                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                  AND (c.release_interval = interval '0'
+                       OR (c.next_turn_at <= v_wait_until
+                           AND c.next_turn_at <= clock_timestamp()))
+                  AND (p_only IS NULL OR c.id = ANY (p_only))
+                  AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
+                ORDER BY c.vtime, c.id
+                LIMIT 1
+                FOR UPDATE;
+        ELSIF NOT v_waited THEN
+            OPEN v_cur FOR
+                SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
+                       c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
                 FROM fairqueue_channel c
                 WHERE c.ready_count > 0
                   AND NOT c.paused
@@ -348,7 +495,7 @@ BEGIN
         ELSE
             OPEN v_cur FOR
                 SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
-                       c.ready_count, c.max_concurrency, c.running_count
+                       c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
                 FROM fairqueue_channel c
                 WHERE c.ready_count > 0
                   AND NOT c.paused
@@ -378,6 +525,14 @@ BEGIN
                 coalesce(r.max_concurrency - r.running_count, p_limit),
                 CASE WHEN r.release_interval > interval '0' THEN 1 ELSE p_limit END);
             v_interval[v_n] := r.release_interval;
+            IF p_by_time THEN  -- (not computed by count: a function call per channel)
+                v_tag[v_n] := r.vtime;
+                IF v_n = 1 THEN
+                    v_first_tag := r.vtime;
+                END IF;
+                v_est[v_n] := greatest(coalesce(r.mean_run, fairqueue_default_run_v1()), 1e-6)
+                              / r.weight;
+            END IF;
             v_covered := v_covered + LEAST(v_turn[v_n] - v_used[v_n], v_room[v_n]);
             EXIT WHEN v_covered >= p_limit;
         END LOOP;
@@ -408,9 +563,39 @@ BEGIN
             END IF;
             PERFORM set_config('lock_timeout', v_lock_timeout, true);
             v_now := clock_timestamp();  -- for the charge, claimed_at and the lease
+            IF v_skipped > 0 AND v_n = v_skipped THEN
+                v_room := v_kept_room;  -- the channel waited for was no longer claimable
+            END IF;
             EXIT;
         END IF;
-        EXIT WHEN v_n > 0 OR coalesce(p_wait_ms, 0) <= 0 OR v_fold_waited;
+        -- By time, a channel held by a concurrent claim may be far ahead in tag order of the
+        -- first one this walk locked (a tenant of short tasks, claimed by several claimers at
+        -- once): skipping it would hand the claim to a channel of long tasks every time, and
+        -- the shares would follow the lock traffic, not the tags. So when the smallest
+        -- claimable tag (read without a lock) is below ours by more than one of its messages'
+        -- charge, wait for that channel as in step 2b, and serve only it: the channels this
+        -- walk locked are kept (locked to the commit) but given nothing.
+        IF p_by_time AND v_n > 0 AND coalesce(p_wait_ms, 0) > 0 AND NOT v_fold_waited THEN
+            SELECT c.vtime + greatest(coalesce(c.mean_run, fairqueue_default_run_v1()), 1e-6)
+                             / c.weight
+            INTO v_front
+            FROM fairqueue_channel c
+            WHERE c.ready_count > 0
+              AND NOT c.paused
+              AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+              AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
+              AND (p_only IS NULL OR c.id = ANY (p_only))
+              AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
+            ORDER BY c.vtime, c.id
+            LIMIT 1;
+            IF v_front < v_first_tag THEN
+                v_skipped := v_n;
+                v_kept_room := v_room;
+                v_room := array_fill(0, ARRAY[v_n]);
+                v_covered := 0;
+            END IF;
+        END IF;
+        EXIT WHEN (v_n > v_skipped) OR coalesce(p_wait_ms, 0) <= 0 OR v_fold_waited;
         v_waited := true;
         v_wait_until := clock_timestamp() + p_wait_ms * interval '1 millisecond';
         v_lock_timeout := current_setting('lock_timeout');
@@ -421,32 +606,59 @@ BEGIN
         RETURN;
     END IF;
 
+    -- Step 3, by time: each message goes to the channel whose next message would start at the
+    -- smallest tag (its tag plus what this claim gave it already, at its charge per message),
+    -- up to its room: a merge of the channels' sequences of start tags, one statement on the
+    -- arrays. A channel far ahead in tag order gets nothing though the walk locked it (with
+    -- turns it would get its turn, and a tenant of long tasks took a slot in every claim of
+    -- several messages). Channels go to the back in walk order.
+    IF p_by_time THEN
+        SELECT array_agg(coalesce(g.n, 0)::integer ORDER BY o.k)
+        INTO v_alloc
+        FROM generate_series(1, v_n) AS o(k)
+        LEFT JOIN (
+            SELECT x.k, count(*) AS n
+            FROM (
+                SELECT a.k
+                FROM unnest(v_tag, v_est, v_room) WITH ORDINALITY AS a(tag, est, room, k)
+                CROSS JOIN LATERAL generate_series(0, LEAST(a.room, p_limit) - 1) AS s(i)
+                ORDER BY a.tag + s.i * a.est, a.k
+                LIMIT p_limit
+            ) x
+            GROUP BY x.k
+        ) g ON g.k = o.k;
+        v_last := ARRAY(SELECT generate_series(1, v_n));
+        v_seq := v_n;
+    END IF;
+
     -- Step 3. Weighted water-filling in turn order. Round 0 gives each channel what is left of
     -- its current turn; later rounds (only when the channels found could not cover p_limit)
     -- give a whole turn each. Earlier channels get the remainder of a partial round, exactly
     -- as a sequence of smaller claims would.
-    v_alloc := array_fill(0, ARRAY[v_n]);
-    v_last := array_fill(0, ARRAY[v_n]);
-    v_left := p_limit;
-    LOOP
-        v_progress := false;
-        FOR i IN 1 .. v_n LOOP
-            EXIT WHEN v_left = 0;
-            v_give := LEAST(
-                CASE WHEN v_round = 0 THEN v_turn[i] - v_used[i] ELSE v_turn[i] END,
-                v_room[i] - v_alloc[i],
-                v_left);
-            IF v_give > 0 THEN
-                v_alloc[i] := v_alloc[i] + v_give;
-                v_left := v_left - v_give;
-                v_progress := true;
-                v_seq := v_seq + 1;
-                v_last[i] := v_seq;
-            END IF;
+    IF NOT p_by_time THEN
+        v_alloc := array_fill(0, ARRAY[v_n]);
+        v_last := array_fill(0, ARRAY[v_n]);
+        v_left := p_limit;
+        LOOP
+            v_progress := false;
+            FOR i IN 1 .. v_n LOOP
+                EXIT WHEN v_left = 0;
+                v_give := LEAST(
+                    CASE WHEN v_round = 0 THEN v_turn[i] - v_used[i] ELSE v_turn[i] END,
+                    v_room[i] - v_alloc[i],
+                    v_left);
+                IF v_give > 0 THEN
+                    v_alloc[i] := v_alloc[i] + v_give;
+                    v_left := v_left - v_give;
+                    v_progress := true;
+                    v_seq := v_seq + 1;
+                    v_last[i] := v_seq;
+                END IF;
+            END LOOP;
+            EXIT WHEN v_left = 0 OR NOT v_progress;
+            v_round := v_round + 1;
         END LOOP;
-        EXIT WHEN v_left = 0 OR NOT v_progress;
-        v_round := v_round + 1;
-    END LOOP;
+    END IF;
 
     -- Steps 4 and 5 in one statement. The LATERAL subquery reads each channel's head from
     -- fq_message_ready_idx and stops after its share. Ready messages of a channel are only
@@ -519,7 +731,11 @@ BEGIN
             turn_used = CASE
                 WHEN v_interval[got.k] > interval '0' THEN 0
                 ELSE (v_used[got.k] + got.n) % v_turn[got.k]
-            END
+            END,
+            -- By time: charged in advance, the channel's mean run time per message (divided by
+            -- its weight), so a channel of long tasks cannot take many before any settles; the
+            -- settlements' deltas correct the estimate when folded.
+            vtime = CASE WHEN p_by_time THEN c.vtime + got.n * v_est[got.k] ELSE c.vtime END
         FROM got
         WHERE c.id = got.cid AND c.id = ANY (v_ids)  -- primary-key lookups, as above
         RETURNING c.id
@@ -537,6 +753,26 @@ END;
 $$;
 
 
+-- The run time a settlement records for a message claimed at p_claimed_at: what its worker
+-- measured (p_reported, seconds on the worker's monotonic clock), but never more than the
+-- database's clock says has passed since the claim, nor less than 0; unreported, the time
+-- since the claim. So a worker's wrong clock can neither inflate nor hide a charge beyond
+-- what the database saw, and a database clock that stepped back charges nothing negative.
+CREATE OR REPLACE FUNCTION fairqueue_run_seconds_v1(
+    p_reported double precision, p_claimed_at timestamptz
+)
+RETURNS double precision
+-- VOLATILE (it reads the clock) and one plain expression, so the planner inlines it into the
+-- settling statements instead of calling a function per settled message.
+LANGUAGE sql VOLATILE AS $$
+    SELECT greatest(0, least(
+        coalesce(p_reported,
+                 extract(epoch FROM clock_timestamp() - p_claimed_at)::double precision, 0),
+        coalesce(extract(epoch FROM clock_timestamp() - p_claimed_at)::double precision,
+                 p_reported, 0)))
+$$;
+
+
 -- Settle successful messages given as parallel arrays (id, lease token, result): delete them,
 -- or keep them as succeeded with their result when the message asked for it. Returns the ids
 -- actually settled: a row whose lease token is not the caller's (expired and claimed again,
@@ -544,10 +780,13 @@ $$;
 -- A function rather than a prepared statement for its plan_cache_mode: as a prepared
 -- statement it was re-planned on every call (see fairqueue_claim_v1), which cost more server
 -- time than the settlement itself for small batches.
+-- p_runs: each message's run time in seconds as its worker measured it (NULL: not measured),
+-- recorded in the delta for fairness by time (fairqueue_run_seconds_v1 bounds it).
 CREATE OR REPLACE FUNCTION fairqueue_complete_v1(
     p_ids bigint[],
     p_tokens uuid[],
-    p_results jsonb[]
+    p_results jsonb[],
+    p_runs double precision[] DEFAULT NULL
 )
 RETURNS SETOF bigint
 LANGUAGE plpgsql
@@ -584,7 +823,9 @@ BEGIN
         WHERE m.id = ANY (p_ids)
           AND m.lease_token = ANY (p_tokens)
           AND NOT m.keep_result
-        RETURNING m.id, m.channel_id
+        RETURNING m.id, m.channel_id,
+                  fairqueue_run_seconds_v1(p_runs[array_position(p_ids, m.id)], m.claimed_at)
+                  AS run
     ), kept AS (
         UPDATE fairqueue_message m
         SET state = 'succeeded',
@@ -595,16 +836,21 @@ BEGIN
         WHERE m.id = ANY (p_ids)
           AND m.lease_token = ANY (p_tokens)
           AND m.keep_result
-        RETURNING m.id, m.channel_id
+        RETURNING m.id, m.channel_id,
+                  fairqueue_run_seconds_v1(p_runs[array_position(p_ids, m.id)], m.claimed_at)
+                  AS run
     ), settled AS (
         SELECT * FROM gone UNION ALL SELECT * FROM kept
     ), delta AS (
         -- The concurrency slot is freed here, once: only rows this statement settled count.
         -- It wakes the claim only for capped channels; other channels fold it in maintenance.
-        INSERT INTO fairqueue_channel_delta (channel_id, running, succeeded, wake)
+        INSERT INTO fairqueue_channel_delta (
+            channel_id, running, succeeded, wake, run_seconds, run_count
+        )
         SELECT s.channel_id, -count(*), count(*),
                (SELECT c.max_concurrency IS NOT NULL
-                FROM fairqueue_channel c WHERE c.id = s.channel_id)
+                FROM fairqueue_channel c WHERE c.id = s.channel_id),
+               sum(s.run), count(*)
         FROM settled s GROUP BY s.channel_id
     )
     SELECT settled.id FROM settled;
@@ -1309,22 +1555,33 @@ CREATE CONSTRAINT TRIGGER fairqueue_backlog_check
 -- channel's limits (a cap added to a busy channel must count the completions not folded yet,
 -- and a rate limit removed must not leave the channel due later). The channel row is locked
 -- before its deltas, in the lock order every statement follows. Returns how many were folded.
+-- The operator may just have resumed the channel or raised its cap, and the ORM's update
+-- made it claimable already, so the tag is lifted here whether it was claimable or not: to
+-- the virtual time of the other channels (a channel that is the smallest tag of all loses at
+-- most the lead it had over the next one, bounded by one charge). Harmless when fairness is
+-- by count (the tag is then unused), so it does not depend on the mode.
 CREATE OR REPLACE FUNCTION fairqueue_fold_channel_v1(p_channel_id bigint)
 RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
     v_n integer;
+    v_vnow double precision;
 BEGIN
     PERFORM FROM fairqueue_channel c WHERE c.id = p_channel_id FOR UPDATE;
+    v_vnow := fairqueue_virtual_time_v1(p_channel_id);
     WITH gone AS (
         DELETE FROM fairqueue_channel_delta d
         WHERE d.channel_id = p_channel_id
-        RETURNING d.ready, d.scheduled, d.running, d.failed, d.succeeded, d.batch_pending
+        RETURNING d.ready, d.scheduled, d.running, d.failed, d.succeeded, d.batch_pending,
+                  d.run_seconds, d.run_count
     ), sums AS (
         SELECT coalesce(sum(ready), 0) AS ready, coalesce(sum(scheduled), 0) AS scheduled,
                coalesce(sum(running), 0) AS running, coalesce(sum(failed), 0) AS failed,
                coalesce(sum(succeeded), 0) AS succeeded,
-               coalesce(bool_or(batch_pending), false) AS batches, count(*) AS n
+               coalesce(bool_or(batch_pending), false) AS batches,
+               coalesce(sum(run_seconds), 0) AS run, coalesce(sum(run_count), 0) AS runs,
+               coalesce(sum(run_count) FILTER (WHERE run_seconds > 0), 0) AS ran,
+               count(*) AS n
         FROM gone
     )
     UPDATE fairqueue_channel c
@@ -1338,7 +1595,12 @@ BEGIN
             WHEN c.release_interval = interval '0' AND c.next_turn_at > statement_timestamp()
                 THEN statement_timestamp()
             ELSE c.next_turn_at
-        END
+        END,
+        vtime = greatest(
+            c.vtime + (sums.run - sums.runs * coalesce(c.mean_run, fairqueue_default_run_v1()))
+                      / c.weight,
+            v_vnow),
+        mean_run = fairqueue_mean_run_v1(c.mean_run, sums.run, sums.ran)
     FROM sums
     WHERE c.id = p_channel_id
     RETURNING sums.n INTO v_n;

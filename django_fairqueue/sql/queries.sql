@@ -58,13 +58,14 @@ SELECT id, channel_id, channel_name, task_name, payload, priority, attempts, max
        keep_result, lease_token, lease_expires_at, enqueued_at, run_at
 FROM fairqueue_claim_v1(
     %(limit)s::integer, %(lease)s::interval, %(worker)s::text, %(only)s::bigint[],
-    %(exclude)s::bigint[], %(quantum)s::integer, %(maintain)s::boolean, %(wait_ms)s::integer
+    %(exclude)s::bigint[], %(quantum)s::integer, %(maintain)s::boolean, %(wait_ms)s::integer,
+    %(by_time)s::boolean
 );
 
 -- name: prepare_claims
 -- The claim's housekeeping on its own: promote due messages and fold waking deltas.
 SELECT fairqueue_promote_due_v1(clock_timestamp(), 1000) AS promoted,
-       fairqueue_fold_deltas_v1(1000, true) AS folded;
+       fairqueue_fold_deltas_v1(1000, true, %(by_time)s::boolean) AS folded;
 
 -- name: heartbeat_messages
 -- Extend the leases still held by these (id, token) pairs; returns the ids still owned, each with whether an abort was requested.
@@ -78,7 +79,7 @@ RETURNING m.id, m.abort_requested_at IS NOT NULL;
 -- Settle successful messages: delete them, or keep them as succeeded with their result.
 -- The statement is in fairqueue_complete_v1 (planned once per session there).
 SELECT id FROM fairqueue_complete_v1(
-    %(ids)b::bigint[], %(tokens)b::uuid[], %(results)b::jsonb[]
+    %(ids)b::bigint[], %(tokens)b::uuid[], %(results)b::jsonb[], %(runs)b::float8[]
 ) AS id;
 
 -- name: fail_messages
@@ -87,8 +88,10 @@ SELECT id FROM fairqueue_complete_v1(
 -- A message with an abort requested is not retried: it ends aborted. A retry of a unique job
 -- (scope 'queued') whose key another message took while it ran is superseded by that message:
 -- it ends cancelled rather than queue twice (a unique key is held by one queued message).
+-- `runs`: each attempt's run time as its worker measured it (a timed-out attempt: its time
+-- limit), recorded in the delta for fairness by time.
 WITH t AS MATERIALIZED (
-    -- each row's own error and retry time, by its position in the arrays
+    -- each row's own error, retry time and run time, by its position in the arrays
     SELECT m.id, (%(errors)s::jsonb[])[array_position(%(ids)s::bigint[], m.id)] AS error,
            clock_timestamp()
            + (%(retry_in)s::interval[])[array_position(%(ids)s::bigint[], m.id)] AS retry_at,
@@ -98,7 +101,9 @@ WITH t AS MATERIALIZED (
                SELECT FROM fairqueue_message o
                WHERE o.channel_id = m.channel_id AND o.unique_key = m.unique_key
                  AND (o.state IN ('ready', 'scheduled')
-                      OR (o.state = 'running' AND o.unique_scope = 'active')))) AS superseded
+                      OR (o.state = 'running' AND o.unique_scope = 'active')))) AS superseded,
+           fairqueue_run_seconds_v1(
+               (%(runs)s::float8[])[array_position(%(ids)s::bigint[], m.id)], m.claimed_at) AS run
     FROM fairqueue_message m
     WHERE m.id = ANY (%(ids)s::bigint[])
       AND m.lease_token = ANY (%(tokens)s::uuid[])
@@ -123,14 +128,17 @@ WITH t AS MATERIALIZED (
     -- join on t alone: adding `m.id = ANY(ids)` here made the planner repeat the whole
     -- ANY lookup per row of t (5,050 index probes for 100 rows)
     WHERE m.id = t.id
-    RETURNING m.id, m.channel_id, m.state
+    RETURNING m.id, m.channel_id, m.state, t.run
 ), delta AS (
-    INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed)
+    INSERT INTO fairqueue_channel_delta (
+        channel_id, ready, scheduled, running, failed, run_seconds, run_count
+    )
     SELECT channel_id,
            count(*) FILTER (WHERE state = 'ready'),
            count(*) FILTER (WHERE state = 'scheduled'),
            -count(*),
-           count(*) FILTER (WHERE state = 'failed')
+           count(*) FILTER (WHERE state = 'failed'),
+           sum(run), count(*)
     FROM failed GROUP BY channel_id
 )
 SELECT id, state FROM failed;
@@ -139,6 +147,8 @@ SELECT id, state FROM failed;
 -- Give claimed messages back unstarted (shutdown): ready again, the attempt not counted.
 -- One with an abort requested ends aborted instead, and a unique job whose key was taken
 -- while it was claimed (scope 'queued') ends cancelled, superseded (see fail_messages).
+-- Nothing ran: the delta gives back the run time the claim charged in advance (run_count
+-- with no run_seconds).
 WITH t AS MATERIALIZED (
     SELECT m.id,
            m.abort_requested_at IS NOT NULL AS aborted,
@@ -162,14 +172,16 @@ WITH t AS MATERIALIZED (
     WHERE m.id = t.id
     RETURNING m.id, m.channel_id, m.state
 ), delta AS (
-    INSERT INTO fairqueue_channel_delta (channel_id, ready, running)
-    SELECT channel_id, count(*) FILTER (WHERE state = 'ready'), -count(*)
+    INSERT INTO fairqueue_channel_delta (channel_id, ready, running, run_count)
+    SELECT channel_id, count(*) FILTER (WHERE state = 'ready'), -count(*), count(*)
     FROM released GROUP BY channel_id
 )
 SELECT id FROM released;
 
 -- name: rescue_expired_messages
 -- Return messages whose lease expired (worker died or stalled) to ready, or dead-letter them when out of attempts.
+-- For fairness by time each is charged the time since its claim, at most `max_charge` seconds
+-- (one lease): its worker cannot say how long it ran.
 WITH expired AS (
     SELECT m.id
     FROM fairqueue_message m
@@ -210,18 +222,22 @@ WITH expired AS (
         lease_token = NULL,
         lease_expires_at = NULL
     WHERE m.id = ANY (ARRAY(SELECT expired.id FROM expired))
-    RETURNING m.id, m.channel_id, m.state, m.task_name, m.attempts, m.worker_id
+    RETURNING m.id, m.channel_id, m.state, m.task_name, m.attempts, m.worker_id,
+              least(fairqueue_run_seconds_v1(NULL, m.claimed_at),
+                    %(max_charge)s::float8) AS run
 ), delta AS (
-    INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
+    INSERT INTO fairqueue_channel_delta (
+        channel_id, ready, scheduled, running, failed, succeeded, run_seconds, run_count
+    )
     SELECT channel_id, count(*) FILTER (WHERE state = 'ready'), 0, -count(*),
-           count(*) FILTER (WHERE state = 'failed'), 0
+           count(*) FILTER (WHERE state = 'failed'), 0, sum(run), count(*)
     FROM rescued GROUP BY channel_id
 )
 SELECT id, channel_id, state, task_name, attempts, worker_id FROM rescued;
 
 -- name: fold_channel_deltas
 -- Fold every pending counter delta into its channel row (maintenance; claims fold what they need).
-SELECT fairqueue_fold_deltas_v1(%(limit)s::integer, false) AS folded;
+SELECT fairqueue_fold_deltas_v1(%(limit)s::integer, false, %(by_time)s::boolean) AS folded;
 
 -- name: retry_failed_messages
 -- Make failed messages ready again with a fresh attempt budget; idempotent (non-failed rows are untouched).
@@ -353,10 +369,11 @@ WITH aborted AS (
         lease_token = NULL, lease_expires_at = NULL
     WHERE m.id = ANY (%(ids)s::bigint[])
       AND m.lease_token = ANY (%(tokens)s::uuid[])
-    RETURNING m.id, m.channel_id
+    RETURNING m.id, m.channel_id, fairqueue_run_seconds_v1(NULL, m.claimed_at) AS run
 ), delta AS (
-    INSERT INTO fairqueue_channel_delta (channel_id, running)
-    SELECT channel_id, -count(*) FROM aborted GROUP BY channel_id
+    -- for fairness by time, charged the time since its claim (the attempt ran until now)
+    INSERT INTO fairqueue_channel_delta (channel_id, running, run_seconds, run_count)
+    SELECT channel_id, -count(*), sum(run), count(*) FROM aborted GROUP BY channel_id
 )
 SELECT id FROM aborted;
 
@@ -956,18 +973,29 @@ WHERE w.state <> 'running' AND w.heartbeat_at < %(before)s::timestamptz;
 -- name: select_channel_wait_state
 -- What the "why is this waiting" sentence needs of one channel, read lock-free: its limits and exact counters, its turn, how many claimable channels come before it in the round, since when its oldest running message runs, and the messages claimed in the last 5 minutes over all channels.
 -- The channels ahead are counted on fq_channel_turn_idx (its predicate repeated word for word):
--- the claimable channels whose turn comes before this one's.
+-- the claimable channels whose turn comes before this one's; by time, on fq_channel_vtime_idx,
+-- those whose tag is smaller.
 SELECT c.name::text, c.paused, c.max_concurrency, c.release_interval, c.next_turn_at,
        c.ready_count + coalesce(d.ready, 0) AS ready,
        c.running_count + coalesce(d.running, 0) AS running,
        clock_timestamp() AS now,
-       (SELECT count(*)
-        FROM fairqueue_channel o
-        WHERE o.ready_count > 0
-          AND NOT o.paused
-          AND (o.max_concurrency IS NULL OR o.running_count < o.max_concurrency)
-          AND (o.next_turn_at, o.id) < (c.next_turn_at, c.id)
-          AND o.next_turn_at <= clock_timestamp()) AS ahead,
+       CASE WHEN NOT %(by_time)s::boolean THEN
+           (SELECT count(*)
+            FROM fairqueue_channel o
+            WHERE o.ready_count > 0
+              AND NOT o.paused
+              AND (o.max_concurrency IS NULL OR o.running_count < o.max_concurrency)
+              AND (o.next_turn_at, o.id) < (c.next_turn_at, c.id)
+              AND o.next_turn_at <= clock_timestamp())
+       ELSE  -- fairness by time: the claimable channels of smaller tags (fq_channel_vtime_idx)
+           (SELECT count(*)
+            FROM fairqueue_channel o
+            WHERE o.ready_count > 0
+              AND NOT o.paused
+              AND (o.max_concurrency IS NULL OR o.running_count < o.max_concurrency)
+              AND (o.vtime, o.id) < (c.vtime, c.id)
+              AND (o.release_interval = interval '0' OR o.next_turn_at <= clock_timestamp()))
+       END AS ahead,
        (SELECT min(m.claimed_at)
         FROM fairqueue_message m
         WHERE m.state = 'running' AND m.channel_id = c.id) AS oldest_running_since,

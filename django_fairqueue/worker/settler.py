@@ -32,6 +32,13 @@ from django_fairqueue.worker.execution import (
 logger = logging.getLogger("django_fairqueue.worker")
 
 
+def _run_seconds(group: list[Outcome]) -> list[float | None]:
+    """How long each attempt ran, on the handler's monotonic clock (a timed-out attempt: until
+    the worker gave up on it, its time limit); None where nothing was measured (the database
+    then charges the time since the claim). Fairness by time charges it to the channel."""
+    return [o.duration if o.duration > 0 else None for o in group]
+
+
 class Settler(WorkerBase):
     """The settler: writes outcomes back in batches, each fenced by its lease token."""
 
@@ -151,18 +158,21 @@ class Settler(WorkerBase):
                 outcome.message,
                 "failed",
                 error=error_info(exc, attempt=outcome.message.attempts, worker_id=self.worker_id),
+                duration=outcome.duration,
             )
             return self._write("fail", [failed], savepoint)
 
     def _write_statement(self, verb: str, group: list[Outcome]) -> dict[int, str]:
         if verb == "complete":
             done = store.complete_messages(
-                [(o.message.id, o.message.lease_token, o.result) for o in group]
+                [(o.message.id, o.message.lease_token, o.result) for o in group],
+                run_seconds=_run_seconds(group),
             )
             return {i: "succeeded" for i in done}
         if verb == "fail":
             return store.fail_messages(
-                [(o.message.id, o.message.lease_token, o.error or {}, o.retry_in) for o in group]
+                [(o.message.id, o.message.lease_token, o.error or {}, o.retry_in) for o in group],
+                run_seconds=_run_seconds(group),
             )
         if verb == "abort":
             aborted = store.settle_aborted_messages(

@@ -141,6 +141,69 @@ def fairness_chart(cells: Sequence[Any]) -> Chart:
     )
 
 
+TIMESHARE_FILE = "fairbench-timeshare.png"
+
+
+def timeshare_chart(cells: Sequence[Any], path: Path) -> Path:
+    """Bars: Jain's index over worker time and over counts, by count and by time, per
+    workload (the first backlog), and the small tenants' p99 wait."""
+    plt = pyplot()
+    first = min(c.backlog for c in cells)
+    rows = [c for c in cells if c.backlog == first]
+    workloads = list(dict.fromkeys(c.workload for c in rows))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.2
+    for i, (mode, metric, label) in enumerate(
+        [
+            ("count", "jain_time", "by count: Jain over time"),
+            ("time", "jain_time", "by time: Jain over time"),
+            ("count", "jain_count", "by count: Jain over counts"),
+            ("time", "jain_count", "by time: Jain over counts"),
+        ]
+    ):
+        ys = []
+        for w in workloads:
+            cell = next((c for c in rows if c.workload == w and c.fairness == mode), None)
+            value = getattr(cell, metric) if cell is not None else None
+            ys.append(value if value is not None else 0.0)
+        left.bar([x + (i - 1.5) * width for x in range(len(workloads))], ys, width, label=label)
+    left.axhline(0.95, linestyle="--", color="grey", linewidth=0.8)
+    left.set_xticks(range(len(workloads)), workloads)
+    left.set_ylim(0, 1.05)
+    left.set_title(f"Jain's index (backlog {first:,})")
+    left.legend(fontsize=7, loc="lower left")
+    waits = [
+        w
+        for w in workloads
+        if any(c.small_wait_p99_ms is not None for c in rows if c.workload == w)
+    ]
+    for i, mode in enumerate(("count", "time")):
+        ys = []
+        for w in waits:
+            cell = next(
+                (
+                    c
+                    for c in cells
+                    if c.workload == w
+                    and c.fairness == mode
+                    and c.backlog == max(x.backlog for x in cells if x.workload == w)
+                ),
+                None,
+            )
+            ys.append(cell.small_wait_p99_ms if cell is not None else 0.0)
+        right.bar([x + (i - 0.5) * 0.35 for x in range(len(waits))], ys, 0.35, label=f"by {mode}")
+    right.set_xticks(range(len(waits)), waits)
+    right.set_yscale("log")
+    right.axhline(50, linestyle="--", color="grey", linewidth=0.8)
+    right.set_title("small tenant's p99 wait, ms (largest backlog run)")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_plots(results: Mapping[str, Sequence[Any]], directory: Path) -> list[Path]:
     """The plots the scenarios in ``results`` (name -> cells) allow; the files written."""
     written = []
@@ -148,4 +211,6 @@ def write_plots(results: Mapping[str, Sequence[Any]], directory: Path) -> list[P
         written.append(line_chart(e2e_chart(results["e2e"]), directory / E2E_FILE))
     if results.get("fairness"):
         written.append(line_chart(fairness_chart(results["fairness"]), directory / FAIRNESS_FILE))
+    if results.get("timeshare"):
+        written.append(timeshare_chart(results["timeshare"], directory / TIMESHARE_FILE))
     return written

@@ -22,6 +22,7 @@ from django_fairqueue.contrib.bench import (
     pickup,
     plots,
     snapshot,
+    timeshare,
 )
 from django_fairqueue.contrib.bench.harness import BenchmarkError, Progress
 from django_fairqueue.contrib.bench.scenario import Scenario
@@ -35,6 +36,7 @@ SCENARIOS: dict[str, Scenario] = {
         claim.SCENARIO,
         latency.SCENARIO,
         fairness.SCENARIO,
+        timeshare.SCENARIO,
         snapshot.SCENARIO,
         functions.SCENARIO,
         enqueue_cost.SCENARIO,

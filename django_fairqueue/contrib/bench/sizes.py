@@ -92,6 +92,16 @@ class Sizes:
     admin_channels: int = 10_000
     #: Timed requests per page (after one warm-up); the table shows their median.
     admin_samples: int = 5
+    # -- fairness by count and by time (timeshare) --
+    timeshare_workloads: tuple[str, ...] = ("flood", "sybil", "heavy", "weights", "bursts")
+    #: Every workload at the first backlog; only these at the larger ones as well.
+    timeshare_backlogs: tuple[int, ...] = (10_000, 1_000_000)
+    timeshare_big_workloads: tuple[str, ...] = ("flood", "sybil")
+    timeshare_workers: int = 4
+    #: Seconds the heavy and weights workloads run; the bursts arrive within 0.6 of it.
+    timeshare_window: float = 15.0
+    timeshare_tenants: int = 50
+    timeshare_burst_max: int = 40
 
 
 FULL = Sizes(name="full", duration=5.0)
@@ -114,6 +124,7 @@ QUICK = Sizes(
     pickup_poll_samples=15,
     admin_messages=200_000,
     admin_samples=3,
+    timeshare_backlogs=(10_000,),
 )
 
 #: For tests: every scenario and code path in seconds, figures meaningless.
@@ -159,6 +170,11 @@ TINY = Sizes(
     admin_messages=3_000,
     admin_channels=30,
     admin_samples=1,
+    timeshare_backlogs=(300,),
+    timeshare_workers=2,
+    timeshare_window=1.0,
+    timeshare_tenants=4,
+    timeshare_burst_max=3,
 )
 
 PRESETS = {s.name: s for s in (FULL, QUICK, TINY)}

@@ -1,0 +1,375 @@
+"""Fairness by time (``FAIRQUEUE['FAIRNESS'] = 'time'``): channels share worker time.
+
+The ordering tests are deterministic: one claim of one message at a time, settled at once
+through the real settle path with a recorded run time. A settlement's run time is bounded by
+the database's clock since the claim, so each test first moves the message's ``claimed_at``
+back by the time it is to have run (as if it had), then settles it reporting that time, and
+folds the deltas (what the workers' maintenance loop does about once a second).
+Concurrent claimers are at the end.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.test.utils import override_settings
+
+from django_fairqueue import store
+from django_fairqueue.conf import load
+from tests import factories as f
+
+LEASE = timedelta(minutes=5)
+TIME = {"FAIRNESS": "time"}
+
+
+@pytest.fixture(autouse=True)
+def _by_time() -> Iterator[None]:
+    with override_settings(FAIRQUEUE={**_base(), **TIME}):
+        yield
+
+
+def _base() -> dict[str, Any]:
+    from django.conf import settings
+
+    return dict(settings.FAIRQUEUE)
+
+
+def claim(limit: int = 1, **kwargs: Any) -> list[store.ClaimedMessage]:
+    return store.claim_messages(limit, lease=LEASE, worker_id="test-worker", **kwargs)
+
+
+def backdate(ids: list[int], seconds: float) -> None:
+    """As if the messages had been claimed ``seconds`` ago (they ran that long)."""
+    with connection.cursor() as cur:
+        cur.execute(
+            "UPDATE fairqueue_message SET claimed_at = claimed_at - %s * interval '1 second' "
+            "WHERE id = ANY (%s)",
+            [seconds, ids],
+        )
+
+
+def run(durations: dict[str, float], claims: int, *, limit: int = 1) -> tuple[Counter, Counter]:
+    """``claims`` claims, each settled at once with its channel's duration; returns the
+    worker time and the count per channel."""
+    spent: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
+    for _ in range(claims):
+        got = claim(limit)
+        assert got, "a claim came back empty while every channel had work"
+        for m in got:
+            backdate([m.id], durations[m.channel])
+        done = store.complete_messages(
+            [(m.id, m.lease_token, None) for m in got],
+            run_seconds=[durations[m.channel] for m in got],
+        )
+        assert done == {m.id for m in got}
+        for m in got:
+            spent[m.channel] += durations[m.channel]
+            counts[m.channel] += 1
+        f.fold_all()
+    return spent, counts
+
+
+def vtime(name: str) -> float:
+    with connection.cursor() as cur:
+        cur.execute("SELECT vtime FROM fairqueue_channel WHERE name = %s", [name])
+        (value,) = cur.fetchone()
+    return float(value)
+
+
+def jain(values: list[float]) -> float:
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
+
+
+# ------------------------------------------------------------------------------------------------
+# The setting
+
+
+def test_the_setting_takes_count_or_time_only() -> None:
+    assert load({}).FAIRNESS == "count"
+    assert load({"FAIRNESS": "time"}).FAIRNESS == "time"
+    with pytest.raises(ValueError, match=r"FAIRNESS.*must be one of"):
+        load({"FAIRNESS": "seconds"})
+    with pytest.raises(ValueError, match="fairness must be one of"):
+        claim(1, fairness="fifo")
+
+
+# ------------------------------------------------------------------------------------------------
+# Ordering
+
+
+@pytest.mark.django_db(transaction=True)
+def test_heavy_and_light_channels_get_equal_worker_time_not_equal_counts() -> None:
+    f.enqueue_spread({"heavy": 100, "light": 1000, "medium": 200})
+    durations = {"heavy": 0.2, "light": 0.005, "medium": 0.05}
+    spent, counts = run(durations, 400)
+    # While all three stay backlogged, their worker time differs by at most about one task of
+    # the longest kind (plus its first estimate, charged before any run time was known).
+    assert max(spent.values()) - min(spent.values()) <= 2 * 0.2 + 1e-9, spent
+    assert jain(list(spent.values())) > 0.99, spent
+    assert counts["light"] > 10 * counts["heavy"], counts
+
+
+@pytest.mark.django_db(transaction=True)
+def test_by_count_the_same_workload_splits_counts_not_time() -> None:
+    """The control: the same run by count gives equal counts and very unequal time."""
+    f.enqueue_spread({"heavy": 100, "light": 100})
+    durations = {"heavy": 0.2, "light": 0.005}
+    with override_settings(FAIRQUEUE={**_base(), "FAIRNESS": "count"}):
+        spent, counts = run(durations, 100)
+    assert abs(counts["heavy"] - counts["light"]) <= 1, counts
+    assert jain(list(spent.values())) < 0.6, spent
+
+
+@pytest.mark.django_db(transaction=True)
+def test_weights_divide_the_charge() -> None:
+    f.enqueue_spread({"gold": 400, "plain": 400})
+    f.set_limits(["gold"], weight=3)
+    durations = {"gold": 0.1, "plain": 0.1}
+    spent, counts = run(durations, 200)
+    share = spent["gold"] / spent["plain"]
+    assert 2.7 <= share <= 3.3, (spent, counts)
+    # unequal durations: still 3:1 in time
+    f.enqueue_spread({"gold2": 400, "plain2": 400})
+    f.set_limits(["gold2"], weight=3)
+    with connection.cursor() as cur:  # leave only the second pair claimable
+        cur.execute("UPDATE fairqueue_channel SET paused = true WHERE name IN ('gold', 'plain')")
+    spent, counts = run({"gold2": 0.02, "plain2": 0.15}, 300)
+    share = spent["gold2"] / spent["plain2"]
+    assert 2.5 <= share <= 3.5, (spent, counts)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_charges_the_mean_in_advance_and_the_settlement_corrects_it() -> None:
+    f.enqueue("heavy", 20)
+    run({"heavy": 0.2}, 5)
+    before = vtime("heavy")
+    got = claim(1)
+    # charged in advance: about the mean run time (0.2 s) before anything settles
+    assert vtime("heavy") == pytest.approx(before + 0.2, abs=0.01)
+    backdate([got[0].id], 0.5)
+    store.complete_messages([(got[0].id, got[0].lease_token, None)], run_seconds=[0.5])
+    f.fold_all()
+    # corrected: 0.5 ran, not 0.2 (the mean is corrected with what the claim charged)
+    assert vtime("heavy") == pytest.approx(before + 0.5, abs=0.03)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_released_messages_give_the_advance_charge_back() -> None:
+    f.enqueue("heavy", 20)
+    run({"heavy": 0.2}, 5)
+    before = vtime("heavy")
+    got = claim(3, quantum=3)
+    assert vtime("heavy") > before + 0.5
+    assert store.release_messages([(m.id, m.lease_token) for m in got]) == {m.id for m in got}
+    f.fold_all()
+    assert vtime("heavy") == pytest.approx(before, abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# No banked credit
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_channel_idle_while_others_ran_comes_back_level_not_ahead() -> None:
+    f.enqueue("alice", 1)
+    run({"alice": 0.01}, 1)  # alice exists, has run once, and goes idle
+    f.enqueue_spread({"bob": 400, "carol": 400})
+    run({"bob": 0.1, "carol": 0.1}, 200)  # 20 s of worker time while alice was away
+    f.enqueue("alice", 100)
+    f.fold_all()
+    assert vtime("alice") >= min(vtime("bob"), vtime("carol")) - 1e-9
+    # Back level: alice gets her third, not the 10 s she "missed".
+    _spent, counts = run({"alice": 0.1, "bob": 0.1, "carol": 0.1}, 30)
+    assert 8 <= counts["alice"] <= 12, counts
+
+
+@pytest.mark.django_db(transaction=True)
+def test_after_the_queue_went_idle_nobody_comes_back_ahead() -> None:
+    """Both idle at once: the one that wakes first must not keep an old, low tag (the
+    system's virtual time is then the largest tag, not the smallest)."""
+    f.enqueue("alice", 1)
+    run({"alice": 0.01}, 1)
+    f.enqueue("bob", 100)
+    run({"bob": 0.2}, 100)  # bob drains: nothing is claimable now
+    f.enqueue("alice", 100)  # alice wakes first
+    f.fold_all()
+    f.enqueue("bob", 100)
+    f.fold_all()
+    _spent, counts = run({"alice": 0.2, "bob": 0.2}, 20)
+    assert abs(counts["alice"] - counts["bob"]) <= 2, counts
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_resumed_channel_does_not_bring_the_time_it_was_paused() -> None:
+    f.enqueue_spread({"alice": 200, "bob": 200})
+    run({"alice": 0.1, "bob": 0.1}, 4)
+    f.set_limits(["alice"], paused=True)
+    run({"bob": 0.1}, 50)
+    # what the admin's resume action does: unpause, then fold the channel (which lifts it)
+    f.set_limits(["alice"], paused=False)
+    store.fold_deltas_of_channel(f.channel_ids(["alice"])["alice"])
+    _spent, counts = run({"alice": 0.1, "bob": 0.1}, 20)
+    assert abs(counts["alice"] - counts["bob"]) <= 2, counts
+
+
+# ------------------------------------------------------------------------------------------------
+# What settlements charge
+
+
+def delta_runs(name: str) -> tuple[float, int]:
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT coalesce(sum(run_seconds), 0), coalesce(sum(run_count), 0) "
+            "FROM fairqueue_channel_delta d JOIN fairqueue_channel c ON c.id = d.channel_id "
+            "WHERE c.name = %s",
+            [name],
+        )
+        run_seconds, run_count = cur.fetchone()
+    return float(run_seconds), int(run_count)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failure_charges_its_reported_time_but_never_more_than_the_database_saw() -> None:
+    f.enqueue("a", 2)
+    f.fold_all()
+    first, second = claim(2, quantum=2)
+    backdate([first.id, second.id], 2.0)
+    # a timed-out attempt reports its time limit (1.5 s); a worker whose clock jumped reports
+    # an hour, but only about 2 s passed on the database's clock since the claim
+    store.fail_messages(
+        [
+            (first.id, first.lease_token, {"type": "TaskTimeout"}, None),
+            (second.id, second.lease_token, {"type": "X"}, None),
+        ],
+        run_seconds=[1.5, 3600.0],
+    )
+    run_seconds, run_count = delta_runs("a")
+    assert run_count == 2
+    assert 1.5 + 2.0 <= run_seconds < 1.5 + 2.5
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_unreported_run_time_is_the_time_since_the_claim_and_never_negative() -> None:
+    f.enqueue("a", 2)
+    f.fold_all()
+    first, second = claim(2, quantum=2)
+    backdate([first.id], 0.3)
+    backdate([second.id], -60)  # the database's clock stepped back since the claim
+    store.complete_messages([(m.id, m.lease_token, None) for m in (first, second)])
+    run_seconds, run_count = delta_runs("a")
+    assert run_count == 2
+    assert 0.3 <= run_seconds < 0.8
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rescued_message_is_charged_at_most_one_lease() -> None:
+    f.enqueue("a", 1)
+    f.fold_all()
+    (m,) = claim(1)
+    with connection.cursor() as cur:  # claimed an hour ago, its worker died
+        cur.execute(
+            "UPDATE fairqueue_message SET claimed_at = claimed_at - interval '1 hour', "
+            "lease_expires_at = clock_timestamp() - interval '1 second' WHERE id = %s",
+            [m.id],
+        )
+    with override_settings(FAIRQUEUE={**_base(), **TIME, "LEASE_SECONDS": 30.0}):
+        (rescued,) = store.rescue_expired_messages()
+    assert rescued.id == m.id
+    assert delta_runs("a") == (30.0, 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Concurrent claimers: the invariants hold by time as by count
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_claimers_by_time_never_exceed_caps_nor_claim_twice() -> None:
+    names = [f"t{i}" for i in range(8)]
+    f.enqueue_spread({name: 60 for name in names})
+    f.set_limits(names[:4], max_concurrency=2)
+    f.fold_all()
+    cap_ids = set(f.channel_ids(names[:4]).values())
+    claimed: list[int] = []
+    running: defaultdict[int, int] = defaultdict(int)
+    worst: defaultdict[int, int] = defaultdict(int)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def claimer(i: int) -> None:
+        try:
+            with connection.cursor() as cur:
+                cur.execute("SET synchronous_commit = off")
+            empty = 0
+            while empty < 20:
+                got = store.claim_messages(3, lease=LEASE, worker_id=f"w{i}")
+                if not got:
+                    empty += 1
+                    store.fold_channel_deltas()
+                    continue
+                empty = 0
+                with lock:
+                    for m in got:
+                        claimed.append(m.id)
+                        running[m.channel_id] += 1
+                        worst[m.channel_id] = max(worst[m.channel_id], running[m.channel_id])
+                time.sleep(0.002)  # "running"
+                with lock:
+                    for m in got:
+                        running[m.channel_id] -= 1
+                store.complete_messages(
+                    [(m.id, m.lease_token, None) for m in got],
+                    run_seconds=[0.001 * (1 + m.channel_id % 5) for m in got],
+                )
+                if i == 0:
+                    store.fold_channel_deltas()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=claimer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert len(claimed) == len(set(claimed)) == 8 * 60, "a message was claimed twice or lost"
+    for cid in cap_ids:
+        assert worst[cid] <= 2, f"channel {cid} ran {worst[cid]} at once, cap 2"
+    f.assert_counters_match_table()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_why_waiting_counts_the_channels_of_smaller_tags_ahead() -> None:
+    f.enqueue_spread({"heavy": 50, "light": 50, "idle": 1})
+    run({"heavy": 0.2, "light": 0.005, "idle": 0.001}, 12)
+    ids = f.channel_ids(["heavy", "light"])
+    heavy = store.select_channel_wait_state(ids["heavy"])
+    light = store.select_channel_wait_state(ids["light"])
+    assert heavy is not None and light is not None
+    # by time the order is the tags': whichever was charged less is ahead of the other
+    smaller = "heavy" if vtime("heavy") < vtime("light") else "light"
+    assert {"heavy": heavy.ahead, "light": light.ahead}[smaller] == 0
+    assert {"heavy": heavy.ahead, "light": light.ahead}[
+        "light" if smaller == "heavy" else "heavy"
+    ] == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_of_several_goes_by_tags_not_one_turn_each() -> None:
+    """By count a claim of 4 with turns of 1 gives each channel its turn; by time it gives
+    every message to the channel whose next one would start first, so a channel far ahead in
+    tag order gets none, however many slots the claim fills."""
+    f.enqueue_spread({"heavy": 50, "light": 200})
+    run({"heavy": 0.2, "light": 0.005}, 20)
+    assert vtime("light") + 4 * 0.005 < vtime("heavy")
+    got = claim(4, quantum=1)
+    assert [m.channel for m in got] == ["light"] * 4
