@@ -18,10 +18,12 @@ __all__ = [
     "EnqueueRequest",
     "FairQueueError",
     "InvalidChannel",
+    "InvalidSchedule",
     "PayloadError",
     "UnknownTask",
     "enqueue",
     "enqueue_many",
+    "periodic",
     "task",
 ]
 
@@ -29,12 +31,14 @@ from django_fairqueue.exceptions import (
     ChannelFull,
     FairQueueError,
     InvalidChannel,
+    InvalidSchedule,
     PayloadError,
     UnknownTask,
 )
 
 if TYPE_CHECKING:
     from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many
+    from django_fairqueue.schedules import periodic
     from django_fairqueue.tasks import task
 
 
@@ -49,4 +53,8 @@ def __getattr__(name: str) -> Any:
         from django_fairqueue.tasks import task
 
         return task
+    if name == "periodic":
+        from django_fairqueue.schedules import periodic
+
+        return periodic
     raise AttributeError(f"module 'django_fairqueue' has no attribute {name!r}")

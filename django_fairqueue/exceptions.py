@@ -88,3 +88,8 @@ class TaskTimeout(FairQueueError):
 
 class LeaseLost(FairQueueError):
     """The worker no longer holds the lease of a message (or work batch) it was running."""
+
+
+class InvalidSchedule(FairQueueError, ValueError):
+    """A periodic schedule is malformed: a bad cron expression, timezone, missed-slot policy,
+    jitter or payload. The message says which, and what was given."""
