@@ -305,10 +305,14 @@ class Firer:
         try:
             with transaction.atomic(using=alias):
                 message_ids: list[int] = []
+                taken: list[datetime] = []
                 if step.slots:
-                    taken = store.claim_schedule_slots(schedule.id, step.slots)
-                    if len(taken) < len(step.slots):
-                        raise _Lost
+                    # A slot already taken is another pass's (committed: its message exists;
+                    # in flight: this waited for it). A pass with the same view then changed
+                    # the row too, and the advance below finds that out; a rewound state (a
+                    # restore) just moves on without the slots fired before.
+                    got = set(store.claim_schedule_slots(schedule.id, step.slots))
+                    taken = [slot for slot in step.slots if slot in got]
                     requests = [
                         EnqueueRequest(
                             schedule.task_name,
@@ -318,13 +322,14 @@ class Firer:
                             run_after=self._run_after(schedule, slot),
                             priority=schedule.priority,
                         )
-                        for slot in step.slots
+                        for slot in taken
                     ]
                     message_ids = enqueue_many(requests)
                 if not store.advance_schedule(
                     schedule,
-                    slots=step.slots,
+                    slots=taken,
                     message_ids=message_ids,
+                    last_slot=step.slots[-1] if step.slots else None,
                     next_fire_at=step.next_fire_at,
                 ):
                     raise _Lost
@@ -357,7 +362,7 @@ class Firer:
                 exc,
             )
             return 0
-        return len(step.slots)
+        return len(taken)
 
     @staticmethod
     def _run_after(schedule: store.DueSchedule, slot: datetime) -> datetime | None:

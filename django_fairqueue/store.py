@@ -1234,15 +1234,18 @@ def advance_schedule(
     *,
     slots: Sequence[datetime],
     message_ids: Sequence[int],
+    last_slot: datetime | None,
     next_fire_at: datetime | None,
     using: str | None = None,
 ) -> bool:
+    """Record the messages of the ``slots`` this pass took, its ``last_slot`` (the newest it
+    handled) and ``next_fire_at``, if the row is as ``schedule`` read it; False if not."""
     params = {
         "schedule_id": schedule.id,
         "slots": list(slots),
         "message_ids": list(message_ids),
         "next_fire_at": next_fire_at,
-        "last_slot": slots[-1] if slots else None,
+        "last_slot": last_slot,
         "last_message_id": message_ids[-1] if message_ids else None,
         "spec": schedule.spec,
         "seen_fired_spec": schedule.fired_spec,

@@ -909,7 +909,7 @@ WITH fired AS (
 UPDATE fairqueue_schedule s SET
     next_fire_at = %(next_fire_at)s::timestamptz,
     last_slot_at = COALESCE(%(last_slot)s::timestamptz, s.last_slot_at),
-    last_fired_at = CASE WHEN %(last_slot)s::timestamptz IS NULL THEN s.last_fired_at
+    last_fired_at = CASE WHEN %(last_message_id)s::bigint IS NULL THEN s.last_fired_at
                          ELSE clock_timestamp() END,
     last_message_id = COALESCE(%(last_message_id)s::bigint, s.last_message_id),
     fired_spec = s.spec
