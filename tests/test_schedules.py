@@ -506,3 +506,43 @@ def test_the_scheduler_service_syncs_once_then_wakes_at_the_next_slot() -> None:
     assert 0 < service.interval <= 30
     service.run_once()  # synced already: the settings' schedule is not deleted
     assert Schedule.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_the_schedules_command_lists_syncs_and_fires() -> None:
+    import io
+    import json as jsonlib
+
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    out = io.StringIO()
+    call_command("fairqueue", "schedules", stdout=out)
+    assert "No schedules" in out.getvalue()
+    with override_settings(
+        FAIRQUEUE={
+            "TASK_MODULES": ["tests.fairtasks"],
+            "SCHEDULES": {"nightly": {"task": TASK, "cron": "0 3 * * *", "channel": "acme"}},
+        }
+    ):
+        out = io.StringIO()
+        call_command("fairqueue", "schedules", "--sync", "--fire", stdout=out)
+    text = out.getvalue()
+    assert "created: nightly" in text and "fired 0 message(s)" in text
+    line = next(x for x in text.splitlines() if x.startswith("acme"))
+    assert line.split()[:5] == ["acme", "nightly", TASK, "0", "3"]
+    assert "in " in line and "(code)" in line
+    out = io.StringIO()
+    call_command("fairqueue", "schedules", "--json", "--channel", "acme", stdout=out)
+    (row,) = jsonlib.loads(out.getvalue())
+    assert row["next_fire_at"].endswith("03:00:00+00:00") and row["enabled"]
+    with (
+        override_settings(
+            FAIRQUEUE={
+                "TASK_MODULES": ["tests.fairtasks"],
+                "SCHEDULES": {"bad": {"task": "no.such", "cron": "@daily"}},
+            }
+        ),
+        pytest.raises(CommandError, match="not registered"),
+    ):
+        call_command("fairqueue", "schedules", "--sync", stdout=io.StringIO())

@@ -13,4 +13,4 @@ To add a subcommand, add its module and its name to :data:`SUBCOMMANDS`.
 from __future__ import annotations
 
 #: Subcommand names, in the order ``manage.py fairqueue --help`` lists them.
-SUBCOMMANDS: tuple[str, ...] = ("maintain", "failures", "status", "verify", "workers")
+SUBCOMMANDS: tuple[str, ...] = ("maintain", "failures", "schedules", "status", "verify", "workers")
