@@ -49,7 +49,6 @@ from django.views.decorators.http import require_POST
 from django_fairqueue import batches, conf, overview, registry, stats, store, waiting
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.exceptions import InvalidChannel
-from django_fairqueue.schedule_admin import ScheduleAdmin, ScheduleInline
 from django_fairqueue.models import (
     BatchState,
     Channel,
@@ -57,6 +56,7 @@ from django_fairqueue.models import (
     WorkBatch,
     WorkerRecord,
 )
+from django_fairqueue.schedule_admin import ScheduleAdmin, ScheduleInline
 
 __all__ = ["ChannelAdmin", "MessageAdmin", "ScheduleAdmin", "WorkBatchAdmin", "WorkerAdmin"]
 

@@ -15,6 +15,7 @@ Every datetime it returns is aware and in UTC, the database's frame.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Iterator
@@ -102,10 +103,8 @@ def validate_missed(policy: object, catch_up_max: object, where: str = "schedule
 def validate_jitter(value: object, where: str = "schedule") -> timedelta:
     """A jitter as a timedelta (seconds are accepted), from 0 to :data:`MAX_JITTER`."""
     if isinstance(value, int | float) and not isinstance(value, bool):
-        try:
+        with contextlib.suppress(OverflowError, ValueError):
             value = timedelta(seconds=value)
-        except (OverflowError, ValueError):
-            pass
     if not isinstance(value, timedelta) or not timedelta(0) <= value <= MAX_JITTER:
         raise InvalidSchedule(
             f"{where}: jitter must be a number of seconds or a timedelta from 0 to "
@@ -231,13 +230,25 @@ class ScheduleSpec:
         jitter = validate_jitter(options.get("jitter", 0), where)
         priority = options.get("priority")
         if priority is not None and (
-            isinstance(priority, bool) or not isinstance(priority, int) or not -100 <= priority <= 100
+            isinstance(priority, bool)
+            or not isinstance(priority, int)
+            or not -100 <= priority <= 100
         ):
             raise InvalidSchedule(f"{where}: priority must be an integer from -100 to 100")
         enabled = options.get("enabled", True)
         if not isinstance(enabled, bool):
             raise InvalidSchedule(f"{where}: enabled must be True or False, got {enabled!r}")
         return cls(
-            name, task, cron, tz, args, kwargs, channel, missed, catch_up_max, jitter, priority,
+            name,
+            task,
+            cron,
+            tz,
+            args,
+            kwargs,
+            channel,
+            missed,
+            catch_up_max,
+            jitter,
+            priority,
             enabled,
         )

@@ -624,7 +624,11 @@ class ScheduleFire(models.Model):
     # deleting a channel (its schedules cascade) then waits on while holding the channel's
     # name lock, that the firing transaction waits for in turn.
     schedule = models.ForeignKey(
-        Schedule, on_delete=models.CASCADE, related_name="fires", db_index=False, db_constraint=False
+        Schedule,
+        on_delete=models.CASCADE,
+        related_name="fires",
+        db_index=False,
+        db_constraint=False,
     )
     slot_at = models.DateTimeField()
     fired_at = models.DateTimeField()

@@ -131,9 +131,9 @@ class ScheduleForm(_ScheduleFormBase):
                 spec = registry.get(data.get("task_name") or "")
                 max_bytes = conf.get().MAX_PAYLOAD_BYTES
                 if not isinstance(args, list):
-                    raise PayloadError("args must be a JSON list, e.g. [1, \"x\"]")
+                    raise PayloadError('args must be a JSON list, e.g. [1, "x"]')
                 if not isinstance(kwargs, dict):
-                    raise PayloadError("kwargs must be a JSON object, e.g. {\"report\": \"daily\"}")
+                    raise PayloadError('kwargs must be a JSON object, e.g. {"report": "daily"}')
                 from django_fairqueue.api import encode_payload
 
                 encode_payload(spec.name, args, kwargs, max_bytes)
@@ -321,7 +321,7 @@ class ScheduleInline(_StateColumns, _ScheduleInlineBase):
     model = Schedule
     extra = 0
     fields = ["name", "task_name", "cron", "timezone", "enabled", "next_fire_display"]
-    readonly_fields = fields
+    readonly_fields = ["name", "task_name", "cron", "timezone", "enabled", "next_fire_display"]
     show_change_link = True
     can_delete = False
     verbose_name_plural = _("periodic schedules")
@@ -338,4 +338,3 @@ class ScheduleInline(_StateColumns, _ScheduleInlineBase):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
-

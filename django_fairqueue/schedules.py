@@ -160,7 +160,9 @@ def sync(specs: Sequence[ScheduleSpec] | None = None) -> SyncResult:
         try:
             task = registry.get(spec.task)
         except UnknownTask:
-            raise InvalidSchedule(f"{where} names task {spec.task!r}, which is not registered")
+            raise InvalidSchedule(
+                f"{where} names task {spec.task!r}, which is not registered"
+            ) from None
         channel = spec.channel
         if channel is None and task.channel_from is not None:
             channel = task.channel_from(*spec.args, **spec.kwargs)
@@ -240,10 +242,7 @@ def plan(schedule: store.DueSchedule, *, grace: timedelta) -> Plan:
     limit = schedule.catch_up_max if schedule.missed == "catch_up" else 1
     slots = cron.due_slots(schedule.cron, schedule.timezone, since, now, limit)
     on_time = [s for s in slots if now - s <= grace]
-    if schedule.missed == "skip":
-        chosen = on_time[-1:]
-    else:
-        chosen = slots
+    chosen = on_time[-1:] if schedule.missed == "skip" else slots
     return Plan(chosen, cron.next_slot(schedule.cron, schedule.timezone, now), now - since > grace)
 
 
@@ -257,13 +256,16 @@ class Firer:
     task it does not know on every pass nor logs the same failure every pass."""
 
     limit: int = 100
+    #: seconds; None: FAIRQUEUE['SCHEDULE_GRACE']
+    grace: float | None = None
     unknown_tasks: set[str] = field(default_factory=set)
     _complained: dict[tuple[int, str], float] = field(default_factory=dict)
 
     def fire_due(self) -> int:
         """One pass: fire every due schedule (at most ``limit``); returns the messages
         enqueued."""
-        grace = timedelta(seconds=conf.get().SCHEDULE_GRACE)
+        seconds = self.grace if self.grace is not None else conf.get().SCHEDULE_GRACE
+        grace = timedelta(seconds=seconds)
         due = store.select_due_schedules(self.limit, skip_tasks=sorted(self.unknown_tasks))
         return sum(self.fire(schedule, grace=grace) for schedule in due)
 

@@ -49,7 +49,7 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
     found = list(rows)
     now = store.select_clock()
     states = schedules.states([s.pk for s in found])
-    views = []
+    views: list[dict[str, Any]] = []
     for s in found:
         st = states.get(s.pk)
         next_at = st.next_fire_at if st is not None and st.current else None

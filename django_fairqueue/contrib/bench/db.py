@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import datetime
 from functools import cache
 from typing import Any
 
@@ -85,7 +86,8 @@ def select_function_times(*, using: str | None = None) -> dict[str, tuple[int, f
 
 
 def select_queue_tables_in_use(*, using: str | None = None) -> dict[str, bool]:
-    """{table role: holds rows} for messages, channels, channel_deltas and work_batches."""
+    """{table role: holds rows} for messages, channels, channel_deltas, work_batches and
+    schedules."""
     with _cursor(using) as cur:
         cur.execute(queries()["select_queue_tables_in_use"], {}, binary=True)
         row = cur.fetchone()
@@ -171,3 +173,11 @@ def drop_scratch_database(name: str, *, using: str | None = None) -> None:
     """DROP DATABASE IF EXISTS ``name``, ending its sessions (PostgreSQL 13+)."""
     with _cursor(using) as cur:
         cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def make_schedules_due(n: int, slot: datetime, *, using: str | None = None) -> None:
+    _run("make_schedules_due", {"n": n, "slot": slot}, using)
+
+
+def analyze_schedules(*, using: str | None = None) -> None:
+    _run("analyze_schedules", {}, using)

@@ -1,9 +1,9 @@
 """Every scenario of ``manage.py fairbench``, and the names the command uses.
 
 Scenarios are small modules (``enqueue``, ``claim``, ``latency``, ``fairness``, ``snapshot``,
-``functions``, ``admin``, ``e2e`` and ``pickup``; the last two through real ``runfairworker``
-processes), each a plan of cells and a function that runs one cell and returns a frozen
-dataclass; ``runner.run`` runs them on one database and returns a
+``schedules``, ``functions``, ``admin``, ``e2e`` and ``pickup``; the last two through real
+``runfairworker`` processes), each a plan of cells and a function that runs one cell and
+returns a frozen dataclass; ``runner.run`` runs them on one database and returns a
 :class:`~django_fairqueue.contrib.bench.report.Report` (tables, JSON, targets). See
 ``scenario.py`` for how to add one, and docs/performance.md for figures.
 """
@@ -20,6 +20,7 @@ from django_fairqueue.contrib.bench import (
     latency,
     pickup,
     plots,
+    schedules,
     snapshot,
 )
 from django_fairqueue.contrib.bench.harness import BenchmarkError, Progress
@@ -35,6 +36,7 @@ SCENARIOS: dict[str, Scenario] = {
         latency.SCENARIO,
         fairness.SCENARIO,
         snapshot.SCENARIO,
+        schedules.SCENARIO,
         functions.SCENARIO,
         admin_render.SCENARIO,
         e2e.SCENARIO,
