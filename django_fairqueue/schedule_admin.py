@@ -58,11 +58,7 @@ _STATE = {
     "last_fired_at": RawSQL(
         "fairqueue_schedule.last_fired_at", (), output_field=DateTimeField(null=True)
     ),
-    "state_current": RawSQL(
-        "fairqueue_schedule.fired_spec IS NOT DISTINCT FROM fairqueue_schedule.spec",
-        (),
-        output_field=BooleanField(),
-    ),
+    "state_current": RawSQL("NOT fairqueue_schedule.stale", (), output_field=BooleanField()),
 }
 
 #: What a code schedule lets an operator change (the code owns the rest).

@@ -549,3 +549,54 @@ def test_the_schedules_command_lists_syncs_and_fires() -> None:
         pytest.raises(CommandError, match="not registered"),
     ):
         call_command("fairqueue", "schedules", "--sync", stdout=io.StringIO())
+
+
+def _plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    stack = [plan]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.get("Plans", ()))
+
+
+@pytest.mark.django_db
+def test_the_firing_check_reads_two_indexes_not_the_schedules() -> None:
+    # 10,000 schedules, none due: the check each worker runs every few seconds must stay an
+    # index lookup (EXPLAIN ANALYZE of the two statements a pass runs when nothing is due).
+    import json as jsonlib
+
+    with connection.cursor() as cur:
+        cur.execute(
+            "INSERT INTO fairqueue_channel (name, release_interval, weight, paused, created_at) "
+            "SELECT 't' || i, '0', 1, false, now() FROM generate_series(1, 100) i"
+        )
+        cur.execute(
+            "INSERT INTO fairqueue_schedule (name, channel_id, task_name, args, kwargs, cron, "
+            "timezone, missed, catch_up_max, jitter, enabled, source, created_at) "
+            "SELECT 's' || i, (SELECT min(id) FROM fairqueue_channel) + i %% 100, %s, '[]', "
+            "'{}', '0 3 * * *', 'UTC', 'latest', 10, '0', i %% 10 <> 0, 'admin', now() "
+            "FROM generate_series(1, 10000) i",
+            [TASK],
+        )
+        cur.execute(
+            "UPDATE fairqueue_schedule SET fired_spec = spec, next_fire_at = "
+            "CASE WHEN enabled THEN now() + make_interval(secs => id) END"
+        )
+        cur.execute("ANALYZE fairqueue_schedule")
+        for name in ("select_due_schedules", "select_next_schedule_fire"):
+            cur.execute(
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + store.queries()[name],
+                {"skip_tasks": [], "limit": 100},
+            )
+            (doc,) = cur.fetchone()[0]
+            nodes = list(_plan_nodes(doc["Plan"]))
+            on_schedules = [n for n in nodes if n.get("Relation Name") == "fairqueue_schedule"]
+            assert on_schedules, name
+            assert all(n["Node Type"] != "Seq Scan" for n in on_schedules), jsonlib.dumps(doc)
+            assert {n.get("Index Name") for n in on_schedules} <= {
+                "fq_schedule_next_idx",
+                "fq_schedule_stale_idx",
+                None,  # the Bitmap Heap Scan above a Bitmap Index Scan
+            }
+            assert sum(n.get("Actual Rows", 0) for n in on_schedules) <= 3, name
+    assert schedules.fire_due() == 0

@@ -5,7 +5,7 @@
   ``last_slot_at``, ``last_fired_at``, ``last_message_id`` and ``fired_spec`` are written only
   by the firing statements of ``sql/queries.sql``. ``spec`` is generated from the columns that
   decide the slots (cron, timezone, enabled); a schedule whose ``fired_spec`` differs (new,
-  edited, paused or resumed) is due for a fresh next slot.
+  edited, paused or resumed: generated ``stale``) is due for a fresh next slot.
 * ``fairqueue_schedule_fire`` holds one row per fired slot, unique on (schedule, slot): the
   key that makes a slot fire once.
 * Two partial indexes serve the firing check, one indexed lookup when nothing is due.
@@ -108,12 +108,18 @@ ALTER TABLE fairqueue_schedule
     ADD COLUMN fired_spec text,
     ADD COLUMN spec text GENERATED ALWAYS AS (
         cron || ' ' || timezone || CASE WHEN enabled THEN ' on' ELSE ' off' END
+    ) STORED,
+    -- spec, again (a generated column cannot read another), against what the state was
+    -- computed for; a column of its own so the planner has statistics of it
+    ADD COLUMN stale boolean GENERATED ALWAYS AS (
+        fired_spec IS DISTINCT FROM (
+            cron || ' ' || timezone || CASE WHEN enabled THEN ' on' ELSE ' off' END
+        )
     ) STORED;
 -- due: enabled schedules by their next slot
 CREATE INDEX fq_schedule_next_idx ON fairqueue_schedule (next_fire_at) WHERE enabled;
 -- new, edited, paused or resumed schedules, whose state was computed for another spec
-CREATE INDEX fq_schedule_stale_idx ON fairqueue_schedule (id)
-    WHERE fired_spec IS DISTINCT FROM spec;
+CREATE INDEX fq_schedule_stale_idx ON fairqueue_schedule (id) WHERE stale;
 """,
             # the table goes with the reversal of CreateModel
             reverse_sql=migrations.RunSQL.noop,

@@ -857,8 +857,8 @@ WHERE m.state = 'running' AND m.lease_expires_at < clock_timestamp();
 
 -- name: select_due_schedules
 -- Schedules a firing pass handles now: enabled ones whose next slot is due (fq_schedule_next_idx)
--- and any whose state was computed for another spec (fq_schedule_stale_idx: new, edited, paused
--- or resumed), skipping the tasks this process does not know. Read without locks: the slot's
+-- and any whose state was computed for another spec (`stale`, fq_schedule_stale_idx: new,
+-- edited, paused or resumed), skipping the tasks this process does not know. Read without locks: the slot's
 -- unique key (claim_schedule_slots) and the check of what was read (advance_schedule) decide
 -- who fires. In random order, so workers looking at once start on different schedules.
 SELECT s.id, s.name, c.name, s.task_name, s.args, s.kwargs, s.cron, s.timezone, s.missed,
@@ -866,7 +866,7 @@ SELECT s.id, s.name, c.name, s.task_name, s.args, s.kwargs, s.cron, s.timezone, 
        s.last_slot_at, now()
 FROM fairqueue_schedule s
 JOIN fairqueue_channel c ON c.id = s.channel_id
-WHERE ((s.enabled AND s.next_fire_at <= now()) OR s.fired_spec IS DISTINCT FROM s.spec)
+WHERE ((s.enabled AND s.next_fire_at <= now()) OR s.stale)
   AND s.task_name <> ALL(%(skip_tasks)s::text[])
 ORDER BY random()
 LIMIT %(limit)s::integer;
@@ -877,7 +877,7 @@ LIMIT %(limit)s::integer;
 SELECT CASE
     WHEN EXISTS (
         SELECT 1 FROM fairqueue_schedule s
-        WHERE s.fired_spec IS DISTINCT FROM s.spec AND s.task_name <> ALL(%(skip_tasks)s::text[])
+        WHERE s.stale AND s.task_name <> ALL(%(skip_tasks)s::text[])
     ) THEN 0::double precision
     ELSE extract(epoch FROM (
         SELECT min(s.next_fire_at) FROM fairqueue_schedule s
@@ -924,7 +924,7 @@ RETURNING s.id;
 -- The firing state of schedules, for the admin and `fairqueue schedules`; `current` is false
 -- while the state was computed for another spec (the next pass computes a fresh slot).
 SELECT s.id, s.next_fire_at, s.last_slot_at, s.last_fired_at, s.last_message_id,
-       s.fired_spec IS NOT DISTINCT FROM s.spec AS current
+       NOT s.stale AS current
 FROM fairqueue_schedule s
 WHERE s.id = ANY(%(ids)s::bigint[]);
 
