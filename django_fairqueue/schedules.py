@@ -188,11 +188,16 @@ def sync(specs: Sequence[ScheduleSpec] | None = None) -> SyncResult:
     result = SyncResult()
     alias = cfg.DATABASE
     with transaction.atomic(using=alias):
+        # Lock order: the sync's own advisory lock, then channel rows (created if missing),
+        # then schedule rows; a firing pass takes schedule rows last of all.
         store.lock_schedule_sync()
+        channel_ids = {
+            name: store.ensure_channel(name, defaults=cfg.CHANNEL_DEFAULTS)
+            for name in sorted({channel for channel, _ in rows.values()})
+        }
         existing = {s.name: s for s in Schedule.objects.using(alias).filter(source="code")}
         for name, (channel, values) in rows.items():
-            channel_id = store.ensure_channel(channel, defaults=cfg.CHANNEL_DEFAULTS)
-            values = {**values, "channel_id": channel_id}
+            values = {**values, "channel_id": channel_ids[channel]}
             row = existing.get(name)
             if row is None:
                 enabled = next(s.enabled for s in specs if s.name == name)
