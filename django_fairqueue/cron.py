@@ -64,12 +64,14 @@ def validate_cron(expr: object, where: str = "cron") -> str:
         )
     text = " ".join(expr.split())
     try:
-        CronSim(expand(text), datetime(2000, 1, 1, tzinfo=UTC))
+        slots = CronSim(expand(text), datetime.now(UTC))
     except CronSimError as exc:
         raise InvalidSchedule(
             f"{where} {expr!r} is not a valid cron expression: {exc} (five fields: minute hour "
             "day-of-month month day-of-week, or @hourly, @daily, @weekly, @monthly, @yearly)"
         ) from None
+    if next(slots, None) is None:  # cronsim looks 50 years ahead
+        raise InvalidSchedule(f"{where} {expr!r} has no slot in the next 50 years")
     return text
 
 
@@ -119,9 +121,10 @@ def slots_after(expr: str, tz: str, after: datetime) -> Iterator[datetime]:
         yield slot.astimezone(UTC)
 
 
-def next_slot(expr: str, tz: str, after: datetime) -> datetime:
-    """The first slot strictly after ``after``."""
-    return next(slots_after(expr, tz, after))
+def next_slot(expr: str, tz: str, after: datetime) -> datetime | None:
+    """The first slot strictly after ``after``; None if there is none in the 50 years after
+    it (an expression such as ``* * */20 * 1L``, checked away by :func:`validate_cron`)."""
+    return next(slots_after(expr, tz, after), None)
 
 
 def due_slots(expr: str, tz: str, since: datetime, until: datetime, limit: int) -> list[datetime]:

@@ -165,6 +165,8 @@ def _next_fire(obj: Schedule, now: datetime) -> str:
             at = cron.next_slot(obj.cron, obj.timezone, now)
         except Exception:
             return "-"
+    if at is None:
+        return str(_("never"))
     seconds = (at - now).total_seconds()
     if seconds <= 0:
         return f"{_when(at, obj.timezone)} ({_('due')})"

@@ -67,6 +67,13 @@ def test_a_bad_cron_expression_is_refused_saying_why(expr: str, reason: str) -> 
     assert "schedule 'x': cron" in str(info.value)
 
 
+def test_an_expression_that_never_comes_is_refused() -> None:
+    # valid syntax, but no last Monday of a month falls on the 1st or 21st for 50 years
+    with pytest.raises(InvalidSchedule, match="no slot in the next 50 years"):
+        cron.validate_cron("* * */20 * 1L")
+    assert cron.next_slot("* * */20 * 1L", "UTC", utc(2026, 1, 1)) is None
+
+
 @pytest.mark.parametrize("bad", ["", "   ", None, 5])
 def test_an_empty_or_non_text_cron_is_refused(bad: Any) -> None:
     with pytest.raises(InvalidSchedule, match="must be a cron expression"):

@@ -90,7 +90,7 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
                 v["timezone"],
                 f"in {overview.format_age((nxt - now).total_seconds())}"
                 if nxt is not None and nxt > now
-                else ("due" if nxt is not None else "paused"),
+                else ("due" if nxt is not None else ("never" if v["enabled"] else "paused")),
                 f"{overview.format_age((now - last).total_seconds())} ago" if last else "-",
                 "" if v["source"] == "admin" else "(code)",
             )
