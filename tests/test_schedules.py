@@ -607,3 +607,26 @@ def test_the_firing_check_reads_two_indexes_not_the_schedules() -> None:
             }
             assert sum(n.get("Actual Rows", 0) for n in on_schedules) <= 3, name
     assert schedules.fire_due() == 0
+
+
+@pytest.mark.django_db
+def test_a_bad_declaration_is_logged_and_the_table_still_fires(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from django_fairqueue.maintenance import MaintenanceRunner
+    from django_fairqueue.testing import drain
+
+    schedules.sync([spec("a", channel="acme")])
+    (a,) = Schedule.objects.all()
+    schedules.fire_due()
+    backdate(a, 0)
+    bad = {
+        "TASK_MODULES": ["tests.fairtasks"],
+        "SCHEDULES": {"x": {"task": "no.such", "cron": "@daily"}},
+    }
+    runner = MaintenanceRunner([schedules.Scheduler()], stop=None)  # type: ignore[arg-type]
+    with override_settings(FAIRQUEUE=bad):
+        assert runner.run_once() == {"scheduler": 1}
+    assert "code schedules not synced: schedule 'x' names task 'no.such'" in caplog.text
+    assert Schedule.objects.filter(name="a").exists()  # nothing was deleted either
+    assert drain(channels="acme") == 1  # a worker runs the slot's message
