@@ -16,7 +16,10 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
+from django.db import transaction
+
 from django_fairqueue import cron, schedules, store
+from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.contrib.bench import db
 from django_fairqueue.contrib.bench.harness import Bench, BenchmarkError, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
@@ -50,6 +53,10 @@ class SchedulesResult:
     per_fire_ms: float | None
     #: the first pass (every schedule's next slot computed), per schedule
     first_pass_per_schedule_ms: float
+    #: the same message enqueued alone in a transaction of its own (p50), for comparison
+    enqueue_alone_ms: float
+    #: ms per fire over enqueue_alone_ms (None when none is due)
+    vs_enqueue: float | None
     load1: float
 
 
@@ -100,7 +107,7 @@ def run(bench: Bench, cell: SchedulesCell) -> SchedulesResult:
         raise BenchmarkError("schedules: the first pass left schedules without a next slot")
     now = store.select_clock(using=bench.using)
     (slot,) = cron.due_slots(CRON, TIMEZONE, now - timedelta(days=2), now, 1)
-    timings = []
+    timings, alone = [], []
     for i in range(sizes.schedules_samples):
         if cell.due:
             db.make_schedules_due(cell.due, slot, using=bench.using)
@@ -110,17 +117,25 @@ def run(bench: Bench, cell: SchedulesCell) -> SchedulesResult:
         timings.append(1000 * (time.perf_counter() - began))
         if fired != cell.due:
             raise BenchmarkError(f"schedules: a pass fired {fired} of {cell.due} due schedules")
+        began = time.perf_counter()
+        with transaction.atomic(using=bench.using):
+            enqueue_many([EnqueueRequest(NOOP_TASK_NAME, channel="tenant-000")])
+        alone.append(1000 * (time.perf_counter() - began))
         bench.progress.update(f"{i + 1}/{sizes.schedules_samples} passes")
     bench.reset()
     p50 = median(timings)
+    alone_p50 = median(alone)
+    per_fire = p50 / cell.due if cell.due else None
     return SchedulesResult(
         schedules=cell.schedules,
         due=cell.due,
         samples=len(timings),
         pass_p50_ms=round(p50, 3),
         pass_p95_ms=round(percentile(timings, 95), 3),
-        per_fire_ms=round(p50 / cell.due, 3) if cell.due else None,
+        per_fire_ms=None if per_fire is None else round(per_fire, 3),
         first_pass_per_schedule_ms=round(1000 * first / max(cell.schedules, 1), 3),
+        enqueue_alone_ms=round(alone_p50, 3),
+        vs_enqueue=None if per_fire is None else round(per_fire / alone_p50, 2),
         load1=round(load, 2),
     )
 
@@ -136,6 +151,8 @@ SCENARIO = Scenario(
         Column("pass p50 ms", "pass_p50_ms", ".2f"),
         Column("pass p95 ms", "pass_p95_ms", ".2f"),
         Column("ms per fire", "per_fire_ms", ".2f"),
+        Column("enqueue alone ms", "enqueue_alone_ms", ".2f"),
+        Column("x enqueue", "vs_enqueue", ".1f"),
         Column("first pass ms/schedule", "first_pass_per_schedule_ms", ".3f"),
         Column("samples", "samples"),
     ),
@@ -148,6 +165,8 @@ SCENARIO = Scenario(
         "(its slot's unique key, the enqueue of its message, the advance of its state), then "
         "the time to the next slot (one indexed query). due 0: the check each worker runs "
         "every SCHEDULE_INTERVAL seconds.",
+        "enqueue alone: one message enqueued by enqueue_many() in a transaction of its own, "
+        "timed after each pass, so that x enqueue (ms per fire over it) compares within the run.",
         "first pass: every schedule's next slot computed (cronsim, in Europe/Berlin) and "
         "written, per schedule; a worker does this for new or edited schedules only.",
     ),

@@ -44,7 +44,7 @@ class Sizes:
     # -- periodic schedules: a firing pass --
     schedules_counts: tuple[int, ...] = (100, 10_000)
     schedules_due: tuple[int, ...] = (0, 1, 100)
-    schedules_samples: int = 50
+    schedules_samples: int = 30
     # -- claims under an old snapshot (a long transaction elsewhere) --
     snapshot_channels: int = 20
     snapshot_backlog: int = 2_000
