@@ -12,13 +12,14 @@ import time
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.db import connection
 
 from django_fairqueue import schedules, store
 from django_fairqueue.cron import ScheduleSpec
-from django_fairqueue.models import Message, Schedule, ScheduleFire
+from django_fairqueue.models import Channel, Message, Schedule, ScheduleFire
 
 from . import factories as f
 
@@ -200,3 +201,72 @@ def test_firers_holding_the_same_stale_view_fire_each_slot_once(
     assert_one_message_per_slot()
     assert_state_follows_the_fires()
     assert store.select_next_schedule_fire() is not None
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_deleting_channels_and_editing_schedules_while_firing_never_deadlocks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Firers enqueue (channel name locks, deltas, messages) then update schedule rows; an
+    # operator edits schedule rows; channels are deleted (exclusive name lock, then their
+    # schedules and slot rows). In the documented lock order none of them can wait in a cycle:
+    # PostgreSQL would break one with "deadlock detected", which the firers would log.
+    import threading
+
+    from django.db import connections
+
+    declare()
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def guarded(target: Any) -> Any:
+        def run() -> None:
+            try:
+                while not stop.is_set():
+                    target()
+            except BaseException as exc:
+                failures.append(exc)
+            finally:
+                connections.close_all()
+
+        return run
+
+    firer = schedules.Firer()
+    fired: list[int] = []
+
+    def fire() -> None:
+        fired.append(firer.fire_due())
+
+    def rewind() -> None:  # fresh slots to fire, again and again
+        with connection.cursor() as cur:
+            cur.execute("DELETE FROM fairqueue_schedule_fire")
+            cur.execute(
+                "UPDATE fairqueue_schedule SET next_fire_at = date_trunc('minute', now()) "
+                "- interval '10 minutes', last_slot_at = NULL"
+            )
+        time.sleep(0.02)
+
+    def edit() -> None:
+        # (not save(): a stale instance's save() after its channel was deleted would insert
+        # the row again, as for any Django model)
+        for pk in Schedule.objects.values_list("pk", flat=True):
+            Schedule.objects.filter(pk=pk).update(priority=pk % 50, kwargs={"edited": pk})
+
+    threads = [threading.Thread(target=guarded(t)) for t in (fire, fire, rewind, edit)]
+    for thread in threads:
+        thread.start()
+    try:
+        for i in range(4):
+            time.sleep(0.5)
+            Channel.objects.filter(name=f"tenant-{i}").delete()
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert not failures, failures
+    assert sum(fired) > SCHEDULES * CATCH_UP  # they fired all along (the slots rewound)
+    assert not [r for r in caplog.records if "deadlock" in r.getMessage()]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text[-3000:]
+    assert not Schedule.objects.exists() and not ScheduleFire.objects.exists()
+    assert not Message.objects.exclude(channel_id__in=Channel.objects.values("id")).exists()
