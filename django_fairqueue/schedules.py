@@ -272,15 +272,38 @@ class Firer:
         seconds = self.grace if self.grace is not None else conf.get().SCHEDULE_GRACE
         grace = timedelta(seconds=seconds)
         due = store.select_due_schedules(self.limit, skip_tasks=sorted(self.unknown_tasks))
-        return sum(self.fire(schedule, grace=grace) for schedule in due)
+        fired = 0
+        quiet: list[tuple[store.DueSchedule, datetime | None]] = []
+        for schedule in due:
+            step = self._plan(schedule, grace)
+            if step is None:
+                continue
+            if step.slots:
+                fired += self._fire(schedule, step)
+            else:
+                quiet.append((schedule, step.next_fire_at))
+        if quiet:
+            # new, edited or resumed schedules (and slots skipped): only their next slot to
+            # write, all in one statement, no enqueue, so no transaction each
+            store.advance_schedules_without_slots(quiet)
+        return fired
 
     def seconds_to_next(self) -> float | None:
         return store.select_next_schedule_fire(skip_tasks=sorted(self.unknown_tasks))
 
     def fire(self, schedule: store.DueSchedule, *, grace: timedelta) -> int:
-        """Fire one schedule in a transaction of its own; returns the messages enqueued."""
-        from django_fairqueue.api import EnqueueRequest, enqueue_many
+        """Fire one schedule as read (in a transaction of its own); returns the messages
+        enqueued."""
+        step = self._plan(schedule, grace)
+        if step is None:
+            return 0
+        if not step.slots:
+            store.advance_schedules_without_slots([(schedule, step.next_fire_at)])
+            return 0
+        return self._fire(schedule, step)
 
+    def _plan(self, schedule: store.DueSchedule, grace: timedelta) -> Plan | None:
+        """What to do with a schedule as read; None for a task this process does not know."""
         if schedule.task_name not in registry and schedule.enabled:
             try:
                 registry.get(schedule.task_name)
@@ -294,7 +317,7 @@ class Firer:
                     schedule.task_name,
                     extra={"schedule": schedule.name, "task": schedule.task_name},
                 )
-                return 0
+                return None
         step = plan(schedule, grace=grace)
         if step.missed:
             self._complain(
@@ -308,6 +331,12 @@ class Firer:
                 schedule.missed,
                 len(step.slots),
             )
+        return step
+
+    def _fire(self, schedule: store.DueSchedule, step: Plan) -> int:
+        """Fire the slots of ``step`` in one transaction; returns the messages enqueued."""
+        from django_fairqueue.api import EnqueueRequest, enqueue_many
+
         alias = conf.get().DATABASE
         try:
             with transaction.atomic(using=alias):

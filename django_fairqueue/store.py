@@ -1255,6 +1255,22 @@ def advance_schedule(
     return bool(_run("advance_schedule", params, using))
 
 
+def advance_schedules_without_slots(
+    rows: Sequence[tuple[DueSchedule, datetime | None]], *, using: str | None = None
+) -> list[int]:
+    """Write each schedule's next slot (no slot fired) if its row is as read and not held by
+    another transaction; returns the ids written."""
+    params = {
+        "ids": [s.id for s, _ in rows],
+        "next": [n for _, n in rows],
+        "specs": [s.spec for s, _ in rows],
+        "seen_fired": [s.fired_spec for s, _ in rows],
+        "seen_next": [s.next_fire_at for s, _ in rows],
+        "seen_last": [s.last_slot_at for s, _ in rows],
+    }
+    return [row[0] for row in _run("advance_schedules_without_slots", params, using)]
+
+
 def select_schedule_states(
     ids: Sequence[int], *, using: str | None = None
 ) -> dict[int, ScheduleState]:

@@ -920,6 +920,32 @@ WHERE s.id = %(schedule_id)s::bigint
   AND s.last_slot_at IS NOT DISTINCT FROM %(seen_last)s::timestamptz
 RETURNING s.id;
 
+-- name: advance_schedules_without_slots
+-- Write the next slot of schedules a pass fires nothing for (new, edited, paused or resumed ones,
+-- and slots skipped by their policy), each only if its row is still as the pass read it (as
+-- advance_schedule). Rows another transaction holds are skipped, not waited for (no lock order
+-- between two such statements to keep): the next pass sees them again.
+WITH wanted AS (
+    SELECT * FROM unnest(%(ids)s::bigint[], %(next)s::timestamptz[], %(specs)s::text[],
+                         %(seen_fired)s::text[], %(seen_next)s::timestamptz[],
+                         %(seen_last)s::timestamptz[])
+        AS u(id, next_fire_at, spec, seen_fired, seen_next, seen_last)
+), locked AS (
+    SELECT s.id FROM fairqueue_schedule s
+    WHERE s.id = ANY(%(ids)s::bigint[])
+    ORDER BY s.id
+    FOR NO KEY UPDATE SKIP LOCKED
+)
+UPDATE fairqueue_schedule s SET next_fire_at = w.next_fire_at, fired_spec = s.spec
+FROM wanted w
+JOIN locked l ON l.id = w.id
+WHERE s.id = w.id
+  AND s.spec = w.spec
+  AND s.fired_spec IS NOT DISTINCT FROM w.seen_fired
+  AND s.next_fire_at IS NOT DISTINCT FROM w.seen_next
+  AND s.last_slot_at IS NOT DISTINCT FROM w.seen_last
+RETURNING s.id;
+
 -- name: select_schedule_states
 -- The firing state of schedules, for the admin and `fairqueue schedules`; `current` is false
 -- while the state was computed for another spec (the next pass computes a fresh slot).
