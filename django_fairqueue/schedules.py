@@ -446,8 +446,11 @@ class Scheduler:
         base = self.every if self.every is not None else conf.get().SCHEDULE_INTERVAL
         if self._next_in is None:
             return base
+        if self._next_in <= 0:
+            # more due than one pass took, or rows another transaction held: soon, not at once
+            return min(base, 0.05)
         # a few milliseconds past the slot: the database's clock must have reached it
-        return max(0.005, min(base, self._next_in + 0.005))
+        return min(base, self._next_in + 0.005)
 
     def run_once(self) -> int:
         if not self.synced:

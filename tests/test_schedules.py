@@ -630,3 +630,28 @@ def test_a_bad_declaration_is_logged_and_the_table_still_fires(
     assert "code schedules not synced: schedule 'x' names task 'no.such'" in caplog.text
     assert Schedule.objects.filter(name="a").exists()  # nothing was deleted either
     assert drain(channels="acme") == 1  # a worker runs the slot's message
+
+
+def test_the_scheduler_wakes_at_the_next_slot_unjittered() -> None:
+    from django_fairqueue.maintenance import MaintenanceRunner
+
+    service = schedules.Scheduler(every=30)
+    assert service.interval == 30  # nothing known yet
+    service._next_in = 2.0
+    assert service.interval == pytest.approx(2.005)  # just past the slot, on the db's clock
+    service._next_in = 0.0
+    assert service.interval == 0.05  # more is due: soon
+    service._next_in = 3600.0
+    assert service.interval == 30  # but never later than SCHEDULE_INTERVAL
+
+    class Quick:
+        name = "quick"
+        precise = True
+        interval = 1.234
+
+        def run_once(self) -> int:
+            return 0
+
+    runner = MaintenanceRunner([], stop=None)  # type: ignore[arg-type]
+    # the other services get ±10%; a precise one wakes exactly when it asked
+    assert {runner._pass(Quick()) for _ in range(20)} == {1.234}
