@@ -135,4 +135,5 @@ UPDATE fairqueue_schedule s SET next_fire_at = %(slot)s::timestamptz
 WHERE s.id <= %(n)s::bigint;
 
 -- name: analyze_schedules
+-- Refresh planner statistics of the schedule tables after the schedules scenario creates them.
 ANALYZE fairqueue_schedule, fairqueue_schedule_fire;
