@@ -42,6 +42,7 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.http import urlencode
 from django.utils.safestring import SafeString
+from django.utils.text import format_lazy
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 from django.views.decorators.http import require_POST
@@ -188,11 +189,13 @@ class ChannelForm(_ChannelFormBase):
 
 
 class HasFailuresFilter(admin.SimpleListFilter):
-    title = _("failed messages")
+    """Channels keeping dead letters (failed messages, out of attempts) or none."""
+
+    title = _("dead letters")
     parameter_name = "failures"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("yes", str(_("has failed messages"))), ("no", str(_("no failed messages")))]
+        return [("yes", str(_("has dead letters"))), ("no", str(_("no dead letters")))]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         if self.value() == "yes":
@@ -265,19 +268,28 @@ class StarvingFilter(admin.SimpleListFilter):
 
 
 class FailingFilter(admin.SimpleListFilter):
-    """Channels failing now: an attempt failed (retried or for good) in the last minutes."""
+    """Channels failing now: an attempt failed (retried or for good, time limits and expired
+    leases included) in the last minutes, or messages wait for a retry."""
 
     title = _("failing")
     parameter_name = "failing"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("yes", str(_("failed in the last %d minutes")) % overview.FINISHED_MINUTES)]
+        return [
+            ("yes", str(_("failed in the last %d minutes")) % overview.FINISHED_MINUTES),
+            ("retrying", str(_("messages waiting for a retry"))),
+        ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        if self.value() != "yes":
-            return queryset
-        failing = stats.failing_counts(overview.FINISHED_MINUTES)
-        return queryset.filter(pk__in=list(failing))
+        if self.value() == "yes":
+            failing = stats.failing_counts(overview.FINISHED_MINUTES)
+            return queryset.filter(pk__in=list(failing))
+        if self.value() == "retrying":
+            # only channels with scheduled messages can have retries waiting
+            scheduled = [cid for cid, c in overview.all_counts().items() if c.scheduled > 0]
+            retrying = store.select_channel_retrying(scheduled, using=conf.get().DATABASE)
+            return queryset.filter(pk__in=list(retrying))
+        return queryset
 
 
 class ChannelChangeList(ChangeList):
@@ -304,12 +316,10 @@ class ChannelChangeList(ChangeList):
         page = list(self.result_list)
         now = timezone.now()
         found = {row.id: row for row in overview.rows([obj.pk for obj in page], now=now)}
-        failing = stats.failing_counts(overview.FINISHED_MINUTES, channel_ids=list(found))
         for obj in page:
             # Read by the column methods (ChannelAdmin.*_display, through _row).
             setattr(obj, "_fq_row", found.get(obj.pk))  # noqa: B010
             setattr(obj, "_fq_now", now)  # noqa: B010
-            setattr(obj, "_fq_failing", failing)  # noqa: B010
         self.result_list = page
 
     def _by_age(self) -> list[Channel]:
@@ -330,9 +340,12 @@ class ChannelChangeList(ChangeList):
 def _row(obj: Channel) -> overview.ChannelRow | None:
     row: overview.ChannelRow | None = getattr(obj, "_fq_row", None)
     if row is None and getattr(obj, "_fq_now", None) is None:
-        # Outside the change list (a custom template, the shell): fetch this one row.
-        found = overview.rows([obj.pk])
+        # Outside the change list (the change page, the shell): fetch this one row, once.
+        now = timezone.now()
+        found = overview.rows([obj.pk], now=now)
         row = found[0] if found else None
+        setattr(obj, "_fq_row", row)  # noqa: B010
+        setattr(obj, "_fq_now", now)  # noqa: B010
     return row
 
 
@@ -351,6 +364,7 @@ class ChannelAdmin(_ChannelAdminBase):
         "running_display",
         "oldest_ready_display",
         "failing_display",
+        "retrying_display",
         "failed_display",
         "scheduled_display",
         "finished_display",
@@ -389,6 +403,9 @@ class ChannelAdmin(_ChannelAdminBase):
             {
                 "fields": [
                     "counters_display",
+                    "failing_display",
+                    "retrying_display",
+                    "failed_display",
                     "why_waiting_display",
                     "oldest_ready_display",
                     "finished_display",
@@ -421,8 +438,8 @@ class ChannelAdmin(_ChannelAdminBase):
         return ChannelChangeList
 
     def get_readonly_fields(self, request: HttpRequest, obj: Channel | None = None) -> list[str]:
-        fields = ["counters_display", "why_waiting_display", "oldest_ready_display"]
-        fields.append("finished_display")
+        fields = ["counters_display", "failing_display", "retrying_display", "failed_display"]
+        fields += ["why_waiting_display", "oldest_ready_display", "finished_display"]
         fields += ["last_claimed_display", "created_at"]
         if obj is not None:
             fields.append("name")  # the channel's identity: enqueue finds it by name
@@ -474,8 +491,9 @@ class ChannelAdmin(_ChannelAdminBase):
 
     @admin.display(description=_("delayed"))
     def scheduled_display(self, obj: Channel) -> str:
+        # delayed by their sender; retries waiting for their backoff have a column of their own
         row = _row(obj)
-        return f"{row.scheduled:,}" if row else "-"
+        return f"{row.delayed:,}" if row else "-"
 
     @admin.display(description=_("running / max"), ordering="running_now")
     def running_display(self, obj: Channel) -> str:
@@ -492,15 +510,33 @@ class ChannelAdmin(_ChannelAdminBase):
             return format_html('<span class="fq-at-cap" title="{}">{}</span>', _("at cap"), text)
         return text
 
-    @admin.display(description=_("failing 5 min"))
+    @admin.display(description=format_lazy(_("failures {} min"), overview.FINISHED_MINUTES))
     def failing_display(self, obj: Channel) -> str:
-        failing: dict[int, int] = getattr(obj, "_fq_failing", {})
-        n = failing.get(obj.pk, 0)
-        if not n:
+        # attempts that failed (raised, ran past the time limit, or lost their lease) in the
+        # last minutes, retried or dead-lettered
+        row = _row(obj)
+        if row is None:
+            return "-"
+        if not row.failing_recent:
             return "0"
-        return format_html('<span class="fq-failed">{}</span>', f"{n:,}")
+        return format_html('<span class="fq-failed">{}</span>', f"{row.failing_recent:,}")
 
-    @admin.display(description=_("failed"), ordering="failed_now")
+    @admin.display(description=_("retrying"))
+    def retrying_display(self, obj: Channel) -> str:
+        # messages waiting out the backoff after a failed attempt
+        row = _row(obj)
+        if row is None:
+            return "-"
+        if not row.retrying:
+            return "0"
+        url = (
+            reverse("admin:fairqueue_message_changelist")
+            + "?"
+            + urlencode({"channel__id__exact": str(obj.pk), "state__exact": "scheduled"})
+        )
+        return format_html('<a href="{}" class="fq-retrying">{}</a>', url, f"{row.retrying:,}")
+
+    @admin.display(description=_("dead letters"), ordering="failed_now")
     def failed_display(self, obj: Channel) -> str:
         row = _row(obj)
         if row is None:
@@ -554,8 +590,9 @@ class ChannelAdmin(_ChannelAdminBase):
         if row is None:
             return "-"
         return (
-            f"ready {row.ready:,}, delayed {row.scheduled:,}, running {row.running:,}, "
-            f"failed {row.failed:,}, succeeded {row.succeeded:,} in total"
+            f"ready {row.ready:,}, delayed {row.delayed:,}, retrying {row.retrying:,}, "
+            f"running {row.running:,}, dead letters {row.failed:,}, "
+            f"succeeded {row.succeeded:,} in total"
         )
 
     # -- actions ---------------------------------------------------------------------------
@@ -637,10 +674,22 @@ class ChannelAdmin(_ChannelAdminBase):
             )
             return None
         lines: list[dict[str, Any]] = []
+        retrying = store.select_channel_retrying(
+            [cid for cid, c in counters.items() if c.scheduled > 0]
+        )
         for channel in channels:
             c = counters.get(channel.pk)
             ready, scheduled = (c.ready, c.scheduled) if c else (0, 0)
-            lines.append({"channel": channel, "ready": ready, "scheduled": scheduled})
+            again = retrying.get(channel.pk, 0)
+            lines.append(
+                {
+                    "channel": channel,
+                    "ready": ready,
+                    "scheduled": scheduled,
+                    "delayed": max(scheduled - again, 0),
+                    "retrying": again,
+                }
+            )
         context = {
             **self.admin_site.each_context(request),
             "title": _("Purge the backlog?"),
@@ -1063,6 +1112,9 @@ class WorkBatchAdmin(_WorkBatchAdminBase):
 @admin.register(WorkerRecord)
 class WorkerAdmin(_WorkerAdminBase):
     """The worker registry, read-only: who runs, where, what, and since when."""
+
+    class Media:
+        css = {"all": ["django_fairqueue/admin.css"]}
 
     list_display = [
         "worker_id",

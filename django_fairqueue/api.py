@@ -19,7 +19,7 @@ from django.conf import settings
 from django.db.models import Model
 from django.utils import timezone
 
-from django_fairqueue import conf, store
+from django_fairqueue import conf, store, tracing
 from django_fairqueue.exceptions import InvalidChannel, PayloadError
 from django_fairqueue.limits import CHANNEL_NAME_MAX_LENGTH
 from django_fairqueue.models import Message
@@ -143,6 +143,7 @@ def _prepare_batch(
     # the claim compares run_at with (an application server's clock may be off). The column
     # exists only once some message has a delay.
     delays: list[timedelta | None] | None = None
+    traced = _trace_suffix()
     for request in requests:
         task = request.task
         known = specs.get(id(task))
@@ -169,6 +170,8 @@ def _prepare_batch(
             channel = validate_channel_name(channel)
             checked.add(channel)
         payload = encode_payload(spec.name, args, kwargs, max_bytes)
+        if traced:
+            payload = _Payload(payload[:-1] + traced)
         priority = request.priority
         if priority is None:
             priority = spec.priority
@@ -216,6 +219,9 @@ def _prepare_one(
             channel = spec.channel or cfg.DEFAULT_CHANNEL
     channel = validate_channel_name(channel)
     payload = encode_payload(spec.name, args, kwargs, cfg.MAX_PAYLOAD_BYTES)
+    traced = _trace_suffix()
+    if traced:
+        payload = _Payload(payload[:-1] + traced)
     if priority is None:
         priority = spec.priority
     if type(priority) is not int or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
@@ -319,6 +325,15 @@ def _keep_big_floats(text: str) -> str:
 
 class _Payload(str):
     """JSON text already checked; store.py passes it through without re-encoding."""
+
+
+def _trace_suffix() -> str | None:
+    """The end of a payload's JSON object that carries the current trace context (replacing
+    its closing brace), or None when there is nothing to carry (see :mod:`tracing`)."""
+    headers = tracing.carrier()
+    if not headers:
+        return None
+    return f',"{tracing.CARRIER_KEY}":{json.dumps(headers, separators=(",", ":"))}}}'
 
 
 def encode_payload(

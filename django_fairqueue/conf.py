@@ -72,6 +72,9 @@ class FairQueueSettings:
     # Prepare queue statements (named, per connection). Turn off behind a transaction-pooling
     # proxy that does not support prepared statements (PgBouncer < 1.21).
     PREPARED_STATEMENTS: bool = True
+    # With the `otel` extra installed: carry the enqueuing trace context in each message and
+    # run each attempt in a span (django_fairqueue.tracing). False turns both off.
+    TRACING: bool = True
     TASK_MODULES: tuple[str, ...] = ()
     # Periodic schedules declared in settings, by name (docs/howto/periodic-tasks.md); checked
     # into ScheduleSpec objects. Workers sync them (with the @periodic ones) into the
@@ -202,7 +205,7 @@ def load(raw: Any) -> FairQueueSettings:
             values[key] = value
         elif key in ("DEFAULT_MAX_ATTEMPTS", "MAX_PAYLOAD_BYTES"):
             values[key] = _number(value, f"FAIRQUEUE['{key}']", minimum=1, integer=True)
-        elif key in ("KEEP_RESULTS", "NOTIFY", "PREPARED_STATEMENTS"):
+        elif key in ("KEEP_RESULTS", "NOTIFY", "PREPARED_STATEMENTS", "TRACING"):
             if not isinstance(value, bool):
                 raise ValueError(f"FAIRQUEUE['{key}'] must be True or False, got {value!r}")
             values[key] = value

@@ -47,10 +47,51 @@ def schedule_recount(channel_ids: Iterable[int | None], using: str) -> None:
         return
     pending: dict[str, set[int]] = _pending.__dict__.setdefault("by_alias", {})
     pending.setdefault(using, set()).update(ids)
-    # One callback per call, each flushing whatever is pending: a set left by a transaction
-    # that rolled back (its callbacks are dropped) is then recounted by the next commit, which
-    # is harmless. The callbacks of one transaction after the first find nothing to do.
-    transaction.on_commit(lambda: _flush(using), using=using)
+    # A callback flushes whatever is pending: a set left by a transaction that rolled back
+    # (its callbacks are dropped) is then recounted by the next commit, which is harmless.
+    # One callback per transaction is enough, unless it was registered inside a savepoint
+    # that may still roll back without the rest of the transaction.
+    if not _flush_already_queued(using):
+        flusher = _flusher(using)
+        flusher.queued = True
+        transaction.on_commit(flusher, using=using)
+
+
+class _Flusher:
+    """The on-commit callback for one database, one per thread (as connections are), so the
+    queue of callbacks can be searched for it."""
+
+    def __init__(self, using: str) -> None:
+        self.using = using
+        #: registered and not run yet (a test's captured callbacks run without a commit)
+        self.queued = False
+
+    def __call__(self) -> None:
+        self.queued = False
+        _flush(self.using)
+
+
+def _flusher(using: str) -> _Flusher:
+    flushers: dict[str, _Flusher] = _pending.__dict__.setdefault("flushers", {})
+    if using not in flushers:
+        flushers[using] = _Flusher(using)
+    return flushers[using]
+
+
+def _flush_already_queued(using: str) -> bool:
+    """Whether this transaction already holds a flush that nothing but the whole
+    transaction's rollback can drop: one not run yet, registered at this savepoint level or
+    outside it. (A ``loaddata`` of a million rows would otherwise queue a million callbacks.)"""
+    conn = transaction.get_connection(using)
+    flusher = _flusher(using)
+    if not flusher.queued or not conn.in_atomic_block:
+        return False
+    current = set(conn.savepoint_ids)
+    for entry in getattr(conn, "run_on_commit", ()):
+        sids, func = entry[0], entry[1]
+        if func is flusher and set(sids) <= current:
+            return True
+    return False
 
 
 def _flush(using: str) -> None:

@@ -163,6 +163,7 @@ class QueueCollector(Collector):
         yield wait
         window = stats.outcome_totals(WINDOW_MINUTES)
         for key, text in (
+            # expired leases included (the rescuer counts them), and attempts past their time limit
             ("retried", "Attempts that failed and will be retried"),
             ("failed", "Messages that failed for good (new dead letters)"),
             ("succeeded", "Messages that succeeded"),
@@ -173,6 +174,13 @@ class QueueCollector(Collector):
             )
             family.add_metric([], window[key])
             yield family
+        retrying = GaugeMetricFamily(
+            "fairqueue_retrying",
+            "Messages waiting out a retry's backoff after a failed attempt (all channels).",
+        )
+        scheduled = [c.id for c in counts.values() if c.scheduled > 0]
+        retrying.add_metric([], sum(store.select_channel_retrying(scheduled).values()))
+        yield retrying
         stale = GaugeMetricFamily(
             "fairqueue_stale_leases",
             "Running messages whose lease has expired: their worker died or stalled, and they "

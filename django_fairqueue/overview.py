@@ -9,8 +9,11 @@ table:
   of the channel table and one of the (small) delta table, joined here;
 * the oldest ready message is a loose index scan of ``fq_message_ready_idx``, one probe per
   priority level in use (:func:`django_fairqueue.store.select_channel_oldest_ready`);
-* finished, served and wait figures come from the per-minute statistics
-  (:mod:`django_fairqueue.stats`).
+* finished, served, wait and failing figures come from the per-minute statistics
+  (:mod:`django_fairqueue.stats`);
+* retrying (messages waiting out a retry's backoff) reads the scheduled rows of the channels
+  whose scheduled counter is positive, through ``fq_message_sched_chan_idx``
+  (:func:`django_fairqueue.store.select_channel_retrying`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ __all__ = [
     "all_counts",
     "annotate_counters",
     "dashboard",
+    "failing_ids",
     "format_age",
     "ranked_ids",
     "rows",
@@ -229,6 +233,16 @@ class ChannelRow:
     oldest_ready_since: datetime | None
     #: messages finished (succeeded or failed for good) in the last FINISHED_MINUTES minutes
     finished_recent: int
+    #: of ``scheduled``, messages waiting out a retry's backoff after a failed attempt
+    retrying: int = 0
+    #: attempts that failed (raised, or ran out of time) in the last FINISHED_MINUTES minutes,
+    #: retried or dead-lettered
+    failing_recent: int = 0
+
+    @property
+    def delayed(self) -> int:
+        """Scheduled messages that are not retries: delayed by their sender."""
+        return max(self.scheduled - self.retrying, 0)
 
     def oldest_age(self, now: datetime) -> float | None:
         """Seconds the oldest ready message has been waiting (None: nothing ready)."""
@@ -243,6 +257,8 @@ class ChannelRow:
             "name": self.name,
             "ready": self.ready,
             "scheduled": self.scheduled,
+            "delayed": self.delayed,
+            "retrying": self.retrying,
             "running": self.running,
             "max_concurrency": self.max_concurrency,
             "failed": self.failed,
@@ -256,14 +272,16 @@ class ChannelRow:
             else None,
             "oldest_ready_age_seconds": None if age is None else round(age, 3),
             f"finished_last_{FINISHED_MINUTES}m": self.finished_recent,
+            f"failing_last_{FINISHED_MINUTES}m": self.failing_recent,
         }
 
 
 def rows(ids: Sequence[int], *, now: datetime | None = None) -> list[ChannelRow]:
     """The rows of these channels, in the order given (unknown ids are skipped).
 
-    Four queries whatever the number of ids: limits, counters with deltas, oldest ready
-    (only for channels with ready messages), recent finishes.
+    Six queries whatever the number of ids: limits, counters with deltas, oldest ready
+    (only for channels with ready messages), retrying (only for channels with scheduled
+    messages), recent finishes, recent failures.
     """
     if not ids:
         return []
@@ -273,7 +291,10 @@ def rows(ids: Sequence[int], *, now: datetime | None = None) -> list[ChannelRow]
     counters = {c.id: c for c in store.select_channel_counters(ids, using=db)}
     with_ready = [cid for cid, c in counters.items() if c.ready > 0]
     oldest = store.select_channel_oldest_ready(with_ready, using=db)
+    with_scheduled = [cid for cid, c in counters.items() if c.scheduled > 0]
+    retrying = store.select_channel_retrying(with_scheduled, using=db)
     finished = stats.finished_counts(FINISHED_MINUTES, channel_ids=ids, now=now)
+    failing = stats.failing_counts(FINISHED_MINUTES, channel_ids=ids, now=now)
     out = []
     for cid in ids:
         channel = channels.get(cid)
@@ -296,6 +317,8 @@ def rows(ids: Sequence[int], *, now: datetime | None = None) -> list[ChannelRow]
                 max_backlog=channel.max_backlog,
                 oldest_ready_since=oldest.get(cid),
                 finished_recent=finished.get(cid, 0),
+                retrying=retrying.get(cid, 0),
+                failing_recent=failing.get(cid, 0),
             )
         )
     return out
@@ -336,6 +359,26 @@ def ranked_ids(
     return ordered if limit is None else ordered[:limit]
 
 
+def failing_ids(
+    counts: Mapping[int, ChannelCounts],
+    failures: Mapping[int, int],
+    retrying: Mapping[int, int],
+    limit: int | None = None,
+) -> list[int]:
+    """The channels failing, most failing first, at most ``limit``: failed attempts in the
+    recent window (``failures``), then messages waiting for a retry (``retrying``), then dead
+    letters kept (the ``failed`` counter); ties by name. A channel with none of the three is
+    not failing."""
+    failing = [
+        c
+        for c in counts.values()
+        if failures.get(c.id, 0) > 0 or retrying.get(c.id, 0) > 0 or c.failed > 0
+    ]
+    failing.sort(key=lambda c: (-failures.get(c.id, 0), -retrying.get(c.id, 0), -c.failed, c.name))
+    ordered = [c.id for c in failing]
+    return ordered if limit is None else ordered[:limit]
+
+
 def format_age(seconds: float | None) -> str:
     """A short human duration: ``45s``, ``3m 12s``, ``2h 05m``, ``3d 04h``; ``-`` for None."""
     if seconds is None:
@@ -366,12 +409,30 @@ def dashboard(
 
     ``tenants`` are the first ``limit`` channels in order ``sort``, each with its row, what it
     was served in the last ``window`` minutes (count and share) and its wait p50/p95 there;
+    ``failing`` are the ``limit`` channels failing most (:func:`failing_ids`), whatever
+    ``sort`` is, each with its failed attempts in the last FINISHED_MINUTES minutes, messages
+    waiting for a retry and dead letters;
     ``series`` has one entry per minute of the last ``series_minutes``; ``fairness`` is Jain's
     index over the backlogged channels (see :mod:`django_fairqueue.stats`).
     """
     now = now or timezone.now()
     counts = all_counts()
     ids = ranked_ids(sort, limit, counts=counts)
+    failures = stats.failing_counts(FINISHED_MINUTES, now=now)
+    retrying = store.select_channel_retrying(
+        [c.id for c in counts.values() if c.scheduled > 0], using=_db()
+    )
+    failing = [
+        {
+            "id": cid,
+            "name": counts[cid].name,
+            "paused": counts[cid].paused,
+            f"failing_last_{FINISHED_MINUTES}m": failures.get(cid, 0),
+            "retrying": retrying.get(cid, 0),
+            "failed": counts[cid].failed,
+        }
+        for cid in failing_ids(counts, failures, retrying, limit)
+    ]
     served = stats.served_counts(window, now=now)
     backlogged = {c.id: c.weight for c in counts.values() if c.ready > 0 and not c.paused}
     fair = stats.fairness(backlogged, window, served=served, now=now)
@@ -391,10 +452,15 @@ def dashboard(
         "generated_at": now.isoformat(),
         "window_minutes": window,
         "sort": sort,
-        "totals": totals(counts),
+        "totals": {
+            **totals(counts),
+            "retrying": sum(retrying.values()),
+            f"failing_last_{FINISHED_MINUTES}m": sum(failures.values()),
+        },
         "served": total_served,
         "wait": stats.wait_summary(window, now=now).as_dict(),
         "fairness": fair.as_dict(),
         "series": [m.as_dict() for m in stats.minute_series(series_minutes, now=now)],
         "tenants": tenants,
+        "failing": failing,
     }

@@ -746,6 +746,14 @@ def select_channel_oldest_ready(
     return dict(_run("select_channel_oldest_ready", {"ids": list(ids)}, using))
 
 
+def select_channel_retrying(ids: Sequence[int], *, using: str | None = None) -> dict[int, int]:
+    """{channel id: messages waiting out a retry's backoff}, for the channels of ``ids`` that
+    have any. Reads the scheduled rows of these channels (pass those with scheduled > 0)."""
+    if not ids:
+        return {}
+    return {cid: int(n) for cid, n in _run("select_channel_retrying", {"ids": list(ids)}, using)}
+
+
 def retry_failed_work_batches(ids: Sequence[int], *, using: str | None = None) -> list[int]:
     """Set failed work batches back to pending with attempts 0; idempotent. Returns the ids
     retried now."""

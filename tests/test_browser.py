@@ -1,19 +1,30 @@
 """The admin in a real browser: headless Chromium (Debian's package) driven by Playwright.
 
-Log in, open the dashboard (charts drawn by dashboard.js), watch it refresh, change a tenant's
-max concurrency through the channel form, and see the change on the dashboard. Skipped with the
-reason when /usr/bin/chromium or the ``playwright`` package is missing (``.ci/run`` installs
-Chromium with apt-get; ``playwright install`` is never used).
+Two tests. One logs in, opens the dashboard (charts drawn by dashboard.js), watches it refresh,
+changes a tenant's max concurrency through the channel form, and sees the change on the
+dashboard. The other visits every page of the fairqueue admin (:data:`PAGES`: the app index,
+the dashboard, the channel list, a channel, the purge confirmation, the message list, a
+message, the workers, the work batches with their jobs table, a work batch) in the light and
+the dark theme (``prefers-color-scheme``), and checks what a person sees, from the computed
+styles and the boxes laid out: the theme's background, breadcrumbs styled as one bar on one
+line, table headers apart from each other, the wait chart's lines not filled, no script error
+and no failed request. Run it on each Django the app supports (the default .venv has Django
+5.2; ``python3 dev.py tox -e py312-django61-nospark -- tests/test_browser.py`` runs 6.1).
 
-Screenshots go to the test's temporary directory; with ``FAIRQUEUE_SCREENSHOTS=docs/img`` they
-are also written there as ``admin-channels.png`` and ``admin-dashboard.png`` (the images in
-docs/howto/admin.md and the README come from such a run).
+Skipped with the reason when /usr/bin/chromium or the ``playwright`` package is missing
+(``.ci/run`` installs Chromium with apt-get; ``playwright install`` is never used).
+
+Screenshots (1440 px wide, the whole page) go to the test's temporary directory; with
+``FAIRQUEUE_SCREENSHOTS=docs/img`` they are also written there, as ``admin-<page>.png`` and
+``admin-<page>-dark.png`` (the images in docs/howto/admin.md and the README come from such a
+run).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -26,7 +37,7 @@ from django.db import connections
 from django.utils import timezone
 
 from django_fairqueue import stats, store
-from django_fairqueue.models import Channel, Message, MessageState
+from django_fairqueue.models import BatchState, Channel, Message, MessageState, WorkBatch
 from tests.factories import channel_ids, enqueue, fold_all
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -41,6 +52,10 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 PASSWORD = "browser-test-password"
+#: The width of the screenshots in docs/img, and the most height they show (a list of 100
+#: rows is cut: the top of the page is what the docs show).
+WIDTH = 1440
+MAX_HEIGHT = 1800
 T = TypeVar("T")
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -103,6 +118,13 @@ def load_demo_data() -> None:
             n, lease=lease, worker_id="demo-worker", only_channel_ids=[ids[name]], quantum=n
         )
         store.fail_messages([(m.id, m.lease_token, failure, None) for m in claimed])
+    # umbrella fails now and then: six messages wait for their retry
+    claimed = store.claim_messages(
+        6, lease=lease, worker_id="demo-worker", only_channel_ids=[ids["umbrella"]], quantum=6
+    )
+    timeout = {**failure, "type": "django_fairqueue.exceptions.TaskTimeout"}
+    timeout["message"] = "task documents.process exceeded its time limit of 30 s"
+    store.fail_messages([(m.id, m.lease_token, timeout, timedelta(minutes=10)) for m in claimed])
     fold_all()
     # How long each tenant's work has been waiting (test data: set directly on the rows).
     for name, minutes in (("acme-corp", 12), ("umbrella", 3), ("globex", 1), ("initech", 25)):
@@ -143,11 +165,76 @@ def load_demo_data() -> None:
             ]
             recorder.record_claimed(messages, at)
             for i, _ in enumerate(messages):
-                outcome = (
-                    "failed" if name == "globex" and i == 0 and minute % 3 == 0 else "succeeded"
-                )
+                outcome = "succeeded"
+                if name == "globex" and i == 0 and minute % 3 == 0:
+                    outcome = "failed"
+                elif name == "umbrella" and i < 2 and minute < 4:
+                    outcome = "retried"
                 recorder.record_settled(ids[name], outcome, 250.0, at=at)  # type: ignore[arg-type]
     recorder.flush()
+    load_demo_batches_and_workers()
+
+
+def load_demo_batches_and_workers() -> None:
+    """Two jobs of work batches (one running, one with failures) and two workers."""
+    enqueue("data-pipeline", 1)  # the batches' channel
+    channel = Channel.objects.get(name="data-pipeline")
+    now = timezone.now()
+    failed = {
+        "attempts": 3,
+        "finished_at": now,
+        "rows_processed": 1200,
+        "last_error": {"type": "psycopg.errors.QueryCanceled", "message": "statement timeout"},
+    }
+    for i in range(12):
+        # eight batches done a minute apart, two running, two pending
+        more: dict[str, Any] = {}
+        if i < 8:
+            more = {
+                "state": BatchState.SUCCEEDED,
+                "attempts": 1,
+                "rows_processed": 5000,
+                "started_at": now - timedelta(minutes=9 - i),
+                "finished_at": now - timedelta(minutes=8 - i),
+                "worker_id": "web-1:4242",
+            }
+        elif i < 10:
+            more = {
+                "state": BatchState.RUNNING,
+                "attempts": 1,
+                "started_at": now - timedelta(seconds=20),
+                "lease_token": uuid.uuid4(),
+                "lease_expires_at": now + timedelta(minutes=5),
+                "worker_id": "web-2:311",
+            }
+        WorkBatch.objects.create(
+            channel=channel,
+            job_name="orders-export",
+            start_id=i * 5000 + 1,
+            end_id=(i + 1) * 5000,
+            row_count=5000,
+            **more,
+        )
+    for i in range(4):
+        WorkBatch.objects.create(
+            channel=channel,
+            job_name="search-reindex",
+            start_id=i * 2000 + 1,
+            end_id=(i + 1) * 2000,
+            row_count=2000,
+            state=BatchState.FAILED if i < 2 else BatchState.SUCCEEDED,
+            **(failed if i < 2 else {"rows_processed": 2000, "finished_at": now}),
+        )
+    for worker, channels in (("web-1:4242", []), ("web-2:311", ["acme-corp", "globex"])):
+        store.register_worker(
+            worker,
+            host=worker.split(":")[0],
+            pid=int(worker.split(":")[1]),
+            version="0.1.0",
+            concurrency=8,
+            channels=channels,
+            exclude_channels=[],
+        )
 
 
 @pytest.fixture
@@ -159,7 +246,7 @@ def browser(tmp_path: Path) -> Iterator[Any]:
             executable_path=str(CHROMIUM),
             args=CHROMIUM_ARGS,
             headless=True,
-            viewport={"width": 1680, "height": 900},
+            viewport={"width": WIDTH, "height": 900},
         )
         try:
             yield context
@@ -201,7 +288,10 @@ def test_dashboard_and_editing_a_tenant(
     # charts drawn by dashboard.js
     page.wait_for_selector("#fq-chart-backlog svg rect")
     assert page.locator("#fq-chart-wait svg path.fq-line").count() == 2
-    assert page.locator("#fq-chart-failed svg rect").count() == 2  # globex and hooli
+    # the failing panel, most failing first: umbrella (8 failures in 5 minutes, 6 retrying),
+    # globex (2 failures, 12 dead letters), hooli (1 dead letter)
+    failing = page.locator("#fq-chart-failed svg text.fq-label").all_text_contents()
+    assert failing == ["umbrella", "globex", "hooli"]
     row = page.locator("#fq-table tbody tr", has_text="acme-corp")
     assert "8 / 8" in row.inner_text()
     fairness = page.locator(".fq-card", has_text="fairness").locator(".fq-card-value")
@@ -214,10 +304,6 @@ def test_dashboard_and_editing_a_tenant(
         "tr => tr.textContent.includes('acme-corp') && tr.textContent.includes('1,252'))",
         timeout=15_000,
     )
-    page.goto(dashboard)  # the default refresh for the screenshot's status line
-    page.wait_for_selector("#fq-chart-backlog svg rect")
-    page.screenshot(path=str(tmp_path / "admin-dashboard.png"), full_page=True)
-
     # change acme-corp's max concurrency through the channel form
     page.click("#fq-table tbody tr >> text=acme-corp")
     page.wait_for_url(f"**/admin/fairqueue/channel/{acme}/change/")
@@ -231,11 +317,209 @@ def test_dashboard_and_editing_a_tenant(
     row = page.locator("#fq-table tbody tr", has_text="acme-corp")
     assert "8 / 12" in row.inner_text()
 
-    page.goto(f"{live_server.url}/admin/fairqueue/channel/")
-    page.wait_for_selector("#result_list")
-    page.screenshot(path=str(tmp_path / "admin-channels.png"), full_page=True)
     assert not errors, errors
-    for name in ("admin-dashboard.png", "admin-channels.png"):
-        shot = tmp_path / name
+
+
+# ------------------------------------------------------------------------------------------
+# Every page, light and dark: what a person sees
+
+#: What the page checks read in the browser: boxes and computed styles.
+LOOK = """() => {
+  const style = (el, pseudo) => getComputedStyle(el, pseudo || null);
+  const rgb = (text) => (text.match(/[0-9.]+/g) || []).map(Number);
+  const luminance = (text) => {
+    const [r, g, b, a] = rgb(text);
+    return a === 0 ? null : (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255;
+  };
+  const textBox = (el) => {
+    // the ink of the text itself: the union of its text nodes' boxes
+    const walker = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
+    let left = Infinity;
+    let right = -Infinity;
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+      if (!node.textContent.trim()) continue;
+      const range = document.createRange();
+      range.selectNodeContents(node);
+      const r = range.getBoundingClientRect();
+      left = Math.min(left, r.left);
+      right = Math.max(right, r.right);
+    }
+    return { left, right };
+  };
+  const crumbs = [...document.querySelectorAll(".breadcrumbs")].map((el) => {
+    const s = style(el);
+    const items = [...el.querySelectorAll("a")].map((a) => a.getBoundingClientRect());
+    return {
+      tag: el.tagName.toLowerCase(),
+      background: s.backgroundColor,
+      backgroundLuminance: luminance(s.backgroundColor),
+      paddingLeft: parseFloat(s.paddingLeft),
+      height: el.getBoundingClientRect().height,
+      listStyle: s.listStyleType,
+      linkTops: items.map((r) => Math.round(r.top)),
+      gaps: items.slice(1).map((r, i) => r.left - items[i].right),
+      linkLuminance: el.querySelector("a") ? luminance(style(el.querySelector("a")).color) : null,
+    };
+  });
+  const headerRows = [...document.querySelectorAll("table thead tr")]
+    .filter((tr) => tr.getBoundingClientRect().width > 0)
+    .map((tr) => {
+      const cells = [...tr.children].filter(
+        (th) => th.textContent.trim() && th.getBoundingClientRect().width > 0
+      );
+      return {
+        table: tr.closest("table").id || tr.closest("table").className,
+        texts: cells.map((th) => th.textContent.trim()),
+        // room between a header's edge and its text, and between neighbouring texts
+        insets: cells.map((th) => textBox(th).left - th.getBoundingClientRect().left),
+        gaps: cells.slice(1).map((th, i) => textBox(th).left - textBox(cells[i]).right),
+      };
+    });
+  const lines = [...document.querySelectorAll("#fq-chart-wait path.fq-line")].map((p) => ({
+    fill: style(p).fill,
+    stroke: style(p).stroke,
+  }));
+  return {
+    bodyLuminance: luminance(style(document.body).backgroundColor),
+    textLuminance: luminance(style(document.body).color),
+    crumbs,
+    headerRows,
+    lines,
+    width: document.documentElement.scrollWidth,
+  };
+}"""
+
+
+def check_looks_right(look: dict[str, Any], scheme: str, where: str) -> None:
+    """What a person sees, from the computed styles and boxes ``LOOK`` read."""
+    body, text = look["bodyLuminance"], look["textLuminance"]
+    if scheme == "dark":
+        assert body < 0.3 < text, f"{where}: not the dark theme ({body=}, {text=})"
+    else:
+        assert body > 0.7 > text, f"{where}: not the light theme ({body=}, {text=})"
+    assert len(look["crumbs"]) == 1, f"{where}: breadcrumbs {look['crumbs']}"
+    crumbs = look["crumbs"][0]
+    # a coloured bar (the admin's --breadcrumbs-bg), padded like the header above it ...
+    assert crumbs["backgroundLuminance"] is not None, f"{where}: breadcrumbs unstyled {crumbs}"
+    assert crumbs["backgroundLuminance"] < 0.5, f"{where}: breadcrumbs unstyled {crumbs}"
+    assert crumbs["paddingLeft"] >= 20, f"{where}: breadcrumbs unstyled {crumbs}"
+    # ... on one line, links apart (a separator between them), light on the dark bar
+    assert len(set(crumbs["linkTops"])) == 1, f"{where}: breadcrumbs on several lines {crumbs}"
+    assert crumbs["height"] < 60, f"{where}: breadcrumbs {crumbs}"
+    assert all(gap >= 8 for gap in crumbs["gaps"]), f"{where}: breadcrumbs run together {crumbs}"
+    assert crumbs["linkLuminance"] > 0.6, f"{where}: breadcrumb links unreadable {crumbs}"
+    for row in look["headerRows"]:
+        assert all(inset >= 4 for inset in row["insets"]), f"{where}: header text on the edge {row}"
+        assert all(gap >= 10 for gap in row["gaps"]), f"{where}: headers run together {row}"
+    for line in look["lines"]:
+        assert line["fill"] == "none", f"{where}: a chart line is filled {line}"
+        assert line["stroke"] != "none", f"{where}: a chart line is not drawn {line}"
+    assert look["width"] <= WIDTH, f"{where}: the page is wider than the window"
+
+
+#: Every page of the fairqueue admin: screenshot name -> (path, what to wait for). Paths may
+#: name the demo objects: {acme} (a channel), {message} (a dead letter), {batch} (a failed
+#: work batch). The purge confirmation is reached through its action (see visit).
+PAGES = {
+    "app": ("/admin/fairqueue/", "#content-main"),
+    "dashboard": ("/admin/fairqueue/channel/dashboard/", "#fq-chart-wait svg path.fq-line"),
+    "channels": ("/admin/fairqueue/channel/", "#result_list"),
+    "channel": ("/admin/fairqueue/channel/{acme}/change/", "#channel_form"),
+    "purge": ("", ".fq-purge-total"),
+    "messages": ("/admin/fairqueue/message/", "#result_list"),
+    "message": ("/admin/fairqueue/message/{message}/change/", "#content-main .fq-error"),
+    "workers": ("/admin/fairqueue/workerrecord/", "#result_list"),
+    "work-batches": ("/admin/fairqueue/workbatch/", "#fq-jobs"),
+    "work-batch": ("/admin/fairqueue/workbatch/{batch}/change/", "#content-main"),
+}
+
+
+def visit(page: Any, base: str, name: str, ids: dict[str, int]) -> None:
+    path, ready = PAGES[name]
+    if name == "purge":  # the action's confirmation page: select two channels, ask to purge
+        page.goto(f"{base}/admin/fairqueue/channel/")
+        for channel in ("acme-corp", "umbrella"):
+            page.locator("#result_list tr", has_text=channel).locator("input.action-select").check()
+        page.select_option("select[name=action]", "purge_backlog")
+        page.click("button[name=index]")
+    else:
+        page.goto(base + path.format(**ids))
+    page.wait_for_selector(ready)
+
+
+def test_every_admin_page_looks_right_light_and_dark(
+    demo: int, live_server: Any, browser: Any, tmp_path: Path
+) -> None:
+    def demo_ids() -> dict[str, int]:
+        message = Message.objects.filter(state=MessageState.FAILED).order_by("pk").first()
+        batch = WorkBatch.objects.filter(state=BatchState.FAILED).order_by("pk").first()
+        assert message is not None and batch is not None
+        for worker in ("web-1:4242", "web-2:311"):  # alive: a fresh beat
+            store.beat_worker(worker, running=3, handled=1200, last_claim_at=timezone.now())
+        return {"acme": demo, "message": message.pk, "batch": batch.pk}
+
+    ids = off_loop(demo_ids)
+    page = browser.new_page()
+    problems: list[str] = []
+    page.on("pageerror", lambda exc: problems.append(f"script error: {exc}"))
+    page.on(  # failed requests are told by the response handler below
+        "console",
+        lambda msg: (
+            problems.append(f"console: {msg.text}")
+            if msg.type == "error" and not msg.text.startswith("Failed to load resource")
+            else None
+        ),
+    )
+    page.on(
+        "response",
+        # the browser's own favicon.ico request is none of the admin's
+        lambda r: (
+            problems.append(f"{r.status} {r.url}")
+            if r.status >= 400 and not r.url.endswith("/favicon.ico")
+            else None
+        ),
+    )
+    page.goto(f"{live_server.url}/admin/login/")
+    page.fill("#id_username", "operator")
+    page.fill("#id_password", PASSWORD)
+    page.click("input[type=submit]")
+    page.wait_for_selector("#site-name")
+    shots = []
+    for scheme in ("light", "dark"):
+        page.emulate_media(color_scheme=scheme)
+        for name in PAGES:
+            visit(page, live_server.url, name, ids)
+            where = f"{name} ({scheme})"
+            check_looks_right(page.evaluate(LOOK), scheme, where)
+            shot = tmp_path / f"admin-{name}{'-dark' if scheme == 'dark' else ''}.png"
+            height = min(page.evaluate("document.documentElement.scrollHeight"), MAX_HEIGHT)
+            clip = {"x": 0, "y": 0, "width": WIDTH, "height": height}
+            page.screenshot(path=str(shot), full_page=True, clip=clip)
+            shots.append(shot)
+    # the pages show what they are about
+    page.emulate_media(color_scheme="light")
+    visit(page, live_server.url, "dashboard", ids)
+    failing = page.locator("#fq-chart-failed svg text.fq-label").all_text_contents()
+    assert failing == ["umbrella", "globex", "hooli"]
+    visit(page, live_server.url, "channels", ids)
+    umbrella = page.locator("#result_list tr", has_text="umbrella")
+    assert umbrella.locator("td.field-retrying_display").inner_text() == "6"
+    visit(page, live_server.url, "work-batches", ids)
+    export = page.locator("#fq-jobs tbody tr", has_text="orders-export").inner_text()
+    assert "8 / 12" in export and "40,000 / 60,000" in export
+    # the job's retry button works (its form is not nested in the change list's form)
+    reindex = page.locator("#fq-jobs tbody tr", has_text="search-reindex")
+    reindex.locator("input[type=submit]").click()
+    page.wait_for_selector(".messagelist .success")
+    assert "Retried 2 failed batches of job search-reindex." in page.inner_text(".messagelist")
+    states = off_loop(
+        lambda: set(
+            WorkBatch.objects.filter(job_name="search-reindex").values_list("state", flat=True)
+        )
+    )
+    assert states == {BatchState.PENDING, BatchState.SUCCEEDED}
+    assert not problems, problems
+    assert off_loop(lambda: Message.objects.filter(state=MessageState.READY).count()) > 0
+    for shot in shots:
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         save(shot)

@@ -123,6 +123,43 @@ def test_orm_writes_of_messages_recount_their_channels_on_commit(
     assert (state("orm")["ready_count"], state("orm")["failed_count"]) == (0, 1)
 
 
+class _Rollback(Exception):
+    pass
+
+
+def _queued_flushes() -> int:
+    from django_fairqueue import integrity
+
+    return sum(isinstance(entry[1], integrity._Flusher) for entry in connection.run_on_commit)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_many_orm_writes_in_one_transaction_queue_one_recount() -> None:
+    """One on-commit recount per transaction, not one per write; a recount queued inside a
+    savepoint that rolls back does not stand in for the writes around it."""
+    ids = f.enqueue("many", 6)
+    with transaction.atomic():
+        for pk in ids[:3]:
+            message = Message.objects.get(pk=pk)
+            message.state = MessageState.FAILED
+            message.save()
+        Message.objects.filter(pk=ids[3]).update(state=MessageState.CANCELLED)
+        assert _queued_flushes() == 1
+    f.assert_counters_match_table()
+    assert (state("many")["ready_count"], state("many")["failed_count"]) == (2, 3)
+
+    with transaction.atomic():
+        with pytest.raises(_Rollback), transaction.atomic():
+            Message.objects.filter(pk=ids[4]).update(state=MessageState.CANCELLED)
+            assert _queued_flushes() == 1
+            raise _Rollback
+        assert _queued_flushes() == 0  # dropped with its savepoint
+        Message.objects.filter(pk=ids[5]).update(state=MessageState.CANCELLED)
+        assert _queued_flushes() == 1
+    f.assert_counters_match_table()
+    assert state("many")["ready_count"] == 1
+
+
 @pytest.mark.django_db(transaction=True)
 def test_loaddata_of_a_dump_taken_while_workers_ran_loads_consistent_counters() -> None:
     f.enqueue_spread({"x": 5, "y": 5})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -57,8 +58,10 @@ def test_beats_age_on_the_database_clock_not_the_web_servers(
 ) -> None:
     """A web server whose clock runs an hour ahead of the database's still sees a worker that
     just beat as alive, in the registry, ``status`` and ``workers``: the rescuer (on the
-    database's clock) would not call it dead either."""
+    database's clock) would not call it dead either. ``status`` ages a channel's oldest ready
+    message on the database's clock too."""
     registry.Registration("w-skew", concurrency=2).register()
+    f.enqueue("skewed", 1)
 
     class AheadClock(datetime):
         @classmethod
@@ -76,6 +79,10 @@ def test_beats_age_on_the_database_clock_not_the_web_servers(
     out = io.StringIO()
     call_command("fairqueue", "status", stdout=out)
     assert "1 live worker" in out.getvalue()
+    out = io.StringIO()
+    call_command("fairqueue", "status", "--json", stdout=out)
+    (row,) = [c for c in json.loads(out.getvalue())["channels"] if c["name"] == "skewed"]
+    assert row["oldest_ready_age_seconds"] < 60  # not the hour between the two clocks
     assert registry.rescue_dead_workers() == []
 
 

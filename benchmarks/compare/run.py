@@ -30,6 +30,7 @@ import multiprocessing
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -550,6 +551,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=SCENARIOS,
         help="repeatable; default all (the enqueue cells alone take about a minute)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="enqueue rounds, the systems alternating (ratios are taken within a round, "
+        "then their median; default 3)",
+    )
     parser.add_argument("--json", help="default: docs/bench/compare-<date>.json")
     parser.add_argument("--plots", metavar="DIR", help="write compare-*.png plots there")
     parser.add_argument("--keep", action="store_true", help="keep the databases")
@@ -558,7 +566,81 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.scenarios = [s for s in SCENARIOS if s in (args.scenario or SCENARIOS)]
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     return args
+
+
+def run_one_system(
+    server: str, name: str, sizes: str, scenarios: Sequence[str], keep: bool
+) -> dict[str, Any] | None:
+    """Run ``scenarios`` for system ``name`` in a process of its own, on a fresh database;
+    None if it failed (said on stderr)."""
+    dbname = "compare_" + name.replace("-", "_")
+    dsn = fresh_database(server, dbname)
+    out = Path(f"/tmp/compare-{os.getpid()}-{dbname}.json")
+    try:
+        code = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.compare.run",
+                "--sizes",
+                sizes,
+                *(a for s in scenarios for a in ("--scenario", s)),
+                "--one",
+                name,
+                "--dsn",
+                dsn,
+                "--out",
+                str(out),
+            ],
+            cwd=ROOT,
+            check=False,
+        ).returncode
+        if code != 0:
+            say(f"compare: {name} failed (exit {code}); going on without it")
+            return None
+        result: dict[str, Any] = json.loads(out.read_text())
+        return result
+    finally:
+        out.unlink(missing_ok=True)
+        if not keep:
+            drop_database(server, dbname)
+
+
+def enqueue_rounds(
+    server: str, names: Sequence[str], sizes: str, rounds: int, keep: bool
+) -> dict[str, list[dict[str, Any] | None]]:
+    """The enqueue scenario ``rounds`` times, every system once per round, the order rotated
+    each round. A single enqueue is bound by the commit's flush, which on a shared machine
+    drifts by a factor of two within minutes: systems measured minutes apart are not
+    comparable, systems measured in the same round are. Per system: each round's result (None
+    for a round it failed)."""
+    found: dict[str, list[dict[str, Any] | None]] = {n: [] for n in names}
+    order = list(names)
+    for n in range(rounds):
+        say(f"compare: enqueue round {n + 1} of {rounds}")
+        for name in order:
+            result = run_one_system(server, name, sizes, ["enqueue"], keep)
+            found[name].append(result)
+        order = order[1:] + order[:1]
+    return found
+
+
+def median_cells(rounds: Sequence[list[dict[str, Any]] | None]) -> list[dict[str, Any]]:
+    """One cell per (mode, processes): its median rate over the rounds that ran it."""
+    by_key: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for cells in rounds:
+        for c in cells or []:
+            by_key.setdefault((c["mode"], c["processes"]), []).append(c)
+    merged = []
+    for (mode, processes), cells in by_key.items():
+        rate = statistics.median(c["rate"] for c in cells)
+        merged.append(
+            {"mode": mode, "processes": processes, "rate": round(rate, 1), "rounds": len(cells)}
+        )
+    return merged
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -581,37 +663,26 @@ def main(argv: list[str] | None = None) -> int:
     say(f"compare: server {dsn_url(server)}, load {meta['load_average_before'][0]:.2f}")
     results = []
     began = time.monotonic()
-    for name in args.system or SYSTEMS:
-        dbname = "compare_" + name.replace("-", "_")
-        dsn = fresh_database(server, dbname)
-        out = Path(f"/tmp/compare-{os.getpid()}-{dbname}.json")
-        try:
-            code = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "benchmarks.compare.run",
-                    "--sizes",
-                    args.sizes,
-                    *(a for s in scenarios for a in ("--scenario", s)),
-                    "--one",
-                    name,
-                    "--dsn",
-                    dsn,
-                    "--out",
-                    str(out),
-                ],
-                cwd=ROOT,
-                check=False,
-            ).returncode
-            if code != 0:
-                say(f"compare: {name} failed (exit {code}); going on without it")
-                continue
-            results.append(json.loads(out.read_text()))
-        finally:
-            out.unlink(missing_ok=True)
-            if not args.keep:
-                drop_database(server, dbname)
+    names = list(args.system or SYSTEMS)
+    rounds: dict[str, list[dict[str, Any] | None]] = {}
+    rest = list(scenarios)
+    if "enqueue" in scenarios and args.rounds > 1:
+        rounds = enqueue_rounds(server, names, args.sizes, args.rounds, args.keep)
+        rest.remove("enqueue")
+    for name in names:
+        ran = [r for r in rounds.get(name, []) if r is not None]
+        if rest:
+            result = run_one_system(server, name, args.sizes, rest, args.keep)
+        else:
+            result = ran[-1] if ran else None
+        if result is None:
+            continue
+        if ran:
+            cells = [None if r is None else r["enqueue"] for r in rounds[name]]
+            result["enqueue_rounds"] = cells
+            result["enqueue"] = median_cells(cells)
+            result["scenarios"] = [s for s in scenarios if s in {"enqueue", *result["scenarios"]}]
+        results.append(result)
     meta["wall_seconds"] = round(time.monotonic() - began, 1)
     meta["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     doc = {"meta": meta, "systems": results}

@@ -81,8 +81,9 @@ def handle(options: dict[str, Any], stdout: TextIO) -> None:
 
 
 def snapshot(sort: str = "backlog", limit: int = 20, now: datetime | None = None) -> dict[str, Any]:
-    """What ``status --json`` prints."""
-    now = now or timezone.now()
+    """What ``status --json`` prints. Ages are measured on the database's clock (``now``),
+    which stamped the messages; the finished counts' minutes are the workers' own clocks."""
+    now = now or store.select_clock()
     views = registry.workers()  # beats age on the database's clock, which stamped them
     counts = overview.all_counts()
     ids = overview.ranked_ids(sort, limit, counts=counts)
@@ -97,13 +98,13 @@ def snapshot(sort: str = "backlog", limit: int = 20, now: datetime | None = None
             "running": sum(v.running for v in alive),
             "dead": sum(1 for v in views if v.state == "dead"),
         },
-        "finished_last_5m": sum(stats.finished_counts(overview.FINISHED_MINUTES, now=now).values()),
-        "channels": [row.as_dict(now) for row in overview.rows(ids, now=now)],
+        "finished_last_5m": sum(stats.finished_counts(overview.FINISHED_MINUTES).values()),
+        "channels": [row.as_dict(now) for row in overview.rows(ids)],
     }
 
 
 def _render(options: dict[str, Any]) -> str:
-    now = timezone.now()
+    now = store.select_clock()  # the clock that stamped what is aged here
     if options.get("channel"):
         return _render_channel(options["channel"], options["json"], now)
     data = snapshot(options["sort"], options["limit"], now)
@@ -116,7 +117,7 @@ def _render_channel(name: str, as_json: bool, now: datetime) -> str:
     ids = store.select_channel_ids([name])
     if name not in ids:
         raise CommandError(f"no channel named {name!r}")
-    (row,) = overview.rows([ids[name]], now=now)
+    (row,) = overview.rows([ids[name]])
     why = waiting.channel(ids[name])
     if as_json:
         return json.dumps({**row.as_dict(now), "why_waiting": why.text, "cause": why.cause})

@@ -968,3 +968,14 @@ WHERE f.id IN (
     WHERE o.fired_at < %(before)s::timestamptz
     LIMIT %(limit)s::integer
 );
+
+-- name: select_channel_retrying
+-- Per channel of `ids`: messages waiting out a retry's backoff (scheduled after a failed attempt).
+-- A scheduled message with attempts > 0 has run and failed: enqueue and retry_failed_messages
+-- start at 0, release_messages gives the attempt back. Walks fq_message_sched_chan_idx
+-- (channel_id, run_at) over the scheduled rows of these channels only; callers pass the
+-- channels whose scheduled counter is positive.
+SELECT m.channel_id, count(*)
+FROM fairqueue_message m
+WHERE m.channel_id = ANY (%(ids)s::bigint[]) AND m.state = 'scheduled' AND m.attempts > 0
+GROUP BY m.channel_id;

@@ -10,6 +10,7 @@ from datetime import timedelta
 
 from asgiref.sync import async_to_sync
 
+from django_fairqueue import tracing
 from django_fairqueue.attempts import error_info, retry_delay
 from django_fairqueue.context import current_message, time_limit_passed
 from django_fairqueue.exceptions import (
@@ -175,7 +176,10 @@ class Handlers(WorkerBase):
         token = current_message.set(message)
         limit_token = time_limit_passed.set(attempt.passed) if attempt is not None else None
         try:
-            with _savepoints() if savepoint else contextlib.nullcontext():
+            with (
+                tracing.run_span(message),
+                _savepoints() if savepoint else contextlib.nullcontext(),
+            ):
                 if _is_async(spec.func):
                     result = async_to_sync(spec.func)(*args, **kwargs)
                 else:

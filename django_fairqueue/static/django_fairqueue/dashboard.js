@@ -90,7 +90,7 @@
     }
     var row = 18;
     var labelW = 150;
-    var valueW = 90;
+    var valueW = opts.valueWidth || 90;
     var width = Math.max(container.clientWidth || 520, 360);
     var plotW = width - labelW - valueW;
     var height = items.length * row + 6;
@@ -193,7 +193,8 @@
         var c = el("circle", { cx: xAt(i), cy: y, r: 2.5, class: s.cls }, svg);
         el("title", {}, c).textContent = labels[i] + " " + s.name + ": " + fmtMs(v);
       });
-      el("path", { d: d.trim(), class: s.cls + " fq-line" }, svg);
+      // a line, not a shape: never filled, whatever the stylesheet says about its colour class
+      el("path", { d: d.trim(), class: s.cls + " fq-line", fill: "none" }, svg);
       text(svg, left + plotW + 12, top + 14 + k * 18, s.name, { class: s.cls + " fq-legend" });
     });
     container.appendChild(svg);
@@ -211,7 +212,9 @@
       [fmtInt(t.backlogged) + " / " + fmtInt(t.channels), "channels backlogged"],
       [fmtInt(t.ready), "ready"],
       [fmtInt(t.running), "running"],
-      [fmtInt(t.failed), "failed"],
+      [fmtInt(t.failing_last_5m), "failures, 5 min"],
+      [fmtInt(t.retrying), "retrying"],
+      [fmtInt(t.failed), "dead letters"],
       [f.index === null ? "-" : f.index.toFixed(3), "fairness (Jain's index)"],
       [fmtMs(data.wait.p50_ms) + " / " + fmtMs(data.wait.p95_ms), "wait p50 / p95, " + data.window_minutes + " min"],
     ];
@@ -239,8 +242,10 @@
       var cells = [
         null,
         fmtInt(t.ready),
-        fmtInt(t.scheduled),
+        fmtInt(t.delayed),
+        fmtInt(t.retrying),
         fmtInt(t.running) + " / " + (t.max_concurrency === null ? "∞" : fmtInt(t.max_concurrency)),
+        fmtInt(t.failing_last_5m),
         null,
         fmtInt(t.served) + (data.served ? " (" + (100 * t.served_share).toFixed(1) + " %)" : ""),
         t.wait ? fmtMs(t.wait.p50_ms) : "-",
@@ -258,7 +263,7 @@
           if (t.paused) {
             td.appendChild(document.createTextNode(" (paused)"));
           }
-        } else if (i === 4) {
+        } else if (i === 6) {
           if (t.failed > 0) {
             var f = document.createElement("a");
             f.href = messageUrl + "?channel__id__exact=" + t.id + "&state__exact=failed";
@@ -287,7 +292,8 @@
           href: tenantHref(t),
           parts: [
             { value: t.ready, cls: "fq-ready", label: "ready" },
-            { value: t.scheduled, cls: "fq-delayed", label: "delayed" },
+            { value: t.delayed, cls: "fq-delayed", label: "delayed" },
+            { value: t.retrying, cls: "fq-retrying-bar", label: "retrying" },
           ],
           valueText: fmtInt(t.ready + t.scheduled),
         };
@@ -307,20 +313,22 @@
       }),
       { title: "Running vs max concurrency", emptyText: "No channels." }
     );
-    var failing = tenants.filter(function (t) {
-      return t.failed > 0;
-    });
+    // The failing channels of the whole queue (chosen by the server), not of the tenants above.
     barChart(
       document.getElementById("fq-chart-failed"),
-      failing.map(function (t) {
+      (data.failing || []).map(function (t) {
         return {
           label: t.name,
-          href: messageUrl + "?channel__id__exact=" + t.id + "&state__exact=failed",
-          parts: [{ value: t.failed, cls: "fq-failed-bar", label: "failed" }],
-          valueText: fmtInt(t.failed),
+          href: tenantHref(t),
+          parts: [
+            { value: t.failing_last_5m, cls: "fq-failed-bar", label: "failures, 5 min" },
+            { value: t.retrying, cls: "fq-retrying-bar", label: "retrying" },
+            { value: t.failed, cls: "fq-dead-bar", label: "dead letters" },
+          ],
+          valueText: fmtInt(t.failing_last_5m) + " / " + fmtInt(t.retrying) + " / " + fmtInt(t.failed),
         };
       }),
-      { title: "Failed messages", emptyText: "No failed messages among these tenants." }
+      { title: "Failing now", valueWidth: 150, emptyText: "No channel is failing: no failures in the last 5 minutes, no retries waiting, no dead letters." }
     );
     barChart(
       document.getElementById("fq-chart-served"),
