@@ -200,13 +200,11 @@ class ScheduleAdmin(_StateColumns, _ScheduleAdminBase):
         "name",
         "channel",
         "task_name",
-        "cron",
-        "timezone",
+        "when_display",
         "enabled",
         "next_fire_display",
         "last_slot_display",
-        "missed",
-        "source",
+        "missed_display",
     ]
     list_filter = ["enabled", "source", "missed"]
     search_fields = ["name", "channel__name", "task_name"]
@@ -264,6 +262,17 @@ class ScheduleAdmin(_StateColumns, _ScheduleAdminBase):
         if obj is not None and obj.source == ScheduleSource.CODE:
             return False
         return super().has_delete_permission(request, obj)
+
+    @admin.display(description=_("cron (timezone)"), ordering="cron")
+    def when_display(self, obj: Schedule) -> SafeString:
+        return format_html("<code>{}</code><br>{}", obj.cron, obj.timezone)
+
+    @admin.display(description=_("missed"), ordering="missed")
+    def missed_display(self, obj: Schedule) -> str:
+        # the policy's short name: the choices' labels are sentences, too wide for a column
+        if obj.missed == "catch_up":
+            return f"catch_up ≤ {obj.catch_up_max}"
+        return obj.missed
 
     @admin.display(description=_("next slots"))
     def upcoming_display(self, obj: Schedule) -> str:
