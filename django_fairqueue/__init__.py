@@ -20,6 +20,7 @@ __all__ = [
     "EnqueueRequest",
     "FairQueueError",
     "InvalidChannel",
+    "InvalidSchedule",
     "PayloadError",
     "TaskAborted",
     "UnknownTask",
@@ -28,6 +29,7 @@ __all__ = [
     "cancel",
     "enqueue",
     "enqueue_many",
+    "periodic",
     "raise_if_abort_requested",
     "task",
 ]
@@ -38,6 +40,7 @@ from django_fairqueue.exceptions import (
     DuplicateJob,
     FairQueueError,
     InvalidChannel,
+    InvalidSchedule,
     PayloadError,
     TaskAborted,
     UnknownTask,
@@ -45,6 +48,7 @@ from django_fairqueue.exceptions import (
 
 if TYPE_CHECKING:
     from django_fairqueue.api import EnqueueRequest, abort, cancel, enqueue, enqueue_many
+    from django_fairqueue.schedules import periodic
     from django_fairqueue.tasks import task
 
 
@@ -59,4 +63,8 @@ def __getattr__(name: str) -> Any:
         from django_fairqueue.tasks import task
 
         return task
+    if name == "periodic":
+        from django_fairqueue.schedules import periodic
+
+        return periodic
     raise AttributeError(f"module 'django_fairqueue' has no attribute {name!r}")

@@ -8,6 +8,8 @@ dashboard.
   a COUNT(*) of messages per row.
 * **Messages** and **work batches** are read-only; their actions (retry, cancel, delete) go
   through :mod:`django_fairqueue.store`, like the Python API, so counters stay exact.
+* **Schedules**: periodic schedules, with their next fire time
+  (:mod:`django_fairqueue.schedule_admin`); a channel's page lists its own.
 * **Dashboard** at ``<admin>/fairqueue/channel/dashboard/``: charts drawn in the browser by a
   small script shipped with the app, refreshed from a JSON endpoint next to it.
 
@@ -57,6 +59,9 @@ from django_fairqueue.models import (
     WorkBatch,
     WorkerRecord,
 )
+from django_fairqueue.schedule_admin import ScheduleAdmin, ScheduleInline
+
+__all__ = ["ChannelAdmin", "MessageAdmin", "ScheduleAdmin", "WorkBatchAdmin", "WorkerAdmin"]
 
 if TYPE_CHECKING:
     _ChannelAdminBase = admin.ModelAdmin[Channel]
@@ -397,6 +402,8 @@ class ChannelAdmin(_ChannelAdminBase):
     # no need for it twice per page.
     show_full_result_count = False
     actions = ["pause_channels", "resume_channels", "retry_failed", "purge_backlog"]
+    # the channel's periodic schedules, read-only (django_fairqueue.schedule_admin)
+    inlines = [ScheduleInline]
     fieldsets = [
         (None, {"fields": ["name"]}),
         (
@@ -449,6 +456,13 @@ class ChannelAdmin(_ChannelAdminBase):
         if obj is not None:
             fields.append("name")  # the channel's identity: enqueue finds it by name
         return fields
+
+    def get_inline_instances(self, request: HttpRequest, obj: Channel | None = None) -> Any:
+        # The schedules inline only shows: a saved form has nothing of it to validate (and
+        # needs no formset management data).
+        if obj is None or request.method != "GET":
+            return []
+        return super().get_inline_instances(request, obj)
 
     def get_fieldsets(self, request: HttpRequest, obj: Channel | None = None) -> Any:
         if obj is None:  # adding: only the name and the limits

@@ -84,6 +84,16 @@ class FairQueueSettings:
     # run each attempt in a span (django_fairqueue.tracing). False turns both off.
     TRACING: bool = True
     TASK_MODULES: tuple[str, ...] = ()
+    # Periodic schedules declared in settings, by name (docs/howto/periodic-tasks.md); checked
+    # into ScheduleSpec objects. Workers sync them (with the @periodic ones) into the
+    # schedule table when they start.
+    SCHEDULES: tuple[Any, ...] = ()
+    # Seconds between a worker's looks for due schedules when none is known to be due sooner
+    # (the maintenance loop also wakes at the next fire time it read).
+    SCHEDULE_INTERVAL: float = 5.0
+    # Seconds after a slot's time during which firing it is on time; a slot found later was
+    # missed, and its schedule's missed policy (latest, skip, catch_up) decides.
+    SCHEDULE_GRACE: float = 60.0
     # The Spark data pipeline (django_fairqueue.pipeline): MASTER, CONF, PARTITIONS, ...;
     # checked by django_fairqueue.pipeline.spark.spark_settings().
     SPARK: dict[str, Any] = field(default_factory=dict)
@@ -230,6 +240,8 @@ def load(raw: Any) -> FairQueueSettings:
             if not isinstance(value, dict):
                 raise ValueError(f"FAIRQUEUE['SPARK'] must be a dict, got {type(value).__name__}")
             values[key] = dict(value)
+        elif key == "SCHEDULES":
+            values[key] = _schedules(value)
         elif key == "TASK_MODULES":
             if not isinstance(value, list | tuple) or not all(isinstance(m, str) for m in value):
                 raise ValueError("FAIRQUEUE['TASK_MODULES'] must be a list of module names")
@@ -238,6 +250,23 @@ def load(raw: Any) -> FairQueueSettings:
             minimum = 0.001 if key != "RETRY_BACKOFF_BASE" else 0.0
             values[key] = float(_number(value, f"FAIRQUEUE['{key}']", minimum=minimum))
     return FairQueueSettings(**values)
+
+
+def _schedules(value: Any) -> tuple[Any, ...]:
+    from django_fairqueue.cron import ScheduleSpec  # cronsim only: no models, no queue
+
+    if not isinstance(value, dict):
+        raise ValueError(
+            "FAIRQUEUE['SCHEDULES'] must be a dict of schedule name -> options "
+            f"({{'task': ..., 'cron': ...}}), got {type(value).__name__}"
+        )
+    specs = []
+    for name, options in value.items():
+        where = f"FAIRQUEUE['SCHEDULES'][{name!r}]"
+        if not isinstance(options, dict):
+            raise ValueError(f"{where} must be a dict of options, got {type(options).__name__}")
+        specs.append(ScheduleSpec.build(name, options, where))
+    return tuple(specs)
 
 
 @lru_cache(maxsize=1)

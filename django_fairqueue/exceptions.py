@@ -123,3 +123,8 @@ class TaskCancelled(FairQueueError):
 class TaskAborted(FairQueueError):
     """Raised by :func:`django_fairqueue.raise_if_abort_requested` inside a task whose abort
     was requested, and what an aborted message's result reports."""
+
+
+class InvalidSchedule(FairQueueError, ValueError):
+    """A periodic schedule is malformed: a bad cron expression, timezone, missed-slot policy,
+    jitter or payload. The message says which, and what was given."""

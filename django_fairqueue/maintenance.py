@@ -14,6 +14,9 @@
   (:func:`django_fairqueue.stats.prune`).
 * :class:`DeltaFolder` folds the channel counter deltas that completions leave behind into the
   channel rows (the claim folds only the deltas that can make a channel claimable).
+* :class:`~django_fairqueue.schedules.Scheduler` fires the periodic schedules that are due,
+  once per slot however many copies run (:mod:`django_fairqueue.schedules`), and wakes at the
+  next slot.
 * :class:`BatchRescuer` and :class:`BatchPruner` do the same for work batches
   (:mod:`django_fairqueue.batches`): expired batch leases go back to pending (or failed), and
   jobs whose every batch succeeded are deleted after ``FAIRQUEUE['BATCH_RETENTION']``.
@@ -37,7 +40,7 @@ from typing import Protocol
 
 from django.utils import timezone
 
-from django_fairqueue import batches, conf, registry, stats, store
+from django_fairqueue import batches, conf, registry, schedules, stats, store
 from django_fairqueue._runtime import (
     CONNECTION_ERRORS,
     Backoff,
@@ -159,8 +162,8 @@ class DeltaFolder:
 
 @dataclass
 class StatsPruner:
-    """Delete per-channel statistics rows older than ``keep``, and the registry rows of
-    workers stopped or dead for that long."""
+    """Delete per-channel statistics rows older than ``keep``, the registry rows of workers
+    stopped or dead for that long, and the fired slots of periodic schedules as old."""
 
     keep: timedelta = timedelta(days=1)
     every: float | None = None  # seconds; None: FAIRQUEUE['PRUNE_INTERVAL']
@@ -173,6 +176,8 @@ class StatsPruner:
     def run_once(self) -> int:
         stats.prune(self.keep)
         store.prune_workers(timezone.now() - self.keep)
+        while store.prune_schedule_fires(timezone.now() - self.keep) >= 10_000:
+            pass
         return 0  # the statements do not count what they deleted
 
 
@@ -276,6 +281,7 @@ def default_services() -> list[Service]:
         BatchRescuer(),
         BatchPruner(),
         CounterVerifier(),
+        schedules.Scheduler(),
     ]
 
 
@@ -335,4 +341,6 @@ class MaintenanceRunner:
         self._backoff.reset()
         if count and self.on_work is not None:
             self.on_work(service.name, count)
+        if getattr(service, "precise", False):
+            return service.interval  # it knows when its next work is due
         return service.interval * random.uniform(0.9, 1.1)

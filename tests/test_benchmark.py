@@ -92,6 +92,13 @@ def test_tiny_run_reports_every_scenario_as_json(tmp_path: Path) -> None:
         assert 0 < cell["claim_p50_ms"] <= cell["claim_p95_ms"]
         assert (cell["cycles_per_second"] > 0) == (cell["cycles"] > 0)
     assert [c["vs_first"] for c in snapshot_cells if c["cycles"] == 0] == [1.0, 1.0]
+    schedule_cells = doc["scenarios"]["schedules"]["cells"]
+    assert [(c["schedules"], c["due"]) for c in schedule_cells] == [(10, 0), (10, 2)]
+    for cell in schedule_cells:
+        assert cell["samples"] == sizes.TINY.schedules_samples
+        assert 0 < cell["pass_p50_ms"] <= cell["pass_p95_ms"]
+        assert cell["first_pass_per_schedule_ms"] > 0
+        assert (cell["per_fire_ms"] is None) == (cell["due"] == 0)
     function_cells = doc["scenarios"]["functions"]["cells"]
     assert [(c["case"], c["batch"]) for c in function_cells] == [
         ("empty", 1),
@@ -137,7 +144,7 @@ def test_tiny_run_reports_every_scenario_as_json(tmp_path: Path) -> None:
 
     # It leaves the queue as empty as it found it.
     assert db.select_queue_tables_in_use() == dict.fromkeys(
-        ("messages", "channels", "channel_deltas", "work_batches"), False
+        ("messages", "channels", "channel_deltas", "work_batches", "schedules"), False
     )
 
 

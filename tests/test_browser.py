@@ -37,7 +37,14 @@ from django.db import connections
 from django.utils import timezone
 
 from django_fairqueue import stats, store
-from django_fairqueue.models import BatchState, Channel, Message, MessageState, WorkBatch
+from django_fairqueue.models import (
+    BatchState,
+    Channel,
+    Message,
+    MessageState,
+    Schedule,
+    WorkBatch,
+)
 from tests.factories import channel_ids, enqueue, fold_all
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -98,6 +105,26 @@ def load_demo_data() -> None:
     Channel.objects.filter(name="acme-corp").update(max_concurrency=8)
     Channel.objects.filter(name="umbrella").update(weight=2, max_backlog=5000)
     Channel.objects.filter(name="stark-industries").update(release_interval=timedelta(seconds=2))
+    # periodic schedules: a tenant's own, in its timezone, and a paused one
+    acme, globex = (Channel.objects.get(name=n) for n in ("acme-corp", "globex"))
+    Schedule.objects.create(
+        name="weekly report",
+        channel=acme,
+        task_name="reports.weekly",
+        kwargs={"format": "pdf"},
+        cron="0 8 * * MON",
+        timezone="Europe/Berlin",
+        jitter=timedelta(minutes=10),
+    )
+    Schedule.objects.create(
+        name="nightly sync",
+        channel=globex,
+        task_name="sync.pull",
+        cron="*/30 * * * *",
+        timezone="America/New_York",
+        missed="catch_up",
+        enabled=False,
+    )
     Channel.objects.filter(name="initech").update(paused=True)
     ids = channel_ids(tenants)
     lease = timedelta(minutes=30)
@@ -431,6 +458,8 @@ PAGES = {
     "workers": ("/admin/fairqueue/workerrecord/", "#result_list"),
     "work-batches": ("/admin/fairqueue/workbatch/", "#fq-jobs"),
     "work-batch": ("/admin/fairqueue/workbatch/{batch}/change/", "#content-main"),
+    "schedules": ("/admin/fairqueue/schedule/", "#result_list"),
+    "schedule": ("/admin/fairqueue/schedule/{schedule}/change/", "#schedule_form"),
 }
 
 
@@ -456,7 +485,8 @@ def test_every_admin_page_looks_right_light_and_dark(
         assert message is not None and batch is not None
         for worker in ("web-1:4242", "web-2:311"):  # alive: a fresh beat
             store.beat_worker(worker, running=3, handled=1200, last_claim_at=timezone.now())
-        return {"acme": demo, "message": message.pk, "batch": batch.pk}
+        schedule = Schedule.objects.get(name="weekly report")
+        return {"acme": demo, "message": message.pk, "batch": batch.pk, "schedule": schedule.pk}
 
     ids = off_loop(demo_ids)
     page = browser.new_page()
@@ -504,6 +534,12 @@ def test_every_admin_page_looks_right_light_and_dark(
     visit(page, live_server.url, "channels", ids)
     umbrella = page.locator("#result_list tr", has_text="umbrella")
     assert umbrella.locator("td.field-retrying_display").inner_text() == "6"
+    visit(page, live_server.url, "schedules", ids)
+    weekly = page.locator("#result_list tr", has_text="weekly report").inner_text()
+    assert "CET (in " in weekly or "CEST (in " in weekly  # the next fire, in Berlin time
+    assert "paused" in page.locator("#result_list tr", has_text="nightly sync").inner_text()
+    visit(page, live_server.url, "channel", ids)
+    assert "weekly report" in page.locator("#schedules-group").inner_text()
     visit(page, live_server.url, "work-batches", ids)
     export = page.locator("#fq-jobs tbody tr", has_text="orders-export").inner_text()
     assert "8 / 12" in export and "40,000 / 60,000" in export

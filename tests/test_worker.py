@@ -701,7 +701,7 @@ def test_maintenance_services_rescue_prune_and_fold(fq: Any) -> None:
 
     assert re.fullmatch(
         r"folder: \d+, rescuer: 1, pruner: 1, stats-pruner: 0, batch-rescuer: 0, batch-pruner: 0, "
-        r"verifier: 0",
+        r"verifier: 0, scheduler: 0",
         out.getvalue().strip(),
     )
     assert message(expired).state == MessageState.READY

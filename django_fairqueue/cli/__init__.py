@@ -18,6 +18,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "failures",
     "cancel",
     "abort",
+    "schedules",
     "status",
     "verify",
     "workers",

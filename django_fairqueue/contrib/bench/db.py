@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import datetime
 from functools import cache
 from typing import Any
 
@@ -85,7 +86,8 @@ def select_function_times(*, using: str | None = None) -> dict[str, tuple[int, f
 
 
 def select_queue_tables_in_use(*, using: str | None = None) -> dict[str, bool]:
-    """{table role: holds rows} for messages, channels, channel_deltas and work_batches."""
+    """{table role: holds rows} for messages, channels, channel_deltas, work_batches and
+    schedules."""
     with _cursor(using) as cur:
         cur.execute(queries()["select_queue_tables_in_use"], {}, binary=True)
         row = cur.fetchone()
@@ -211,3 +213,11 @@ def load_admin_work_batches(channel_id: int, count: int, *, using: str | None = 
 
 def vacuum_queue_tables(*, using: str | None = None) -> None:
     _run("vacuum_queue_tables", {}, using)
+
+
+def make_schedules_due(n: int, slot: datetime, *, using: str | None = None) -> None:
+    _run("make_schedules_due", {"n": n, "slot": slot}, using)
+
+
+def analyze_schedules(*, using: str | None = None) -> None:
+    _run("analyze_schedules", {}, using)

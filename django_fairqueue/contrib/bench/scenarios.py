@@ -1,8 +1,8 @@
 """Every scenario of ``manage.py fairbench``, and the names the command uses.
 
-Scenarios are small modules (``enqueue``, ``claim``, ``latency``, ``fairness``, ``snapshot``,
-``functions``, ``enqueue_cost``, ``admin``, ``e2e`` and ``pickup``; the last two through real
-``runfairworker`` processes), each a plan of cells and a function that runs one cell and
+Scenarios are small modules (``enqueue``, ``claim``, ``latency``, ``fairness``, ``timeshare``,
+``snapshot``, ``schedules``, ``functions``, ``enqueue_cost``, ``admin``, ``e2e`` and ``pickup``;
+the last two through real ``runfairworker`` processes), each a plan of cells and a function that runs one cell and
 returns a frozen dataclass; ``runner.run`` runs them on one database and returns a
 :class:`~django_fairqueue.contrib.bench.report.Report` (tables, JSON, targets). See
 ``scenario.py`` for how to add one, and docs/performance.md for figures.
@@ -21,6 +21,7 @@ from django_fairqueue.contrib.bench import (
     latency,
     pickup,
     plots,
+    schedules,
     snapshot,
     timeshare,
 )
@@ -38,6 +39,7 @@ SCENARIOS: dict[str, Scenario] = {
         fairness.SCENARIO,
         timeshare.SCENARIO,
         snapshot.SCENARIO,
+        schedules.SCENARIO,
         functions.SCENARIO,
         enqueue_cost.SCENARIO,
         admin_render.SCENARIO,

@@ -41,6 +41,10 @@ class Sizes:
     fairness_rounds: int = 5
     #: Seconds the claimers run on A's backlog before B's first burst, and between bursts.
     fairness_pause: float = 0.1
+    # -- periodic schedules: a firing pass --
+    schedules_counts: tuple[int, ...] = (100, 10_000)
+    schedules_due: tuple[int, ...] = (0, 1, 100)
+    schedules_samples: int = 30
     # -- claims under an old snapshot (a long transaction elsewhere) --
     snapshot_channels: int = 20
     snapshot_backlog: int = 2_000
@@ -117,6 +121,7 @@ QUICK = Sizes(
     fairness_rounds=3,
     snapshot_cycles=(0, 2_000, 5_000),
     snapshot_samples=100,
+    schedules_samples=20,
     functions_samples=1_000,
     e2e_workers=((1, 8, 0), (2, 32, 0), (2, 64, 0), (2, 32, 68)),
     e2e_min_backlog=1_000,
@@ -155,6 +160,9 @@ TINY = Sizes(
     snapshot_backlog=30,
     snapshot_cycles=(0, 20),
     snapshot_samples=5,
+    schedules_counts=(10,),
+    schedules_due=(0, 2),
+    schedules_samples=3,
     functions_batches=(1, 10),
     functions_backlog=1_000,
     functions_samples=20,

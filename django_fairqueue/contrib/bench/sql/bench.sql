@@ -46,11 +46,13 @@ WHERE f.funcname LIKE 'fairqueue\_%%';
 SELECT EXISTS (SELECT FROM fairqueue_message) AS messages,
        EXISTS (SELECT FROM fairqueue_channel) AS channels,
        EXISTS (SELECT FROM fairqueue_channel_delta) AS channel_deltas,
-       EXISTS (SELECT FROM fairqueue_work_batch) AS work_batches;
+       EXISTS (SELECT FROM fairqueue_work_batch) AS work_batches,
+       EXISTS (SELECT FROM fairqueue_schedule) AS schedules;
 
 -- name: truncate_queue_tables
 -- Empty every queue table and restart its ids (fairbench, on a database it found empty or its scratch database).
-TRUNCATE fairqueue_message, fairqueue_channel_delta, fairqueue_channel, fairqueue_work_batch
+TRUNCATE fairqueue_message, fairqueue_channel_delta, fairqueue_channel, fairqueue_work_batch,
+    fairqueue_schedule, fairqueue_schedule_fire
 RESTART IDENTITY;
 
 -- name: analyze_queue_tables
@@ -234,3 +236,16 @@ LATERAL (
 -- name: vacuum_queue_tables
 -- VACUUM and ANALYZE the message and channel tables after a bulk load, as autovacuum would have done on a queue that old (visibility map set, statistics fresh).
 VACUUM (ANALYZE) fairqueue_message, fairqueue_channel;
+
+-- name: make_schedules_due
+-- The schedules with ids 1..n due at `slot` (their cron's latest slot), as if it had just come,
+-- with their fired slots forgotten (the schedules scenario fires the same slot in every sample).
+WITH forgotten AS (
+    DELETE FROM fairqueue_schedule_fire f WHERE f.schedule_id <= %(n)s::bigint
+)
+UPDATE fairqueue_schedule s SET next_fire_at = %(slot)s::timestamptz
+WHERE s.id <= %(n)s::bigint;
+
+-- name: analyze_schedules
+-- Refresh planner statistics of the schedule tables after the schedules scenario creates them.
+ANALYZE fairqueue_schedule, fairqueue_schedule_fire;

@@ -1,0 +1,102 @@
+"""List the periodic schedules: channel, task, cron and timezone, next fire, last slot fired.
+
+Code schedules (@periodic, FAIRQUEUE['SCHEDULES']) reach the table when a worker starts;
+--sync writes them now (after a deploy, before any worker runs) and says what changed.
+--fire runs one firing pass here, as every worker's maintenance loop does: each due slot
+fires once, whoever else fires at the same time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from django.core.management.base import CommandError, OutputWrapper
+
+from django_fairqueue import cron, overview, schedules, store
+from django_fairqueue.exceptions import InvalidSchedule
+from django_fairqueue.models import Schedule
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--channel", help="Only the schedules of this channel.")
+    parser.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+    parser.add_argument(
+        "--sync", action="store_true", help="Sync the code schedules into the table first."
+    )
+    parser.add_argument("--fire", action="store_true", help="Fire the due schedules first.")
+
+
+def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
+    if options["sync"]:
+        try:
+            result = schedules.sync()
+        except InvalidSchedule as exc:
+            raise CommandError(str(exc)) from None
+        for what, names in (
+            ("created", result.created),
+            ("updated", result.updated),
+            ("deleted", result.deleted),
+        ):
+            if names:
+                stdout.write(f"{what}: {', '.join(names)}")
+    if options["fire"]:
+        stdout.write(f"fired {schedules.fire_due()} message(s)")
+    rows = Schedule.objects.select_related("channel").order_by("channel__name", "name")
+    if options["channel"]:
+        rows = rows.filter(channel__name=options["channel"])
+    found = list(rows)
+    now = store.select_clock()
+    states = schedules.states([s.pk for s in found])
+    views: list[dict[str, Any]] = []
+    for s in found:
+        st = states.get(s.pk)
+        next_at = st.next_fire_at if st is not None and st.current else None
+        if s.enabled and next_at is None:
+            next_at = cron.next_slot(s.cron, s.timezone, now)  # what the next pass computes
+        views.append(
+            {
+                "name": s.name,
+                "channel": s.channel.name,
+                "task": s.task_name,
+                "cron": s.cron,
+                "timezone": s.timezone,
+                "enabled": s.enabled,
+                "source": s.source,
+                "missed": s.missed,
+                "next_fire_at": next_at if s.enabled else None,
+                "last_slot_at": st.last_slot_at if st is not None else None,
+                "last_message_id": st.last_message_id if st is not None else None,
+            }
+        )
+    if options["json"]:
+        stdout.write(json.dumps(views, default=str))
+        return
+    if not views:
+        stdout.write("No schedules (declare them with @periodic or add them in the admin).")
+        return
+    header = ("CHANNEL", "SCHEDULE", "TASK", "CRON", "TIMEZONE", "NEXT FIRE", "LAST SLOT", "")
+    lines = [header]
+    for v in views:
+        nxt = v["next_fire_at"]
+        last = v["last_slot_at"]
+        lines.append(
+            (
+                v["channel"],
+                v["name"],
+                v["task"],
+                v["cron"],
+                v["timezone"],
+                f"in {overview.format_age((nxt - now).total_seconds())}"
+                if nxt is not None and nxt > now
+                else ("due" if nxt is not None else ("never" if v["enabled"] else "paused")),
+                f"{overview.format_age((now - last).total_seconds())} ago" if last else "-",
+                "" if v["source"] == "admin" else "(code)",
+            )
+        )
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    for row in lines:
+        stdout.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    enabled = sum(1 for v in views if v["enabled"])
+    stdout.write(f"\n{enabled} enabled of {len(views)}.")

@@ -1,0 +1,481 @@
+"""Periodic tasks: schedules declared in code or per channel in the admin, fired once per slot.
+
+A schedule enqueues one message of a registered task into a channel at every slot of a cron
+expression, read in the schedule's own timezone (:mod:`django_fairqueue.cron`). Schedules come
+from two places:
+
+* code: ``@periodic(cron=...)`` stacked on a ``@task``, or ``FAIRQUEUE['SCHEDULES']``. Each
+  worker syncs them into the schedule table when it starts (:func:`sync`); an operator can only
+  pause and resume them there.
+* the admin: an operator's schedule for one channel (a tenant's own report, in its timezone).
+
+Every worker's maintenance loop runs :class:`Scheduler`, which fires what is due
+(:func:`fire_due`) and sleeps until the next slot. A slot fires exactly once whatever the number
+of workers, processes and restarts: the transaction that enqueues a slot's message first inserts
+the slot's row under a unique key (schedule, slot); a concurrent firer of the same slot waits
+for it and then finds the key taken. No leader is elected and no lock is held between passes.
+The message goes through the normal enqueue path into the schedule's channel, so the channel's
+fairness, caps, rate limit and backlog bound apply.
+
+Slots missed while nothing fired (no worker ran, the channel was full) follow the schedule's
+``missed`` policy: ``latest`` fires the latest of them once, ``skip`` fires none (a slot within
+``FAIRQUEUE['SCHEDULE_GRACE']`` of its time is on time, not missed), ``catch_up`` fires each,
+at most ``catch_up_max`` (the newest). ``jitter`` delays each slot's message by a fraction of
+it that is the same in every process (a hash of the schedule and the slot).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+from django.db import DatabaseError, transaction
+
+from django_fairqueue import conf, cron, store
+from django_fairqueue.cron import ScheduleSpec
+from django_fairqueue.exceptions import ChannelFull, InvalidSchedule, UnknownTask
+from django_fairqueue.taskspec import TaskSpec, registry
+
+logger = logging.getLogger("django_fairqueue.schedules")
+
+T = TypeVar("T")
+
+#: Schedules declared with @periodic in this process, by name.
+_declared: dict[str, ScheduleSpec] = {}
+
+
+def periodic(
+    cron: str,
+    *,
+    name: str | None = None,
+    timezone: str = "UTC",
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    channel: str | None = None,
+    missed: str = "latest",
+    catch_up_max: int = 10,
+    jitter: float | timedelta = 0,
+    priority: int | None = None,
+    enabled: bool = True,
+) -> Callable[[T], T]:
+    """Run a registered task on a cron schedule; stack it on ``@task``::
+
+        @periodic(cron="0 3 * * *", timezone="Europe/Berlin", name="reports.nightly")
+        @task(name="reports.build")
+        def build_report() -> None: ...
+
+    ``name`` (default: the task's name) identifies the schedule; stack several ``@periodic``
+    with different names for several schedules of one task. ``args``/``kwargs`` are the call's
+    arguments (JSON). ``channel`` defaults to the task's channel rule, else
+    ``FAIRQUEUE['DEFAULT_CHANNEL']``. ``missed`` is ``"latest"``, ``"skip"`` or
+    ``"catch_up"`` (at most ``catch_up_max`` slots); ``jitter`` (seconds or timedelta) delays
+    each slot's message by a fixed fraction of it. A bad option raises
+    :class:`~django_fairqueue.exceptions.InvalidSchedule` at import.
+    """
+
+    def wrap(task_object: T) -> T:
+        spec = getattr(task_object, "spec", None)
+        if not isinstance(spec, TaskSpec):
+            raise InvalidSchedule(
+                "@periodic goes above @task: it schedules a registered task, got "
+                f"{type(task_object).__name__}"
+            )
+        schedule_name = name if name is not None else spec.name
+        options: dict[str, Any] = {
+            "task": spec.name,
+            "cron": cron,
+            "timezone": timezone,
+            "args": list(args),
+            "kwargs": kwargs,
+            "channel": channel,
+            "missed": missed,
+            "catch_up_max": catch_up_max,
+            "jitter": jitter,
+            "priority": priority,
+            "enabled": enabled,
+        }
+        built = ScheduleSpec.build(schedule_name, options, f"@periodic {schedule_name!r}")
+        old = _declared.get(schedule_name)
+        if old is not None and old.task != built.task:
+            raise InvalidSchedule(
+                f"schedule name {schedule_name!r} is already declared for task {old.task!r}; "
+                "give each @periodic of a task its own name="
+            )
+        _declared[schedule_name] = built
+        return task_object
+
+    return wrap
+
+
+def declared() -> list[ScheduleSpec]:
+    """Every schedule declared in code: ``@periodic`` (after importing the task modules) and
+    ``FAIRQUEUE['SCHEDULES']``. A name declared in both raises."""
+    registry.autodiscover()
+    specs = dict(_declared)
+    for spec in conf.get().SCHEDULES:
+        if spec.name in specs:
+            raise InvalidSchedule(
+                f"schedule {spec.name!r} is declared both with @periodic and in "
+                "FAIRQUEUE['SCHEDULES']"
+            )
+        specs[spec.name] = spec
+    return [specs[name] for name in sorted(specs)]
+
+
+def undeclare(name: str) -> None:
+    """Forget a ``@periodic`` schedule of this process (tests)."""
+    _declared.pop(name, None)
+
+
+@dataclass
+class SyncResult:
+    created: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+
+
+def sync(specs: Sequence[ScheduleSpec] | None = None) -> SyncResult:
+    """Make the code schedules of the table match ``specs`` (default: :func:`declared`).
+
+    Creates the missing ones, updates the configuration of changed ones (never their
+    ``enabled`` flag once created: pausing is the operator's) and deletes code schedules no
+    longer declared. The firing state is not touched: an edit that changes the slots makes the
+    next firing pass compute them afresh. Concurrent syncs (workers starting together) take
+    turns. Raises :class:`InvalidSchedule` for a schedule naming an unregistered task or
+    arguments the queue refuses, before anything is written.
+    """
+    from django_fairqueue.api import encode_payload, validate_channel_name
+    from django_fairqueue.models import Schedule, ScheduleSource
+
+    if specs is None:
+        specs = declared()
+    cfg = conf.get()
+    rows: dict[str, tuple[str, dict[str, Any]]] = {}
+    for spec in specs:
+        where = f"schedule {spec.name!r}"
+        try:
+            task = registry.get(spec.task)
+        except UnknownTask:
+            raise InvalidSchedule(
+                f"{where} names task {spec.task!r}, which is not registered"
+            ) from None
+        channel = spec.channel
+        if channel is None and task.channel_from is not None:
+            channel = task.channel_from(*spec.args, **spec.kwargs)
+        channel = validate_channel_name(channel or task.channel or cfg.DEFAULT_CHANNEL)
+        try:
+            encode_payload(task.name, spec.args, spec.kwargs, cfg.MAX_PAYLOAD_BYTES)
+        except ValueError as exc:
+            raise InvalidSchedule(f"{where}: {exc}") from None
+        rows[spec.name] = (
+            channel,
+            {
+                "task_name": spec.task,
+                "args": spec.args,
+                "kwargs": spec.kwargs,
+                "cron": spec.cron,
+                "timezone": spec.timezone,
+                "missed": spec.missed,
+                "catch_up_max": spec.catch_up_max,
+                "jitter": spec.jitter,
+                "priority": spec.priority,
+            },
+        )
+    result = SyncResult()
+    alias = cfg.DATABASE
+    with transaction.atomic(using=alias):
+        # Lock order: the sync's own advisory lock, then channel rows (created if missing),
+        # then schedule rows; a firing pass takes schedule rows last of all.
+        store.lock_schedule_sync()
+        channel_ids = {
+            name: store.ensure_channel(name, defaults=cfg.CHANNEL_DEFAULTS)
+            for name in sorted({channel for channel, _ in rows.values()})
+        }
+        existing = {s.name: s for s in Schedule.objects.using(alias).filter(source="code")}
+        for name, (channel, values) in rows.items():
+            values = {**values, "channel_id": channel_ids[channel]}
+            row = existing.get(name)
+            if row is None:
+                enabled = next(s.enabled for s in specs if s.name == name)
+                Schedule.objects.using(alias).create(
+                    name=name, source=ScheduleSource.CODE, enabled=enabled, **values
+                )
+                result.created.append(name)
+            elif any(getattr(row, key) != value for key, value in values.items()):
+                Schedule.objects.using(alias).filter(pk=row.pk).update(**values)
+                result.updated.append(name)
+        gone = sorted(set(existing) - set(rows))
+        if gone:
+            Schedule.objects.using(alias).filter(source="code", name__in=gone).delete()
+            result.deleted.extend(gone)
+    for what, names in (("created", result.created), ("updated", result.updated)):
+        if names:
+            logger.info("code schedules %s: %s", what, ", ".join(names))
+    if result.deleted:
+        logger.info("code schedules no longer declared, deleted: %s", ", ".join(result.deleted))
+    return result
+
+
+# -- firing -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a pass does with one schedule: fire ``slots`` and move on to ``next_fire_at``."""
+
+    slots: list[datetime]
+    next_fire_at: datetime | None
+    #: the pass comes later than SCHEDULE_GRACE after the first due slot: slots were missed
+    missed: bool = False
+
+
+def plan(schedule: store.DueSchedule, *, grace: timedelta) -> Plan:
+    """The slots to fire now and the next slot, from the row as read and the database's
+    clock (``schedule.now``)."""
+    now = schedule.now
+    if schedule.fired_spec != schedule.spec or schedule.next_fire_at is None:
+        # new, edited, paused or resumed: no catching up over that; slots only move forward
+        if not schedule.enabled:
+            return Plan([], None)
+        anchor = max(now, schedule.last_slot_at) if schedule.last_slot_at else now
+        return Plan([], cron.next_slot(schedule.cron, schedule.timezone, anchor))
+    since = schedule.next_fire_at
+    limit = schedule.catch_up_max if schedule.missed == "catch_up" else 1
+    slots = cron.due_slots(schedule.cron, schedule.timezone, since, now, limit)
+    on_time = [s for s in slots if now - s <= grace]
+    chosen = on_time[-1:] if schedule.missed == "skip" else slots
+    return Plan(chosen, cron.next_slot(schedule.cron, schedule.timezone, now), now - since > grace)
+
+
+class _Lost(Exception):
+    """Another pass fired the schedule first, or it was edited meanwhile: roll back."""
+
+
+@dataclass
+class Firer:
+    """Fires due schedules; keeps what this process could not fire, so it neither retries a
+    task it does not know on every pass nor logs the same failure every pass."""
+
+    limit: int = 100
+    #: seconds; None: FAIRQUEUE['SCHEDULE_GRACE']
+    grace: float | None = None
+    unknown_tasks: set[str] = field(default_factory=set)
+    _complained: dict[tuple[int, str], float] = field(default_factory=dict)
+
+    def fire_due(self) -> int:
+        """One pass: fire every due schedule (at most ``limit``); returns the messages
+        enqueued."""
+        seconds = self.grace if self.grace is not None else conf.get().SCHEDULE_GRACE
+        grace = timedelta(seconds=seconds)
+        due = store.select_due_schedules(self.limit, skip_tasks=sorted(self.unknown_tasks))
+        fired = 0
+        quiet: list[tuple[store.DueSchedule, datetime | None]] = []
+        for schedule in due:
+            step = self._plan(schedule, grace)
+            if step is None:
+                continue
+            if step.slots:
+                fired += self._fire(schedule, step)
+            else:
+                quiet.append((schedule, step.next_fire_at))
+        if quiet:
+            # new, edited or resumed schedules (and slots skipped): only their next slot to
+            # write, all in one statement, no enqueue, so no transaction each
+            store.advance_schedules_without_slots(quiet)
+        return fired
+
+    def seconds_to_next(self) -> float | None:
+        return store.select_next_schedule_fire(skip_tasks=sorted(self.unknown_tasks))
+
+    def fire(self, schedule: store.DueSchedule, *, grace: timedelta) -> int:
+        """Fire one schedule as read (in a transaction of its own); returns the messages
+        enqueued."""
+        step = self._plan(schedule, grace)
+        if step is None:
+            return 0
+        if not step.slots:
+            store.advance_schedules_without_slots([(schedule, step.next_fire_at)])
+            return 0
+        return self._fire(schedule, step)
+
+    def _plan(self, schedule: store.DueSchedule, grace: timedelta) -> Plan | None:
+        """What to do with a schedule as read; None for a task this process does not know."""
+        if schedule.task_name not in registry and schedule.enabled:
+            try:
+                registry.get(schedule.task_name)
+            except UnknownTask:
+                self.unknown_tasks.add(schedule.task_name)
+                logger.error(
+                    "schedule %r of channel %r names task %r, which this worker does not know; "
+                    "it fires on workers that do",
+                    schedule.name,
+                    schedule.channel,
+                    schedule.task_name,
+                    extra={"schedule": schedule.name, "task": schedule.task_name},
+                )
+                return None
+        step = plan(schedule, grace=grace)
+        if step.missed:
+            self._complain(
+                schedule,
+                f"missed {schedule.next_fire_at:%Y-%m-%d %H:%M}",
+                logging.WARNING,
+                "schedule %r of channel %r missed slots since %s; %s: firing %d",
+                schedule.name,
+                schedule.channel,
+                schedule.next_fire_at,
+                schedule.missed,
+                len(step.slots),
+            )
+        return step
+
+    def _fire(self, schedule: store.DueSchedule, step: Plan) -> int:
+        """Fire the slots of ``step`` in one transaction; returns the messages enqueued."""
+        from django_fairqueue.api import EnqueueRequest, enqueue_many
+
+        alias = conf.get().DATABASE
+        try:
+            with transaction.atomic(using=alias):
+                message_ids: list[int] = []
+                taken: list[datetime] = []
+                if step.slots:
+                    # A slot already taken is another pass's (committed: its message exists;
+                    # in flight: this waited for it). A pass with the same view then changed
+                    # the row too, and the advance below finds that out; a rewound state (a
+                    # restore) just moves on without the slots fired before.
+                    got = set(store.claim_schedule_slots(schedule.id, step.slots))
+                    taken = [slot for slot in step.slots if slot in got]
+                    requests = [
+                        EnqueueRequest(
+                            schedule.task_name,
+                            list(schedule.args),
+                            dict(schedule.kwargs),
+                            channel=schedule.channel,
+                            run_after=self._run_after(schedule, slot),
+                            priority=schedule.priority,
+                        )
+                        for slot in taken
+                    ]
+                    message_ids = enqueue_many(requests)
+                if not store.advance_schedule(
+                    schedule,
+                    slots=taken,
+                    message_ids=message_ids,
+                    last_slot=step.slots[-1] if step.slots else None,
+                    next_fire_at=step.next_fire_at,
+                ):
+                    raise _Lost
+        except _Lost:
+            return 0
+        except (ChannelFull, DatabaseError) as exc:
+            full = exc if isinstance(exc, ChannelFull) else ChannelFull.from_error(exc)
+            if full is None:
+                raise
+            # nothing was stored: the slot stays due, and fires when the channel has room
+            # (as its missed policy says by then)
+            self._complain(
+                schedule,
+                f"full {step.slots[-1] if step.slots else ''}",
+                logging.WARNING,
+                "schedule %r: channel %r is full; its slot %s fires when there is room",
+                schedule.name,
+                schedule.channel,
+                step.slots[-1] if step.slots else "-",
+            )
+            return 0
+        except Exception as exc:
+            self._complain(
+                schedule,
+                f"error {type(exc).__name__}: {exc}",
+                logging.ERROR,
+                "schedule %r of channel %r could not fire: %s",
+                schedule.name,
+                schedule.channel,
+                exc,
+            )
+            return 0
+        return len(taken)
+
+    @staticmethod
+    def _run_after(schedule: store.DueSchedule, slot: datetime) -> datetime | None:
+        if not schedule.jitter:
+            return None  # now: the slot's time has come
+        return slot + cron.jitter_offset(schedule.id, slot, schedule.jitter)
+
+    def _complain(
+        self, schedule: store.DueSchedule, what: str, level: int, message: str, *args: Any
+    ) -> None:
+        """Log once per schedule and kind of trouble every ten minutes (every worker's every
+        pass meets it)."""
+        key = (schedule.id, what)
+        now = time.monotonic()
+        if now - self._complained.get(key, -1e9) < 600:
+            return
+        if len(self._complained) > 10_000:
+            self._complained.clear()
+        self._complained[key] = now
+        logger.log(level, message, *args, extra={"schedule": schedule.name})
+
+
+def fire_due(limit: int = 100) -> int:
+    """Fire every due schedule (at most ``limit``) once; returns the messages enqueued."""
+    return Firer(limit=limit).fire_due()
+
+
+@dataclass
+class Scheduler:
+    """The maintenance service that syncs code schedules at its first pass, then fires due
+    schedules every ``FAIRQUEUE['SCHEDULE_INTERVAL']`` seconds, or at the next slot when that
+    comes sooner (it asks the database when that is after every pass)."""
+
+    every: float | None = None  # seconds; None: FAIRQUEUE['SCHEDULE_INTERVAL']
+    limit: int = 100
+    name: str = "scheduler"
+    #: the maintenance runner wakes it at its interval exactly (no ±10% spread)
+    precise: bool = True
+    synced: bool = False
+    firer: Firer = field(default_factory=Firer)
+    _next_in: float | None = None
+
+    @property
+    def interval(self) -> float:
+        base = self.every if self.every is not None else conf.get().SCHEDULE_INTERVAL
+        if self._next_in is None:
+            return base
+        if self._next_in <= 0:
+            # more due than one pass took, or rows another transaction held: soon, not at once
+            return min(base, 0.05)
+        # a few milliseconds past the slot: the database's clock must have reached it
+        return min(base, self._next_in + 0.005)
+
+    def run_once(self) -> int:
+        if not self.synced:
+            try:
+                sync()
+            except InvalidSchedule as exc:
+                # A declaration this release gets wrong must not stop the schedules already in
+                # the table (the admin's, the code's as last synced): say so, and fire them.
+                logger.error("code schedules not synced: %s", exc)
+            self.synced = True
+        self.firer.limit = self.limit
+        fired = self.firer.fire_due()
+        self._next_in = self.firer.seconds_to_next()
+        return fired
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+def states(ids: Sequence[int]) -> dict[int, store.ScheduleState]:
+    """The firing state of schedules by id (next slot, last slot, last fired, last message)."""
+    return store.select_schedule_states(ids) if ids else {}
+
+
+def upcoming(expr: str, tz: str, after: datetime, count: int = 5) -> list[datetime]:
+    """The next ``count`` slots of a cron expression after ``after`` (a preview)."""
+    slots = cron.slots_after(expr, tz, after)
+    return [next(slots) for _ in range(count)]

@@ -1,0 +1,657 @@
+"""Periodic schedules: slot arithmetic (timezones, DST), missed-slot policies, jitter, code and
+settings declarations, the sync, firing once per slot, and the firing state kept apart from
+what operators edit. Concurrency across processes is in tests/test_schedules_concurrency.py."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import pytest
+from django.db import connection
+from django.test import override_settings
+
+from django_fairqueue import conf, cron, schedules, store
+from django_fairqueue.cron import ScheduleSpec
+from django_fairqueue.exceptions import InvalidSchedule
+from django_fairqueue.models import Channel, Message, Schedule, ScheduleFire
+from django_fairqueue.tasks import task
+
+from . import factories as f
+
+TASK = "tests.schedules.tick"
+BERLIN = "Europe/Berlin"
+
+
+@task(name=TASK, max_attempts=2)
+def tick(*args: Any, **kwargs: Any) -> None:
+    """What the schedules here enqueue; the tests never run it."""
+
+
+def berlin(*args: int) -> datetime:
+    return datetime(*args, tzinfo=ZoneInfo(BERLIN))  # type: ignore[misc]
+
+
+def utc(*args: int) -> datetime:
+    return datetime(*args, tzinfo=UTC)  # type: ignore[misc]
+
+
+def local(slots: list[datetime]) -> list[str]:
+    return [f"{s.astimezone(ZoneInfo(BERLIN)):%m-%d %H:%M%z}" for s in slots]
+
+
+def take(it: Iterator[datetime], n: int) -> list[datetime]:
+    return [next(it) for _ in range(n)]
+
+
+# -- cron expressions and slots ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("expr", "reason"),
+    [
+        ("61 * * * *", "Bad minute"),
+        ("* * *", "Wrong number of fields"),
+        ("0 0 30 2 *", "Bad day-of-month"),
+        ("*/0 * * * *", "Bad minute"),
+        ("every day", "Wrong number of fields"),
+    ],
+)
+def test_a_bad_cron_expression_is_refused_saying_why(expr: str, reason: str) -> None:
+    with pytest.raises(InvalidSchedule, match=reason) as info:
+        cron.validate_cron(expr, "schedule 'x': cron")
+    assert repr(expr) in str(info.value)
+    assert "schedule 'x': cron" in str(info.value)
+
+
+def test_an_expression_that_never_comes_is_refused() -> None:
+    # valid syntax, but no last Monday of a month falls on the 1st or 21st for 50 years
+    with pytest.raises(InvalidSchedule, match="no slot in the next 50 years"):
+        cron.validate_cron("* * */20 * 1L")
+    assert cron.next_slot("* * */20 * 1L", "UTC", utc(2026, 1, 1)) is None
+
+
+@pytest.mark.parametrize("bad", ["", "   ", None, 5])
+def test_an_empty_or_non_text_cron_is_refused(bad: Any) -> None:
+    with pytest.raises(InvalidSchedule, match="must be a cron expression"):
+        cron.validate_cron(bad)
+
+
+def test_aliases_and_blanks() -> None:
+    assert cron.validate_cron("  */5   * * * * ") == "*/5 * * * *"
+    assert cron.expand("@daily") == "0 0 * * *"
+    assert cron.next_slot("@hourly", "UTC", utc(2026, 1, 1, 5, 0)) == utc(2026, 1, 1, 6, 0)
+
+
+def test_a_bad_timezone_is_refused() -> None:
+    with pytest.raises(InvalidSchedule, match="not a known timezone"):
+        cron.validate_timezone("Mars/Olympus")
+    assert cron.validate_timezone(BERLIN) == BERLIN
+
+
+def test_slots_are_read_in_the_schedules_timezone_and_returned_in_utc() -> None:
+    slots = take(cron.slots_after("0 9 * * *", BERLIN, utc(2026, 1, 1)), 1)
+    assert slots == [utc(2026, 1, 1, 8, 0)]  # 09:00 in Berlin (winter, +01:00)
+    assert slots[0].tzinfo is UTC
+    summer = take(cron.slots_after("0 9 * * *", BERLIN, utc(2026, 7, 1)), 1)
+    assert summer == [utc(2026, 7, 1, 7, 0)]  # 09:00 in Berlin (summer, +02:00)
+
+
+def test_a_fixed_time_in_the_skipped_spring_hour_runs_once_at_the_first_valid_moment() -> None:
+    slots = take(cron.slots_after("30 2 * * *", BERLIN, berlin(2026, 3, 28, 12)), 3)
+    assert local(slots) == ["03-29 03:00+0200", "03-30 02:30+0200", "03-31 02:30+0200"]
+
+
+def test_a_fixed_time_in_the_repeated_autumn_hour_runs_once() -> None:
+    slots = take(cron.slots_after("30 2 * * *", BERLIN, berlin(2026, 10, 24, 12)), 3)
+    assert local(slots) == ["10-25 02:30+0200", "10-26 02:30+0100", "10-27 02:30+0100"]
+
+
+def test_an_interval_runs_through_both_copies_of_the_repeated_hour() -> None:
+    slots = take(cron.slots_after("0 * * * *", BERLIN, berlin(2026, 10, 25, 0, 30)), 4)
+    assert local(slots) == [
+        "10-25 01:00+0200",
+        "10-25 02:00+0200",
+        "10-25 02:00+0100",
+        "10-25 03:00+0100",
+    ]
+    # one hour apart in real time: no slot is lost or doubled
+    assert {b - a for a, b in itertools.pairwise(slots)} == {timedelta(hours=1)}
+
+
+def test_due_slots_are_the_newest_within_the_bound_oldest_first() -> None:
+    since, until = utc(2026, 1, 1, 0, 0), utc(2026, 1, 1, 0, 10)
+    assert cron.due_slots("* * * * *", "UTC", since, until, 3) == [
+        utc(2026, 1, 1, 0, 8),
+        utc(2026, 1, 1, 0, 9),
+        utc(2026, 1, 1, 0, 10),  # a slot exactly at `until` is due
+    ]
+    assert len(cron.due_slots("* * * * *", "UTC", since, until, 100)) == 11  # both ends
+    assert cron.due_slots("* * * * *", "UTC", until, since, 5) == []
+    # a year of missed minutes costs the bound, not half a million steps
+    year = cron.due_slots("* * * * *", "UTC", utc(2025, 1, 1), utc(2026, 1, 1), 2)
+    assert year == [utc(2025, 12, 31, 23, 59), utc(2026, 1, 1)]
+
+
+def test_jitter_is_the_same_everywhere_for_a_slot_and_within_its_bound() -> None:
+    jitter = timedelta(minutes=10)
+    slot = utc(2026, 1, 1, 3, 0)
+    offsets = {cron.jitter_offset(7, slot, jitter) for _ in range(5)}
+    assert len(offsets) == 1  # deterministic: every process computes the same
+    # the same instant given in another timezone is the same slot
+    assert cron.jitter_offset(7, slot.astimezone(ZoneInfo(BERLIN)), jitter) in offsets
+    spread = [cron.jitter_offset(7, slot + timedelta(days=d), jitter) for d in range(200)]
+    assert all(timedelta(0) <= o < jitter for o in spread)
+    assert len(set(spread)) > 150  # spread out, not one value
+    assert max(spread) > timedelta(minutes=8) and min(spread) < timedelta(minutes=2)
+    assert cron.jitter_offset(8, slot, jitter) != cron.jitter_offset(7, slot, jitter)
+    assert cron.jitter_offset(7, slot, timedelta(0)) == timedelta(0)
+
+
+# -- declarations --------------------------------------------------------------------------------
+
+
+def test_a_spec_checks_every_option() -> None:
+    ok = {"task": TASK, "cron": "*/5 * * * *"}
+    spec = ScheduleSpec.build("s", {**ok, "jitter": 30, "args": (1, 2)}, "schedule 's'")
+    assert spec.jitter == timedelta(seconds=30) and spec.args == [1, 2]
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"cron": "* * * * *"}, "needs 'task'"),
+        ({**ok, "cron": "0 25 * * *"}, "Bad hour"),
+        ({**ok, "timezone": "Nowhere"}, "not a known timezone"),
+        ({**ok, "missed": "sometimes"}, "missed must be one of"),
+        ({**ok, "missed": "catch_up", "catch_up_max": 0}, "catch_up_max"),
+        ({**ok, "jitter": -1}, "jitter"),
+        ({**ok, "jitter": timedelta(days=2)}, "jitter"),
+        ({**ok, "args": [{1, 2}]}, "must be JSON"),
+        ({**ok, "args": [(1, 2)]}, "round trip"),
+        ({**ok, "kwargs": {1: 2}}, "string keys"),
+        ({**ok, "priority": 500}, "priority"),
+        ({**ok, "cronn": "x"}, "unknown keys"),
+    ]
+    for options, message in bad:
+        with pytest.raises(InvalidSchedule, match=message):
+            ScheduleSpec.build("s", options, "schedule 's'")
+
+
+def test_settings_schedules_are_checked_with_a_clear_error() -> None:
+    good = conf.load({"SCHEDULES": {"nightly": {"task": TASK, "cron": "0 3 * * *"}}})
+    assert [s.name for s in good.SCHEDULES] == ["nightly"]
+    with pytest.raises(ValueError, match=r"FAIRQUEUE\['SCHEDULES'\]\['nightly'\]: cron"):
+        conf.load({"SCHEDULES": {"nightly": {"task": TASK, "cron": "0 3 * *"}}})
+    with pytest.raises(ValueError, match="must be a dict"):
+        conf.load({"SCHEDULES": [{"task": TASK}]})
+
+
+def test_periodic_goes_on_a_registered_task_and_names_must_not_clash() -> None:
+    with pytest.raises(InvalidSchedule, match="above @task"):
+        schedules.periodic("* * * * *")(lambda: None)
+    with pytest.raises(InvalidSchedule, match="Bad minute"):
+        schedules.periodic("99 * * * *")(tick)
+
+    @task(name="tests.schedules.other")
+    def other() -> None: ...
+
+    schedules.periodic("* * * * *", name="tests.clash")(tick)
+    try:
+        with pytest.raises(InvalidSchedule, match="already declared"):
+            schedules.periodic("* * * * *", name="tests.clash")(other)
+    finally:
+        schedules.undeclare("tests.clash")
+
+
+# -- the missed-slot policies (pure: what a pass does with a row as read) ------------------------
+
+
+def row(**over: Any) -> store.DueSchedule:
+    values: dict[str, Any] = {
+        "id": 1,
+        "name": "s",
+        "channel": "acme",
+        "task_name": TASK,
+        "args": [],
+        "kwargs": {},
+        "cron": "*/10 * * * *",
+        "timezone": "UTC",
+        "missed": "latest",
+        "catch_up_max": 3,
+        "jitter": timedelta(0),
+        "priority": None,
+        "enabled": True,
+        "spec": "*/10 * * * * UTC on",
+        "fired_spec": "*/10 * * * * UTC on",
+        "next_fire_at": utc(2026, 1, 1, 0, 0),
+        "last_slot_at": utc(2025, 12, 31, 23, 50),
+        "now": utc(2026, 1, 1, 0, 0, 2),
+    }
+    values.update(over)
+    return store.DueSchedule(**values)
+
+
+GRACE = timedelta(seconds=60)
+OUTAGE = utc(2026, 1, 1, 1, 5)  # the pass comes 65 minutes after the due slot
+
+
+@pytest.mark.parametrize("policy", ["latest", "skip", "catch_up"])
+def test_an_on_time_slot_fires_once_whatever_the_policy(policy: str) -> None:
+    step = schedules.plan(row(missed=policy), grace=GRACE)
+    assert step == schedules.Plan([utc(2026, 1, 1, 0, 0)], utc(2026, 1, 1, 0, 10), False)
+
+
+def test_latest_fires_only_the_latest_missed_slot() -> None:
+    step = schedules.plan(row(missed="latest", now=OUTAGE), grace=GRACE)
+    assert step.slots == [utc(2026, 1, 1, 1, 0)]
+    assert step.next_fire_at == utc(2026, 1, 1, 1, 10) and step.missed
+
+
+def test_skip_fires_no_missed_slot() -> None:
+    step = schedules.plan(row(missed="skip", now=OUTAGE), grace=GRACE)
+    assert step.slots == [] and step.next_fire_at == utc(2026, 1, 1, 1, 10)
+    # ...but the latest one, if it is itself on time
+    late = schedules.plan(row(missed="skip", now=utc(2026, 1, 1, 1, 0, 30)), grace=GRACE)
+    assert late.slots == [utc(2026, 1, 1, 1, 0)]
+
+
+def test_catch_up_fires_each_missed_slot_up_to_its_bound() -> None:
+    step = schedules.plan(row(missed="catch_up", now=OUTAGE), grace=GRACE)
+    assert step.slots == [utc(2026, 1, 1, 0, 40), utc(2026, 1, 1, 0, 50), utc(2026, 1, 1, 1, 0)]
+    few = schedules.plan(row(missed="catch_up", catch_up_max=100, now=OUTAGE), grace=GRACE)
+    assert len(few.slots) == 7  # 00:00 .. 01:00, every one missed
+
+
+def test_a_new_edited_or_resumed_schedule_starts_at_its_next_slot_without_catching_up() -> None:
+    fresh = row(fired_spec=None, next_fire_at=None, last_slot_at=None, now=OUTAGE)
+    assert schedules.plan(fresh, grace=GRACE) == schedules.Plan([], utc(2026, 1, 1, 1, 10))
+    edited = row(fired_spec="0 * * * * UTC on", now=OUTAGE, missed="catch_up")
+    assert schedules.plan(edited, grace=GRACE) == schedules.Plan([], utc(2026, 1, 1, 1, 10))
+    # slots only move forward: never at or before the last fired slot
+    ahead = row(fired_spec=None, last_slot_at=utc(2026, 1, 1, 2, 0), now=OUTAGE)
+    assert schedules.plan(ahead, grace=GRACE).next_fire_at == utc(2026, 1, 1, 2, 10)
+    paused = row(enabled=False, spec="*/10 * * * * UTC off", now=OUTAGE)
+    assert schedules.plan(paused, grace=GRACE) == schedules.Plan([], None)
+
+
+# -- the database: sync, firing, state ------------------------------------------------------------
+
+
+def spec(name: str = "tick", **options: Any) -> ScheduleSpec:
+    return ScheduleSpec.build(name, {"task": TASK, "cron": "* * * * *", **options}, name)
+
+
+def state(schedule: Schedule) -> store.ScheduleState:
+    return schedules.states([schedule.pk])[schedule.pk]
+
+
+def backdate(schedule: Schedule, minutes: int) -> None:
+    """Pretend nothing fired for ``minutes``: the next slot lies that far in the past (the
+    database's clock cannot be moved, the state can)."""
+    with connection.cursor() as cur:
+        cur.execute(
+            "UPDATE fairqueue_schedule SET next_fire_at = date_trunc('minute', now()) "
+            "- make_interval(mins => %s) WHERE id = %s",
+            [minutes, schedule.pk],
+        )
+
+
+def messages() -> list[Message]:
+    return list(Message.objects.filter(task_name=TASK).order_by("id"))
+
+
+@pytest.mark.django_db
+def test_sync_creates_updates_and_deletes_code_schedules() -> None:
+    result = schedules.sync([spec("a", channel="acme", args=[1]), spec("b")])
+    assert result.created == ["a", "b"]
+    a = Schedule.objects.get(name="a")
+    assert (a.channel.name, a.args, a.source, a.enabled) == ("acme", [1], "code", True)
+    assert Schedule.objects.get(name="b").channel.name == "default"
+    Schedule.objects.filter(name="a").update(enabled=False)  # an operator paused it
+    result = schedules.sync([spec("a", channel="acme", args=[2], cron="@hourly")])
+    assert (result.created, result.updated, result.deleted) == ([], ["a"], ["b"])
+    a.refresh_from_db()
+    assert (a.args, a.cron, a.enabled) == ([2], "@hourly", False)  # the pause stays
+    assert schedules.sync([spec("a", channel="acme", args=[2], cron="@hourly")]).updated == []
+    # an admin schedule of the same name is the operator's: the sync leaves it alone
+    Schedule.objects.create(name="b", channel=a.channel, task_name=TASK, cron="@daily")
+    assert schedules.sync([]).deleted == ["a"]
+    assert list(Schedule.objects.values_list("name", "source")) == [("b", "admin")]
+
+
+@pytest.mark.django_db
+def test_sync_refuses_an_unregistered_task_before_writing_anything() -> None:
+    bad = ScheduleSpec.build("x", {"task": "no.such.task", "cron": "@daily"}, "x")
+    with pytest.raises(InvalidSchedule, match=r"'no\.such\.task', which is not registered"):
+        schedules.sync([spec("a"), bad])
+    assert not Schedule.objects.exists()
+
+
+@pytest.mark.django_db
+def test_the_first_pass_sets_the_next_slot_and_fires_nothing() -> None:
+    schedules.sync([spec("a")])
+    (a,) = Schedule.objects.all()
+    assert schedules.fire_due() == 0
+    st = state(a)
+    now = store.select_clock()
+    assert st.current and st.last_slot_at is None
+    assert st.next_fire_at is not None
+    assert now < st.next_fire_at <= now + timedelta(minutes=1)
+    assert st.next_fire_at.second == 0
+    assert schedules.fire_due() == 0  # not due yet
+    assert 0 < (store.select_next_schedule_fire() or 0) <= 60
+
+
+@pytest.mark.django_db
+def test_a_due_slot_fires_one_message_through_the_enqueue_path() -> None:
+    schedules.sync([spec("a", channel="acme", args=[1], kwargs={"x": "y"}, priority=7)])
+    (a,) = Schedule.objects.all()
+    schedules.fire_due()
+    backdate(a, 0)  # the slot of this minute is due
+    assert schedules.fire_due() == 1
+    (m,) = messages()
+    assert (m.channel.name, m.payload, m.priority, m.max_attempts, m.state) == (
+        "acme",
+        {"args": [1], "kwargs": {"x": "y"}},
+        7,
+        2,  # the task's own max_attempts
+        "ready",
+    )
+    st = state(a)
+    fire = ScheduleFire.objects.get()
+    assert (fire.schedule_id, fire.message_id) == (a.pk, m.pk)
+    assert st.last_slot_at == fire.slot_at and st.last_message_id == m.pk
+    assert st.next_fire_at == fire.slot_at + timedelta(minutes=1)
+    assert schedules.fire_due() == 0
+    f.assert_counters_match_table()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("policy", "fired"), [("latest", 1), ("skip", 0), ("catch_up", 4)])
+def test_missed_slots_follow_the_policy(policy: str, fired: int) -> None:
+    schedules.sync([spec("a", missed=policy, catch_up_max=4)])
+    (a,) = Schedule.objects.all()
+    schedules.fire_due()
+    backdate(a, 30)
+    with override_settings(
+        FAIRQUEUE={"TASK_MODULES": ["tests.fairtasks"], "SCHEDULE_GRACE": 0.001}
+    ):
+        assert schedules.fire_due() == fired
+    slots = sorted(ScheduleFire.objects.values_list("slot_at", flat=True))
+    assert len(slots) == len(messages()) == fired
+    if fired > 1:
+        assert {b - a for a, b in itertools.pairwise(slots)} == {timedelta(minutes=1)}
+    # every missed slot is behind it now: nothing more is due
+    assert schedules.fire_due() == 0
+    assert state(a).next_fire_at > store.select_clock()  # type: ignore[operator]
+
+
+@pytest.mark.django_db
+def test_jitter_delays_the_message_by_the_slots_offset() -> None:
+    schedules.sync([spec("a", jitter=timedelta(hours=2))])
+    (a,) = Schedule.objects.all()
+    schedules.fire_due()
+    backdate(a, 0)
+    schedules.fire_due()
+    (m,) = messages()
+    fire = ScheduleFire.objects.get()
+    offset = cron.jitter_offset(a.pk, fire.slot_at, timedelta(hours=2))
+    assert m.run_at == fire.slot_at + offset
+    assert m.state == ("scheduled" if offset > timedelta(minutes=1) else m.state)
+
+
+@pytest.mark.django_db
+def test_a_slot_already_fired_never_fires_again_even_when_the_state_is_rewound() -> None:
+    # The state is rewound as a restore of the table, a stale firer or a bug would: the unique
+    # slot key alone refuses the slot a second time.
+    schedules.sync([spec("a")])
+    (a,) = Schedule.objects.all()
+    schedules.fire_due()
+    backdate(a, 0)
+    assert schedules.fire_due() == 1
+    for _ in range(3):
+        with connection.cursor() as cur:
+            cur.execute(
+                "UPDATE fairqueue_schedule SET next_fire_at = last_slot_at, last_slot_at = NULL "
+                "WHERE id = %s",
+                [a.pk],
+            )
+        assert schedules.fire_due() == 0
+    assert len(messages()) == ScheduleFire.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_an_admin_save_of_a_stale_instance_keeps_the_firing_state() -> None:
+    schedules.sync([spec("a")])
+    stale = Schedule.objects.get()
+    schedules.fire_due()
+    backdate(stale, 0)
+    schedules.fire_due()
+    before = state(stale)
+    stale.priority = 5  # not a slot-deciding field
+    stale.save()
+    Schedule.objects.filter(pk=stale.pk).update(kwargs={"k": 1})
+    Schedule.objects.bulk_update([stale], ["args", "priority", "enabled"])
+    assert state(stale) == before
+    stale.cron = "*/2 * * * *"  # a new cron: the next pass computes a fresh slot
+    stale.save()
+    assert not state(stale).current
+    assert schedules.fire_due() == 0
+    after = state(stale)
+    assert after.current and after.last_slot_at == before.last_slot_at
+    assert after.next_fire_at is not None and after.next_fire_at.minute % 2 == 0
+
+
+@pytest.mark.django_db
+def test_pausing_fires_nothing_and_resuming_does_not_catch_up() -> None:
+    schedules.sync([spec("a", missed="catch_up", catch_up_max=50)])
+    (a,) = Schedule.objects.all()
+    schedules.fire_due()
+    Schedule.objects.filter(pk=a.pk).update(enabled=False)
+    backdate(a, 20)
+    assert schedules.fire_due() == 0
+    assert state(a).next_fire_at is None and store.select_next_schedule_fire() is None
+    Schedule.objects.filter(pk=a.pk).update(enabled=True)
+    assert store.select_next_schedule_fire() == 0  # due for a fresh slot
+    assert schedules.fire_due() == 0
+    assert not messages()
+    assert state(a).next_fire_at > store.select_clock()  # type: ignore[operator]
+
+
+@pytest.mark.django_db
+def test_a_full_channel_keeps_its_slot_due_until_there_is_room() -> None:
+    schedules.sync([spec("a", channel="small")])
+    (a,) = Schedule.objects.all()
+    Channel.objects.filter(name="small").update(max_backlog=1)
+    f.enqueue("small", 1)
+    schedules.fire_due()
+    backdate(a, 0)
+    assert schedules.fire_due() == 0  # full: nothing stored, the slot stays due
+    assert not ScheduleFire.objects.exists()
+    Channel.objects.filter(name="small").update(max_backlog=2)  # room for one more
+    assert schedules.fire_due() == 1
+    assert len(messages()) == 1
+
+
+@pytest.mark.django_db
+def test_a_task_this_process_does_not_know_is_left_to_workers_that_do(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    channel = Channel.objects.create(name="acme")
+    Schedule.objects.create(name="x", channel=channel, task_name="gone.task", cron="* * * * *")
+    firer = schedules.Firer()
+    assert firer.fire_due() == 0
+    assert firer.fire_due() == 0
+    assert firer.unknown_tasks == {"gone.task"}
+    assert [r.message for r in caplog.records].count(
+        "schedule 'x' of channel 'acme' names task 'gone.task', which this worker does not "
+        "know; it fires on workers that do"
+    ) == 1
+    assert firer.seconds_to_next() is None
+
+
+@pytest.mark.django_db
+def test_deleting_a_channel_deletes_its_schedules_and_fires() -> None:
+    schedules.sync([spec("a", channel="acme")])
+    (a,) = Schedule.objects.all()
+    schedules.fire_due()
+    backdate(a, 0)
+    schedules.fire_due()
+    Channel.objects.filter(name="acme").delete()
+    assert not Schedule.objects.exists() and not ScheduleFire.objects.exists()
+
+
+@pytest.mark.django_db
+def test_the_scheduler_service_syncs_once_then_wakes_at_the_next_slot() -> None:
+    service = schedules.Scheduler(every=30)
+    assert service.interval == 30
+    with override_settings(
+        FAIRQUEUE={
+            "TASK_MODULES": ["tests.fairtasks"],
+            "SCHEDULES": {"from-settings": {"task": TASK, "cron": "* * * * *"}},
+        }
+    ):
+        assert service.run_once() == 0
+    assert list(Schedule.objects.values_list("name", flat=True)) == ["from-settings"]
+    assert 0 < service.interval <= 30
+    service.run_once()  # synced already: the settings' schedule is not deleted
+    assert Schedule.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_the_schedules_command_lists_syncs_and_fires() -> None:
+    import io
+    import json as jsonlib
+
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    out = io.StringIO()
+    call_command("fairqueue", "schedules", stdout=out)
+    assert "No schedules" in out.getvalue()
+    with override_settings(
+        FAIRQUEUE={
+            "TASK_MODULES": ["tests.fairtasks"],
+            "SCHEDULES": {"nightly": {"task": TASK, "cron": "0 3 * * *", "channel": "acme"}},
+        }
+    ):
+        out = io.StringIO()
+        call_command("fairqueue", "schedules", "--sync", "--fire", stdout=out)
+    text = out.getvalue()
+    assert "created: nightly" in text and "fired 0 message(s)" in text
+    line = next(x for x in text.splitlines() if x.startswith("acme"))
+    assert line.split()[:5] == ["acme", "nightly", TASK, "0", "3"]
+    assert "in " in line and "(code)" in line
+    out = io.StringIO()
+    call_command("fairqueue", "schedules", "--json", "--channel", "acme", stdout=out)
+    (row,) = jsonlib.loads(out.getvalue())
+    assert row["next_fire_at"].endswith("03:00:00+00:00") and row["enabled"]
+    with (
+        override_settings(
+            FAIRQUEUE={
+                "TASK_MODULES": ["tests.fairtasks"],
+                "SCHEDULES": {"bad": {"task": "no.such", "cron": "@daily"}},
+            }
+        ),
+        pytest.raises(CommandError, match="not registered"),
+    ):
+        call_command("fairqueue", "schedules", "--sync", stdout=io.StringIO())
+
+
+def _plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    stack = [plan]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.get("Plans", ()))
+
+
+@pytest.mark.django_db
+def test_the_firing_check_reads_two_indexes_not_the_schedules() -> None:
+    # 10,000 schedules, none due: the check each worker runs every few seconds must stay an
+    # index lookup (EXPLAIN ANALYZE of the two statements a pass runs when nothing is due).
+    import json as jsonlib
+
+    with connection.cursor() as cur:
+        cur.execute(
+            "INSERT INTO fairqueue_channel (name, release_interval, weight, paused, created_at) "
+            "SELECT 't' || i, '0', 1, false, now() FROM generate_series(1, 100) i"
+        )
+        cur.execute(
+            "INSERT INTO fairqueue_schedule (name, channel_id, task_name, args, kwargs, cron, "
+            "timezone, missed, catch_up_max, jitter, enabled, source, created_at) "
+            "SELECT 's' || i, (SELECT min(id) FROM fairqueue_channel) + i %% 100, %s, '[]', "
+            "'{}', '0 3 * * *', 'UTC', 'latest', 10, '0', i %% 10 <> 0, 'admin', now() "
+            "FROM generate_series(1, 10000) i",
+            [TASK],
+        )
+        cur.execute(
+            "UPDATE fairqueue_schedule SET fired_spec = spec, next_fire_at = "
+            "CASE WHEN enabled THEN now() + make_interval(secs => id) END"
+        )
+        cur.execute("ANALYZE fairqueue_schedule")
+        for name in ("select_due_schedules", "select_next_schedule_fire"):
+            cur.execute(
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + store.queries()[name],
+                {"skip_tasks": [], "limit": 100},
+            )
+            (doc,) = cur.fetchone()[0]
+            nodes = list(_plan_nodes(doc["Plan"]))
+            on_schedules = [n for n in nodes if n.get("Relation Name") == "fairqueue_schedule"]
+            assert on_schedules, name
+            assert all(n["Node Type"] != "Seq Scan" for n in on_schedules), jsonlib.dumps(doc)
+            assert {n.get("Index Name") for n in on_schedules} <= {
+                "fq_schedule_next_idx",
+                "fq_schedule_stale_idx",
+                None,  # the Bitmap Heap Scan above a Bitmap Index Scan
+            }
+            assert sum(n.get("Actual Rows", 0) for n in on_schedules) <= 3, name
+    assert schedules.fire_due() == 0
+
+
+@pytest.mark.django_db
+def test_a_bad_declaration_is_logged_and_the_table_still_fires(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from django_fairqueue.maintenance import MaintenanceRunner
+    from django_fairqueue.testing import drain
+
+    schedules.sync([spec("a", channel="acme")])
+    (a,) = Schedule.objects.all()
+    schedules.fire_due()
+    backdate(a, 0)
+    bad = {
+        "TASK_MODULES": ["tests.fairtasks"],
+        "SCHEDULES": {"x": {"task": "no.such", "cron": "@daily"}},
+    }
+    runner = MaintenanceRunner([schedules.Scheduler()], stop=None)  # type: ignore[arg-type]
+    with override_settings(FAIRQUEUE=bad):
+        assert runner.run_once() == {"scheduler": 1}
+    assert "code schedules not synced: schedule 'x' names task 'no.such'" in caplog.text
+    assert Schedule.objects.filter(name="a").exists()  # nothing was deleted either
+    assert drain(channels="acme") == 1  # a worker runs the slot's message
+
+
+def test_the_scheduler_wakes_at_the_next_slot_unjittered() -> None:
+    from django_fairqueue.maintenance import MaintenanceRunner
+
+    service = schedules.Scheduler(every=30)
+    assert service.interval == 30  # nothing known yet
+    service._next_in = 2.0
+    assert service.interval == pytest.approx(2.005)  # just past the slot, on the db's clock
+    service._next_in = 0.0
+    assert service.interval == 0.05  # more is due: soon
+    service._next_in = 3600.0
+    assert service.interval == 30  # but never later than SCHEDULE_INTERVAL
+
+    class Quick:
+        name = "quick"
+        precise = True
+        interval = 1.234
+
+        def run_once(self) -> int:
+            return 0
+
+    runner = MaintenanceRunner([], stop=None)  # type: ignore[arg-type]
+    # the other services get ±10%; a precise one wakes exactly when it asked
+    assert {runner._pass(Quick()) for _ in range(20)} == {1.234}
