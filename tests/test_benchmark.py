@@ -394,7 +394,7 @@ def test_comparison_report_with_scenarios_left_out(tmp_path: Path) -> None:
     tables, goals and plots show what ran and skip the rest."""
     from benchmarks.compare import report, run
 
-    assert run.parse_args([]).scenarios == ["enqueue", "e2e", "pickup", "fairness"]
+    assert run.parse_args([]).scenarios == ["enqueue", "e2e", "pickup", "fairness", "timeshare"]
     chosen = run.parse_args(["--scenario", "pickup", "--scenario", "enqueue"]).scenarios
     assert chosen == ["enqueue", "pickup"]  # in running order
     doc: dict[str, Any] = {"systems": []}
@@ -409,6 +409,7 @@ def test_comparison_report_with_scenarios_left_out(tmp_path: Path) -> None:
     assert _ratio_row(text, "django-fairqueue") == ["x2", "0.50", "0.50", "0.75", "0.75"]
     assert _ratio_row(text, "pgqueuer") == ["x2", "0.67", "0.67", "1.33", "1.33"]
     assert "End-to-end" not in text and "Pickup" not in text and "Fairness" not in text
+    assert "Heavy against light" not in text
     assert report.plots(doc, tmp_path) == []
 
 

@@ -271,7 +271,7 @@ def test_other_claimers_skip_the_claimed_channel_until_commit(
     # housekeeping outside this transaction, or bob's row would stay locked until we commit.
     claim_sql = store.queries()["claim_messages"]
     params = {"limit": 10, "lease": timedelta(minutes=1), "worker": "other", "only": None}
-    params |= {"exclude": None, "quantum": None, "maintain": True, "wait_ms": 50}
+    params |= {"exclude": None, "quantum": None, "maintain": True, "wait_ms": 50, "by_time": False}
     with transaction.atomic(), exactly_once.batch(limit=1, channels=["alice"]) as batch:
         assert len(batch) == 1
         # A worker on another connection claims meanwhile: it does not wait for our lock,
