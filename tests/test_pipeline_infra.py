@@ -492,7 +492,9 @@ def test_a_missing_executor_python_gives_the_batch_back_and_stops_a_burst_run(
     cluster.forget()
     runner = PipelineRunner(worker_id="infra", pipelines=[PIPELINE], spark=spark, burst=True)
     runner._check()  # the executors' check passes with the right Python
-    # Then the executors' Python is gone (PySpark hands each job the interpreter it names).
+    # Then the executors' Python is gone (PySpark hands each job the interpreter it names;
+    # a job's cached plan holds the one it was built with).
+    monkeypatch.setattr(execute.plans, "_plans", {})
     monkeypatch.setattr(spark.sparkContext, "pythonExec", "/nonexistent/venv/bin/python3")
 
     with pytest.raises(cluster.InfrastructureError) as caught:
@@ -549,6 +551,7 @@ def test_an_executor_python_of_another_version_is_an_infrastructure_error(
     make_rows(5)
     plan(PIPELINE, tenants=["alice"])
     cluster.forget()
+    monkeypatch.setattr(execute.plans, "_plans", {})  # cached plans hold the Python they named
     monkeypatch.setattr(spark.sparkContext, "pythonExec", other)
 
     with pytest.raises(cluster.InfrastructureError) as caught:
@@ -565,17 +568,24 @@ def test_an_executor_python_of_another_version_is_an_infrastructure_error(
 def test_a_data_error_still_uses_up_attempts_and_does_not_pause(
     spark: Any, spark_settings: None, formulas: dict[str, list[str]]
 ) -> None:
-    make_rows(10)
-    formulas["bob"] = ["subtotal = price / (qty - 3)"]  # DIVIDE_BY_ZERO on some rows
-    plan(PIPELINE, tenants=["bob"])
+    from django.db import connection
 
+    make_rows(10)
+    plan(PIPELINE, tenants=["bob"])
     runner = PipelineRunner(worker_id="data", pipelines=[PIPELINE], spark=spark, burst=True)
-    runner.run()
+    # The sink refuses some of bob's rows (band 'N/A'): the data's error, every time.
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE pipelinetest_result ADD CONSTRAINT small CHECK (band <> 'N/A')")
+    try:
+        runner.run()
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE pipelinetest_result DROP CONSTRAINT small")
 
     row = WorkBatch.objects.get()
     assert row.attempts == 3  # every attempt used (RETRY_BACKOFF_BASE is 0 here)
     assert row.state == "failed"
-    assert "DIVIDE_BY_ZERO" in str(row.last_error)
+    assert "small" in str(row.last_error)
     assert (runner.stats.failed, runner.stats.paused, runner.stats.released) == (3, 0, 0)
 
 
