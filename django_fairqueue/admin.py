@@ -795,7 +795,9 @@ class MessageAdmin(_MessageAdminBase):
             + adminlist.channel_widget(self.admin_site).media
             + forms.Media(
                 css={"all": ["django_fairqueue/admin.css"]},
-                js=["django_fairqueue/channel_filter.js"],
+                # after jquery.init.js, which defines the django.jQuery it runs on (Media
+                # merges lists by their relative order; alone it could come first)
+                js=["admin/js/jquery.init.js", "django_fairqueue/channel_filter.js"],
             )
         )
 

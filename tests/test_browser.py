@@ -491,7 +491,7 @@ def test_every_admin_page_looks_right_light_and_dark(
     ids = off_loop(demo_ids)
     page = browser.new_page()
     problems: list[str] = []
-    page.on("pageerror", lambda exc: problems.append(f"script error: {exc}"))
+    page.on("pageerror", lambda exc: problems.append(f"script error on {page.url}: {exc}"))
     page.on(  # failed requests are told by the response handler below
         "console",
         lambda msg: (
