@@ -347,7 +347,10 @@ WITH t AS MATERIALIZED (
         abort_requested_at = CASE WHEN t.old_state = 'running'
                                   THEN coalesce(m.abort_requested_at, clock_timestamp()) END
     FROM t
-    WHERE m.id = t.id
+    -- and still in the state the lock returned: the update must never apply the running
+    -- branch to a row that a concurrent settlement or release has just moved on (the row
+    -- is then left alone and reported skipped, as any message that stopped meanwhile)
+    WHERE m.id = t.id AND m.state = t.old_state
     RETURNING m.id, m.channel_id, t.old_state
 ), delta AS (
     INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
