@@ -139,8 +139,8 @@ _KEY_TAKEN_RETRIES = 5
 def _run_back_to_queue(
     name: str, params: dict[str, Any], using: str | None = None
 ) -> list[tuple[Any, ...]]:
-    """Run a statement that moves running messages back to the queue (fail with a retry,
-    release, rescue), again if it met a unique key taken meanwhile.
+    """Run a statement that moves messages back to the queue (fail with a retry, release,
+    rescue, an operator's retry of failed ones), again if it met a unique key taken meanwhile.
 
     Such a statement first looks for a newer message holding a returning unique job's key
     (the returning one then ends cancelled, superseded). A holder enqueued after that look, in
@@ -653,10 +653,14 @@ def fold_channel_deltas(
 
 
 def retry_failed_messages(ids: Sequence[int], *, using: str | None = None) -> list[int]:
-    """Make failed messages ready again; idempotent. Returns the ids retried now."""
+    """Make failed messages ready again; idempotent. Returns the ids retried now.
+
+    A unique job whose key another message holds stays failed; a holder enqueued in the
+    instant between the statement's look and its write makes it run again (see
+    :func:`_run_back_to_queue`), and the second run sees the holder."""
     if not ids:
         return []
-    return [r[0] for r in _run("retry_failed_messages", {"ids": list(ids)}, using)]
+    return [r[0] for r in _run_back_to_queue("retry_failed_messages", {"ids": list(ids)}, using)]
 
 
 def select_failed_message_ids(

@@ -188,6 +188,43 @@ def test_a_returning_message_whose_key_was_taken_meanwhile_is_superseded(how: st
     assert_counters_match_table()
 
 
+@pytest.mark.django_db(transaction=True)
+def test_retrying_a_failed_unique_job_while_a_holder_commits_leaves_it_failed() -> None:
+    """A holder of the key enqueued by another transaction that commits while the retry is
+    writing: the retry's write meets the unique index, runs again, sees the holder and leaves
+    the failed job failed (it used to raise IntegrityError to the operator)."""
+    import threading
+
+    from django.db import connections
+
+    first = fairtasks.add.enqueue(1, 1, channel="acme", unique_key="k")
+    (m,) = claim()
+    store.fail_messages([(m.id, m.lease_token, {"type": "E"}, None)])
+    inserted, release = threading.Event(), threading.Event()
+    out: dict[str, Any] = {}
+
+    def holder() -> None:
+        try:
+            with transaction.atomic():
+                out["newer"] = fairtasks.add.enqueue(2, 2, channel="acme", unique_key="k")
+                inserted.set()
+                release.wait(10)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert inserted.wait(10)
+    # The retry's snapshot does not see the uncommitted holder; its write waits on the index
+    # entry until the holder commits (released a moment after the retry started).
+    threading.Timer(0.3, release.set).start()
+    assert store.retry_failed_messages([first]) == []
+    thread.join(10)
+    assert Message.objects.get(pk=first).state == "failed"
+    assert Message.objects.get(pk=out["newer"]).state == "ready"
+    assert_counters_match_table()
+
+
 @pytest.mark.django_db
 def test_retrying_a_failed_unique_job_leaves_it_failed_while_another_holds_the_key() -> None:
     first = fairtasks.add.enqueue(1, 1, channel="acme", unique_key="k")
