@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, OperationalError, transaction
 
 from django_fairqueue import conf, cron, store
 from django_fairqueue.cron import ScheduleSpec
@@ -456,11 +456,21 @@ class Scheduler:
         if not self.synced:
             try:
                 sync()
+                self.synced = True
             except InvalidSchedule as exc:
                 # A declaration this release gets wrong must not stop the schedules already in
                 # the table (the admin's, the code's as last synced): say so, and fire them.
                 logger.error("code schedules not synced: %s", exc)
-            self.synced = True
+                self.synced = True
+            except OperationalError as exc:
+                if not store.is_lock_timeout(exc):
+                    raise
+                # Another process holds the sync's lock (syncing, or frozen in the middle of
+                # it): fire what the table has now and sync at the next pass.
+                logger.warning(
+                    "code schedules not synced yet: another process holds the sync lock; "
+                    "trying again at the next pass"
+                )
         self.firer.limit = self.limit
         fired = self.firer.fire_due()
         self._next_in = self.firer.seconds_to_next()

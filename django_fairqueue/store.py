@@ -1456,8 +1456,20 @@ def select_schedule_states(
     return {row[0]: ScheduleState(*row) for row in rows}
 
 
+#: Longest wait for the schedule sync's lock (another process syncing, or frozen mid-sync).
+SCHEDULE_SYNC_LOCK_TIMEOUT = "5s"
+
+
 def lock_schedule_sync(*, using: str | None = None) -> None:
-    _run("lock_schedule_sync", {}, using)
+    """Take the schedule sync's lock for this transaction; raises ``OperationalError``
+    (SQLSTATE 55P03, see :func:`is_lock_timeout`) after ``SCHEDULE_SYNC_LOCK_TIMEOUT``."""
+    _run("lock_schedule_sync", {"lock_timeout": SCHEDULE_SYNC_LOCK_TIMEOUT}, using)
+
+
+def is_lock_timeout(exc: BaseException) -> bool:
+    """Whether a database error is a lock wait that ran out (SQLSTATE 55P03)."""
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    return getattr(cause, "sqlstate", None) == "55P03"
 
 
 def prune_schedule_fires(before: datetime, *, limit: int = 10_000, using: str | None = None) -> int:

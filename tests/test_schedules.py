@@ -655,3 +655,47 @@ def test_the_scheduler_wakes_at_the_next_slot_unjittered() -> None:
     runner = MaintenanceRunner([], stop=None)  # type: ignore[arg-type]
     # the other services get ±10%; a precise one wakes exactly when it asked
     assert {runner._pass(Quick()) for _ in range(20)} == {1.234}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_process_frozen_mid_sync_delays_no_other_workers_maintenance(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker stopped (SIGSTOP, a VM pause) inside its sync holds the sync's lock: another
+    worker's scheduler gives up waiting after the lock timeout, fires what the table has and
+    syncs at a later pass, so its maintenance loop (and the rescue of expired leases with it)
+    goes on. It used to wait for the lock for ever."""
+    import threading
+    import time
+
+    from django.db import connections, transaction
+
+    monkeypatch.setattr(store, "SCHEDULE_SYNC_LOCK_TIMEOUT", "200ms")
+    holding, release = threading.Event(), threading.Event()
+
+    def frozen_sync() -> None:
+        try:
+            with transaction.atomic():
+                store.lock_schedule_sync()
+                holding.set()
+                release.wait(20)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=frozen_sync)
+    thread.start()
+    try:
+        assert holding.wait(10)
+        scheduler = schedules.Scheduler()
+        began = time.monotonic()
+        scheduler.run_once()
+        assert time.monotonic() - began < 5
+        assert not scheduler.synced  # tried again at the next pass
+    finally:
+        release.set()
+        thread.join(10)
+    scheduler.run_once()
+    assert scheduler.synced
+    with connection.cursor() as cur:  # the previous lock_timeout is back after the lock
+        cur.execute("SHOW lock_timeout")
+        assert cur.fetchone() == ("0",)

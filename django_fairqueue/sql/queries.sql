@@ -1138,7 +1138,16 @@ WHERE s.id = ANY(%(ids)s::bigint[]);
 -- name: lock_schedule_sync
 -- Serialises the syncs of code-declared schedules (workers starting together): an advisory
 -- lock of its own namespace (26229), held to commit and taken before any schedule row.
-SELECT pg_advisory_xact_lock(26229, 0);
+-- The wait is bounded by `lock_timeout` (then SQLSTATE 55P03): a worker frozen in the middle
+-- of its sync must not hold every other worker's maintenance (and so its rescues) with it.
+-- The transaction's previous lock_timeout is put back once the lock is held.
+WITH prev AS MATERIALIZED (
+    SELECT current_setting('lock_timeout') AS v,
+           set_config('lock_timeout', %(lock_timeout)s::text, true) AS s
+), locked AS MATERIALIZED (
+    SELECT pg_advisory_xact_lock(26229, 0) FROM prev
+)
+SELECT set_config('lock_timeout', (SELECT v FROM prev), true) FROM locked;
 
 -- name: prune_schedule_fires
 -- Forget fired slots older than `before`, at most `limit` (fq_fire_fired_idx): a schedule's
