@@ -127,6 +127,12 @@ def run_statement(
         return cur.fetchall()
 
 
+def is_lock_timeout(exc: BaseException) -> bool:
+    """Whether a database error is a lock wait that ran out (SQLSTATE 55P03)."""
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    return getattr(cause, "sqlstate", None) == "55P03"
+
+
 def _run(name: str, params: dict[str, Any], using: str | None = None) -> list[tuple[Any, ...]]:
     return run_statement(queries()[name], params, using)
 
@@ -434,7 +440,7 @@ def create_channels(
         with _own_connection(using) as side, _cursor(side.alias, wrapper=side) as cur:
             cur.execute(queries()["create_channels"], params, prepare=False, binary=True)
     except DatabaseError as exc:
-        if getattr(exc.__cause__, "sqlstate", None) != "55P03":  # lock_not_available
+        if not is_lock_timeout(exc):
             raise
 
 
@@ -534,7 +540,7 @@ def _run_claim(name: str, params: dict[str, Any], using: str | None) -> list[tup
     try:
         return _run(name, {**params, "wait_ms": wait_ms}, using)
     except DatabaseError as exc:
-        if getattr(exc.__cause__, "sqlstate", None) != "55P03":  # lock_not_available
+        if not is_lock_timeout(exc):
             raise
     return []
 
@@ -1464,12 +1470,6 @@ def lock_schedule_sync(*, using: str | None = None) -> None:
     """Take the schedule sync's lock for this transaction; raises ``OperationalError``
     (SQLSTATE 55P03, see :func:`is_lock_timeout`) after ``SCHEDULE_SYNC_LOCK_TIMEOUT``."""
     _run("lock_schedule_sync", {"lock_timeout": SCHEDULE_SYNC_LOCK_TIMEOUT}, using)
-
-
-def is_lock_timeout(exc: BaseException) -> bool:
-    """Whether a database error is a lock wait that ran out (SQLSTATE 55P03)."""
-    cause = exc.__cause__ if exc.__cause__ is not None else exc
-    return getattr(cause, "sqlstate", None) == "55P03"
 
 
 def prune_schedule_fires(before: datetime, *, limit: int = 10_000, using: str | None = None) -> int:
