@@ -799,19 +799,12 @@ BEGIN
     -- fq_message_lease_iff_running), and a state condition would be answered with the partial
     -- index of running rows, scanning all of them instead of primary-key lookups.
     --
-    -- The statement below locks the plain rows (DELETE) before the kept ones (UPDATE), each
-    -- set in id order but the two together not: a batch mixing both would lock out of id
-    -- order and could deadlock with a heartbeat of the same rows, which locks in id order (a
-    -- worker running django.tasks tasks beside native ones settles such batches). Such a
-    -- batch locks all its rows in id order first. A read-only probe finds out, so batches of
-    -- one kind (nearly all) pay no extra lock.
-    IF cardinality(p_ids) > 1
-       AND EXISTS (SELECT FROM fairqueue_message m
-                   WHERE m.id = ANY (p_ids) AND m.lease_token = ANY (p_tokens) AND m.keep_result)
-       AND EXISTS (SELECT FROM fairqueue_message m
-                   WHERE m.id = ANY (p_ids) AND m.lease_token = ANY (p_tokens)
-                     AND NOT m.keep_result)
-    THEN
+    -- Rows are locked in id order first, as every statement that waits for message rows
+    -- locks them (the lock order in docs/explanation/fairness.md). Left to itself the statement
+    -- below locks in whatever order its plan visits rows (a sequential or bitmap scan: physical
+    -- order; and plain rows before kept ones), and an abort() waiting for these rows in id
+    -- order, or a heartbeat, deadlocked with it. One row needs no order.
+    IF cardinality(p_ids) > 1 THEN
         PERFORM FROM fairqueue_message m
         WHERE m.id = ANY (p_ids) AND m.lease_token = ANY (p_tokens)
         ORDER BY m.id
