@@ -103,10 +103,11 @@ def test_the_rule_sees_the_package() -> None:
 
 
 # Sets Django up without the optional apps, imports every module of the queue and prints the
-# modules of django_fairqueue.contrib that got loaded. pipeline/spark.py needs PySpark (an
-# extra), so it is left out when PySpark is absent.
+# modules of django_fairqueue.contrib that got loaded. The pipeline's Spark modules need PySpark
+# (an extra), so they are left out when PySpark is absent.
 PROBE = """
 import importlib, importlib.util, json, sys
+NEEDS_PYSPARK = {"django_fairqueue.pipeline.spark", "django_fairqueue.pipeline.compile"}
 import django
 from django.conf import settings
 settings.configure(
@@ -120,7 +121,7 @@ settings.configure(
 )
 django.setup()
 for name in json.loads(sys.argv[1]):
-    if name == "django_fairqueue.pipeline.spark" and importlib.util.find_spec("pyspark") is None:
+    if name in NEEDS_PYSPARK and importlib.util.find_spec("pyspark") is None:
         continue
     importlib.import_module(name)
 from django.core.management import get_commands
