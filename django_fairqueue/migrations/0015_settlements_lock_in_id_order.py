@@ -4,8 +4,12 @@
 plain messages; otherwise in the order its plan visited them (a sequential or bitmap scan
 follows the table's physical order). An ``abort()`` waiting for the same rows in id order could
 then deadlock with it. The function now locks every batch of more than one row in id order
-first, as every statement that waits for message rows does. Same signature: the functions are
-installed again from this migration's own copy (``sql/0015_*.sql``).
+first, as every statement that waits for message rows does.
+
+``fairqueue_unique_key_held_v1`` is new: whether another message holds a unique key, the test
+that the settlements, the rescue and an operator's retry of a unique job each spelled out.
+
+The functions are installed again from this migration's own copy (``sql/0015_*.sql``).
 """
 
 from django.db import migrations
@@ -19,6 +23,7 @@ class Migration(migrations.Migration):
     operations = [
         migrations.RunSQL(
             migration_sql("0015_settlements_lock_in_id_order"),
-            migration_sql("0013_fairness_by_time"),
+            "DROP FUNCTION fairqueue_unique_key_held_v1(bigint, text);\n"
+            + migration_sql("0013_fairness_by_time"),
         ),
     ]

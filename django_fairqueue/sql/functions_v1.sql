@@ -753,6 +753,24 @@ END;
 $$;
 
 
+-- Whether another message holds a unique key of a channel: one waiting (ready or scheduled),
+-- or one running with scope 'active' (the predicate of fq_message_unique_idx, which answers
+-- it). A unique job going back to the queue (a retry, a release, a rescue of scope 'queued';
+-- an operator's retry of a dead letter) whose key another message took meanwhile is
+-- superseded by that message: it ends cancelled (or stays failed) rather than queue twice.
+-- Not inlined (a subquery prevents it): callers test `unique_key IS NOT NULL` first, so a
+-- message without a key never pays for the call.
+CREATE OR REPLACE FUNCTION fairqueue_unique_key_held_v1(p_channel_id bigint, p_unique_key text)
+RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (
+        SELECT FROM fairqueue_message o
+        WHERE o.channel_id = p_channel_id AND o.unique_key = p_unique_key
+          AND (o.state IN ('ready', 'scheduled')
+               OR (o.state = 'running' AND o.unique_scope = 'active')))
+$$;
+
+
 -- The run time a settlement records for a message claimed at p_claimed_at: what its worker
 -- measured (p_reported, seconds on the worker's monotonic clock), but never more than the
 -- database's clock says has passed since the claim, nor less than 0; unreported, the time

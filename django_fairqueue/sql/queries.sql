@@ -106,11 +106,8 @@ WITH t AS MATERIALIZED (
            + (%(retry_in)s::interval[])[array_position(%(ids)s::bigint[], m.id)] AS retry_at,
            m.attempts >= m.max_attempts AS exhausted,
            m.abort_requested_at IS NOT NULL AS aborted,
-           (m.unique_key IS NOT NULL AND m.unique_scope = 'queued' AND EXISTS (
-               SELECT FROM fairqueue_message o
-               WHERE o.channel_id = m.channel_id AND o.unique_key = m.unique_key
-                 AND (o.state IN ('ready', 'scheduled')
-                      OR (o.state = 'running' AND o.unique_scope = 'active')))) AS superseded,
+           (m.unique_key IS NOT NULL AND m.unique_scope = 'queued'
+            AND fairqueue_unique_key_held_v1(m.channel_id, m.unique_key)) AS superseded,
            fairqueue_run_seconds_v1(
                (%(runs)s::float8[])[array_position(%(ids)s::bigint[], m.id)], m.claimed_at) AS run
     FROM fairqueue_message m
@@ -162,11 +159,8 @@ SELECT id, state FROM failed;
 WITH t AS MATERIALIZED (
     SELECT m.id,
            m.abort_requested_at IS NOT NULL AS aborted,
-           (m.unique_key IS NOT NULL AND m.unique_scope = 'queued' AND EXISTS (
-               SELECT FROM fairqueue_message o
-               WHERE o.channel_id = m.channel_id AND o.unique_key = m.unique_key
-                 AND (o.state IN ('ready', 'scheduled')
-                      OR (o.state = 'running' AND o.unique_scope = 'active')))) AS superseded
+           (m.unique_key IS NOT NULL AND m.unique_scope = 'queued'
+            AND fairqueue_unique_key_held_v1(m.channel_id, m.unique_key)) AS superseded
     FROM fairqueue_message m
     WHERE m.id = ANY (%(ids)s::bigint[])
       AND m.lease_token = ANY (%(tokens)s::uuid[])
@@ -207,22 +201,15 @@ WITH expired AS (
     SET state = CASE
             WHEN m.abort_requested_at IS NOT NULL THEN 'aborted'
             WHEN m.attempts >= m.max_attempts THEN 'failed'
-            WHEN m.unique_key IS NOT NULL AND m.unique_scope = 'queued' AND EXISTS (
-                SELECT FROM fairqueue_message o
-                WHERE o.channel_id = m.channel_id AND o.unique_key = m.unique_key
-                  AND (o.state IN ('ready', 'scheduled')
-                       OR (o.state = 'running' AND o.unique_scope = 'active'))) THEN 'cancelled'
+            WHEN m.unique_key IS NOT NULL AND m.unique_scope = 'queued'
+                 AND fairqueue_unique_key_held_v1(m.channel_id, m.unique_key) THEN 'cancelled'
             ELSE 'ready'
         END,
         finished_at = CASE
             WHEN m.abort_requested_at IS NOT NULL OR m.attempts >= m.max_attempts
                 THEN clock_timestamp()
-            WHEN m.unique_key IS NOT NULL AND m.unique_scope = 'queued' AND EXISTS (
-                SELECT FROM fairqueue_message o
-                WHERE o.channel_id = m.channel_id AND o.unique_key = m.unique_key
-                  AND (o.state IN ('ready', 'scheduled')
-                       OR (o.state = 'running' AND o.unique_scope = 'active')))
-                THEN clock_timestamp()
+            WHEN m.unique_key IS NOT NULL AND m.unique_scope = 'queued'
+                 AND fairqueue_unique_key_held_v1(m.channel_id, m.unique_key) THEN clock_timestamp()
         END,
         last_error = jsonb_build_object(
             'type', 'LeaseExpired',
@@ -266,11 +253,8 @@ WITH failed AS MATERIALIZED (
         abort_requested_at = NULL
     FROM failed
     WHERE m.id = failed.id
-      AND NOT (m.unique_key IS NOT NULL AND EXISTS (
-          SELECT FROM fairqueue_message o
-          WHERE o.channel_id = m.channel_id AND o.unique_key = m.unique_key
-            AND (o.state IN ('ready', 'scheduled')
-                 OR (o.state = 'running' AND o.unique_scope = 'active'))))
+      AND NOT (m.unique_key IS NOT NULL
+               AND fairqueue_unique_key_held_v1(m.channel_id, m.unique_key))
     RETURNING m.id, m.channel_id
 ), delta AS (
     INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
