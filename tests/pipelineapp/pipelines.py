@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from django_fairqueue.pipeline import Sink, Source, pipeline
+from django_fairqueue.contrib.pipeline import Sink, Source, pipeline
 from tests.pipelineapp.models import DataRow, JsonResultRow, ResultRow
 
 FORMULAS: dict[str, list[str]] = {

@@ -2,7 +2,7 @@
 
 ::
 
-    from django_fairqueue.pipeline import Sink, Source, pipeline
+    from django_fairqueue.contrib.pipeline import Sink, Source, pipeline
 
     @pipeline(
         name="analytics.enrich",
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from django_fairqueue.pipeline.formulas import DEFAULT_FUNCTIONS
+from django_fairqueue.contrib.pipeline.formulas import DEFAULT_FUNCTIONS
 
 _PIPELINE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}$")
 

@@ -32,7 +32,8 @@ STAGING_PREFIX = "fq_stage_"
 @cache
 def templates() -> dict[str, str]:
     """Named templates of sql/pipeline.sql, loaded once (without their comment lines)."""
-    text = resources.files("django_fairqueue").joinpath("sql/pipeline.sql").read_text("utf-8")
+    package = resources.files("django_fairqueue.contrib.pipeline")
+    text = package.joinpath("sql/pipeline.sql").read_text("utf-8")
     parts = _NAME_RE.split(text)
     named: dict[str, str] = {}
     for name, body in zip(parts[1::2], parts[2::2], strict=True):

@@ -38,9 +38,9 @@ from typing import Any
 
 from django.db import transaction
 
-from django_fairqueue.pipeline import datastore
-from django_fairqueue.pipeline.core import Pipeline, parse_job_name, registry
-from django_fairqueue.pipeline.formulas import (
+from django_fairqueue.contrib.pipeline import datastore
+from django_fairqueue.contrib.pipeline.core import Pipeline, parse_job_name, registry
+from django_fairqueue.contrib.pipeline.formulas import (
     BOOL,
     DATE,
     DECIMAL,
@@ -51,7 +51,7 @@ from django_fairqueue.pipeline.formulas import (
     parse_formulas,
     split_formulas,
 )
-from django_fairqueue.pipeline.spark import spark_settings
+from django_fairqueue.contrib.pipeline.spark import spark_settings
 
 logger = logging.getLogger("django_fairqueue.pipeline")
 
@@ -196,7 +196,7 @@ def apply_transform(
     """
     from pyspark.sql import functions as F
 
-    from django_fairqueue.pipeline import compile as fc
+    from django_fairqueue.contrib.pipeline import compile as fc
 
     present: set[str]
     errors: dict[str, Any] = {}
@@ -312,7 +312,7 @@ def run_range(
     """One Spark job: read ids start..end in sub-ranges, transform, write.
 
     With ``staging``, each task COPYs its rows into the staging table (the atomic path); with
-    ``sink`` (a :class:`~django_fairqueue.pipeline.datastore.SinkWriteSpec`), each task
+    ``sink`` (a :class:`~django_fairqueue.contrib.pipeline.datastore.SinkWriteSpec`), each task
     upserts them into the sink in its own transaction, fenced on the batch's lease.
     """
     if (staging is None) == (sink is None):
@@ -430,7 +430,7 @@ class _Plans:
         rows = _source_frame(spark, prepared, 0, parts - 1, None)
         names: dict[str, Any] = {}
         if aggregates is not None:
-            from django_fairqueue.pipeline import compile as fc
+            from django_fairqueue.contrib.pipeline import compile as fc
 
             assert prepared.formulas is not None
             rows, names = fc.join_aggregates(
@@ -460,7 +460,7 @@ plans = _Plans()
 
 def executor_conninfo(alias: str) -> str:
     """How Spark tasks connect to the database: every libpq option of ``alias``'s settings."""
-    from django_fairqueue.pipeline import spark
+    from django_fairqueue.contrib.pipeline import spark
 
     return spark.executor_conninfo(alias)
 
@@ -504,7 +504,7 @@ class JobCancelled(RuntimeError):
 
 def pinned(job_name: str, using: str) -> Any:
     """The job's :class:`~django_fairqueue.models.PipelineJob` (its pinned formulas), or None."""
-    from django_fairqueue.models import PipelineJob
+    from django_fairqueue.contrib.pipeline.models import PipelineJob
 
     return PipelineJob.objects.using(using).filter(job_name=job_name).first()
 
@@ -532,8 +532,8 @@ class _AggregateCache:
     def get(self, spark: Any, prepared: Prepared, job_name: str, job_group: str | None) -> Any:
         from django.db.models import Max, Min
 
+        from django_fairqueue.contrib.pipeline import compile as fc
         from django_fairqueue.models import WorkBatch
-        from django_fairqueue.pipeline import compile as fc
 
         assert prepared.formulas is not None
         bounds = (
@@ -579,7 +579,7 @@ def _json_value(value: Any) -> Any:
 
 
 def _typed_value(value: Any, value_type: str) -> Any:
-    from django_fairqueue.pipeline.formulas import DATE_T
+    from django_fairqueue.contrib.pipeline.formulas import DATE_T
 
     if value is None:
         return None
@@ -590,7 +590,7 @@ def _typed_value(value: Any, value_type: str) -> Any:
 
 def _decode_aggregates(prepared: Prepared, stored: Any) -> Any:
     """Phase one's values from their JSON form (None if they do not fit the formulas)."""
-    from django_fairqueue.pipeline import compile as fc
+    from django_fairqueue.contrib.pipeline import compile as fc
 
     assert prepared.formulas is not None
     shapes = fc.aggregate_shapes(prepared.formulas)
@@ -609,7 +609,7 @@ def _decode_aggregates(prepared: Prepared, stored: Any) -> Any:
 
 
 def _stored_aggregates(prepared: Prepared, job_name: str, lo: int, hi: int) -> Any:
-    from django_fairqueue.models import PipelineJob
+    from django_fairqueue.contrib.pipeline.models import PipelineJob
 
     assert prepared.formulas is not None
     job = PipelineJob.objects.using(prepared.pipeline.alias).filter(job_name=job_name).first()
@@ -624,7 +624,7 @@ def _stored_aggregates(prepared: Prepared, job_name: str, lo: int, hi: int) -> A
 def _store_aggregates(prepared: Prepared, job_name: str, lo: int, hi: int, values: Any) -> Any:
     """Store phase one's values with the job unless another worker stored them first; return
     the stored ones (so that every worker computes with the same)."""
-    from django_fairqueue.models import PipelineJob
+    from django_fairqueue.contrib.pipeline.models import PipelineJob
 
     assert prepared.formulas is not None
     payload = {
@@ -716,7 +716,7 @@ def execute_batch(
 
 def _settle_job(alias: str, job_name: str, errors: dict[str, int]) -> None:
     """Inside the batch's fence: refuse if the job was cancelled, add the error counts."""
-    from django_fairqueue.models import PipelineJob
+    from django_fairqueue.contrib.pipeline.models import PipelineJob
 
     job = PipelineJob.objects.using(alias).select_for_update().filter(job_name=job_name).first()
     if job is None:

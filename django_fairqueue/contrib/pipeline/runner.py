@@ -27,11 +27,14 @@ from django.utils import timezone
 
 from django_fairqueue import batches, conf
 from django_fairqueue._runtime import StopFlag
-from django_fairqueue.exceptions import LeaseLost
-from django_fairqueue.models import BatchState, PipelineJob, WorkBatch
-from django_fairqueue.pipeline import cluster
-from django_fairqueue.pipeline.core import Pipeline, UnknownPipeline, parse_job_name, registry
-from django_fairqueue.pipeline.execute import (
+from django_fairqueue.contrib.pipeline import cluster
+from django_fairqueue.contrib.pipeline.core import (
+    Pipeline,
+    UnknownPipeline,
+    parse_job_name,
+    registry,
+)
+from django_fairqueue.contrib.pipeline.execute import (
     BatchOutcome,
     JobCancelled,
     PipelineError,
@@ -39,7 +42,10 @@ from django_fairqueue.pipeline.execute import (
     execute_batch,
     prepare,
 )
-from django_fairqueue.pipeline.formulas import FormulaError
+from django_fairqueue.contrib.pipeline.formulas import FormulaError
+from django_fairqueue.contrib.pipeline.models import PipelineJob
+from django_fairqueue.exceptions import LeaseLost
+from django_fairqueue.models import BatchState, WorkBatch
 
 logger = logging.getLogger("django_fairqueue.pipeline")
 
@@ -288,7 +294,7 @@ class PipelineRunner:
         (:class:`~.spark.SparkClusterError`). Later infrastructure errors pause the runner; with
         ``burst`` they stop it, raising the :class:`~.cluster.InfrastructureError`.
         """
-        from django_fairqueue.pipeline.spark import describe_session, get_session
+        from django_fairqueue.contrib.pipeline.spark import describe_session, get_session
 
         patterns = job_patterns(self.pipelines)
         if self.spark is None:
@@ -346,7 +352,11 @@ class PipelineRunner:
 
     def _check(self) -> None:
         """Before claiming: check the executors (once, then again after each pause)."""
-        from django_fairqueue.pipeline.spark import executor_conninfo, get_session, spark_settings
+        from django_fairqueue.contrib.pipeline.spark import (
+            executor_conninfo,
+            get_session,
+            spark_settings,
+        )
 
         if self.spark is None:  # the session stopped and was dropped: build a new one
             self.spark = get_session()
@@ -380,7 +390,7 @@ class PipelineRunner:
 
     def _pause_for(self, error: cluster.InfrastructureError, cause: BaseException) -> None:
         """Pause after an infrastructure error (stop, raising it, in burst mode)."""
-        from django_fairqueue.pipeline.spark import spark_settings, stop_session
+        from django_fairqueue.contrib.pipeline.spark import spark_settings, stop_session
 
         settings = spark_settings()
         self.stats.paused += 1

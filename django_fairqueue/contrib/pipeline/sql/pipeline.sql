@@ -1,11 +1,11 @@
 -- django-fairqueue: every statement the Spark pipeline runs against user tables (data plane).
 --
--- Each template starts with `-- name: verb_noun` and a one-line description; only
--- django_fairqueue/pipeline/datastore.py loads and runs them. Identifiers ({table}, {columns},
--- ...) are filled with psycopg.sql.Identifier, never with text; values are psycopg named
+-- Each template starts with `-- name: verb_noun` and a one-line description; only the
+-- pipeline app's datastore.py loads and runs them. Identifiers ({table}, {columns}, ...) are
+-- filled with psycopg.sql.Identifier, never with text; values are psycopg named
 -- placeholders %(name)s, always bound (COPY statements are bound client-side by psycopg).
--- Queue statements (work batches) live in queries.sql and run through store.py, except
--- lock_batch_for_write: the fence Spark tasks run themselves, without Django (see there).
+-- Queue statements (work batches) live in the queue's sql/queries.sql, run through store.py,
+-- except lock_batch_for_write: the fence Spark tasks run themselves, without Django (see there).
 
 -- name: column_types
 -- The columns of a table, in order: name, PostgreSQL type name, precision and scale of numerics.

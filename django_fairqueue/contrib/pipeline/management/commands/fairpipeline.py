@@ -87,7 +87,11 @@ class Command(BaseCommand):
         getattr(self, f"_{action}")(options)
 
     def _require_spark(self) -> None:
-        from django_fairqueue.pipeline.spark import SparkUnavailable, require_java, require_pyspark
+        from django_fairqueue.contrib.pipeline.spark import (
+            SparkUnavailable,
+            require_java,
+            require_pyspark,
+        )
 
         try:
             require_pyspark()
@@ -96,11 +100,11 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
 
     def _pipeline_errors(self) -> tuple[type[Exception], ...]:
-        from django_fairqueue.pipeline.cluster import InfrastructureError
-        from django_fairqueue.pipeline.core import UnknownPipeline
-        from django_fairqueue.pipeline.execute import PipelineError
-        from django_fairqueue.pipeline.formulas import FormulaError
-        from django_fairqueue.pipeline.spark import SparkUnavailable
+        from django_fairqueue.contrib.pipeline.cluster import InfrastructureError
+        from django_fairqueue.contrib.pipeline.core import UnknownPipeline
+        from django_fairqueue.contrib.pipeline.execute import PipelineError
+        from django_fairqueue.contrib.pipeline.formulas import FormulaError
+        from django_fairqueue.contrib.pipeline.spark import SparkUnavailable
 
         return (
             FormulaError,
@@ -114,7 +118,7 @@ class Command(BaseCommand):
     # ---- plan
 
     def _plan(self, options: dict[str, Any]) -> None:
-        from django_fairqueue.pipeline.runner import plan
+        from django_fairqueue.contrib.pipeline.runner import plan
 
         if options["batch_size"] is not None and options["batch_size"] < 1:
             raise CommandError("--batch-size must be at least 1")
@@ -146,7 +150,7 @@ class Command(BaseCommand):
     # ---- cancel
 
     def _cancel(self, options: dict[str, Any]) -> None:
-        from django_fairqueue.pipeline.runner import cancel
+        from django_fairqueue.contrib.pipeline.runner import cancel
 
         try:
             dropped = cancel(options["pipeline"], tenants=options["tenant"])
@@ -162,7 +166,7 @@ class Command(BaseCommand):
     # ---- run
 
     def _run(self, options: dict[str, Any]) -> None:
-        from django_fairqueue.pipeline.runner import PipelineRunner
+        from django_fairqueue.contrib.pipeline.runner import PipelineRunner
         from django_fairqueue.worker import default_worker_id
 
         for name in ("lease", "poll_interval"):
@@ -217,11 +221,11 @@ class Command(BaseCommand):
         prefix = f"{name}:" if name else None
         jobs = batches.jobs(prefix=prefix)
         if not name:
-            from django_fairqueue.pipeline.core import registry
+            from django_fairqueue.contrib.pipeline.core import registry
 
             known = tuple(f"{n}:" for n in registry.names())
             jobs = [job for job in jobs if job.job_name.startswith(known)] if known else []
-        from django_fairqueue.models import PipelineJob
+        from django_fairqueue.contrib.pipeline.models import PipelineJob
 
         pinned = {
             p.job_name: p
@@ -266,7 +270,7 @@ class Command(BaseCommand):
 
     def _retry(self, options: dict[str, Any]) -> None:
         from django_fairqueue import batches
-        from django_fairqueue.pipeline.core import registry
+        from django_fairqueue.contrib.pipeline.core import registry
 
         try:
             pipeline = registry.get(options["pipeline"])
@@ -287,7 +291,7 @@ class Command(BaseCommand):
 
     def _bench(self, options: dict[str, Any]) -> None:
         from django_fairqueue import conf
-        from django_fairqueue.pipeline import bench
+        from django_fairqueue.contrib.pipeline import bench
 
         sizes = options["rows"] or [1_000_000]
         if any(n < 2 for n in sizes):
