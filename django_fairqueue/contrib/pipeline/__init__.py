@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "FormulaError",
+    "LongSink",
     "Pipeline",
     "PipelineError",
     "PipelineRunner",
@@ -32,6 +33,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from django_fairqueue.contrib.pipeline.core import (
+        LongSink,
         Pipeline,
         Sink,
         Source,
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from django_fairqueue.contrib.pipeline.spark import SparkUnavailable
 
 _WHERE = {
+    "LongSink": "core",
     "Pipeline": "core",
     "Sink": "core",
     "Source": "core",

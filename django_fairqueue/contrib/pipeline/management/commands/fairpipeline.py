@@ -1,8 +1,9 @@
-"""``manage.py fairpipeline plan|run|status|retry|cancel|bench``: the Spark data pipeline.
+"""``manage.py fairpipeline plan|recompute|run|status|retry|cancel|bench``: the Spark data
+pipeline.
 
 Needs the ``spark`` extra for ``run`` and ``bench`` (``pip install 'django-fairqueue[spark]'``);
-``plan`` checks formulas without Spark; ``status``, ``retry`` and ``cancel`` only read and
-update jobs and work batches. Guide: docs/howto/spark-pipeline.md.
+``plan`` and ``recompute`` check formulas without Spark; ``status``, ``retry`` and ``cancel``
+only read and update jobs and work batches. Guide: docs/howto/spark-pipeline.md.
 """
 
 from __future__ import annotations
@@ -43,6 +44,25 @@ class Command(BaseCommand):
             "--rerun",
             action="store_true",
             help="Plan finished jobs again from the start (every row recomputed).",
+        )
+        plan.add_argument(
+            "--output",
+            choices=["sink", "long"],
+            help="Where the jobs write: the pipeline's sink, or its long sink (default: the "
+            "job's current output; sink for a new job). A change plans the job anew.",
+        )
+
+        recompute = sub.add_parser(
+            "recompute",
+            help="Recompute what changed since each tenant's last successful run: every row "
+            "if its formulas changed, else only the rows changed (Source changed_column).",
+        )
+        recompute.add_argument("pipeline")
+        recompute.add_argument("--tenant", action="append", help="Only this tenant (repeatable).")
+        recompute.add_argument("--batch-size", type=int, help="Rows per batch.")
+        recompute.add_argument("--output", choices=["sink", "long"], help="As for plan.")
+        recompute.add_argument(
+            "--dry-run", action="store_true", help="Say what would be recomputed; plan nothing."
         )
 
         cancel = sub.add_parser(
@@ -129,6 +149,7 @@ class Command(BaseCommand):
                 batch_size=options["batch_size"],
                 progress=options["verbosity"] >= 1 and sys.stderr.isatty(),
                 rerun=options["rerun"],
+                output=options["output"],
             )
         except self._pipeline_errors() as exc:
             raise CommandError(str(exc)) from None
@@ -145,6 +166,46 @@ class Command(BaseCommand):
             raise CommandError(
                 f"{len(report.refused)} of {len(report.refused) + len(report.planned)} tenants "
                 "not planned (above); the others are"
+            )
+
+    # ---- recompute
+
+    def _recompute(self, options: dict[str, Any]) -> None:
+        from django_fairqueue.contrib.pipeline.runner import recompute
+
+        if options["batch_size"] is not None and options["batch_size"] < 1:
+            raise CommandError("--batch-size must be at least 1")
+        try:
+            report = recompute(
+                options["pipeline"],
+                tenants=options["tenant"],
+                output=options["output"],
+                batch_size=options["batch_size"],
+                dry_run=options["dry_run"],
+                progress=options["verbosity"] >= 1 and sys.stderr.isatty(),
+            )
+        except self._pipeline_errors() as exc:
+            raise CommandError(str(exc)) from None
+        name = options["pipeline"]
+        for decided in report.tenants:
+            what = {"all": "every row", "changed": "changed rows", "none": "up to date"}
+            line = f"{name}:{decided.tenant} (formulas {decided.version}): "
+            line += f"{what[decided.scope]}: {decided.reason}"
+            if decided.planned is not None:
+                planned = decided.planned
+                line += (
+                    f"; {planned.created} new batches ({planned.rows_planned:,} rows), "
+                    f"{planned.seconds:.1f} s"
+                )
+            elif decided.scope != "none":
+                line += " (dry run: nothing planned)"
+            self.stdout.write(line)
+        for refusal in report.refused.values():
+            self.stderr.write(f"not recomputed: {refusal}")
+        if report.refused:
+            raise CommandError(
+                f"{len(report.refused)} of {len(report.refused) + len(report.tenants)} tenants "
+                "not recomputed (above); the others are"
             )
 
     # ---- cancel
