@@ -20,9 +20,19 @@ from django_fairqueue.contrib.pipeline import appconf
 from django_fairqueue.contrib.pipeline.models import PipelineJob
 from django_fairqueue.contrib.pipeline.spark import spark_settings
 
-BEFORE_THE_MOVE = ("fairqueue", "0014_periodic_schedules")
-MOVE = ("fairqueue", "0019_pipeline_job_to_its_app")
 APP = "fairqueue_pipeline"
+
+
+def _move() -> tuple[tuple[str, str], tuple[str, str]]:
+    """The queue's migration that gave the model up (the one the app's first migration
+    follows), and the one before it."""
+    graph = MigrationLoader(None, ignore_no_migrations=True).graph
+    (move,) = [p for p in graph.node_map[(APP, "0001_initial")].parents if p[0] == "fairqueue"]
+    (before,) = [p for p in graph.node_map[move].parents if p[0] == "fairqueue"]
+    return move.key, before.key
+
+
+MOVE, BEFORE_THE_MOVE = _move()
 
 
 def table_oid() -> int:
@@ -87,6 +97,7 @@ def test_migrating_from_before_the_move_keeps_the_jobs_and_their_permissions() -
 
 
 def test_the_queue_state_no_longer_has_the_model() -> None:
+    assert MOVE[1].endswith("_pipeline_job_to_its_app")
     loader = MigrationLoader(None, ignore_no_migrations=True)
     queue = loader.project_state([MOVE]).apps
     with pytest.raises(LookupError):
