@@ -154,14 +154,20 @@ def test_cores_max_defaults_to_the_partitions_and_can_be_lifted(settings: Any) -
     )
 
 
-def test_an_unreachable_master_fails_loudly_before_spark_starts(
-    settings: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_an_unreachable_master_fails_loudly_before_spark_starts() -> None:
     port = free_port()  # nothing listens there
     master = f"spark://127.0.0.1:{port}"
     with pytest.raises(SparkClusterError, match=rf"cannot reach the Spark master {master}"):
         check_master(master, timeout=2)
 
+
+def test_the_run_command_refuses_an_unreachable_master(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The command checks that PySpark is installed first: without it, it says so instead.
+    pytest.importorskip("pyspark")
+    pytest.importorskip("pyarrow")
+    master = f"spark://127.0.0.1:{free_port()}"
     settings.FAIRQUEUE_PIPELINE = {"SPARK": {"MASTER": master}}
     monkeypatch.setattr(spark_module, "_session", None)  # no session of this process in the way
     with pytest.raises(
