@@ -9,6 +9,7 @@ none: a successful run is simulated by completing the batches through the queue'
 from __future__ import annotations
 
 import datetime as dt
+import json
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any
@@ -282,6 +283,15 @@ def test_recompute_plans_what_changed_since_the_last_successful_run(
     assert [(b.start_id, b.end_id) for b in planned] == [(bob[3], bob[40]), (bob[97], bob[97])]
     job = PipelineJob.objects.get(job_name=f"{NAME}:bob")
     assert (job.changed_since, job.watermark) == ("0", "1")
+    call_command("fairpipeline", "status", NAME, "--json")
+    shown = {j["job"]: j for j in json.loads(capsys.readouterr().out)}
+    assert shown[f"{NAME}:bob"]["changed_since"] == "0"
+    assert shown[f"{NAME}:bob"]["last_success"]["watermark"] == "0"
+    assert shown[f"{NAME}:alice"]["changed_since"] is None
+    call_command("fairpipeline", "status", NAME)
+    table = capsys.readouterr().out.splitlines()
+    (bob_line,) = [line for line in table if line.startswith(f"{NAME}:bob")]
+    assert bob_line.endswith("sink   changed since 0")
     complete_without_spark(f"{NAME}:bob")
     assert recompute(NAME, tenants=["bob"]).tenants[0].reason == "no row changed since 1"
 

@@ -300,6 +300,18 @@ class Command(BaseCommand):
                 row["version"] = pin.version if pin else None
                 row["errors"] = dict(pin.errors) if pin else {}
                 row["cancelled"] = bool(pin and pin.cancelled_at)
+                row["output"] = pin.output if pin else None
+                row["changed_since"] = pin.changed_since if pin else None
+                row["last_success"] = (
+                    {
+                        "version": pin.succeeded_version,
+                        "output": pin.succeeded_output,
+                        "watermark": pin.succeeded_watermark,
+                        "at": pin.succeeded_at,
+                    }
+                    if pin and pin.succeeded_at
+                    else None
+                )
                 shown.append(row)
             self.stdout.write(json.dumps(shown, indent=2, default=str))
             return
@@ -308,7 +320,7 @@ class Command(BaseCommand):
             return
         header = (
             f"{'job':<32} {'state':<10} {'batches':>15} {'rows':>25} {'rows/s':>10} {'ETA':>8} "
-            f"{'version':<16} {'errors':>8}"
+            f"{'version':<16} {'errors':>8} {'output':<6} rows"
         )
         self.stdout.write(header)
         for job in jobs:
@@ -321,10 +333,14 @@ class Command(BaseCommand):
             pin = pinned.get(job.job_name)
             state = "cancelled" if pin and pin.cancelled_at else job.state
             errors = sum(int(v) for v in pin.errors.values()) if pin else 0
+            scope = "all"
+            if pin is not None and pin.changed_since is not None:
+                scope = f"changed since {pin.changed_since}"
             self.stdout.write(
                 f"{job.job_name:<32} {state:<10} {done:>15} "
                 f"{f'{job.rows_done:,}/{job.rows_total:,}':>25} {rate:>10} {eta:>8} "
-                f"{pin.version if pin else '-':<16} {errors:>8,}"
+                f"{pin.version if pin else '-':<16} {errors:>8,} "
+                f"{pin.output if pin else '-':<6} {scope}"
             )
 
     # ---- retry
