@@ -55,7 +55,6 @@ from django_fairqueue.models import (
     Channel,
     Message,
     MessageState,
-    PipelineJob,
     WorkBatch,
     WorkerRecord,
 )
@@ -68,11 +67,10 @@ if TYPE_CHECKING:
     _MessageAdminBase = admin.ModelAdmin[Message]
     _WorkBatchAdminBase = admin.ModelAdmin[WorkBatch]
     _WorkerAdminBase = admin.ModelAdmin[WorkerRecord]
-    _PipelineJobAdminBase = admin.ModelAdmin[PipelineJob]
     _ChannelFormBase = forms.ModelForm[Channel]
 else:  # the generic aliases exist only for type checkers (no django-stubs-ext at run time)
     _ChannelAdminBase = _MessageAdminBase = _WorkBatchAdminBase = admin.ModelAdmin
-    _WorkerAdminBase = _PipelineJobAdminBase = admin.ModelAdmin
+    _WorkerAdminBase = admin.ModelAdmin
     _ChannelFormBase = forms.ModelForm
 
 #: The limits an operator edits; a change saves only these columns (see ChannelAdmin.save_model).
@@ -1327,46 +1325,3 @@ class WorkerAdmin(_WorkerAdminBase):
         if obj.exclude_channels:
             return str(_("all but %s")) % ", ".join(obj.exclude_channels)
         return str(_("all"))
-
-
-# ============================================================================================
-# Pipeline jobs
-
-
-@admin.register(PipelineJob)
-class PipelineJobAdmin(_PipelineJobAdminBase):
-    """Planned pipeline jobs, read-only: the formula version each is pinned to, its errors."""
-
-    list_display = ["job_name", "version", "today", "errors_display", "created_at", "cancelled_at"]
-    list_filter = ["pipeline"]
-    search_fields = ["job_name", "version"]
-    readonly_fields = [
-        "job_name",
-        "pipeline",
-        "tenant",
-        "version",
-        "today",
-        "formulas_display",
-        "errors",
-        "created_at",
-        "cancelled_at",
-    ]
-    exclude = ["formulas", "aggregates"]
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: PipelineJob | None = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: PipelineJob | None = None) -> bool:
-        return False
-
-    @admin.display(description=_("errors"))
-    def errors_display(self, obj: PipelineJob) -> str:
-        total = sum(int(v) for v in (obj.errors or {}).values())
-        return f"{total:,} in {len(obj.errors or {})} rules" if total else "0"
-
-    @admin.display(description=_("formulas"))
-    def formulas_display(self, obj: PipelineJob) -> str:
-        return "\n".join(f"{name} = {expression}" for name, expression in obj.formulas or [])

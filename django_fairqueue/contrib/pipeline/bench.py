@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from django_fairqueue.pipeline import datastore
-from django_fairqueue.pipeline.core import Pipeline, Sink, Source, registry
-from django_fairqueue.pipeline.spark import get_session, jvm_peak_rss_bytes
+from django_fairqueue.contrib.pipeline import datastore
+from django_fairqueue.contrib.pipeline.core import Pipeline, Sink, Source, registry
+from django_fairqueue.contrib.pipeline.spark import get_session, jvm_peak_rss_bytes
 
 SOURCE = "fq_bench_pipeline_source"
 SINK = "fq_bench_pipeline_sink"
@@ -107,7 +107,7 @@ def _workers_rss_bytes() -> int:
 
 
 def _jvm_pid() -> int | None:
-    from django_fairqueue.pipeline import spark
+    from django_fairqueue.contrib.pipeline import spark
 
     session = spark._session
     if session is None:
@@ -136,7 +136,8 @@ def _bench_pipeline(name: str, batch_size: int, using: str, *, atomic: bool = Tr
 
 def _forget_jobs(using: str, name: str) -> None:
     """Delete the benchmark's jobs and work batches: they must not stay in the admin."""
-    from django_fairqueue.models import PipelineJob, WorkBatch
+    from django_fairqueue.contrib.pipeline.models import PipelineJob
+    from django_fairqueue.models import WorkBatch
 
     WorkBatch.objects.using(using).filter(job_name__startswith=name).delete()
     PipelineJob.objects.using(using).filter(pipeline__startswith=name).delete()
@@ -153,7 +154,7 @@ def run(
     batch_size: int | None = None,
     say: Callable[[str], None] = print,
 ) -> BenchResult:
-    from django_fairqueue.pipeline.runner import PipelineRunner, plan
+    from django_fairqueue.contrib.pipeline.runner import PipelineRunner, plan
 
     spark = get_session()
     half = rows // 2
