@@ -288,7 +288,7 @@ def _prepare_batch(
                 channel = known[4]
         if type(channel) is not str or channel not in checked:  # (unhashable: not a str)
             if type(channel) is tuple:
-                groups.add(validate_group_name(channel[0] if channel else None))
+                groups.add(_group_part(channel))
             channel = validate_channel_name(channel)
             checked.add(channel)
         payload = encode_payload(spec.name, args, kwargs, max_bytes)
@@ -360,7 +360,7 @@ def _prepare_one(
             channel = spec.channel or cfg.DEFAULT_CHANNEL
     group = None
     if type(channel) is tuple:
-        group = validate_group_name(channel[0] if channel else None)
+        group = _group_part(channel)
     channel = validate_channel_name(channel)
     payload = encode_payload(spec.name, args, kwargs, cfg.MAX_PAYLOAD_BYTES)
     traced = _trace_suffix()
@@ -415,6 +415,13 @@ def _unique_options(unique_key: Any, unique_scope: Any, on_conflict: Any) -> dic
     if policy not in CONFLICT_POLICIES:
         raise ValueError(f"on_conflict must be one of {CONFLICT_POLICIES}, got {on_conflict!r}")
     return {"unique_key": unique_key, "unique_scope": scope, "on_conflict": policy}
+
+
+def _group_part(channel: tuple[Any, ...]) -> str:
+    """The group of a channel given as ``(group, channel)``, checked (the pair is checked
+    whole by :func:`validate_channel_name`)."""
+    validate_channel_name(channel)
+    return validate_group_name(channel[0])
 
 
 def validate_group_name(name: Any) -> str:

@@ -140,7 +140,9 @@ def test_bad_grouped_channels_are_refused_with_a_clear_error_and_store_nothing(
     with pytest.raises(InvalidChannel, match=message):
         enqueue(f.NOOP, channel=channel)
     with pytest.raises(InvalidChannel, match=message):
-        enqueue_many([EnqueueRequest(f.NOOP, channel=("ok", "x")), EnqueueRequest(f.NOOP, channel=channel)])
+        enqueue_many(
+            [EnqueueRequest(f.NOOP, channel=("ok", "x")), EnqueueRequest(f.NOOP, channel=channel)]
+        )
     assert not Channel.objects.exists()
 
 
@@ -333,3 +335,80 @@ def test_group_sums_follow_rescues_releases_and_deleted_channels() -> None:
     assert_group_sums_exact()
     ChannelGroup.objects.filter(name="g").delete()
     assert Channel.objects.filter(group__isnull=True).count() == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Operators: status, admin
+
+
+@pytest.mark.django_db(transaction=True)
+def test_status_shows_groups_beside_channels() -> None:
+    import io
+    import json
+
+    from django.core.management import call_command
+
+    spread("acme", 3, 2)
+    ChannelGroup.objects.filter(name="acme").update(max_concurrency=5, weight=2)
+    f.enqueue("plain", 1)
+    f.fold_all()
+    out = io.StringIO()
+    call_command("fairqueue", "status", stdout=out)
+    text = out.getvalue()
+    assert "acme/c000" in text and "plain" in text
+    group_line = next(line for line in text.splitlines() if line.startswith("acme "))
+    assert group_line.split() == ["acme", "3", "6", "0/5", "2", "-"]
+    assert "1 channel groups" in text
+    out = io.StringIO()
+    call_command("fairqueue", "status", "--json", stdout=out)
+    data = json.loads(out.getvalue())
+    assert data["groups"] == [
+        {
+            "name": "acme",
+            "channels": 3,
+            "claimable_channels": 3,
+            "ready": 6,
+            "running": 0,
+            "max_concurrency": 5,
+            "weight": 2,
+            "release_interval_seconds": 0.0,
+        }
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_group_admin_edits_limits_only_and_view_only_users_change_nothing(
+    admin_client: Any, django_user_model: Any, client: Any
+) -> None:
+    from django.contrib.auth.models import Permission
+
+    spread("acme", 2, 3)
+    f.fold_all()
+    group = ChannelGroup.objects.get(name="acme")
+    url = f"/admin/fairqueue/channelgroup/{group.pk}/change/"
+    page = admin_client.get(url)
+    assert page.status_code == 200 and b"6 ready" in page.content
+    listing = admin_client.get("/admin/fairqueue/channelgroup/")
+    assert listing.status_code == 200 and b"acme" in listing.content
+    channels = admin_client.get(f"/admin/fairqueue/channel/?group__id__exact={group.pk}")
+    assert channels.status_code == 200 and b"acme/c001" in channels.content
+    channel = Channel.objects.get(name="acme/c000")
+    page = admin_client.get(f"/admin/fairqueue/channel/{channel.pk}/change/")
+    assert page.status_code == 200 and b"acme" in page.content
+    # a bad cap is refused with a message; a good one is saved, the state stays
+    bad = admin_client.post(url, {"weight": 1, "max_concurrency": 0, "release_interval": "0"})
+    assert bad.status_code == 200 and b"Max concurrency" in bad.content
+    ok = admin_client.post(url, {"weight": 4, "max_concurrency": 2, "release_interval": "0"})
+    assert ok.status_code == 302
+    group.refresh_from_db()
+    assert (group.weight, group.max_concurrency) == (4, 2)
+    (state,) = store.select_group_state([group.pk])
+    assert (state.ready, state.claimable, state.channels) == (6, 2, 2)
+    # a view-only user sees the group and can change nothing
+    viewer = django_user_model.objects.create_user("viewer", password="pw", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_channelgroup"))
+    client.force_login(viewer)
+    assert client.get(url).status_code == 200
+    client.post(url, {"weight": 9, "max_concurrency": 9, "release_interval": "0"})
+    group.refresh_from_db()
+    assert group.weight == 4
