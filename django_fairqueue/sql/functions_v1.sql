@@ -14,12 +14,15 @@
 --      the repair write counters and turns; operators write only configuration columns (the
 --      Django model maps no other). Claims and the fold never wait for a channel row: they
 --      use SKIP LOCKED (a claim's bounded CLAIM_WAIT ends in lock_timeout, not a deadlock);
---   3. fairqueue_channel_delta rows: inserted by every writer of messages, deleted by the fold
+--   3. fairqueue_channel_group rows: the group of a channel, after the channel, by whoever
+--      writes a grouped channel's counters (fairqueue_group_counters_v1); claims lock a group
+--      SKIP LOCKED (or under CLAIM_WAIT's lock_timeout) and its channels SKIP LOCKED;
+--   4. fairqueue_channel_delta rows: inserted by every writer of messages, deleted by the fold
 --      and the repair, which lock them SKIP LOCKED or after the channel;
---   4. fairqueue_message and fairqueue_work_batch rows, in id order within one statement.
+--   5. fairqueue_message and fairqueue_work_batch rows, in id order within one statement.
 --      Claims lock ready rows SKIP LOCKED (they never wait on a message), settlements only
 --      rows their lease token owns;
---   5. the bounded-backlog advisory locks, taken only while the transaction commits, all at
+--   6. the bounded-backlog advisory locks, taken only while the transaction commits, all at
 --      once in channel id order (fairqueue_backlog_check_v1).
 -- Nothing takes a lock of an earlier rank while it waits for a later one, except a caller's
 -- own transaction doing so across statements, which the SKIP LOCKED waits above tolerate.
@@ -244,10 +247,12 @@ $$;
 -- rate-limited channel is due comes back at once (within its own rate limit), and a group
 -- that had no claimable channel is lifted to the top-level virtual time (no banked credit;
 -- harmless by count, where tags are unused).
--- Lock order: the group row after the channel row. Claims take a group before its channels
--- and never wait for a channel while holding a group (SKIP LOCKED); the fold locks the groups
--- SKIP LOCKED before it writes; other writers (operators, the repair, deletions, batch
--- claims) wait for the group row only while a claim of that group commits.
+-- Lock order: group rows come after channel rows (rank 3). The writers that wait (operators'
+-- edits, fairqueue_fold_channel_v1, the repair, deletions, batch claims) hold the channel and
+-- wait for its group, which a claim holds only until it commits. A claim locks a group before
+-- its channels, but takes those SKIP LOCKED: it never waits for a channel while holding a
+-- group (its one wait, CLAIM_WAIT, is bounded by lock_timeout). The fold takes both SKIP
+-- LOCKED.
 CREATE OR REPLACE FUNCTION fairqueue_group_counters_v1() RETURNS trigger
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -569,9 +574,10 @@ $$;
 -- A group's cap and rate limit are checked on its locked row, as a channel's are on its own:
 -- every claim that serves a channel of the group holds the group row from its walk to its
 -- commit, so two claims never both fill the group's last slot.
--- Lock order: group row, then its channels (SKIP LOCKED); an ungrouped channel is a channel
--- row. The one wait (p_wait_ms, CLAIM_WAIT) is on the first top-level flow in turn order when
--- every flow was held by others, with nothing locked yet.
+-- Locks: a group row, then its channels SKIP LOCKED (never waiting for a channel while
+-- holding a group); an ungrouped channel is a channel row. The one wait (p_wait_ms,
+-- CLAIM_WAIT) is for the first top-level flow in turn order when every flow was held by
+-- others and the walk locked nothing, bounded by lock_timeout.
 -- By time, this claim does not wait for a smallest tag held by a concurrent claim (it takes
 -- the next flow, as fairqueue_claim_v1 does by count).
 CREATE OR REPLACE FUNCTION fairqueue_claim_grouped_v1(
@@ -602,6 +608,12 @@ RETURNS TABLE (
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan  -- see fairqueue_claim_v1
+-- The walk's stream must come from the two indexes in their order, read lazily (a Merge
+-- Append of two index scans): a generic plan otherwise sorted a bitmap scan of every
+-- claimable group, reading them all on every claim. No statement here needs a sort but the
+-- result's order (a handful of rows), which PostgreSQL still sorts.
+SET enable_sort = off
+SET enable_bitmapscan = off
 AS $$
 DECLARE
     v_now timestamptz := p_now;
@@ -1897,7 +1909,7 @@ $$;
 -- statement of its own, so its snapshot sees the holder the insert conflicted with (committed
 -- after this statement began, perhaps). A holder that stops holding meanwhile (claimed, with
 -- scope 'queued'; finished, cancelled) makes the call start over, its keys given back.
--- Lock order: only message rows (rank 4): a replace locks the queued holder it rewrites;
+-- Lock order: only message rows (rank 5): a replace locks the queued holder it rewrites;
 -- a keep locks nothing, so an enqueue in a long transaction never holds up a worker. Keys
 -- are inserted, and held keys handled, in (channel, key) order, so concurrent batches cannot
 -- deadlock over them (separate calls in one transaction are the caller's order).
@@ -2502,12 +2514,11 @@ DECLARE
     v_vnow double precision;
     v_group bigint;
 BEGIN
-    -- A grouped channel's group first (the lock order: group rows before channel rows).
-    SELECT c.group_id INTO v_group FROM fairqueue_channel c WHERE c.id = p_channel_id;
+    -- The channel, then its group (the lock order: channel rows, then group rows).
+    SELECT c.group_id INTO v_group FROM fairqueue_channel c WHERE c.id = p_channel_id FOR UPDATE;
     IF v_group IS NOT NULL THEN
         PERFORM FROM fairqueue_channel_group g WHERE g.id = v_group FOR UPDATE;
     END IF;
-    PERFORM FROM fairqueue_channel c WHERE c.id = p_channel_id FOR UPDATE;
     IF v_group IS NULL THEN
         v_vnow := fairqueue_virtual_time_v1(p_channel_id);
     ELSE
