@@ -27,7 +27,10 @@ from tests import factories as f
 # that is rolled back, so every test starts from the same 100,000 ready messages.
 pytestmark = pytest.mark.django_db
 
-QUEUE_TABLES = {"fairqueue_message", "fairqueue_channel", "fairqueue_channel_group"}
+QUEUE_TABLES = {"fairqueue_message", "fairqueue_channel"}
+#: With channel groups, the group table too (without groups it is empty, and the one probe of
+#: it a claim makes may be a sequential scan of nothing)
+GROUPED_TABLES = QUEUE_TABLES | {"fairqueue_channel_group"}
 LIMIT = 100
 LEASE = timedelta(minutes=5)
 
@@ -111,7 +114,9 @@ def touched(node: dict[str, Any]) -> float:
     return float(per_loop * node.get("Actual Loops", 1))
 
 
-def assert_small_and_indexed(plans: list[Plan], *, budget: int) -> set[str]:
+def assert_small_and_indexed(
+    plans: list[Plan], *, budget: int, tables: set[str] = QUEUE_TABLES
+) -> set[str]:
     """No sequential scan of a queue table, no node on one that reads more than ``budget`` rows.
     Returns the indexes used."""
     assert plans, "auto_explain reported no plans"
@@ -122,7 +127,7 @@ def assert_small_and_indexed(plans: list[Plan], *, budget: int) -> set[str]:
             relation = node.get("Relation Name")
             if "Index Name" in node:
                 indexes.add(node["Index Name"])
-            if relation not in QUEUE_TABLES:
+            if relation not in tables:
                 continue
             if "Seq Scan" in node["Node Type"]:
                 problems.append(f"sequential scan of {relation}:\n{plan.describe()}")
@@ -216,7 +221,7 @@ def test_grouped_claim_reads_indexes_and_a_few_rows_per_call(
         got = claim(fairness)
         assert len(got) == LIMIT
         plans = auto_explain.take()
-        indexes = assert_small_and_indexed(plans, budget=10 * LIMIT)
+        indexes = assert_small_and_indexed(plans, budget=10 * LIMIT, tables=GROUPED_TABLES)
         assert {walk, inner[fairness], "fq_message_ready_idx"} <= indexes, (
             f"call {call}: indexes used {sorted(indexes)}\n"
             + "\n".join(p.describe() for p in plans)

@@ -1340,16 +1340,19 @@ BEGIN
         PERFORM fairqueue_fold_deltas_v1(1000, true, p_by_time);
     END IF;
 
-    -- Channel groups: when a group is claimable now (one probe of fq_group_turn_idx), the
-    -- claim walks groups and ungrouped channels together (fairqueue_claim_grouped_v1).
-    -- Without groups, or while none is claimable, the walk below sees ungrouped channels only
-    -- (their indexes hold no grouped channel), exactly as before groups existed.
-    IF EXISTS (
-        SELECT FROM fairqueue_channel_group g
-        WHERE g.claimable > 0
-          AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
-          AND g.next_turn_at <= v_now
-    ) THEN
+    -- Channel groups: when a group is claimable now (one probe of fq_group_turn_idx; the
+    -- ORDER BY keeps a generic plan on the index, where EXISTS was a sequential scan that
+    -- reads every group not claimable), the claim walks groups and ungrouped channels together
+    -- (fairqueue_claim_grouped_v1). Without groups, or while none is claimable, the walk below
+    -- sees ungrouped channels only (their indexes hold no grouped channel), exactly as before
+    -- groups existed.
+    PERFORM FROM fairqueue_channel_group g
+    WHERE g.claimable > 0
+      AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+      AND g.next_turn_at <= v_now
+    ORDER BY g.next_turn_at, g.id
+    LIMIT 1;
+    IF FOUND THEN
         RETURN QUERY SELECT * FROM fairqueue_claim_grouped_v1(
             p_limit, p_lease, p_worker, p_only, p_exclude, v_quantum, p_wait_ms, p_by_time,
             v_now);
