@@ -65,7 +65,8 @@ class GroupsResult:
     claim_us: float
     #: the backend's CPU microseconds per claim (None: unreadable)
     claim_cpu_us: float | None
-    #: claim_us over the first cell of the same batch (filled by finish)
+    #: claim_us over the first cell of the same batch, with groups or without (filled by
+    #: finish)
     vs_first: float | None
     load1: float
 
@@ -125,10 +126,10 @@ def run_cost(bench: Bench, cell: GroupsCell) -> GroupsResult:
 def finish_cost(results: list[GroupsResult]) -> list[GroupsResult]:
     from dataclasses import replace
 
-    first: dict[int, float] = {}
+    first: dict[tuple[int, bool], float] = {}
     out = []
     for r in results:
-        base = first.setdefault(r.batch, r.claim_us)
+        base = first.setdefault((r.batch, r.groups > 0), r.claim_us)
         out.append(replace(r, vs_first=round(r.claim_us / base, 2) if base else None))
     return out
 
@@ -157,8 +158,8 @@ SCENARIO = Scenario(
     notes=(
         "Server time inside fairqueue_claim_v1 per call (pg_stat_user_functions, promote and "
         "fold included), each claim followed by its completion and as many new messages to "
-        "the same channels. 'x first': over the first cell of the same batch (ungrouped, "
-        "fewest channels); the target is at most 1.2.",
+        "the same channels. 'x first': over the first cell of the same batch and kind "
+        "(ungrouped, or grouped), the one with fewest channels; the target is at most 1.2.",
     ),
 )
 
