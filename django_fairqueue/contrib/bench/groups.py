@@ -52,7 +52,10 @@ class GroupsCell:
 
     @property
     def label(self) -> str:
-        return f"claim cost  {self.channels:>6,} channels  {self.groups:>5,} groups  batch {self.batch}"
+        return (
+            f"claim cost  {self.channels:>6,} channels  {self.groups:>5,} groups  "
+            f"batch {self.batch}"
+        )
 
 
 @dataclass(frozen=True)
@@ -195,9 +198,7 @@ class SybilResult:
 
 def plan_sybil(sizes: Sizes) -> list[SybilCell]:
     return [
-        SybilCell(backlog, grouped)
-        for backlog in sizes.sybil_backlogs
-        for grouped in (True, False)
+        SybilCell(backlog, grouped) for backlog in sizes.sybil_backlogs for grouped in (True, False)
     ]
 
 

@@ -3,9 +3,10 @@
 Scenarios are small modules (``enqueue``, ``claim``, ``latency``, ``fairness``, ``timeshare``,
 ``snapshot``, ``schedules``, ``functions``, ``groups`` (with ``sybil``), ``enqueue_cost``,
 ``admin``, ``e2e`` and ``pickup``; the last two through real ``runfairworker`` processes),
-each a plan of cells and a function that runs one cell and returns a frozen dataclass; ``runner.run`` runs them on one database
-and returns a :class:`~django_fairqueue.contrib.bench.report.Report` (tables, JSON, targets).
-See ``scenario.py`` for how to add one, and docs/performance.md for figures.
+each a plan of cells and a function that runs one cell and returns a frozen dataclass;
+``runner.run`` runs them on one database and returns a
+:class:`~django_fairqueue.contrib.bench.report.Report` (tables, JSON, targets). See
+``scenario.py`` for how to add one, and docs/performance.md for figures.
 """
 
 from __future__ import annotations
