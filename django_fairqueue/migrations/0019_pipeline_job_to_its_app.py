@@ -12,7 +12,7 @@ from django.db import migrations
 
 class Migration(migrations.Migration):
 
-    dependencies = [("fairqueue", "0015_settlements_lock_in_id_order")]
+    dependencies = [("fairqueue", "0017_channel_groups")]
 
     operations = [
         migrations.SeparateDatabaseAndState(

@@ -52,6 +52,10 @@ FROM timeout, unnest(%(names)s::text[]) AS n
 ORDER BY n
 ON CONFLICT (name) DO NOTHING;
 
+-- name: ensure_groups
+-- Create the named channel groups that do not exist (fairqueue_ensure_groups_v1).
+SELECT fairqueue_ensure_groups_v1(%(names)s::text[]);
+
 -- name: claim_messages
 -- Fair claim of up to `limit` messages under fresh leases (see fairqueue_claim_v1).
 SELECT id, channel_id, channel_name, task_name, payload, priority, attempts, max_attempts,
@@ -471,6 +475,27 @@ LEFT JOIN LATERAL (
 ) d ON true
 WHERE c.id = ANY (%(ids)s::bigint[])
 ORDER BY c.id;
+
+-- name: rearm_group
+-- After an operator edits a channel group's limits: a group waiting for a rate limit removed or
+-- shortened is due when the new limit says (never later than now).
+UPDATE fairqueue_channel_group g
+SET next_turn_at = least(g.next_turn_at, greatest(
+        statement_timestamp(),
+        coalesce(g.last_claimed_at + g.release_interval, '-infinity'::timestamptz)))
+WHERE g.id = %(group_id)s::bigint;
+
+-- name: select_group_state
+-- Channel groups (of `ids`, or all) with their scheduler state: the sums over their channels
+-- as folded (deltas not folded yet are not counted), and how many channels each has.
+SELECT g.id, g.name::text, g.weight, g.max_concurrency, g.release_interval, g.ready_count,
+       g.running_count, g.claimable,
+       (SELECT count(*) FROM fairqueue_channel c
+        WHERE c.group_id IS NOT NULL AND c.group_id = g.id) AS channels,
+       g.next_turn_at, g.vtime, g.last_claimed_at
+FROM fairqueue_channel_group g
+WHERE %(ids)s::bigint[] IS NULL OR g.id = ANY (%(ids)s::bigint[])
+ORDER BY g.name;
 
 -- name: record_channel_stats
 -- Add workers' per-(channel, minute) tallies to fairqueue_channel_stat (upsert, sorted so concurrent flushes cannot deadlock).
