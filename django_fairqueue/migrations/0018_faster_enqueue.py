@@ -1,19 +1,22 @@
-"""The message table's CHECK constraints, stored in forms PostgreSQL reads faster.
+"""A faster enqueue: ``fairqueue_enqueue_v1``'s path for a batch of one channel and one task,
+and the message table's CHECK constraints in forms PostgreSQL reads faster.
 
-PostgreSQL re-reads the stored expression of every CHECK constraint of a table (a text form
-of its parse tree) and plans it at the start of each statement that inserts or updates rows
-there. For ``fairqueue_message`` that was the largest single cost of one ``enqueue()`` in the
-server: about 30 us of backend CPU of the 140 us the call took, a third of it the three
-constraints whose Django-generated form spells out arrays element by element
-(``state IN (...)`` becomes ``state::text = ANY (ARRAY['scheduled'::varchar, ...]::text[])``,
-planned anew each time). The same constraints, with the same names and meaning, written with
-one array constant and fewer nodes, take about 9 us less per statement: every enqueue, claim
-and completion statement writes message rows.
-
-The model keeps its ``CheckConstraint`` declarations (Django validates with them; the
-migration state is unchanged): only the stored expressions change. Each form accepts exactly
-the rows the old one accepted, including the NULL cases a CHECK lets through (a unique key
-with no scope, which no statement writes, passes both forms of ``fq_message_unique_scope``).
+* The functions are installed again from this migration's own copy (``sql/0018_*.sql``):
+  ``fairqueue_enqueue_v1`` inserts a batch whose columns other than the payloads have one
+  element each (one channel, one task, one priority and run time: the usual batch) from the
+  payloads alone, its channel resolved once. Same signatures: reversing installs 0013's copy.
+* PostgreSQL re-reads the stored expression of every CHECK constraint of a table (a text form
+  of its parse tree) and plans it at the start of each statement that inserts or updates rows
+  there: for ``fairqueue_message`` about 30 us of backend CPU per statement, a fifth of one
+  ``enqueue()``'s, most of it in the three constraints whose Django-generated form spells out
+  an array element by element (``state IN (...)`` is stored as ``state::text = ANY
+  (ARRAY['scheduled'::varchar, ...]::text[])``, folded anew each time). The same constraints,
+  with the same names, written with one array constant and fewer nodes, cost about 10 us less
+  per statement; every enqueue, claim and completion statement writes message rows.
+  The model keeps its ``CheckConstraint`` declarations (Django validates with them, and the
+  migration state is unchanged): only the stored expressions change. Each form accepts exactly
+  the rows the old one accepted, including the NULL cases a CHECK lets through (a unique key
+  with no scope, which no statement writes, passes both forms of ``fq_message_unique_scope``).
 
 Not atomic: the constraints are replaced ``NOT VALID`` in one short ``ALTER TABLE`` (no scan),
 then validated in statements of their own, which scan the table without blocking writes.
@@ -21,6 +24,8 @@ Reversing puts the Django-generated forms back the same way.
 """
 
 from django.db import migrations
+
+from django_fairqueue.migrations._sql import migration_sql
 
 #: name -> (compact form, the form Django generates from the model: its SQL, word for word)
 FORMS = {
@@ -68,4 +73,9 @@ class Migration(migrations.Migration):
     ]
 
     # A list: each statement runs in a transaction of its own (the migration is not atomic).
-    operations = [migrations.RunSQL(_replace(0), _replace(1))]
+    operations = [
+        migrations.RunSQL(_replace(0), _replace(1)),
+        migrations.RunSQL(
+            migration_sql("0018_faster_enqueue"), migration_sql("0013_fairness_by_time")
+        ),
+    ]
