@@ -32,8 +32,7 @@ FORMS = {
     "fq_message_state_valid": (
         "state::text = ANY "
         "('{scheduled,ready,running,succeeded,failed,cancelled,aborted}'::text[])",
-        "state IN ('scheduled', 'ready', 'running', 'succeeded', 'failed', 'cancelled', "
-        "'aborted')",
+        "state IN ('scheduled', 'ready', 'running', 'succeeded', 'failed', 'cancelled', 'aborted')",
     ),
     "fq_message_lease_iff_running": (
         "(state::text = 'running') = (lease_token IS NOT NULL) "
@@ -54,7 +53,7 @@ FORMS = {
 }
 
 
-def _replace(which: int) -> list[str]:
+def _replace(which: int) -> tuple[str, ...]:
     """The statements that install form ``which`` (0 compact, 1 Django's) of every constraint."""
     clauses = []
     for name, forms in FORMS.items():
@@ -62,7 +61,7 @@ def _replace(which: int) -> list[str]:
         clauses.append(f"ADD CONSTRAINT {name} CHECK ({forms[which]}) NOT VALID")
     replace = "ALTER TABLE fairqueue_message\n    " + ",\n    ".join(clauses) + ";"
     validate = [f"ALTER TABLE fairqueue_message VALIDATE CONSTRAINT {name};" for name in FORMS]
-    return [replace, *validate]
+    return (replace, *validate)
 
 
 class Migration(migrations.Migration):
