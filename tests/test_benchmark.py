@@ -497,3 +497,44 @@ def test_a_scenario_that_cannot_run_here_is_skipped_with_a_warning(
     )
     assert list(report.scenarios) == ["snapshot"]  # the other scenario still ran
     assert any(w.startswith("scenario functions skipped: needs") for w in report.meta["warnings"])
+
+
+def test_a_baseline_is_compared_with_but_is_no_peer() -> None:
+    """``--baseline REF`` runs django-fairqueue as it was at REF in the same enqueue rounds:
+    its own table says how this checkout compares with it, round by round, and it is never
+    the "fastest peer" the goals are judged against (nor are the peers judged against it)."""
+    from benchmarks.compare import report, run
+
+    assert run.parse_args(["--scenario", "enqueue", "--baseline", "main"]).baseline == "main"
+    with pytest.raises(SystemExit):
+        run.parse_args(["--baseline", "main"])  # every scenario: refused
+    rounds = {
+        "raw-sql": [_cells(4_000, 50_000), _cells(2_000, 40_000)],
+        "django-fairqueue": [_cells(2_200, 60_000), _cells(1_300, 48_000)],
+        "pgqueuer": [_cells(2_000, 50_000), _cells(1_200, 40_000)],
+        # faster than pgqueuer: were it a peer, the goals would be judged against it
+        "django-fairqueue-baseline": [_cells(2_100, 55_000), _cells(1_250, 44_000)],
+    }
+    systems = [
+        {
+            "system": name,
+            "version": name,
+            "enqueue_rounds": cells,
+            "enqueue": run.median_cells(cells),
+            "e2e": [],
+            "pickup": None,
+            "fairness": [],
+        }
+        for name, cells in rounds.items()
+    ]
+    goals = {g["goal"]: g for g in report.goals({"systems": systems})}
+    peer_goal = goals["enqueue one message, 1 proc, >= 1x the fastest peer"]
+    assert peer_goal["measured"] == f"{(1.1 + 1300 / 1200) / 2:.2f} (1.08-1.10)x over 2 round(s)"
+    text = report.tables({"systems": systems})
+    # pgqueuer's fastest other system is django-fairqueue, not its baseline
+    # (each ratio is "median (range)": the single/peer column is the 6th and 7th words)
+    assert _ratio_row(text, "pgqueuer")[5:7] == ["0.92", "(0.91-0.92)"]
+    # the baseline itself is compared with the peers alone
+    assert _ratio_row(text, "django-fairqueue-baseline")[5:7] == ["1.05", "(1.04-1.05)"]
+    after = [line.split() for line in text.splitlines() if line.startswith("x1 ")]
+    assert after == [["x1", "1.04", "(1.04-1.05)", "1.09", "(1.09-1.09)"]]

@@ -11,6 +11,14 @@ from django_fairqueue.contrib.bench.plots import Chart, Series, line_chart
 
 US = "django-fairqueue"
 FLOOR = "raw-sql"
+#: django-fairqueue at an earlier commit (``--baseline``): compared with, never a peer.
+BASELINE = "django-fairqueue-baseline"
+
+
+def _is_peer(name: str, of: str) -> bool:
+    """Whether system ``name`` counts among the other systems ``of`` is compared with: not
+    itself, not the floor, and no version of django-fairqueue for django-fairqueue."""
+    return name not in (of, FLOOR) and not (of.startswith(US) and name.startswith(US))
 
 
 def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -135,7 +143,7 @@ def _enqueue_tables(
     for name, s in systems.items():
         if not s.get("enqueue") or name == FLOOR:
             continue
-        peers = [p for n, p in systems.items() if n not in (name, FLOOR) and p.get("enqueue")]
+        peers = [p for n, p in systems.items() if _is_peer(n, name) and p.get("enqueue")]
         for processes in procs:
             row = [name, f"x{processes}"]
             for mode in ("single", "batch"):
@@ -154,7 +162,24 @@ def _enqueue_tables(
         ["system", "procs", "single/floor", "batch/floor", "single/peer", "batch/peer"],
         rows,
     )
-    return [rates, ratios]
+    out = [rates, ratios]
+    us, before = systems.get(US), systems.get(BASELINE)
+    if us and before and us.get("enqueue") and before.get("enqueue"):
+        rows = [
+            [
+                f"x{p}",
+                *(_ratios_text(enqueue_ratios(us, [before], m, p)) for m in ("single", "batch")),
+            ]
+            for p in procs
+        ]
+        out.append(
+            _table(
+                f"{US} over {BASELINE} ({before['version']}), same rounds",
+                ["procs", "single", "batch"],
+                rows,
+            )
+        )
+    return out
 
 
 def _e2e_tables(systems: dict[str, dict[str, Any]], floor: dict[str, Any] | None) -> list[str]:
@@ -318,7 +343,7 @@ def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
     if us is None:
         return []
     found = []
-    peers = {n: s for n, s in systems.items() if n not in (US, FLOOR) and s.get("e2e")}
+    peers = {n: s for n, s in systems.items() if _is_peer(n, US) and s.get("e2e")}
     if peers and us.get("e2e"):
         name, peer = max(peers.items(), key=lambda kv: _best(kv[1])["rate"])
         ours, theirs = _best(us)["rate"], _best(peer)["rate"]
@@ -342,7 +367,7 @@ def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
                     "met": ours_b >= 0.5 * raw_b,
                 }
             )
-    found += _enqueue_goals(us, floor, [s for n, s in systems.items() if n not in (US, FLOOR)])
+    found += _enqueue_goals(us, floor, [s for n, s in systems.items() if _is_peer(n, US)])
     for c in us.get("fairness") or []:
         p99 = c["b_p99_ms"]
         found.append(

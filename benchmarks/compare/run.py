@@ -35,9 +35,11 @@ import multiprocessing
 import os
 import platform
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -61,10 +63,19 @@ from django_fairqueue import terminal  # no Django import: safe before settings
 from django_fairqueue.figures import jain_index, percentile
 
 ROOT = Path(__file__).resolve().parents[2]
+#: The baseline's git ref, for its version label (set for its process).
+BASELINE_REF_ENV = "COMPARE_BASELINE_REF"
 SYSTEMS = ("raw-sql", "django-fairqueue", "procrastinate", "pgqueuer", "django-tasks-db")
+#: ``--baseline REF``: django-fairqueue as it was at REF, run beside this checkout's in the
+#: enqueue rounds (a before/after measured in the same rounds).
+BASELINE = "django-fairqueue-baseline"
 #: What ``--scenario`` may name, in the order they run.
 SCENARIOS = ("enqueue", "e2e", "pickup", "fairness", "timeshare")
-DJANGO_SYSTEMS = {"django-fairqueue": "fairqueue", "django-tasks-db": "django-tasks-db"}
+DJANGO_SYSTEMS = {
+    "django-fairqueue": "fairqueue",
+    BASELINE: "fairqueue",
+    "django-tasks-db": "django-tasks-db",
+}
 MARK = "django-fairqueue benchmarks/compare database (dropped by every run)"
 SERVER_SETTINGS = (
     "server_version",
@@ -165,10 +176,18 @@ def setup_django(dsn: str, app: str = "fairqueue") -> None:
 
 def load_system(name: str, dsn: str) -> Any:
     setup_django(dsn, DJANGO_SYSTEMS.get(name, "fairqueue"))
-    if name == "django-fairqueue":
+    if name in ("django-fairqueue", BASELINE):
         from benchmarks.compare.sys_fairqueue import Fairqueue
 
-        return Fairqueue(dsn)
+        system = Fairqueue(dsn)
+        if name == BASELINE:
+            import django_fairqueue
+
+            if Path(django_fairqueue.__file__).resolve().is_relative_to(ROOT):
+                raise BenchError("the baseline imports this checkout's django_fairqueue")
+            system.name = BASELINE
+            system.version += f" at {os.environ.get(BASELINE_REF_ENV, '?')}"
+        return system
     if name == "django-tasks-db":
         from benchmarks.compare.sys_django_tasks_db import DjangoTasksDb
 
@@ -650,6 +669,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="enqueue rounds, the systems alternating (ratios are taken within a round, "
         "then their median; default 3)",
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="REF",
+        help="also run django-fairqueue as it was at git REF in the enqueue rounds (before and "
+        "after in the same rounds; the enqueue scenario only)",
+    )
     parser.add_argument("--json", help="default: docs/bench/compare-<date>.json")
     parser.add_argument("--plots", metavar="DIR", help="write compare-*.png plots there")
     parser.add_argument("--keep", action="store_true", help="keep the databases")
@@ -660,14 +685,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.scenarios = [s for s in SCENARIOS if s in (args.scenario or SCENARIOS)]
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.baseline and args.scenarios != ["enqueue"]:
+        parser.error("--baseline measures the enqueue scenario only: add --scenario enqueue")
     return args
 
 
+def baseline_tree(ref: str) -> Path:
+    """A directory to run the baseline from: ``django_fairqueue`` as it was at git ``ref`` and
+    this checkout's ``benchmarks`` (a link), so the harness is the same for both."""
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", f"{ref}^{{commit}}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if commit.returncode != 0:
+        raise BenchError(f"--baseline {ref}: not a commit of {ROOT}")
+    tree = Path(tempfile.mkdtemp(prefix="compare-baseline-"))
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", commit.stdout.strip(), "django_fairqueue"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    (tree / "benchmarks").symlink_to(ROOT / "benchmarks")
+    return tree
+
+
 def run_one_system(
-    server: str, name: str, sizes: str, scenarios: Sequence[str], keep: bool
+    server: str,
+    name: str,
+    sizes: str,
+    scenarios: Sequence[str],
+    keep: bool,
+    baseline: tuple[str, Path] | None = None,
 ) -> dict[str, Any] | None:
     """Run ``scenarios`` for system ``name`` in a process of its own, on a fresh database;
-    None if it failed (said on stderr)."""
+    None if it failed (said on stderr). The baseline runs from ``baseline``'s tree (its
+    ``django_fairqueue`` comes first on the path)."""
     dbname = "compare_" + name.replace("-", "_")
     dsn = fresh_database(server, dbname)
     out = Path(f"/tmp/compare-{os.getpid()}-{dbname}.json")
@@ -687,7 +742,8 @@ def run_one_system(
                 "--out",
                 str(out),
             ],
-            cwd=ROOT,
+            cwd=baseline[1] if name == BASELINE and baseline else ROOT,
+            env={**os.environ, BASELINE_REF_ENV: baseline[0]} if baseline else None,
             check=False,
         ).returncode
         if code != 0:
@@ -702,7 +758,12 @@ def run_one_system(
 
 
 def enqueue_rounds(
-    server: str, names: Sequence[str], sizes: str, rounds: int, keep: bool
+    server: str,
+    names: Sequence[str],
+    sizes: str,
+    rounds: int,
+    keep: bool,
+    baseline: tuple[str, Path] | None = None,
 ) -> dict[str, list[dict[str, Any] | None]]:
     """The enqueue scenario ``rounds`` times, every system once per round, the order rotated
     each round. A single enqueue is bound by the commit's flush, which on a shared machine
@@ -714,7 +775,7 @@ def enqueue_rounds(
     for n in range(rounds):
         say(f"compare: enqueue round {n + 1} of {rounds}")
         for name in order:
-            result = run_one_system(server, name, sizes, ["enqueue"], keep)
+            result = run_one_system(server, name, sizes, ["enqueue"], keep, baseline)
             found[name].append(result)
         order = order[1:] + order[:1]
     return found
@@ -756,10 +817,19 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     began = time.monotonic()
     names = list(args.system or SYSTEMS)
+    baseline = None
+    if args.baseline:
+        baseline = (args.baseline, baseline_tree(args.baseline))
+        meta["baseline"] = args.baseline
+        names.append(BASELINE)
     rounds: dict[str, list[dict[str, Any] | None]] = {}
     rest = list(scenarios)
-    if "enqueue" in scenarios and args.rounds > 1:
-        rounds = enqueue_rounds(server, names, args.sizes, args.rounds, args.keep)
+    if "enqueue" in scenarios and (args.rounds > 1 or baseline):
+        try:
+            rounds = enqueue_rounds(server, names, args.sizes, args.rounds, args.keep, baseline)
+        finally:
+            if baseline:
+                shutil.rmtree(baseline[1], ignore_errors=True)
         rest.remove("enqueue")
     for name in names:
         ran = [r for r in rounds.get(name, []) if r is not None]

