@@ -68,13 +68,13 @@ class Migration(migrations.Migration):
     atomic = False
 
     dependencies = [
-        ("fairqueue", "0014_periodic_schedules"),
+        ("fairqueue", "0017_channel_groups"),
     ]
 
     # A list: each statement runs in a transaction of its own (the migration is not atomic).
     operations = [
         migrations.RunSQL(_replace(0), _replace(1)),
         migrations.RunSQL(
-            migration_sql("0018_faster_enqueue"), migration_sql("0013_fairness_by_time")
+            migration_sql("0018_faster_enqueue"), migration_sql("0017_channel_groups")
         ),
     ]

@@ -12,7 +12,7 @@ from django.db import migrations
 
 class Migration(migrations.Migration):
 
-    dependencies = [("fairqueue", "0017_channel_groups")]
+    dependencies = [("fairqueue", "0018_faster_enqueue")]
 
     operations = [
         migrations.SeparateDatabaseAndState(
