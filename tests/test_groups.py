@@ -412,3 +412,90 @@ def test_group_admin_edits_limits_only_and_view_only_users_change_nothing(
     client.post(url, {"weight": 9, "max_concurrency": 9, "release_interval": "0"})
     group.refresh_from_db()
     assert group.weight == 4
+
+
+# ------------------------------------------------------------------------------------------------
+# Work batches under a group's cap
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_group_cap_covers_its_channels_work_batches_and_messages_together() -> None:
+    from django_fairqueue import batches
+    from tests.test_batches import LEASE as BATCH_LEASE
+    from tests.test_batches import drop_source, plan_job
+
+    ChannelGroup.objects.create(name="bg", max_concurrency=2)
+    try:
+        enqueue(f.NOOP, channel=("bg", "a"))
+        for name in ("a", "b", "c"):
+            plan_job(f"job-{name}", f"bg/{name}", 4)
+        assert set(Channel.objects.filter(group__name="bg").values_list("name", flat=True)) == {
+            "bg/a",
+            "bg/b",
+            "bg/c",
+        }
+        f.fold_all()
+        (message,) = claim(1)
+        first = batches.claim(worker_id="w", lease=BATCH_LEASE)
+        assert first is not None
+        # one message and one batch run: the group is at its cap of 2
+        assert batches.claim(worker_id="w", lease=BATCH_LEASE) is None
+        complete([message])
+        second = batches.claim(worker_id="w", lease=BATCH_LEASE)
+        assert second is not None
+        assert batches.claim(worker_id="w", lease=BATCH_LEASE) is None
+        with batches.fenced(first) as fence:
+            fence.rows_processed = first.row_count
+        assert batches.claim(worker_id="w", lease=BATCH_LEASE) is not None
+        f.fold_all()
+        assert_group_sums_exact()
+    finally:
+        drop_source()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_batch_claimers_never_exceed_a_group_cap() -> None:
+    from django_fairqueue import batches
+    from django_fairqueue.models import WorkBatch
+    from tests.test_batches import LEASE as BATCH_LEASE
+    from tests.test_batches import drop_source, plan_job
+
+    cap = 2
+    ChannelGroup.objects.create(name="bg", max_concurrency=cap)
+    try:
+        for name in ("a", "b", "c"):
+            plan_job(f"job-{name}", f"bg/{name}", 12, size=5)
+        lock = threading.Lock()
+        running = 0
+        peak = 0
+        claimed: list[int] = []
+
+        def worker(i: int) -> None:
+            nonlocal running, peak
+            deadline = time.monotonic() + 60
+            while True:
+                assert time.monotonic() < deadline, "batch claimers did not finish in time"
+                b = batches.claim(worker_id=f"w{i}", lease=BATCH_LEASE)
+                if b is None:
+                    if not WorkBatch.objects.filter(state="pending").exists():
+                        return
+                    time.sleep(0.002)
+                    continue
+                with lock:
+                    running += 1
+                    peak = max(peak, running)
+                    claimed.append(b.id)
+                time.sleep(0.003)
+                with lock:  # leave before the slot is freed, as a real worker does
+                    running -= 1
+                with batches.fenced(b) as fence:
+                    fence.rows_processed = b.row_count
+
+        run_threads(6, worker)
+        assert len(claimed) == len(set(claimed)) == 36
+        assert peak <= cap, f"group cap {cap} exceeded: {peak} batches ran at once"
+        assert peak == cap, "the claimers never filled the cap: the test proved nothing"
+        f.fold_all()
+        assert_group_sums_exact()
+    finally:
+        drop_source()

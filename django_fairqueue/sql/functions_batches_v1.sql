@@ -14,6 +14,11 @@
 --     stops running (completion, failure, release, rescue) records running -1 as a counter
 --     delta, as message settlements do. Holding the channel row serialises all claims of that
 --     channel, so checking the cap and taking one more is atomic fleet-wide.
+--   * A channel group's max_concurrency covers its channels' running messages and batches
+--     (its running_count sums theirs). A batch claim of a grouped channel locks the group row
+--     after the channel (the lock order's ranks 2 then 3), FOR NO KEY UPDATE SKIP LOCKED: a
+--     group held by a message claim (which takes groups before channels, without waiting for
+--     a channel) is passed over like a held channel, so the two never wait for each other.
 --   * Channel.batch_pending ("may have pending batches") is set through a counter delta
 --     (batch_pending true) by every statement that makes a batch pending, in the same
 --     transaction, and cleared only by a claim holding the channel row that sees no pending
@@ -42,6 +47,7 @@ DECLARE
     v_any_job boolean := p_jobs IS NULL AND p_job_prefixes IS NULL;
     v_cur refcursor;
     v_channel record;
+    v_group record;
     v_batch bigint;
 BEGIN
     -- Fold waking counter deltas first (as the message claim does): freed slots of capped
@@ -55,7 +61,8 @@ BEGIN
     -- An explicit cursor with one FETCH per channel locks channels one by one (a FOR loop
     -- would prefetch, and lock, ten at a time).
     OPEN v_cur FOR
-        SELECT c.id, c.name, c.max_concurrency, c.running_count, c.weight, c.batch_turn_used
+        SELECT c.id, c.name, c.max_concurrency, c.running_count, c.weight, c.batch_turn_used,
+               c.group_id
         FROM fairqueue_channel c
         WHERE c.batch_pending AND NOT c.paused
           AND (p_only IS NULL OR c.id = ANY (p_only))
@@ -70,6 +77,18 @@ BEGIN
         -- (a settlement frees a slot), so this errs on the safe side.
         CONTINUE WHEN v_channel.max_concurrency IS NOT NULL
                       AND v_channel.running_count >= v_channel.max_concurrency;
+        IF v_channel.group_id IS NOT NULL THEN
+            -- The group's cap, on its row as locked: the newest version, every claim of its
+            -- channels committed before us counted (the trigger that keeps its sums runs in
+            -- the claims' transactions). Held by another claim: passed over for now.
+            SELECT g.max_concurrency, g.running_count INTO v_group
+            FROM fairqueue_channel_group g
+            WHERE g.id = v_channel.group_id
+            FOR NO KEY UPDATE SKIP LOCKED;
+            CONTINUE WHEN NOT FOUND;
+            CONTINUE WHEN v_group.max_concurrency IS NOT NULL
+                          AND v_group.running_count >= v_group.max_concurrency;
+        END IF;
         SELECT b.id INTO v_batch
         FROM fairqueue_work_batch b
         WHERE b.channel_id = v_channel.id AND b.state = 'pending' AND b.run_at <= v_now
