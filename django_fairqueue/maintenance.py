@@ -248,12 +248,17 @@ class CounterVerifier:
 
 
 def verify(*, repair: bool, log: logging.Logger | None = None) -> list[store.CounterDrift]:
-    """Counters that disagree with the rows (and rows of no channel, as drift of a channel
-    named ``(none)``); with ``repair``, recount and delete them, then report what was wrong."""
+    """Counters that disagree with the rows (channel groups' sums that disagree with their
+    channels', and rows of no channel, as drift of a channel named ``(none)``); with
+    ``repair``, recount and delete them, then report what was wrong."""
     drift = store.verify_channel_counters()
     if repair and drift:
         # each drifted channel recounted under its row lock; what was wrong then is reported
         drift = store.repair_channel_counters(sorted({d.channel_id for d in drift}))
+    groups = store.verify_group_counters()
+    if repair and groups:
+        groups = store.repair_group_counters(sorted({d.channel_id for d in groups}))
+    drift += groups
     orphans = {t: n for t, n in store.verify_orphans().items() if n}
     if repair and orphans:
         orphans = {t: n for t, n in store.repair_orphans().items() if n}
@@ -261,8 +266,9 @@ def verify(*, repair: bool, log: logging.Logger | None = None) -> list[store.Cou
     if log is not None:
         for d in drift:
             log.warning(
-                "counter drift%s: channel %r %s recorded %s, counted %s",
+                "counter drift%s: %s %r %s recorded %s, counted %s",
                 " repaired" if repair else "",
+                d.kind,
                 d.channel,
                 d.counter,
                 d.recorded,

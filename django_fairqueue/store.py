@@ -912,13 +912,16 @@ def fold_deltas_of_channel(channel_id: int, *, using: str | None = None) -> int:
 
 @dataclass(frozen=True, slots=True)
 class CounterDrift:
-    """A channel counter that disagrees with the rows it counts."""
+    """A channel counter that disagrees with the rows it counts (``kind`` "group": a channel
+    group's sum that disagrees with its channels' counters; ``channel_id`` and ``channel`` are
+    then the group's)."""
 
     channel_id: int
     channel: str
     counter: str
     recorded: int
     actual: int
+    kind: str = "channel"
 
 
 def verify_channel_counters(
@@ -937,6 +940,24 @@ def repair_channel_counters(ids: Sequence[int], *, using: str | None = None) -> 
     if not ids:
         return []
     return [CounterDrift(*r) for r in _run("repair_channel_counters", {"ids": list(ids)}, using)]
+
+
+def verify_group_counters(*, using: str | None = None) -> list[CounterDrift]:
+    """Channel groups whose sums (ready, running, claimable channels) disagree with their
+    channels' counters. Read-only and lock-free, one snapshot."""
+    return [CounterDrift(*r, kind="group") for r in _run("verify_group_counters", {}, using)]
+
+
+def repair_group_counters(ids: Sequence[int], *, using: str | None = None) -> list[CounterDrift]:
+    """Recount the sums of the groups of ``ids`` from their channels, under the groups' row
+    locks (taken in a statement of their own, so the recount sees every channel change
+    committed before them). Returns what was wrong at that moment."""
+    if not ids:
+        return []
+    with transaction.atomic(using=using or conf.get().DATABASE):
+        _run("lock_groups", {"ids": sorted(ids)}, using)
+        rows = _run("repair_group_counters", {"ids": sorted(ids)}, using)
+    return [CounterDrift(*r, kind="group") for r in rows]
 
 
 def verify_orphans(*, using: str | None = None) -> dict[str, int]:

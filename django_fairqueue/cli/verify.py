@@ -1,7 +1,7 @@
 """Check every channel's counters against its messages and work batches; --repair fixes them.
 
 The counters the claim trusts (ready, delayed, running, failed) are recounted from the rows in
-one read-only snapshot, without locks. With --repair, each channel found wrong is recounted
+one read-only snapshot, without locks, and each channel group's sums from its channels. With --repair, each channel found wrong is recounted
 under its row lock and rows whose channel no longer exists are deleted. Workers do the same
 every FAIRQUEUE['VERIFY_INTERVAL'] seconds and log what they repaired. Exits with status 1
 when it found drift and did not repair it, so a monitoring job can alert on it.
@@ -21,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repair",
         action="store_true",
-        help="Recount the channels found wrong (under their row locks) and delete rows of "
-        "channels that no longer exist.",
+        help="Recount the channels and channel groups found wrong (under their row locks) "
+        "and delete rows of channels that no longer exist.",
     )
 
 
@@ -31,7 +31,7 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
     drift = verify(repair=repair)
     for d in drift:
         stdout.write(
-            f"channel {d.channel!r}: {d.counter} recorded {d.recorded}, counted {d.actual}"
+            f"{d.kind} {d.channel!r}: {d.counter} recorded {d.recorded}, counted {d.actual}"
             + (" (repaired)" if repair else "")
         )
     if not drift:
