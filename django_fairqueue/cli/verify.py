@@ -1,8 +1,9 @@
 """Check every channel's counters against its messages and work batches; --repair fixes them.
 
 The counters the claim trusts (ready, delayed, running, failed) are recounted from the rows in
-one read-only snapshot, without locks, and each channel group's sums from its channels. With --repair, each channel found wrong is recounted
-under its row lock and rows whose channel no longer exists are deleted. Workers do the same
+one read-only snapshot, without locks, and each channel group's sums from its channels. With
+--repair, each channel or group found wrong is recounted under its row lock and rows whose
+channel no longer exists are deleted. Workers do the same
 every FAIRQUEUE['VERIFY_INTERVAL'] seconds and log what they repaired. Exits with status 1
 when it found drift and did not repair it, so a monitoring job can alert on it.
 """
