@@ -955,9 +955,15 @@ def repair_group_counters(ids: Sequence[int], *, using: str | None = None) -> li
     if not ids:
         return []
     with transaction.atomic(using=using or conf.get().DATABASE):
-        _run("lock_groups", {"ids": sorted(ids)}, using)
+        lock_groups(ids, using=using)
         rows = _run("repair_group_counters", {"ids": sorted(ids)}, using)
     return [CounterDrift(*r, kind="group") for r in rows]
+
+
+def lock_groups(ids: Sequence[int], *, using: str | None = None) -> list[int]:
+    """Lock the channel groups of ``ids`` until the transaction ends (in id order, waiting);
+    returns the ids of those that exist."""
+    return [r[0] for r in _run("lock_groups", {"ids": sorted(ids)}, using)]
 
 
 def verify_orphans(*, using: str | None = None) -> dict[str, int]:
