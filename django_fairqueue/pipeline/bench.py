@@ -67,12 +67,10 @@ def tenant_rules(index: int, count: int) -> list[Rule]:
         total = f"round(({subtotal} * (1 - discount) * (1 + tax_rate))::text::numeric, 2)::float8"
         rules = [
             Rule("subtotal", "subtotal = price * qty", subtotal),
-            Rule(
-                "total", "total = ROUND(subtotal * (1 - discount) * (1 + tax_rate), 2)", total
-            ),
+            Rule("total", "total = ROUND(subtotal * (1 - discount) * (1 + tax_rate), 2)", total),
             Rule(
                 "band",
-                "band = IFS(total >= 500, \"high\", total >= 100, \"mid\", TRUE, \"low\")",
+                'band = IFS(total >= 500, "high", total >= 100, "mid", TRUE, "low")',
                 f"CASE WHEN {total} >= 500 THEN 'high' WHEN {total} >= 100 THEN 'mid' "
                 "ELSE 'low' END",
             ),
@@ -85,7 +83,7 @@ def tenant_rules(index: int, count: int) -> list[Rule]:
             Rule("total", "total = MAX(subtotal, 0) * (1 + tax_rate) + 4.95", total),
             Rule(
                 "band",
-                "band = IF(qty > 10, \"bulk\", \"retail\")",
+                'band = IF(qty > 10, "bulk", "retail")',
                 "CASE WHEN qty > 10 THEN 'bulk' ELSE 'retail' END",
             ),
         ]
@@ -124,11 +122,17 @@ def baseline_expressions(rules: Sequence[Rule]) -> dict[str, Any]:
     parts = []
     for lo in range(0, len(others), 50):
         pairs = sql.SQL(", ").join(
-            sql.SQL("{}, {}").format(sql.Literal(r.name), sql.SQL(r.sql)) for r in others[lo : lo + 50]
+            sql.SQL("{}, {}").format(sql.Literal(r.name), sql.SQL(r.sql))
+            for r in others[lo : lo + 50]
         )
         parts.append(sql.SQL("jsonb_build_object({})").format(pairs))
     results = sql.SQL(" || ").join(parts) if parts else sql.SQL("'{}'::jsonb")
-    return {"id": sql.Identifier("id"), "tenant": sql.Identifier("tenant"), **typed, "results": results}
+    return {
+        "id": sql.Identifier("id"),
+        "tenant": sql.Identifier("tenant"),
+        **typed,
+        "results": results,
+    }
 
 
 def _stat(pid: int) -> list[str]:
@@ -207,9 +211,9 @@ class BenchResult:
     rules: int  # per tenant
     interleaved: bool
     batches: int  # per Spark run
-    sql_serial_seconds: float  # one connection, tenant after tenant
-    sql_parallel_seconds: float  # one connection per core, tenants side by side
-    sql_seconds: float  # the better of the two: "the baseline"
+    sql_serial_seconds: float | None  # one connection, tenant after tenant
+    sql_parallel_seconds: float | None  # one connection per core, tenants side by side
+    sql_seconds: float  # the best of the baselines run: "the baseline"
     spark_seconds: float  # atomic sink
     direct_seconds: float | None  # Sink(atomic=False)
     sql_rows_per_second: float
@@ -318,12 +322,12 @@ def _checksums(using: str, rules: int) -> tuple[Any, ...]:
 def _same(got: tuple[Any, ...], expected: tuple[Any, ...]) -> bool:
     if got[0] != expected[0]:
         return False
-    return all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for a, b in zip(got[1:], expected[1:], strict=True))
+    return all(
+        abs(a - b) <= 1e-6 * max(1.0, abs(b)) for a, b in zip(got[1:], expected[1:], strict=True)
+    )
 
 
-def _baseline(
-    using: str, statements: dict[str, str], hi: int, connections: int
-) -> float:
+def _baseline(using: str, statements: dict[str, str], hi: int, connections: int) -> float:
     """Run each tenant's statement, on ``connections`` connections at once; seconds taken."""
     import psycopg
 
@@ -368,6 +372,7 @@ def run(
     rules: int = 3,
     contiguous: bool = False,
     direct: bool = True,
+    sql_connections: Sequence[int] = (),
     say: Callable[[str], None] = print,
 ) -> BenchResult:
     from django_fairqueue.pipeline.execute import BatchOutcome
@@ -432,7 +437,7 @@ def run(
             }
             cores = os.cpu_count() or 1
             timings: dict[int, tuple[float, float | None]] = {}
-            for connections in (1, cores):
+            for connections in sql_connections or (1, cores):
                 if connections in timings:
                     continue
                 datastore.truncate(using, SINK)
@@ -444,8 +449,8 @@ def run(
                 used = None if before is None or after is None else after - before
                 timings[connections] = (seconds, used)
             expected = _checksums(using, rules)
-            serial = timings[1][0]
-            parallel = timings[cores][0]
+            serial = timings[1][0] if 1 in timings else None
+            parallel = timings[cores][0] if cores in timings else None
             sql_seconds, sql_cpu = min(timings.values(), key=lambda t: t[0])
 
             def run_spark(chosen: Pipeline) -> dict[str, Any]:
@@ -497,8 +502,8 @@ def run(
             rules=rules,
             interleaved=not contiguous,
             batches=atomic_run["batches"],
-            sql_serial_seconds=round(serial, 2),
-            sql_parallel_seconds=round(parallel, 2),
+            sql_serial_seconds=round(serial, 2) if serial is not None else None,
+            sql_parallel_seconds=round(parallel, 2) if parallel is not None else None,
             sql_seconds=round(sql_seconds, 2),
             spark_seconds=round(atomic_run["seconds"], 2),
             direct_seconds=round(direct_run["seconds"], 2) if direct_run else None,

@@ -686,7 +686,7 @@ def write_sink(spec: SinkWriteSpec, batches: Iterator[Any]) -> Iterator[Any]:
             )
         staged = False
         for chunk in _chunks(batches, spec.chunk_rows):
-            target = spec.copy_into_sink
+            target: str | None = spec.copy_into_sink
             if spec.sink_has_keys is None:
                 target = spec.copy_into_task_staging
             else:
@@ -702,10 +702,9 @@ def write_sink(spec: SinkWriteSpec, batches: Iterator[Any]) -> Iterator[Any]:
                 # Tenants' rows interleave, so the range holds other tenants' keys: COPY into
                 # the sink under a savepoint; a key already there rolls it back to the upsert.
                 try:
-                    with conn.transaction():
-                        with conn.cursor().copy(spec.copy_into_sink) as copy:
-                            for data in encoded:
-                                copy.write(data)
+                    with conn.transaction(), conn.cursor().copy(spec.copy_into_sink) as copy:
+                        for data in encoded:
+                            copy.write(data)
                     continue
                 except psycopg.errors.UniqueViolation:
                     target = spec.copy_into_task_staging

@@ -90,6 +90,14 @@ class Command(BaseCommand):
         bench.add_argument(
             "--no-direct", action="store_true", help="Skip the Sink(atomic=False) run."
         )
+        bench.add_argument(
+            "--sql-connections",
+            type=int,
+            action="append",
+            metavar="N",
+            help="Run the SQL baseline on N connections at once (repeatable; default: 1, then "
+            "one per CPU core; the fastest is the baseline).",
+        )
         bench.add_argument("--json", action="store_true", help="Print JSON.")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -311,6 +319,8 @@ class Command(BaseCommand):
             raise CommandError("--tenants must be at least 1 and at most --rows")
         if options["rules"] < 3:
             raise CommandError("--rules must be at least 3")
+        if any(n < 1 for n in options["sql_connections"] or ()):
+            raise CommandError("--sql-connections must be at least 1")
         results = []
         for rows in sizes:
             try:
@@ -322,6 +332,7 @@ class Command(BaseCommand):
                     rules=options["rules"],
                     contiguous=options["contiguous"],
                     direct=not options["no_direct"],
+                    sql_connections=options["sql_connections"] or (),
                     say=lambda text: self.stderr.write(text),
                 )
             except self._pipeline_errors() as exc:
@@ -339,13 +350,16 @@ class Command(BaseCommand):
         def cpu(value: float | None) -> str:
             return "not measured" if value is None else f"{value:.1f} us/row"
 
+        def seconds(value: float | None) -> str:
+            return "not run" if value is None else f"{value:.1f} s"
+
         layout = "interleaved" if r.interleaved else "contiguous"
         lines = [
             f"{r.rows:,} rows, {r.tenants} tenants ({layout} ids), {r.rules} rules per tenant, "
             f"{r.batches} batches per Spark run, load average {r.load_average}",
             f"  SQL baseline     {r.sql_seconds:7.1f} s ({r.sql_rows_per_second:,.0f} rows/s; "
-            f"one connection {r.sql_serial_seconds:.1f} s, one per core "
-            f"{r.sql_parallel_seconds:.1f} s)  database CPU {cpu(r.sql_db_cpu_us_per_row)}",
+            f"one connection {seconds(r.sql_serial_seconds)}, one per core "
+            f"{seconds(r.sql_parallel_seconds)})  database CPU {cpu(r.sql_db_cpu_us_per_row)}",
             f"  Spark atomic     {r.spark_seconds:7.1f} s ({r.spark_rows_per_second:,.0f} rows/s, "
             f"{r.ratio:.2f}x SQL; plan {r.plan_seconds:.1f} s, Spark phase "
             f"{r.spark_phase_seconds:.1f} s, merge {r.merge_seconds:.1f} s)  database CPU "
