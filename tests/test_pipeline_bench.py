@@ -1,4 +1,5 @@
-"""``fairpipeline bench``: its tables' layout, its SQL baseline, and that nothing stays behind."""
+"""``fairpipeline bench`` (its tables' layout, its SQL baseline, that nothing stays behind) and
+the atomic merge among interleaved keys that the benchmark's layout exercises."""
 
 from __future__ import annotations
 
@@ -93,3 +94,79 @@ def test_the_benchmark_agrees_with_sql_and_leaves_nothing_behind(
     with connection.cursor() as cur:
         cur.execute("SELECT to_regclass(%s), to_regclass(%s)", [bench.SOURCE, bench.SINK])
         assert cur.fetchone() == (None, None)
+
+
+COLUMNS = ["id", "tenant", "subtotal", "total", "band"]
+
+
+def stage(rows: list[tuple[int, str, float]]) -> str:
+    """A staging table of the test sink holding ``rows`` (id, tenant, total)."""
+    from django.db import connection
+
+    from tests.pipelineapp.models import ResultRow
+
+    staging = "fq_stage_7_" + "0" * 32
+    datastore.create_staging(
+        "default", staging=staging, sink=ResultRow._meta.db_table, columns=COLUMNS
+    )
+    with connection.cursor() as cur:
+        for key, tenant, total in rows:
+            cur.execute(
+                f'INSERT INTO "{staging}" (fq_part, id, tenant, total) VALUES (0, %s, %s, %s)',
+                [key, tenant, total],
+            )
+    return staging
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_merge_among_other_tenants_keys_inserts_and_a_rerun_upserts_without_duplicates(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from django.db import transaction
+
+    from tests.pipelineapp.models import ResultRow
+
+    used: list[str] = []
+    compose = datastore.compose
+
+    def recording(name: str, **parts: Any) -> Any:
+        used.append(name)
+        return compose(name, **parts)
+
+    monkeypatch.setattr(datastore, "compose", recording)
+
+    sink = ResultRow._meta.db_table
+    # Another tenant's rows interleave with the batch's keys (even ids), so the batch's key range
+    # is not empty: the plain INSERT is tried under a savepoint and succeeds.
+    ResultRow.objects.bulk_create(
+        ResultRow(id=i, tenant="other", total=-1) for i in range(1, 20, 2)
+    )
+    staging = stage([(i, "mine", float(i)) for i in range(2, 20, 2)])
+    with transaction.atomic():
+        changed = datastore.merge_staging(
+            "default", staging=staging, sink=sink, key=["id"], columns=COLUMNS, key_range=(2, 18)
+        )
+        assert changed == 9
+        ResultRow.objects.filter(id=1).update(band="same transaction")  # still usable
+    assert "insert_staging" in used and "merge_staging" not in used  # no ON CONFLICT work
+    assert ResultRow.objects.filter(tenant="mine").count() == 9
+    assert ResultRow.objects.get(id=1).band == "same transaction"
+    datastore.drop_staging("default", staging)
+
+    # A re-run with one value changed: the INSERT hits a key already there and rolls back to
+    # the savepoint; the upsert writes the one changed row, and no key is duplicated.
+    staging = stage([(i, "mine", float(i) + (100 if i == 4 else 0)) for i in range(2, 20, 2)])
+    used.clear()
+    with transaction.atomic():
+        changed = datastore.merge_staging(
+            "default", staging=staging, sink=sink, key=["id"], columns=COLUMNS, key_range=(2, 18)
+        )
+    assert changed == 1
+    assert used[-2:] == ["insert_staging", "merge_staging"]
+    assert ResultRow.objects.count() == 19
+    assert ResultRow.objects.get(id=4).total == 104.0
+    assert sorted(
+        ResultRow.objects.filter(tenant="mine").values_list("total", flat=True)
+    ) == sorted([float(i) for i in range(2, 20, 2) if i != 4] + [104.0])
+    assert ResultRow.objects.filter(tenant="other").count() == 10
+    datastore.drop_staging("default", staging)
