@@ -531,10 +531,14 @@ def test_a_heartbeat_after_the_batch_settled_reports_no_lost_lease(
     batch = batches.claim(worker_id="w", jobs=[f"{PIPELINE}:*"], lease=timedelta(minutes=5))
     assert batch is not None
     with batches.Heartbeat(batch, interval=0.05) as beat:
-        WorkBatch.objects.filter(pk=batch.id).update(
-            lease_expires_at=timezone.now() - timedelta(seconds=1)
-        )
-        batches.rescue_expired()
+        from django.db import transaction
+
+        with transaction.atomic():  # the row locked: no beat renews the lease in between
+            WorkBatch.objects.select_for_update().get(pk=batch.id)
+            WorkBatch.objects.filter(pk=batch.id).update(
+                lease_expires_at=timezone.now() - timedelta(seconds=1)
+            )
+            assert [r.id for r in batches.rescue_expired()] == [batch.id]
         time.sleep(0.4)
     assert beat.lost.is_set()
     assert f"batch {batch.id}: lease lost" in caplog.text

@@ -176,11 +176,7 @@ class DatabaseCpu:
     (:func:`tree_cpu_seconds`). None when the server is not on this machine."""
 
     def __init__(self, using: str) -> None:
-        from django.db import connections
-
-        with connections[using].cursor() as cur:
-            cur.execute("SELECT pg_backend_pid()")
-            backend = int(cur.fetchone()[0])
+        backend = datastore.backend_pid(using)
         self.postmaster: int | None = None
         try:
             postmaster = int(_stat(backend)[1])

@@ -355,6 +355,10 @@ def vacuum_analyze(using: str, table: str) -> None:
     _execute(using, compose("vacuum_analyze_table", table=table_identifier(table)), {})
 
 
+def backend_pid(using: str) -> int:
+    return int(_execute(using, compose("backend_pid"), {})[0][0])
+
+
 def drop_table(using: str, table: str) -> None:
     """Drop a scratch table of the benchmark (same statement as a staging table's)."""
     _execute(using, compose("drop_staging", staging=table_identifier(table)), {})

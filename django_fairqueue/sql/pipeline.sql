@@ -176,6 +176,10 @@ SELECT g,
        CASE WHEN g %% 3 = 0 THEN 0.2 ELSE 0.07 END
 FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS g;
 
+-- name: backend_pid
+-- This session's server process id (the benchmark finds the server's processes from it).
+SELECT pg_backend_pid();
+
 -- name: vacuum_analyze_table
 -- Refresh the planner's statistics and the visibility map of a freshly filled table (so the
 -- planning walk is index-only, as on a settled table). Runs outside a transaction block.
