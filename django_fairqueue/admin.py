@@ -48,32 +48,40 @@ from django.utils.translation import ngettext
 from django.views.decorators.http import require_POST
 
 from django_fairqueue import adminlist, batches, conf, overview, registry, stats, store, waiting
-from django_fairqueue.api import validate_channel_name
+from django_fairqueue.api import validate_channel_name, validate_group_name
 from django_fairqueue.exceptions import InvalidChannel
 from django_fairqueue.models import (
     BatchState,
     Channel,
+    ChannelGroup,
     Message,
     MessageState,
-    PipelineJob,
     WorkBatch,
     WorkerRecord,
 )
 from django_fairqueue.schedule_admin import ScheduleAdmin, ScheduleInline
 
-__all__ = ["ChannelAdmin", "MessageAdmin", "ScheduleAdmin", "WorkBatchAdmin", "WorkerAdmin"]
+__all__ = [
+    "ChannelAdmin",
+    "ChannelGroupAdmin",
+    "MessageAdmin",
+    "ScheduleAdmin",
+    "WorkBatchAdmin",
+    "WorkerAdmin",
+]
 
 if TYPE_CHECKING:
     _ChannelAdminBase = admin.ModelAdmin[Channel]
+    _GroupAdminBase = admin.ModelAdmin[ChannelGroup]
+    _GroupFormBase = forms.ModelForm[ChannelGroup]
     _MessageAdminBase = admin.ModelAdmin[Message]
     _WorkBatchAdminBase = admin.ModelAdmin[WorkBatch]
     _WorkerAdminBase = admin.ModelAdmin[WorkerRecord]
-    _PipelineJobAdminBase = admin.ModelAdmin[PipelineJob]
     _ChannelFormBase = forms.ModelForm[Channel]
 else:  # the generic aliases exist only for type checkers (no django-stubs-ext at run time)
     _ChannelAdminBase = _MessageAdminBase = _WorkBatchAdminBase = admin.ModelAdmin
-    _WorkerAdminBase = _PipelineJobAdminBase = admin.ModelAdmin
-    _ChannelFormBase = forms.ModelForm
+    _WorkerAdminBase = _GroupAdminBase = admin.ModelAdmin
+    _ChannelFormBase = _GroupFormBase = forms.ModelForm
 
 #: The limits an operator edits; a change saves only these columns (see ChannelAdmin.save_model).
 EDITABLE_LIMITS = ("max_concurrency", "release_interval", "weight", "max_backlog", "paused")
@@ -94,6 +102,159 @@ def _log_changes(request: HttpRequest, objects: Sequence[Any], message: str) -> 
             action_flag=CHANGE,
             change_message=message,
         )
+
+
+# ============================================================================================
+# Channel groups
+
+GROUP_LIMITS = ("weight", "max_concurrency", "release_interval")
+
+
+class ChannelGroupForm(_GroupFormBase):
+    """A channel group's name and limits, checked as enqueue and channel limits are."""
+
+    class Meta:
+        model = ChannelGroup
+        fields = ["name", *GROUP_LIMITS]
+
+    def clean_name(self) -> str:
+        try:
+            return validate_group_name(self.cleaned_data["name"])
+        except InvalidChannel as exc:
+            raise ValidationError(str(exc)) from None
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        for name in GROUP_LIMITS:
+            if name not in data or name in self.errors:
+                continue
+            value = data[name]
+            if value is None and name == "release_interval":
+                value = timedelta(0)
+            if value is None and name == "weight":
+                value = 1
+            try:
+                conf.validate_channel_limits(**{name: value}, where="group")
+            except ValueError as exc:
+                text = str(exc).removeprefix("group ")
+                label = name.replace("_", " ")
+                self.add_error(name, label.capitalize() + text.removeprefix(name))
+        return data
+
+
+@admin.register(ChannelGroup)
+class ChannelGroupAdmin(_GroupAdminBase):
+    """Channel groups: the operator edits weight, cap and rate limit; the claim's state
+    (sums over the channels, turn, tag) is shown read-only and is no model field."""
+
+    form = ChannelGroupForm
+    list_display = [
+        "name",
+        "channels_display",
+        "ready_display",
+        "running_display",
+        "weight",
+        "release_interval_display",
+    ]
+    search_fields = ["name"]
+    list_per_page = 100
+    show_full_result_count = False
+    fieldsets = [
+        (None, {"fields": ["name"]}),
+        (_("Limits (take effect on the next claim)"), {"fields": list(GROUP_LIMITS)}),
+        (_("State"), {"fields": ["state_display", "channels_link", "created_at"]}),
+    ]
+
+    def get_readonly_fields(
+        self, request: HttpRequest, obj: ChannelGroup | None = None
+    ) -> list[str]:
+        fields = ["state_display", "channels_link", "created_at"]
+        if obj is not None:
+            fields.append("name")  # the group's identity: channel names refer to it
+        return fields
+
+    def get_fieldsets(self, request: HttpRequest, obj: ChannelGroup | None = None) -> Any:
+        return self.fieldsets[:2] if obj is None else self.fieldsets
+
+    def get_changelist_instance(self, request: HttpRequest) -> Any:
+        cl = super().get_changelist_instance(request)
+        states = {g.id: g for g in store.select_group_state([o.pk for o in cl.result_list])}
+        for obj in cl.result_list:
+            setattr(obj, "_fq_state", states.get(obj.pk))  # noqa: B010
+        return cl
+
+    def save_model(self, request: HttpRequest, obj: ChannelGroup, form: Any, change: bool) -> None:
+        if not change:
+            obj.save()  # takes in the existing channels named "<group>/..."
+            return
+        fields = [name for name in GROUP_LIMITS if name in form.changed_data]
+        if fields:
+            with transaction.atomic(using=conf.get().DATABASE):
+                obj.save(update_fields=fields)
+                # a rate limit removed or shortened must not leave the group due later
+                store.rearm_group(obj.pk)
+
+    def delete_model(self, request: HttpRequest, obj: ChannelGroup) -> None:
+        super().delete_model(request, obj)
+        store.forget_groups()
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[ChannelGroup]) -> None:
+        super().delete_queryset(request, queryset)
+        store.forget_groups()
+
+    def _state(self, obj: ChannelGroup) -> store.GroupState | None:
+        state: store.GroupState | None = getattr(obj, "_fq_state", None)
+        if state is None:
+            found = store.select_group_state([obj.pk])
+            state = found[0] if found else None
+            setattr(obj, "_fq_state", state)  # noqa: B010
+        return state
+
+    @admin.display(description=_("channels"))
+    def channels_display(self, obj: ChannelGroup) -> str:
+        state = self._state(obj)
+        return f"{state.channels:,}" if state else "-"
+
+    @admin.display(description=_("ready"))
+    def ready_display(self, obj: ChannelGroup) -> str:
+        state = self._state(obj)
+        return f"{state.ready:,}" if state else "-"
+
+    @admin.display(description=_("running / max"))
+    def running_display(self, obj: ChannelGroup) -> str:
+        state = self._state(obj)
+        if state is None:
+            return "-"
+        cap = obj.max_concurrency
+        return f"{state.running:,} / {'∞' if cap is None else f'{cap:,}'}"
+
+    @admin.display(description=_("rate limit"))
+    def release_interval_display(self, obj: ChannelGroup) -> str:
+        return _duration(obj.release_interval)
+
+    @admin.display(description=_("state"))
+    def state_display(self, obj: ChannelGroup) -> str:
+        state = self._state(obj)
+        if state is None:
+            return "-"
+        return format_html(
+            "{} ready, {} running, {} of {} channels claimable; next turn {}, virtual time {} s",
+            f"{state.ready:,}",
+            f"{state.running:,}",
+            f"{state.claimable:,}",
+            f"{state.channels:,}",
+            _timestamp(state.next_turn_at),
+            f"{state.vtime:.3f}",
+        )
+
+    @admin.display(description=_("channels"))
+    def channels_link(self, obj: ChannelGroup) -> str:
+        url = (
+            reverse("admin:fairqueue_channel_changelist")
+            + "?"
+            + urlencode({"group__id__exact": str(obj.pk)})
+        )
+        return format_html('<a href="{}">{}</a>', url, _("the group's channels"))
 
 
 def _chunks(ids: Sequence[int], size: int = ACTION_CHUNK) -> Iterator[list[int]]:
@@ -372,6 +533,7 @@ class ChannelAdmin(_ChannelAdminBase):
     # oldest waits, failures), then the rest; the limits come last.
     list_display = [
         "name",
+        "group_display",
         "ready_display",
         "running_display",
         "oldest_ready_display",
@@ -392,6 +554,7 @@ class ChannelAdmin(_ChannelAdminBase):
         "paused",
         HasFailuresFilter,
         BacklogOverFilter,
+        ("group", admin.RelatedOnlyFieldListFilter),
     ]
     # Facet counts would run every filter's query over all channels: not on a page view.
     show_facets = admin.ShowFacets.NEVER
@@ -405,7 +568,7 @@ class ChannelAdmin(_ChannelAdminBase):
     # the channel's periodic schedules, read-only (django_fairqueue.schedule_admin)
     inlines = [ScheduleInline]
     fieldsets = [
-        (None, {"fields": ["name"]}),
+        (None, {"fields": ["name", "group_display"]}),
         (
             _("Limits (take effect on the next claim)"),
             {"fields": list(EDITABLE_LIMITS)},
@@ -441,7 +604,7 @@ class ChannelAdmin(_ChannelAdminBase):
         )
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Channel]:
-        qs = overview.annotate_counters(super().get_queryset(request))
+        qs = overview.annotate_counters(super().get_queryset(request).select_related("group"))
         # A constant stand-in, so that Django can check an ordering that names the age column
         # (ChannelChangeList takes it out and sorts by age itself).
         return qs.annotate(**{AGE_ORDER: Value(0, output_field=IntegerField())})
@@ -452,7 +615,7 @@ class ChannelAdmin(_ChannelAdminBase):
     def get_readonly_fields(self, request: HttpRequest, obj: Channel | None = None) -> list[str]:
         fields = ["counters_display", "failing_display", "retrying_display", "failed_display"]
         fields += ["why_waiting_display", "oldest_ready_display", "finished_display"]
-        fields += ["last_claimed_display", "created_at"]
+        fields += ["last_claimed_display", "created_at", "group_display"]
         if obj is not None:
             fields.append("name")  # the channel's identity: enqueue finds it by name
         return fields
@@ -495,6 +658,13 @@ class ChannelAdmin(_ChannelAdminBase):
                 store.fold_deltas_of_channel(obj.pk)
 
     # -- columns ---------------------------------------------------------------------------
+
+    @admin.display(description=_("group"), ordering="group__name")
+    def group_display(self, obj: Channel) -> str:
+        if obj.group_id is None:
+            return "-"
+        url = reverse("admin:fairqueue_channelgroup_change", args=[obj.group_id])
+        return format_html('<a href="{}">{}</a>', url, obj.group.name if obj.group else "")
 
     @admin.display(description=_("ready"), ordering="backlog")
     def ready_display(self, obj: Channel) -> str:
@@ -1327,46 +1497,3 @@ class WorkerAdmin(_WorkerAdminBase):
         if obj.exclude_channels:
             return str(_("all but %s")) % ", ".join(obj.exclude_channels)
         return str(_("all"))
-
-
-# ============================================================================================
-# Pipeline jobs
-
-
-@admin.register(PipelineJob)
-class PipelineJobAdmin(_PipelineJobAdminBase):
-    """Planned pipeline jobs, read-only: the formula version each is pinned to, its errors."""
-
-    list_display = ["job_name", "version", "today", "errors_display", "created_at", "cancelled_at"]
-    list_filter = ["pipeline"]
-    search_fields = ["job_name", "version"]
-    readonly_fields = [
-        "job_name",
-        "pipeline",
-        "tenant",
-        "version",
-        "today",
-        "formulas_display",
-        "errors",
-        "created_at",
-        "cancelled_at",
-    ]
-    exclude = ["formulas", "aggregates"]
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: PipelineJob | None = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: PipelineJob | None = None) -> bool:
-        return False
-
-    @admin.display(description=_("errors"))
-    def errors_display(self, obj: PipelineJob) -> str:
-        total = sum(int(v) for v in (obj.errors or {}).values())
-        return f"{total:,} in {len(obj.errors or {})} rules" if total else "0"
-
-    @admin.display(description=_("formulas"))
-    def formulas_display(self, obj: PipelineJob) -> str:
-        return "\n".join(f"{name} = {expression}" for name, expression in obj.formulas or [])

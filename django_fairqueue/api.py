@@ -22,7 +22,11 @@ from django.utils import timezone
 
 from django_fairqueue import conf, store, tracing
 from django_fairqueue.exceptions import InvalidChannel, PayloadError
-from django_fairqueue.limits import CHANNEL_NAME_MAX_LENGTH, UNIQUE_KEY_MAX_LENGTH
+from django_fairqueue.limits import (
+    CHANNEL_NAME_MAX_LENGTH,
+    GROUP_NAME_MAX_LENGTH,
+    UNIQUE_KEY_MAX_LENGTH,
+)
 from django_fairqueue.models import Message
 from django_fairqueue.signals import message_enqueued
 from django_fairqueue.taskspec import TaskSpec, registry
@@ -35,6 +39,9 @@ MIN_PRIORITY = -100
 MAX_PRIORITY = 100
 
 TaskRef: TypeAlias = "str | FairTask[Any, Any] | TaskSpec"
+#: A channel: its name, a saved model instance, or ``(group, channel)`` for a channel of a
+#: channel group (the channel named ``"<group>/<channel>"``, its group created if missing).
+ChannelRef: TypeAlias = "str | Model | tuple[str, str | Model]"
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,7 @@ class EnqueueRequest:
     task: TaskRef
     args: Sequence[Any] = ()
     kwargs: Mapping[str, Any] = field(default_factory=dict)
-    channel: str | Model | None = None
+    channel: ChannelRef | None = None
     run_after: datetime | timedelta | None = None
     priority: int | None = None
     #: unique jobs (see :func:`enqueue`)
@@ -62,7 +69,7 @@ CONFLICT_POLICIES = ("keep", "replace", "raise")
 def enqueue(
     task: TaskRef | BoundTask,
     *args: Any,
-    channel: str | Model | None = None,
+    channel: ChannelRef | None = None,
     run_after: datetime | timedelta | None = None,
     priority: int | None = None,
     unique_key: str | None = None,
@@ -74,7 +81,9 @@ def enqueue(
 
     ``task`` is a task name, or the object ``@django_fairqueue.task`` returned.
     ``channel`` is the fairness key (a tenant); without it the task's own channel rule or
-    ``FAIRQUEUE['DEFAULT_CHANNEL']`` applies. ``run_after`` (aware datetime or timedelta) delays
+    ``FAIRQUEUE['DEFAULT_CHANNEL']`` applies. ``channel=("acme", "alice")`` queues to channel
+    ``"acme/alice"`` of channel group ``"acme"`` (created if missing): the claim is fair across
+    groups first, then across a group's channels. ``run_after`` (aware datetime or timedelta) delays
     the message; ``priority`` (-100..100, higher first) orders it within its channel.
     Raises :class:`~django_fairqueue.exceptions.ChannelFull` when the channel's backlog is at its
     ``max_backlog``.
@@ -248,6 +257,7 @@ def _prepare_batch(
     # kept in the value so its id cannot be reused by another object during the call.
     specs: dict[int, tuple[object, TaskSpec, int, bool, str]] = {}
     checked: set[str] = set()
+    groups: set[str] = set()  # of channels given as (group, channel)
     max_bytes = cfg.MAX_PAYLOAD_BYTES
     # A timedelta run_after travels as a delay and is added to the database's clock, the clock
     # the claim compares run_at with (an application server's clock may be off). The column
@@ -277,6 +287,8 @@ def _prepare_batch(
             if channel is None:
                 channel = known[4]
         if type(channel) is not str or channel not in checked:  # (unhashable: not a str)
+            if type(channel) is tuple:
+                groups.add(_group_part(channel))
             channel = validate_channel_name(channel)
             checked.add(channel)
         payload = encode_payload(spec.name, args, kwargs, max_bytes)
@@ -325,6 +337,8 @@ def _prepare_batch(
         attempts.append(known[2])
         keep.append(known[3])
     batch.delays = delays
+    if groups:
+        store.ensure_groups(sorted(groups))
     return batch
 
 
@@ -332,7 +346,7 @@ def _prepare_one(
     spec: TaskSpec,
     args: list[Any],
     kwargs: dict[str, Any],
-    channel: str | Model | None,
+    channel: ChannelRef | None,
     run_after: datetime | timedelta | None,
     priority: int | None,
     cfg: conf.FairQueueSettings,
@@ -344,6 +358,9 @@ def _prepare_one(
             channel = spec.channel_from(*args, **kwargs)
         if channel is None:
             channel = spec.channel or cfg.DEFAULT_CHANNEL
+    group = None
+    if type(channel) is tuple:
+        group = _group_part(channel)
     channel = validate_channel_name(channel)
     payload = encode_payload(spec.name, args, kwargs, cfg.MAX_PAYLOAD_BYTES)
     traced = _trace_suffix()
@@ -360,6 +377,8 @@ def _prepare_one(
             raise OverflowError(f"run_after {delay} is past the last representable date")
     elif run_after is not None:
         run_at = _run_at(run_after)
+    if group is not None:
+        store.ensure_groups([group])
     return store.NewMessage(
         channel,
         spec.name,
@@ -398,12 +417,57 @@ def _unique_options(unique_key: Any, unique_scope: Any, on_conflict: Any) -> dic
     return {"unique_key": unique_key, "unique_scope": scope, "on_conflict": policy}
 
 
+def _group_part(channel: tuple[Any, ...]) -> str:
+    """The group of a channel given as ``(group, channel)``, checked (the pair is checked
+    whole by :func:`validate_channel_name`)."""
+    validate_channel_name(channel)
+    return validate_group_name(channel[0])
+
+
+def validate_group_name(name: Any) -> str:
+    """A channel group's name is 1-100 characters without '/', surrounding blanks or NUL.
+    Returns it."""
+    if not isinstance(name, str):
+        raise InvalidChannel(f"channel group name must be a string, got {type(name).__name__}")
+    if not name or not name.strip():
+        raise InvalidChannel("channel group name must not be empty")
+    if name != name.strip():
+        raise InvalidChannel(f"channel group name must not start or end with blanks: {name!r}")
+    if "/" in name:
+        raise InvalidChannel(
+            f"channel group name must not contain '/' (it separates the group from the "
+            f"channel in the channel's name): {name!r}"
+        )
+    if len(name) > GROUP_NAME_MAX_LENGTH:
+        raise InvalidChannel(
+            f"channel group name is {len(name)} characters; the most is {GROUP_NAME_MAX_LENGTH}"
+        )
+    validate_channel_name(name)  # NUL, Unicode
+    return name
+
+
 def validate_channel_name(name: Any) -> str:
     """A channel name is 1-200 characters of any text, without surrounding blanks or NUL.
 
     A saved model instance (a tenant, an account) stands for ``"<app_label>.<model>:<pk>"``,
-    so ``channel=doc.tenant`` works and two models' ids never share a channel. Returns the name.
+    so ``channel=doc.tenant`` works and two models' ids never share a channel. A pair
+    ``(group, channel)`` stands for ``"<group>/<channel>"``, a channel of that channel group
+    (``channel`` a name or a saved model instance). Returns the name.
     """
+    if type(name) is tuple:
+        if len(name) != 2:
+            raise InvalidChannel(
+                f"a grouped channel is a pair (group, channel), got {len(name)} items: {name!r}"
+            )
+        group = validate_group_name(name[0])
+        if isinstance(name[1], tuple):
+            raise InvalidChannel(f"groups do not nest: the channel of {name!r} is a pair")
+        member = validate_channel_name(name[1])
+        name = f"{group}/{member}"
+    elif isinstance(name, (list, tuple)):
+        raise InvalidChannel(
+            f"a grouped channel is a tuple (group, channel), got {type(name).__name__}"
+        )
     if isinstance(name, Model):
         if name.pk is None:
             raise InvalidChannel(

@@ -218,6 +218,71 @@ def plan(
     )
 
 
+def plan_ranges(
+    job_name: str,
+    *,
+    channel: str,
+    ranges: Sequence[tuple[int, int, int]],
+    max_attempts: int = 3,
+    using: str | None = None,
+) -> PlanResult:
+    """Plan one batch per given id range ``(first id, last id, rows)``, for a job that chooses
+    its rows itself (say, only the rows changed since a date) instead of walking a table.
+
+    Ranges are in id order, do not overlap, and start after the job's last planned batch (a
+    range the job already has is skipped). Like :func:`plan`, concurrent planners of one job
+    take turns (the same advisory lock), and a job stays on one channel.
+    """
+    started = time.monotonic()
+    alias = using or conf.get().DATABASE
+    job_name = _validate_job_name(job_name)
+    channel = validate_channel_name(channel)
+    if not _positive_int(max_attempts):
+        raise ValueError(f"max_attempts must be a positive integer, got {max_attempts!r}")
+    checked: list[tuple[int, int, int]] = []
+    given: Any = ranges  # checked at run time: callers may pass anything
+    for first, last, rows in given:
+        if not (isinstance(first, int) and isinstance(last, int) and first <= last):
+            raise ValueError(
+                f"a range is (first id, last id, rows) with first <= last: {first, last}"
+            )
+        if checked and first <= checked[-1][1]:
+            raise ValueError(
+                f"ranges must be in id order without overlap: {checked[-1]}, {first, last}"
+            )
+        if not isinstance(rows, int) or rows < 0:
+            raise ValueError(f"rows of a range must be 0 or more, got {rows!r}")
+        checked.append((first, last, rows))
+    channel_id = store.ensure_channel(channel, defaults=conf.get().CHANNEL_DEFAULTS, using=alias)
+    created = rows_planned = 0
+    with transaction.atomic(using=alias):
+        store.lock_plan(job_name, using=alias)
+        last_batch = store.select_last_planned_batch(job_name, using=alias)
+        if last_batch is not None and last_batch[0] != channel_id:
+            raise ValueError(f"job {job_name!r} is planned on another channel, not {channel!r}")
+        if checked and last_batch is not None and checked[0][0] <= last_batch[1]:
+            raise ValueError(
+                f"job {job_name!r} has batches up to id {last_batch[1]}: ranges must start after"
+            )
+        if checked:
+            created, rows_planned = store.insert_planned_batches(
+                channel_id=channel_id,
+                job=job_name,
+                ranges=checked,
+                max_attempts=max_attempts,
+                using=alias,
+            )
+    total = store.select_job_progress(job=job_name, using=alias)
+    return PlanResult(
+        job_name=job_name,
+        channel=channel,
+        created=created,
+        batches_total=total[0].batches_total if total else 0,
+        rows_planned=rows_planned,
+        seconds=time.monotonic() - started,
+    )
+
+
 def _progress_reporter(progress: bool | ProgressCallback, label: str) -> ProgressCallback | None:
     if callable(progress):
         return progress

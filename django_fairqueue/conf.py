@@ -94,9 +94,6 @@ class FairQueueSettings:
     # Seconds after a slot's time during which firing it is on time; a slot found later was
     # missed, and its schedule's missed policy (latest, skip, catch_up) decides.
     SCHEDULE_GRACE: float = 60.0
-    # The Spark data pipeline (django_fairqueue.pipeline): MASTER, CONF, PARTITIONS, ...;
-    # checked by django_fairqueue.pipeline.spark.spark_settings().
-    SPARK: dict[str, Any] = field(default_factory=dict)
 
 
 def _duration(value: Any, name: str) -> timedelta:
@@ -185,6 +182,11 @@ def load(raw: Any) -> FairQueueSettings:
         raise ValueError(f"FAIRQUEUE must be a dict, got {type(raw).__name__}")
     known = {f.name for f in dataclasses.fields(FairQueueSettings)}
     unknown = sorted(set(raw) - known)
+    if "SPARK" in unknown:  # the Spark pipeline's settings moved to its app
+        raise ValueError(
+            "FAIRQUEUE['SPARK'] is now FAIRQUEUE_PIPELINE['SPARK']: the Spark pipeline is an "
+            "app of its own, with its own setting (docs/howto/spark-pipeline.md)"
+        )
     if unknown:
         raise ValueError(f"FAIRQUEUE has unknown keys {unknown}; known keys: {sorted(known)}")
     values: dict[str, Any] = {}
@@ -236,10 +238,6 @@ def load(raw: Any) -> FairQueueSettings:
         elif key == "TASK_TIMEOUT":
             timeout = validate_timeout(value, "FAIRQUEUE['TASK_TIMEOUT']")
             values[key] = timeout or None  # 0: no limit, as None
-        elif key == "SPARK":
-            if not isinstance(value, dict):
-                raise ValueError(f"FAIRQUEUE['SPARK'] must be a dict, got {type(value).__name__}")
-            values[key] = dict(value)
         elif key == "SCHEDULES":
             values[key] = _schedules(value)
         elif key == "TASK_MODULES":

@@ -34,6 +34,7 @@ from django.utils.translation import gettext_lazy as _
 from django_fairqueue.integrity import TrackedModel, TrackedQuerySet
 from django_fairqueue.limits import (
     CHANNEL_NAME_MAX_LENGTH,
+    GROUP_NAME_MAX_LENGTH,
     MAX_CONCURRENCY_LIMIT,
     MAX_RELEASE_INTERVAL,
     MAX_WEIGHT,
@@ -68,6 +69,78 @@ class BatchState(models.TextChoices):
     RUNNING = "running", _("running")
     SUCCEEDED = "succeeded", _("succeeded")
     FAILED = "failed", _("failed")
+
+
+class ChannelGroup(models.Model):
+    """A group of channels (a tenant whose channels are its users, projects or task kinds).
+
+    The claim is fair across groups first (each ungrouped channel counts as a group of its
+    own), then across the channels of a group; a group's weight, cap and rate limit hold for
+    all its channels together, fleet-wide. A channel named ``"<group>/<rest>"`` belongs to the
+    group of that name when the group exists (``enqueue(channel=("acme", "alice"))`` creates
+    it, as does adding it here). As with :class:`Channel`, the model maps only what operators
+    edit: the group's scheduler state (``ready_count``, ``running_count``, ``claimable``,
+    ``next_turn_at``, ``turn_used``, ``vtime``, ``last_claimed_at``) shares the row but is
+    written only by the queue's SQL functions, so no ORM save can overwrite it. Read it with
+    :func:`django_fairqueue.store.select_group_state`. See docs/explanation/fairness.md.
+    """
+
+    name = models.CharField(
+        max_length=GROUP_NAME_MAX_LENGTH,
+        help_text=_("Channels named <group>/<anything> belong to this group."),
+    )
+    weight = models.PositiveSmallIntegerField(
+        default=1,
+        help_text=_(
+            "Share of the workers while backlogged, against other groups and ungrouped "
+            "channels: weight 2 gets twice weight 1."
+        ),
+    )
+    max_concurrency = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text=_(
+            "Most messages of all this group's channels running at once, fleet-wide. "
+            "Empty: no limit."
+        ),
+    )
+    release_interval = models.DurationField(
+        default=timedelta(0),
+        help_text=_(
+            "Minimum time between two releases of this group's channels together (rate "
+            "limit). 0: no limit."
+        ),
+    )
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        db_table = "fairqueue_channel_group"
+        ordering = ["name"]
+        verbose_name = _("channel group")
+        constraints = [
+            models.UniqueConstraint(fields=["name"], name="fq_group_name_uniq"),
+            models.CheckConstraint(
+                condition=Q(name__regex=r"^[^/\s]([^/]*[^/\s])?$"),
+                name="fq_group_name_valid",
+            ),
+            models.CheckConstraint(
+                condition=Q(max_concurrency__isnull=True)
+                | Q(max_concurrency__gte=1, max_concurrency__lte=MAX_CONCURRENCY_LIMIT),
+                name="fq_group_max_concurrency_range",
+            ),
+            models.CheckConstraint(
+                condition=Q(release_interval__gte=timedelta(0))
+                & Q(release_interval__lte=MAX_RELEASE_INTERVAL),
+                name="fq_group_release_interval_range",
+            ),
+            models.CheckConstraint(
+                condition=Q(weight__gte=1, weight__lte=MAX_WEIGHT),
+                name="fq_group_weight_range",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
 
 
 class Channel(models.Model):
@@ -115,6 +188,18 @@ class Channel(models.Model):
         ),
     )
     created_at = models.DateTimeField(default=timezone.now, editable=False)
+    # Set when the channel is created (its name, "<group>/<rest>", names an existing group) or
+    # when its group is created; the claim and the group's sums follow it in SQL.
+    group = models.ForeignKey(
+        ChannelGroup,
+        null=True,
+        blank=True,
+        editable=False,
+        on_delete=models.SET_NULL,
+        related_name="channels",
+        db_constraint=False,
+        db_index=False,  # fq_channel_group_idx, created by the migration
+    )
 
     class Meta:
         db_table = "fairqueue_channel"
@@ -568,39 +653,6 @@ class WorkerRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.worker_id} ({self.state})"
-
-
-class PipelineJob(models.Model):
-    """A planned pipeline job (``pipeline:tenant``) and the formula set it is pinned to.
-
-    Planning pins the tenant's formulas as they are (their content hash is the ``version``)
-    and the date ``TODAY()`` gives; every batch of the job computes with exactly those, even
-    if the tenant edits a formula meanwhile. Batches add their rules' error counts.
-    """
-
-    job_name = models.CharField(max_length=200, unique=True)
-    pipeline = models.CharField(max_length=100)
-    tenant = models.CharField(max_length=200)
-    version = models.CharField(max_length=16, help_text=_("Content hash of the formula set."))
-    formulas = models.JSONField(
-        null=True, blank=True, help_text=_("The pinned formulas: [name, expression] pairs.")
-    )
-    today = models.DateField(help_text=_("What TODAY() is for every batch of the job."))
-    errors = models.JSONField(
-        default=dict, blank=True, help_text=_("Error values written, per rule.")
-    )
-    aggregates = models.JSONField(
-        null=True, blank=True, help_text=_("The tenant aggregates its batches use (phase one).")
-    )
-    created_at = models.DateTimeField(default=timezone.now)
-    cancelled_at = models.DateTimeField(null=True, blank=True)
-
-    class Meta:
-        db_table = "fairqueue_pipeline_job"
-        ordering = ["job_name"]
-
-    def __str__(self) -> str:
-        return f"{self.job_name} @ {self.version}"
 
 
 _now = timezone.now  # the Schedule model has a field named timezone

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -212,6 +213,34 @@ class ChannelCounters:
     running: int
     failed: int
     succeeded: int
+
+
+@dataclass(frozen=True, slots=True)
+class GroupState:
+    """A channel group's limits and scheduler state (:func:`select_group_state`)."""
+
+    id: int
+    name: str
+    weight: int
+    max_concurrency: int | None
+    release_interval: timedelta
+    #: sums over the group's channels as folded (settlements not folded yet not counted)
+    ready: int
+    running: int
+    #: channels claimable by their counters (ready messages, not paused, under their cap)
+    claimable: int
+    channels: int
+    next_turn_at: datetime
+    vtime: float
+    last_claimed_at: datetime | None
+
+
+def select_group_state(
+    ids: Sequence[int] | None = None, *, using: str | None = None
+) -> list[GroupState]:
+    """The channel groups of ``ids`` (None: all), by name, with their scheduler state."""
+    rows = _run("select_group_state", {"ids": None if ids is None else list(ids)}, using)
+    return [GroupState(*row) for row in rows]
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,6 +443,49 @@ def _creates_channels_apart(wrapper: BaseDatabaseWrapper) -> bool:
         return False
     blocks = wrapper.atomic_blocks
     return not (blocks and getattr(blocks[0], "_from_testcase", False))
+
+
+#: Channel groups known to exist, per database alias: name -> when that was last seen (a
+#: monotonic clock). A group seen less than GROUP_CACHE_SECONDS ago is not created again.
+_known_groups: dict[tuple[str, str], float] = {}
+GROUP_CACHE_SECONDS = 60.0
+
+
+def ensure_groups(names: Sequence[str], *, using: str | None = None) -> None:
+    """Create the channel groups of ``names`` that do not exist (a group takes in the existing
+    channels its name declares, and every channel created later with a name
+    ``"<group>/..."``). Committed at once, on a connection of its own inside a transaction,
+    as new channels are: a channel created apart must see its group. Remembered for a minute
+    per process, so an enqueue to a grouped channel pays this round trip about once a minute
+    per group."""
+    alias = using or conf.get().DATABASE
+    now = time.monotonic()
+    wanted = sorted(
+        n for n in set(names) if now - _known_groups.get((alias, n), -1e18) > GROUP_CACHE_SECONDS
+    )
+    if not wanted:
+        return
+    wrapper = connections[alias]
+    if _creates_channels_apart(wrapper):
+        with _own_connection(using) as side, _cursor(side.alias, wrapper=side) as cur:
+            cur.execute(queries()["ensure_groups"], {"names": wanted}, prepare=False)
+    else:
+        _run("ensure_groups", {"names": wanted}, using)
+        if wrapper.in_atomic_block:
+            return  # a test case's transaction: rolled back, so not remembered
+    for n in wanted:
+        _known_groups[(alias, n)] = now
+
+
+def rearm_group(group_id: int, *, using: str | None = None) -> None:
+    """After an operator edits a group's limits: a group waiting out a rate limit that was
+    removed or shortened is due when the new limit says."""
+    _run("rearm_group", {"group_id": group_id}, using)
+
+
+def forget_groups() -> None:
+    """Forget which channel groups exist (after one was deleted in this process)."""
+    _known_groups.clear()
 
 
 #: How long creating channels apart waits for a name another transaction is creating (and

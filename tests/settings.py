@@ -43,6 +43,8 @@ INSTALLED_APPS = [
     "django_fairqueue",
     # manage.py fairbench (tests/test_benchmark.py).
     "django_fairqueue.contrib.bench",
+    # The Spark pipeline: fairpipeline, its admin, runfairworker --pipelines.
+    "django_fairqueue.contrib.pipeline",
     # Tables and a pipeline for tests/test_pipeline.py.
     "tests.pipelineapp",
 ]
@@ -84,7 +86,10 @@ FAIRQUEUE: dict[str, object] = {
 }
 # Worker subprocesses started by tests get their short leases and intervals from here
 # (tests/test_worker_processes.py).
-FAIRQUEUE.update(json.loads(os.environ.get("FAIRQUEUE_TEST_OVERRIDES", "{}")))
+# The pipeline app's own setting rides along in the same overrides, under its own name.
+_overrides = json.loads(os.environ.get("FAIRQUEUE_TEST_OVERRIDES", "{}"))
+FAIRQUEUE_PIPELINE: dict[str, object] = _overrides.pop("FAIRQUEUE_PIPELINE", {})
+FAIRQUEUE.update(_overrides)
 
 # Django's tasks framework on fairqueue (tests/test_backend.py). Django 5.2 has it as the
 # django-tasks backport, an app of its own.

@@ -42,6 +42,44 @@ WHERE c.max_concurrency IS NOT NULL AND per.n > c.max_concurrency
 """
 
 
+#: Channel groups running more messages of their channels than the group's cap (the stress
+#: test never edits a group's cap, so any is a violation).
+GROUP_OVER_CAP = """
+SELECT g.name, g.max_concurrency, count(*), array_agg(m.id ORDER BY m.id)
+FROM fairqueue_message m
+JOIN fairqueue_channel c ON c.id = m.channel_id
+JOIN fairqueue_channel_group g ON g.id = c.group_id
+WHERE m.state = 'running' AND g.max_concurrency IS NOT NULL
+GROUP BY g.id
+HAVING count(*) > g.max_concurrency
+"""
+
+#: Channel groups whose sums differ from their channels' columns (kept by a trigger).
+GROUP_SUMS_WRONG = """
+SELECT g.name, g.ready_count, g.running_count, g.claimable,
+       coalesce(sum(c.ready_count), 0), coalesce(sum(c.running_count), 0),
+       count(c.id) FILTER (WHERE c.ready_count > 0 AND NOT c.paused
+           AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency))
+FROM fairqueue_channel_group g
+LEFT JOIN fairqueue_channel c ON c.group_id = g.id
+GROUP BY g.id
+HAVING (g.ready_count, g.running_count, g.claimable)
+    IS DISTINCT FROM (coalesce(sum(c.ready_count), 0), coalesce(sum(c.running_count), 0),
+                      count(c.id) FILTER (WHERE c.ready_count > 0 AND NOT c.paused
+                          AND (c.max_concurrency IS NULL
+                               OR c.running_count < c.max_concurrency)))
+"""
+
+
+def group_sums_wrong(db: Db) -> list[dict[str, Any]]:
+    """Channel groups whose ready, running or claimable differ from the sums over their
+    channels."""
+    return [
+        {"group": r[0], "group (ready, running, claimable)": r[1:4], "channels": r[4:7]}
+        for r in db.rows(GROUP_SUMS_WRONG)
+    ]
+
+
 @dataclass
 class Sampler:
     """Every ``every`` seconds, one snapshot of running work per capped channel.
@@ -82,6 +120,14 @@ class Sampler:
                 self.db.reconnect()
                 continue
             self.samples += 1
+            try:
+                for group, cap, n, ids in self.db.rows(GROUP_OVER_CAP):
+                    self.violations.append(
+                        {"group": group, "cap": cap, "running": n, "message_ids": ids}
+                    )
+            except Exception as exc:
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+                self.db.reconnect()
             for cid, name, cap, n, batches, newest, edited, how, messages, at, *rc in rows:
                 if edited is not None and newest <= edited:
                     self.over_cut_cap += 1

@@ -1,4 +1,5 @@
-"""The optional apps (``django_fairqueue.contrib``) stay optional.
+"""The optional apps (``django_fairqueue.contrib``: the benchmark, the Spark pipeline) stay
+optional.
 
 The queue imports nothing from them: no module outside ``contrib/`` names them in an import,
 and a project without them in ``INSTALLED_APPS`` never loads them, whatever it uses of the
@@ -13,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from django.core.management import get_commands
 
@@ -102,44 +104,51 @@ def test_the_rule_sees_the_package() -> None:
     assert not any(f.startswith("contrib/") for f in files)
 
 
-# Sets Django up without the optional apps, imports every module of the queue and prints the
-# modules of django_fairqueue.contrib that got loaded. pipeline/spark.py needs PySpark (an
-# extra), so it is left out when PySpark is absent.
+# Sets Django up with the apps named in argv[2] (the queue, maybe an optional app), imports the
+# modules named in argv[1], and prints what got loaded: modules of django_fairqueue.contrib,
+# whether PySpark was imported, the commands, and runfairworker's options.
 PROBE = """
-import importlib, importlib.util, json, sys
+import importlib, json, sys
 import django
 from django.conf import settings
 settings.configure(
     INSTALLED_APPS=[
         "django.contrib.contenttypes", "django.contrib.auth", "django.contrib.sessions",
         "django.contrib.messages", "django.contrib.admin", "django.contrib.staticfiles",
-        "django_fairqueue",
+        *json.loads(sys.argv[2]),
     ],
     DATABASES={"default": {"ENGINE": "django.db.backends.postgresql", "NAME": "unused"}},
     USE_TZ=True,
 )
 django.setup()
 for name in json.loads(sys.argv[1]):
-    if name == "django_fairqueue.pipeline.spark" and importlib.util.find_spec("pyspark") is None:
-        continue
     importlib.import_module(name)
-from django.core.management import get_commands
+from django.contrib import admin
+from django.core.management import get_commands, load_command_class
+admin.autodiscover()
+commands = get_commands()
+parser = load_command_class("django_fairqueue", "runfairworker").create_parser("manage.py", "x")
+options = sorted(o for a in parser._actions for o in a.option_strings)
+fairpipeline = None
+if "fairpipeline" in commands:
+    fairpipeline = commands["fairpipeline"]
+    load_command_class(fairpipeline, "fairpipeline").create_parser("manage.py", "fairpipeline")
 print(json.dumps({
     "contrib": sorted(m for m in sys.modules if m.startswith("django_fairqueue.contrib")),
-    "fairbench": "fairbench" in get_commands(),
+    "pyspark": sorted(m for m in sys.modules if m.split(".")[0] in ("pyspark", "pyarrow")),
+    "fairbench": "fairbench" in commands,
+    "fairpipeline": fairpipeline,
+    "runfairworker": options,
     "imported": len([m for m in sys.modules if m.startswith("django_fairqueue.")]),
 }))
 """
 
 
-def test_a_project_without_the_bench_app_never_loads_it() -> None:
-    modules = [
-        module_name(p) for p in core_modules() if "migrations" not in p.relative_to(PACKAGE).parts
-    ]
+def probe(modules: list[str], apps: list[str]) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     result = subprocess.run(
-        [sys.executable, "-c", PROBE, json.dumps(modules)],
+        [sys.executable, "-c", PROBE, json.dumps(modules), json.dumps(apps)],
         capture_output=True,
         text=True,
         env=env,
@@ -148,12 +157,37 @@ def test_a_project_without_the_bench_app_never_loads_it() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    probe = json.loads(result.stdout.splitlines()[-1])
-    assert probe["contrib"] == []
-    assert probe["fairbench"] is False  # the command comes with the app
-    assert probe["imported"] >= 30  # the probe did import the queue
+    found: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
+    return found
 
 
-def test_the_installed_bench_app_brings_fairbench() -> None:
-    # tests/settings.py installs it.
+def test_a_project_without_the_optional_apps_never_loads_them() -> None:
+    modules = [
+        module_name(p) for p in core_modules() if "migrations" not in p.relative_to(PACKAGE).parts
+    ]
+    found = probe(modules, ["django_fairqueue"])
+    assert found["contrib"] == []
+    assert found["pyspark"] == []
+    # The commands and options come with the apps.
+    assert found["fairbench"] is False
+    assert found["fairpipeline"] is None
+    assert "--concurrency" in found["runfairworker"]
+    assert "--pipelines" not in found["runfairworker"]
+    assert found["imported"] >= 30  # the probe did import the queue
+
+
+def test_the_pipeline_app_installs_without_pyspark_imported() -> None:
+    """Installing the app (models, admin, checks, the worker's option, the command) imports
+    neither PySpark nor pyarrow: a project without the spark extra still starts; only running
+    batches needs them."""
+    found = probe([], ["django_fairqueue", "django_fairqueue.contrib.pipeline"])
+    assert found["fairpipeline"] == "django_fairqueue.contrib.pipeline"
+    assert "--pipelines" in found["runfairworker"]
+    assert "django_fairqueue.contrib.pipeline.models" in found["contrib"]
+    assert found["pyspark"] == []
+
+
+def test_the_installed_optional_apps_bring_their_commands() -> None:
+    # tests/settings.py installs both.
     assert get_commands()["fairbench"] == "django_fairqueue.contrib.bench"
+    assert get_commands()["fairpipeline"] == "django_fairqueue.contrib.pipeline"

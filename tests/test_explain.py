@@ -28,6 +28,9 @@ from tests import factories as f
 pytestmark = pytest.mark.django_db
 
 QUEUE_TABLES = {"fairqueue_message", "fairqueue_channel"}
+#: With channel groups, the group table too (without groups it is empty, and the one probe of
+#: it a claim makes may be a sequential scan of nothing)
+GROUPED_TABLES = QUEUE_TABLES | {"fairqueue_channel_group"}
 LIMIT = 100
 LEASE = timedelta(minutes=5)
 
@@ -111,7 +114,9 @@ def touched(node: dict[str, Any]) -> float:
     return float(per_loop * node.get("Actual Loops", 1))
 
 
-def assert_small_and_indexed(plans: list[Plan], *, budget: int) -> set[str]:
+def assert_small_and_indexed(
+    plans: list[Plan], *, budget: int, tables: set[str] = QUEUE_TABLES
+) -> set[str]:
     """No sequential scan of a queue table, no node on one that reads more than ``budget`` rows.
     Returns the indexes used."""
     assert plans, "auto_explain reported no plans"
@@ -122,7 +127,7 @@ def assert_small_and_indexed(plans: list[Plan], *, budget: int) -> set[str]:
             relation = node.get("Relation Name")
             if "Index Name" in node:
                 indexes.add(node["Index Name"])
-            if relation not in QUEUE_TABLES:
+            if relation not in tables:
                 continue
             if "Seq Scan" in node["Node Type"]:
                 problems.append(f"sequential scan of {relation}:\n{plan.describe()}")
@@ -146,7 +151,10 @@ def backlog(django_db_setup: None, django_db_blocker: Any) -> Iterator[list[int]
         analyze()
     yield channel_ids
     with django_db_blocker.unblock(), connection.cursor() as cur:
-        cur.execute("TRUNCATE fairqueue_message, fairqueue_channel, fairqueue_channel_delta")
+        cur.execute(
+            "TRUNCATE fairqueue_message, fairqueue_channel, fairqueue_channel_delta, "
+            "fairqueue_channel_group"
+        )
 
 
 def analyze() -> None:
@@ -181,6 +189,43 @@ def test_claim_reads_indexes_and_a_few_rows_per_call(
         )
         # the batch spread over about 25 channels, not over the backlog of one
         assert len({m.channel_id for m in got}) >= 20
+
+
+@pytest.mark.parametrize("fairness", ["count", "time"])
+@pytest.mark.parametrize("groups", [1, 100])
+def test_grouped_claim_reads_indexes_and_a_few_rows_per_call(
+    backlog: list[int], auto_explain: AutoExplain, fairness: str, groups: int
+) -> None:
+    # The 1,000 channels spread over `groups` channel groups (the trigger moves their sums),
+    # and one ungrouped channel beside them: the claim walks groups and ungrouped channels
+    # merged, then each group's channels, on indexes only.
+    with connection.cursor() as cur:
+        cur.execute(
+            "INSERT INTO fairqueue_channel_group (name, weight, release_interval, created_at) "
+            "SELECT 'g' || i, 1, interval '0', now() FROM generate_series(0, %s - 1) AS i",
+            [groups],
+        )
+        cur.execute(
+            "UPDATE fairqueue_channel c SET group_id = g.id FROM fairqueue_channel_group g "
+            "WHERE starts_with(c.name, 'bulk-') AND g.name = 'g' || (c.id %% %s)",
+            [groups],
+        )
+        cur.execute("ANALYZE fairqueue_channel_group")
+    f.enqueue("solo", 50)
+    f.fold_all()
+    analyze()
+    auto_explain.take()
+    walk = {"count": "fq_group_turn_idx", "time": "fq_group_vtime_idx"}[fairness]
+    inner = {"count": "fq_channel_in_group_turn_idx", "time": "fq_channel_in_group_vtime_idx"}
+    for call in range(8):
+        got = claim(fairness)
+        assert len(got) == LIMIT
+        plans = auto_explain.take()
+        indexes = assert_small_and_indexed(plans, budget=10 * LIMIT, tables=GROUPED_TABLES)
+        assert {walk, inner[fairness], "fq_message_ready_idx"} <= indexes, (
+            f"call {call}: indexes used {sorted(indexes)}\n"
+            + "\n".join(p.describe() for p in plans)
+        )
 
 
 @pytest.mark.parametrize("fairness", ["count", "time"])

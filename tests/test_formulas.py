@@ -12,15 +12,16 @@ import pytest
 from django.core.management import call_command
 
 from django_fairqueue import batches
-from django_fairqueue.models import PipelineJob, WorkBatch
-from django_fairqueue.pipeline.formulas import (
+from django_fairqueue.contrib.pipeline.formulas import (
     FUNCTIONS,
     MAX_DEPTH,
     FormulaError,
     parse_formulas,
     version_of,
 )
-from django_fairqueue.pipeline.runner import PipelineRunner, cancel, plan
+from django_fairqueue.contrib.pipeline.models import PipelineJob
+from django_fairqueue.contrib.pipeline.runner import PipelineRunner, cancel, plan
+from django_fairqueue.models import WorkBatch
 from tests.pipelineapp import pipelines
 from tests.pipelineapp.models import DataRow, JsonResultRow
 from tests.test_pipeline import needs_spark, spark, spark_settings  # noqa: F401  (fixtures)
@@ -217,7 +218,7 @@ def test_every_function_has_a_meaning_case() -> None:
 @needs_spark
 @pytest.mark.spark
 def test_each_function_means_what_the_reference_says(spark: Any) -> None:  # noqa: F811
-    from django_fairqueue.pipeline import compile as fc
+    from django_fairqueue.contrib.pipeline import compile as fc
 
     formulas = check(*(f"c{i} = {case[0]}" for i, case in enumerate(CASES)))
     schema = "n double, z int, b double, t string, tb string, d date, db date, flag boolean"
@@ -246,7 +247,7 @@ def test_each_function_means_what_the_reference_says(spark: Any) -> None:  # noq
 @needs_spark
 @pytest.mark.spark
 def test_aggregates_over_the_tenant_grouped_and_not(spark: Any) -> None:  # noqa: F811
-    from django_fairqueue.pipeline import compile as fc
+    from django_fairqueue.contrib.pipeline import compile as fc
 
     rows = [(1, 10.0, "n"), (2, 30.0, "n"), (3, None, "s"), (4, 5.0, None), (5, 0.0, "z")]
     df = spark.createDataFrame(rows, "id long, x double, g string")
@@ -409,7 +410,7 @@ def test_a_cancelled_job_drops_pending_batches_and_a_running_one_writes_nothing(
 ) -> None:
     from datetime import timedelta
 
-    from django_fairqueue.pipeline import execute
+    from django_fairqueue.contrib.pipeline import execute
 
     json_rows(150)  # 3 batches per tenant
     plan("test.json", tenants=["alice"])
@@ -432,7 +433,7 @@ def test_every_batch_of_a_job_uses_the_aggregates_stored_with_the_job(
     spark_settings: None,  # noqa: F811
     json_formulas: dict[str, list[str]],
 ) -> None:
-    from django_fairqueue.pipeline import execute
+    from django_fairqueue.contrib.pipeline import execute
 
     json_rows(100)  # 2 batches
     json_formulas["alice"] = ["share = price / SUM(price)"]

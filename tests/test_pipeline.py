@@ -1,4 +1,5 @@
-"""The Spark data pipeline (django_fairqueue.pipeline): formulas, batches, crashes, fairness.
+"""The Spark data pipeline (django_fairqueue.contrib.pipeline): formulas, batches, crashes,
+fairness.
 
 Spark tests share ONE SparkSession (local[1], small JVM settings) for the whole run and skip
 with a clear reason without PySpark or Java. Data is small: the point is correctness.
@@ -21,12 +22,12 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from django_fairqueue import batches
+from django_fairqueue.contrib.pipeline import datastore, execute
+from django_fairqueue.contrib.pipeline.core import Pipeline, Sink, registry
+from django_fairqueue.contrib.pipeline.formulas import FormulaError, parse_formulas
+from django_fairqueue.contrib.pipeline.runner import PipelineRunner, plan
 from django_fairqueue.exceptions import LeaseLost
 from django_fairqueue.models import WorkBatch
-from django_fairqueue.pipeline import datastore, execute
-from django_fairqueue.pipeline.core import Pipeline, Sink, registry
-from django_fairqueue.pipeline.formulas import FormulaError, parse_formulas
-from django_fairqueue.pipeline.runner import PipelineRunner, plan
 from tests.pipelineapp import pipelines
 from tests.pipelineapp.models import DataRow, ExpectedRow, ResultRow
 from tests.workerkit import WorkerProcess, wait_until
@@ -63,7 +64,7 @@ def spark() -> Iterator[Any]:
         pytest.skip(missing)
     from pyspark.sql import SparkSession
 
-    from django_fairqueue.pipeline import spark as spark_module
+    from django_fairqueue.contrib.pipeline import spark as spark_module
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.master("local[1]").appName("fairqueue-tests")
@@ -80,12 +81,8 @@ def spark() -> Iterator[Any]:
 
 @pytest.fixture
 def spark_settings(settings: Any) -> None:
-    settings.FAIRQUEUE = {
-        **settings.FAIRQUEUE,
-        "SPARK": SPARK_SETTINGS,
-        "RETRY_BACKOFF_BASE": 0.0,
-        "LEASE_SECONDS": 10.0,
-    }
+    settings.FAIRQUEUE = {**settings.FAIRQUEUE, "RETRY_BACKOFF_BASE": 0.0, "LEASE_SECONDS": 10.0}
+    settings.FAIRQUEUE_PIPELINE = {"SPARK": SPARK_SETTINGS}
 
 
 @pytest.fixture
@@ -261,8 +258,8 @@ def test_without_pyspark_the_commands_say_how_to_install(
 ) -> None:
     monkeypatch.setitem(sys.modules, "pyspark", None)  # import pyspark -> ImportError
 
-    importlib.import_module("django_fairqueue.pipeline")
-    importlib.import_module("django_fairqueue.pipeline.runner")
+    importlib.import_module("django_fairqueue.contrib.pipeline")
+    importlib.import_module("django_fairqueue.contrib.pipeline.runner")
     for args in (
         ["fairpipeline", "run"],
         ["fairpipeline", "bench"],
@@ -374,7 +371,11 @@ def test_a_worker_killed_mid_batch_has_its_batch_redone_exactly_once(
 ) -> None:
     make_rows(300)
     plan(PIPELINE)  # 3 batches per tenant
-    overrides = {"SPARK": SPARK_SETTINGS, "LEASE_SECONDS": 3, "RETRY_BACKOFF_BASE": 0.0}
+    overrides = {
+        "FAIRQUEUE_PIPELINE": {"SPARK": SPARK_SETTINGS},
+        "LEASE_SECONDS": 3,
+        "RETRY_BACKOFF_BASE": 0.0,
+    }
     worker = WorkerProcess(
         database_url, "doomed", "--pipelines", PIPELINE, "--no-listen", overrides=overrides
     )

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from django_fairqueue.models import Channel, PipelineJob, WorkBatch
-from django_fairqueue.pipeline import bench, datastore
+from django_fairqueue.contrib.pipeline import bench, datastore
+from django_fairqueue.contrib.pipeline.models import PipelineJob
+from django_fairqueue.models import Channel, WorkBatch
 from tests.test_pipeline import needs_spark, spark, spark_settings  # noqa: F401 (fixtures)
 
 TENANTS = ["t-a", "t-b", "t-c"]

@@ -23,18 +23,18 @@ from django.core.management import CommandError, call_command
 from django.db import connections
 
 from django_fairqueue import batches
-from django_fairqueue.models import Channel, WorkBatch
-from django_fairqueue.pipeline import cluster, execute
-from django_fairqueue.pipeline import spark as spark_module
-from django_fairqueue.pipeline.core import Pipeline, registry
-from django_fairqueue.pipeline.runner import PipelineRunner, plan
-from django_fairqueue.pipeline.spark import (
+from django_fairqueue.contrib.pipeline import cluster, execute
+from django_fairqueue.contrib.pipeline import spark as spark_module
+from django_fairqueue.contrib.pipeline.core import Pipeline, registry
+from django_fairqueue.contrib.pipeline.runner import PipelineRunner, plan
+from django_fairqueue.contrib.pipeline.spark import (
     SparkClusterError,
     SparkSettings,
     check_master,
     conninfo_from_params,
     session_plan,
 )
+from django_fairqueue.models import Channel, WorkBatch
 from tests import test_pipeline as base
 from tests.pipelineapp.models import DataRow, ResultRow
 from tests.test_pipeline import (
@@ -75,7 +75,7 @@ def test_outside_spark_submit_the_settings_master_is_used_with_sane_defaults() -
     planned = session_plan(cluster_settings, environ={}, executable="/venv/bin/python")
     assert (planned.master, planned.master_source) == (
         "spark://m:7077",
-        "FAIRQUEUE['SPARK']['MASTER']",
+        "FAIRQUEUE_PIPELINE['SPARK']['MASTER']",
     )
     assert planned.options["spark.cores.max"] == "2"  # a default, so drivers share a cluster
     assert "spark.driver.host" not in planned.options
@@ -108,8 +108,9 @@ def test_spark_submit_s_master_and_properties_win_and_a_disagreement_is_a_warnin
     )
     assert planned.warnings == (
         "running under spark-submit with master spark://m:7077: "
-        "FAIRQUEUE['SPARK']['MASTER'] (local[2]) is not used",
-        "spark-submit sets spark.executor.memory=8g: FAIRQUEUE['SPARK']['CONF'] (4g) is not used",
+        "FAIRQUEUE_PIPELINE['SPARK']['MASTER'] (local[2]) is not used",
+        "spark-submit sets spark.executor.memory=8g: "
+        "FAIRQUEUE_PIPELINE['SPARK']['CONF'] (4g) is not used",
     )
 
 
@@ -134,15 +135,15 @@ def test_the_executors_python_is_chosen_in_a_documented_order() -> None:
 def test_bad_spark_settings_are_named(
     settings: Any, spark_conf: dict[str, Any], message: str
 ) -> None:
-    settings.FAIRQUEUE = {**settings.FAIRQUEUE, "SPARK": spark_conf}
+    settings.FAIRQUEUE_PIPELINE = {"SPARK": spark_conf}
     with pytest.raises(ValueError, match=message):
         spark_module.spark_settings()
 
 
 def test_cores_max_defaults_to_the_partitions_and_can_be_lifted(settings: Any) -> None:
-    settings.FAIRQUEUE = {**settings.FAIRQUEUE, "SPARK": {"PARTITIONS": 3}}
+    settings.FAIRQUEUE_PIPELINE = {"SPARK": {"PARTITIONS": 3}}
     assert spark_module.spark_settings().cores_max == 3
-    settings.FAIRQUEUE = {**settings.FAIRQUEUE, "SPARK": {"CORES_MAX": None}}
+    settings.FAIRQUEUE_PIPELINE = {"SPARK": {"CORES_MAX": None}}
     lifted = spark_module.spark_settings()
     assert lifted.cores_max is None
     assert (
@@ -153,15 +154,21 @@ def test_cores_max_defaults_to_the_partitions_and_can_be_lifted(settings: Any) -
     )
 
 
-def test_an_unreachable_master_fails_loudly_before_spark_starts(
-    settings: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_an_unreachable_master_fails_loudly_before_spark_starts() -> None:
     port = free_port()  # nothing listens there
     master = f"spark://127.0.0.1:{port}"
     with pytest.raises(SparkClusterError, match=rf"cannot reach the Spark master {master}"):
         check_master(master, timeout=2)
 
-    settings.FAIRQUEUE = {**settings.FAIRQUEUE, "SPARK": {"MASTER": master}}
+
+def test_the_run_command_refuses_an_unreachable_master(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The command checks that PySpark is installed first: without it, it says so instead.
+    pytest.importorskip("pyspark")
+    pytest.importorskip("pyarrow")
+    master = f"spark://127.0.0.1:{free_port()}"
+    settings.FAIRQUEUE_PIPELINE = {"SPARK": {"MASTER": master}}
     monkeypatch.setattr(spark_module, "_session", None)  # no session of this process in the way
     with pytest.raises(
         CommandError, match=r"cannot reach the Spark master .*never falls back to local"
@@ -425,16 +432,14 @@ def test_the_database_unreachable_from_executors_pauses_the_runner_and_uses_no_a
 ) -> None:
     db = connections["default"].get_connection_params()
     proxy = Proxy((db.get("host") or "127.0.0.1", int(db.get("port") or 5432)))
-    settings.FAIRQUEUE = {
-        **settings.FAIRQUEUE,
+    settings.FAIRQUEUE = {**settings.FAIRQUEUE, "RETRY_BACKOFF_BASE": 0.0, "LEASE_SECONDS": 30.0}
+    settings.FAIRQUEUE_PIPELINE = {
         "SPARK": {
             **SPARK_SETTINGS,
             "EXECUTOR_DATABASE_URL": _proxied_conninfo(proxy),
             "PAUSE_SECONDS": 0.2,
             "PAUSE_MAX_SECONDS": 0.5,
         },
-        "RETRY_BACKOFF_BASE": 0.0,
-        "LEASE_SECONDS": 30.0,
     }
     make_rows(10)
     plan(PIPELINE, tenants=["alice"])
@@ -443,7 +448,7 @@ def test_the_database_unreachable_from_executors_pauses_the_runner_and_uses_no_a
     # The executors' check (one connection) passes; then the database is gone for the tasks.
     proxy.up(allow=1)
     runner = PipelineRunner(worker_id="infra", pipelines=[PIPELINE], spark=spark, poll_interval=0.1)
-    caplog.set_level(logging.INFO, logger="django_fairqueue.pipeline")
+    caplog.set_level(logging.INFO, logger="django_fairqueue.contrib.pipeline")
     thread = _runner_thread(runner)
     try:
         wait_until(lambda: runner.stats.paused >= 3, timeout=120, what="three pauses")
@@ -606,8 +611,7 @@ def test_a_batch_that_keeps_failing_like_infrastructure_while_the_check_passes_i
     from pyspark import cloudpickle
     from pyspark.sql import functions as F
 
-    settings.FAIRQUEUE = {
-        **settings.FAIRQUEUE,
+    settings.FAIRQUEUE_PIPELINE = {
         "SPARK": {**SPARK_SETTINGS, "PAUSE_SECONDS": 0.1, "PAUSE_MAX_SECONDS": 0.2},
     }
     base = registry.get(PIPELINE)
@@ -676,7 +680,7 @@ def record_pools(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str | None]
         seen.append((batch.channel, pool))
         return real(session, batch, **kwargs)
 
-    monkeypatch.setattr("django_fairqueue.pipeline.runner.execute_batch", recording)
+    monkeypatch.setattr("django_fairqueue.contrib.pipeline.runner.execute_batch", recording)
     return seen
 
 

@@ -32,8 +32,8 @@ import psutil
 import pytest
 
 from django_fairqueue import batches
+from django_fairqueue.contrib.pipeline.runner import plan
 from django_fairqueue.models import WorkBatch
-from django_fairqueue.pipeline.runner import plan
 from tests import test_pipeline as base
 from tests.pipelineapp.models import ExpectedRow
 from tests.test_pipeline import (
@@ -212,15 +212,17 @@ def command_line(process: psutil.Process) -> list[str]:
 
 def driver_env(database_url: str, master: str) -> dict[str, str]:
     overrides = {
-        "SPARK": {
-            "MASTER": master,
-            "CORES_MAX": 1,
-            "EXECUTOR_TIMEOUT": 240,
-            "CONF": {
-                "spark.executor.memory": "512m",
-                "spark.driver.memory": "512m",
-                "spark.driver.host": "127.0.0.1",
-                "spark.sql.shuffle.partitions": "1",
+        "FAIRQUEUE_PIPELINE": {
+            "SPARK": {
+                "MASTER": master,
+                "CORES_MAX": 1,
+                "EXECUTOR_TIMEOUT": 240,
+                "CONF": {
+                    "spark.executor.memory": "512m",
+                    "spark.driver.memory": "512m",
+                    "spark.driver.host": "127.0.0.1",
+                    "spark.sql.shuffle.partitions": "1",
+                },
             },
         },
         "LEASE_SECONDS": 60,
@@ -335,11 +337,14 @@ def test_a_job_runs_on_a_standalone_cluster_that_two_drivers_share(
     assert done_by == {f"{PIPELINE}:alice": "driver-a", f"{PIPELINE}:bob": "driver-b"}
 
     # Each driver says which master it used and why; spark-submit's won over the settings.
-    assert f"Spark master {standalone.url} (from FAIRQUEUE['SPARK']['MASTER'])" in driver_a.output
+    assert (
+        f"Spark master {standalone.url} (from FAIRQUEUE_PIPELINE['SPARK']['MASTER'])"
+        in driver_a.output
+    )
     assert f"Spark master {standalone.url} (from spark-submit)" in driver_b.output
     assert (
         f"running under spark-submit with master {standalone.url}: "
-        "FAIRQUEUE['SPARK']['MASTER'] (local[1]) is not used"
+        "FAIRQUEUE_PIPELINE['SPARK']['MASTER'] (local[1]) is not used"
     ) in driver_b.output
     assert "spark.cores.max 1" in driver_a.output
 

@@ -22,12 +22,14 @@ from django_fairqueue.contrib.bench import db as bench_db
 
 PACKAGE = Path(django_fairqueue.__file__).parent
 BENCH = PACKAGE / "contrib" / "bench"
-# pipeline/datastore.py runs the data-plane statements of sql/pipeline.sql (user tables).
+PIPELINE = PACKAGE / "contrib" / "pipeline"
+# The pipeline app's datastore.py runs the data-plane statements of its sql/pipeline.sql (user
+# tables).
 SQL_ALLOWED = {
     PACKAGE / "store.py",
     BENCH / "db.py",
     PACKAGE / "devdb.py",
-    PACKAGE / "pipeline" / "datastore.py",
+    PIPELINE / "datastore.py",
 }
 
 # Each module that runs named statements, with the SQL file of its statements.

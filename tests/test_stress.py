@@ -15,9 +15,11 @@ every 50 ms. Then the clients stop, the workers drain the queue, and the test ch
 2. nothing stuck: every committed message is terminal or gone, nothing is ready, scheduled or
    running; nothing exists or ran that was not committed (rolled back);
 3. nothing ran twice unless a fault explains it (a raise, a killed worker, an expired lease);
-4. no sample saw a channel running more than its cap (unless the cap was lowered after);
-5. every channel's counters (columns + pending deltas) equal the real counts, and no queue row
-   belongs to a channel that no longer exists;
+4. no sample saw a channel running more than its cap (unless the cap was lowered after), nor
+   a channel group running more messages than its cap;
+5. every channel's counters (columns + pending deltas) equal the real counts, no queue row
+   belongs to a channel that no longer exists, and every channel group's sums equal its
+   channels';
 6. no client operation failed other than in the ways the mix expects;
 7. no unique key is held by two messages of a channel at once.
 
@@ -46,7 +48,7 @@ from typing import Any
 
 import pytest
 
-from django_fairqueue.models import Channel
+from django_fairqueue.models import Channel, ChannelGroup
 from tests import stresskit
 from tests.faults.harness import Db, Fleet, wait_listening
 from tests.stresstasks import LOG_TABLES
@@ -92,7 +94,13 @@ CHANNELS = [
     ("b1", None, 25, 1, 0),
     ("b2", None, 25, 1, 0),
     ("b3", 1, 40, 1, 0),
+    # channels of channel group "g" (GROUPS: its cap holds over all three)
+    ("g/a", None, None, 1, 0),
+    ("g/b", 1, None, 2, 0),
+    ("g/c", None, None, 1, 0),
 ]
+#: Channel groups created before the channels: (name, max_concurrency, weight).
+GROUPS = [("g", 3, 2)]
 
 
 def _seed() -> int:
@@ -122,6 +130,8 @@ def test_stress(database_url: str, tmp_path: Path) -> None:
     db = Db(database_url)
     db.conn.execute(LOG_TABLES)
     deadlocks_before = stresskit.deadlocks_of_database(db)
+    for group, cap, weight in GROUPS:
+        ChannelGroup.objects.create(name=group, max_concurrency=cap, weight=weight)
     for name, cap, backlog, weight, interval in CHANNELS:
         Channel.objects.create(
             name=name,
@@ -239,6 +249,7 @@ def test_stress(database_url: str, tmp_path: Path) -> None:
         keys_twice = sampler.key_violations + stresskit.keys_held_twice(db)
         stopped = stresskit.stopped_messages(db)
         orphans = stresskit.orphans(db)
+        group_sums = stresskit.group_sums_wrong(db)
         enqueued = int(db.value("SELECT count(*) FROM stress_enqueued"))
         executions, messages_run = db.rows(
             "SELECT count(*), count(DISTINCT message_id) FROM stress_exec_log"
@@ -330,6 +341,8 @@ def test_stress(database_url: str, tmp_path: Path) -> None:
         fail(f"5. {len(mismatches)} channels' counters differ from the real counts", mismatches)
     if orphans:
         fail("5. queue rows of channels that no longer exist", orphans)
+    if group_sums:
+        fail("5. channel groups whose sums differ from their channels'", group_sums)
     if keys_twice:
         fail("7. unique keys held by two messages at once", keys_twice)
     if unexpected:

@@ -1,7 +1,9 @@
 """Show the channels as the admin lists them: backlog, running against the cap, failures, age.
 
 One line per channel (the first --limit, default 20, in --sort order, default most ready first),
-then the totals over all channels and the live workers. Name a CHANNEL to see it alone, with
+then, when channel groups exist, one line per group (the --limit with most ready first: its
+channels, ready and running summed over them, its cap, weight and rate limit), then the totals
+over all channels and the live workers. Name a CHANNEL to see it alone, with
 why its messages wait. --json prints one JSON document for scripts; --watch redraws every
 SECONDS (default 2) until Ctrl-C. The figures come from the counters, bounded index probes and
 the per-minute statistics: cheap on a busy queue (docs/howto/observability.md).
@@ -100,6 +102,30 @@ def snapshot(sort: str = "backlog", limit: int = 20, now: datetime | None = None
         },
         "finished_last_5m": sum(stats.finished_counts(overview.FINISHED_MINUTES).values()),
         "channels": [row.as_dict(now) for row in overview.rows(ids)],
+        **_groups(limit),
+    }
+
+
+def _groups(limit: int) -> dict[str, Any]:
+    """The channel groups with most ready first (the first ``limit``), and how many exist.
+    Their ready and running are the sums over their channels as last folded."""
+    groups = store.select_group_state()
+    groups.sort(key=lambda g: (-g.ready, -g.running, g.name))
+    return {
+        "groups_total": len(groups),
+        "groups": [
+            {
+                "name": g.name,
+                "channels": g.channels,
+                "claimable_channels": g.claimable,
+                "ready": g.ready,
+                "running": g.running,
+                "max_concurrency": g.max_concurrency,
+                "weight": g.weight,
+                "release_interval_seconds": g.release_interval.total_seconds(),
+            }
+            for g in groups[:limit]
+        ],
     }
 
 
@@ -176,6 +202,9 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
         out.append("  ".join(cells).rstrip())
     if not summary:
         return "\n".join(out)
+    if data.get("groups"):
+        out.append("")
+        out.extend(_group_table(data["groups"]))
     t = data["totals"]
     shown = len(data["channels"])
     if not shown:
@@ -187,6 +216,11 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
         f"{t['ready']:,} ready, {t['scheduled']:,} delayed, {t['running']:,} running, "
         f"{t['failed']:,} failed; {data['finished_last_5m']:,} finished in the last 5 minutes."
     )
+    if data.get("groups_total"):
+        out.append(
+            f"{data['groups_total']:,} channel groups ({len(data['groups']):,} shown, most "
+            "ready first); a group's channels are named <group>/<channel>."
+        )
     w = data["workers"]
     out.append(
         f"{w['live']:,} live workers ({w['threads']:,} threads, {w['running']:,} running)"
@@ -199,6 +233,35 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
             "dead workers and are requeued once their leases expire and a worker rescues them."
         )
     return "\n".join(out)
+
+
+def _group_table(groups: list[dict[str, Any]]) -> list[str]:
+    header = ("GROUP", "CHANNELS", "READY", "RUNNING", "WEIGHT", "INTERVAL")
+    lines: list[tuple[str, ...]] = [header]
+    for g in groups:
+        name = g["name"]
+        if len(name) > _NAME_WIDTH:
+            name = name[: _NAME_WIDTH - 3] + "..."
+        cap = "-" if g["max_concurrency"] is None else f"{g['max_concurrency']:,}"
+        interval = g["release_interval_seconds"]
+        lines.append(
+            (
+                name,
+                f"{g['channels']:,}",
+                f"{g['ready']:,}",
+                f"{g['running']:,}/{cap}",
+                str(g["weight"]),
+                f"{interval:g}s" if interval else "-",
+            )
+        )
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    return [
+        "  ".join(
+            cell.ljust(width) if i == 0 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in lines
+    ]
 
 
 def _isatty(stream: TextIO) -> bool:

@@ -14,12 +14,15 @@
 --      the repair write counters and turns; operators write only configuration columns (the
 --      Django model maps no other). Claims and the fold never wait for a channel row: they
 --      use SKIP LOCKED (a claim's bounded CLAIM_WAIT ends in lock_timeout, not a deadlock);
---   3. fairqueue_channel_delta rows: inserted by every writer of messages, deleted by the fold
+--   3. fairqueue_channel_group rows: the group of a channel, after the channel, by whoever
+--      writes a grouped channel's counters (fairqueue_group_counters_v1); claims lock a group
+--      SKIP LOCKED (or under CLAIM_WAIT's lock_timeout) and its channels SKIP LOCKED;
+--   4. fairqueue_channel_delta rows: inserted by every writer of messages, deleted by the fold
 --      and the repair, which lock them SKIP LOCKED or after the channel;
---   4. fairqueue_message and fairqueue_work_batch rows, in id order within one statement.
+--   5. fairqueue_message and fairqueue_work_batch rows, in id order within one statement.
 --      Claims lock ready rows SKIP LOCKED (they never wait on a message), settlements only
 --      rows their lease token owns;
---   5. the bounded-backlog advisory locks, taken only while the transaction commits, all at
+--   6. the bounded-backlog advisory locks, taken only while the transaction commits, all at
 --      once in channel id order (fairqueue_backlog_check_v1).
 -- Nothing takes a lock of an earlier rank while it waits for a later one, except a caller's
 -- own transaction doing so across statements, which the SKIP LOCKED waits above tolerate.
@@ -86,28 +89,242 @@ CREATE OR REPLACE FUNCTION fairqueue_default_run_v1() RETURNS double precision
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 0.01::double precision $$;
 
 
--- The system virtual time: the smallest tag of a claimable channel (the first entry of
--- fq_channel_vtime_idx, its predicate repeated word for word), other than p_exclude. When no
--- channel is claimable, the largest tag of any channel (fq_channel_vtime_max_idx): after the
--- queue went idle every channel starts level with the most served one, so a channel that was
--- idle longest cannot come back ahead of one that ran recently. Two index probes, no lock.
--- (That index holds only tags above 0: by count no tag moves, so claims and folds by count
--- add nothing to it; a largest tag of 0 is the same as none.)
+-- Channel groups (docs/explanation/fairness.md, "Groups of channels"). A channel may belong to
+-- a group (fairqueue_channel.group_id); the claim is fair across the top-level flows first
+-- (groups, and ungrouped channels, each of which is a flow of its own), then across the
+-- channels of a group. A group row carries the operator's weight, cap and rate limit and the
+-- group's scheduler state, which only the functions below write: ready_count, running_count
+-- (the sums of its channels' columns), claimable (how many of its channels are claimable by
+-- their counters), next_turn_at, turn_used, vtime, last_claimed_at.
+
+-- The top-level virtual time (fairqueue_virtual_time_v1, below), other than channel p_exclude
+-- and group p_exclude_group.
+CREATE OR REPLACE FUNCTION fairqueue_top_virtual_time_v1(
+    p_exclude bigint, p_exclude_group bigint
+)
+RETURNS double precision
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce(
+        least(
+            (SELECT c.vtime FROM fairqueue_channel c
+             WHERE c.ready_count > 0
+               AND NOT c.paused
+               AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+               AND c.group_id IS NULL
+               AND c.id IS DISTINCT FROM p_exclude
+             ORDER BY c.vtime, c.id
+             LIMIT 1),
+            (SELECT g.vtime FROM fairqueue_channel_group g
+             WHERE g.claimable > 0
+               AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+               AND g.id IS DISTINCT FROM p_exclude_group
+             ORDER BY g.vtime, g.id
+             LIMIT 1)),
+        nullif(greatest(
+            (SELECT max(c.vtime) FROM fairqueue_channel c
+             WHERE c.vtime > 0 AND c.group_id IS NULL AND c.id IS DISTINCT FROM p_exclude),
+            (SELECT max(g.vtime) FROM fairqueue_channel_group g
+             WHERE g.vtime > 0 AND g.id IS DISTINCT FROM p_exclude_group)), 0),
+        0)
+$$;
+
+
+-- The system virtual time: the smallest tag of a claimable top-level flow, other than
+-- p_exclude: an ungrouped channel (the first entry of fq_channel_vtime_idx, its predicate
+-- repeated word for word) or a channel group (fq_group_vtime_idx). When nothing is claimable,
+-- the largest tag of any of them (fq_channel_vtime_max_idx, fq_group_vtime_max_idx): after
+-- the queue went idle every flow starts level with the most served one, so a channel that was
+-- idle longest cannot come back ahead of one that ran recently. Index probes, no lock.
+-- (Those indexes hold only tags above 0: by count no tag moves, so claims and folds by count
+-- add nothing to them; a largest tag of 0 is the same as none.)
+-- Channels of a group have tags of their own, compared only within their group
+-- (fairqueue_group_virtual_time_v1).
 CREATE OR REPLACE FUNCTION fairqueue_virtual_time_v1(p_exclude bigint DEFAULT NULL)
+RETURNS double precision
+LANGUAGE sql STABLE AS $$
+    SELECT fairqueue_top_virtual_time_v1(p_exclude, NULL)
+$$;
+
+
+-- The virtual time inside group p_group, other than channel p_exclude: the smallest tag of a
+-- claimable channel of the group (fq_channel_in_group_vtime_idx), else the largest tag of any
+-- of its channels (fq_channel_group_idx). Index probes, no lock.
+CREATE OR REPLACE FUNCTION fairqueue_group_virtual_time_v1(p_group bigint, p_exclude bigint)
 RETURNS double precision
 LANGUAGE sql STABLE AS $$
     SELECT coalesce(
         (SELECT c.vtime FROM fairqueue_channel c
-         WHERE c.ready_count > 0
+         WHERE c.group_id IS NOT NULL
+           AND c.ready_count > 0
            AND NOT c.paused
            AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+           AND c.group_id = p_group
            AND c.id IS DISTINCT FROM p_exclude
          ORDER BY c.vtime, c.id
          LIMIT 1),
-        (SELECT max(c.vtime) FROM fairqueue_channel c
-         WHERE c.vtime > 0 AND c.id IS DISTINCT FROM p_exclude),
+        (SELECT c.vtime FROM fairqueue_channel c
+         WHERE c.group_id IS NOT NULL AND c.group_id = p_group
+           AND c.id IS DISTINCT FROM p_exclude
+         ORDER BY c.vtime DESC
+         LIMIT 1),
         0)
 $$;
+
+
+-- The group a channel name declares: the part before its first '/', when both parts are
+-- non-empty ('acme/alice' -> 'acme'); NULL otherwise.
+CREATE OR REPLACE FUNCTION fairqueue_group_of_name_v1(p_name text)
+RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE WHEN strpos(p_name, '/') > 1 AND strpos(p_name, '/') < length(p_name)
+                THEN split_part(p_name, '/', 1) END
+$$;
+
+
+-- A new channel named '<group>/<rest>' joins the group of that name if it exists, whoever
+-- creates it (an enqueue, the admin, a fixture). A name with '/' whose group does not exist
+-- stays ungrouped: grouping is declared by creating the group (enqueue's tuple form, the
+-- admin), never by a name alone, so channels named 'user/42' before groups existed keep
+-- behaving as they did.
+CREATE OR REPLACE FUNCTION fairqueue_channel_join_group_v1() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    SELECT g.id INTO NEW.group_id
+    FROM fairqueue_channel_group g
+    WHERE g.name = fairqueue_group_of_name_v1(NEW.name);
+    RETURN NEW;
+END;
+$$;
+
+DROP TRIGGER IF EXISTS fairqueue_channel_join_group ON fairqueue_channel;
+CREATE TRIGGER fairqueue_channel_join_group
+    BEFORE INSERT ON fairqueue_channel
+    FOR EACH ROW
+    WHEN (NEW.group_id IS NULL AND strpos(NEW.name, '/') > 1)
+    EXECUTE FUNCTION fairqueue_channel_join_group_v1();
+
+
+-- A new group takes in the ungrouped channels its name declares ('acme' takes 'acme/...').
+-- Once per group; a scan of the channel names (no index answers a prefix under every
+-- collation). The counters move with them (fairqueue_group_counters_v1).
+CREATE OR REPLACE FUNCTION fairqueue_group_attach_v1() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE fairqueue_channel c
+    SET group_id = NEW.id
+    WHERE c.group_id IS NULL AND fairqueue_group_of_name_v1(c.name) = NEW.name;
+    RETURN NULL;
+END;
+$$;
+
+DROP TRIGGER IF EXISTS fairqueue_group_attach ON fairqueue_channel_group;
+CREATE TRIGGER fairqueue_group_attach
+    AFTER INSERT ON fairqueue_channel_group
+    FOR EACH ROW
+    EXECUTE FUNCTION fairqueue_group_attach_v1();
+
+
+-- Create the groups of p_names that do not exist yet (enqueue's tuple form). Returns nothing.
+CREATE OR REPLACE FUNCTION fairqueue_ensure_groups_v1(p_names text[])
+RETURNS void
+LANGUAGE sql AS $$
+    INSERT INTO fairqueue_channel_group AS g (
+        name, weight, max_concurrency, release_interval, created_at
+    )
+    SELECT n, 1, NULL, interval '0', clock_timestamp()
+    FROM unnest(p_names) AS n
+    ORDER BY n
+    ON CONFLICT (name) DO NOTHING
+$$;
+
+
+-- Keep a group's sums exact: every statement that changes a grouped channel's ready_count,
+-- running_count, paused, max_concurrency or group (claims, folds, the repair, deleting a
+-- channel, an operator's edit) moves the group's row with it, in the same transaction. So a
+-- group's running_count is exactly the sum of its channels' (which lags behind settlements not
+-- folded yet, never ahead of claims): the cap checked on it errs on the safe side, as a
+-- channel's does. A channel that becomes claimable wakes its group: a group parked until a
+-- rate-limited channel is due comes back at once (within its own rate limit), and a group
+-- that had no claimable channel is lifted to the top-level virtual time (no banked credit;
+-- harmless by count, where tags are unused).
+-- Lock order: group rows come after channel rows (rank 3). The writers that wait (operators'
+-- edits, fairqueue_fold_channel_v1, the repair, deletions, batch claims) hold the channel and
+-- wait for its group, which a claim holds only until it commits. A claim locks a group before
+-- its channels, but takes those SKIP LOCKED: it never waits for a channel while holding a
+-- group (its one wait, CLAIM_WAIT, is bounded by lock_timeout). The fold takes both SKIP
+-- LOCKED.
+CREATE OR REPLACE FUNCTION fairqueue_group_counters_v1() RETURNS trigger
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_old boolean := false;
+    v_new boolean := false;
+BEGIN
+    IF TG_OP <> 'INSERT' THEN
+        v_old := OLD.ready_count > 0 AND NOT OLD.paused
+                 AND (OLD.max_concurrency IS NULL OR OLD.running_count < OLD.max_concurrency);
+    END IF;
+    IF TG_OP <> 'DELETE' THEN
+        v_new := NEW.ready_count > 0 AND NOT NEW.paused
+                 AND (NEW.max_concurrency IS NULL OR NEW.running_count < NEW.max_concurrency);
+    END IF;
+    IF TG_OP = 'UPDATE' AND OLD.group_id IS NOT DISTINCT FROM NEW.group_id THEN
+        UPDATE fairqueue_channel_group g
+        SET ready_count = g.ready_count + NEW.ready_count - OLD.ready_count,
+            running_count = g.running_count + NEW.running_count - OLD.running_count,
+            claimable = g.claimable + v_new::integer - v_old::integer,
+            next_turn_at = CASE WHEN v_new AND NOT v_old THEN least(g.next_turn_at, greatest(
+                statement_timestamp(),
+                coalesce(g.last_claimed_at + g.release_interval, '-infinity'::timestamptz)))
+                ELSE g.next_turn_at END,
+            vtime = CASE WHEN v_new AND NOT v_old AND g.claimable = 0
+                THEN greatest(g.vtime, fairqueue_top_virtual_time_v1(NULL, g.id))
+                ELSE g.vtime END
+        WHERE g.id = NEW.group_id;
+        RETURN NULL;
+    END IF;
+    IF TG_OP <> 'INSERT' AND OLD.group_id IS NOT NULL THEN
+        UPDATE fairqueue_channel_group g
+        SET ready_count = g.ready_count - OLD.ready_count,
+            running_count = g.running_count - OLD.running_count,
+            claimable = g.claimable - v_old::integer
+        WHERE g.id = OLD.group_id;
+    END IF;
+    IF TG_OP <> 'DELETE' AND NEW.group_id IS NOT NULL THEN
+        UPDATE fairqueue_channel_group g
+        SET ready_count = g.ready_count + NEW.ready_count,
+            running_count = g.running_count + NEW.running_count,
+            claimable = g.claimable + v_new::integer,
+            next_turn_at = CASE WHEN v_new THEN least(g.next_turn_at, greatest(
+                statement_timestamp(),
+                coalesce(g.last_claimed_at + g.release_interval, '-infinity'::timestamptz)))
+                ELSE g.next_turn_at END,
+            vtime = CASE WHEN v_new AND g.claimable = 0
+                THEN greatest(g.vtime, fairqueue_top_virtual_time_v1(NULL, g.id))
+                ELSE g.vtime END
+        WHERE g.id = NEW.group_id;
+    END IF;
+    RETURN NULL;
+END;
+$$;
+
+DROP TRIGGER IF EXISTS fairqueue_group_counters ON fairqueue_channel;
+CREATE TRIGGER fairqueue_group_counters
+    AFTER UPDATE OF ready_count, running_count, paused, max_concurrency, group_id
+    ON fairqueue_channel
+    FOR EACH ROW
+    WHEN ((OLD.group_id IS NOT NULL OR NEW.group_id IS NOT NULL)
+          AND (OLD.ready_count, OLD.running_count, OLD.paused, OLD.max_concurrency,
+               OLD.group_id)
+              IS DISTINCT FROM (NEW.ready_count, NEW.running_count, NEW.paused,
+                                NEW.max_concurrency, NEW.group_id))
+    EXECUTE FUNCTION fairqueue_group_counters_v1();
+
+DROP TRIGGER IF EXISTS fairqueue_group_counters_delete ON fairqueue_channel;
+CREATE TRIGGER fairqueue_group_counters_delete
+    AFTER DELETE ON fairqueue_channel
+    FOR EACH ROW
+    WHEN (OLD.group_id IS NOT NULL)
+    EXECUTE FUNCTION fairqueue_group_counters_v1();
 
 
 -- A channel's tag after a fold: p_tag, lifted to the virtual time p_vnow when the channel
@@ -166,6 +383,8 @@ DECLARE
     v_delta_channels bigint[];
     v_wanted bigint[];
     v_locked bigint[];
+    v_groups bigint[];
+    v_glocked bigint[];
     v_ids bigint[];
     v_ready bigint[];
     v_scheduled bigint[];
@@ -206,8 +425,10 @@ BEGIN
     -- 2. Lock their channels by primary key, skipping those a claim holds right now (that
     --    claim, or the next, folds them). A join of deltas to channels in one locking query
     --    was planned as a sequential scan of every channel.
-    SELECT array_agg(x.id ORDER BY x.id) INTO v_locked FROM (
-        SELECT c.id FROM fairqueue_channel c
+    SELECT array_agg(x.id ORDER BY x.id),
+           array_agg(DISTINCT x.group_id) FILTER (WHERE x.group_id IS NOT NULL)
+    INTO v_locked, v_groups FROM (
+        SELECT c.id, c.group_id FROM fairqueue_channel c
         WHERE c.id = ANY (v_wanted) ORDER BY c.id FOR UPDATE SKIP LOCKED
     ) x;
     IF coalesce(cardinality(v_locked), 0) < cardinality(v_wanted) THEN
@@ -220,6 +441,24 @@ BEGIN
     END IF;
     IF v_locked IS NULL THEN
         RETURN 0;
+    END IF;
+    -- 2b. Their groups, SKIP LOCKED too: folding a grouped channel moves its group's sums
+    --     (fairqueue_group_counters_v1), and a group held by a claim is the claim's to fold
+    --     after. The channels of a group held elsewhere are left for the next fold.
+    IF v_groups IS NOT NULL THEN
+        v_glocked := ARRAY(
+            SELECT g.id FROM fairqueue_channel_group g
+            WHERE g.id = ANY (v_groups) ORDER BY g.id FOR UPDATE SKIP LOCKED);
+        IF cardinality(v_glocked) < cardinality(v_groups) THEN
+            v_locked := ARRAY(
+                SELECT c.id FROM fairqueue_channel c
+                WHERE c.id = ANY (v_locked)
+                  AND (c.group_id IS NULL OR c.group_id = ANY (v_glocked))
+                ORDER BY c.id);
+            IF cardinality(v_locked) = 0 THEN
+                RETURN 0;
+            END IF;
+        END IF;
     END IF;
 
     -- 3. Delete the deltas of the locked channels and sum them per channel. Which deltas
@@ -293,7 +532,9 @@ BEGIN
             c.vtime + (v_run[array_position(v_ids, c.id)]
                        - v_runs[array_position(v_ids, c.id)]
                          * coalesce(c.mean_run, fairqueue_default_run_v1())) / c.weight,
-            v_vnow,
+            -- a grouped channel is lifted within its group
+            CASE WHEN c.group_id IS NULL THEN v_vnow
+                 ELSE fairqueue_group_virtual_time_v1(c.group_id, c.id) END,
             c.ready_count > 0 AND NOT c.paused
                 AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency),
             c.ready_count + v_ready[array_position(v_ids, c.id)] > 0 AND NOT c.paused
@@ -305,6 +546,686 @@ BEGIN
             c.mean_run, v_run[array_position(v_ids, c.id)], v_ran[array_position(v_ids, c.id)])
     WHERE c.id = ANY (v_ids);
     RETURN v_count;
+END;
+$$;
+
+
+-- The fair claim with channel groups (called by fairqueue_claim_v1 when a group is
+-- claimable; same arguments, its clock reading and its quantum). Two levels:
+--
+--   1. walk the top-level flows in turn order (by time: tag order), ungrouped channels
+--      (fq_channel_turn_idx) and groups (fq_group_turn_idx) merged into one ordered stream;
+--      each is locked when reached, FOR UPDATE SKIP LOCKED with its predicate re-checked on
+--      the newest row version. A group reached is then walked like the channels of a small
+--      queue: its claimable channels in turn (tag) order from fq_channel_in_group_turn_idx
+--      (fq_channel_in_group_vtime_idx), locked SKIP LOCKED one per FETCH, until they cover
+--      the group's turn. The walk stops once the flows found cover p_limit, so a claim
+--      touches the groups and channels it serves (plus those passed over: locked by others,
+--      or a group whose claimable channels are all rate limited, which is then parked until
+--      the first of them is due);
+--   2. share p_limit: by count, weighted water-filling at both levels (a group's turn is
+--      its weight x quantum, shared among its channels by their own turns); by time, each
+--      message to the flow of smallest start tag, within a group to its channel of smallest
+--      start tag;
+--   3. take the messages and charge the channels (as fairqueue_claim_v1), then the groups:
+--      turn, rate limit and tag. The groups' counters move with their channels'
+--      (fairqueue_group_counters_v1).
+--
+-- A group's cap and rate limit are checked on its locked row, as a channel's are on its own:
+-- every claim that serves a channel of the group holds the group row from its walk to its
+-- commit, so two claims never both fill the group's last slot.
+-- Locks: a group row, then its channels SKIP LOCKED (never waiting for a channel while
+-- holding a group); an ungrouped channel is a channel row. The one wait (p_wait_ms,
+-- CLAIM_WAIT) is for the first top-level flow in turn order when every flow was held by
+-- others and the walk locked nothing, bounded by lock_timeout.
+-- By time, this claim does not wait for a smallest tag held by a concurrent claim (it takes
+-- the next flow, as fairqueue_claim_v1 does by count).
+CREATE OR REPLACE FUNCTION fairqueue_claim_grouped_v1(
+    p_limit integer,
+    p_lease interval,
+    p_worker text,
+    p_only bigint[],
+    p_exclude bigint[],
+    p_quantum integer,
+    p_wait_ms integer,
+    p_by_time boolean,
+    p_now timestamptz
+)
+RETURNS TABLE (
+    id bigint,
+    channel_id bigint,
+    channel_name text,
+    task_name text,
+    payload jsonb,
+    priority smallint,
+    attempts integer,
+    max_attempts integer,
+    keep_result boolean,
+    lease_token uuid,
+    lease_expires_at timestamptz,
+    enqueued_at timestamptz,
+    run_at timestamptz
+)
+LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan  -- see fairqueue_claim_v1
+-- The walk's stream must come from the two indexes in their order, read lazily (a Merge
+-- Append of two index scans): a generic plan otherwise sorted a bitmap scan of every
+-- claimable group, reading them all on every claim. No statement here needs a sort but the
+-- result's order (a handful of rows), which PostgreSQL still sorts.
+SET enable_sort = off
+SET enable_bitmapscan = off
+AS $$
+DECLARE
+    v_now timestamptz := p_now;
+    v_due timestamptz := p_now;  -- the walk's bound on turns (the wait's: its deadline)
+    v_cur refcursor;
+    v_gcur refcursor;
+    t record;
+    r record;
+    gr record;
+    -- channels, in walk order (a group's channels are consecutive)
+    v_ids bigint[] := '{}';
+    v_names text[] := '{}';
+    v_turn integer[] := '{}';
+    v_used integer[] := '{}';
+    v_room integer[] := '{}';
+    v_interval interval[] := '{}';
+    v_mean double precision[] := '{}';  -- charge per message before weights (by time)
+    v_est double precision[] := '{}';  -- the channel tag's charge per message (by time)
+    v_tag double precision[] := '{}';
+    v_cg integer[] := '{}';  -- the channel's group (index into the v_g* arrays), 0: none
+    -- groups, in walk order
+    v_gids bigint[] := '{}';
+    v_gturn integer[] := '{}';
+    v_gused integer[] := '{}';
+    v_groom integer[] := '{}';
+    v_ginterval interval[] := '{}';
+    v_gweight integer[] := '{}';
+    v_gtag double precision[] := '{}';
+    v_gfirst integer[] := '{}';  -- a group's channels: a ring through v_next, from v_gfirst
+    v_gtail integer[] := '{}';
+    v_gcount integer[] := '{}';
+    v_gcap integer[] := '{}';  -- what a group's channels found give in their first turns
+    v_next integer[] := '{}';
+    v_turns integer := 0;  -- the turns of the flows found, added up
+    v_target integer;
+    -- the top-level flows in walk order: a channel's index, or minus a group's
+    v_top integer[] := '{}';
+    v_n integer := 0;
+    v_ng integer := 0;
+    v_covered integer := 0;
+    v_gcov integer;
+    v_budget integer;
+    v_passed boolean := false;
+    v_waiting boolean := false;
+    v_lock_timeout text;
+    v_park timestamptz;
+    -- sharing out
+    v_alloc integer[];
+    v_last integer[];
+    v_tleft integer[];
+    v_galloc integer[];
+    v_glast integer[];
+    v_gtleft integer[];
+    v_gptr integer[];
+    v_gcharge double precision[];
+    v_seq integer := 0;
+    v_left integer;
+    v_give integer;
+    v_given integer;
+    v_stall integer;
+    v_progress boolean;
+    v_best integer;
+    v_best_tag double precision;
+    v_pick integer;
+    v_pick_tag double precision;
+    v_x double precision;
+    e integer;
+    i integer;
+    j integer;
+    k integer;
+BEGIN
+    LOOP  -- the walk; then, with p_wait_ms, once more waiting for the first flow
+        IF p_by_time THEN
+            OPEN v_cur FOR
+                SELECT x.kind, x.fid FROM (
+                    (SELECT 0 AS kind, c.id AS fid, c.vtime AS k1
+                     FROM fairqueue_channel c
+                     WHERE c.ready_count > 0
+                       AND NOT c.paused
+                       AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                       AND c.group_id IS NULL
+                       AND (c.release_interval = interval '0' OR c.next_turn_at <= v_due)
+                       AND (p_only IS NULL OR c.id = ANY (p_only))
+                       AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
+                     ORDER BY c.vtime, c.id)
+                    UNION ALL
+                    (SELECT 1, g.id, g.vtime
+                     FROM fairqueue_channel_group g
+                     WHERE g.claimable > 0
+                       AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                       AND g.next_turn_at <= v_due
+                     ORDER BY g.vtime, g.id)
+                ) x
+                ORDER BY x.k1, x.fid;
+        ELSE
+            OPEN v_cur FOR
+                SELECT x.kind, x.fid FROM (
+                    (SELECT 0 AS kind, c.id AS fid, c.next_turn_at AS k1
+                     FROM fairqueue_channel c
+                     WHERE c.ready_count > 0
+                       AND NOT c.paused
+                       AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                       AND c.group_id IS NULL
+                       AND c.next_turn_at <= v_due
+                       AND (p_only IS NULL OR c.id = ANY (p_only))
+                       AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
+                     ORDER BY c.next_turn_at, c.id)
+                    UNION ALL
+                    (SELECT 1, g.id, g.next_turn_at
+                     FROM fairqueue_channel_group g
+                     WHERE g.claimable > 0
+                       AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                       AND g.next_turn_at <= v_due
+                     ORDER BY g.next_turn_at, g.id)
+                ) x
+                ORDER BY x.k1, x.fid;
+        END IF;
+        LOOP
+            FETCH v_cur INTO t;
+            EXIT WHEN NOT FOUND;
+            IF t.kind = 0 THEN
+                -- An ungrouped channel: lock it, re-checking its predicate on the newest row.
+                IF v_waiting THEN
+                    SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
+                           c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
+                    INTO r FROM fairqueue_channel c
+                    WHERE c.id = t.fid AND c.ready_count > 0 AND NOT c.paused
+                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                      AND c.group_id IS NULL
+                      AND (c.release_interval = interval '0'
+                           OR c.next_turn_at <= clock_timestamp())
+                    FOR UPDATE;
+                ELSE
+                    SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
+                           c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
+                    INTO r FROM fairqueue_channel c
+                    WHERE c.id = t.fid AND c.ready_count > 0 AND NOT c.paused
+                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                      AND c.group_id IS NULL
+                      AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
+                    FOR UPDATE SKIP LOCKED;
+                END IF;
+                IF NOT FOUND THEN
+                    v_passed := true;
+                    EXIT WHEN v_waiting;
+                    CONTINUE;
+                END IF;
+                v_n := v_n + 1;
+                v_ids[v_n] := r.id;
+                v_names[v_n] := r.name;
+                v_turn[v_n] := r.weight * p_quantum;
+                v_used[v_n] := LEAST(r.turn_used, v_turn[v_n] - 1);
+                v_room[v_n] := LEAST(
+                    r.ready_count,
+                    coalesce(r.max_concurrency - r.running_count, p_limit),
+                    CASE WHEN r.release_interval > interval '0' THEN 1 ELSE p_limit END);
+                v_interval[v_n] := r.release_interval;
+                v_mean[v_n] := greatest(coalesce(r.mean_run, fairqueue_default_run_v1()), 1e-6);
+                v_est[v_n] := v_mean[v_n] / r.weight;
+                v_tag[v_n] := r.vtime;
+                v_cg[v_n] := 0;
+                v_next[v_n] := 0;
+                v_top := v_top || v_n;
+                v_turns := v_turns + v_turn[v_n];
+                v_covered := v_covered + LEAST(v_turn[v_n] - v_used[v_n], v_room[v_n]);
+            ELSE
+                -- A group: lock it, re-checking its predicate (cap, turn) on the newest row.
+                IF v_waiting THEN
+                    SELECT g.id, g.weight, g.turn_used, g.release_interval, g.max_concurrency,
+                           g.running_count, g.vtime
+                    INTO gr FROM fairqueue_channel_group g
+                    WHERE g.id = t.fid AND g.claimable > 0
+                      AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                      AND g.next_turn_at <= clock_timestamp()
+                    FOR UPDATE;
+                ELSE
+                    SELECT g.id, g.weight, g.turn_used, g.release_interval, g.max_concurrency,
+                           g.running_count, g.vtime
+                    INTO gr FROM fairqueue_channel_group g
+                    WHERE g.id = t.fid AND g.claimable > 0
+                      AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                      AND g.next_turn_at <= v_now
+                    FOR UPDATE SKIP LOCKED;
+                END IF;
+                IF NOT FOUND THEN
+                    v_passed := true;
+                    EXIT WHEN v_waiting;
+                    CONTINUE;
+                END IF;
+                IF v_waiting THEN
+                    v_now := clock_timestamp();
+                END IF;
+                v_ng := v_ng + 1;
+                v_gids[v_ng] := gr.id;
+                v_gturn[v_ng] := gr.weight * p_quantum;
+                v_gused[v_ng] := LEAST(gr.turn_used, v_gturn[v_ng] - 1);
+                v_groom[v_ng] := LEAST(
+                    coalesce(gr.max_concurrency - gr.running_count, p_limit),
+                    CASE WHEN gr.release_interval > interval '0' THEN 1 ELSE p_limit END,
+                    p_limit);
+                v_ginterval[v_ng] := gr.release_interval;
+                v_gweight[v_ng] := gr.weight;
+                v_gtag[v_ng] := gr.vtime;
+                v_gfirst[v_ng] := 0;
+                v_gtail[v_ng] := 0;
+                v_gcount[v_ng] := 0;
+                v_gcap[v_ng] := 0;
+                v_budget := LEAST(v_gturn[v_ng] - v_gused[v_ng], v_groom[v_ng],
+                                  p_limit - v_covered);
+                v_gcov := 0;
+                -- Its channels, in turn (tag) order; the WHERE repeats the predicate of
+                -- fq_channel_in_group_turn_idx (fq_channel_in_group_vtime_idx) word for word.
+                IF p_by_time THEN
+                    OPEN v_gcur FOR
+                        SELECT c.id, c.name::text AS name, c.weight, c.turn_used,
+                               c.release_interval, c.ready_count, c.max_concurrency,
+                               c.running_count, c.mean_run, c.vtime
+                        FROM fairqueue_channel c
+                        WHERE c.group_id IS NOT NULL
+                          AND c.ready_count > 0
+                          AND NOT c.paused
+                          AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                          AND c.group_id = gr.id
+                          AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
+                          AND (p_only IS NULL OR c.id = ANY (p_only))
+                          AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
+                        ORDER BY c.vtime, c.id
+                        FOR UPDATE SKIP LOCKED;
+                ELSE
+                    OPEN v_gcur FOR
+                        SELECT c.id, c.name::text AS name, c.weight, c.turn_used,
+                               c.release_interval, c.ready_count, c.max_concurrency,
+                               c.running_count, c.mean_run, c.vtime
+                        FROM fairqueue_channel c
+                        WHERE c.group_id IS NOT NULL
+                          AND c.ready_count > 0
+                          AND NOT c.paused
+                          AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                          AND c.group_id = gr.id
+                          AND c.next_turn_at <= v_now
+                          AND (p_only IS NULL OR c.id = ANY (p_only))
+                          AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
+                        ORDER BY c.next_turn_at, c.id
+                        FOR UPDATE SKIP LOCKED;
+                END IF;
+                LOOP
+                    FETCH v_gcur INTO r;
+                    EXIT WHEN NOT FOUND;
+                    v_n := v_n + 1;
+                    v_ids[v_n] := r.id;
+                    v_names[v_n] := r.name;
+                    v_turn[v_n] := r.weight * p_quantum;
+                    v_used[v_n] := LEAST(r.turn_used, v_turn[v_n] - 1);
+                    v_room[v_n] := LEAST(
+                        r.ready_count,
+                        coalesce(r.max_concurrency - r.running_count, p_limit),
+                        CASE WHEN r.release_interval > interval '0' THEN 1 ELSE p_limit END);
+                    v_interval[v_n] := r.release_interval;
+                    v_mean[v_n] := greatest(coalesce(r.mean_run, fairqueue_default_run_v1()),
+                                            1e-6);
+                    v_est[v_n] := v_mean[v_n] / r.weight;
+                    v_tag[v_n] := r.vtime;
+                    v_cg[v_n] := v_ng;
+                    IF v_gcount[v_ng] = 0 THEN
+                        v_gfirst[v_ng] := v_n;
+                    ELSE
+                        v_next[v_gtail[v_ng]] := v_n;
+                    END IF;
+                    v_next[v_n] := v_gfirst[v_ng];
+                    v_gtail[v_ng] := v_n;
+                    v_gcount[v_ng] := v_gcount[v_ng] + 1;
+                    v_gcap[v_ng] := v_gcap[v_ng] + LEAST(v_turn[v_n] - v_used[v_n], v_room[v_n]);
+                    v_gcov := v_gcov + LEAST(v_turn[v_n] - v_used[v_n], v_room[v_n]);
+                    EXIT WHEN v_gcov >= v_budget;
+                END LOOP;
+                CLOSE v_gcur;
+                IF v_gcount[v_ng] = 0 THEN
+                    -- No channel of the group could be taken. When that is because its
+                    -- claimable channels are rate limited and none is due yet, park the group
+                    -- until the first is (its turn moves there; a channel becoming claimable
+                    -- wakes it sooner). Channels held by concurrent claims park nothing.
+                    SELECT c.next_turn_at INTO v_park
+                    FROM fairqueue_channel c
+                    WHERE c.group_id IS NOT NULL
+                      AND c.ready_count > 0
+                      AND NOT c.paused
+                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                      AND c.group_id = gr.id
+                    ORDER BY c.next_turn_at, c.id
+                    LIMIT 1;
+                    IF v_park > v_now THEN
+                        UPDATE fairqueue_channel_group g
+                        SET next_turn_at = greatest(g.next_turn_at, v_park)
+                        WHERE g.id = gr.id;
+                    ELSE
+                        v_passed := true;
+                    END IF;
+                    v_ng := v_ng - 1;
+                    EXIT WHEN v_waiting;
+                    CONTINUE;
+                END IF;
+                v_top := v_top || (-v_ng);
+                v_covered := v_covered + LEAST(v_budget, v_gcov);
+                v_turns := v_turns + v_gturn[v_ng];
+            END IF;
+            EXIT WHEN v_covered >= p_limit OR v_waiting;
+        END LOOP;
+        CLOSE v_cur;
+        IF v_waiting THEN
+            PERFORM set_config('lock_timeout', v_lock_timeout, true);
+            v_now := clock_timestamp();  -- for the charge, claimed_at and the lease
+            EXIT;
+        END IF;
+        -- Nothing unlocked was claimable, and concurrent claims hold what is: queue behind
+        -- the first flow in turn order, as fairqueue_claim_v1's step 2b does (bounded by
+        -- lock_timeout = p_wait_ms, only in a claim that is its own transaction).
+        EXIT WHEN v_n > 0 OR NOT v_passed OR coalesce(p_wait_ms, 0) <= 0;
+        v_waiting := true;
+        v_due := clock_timestamp() + p_wait_ms * interval '1 millisecond';
+        v_lock_timeout := current_setting('lock_timeout');
+        PERFORM set_config('lock_timeout', p_wait_ms || 'ms', true);
+    END LOOP;
+
+    -- The walk ran out of flows before their first turns covered p_limit, so later turns
+    -- will be shared out too, and a group's walk stopped at its first turn: take more
+    -- channels of each group, in their order, until their first turns cover the group's
+    -- share of p_limit by turns (plus one turn), as the walk of ungrouped channels covers
+    -- p_limit with first turns. Nobody else can serve a group's channels while this
+    -- claim holds the group, so this costs no one a channel; the shares add up to p_limit,
+    -- so it fetches at most about p_limit more channels in all.
+    FOR k IN 1 .. CASE WHEN v_covered < p_limit THEN v_ng ELSE 0 END LOOP
+        v_target := LEAST(v_groom[k], ceil(p_limit::numeric * v_gturn[k] / v_turns)::integer
+                                      + v_gturn[k]);
+        IF v_gcap[k] < v_target THEN
+            IF p_by_time THEN
+                OPEN v_gcur FOR
+                    SELECT c.id, c.name::text AS name, c.weight, c.turn_used,
+                           c.release_interval, c.ready_count, c.max_concurrency,
+                           c.running_count, c.mean_run, c.vtime
+                    FROM fairqueue_channel c
+                    WHERE c.group_id IS NOT NULL
+                      AND c.ready_count > 0
+                      AND NOT c.paused
+                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                      AND c.group_id = v_gids[k]
+                      AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
+                      AND NOT (c.id = ANY (v_ids))
+                      AND (p_only IS NULL OR c.id = ANY (p_only))
+                      AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
+                    ORDER BY c.vtime, c.id
+                    FOR UPDATE SKIP LOCKED;
+            ELSE
+                OPEN v_gcur FOR
+                    SELECT c.id, c.name::text AS name, c.weight, c.turn_used,
+                           c.release_interval, c.ready_count, c.max_concurrency,
+                           c.running_count, c.mean_run, c.vtime
+                    FROM fairqueue_channel c
+                    WHERE c.group_id IS NOT NULL
+                      AND c.ready_count > 0
+                      AND NOT c.paused
+                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                      AND c.group_id = v_gids[k]
+                      AND c.next_turn_at <= v_now
+                      AND NOT (c.id = ANY (v_ids))
+                      AND (p_only IS NULL OR c.id = ANY (p_only))
+                      AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
+                    ORDER BY c.next_turn_at, c.id
+                    FOR UPDATE SKIP LOCKED;
+            END IF;
+            LOOP
+                EXIT WHEN v_gcap[k] >= v_target;
+                FETCH v_gcur INTO r;
+                EXIT WHEN NOT FOUND;
+                v_n := v_n + 1;
+                v_ids[v_n] := r.id;
+                v_names[v_n] := r.name;
+                v_turn[v_n] := r.weight * p_quantum;
+                v_used[v_n] := LEAST(r.turn_used, v_turn[v_n] - 1);
+                v_room[v_n] := LEAST(
+                    r.ready_count,
+                    coalesce(r.max_concurrency - r.running_count, p_limit),
+                    CASE WHEN r.release_interval > interval '0' THEN 1 ELSE p_limit END);
+                v_interval[v_n] := r.release_interval;
+                v_mean[v_n] := greatest(coalesce(r.mean_run, fairqueue_default_run_v1()), 1e-6);
+                v_est[v_n] := v_mean[v_n] / r.weight;
+                v_tag[v_n] := r.vtime;
+                v_cg[v_n] := k;
+                v_next[v_gtail[k]] := v_n;
+                v_next[v_n] := v_gfirst[k];
+                v_gtail[k] := v_n;
+                v_gcount[k] := v_gcount[k] + 1;
+                v_gcap[k] := v_gcap[k] + LEAST(v_turn[v_n] - v_used[v_n], v_room[v_n]);
+            END LOOP;
+            CLOSE v_gcur;
+        END IF;
+    END LOOP;
+
+    IF v_n = 0 THEN
+        RETURN;
+    END IF;
+
+    v_alloc := array_fill(0, ARRAY[v_n]);
+    v_last := array_fill(0, ARRAY[v_n]);
+    v_galloc := array_fill(0, ARRAY[greatest(v_ng, 1)]);
+    v_glast := array_fill(0, ARRAY[greatest(v_ng, 1)]);
+    v_left := p_limit;
+    IF p_by_time THEN
+        -- Each message to the flow whose next message starts at the smallest tag (a group's:
+        -- its tag plus what this claim charged it so far), within a group to its channel of
+        -- smallest start tag; each up to its room.
+        v_gcharge := array_fill(0::double precision, ARRAY[greatest(v_ng, 1)]);
+        WHILE v_left > 0 LOOP
+            v_best := 0;
+            v_best_tag := NULL;
+            FOREACH e IN ARRAY v_top LOOP
+                IF e > 0 THEN
+                    CONTINUE WHEN v_alloc[e] >= v_room[e];
+                    v_x := v_tag[e] + v_alloc[e] * v_est[e];
+                    IF v_best_tag IS NULL OR v_x < v_best_tag THEN
+                        v_best := e;
+                        v_best_tag := v_x;
+                    END IF;
+                ELSE
+                    k := -e;
+                    CONTINUE WHEN v_galloc[k] >= v_groom[k];
+                    v_x := v_gtag[k] + v_gcharge[k];
+                    CONTINUE WHEN v_best_tag IS NOT NULL AND v_x >= v_best_tag;
+                    v_pick := 0;
+                    v_pick_tag := NULL;
+                    j := v_gfirst[k];
+                    LOOP
+                        IF v_alloc[j] < v_room[j]
+                           AND (v_pick_tag IS NULL
+                                OR v_tag[j] + v_alloc[j] * v_est[j] < v_pick_tag) THEN
+                            v_pick := j;
+                            v_pick_tag := v_tag[j] + v_alloc[j] * v_est[j];
+                        END IF;
+                        j := v_next[j];
+                        EXIT WHEN j = v_gfirst[k];
+                    END LOOP;
+                    CONTINUE WHEN v_pick = 0;
+                    v_best := v_pick;
+                    v_best_tag := v_x;
+                END IF;
+            END LOOP;
+            EXIT WHEN v_best = 0;
+            v_alloc[v_best] := v_alloc[v_best] + 1;
+            v_left := v_left - 1;
+            k := v_cg[v_best];
+            IF k > 0 THEN
+                v_galloc[k] := v_galloc[k] + 1;
+                v_gcharge[k] := v_gcharge[k] + v_mean[v_best] / v_gweight[k];
+            END IF;
+        END LOOP;
+        -- (turns do not order anything by time; flows go to the back in walk order)
+        v_last := ARRAY(SELECT generate_series(1, v_n));
+        v_glast := ARRAY(SELECT coalesce(v_gtail[x], 0)
+                         FROM generate_series(1, greatest(v_ng, 1)) AS x);
+        v_seq := v_n;
+    ELSE
+        -- Weighted water-filling in turn order at both levels: a flow gets what is left of its
+        -- turn first, then whole turns while the flows found cannot cover p_limit. A group's
+        -- turn is shared among its channels in their order, each up to what is left of its
+        -- own turn; a channel whose turn ends goes to the back of the group's round.
+        v_tleft := ARRAY(SELECT v_turn[x] - v_used[x] FROM generate_series(1, v_n) AS x);
+        v_gtleft := ARRAY(SELECT v_gturn[x] - v_gused[x]
+                          FROM generate_series(1, greatest(v_ng, 1)) AS x);
+        v_gptr := v_gfirst;
+        LOOP
+            v_progress := false;
+            FOREACH e IN ARRAY v_top LOOP
+                EXIT WHEN v_left = 0;
+                IF e > 0 THEN
+                    v_give := LEAST(v_tleft[e], v_room[e] - v_alloc[e], v_left);
+                    IF v_give > 0 THEN
+                        v_alloc[e] := v_alloc[e] + v_give;
+                        v_left := v_left - v_give;
+                        v_progress := true;
+                        v_seq := v_seq + 1;
+                        v_last[e] := v_seq;
+                        v_tleft[e] := v_tleft[e] - v_give;
+                        IF v_tleft[e] = 0 THEN
+                            v_tleft[e] := v_turn[e];
+                        END IF;
+                    END IF;
+                ELSE
+                    k := -e;
+                    v_budget := LEAST(v_gtleft[k], v_groom[k] - v_galloc[k], v_left);
+                    v_given := 0;
+                    v_stall := 0;
+                    WHILE v_given < v_budget AND v_stall < v_gcount[k] LOOP
+                        i := v_gptr[k];
+                        v_give := LEAST(v_tleft[i], v_room[i] - v_alloc[i], v_budget - v_given);
+                        IF v_give > 0 THEN
+                            v_alloc[i] := v_alloc[i] + v_give;
+                            v_given := v_given + v_give;
+                            v_seq := v_seq + 1;
+                            v_last[i] := v_seq;
+                            v_tleft[i] := v_tleft[i] - v_give;
+                            v_stall := 0;
+                            IF v_tleft[i] = 0 THEN
+                                v_tleft[i] := v_turn[i];
+                                v_gptr[k] := v_next[i];
+                            END IF;
+                        ELSE
+                            v_gptr[k] := v_next[i];
+                            v_stall := v_stall + 1;
+                        END IF;
+                    END LOOP;
+                    IF v_given > 0 THEN
+                        v_galloc[k] := v_galloc[k] + v_given;
+                        v_left := v_left - v_given;
+                        v_progress := true;
+                        v_seq := v_seq + 1;
+                        v_glast[k] := v_seq;
+                        v_gtleft[k] := v_gtleft[k] - v_given;
+                        IF v_gtleft[k] = 0 THEN
+                            v_gtleft[k] := v_gturn[k];
+                        END IF;
+                    END IF;
+                END IF;
+            END LOOP;
+            EXIT WHEN v_left = 0 OR NOT v_progress;
+        END LOOP;
+    END IF;
+
+    -- Take the messages and charge the channels, as fairqueue_claim_v1 does (its comments
+    -- say why each part is written this way), then charge the groups with what their
+    -- channels actually got.
+    RETURN QUERY
+    WITH alloc AS (
+        SELECT a.cid, a.n FROM unnest(v_ids, v_alloc) AS a(cid, n)
+    ), cand AS (
+        SELECT h.id
+        FROM alloc
+        CROSS JOIN LATERAL (
+            SELECT m.id
+            FROM fairqueue_message m
+            WHERE m.channel_id = alloc.cid AND m.state = 'ready'
+            ORDER BY m.priority DESC, m.id
+            LIMIT alloc.n
+            FOR UPDATE OF m SKIP LOCKED
+        ) h
+        WHERE alloc.n > 0
+    ), claimed AS (
+        UPDATE fairqueue_message m
+        SET state = 'running',
+            attempts = m.attempts + 1,
+            lease_token = gen_random_uuid(),
+            lease_expires_at = v_now + p_lease,
+            claimed_at = v_now,
+            worker_id = p_worker
+        WHERE m.id = ANY (ARRAY(SELECT cand.id FROM cand)) AND m.state = 'ready'
+        RETURNING m.id, m.channel_id, m.task_name, m.payload, m.priority, m.attempts,
+                  m.max_attempts, m.keep_result, m.lease_token, m.lease_expires_at,
+                  m.enqueued_at, m.run_at
+    ), got AS MATERIALIZED (
+        SELECT claimed.channel_id AS cid, count(*)::integer AS n,
+               array_position(v_ids, claimed.channel_id) AS k
+        FROM claimed
+        GROUP BY claimed.channel_id
+    ), charged AS (
+        UPDATE fairqueue_channel c
+        SET running_count = c.running_count + got.n,
+            ready_count = c.ready_count - got.n,
+            last_claimed_at = v_now,
+            next_turn_at = CASE
+                WHEN v_interval[got.k] > interval '0' THEN v_now + v_interval[got.k]
+                WHEN v_used[got.k] + got.n >= v_turn[got.k]
+                    THEN v_now - (v_seq - v_last[got.k]) * interval '1 microsecond'
+                ELSE c.next_turn_at
+            END,
+            turn_used = CASE
+                WHEN v_interval[got.k] > interval '0' THEN 0
+                ELSE (v_used[got.k] + got.n) % v_turn[got.k]
+            END,
+            vtime = CASE WHEN p_by_time THEN c.vtime + got.n * v_est[got.k] ELSE c.vtime END
+        FROM got
+        WHERE c.id = got.cid AND c.id = ANY (v_ids)
+        RETURNING c.id
+    ), ggot AS MATERIALIZED (
+        SELECT v_cg[got.k] AS gk, sum(got.n)::integer AS n,
+               sum(got.n * v_mean[got.k]) AS charge
+        FROM got
+        WHERE v_cg[got.k] > 0
+        GROUP BY v_cg[got.k]
+    ), gcharged AS (
+        UPDATE fairqueue_channel_group g
+        SET last_claimed_at = v_now,
+            next_turn_at = CASE
+                WHEN v_ginterval[ggot.gk] > interval '0' THEN v_now + v_ginterval[ggot.gk]
+                WHEN v_gused[ggot.gk] + ggot.n >= v_gturn[ggot.gk]
+                    THEN v_now - (v_seq - v_glast[ggot.gk]) * interval '1 microsecond'
+                ELSE g.next_turn_at
+            END,
+            turn_used = CASE
+                WHEN v_ginterval[ggot.gk] > interval '0' THEN 0
+                ELSE (v_gused[ggot.gk] + ggot.n) % v_gturn[ggot.gk]
+            END,
+            vtime = CASE WHEN p_by_time THEN g.vtime + ggot.charge / v_gweight[ggot.gk]
+                         ELSE g.vtime END
+        FROM ggot
+        WHERE g.id = v_gids[ggot.gk] AND g.id = ANY (v_gids)
+        RETURNING g.id
+    )
+    SELECT claimed.id, claimed.channel_id, v_names[array_position(v_ids, claimed.channel_id)],
+           claimed.task_name::text,
+           claimed.payload, claimed.priority, claimed.attempts::integer,
+           claimed.max_attempts::integer, claimed.keep_result, claimed.lease_token,
+           claimed.lease_expires_at, claimed.enqueued_at, claimed.run_at
+    FROM claimed
+    ORDER BY claimed.priority DESC, claimed.id;
 END;
 $$;
 
@@ -419,6 +1340,25 @@ BEGIN
         PERFORM fairqueue_fold_deltas_v1(1000, true, p_by_time);
     END IF;
 
+    -- Channel groups: when a group is claimable now (one probe of fq_group_turn_idx; the
+    -- ORDER BY keeps a generic plan on the index, where EXISTS was a sequential scan that
+    -- reads every group not claimable), the claim walks groups and ungrouped channels together
+    -- (fairqueue_claim_grouped_v1). Without groups, or while none is claimable, the walk below
+    -- sees ungrouped channels only (their indexes hold no grouped channel), exactly as before
+    -- groups existed.
+    PERFORM FROM fairqueue_channel_group g
+    WHERE g.claimable > 0
+      AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+      AND g.next_turn_at <= v_now
+    ORDER BY g.next_turn_at, g.id
+    LIMIT 1;
+    IF FOUND THEN
+        RETURN QUERY SELECT * FROM fairqueue_claim_grouped_v1(
+            p_limit, p_lease, p_worker, p_only, p_exclude, v_quantum, p_wait_ms, p_by_time,
+            v_now);
+        RETURN;
+    END IF;
+
     -- Step 2. Walk eligible channels in turn order, locking one per FETCH, and stop as soon as
     -- their shares cover p_limit: a claim locks only the channels it will serve.
     -- The WHERE repeats fq_channel_turn_idx's predicate word for word so the planner can prove
@@ -456,6 +1396,7 @@ BEGIN
                 WHERE c.ready_count > 0
                   AND NOT c.paused
                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                  AND c.group_id IS NULL
                   AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
                   AND (p_only IS NULL OR c.id = ANY (p_only))
                   AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
@@ -470,6 +1411,7 @@ BEGIN
                 WHERE c.ready_count > 0
                   AND NOT c.paused
                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                  AND c.group_id IS NULL
                   AND (c.release_interval = interval '0'
                        OR (c.next_turn_at <= v_wait_until
                            AND c.next_turn_at <= clock_timestamp()))
@@ -486,6 +1428,7 @@ BEGIN
                 WHERE c.ready_count > 0
                   AND NOT c.paused
                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                  AND c.group_id IS NULL
                   AND c.next_turn_at <= v_now
                   AND (p_only IS NULL OR c.id = ANY (p_only))
                   AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
@@ -500,6 +1443,7 @@ BEGIN
                 WHERE c.ready_count > 0
                   AND NOT c.paused
                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                  AND c.group_id IS NULL
                   -- The first bound is the index condition (rate-limited channels due later
                   -- are not even read); the second, evaluated again on the re-check, is exact.
                   AND c.next_turn_at <= v_wait_until
@@ -583,6 +1527,7 @@ BEGIN
             WHERE c.ready_count > 0
               AND NOT c.paused
               AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+              AND c.group_id IS NULL
               AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
               AND (p_only IS NULL OR c.id = ANY (p_only))
               AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
@@ -753,6 +1698,24 @@ END;
 $$;
 
 
+-- Whether another message holds a unique key of a channel: one waiting (ready or scheduled),
+-- or one running with scope 'active' (the predicate of fq_message_unique_idx, which answers
+-- it). A unique job going back to the queue (a retry, a release, a rescue of scope 'queued';
+-- an operator's retry of a dead letter) whose key another message took meanwhile is
+-- superseded by that message: it ends cancelled (or stays failed) rather than queue twice.
+-- Not inlined (a subquery prevents it): callers test `unique_key IS NOT NULL` first, so a
+-- message without a key never pays for the call.
+CREATE OR REPLACE FUNCTION fairqueue_unique_key_held_v1(p_channel_id bigint, p_unique_key text)
+RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (
+        SELECT FROM fairqueue_message o
+        WHERE o.channel_id = p_channel_id AND o.unique_key = p_unique_key
+          AND (o.state IN ('ready', 'scheduled')
+               OR (o.state = 'running' AND o.unique_scope = 'active')))
+$$;
+
+
 -- The run time a settlement records for a message claimed at p_claimed_at: what its worker
 -- measured (p_reported, seconds on the worker's monotonic clock), but never more than the
 -- database's clock says has passed since the claim, nor less than 0; unreported, the time
@@ -799,19 +1762,12 @@ BEGIN
     -- fq_message_lease_iff_running), and a state condition would be answered with the partial
     -- index of running rows, scanning all of them instead of primary-key lookups.
     --
-    -- The statement below locks the plain rows (DELETE) before the kept ones (UPDATE), each
-    -- set in id order but the two together not: a batch mixing both would lock out of id
-    -- order and could deadlock with a heartbeat of the same rows, which locks in id order (a
-    -- worker running django.tasks tasks beside native ones settles such batches). Such a
-    -- batch locks all its rows in id order first. A read-only probe finds out, so batches of
-    -- one kind (nearly all) pay no extra lock.
-    IF cardinality(p_ids) > 1
-       AND EXISTS (SELECT FROM fairqueue_message m
-                   WHERE m.id = ANY (p_ids) AND m.lease_token = ANY (p_tokens) AND m.keep_result)
-       AND EXISTS (SELECT FROM fairqueue_message m
-                   WHERE m.id = ANY (p_ids) AND m.lease_token = ANY (p_tokens)
-                     AND NOT m.keep_result)
-    THEN
+    -- Rows are locked in id order first, as every statement that waits for message rows
+    -- locks them (the lock order in docs/explanation/fairness.md). Left to itself the statement
+    -- below locks in whatever order its plan visits rows (a sequential or bitmap scan: physical
+    -- order; and plain rows before kept ones), and an abort() waiting for these rows in id
+    -- order, or a heartbeat, deadlocked with it. One row needs no order.
+    IF cardinality(p_ids) > 1 THEN
         PERFORM FROM fairqueue_message m
         WHERE m.id = ANY (p_ids) AND m.lease_token = ANY (p_tokens)
         ORDER BY m.id
@@ -843,12 +1799,16 @@ BEGIN
         SELECT * FROM gone UNION ALL SELECT * FROM kept
     ), delta AS (
         -- The concurrency slot is freed here, once: only rows this statement settled count.
-        -- It wakes the claim only for capped channels; other channels fold it in maintenance.
+        -- It wakes the claim only for capped channels (or channels of a capped group); other
+        -- channels fold it in maintenance.
         INSERT INTO fairqueue_channel_delta (
             channel_id, running, succeeded, wake, run_seconds, run_count
         )
         SELECT s.channel_id, -count(*), count(*),
                (SELECT c.max_concurrency IS NOT NULL
+                       OR (c.group_id IS NOT NULL
+                           AND (SELECT g.max_concurrency IS NOT NULL
+                                FROM fairqueue_channel_group g WHERE g.id = c.group_id))
                 FROM fairqueue_channel c WHERE c.id = s.channel_id),
                sum(s.run), count(*)
         FROM settled s GROUP BY s.channel_id
@@ -963,7 +1923,7 @@ $$;
 -- statement of its own, so its snapshot sees the holder the insert conflicted with (committed
 -- after this statement began, perhaps). A holder that stops holding meanwhile (claimed, with
 -- scope 'queued'; finished, cancelled) makes the call start over, its keys given back.
--- Lock order: only message rows (rank 4): a replace locks the queued holder it rewrites;
+-- Lock order: only message rows (rank 5): a replace locks the queued holder it rewrites;
 -- a keep locks nothing, so an enqueue in a long transaction never holds up a worker. Keys
 -- are inserted, and held keys handled, in (channel, key) order, so concurrent batches cannot
 -- deadlock over them (separate calls in one transaction are the caller's order).
@@ -1566,9 +2526,24 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_n integer;
     v_vnow double precision;
+    v_group bigint;
 BEGIN
-    PERFORM FROM fairqueue_channel c WHERE c.id = p_channel_id FOR UPDATE;
-    v_vnow := fairqueue_virtual_time_v1(p_channel_id);
+    -- The channel, then its group (the lock order: channel rows, then group rows).
+    SELECT c.group_id INTO v_group FROM fairqueue_channel c WHERE c.id = p_channel_id FOR UPDATE;
+    IF v_group IS NOT NULL THEN
+        PERFORM FROM fairqueue_channel_group g WHERE g.id = v_group FOR UPDATE;
+    END IF;
+    IF v_group IS NULL THEN
+        v_vnow := fairqueue_virtual_time_v1(p_channel_id);
+    ELSE
+        v_vnow := fairqueue_group_virtual_time_v1(v_group, p_channel_id);
+        -- the channel's new limits may make it due sooner than the group was parked for
+        UPDATE fairqueue_channel_group g
+        SET next_turn_at = least(g.next_turn_at, greatest(
+            statement_timestamp(),
+            coalesce(g.last_claimed_at + g.release_interval, '-infinity'::timestamptz)))
+        WHERE g.id = v_group;
+    END IF;
     WITH gone AS (
         DELETE FROM fairqueue_channel_delta d
         WHERE d.channel_id = p_channel_id

@@ -52,6 +52,10 @@ FROM timeout, unnest(%(names)s::text[]) AS n
 ORDER BY n
 ON CONFLICT (name) DO NOTHING;
 
+-- name: ensure_groups
+-- Create the named channel groups that do not exist (fairqueue_ensure_groups_v1).
+SELECT fairqueue_ensure_groups_v1(%(names)s::text[]);
+
 -- name: claim_messages
 -- Fair claim of up to `limit` messages under fresh leases (see fairqueue_claim_v1).
 SELECT id, channel_id, channel_name, task_name, payload, priority, attempts, max_attempts,
@@ -69,10 +73,19 @@ SELECT fairqueue_promote_due_v1(clock_timestamp(), 1000) AS promoted,
 
 -- name: heartbeat_messages
 -- Extend the leases still held by these (id, token) pairs; returns the ids still owned, each with whether an abort was requested.
+-- Rows are locked in id order first, as every statement that waits for message rows locks them.
+WITH owned AS MATERIALIZED (
+    SELECT m.id
+    FROM fairqueue_message m
+    WHERE m.id = ANY (%(ids)s::bigint[])
+      AND m.lease_token = ANY (%(tokens)s::uuid[])
+    ORDER BY m.id
+    FOR UPDATE
+)
 UPDATE fairqueue_message m
 SET lease_expires_at = clock_timestamp() + %(lease)s::interval
-WHERE m.id = ANY (%(ids)s::bigint[])
-  AND m.lease_token = ANY (%(tokens)s::uuid[])
+FROM owned
+WHERE m.id = owned.id
 RETURNING m.id, m.abort_requested_at IS NOT NULL;
 
 -- name: complete_messages
@@ -97,16 +110,14 @@ WITH t AS MATERIALIZED (
            + (%(retry_in)s::interval[])[array_position(%(ids)s::bigint[], m.id)] AS retry_at,
            m.attempts >= m.max_attempts AS exhausted,
            m.abort_requested_at IS NOT NULL AS aborted,
-           (m.unique_key IS NOT NULL AND m.unique_scope = 'queued' AND EXISTS (
-               SELECT FROM fairqueue_message o
-               WHERE o.channel_id = m.channel_id AND o.unique_key = m.unique_key
-                 AND (o.state IN ('ready', 'scheduled')
-                      OR (o.state = 'running' AND o.unique_scope = 'active')))) AS superseded,
+           (m.unique_key IS NOT NULL AND m.unique_scope = 'queued'
+            AND fairqueue_unique_key_held_v1(m.channel_id, m.unique_key)) AS superseded,
            fairqueue_run_seconds_v1(
                (%(runs)s::float8[])[array_position(%(ids)s::bigint[], m.id)], m.claimed_at) AS run
     FROM fairqueue_message m
     WHERE m.id = ANY (%(ids)s::bigint[])
       AND m.lease_token = ANY (%(tokens)s::uuid[])
+    ORDER BY m.id  -- locked in id order, as every statement that waits for message rows
     FOR UPDATE OF m
 ), failed AS (
     UPDATE fairqueue_message m
@@ -152,14 +163,12 @@ SELECT id, state FROM failed;
 WITH t AS MATERIALIZED (
     SELECT m.id,
            m.abort_requested_at IS NOT NULL AS aborted,
-           (m.unique_key IS NOT NULL AND m.unique_scope = 'queued' AND EXISTS (
-               SELECT FROM fairqueue_message o
-               WHERE o.channel_id = m.channel_id AND o.unique_key = m.unique_key
-                 AND (o.state IN ('ready', 'scheduled')
-                      OR (o.state = 'running' AND o.unique_scope = 'active')))) AS superseded
+           (m.unique_key IS NOT NULL AND m.unique_scope = 'queued'
+            AND fairqueue_unique_key_held_v1(m.channel_id, m.unique_key)) AS superseded
     FROM fairqueue_message m
     WHERE m.id = ANY (%(ids)s::bigint[])
       AND m.lease_token = ANY (%(tokens)s::uuid[])
+    ORDER BY m.id  -- locked in id order, as every statement that waits for message rows
     FOR UPDATE OF m
 ), released AS (
     UPDATE fairqueue_message m
@@ -196,22 +205,15 @@ WITH expired AS (
     SET state = CASE
             WHEN m.abort_requested_at IS NOT NULL THEN 'aborted'
             WHEN m.attempts >= m.max_attempts THEN 'failed'
-            WHEN m.unique_key IS NOT NULL AND m.unique_scope = 'queued' AND EXISTS (
-                SELECT FROM fairqueue_message o
-                WHERE o.channel_id = m.channel_id AND o.unique_key = m.unique_key
-                  AND (o.state IN ('ready', 'scheduled')
-                       OR (o.state = 'running' AND o.unique_scope = 'active'))) THEN 'cancelled'
+            WHEN m.unique_key IS NOT NULL AND m.unique_scope = 'queued'
+                 AND fairqueue_unique_key_held_v1(m.channel_id, m.unique_key) THEN 'cancelled'
             ELSE 'ready'
         END,
         finished_at = CASE
             WHEN m.abort_requested_at IS NOT NULL OR m.attempts >= m.max_attempts
                 THEN clock_timestamp()
-            WHEN m.unique_key IS NOT NULL AND m.unique_scope = 'queued' AND EXISTS (
-                SELECT FROM fairqueue_message o
-                WHERE o.channel_id = m.channel_id AND o.unique_key = m.unique_key
-                  AND (o.state IN ('ready', 'scheduled')
-                       OR (o.state = 'running' AND o.unique_scope = 'active')))
-                THEN clock_timestamp()
+            WHEN m.unique_key IS NOT NULL AND m.unique_scope = 'queued'
+                 AND fairqueue_unique_key_held_v1(m.channel_id, m.unique_key) THEN clock_timestamp()
         END,
         last_error = jsonb_build_object(
             'type', 'LeaseExpired',
@@ -242,16 +244,21 @@ SELECT fairqueue_fold_deltas_v1(%(limit)s::integer, false, %(by_time)s::boolean)
 -- name: retry_failed_messages
 -- Make failed messages ready again with a fresh attempt budget; idempotent (non-failed rows are untouched).
 -- A unique job whose key another message holds now stays failed (that message does its work).
-WITH retried AS (
+WITH failed AS MATERIALIZED (
+    -- locked in id order first, as every statement that waits for message rows
+    SELECT m.id
+    FROM fairqueue_message m
+    WHERE m.id = ANY (%(ids)s::bigint[]) AND m.state = 'failed'
+    ORDER BY m.id
+    FOR UPDATE
+), retried AS (
     UPDATE fairqueue_message m
     SET state = 'ready', attempts = 0, run_at = clock_timestamp(), finished_at = NULL,
         abort_requested_at = NULL
-    WHERE m.id = ANY (%(ids)s::bigint[]) AND m.state = 'failed'
-      AND NOT (m.unique_key IS NOT NULL AND EXISTS (
-          SELECT FROM fairqueue_message o
-          WHERE o.channel_id = m.channel_id AND o.unique_key = m.unique_key
-            AND (o.state IN ('ready', 'scheduled')
-                 OR (o.state = 'running' AND o.unique_scope = 'active'))))
+    FROM failed
+    WHERE m.id = failed.id
+      AND NOT (m.unique_key IS NOT NULL
+               AND fairqueue_unique_key_held_v1(m.channel_id, m.unique_key))
     RETURNING m.id, m.channel_id
 ), delta AS (
     INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
@@ -365,13 +372,21 @@ FROM stopped ORDER BY id;
 
 -- name: settle_aborted_messages
 -- Settle attempts that stopped on an abort request (or outran its grace period): aborted, fenced by the lease token; frees each slot once.
-WITH aborted AS (
+WITH owned AS MATERIALIZED (
+    -- locked in id order first, as every statement that waits for message rows
+    SELECT m.id
+    FROM fairqueue_message m
+    WHERE m.id = ANY (%(ids)s::bigint[])
+      AND m.lease_token = ANY (%(tokens)s::uuid[])
+    ORDER BY m.id
+    FOR UPDATE
+), aborted AS (
     UPDATE fairqueue_message m
     SET state = 'aborted', finished_at = clock_timestamp(),
         last_error = (%(errors)s::jsonb[])[array_position(%(ids)s::bigint[], m.id)],
         lease_token = NULL, lease_expires_at = NULL
-    WHERE m.id = ANY (%(ids)s::bigint[])
-      AND m.lease_token = ANY (%(tokens)s::uuid[])
+    FROM owned
+    WHERE m.id = owned.id
     RETURNING m.id, m.channel_id, fairqueue_run_seconds_v1(NULL, m.claimed_at) AS run
 ), delta AS (
     -- for fairness by time, charged the time since its claim (the attempt ran until now)
@@ -382,9 +397,17 @@ SELECT id FROM aborted;
 
 -- name: delete_messages
 -- Delete messages that are not running; returns the ids deleted.
-WITH deleted AS (
-    DELETE FROM fairqueue_message m
+WITH victims AS MATERIALIZED (
+    -- locked in id order first, as every statement that waits for message rows
+    SELECT m.id
+    FROM fairqueue_message m
     WHERE m.id = ANY (%(ids)s::bigint[]) AND m.state <> 'running'
+    ORDER BY m.id
+    FOR UPDATE
+), deleted AS (
+    DELETE FROM fairqueue_message m
+    USING victims
+    WHERE m.id = victims.id
     RETURNING m.id, m.channel_id, m.state
 ), delta AS (
     INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
@@ -453,6 +476,27 @@ LEFT JOIN LATERAL (
 WHERE c.id = ANY (%(ids)s::bigint[])
 ORDER BY c.id;
 
+-- name: rearm_group
+-- After an operator edits a channel group's limits: a group waiting for a rate limit removed or
+-- shortened is due when the new limit says (never later than now).
+UPDATE fairqueue_channel_group g
+SET next_turn_at = least(g.next_turn_at, greatest(
+        statement_timestamp(),
+        coalesce(g.last_claimed_at + g.release_interval, '-infinity'::timestamptz)))
+WHERE g.id = %(group_id)s::bigint;
+
+-- name: select_group_state
+-- Channel groups (of `ids`, or all) with their scheduler state: the sums over their channels
+-- as folded (deltas not folded yet are not counted), and how many channels each has.
+SELECT g.id, g.name::text, g.weight, g.max_concurrency, g.release_interval, g.ready_count,
+       g.running_count, g.claimable,
+       (SELECT count(*) FROM fairqueue_channel c
+        WHERE c.group_id IS NOT NULL AND c.group_id = g.id) AS channels,
+       g.next_turn_at, g.vtime, g.last_claimed_at
+FROM fairqueue_channel_group g
+WHERE %(ids)s::bigint[] IS NULL OR g.id = ANY (%(ids)s::bigint[])
+ORDER BY g.name;
+
 -- name: record_channel_stats
 -- Add workers' per-(channel, minute) tallies to fairqueue_channel_stat (upsert, sorted so concurrent flushes cannot deadlock).
 INSERT INTO fairqueue_channel_stat AS s (
@@ -519,9 +563,17 @@ SELECT c.id, c.name FROM fairqueue_channel c WHERE c.name = ANY (%(names)s::text
 
 -- name: delete_failed_messages
 -- Delete dead letters; ids of messages in any other state are left alone. Returns the ids deleted.
-WITH deleted AS (
-    DELETE FROM fairqueue_message m
+WITH victims AS MATERIALIZED (
+    -- locked in id order first, as every statement that waits for message rows
+    SELECT m.id
+    FROM fairqueue_message m
     WHERE m.id = ANY (%(ids)s::bigint[]) AND m.state = 'failed'
+    ORDER BY m.id
+    FOR UPDATE
+), deleted AS (
+    DELETE FROM fairqueue_message m
+    USING victims
+    WHERE m.id = victims.id
     RETURNING m.id, m.channel_id
 ), delta AS (
     -- wake = false: fewer failed messages never makes a channel claimable.
@@ -570,12 +622,20 @@ WHERE o.ready_since IS NOT NULL;
 -- Put failed work batches back to pending with a fresh attempt budget; idempotent (other states are untouched).
 -- The last error is kept for the record; progress restarts, since a batch is redone whole.
 -- Their channels get batch_pending back through a counter delta (no channel row is locked).
-WITH retried AS (
+WITH failed AS MATERIALIZED (
+    -- locked in id order first, as every statement that waits for batch rows
+    SELECT b.id
+    FROM fairqueue_work_batch b
+    WHERE b.id = ANY (%(ids)s::bigint[]) AND b.state = 'failed'
+    ORDER BY b.id
+    FOR UPDATE
+), retried AS (
     UPDATE fairqueue_work_batch b
     SET state = 'pending', attempts = 0, run_at = clock_timestamp(), started_at = NULL,
         finished_at = NULL, rows_processed = 0, lease_token = NULL, lease_expires_at = NULL,
         heartbeat_at = NULL, worker_id = ''
-    WHERE b.id = ANY (%(ids)s::bigint[]) AND b.state = 'failed'
+    FROM failed
+    WHERE b.id = failed.id
     RETURNING b.id, b.channel_id
 ), flag AS (
     INSERT INTO fairqueue_channel_delta (channel_id, batch_pending)
@@ -861,8 +921,17 @@ WHERE b.job_name IN (
 
 -- name: delete_failed_work_batches
 -- Delete failed batches (dead letters) by id; other states are left alone. Returns the ids deleted.
+-- Rows are locked in id order first, as every statement that waits for batch rows.
+WITH victims AS MATERIALIZED (
+    SELECT b.id
+    FROM fairqueue_work_batch b
+    WHERE b.id = ANY (%(ids)s::bigint[]) AND b.state = 'failed'
+    ORDER BY b.id
+    FOR UPDATE
+)
 DELETE FROM fairqueue_work_batch b
-WHERE b.id = ANY (%(ids)s::bigint[]) AND b.state = 'failed'
+USING victims
+WHERE b.id = victims.id
 RETURNING b.id;
 
 -- name: select_failed_work_batch_ids

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django_fairqueue._runtime import StopFlag, stop_signals
+from django_fairqueue.worker import extensions
 
 logger = logging.getLogger("django_fairqueue.supervisor")
 
@@ -249,6 +250,6 @@ def child_flags(options: dict[str, Any]) -> list[str]:
     for name in ("burst", "no_listen", "no_maintenance", "traceback"):
         if options.get(name):
             flags.append(f"--{name.replace('_', '-')}")
-    if options["pipelines"] is not None:
-        flags += ["--pipelines", options["pipelines"]] if options["pipelines"] else ["--pipelines"]
+    for extension in extensions.registered():
+        flags += extension.child_flags(options)
     return flags

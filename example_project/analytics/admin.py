@@ -3,7 +3,7 @@ import json
 from django.contrib import admin
 from django.utils.html import format_html
 
-from .models import DataResult, TenantFormula
+from .models import DataResult, DataResultLong, TenantFormula
 
 
 @admin.register(TenantFormula)
@@ -35,3 +35,19 @@ class DataResultAdmin(admin.ModelAdmin):
     @admin.display(description="results")
     def results_display(self, obj):
         return format_html("<pre>{}</pre>", json.dumps(obj.results, indent=2, sort_keys=True))
+
+
+@admin.register(DataResultLong)
+class DataResultLongAdmin(admin.ModelAdmin):
+    """The pipeline's long output (plan --output long): one row per data object and rule."""
+
+    list_display = ["row_id", "tenant", "rule", "value", "number"]
+    list_filter = ["tenant"]
+    search_fields = ["=rule"]
+    show_full_result_count = False
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False

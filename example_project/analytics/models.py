@@ -1,4 +1,5 @@
 from django.db import models
+from django.db.models.functions import Now
 
 
 class DataObject(models.Model):
@@ -11,11 +12,18 @@ class DataObject(models.Model):
     tax_rate = models.FloatField(default=0)
     region = models.CharField(max_length=20, blank=True, default="")
     ordered_on = models.DateField(null=True, blank=True)
+    #: Set on every save (and by the database for raw inserts): the pipeline's changed column,
+    #: so ``fairpipeline recompute`` recomputes only the rows changed since the last run.
+    updated_at = models.DateTimeField(auto_now=True, db_default=Now())
 
     class Meta:
         db_table = "data_objects"
-        # Planning walks (tenant, id): a tenant's job reads only that tenant's index entries.
-        indexes = [models.Index(fields=["tenant", "id"], name="data_objects_tenant_id")]
+        # Planning walks (tenant, id): a tenant's job reads only that tenant's index entries;
+        # a recompute finds the rows changed since its last run by (tenant, updated_at).
+        indexes = [
+            models.Index(fields=["tenant", "id"], name="data_objects_tenant_id"),
+            models.Index(fields=["tenant", "updated_at"], name="data_objects_tenant_updated"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.tenant} #{self.pk}"
@@ -37,6 +45,29 @@ class DataResult(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant} #{self.pk}"
+
+
+class DataResultLong(models.Model):
+    """The pipeline's long output (``fairpipeline plan --output long``): one row per data
+    object and rule."""
+
+    row_id = models.BigIntegerField()
+    rule = models.TextField()
+    value = models.JSONField(null=True, blank=True)
+    number = models.FloatField(null=True, blank=True)
+    tenant = models.CharField(max_length=50)
+
+    class Meta:
+        db_table = "data_results_long"
+        verbose_name = "data result (long)"
+        verbose_name_plural = "data results (long)"
+        constraints = [
+            models.UniqueConstraint(fields=["row_id", "rule"], name="data_results_long_key")
+        ]
+        indexes = [models.Index(fields=["tenant", "rule"], name="data_results_long_rule")]
+
+    def __str__(self) -> str:
+        return f"{self.tenant} #{self.row_id} {self.rule}"
 
 
 class TenantFormula(models.Model):

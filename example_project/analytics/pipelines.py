@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from django_fairqueue.pipeline import Sink, Source, pipeline
+from django_fairqueue.contrib.pipeline import LongSink, Sink, Source, pipeline
 
-from .models import DataObject, DataResult, TenantFormula
+from .models import DataObject, DataResult, DataResultLong, TenantFormula
 
 
 def tenants() -> list[str]:
@@ -17,6 +17,7 @@ def tenants() -> list[str]:
         DataObject,
         columns=["id", "tenant", "price", "qty", "discount", "tax_rate", "region", "ordered_on"],
         tenant_column="tenant",
+        changed_column="updated_at",  # recompute: only rows changed since the last run
     ),
     # Rules named subtotal, total or band go to those columns; every other rule to `results`.
     sink=Sink(
@@ -25,6 +26,8 @@ def tenants() -> list[str]:
         columns=["tenant", "subtotal", "total", "band"],
         results="results",
     ),
+    # Or, per job (plan --output long): one row per data object and rule.
+    long_sink=LongSink(DataResultLong, number_column="number", columns=["tenant"]),
     tenants=tenants,
     batch_size=250_000,
 )

@@ -34,6 +34,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django_fairqueue",
     "django_fairqueue.contrib.bench",  # manage.py fairbench (optional)
+    "django_fairqueue.contrib.pipeline",  # the Spark pipeline: manage.py fairpipeline (optional)
     "documents",
     "analytics",
 ]

@@ -8,6 +8,8 @@ class DataRow(models.Model):
     discount = models.FloatField()
     note = models.TextField(null=True)  # noqa: DJ001  (NULL vs '' matters here)
     ordered_on = models.DateField(null=True)
+    #: Grows when a row changes: the JSON pipeline's Source(changed_column=...).
+    version = models.BigIntegerField(default=0)
 
     class Meta:
         db_table = "pipelinetest_data"
@@ -59,3 +61,23 @@ class JsonResultRow(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant} #{self.pk}"
+
+
+class LongResultRow(models.Model):
+    """A long sink: one row per source row and rule."""
+
+    row_id = models.BigIntegerField()
+    rule = models.TextField()
+    value = models.JSONField(null=True)
+    number = models.DecimalField(max_digits=12, decimal_places=4, null=True)
+    text = models.TextField(null=True)  # noqa: DJ001  (NULL vs '' matters here)
+    tenant = models.CharField(max_length=50)
+
+    class Meta:
+        db_table = "pipelinetest_long_result"
+        constraints = [
+            models.UniqueConstraint(fields=["row_id", "rule"], name="pipelinetest_long_key")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.row_id}.{self.rule}"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from django_fairqueue.pipeline import Sink, Source, pipeline
-from tests.pipelineapp.models import DataRow, JsonResultRow, ResultRow
+from django_fairqueue.contrib.pipeline import LongSink, Sink, Source, pipeline
+from tests.pipelineapp.models import DataRow, JsonResultRow, LongResultRow, ResultRow
 
 FORMULAS: dict[str, list[str]] = {
     "alice": [
@@ -56,8 +56,12 @@ JSON_FORMULAS: dict[str, list[str]] = {
         DataRow,
         columns=["id", "tenant", "price", "qty", "discount", "note", "ordered_on"],
         tenant_column="tenant",
+        changed_column="version",
     ),
     sink=Sink(JsonResultRow, key=["id"], columns=["tenant"], results="results"),
+    long_sink=LongSink(
+        LongResultRow, number_column="number", text_column="text", columns=["tenant"]
+    ),
     tenants=lambda: sorted(JSON_FORMULAS),
     batch_size=50,
 )

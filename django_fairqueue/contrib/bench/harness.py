@@ -111,6 +111,7 @@ class Bench:
         """Empty the queue tables (TRUNCATE ... RESTART IDENTITY)."""
         connections[self.using].close_if_unusable_or_obsolete()
         db.truncate_queue_tables(using=self.using)
+        store.forget_groups()  # the channel groups went with the tables
 
     def load(
         self, channels: Sequence[str], count: int, *, unique_scope: str | None = None

@@ -1,11 +1,12 @@
 """Every scenario of ``manage.py fairbench``, and the names the command uses.
 
 Scenarios are small modules (``enqueue``, ``claim``, ``latency``, ``fairness``, ``timeshare``,
-``snapshot``, ``schedules``, ``functions``, ``enqueue_cost``, ``admin``, ``e2e`` and ``pickup``;
-the last two through real ``runfairworker`` processes), each a plan of cells and a function
-that runs one cell and returns a frozen dataclass; ``runner.run`` runs them on one database
-and returns a :class:`~django_fairqueue.contrib.bench.report.Report` (tables, JSON, targets).
-See ``scenario.py`` for how to add one, and docs/performance.md for figures.
+``snapshot``, ``schedules``, ``functions``, ``groups`` (with ``sybil``), ``enqueue_cost``,
+``admin``, ``e2e`` and ``pickup``; the last two through real ``runfairworker`` processes),
+each a plan of cells and a function that runs one cell and returns a frozen dataclass;
+``runner.run`` runs them on one database and returns a
+:class:`~django_fairqueue.contrib.bench.report.Report` (tables, JSON, targets). See
+``scenario.py`` for how to add one, and docs/performance.md for figures.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from django_fairqueue.contrib.bench import (
     enqueue_cost,
     fairness,
     functions,
+    groups,
     latency,
     pickup,
     plots,
@@ -41,6 +43,8 @@ SCENARIOS: dict[str, Scenario] = {
         snapshot.SCENARIO,
         schedules.SCENARIO,
         functions.SCENARIO,
+        groups.SCENARIO,
+        groups.SYBIL,
         enqueue_cost.SCENARIO,
         admin_render.SCENARIO,
         e2e.SCENARIO,

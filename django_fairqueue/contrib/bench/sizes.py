@@ -56,6 +56,21 @@ class Sizes:
     functions_backlog: int = 100_000
     #: calls of the empty claim; the backlog cells make half as many
     functions_samples: int = 4_000
+    # -- channel groups: claim cost by channels and groups, and the sybil tenant --
+    #: (channels, groups) per cell, 0 groups: ungrouped; the first is each batch's reference
+    groups_cells: tuple[tuple[int, int], ...] = (
+        (10, 0),
+        (10_000, 0),
+        (10, 1),
+        (10_000, 1),
+        (10_000, 10),
+        (10_000, 100),
+        (10_000, 1_000),
+    )
+    groups_per_channel: int = 10
+    groups_samples: int = 1_000
+    #: bob's backlog (over his 100 channels) while alice's bursts wait
+    sybil_backlogs: tuple[int, ...] = (10_000, 1_000_000)
     # -- end to end (real runfairworker processes) --
     e2e_channels: tuple[int, ...] = (1, 100)
     #: The sweep of worker processes x handler threads x prefetch; the best
@@ -123,6 +138,8 @@ QUICK = Sizes(
     snapshot_samples=100,
     schedules_samples=20,
     functions_samples=1_000,
+    groups_samples=300,
+    sybil_backlogs=(10_000,),
     e2e_workers=((1, 8, 0), (2, 32, 0), (2, 64, 0), (2, 32, 68)),
     e2e_min_backlog=1_000,
     pickup_samples=100,
@@ -166,6 +183,10 @@ TINY = Sizes(
     functions_batches=(1, 10),
     functions_backlog=1_000,
     functions_samples=20,
+    groups_cells=((4, 0), (20, 0), (20, 2)),
+    groups_per_channel=5,
+    groups_samples=10,
+    sybil_backlogs=(300,),
     e2e_channels=(3,),
     e2e_workers=((1, 2, 4),),
     e2e_min_backlog=300,

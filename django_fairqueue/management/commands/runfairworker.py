@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 from typing import Any
 
@@ -12,7 +11,13 @@ from django_fairqueue import conf
 from django_fairqueue._runtime import configure_logging
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.exceptions import InvalidChannel
-from django_fairqueue.worker import Worker, WorkerConfig, WorkerCrashed, default_worker_id
+from django_fairqueue.worker import (
+    Worker,
+    WorkerConfig,
+    WorkerCrashed,
+    default_worker_id,
+    extensions,
+)
 from django_fairqueue.worker.config import BURST_HORIZON, MAX_ABANDONED_THREADS, MAX_BURST_HORIZON
 
 
@@ -132,15 +137,6 @@ class Command(BaseCommand):
             help="Do not LISTEN for wake-ups; poll only (behind a transaction-pooling proxy).",
         )
         parser.add_argument(
-            "--pipelines",
-            nargs="?",
-            const="",
-            metavar="NAMES",
-            help="Also run Spark pipeline batches, one at a time, in a thread of this process: "
-            "the named pipelines (comma-separated) or, without NAMES, every registered one. "
-            "Needs the spark extra (docs/howto/spark-pipeline.md).",
-        )
-        parser.add_argument(
             "--processes",
             type=int,
             default=1,
@@ -163,6 +159,8 @@ class Command(BaseCommand):
             help="Do not run the rescuer, pruner and delta folder here "
             "(run `manage.py fairqueue maintain` somewhere instead).",
         )
+        for extension in extensions.registered():  # options of installed apps' companions
+            extension.add_arguments(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
         config = self._config(options)
@@ -170,15 +168,13 @@ class Command(BaseCommand):
         if options["processes"] > 1 or options["max_tasks_per_child"] is not None:
             self._supervise(options)
             return
-        pipelines = self._pipeline_runner(options, config)
+        companions = self._start_companions(options, config)
         try:
             handled = Worker(config).run()
         except WorkerCrashed as exc:
             raise CommandError(str(exc)) from exc
         finally:
-            if pipelines is not None:
-                pipelines.stop()  # cancels a running Spark job and gives its batch back
-                pipelines.thread.join()
+            _stop(companions)
         if options["verbosity"] >= 1:
             self.stderr.write(f"worker {config.worker_id}: {handled} messages handled")
 
@@ -271,29 +267,26 @@ class Command(BaseCommand):
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
 
-    def _pipeline_runner(self, options: dict[str, Any], config: WorkerConfig) -> Any:
-        """Start the Spark pipeline runner thread if --pipelines was given."""
-        if options["pipelines"] is None:
-            return None
-        from django_fairqueue.pipeline.spark import SparkUnavailable, require_java, require_pyspark
-
+    def _start_companions(
+        self, options: dict[str, Any], config: WorkerConfig
+    ) -> list[extensions.Companion]:
+        """Start what installed apps run beside the worker (see worker/extensions.py)."""
+        started: list[extensions.Companion] = []
         try:
-            require_pyspark()
-            require_java()
-            from django_fairqueue.pipeline.runner import PipelineRunner, job_patterns
+            for extension in extensions.registered():
+                try:
+                    companion = extension.start(options, config)
+                except ValueError as exc:
+                    raise CommandError(str(exc)) from None
+                if companion is not None:
+                    started.append(companion)
+        except BaseException:
+            _stop(started)
+            raise
+        return started
 
-            names = [n.strip() for n in options["pipelines"].split(",") if n.strip()]
-            job_patterns(names)  # an unknown pipeline name fails here, not in the thread
-            runner = PipelineRunner(
-                worker_id=config.worker_id,
-                pipelines=names or None,
-                channels=config.channels or None,
-                lease=config.lease,
-                poll_interval=config.poll_interval,
-                burst=config.burst,
-            )
-        except (SparkUnavailable, LookupError, ValueError) as exc:
-            raise CommandError(f"--pipelines: {exc}") from None
-        runner.thread = threading.Thread(target=runner.run_logged, name="fairqueue-pipeline-runner")
-        runner.thread.start()
-        return runner
+
+def _stop(companions: list[extensions.Companion]) -> None:
+    """Stop the companions, last started first."""
+    for companion in reversed(companions):
+        companion.stop()

@@ -52,12 +52,12 @@ SELECT EXISTS (SELECT FROM fairqueue_message) AS messages,
 -- name: truncate_queue_tables
 -- Empty every queue table and restart its ids (fairbench, on a database it found empty or its scratch database).
 TRUNCATE fairqueue_message, fairqueue_channel_delta, fairqueue_channel, fairqueue_work_batch,
-    fairqueue_schedule, fairqueue_schedule_fire
+    fairqueue_schedule, fairqueue_schedule_fire, fairqueue_channel_group
 RESTART IDENTITY;
 
 -- name: analyze_queue_tables
 -- Refresh planner statistics of the queue tables after a bulk load (stale ones slow the claim tenfold).
-ANALYZE fairqueue_message, fairqueue_channel, fairqueue_channel_delta;
+ANALYZE fairqueue_message, fairqueue_channel, fairqueue_channel_delta, fairqueue_channel_group;
 
 -- name: load_ready_messages
 -- Bulk-load `count` ready messages round-robin over `channels` (created if missing), with one counter delta per channel.

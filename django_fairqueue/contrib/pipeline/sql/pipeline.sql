@@ -1,11 +1,11 @@
 -- django-fairqueue: every statement the Spark pipeline runs against user tables (data plane).
 --
--- Each template starts with `-- name: verb_noun` and a one-line description; only
--- django_fairqueue/pipeline/datastore.py loads and runs them. Identifiers ({table}, {columns},
--- ...) are filled with psycopg.sql.Identifier, never with text; values are psycopg named
+-- Each template starts with `-- name: verb_noun` and a one-line description; only the
+-- pipeline app's datastore.py loads and runs them. Identifiers ({table}, {columns}, ...) are
+-- filled with psycopg.sql.Identifier, never with text; values are psycopg named
 -- placeholders %(name)s, always bound (COPY statements are bound client-side by psycopg).
--- Queue statements (work batches) live in queries.sql and run through store.py, except
--- lock_batch_for_write: the fence Spark tasks run themselves, without Django (see there).
+-- Queue statements (work batches) live in the queue's sql/queries.sql, run through store.py,
+-- except lock_batch_for_write: the fence Spark tasks run themselves, without Django (see there).
 
 -- name: column_types
 -- The columns of a table, in order: name, PostgreSQL type name, precision and scale of numerics.
@@ -67,6 +67,60 @@ SELECT EXISTS (SELECT FROM {sink} WHERE {key} BETWEEN %(lo)s AND %(hi)s);
 INSERT INTO {sink} ({columns})
 SELECT {columns} FROM {staging}
 ON CONFLICT ({key}) DO NOTHING;
+
+-- name: read_range_changed
+-- One sub-range of a batch's ids, only rows changed since the last successful run ({since} is a
+-- literal composed on the driver), as CSV.
+COPY (SELECT {columns} FROM {table}
+      WHERE {id} BETWEEN %(lo)s AND %(hi)s AND {changed} > {since})
+TO STDOUT (FORMAT csv);
+
+-- name: read_range_of_tenant_changed
+-- The same, only the tenant's rows.
+COPY (SELECT {columns} FROM {table}
+      WHERE {id} BETWEEN %(lo)s AND %(hi)s AND {tenant} = %(tenant)s AND {changed} > {since})
+TO STDOUT (FORMAT csv);
+
+-- name: select_watermark
+-- The highest value of the changed column over the tenant's rows (NULL: no row), as text.
+SELECT max({changed})::text FROM {table} WHERE {tenant_filter};
+
+-- name: select_changed_exists
+-- Whether a row of the tenant changed since the given value ({since}: a literal).
+SELECT EXISTS (SELECT FROM {table} WHERE {tenant_filter} AND {changed} > {since});
+
+-- name: select_changed_windows
+-- The ids of the rows changed since the given value ({since}: a literal), in windows of
+-- %(size)s rows: first id, last id and rows of each (the batches of a recompute).
+SELECT min(c.id), max(c.id), count(*)
+FROM (SELECT {id} AS id, (row_number() OVER (ORDER BY {id}) - 1) / %(size)s AS w
+      FROM {table} WHERE {tenant_filter} AND {changed} > {since}) AS c
+GROUP BY c.w
+ORDER BY c.w;
+
+-- name: analyze_staging
+-- Statistics for the long sink's merge (a fresh staging table has none).
+ANALYZE {staging};
+
+-- name: delete_long_stale
+-- A long sink's rows of the staged source rows (marker rows: rule NULL) whose rule was not
+-- staged again (a rule removed, a value now blank or an error): afterwards the sink holds for
+-- those rows exactly what the batch computed.
+DELETE FROM {sink} AS s
+USING {staging} AS m
+WHERE m.{rule} IS NULL AND s.{id} = m.{id}
+  AND NOT EXISTS (SELECT FROM {staging} AS x WHERE x.{id} = s.{id} AND x.{rule} = s.{rule});
+
+-- name: merge_long_staging
+-- Upsert the staged rule rows into the long sink; rows already equal are left alone.
+INSERT INTO {sink} ({columns})
+SELECT {columns} FROM {staging} WHERE {rule} IS NOT NULL
+ON CONFLICT ({key}) DO UPDATE SET ({updated}) = ROW({excluded})
+WHERE ({sink_updated}) IS DISTINCT FROM ({excluded});
+
+-- name: count_long_staged_rows
+-- The source rows a long sink's batch computed (its marker rows).
+SELECT count(*) FROM {staging} WHERE {rule} IS NULL;
 
 -- name: lock_batch_for_write
 -- Queue SQL kept here on purpose: the first statement of a Spark task's transaction when the sink

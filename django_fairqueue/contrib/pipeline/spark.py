@@ -1,9 +1,9 @@
-"""The worker's long-lived SparkSession, configured from ``FAIRQUEUE['SPARK']``.
+"""The worker's long-lived SparkSession, configured from ``FAIRQUEUE_PIPELINE['SPARK']``.
 
 Starting a session costs seconds (5-6 s on a 2-core machine) and an idle one holds ~550 MB, so a
 process builds one on first use and keeps it: never one per batch.
 
-``FAIRQUEUE['SPARK']`` keys (all optional):
+``FAIRQUEUE_PIPELINE['SPARK']`` keys (all optional):
 
 ``MASTER``
     Spark master URL; default ``local[2]``. ``spark://host:7077``, ``yarn``, ``k8s://...`` run
@@ -54,7 +54,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from django_fairqueue import conf
+from django_fairqueue.contrib.pipeline import appconf
 
 logger = logging.getLogger("django_fairqueue.pipeline")
 
@@ -119,48 +119,57 @@ def _seconds(raw: Mapping[str, Any], key: str, default: float, minimum: float) -
         or not value >= minimum
         or value == float("inf")
     ):
-        raise ValueError(f"FAIRQUEUE['SPARK']['{key}'] must be a number of seconds >= {minimum}")
+        raise ValueError(
+            f"FAIRQUEUE_PIPELINE['SPARK']['{key}'] must be a number of seconds >= {minimum}"
+        )
     return float(value)
 
 
 def spark_settings() -> SparkSettings:
-    """``FAIRQUEUE['SPARK']`` checked; ``ValueError`` names a bad entry."""
-    raw = conf.get().SPARK
+    """``FAIRQUEUE_PIPELINE['SPARK']`` checked; ``ValueError`` names a bad entry."""
+    raw = appconf.get()["SPARK"]
     unknown = sorted(set(raw) - _KEYS)
     if unknown:
-        raise ValueError(f"FAIRQUEUE['SPARK'] has unknown keys {unknown}; known: {sorted(_KEYS)}")
+        raise ValueError(
+            f"FAIRQUEUE_PIPELINE['SPARK'] has unknown keys {unknown}; known: {sorted(_KEYS)}"
+        )
     master = raw.get("MASTER", DEFAULT_MASTER)
     if not isinstance(master, str) or not master.strip():
-        raise ValueError("FAIRQUEUE['SPARK']['MASTER'] must be a Spark master URL")
+        raise ValueError("FAIRQUEUE_PIPELINE['SPARK']['MASTER'] must be a Spark master URL")
     extra = raw.get("CONF", {})
     if not isinstance(extra, dict):
-        raise ValueError("FAIRQUEUE['SPARK']['CONF'] must be a dict of Spark properties")
+        raise ValueError("FAIRQUEUE_PIPELINE['SPARK']['CONF'] must be a dict of Spark properties")
     if "spark.master" in extra:
         raise ValueError(
-            "FAIRQUEUE['SPARK']['CONF'] must not set spark.master: set FAIRQUEUE['SPARK']['MASTER']"
+            "FAIRQUEUE_PIPELINE['SPARK']['CONF'] must not set spark.master: set "
+            "FAIRQUEUE_PIPELINE['SPARK']['MASTER']"
         )
     partitions = raw.get("PARTITIONS")
     if partitions is not None and (
         isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1
     ):
-        raise ValueError("FAIRQUEUE['SPARK']['PARTITIONS'] must be an integer >= 1")
+        raise ValueError("FAIRQUEUE_PIPELINE['SPARK']['PARTITIONS'] must be an integer >= 1")
     cores_max = raw.get("CORES_MAX", _UNSET)
     if cores_max is _UNSET:
         cores_max = partitions or DEFAULT_CORES_MAX
     elif cores_max is not None and (
         isinstance(cores_max, bool) or not isinstance(cores_max, int) or cores_max < 1
     ):
-        raise ValueError("FAIRQUEUE['SPARK']['CORES_MAX'] must be an integer >= 1, or None")
+        raise ValueError(
+            "FAIRQUEUE_PIPELINE['SPARK']['CORES_MAX'] must be an integer >= 1, or None"
+        )
     pools = raw.get("POOLS", True)
     if not isinstance(pools, bool):
-        raise ValueError("FAIRQUEUE['SPARK']['POOLS'] must be True or False")
+        raise ValueError("FAIRQUEUE_PIPELINE['SPARK']['POOLS'] must be True or False")
     url = raw.get("EXECUTOR_DATABASE_URL")
     if url is not None and not isinstance(url, str):
-        raise ValueError("FAIRQUEUE['SPARK']['EXECUTOR_DATABASE_URL'] must be a string")
+        raise ValueError("FAIRQUEUE_PIPELINE['SPARK']['EXECUTOR_DATABASE_URL'] must be a string")
     pause = _seconds(raw, "PAUSE_SECONDS", 5.0, 0.0)
     pause_max = _seconds(raw, "PAUSE_MAX_SECONDS", max(300.0, pause), 0.0)
     if pause_max < pause:
-        raise ValueError("FAIRQUEUE['SPARK']['PAUSE_MAX_SECONDS'] must be at least PAUSE_SECONDS")
+        raise ValueError(
+            "FAIRQUEUE_PIPELINE['SPARK']['PAUSE_MAX_SECONDS'] must be at least PAUSE_SECONDS"
+        )
     return SparkSettings(
         master=master.strip(),
         conf={str(k): str(v) for k, v in extra.items()},
@@ -237,7 +246,7 @@ def session_plan(
     ``spark-submit`` (None otherwise). Precedence, first wins:
 
     * master: spark-submit's (``--master``, ``--conf spark.master``, ``spark-defaults.conf``),
-      then ``FAIRQUEUE['SPARK']['MASTER']``, then ``local[2]``;
+      then ``FAIRQUEUE_PIPELINE['SPARK']['MASTER']``, then ``local[2]``;
     * any other property: spark-submit's, then ``CONF``, then this module's defaults;
     * executors' Python: ``spark.pyspark.python`` (spark-submit's, then ``CONF``), then the
       ``PYSPARK_PYTHON`` environment variable, then this process's own interpreter.
@@ -251,10 +260,10 @@ def session_plan(
         if settings.master_set and settings.master != master:
             notes.append(
                 f"running under spark-submit with master {master}: "
-                f"FAIRQUEUE['SPARK']['MASTER'] ({settings.master}) is not used"
+                f"FAIRQUEUE_PIPELINE['SPARK']['MASTER'] ({settings.master}) is not used"
             )
     elif settings.master_set:
-        master, source = settings.master, "FAIRQUEUE['SPARK']['MASTER']"
+        master, source = settings.master, "FAIRQUEUE_PIPELINE['SPARK']['MASTER']"
     else:
         master, source = DEFAULT_MASTER, "the default"
     if master.startswith("spark://") and not master[len("spark://") :].strip(" ,"):
@@ -268,7 +277,7 @@ def session_plan(
     elif settings.conf.get(python_key):
         python, python_source = (
             settings.conf[python_key],
-            f"FAIRQUEUE['SPARK']['CONF'] {python_key}",
+            f"FAIRQUEUE_PIPELINE['SPARK']['CONF'] {python_key}",
         )
     elif environ.get("PYSPARK_PYTHON"):
         python, python_source = environ["PYSPARK_PYTHON"], "PYSPARK_PYTHON"
@@ -303,8 +312,8 @@ def session_plan(
             if key in submitted:
                 if key in settings.conf and settings.conf[key] != submitted[key]:
                     notes.append(
-                        f"spark-submit sets {key}={submitted[key]}: FAIRQUEUE['SPARK']['CONF'] "
-                        f"({settings.conf[key]}) is not used"
+                        f"spark-submit sets {key}={submitted[key]}: "
+                        f"FAIRQUEUE_PIPELINE['SPARK']['CONF'] ({settings.conf[key]}) is not used"
                     )
                 del options[key]
     return SessionPlan(
@@ -347,7 +356,7 @@ def check_master(master: str, timeout: float = MASTER_CONNECT_TIMEOUT) -> None:
             problems.append(f"{host}:{port}: {exc.strerror or exc}")
     raise SparkClusterError(
         f"cannot reach the Spark master {master} ({'; '.join(problems)}). Is it running? "
-        "Start one, or fix the master URL (FAIRQUEUE['SPARK']['MASTER'] or spark-submit's "
+        "Start one, or fix the master URL (FAIRQUEUE_PIPELINE['SPARK']['MASTER'] or spark-submit's "
         "--master); the pipeline never falls back to local mode"
     )
 

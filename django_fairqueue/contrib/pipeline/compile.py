@@ -23,7 +23,7 @@ from typing import Any
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from django_fairqueue.pipeline.formulas import (
+from django_fairqueue.contrib.pipeline.formulas import (
     BLANK,
     BOOLEAN,
     DATE_T,

@@ -51,13 +51,13 @@ SESSION_STOPPED = "the Spark session stopped"
 
 _HINTS = {
     EXECUTOR_PYTHON: (
-        "set spark.pyspark.python (FAIRQUEUE['SPARK']['CONF'] or spark-submit --conf) or "
+        "set spark.pyspark.python (FAIRQUEUE_PIPELINE['SPARK']['CONF'] or spark-submit --conf) or "
         "PYSPARK_PYTHON to an interpreter present on every worker, of the driver's Python "
         "version, with django-fairqueue, psycopg and pyarrow installed"
     ),
     EXECUTOR_DATABASE: (
         "the tasks connect with the driver's database settings: make PostgreSQL reachable from "
-        "the Spark workers, or set FAIRQUEUE['SPARK']['EXECUTOR_DATABASE_URL']"
+        "the Spark workers, or set FAIRQUEUE_PIPELINE['SPARK']['EXECUTOR_DATABASE_URL']"
     ),
     DRIVER_DATABASE: "check that PostgreSQL is up and reachable from this process",
     EXECUTORS_LOST: "a worker died or was stopped, or the master dropped the application",
@@ -176,7 +176,7 @@ def probe_task(conninfos: tuple[str, ...], rows: Iterator[Any]) -> Iterator[tupl
     import psycopg
     import pyarrow  # noqa: F401
 
-    import django_fairqueue.pipeline.datastore  # noqa: F401
+    import django_fairqueue.contrib.pipeline.datastore  # noqa: F401
 
     for _ in rows:
         pass
@@ -207,7 +207,7 @@ def wait_for_executors(
 
     ``wait(seconds)`` sleeps between looks; if it returns True (the runner stops), the wait
     ends with the error at once."""
-    from django_fairqueue.pipeline.spark import executor_ids
+    from django_fairqueue.contrib.pipeline.spark import executor_ids
 
     context = spark.sparkContext
     if context.master.startswith("local") or _dynamic(context):
@@ -230,8 +230,8 @@ def wait_for_executors(
                 f"executor in {timeout:.0f} s",
                 "no worker is alive, or none has the free cores and memory asked for: other "
                 "applications may hold every core (give each driver a spark.cores.max: "
-                f"FAIRQUEUE['SPARK']['CORES_MAX'], here {cores}) or spark.executor.memory is "
-                "more than a worker offers; see the master's web UI",
+                f"FAIRQUEUE_PIPELINE['SPARK']['CORES_MAX'], here {cores}) or "
+                "spark.executor.memory is more than a worker offers; see the master's web UI",
             )
         stopped = bool(wait(0.5))
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "FormulaError",
+    "LongSink",
     "Pipeline",
     "PipelineError",
     "PipelineRunner",
@@ -31,7 +32,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from django_fairqueue.pipeline.core import (
+    from django_fairqueue.contrib.pipeline.core import (
+        LongSink,
         Pipeline,
         Sink,
         Source,
@@ -40,12 +42,13 @@ if TYPE_CHECKING:
         register,
         registry,
     )
-    from django_fairqueue.pipeline.execute import PipelineError
-    from django_fairqueue.pipeline.formulas import FormulaError, parse_formulas
-    from django_fairqueue.pipeline.runner import PipelineRunner, plan
-    from django_fairqueue.pipeline.spark import SparkUnavailable
+    from django_fairqueue.contrib.pipeline.execute import PipelineError
+    from django_fairqueue.contrib.pipeline.formulas import FormulaError, parse_formulas
+    from django_fairqueue.contrib.pipeline.runner import PipelineRunner, plan
+    from django_fairqueue.contrib.pipeline.spark import SparkUnavailable
 
 _WHERE = {
+    "LongSink": "core",
     "Pipeline": "core",
     "Sink": "core",
     "Source": "core",
@@ -65,7 +68,9 @@ _WHERE = {
 def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:
-        raise AttributeError(f"module 'django_fairqueue.pipeline' has no attribute {name!r}")
+        raise AttributeError(
+            f"module 'django_fairqueue.contrib.pipeline' has no attribute {name!r}"
+        )
     from importlib import import_module
 
-    return getattr(import_module(f"django_fairqueue.pipeline.{module}"), name)
+    return getattr(import_module(f"django_fairqueue.contrib.pipeline.{module}"), name)

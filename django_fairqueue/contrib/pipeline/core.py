@@ -2,7 +2,7 @@
 
 ::
 
-    from django_fairqueue.pipeline import Sink, Source, pipeline
+    from django_fairqueue.contrib.pipeline import Sink, Source, pipeline
 
     @pipeline(
         name="analytics.enrich",
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from django_fairqueue.pipeline.formulas import DEFAULT_FUNCTIONS
+from django_fairqueue.contrib.pipeline.formulas import DEFAULT_FUNCTIONS
 
 _PIPELINE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}$")
 
@@ -69,9 +69,15 @@ class Source:
     id_column: str = "id"
     #: If set, a tenant's job reads only rows whose column equals the tenant's name.
     tenant_column: str | None = None
+    #: A column that grows whenever a row changes: an ``updated_at`` timestamp or a version
+    #: number. With it, ``fairpipeline recompute`` recomputes only the rows changed since the
+    #: tenant's last successful run (give the table an index on (tenant_column, this column)).
+    changed_column: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "columns", _names(self.columns, "Source.columns"))
+        if self.changed_column is not None:
+            _names([self.changed_column], "Source.changed_column")
         if self.id_column not in self.columns:
             object.__setattr__(self, "columns", (self.id_column, *self.columns))
 
@@ -130,6 +136,67 @@ class Sink:
         return (*self.key, *self.columns, *([self.results] if self.results else []))
 
 
+@dataclass(frozen=True)
+class LongSink:
+    """A long table of results: one row per source row and rule, ``(row id, rule, value)``.
+
+    Unique key: ``(id_column, rule_column)``. Each rule's value goes, typed, into the value
+    columns the table has (at least one):
+
+    * ``value_column`` (``jsonb``): the value as a JSON scalar (number, text, boolean; a date
+      as ``"YYYY-MM-DD"``), whatever its type;
+    * ``number_column`` (``numeric(p,s)``, ``double precision``, ``real``, an integer type):
+      the value if the rule gives a number, else NULL; a number the column cannot hold is an
+      error value of the rule;
+    * ``text_column`` (``text``, ``varchar``): the value as text (numbers, ``true``/``false``,
+      dates ``YYYY-MM-DD``).
+
+    ``columns``: more columns copied from the source row (``tenant`` say). A rule whose value
+    is blank or an error has no row, and a batch removes the rows of its source rows that it
+    did not compute again (a rule removed, a value now blank): after each batch the table holds
+    exactly what the job computed for those rows. Always atomic: a batch's rows appear with
+    its completion.
+    """
+
+    table: Any
+    id_column: str = "row_id"
+    rule_column: str = "rule"
+    value_column: str | None = "value"
+    number_column: str | None = None
+    text_column: str | None = None
+    columns: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        columns = _names(self.columns, "LongSink.columns")
+        object.__setattr__(self, "columns", columns)
+        values = [c for c in (self.value_column, self.number_column, self.text_column) if c]
+        if not values:
+            raise ValueError(
+                "LongSink needs a value column: value_column (jsonb), number_column or text_column"
+            )
+        _names([self.id_column, self.rule_column, *values, *columns], "LongSink's columns")
+
+    @property
+    def table_name(self) -> str:
+        return _table_name(self.table)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.id_column, self.rule_column)
+
+    @property
+    def value_columns(self) -> tuple[str, ...]:
+        return tuple(c for c in (self.value_column, self.number_column, self.text_column) if c)
+
+    @property
+    def all_columns(self) -> tuple[str, ...]:
+        return (self.id_column, self.rule_column, *self.value_columns, *self.columns)
+
+
+#: The outputs a job may choose (``plan(..., output=...)``): the pipeline's ``sink``, or its
+#: ``long_sink``.
+OUTPUTS = ("sink", "long")
+
 Formulas = Any  # mapping {target: expr}, or an iterable of "target = expr" or (target, expr)
 
 
@@ -151,6 +218,8 @@ class Pipeline:
     max_attempts: int = 3
     #: Django database alias of source, sink and (it must be the same) the work batches.
     database: str | None = None
+    #: A second output a job may choose instead of ``sink``: one row per source row and rule.
+    long_sink: LongSink | None = None
 
     def __post_init__(self) -> None:
         name: Any = self.name  # checked at run time: callers may pass anything
@@ -174,6 +243,24 @@ class Pipeline:
             raise ValueError(
                 f"pipeline {self.name!r}: sink key columns {missing} are not source columns"
             )
+        if self.long_sink is not None:
+            if not isinstance(self.long_sink, LongSink):
+                raise ValueError(f"pipeline {self.name!r}: long_sink must be a LongSink")
+            extra = [c for c in self.long_sink.columns if c not in self.source.columns]
+            if extra:
+                raise ValueError(
+                    f"pipeline {self.name!r}: long sink columns {extra} are not source columns"
+                )
+
+    def output(self, name: str) -> Sink | LongSink:
+        """The sink a job writes to: ``"sink"`` (the default) or ``"long"``."""
+        if name == "sink":
+            return self.sink
+        if name == "long" and self.long_sink is not None:
+            return self.long_sink
+        if name == "long":
+            raise ValueError(f"pipeline {self.name!r} declares no long_sink")
+        raise ValueError(f"unknown output {name!r}: choose one of {', '.join(OUTPUTS)}")
 
     def job_name(self, tenant: str) -> str:
         return f"{self.name}:{tenant}"
@@ -259,6 +346,7 @@ def pipeline(
     batch_size: int = 100_000,
     max_attempts: int = 3,
     database: str | None = None,
+    long_sink: LongSink | None = None,
 ) -> Callable[[Callable[[str], Formulas]], Pipeline]:
     """Decorate a tenant -> formulas lookup to declare and register a pipeline."""
 
@@ -274,6 +362,7 @@ def pipeline(
                 batch_size=batch_size,
                 max_attempts=max_attempts,
                 database=database,
+                long_sink=long_sink,
             )
         )
 

@@ -38,9 +38,9 @@ from typing import Any
 
 from django.db import transaction
 
-from django_fairqueue.pipeline import datastore
-from django_fairqueue.pipeline.core import Pipeline, parse_job_name, registry
-from django_fairqueue.pipeline.formulas import (
+from django_fairqueue.contrib.pipeline import datastore
+from django_fairqueue.contrib.pipeline.core import LongSink, Pipeline, parse_job_name, registry
+from django_fairqueue.contrib.pipeline.formulas import (
     BOOL,
     DATE,
     DECIMAL,
@@ -51,7 +51,7 @@ from django_fairqueue.pipeline.formulas import (
     parse_formulas,
     split_formulas,
 )
-from django_fairqueue.pipeline.spark import spark_settings
+from django_fairqueue.contrib.pipeline.spark import spark_settings
 
 logger = logging.getLogger("django_fairqueue.pipeline")
 
@@ -128,6 +128,15 @@ class Prepared:
     formulas: FormulaSet | None
     #: What TODAY() is: the date the job was planned (the same for all its batches).
     today: dt.date
+    #: The job's output: ``"sink"`` (the pipeline's sink) or ``"long"`` (its long sink).
+    output: str = "sink"
+    #: Only rows whose ``Source.changed_column`` is above this (a recompute of changed rows).
+    changed_since: Any = None
+
+    @property
+    def target(self) -> Any:
+        """The sink this job writes: a :class:`Sink` or a :class:`LongSink`."""
+        return self.pipeline.output(self.output)
 
     @property
     def fingerprint(self) -> str:
@@ -141,24 +150,38 @@ def prepare(
     *,
     formulas: list[tuple[str, str]] | None = None,
     today: dt.date | None = None,
+    output: str = "sink",
+    changed_since: Any = None,
 ) -> Prepared:
     """Resolve the tables and parse the tenant's formulas; :class:`FormulaError` if invalid.
 
     ``formulas``: the pinned formula set of a planned job (default: the tenant's current one).
+    ``output``: the sink the job writes (``"sink"`` or ``"long"``, see ``Pipeline.output``).
     """
     alias = pipeline.alias
     source = _columns(alias, pipeline.source.table_name, tuple(pipeline.source.columns), "source")
     if pipeline.source.tenant_column is not None:
         _columns(alias, pipeline.source.table_name, (pipeline.source.tenant_column,), "source")
-    sink = _columns(alias, pipeline.sink.table_name, pipeline.sink.all_columns, "sink")
-    results = pipeline.sink.results
-    for column in sink:
-        if column.kind == "json" and column.name != results:
-            raise PipelineError(
-                f"the sink column {column.name!r} is jsonb: declare it Sink(results=...)"
-            )
-        if column.name == results and column.kind != "json":
-            raise PipelineError(f"the sink's results column {results!r} must be jsonb")
+    if pipeline.source.changed_column is not None:
+        _changed_column(alias, pipeline)
+    try:
+        target = pipeline.output(output)
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+    if isinstance(target, LongSink):
+        sink = _long_columns(alias, target)
+        targets: Any = None
+    else:
+        sink = _columns(alias, pipeline.sink.table_name, pipeline.sink.all_columns, "sink")
+        results = pipeline.sink.results
+        for column in sink:
+            if column.kind == "json" and column.name != results:
+                raise PipelineError(
+                    f"the sink column {column.name!r} is jsonb: declare it Sink(results=...)"
+                )
+            if column.name == results and column.kind != "json":
+                raise PipelineError(f"the sink's results column {results!r} must be jsonb")
+        targets = None if results else pipeline.sink.columns
     parsed = None
     if pipeline.formulas is not None:
         raw = formulas if formulas is not None else pipeline.formulas(tenant)
@@ -166,10 +189,56 @@ def prepare(
             tenant,
             raw,
             columns={c.name: c.kind for c in source},
-            targets=None if results else pipeline.sink.columns,
+            targets=targets,
             functions=pipeline.functions,
         )
-    return Prepared(pipeline, tenant, tuple(source), tuple(sink), parsed, today or dt.date.today())
+    return Prepared(
+        pipeline,
+        tenant,
+        tuple(source),
+        tuple(sink),
+        parsed,
+        today or dt.date.today(),
+        output=output,
+        changed_since=changed_since,
+    )
+
+
+#: The types a changed column may have: a timestamp, or a number that grows.
+CHANGED_TYPES = ("timestamptz", "timestamp", "date", "int2", "int4", "int8", "numeric")
+
+
+def _changed_column(alias: str, pipeline: Pipeline) -> None:
+    table, column = pipeline.source.table_name, pipeline.source.changed_column
+    assert column is not None
+    found = datastore.column_types(alias, table).get(column)
+    if found is None:
+        raise PipelineError(f"the source table {table!r} has no changed column {column!r}")
+    if found.pg_type not in CHANGED_TYPES:
+        raise PipelineError(
+            f"the source's changed column {table}.{column} is {found.pg_type}: it must be a "
+            "timestamp or a number that grows when a row changes (an updated_at or a version)"
+        )
+
+
+def _long_columns(alias: str, sink: LongSink) -> list[ColumnSpec]:
+    """The long sink's columns, each checked for its role."""
+    columns = _columns(alias, sink.table_name, sink.all_columns, "long sink")
+    by_name = {c.name: c for c in columns}
+    wanted = [
+        (sink.id_column, (INT,), "an integer (the source row's id)"),
+        (sink.rule_column, (STR,), "text (the rule's name)"),
+        (sink.value_column, ("json",), "jsonb (the value as JSON)"),
+        (sink.number_column, (INT, FLOAT, DECIMAL), "a number type"),
+        (sink.text_column, (STR,), "text"),
+    ]
+    for name, kinds, what in wanted:
+        if name is not None and by_name[name].kind not in kinds:
+            raise PipelineError(f"the long sink's column {name!r} must be {what}")
+    for column in columns:
+        if column.kind == "json" and column.name != sink.value_column:
+            raise PipelineError(f"the long sink's column {column.name!r} is jsonb: not supported")
+    return columns
 
 
 def current_formulas(pipeline: Pipeline, tenant: str) -> list[tuple[str, str]]:
@@ -196,7 +265,7 @@ def apply_transform(
     """
     from pyspark.sql import functions as F
 
-    from django_fairqueue.pipeline import compile as fc
+    from django_fairqueue.contrib.pipeline import compile as fc
 
     present: set[str]
     errors: dict[str, Any] = {}
@@ -215,6 +284,8 @@ def apply_transform(
         df = prepared.pipeline.transform(df, prepared.tenant)
         present = set(df.columns)
         values = {name: fc.quoted(name) for name in present}
+    if prepared.output == "long":
+        return _long_rows(df, prepared, values, errors)
     selected = []
     results = prepared.pipeline.sink.results
     typed = {c.name for c in prepared.sink}
@@ -240,6 +311,71 @@ def apply_transform(
     flags = [F.coalesce(errors[n], F.lit(False)).alias(f"{fc.ERROR_PREFIX}{i}")
              for i, n in enumerate(counted)]  # fmt: skip
     return df.select(*selected, *flags), counted
+
+
+def _long_rows(
+    df: Any, prepared: Prepared, values: dict[str, Any], errors: dict[str, Any]
+) -> tuple[Any, list[str]]:
+    """The long sink's rows: per source row, one row per rule with a value, and a marker row
+    (rule NULL) that carries the row's error flags and tells the merge which source rows the
+    batch computed (their other rows in the sink are removed)."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import NumericType
+
+    from django_fairqueue.contrib.pipeline import compile as fc
+
+    sink = prepared.target
+    assert isinstance(sink, LongSink)
+    source = {c.name for c in prepared.source}
+    rules = (
+        list(values) if prepared.formulas is not None else [n for n in values if n not in source]
+    )
+    types = {f.name: f.dataType for f in df.schema.fields}
+    specs = {c.name: c for c in prepared.sink}
+    numbers: dict[str, Any] = {}
+    if sink.number_column is not None:
+        spark_type = specs[sink.number_column].spark
+        for rule in rules:
+            if isinstance(types.get(rule), NumericType):
+                cast = values[rule].try_cast(spark_type)
+                numbers[rule] = cast
+                if prepared.formulas is not None:  # a number the column cannot hold: an error
+                    bad = values[rule].isNotNull() & cast.isNull()
+                    errors[rule] = (errors[rule] | bad) if rule in errors else bad
+    counted = list(errors)
+
+    def entry(rule: str | None) -> Any:
+        fields = []
+        for column in prepared.sink:
+            name = column.name
+            if name == sink.id_column:
+                value = fc.quoted(prepared.pipeline.source.id_column).cast(column.spark)
+            elif name == sink.rule_column:
+                value = F.lit(rule).cast("string")
+            elif name not in sink.value_columns:  # copied from the source row
+                value = fc.quoted(name).cast(column.spark)
+            elif rule is None:
+                value = F.lit(None).cast(column.spark)
+            elif name == sink.value_column:
+                listed = F.to_json(F.array(values[rule]))  # "[12.5]": the JSON scalar inside
+                value = listed.substr(F.lit(2), F.length(listed) - 2)
+            elif name == sink.number_column:
+                value = numbers.get(rule, F.lit(None).cast(column.spark))
+            else:
+                value = values[rule].cast("string")
+            fields.append(value.alias(name))
+        flags = [
+            (F.coalesce(errors[n], F.lit(False)) if rule is None else F.lit(False)).alias(
+                f"{fc.ERROR_PREFIX}{i}"
+            )
+            for i, n in enumerate(counted)
+        ]
+        keep = F.lit(True) if rule is None else values[rule].isNotNull()
+        return F.struct(*fields, *flags, keep.alias("fq_keep"))
+
+    entries = F.array(entry(None), *(entry(rule) for rule in rules))
+    rows = df.select(F.inline(entries)).where(F.col("fq_keep")).drop("fq_keep")
+    return rows, counted
 
 
 @contextmanager
@@ -294,6 +430,8 @@ class Written:
 
 def integer_key(prepared: Prepared) -> bool:
     """Whether the sink's key is one integer column (its range can be checked cheaply)."""
+    if prepared.output != "sink":
+        return False
     key = prepared.pipeline.sink.key
     return len(key) == 1 and any(c.name == key[0] and c.kind == INT for c in prepared.sink)
 
@@ -312,7 +450,7 @@ def run_range(
     """One Spark job: read ids start..end in sub-ranges, transform, write.
 
     With ``staging``, each task COPYs its rows into the staging table (the atomic path); with
-    ``sink`` (a :class:`~django_fairqueue.pipeline.datastore.SinkWriteSpec`), each task
+    ``sink`` (a :class:`~django_fairqueue.contrib.pipeline.datastore.SinkWriteSpec`), each task
     upserts them into the sink in its own transaction, fenced on the batch's lease.
     """
     if (staging is None) == (sink is None):
@@ -399,6 +537,8 @@ class _Plans:
             prepared.today,
             prepared.source,
             prepared.sink,
+            prepared.output,
+            repr(prepared.changed_since),
             parts,
             conninfo,
             sink,
@@ -430,7 +570,7 @@ class _Plans:
         rows = _source_frame(spark, prepared, 0, parts - 1, None)
         names: dict[str, Any] = {}
         if aggregates is not None:
-            from django_fairqueue.pipeline import compile as fc
+            from django_fairqueue.contrib.pipeline import compile as fc
 
             assert prepared.formulas is not None
             rows, names = fc.join_aggregates(
@@ -460,7 +600,7 @@ plans = _Plans()
 
 def executor_conninfo(alias: str) -> str:
     """How Spark tasks connect to the database: every libpq option of ``alias``'s settings."""
-    from django_fairqueue.pipeline import spark
+    from django_fairqueue.contrib.pipeline import spark
 
     return spark.executor_conninfo(alias)
 
@@ -504,7 +644,7 @@ class JobCancelled(RuntimeError):
 
 def pinned(job_name: str, using: str) -> Any:
     """The job's :class:`~django_fairqueue.models.PipelineJob` (its pinned formulas), or None."""
-    from django_fairqueue.models import PipelineJob
+    from django_fairqueue.contrib.pipeline.models import PipelineJob
 
     return PipelineJob.objects.using(using).filter(job_name=job_name).first()
 
@@ -517,7 +657,14 @@ def prepare_batch(pipeline: Pipeline, tenant: str, job_name: str) -> Prepared:
     if job.cancelled_at is not None:
         raise JobCancelled(f"job {job_name} was cancelled at {job.cancelled_at:%Y-%m-%d %H:%M}")
     formulas = [tuple(pair) for pair in job.formulas] if job.formulas is not None else None
-    return prepare(pipeline, tenant, formulas=formulas, today=job.today)
+    return prepare(
+        pipeline,
+        tenant,
+        formulas=formulas,
+        today=job.today,
+        output=job.output,
+        changed_since=job.changed_since,
+    )
 
 
 class _AggregateCache:
@@ -532,8 +679,8 @@ class _AggregateCache:
     def get(self, spark: Any, prepared: Prepared, job_name: str, job_group: str | None) -> Any:
         from django.db.models import Max, Min
 
+        from django_fairqueue.contrib.pipeline import compile as fc
         from django_fairqueue.models import WorkBatch
-        from django_fairqueue.pipeline import compile as fc
 
         assert prepared.formulas is not None
         bounds = (
@@ -579,7 +726,7 @@ def _json_value(value: Any) -> Any:
 
 
 def _typed_value(value: Any, value_type: str) -> Any:
-    from django_fairqueue.pipeline.formulas import DATE_T
+    from django_fairqueue.contrib.pipeline.formulas import DATE_T
 
     if value is None:
         return None
@@ -590,7 +737,7 @@ def _typed_value(value: Any, value_type: str) -> Any:
 
 def _decode_aggregates(prepared: Prepared, stored: Any) -> Any:
     """Phase one's values from their JSON form (None if they do not fit the formulas)."""
-    from django_fairqueue.pipeline import compile as fc
+    from django_fairqueue.contrib.pipeline import compile as fc
 
     assert prepared.formulas is not None
     shapes = fc.aggregate_shapes(prepared.formulas)
@@ -609,7 +756,7 @@ def _decode_aggregates(prepared: Prepared, stored: Any) -> Any:
 
 
 def _stored_aggregates(prepared: Prepared, job_name: str, lo: int, hi: int) -> Any:
-    from django_fairqueue.models import PipelineJob
+    from django_fairqueue.contrib.pipeline.models import PipelineJob
 
     assert prepared.formulas is not None
     job = PipelineJob.objects.using(prepared.pipeline.alias).filter(job_name=job_name).first()
@@ -624,7 +771,7 @@ def _stored_aggregates(prepared: Prepared, job_name: str, lo: int, hi: int) -> A
 def _store_aggregates(prepared: Prepared, job_name: str, lo: int, hi: int, values: Any) -> Any:
     """Store phase one's values with the job unless another worker stored them first; return
     the stored ones (so that every worker computes with the same)."""
-    from django_fairqueue.models import PipelineJob
+    from django_fairqueue.contrib.pipeline.models import PipelineJob
 
     assert prepared.formulas is not None
     payload = {
@@ -665,6 +812,8 @@ def _source_frame(spark: Any, prepared: Prepared, lo: int, hi: int, job_group: s
             id_column=pipeline.source.id_column,
             columns=pipeline.source.columns,
             tenant_column=pipeline.source.tenant_column,
+            changed_column=pipeline.source.changed_column,
+            changed_since=prepared.changed_since,
         ),
         start_id=lo,
         end_id=hi,
@@ -700,7 +849,7 @@ def execute_batch(
     aggregates = None
     if prepared.formulas is not None and prepared.formulas.aggregates:
         aggregates = aggregate_cache.get(spark, prepared, batch.job_name, job_group)
-    if pipeline.sink.atomic:
+    if prepared.output == "long" or pipeline.sink.atomic:  # a long sink is always atomic
         rows, spark_done = _run_atomic(spark, batch, prepared, job_group, lease_lost, aggregates)
     else:
         rows, spark_done = _run_direct(spark, batch, prepared, job_group, aggregates)
@@ -716,7 +865,7 @@ def execute_batch(
 
 def _settle_job(alias: str, job_name: str, errors: dict[str, int]) -> None:
     """Inside the batch's fence: refuse if the job was cancelled, add the error counts."""
-    from django_fairqueue.models import PipelineJob
+    from django_fairqueue.contrib.pipeline.models import PipelineJob
 
     job = PipelineJob.objects.using(alias).select_for_update().filter(job_name=job_name).first()
     if job is None:
@@ -745,9 +894,10 @@ def _run_atomic(
 
     pipeline = prepared.pipeline
     alias = pipeline.alias
+    target = prepared.target
     staging = staging_name(batch.id, batch.lease_token)
     statements = datastore.create_staging(
-        alias, staging=staging, sink=pipeline.sink.table_name, columns=pipeline.sink.all_columns
+        alias, staging=staging, sink=target.table_name, columns=target.all_columns
     )
     try:
         written = run_range(
@@ -762,9 +912,19 @@ def _run_atomic(
         spark_done = time.monotonic()
         if lease_lost():
             raise LeaseLost(f"work batch {batch.id}: lease lost while Spark ran; not written")
+        rows = written.rows
         with batches.fenced(batch, using=alias) as fence:
             _settle_job(alias, batch.job_name, written.errors)
-            if written.rows:
+            if isinstance(target, LongSink):
+                rows = datastore.merge_long_staging(
+                    alias,
+                    staging=staging,
+                    sink=target.table_name,
+                    id_column=target.id_column,
+                    rule_column=target.rule_column,
+                    columns=target.all_columns,
+                )
+            elif written.rows:
                 datastore.merge_staging(
                     alias,
                     staging=staging,
@@ -774,10 +934,10 @@ def _run_atomic(
                     key_range=written.key_range,
                 )
             datastore.drop_staging(alias, staging)
-            fence.rows_processed = written.rows
+            fence.rows_processed = rows
     finally:
         _drop_quietly(alias, staging)
-    return written.rows, spark_done
+    return rows, spark_done
 
 
 def _run_direct(

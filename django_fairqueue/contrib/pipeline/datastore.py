@@ -32,7 +32,8 @@ STAGING_PREFIX = "fq_stage_"
 @cache
 def templates() -> dict[str, str]:
     """Named templates of sql/pipeline.sql, loaded once (without their comment lines)."""
-    text = resources.files("django_fairqueue").joinpath("sql/pipeline.sql").read_text("utf-8")
+    package = resources.files("django_fairqueue.contrib.pipeline")
+    text = package.joinpath("sql/pipeline.sql").read_text("utf-8")
     parts = _NAME_RE.split(text)
     named: dict[str, str] = {}
     for name, body in zip(parts[1::2], parts[2::2], strict=True):
@@ -124,8 +125,13 @@ def read_statement(
     id_column: str,
     columns: Sequence[str],
     tenant_column: str | None,
+    changed_column: str | None = None,
+    changed_since: str | None = None,
 ) -> str:
-    """The COPY statement Spark tasks run for one sub-range (values still placeholders)."""
+    """The COPY statement Spark tasks run for one sub-range (values still placeholders).
+
+    With ``changed_since``: only rows whose ``changed_column`` is above it (composed into the
+    statement as a literal: the tasks bind the same values for every statement)."""
     parts: dict[str, sql.Composable] = {
         "columns": _names(columns),
         "table": table_identifier(table),
@@ -135,6 +141,11 @@ def read_statement(
     if tenant_column is not None:
         name = "read_range_of_tenant"
         parts["tenant"] = sql.Identifier(tenant_column)
+    if changed_since is not None:
+        assert changed_column is not None
+        name += "_changed"
+        parts["changed"] = sql.Identifier(changed_column)
+        parts["since"] = sql.Literal(changed_since)
     with _cursor(using) as cur:
         return compose(name, **parts).as_string(cur.connection)
 
@@ -225,6 +236,88 @@ def merge_staging(
                 raise
         cur.execute(compose(upsert, staging=staged, **parts), {})
         return max(cur.rowcount, 0)
+
+
+def merge_long_staging(
+    using: str,
+    *,
+    staging: str,
+    sink: str,
+    id_column: str,
+    rule_column: str,
+    columns: Sequence[str],
+) -> int:
+    """Merge a long sink's staging table (in the caller's transaction): remove the rows of the
+    staged source rows that were not computed again, upsert the others. Returns the source rows
+    the batch computed."""
+    key = (id_column, rule_column)
+    parts = _upsert_parts(sink, key, columns)
+    parts.pop("_has_updates")
+    ident = sql.Identifier(staging)
+    names = {"id": sql.Identifier(id_column), "rule": sql.Identifier(rule_column)}
+    with _cursor(using) as cur:
+        cur.execute(compose("analyze_staging", staging=ident), {})
+        cur.execute(compose("delete_long_stale", staging=ident, sink=parts["sink"], **names), {})
+        cur.execute(compose("merge_long_staging", staging=ident, rule=names["rule"], **parts), {})
+        counted = cur.execute(compose("count_long_staged_rows", staging=ident, **names), {})
+        return int(counted.fetchone()[0])  # type: ignore[index]
+
+
+def _tenant_parts(
+    table: str, changed_column: str, tenant_column: str | None
+) -> dict[str, sql.Composable]:
+    return {
+        "table": table_identifier(table),
+        "changed": sql.Identifier(changed_column),
+        "tenant_filter": sql.SQL("{} = %(tenant)s").format(sql.Identifier(tenant_column))
+        if tenant_column is not None
+        else sql.SQL("TRUE"),
+    }
+
+
+def watermark(
+    using: str, *, table: str, changed_column: str, tenant_column: str | None, tenant: str
+) -> str | None:
+    """The highest value of the changed column over the tenant's rows, as text (None: none)."""
+    parts = _tenant_parts(table, changed_column, tenant_column)
+    value = _execute(using, compose("select_watermark", **parts), {"tenant": tenant})[0][0]
+    return None if value is None else str(value)
+
+
+def changed_since(
+    using: str,
+    *,
+    table: str,
+    changed_column: str,
+    tenant_column: str | None,
+    tenant: str,
+    since: str,
+) -> bool:
+    """Whether a row of the tenant changed since ``since`` (a watermark)."""
+    parts = _tenant_parts(table, changed_column, tenant_column)
+    statement = compose("select_changed_exists", since=sql.Literal(since), **parts)
+    return bool(_execute(using, statement, {"tenant": tenant})[0][0])
+
+
+def changed_windows(
+    using: str,
+    *,
+    table: str,
+    id_column: str,
+    changed_column: str,
+    tenant_column: str | None,
+    tenant: str,
+    since: str,
+    size: int,
+) -> list[tuple[int, int, int]]:
+    """The ids of the tenant's rows changed since ``since``, as windows of ``size`` rows:
+    (first id, last id, rows), in id order."""
+    parts = _tenant_parts(table, changed_column, tenant_column)
+    statement = compose(
+        "select_changed_windows", id=sql.Identifier(id_column), since=sql.Literal(since), **parts
+    )
+    rows = _execute(using, statement, {"tenant": tenant, "size": size})
+    return [(int(lo), int(hi), int(count)) for lo, hi, count in rows]
 
 
 def drop_staging(using: str, staging: str) -> None:

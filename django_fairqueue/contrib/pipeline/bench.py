@@ -38,9 +38,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from django_fairqueue.pipeline import datastore
-from django_fairqueue.pipeline.core import Pipeline, Sink, Source, registry
-from django_fairqueue.pipeline.spark import get_session, jvm_peak_rss_bytes
+from django_fairqueue.contrib.pipeline import datastore
+from django_fairqueue.contrib.pipeline.core import Pipeline, Sink, Source, registry
+from django_fairqueue.contrib.pipeline.spark import get_session, jvm_peak_rss_bytes
 
 SOURCE = "fq_bench_pipeline_source"
 SINK = "fq_bench_pipeline_sink"
@@ -260,7 +260,7 @@ def _workers_rss_bytes() -> int:
 
 
 def _jvm_pid() -> int | None:
-    from django_fairqueue.pipeline import spark
+    from django_fairqueue.contrib.pipeline import spark
 
     session = spark._session
     if session is None:
@@ -302,7 +302,8 @@ def _bench_pipeline(
 
 def _forget(using: str, name: str, channels: Sequence[str]) -> None:
     """Delete the benchmark's jobs, work batches and channels: they must not stay in the admin."""
-    from django_fairqueue.models import Channel, PipelineJob, WorkBatch
+    from django_fairqueue.contrib.pipeline.models import PipelineJob
+    from django_fairqueue.models import Channel, WorkBatch
 
     WorkBatch.objects.using(using).filter(job_name__startswith=name).delete()
     PipelineJob.objects.using(using).filter(pipeline__startswith=name).delete()
@@ -371,8 +372,8 @@ def run(
     sql_connections: Sequence[int] = (),
     say: Callable[[str], None] = print,
 ) -> BenchResult:
-    from django_fairqueue.pipeline.execute import BatchOutcome
-    from django_fairqueue.pipeline.runner import PipelineRunner, plan
+    from django_fairqueue.contrib.pipeline.execute import BatchOutcome
+    from django_fairqueue.contrib.pipeline.runner import PipelineRunner, plan
 
     if tenants < 1 or rows < tenants:
         raise ValueError("the benchmark needs at least one tenant and one row per tenant")

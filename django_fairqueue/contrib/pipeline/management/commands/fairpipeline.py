@@ -1,8 +1,9 @@
-"""``manage.py fairpipeline plan|run|status|retry|cancel|bench``: the Spark data pipeline.
+"""``manage.py fairpipeline plan|recompute|run|status|retry|cancel|bench``: the Spark data
+pipeline.
 
 Needs the ``spark`` extra for ``run`` and ``bench`` (``pip install 'django-fairqueue[spark]'``);
-``plan`` checks formulas without Spark; ``status``, ``retry`` and ``cancel`` only read and
-update jobs and work batches. Guide: docs/howto/spark-pipeline.md.
+``plan`` and ``recompute`` check formulas without Spark; ``status``, ``retry`` and ``cancel``
+only read and update jobs and work batches. Guide: docs/howto/spark-pipeline.md.
 """
 
 from __future__ import annotations
@@ -43,6 +44,25 @@ class Command(BaseCommand):
             "--rerun",
             action="store_true",
             help="Plan finished jobs again from the start (every row recomputed).",
+        )
+        plan.add_argument(
+            "--output",
+            choices=["sink", "long"],
+            help="Where the jobs write: the pipeline's sink, or its long sink (default: the "
+            "job's current output; sink for a new job). A change plans the job anew.",
+        )
+
+        recompute = sub.add_parser(
+            "recompute",
+            help="Recompute what changed since each tenant's last successful run: every row "
+            "if its formulas changed, else only the rows changed (Source changed_column).",
+        )
+        recompute.add_argument("pipeline")
+        recompute.add_argument("--tenant", action="append", help="Only this tenant (repeatable).")
+        recompute.add_argument("--batch-size", type=int, help="Rows per batch.")
+        recompute.add_argument("--output", choices=["sink", "long"], help="As for plan.")
+        recompute.add_argument(
+            "--dry-run", action="store_true", help="Say what would be recomputed; plan nothing."
         )
 
         cancel = sub.add_parser(
@@ -110,7 +130,11 @@ class Command(BaseCommand):
         getattr(self, f"_{action}")(options)
 
     def _require_spark(self) -> None:
-        from django_fairqueue.pipeline.spark import SparkUnavailable, require_java, require_pyspark
+        from django_fairqueue.contrib.pipeline.spark import (
+            SparkUnavailable,
+            require_java,
+            require_pyspark,
+        )
 
         try:
             require_pyspark()
@@ -119,11 +143,11 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
 
     def _pipeline_errors(self) -> tuple[type[Exception], ...]:
-        from django_fairqueue.pipeline.cluster import InfrastructureError
-        from django_fairqueue.pipeline.core import UnknownPipeline
-        from django_fairqueue.pipeline.execute import PipelineError
-        from django_fairqueue.pipeline.formulas import FormulaError
-        from django_fairqueue.pipeline.spark import SparkUnavailable
+        from django_fairqueue.contrib.pipeline.cluster import InfrastructureError
+        from django_fairqueue.contrib.pipeline.core import UnknownPipeline
+        from django_fairqueue.contrib.pipeline.execute import PipelineError
+        from django_fairqueue.contrib.pipeline.formulas import FormulaError
+        from django_fairqueue.contrib.pipeline.spark import SparkUnavailable
 
         return (
             FormulaError,
@@ -137,7 +161,7 @@ class Command(BaseCommand):
     # ---- plan
 
     def _plan(self, options: dict[str, Any]) -> None:
-        from django_fairqueue.pipeline.runner import plan
+        from django_fairqueue.contrib.pipeline.runner import plan
 
         if options["batch_size"] is not None and options["batch_size"] < 1:
             raise CommandError("--batch-size must be at least 1")
@@ -148,6 +172,7 @@ class Command(BaseCommand):
                 batch_size=options["batch_size"],
                 progress=options["verbosity"] >= 1 and sys.stderr.isatty(),
                 rerun=options["rerun"],
+                output=options["output"],
             )
         except self._pipeline_errors() as exc:
             raise CommandError(str(exc)) from None
@@ -166,10 +191,50 @@ class Command(BaseCommand):
                 "not planned (above); the others are"
             )
 
+    # ---- recompute
+
+    def _recompute(self, options: dict[str, Any]) -> None:
+        from django_fairqueue.contrib.pipeline.runner import recompute
+
+        if options["batch_size"] is not None and options["batch_size"] < 1:
+            raise CommandError("--batch-size must be at least 1")
+        try:
+            report = recompute(
+                options["pipeline"],
+                tenants=options["tenant"],
+                output=options["output"],
+                batch_size=options["batch_size"],
+                dry_run=options["dry_run"],
+                progress=options["verbosity"] >= 1 and sys.stderr.isatty(),
+            )
+        except self._pipeline_errors() as exc:
+            raise CommandError(str(exc)) from None
+        name = options["pipeline"]
+        for decided in report.tenants:
+            what = {"all": "every row", "changed": "changed rows", "none": "up to date"}
+            line = f"{name}:{decided.tenant} (formulas {decided.version}): "
+            line += f"{what[decided.scope]}: {decided.reason}"
+            if decided.planned is not None:
+                planned = decided.planned
+                line += (
+                    f"; {planned.created} new batches ({planned.rows_planned:,} rows), "
+                    f"{planned.seconds:.1f} s"
+                )
+            elif decided.scope != "none":
+                line += " (dry run: nothing planned)"
+            self.stdout.write(line)
+        for refusal in report.refused.values():
+            self.stderr.write(f"not recomputed: {refusal}")
+        if report.refused:
+            raise CommandError(
+                f"{len(report.refused)} of {len(report.refused) + len(report.tenants)} tenants "
+                "not recomputed (above); the others are"
+            )
+
     # ---- cancel
 
     def _cancel(self, options: dict[str, Any]) -> None:
-        from django_fairqueue.pipeline.runner import cancel
+        from django_fairqueue.contrib.pipeline.runner import cancel
 
         try:
             dropped = cancel(options["pipeline"], tenants=options["tenant"])
@@ -185,7 +250,7 @@ class Command(BaseCommand):
     # ---- run
 
     def _run(self, options: dict[str, Any]) -> None:
-        from django_fairqueue.pipeline.runner import PipelineRunner
+        from django_fairqueue.contrib.pipeline.runner import PipelineRunner
         from django_fairqueue.worker import default_worker_id
 
         for name in ("lease", "poll_interval"):
@@ -240,11 +305,11 @@ class Command(BaseCommand):
         prefix = f"{name}:" if name else None
         jobs = batches.jobs(prefix=prefix)
         if not name:
-            from django_fairqueue.pipeline.core import registry
+            from django_fairqueue.contrib.pipeline.core import registry
 
             known = tuple(f"{n}:" for n in registry.names())
             jobs = [job for job in jobs if job.job_name.startswith(known)] if known else []
-        from django_fairqueue.models import PipelineJob
+        from django_fairqueue.contrib.pipeline.models import PipelineJob
 
         pinned = {
             p.job_name: p
@@ -258,6 +323,18 @@ class Command(BaseCommand):
                 row["version"] = pin.version if pin else None
                 row["errors"] = dict(pin.errors) if pin else {}
                 row["cancelled"] = bool(pin and pin.cancelled_at)
+                row["output"] = pin.output if pin else None
+                row["changed_since"] = pin.changed_since if pin else None
+                row["last_success"] = (
+                    {
+                        "version": pin.succeeded_version,
+                        "output": pin.succeeded_output,
+                        "watermark": pin.succeeded_watermark,
+                        "at": pin.succeeded_at,
+                    }
+                    if pin and pin.succeeded_at
+                    else None
+                )
                 shown.append(row)
             self.stdout.write(json.dumps(shown, indent=2, default=str))
             return
@@ -266,7 +343,7 @@ class Command(BaseCommand):
             return
         header = (
             f"{'job':<32} {'state':<10} {'batches':>15} {'rows':>25} {'rows/s':>10} {'ETA':>8} "
-            f"{'version':<16} {'errors':>8}"
+            f"{'version':<16} {'errors':>8} {'output':<6} rows"
         )
         self.stdout.write(header)
         for job in jobs:
@@ -279,17 +356,21 @@ class Command(BaseCommand):
             pin = pinned.get(job.job_name)
             state = "cancelled" if pin and pin.cancelled_at else job.state
             errors = sum(int(v) for v in pin.errors.values()) if pin else 0
+            scope = "all"
+            if pin is not None and pin.changed_since is not None:
+                scope = f"changed since {pin.changed_since}"
             self.stdout.write(
                 f"{job.job_name:<32} {state:<10} {done:>15} "
                 f"{f'{job.rows_done:,}/{job.rows_total:,}':>25} {rate:>10} {eta:>8} "
-                f"{pin.version if pin else '-':<16} {errors:>8,}"
+                f"{pin.version if pin else '-':<16} {errors:>8,} "
+                f"{pin.output if pin else '-':<6} {scope}"
             )
 
     # ---- retry
 
     def _retry(self, options: dict[str, Any]) -> None:
         from django_fairqueue import batches
-        from django_fairqueue.pipeline.core import registry
+        from django_fairqueue.contrib.pipeline.core import registry
 
         try:
             pipeline = registry.get(options["pipeline"])
@@ -310,7 +391,7 @@ class Command(BaseCommand):
 
     def _bench(self, options: dict[str, Any]) -> None:
         from django_fairqueue import conf
-        from django_fairqueue.pipeline import bench
+        from django_fairqueue.contrib.pipeline import bench
 
         sizes = options["rows"] or [1_000_000]
         if any(n < 2 for n in sizes):

@@ -27,11 +27,14 @@ from django.utils import timezone
 
 from django_fairqueue import batches, conf
 from django_fairqueue._runtime import StopFlag
-from django_fairqueue.exceptions import LeaseLost
-from django_fairqueue.models import BatchState, PipelineJob, WorkBatch
-from django_fairqueue.pipeline import cluster
-from django_fairqueue.pipeline.core import Pipeline, UnknownPipeline, parse_job_name, registry
-from django_fairqueue.pipeline.execute import (
+from django_fairqueue.contrib.pipeline import cluster, datastore
+from django_fairqueue.contrib.pipeline.core import (
+    Pipeline,
+    UnknownPipeline,
+    parse_job_name,
+    registry,
+)
+from django_fairqueue.contrib.pipeline.execute import (
     BatchOutcome,
     JobCancelled,
     PipelineError,
@@ -39,7 +42,10 @@ from django_fairqueue.pipeline.execute import (
     execute_batch,
     prepare,
 )
-from django_fairqueue.pipeline.formulas import FormulaError
+from django_fairqueue.contrib.pipeline.formulas import FormulaError
+from django_fairqueue.contrib.pipeline.models import PipelineJob
+from django_fairqueue.exceptions import LeaseLost
+from django_fairqueue.models import BatchState, WorkBatch
 
 logger = logging.getLogger("django_fairqueue.pipeline")
 
@@ -66,6 +72,7 @@ def plan(
     batch_size: int | None = None,
     progress: bool | Callable[[int, float], None] = False,
     rerun: bool = False,
+    output: str | None = None,
 ) -> PlanReport:
     """Check each tenant's formulas, pin them, and plan one job per tenant (``pipeline:tenant``).
 
@@ -78,6 +85,10 @@ def plan(
     formulas, a finished (or cancelled) job is planned anew from the start under the new
     version, while an unfinished one is refused (cancel it, or wait). ``rerun``: plan a
     finished job again from the start.
+
+    ``output``: where the jobs write, ``"sink"`` or ``"long"`` (the pipeline's ``long_sink``);
+    default: the job's current output (``"sink"`` for a new job). Changing it plans the job
+    anew, like edited formulas.
     """
     pipeline = registry.get(name)
     chosen = list(tenants) if tenants is not None else pipeline.tenant_names()
@@ -86,7 +97,7 @@ def plan(
     report = PlanReport(planned=[], refused={}, versions={})
     for tenant in chosen:
         try:
-            prepared = prepare(pipeline, tenant)
+            prepared = prepare(pipeline, tenant, output=output or _output_of(pipeline, tenant))
             _pin(pipeline, tenant, prepared, rerun=rerun)
         except (FormulaError, PipelineError) as exc:
             report.refused[tenant] = exc
@@ -113,6 +124,53 @@ def plan(
 _UNFINISHED = (BatchState.PENDING, BatchState.RUNNING)
 
 
+def _output_of(pipeline: Pipeline, tenant: str) -> str:
+    """The output the tenant's job writes now (``"sink"`` if it has no job yet)."""
+    job = (
+        PipelineJob.objects.using(pipeline.alias)
+        .filter(job_name=pipeline.job_name(tenant))
+        .values_list("output", flat=True)
+        .first()
+    )
+    return job or "sink"
+
+
+def _watermark(pipeline: Pipeline, tenant: str) -> str | None:
+    """The highest value of the source's changed column over the tenant's rows (if declared)."""
+    source = pipeline.source
+    if source.changed_column is None:
+        return None
+    return datastore.watermark(
+        pipeline.alias,
+        table=source.table_name,
+        changed_column=source.changed_column,
+        tenant_column=source.tenant_column,
+        tenant=tenant,
+    )
+
+
+def _promote(job: PipelineJob, job_batches: Any) -> None:
+    """If the job's run is complete (every batch succeeded, not cancelled), record it as the
+    last successful run. Call with the job row locked."""
+    if job.cancelled_at is not None or job_batches.exclude(state=BatchState.SUCCEEDED).exists():
+        return
+    seen = (job.succeeded_version, job.succeeded_output, job.succeeded_watermark)
+    if job.succeeded_at is not None and seen == (job.version, job.output, job.watermark):
+        return
+    job.succeeded_version = job.version
+    job.succeeded_output = job.output
+    job.succeeded_watermark = job.watermark
+    job.succeeded_at = timezone.now()
+    job.save(
+        update_fields=[
+            "succeeded_version",
+            "succeeded_output",
+            "succeeded_watermark",
+            "succeeded_at",
+        ]
+    )
+
+
 def _pin(pipeline: Pipeline, tenant: str, prepared: Any, *, rerun: bool) -> None:
     """Record (or keep) the job's pinned formula set; clear a finished job to plan it anew."""
     alias = pipeline.alias
@@ -131,9 +189,12 @@ def _pin(pipeline: Pipeline, tenant: str, prepared: Any, *, rerun: bool) -> None
                 version=prepared.fingerprint,
                 formulas=formulas,
                 today=prepared.today,
+                output=prepared.output,
+                watermark=_watermark(pipeline, tenant),
             )
             return
-        changed = job.version != prepared.fingerprint
+        _promote(job, job_batches)
+        changed = job.version != prepared.fingerprint or job.output != prepared.output
         if not changed and not rerun:
             if job.cancelled_at is not None:
                 job.cancelled_at = None
@@ -141,7 +202,11 @@ def _pin(pipeline: Pipeline, tenant: str, prepared: Any, *, rerun: bool) -> None
             return
         unfinished = job_batches.filter(state__in=_UNFINISHED).count()
         if unfinished and job.cancelled_at is None:
-            what = f"its formulas changed (now version {prepared.fingerprint})" if changed else ""
+            what = ""
+            if job.version != prepared.fingerprint:
+                what = f"its formulas changed (now version {prepared.fingerprint})"
+            elif job.output != prepared.output:
+                what = f"its output changed (now {prepared.output})"
             raise PipelineError(
                 f"tenant {tenant!r}: job {job_name} (version {job.version}) still has "
                 f"{unfinished} unfinished batches{'; ' + what if what else ''}: wait for it or "
@@ -149,14 +214,212 @@ def _pin(pipeline: Pipeline, tenant: str, prepared: Any, *, rerun: bool) -> None
                 "again"
             )
         _clear(job_batches, job_name)
-        job.version = prepared.fingerprint
-        job.formulas = formulas
-        job.today = prepared.today
-        job.errors = {}
-        job.aggregates = None
-        job.cancelled_at = None
-        job.created_at = timezone.now()
-        job.save()
+        _restart(job, prepared, formulas, watermark=_watermark(pipeline, tenant))
+
+
+def _restart(
+    job: PipelineJob,
+    prepared: Any,
+    formulas: Any,
+    *,
+    watermark: str | None,
+    changed_since: str | None = None,
+    today: Any = None,
+) -> None:
+    """Start the job's new run (its batches already cleared): every row, or only the rows
+    changed since ``changed_since``."""
+    job.version = prepared.fingerprint
+    job.formulas = formulas
+    job.today = today or prepared.today
+    job.output = prepared.output
+    job.changed_since = changed_since
+    job.watermark = watermark
+    job.errors = {}
+    job.aggregates = None
+    job.cancelled_at = None
+    job.created_at = timezone.now()
+    job.save()
+
+
+@dataclass
+class Recompute:
+    """What ``recompute`` decided for one tenant, and why."""
+
+    tenant: str
+    scope: str  # "all" (every row), "changed" (rows changed since), "none" (up to date)
+    reason: str
+    version: str
+    planned: batches.PlanResult | None = None
+
+
+@dataclass
+class RecomputeReport:
+    tenants: list[Recompute]
+    refused: dict[str, Exception]
+
+
+def recompute(
+    name: str,
+    *,
+    tenants: Sequence[str] | None = None,
+    output: str | None = None,
+    batch_size: int | None = None,
+    dry_run: bool = False,
+    progress: bool | Callable[[int, float], None] = False,
+) -> RecomputeReport:
+    """Bring each tenant's results up to date with its formulas and its rows, computing only
+    what changed since the tenant's last successful run (a job whose batches all succeeded):
+
+    * formulas changed (their content hash differs from the last successful run's), a new
+      output, or no successful run yet: every row of the tenant, under the new version;
+    * else, with ``Source.changed_column``: only the rows whose changed column is above the
+      last successful run's watermark (all rows if the formulas use tenant aggregates, whose
+      values depend on every row); none changed: nothing to do;
+    * else nothing to do (``plan --rerun`` recomputes every row).
+
+    A tenant whose job is still running is refused (wait, or cancel it), as are invalid
+    formulas. ``dry_run``: decide and report, plan nothing.
+    """
+    pipeline = registry.get(name)
+    chosen = list(tenants) if tenants is not None else pipeline.tenant_names()
+    if not chosen:
+        raise PipelineError(f"pipeline {name!r} has no tenants to recompute")
+    report = RecomputeReport(tenants=[], refused={})
+    for tenant in chosen:
+        try:
+            prepared = prepare(pipeline, tenant, output=output or _output_of(pipeline, tenant))
+            decided = _recompute_tenant(pipeline, tenant, prepared, dry_run=dry_run)
+        except (FormulaError, PipelineError) as exc:
+            report.refused[tenant] = exc
+            continue
+        if decided.scope != "none" and not dry_run:
+            decided.planned = _plan_run(pipeline, tenant, decided, batch_size, progress)
+        report.tenants.append(decided)
+    return report
+
+
+def _recompute_tenant(
+    pipeline: Pipeline, tenant: str, prepared: Any, *, dry_run: bool
+) -> Recompute:
+    alias = pipeline.alias
+    job_name = pipeline.job_name(tenant)
+    version = prepared.fingerprint
+    formulas = prepared.formulas.pairs() if prepared.formulas is not None else None
+    source = pipeline.source
+    with transaction.atomic(using=alias):
+        job = PipelineJob.objects.using(alias).select_for_update().filter(job_name=job_name).first()
+        job_batches = WorkBatch.objects.using(alias).filter(job_name=job_name)
+        if job is not None:
+            unfinished = job_batches.filter(state__in=_UNFINISHED).count()
+            if unfinished and job.cancelled_at is None:
+                raise PipelineError(
+                    f"tenant {tenant!r}: job {job_name} still has {unfinished} unfinished "
+                    f"batches: wait for it or cancel it (fairpipeline cancel {pipeline.name} "
+                    f"--tenant {tenant}), then recompute"
+                )
+            _promote(job, job_batches)
+        # Read before anything is planned: a row changed later is above it, so the next
+        # recompute finds it.
+        watermark = _watermark(pipeline, tenant)
+        scope, reason, since = "all", "", None
+        if job is None or not job.succeeded_version:
+            reason = "no successful run yet"
+        elif job.succeeded_version != version:
+            reason = f"formulas changed since the last successful run ({job.succeeded_version})"
+        elif job.succeeded_output != prepared.output:
+            reason = f"output changed ({job.succeeded_output} -> {prepared.output})"
+        elif source.changed_column is None:
+            scope = "none"
+            reason = (
+                "formulas unchanged since the last successful run; the source declares no "
+                "changed column (plan --rerun recomputes every row)"
+            )
+        elif job.succeeded_watermark is None:
+            reason = f"the last successful run saw no {source.changed_column}"
+            if watermark is None:
+                scope, reason = "none", f"no row has a {source.changed_column}"
+        elif not datastore.changed_since(
+            alias,
+            table=source.table_name,
+            changed_column=source.changed_column,
+            tenant_column=source.tenant_column,
+            tenant=tenant,
+            since=job.succeeded_watermark,
+        ):
+            scope = "none"
+            reason = f"no row changed since {job.succeeded_watermark}"
+        elif prepared.formulas is not None and prepared.formulas.aggregates:
+            reason = (
+                f"rows changed since {job.succeeded_watermark} and the formulas use tenant "
+                "aggregates (every row's value may change)"
+            )
+        else:
+            scope, since = "changed", job.succeeded_watermark
+            reason = f"rows changed since {since}"
+        decided = Recompute(tenant=tenant, scope=scope, reason=reason, version=version)
+        if scope == "none" or dry_run:
+            return decided
+        if job is None:
+            job = PipelineJob.objects.using(alias).create(
+                job_name=job_name,
+                pipeline=pipeline.name,
+                tenant=tenant,
+                version=version,
+                formulas=formulas,
+                today=prepared.today,
+                output=prepared.output,
+                watermark=watermark,
+            )
+            if job_batches.exists():
+                _clear(job_batches, job_name)
+            return decided
+        _clear(job_batches, job_name)
+        # A run of changed rows keeps the date of the rows it joins: TODAY() stays one date.
+        today = job.today if scope == "changed" else None
+        _restart(job, prepared, formulas, watermark=watermark, changed_since=since, today=today)
+    return decided
+
+
+def _plan_run(
+    pipeline: Pipeline,
+    tenant: str,
+    decided: Recompute,
+    batch_size: int | None,
+    progress: bool | Callable[[int, float], None],
+) -> batches.PlanResult:
+    source = pipeline.source
+    size = batch_size or pipeline.batch_size
+    if decided.scope == "changed":
+        job = PipelineJob.objects.using(pipeline.alias).get(job_name=pipeline.job_name(tenant))
+        assert source.changed_column is not None and job.changed_since is not None
+        windows = datastore.changed_windows(
+            pipeline.alias,
+            table=source.table_name,
+            id_column=source.id_column,
+            changed_column=source.changed_column,
+            tenant_column=source.tenant_column,
+            tenant=tenant,
+            since=job.changed_since,
+            size=size,
+        )
+        return batches.plan_ranges(
+            pipeline.job_name(tenant),
+            channel=tenant,
+            ranges=windows,
+            max_attempts=pipeline.max_attempts,
+            using=pipeline.alias,
+        )
+    return batches.plan(
+        pipeline.job_name(tenant),
+        channel=tenant,
+        table=source.table_name,
+        id_column=source.id_column,
+        batch_size=size,
+        max_attempts=pipeline.max_attempts,
+        filters={source.tenant_column: tenant} if source.tenant_column else None,
+        progress=progress,
+        using=pipeline.alias,
+    )
 
 
 def _clear(job_batches: Any, job_name: str) -> None:
@@ -288,7 +551,7 @@ class PipelineRunner:
         (:class:`~.spark.SparkClusterError`). Later infrastructure errors pause the runner; with
         ``burst`` they stop it, raising the :class:`~.cluster.InfrastructureError`.
         """
-        from django_fairqueue.pipeline.spark import describe_session, get_session
+        from django_fairqueue.contrib.pipeline.spark import describe_session, get_session
 
         patterns = job_patterns(self.pipelines)
         if self.spark is None:
@@ -346,7 +609,11 @@ class PipelineRunner:
 
     def _check(self) -> None:
         """Before claiming: check the executors (once, then again after each pause)."""
-        from django_fairqueue.pipeline.spark import executor_conninfo, get_session, spark_settings
+        from django_fairqueue.contrib.pipeline.spark import (
+            executor_conninfo,
+            get_session,
+            spark_settings,
+        )
 
         if self.spark is None:  # the session stopped and was dropped: build a new one
             self.spark = get_session()
@@ -380,7 +647,7 @@ class PipelineRunner:
 
     def _pause_for(self, error: cluster.InfrastructureError, cause: BaseException) -> None:
         """Pause after an infrastructure error (stop, raising it, in burst mode)."""
-        from django_fairqueue.pipeline.spark import spark_settings, stop_session
+        from django_fairqueue.contrib.pipeline.spark import spark_settings, stop_session
 
         settings = spark_settings()
         self.stats.paused += 1

@@ -1,0 +1,32 @@
+"""The pipeline app's settings: one ``FAIRQUEUE_PIPELINE = {...}`` dict, beside ``FAIRQUEUE``.
+
+``SPARK``: the worker's Spark session (:mod:`.spark` lists its keys and checks them).
+Read on every use, so a test's ``settings`` override applies at once; checked at start-up by
+the app's system check (``fairqueue_pipeline.E001``) with the same message as at first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+KEYS = ("SPARK",)
+
+
+def get() -> dict[str, Any]:
+    """``FAIRQUEUE_PIPELINE``, its shape checked; ``ValueError`` names a bad entry."""
+    from django.conf import settings
+
+    raw = getattr(settings, "FAIRQUEUE_PIPELINE", None)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"FAIRQUEUE_PIPELINE must be a dict, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(KEYS))
+    if unknown:
+        raise ValueError(f"FAIRQUEUE_PIPELINE has unknown keys {unknown}; known keys: {list(KEYS)}")
+    spark = raw.get("SPARK", {})
+    if spark is None:
+        spark = {}
+    if not isinstance(spark, dict):
+        raise ValueError(f"FAIRQUEUE_PIPELINE['SPARK'] must be a dict, got {type(spark).__name__}")
+    return {"SPARK": dict(spark)}

@@ -1,0 +1,83 @@
+"""``runfairworker --pipelines``: pipeline batches in a thread of the worker process.
+
+Registered by the app's ``ready()`` as a companion of the worker
+(:mod:`django_fairqueue.worker.extensions`); PySpark is imported only when the option is given.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from django_fairqueue.worker.extensions import Companion, WorkerExtension
+
+if TYPE_CHECKING:
+    from django.core.management.base import CommandParser
+
+    from django_fairqueue.contrib.pipeline.runner import PipelineRunner
+    from django_fairqueue.worker.config import WorkerConfig
+
+
+class RunnerThread(Companion):
+    """A :class:`PipelineRunner` running in a thread next to the worker's."""
+
+    def __init__(self, runner: PipelineRunner) -> None:
+        self.runner = runner
+        self.thread = threading.Thread(target=runner.run_logged, name="fairqueue-pipeline-runner")
+        runner.thread = self.thread
+
+    def stop(self) -> None:
+        self.runner.stop()  # cancels a running Spark job and gives its batch back
+        self.thread.join()
+
+
+class PipelineExtension(WorkerExtension):
+    name = "pipelines"
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--pipelines",
+            nargs="?",
+            const="",
+            metavar="NAMES",
+            help="Also run Spark pipeline batches, one at a time, in a thread of this process: "
+            "the named pipelines (comma-separated) or, without NAMES, every registered one. "
+            "Needs the spark extra (docs/howto/spark-pipeline.md).",
+        )
+
+    def child_flags(self, options: Mapping[str, Any]) -> list[str]:
+        names = options.get("pipelines")
+        if names is None:
+            return []
+        return ["--pipelines", names] if names else ["--pipelines"]
+
+    def start(self, options: Mapping[str, Any], config: WorkerConfig) -> Companion | None:
+        if options.get("pipelines") is None:
+            return None
+        from django_fairqueue.contrib.pipeline.spark import (
+            SparkUnavailable,
+            require_java,
+            require_pyspark,
+        )
+
+        try:
+            require_pyspark()
+            require_java()
+            from django_fairqueue.contrib.pipeline.runner import PipelineRunner, job_patterns
+
+            names = [n.strip() for n in options["pipelines"].split(",") if n.strip()]
+            job_patterns(names)  # an unknown pipeline name fails here, not in the thread
+            runner = PipelineRunner(
+                worker_id=config.worker_id,
+                pipelines=names or None,
+                channels=config.channels or None,
+                lease=config.lease,
+                poll_interval=config.poll_interval,
+                burst=config.burst,
+            )
+        except (SparkUnavailable, LookupError, ValueError) as exc:
+            raise ValueError(f"--pipelines: {exc}") from None
+        companion = RunnerThread(runner)
+        companion.thread.start()
+        return companion

@@ -1,0 +1,414 @@
+"""Channel groups: fairness across groups first, then across a group's channels; group caps
+and rate limits; the group's sums kept exact; grouping declared at enqueue.
+
+Claims run against real PostgreSQL; the cap test uses several threads with a connection each.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from django_fairqueue import store
+from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many
+from django_fairqueue.exceptions import InvalidChannel
+from django_fairqueue.models import Channel, ChannelGroup
+from tests import factories as f
+from tests.test_claim_concurrency import run_threads
+
+LEASE = timedelta(minutes=5)
+
+
+@pytest.fixture(autouse=True)
+def _async_commit() -> Iterator[None]:
+    with connection.cursor() as cur:
+        cur.execute("SET synchronous_commit = off")
+    store.forget_groups()
+    yield
+    store.forget_groups()
+
+
+@pytest.fixture(params=["count", "time"])
+def fairness(request: Any, settings: Any) -> str:
+    settings.FAIRQUEUE = {**settings.FAIRQUEUE, "FAIRNESS": request.param}
+    return str(request.param)
+
+
+def claim(limit: int = 1, worker: str = "test-worker") -> list[store.ClaimedMessage]:
+    return store.claim_messages(limit, lease=LEASE, worker_id=worker)
+
+
+def complete(messages: list[store.ClaimedMessage]) -> None:
+    store.complete_messages([(m.id, m.lease_token, None) for m in messages], run_seconds=None)
+
+
+def spread(group: str, channels: int, per_channel: int) -> None:
+    """``per_channel`` messages in each of ``channels`` channels of ``group`` (one batch)."""
+    enqueue_many(
+        EnqueueRequest(f.NOOP, (i,), channel=(group, f"c{c:03d}"))
+        for i in range(per_channel)
+        for c in range(channels)
+    )
+
+
+def group_of(message: store.ClaimedMessage) -> str:
+    return message.channel.split("/", 1)[0] if "/" in message.channel else message.channel
+
+
+def assert_group_sums_exact() -> None:
+    """Each group's ready/running/claimable equal the sums over its channels' rows."""
+    with connection.cursor() as cur:
+        cur.execute(
+            """
+            SELECT g.name, g.ready_count, g.running_count, g.claimable,
+                   coalesce(sum(c.ready_count), 0), coalesce(sum(c.running_count), 0),
+                   count(c.id) FILTER (WHERE c.ready_count > 0 AND NOT c.paused
+                       AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency))
+            FROM fairqueue_channel_group g
+            LEFT JOIN fairqueue_channel c ON c.group_id = g.id
+            GROUP BY g.id
+            """
+        )
+        for name, ready, running, claimable, c_ready, c_running, c_claimable in cur.fetchall():
+            assert (ready, running, claimable) == (c_ready, c_running, c_claimable), name
+
+
+# ------------------------------------------------------------------------------------------------
+# Declaring groups
+
+
+@pytest.mark.django_db(transaction=True)
+def test_tuple_channel_creates_the_group_and_a_channel_named_group_slash_channel() -> None:
+    enqueue(f.NOOP, channel=("acme", "alice"))
+    group = ChannelGroup.objects.get(name="acme")
+    channel = Channel.objects.get(name="acme/alice")
+    assert channel.group_id == group.pk
+    # the string form names the same channel; a new one joins the existing group
+    enqueue(f.NOOP, channel="acme/alice")
+    enqueue(f.NOOP, channel="acme/bob")
+    assert Channel.objects.get(name="acme/bob").group_id == group.pk
+    assert Channel.objects.filter(name="acme/alice").count() == 1
+    (state,) = store.select_group_state([group.pk])
+    assert (state.channels, state.claimable, state.ready) == (2, 0, 0)  # deltas, not folded
+    f.fold_all()
+    (state,) = store.select_group_state([group.pk])
+    assert (state.channels, state.claimable, state.ready) == (2, 2, 3)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_slash_in_a_name_groups_nothing_until_the_group_exists() -> None:
+    f.enqueue("user/42", 2)
+    assert Channel.objects.get(name="user/42").group_id is None
+    # creating the group (here in the admin's way, through the ORM) takes the channel in,
+    # with its counters
+    f.fold_all()
+    group = ChannelGroup.objects.create(name="user", max_concurrency=3)
+    assert Channel.objects.get(name="user/42").group_id == group.pk
+    (state,) = store.select_group_state([group.pk])
+    assert (state.ready, state.claimable) == (2, 1)
+    assert_group_sums_exact()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("channel", "message"),
+    [
+        (("acme",), "pair"),
+        (("acme", "a", "b"), "pair"),
+        (("", "alice"), "must not be empty"),
+        (("ac/me", "alice"), "must not contain '/'"),
+        ((" acme", "alice"), "blanks"),
+        (("acme", ""), "must not be empty"),
+        (("acme", ("x", "y")), "do not nest"),
+        ((1, "alice"), "must be a string"),
+        (("a" * 101, "alice"), "the most is 100"),
+        (("acme", "a" * 200), "the most is 200"),
+        (["acme", "alice"], "tuple"),
+    ],
+)
+def test_bad_grouped_channels_are_refused_with_a_clear_error_and_store_nothing(
+    channel: Any, message: str
+) -> None:
+    with pytest.raises(InvalidChannel, match=message):
+        enqueue(f.NOOP, channel=channel)
+    with pytest.raises(InvalidChannel, match=message):
+        enqueue_many(
+            [EnqueueRequest(f.NOOP, channel=("ok", "x")), EnqueueRequest(f.NOOP, channel=channel)]
+        )
+    assert not Channel.objects.exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# Fairness across groups, then within
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_tenant_with_a_hundred_channels_gets_one_turn_like_a_tenant_with_one(
+    fairness: str,
+) -> None:
+    spread("bob", 100, 5)  # 500 messages over 100 channels
+    enqueue_many(EnqueueRequest(f.NOOP, (i,), channel=("alice", "inbox")) for i in range(10))
+    f.enqueue("carol", 10)  # an ungrouped channel is a flow of its own
+    f.fold_all()
+    served: list[str] = []
+    for _ in range(30):
+        got = claim(1)
+        assert len(got) == 1
+        served.append(group_of(got[0]))
+        complete(got)
+    counts = Counter(served)
+    # three flows, one message each per round
+    assert counts["alice"] == 10 and counts["carol"] == 10 and counts["bob"] == 10, counts
+    assert_group_sums_exact()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_within_a_group_channels_take_turns(fairness: str) -> None:
+    spread("bob", 4, 10)
+    f.fold_all()
+    served = []
+    for _ in range(8):
+        got = claim(1)
+        served.append(got[0].channel)
+        complete(got)
+    assert Counter(served) == {f"bob/c{c:03d}": 2 for c in range(4)}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_batch_claims_share_by_group_weight(fairness: str) -> None:
+    spread("big", 20, 30)
+    spread("small", 1, 600)
+    ChannelGroup.objects.filter(name="big").update(weight=3)
+    f.fold_all()
+    served: Counter[str] = Counter()
+    for _ in range(8):
+        got = claim(100)
+        assert len(got) == 100
+        served.update(group_of(m) for m in got)
+        complete(got)
+    share = served["big"] / (served["big"] + served["small"])
+    assert 0.70 <= share <= 0.80, served
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_single_group_fills_the_whole_batch_from_its_channels(fairness: str) -> None:
+    spread("solo", 30, 10)
+    f.fold_all()
+    got = claim(100)
+    assert len(got) == 100
+    assert len({m.channel for m in got}) >= 25  # spread over its channels by turns
+    assert_group_sums_exact()
+
+
+# ------------------------------------------------------------------------------------------------
+# Group caps and rate limits
+
+
+@pytest.mark.django_db(transaction=True)
+def test_group_cap_holds_across_its_channels_and_a_completion_frees_one_slot(
+    fairness: str,
+) -> None:
+    spread("capped", 10, 5)
+    ChannelGroup.objects.filter(name="capped").update(max_concurrency=3)
+    f.enqueue("free", 5)
+    f.fold_all()
+    got = claim(100)
+    in_group = [m for m in got if group_of(m) == "capped"]
+    assert len(in_group) == 3 and len(got) == 8
+    assert claim(100) == []
+    complete(in_group[:1])
+    again = claim(100)
+    assert len(again) == 1 and group_of(again[0]) == "capped"
+    assert_group_sums_exact()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_group_rate_limit_releases_one_message_per_interval(fairness: str) -> None:
+    spread("metered", 5, 4)
+    ChannelGroup.objects.filter(name="metered").update(release_interval=timedelta(seconds=0.3))
+    f.fold_all()
+    assert len(claim(100)) == 1
+    assert claim(100) == []
+    time.sleep(0.35)
+    assert len(claim(100)) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_group_whose_channels_are_all_rate_limited_is_parked_then_served(
+    fairness: str,
+) -> None:
+    spread("slow", 3, 3)
+    Channel.objects.filter(group__name="slow").update(release_interval=timedelta(seconds=0.3))
+    f.fold_all()
+    assert len(claim(100)) == 3  # one per channel
+    assert claim(100) == []
+    with connection.cursor() as cur:
+        cur.execute("SELECT next_turn_at > now() FROM fairqueue_channel_group WHERE name = 'slow'")
+        assert cur.fetchone() == (True,)  # parked until the first channel is due
+    time.sleep(0.35)
+    assert len(claim(100)) == 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_paused_channels_of_a_group_are_not_claimable_and_counted_out() -> None:
+    spread("p", 2, 3)
+    f.fold_all()
+    Channel.objects.filter(name="p/c000").update(paused=True)
+    (state,) = store.select_group_state(list(ChannelGroup.objects.values_list("pk", flat=True)))
+    assert state.claimable == 1
+    got = claim(100)
+    assert {m.channel for m in got} == {"p/c001"}
+    Channel.objects.filter(name="p/c000").update(paused=False)
+    assert {m.channel for m in claim(100)} == {"p/c000"}
+    assert_group_sums_exact()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_six_claimers_never_exceed_a_group_cap_across_its_channels() -> None:
+    cap = 4
+    spread("tenant", 12, 15)  # 180 messages
+    f.enqueue("other", 60)
+    ChannelGroup.objects.filter(name="tenant").update(max_concurrency=cap)
+    f.fold_all()
+    total = 12 * 15 + 60
+    lock = threading.Lock()
+    done: list[int] = []
+    over: list[int] = []
+    seen_at_cap: list[bool] = []
+    deadline = time.monotonic() + 60
+
+    def claimer(i: int) -> None:
+        rng = random.Random(i)
+        while True:
+            with lock:
+                if len(done) >= total:
+                    return
+            assert time.monotonic() < deadline, "claimers did not finish in time"
+            got = claim(rng.randint(1, 6), f"w{i}")
+            with connection.cursor() as cur:
+                cur.execute(
+                    "SELECT count(*) FROM fairqueue_message m "
+                    "JOIN fairqueue_channel c ON c.id = m.channel_id "
+                    "WHERE m.state = 'running' AND starts_with(c.name, 'tenant/')"
+                )
+                (running,) = cur.fetchone()  # type: ignore[misc]
+            with lock:
+                if running > cap:
+                    over.append(running)
+                if running == cap:
+                    seen_at_cap.append(True)
+            if not got:
+                time.sleep(0.002)
+                continue
+            time.sleep(rng.uniform(0, 0.004))
+            complete(got)
+            with lock:
+                done.extend(m.id for m in got)
+
+    run_threads(6, claimer)
+    assert len(done) == total == len(set(done))
+    assert not over, f"group cap {cap} exceeded: {over[:5]}"
+    assert seen_at_cap, "the cap was never reached: the test proved nothing"
+    f.fold_all()
+    assert_group_sums_exact()
+    f.assert_counters_match_table()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_group_sums_follow_rescues_releases_and_deleted_channels() -> None:
+    spread("g", 3, 4)
+    f.fold_all()
+    got = claim(6)
+    store.release_messages([(m.id, m.lease_token) for m in got[:2]])
+    complete(got[2:4])
+    f.fold_all()
+    assert_group_sums_exact()
+    Channel.objects.filter(name="g/c000").delete()
+    assert_group_sums_exact()
+    ChannelGroup.objects.filter(name="g").delete()
+    assert Channel.objects.filter(group__isnull=True).count() == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Operators: status, admin
+
+
+@pytest.mark.django_db(transaction=True)
+def test_status_shows_groups_beside_channels() -> None:
+    import io
+    import json
+
+    from django.core.management import call_command
+
+    spread("acme", 3, 2)
+    ChannelGroup.objects.filter(name="acme").update(max_concurrency=5, weight=2)
+    f.enqueue("plain", 1)
+    f.fold_all()
+    out = io.StringIO()
+    call_command("fairqueue", "status", stdout=out)
+    text = out.getvalue()
+    assert "acme/c000" in text and "plain" in text
+    group_line = next(line for line in text.splitlines() if line.startswith("acme "))
+    assert group_line.split() == ["acme", "3", "6", "0/5", "2", "-"]
+    assert "1 channel groups" in text
+    out = io.StringIO()
+    call_command("fairqueue", "status", "--json", stdout=out)
+    data = json.loads(out.getvalue())
+    assert data["groups"] == [
+        {
+            "name": "acme",
+            "channels": 3,
+            "claimable_channels": 3,
+            "ready": 6,
+            "running": 0,
+            "max_concurrency": 5,
+            "weight": 2,
+            "release_interval_seconds": 0.0,
+        }
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_group_admin_edits_limits_only_and_view_only_users_change_nothing(
+    admin_client: Any, django_user_model: Any, client: Any
+) -> None:
+    from django.contrib.auth.models import Permission
+
+    spread("acme", 2, 3)
+    f.fold_all()
+    group = ChannelGroup.objects.get(name="acme")
+    url = f"/admin/fairqueue/channelgroup/{group.pk}/change/"
+    page = admin_client.get(url)
+    assert page.status_code == 200 and b"6 ready" in page.content
+    listing = admin_client.get("/admin/fairqueue/channelgroup/")
+    assert listing.status_code == 200 and b"acme" in listing.content
+    channels = admin_client.get(f"/admin/fairqueue/channel/?group__id__exact={group.pk}")
+    assert channels.status_code == 200 and b"acme/c001" in channels.content
+    channel = Channel.objects.get(name="acme/c000")
+    page = admin_client.get(f"/admin/fairqueue/channel/{channel.pk}/change/")
+    assert page.status_code == 200 and b"acme" in page.content
+    # a bad cap is refused with a message; a good one is saved, the state stays
+    bad = admin_client.post(url, {"weight": 1, "max_concurrency": 0, "release_interval": "0"})
+    assert bad.status_code == 200 and b"Max concurrency" in bad.content
+    ok = admin_client.post(url, {"weight": 4, "max_concurrency": 2, "release_interval": "0"})
+    assert ok.status_code == 302
+    group.refresh_from_db()
+    assert (group.weight, group.max_concurrency) == (4, 2)
+    (state,) = store.select_group_state([group.pk])
+    assert (state.ready, state.claimable, state.channels) == (6, 2, 2)
+    # a view-only user sees the group and can change nothing
+    viewer = django_user_model.objects.create_user("viewer", password="pw", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_channelgroup"))
+    client.force_login(viewer)
+    assert client.get(url).status_code == 200
+    client.post(url, {"weight": 9, "max_concurrency": 9, "release_interval": "0"})
+    group.refresh_from_db()
+    assert group.weight == 4
