@@ -382,7 +382,12 @@ def heartbeat(
 class _Settled:
     """Leases this process settled (completed, failed, released), so that a heartbeat racing
     the settlement stops quietly instead of reporting the lease lost. Bounded: the newest
-    1,024."""
+    1,024.
+
+    A lease is added *before* its settlement commits (and discarded if it did not settle): a
+    heartbeat waiting on the batch row's lock wakes at that commit and finds the row settled,
+    possibly before the settling thread runs another line.
+    """
 
     def __init__(self) -> None:
         self._leases: dict[tuple[int, Any], None] = {}
@@ -393,6 +398,10 @@ class _Settled:
             self._leases[(batch.id, batch.lease_token)] = None
             while len(self._leases) > 1024:
                 self._leases.pop(next(iter(self._leases)))
+
+    def discard(self, batch: ClaimedBatch) -> None:
+        with self._lock:
+            self._leases.pop((batch.id, batch.lease_token), None)
 
     def __contains__(self, batch: ClaimedBatch) -> bool:
         with self._lock:
@@ -481,20 +490,24 @@ def fenced(batch: ClaimedBatch, *, using: str | None = None) -> Iterator[Fence]:
     ``succeeded`` in the same commit. An exception rolls back both.
     """
     alias = using or conf.get().DATABASE
-    with transaction.atomic(using=alias):
-        if not store.lock_leased_work_batch(batch.id, batch.lease_token, using=alias):
-            raise LeaseLost(
-                f"work batch {batch.id} ({batch.job_name} {batch.start_id}..{batch.end_id}) is "
-                "no longer leased to this worker; its results were not written"
-            )
-        fence = Fence(batch)
-        yield fence
-        if not store.complete_work_batch(
-            batch.id, batch.lease_token, rows=fence.rows_processed, using=alias
-        ):  # cannot happen while the row lock is held; a guard, not a path
-            raise LeaseLost(f"work batch {batch.id} lost its lease while locked")
-        fence.finished_at = timezone.now()
-    _settled.add(batch)
+    try:
+        with transaction.atomic(using=alias):
+            if not store.lock_leased_work_batch(batch.id, batch.lease_token, using=alias):
+                raise LeaseLost(
+                    f"work batch {batch.id} ({batch.job_name} {batch.start_id}..{batch.end_id}) "
+                    "is no longer leased to this worker; its results were not written"
+                )
+            fence = Fence(batch)
+            yield fence
+            if not store.complete_work_batch(
+                batch.id, batch.lease_token, rows=fence.rows_processed, using=alias
+            ):  # cannot happen while the row lock is held; a guard, not a path
+                raise LeaseLost(f"work batch {batch.id} lost its lease while locked")
+            fence.finished_at = timezone.now()
+            _settled.add(batch)  # before the commit: see _Settled
+    except BaseException:
+        _settled.discard(batch)
+        raise
 
 
 def _error_dict(error: BaseException | str, batch: ClaimedBatch, worker_id: str) -> dict[str, Any]:
@@ -525,24 +538,34 @@ def fail(
     delay = retry_delay_seconds if retry_delay_seconds is not None else retry_delay(batch.attempts)
     if not math.isfinite(delay) or delay < 0:
         raise ValueError(f"retry delay must be a finite number >= 0, got {delay!r}")
-    state = store.fail_work_batch(
-        batch.id,
-        batch.lease_token,
-        error=_error_dict(error, batch, worker_id),
-        retry_in=timedelta(seconds=delay),
-        final=final,
-        using=using,
-    )
-    if state is not None:
-        _settled.add(batch)
+    _settled.add(batch)  # before the commit: see _Settled
+    try:
+        state = store.fail_work_batch(
+            batch.id,
+            batch.lease_token,
+            error=_error_dict(error, batch, worker_id),
+            retry_in=timedelta(seconds=delay),
+            final=final,
+            using=using,
+        )
+    except BaseException:
+        _settled.discard(batch)
+        raise
+    if state is None:
+        _settled.discard(batch)
     return state
 
 
 def release(batch: ClaimedBatch, *, using: str | None = None) -> bool:
     """Give the batch back untouched (graceful shutdown): pending again, attempt not counted."""
-    released = store.release_work_batch(batch.id, batch.lease_token, using=using)
-    if released:
-        _settled.add(batch)
+    _settled.add(batch)  # before the commit: see _Settled
+    try:
+        released = store.release_work_batch(batch.id, batch.lease_token, using=using)
+    except BaseException:
+        _settled.discard(batch)
+        raise
+    if not released:
+        _settled.discard(batch)
     return released
 
 

@@ -532,10 +532,54 @@ def test_a_heartbeat_after_the_batch_settled_reports_no_lost_lease(
     batch = batches.claim(worker_id="w", jobs=[f"{PIPELINE}:*"], lease=timedelta(minutes=5))
     assert batch is not None
     with batches.Heartbeat(batch, interval=0.05) as beat:
-        WorkBatch.objects.filter(pk=batch.id).update(
-            lease_expires_at=timezone.now() - timedelta(seconds=1)
-        )
-        batches.rescue_expired()
+        from django.db import transaction
+
+        with transaction.atomic():  # the row locked: no beat renews the lease in between
+            WorkBatch.objects.select_for_update().get(pk=batch.id)
+            WorkBatch.objects.filter(pk=batch.id).update(
+                lease_expires_at=timezone.now() - timedelta(seconds=1)
+            )
+            assert [r.id for r in batches.rescue_expired()] == [batch.id]
         time.sleep(0.4)
     assert beat.lost.is_set()
     assert f"batch {batch.id}: lease lost" in caplog.text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_heartbeat_woken_by_the_settlement_commit_reports_no_lost_lease(
+    formulas: dict[str, list[str]],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A heartbeat waits on the batch row's lock while the fence (or a failure, or a release)
+    settles the batch, and wakes at its commit to find the row settled: it must know that
+    this process settled it, however slowly the settling thread goes on after the commit."""
+    import logging
+    import time
+
+    class SlowSettled(type(batches._settled)):  # type: ignore[misc]
+        def add(self, batch: batches.ClaimedBatch) -> None:
+            time.sleep(0.3)  # the settling thread, descheduled right after its commit
+            super().add(batch)
+
+    monkeypatch.setattr(batches, "_settled", SlowSettled())
+    make_rows(20)
+    plan(PIPELINE, batch_size=5, tenants=["alice"])
+    caplog.set_level(logging.WARNING, logger="django_fairqueue.batches")
+    lost = []
+    for settle in ("complete", "fail", "release"):
+        batch = batches.claim(worker_id="w", jobs=[f"{PIPELINE}:*"], lease=timedelta(minutes=5))
+        assert batch is not None
+        with batches.Heartbeat(batch, interval=0.05) as beat:
+            if settle == "complete":
+                with batches.fenced(batch):
+                    time.sleep(0.2)  # heartbeats queue on the row lock the fence holds
+            elif settle == "fail":
+                batches.fail(batch, RuntimeError("boom"), final=True)
+            else:
+                batches.release(batch)
+            time.sleep(0.4)
+        assert beat.beats >= 1
+        lost.append(beat.lost.is_set())
+    assert lost == [False, False, False]
+    assert "lease lost" not in caplog.text

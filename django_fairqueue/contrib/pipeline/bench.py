@@ -1,29 +1,41 @@
 """``manage.py fairpipeline bench``: the Spark pipeline against the same formulas in SQL.
 
-For each row count: scratch source and sink tables (UNLOGGED, dropped afterwards) with two
-tenants' rows (alice: the first half of the ids, bob: the rest) and different formulas; the
-source gets the ``(tenant, id)`` index the how-to asks for and a ``VACUUM ANALYZE``. Then,
-on a warm SparkSession:
+For each row count: scratch source and sink tables (UNLOGGED, dropped afterwards) with the
+rows of ``tenants`` tenants (10 by default), **interleaved** as in a table every tenant writes
+to (each id's tenant picked by a hash of it; ``contiguous=True``: one run of ids per tenant,
+which flatters any write by key range), each tenant with its own ``rules`` formulas (3 typed
+columns; every further rule goes to a ``jsonb`` results column). The source gets the
+``(tenant, id)`` index the how-to asks for and a ``VACUUM ANALYZE``. Then, on a warm
+SparkSession:
 
-* **SQL baseline**: each tenant's formulas as one ``INSERT ... SELECT ... ON CONFLICT``,
-  computed by PostgreSQL in one process;
+* **SQL baselines**: each tenant's formulas compiled by hand to one ``INSERT ... SELECT``
+  (plain ``INSERT``: the sink starts empty), computed by PostgreSQL alone; once on one
+  connection, once on one connection per CPU core running tenants side by side. The faster is
+  "the baseline";
 * **Spark pipeline, atomic sink** (the default): the same formulas through planned work
   batches, claimed, read by Spark tasks (COPY -> Arrow), transformed, staged and merged under
   the fence, as a worker runs them;
-* **Spark pipeline, ``Sink(atomic=False)``**: the same, but each Spark task writes its rows
-  into the sink in its own lease-fenced transaction.
+* **Spark pipeline, ``Sink(atomic=False)``** (unless ``direct=False``): the same, but each
+  Spark task writes its rows into the sink in its own lease-fenced transaction.
 
-Each starts from an empty sink; their results are compared with the baseline's.
+Each starts from an empty sink; their results are compared with the baseline's. The database
+server's CPU time of each is measured from ``/proc`` when the server runs on this machine: the
+user and system time of the postmaster and all its processes (backends, including exited ones,
+which the postmaster's children's times count; background writers, WAL writer, autovacuum).
+
+Nothing stays behind: the scratch tables, the jobs, work batches and channels the run created
+are removed when it ends (the tenants are named after the run, so no existing channel is used).
 """
 
 from __future__ import annotations
 
 import os
 import resource
+import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from django_fairqueue.contrib.pipeline import datastore
@@ -32,52 +44,193 @@ from django_fairqueue.contrib.pipeline.spark import get_session, jvm_peak_rss_by
 
 SOURCE = "fq_bench_pipeline_source"
 SINK = "fq_bench_pipeline_sink"
-FORMULAS = {
-    "alice": [
-        "subtotal = price * qty",
-        "total = round(subtotal * (1 - discount) * (1 + tax_rate), 2)",
-        "band = CASE WHEN total >= 500 THEN 'high' WHEN total >= 100 THEN 'mid' ELSE 'low' END",
-    ],
-    "bob": [
-        "subtotal = price * qty - discount * price",
-        "total = greatest(subtotal, 0) * (1 + tax_rate) + 4.95",
-        "band = CASE WHEN qty > 10 THEN 'bulk' ELSE 'retail' END",
-    ],
-}
+TYPED = ("subtotal", "total", "band")
+#: Keys of the results column whose sums the benchmark compares (when there are that many rules).
+CHECKED_RESULTS = ("r004", "r005", "r006")
 
 
-def _baseline(tenant: str) -> dict[str, Any]:
-    """The tenant's formulas written by hand in PostgreSQL's SQL (the data has no blanks, so
-    the spreadsheet rules about blanks and errors do not come into it)."""
-    from psycopg import sql
+@dataclass(frozen=True)
+class Rule:
+    """One formula in the pipeline's language and the same computation in PostgreSQL's SQL
+    (the data has no blanks and no rule divides, so the spreadsheet rules about blanks and
+    error values do not come into it)."""
 
-    if tenant == "alice":
+    name: str
+    formula: str
+    sql: str
+
+
+def tenant_rules(index: int, count: int) -> list[Rule]:
+    """``count`` rules (at least 3) of the tenant numbered ``index``; tenants differ."""
+    if index % 2 == 0:
         subtotal = "(price * qty)"
         total = f"round(({subtotal} * (1 - discount) * (1 + tax_rate))::text::numeric, 2)::float8"
-        band = f"CASE WHEN {total} >= 500 THEN 'high' WHEN {total} >= 100 THEN 'mid' ELSE 'low' END"
+        rules = [
+            Rule("subtotal", "subtotal = price * qty", subtotal),
+            Rule("total", "total = ROUND(subtotal * (1 - discount) * (1 + tax_rate), 2)", total),
+            Rule(
+                "band",
+                'band = IFS(total >= 500, "high", total >= 100, "mid", TRUE, "low")',
+                f"CASE WHEN {total} >= 500 THEN 'high' WHEN {total} >= 100 THEN 'mid' "
+                "ELSE 'low' END",
+            ),
+        ]
     else:
         subtotal = "(price * qty - discount * price)"
         total = f"(greatest({subtotal}, 0) * (1 + tax_rate) + 4.95)"
-        band = "CASE WHEN qty > 10 THEN 'bulk' ELSE 'retail' END"
-    return {"subtotal": sql.SQL(subtotal), "total": sql.SQL(total), "band": sql.SQL(band)}
+        rules = [
+            Rule("subtotal", "subtotal = price * qty - discount * price", subtotal),
+            Rule("total", "total = MAX(subtotal, 0) * (1 + tax_rate) + 4.95", total),
+            Rule(
+                "band",
+                'band = IF(qty > 10, "bulk", "retail")',
+                "CASE WHEN qty > 10 THEN 'bulk' ELSE 'retail' END",
+            ),
+        ]
+    for k in range(4, count + 1):
+        a = ((k + index) % 7 + 1) / 10
+        n = (k + index) % 17
+        x = 50 + (k * 13 + index) % 900
+        name = f"r{k:03d}"
+        kind = k % 5
+        if kind == 0:
+            formula = f"ROUND(price * {a} + qty * {n}, 2)"
+            code = f"round((price * {a} + qty * {n})::text::numeric, 2)::float8"
+        elif kind == 1:
+            formula = f"IF(qty > {n}, price * {a}, discount * {x})"
+            code = f"CASE WHEN qty > {n} THEN price * {a} ELSE discount * {x} END"
+        elif kind == 2:
+            formula = f'IF(price > {x}, "high", "low")'
+            code = f"CASE WHEN price > {x} THEN 'high' ELSE 'low' END"
+        elif kind == 3:
+            formula = f"MAX(subtotal - {x}, 0)"
+            code = f"greatest({subtotal} - {x}, 0)"
+        else:
+            formula = f"ABS(price * {a} - qty)"
+            code = f"abs(price * {a} - qty)"
+        rules.append(Rule(name, f"{name} = {formula}", code))
+    return rules[:count] if count >= 3 else rules
+
+
+def baseline_expressions(rules: Sequence[Rule]) -> dict[str, Any]:
+    """Sink column -> SQL expression of one tenant's rules: the typed columns, and the other
+    rules as one ``jsonb`` object (built 50 keys at a time: a function takes 100 arguments)."""
+    from psycopg import sql
+
+    typed = {r.name: sql.SQL(r.sql) for r in rules if r.name in TYPED}
+    others = [r for r in rules if r.name not in TYPED]
+    parts = []
+    for lo in range(0, len(others), 50):
+        pairs = sql.SQL(", ").join(
+            sql.SQL("{}, {}").format(sql.Literal(r.name), sql.SQL(r.sql))
+            for r in others[lo : lo + 50]
+        )
+        parts.append(sql.SQL("jsonb_build_object({})").format(pairs))
+    results = sql.SQL(" || ").join(parts) if parts else sql.SQL("'{}'::jsonb")
+    return {
+        "id": sql.Identifier("id"),
+        "tenant": sql.Identifier("tenant"),
+        **typed,
+        "results": results,
+    }
+
+
+def _stat(pid: int) -> list[str]:
+    """Fields of /proc/PID/stat after the command name (state is [0], ppid [1])."""
+    with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+        return stat.read().rsplit(")", 1)[1].split()
+
+
+def tree_cpu_seconds(root: int) -> float | None:
+    """CPU seconds (user + system) of process ``root`` and all its descendants, exited ones
+    included (a process's children's times count in its own once they exited and were waited
+    for). None if ``root`` is gone or ``/proc`` cannot be read."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            fields = _stat(int(entry))
+            children.setdefault(int(fields[1]), []).append(int(entry))
+            ticks[int(entry)] = sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
+        except (OSError, ValueError, IndexError):
+            continue
+    if root not in ticks:
+        return None
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        total += ticks.get(pid, 0)
+        stack.extend(children.get(pid, ()))
+    return total / tick
+
+
+class DatabaseCpu:
+    """CPU seconds of the PostgreSQL server behind ``using``: its postmaster's process tree
+    (:func:`tree_cpu_seconds`). None when the server is not on this machine."""
+
+    def __init__(self, using: str) -> None:
+        backend = datastore.backend_pid(using)
+        self.postmaster: int | None = None
+        try:
+            postmaster = int(_stat(backend)[1])
+            with open(f"/proc/{postmaster}/comm", encoding="ascii") as comm:
+                if "postgres" in comm.read():
+                    self.postmaster = postmaster
+        except (OSError, ValueError, IndexError):
+            pass  # not this machine's process (or not readable): not measured
+
+    def seconds(self) -> float | None:
+        return None if self.postmaster is None else tree_cpu_seconds(self.postmaster)
+
+
+def spark_cpu_seconds() -> float | None:
+    """CPU seconds of Spark's JVM and its Python workers (local mode), and of this process."""
+    jvm = _jvm_pid()
+    spark = tree_cpu_seconds(jvm) if jvm is not None else None
+    if spark is None:
+        return None
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return spark + own.ru_utime + own.ru_stime
 
 
 @dataclass
 class BenchResult:
     rows: int
+    tenants: int
+    rules: int  # per tenant
+    interleaved: bool
     batches: int  # per Spark run
-    sql_seconds: float
+    sql_serial_seconds: float | None  # one connection, tenant after tenant
+    sql_parallel_seconds: float | None  # one connection per core, tenants side by side
+    sql_seconds: float  # the best of the baselines run: "the baseline"
     spark_seconds: float  # atomic sink
-    direct_seconds: float  # Sink(atomic=False)
+    direct_seconds: float | None  # Sink(atomic=False)
     sql_rows_per_second: float
     spark_rows_per_second: float
-    direct_rows_per_second: float
-    ratio: float  # atomic seconds / sql seconds
-    direct_ratio: float  # atomic=False seconds / sql seconds
-    results_match: bool  # both Spark runs wrote what the baseline wrote
+    direct_rows_per_second: float | None
+    ratio: float  # atomic seconds / baseline seconds
+    direct_ratio: float | None  # atomic=False seconds / baseline seconds
+    plan_seconds: float  # of the atomic run
+    spark_phase_seconds: float  # of the atomic run's batches: read, formulas, staging
+    merge_seconds: float  # of the atomic run's batches: the fenced merge (one backend each)
+    #: Database server CPU per row (microseconds), None where not measured.
+    sql_db_cpu_us_per_row: float | None
+    spark_db_cpu_us_per_row: float | None
+    direct_db_cpu_us_per_row: float | None
+    #: CPU per row (microseconds) of Spark's JVM, its Python workers and the driver process.
+    spark_cpu_us_per_row: float | None
+    results_match: bool  # the Spark runs wrote what the baseline wrote
     driver_peak_rss_mb: float
     jvm_peak_rss_mb: float
     python_workers_peak_rss_mb: float
+    load_average: list[float] = field(default_factory=list)  # 1-min, at start and end
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -118,7 +271,14 @@ def _jvm_pid() -> int | None:
         return None
 
 
-def _bench_pipeline(name: str, batch_size: int, using: str, *, atomic: bool = True) -> Pipeline:
+def _bench_pipeline(
+    name: str,
+    batch_size: int,
+    using: str,
+    rules: dict[str, list[Rule]],
+    *,
+    atomic: bool = True,
+) -> Pipeline:
     return Pipeline(
         name=name,
         source=Source(
@@ -126,25 +286,78 @@ def _bench_pipeline(name: str, batch_size: int, using: str, *, atomic: bool = Tr
             columns=["id", "tenant", "price", "qty", "discount", "tax_rate"],
             tenant_column="tenant",
         ),
-        sink=Sink(SINK, key=["id"], columns=["tenant", "subtotal", "total", "band"], atomic=atomic),
-        formulas=FORMULAS.__getitem__,
-        tenants=list(FORMULAS),
+        sink=Sink(
+            SINK,
+            key=["id"],
+            columns=["tenant", *TYPED],
+            results="results",
+            atomic=atomic,
+        ),
+        formulas=lambda tenant: [r.formula for r in rules[tenant]],
+        tenants=list(rules),
         batch_size=batch_size,
         database=using,
     )
 
 
-def _forget_jobs(using: str, name: str) -> None:
-    """Delete the benchmark's jobs and work batches: they must not stay in the admin."""
+def _forget(using: str, name: str, channels: Sequence[str]) -> None:
+    """Delete the benchmark's jobs, work batches and channels: they must not stay in the admin."""
     from django_fairqueue.contrib.pipeline.models import PipelineJob
-    from django_fairqueue.models import WorkBatch
+    from django_fairqueue.models import Channel, WorkBatch
 
     WorkBatch.objects.using(using).filter(job_name__startswith=name).delete()
     PipelineJob.objects.using(using).filter(pipeline__startswith=name).delete()
+    Channel.objects.using(using).filter(name__in=list(channels)).delete()
 
 
-def _checksum(using: str) -> tuple[int, float]:
-    return datastore.checksum(using, SINK, "total")
+def _checksums(using: str, rules: int) -> tuple[Any, ...]:
+    count, total = datastore.checksum(using, SINK, "total")
+    checked = CHECKED_RESULTS[: max(0, rules - 3)]
+    return (count, total, *(datastore.results_checksum(using, SINK, "results", k) for k in checked))
+
+
+def _same(got: tuple[Any, ...], expected: tuple[Any, ...]) -> bool:
+    if got[0] != expected[0]:
+        return False
+    return all(
+        abs(a - b) <= 1e-6 * max(1.0, abs(b)) for a, b in zip(got[1:], expected[1:], strict=True)
+    )
+
+
+def _baseline(using: str, statements: dict[str, str], hi: int, connections: int) -> float:
+    """Run each tenant's statement, on ``connections`` connections at once; seconds taken."""
+    import psycopg
+
+    conninfo = datastore.connection_string(using)
+    pending = list(statements.items())
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            with psycopg.connect(conninfo, autocommit=True) as conn:
+                while True:
+                    with lock:
+                        if not pending or errors:
+                            return
+                        tenant, statement = pending.pop(0)
+                    conn.execute(statement, {"lo": 1, "hi": hi, "tenant": tenant})
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            errors.append(exc)
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=work) for _ in range(max(1, connections))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return time.monotonic() - started
+
+
+def _per_row(seconds: float | None, rows: int) -> float | None:
+    return None if seconds is None else round(seconds / rows * 1e6, 2)
 
 
 def run(
@@ -152,32 +365,54 @@ def run(
     *,
     using: str,
     batch_size: int | None = None,
+    tenants: int = 10,
+    rules: int = 3,
+    contiguous: bool = False,
+    direct: bool = True,
+    sql_connections: Sequence[int] = (),
     say: Callable[[str], None] = print,
 ) -> BenchResult:
+    from django_fairqueue.contrib.pipeline.execute import BatchOutcome
     from django_fairqueue.contrib.pipeline.runner import PipelineRunner, plan
 
+    if tenants < 1 or rows < tenants:
+        raise ValueError("the benchmark needs at least one tenant and one row per tenant")
+    if rules < 3:
+        raise ValueError("the benchmark's tenants have at least 3 rules")
     spark = get_session()
-    half = rows // 2
+    load = [round(os.getloadavg()[0], 1)]
+    name = f"fqbench-{uuid.uuid4().hex[:8]}"
+    names = [f"{name}-t{i:02d}" for i in range(tenants)]
+    by_tenant = {t: tenant_rules(i, rules) for i, t in enumerate(names)}
+    cpu = DatabaseCpu(using)
     datastore.drop_table(using, SOURCE)
     datastore.drop_table(using, SINK)
     datastore.create_bench_tables(using, source=SOURCE, sink=SINK)
+    layout = "contiguous" if contiguous else "interleaved"
     try:
-        say(f"{rows:,} rows: generating the source table")
+        say(f"{rows:,} rows: generating the source table ({tenants} tenants, {layout})")
         step = 1_000_000
         for lo in range(1, rows + 1, step):
-            datastore.fill_bench_source(using, SOURCE, lo, min(rows, lo + step - 1), half)
+            datastore.fill_bench_source(
+                using, SOURCE, lo, min(rows, lo + step - 1), rows=rows, tenants=names,
+                contiguous=contiguous,
+            )  # fmt: skip
         datastore.index_bench_source(using, SOURCE)
         datastore.vacuum_analyze(using, SOURCE)
 
-        name = f"fqbench-{uuid.uuid4().hex[:8]}"
-        size = batch_size or max(half, 1)
-        pipeline = registry.register(_bench_pipeline(name, size, using))
-        direct = registry.register(_bench_pipeline(f"{name}-direct", size, using, atomic=False))
+        share = rows // tenants  # a tenant's rows, give or take the hash's spread:
+        size = batch_size or share + share // 10 + 1  # one batch per tenant
+        pipeline = registry.register(_bench_pipeline(name, size, using, by_tenant))
+        other = registry.register(
+            _bench_pipeline(f"{name}-direct", size, using, by_tenant, atomic=False)
+        )
         try:
-            # Warm up: the first job of a session costs seconds more than later ones.
+            # Warm up: the first job of a session costs seconds more than later ones (3 rules:
+            # the session is warmed, not the measured jobs' own plans).
+            first = {names[0]: tenant_rules(0, 3)}
             for atomic in (True, False):
                 warm = registry.register(
-                    _bench_pipeline(f"{name}-warm{int(atomic)}", 5_000, using, atomic=atomic)
+                    _bench_pipeline(f"{name}-warm{int(atomic)}", 5_000, using, first, atomic=atomic)
                 )
                 plan(warm.name)
                 PipelineRunner(
@@ -185,73 +420,107 @@ def run(
                     max_batches=2, spark=spark,
                 ).run()  # fmt: skip
                 registry.unregister(warm.name)
-            datastore.truncate(using, SINK)
 
-            say(f"{rows:,} rows: SQL baseline (one INSERT ... SELECT per tenant)")
-            started = time.monotonic()
-            for tenant in FORMULAS:
-                from psycopg import sql
-
-                expressions = _baseline(tenant)
-                columns = {"id": sql.Identifier("id"), "tenant": sql.Identifier("tenant")}
-                datastore.upsert_with_sql(
+            statements = {
+                tenant: datastore.insert_with_sql_statement(
                     using,
                     source=SOURCE,
                     id_column="id",
-                    lo=1,
-                    hi=rows,
                     tenant_column="tenant",
-                    tenant=tenant,
                     sink=SINK,
-                    key=["id"],
-                    expressions={**columns, **expressions},
+                    expressions=baseline_expressions(by_tenant[tenant]),
                 )
-            sql_seconds = time.monotonic() - started
-            expected = _checksum(using)
-            datastore.truncate(using, SINK)
-
-            def run_spark(chosen: Pipeline) -> tuple[float, int, bool]:
+                for tenant in names
+            }
+            cores = os.cpu_count() or 1
+            timings: dict[int, tuple[float, float | None]] = {}
+            for connections in sql_connections or (1, cores):
+                if connections in timings:
+                    continue
                 datastore.truncate(using, SINK)
+                say(f"{rows:,} rows: SQL baseline, INSERT ... SELECT per tenant on "
+                    f"{connections} connection(s)")  # fmt: skip
+                before = cpu.seconds()
+                seconds = _baseline(using, statements, rows, connections)
+                after = cpu.seconds()
+                used = None if before is None or after is None else after - before
+                timings[connections] = (seconds, used)
+            expected = _checksums(using, rules)
+            serial = timings[1][0] if 1 in timings else None
+            parallel = timings[cores][0] if cores in timings else None
+            sql_seconds, sql_cpu = min(timings.values(), key=lambda t: t[0])
+
+            def run_spark(chosen: Pipeline) -> dict[str, Any]:
+                datastore.truncate(using, SINK)
+                outcomes: list[BatchOutcome] = []
+                before = cpu.seconds()
+                spark_before = spark_cpu_seconds()
                 started = time.monotonic()
                 planned = plan(chosen.name).planned
-                say(f"{rows:,} rows: planned in {time.monotonic() - started:.1f} s")
+                planning = time.monotonic() - started
+                say(f"{rows:,} rows: planned in {planning:.1f} s")
                 runner = PipelineRunner(
                     worker_id=f"bench:{os.getpid()}", pipelines=[chosen.name], burst=True,
-                    spark=spark,
+                    spark=spark, on_batch=outcomes.append,
                 )  # fmt: skip
                 stats = runner.run()
                 seconds = time.monotonic() - started
+                after = cpu.seconds()
+                spark_after = spark_cpu_seconds()
                 if stats.failed or stats.lost:
                     raise RuntimeError(f"benchmark batches failed: {stats}")
-                got = _checksum(using)
-                match = got[0] == expected[0] == rows and abs(got[1] - expected[1]) <= 1e-6 * max(
-                    1.0, abs(expected[1])
-                )
-                return seconds, sum(p.created for p in planned), match
+                return {
+                    "seconds": seconds,
+                    "planning": planning,
+                    "batches": sum(p.created for p in planned),
+                    "spark": sum(o.spark_seconds for o in outcomes),
+                    "merge": sum(o.merge_seconds for o in outcomes),
+                    "cpu": None if before is None or after is None else after - before,
+                    "spark_cpu": None
+                    if spark_before is None or spark_after is None
+                    else spark_after - spark_before,
+                    "match": _same(_checksums(using, rules), expected) and expected[0] == rows,
+                }
 
             say(f"{rows:,} rows: Spark pipeline, atomic sink (Spark, staging, fenced merge)")
-            spark_seconds, planned, atomic_match = run_spark(pipeline)
-            say(f"{rows:,} rows: Spark pipeline, Sink(atomic=False) (tasks write, fenced)")
-            direct_seconds, _, direct_match = run_spark(direct)
+            atomic_run = run_spark(pipeline)
+            direct_run = None
+            if direct:
+                say(f"{rows:,} rows: Spark pipeline, Sink(atomic=False) (tasks write, fenced)")
+                direct_run = run_spark(other)
         finally:
             registry.unregister(name)
-            registry.unregister(direct.name)
-            _forget_jobs(using, name)
+            registry.unregister(other.name)
+            _forget(using, name, names)
+        load.append(round(os.getloadavg()[0], 1))
         return BenchResult(
             rows=rows,
-            batches=planned,
+            tenants=tenants,
+            rules=rules,
+            interleaved=not contiguous,
+            batches=atomic_run["batches"],
+            sql_serial_seconds=round(serial, 2) if serial is not None else None,
+            sql_parallel_seconds=round(parallel, 2) if parallel is not None else None,
             sql_seconds=round(sql_seconds, 2),
-            spark_seconds=round(spark_seconds, 2),
-            direct_seconds=round(direct_seconds, 2),
+            spark_seconds=round(atomic_run["seconds"], 2),
+            direct_seconds=round(direct_run["seconds"], 2) if direct_run else None,
             sql_rows_per_second=round(rows / sql_seconds),
-            spark_rows_per_second=round(rows / spark_seconds),
-            direct_rows_per_second=round(rows / direct_seconds),
-            ratio=round(spark_seconds / sql_seconds, 2),
-            direct_ratio=round(direct_seconds / sql_seconds, 2),
-            results_match=atomic_match and direct_match,
+            spark_rows_per_second=round(rows / atomic_run["seconds"]),
+            direct_rows_per_second=round(rows / direct_run["seconds"]) if direct_run else None,
+            ratio=round(atomic_run["seconds"] / sql_seconds, 2),
+            direct_ratio=round(direct_run["seconds"] / sql_seconds, 2) if direct_run else None,
+            plan_seconds=round(atomic_run["planning"], 2),
+            spark_phase_seconds=round(atomic_run["spark"], 2),
+            merge_seconds=round(atomic_run["merge"], 2),
+            sql_db_cpu_us_per_row=_per_row(sql_cpu, rows),
+            spark_db_cpu_us_per_row=_per_row(atomic_run["cpu"], rows),
+            direct_db_cpu_us_per_row=_per_row(direct_run["cpu"], rows) if direct_run else None,
+            spark_cpu_us_per_row=_per_row(atomic_run["spark_cpu"], rows),
+            results_match=atomic_run["match"] and (direct_run is None or direct_run["match"]),
             driver_peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
             jvm_peak_rss_mb=round(jvm_peak_rss_bytes() / 2**20),
             python_workers_peak_rss_mb=round(_workers_rss_bytes() / 2**20),
+            load_average=load,
         )
     finally:
         datastore.drop_table(using, SOURCE)

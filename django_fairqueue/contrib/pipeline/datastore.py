@@ -207,19 +207,34 @@ def merge_staging(
 ) -> int:
     """Upsert the staging table into the sink (in the caller's transaction); rows changed.
 
-    ``key_range``: the smallest and largest (single, integer) key staged, if known. When the
-    sink has no row in that range, the rows go in with a plain ``INSERT`` (no ``ON CONFLICT``
-    work per row: about twice as fast); else they are upserted.
+    A plain ``INSERT`` when the sink has none of the staged keys (no ``ON CONFLICT`` work per
+    row: about twice as fast), else an upsert. ``key_range``: the smallest and largest (single,
+    integer) key staged, if known: a sink with no row in it takes the plain ``INSERT`` at once.
+    Otherwise (tenants' rows interleave in the table, so other tenants' keys lie in the range;
+    or a re-run) the plain ``INSERT`` is tried under a savepoint, and a unique-key conflict
+    rolls it back to the upsert: a key already in the sink is never duplicated.
     """
+    from django.db import IntegrityError, transaction
+
     parts = _upsert_parts(sink, key, columns)
-    name = "merge_staging" if parts.pop("_has_updates") else "merge_staging_keys_only"
+    upsert = "merge_staging" if parts.pop("_has_updates") else "merge_staging_keys_only"
+    staged = sql.Identifier(staging)
     with _cursor(using) as cur:
         if key_range is not None and len(key) == 1:
             has_keys = compose("sink_has_keys", sink=parts["sink"], key=parts["key"])
             lo, hi = key_range
             if not cur.execute(has_keys, {"lo": lo, "hi": hi}).fetchone()[0]:  # type: ignore[index]
-                name = "insert_staging"
-        cur.execute(compose(name, staging=sql.Identifier(staging), **parts), {})
+                cur.execute(compose("insert_staging", staging=staged, **parts), {})
+                return max(cur.rowcount, 0)
+        try:
+            with transaction.atomic(using=using):  # a savepoint inside the batch's fence
+                cur.execute(compose("insert_staging", staging=staged, **parts), {})
+                return max(cur.rowcount, 0)
+        except (psycopg.errors.UniqueViolation, IntegrityError) as exc:
+            cause = exc if isinstance(exc, psycopg.Error) else exc.__cause__
+            if getattr(cause, "sqlstate", None) != "23505":
+                raise
+        cur.execute(compose(upsert, staging=staged, **parts), {})
         return max(cur.rowcount, 0)
 
 
@@ -353,6 +368,31 @@ def upsert_with_sql(
         return max(cur.rowcount, 0)
 
 
+def insert_with_sql_statement(
+    using: str,
+    *,
+    source: str,
+    id_column: str,
+    tenant_column: str,
+    sink: str,
+    expressions: Mapping[str, sql.Composable],
+) -> str:
+    """The benchmark's baseline for one tenant (parameters lo, hi, tenant) as text, for a
+    connection of its own: ``INSERT ... SELECT`` of the expressions into a sink that has none of
+    the keys (no ``ON CONFLICT``)."""
+    statement = compose(
+        "insert_with_sql",
+        sink=table_identifier(sink),
+        columns=_names(list(expressions)),
+        expressions=sql.SQL(", ").join(expressions.values()),
+        table=table_identifier(source),
+        id=sql.Identifier(id_column),
+        tenant_filter=compose("tenant_filter", tenant=sql.Identifier(tenant_column)),
+    )
+    with _cursor(using) as cur:
+        return statement.as_string(cur.connection)
+
+
 def id_range(using: str, table: str, id_column: str) -> tuple[int | None, int | None, int]:
     rows = _execute(
         using, compose("range_of_ids", id=sql.Identifier(id_column), table=table_identifier(table))
@@ -369,6 +409,13 @@ def checksum(using: str, table: str, column: str) -> tuple[int, float]:
     return int(count), float(total)
 
 
+def results_checksum(using: str, table: str, column: str, name: str) -> float:
+    statement = compose(
+        "results_checksum", table=table_identifier(table), column=sql.Identifier(column)
+    )
+    return float(_execute(using, statement, {"name": name})[0][0])
+
+
 def truncate(using: str, table: str) -> None:
     _execute(using, compose("truncate_table", table=table_identifier(table)), {})
 
@@ -378,9 +425,19 @@ def create_bench_tables(using: str, *, source: str, sink: str) -> None:
     _execute(using, compose("create_bench_sink", table=table_identifier(sink)), {})
 
 
-def fill_bench_source(using: str, table: str, lo: int, hi: int, split: int) -> None:
+def fill_bench_source(
+    using: str,
+    table: str,
+    lo: int,
+    hi: int,
+    *,
+    rows: int,
+    tenants: Sequence[str],
+    contiguous: bool = False,
+) -> None:
     statement = compose("fill_bench_source", table=table_identifier(table))
-    _execute(using, statement, {"lo": lo, "hi": hi, "split": split})
+    params = {"lo": lo, "hi": hi, "rows": rows, "tenants": list(tenants), "contiguous": contiguous}
+    _execute(using, statement, params)
 
 
 def index_bench_source(using: str, table: str) -> None:
@@ -389,6 +446,10 @@ def index_bench_source(using: str, table: str) -> None:
 
 def vacuum_analyze(using: str, table: str) -> None:
     _execute(using, compose("vacuum_analyze_table", table=table_identifier(table)), {})
+
+
+def backend_pid(using: str) -> int:
+    return int(_execute(using, compose("backend_pid"), {})[0][0])
 
 
 def drop_table(using: str, table: str) -> None:
@@ -704,8 +765,10 @@ def write_sink(spec: SinkWriteSpec, batches: Iterator[Any]) -> Iterator[Any]:
     The transaction first locks the batch row (``lock_batch_for_write``); if the batch is no
     longer running under this lease, :class:`LeaseLostInTask` is raised and nothing is written.
     Rows go in chunks: a chunk whose integer key range the sink has no row in is COPied straight
-    into the sink; other chunks (a re-run, a non-integer key) go through a temporary table and
-    one ``INSERT ... ON CONFLICT DO UPDATE``, so a re-run writes the same rows.
+    into the sink; so is one whose range has rows (other tenants' keys, interleaved) but none
+    of its own keys, tried under a savepoint; other chunks (a re-run, a non-integer key) go
+    through a temporary table and one ``INSERT ... ON CONFLICT DO UPDATE``, so a re-run writes
+    the same rows.
     """
     spec = for_batch(spec)
     encoder = _Encoder(spec.key_index, error_columns=spec.error_columns)
@@ -720,7 +783,7 @@ def write_sink(spec: SinkWriteSpec, batches: Iterator[Any]) -> Iterator[Any]:
             )
         staged = False
         for chunk in _chunks(batches, spec.chunk_rows):
-            target = spec.copy_into_sink
+            target: str | None = spec.copy_into_sink
             if spec.sink_has_keys is None:
                 target = spec.copy_into_task_staging
             else:
@@ -730,13 +793,24 @@ def write_sink(spec: SinkWriteSpec, batches: Iterator[Any]) -> Iterator[Any]:
                     hi = max(r[1] for r in ranges)
                     row = conn.execute(spec.sink_has_keys, {"lo": lo, "hi": hi}).fetchone()
                     if row is not None and row[0]:
-                        target = spec.copy_into_task_staging
+                        target = None  # keys of other tenants or of an earlier run: see below
+            encoded = [encoder.encode(batch) for batch in chunk]
+            if target is None:
+                # Tenants' rows interleave, so the range holds other tenants' keys: COPY into
+                # the sink under a savepoint; a key already there rolls it back to the upsert.
+                try:
+                    with conn.transaction(), conn.cursor().copy(spec.copy_into_sink) as copy:
+                        for data in encoded:
+                            copy.write(data)
+                    continue
+                except psycopg.errors.UniqueViolation:
+                    target = spec.copy_into_task_staging
             if target == spec.copy_into_task_staging and not staged:
                 conn.execute(spec.create_task_staging)
                 staged = True
             with conn.cursor().copy(target) as copy:
-                for batch in chunk:
-                    copy.write(encoder.encode(batch))
+                for data in encoded:
+                    copy.write(data)
         if staged:
             conn.execute(spec.merge_task_staging)
     yield encoder.result()

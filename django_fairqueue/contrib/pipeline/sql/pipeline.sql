@@ -52,8 +52,9 @@ WHERE ({sink_updated}) IS DISTINCT FROM ({excluded});
 
 -- name: insert_staging
 -- The staged rows into a sink that has none of their keys yet (checked with sink_has_keys in the
--- same transaction): a plain INSERT, without ON CONFLICT's per-row speculative insertion. A row
--- committed meanwhile by another writer makes it fail on the unique key, never duplicate.
+-- same transaction, or tried under a savepoint that a unique-key conflict rolls back to the
+-- upsert): a plain INSERT, without ON CONFLICT's per-row speculative insertion. A key already
+-- in the sink makes it fail on the unique key, never duplicate.
 INSERT INTO {sink} ({columns})
 SELECT {columns} FROM {staging};
 
@@ -162,6 +163,12 @@ SELECT {expressions} FROM {table} WHERE {id} BETWEEN %(lo)s AND %(hi)s {tenant_f
 ON CONFLICT ({key}) DO UPDATE SET ({updated}) = ROW({excluded})
 WHERE ({sink_updated}) IS DISTINCT FROM ({excluded});
 
+-- name: insert_with_sql
+-- The formulas computed by PostgreSQL alone into a sink without these keys (the benchmark's
+-- baseline: its sink starts empty, so no ON CONFLICT work per row).
+INSERT INTO {sink} ({columns})
+SELECT {expressions} FROM {table} WHERE {id} BETWEEN %(lo)s AND %(hi)s {tenant_filter};
+
 -- name: tenant_filter
 -- The condition that limits the baseline to one tenant's rows.
 AND {tenant} = %(tenant)s
@@ -173,6 +180,10 @@ SELECT min({id}), max({id}), count(*) FROM {table};
 -- name: sink_checksum
 -- Rows and the sum of one numeric column of a table (the benchmark compares its two results).
 SELECT count(*), coalesce(sum({column}), 0)::double precision FROM {table};
+
+-- name: results_checksum
+-- The sum of one numeric key of the jsonb results column (the benchmark compares its results).
+SELECT coalesce(sum(({column} ->> %(name)s)::double precision), 0) FROM {table};
 
 -- name: truncate_table
 -- Empty a table (the benchmark's sink between runs).
@@ -190,13 +201,14 @@ CREATE UNLOGGED TABLE {table} (
 );
 
 -- name: create_bench_sink
--- The benchmark's scratch sink table.
+-- The benchmark's scratch sink table: typed columns and a jsonb column for the other rules.
 CREATE UNLOGGED TABLE {table} (
     id bigint PRIMARY KEY,
     tenant text NOT NULL,
     subtotal double precision,
     total double precision,
-    band text
+    band text,
+    results jsonb
 );
 
 -- name: index_bench_source
@@ -204,15 +216,23 @@ CREATE UNLOGGED TABLE {table} (
 CREATE INDEX ON {table} (tenant, id);
 
 -- name: fill_bench_source
--- Generate rows lo..hi of the benchmark's source: ids up to `split` are alice's, the rest bob's.
+-- Generate rows lo..hi (of 1..rows) of the benchmark's source for the tenants %(tenants)s: each
+-- id's tenant picked by a hash of the id, so tenants' rows interleave as in a table filled by
+-- all of them at once; with %(contiguous)s, each tenant owns one run of ids instead.
 INSERT INTO {table} (id, tenant, price, qty, discount, tax_rate)
 SELECT g,
-       CASE WHEN g <= %(split)s THEN 'alice' ELSE 'bob' END,
+       (%(tenants)s::text[])[1 + CASE
+           WHEN %(contiguous)s THEN (g - 1) * cardinality(%(tenants)s::text[]) / %(rows)s
+           ELSE (g * 2654435761 %% 4294967291) %% cardinality(%(tenants)s::text[]) END],
        round((1 + (g * 7919 %% 100000) / 100.0)::numeric, 2)::double precision,
        1 + g %% 17,
        (g %% 5) * 0.05,
        CASE WHEN g %% 3 = 0 THEN 0.2 ELSE 0.07 END
 FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS g;
+
+-- name: backend_pid
+-- This session's server process id (the benchmark finds the server's processes from it).
+SELECT pg_backend_pid();
 
 -- name: vacuum_analyze_table
 -- Refresh the planner's statistics and the visibility map of a freshly filled table (so the

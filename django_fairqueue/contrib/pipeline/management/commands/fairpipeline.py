@@ -94,7 +94,30 @@ class Command(BaseCommand):
         bench.add_argument(
             "--rows", type=int, action="append", help="Rows (repeatable; default 1000000)."
         )
-        bench.add_argument("--batch-size", type=int, help="Rows per batch (default: half).")
+        bench.add_argument(
+            "--batch-size", type=int, help="Rows per batch (default: a tenant's rows)."
+        )
+        bench.add_argument("--tenants", type=int, default=10, help="Tenants (default 10).")
+        bench.add_argument(
+            "--rules", type=int, default=3, help="Formulas per tenant (default 3, at least 3)."
+        )
+        bench.add_argument(
+            "--contiguous",
+            action="store_true",
+            help="Give each tenant one run of ids (default: tenants' ids interleave, as in a "
+            "table all of them write to).",
+        )
+        bench.add_argument(
+            "--no-direct", action="store_true", help="Skip the Sink(atomic=False) run."
+        )
+        bench.add_argument(
+            "--sql-connections",
+            type=int,
+            action="append",
+            metavar="N",
+            help="Run the SQL baseline on N connections at once (repeatable; default: 1, then "
+            "one per CPU core; the fastest is the baseline).",
+        )
         bench.add_argument("--json", action="store_true", help="Print JSON.")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -373,6 +396,12 @@ class Command(BaseCommand):
         sizes = options["rows"] or [1_000_000]
         if any(n < 2 for n in sizes):
             raise CommandError("--rows must be at least 2")
+        if options["tenants"] < 1 or any(n < options["tenants"] for n in sizes):
+            raise CommandError("--tenants must be at least 1 and at most --rows")
+        if options["rules"] < 3:
+            raise CommandError("--rules must be at least 3")
+        if any(n < 1 for n in options["sql_connections"] or ()):
+            raise CommandError("--sql-connections must be at least 1")
         results = []
         for rows in sizes:
             try:
@@ -380,24 +409,54 @@ class Command(BaseCommand):
                     rows,
                     using=conf.get().DATABASE,
                     batch_size=options["batch_size"],
+                    tenants=options["tenants"],
+                    rules=options["rules"],
+                    contiguous=options["contiguous"],
+                    direct=not options["no_direct"],
+                    sql_connections=options["sql_connections"] or (),
                     say=lambda text: self.stderr.write(text),
                 )
             except self._pipeline_errors() as exc:
                 raise CommandError(str(exc)) from None
             results.append(result)
             if not options["json"]:
-                self.stdout.write(
-                    f"{rows:>10,} rows  SQL {result.sql_seconds:6.1f} s "
-                    f"({result.sql_rows_per_second:,.0f} rows/s)  Spark atomic "
-                    f"{result.spark_seconds:6.1f} s ({result.spark_rows_per_second:,.0f} rows/s, "
-                    f"{result.ratio:.2f}x SQL)  Spark atomic=False {result.direct_seconds:6.1f} s "
-                    f"({result.direct_rows_per_second:,.0f} rows/s, {result.direct_ratio:.2f}x "
-                    f"SQL)  {result.batches} batches each  "
-                    f"same results: {'yes' if result.results_match else 'NO'}  peak RSS: driver "
-                    f"{result.driver_peak_rss_mb:.0f} MB, JVM {result.jvm_peak_rss_mb:.0f} MB, "
-                    f"Python workers {result.python_workers_peak_rss_mb:.0f} MB"
-                )
+                self.stdout.write(self._bench_report(result))
         if options["json"]:
             self.stdout.write(json.dumps([r.as_dict() for r in results], indent=2))
         if not all(r.results_match for r in results):
             raise CommandError("the Spark pipeline and the SQL baseline disagree")
+
+    @staticmethod
+    def _bench_report(r: Any) -> str:
+        def cpu(value: float | None) -> str:
+            return "not measured" if value is None else f"{value:.1f} us/row"
+
+        def seconds(value: float | None) -> str:
+            return "not run" if value is None else f"{value:.1f} s"
+
+        layout = "interleaved" if r.interleaved else "contiguous"
+        lines = [
+            f"{r.rows:,} rows, {r.tenants} tenants ({layout} ids), {r.rules} rules per tenant, "
+            f"{r.batches} batches per Spark run, load average {r.load_average}",
+            f"  SQL baseline     {r.sql_seconds:7.1f} s ({r.sql_rows_per_second:,.0f} rows/s; "
+            f"one connection {seconds(r.sql_serial_seconds)}, one per core "
+            f"{seconds(r.sql_parallel_seconds)})  database CPU {cpu(r.sql_db_cpu_us_per_row)}",
+            f"  Spark atomic     {r.spark_seconds:7.1f} s ({r.spark_rows_per_second:,.0f} rows/s, "
+            f"{r.ratio:.2f}x SQL; plan {r.plan_seconds:.1f} s, Spark phase "
+            f"{r.spark_phase_seconds:.1f} s, merge {r.merge_seconds:.1f} s)  database CPU "
+            f"{cpu(r.spark_db_cpu_us_per_row)}, Spark and driver CPU "
+            f"{cpu(r.spark_cpu_us_per_row)}",
+        ]
+        if r.direct_seconds is not None:
+            lines.append(
+                f"  Spark atomic=False {r.direct_seconds:5.1f} s ({r.direct_rows_per_second:,.0f} "
+                f"rows/s, {r.direct_ratio:.2f}x SQL)  database CPU "
+                f"{cpu(r.direct_db_cpu_us_per_row)}"
+            )
+        lines.append(
+            f"  same results: {'yes' if r.results_match else 'NO'}  peak RSS: driver "
+            f"{r.driver_peak_rss_mb:.0f} MB, JVM {r.jvm_peak_rss_mb:.0f} MB, Python workers "
+            f"{r.python_workers_peak_rss_mb:.0f} MB  (database CPU: the server's processes, "
+            "from /proc)"
+        )
+        return "\n".join(lines)

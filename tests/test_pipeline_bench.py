@@ -1,0 +1,173 @@
+"""``fairpipeline bench`` (its tables' layout, its SQL baseline, that nothing stays behind) and
+the atomic merge among interleaved keys that the benchmark's layout exercises."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from django_fairqueue.contrib.pipeline import bench, datastore
+from django_fairqueue.contrib.pipeline.models import PipelineJob
+from django_fairqueue.models import Channel, WorkBatch
+from tests.test_pipeline import needs_spark, spark, spark_settings  # noqa: F401 (fixtures)
+
+TENANTS = ["t-a", "t-b", "t-c"]
+
+
+def tenants_by_id(rows: int, *, contiguous: bool) -> list[str]:
+    datastore.drop_table("default", bench.SOURCE)
+    datastore.drop_table("default", bench.SINK)
+    datastore.create_bench_tables("default", source=bench.SOURCE, sink=bench.SINK)
+    try:
+        datastore.fill_bench_source(
+            "default", bench.SOURCE, 1, rows, rows=rows, tenants=TENANTS, contiguous=contiguous
+        )
+        from django.db import connection
+
+        with connection.cursor() as cur:
+            cur.execute(f"SELECT tenant FROM {bench.SOURCE} ORDER BY id")
+            return [row[0] for row in cur.fetchall()]
+    finally:
+        datastore.drop_table("default", bench.SOURCE)
+        datastore.drop_table("default", bench.SINK)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_tenants_ids_interleave_by_default_and_run_contiguously_on_request() -> None:
+    interleaved = tenants_by_id(3000, contiguous=False)
+    assert sorted(set(interleaved)) == TENANTS
+    for tenant in TENANTS:  # each tenant about a third of the rows, spread over the ids
+        count = interleaved.count(tenant)
+        assert 800 < count < 1200
+        ids = [i for i, t in enumerate(interleaved) if t == tenant]
+        assert ids[0] < 50 and ids[-1] > 2950
+    switches = sum(a != b for a, b in itertools.pairwise(interleaved))
+    assert switches > 1500  # not runs: neighbours mostly belong to different tenants
+
+    contiguous = tenants_by_id(3000, contiguous=True)
+    assert contiguous == ["t-a"] * 1000 + ["t-b"] * 1000 + ["t-c"] * 1000
+
+
+def test_rules_have_a_formula_and_sql_each_and_tenants_differ() -> None:
+    first, second = bench.tenant_rules(0, 12), bench.tenant_rules(1, 12)
+    assert [r.name for r in first[:3]] == ["subtotal", "total", "band"]
+    assert [r.name for r in first[3:]] == [f"r{k:03d}" for k in range(4, 13)]
+    assert all(r.formula.startswith(f"{r.name} = ") and r.sql for r in first)
+    assert [r.formula for r in first] != [r.formula for r in second]
+    assert len(bench.tenant_rules(0, 200)) == 200
+    expressions = bench.baseline_expressions(bench.tenant_rules(0, 120))
+    assert list(expressions) == ["id", "tenant", "subtotal", "total", "band", "results"]
+    # 117 results in jsonb_build_object calls of at most 50 keys (a function takes 100 args)
+    assert expressions["results"].as_string(None).count("jsonb_build_object(") == 3
+
+
+@needs_spark
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_the_benchmark_agrees_with_sql_and_leaves_nothing_behind(
+    spark: Any,  # noqa: F811
+    spark_settings: None,  # noqa: F811
+) -> None:
+    Channel.objects.create(name="existing")
+    said: list[str] = []
+
+    result = bench.run(600, using="default", tenants=3, rules=8, direct=True, say=said.append)
+
+    assert result.results_match
+    assert result.interleaved
+    assert (result.rows, result.tenants, result.rules) == (600, 3, 8)
+    assert result.batches == 3  # one per tenant
+    assert result.sql_serial_seconds is not None and result.sql_parallel_seconds is not None
+    assert result.sql_seconds == min(result.sql_serial_seconds, result.sql_parallel_seconds)
+    assert result.spark_db_cpu_us_per_row is not None  # the test database runs on this machine
+    assert result.sql_db_cpu_us_per_row is not None
+    assert result.merge_seconds > 0 and result.spark_phase_seconds > 0
+    assert any("interleaved" in line for line in said)
+    # Nothing of the run stays: jobs, batches, channels, tables.
+    assert not WorkBatch.objects.exists()
+    assert not PipelineJob.objects.exists()
+    assert list(Channel.objects.values_list("name", flat=True)) == ["existing"]
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute("SELECT to_regclass(%s), to_regclass(%s)", [bench.SOURCE, bench.SINK])
+        assert cur.fetchone() == (None, None)
+
+
+COLUMNS = ["id", "tenant", "subtotal", "total", "band"]
+
+
+def stage(rows: list[tuple[int, str, float]]) -> str:
+    """A staging table of the test sink holding ``rows`` (id, tenant, total)."""
+    from django.db import connection
+
+    from tests.pipelineapp.models import ResultRow
+
+    staging = "fq_stage_7_" + "0" * 32
+    datastore.create_staging(
+        "default", staging=staging, sink=ResultRow._meta.db_table, columns=COLUMNS
+    )
+    with connection.cursor() as cur:
+        for key, tenant, total in rows:
+            cur.execute(
+                f'INSERT INTO "{staging}" (fq_part, id, tenant, total) VALUES (0, %s, %s, %s)',
+                [key, tenant, total],
+            )
+    return staging
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_merge_among_other_tenants_keys_inserts_and_a_rerun_upserts_without_duplicates(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from django.db import transaction
+
+    from tests.pipelineapp.models import ResultRow
+
+    used: list[str] = []
+    compose = datastore.compose
+
+    def recording(name: str, **parts: Any) -> Any:
+        used.append(name)
+        return compose(name, **parts)
+
+    monkeypatch.setattr(datastore, "compose", recording)
+
+    sink = ResultRow._meta.db_table
+    # Another tenant's rows interleave with the batch's keys (even ids), so the batch's key range
+    # is not empty: the plain INSERT is tried under a savepoint and succeeds.
+    ResultRow.objects.bulk_create(
+        ResultRow(id=i, tenant="other", total=-1) for i in range(1, 20, 2)
+    )
+    staging = stage([(i, "mine", float(i)) for i in range(2, 20, 2)])
+    with transaction.atomic():
+        changed = datastore.merge_staging(
+            "default", staging=staging, sink=sink, key=["id"], columns=COLUMNS, key_range=(2, 18)
+        )
+        assert changed == 9
+        ResultRow.objects.filter(id=1).update(band="same transaction")  # still usable
+    assert "insert_staging" in used and "merge_staging" not in used  # no ON CONFLICT work
+    assert ResultRow.objects.filter(tenant="mine").count() == 9
+    assert ResultRow.objects.get(id=1).band == "same transaction"
+    datastore.drop_staging("default", staging)
+
+    # A re-run with one value changed: the INSERT hits a key already there and rolls back to
+    # the savepoint; the upsert writes the one changed row, and no key is duplicated.
+    staging = stage([(i, "mine", float(i) + (100 if i == 4 else 0)) for i in range(2, 20, 2)])
+    used.clear()
+    with transaction.atomic():
+        changed = datastore.merge_staging(
+            "default", staging=staging, sink=sink, key=["id"], columns=COLUMNS, key_range=(2, 18)
+        )
+    assert changed == 1
+    assert used[-2:] == ["insert_staging", "merge_staging"]
+    assert ResultRow.objects.count() == 19
+    assert ResultRow.objects.get(id=4).total == 104.0
+    assert sorted(
+        ResultRow.objects.filter(tenant="mine").values_list("total", flat=True)
+    ) == sorted([float(i) for i in range(2, 20, 2) if i != 4] + [104.0])
+    assert ResultRow.objects.filter(tenant="other").count() == 10
+    datastore.drop_staging("default", staging)
