@@ -375,7 +375,8 @@ class ChannelAdmin(_ChannelAdminBase):
         "ready_display",
         "running_display",
         "oldest_ready_display",
-        "failing_display",
+        "failures_display",
+        "timeouts_display",
         "retrying_display",
         "failed_display",
         "scheduled_display",
@@ -415,7 +416,8 @@ class ChannelAdmin(_ChannelAdminBase):
             {
                 "fields": [
                     "counters_display",
-                    "failing_display",
+                    "failures_display",
+                    "timeouts_display",
                     "retrying_display",
                     "failed_display",
                     "why_waiting_display",
@@ -450,7 +452,8 @@ class ChannelAdmin(_ChannelAdminBase):
         return ChannelChangeList
 
     def get_readonly_fields(self, request: HttpRequest, obj: Channel | None = None) -> list[str]:
-        fields = ["counters_display", "failing_display", "retrying_display", "failed_display"]
+        fields = ["counters_display", "failures_display", "timeouts_display"]
+        fields += ["retrying_display", "failed_display"]
         fields += ["why_waiting_display", "oldest_ready_display", "finished_display"]
         fields += ["last_claimed_display", "created_at"]
         if obj is not None:
@@ -523,15 +526,25 @@ class ChannelAdmin(_ChannelAdminBase):
         return text
 
     @admin.display(description=format_lazy(_("failures {} min"), overview.FINISHED_MINUTES))
-    def failing_display(self, obj: Channel) -> str:
-        # attempts that failed (raised, ran past the time limit, or lost their lease) in the
-        # last minutes, retried or dead-lettered
+    def failures_display(self, obj: Channel) -> str:
+        # attempts whose task raised in the last minutes, retried or dead-lettered
         row = _row(obj)
         if row is None:
             return "-"
-        if not row.failing_recent:
+        if not row.failures_recent:
             return "0"
-        return format_html('<span class="fq-failed">{}</span>', f"{row.failing_recent:,}")
+        return format_html('<span class="fq-failed">{}</span>', f"{row.failures_recent:,}")
+
+    @admin.display(description=format_lazy(_("timeouts {} min"), overview.FINISHED_MINUTES))
+    def timeouts_display(self, obj: Channel) -> str:
+        # attempts that ran past their time limit or lost their lease (rescued) in the last
+        # minutes, retried or dead-lettered
+        row = _row(obj)
+        if row is None:
+            return "-"
+        if not row.timeouts_recent:
+            return "0"
+        return format_html('<span class="fq-failed">{}</span>', f"{row.timeouts_recent:,}")
 
     @admin.display(description=_("retrying"))
     def retrying_display(self, obj: Channel) -> str:

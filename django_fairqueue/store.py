@@ -785,6 +785,55 @@ def select_channel_counters(
 
 
 @dataclass(frozen=True, slots=True)
+class ChannelSummary:
+    """A channel's configuration the listings show, and its exact counts."""
+
+    id: int
+    name: str
+    weight: int
+    paused: bool
+    max_concurrency: int | None
+    ready: int
+    scheduled: int
+    running: int
+    failed: int
+    succeeded: int
+
+
+def select_all_channel_counts(*, using: str | None = None) -> list[ChannelSummary]:
+    """Every channel with its counters plus pending deltas (one statement)."""
+    return [ChannelSummary(*r) for r in _run("select_all_channel_counts", {}, using)]
+
+
+@dataclass(frozen=True, slots=True)
+class WindowStats:
+    """A channel's statistics summed over a window of minutes."""
+
+    channel_id: int
+    claimed: int
+    succeeded: int
+    #: failed for good (dead letters)
+    failed: int
+    #: failed and will run again
+    retried: int
+    #: of ``failed`` and ``retried``, the attempts that ran out of time
+    timed_out: int
+
+
+def select_channel_window_stats(
+    since: datetime, ids: Sequence[int] | None = None, *, using: str | None = None
+) -> list[WindowStats]:
+    """Per channel with statistics since ``since`` (of ``ids``, or all): the window's sums."""
+    if ids is None:
+        rows = _run("select_channel_window_stats", {"since": since}, using)
+    elif not ids:
+        return []
+    else:
+        rows = _run("select_channels_window_stats", {"since": since, "ids": list(ids)}, using)
+    return [WindowStats(*r) for r in rows]
+
+
+@dataclass(frozen=True, slots=True)
 class ChannelMinuteStats:
     """Tallies of one channel for one minute, as flushed by a worker."""
 
@@ -798,12 +847,60 @@ class ChannelMinuteStats:
     wait_ms_max: int = 0
     wait_histogram: tuple[int, ...] = ()
     run_ms_sum: int = 0
+    #: of ``failed`` and ``retried``, the attempts that ran out of time (time limit, or an
+    #: expired lease rescued)
+    timed_out: int = 0
 
 
 def record_channel_stats(stats: Sequence[ChannelMinuteStats], *, using: str | None = None) -> None:
-    """Add per-(channel, minute) tallies to the statistics table (one upsert)."""
+    """Add per-(channel, minute) tallies to the statistics table (one upsert), and their sums
+    per minute to the per-minute table (a second upsert, in the same transaction)."""
     if not stats:
         return
+    alias = using or conf.get().DATABASE
+    with transaction.atomic(using=alias):
+        _record_channel_rows(stats, alias)
+        _record_minute_rows(stats, alias)
+
+
+def _record_minute_rows(stats: Sequence[ChannelMinuteStats], using: str) -> None:
+    totals: dict[datetime, list[Any]] = {}
+    for x in stats:
+        t = totals.get(x.minute)
+        if t is None:
+            t = totals[x.minute] = [0, 0, 0, 0, 0, 0, 0, [], 0]
+        for i, value in enumerate(
+            (x.claimed, x.succeeded, x.failed, x.retried, x.timed_out, x.wait_ms_sum)
+        ):
+            t[i] += value
+        t[6] = max(t[6], x.wait_ms_max)
+        histogram = t[7]
+        if len(histogram) < len(x.wait_histogram):
+            histogram.extend([0] * (len(x.wait_histogram) - len(histogram)))
+        for i, n in enumerate(x.wait_histogram):
+            histogram[i] += n
+        t[8] += x.run_ms_sum
+    minutes = sorted(totals)
+    columns = list(zip(*(totals[m] for m in minutes), strict=True))
+    _run(
+        "record_minute_stats",
+        {
+            "minutes": minutes,
+            "claimed": list(columns[0]),
+            "succeeded": list(columns[1]),
+            "failed": list(columns[2]),
+            "retried": list(columns[3]),
+            "timed_out": list(columns[4]),
+            "wait_ms_sum": list(columns[5]),
+            "wait_ms_max": list(columns[6]),
+            "histograms": [Jsonb(h) for h in columns[7]],
+            "run_ms_sum": list(columns[8]),
+        },
+        using,
+    )
+
+
+def _record_channel_rows(stats: Sequence[ChannelMinuteStats], using: str) -> None:
     _run(
         "record_channel_stats",
         {
@@ -817,6 +914,7 @@ def record_channel_stats(stats: Sequence[ChannelMinuteStats], *, using: str | No
             "wait_ms_max": [x.wait_ms_max for x in stats],
             "histograms": [Jsonb(list(x.wait_histogram)) for x in stats],
             "run_ms_sum": [x.run_ms_sum for x in stats],
+            "timed_out": [x.timed_out for x in stats],
         },
         using,
     )
@@ -918,7 +1016,8 @@ def select_channel_oldest_ready(
 
 def select_channel_retrying(ids: Sequence[int], *, using: str | None = None) -> dict[int, int]:
     """{channel id: messages waiting out a retry's backoff}, for the channels of ``ids`` that
-    have any. Reads the scheduled rows of these channels (pass those with scheduled > 0)."""
+    have any. Reads the retries of these channels only (``fq_message_retrying_idx``); pass those
+    with scheduled > 0."""
     if not ids:
         return {}
     return {cid: int(n) for cid, n in _run("select_channel_retrying", {"ids": list(ids)}, using)}
