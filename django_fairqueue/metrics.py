@@ -166,6 +166,11 @@ class QueueCollector(Collector):
             # expired leases included (the rescuer counts them), and attempts past their time limit
             ("retried", "Attempts that failed and will be retried"),
             ("failed", "Messages that failed for good (new dead letters)"),
+            (
+                "timed_out",
+                "Of the retried and failed attempts, those that ran out of time (past the "
+                "task's time limit, or their lease expired and was rescued); the rest raised",
+            ),
             ("succeeded", "Messages that succeeded"),
         ):
             family = GaugeMetricFamily(

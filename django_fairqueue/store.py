@@ -824,13 +824,19 @@ def select_channel_window_stats(
     since: datetime, ids: Sequence[int] | None = None, *, using: str | None = None
 ) -> list[WindowStats]:
     """Per channel with statistics since ``since`` (of ``ids``, or all): the window's sums."""
-    if ids is None:
-        rows = _run("select_channel_window_stats", {"since": since}, using)
-    elif not ids:
+    if ids is not None:
+        return select_window_stats_of_channels(since, ids, using=using)
+    return [WindowStats(*r) for r in _run("select_channel_window_stats", {"since": since}, using)]
+
+
+def select_window_stats_of_channels(
+    since: datetime, ids: Sequence[int], *, using: str | None = None
+) -> list[WindowStats]:
+    """:func:`select_channel_window_stats` for the channels of ``ids`` only."""
+    if not ids:
         return []
-    else:
-        rows = _run("select_channels_window_stats", {"since": since, "ids": list(ids)}, using)
-    return [WindowStats(*r) for r in rows]
+    params = {"since": since, "ids": list(ids)}
+    return [WindowStats(*r) for r in _run("select_window_stats_of_channels", params, using)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -859,11 +865,32 @@ def record_channel_stats(stats: Sequence[ChannelMinuteStats], *, using: str | No
         return
     alias = using or conf.get().DATABASE
     with transaction.atomic(using=alias):
-        _record_channel_rows(stats, alias)
-        _record_minute_rows(stats, alias)
+        _run(
+            "record_channel_stats",
+            {
+                "channel_ids": [x.channel_id for x in stats],
+                "minutes": [x.minute for x in stats],
+                "claimed": [x.claimed for x in stats],
+                "succeeded": [x.succeeded for x in stats],
+                "failed": [x.failed for x in stats],
+                "retried": [x.retried for x in stats],
+                "wait_ms_sum": [x.wait_ms_sum for x in stats],
+                "wait_ms_max": [x.wait_ms_max for x in stats],
+                "histograms": [Jsonb(list(x.wait_histogram)) for x in stats],
+                "run_ms_sum": [x.run_ms_sum for x in stats],
+                "timed_out": [x.timed_out for x in stats],
+            },
+            alias,
+        )
+        record_minute_stats(stats, using=alias)
 
 
-def _record_minute_rows(stats: Sequence[ChannelMinuteStats], using: str) -> None:
+def record_minute_stats(stats: Sequence[ChannelMinuteStats], *, using: str | None = None) -> None:
+    """Add the sums per minute of these tallies (all their channels together) to the
+    per-minute table. :func:`record_channel_stats` calls it in its transaction, after writing
+    the channel rows (the lock order of the two statements)."""
+    if not stats:
+        return
     totals: dict[datetime, list[Any]] = {}
     for x in stats:
         t = totals.get(x.minute)
@@ -895,26 +922,6 @@ def _record_minute_rows(stats: Sequence[ChannelMinuteStats], using: str) -> None
             "wait_ms_max": list(columns[6]),
             "histograms": [Jsonb(h) for h in columns[7]],
             "run_ms_sum": list(columns[8]),
-        },
-        using,
-    )
-
-
-def _record_channel_rows(stats: Sequence[ChannelMinuteStats], using: str) -> None:
-    _run(
-        "record_channel_stats",
-        {
-            "channel_ids": [x.channel_id for x in stats],
-            "minutes": [x.minute for x in stats],
-            "claimed": [x.claimed for x in stats],
-            "succeeded": [x.succeeded for x in stats],
-            "failed": [x.failed for x in stats],
-            "retried": [x.retried for x in stats],
-            "wait_ms_sum": [x.wait_ms_sum for x in stats],
-            "wait_ms_max": [x.wait_ms_max for x in stats],
-            "histograms": [Jsonb(list(x.wait_histogram)) for x in stats],
-            "run_ms_sum": [x.run_ms_sum for x in stats],
-            "timed_out": [x.timed_out for x in stats],
         },
         using,
     )

@@ -752,20 +752,22 @@ def test_status_table_and_json(queue: dict[str, Any]) -> None:
     out = io.StringIO()
     call_command("fairqueue", "status", "--sort", "failed", stdout=out)
     lines = out.getvalue().splitlines()
-    assert lines[0].split() == [
+    assert re.split(r"\s{2,}", lines[0]) == [
         "CHANNEL",
         "READY",
         "DELAYED",
+        "RETRYING",
         "RUNNING",
-        "FAILED",
+        "FAILS 5M",
+        "TIMEOUTS 5M",
+        "DEAD",
         "OLDEST",
-        "DONE",
-        "5M",
+        "DONE 5M",
         "WEIGHT",
         "INTERVAL",
         "PAUSED",
     ]
-    assert lines[1].split()[:5] == ["beta", "1", "0", "1/-", "3"]
+    assert lines[1].split()[:8] == ["beta", "1", "0", "0", "1/-", "0", "0", "3"]
     assert lines[3].split()[-1] == "yes"  # gamma paused
     assert "3 channels (3 shown, sorted by failed; 2 with ready messages, 1 paused)" in lines[5]
     assert lines[6].startswith("0 live workers")  # then the warning: work waits, no worker
@@ -784,6 +786,9 @@ def test_status_table_and_json(queue: dict[str, Any]) -> None:
         "running": 1,
         "failed": 3,
         "succeeded": 0,
+        "retrying": 0,
+        "failures_last_5m": 0,
+        "timeouts_last_5m": 0,
     }
 
 
@@ -1153,7 +1158,7 @@ def test_channel_list_puts_starvation_and_failure_first_and_filters_by_them(
     # beta runs 1 under a cap lowered to... 1 (at cap), then a second running one: over cap
     Channel.objects.filter(name="beta").update(max_concurrency=1)
     html = admin_client.get(CHANNELS).content.decode()
-    columns = ("ready", "running", "oldest_ready", "failing", "failed", "weight")
+    columns = ("ready", "running", "oldest_ready", "failures", "timeouts", "failed", "weight")
     order = [
         html.index(f'class="sortable column-{c}')
         if f"sortable column-{c}" in html

@@ -517,7 +517,7 @@ FROM fairqueue_channel_stat s
 WHERE s.minute >= %(since)s::timestamptz
 GROUP BY s.channel_id;
 
--- name: select_channels_window_stats
+-- name: select_window_stats_of_channels
 -- select_channel_window_stats for the channels of `ids` only (a page of the admin, status).
 SELECT s.channel_id, sum(s.claimed)::bigint, sum(s.succeeded)::bigint, sum(s.failed)::bigint,
        sum(s.retried)::bigint, sum(s.timed_out)::bigint
