@@ -200,15 +200,15 @@ class ChannelForm(_ChannelFormBase):
         return data
 
 
-class _AnyOf(Lookup):  # type: ignore[type-arg]
+class _AnyOf(Lookup):
     """``column = ANY(array)``: membership in a list passed as one array parameter."""
 
     lookup_name = "fq_any_of"
 
-    def as_sql(self, compiler: Any, connection: Any) -> tuple[str, list[Any]]:
+    def as_sql(self, compiler: Any, connection: Any) -> tuple[str, tuple[Any, ...]]:
         lhs, lhs_params = self.process_lhs(compiler, connection)
         rhs, rhs_params = self.process_rhs(compiler, connection)
-        return f"{lhs} = ANY({rhs})", [*lhs_params, *rhs_params]
+        return f"{lhs} = ANY({rhs})", (*lhs_params, *rhs_params)
 
 
 def _among(queryset: QuerySet[Any], ids: Sequence[int]) -> QuerySet[Any]:

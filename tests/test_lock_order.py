@@ -44,9 +44,7 @@ def _two_messages(state: str) -> tuple[int, int, dict[int, uuid.UUID]]:
     with connection.cursor() as cur:
         # A new version of a, written after every version of b.
         cur.execute("UPDATE fairqueue_message SET priority = priority WHERE id = %s", [a])
-        cur.execute(
-            "SELECT id FROM fairqueue_message WHERE id = ANY(%s) ORDER BY ctid", [[a, b]]
-        )
+        cur.execute("SELECT id FROM fairqueue_message WHERE id = ANY(%s) ORDER BY ctid", [[a, b]])
         assert [r[0] for r in cur.fetchall()] == [b, a], "b must be stored before a"
     return a, b, tokens
 

@@ -906,13 +906,16 @@ def test_the_threaded_worker_records_per_channel_statistics(fq: Any) -> None:
     # boom raised: failures, not timeouts
     assert totals == {"claimed": 5, "succeeded": 3, "failed": 1, "retried": 1, "timed_out": 0}
     # the per-minute sums over all channels agree (written by the same flushes)
-    assert MinuteStat.objects.aggregate(
-        claimed=Sum("claimed"),
-        succeeded=Sum("succeeded"),
-        failed=Sum("failed"),
-        retried=Sum("retried"),
-        timed_out=Sum("timed_out"),
-    ) == totals
+    assert (
+        MinuteStat.objects.aggregate(
+            claimed=Sum("claimed"),
+            succeeded=Sum("succeeded"),
+            failed=Sum("failed"),
+            retried=Sum("retried"),
+            timed_out=Sum("timed_out"),
+        )
+        == totals
+    )
 
 
 @pytest.mark.django_db
