@@ -5,14 +5,16 @@ table:
 
 * counts (ready, delayed, running, failed, succeeded) are the channel row's counters plus its
   pending counter deltas (docs/explanation/fairness.md, *Counters without a hot row*): for a
-  few channels :func:`django_fairqueue.store.select_channel_counters`, for all of them one read
-  of the channel table and one of the (small) delta table, joined here;
+  few channels :func:`django_fairqueue.store.select_channel_counters`, for all of them one
+  statement joining the channel table to the deltas summed per channel
+  (:func:`django_fairqueue.store.select_all_channel_counts`);
 * the oldest ready message is a loose index scan of ``fq_message_ready_idx``, one probe per
   priority level in use (:func:`django_fairqueue.store.select_channel_oldest_ready`);
-* finished, served, wait and failing figures come from the per-minute statistics
-  (:mod:`django_fairqueue.stats`);
-* retrying (messages waiting out a retry's backoff) reads the scheduled rows of the channels
-  whose scheduled counter is positive, through ``fq_message_sched_chan_idx``
+* finished, served, wait, failures and timeouts come from the per-minute statistics
+  (:mod:`django_fairqueue.stats`): per channel one statement for a window, over all channels
+  the per-minute sums;
+* retrying (messages waiting out a retry's backoff) reads the retries of the channels whose
+  scheduled counter is positive, through the partial ``fq_message_retrying_idx``
   (:func:`django_fairqueue.store.select_channel_retrying`).
 """
 

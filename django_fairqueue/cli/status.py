@@ -94,8 +94,9 @@ def snapshot(sort: str = "backlog", limit: int = 20, now: datetime | None = None
     ids = overview.ranked_ids(sort, limit, counts=counts)
     alive = registry.live(views)
     retrying = store.select_channel_retrying([c.id for c in counts.values() if c.scheduled > 0])
-    failing = stats.failing_counts(overview.FINISHED_MINUTES).values()
     minutes = overview.FINISHED_MINUTES
+    recent = stats.window_stats(minutes)
+    failing = stats.failing_of(recent).values()
     return {
         "generated_at": now.isoformat(),
         "sort": sort,
@@ -111,7 +112,7 @@ def snapshot(sort: str = "backlog", limit: int = 20, now: datetime | None = None
             "running": sum(v.running for v in alive),
             "dead": sum(1 for v in views if v.state == "dead"),
         },
-        "finished_last_5m": sum(stats.finished_counts(overview.FINISHED_MINUTES).values()),
+        "finished_last_5m": sum(stats.finished_of(recent).values()),
         "channels": [row.as_dict(now) for row in overview.rows(ids)],
     }
 
