@@ -201,14 +201,16 @@ class ChannelForm(_ChannelFormBase):
 
 
 class _AnyOf(Lookup):
-    """``column = ANY(array)``: membership in a list passed as one array parameter."""
+    """``column = ANY(ids)``: membership in a list of ids passed as one text parameter
+    (``1,2,3``), which PostgreSQL splits; dumping a Python list as an array parameter costs
+    several microseconds per element on the client."""
 
     lookup_name = "fq_any_of"
 
     def as_sql(self, compiler: Any, connection: Any) -> tuple[str, tuple[Any, ...]]:
         lhs, lhs_params = self.process_lhs(compiler, connection)
         rhs, rhs_params = self.process_rhs(compiler, connection)
-        return f"{lhs} = ANY({rhs})", (*lhs_params, *rhs_params)
+        return f"{lhs} = ANY(string_to_array({rhs}, ',')::bigint[])", (*lhs_params, *rhs_params)
 
 
 def _among(queryset: QuerySet[Any], ids: Sequence[int]) -> QuerySet[Any]:
@@ -216,11 +218,11 @@ def _among(queryset: QuerySet[Any], ids: Sequence[int]) -> QuerySet[Any]:
 
     ``pk__in=ids`` would put one placeholder per id into every query of the page (the count,
     the rows): with thousands of channels Django spends longer building the SQL, and
-    PostgreSQL parsing it, than the database answering it.
+    PostgreSQL parsing it, than the database answering it. Passed as text (:class:`_AnyOf`).
     """
     if not ids:
         return queryset.none()
-    return queryset.filter(_AnyOf(F("pk"), Value(list(ids))))
+    return queryset.filter(_AnyOf(F("pk"), Value(",".join(str(int(i)) for i in ids))))
 
 
 class HasFailuresFilter(admin.SimpleListFilter):
@@ -281,7 +283,7 @@ class CapFilter(admin.SimpleListFilter):
 class StarvingFilter(admin.SimpleListFilter):
     """Channels whose longest-waiting ready message has waited longer than N seconds
     (``?starving=60``): one index probe (per priority level) per channel with a backlog, the
-    backlogged channels found by their counters."""
+    backlogged channels found by their counters, in one statement."""
 
     title = _("oldest ready waits")
     parameter_name = "starving"
@@ -297,8 +299,7 @@ class StarvingFilter(admin.SimpleListFilter):
             seconds = float(value)
         except ValueError:
             return queryset.none()
-        ids = [cid for cid, c in overview.all_counts().items() if c.ready > 0]
-        since = store.select_channel_oldest_ready(ids, using=conf.get().DATABASE)
+        since = store.select_backlogged_oldest_ready(using=conf.get().DATABASE)
         cutoff = store.select_clock() - timedelta(seconds=seconds)
         return _among(queryset, [cid for cid, t in since.items() if t < cutoff])
 

@@ -297,8 +297,7 @@ def ranked_ids(
         wanted = set(among)
         pool = [c for c in pool if c.id in wanted]
     if sort == "age":
-        backlogged = [c.id for c in pool if c.ready > 0]
-        since = store.select_channel_oldest_ready(backlogged, using=_db())
+        since = store.select_backlogged_oldest_ready(using=_db())
         far = timezone.now() + timedelta(days=36500)
         pool.sort(key=lambda c: (since.get(c.id, far), c.name))
     elif sort == "name":

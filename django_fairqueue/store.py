@@ -1021,6 +1021,12 @@ def select_channel_oldest_ready(
     return dict(_run("select_channel_oldest_ready", {"ids": list(ids)}, using))
 
 
+def select_backlogged_oldest_ready(*, using: str | None = None) -> dict[int, datetime]:
+    """:func:`select_channel_oldest_ready` of every channel with ready messages (found by its
+    counters in the same statement)."""
+    return dict(_run("select_backlogged_oldest_ready", {}, using))
+
+
 def select_channel_retrying(ids: Sequence[int], *, using: str | None = None) -> dict[int, int]:
     """{channel id: messages waiting out a retry's backoff}, for the channels of ``ids`` that
     have any. Reads the retries of these channels only (``fq_message_retrying_idx``); pass those

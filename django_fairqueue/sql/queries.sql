@@ -685,6 +685,40 @@ CROSS JOIN LATERAL (
 ) o
 WHERE o.ready_since IS NOT NULL;
 
+-- name: select_backlogged_oldest_ready
+-- select_channel_oldest_ready for every channel whose counters (plus pending deltas) say it has ready messages: no list of ids sent.
+-- The same loose index scan per channel; the channels are picked here, so a caller ranking every
+-- backlogged channel (the admin's sort by oldest ready, its "oldest ready waits over N" filter)
+-- neither reads every channel's counters first nor sends them back as a parameter.
+SELECT c.id, o.ready_since
+FROM fairqueue_channel c
+LEFT JOIN (
+    SELECT x.channel_id, sum(x.ready) AS ready
+    FROM fairqueue_channel_delta x
+    GROUP BY x.channel_id
+) d ON d.channel_id = c.id
+CROSS JOIN LATERAL (
+    WITH RECURSIVE heads(priority, ready_since) AS (
+        (SELECT m.priority, greatest(m.enqueued_at, m.run_at)
+         FROM fairqueue_message m
+         WHERE m.channel_id = c.id AND m.state = 'ready'
+         ORDER BY m.priority DESC, m.id
+         LIMIT 1)
+        UNION ALL
+        SELECT n.priority, n.ready_since
+        FROM heads h
+        CROSS JOIN LATERAL (
+            SELECT m.priority, greatest(m.enqueued_at, m.run_at) AS ready_since
+            FROM fairqueue_message m
+            WHERE m.channel_id = c.id AND m.state = 'ready' AND m.priority < h.priority
+            ORDER BY m.priority DESC, m.id
+            LIMIT 1
+        ) n
+    )
+    SELECT min(heads.ready_since) AS ready_since FROM heads
+) o
+WHERE c.ready_count + coalesce(d.ready, 0) > 0 AND o.ready_since IS NOT NULL;
+
 -- name: retry_failed_work_batches
 -- Put failed work batches back to pending with a fresh attempt budget; idempotent (other states are untouched).
 -- The last error is kept for the record; progress restarts, since a batch is redone whole.
