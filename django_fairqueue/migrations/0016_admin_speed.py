@@ -9,7 +9,9 @@
 * ``fairqueue_minute_stat``, the per-minute sums of the channel statistics over all channels,
   written by the workers' flush with the channel rows: the dashboard's series and overall
   figures read one row a minute instead of every channel's. Filled here from the channel rows
-  already kept, so the dashboard's history does not start empty.
+  already kept, so the dashboard's history does not start empty. During a rolling deploy, what
+  workers of the previous version flush reaches the channel rows only: the per-minute sums of
+  those minutes (the dashboard's series, its overall wait) miss it.
 * ``fq_message_retrying_idx``, the retries waiting out their backoff per channel (scheduled
   rows with attempts > 0), for the "retrying" figure: without it the count reads every
   scheduled row of the channels, delayed messages included.
