@@ -34,7 +34,7 @@ from django.contrib.admin.models import CHANGE, LogEntry
 from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
-from django.db.models import F, IntegerField, QuerySet, Value
+from django.db.models import F, IntegerField, Lookup, QuerySet, Value
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
@@ -361,6 +361,31 @@ class ChannelForm(_ChannelFormBase):
         return data
 
 
+class _AnyOf(Lookup):
+    """``column = ANY(ids)``: membership in a list of ids passed as one text parameter
+    (``1,2,3``), which PostgreSQL splits; dumping a Python list as an array parameter costs
+    several microseconds per element on the client."""
+
+    lookup_name = "fq_any_of"
+
+    def as_sql(self, compiler: Any, connection: Any) -> tuple[str, tuple[Any, ...]]:
+        lhs, lhs_params = self.process_lhs(compiler, connection)
+        rhs, rhs_params = self.process_rhs(compiler, connection)
+        return f"{lhs} = ANY(string_to_array({rhs}, ',')::bigint[])", (*lhs_params, *rhs_params)
+
+
+def _among(queryset: QuerySet[Any], ids: Sequence[int]) -> QuerySet[Any]:
+    """The rows of ``queryset`` whose id is in ``ids``, passed as one array parameter.
+
+    ``pk__in=ids`` would put one placeholder per id into every query of the page (the count,
+    the rows): with thousands of channels Django spends longer building the SQL, and
+    PostgreSQL parsing it, than the database answering it. Passed as text (:class:`_AnyOf`).
+    """
+    if not ids:
+        return queryset.none()
+    return queryset.filter(_AnyOf(F("pk"), Value(",".join(str(int(i)) for i in ids))))
+
+
 class HasFailuresFilter(admin.SimpleListFilter):
     """Channels keeping dead letters (failed messages, out of attempts) or none."""
 
@@ -418,7 +443,8 @@ class CapFilter(admin.SimpleListFilter):
 
 class StarvingFilter(admin.SimpleListFilter):
     """Channels whose longest-waiting ready message has waited longer than N seconds
-    (``?starving=60``): one index probe per channel with a backlog."""
+    (``?starving=60``): one index probe (per priority level) per channel with a backlog, the
+    backlogged channels found by their counters, in one statement."""
 
     title = _("oldest ready waits")
     parameter_name = "starving"
@@ -434,10 +460,9 @@ class StarvingFilter(admin.SimpleListFilter):
             seconds = float(value)
         except ValueError:
             return queryset.none()
-        ids = list(queryset.filter(backlog__gt=0).values_list("pk", flat=True))
-        since = store.select_channel_oldest_ready(ids, using=conf.get().DATABASE)
+        since = store.select_backlogged_oldest_ready(using=conf.get().DATABASE)
         cutoff = store.select_clock() - timedelta(seconds=seconds)
-        return queryset.filter(pk__in=[cid for cid, t in since.items() if t < cutoff])
+        return _among(queryset, [cid for cid, t in since.items() if t < cutoff])
 
 
 class FailingFilter(admin.SimpleListFilter):
@@ -456,12 +481,12 @@ class FailingFilter(admin.SimpleListFilter):
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         if self.value() == "yes":
             failing = stats.failing_counts(overview.FINISHED_MINUTES)
-            return queryset.filter(pk__in=list(failing))
+            return _among(queryset, list(failing))
         if self.value() == "retrying":
             # only channels with scheduled messages can have retries waiting
             scheduled = [cid for cid, c in overview.all_counts().items() if c.scheduled > 0]
             retrying = store.select_channel_retrying(scheduled, using=conf.get().DATABASE)
-            return queryset.filter(pk__in=list(retrying))
+            return _among(queryset, list(retrying))
         return queryset
 
 
@@ -537,7 +562,8 @@ class ChannelAdmin(_ChannelAdminBase):
         "ready_display",
         "running_display",
         "oldest_ready_display",
-        "failing_display",
+        "failures_display",
+        "timeouts_display",
         "retrying_display",
         "failed_display",
         "scheduled_display",
@@ -578,7 +604,8 @@ class ChannelAdmin(_ChannelAdminBase):
             {
                 "fields": [
                     "counters_display",
-                    "failing_display",
+                    "failures_display",
+                    "timeouts_display",
                     "retrying_display",
                     "failed_display",
                     "why_waiting_display",
@@ -613,7 +640,8 @@ class ChannelAdmin(_ChannelAdminBase):
         return ChannelChangeList
 
     def get_readonly_fields(self, request: HttpRequest, obj: Channel | None = None) -> list[str]:
-        fields = ["counters_display", "failing_display", "retrying_display", "failed_display"]
+        fields = ["counters_display", "failures_display", "timeouts_display"]
+        fields += ["retrying_display", "failed_display"]
         fields += ["why_waiting_display", "oldest_ready_display", "finished_display"]
         fields += ["last_claimed_display", "created_at", "group_display"]
         if obj is not None:
@@ -693,15 +721,25 @@ class ChannelAdmin(_ChannelAdminBase):
         return text
 
     @admin.display(description=format_lazy(_("failures {} min"), overview.FINISHED_MINUTES))
-    def failing_display(self, obj: Channel) -> str:
-        # attempts that failed (raised, ran past the time limit, or lost their lease) in the
-        # last minutes, retried or dead-lettered
+    def failures_display(self, obj: Channel) -> str:
+        # attempts whose task raised in the last minutes, retried or dead-lettered
         row = _row(obj)
         if row is None:
             return "-"
-        if not row.failing_recent:
+        if not row.failures_recent:
             return "0"
-        return format_html('<span class="fq-failed">{}</span>', f"{row.failing_recent:,}")
+        return format_html('<span class="fq-failed">{}</span>', f"{row.failures_recent:,}")
+
+    @admin.display(description=format_lazy(_("timeouts {} min"), overview.FINISHED_MINUTES))
+    def timeouts_display(self, obj: Channel) -> str:
+        # attempts that ran past their time limit or lost their lease (rescued) in the last
+        # minutes, retried or dead-lettered
+        row = _row(obj)
+        if row is None:
+            return "-"
+        if not row.timeouts_recent:
+            return "0"
+        return format_html('<span class="fq-failed">{}</span>', f"{row.timeouts_recent:,}")
 
     @admin.display(description=_("retrying"))
     def retrying_display(self, obj: Channel) -> str:

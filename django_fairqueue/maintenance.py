@@ -80,15 +80,19 @@ class Rescuer:
     def run_once(self) -> int:
         registry.rescue_dead_workers()
         total = 0
-        # An expired lease is a failed attempt (its worker timed out): counted in the per-minute
-        # statistics like the attempts workers settle, so "failures in the last minutes" (the
-        # admin, status, metrics) include it. Its run time is unknown: 0.
+        # An expired lease is a timed-out attempt (its worker stopped renewing it): counted in
+        # the per-minute statistics like the attempts workers settle, as a timeout, so
+        # "timeouts in the last minutes" (the admin, status, metrics) include it. Its run time
+        # is unknown: 0.
         recorder = stats.StatsRecorder()
         for _ in range(self.max_batches):
             rescued = store.rescue_expired_messages(self.batch_size)
             for message in rescued:
                 recorder.record_settled(
-                    message.channel_id, "failed" if message.state == "failed" else "retried", 0.0
+                    message.channel_id,
+                    "failed" if message.state == "failed" else "retried",
+                    0.0,
+                    timed_out=True,
                 )
                 logger.warning(
                     "lease expired: message %s (%s) of worker %s, attempt %s -> %s",

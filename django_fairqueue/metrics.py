@@ -132,9 +132,11 @@ class QueueCollector(Collector):
         """
         top = int(getattr(settings, TOP_SETTING, TOP_DEFAULT))
         now = store.select_clock()
-        backlogged = [c.id for c in counts.values() if c.ready > 0]
-        since = store.select_channel_oldest_ready(backlogged)
-        oldest = sorted(since.items(), key=lambda item: item[1])[:top]
+        since = store.select_backlogged_oldest_ready()
+        # a channel created since the counters were read is left for the next scrape
+        oldest = sorted(
+            ((cid, t) for cid, t in since.items() if cid in counts), key=lambda item: item[1]
+        )[:top]
         age = GaugeMetricFamily(
             "fairqueue_oldest_ready_age_seconds",
             f"How long the longest-waiting ready message has waited: the {top} channels "
@@ -166,6 +168,11 @@ class QueueCollector(Collector):
             # expired leases included (the rescuer counts them), and attempts past their time limit
             ("retried", "Attempts that failed and will be retried"),
             ("failed", "Messages that failed for good (new dead letters)"),
+            (
+                "timed_out",
+                "Of the retried and failed attempts, those that ran out of time (past the "
+                "task's time limit, or their lease expired and was rescued); the rest raised",
+            ),
             ("succeeded", "Messages that succeeded"),
         ):
             family = GaugeMetricFamily(

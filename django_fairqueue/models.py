@@ -326,6 +326,14 @@ class Message(TrackedModel):
                 name="fq_message_sched_chan_idx",
                 condition=Q(state=MessageState.SCHEDULED),
             ),
+            # Retries waiting out their backoff, per channel: the admin's and status's
+            # "retrying" counts them without reading the delayed messages (scheduled, never
+            # run) beside them. As small as the retries waiting.
+            models.Index(
+                F("channel"),
+                name="fq_message_retrying_idx",
+                condition=Q(state=MessageState.SCHEDULED, attempts__gt=0),
+            ),
             # Every message of a channel, newest or oldest first: the admin's channel filter
             # and its sort by channel, paged by (channel_id, id). A full index: each enqueue
             # and each state change writes an entry in it.
@@ -509,6 +517,10 @@ class ChannelStat(models.Model):
     succeeded = models.IntegerField(default=0)
     failed = models.IntegerField(default=0)
     retried = models.IntegerField(default=0)
+    # of the attempts counted in failed and retried, those that ran out of time (past their
+    # task's time limit, or their lease expired and the rescuer took them back); the others
+    # raised
+    timed_out = models.IntegerField(default=0, db_default=0)
     wait_ms_sum = models.BigIntegerField(default=0)
     wait_ms_max = models.IntegerField(default=0)
     # counts per WAIT_BUCKETS_MS bucket (len(WAIT_BUCKETS_MS) + 1 entries)
@@ -524,6 +536,33 @@ class ChannelStat(models.Model):
 
     def __str__(self) -> str:
         return f"channel {self.channel_id} @ {self.minute:%H:%M}: {self.claimed} claimed"
+
+
+class MinuteStat(models.Model):
+    """Per minute, all channels together: the sums of that minute's ChannelStat rows.
+
+    Written by the same flush as the channel rows, in the same transaction, so the two always
+    agree. The dashboard's per-minute series and its overall wait and outcome figures read
+    these (one row a minute) instead of summing the rows of every channel. Pruned with them.
+    """
+
+    minute = models.DateTimeField(primary_key=True)
+    claimed = models.BigIntegerField(default=0)
+    succeeded = models.BigIntegerField(default=0)
+    failed = models.BigIntegerField(default=0)
+    retried = models.BigIntegerField(default=0)
+    timed_out = models.BigIntegerField(default=0)
+    wait_ms_sum = models.BigIntegerField(default=0)
+    wait_ms_max = models.IntegerField(default=0)
+    # summed element by element, as ChannelStat.wait_histogram
+    wait_histogram = IntegerArrayField(default=list)
+    run_ms_sum = models.BigIntegerField(default=0)
+
+    class Meta:
+        db_table = "fairqueue_minute_stat"
+
+    def __str__(self) -> str:
+        return f"{self.minute:%H:%M}: {self.claimed} claimed"
 
 
 class WorkBatch(TrackedModel):

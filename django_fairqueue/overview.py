@@ -5,14 +5,16 @@ table:
 
 * counts (ready, delayed, running, failed, succeeded) are the channel row's counters plus its
   pending counter deltas (docs/explanation/fairness.md, *Counters without a hot row*): for a
-  few channels :func:`django_fairqueue.store.select_channel_counters`, for all of them one read
-  of the channel table and one of the (small) delta table, joined here;
+  few channels :func:`django_fairqueue.store.select_channel_counters`, for all of them one
+  statement joining the channel table to the deltas summed per channel
+  (:func:`django_fairqueue.store.select_all_channel_counts`);
 * the oldest ready message is a loose index scan of ``fq_message_ready_idx``, one probe per
   priority level in use (:func:`django_fairqueue.store.select_channel_oldest_ready`);
-* finished, served, wait and failing figures come from the per-minute statistics
-  (:mod:`django_fairqueue.stats`);
-* retrying (messages waiting out a retry's backoff) reads the scheduled rows of the channels
-  whose scheduled counter is positive, through ``fq_message_sched_chan_idx``
+* finished, served, wait, failures and timeouts come from the per-minute statistics
+  (:mod:`django_fairqueue.stats`): per channel one statement for a window, over all channels
+  the per-minute sums;
+* retrying (messages waiting out a retry's backoff) reads the retries of the channels whose
+  scheduled counter is positive, through the partial ``fq_message_retrying_idx``
   (:func:`django_fairqueue.store.select_channel_retrying`).
 """
 
@@ -92,79 +94,21 @@ STATE_COLUMNS = frozenset(
 
 
 # --------------------------------------------------------------------------------------------
-# Counts of every channel (two reads, joined here)
+# Counts of every channel (one read)
 
 
-@dataclass(frozen=True, slots=True)
-class ChannelCounts:
-    id: int
-    name: str
-    weight: int
-    paused: bool
-    max_concurrency: int | None
-    ready: int
-    scheduled: int
-    running: int
-    failed: int
-    succeeded: int
+#: A channel's configuration the listings show and its exact counts.
+ChannelCounts = store.ChannelSummary
 
 
 def all_counts() -> dict[int, ChannelCounts]:
     """Exact counts of every channel: its counter columns plus its pending deltas.
 
-    Two reads: the channel table (one row per channel) and the pending deltas summed per
-    channel. Cheaper than a correlated sum per channel row: the deltas are read once.
+    One statement (:func:`django_fairqueue.store.select_all_channel_counts`): the channel
+    table joined to the pending deltas summed once per channel, cheaper than a correlated sum
+    per channel row, and read without the ORM's per-row work (10,000 channels in a few ms).
     """
-    deltas = {
-        row[0]: row[1:]
-        for row in ChannelDelta.objects.using(_db())
-        .order_by()
-        .values("channel_id")
-        .annotate(
-            r=Sum("ready"),
-            s=Sum("scheduled"),
-            n=Sum("running"),
-            f=Sum("failed"),
-            ok=Sum("succeeded"),
-        )
-        .values_list("channel_id", "r", "s", "n", "f", "ok")
-    }
-    out = {}
-    counters = (
-        "ready_count",
-        "scheduled_count",
-        "running_count",
-        "failed_count",
-        "succeeded_total",
-    )
-    for row in (
-        Channel.objects.using(_db())
-        .order_by()
-        .annotate(**{f"_{name}": state_column(name) for name in counters})
-        .values_list(
-            "id",
-            "name",
-            "weight",
-            "paused",
-            "max_concurrency",
-            *(f"_{name}" for name in counters),
-        )
-    ):
-        cid, name, weight, paused, cap, ready, scheduled, running, failed, succeeded = row
-        d = deltas.get(cid, (0, 0, 0, 0, 0))
-        out[cid] = ChannelCounts(
-            cid,
-            name,
-            weight,
-            paused,
-            cap,
-            ready + int(d[0] or 0),
-            scheduled + int(d[1] or 0),
-            running + int(d[2] or 0),
-            failed + int(d[3] or 0),
-            succeeded + int(d[4] or 0),
-        )
-    return out
+    return {c.id: c for c in store.select_all_channel_counts(using=_db())}
 
 
 def totals(counts: Mapping[int, ChannelCounts]) -> dict[str, int]:
@@ -235,9 +179,12 @@ class ChannelRow:
     finished_recent: int
     #: of ``scheduled``, messages waiting out a retry's backoff after a failed attempt
     retrying: int = 0
-    #: attempts that failed (raised, or ran out of time) in the last FINISHED_MINUTES minutes,
-    #: retried or dead-lettered
-    failing_recent: int = 0
+    #: attempts whose task raised in the last FINISHED_MINUTES minutes, retried or
+    #: dead-lettered
+    failures_recent: int = 0
+    #: attempts that ran out of time in the last FINISHED_MINUTES minutes (past the task's time
+    #: limit, or their lease expired and was rescued), retried or dead-lettered
+    timeouts_recent: int = 0
 
     @property
     def delayed(self) -> int:
@@ -272,16 +219,17 @@ class ChannelRow:
             else None,
             "oldest_ready_age_seconds": None if age is None else round(age, 3),
             f"finished_last_{FINISHED_MINUTES}m": self.finished_recent,
-            f"failing_last_{FINISHED_MINUTES}m": self.failing_recent,
+            f"failures_last_{FINISHED_MINUTES}m": self.failures_recent,
+            f"timeouts_last_{FINISHED_MINUTES}m": self.timeouts_recent,
         }
 
 
 def rows(ids: Sequence[int], *, now: datetime | None = None) -> list[ChannelRow]:
     """The rows of these channels, in the order given (unknown ids are skipped).
 
-    Six queries whatever the number of ids: limits, counters with deltas, oldest ready
+    Five queries whatever the number of ids: limits, counters with deltas, oldest ready
     (only for channels with ready messages), retrying (only for channels with scheduled
-    messages), recent finishes, recent failures.
+    messages), recent finishes and failures.
     """
     if not ids:
         return []
@@ -293,8 +241,10 @@ def rows(ids: Sequence[int], *, now: datetime | None = None) -> list[ChannelRow]
     oldest = store.select_channel_oldest_ready(with_ready, using=db)
     with_scheduled = [cid for cid, c in counters.items() if c.scheduled > 0]
     retrying = store.select_channel_retrying(with_scheduled, using=db)
-    finished = stats.finished_counts(FINISHED_MINUTES, channel_ids=ids, now=now)
-    failing = stats.failing_counts(FINISHED_MINUTES, channel_ids=ids, now=now)
+    recent = stats.window_stats(FINISHED_MINUTES, channel_ids=ids, now=now)
+    finished = stats.finished_of(recent)
+    failing = stats.failing_of(recent)
+    none = stats.Failing()
     out = []
     for cid in ids:
         channel = channels.get(cid)
@@ -318,7 +268,8 @@ def rows(ids: Sequence[int], *, now: datetime | None = None) -> list[ChannelRow]
                 oldest_ready_since=oldest.get(cid),
                 finished_recent=finished.get(cid, 0),
                 retrying=retrying.get(cid, 0),
-                failing_recent=failing.get(cid, 0),
+                failures_recent=failing.get(cid, none).failures,
+                timeouts_recent=failing.get(cid, none).timeouts,
             )
         )
     return out
@@ -346,8 +297,7 @@ def ranked_ids(
         wanted = set(among)
         pool = [c for c in pool if c.id in wanted]
     if sort == "age":
-        backlogged = [c.id for c in pool if c.ready > 0]
-        since = store.select_channel_oldest_ready(backlogged, using=_db())
+        since = store.select_backlogged_oldest_ready(using=_db())
         far = timezone.now() + timedelta(days=36500)
         pool.sort(key=lambda c: (since.get(c.id, far), c.name))
     elif sort == "name":
@@ -361,20 +311,25 @@ def ranked_ids(
 
 def failing_ids(
     counts: Mapping[int, ChannelCounts],
-    failures: Mapping[int, int],
+    failures: Mapping[int, stats.Failing],
     retrying: Mapping[int, int],
     limit: int | None = None,
 ) -> list[int]:
     """The channels failing, most failing first, at most ``limit``: failed attempts in the
-    recent window (``failures``), then messages waiting for a retry (``retrying``), then dead
-    letters kept (the ``failed`` counter); ties by name. A channel with none of the three is
-    not failing."""
+    recent window (``failures``: failures and timeouts together), then messages waiting for a
+    retry (``retrying``), then dead letters kept (the ``failed`` counter); ties by name. A
+    channel with none of the three is not failing."""
+
+    def attempts(cid: int) -> int:
+        found = failures.get(cid)
+        return found.total if found is not None else 0
+
     failing = [
         c
         for c in counts.values()
-        if failures.get(c.id, 0) > 0 or retrying.get(c.id, 0) > 0 or c.failed > 0
+        if attempts(c.id) > 0 or retrying.get(c.id, 0) > 0 or c.failed > 0
     ]
-    failing.sort(key=lambda c: (-failures.get(c.id, 0), -retrying.get(c.id, 0), -c.failed, c.name))
+    failing.sort(key=lambda c: (-attempts(c.id), -retrying.get(c.id, 0), -c.failed, c.name))
     ordered = [c.id for c in failing]
     return ordered if limit is None else ordered[:limit]
 
@@ -410,15 +365,17 @@ def dashboard(
     ``tenants`` are the first ``limit`` channels in order ``sort``, each with its row, what it
     was served in the last ``window`` minutes (count and share) and its wait p50/p95 there;
     ``failing`` are the ``limit`` channels failing most (:func:`failing_ids`), whatever
-    ``sort`` is, each with its failed attempts in the last FINISHED_MINUTES minutes, messages
-    waiting for a retry and dead letters;
+    ``sort`` is, each with its failures and timeouts in the last FINISHED_MINUTES minutes,
+    messages waiting for a retry and dead letters;
     ``series`` has one entry per minute of the last ``series_minutes``; ``fairness`` is Jain's
     index over the backlogged channels (see :mod:`django_fairqueue.stats`).
     """
     now = now or timezone.now()
     counts = all_counts()
     ids = ranked_ids(sort, limit, counts=counts)
-    failures = stats.failing_counts(FINISHED_MINUTES, now=now)
+    recent = stats.window_stats(FINISHED_MINUTES, now=now)
+    failures = stats.failing_of(recent)
+    none = stats.Failing()
     retrying = store.select_channel_retrying(
         [c.id for c in counts.values() if c.scheduled > 0], using=_db()
     )
@@ -427,13 +384,15 @@ def dashboard(
             "id": cid,
             "name": counts[cid].name,
             "paused": counts[cid].paused,
-            f"failing_last_{FINISHED_MINUTES}m": failures.get(cid, 0),
+            f"failures_last_{FINISHED_MINUTES}m": failures.get(cid, none).failures,
+            f"timeouts_last_{FINISHED_MINUTES}m": failures.get(cid, none).timeouts,
             "retrying": retrying.get(cid, 0),
             "failed": counts[cid].failed,
         }
         for cid in failing_ids(counts, failures, retrying, limit)
     ]
-    served = stats.served_counts(window, now=now)
+    in_window = recent if window == FINISHED_MINUTES else stats.window_stats(window, now=now)
+    served = stats.served_of(in_window)
     backlogged = {c.id: c.weight for c in counts.values() if c.ready > 0 and not c.paused}
     fair = stats.fairness(backlogged, window, served=served, now=now)
     total_served = sum(served.values())
@@ -455,7 +414,8 @@ def dashboard(
         "totals": {
             **totals(counts),
             "retrying": sum(retrying.values()),
-            f"failing_last_{FINISHED_MINUTES}m": sum(failures.values()),
+            f"failures_last_{FINISHED_MINUTES}m": sum(f.failures for f in failures.values()),
+            f"timeouts_last_{FINISHED_MINUTES}m": sum(f.timeouts for f in failures.values()),
         },
         "served": total_served,
         "wait": stats.wait_summary(window, now=now).as_dict(),

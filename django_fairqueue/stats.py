@@ -3,10 +3,14 @@
 Workers tally in memory with a :class:`StatsRecorder` and flush every few seconds: one upsert
 of one row per (channel, minute) into ``fairqueue_channel_stat``
 (:func:`django_fairqueue.store.record_channel_stats`), so the claim itself writes nothing
-extra. The query helpers below feed the admin dashboard, ``manage.py fairqueue status`` and
-the metrics; they read with the ORM and sum in the database (histogram buckets are summed
-element by element, ``SUM(wait_histogram[i])``), so their cost grows with the rows of the
-window asked for, never with the message table.
+extra. The same flush adds the sums of its rows per minute, all channels together, to
+``fairqueue_minute_stat`` (in the same transaction, so the two agree). The query helpers below
+feed the admin dashboard, ``manage.py fairqueue status`` and the metrics; they read with the
+ORM and sum in the database (histogram buckets are summed element by element,
+``SUM(wait_histogram[i])``), so their cost grows with the rows of the window asked for, never
+with the message table. Figures over all channels (the per-minute series, the overall wait,
+the outcome totals) read the per-minute sums: one row a minute, whatever the number of
+channels.
 
 **Wait** is the time from when a message became claimable to the claim that took it:
 ``claimed_at - max(enqueued_at, run_at)`` (a delayed message or a retry waits from its
@@ -46,25 +50,31 @@ from django.db.models import Max, Sum
 from django.utils import timezone
 
 from django_fairqueue import conf, store
-from django_fairqueue.models import WAIT_BUCKETS_MS, ChannelStat
+from django_fairqueue.models import WAIT_BUCKETS_MS, ChannelStat, MinuteStat
 
 __all__ = [
     "BUCKETS",
+    "Failing",
     "Fairness",
     "MinuteSummary",
     "StatsRecorder",
     "WaitSummary",
     "bucket_of",
+    "failing_counts",
+    "failing_of",
     "fairness",
     "finished_counts",
+    "finished_of",
     "jain_index",
     "minute_series",
     "percentile_from_histogram",
     "prune",
     "served_counts",
+    "served_of",
     "wait_by_channel",
     "wait_summary",
     "window_start",
+    "window_stats",
 ]
 
 #: Upper bounds (ms) of the wait histogram's buckets; one more bucket holds everything above.
@@ -99,12 +109,14 @@ class _Tally:
     wait_ms_max: int = 0
     histogram: list[int] = field(default_factory=lambda: [0] * N_BUCKETS)
     run_ms_sum: int = 0
+    timed_out: int = 0
 
     def add(self, other: _Tally) -> None:
         self.claimed += other.claimed
         self.succeeded += other.succeeded
         self.failed += other.failed
         self.retried += other.retried
+        self.timed_out += other.timed_out
         self.wait_ms_sum += other.wait_ms_sum
         self.wait_ms_max = max(self.wait_ms_max, other.wait_ms_max)
         self.histogram = [a + b for a, b in zip(self.histogram, other.histogram, strict=True)]
@@ -148,16 +160,26 @@ class StatsRecorder:
                 tally.histogram[bucket_of(wait_ms)] += 1
 
     def record_settled(
-        self, channel_id: int, outcome: Outcome, run_ms: float, *, at: datetime | None = None
+        self,
+        channel_id: int,
+        outcome: Outcome,
+        run_ms: float,
+        *,
+        at: datetime | None = None,
+        timed_out: bool = False,
     ) -> None:
         """Count one finished attempt: ``succeeded``, ``failed`` (for good) or ``retried``
-        (failed, will run again), which ran ``run_ms`` milliseconds."""
+        (failed, will run again), which ran ``run_ms`` milliseconds. ``timed_out``: the failed
+        attempt ran out of time (its time limit, or its lease expired) instead of raising."""
         if outcome not in _OUTCOMES:
             raise ValueError(f"outcome must be one of {_OUTCOMES}, got {outcome!r}")
+        if timed_out and outcome == "succeeded":
+            raise ValueError("a succeeded attempt did not time out")
         minute = minute_of(at if at is not None else timezone.now())
         with self._lock:
             tally = self._tally(channel_id, minute)
             setattr(tally, outcome, getattr(tally, outcome) + 1)
+            tally.timed_out += int(timed_out)
             tally.run_ms_sum += max(round(run_ms), 0)
 
     def pending(self) -> int:
@@ -183,6 +205,7 @@ class StatsRecorder:
                 wait_ms_max=t.wait_ms_max,
                 wait_histogram=tuple(t.histogram),
                 run_ms_sum=t.run_ms_sum,
+                timed_out=t.timed_out,
             )
             for (channel_id, minute), t in sorted(tallies.items())
         ]
@@ -226,6 +249,15 @@ def _window(minutes: int, now: datetime | None, channel_ids: Sequence[int] | Non
     return qs.order_by()
 
 
+def _minutes(minutes: int, now: datetime | None) -> Any:
+    """The per-minute sums over all channels in the window (one row a minute)."""
+    return (
+        MinuteStat.objects.using(conf.get().DATABASE)
+        .filter(minute__gte=window_start(minutes, now))
+        .order_by()
+    )
+
+
 _HISTOGRAM_SUMS = {f"h{i}": Sum(f"wait_histogram__{i}") for i in range(N_BUCKETS)}
 
 
@@ -233,17 +265,33 @@ def _histogram(row: Mapping[str, Any]) -> list[int]:
     return [int(row[f"h{i}"] or 0) for i in range(N_BUCKETS)]
 
 
+def window_stats(
+    minutes: int = 5, *, channel_ids: Sequence[int] | None = None, now: datetime | None = None
+) -> dict[int, store.WindowStats]:
+    """{channel id: its sums over the window}, for the channels (of ``channel_ids``, or all)
+    with statistics there. One statement; :func:`served_of`, :func:`finished_of` and
+    :func:`failing_of` take the figures out of it."""
+    since = window_start(minutes, now)
+    rows = store.select_channel_window_stats(since, channel_ids, using=conf.get().DATABASE)
+    return {w.channel_id: w for w in rows}
+
+
+def served_of(window: Mapping[int, store.WindowStats]) -> dict[int, int]:
+    """{channel id: messages claimed}, for the channels with any."""
+    return {cid: w.claimed for cid, w in window.items() if w.claimed}
+
+
+def finished_of(window: Mapping[int, store.WindowStats]) -> dict[int, int]:
+    """{channel id: messages finished}: succeeded plus failed for good (retried attempts are
+    not finished), for the channels with any."""
+    return {cid: w.succeeded + w.failed for cid, w in window.items() if w.succeeded + w.failed}
+
+
 def served_counts(
     minutes: int = 5, *, channel_ids: Sequence[int] | None = None, now: datetime | None = None
 ) -> dict[int, int]:
     """{channel id: messages claimed in the window}, for channels with any."""
-    rows = (
-        _window(minutes, now, channel_ids)
-        .values("channel_id")
-        .annotate(n=Sum("claimed"))
-        .values_list("channel_id", "n")
-    )
-    return {cid: int(n) for cid, n in rows if n}
+    return served_of(window_stats(minutes, channel_ids=channel_ids, now=now))
 
 
 def finished_counts(
@@ -251,13 +299,7 @@ def finished_counts(
 ) -> dict[int, int]:
     """{channel id: messages finished in the window}: succeeded plus failed for good (retried
     attempts are not finished)."""
-    rows = (
-        _window(minutes, now, channel_ids)
-        .values("channel_id")
-        .annotate(ok=Sum("succeeded"), bad=Sum("failed"))
-        .values_list("channel_id", "ok", "bad")
-    )
-    return {cid: int(ok or 0) + int(bad or 0) for cid, ok, bad in rows if (ok or 0) + (bad or 0)}
+    return finished_of(window_stats(minutes, channel_ids=channel_ids, now=now))
 
 
 def percentile_from_histogram(
@@ -334,8 +376,10 @@ def _round(value: float | None) -> float | None:
 def wait_summary(
     minutes: int = 5, *, channel_ids: Sequence[int] | None = None, now: datetime | None = None
 ) -> WaitSummary:
-    """Wait of every message claimed in the window (of the given channels, or all)."""
-    row = _window(minutes, now, channel_ids).aggregate(
+    """Wait of every message claimed in the window (of the given channels, or all: then read
+    from the per-minute sums)."""
+    rows = _minutes(minutes, now) if channel_ids is None else _window(minutes, now, channel_ids)
+    row = rows.aggregate(
         wait_sum=Sum("wait_ms_sum"), wait_max=Max("wait_ms_max"), **_HISTOGRAM_SUMS
     )
     return WaitSummary.of(_histogram(row), int(row["wait_sum"] or 0), row["wait_max"])
@@ -384,20 +428,7 @@ def minute_series(minutes: int = 30, *, now: datetime | None = None) -> list[Min
     """One summary per minute of the window, oldest first; minutes without claims included
     (with zeros), so a chart's time axis has no holes."""
     first = window_start(minutes, now)
-    rows = {
-        row["minute"]: row
-        for row in _window(minutes, now, None)
-        .values("minute")
-        .annotate(
-            c=Sum("claimed"),
-            ok=Sum("succeeded"),
-            bad=Sum("failed"),
-            again=Sum("retried"),
-            wait_sum=Sum("wait_ms_sum"),
-            wait_max=Max("wait_ms_max"),
-            **_HISTOGRAM_SUMS,
-        )
-    }
+    rows = {row.minute: row for row in _minutes(minutes, now)}
     out = []
     for i in range(minutes):
         minute = first + timedelta(minutes=i)
@@ -405,14 +436,17 @@ def minute_series(minutes: int = 30, *, now: datetime | None = None) -> list[Min
         if row is None:
             out.append(MinuteSummary(minute, 0, 0, 0, 0, WaitSummary(0, None, None, None, None)))
             continue
+        histogram = [0] * N_BUCKETS
+        for i, n in enumerate(row.wait_histogram[:N_BUCKETS]):
+            histogram[i] = int(n or 0)
         out.append(
             MinuteSummary(
                 minute=minute,
-                claimed=int(row["c"] or 0),
-                succeeded=int(row["ok"] or 0),
-                failed=int(row["bad"] or 0),
-                retried=int(row["again"] or 0),
-                wait=WaitSummary.of(_histogram(row), int(row["wait_sum"] or 0), row["wait_max"]),
+                claimed=row.claimed,
+                succeeded=row.succeeded,
+                failed=row.failed,
+                retried=row.retried,
+                wait=WaitSummary.of(histogram, row.wait_ms_sum, row.wait_ms_max),
             )
         )
     return out
@@ -474,24 +508,48 @@ def fairness(
 
 
 def outcome_totals(minutes: int = 5, *, now: datetime | None = None) -> dict[str, int]:
-    """Claimed, succeeded, retried and failed (for good) over the window, over all channels."""
-    row = _window(minutes, now, None).aggregate(
+    """Claimed, succeeded, retried and failed (for good) over the window, over all channels;
+    ``timed_out``: of retried and failed, the attempts that ran out of time."""
+    row = _minutes(minutes, now).aggregate(
         claimed=Sum("claimed"),
         succeeded=Sum("succeeded"),
         retried=Sum("retried"),
         failed=Sum("failed"),
+        timed_out=Sum("timed_out"),
     )
     return {key: int(value or 0) for key, value in row.items()}
 
 
+@dataclass(frozen=True, slots=True)
+class Failing:
+    """A channel's failed attempts in a window, retried or dead-lettered, in two kinds."""
+
+    #: attempts whose task raised
+    failures: int = 0
+    #: attempts that ran out of time: past the task's time limit, or their lease expired and
+    #: the rescuer took them back
+    timeouts: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.failures + self.timeouts
+
+
+def failing_of(window: Mapping[int, store.WindowStats]) -> dict[int, Failing]:
+    """{channel id: its failed attempts}, for the channels with any: failures (the task
+    raised) and timeouts (time limit, expired lease), retried or failed for good."""
+    out = {}
+    for cid, w in window.items():
+        failed = w.retried + w.failed
+        if failed:
+            late = min(w.timed_out, failed)
+            out[cid] = Failing(failures=failed - late, timeouts=late)
+    return out
+
+
 def failing_counts(
     minutes: int = 5, *, channel_ids: Sequence[int] | None = None, now: datetime | None = None
-) -> dict[int, int]:
-    """{channel id: attempts that failed in the window}: retried plus failed for good."""
-    rows = (
-        _window(minutes, now, channel_ids)
-        .values("channel_id")
-        .annotate(retried=Sum("retried"), bad=Sum("failed"))
-        .values_list("channel_id", "retried", "bad")
-    )
-    return {cid: int(r or 0) + int(b or 0) for cid, r, b in rows if (r or 0) + (b or 0)}
+) -> dict[int, Failing]:
+    """{channel id: its failed attempts in the window}, for the channels with any: failures
+    (the task raised) and timeouts (time limit, expired lease), retried or failed for good."""
+    return failing_of(window_stats(minutes, channel_ids=channel_ids, now=now))

@@ -1,5 +1,6 @@
-"""Failing now in the admin: per channel, the attempts that failed in the last minutes (time
-limits and expired leases included), the messages waiting for a retry (apart from the plainly
+"""Failing now in the admin: per channel, the attempts that failed in the last minutes, as
+failures (the task raised) and timeouts (time limits and expired leases) apart, the messages
+waiting for a retry (apart from the plainly
 delayed ones) and the dead letters; the dashboard's failing panel, which picks the failing
 channels of the whole queue whatever order its other panels use; and the markup of our own
 admin pages (breadcrumbs, the work-batch jobs table) on the running Django.
@@ -10,12 +11,16 @@ statistics the way workers flush them (``store.record_channel_stats``).
 
 from __future__ import annotations
 
+import io
+import json
+import re
 from datetime import timedelta
 from typing import Any
 
 import django
 import pytest
 from django.contrib.auth.models import Permission, User
+from django.core.management import call_command
 from django.db import connection
 from django.test import Client
 from django.urls import reverse
@@ -53,10 +58,18 @@ def fail(name: str, n: int, retry_in: timedelta | None) -> list[int]:
     return sorted(states)
 
 
-def record_failures(name: str, failed: int = 0, retried: int = 0, minutes_ago: int = 0) -> None:
+def record_failures(
+    name: str, failed: int = 0, retried: int = 0, minutes_ago: int = 0, timed_out: int = 0
+) -> None:
+    """Failed attempts in the statistics, as a worker flushes them; ``timed_out`` of them ran
+    out of time."""
     at = stats.minute_of(timezone.now() - timedelta(minutes=minutes_ago))
     store.record_channel_stats(
-        [store.ChannelMinuteStats(cid(name), at, failed=failed, retried=retried)]
+        [
+            store.ChannelMinuteStats(
+                cid(name), at, failed=failed, retried=retried, timed_out=timed_out
+            )
+        ]
     )
 
 
@@ -83,14 +96,15 @@ def page_rows(response: Any) -> dict[str, overview.ChannelRow]:
 @pytest.fixture
 def flaky() -> dict[str, Any]:
     """``flaky``: 3 messages waiting for a retry, 2 dead letters, 2 plainly delayed, 1 ready,
-    and 5 failed attempts in the statistics (3 retried, 2 for good); ``calm``: only delayed
-    messages and a big backlog, nothing failing."""
+    and 5 failed attempts in the statistics (3 retried, 2 for good; 1 of them timed out, so 4
+    failures and 1 timeout); ``calm``: only delayed messages and a big backlog, nothing
+    failing."""
     enqueue("flaky", 5)
     retrying = fail("flaky", 3, timedelta(hours=1))
     dead = fail("flaky", 2, None)
     enqueue("flaky", 2, run_after=timedelta(hours=1))
     enqueue("flaky", 1)
-    record_failures("flaky", failed=2, retried=3)
+    record_failures("flaky", failed=2, retried=3, timed_out=1)
     enqueue("calm", 40)
     enqueue("calm", 4, run_after=timedelta(hours=1))
     return {"retrying": retrying, "dead": dead}
@@ -108,15 +122,18 @@ def test_channel_list_separates_retrying_from_delayed(
     rows = page_rows(response)
     flaky_row, calm = rows["flaky"], rows["calm"]
     assert (flaky_row.scheduled, flaky_row.retrying, flaky_row.delayed) == (5, 3, 2)
-    assert (flaky_row.failing_recent, flaky_row.failed, flaky_row.ready) == (5, 2, 1)
-    assert (calm.scheduled, calm.retrying, calm.delayed, calm.failing_recent) == (4, 0, 4, 0)
+    assert (flaky_row.failures_recent, flaky_row.timeouts_recent) == (4, 1)
+    assert (flaky_row.failed, flaky_row.ready) == (2, 1)
+    assert (calm.scheduled, calm.retrying, calm.delayed) == (4, 0, 4)
+    assert (calm.failures_recent, calm.timeouts_recent) == (0, 0)
     html = response.content.decode()
-    for header in ("Failures 5 min", "Retrying", "Dead letters", "Delayed"):
+    for header in ("Failures 5 min", "Timeouts 5 min", "Retrying", "Dead letters", "Delayed"):
         assert f">{header}</" in html, header
     # the retrying figure links to the channel's scheduled messages
     link = f"{MESSAGES}?channel__id__exact={cid('flaky')}&amp;state__exact=scheduled"
     assert f'<a href="{link}" class="fq-retrying">3</a>' in html
-    assert '<span class="fq-failed">5</span>' in html
+    assert '<span class="fq-failed">4</span>' in html  # failures
+    assert '<span class="fq-failed">1</span>' in html  # timeouts
 
 
 def test_channel_list_filters_channels_with_retries_waiting(
@@ -136,7 +153,7 @@ def test_change_page_shows_failing_now(admin_client: Client, flaky: dict[str, An
     url = reverse("admin:fairqueue_channel_change", args=[cid("flaky")])
     html = admin_client.get(url).content.decode()
     assert "ready 1, delayed 2, retrying 3, running 0, dead letters 2" in html
-    for label in ("Failures 5 min", "Retrying", "Dead letters"):
+    for label in ("Failures 5 min", "Timeouts 5 min", "Retrying", "Dead letters"):
         assert f"<label>{label}:</label>" in html, label
 
 
@@ -172,22 +189,24 @@ def test_dashboard_failing_panel_ignores_the_chosen_order(admin_client: Client) 
     enqueue("retry-only", 4)
     fail("retry-only", 4, timedelta(hours=1))  # failed long ago, retries waiting
     enqueue("burning", 1)
-    record_failures("burning", failed=1, retried=6)  # failing right now
+    record_failures("burning", failed=1, retried=6, timed_out=2)  # failing right now
     record_failures("burning", failed=50, minutes_ago=20)  # outside the window: not counted
     for sort in overview.SORTS:
         data = admin_client.get(DASHBOARD_DATA, {"sort": sort, "limit": "3"}).json()
         failing = [
-            (f["name"], f["failing_last_5m"], f["retrying"], f["failed"]) for f in data["failing"]
+            (f["name"], f["failures_last_5m"], f["timeouts_last_5m"], f["retrying"], f["failed"])
+            for f in data["failing"]
         ]
         assert failing == [
-            ("burning", 7, 0, 0),
-            ("retry-only", 0, 4, 0),
-            ("dead-only", 0, 0, 2),
+            ("burning", 5, 2, 0, 0),
+            ("retry-only", 0, 0, 4, 0),
+            ("dead-only", 0, 0, 0, 2),
         ], sort
     data = admin_client.get(DASHBOARD_DATA, {"sort": "backlog", "limit": "3"}).json()
     assert [t["name"] for t in data["tenants"]] == ["busy-9", "busy-8", "busy-7"]
     assert data["totals"]["retrying"] == 4
-    assert data["totals"]["failing_last_5m"] == 7
+    assert data["totals"]["failures_last_5m"] == 5
+    assert data["totals"]["timeouts_last_5m"] == 2
     assert data["totals"]["failed"] == 2
     # the limit bounds the panel too: the most failing first
     data = admin_client.get(DASHBOARD_DATA, {"limit": "1"}).json()
@@ -196,12 +215,12 @@ def test_dashboard_failing_panel_ignores_the_chosen_order(admin_client: Client) 
 
 def test_dashboard_page_shows_failing_now(admin_client: Client, flaky: dict[str, Any]) -> None:
     html = admin_client.get(DASHBOARD).content.decode()
-    for label in ("failures, 5 min", "retrying", "dead letters", "Failing now"):
+    for label in ("failures, 5 min", "timeouts, 5 min", "retrying", "dead letters", "Failing now"):
         assert label in html, label
     data = admin_client.get(DASHBOARD_DATA).json()
     row = next(t for t in data["tenants"] if t["name"] == "flaky")
     assert (row["retrying"], row["delayed"], row["scheduled"]) == (3, 2, 5)
-    assert (row["failing_last_5m"], row["failed"]) == (5, 2)
+    assert (row["failures_last_5m"], row["timeouts_last_5m"], row["failed"]) == (4, 1, 2)
     assert [f["name"] for f in data["failing"]] == ["flaky"]
 
 
@@ -224,10 +243,43 @@ def test_failing_ids_order() -> None:
         4: counts("d", 4, 1),
         5: counts("e", 5, 0),
     }
-    failures = {3: 2, 4: 2}
+    # failures and timeouts rank together: 3 and 4 both failed 2 attempts
+    failures = {3: stats.Failing(failures=2), 4: stats.Failing(failures=1, timeouts=1)}
     retrying = {1: 5, 3: 1}
     assert overview.failing_ids(all_counts, failures, retrying) == [3, 4, 1, 2]
     assert overview.failing_ids(all_counts, failures, retrying, limit=2) == [3, 4]
+    failures[5] = stats.Failing(timeouts=3)  # only timeouts: failing, and the most
+    assert overview.failing_ids(all_counts, failures, retrying) == [5, 3, 4, 1, 2]
+
+
+# ------------------------------------------------------------------------------------------
+# fairqueue status: the same figures
+
+
+def test_status_shows_retrying_failures_and_timeouts(flaky: dict[str, Any]) -> None:
+    out = io.StringIO()
+    call_command("fairqueue", "status", "--sort", "name", stdout=out)
+    lines = out.getvalue().splitlines()
+    header = re.split(r"\s{2,}", lines[0])
+    flaky_line = dict(zip(header, re.split(r"\s{2,}", lines[2]), strict=False))
+    assert flaky_line["CHANNEL"] == "flaky"
+    assert (flaky_line["READY"], flaky_line["DELAYED"], flaky_line["RETRYING"]) == ("1", "2", "3")
+    failing = (flaky_line["FAILS 5M"], flaky_line["TIMEOUTS 5M"], flaky_line["DEAD"])
+    assert failing == ("4", "1", "2")
+    calm_line = dict(zip(header, re.split(r"\s{2,}", lines[1]), strict=False))
+    assert (calm_line["DELAYED"], calm_line["RETRYING"], calm_line["FAILS 5M"]) == ("4", "0", "0")
+    summary = out.getvalue()
+    assert "6 delayed, 3 retrying" in summary
+    assert "4 failures, 1 timeouts" in summary
+    out = io.StringIO()
+    call_command("fairqueue", "status", "flaky", "--json", stdout=out)
+    row = json.loads(out.getvalue())
+    assert (row["retrying"], row["delayed"], row["scheduled"]) == (3, 2, 5)
+    assert (row["failures_last_5m"], row["timeouts_last_5m"], row["failed"]) == (4, 1, 2)
+    out = io.StringIO()
+    call_command("fairqueue", "status", "--json", stdout=out)
+    totals = json.loads(out.getvalue())["totals"]
+    assert (totals["retrying"], totals["failures_last_5m"], totals["timeouts_last_5m"]) == (3, 4, 1)
 
 
 # ------------------------------------------------------------------------------------------
@@ -267,10 +319,10 @@ def test_no_permission_no_failing_figures(flaky: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# timeouts: an expired lease is a failed attempt in the statistics
+# timeouts: an expired lease is a timed-out attempt in the statistics
 
 
-def test_the_rescuer_counts_expired_leases_as_failed_attempts() -> None:
+def test_the_rescuer_counts_expired_leases_as_timeouts() -> None:
     enqueue("stuck", 3)
     claimed = store.claim_messages(
         3, lease=LEASE, worker_id="gone", only_channel_ids=[cid("stuck")], quantum=3
@@ -282,9 +334,9 @@ def test_the_rescuer_counts_expired_leases_as_failed_attempts() -> None:
     )
     assert stats.failing_counts(5) == {}
     assert Rescuer().run_once() == 3
-    assert stats.failing_counts(5) == {cid("stuck"): 3}
+    assert stats.failing_counts(5) == {cid("stuck"): stats.Failing(failures=0, timeouts=3)}
     totals = stats.outcome_totals(5)
-    assert (totals["retried"], totals["failed"]) == (2, 1)
+    assert (totals["retried"], totals["failed"], totals["timed_out"]) == (2, 1, 3)
 
 
 # ------------------------------------------------------------------------------------------
@@ -359,7 +411,7 @@ def test_retry_job_forms_are_not_inside_the_change_list_form(admin_client: Clien
     assert html.index('<table class="fq-jobs"') < retry < changelist_form
 
 
-def test_metrics_export_the_retrying_total(flaky: dict[str, Any]) -> None:
+def test_metrics_export_the_retrying_total_and_timeouts(flaky: dict[str, Any]) -> None:
     pytest.importorskip("prometheus_client")
     from django_fairqueue import metrics
 
@@ -372,3 +424,4 @@ def test_metrics_export_the_retrying_total(flaky: dict[str, Any]) -> None:
     assert samples["fairqueue_retrying"] == 3  # flaky's retries, not the delayed messages
     assert samples["fairqueue_retried_last_5m"] == 3
     assert samples["fairqueue_failed_last_5m"] == 2
+    assert samples["fairqueue_timed_out_last_5m"] == 1  # of those 5 failed attempts

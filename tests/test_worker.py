@@ -24,10 +24,10 @@ from django.db import connection, connections, transaction
 from django.db.models import Sum
 from django.utils import timezone
 
-from django_fairqueue import conf, store
+from django_fairqueue import conf, stats, store
 from django_fairqueue.context import current_message
 from django_fairqueue.maintenance import DeltaFolder, Pruner, Rescuer
-from django_fairqueue.models import Channel, ChannelStat, Message, MessageState
+from django_fairqueue.models import Channel, ChannelStat, Message, MessageState, MinuteStat
 from django_fairqueue.signals import message_finished, message_started
 from django_fairqueue.tasks import registry, task
 from django_fairqueue.testing import drain, enqueued
@@ -901,8 +901,21 @@ def test_the_threaded_worker_records_per_channel_statistics(fq: Any) -> None:
         succeeded=Sum("succeeded"),
         failed=Sum("failed"),
         retried=Sum("retried"),
+        timed_out=Sum("timed_out"),
     )
-    assert totals == {"claimed": 5, "succeeded": 3, "failed": 1, "retried": 1}
+    # boom raised: failures, not timeouts
+    assert totals == {"claimed": 5, "succeeded": 3, "failed": 1, "retried": 1, "timed_out": 0}
+    # the per-minute sums over all channels agree (written by the same flushes)
+    assert (
+        MinuteStat.objects.aggregate(
+            claimed=Sum("claimed"),
+            succeeded=Sum("succeeded"),
+            failed=Sum("failed"),
+            retried=Sum("retried"),
+            timed_out=Sum("timed_out"),
+        )
+        == totals
+    )
 
 
 @pytest.mark.django_db
@@ -1058,6 +1071,13 @@ def test_a_hung_task_times_out_frees_its_tenant_is_retried_then_dead_lettered(
 
     row = message(stuck)
     assert (row.state, row.attempts, row.result) == (MessageState.FAILED, 2, None)
+    # both attempts ran out of time: timeouts in the statistics, not failures
+    stuck_stats = ChannelStat.objects.filter(channel__name="capped").aggregate(
+        retried=Sum("retried"), failed=Sum("failed"), timed_out=Sum("timed_out")
+    )
+    assert stuck_stats == {"retried": 1, "failed": 1, "timed_out": 2}
+    capped = Channel.objects.get(name="capped").pk
+    assert stats.failing_counts(5)[capped] == stats.Failing(failures=0, timeouts=2)
     error = row.last_error
     assert error["type"] == "django_fairqueue.exceptions.TaskTimeout"
     assert error["message"] == (

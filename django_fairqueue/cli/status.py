@@ -1,5 +1,10 @@
 """Show the channels as the admin lists them: backlog, running against the cap, failures, age.
 
+Per channel: ready, delayed (by the sender), retrying (waiting out a retry's backoff after a
+failed attempt), running against the cap, failures and timeouts of the last 5 minutes (the task
+raised; it ran out of time or lost its lease), dead letters, the oldest ready message's age and
+the messages finished in the last 5 minutes.
+
 One line per channel (the first --limit, default 20, in --sort order, default most ready first),
 then, when channel groups exist, one line per group (the --limit with most ready first: its
 channels, ready and running summed over them, its cap, weight and rate limit), then the totals
@@ -90,17 +95,26 @@ def snapshot(sort: str = "backlog", limit: int = 20, now: datetime | None = None
     counts = overview.all_counts()
     ids = overview.ranked_ids(sort, limit, counts=counts)
     alive = registry.live(views)
+    retrying = store.select_channel_retrying([c.id for c in counts.values() if c.scheduled > 0])
+    minutes = overview.FINISHED_MINUTES
+    recent = stats.window_stats(minutes)
+    failing = stats.failing_of(recent).values()
     return {
         "generated_at": now.isoformat(),
         "sort": sort,
-        "totals": overview.totals(counts),
+        "totals": {
+            **overview.totals(counts),
+            "retrying": sum(retrying.values()),
+            f"failures_last_{minutes}m": sum(f.failures for f in failing),
+            f"timeouts_last_{minutes}m": sum(f.timeouts for f in failing),
+        },
         "workers": {
             "live": len(alive),
             "threads": sum(v.concurrency for v in alive),
             "running": sum(v.running for v in alive),
             "dead": sum(1 for v in views if v.state == "dead"),
         },
-        "finished_last_5m": sum(stats.finished_counts(overview.FINISHED_MINUTES).values()),
+        "finished_last_5m": sum(stats.finished_of(recent).values()),
         "channels": [row.as_dict(now) for row in overview.rows(ids)],
         **_groups(limit),
     }
@@ -159,14 +173,18 @@ def _render_channel(name: str, as_json: bool, now: datetime) -> str:
 
 def table(data: dict[str, Any], *, summary: bool = True) -> str:
     """The snapshot as aligned text: one line per channel, then the totals."""
+    minutes = overview.FINISHED_MINUTES
     header = (
         "CHANNEL",
         "READY",
         "DELAYED",
+        "RETRYING",
         "RUNNING",
-        "FAILED",
+        f"FAILS {minutes}M",
+        f"TIMEOUTS {minutes}M",
+        "DEAD",
         "OLDEST",
-        "DONE 5M",
+        f"DONE {minutes}M",
         "WEIGHT",
         "INTERVAL",
         "PAUSED",
@@ -182,11 +200,14 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
             (
                 name,
                 f"{c['ready']:,}",
-                f"{c['scheduled']:,}",
+                f"{c['delayed']:,}",
+                f"{c['retrying']:,}",
                 f"{c['running']:,}/{cap}",
+                f"{c[f'failures_last_{minutes}m']:,}",
+                f"{c[f'timeouts_last_{minutes}m']:,}",
                 f"{c['failed']:,}",
                 overview.format_age(c["oldest_ready_age_seconds"]),
-                f"{c[f'finished_last_{overview.FINISHED_MINUTES}m']:,}",
+                f"{c[f'finished_last_{minutes}m']:,}",
                 str(c["weight"]),
                 f"{interval:g}s" if interval else "-",
                 "yes" if c["paused"] else "",
@@ -213,8 +234,11 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
     out.append(
         f"{t['channels']:,} channels ({shown:,} shown, sorted by {data['sort']}; "
         f"{t['backlogged']:,} with ready messages, {t['paused']:,} paused): "
-        f"{t['ready']:,} ready, {t['scheduled']:,} delayed, {t['running']:,} running, "
-        f"{t['failed']:,} failed; {data['finished_last_5m']:,} finished in the last 5 minutes."
+        f"{t['ready']:,} ready, {t['scheduled'] - t['retrying']:,} delayed, "
+        f"{t['retrying']:,} retrying, {t['running']:,} running, {t['failed']:,} dead letters; "
+        f"in the last {minutes} minutes {data['finished_last_5m']:,} finished, "
+        f"{t[f'failures_last_{minutes}m']:,} failures, {t[f'timeouts_last_{minutes}m']:,} "
+        "timeouts."
     )
     if data.get("groups_total"):
         out.append(

@@ -90,7 +90,7 @@ DROP FUNCTION IF EXISTS fairqueue_group_of_name_v1(text);
 
 
 class Migration(migrations.Migration):
-    dependencies = [("fairqueue", "0015_settlements_lock_in_id_order")]
+    dependencies = [("fairqueue", "0016_admin_speed")]
 
     operations = [
         migrations.CreateModel(

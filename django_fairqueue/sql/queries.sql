@@ -497,26 +497,99 @@ FROM fairqueue_channel_group g
 WHERE %(ids)s::bigint[] IS NULL OR g.id = ANY (%(ids)s::bigint[])
 ORDER BY g.name;
 
+-- name: select_all_channel_counts
+-- Every channel's configuration and counters including deltas not yet folded (admin, status, metrics).
+-- One scan of the channel table hash-joined to the deltas summed once per channel: cheaper than a
+-- correlated sum per channel row, and bounded by the channels plus the delta backlog.
+SELECT c.id, c.name, c.weight, c.paused, c.max_concurrency,
+       c.ready_count + coalesce(d.ready, 0),
+       c.scheduled_count + coalesce(d.scheduled, 0),
+       c.running_count + coalesce(d.running, 0),
+       c.failed_count + coalesce(d.failed, 0),
+       c.succeeded_total + coalesce(d.succeeded, 0)
+FROM fairqueue_channel c
+LEFT JOIN (
+    SELECT x.channel_id, sum(x.ready)::bigint AS ready, sum(x.scheduled)::bigint AS scheduled,
+           sum(x.running)::bigint AS running, sum(x.failed)::bigint AS failed,
+           sum(x.succeeded)::bigint AS succeeded
+    FROM fairqueue_channel_delta x
+    GROUP BY x.channel_id
+) d ON d.channel_id = c.id;
+
+-- name: select_channel_window_stats
+-- Per channel with statistics since `since`: claimed, succeeded, failed (for good), retried and timed out (of failed and retried) in that window.
+-- Reads the rows of the window through fq_stat_minute_idx (or a scan when the window is most
+-- of the table): one row per active channel and minute, never the message table.
+SELECT s.channel_id, sum(s.claimed)::bigint, sum(s.succeeded)::bigint, sum(s.failed)::bigint,
+       sum(s.retried)::bigint, sum(s.timed_out)::bigint
+FROM fairqueue_channel_stat s
+WHERE s.minute >= %(since)s::timestamptz
+GROUP BY s.channel_id;
+
+-- name: select_window_stats_of_channels
+-- select_channel_window_stats for the channels of `ids` only (a page of the admin, status).
+SELECT s.channel_id, sum(s.claimed)::bigint, sum(s.succeeded)::bigint, sum(s.failed)::bigint,
+       sum(s.retried)::bigint, sum(s.timed_out)::bigint
+FROM fairqueue_channel_stat s
+WHERE s.channel_id = ANY (%(ids)s::bigint[]) AND s.minute >= %(since)s::timestamptz
+GROUP BY s.channel_id;
+
 -- name: record_channel_stats
 -- Add workers' per-(channel, minute) tallies to fairqueue_channel_stat (upsert, sorted so concurrent flushes cannot deadlock).
+-- timed_out counts, of failed and retried, the attempts that ran out of time.
 INSERT INTO fairqueue_channel_stat AS s (
-    channel_id, minute, claimed, succeeded, failed, retried, wait_ms_sum, wait_ms_max,
-    wait_histogram, run_ms_sum
+    channel_id, minute, claimed, succeeded, failed, retried, timed_out, wait_ms_sum,
+    wait_ms_max, wait_histogram, run_ms_sum
 )
-SELECT t.channel_id, t.minute, t.claimed, t.succeeded, t.failed, t.retried, t.wait_ms_sum,
-       t.wait_ms_max, ARRAY(SELECT jsonb_array_elements_text(t.histogram)::integer), t.run_ms_sum
+SELECT t.channel_id, t.minute, t.claimed, t.succeeded, t.failed, t.retried, t.timed_out,
+       t.wait_ms_sum, t.wait_ms_max, ARRAY(SELECT jsonb_array_elements_text(t.histogram)::integer),
+       t.run_ms_sum
 FROM unnest(%(channel_ids)s::bigint[], %(minutes)s::timestamptz[], %(claimed)s::integer[],
             %(succeeded)s::integer[], %(failed)s::integer[], %(retried)s::integer[],
-            %(wait_ms_sum)s::bigint[], %(wait_ms_max)s::integer[], %(histograms)s::jsonb[],
-            %(run_ms_sum)s::bigint[])
-     AS t(channel_id, minute, claimed, succeeded, failed, retried, wait_ms_sum, wait_ms_max,
-          histogram, run_ms_sum)
+            %(timed_out)s::integer[], %(wait_ms_sum)s::bigint[], %(wait_ms_max)s::integer[],
+            %(histograms)s::jsonb[], %(run_ms_sum)s::bigint[])
+     AS t(channel_id, minute, claimed, succeeded, failed, retried, timed_out, wait_ms_sum,
+          wait_ms_max, histogram, run_ms_sum)
 ORDER BY t.channel_id, t.minute
 ON CONFLICT (channel_id, minute) DO UPDATE
 SET claimed = s.claimed + EXCLUDED.claimed,
     succeeded = s.succeeded + EXCLUDED.succeeded,
     failed = s.failed + EXCLUDED.failed,
     retried = s.retried + EXCLUDED.retried,
+    timed_out = s.timed_out + EXCLUDED.timed_out,
+    wait_ms_sum = s.wait_ms_sum + EXCLUDED.wait_ms_sum,
+    wait_ms_max = greatest(s.wait_ms_max, EXCLUDED.wait_ms_max),
+    wait_histogram = ARRAY(
+        SELECT coalesce(a, 0) + coalesce(b, 0)
+        FROM unnest(s.wait_histogram, EXCLUDED.wait_histogram) AS h(a, b)
+    ),
+    run_ms_sum = s.run_ms_sum + EXCLUDED.run_ms_sum;
+
+-- name: record_minute_stats
+-- Add the same flush's sums per minute (all its channels together) to fairqueue_minute_stat, in the transaction of record_channel_stats and after it.
+-- Lock order: the flush's channel rows first (record_channel_stats, by channel then minute), then
+-- these minute rows by minute. Two flushes that meet wait on a channel row before either holds a
+-- minute row, or on minute rows taken in one order: no cycle. A minute row is shared by every
+-- worker, but held only for the rest of one flush's short transaction.
+INSERT INTO fairqueue_minute_stat AS s (
+    minute, claimed, succeeded, failed, retried, timed_out, wait_ms_sum, wait_ms_max,
+    wait_histogram, run_ms_sum
+)
+SELECT t.minute, t.claimed, t.succeeded, t.failed, t.retried, t.timed_out, t.wait_ms_sum,
+       t.wait_ms_max, ARRAY(SELECT jsonb_array_elements_text(t.histogram)::integer), t.run_ms_sum
+FROM unnest(%(minutes)s::timestamptz[], %(claimed)s::bigint[], %(succeeded)s::bigint[],
+            %(failed)s::bigint[], %(retried)s::bigint[], %(timed_out)s::bigint[],
+            %(wait_ms_sum)s::bigint[], %(wait_ms_max)s::integer[], %(histograms)s::jsonb[],
+            %(run_ms_sum)s::bigint[])
+     AS t(minute, claimed, succeeded, failed, retried, timed_out, wait_ms_sum, wait_ms_max,
+          histogram, run_ms_sum)
+ORDER BY t.minute
+ON CONFLICT (minute) DO UPDATE
+SET claimed = s.claimed + EXCLUDED.claimed,
+    succeeded = s.succeeded + EXCLUDED.succeeded,
+    failed = s.failed + EXCLUDED.failed,
+    retried = s.retried + EXCLUDED.retried,
+    timed_out = s.timed_out + EXCLUDED.timed_out,
     wait_ms_sum = s.wait_ms_sum + EXCLUDED.wait_ms_sum,
     wait_ms_max = greatest(s.wait_ms_max, EXCLUDED.wait_ms_max),
     wait_histogram = ARRAY(
@@ -526,7 +599,10 @@ SET claimed = s.claimed + EXCLUDED.claimed,
     run_ms_sum = s.run_ms_sum + EXCLUDED.run_ms_sum;
 
 -- name: prune_channel_stats
--- Delete per-minute channel statistics older than `before`.
+-- Delete per-minute channel statistics, and their sums per minute, older than `before`.
+WITH minutes AS (
+    DELETE FROM fairqueue_minute_stat m WHERE m.minute < %(before)s::timestamptz
+)
 DELETE FROM fairqueue_channel_stat s WHERE s.minute < %(before)s::timestamptz;
 
 -- name: fold_deltas_of_channel
@@ -683,6 +759,40 @@ CROSS JOIN LATERAL (
     SELECT min(heads.ready_since) AS ready_since FROM heads
 ) o
 WHERE o.ready_since IS NOT NULL;
+
+-- name: select_backlogged_oldest_ready
+-- select_channel_oldest_ready for every channel whose counters (plus pending deltas) say it has ready messages: no list of ids sent.
+-- The same loose index scan per channel; the channels are picked here, so a caller ranking every
+-- backlogged channel (the admin's sort by oldest ready, its "oldest ready waits over N" filter)
+-- neither reads every channel's counters first nor sends them back as a parameter.
+SELECT c.id, o.ready_since
+FROM fairqueue_channel c
+LEFT JOIN (
+    SELECT x.channel_id, sum(x.ready) AS ready
+    FROM fairqueue_channel_delta x
+    GROUP BY x.channel_id
+) d ON d.channel_id = c.id
+CROSS JOIN LATERAL (
+    WITH RECURSIVE heads(priority, ready_since) AS (
+        (SELECT m.priority, greatest(m.enqueued_at, m.run_at)
+         FROM fairqueue_message m
+         WHERE m.channel_id = c.id AND m.state = 'ready'
+         ORDER BY m.priority DESC, m.id
+         LIMIT 1)
+        UNION ALL
+        SELECT n.priority, n.ready_since
+        FROM heads h
+        CROSS JOIN LATERAL (
+            SELECT m.priority, greatest(m.enqueued_at, m.run_at) AS ready_since
+            FROM fairqueue_message m
+            WHERE m.channel_id = c.id AND m.state = 'ready' AND m.priority < h.priority
+            ORDER BY m.priority DESC, m.id
+            LIMIT 1
+        ) n
+    )
+    SELECT min(heads.ready_since) AS ready_since FROM heads
+) o
+WHERE c.ready_count + coalesce(d.ready, 0) > 0 AND o.ready_since IS NOT NULL;
 
 -- name: retry_failed_work_batches
 -- Put failed work batches back to pending with a fresh attempt budget; idempotent (other states are untouched).
@@ -1297,9 +1407,9 @@ WHERE f.id IN (
 -- name: select_channel_retrying
 -- Per channel of `ids`: messages waiting out a retry's backoff (scheduled after a failed attempt).
 -- A scheduled message with attempts > 0 has run and failed: enqueue and retry_failed_messages
--- start at 0, release_messages gives the attempt back. Walks fq_message_sched_chan_idx
--- (channel_id, run_at) over the scheduled rows of these channels only; callers pass the
--- channels whose scheduled counter is positive.
+-- start at 0, release_messages gives the attempt back. Walks fq_message_retrying_idx
+-- (channel_id, partial: exactly these rows), so delayed messages beside them cost nothing;
+-- callers pass the channels whose scheduled counter is positive.
 SELECT m.channel_id, count(*)
 FROM fairqueue_message m
 WHERE m.channel_id = ANY (%(ids)s::bigint[]) AND m.state = 'scheduled' AND m.attempts > 0

@@ -167,6 +167,8 @@ class Outcome:
     #: backoff before the next attempt; the database adds it to its own clock
     retry_in: timedelta | None = None
     duration: float = 0.0
+    #: a failed attempt that ran past its time limit (counted as a timeout, not a failure)
+    timed_out: bool = False
 
 
 @dataclass(eq=False)

@@ -193,6 +193,7 @@ class Settler(WorkerBase):
                         _STATS_OUTCOME[outcome.kind],
                         outcome.duration * 1000.0,
                         at=settled_at,
+                        timed_out=outcome.timed_out,
                     )
         with self._cond:
             for outcome in group:

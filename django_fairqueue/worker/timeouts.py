@@ -96,7 +96,7 @@ class TimeLimits(Handlers):
                 keep_end=True,
             )
         outcome = self._failed(message, attempt.spec, exc, attempt.started, retry=True)
-        outcome = dataclasses.replace(outcome, error=error)
+        outcome = dataclasses.replace(outcome, error=error, timed_out=True)
         self._outcomes.put(outcome)
         with self._cond:
             stuck = self._abandoned

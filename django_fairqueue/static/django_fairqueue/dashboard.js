@@ -212,7 +212,8 @@
       [fmtInt(t.backlogged) + " / " + fmtInt(t.channels), "channels backlogged"],
       [fmtInt(t.ready), "ready"],
       [fmtInt(t.running), "running"],
-      [fmtInt(t.failing_last_5m), "failures, 5 min"],
+      [fmtInt(t.failures_last_5m), "failures, 5 min"],
+      [fmtInt(t.timeouts_last_5m), "timeouts, 5 min"],
       [fmtInt(t.retrying), "retrying"],
       [fmtInt(t.failed), "dead letters"],
       [f.index === null ? "-" : f.index.toFixed(3), "fairness (Jain's index)"],
@@ -245,7 +246,8 @@
         fmtInt(t.delayed),
         fmtInt(t.retrying),
         fmtInt(t.running) + " / " + (t.max_concurrency === null ? "∞" : fmtInt(t.max_concurrency)),
-        fmtInt(t.failing_last_5m),
+        fmtInt(t.failures_last_5m),
+        fmtInt(t.timeouts_last_5m),
         null,
         fmtInt(t.served) + (data.served ? " (" + (100 * t.served_share).toFixed(1) + " %)" : ""),
         t.wait ? fmtMs(t.wait.p50_ms) : "-",
@@ -263,7 +265,7 @@
           if (t.paused) {
             td.appendChild(document.createTextNode(" (paused)"));
           }
-        } else if (i === 6) {
+        } else if (i === 7) {
           if (t.failed > 0) {
             var f = document.createElement("a");
             f.href = messageUrl + "?channel__id__exact=" + t.id + "&state__exact=failed";
@@ -321,14 +323,17 @@
           label: t.name,
           href: tenantHref(t),
           parts: [
-            { value: t.failing_last_5m, cls: "fq-failed-bar", label: "failures, 5 min" },
+            { value: t.failures_last_5m, cls: "fq-failed-bar", label: "failures, 5 min" },
+            { value: t.timeouts_last_5m, cls: "fq-timeout-bar", label: "timeouts, 5 min" },
             { value: t.retrying, cls: "fq-retrying-bar", label: "retrying" },
             { value: t.failed, cls: "fq-dead-bar", label: "dead letters" },
           ],
-          valueText: fmtInt(t.failing_last_5m) + " / " + fmtInt(t.retrying) + " / " + fmtInt(t.failed),
+          valueText:
+            fmtInt(t.failures_last_5m) + " / " + fmtInt(t.timeouts_last_5m) + " / " +
+            fmtInt(t.retrying) + " / " + fmtInt(t.failed),
         };
       }),
-      { title: "Failing now", valueWidth: 150, emptyText: "No channel is failing: no failures in the last 5 minutes, no retries waiting, no dead letters." }
+      { title: "Failing now", valueWidth: 190, emptyText: "No channel is failing: no failures or timeouts in the last 5 minutes, no retries waiting, no dead letters." }
     );
     barChart(
       document.getElementById("fq-chart-served"),
