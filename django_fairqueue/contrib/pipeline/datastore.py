@@ -330,44 +330,6 @@ def staging_tables(using: str) -> list[str]:
     return [row[0] for row in _execute(using, compose("staging_tables"), {})]
 
 
-def upsert_with_sql(
-    using: str,
-    *,
-    source: str,
-    id_column: str,
-    lo: int,
-    hi: int,
-    tenant_column: str | None,
-    tenant: str | None,
-    sink: str,
-    key: Sequence[str],
-    expressions: Mapping[str, sql.Composable],
-) -> int:
-    """The formulas computed by PostgreSQL alone over ids lo..hi (one statement); rows changed.
-
-    ``expressions``: sink column -> expression over the source's columns (see
-    ``FormulaSet.postgres``).
-    """
-    columns = list(expressions)
-    parts = _upsert_parts(sink, key, columns)
-    if not parts.pop("_has_updates"):
-        raise ValueError("the baseline needs a sink column besides the key")
-    tenant_filter: sql.Composable = sql.SQL("")
-    if tenant_column is not None:
-        tenant_filter = compose("tenant_filter", tenant=sql.Identifier(tenant_column))
-    statement = compose(
-        "upsert_with_sql",
-        expressions=sql.SQL(", ").join(expressions.values()),
-        table=table_identifier(source),
-        id=sql.Identifier(id_column),
-        tenant_filter=tenant_filter,
-        **parts,
-    )
-    with _cursor(using) as cur:
-        cur.execute(statement, {"lo": lo, "hi": hi, "tenant": tenant})
-        return max(cur.rowcount, 0)
-
-
 def insert_with_sql_statement(
     using: str,
     *,

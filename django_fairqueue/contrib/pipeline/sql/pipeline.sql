@@ -156,13 +156,6 @@ WHERE c.relname LIKE 'fq\_stage\_%%' AND c.relkind = 'r'
   AND c.relnamespace = current_schema()::regnamespace
 ORDER BY 1;
 
--- name: upsert_with_sql
--- The formulas computed by PostgreSQL alone, in one statement (the benchmark's baseline).
-INSERT INTO {sink} ({columns})
-SELECT {expressions} FROM {table} WHERE {id} BETWEEN %(lo)s AND %(hi)s {tenant_filter}
-ON CONFLICT ({key}) DO UPDATE SET ({updated}) = ROW({excluded})
-WHERE ({sink_updated}) IS DISTINCT FROM ({excluded});
-
 -- name: insert_with_sql
 -- The formulas computed by PostgreSQL alone into a sink without these keys (the benchmark's
 -- baseline: its sink starts empty, so no ON CONFLICT work per row).
