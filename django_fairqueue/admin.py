@@ -558,10 +558,10 @@ class ChannelAdmin(_ChannelAdminBase):
     # oldest waits, failures), then the rest; the limits come last.
     list_display = [
         "name",
-        "group_display",
         "ready_display",
         "running_display",
         "oldest_ready_display",
+        "wait_display",
         "failures_display",
         "timeouts_display",
         "retrying_display",
@@ -569,6 +569,7 @@ class ChannelAdmin(_ChannelAdminBase):
         "scheduled_display",
         "finished_display",
         "paused",
+        "group_display",
         "weight",
         "release_interval_display",
         "max_backlog_display",
@@ -789,6 +790,15 @@ class ChannelAdmin(_ChannelAdminBase):
             row.oldest_ready_since.isoformat(timespec="seconds"),
             overview.format_age(row.oldest_age(now)),
         )
+
+    @admin.display(description=format_lazy(_("wait p50 {} min"), overview.FINISHED_MINUTES))
+    def wait_display(self, obj: Channel) -> str:
+        # how long what it claimed lately waited: a backlog that moves slowly shows here
+        # before its oldest message grows old
+        row = _row(obj)
+        if row is None or row.wait_p50_ms is None:
+            return "-"
+        return overview.format_ms(row.wait_p50_ms)
 
     @admin.display(description=_("finished 5 min"))
     def finished_display(self, obj: Channel) -> str:

@@ -185,6 +185,9 @@ class ChannelRow:
     #: attempts that ran out of time in the last FINISHED_MINUTES minutes (past the task's time
     #: limit, or their lease expired and was rescued), retried or dead-lettered
     timeouts_recent: int = 0
+    #: the median wait (enqueue or due time to claim) of what it claimed in the last
+    #: FINISHED_MINUTES minutes, in ms (None: it claimed nothing then)
+    wait_p50_ms: float | None = None
 
     @property
     def delayed(self) -> int:
@@ -221,15 +224,16 @@ class ChannelRow:
             f"finished_last_{FINISHED_MINUTES}m": self.finished_recent,
             f"failures_last_{FINISHED_MINUTES}m": self.failures_recent,
             f"timeouts_last_{FINISHED_MINUTES}m": self.timeouts_recent,
+            f"wait_p50_ms_last_{FINISHED_MINUTES}m": self.wait_p50_ms,
         }
 
 
 def rows(ids: Sequence[int], *, now: datetime | None = None) -> list[ChannelRow]:
     """The rows of these channels, in the order given (unknown ids are skipped).
 
-    Five queries whatever the number of ids: limits, counters with deltas, oldest ready
+    Six queries whatever the number of ids: limits, counters with deltas, oldest ready
     (only for channels with ready messages), retrying (only for channels with scheduled
-    messages), recent finishes and failures.
+    messages), recent finishes and failures, recent waits.
     """
     if not ids:
         return []
@@ -244,6 +248,7 @@ def rows(ids: Sequence[int], *, now: datetime | None = None) -> list[ChannelRow]
     recent = stats.window_stats(FINISHED_MINUTES, channel_ids=ids, now=now)
     finished = stats.finished_of(recent)
     failing = stats.failing_of(recent)
+    waits = stats.wait_by_channel(FINISHED_MINUTES, ids, now=now)
     none = stats.Failing()
     out = []
     for cid in ids:
@@ -270,6 +275,7 @@ def rows(ids: Sequence[int], *, now: datetime | None = None) -> list[ChannelRow]
                 retrying=retrying.get(cid, 0),
                 failures_recent=failing.get(cid, none).failures,
                 timeouts_recent=failing.get(cid, none).timeouts,
+                wait_p50_ms=waits[cid].p50_ms if cid in waits else None,
             )
         )
     return out
@@ -332,6 +338,15 @@ def failing_ids(
     failing.sort(key=lambda c: (-attempts(c.id), -retrying.get(c.id, 0), -c.failed, c.name))
     ordered = [c.id for c in failing]
     return ordered if limit is None else ordered[:limit]
+
+
+def format_ms(ms: float | None) -> str:
+    """A wait as the dashboard shows it: ``850 ms``, ``2.02 s``, ``12.5 s``; ``-`` for None."""
+    if ms is None:
+        return "-"
+    if ms < 1000:
+        return f"{round(ms)} ms"
+    return f"{ms / 1000:.{2 if ms < 10000 else 1}f} s"
 
 
 def format_age(seconds: float | None) -> str:

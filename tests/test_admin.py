@@ -1256,7 +1256,17 @@ def test_channel_list_puts_starvation_and_failure_first_and_filters_by_them(
     # beta runs 1 under a cap lowered to... 1 (at cap), then a second running one: over cap
     Channel.objects.filter(name="beta").update(max_concurrency=1)
     html = admin_client.get(CHANNELS).content.decode()
-    columns = ("ready", "running", "oldest_ready", "failures", "timeouts", "failed", "weight")
+    columns = (
+        "ready",
+        "running",
+        "oldest_ready",
+        "wait",
+        "failures",
+        "timeouts",
+        "failed",
+        "group",
+        "weight",
+    )
     order = [
         html.index(f'class="sortable column-{c}')
         if f"sortable column-{c}" in html
@@ -1283,3 +1293,10 @@ def test_channel_list_puts_starvation_and_failure_first_and_filters_by_them(
     assert names("failing=yes") == {"beta"}
     html = admin_client.get(CHANNELS).content.decode()
     assert '<span class="fq-failed">2</span>' in html
+    # the recent wait: the median of what the channel claimed in the window
+    record_minute("alpha", timezone.now(), 3, [700.0, 800.0, 2500.0])
+    html = admin_client.get(CHANNELS).content.decode()
+    row = html[html.index(">alpha</a>") :]
+    wait = re.search(r'<td class="field-wait_display">([^<]*)</td>', row)
+    assert wait is not None and wait.group(1).endswith(" ms"), wait
+    assert 500 <= int(wait.group(1).split()[0]) <= 1000
