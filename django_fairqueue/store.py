@@ -18,7 +18,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -1047,22 +1047,47 @@ def repair_channel_counters(ids: Sequence[int], *, using: str | None = None) -> 
     return [CounterDrift(*r) for r in _run("repair_channel_counters", {"ids": list(ids)}, using)]
 
 
-def verify_group_counters(*, using: str | None = None) -> list[CounterDrift]:
-    """Channel groups whose sums (ready, running, claimable channels) disagree with their
-    channels' counters. Read-only and lock-free, one snapshot."""
-    return [CounterDrift(*r, kind="group") for r in _run("verify_group_counters", {}, using)]
+def verify_group_counters(
+    ids: Sequence[int] | None = None, *, using: str | None = None
+) -> list[CounterDrift]:
+    """Channel groups (of ``ids``, or all) whose sums (ready, running, claimable channels)
+    disagree with their channels' counters. Read-only and lock-free, one snapshot."""
+    rows = _run("verify_group_counters", {"ids": list(ids) if ids is not None else None}, using)
+    return [CounterDrift(r[0], r[1], r[2], r[3], r[4], kind="group") for r in rows]
+
+
+#: The sums of a group, as verify_group_counters names them, and set_group_sums' arrays.
+_GROUP_SUMS = {"ready": "ready", "running": "running", "claimable channels": "claimable"}
 
 
 def repair_group_counters(ids: Sequence[int], *, using: str | None = None) -> list[CounterDrift]:
     """Recount the sums of the groups of ``ids`` from their channels, under the groups' row
-    locks (taken in a statement of their own, so the recount sees every channel change
-    committed before them). Returns what was wrong at that moment."""
+    locks (the recount is a statement after the lock, so it sees every channel change
+    committed before it). Returns what was wrong at that moment."""
     if not ids:
         return []
     with transaction.atomic(using=using or conf.get().DATABASE):
         lock_groups(ids, using=using)
-        rows = _run("repair_group_counters", {"ids": sorted(ids)}, using)
-    return [CounterDrift(*r, kind="group") for r in rows]
+        drift = verify_group_counters(sorted(ids), using=using)
+        fixed: dict[int, dict[str, int]] = {}
+        for d in drift:
+            fixed.setdefault(d.channel_id, {})[_GROUP_SUMS[d.counter]] = d.actual
+        if fixed:
+            set_group_sums(fixed, using=using)
+    return drift
+
+
+def set_group_sums(sums: Mapping[int, Mapping[str, int]], *, using: str | None = None) -> None:
+    """Write recounted sums, {group id: {"ready"/"running"/"claimable": value}} (a sum left
+    out stays), of groups this transaction has locked (:func:`lock_groups`)."""
+    _run(
+        "set_group_sums",
+        {
+            "ids": list(sums),
+            **{a: [s.get(a) for s in sums.values()] for a in _GROUP_SUMS.values()},
+        },
+        using,
+    )
 
 
 def lock_groups(ids: Sequence[int], *, using: str | None = None) -> list[int]:

@@ -620,9 +620,10 @@ SELECT channel_id, channel_name, counter, recorded, actual
 FROM fairqueue_repair_channels_v1(%(ids)s::bigint[]);
 
 -- name: verify_group_counters
--- Channel groups whose sums (ready, running, claimable channels) disagree with their channels' rows.
+-- Channel groups (of `ids`, or all) whose sums (ready, running, claimable channels) disagree with their channels' rows.
 -- One snapshot: the trigger that keeps the sums writes them in the transactions that change
--- the channels, so a consistent snapshot shows them equal.
+-- the channels, so a consistent snapshot shows them equal. The repair runs it again after
+-- `lock_groups`, in a statement of its own, so that it sees every change committed before.
 SELECT g.id, g.name, x.counter, x.recorded, x.actual
 FROM fairqueue_channel_group g
 CROSS JOIN LATERAL (
@@ -637,7 +638,8 @@ CROSS JOIN LATERAL (VALUES ('ready', g.ready_count, s.ready),
                            ('running', g.running_count, s.running),
                            ('claimable channels', g.claimable::bigint, s.claimable))
     AS x(counter, recorded, actual)
-WHERE x.recorded <> x.actual
+WHERE (%(ids)s::bigint[] IS NULL OR g.id = ANY (%(ids)s::bigint[]))
+  AND x.recorded <> x.actual
 ORDER BY g.id, x.counter;
 
 -- name: lock_groups
@@ -649,41 +651,15 @@ WHERE g.id = ANY (%(ids)s::bigint[])
 ORDER BY g.id
 FOR NO KEY UPDATE;
 
--- name: repair_group_counters
--- Recount the sums of groups `lock_groups` holds, from their channels' rows; returns what was wrong.
--- A statement after the lock: its snapshot sees every channel change committed before it.
-WITH wrong AS MATERIALIZED (
-    SELECT g.id, g.name, g.ready_count, g.running_count, g.claimable,
-           s.ready, s.running, s.claimable AS actual_claimable
-    FROM fairqueue_channel_group g
-    CROSS JOIN LATERAL (
-        SELECT coalesce(sum(c.ready_count), 0)::bigint AS ready,
-               coalesce(sum(c.running_count), 0)::bigint AS running,
-               count(*) FILTER (WHERE c.ready_count > 0 AND NOT c.paused
-                                AND (c.max_concurrency IS NULL
-                                     OR c.running_count < c.max_concurrency))::integer
-                   AS claimable
-        FROM fairqueue_channel c WHERE c.group_id = g.id
-    ) s
-    WHERE g.id = ANY (%(ids)s::bigint[])
-      AND (g.ready_count, g.running_count, g.claimable) <> (s.ready, s.running, s.claimable)
-), fixed AS (
-    UPDATE fairqueue_channel_group g
-    SET ready_count = wrong.ready, running_count = wrong.running,
-        claimable = wrong.actual_claimable
-    FROM wrong
-    WHERE g.id = wrong.id
-    RETURNING g.id
-)
-SELECT w.id, w.name, x.counter, x.recorded, x.actual
-FROM wrong w
-CROSS JOIN LATERAL (VALUES ('ready', w.ready_count, w.ready),
-                           ('running', w.running_count, w.running),
-                           ('claimable channels', w.claimable::bigint,
-                            w.actual_claimable::bigint))
-    AS x(counter, recorded, actual)
-WHERE x.recorded <> x.actual
-ORDER BY w.id, x.counter;
+-- name: set_group_sums
+-- Write recounted sums of groups `lock_groups` holds (NULL in an array: that sum is right).
+UPDATE fairqueue_channel_group g
+SET ready_count = coalesce(v.ready, g.ready_count),
+    running_count = coalesce(v.running, g.running_count),
+    claimable = coalesce(v.claimable, g.claimable)
+FROM unnest(%(ids)s::bigint[], %(ready)s::bigint[], %(running)s::bigint[],
+            %(claimable)s::integer[]) AS v(id, ready, running, claimable)
+WHERE g.id = v.id;
 
 -- name: verify_orphans
 -- Messages, deltas and work batches whose channel no longer exists, by table.
