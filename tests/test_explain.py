@@ -183,7 +183,11 @@ def test_claim_reads_indexes_and_a_few_rows_per_call(
         assert len(got) == LIMIT
         plans = auto_explain.take()
         indexes = assert_small_and_indexed(plans, budget=10 * LIMIT)
-        assert {walk, "fq_message_ready_idx", "fq_message_due_idx"} <= indexes, (
+        # The promotion's probe for due scheduled messages may read either partial index of
+        # scheduled rows: with none scheduled both cost the same, and which one the planner
+        # takes depends on statistics earlier tests left (seen: the channel one in one run).
+        scheduled = {"fq_message_due_idx", "fq_message_sched_chan_idx"}
+        assert {walk, "fq_message_ready_idx"} <= indexes and scheduled & indexes, (
             f"call {call}: indexes used {sorted(indexes)}\n"
             + "\n".join(p.describe() for p in plans)
         )
