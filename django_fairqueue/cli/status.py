@@ -32,6 +32,17 @@ from django_fairqueue import overview, registry, stats, store, waiting
 
 #: Longest channel name printed in the table (the JSON has it whole).
 _NAME_WIDTH = 40
+
+
+def _short_name(name: str) -> str:
+    """A channel or group name cut to the table's name column."""
+    return name if len(name) <= _NAME_WIDTH else name[: _NAME_WIDTH - 3] + "..."
+
+
+def _cap(max_concurrency: int | None) -> str:
+    return "-" if max_concurrency is None else f"{max_concurrency:,}"
+
+
 _WATCH_DEFAULT = 2.0
 
 
@@ -191,10 +202,8 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
     )
     lines: list[tuple[str, ...]] = [header]
     for c in data["channels"]:
-        name = c["name"]
-        if len(name) > _NAME_WIDTH:
-            name = name[: _NAME_WIDTH - 3] + "..."
-        cap = "-" if c["max_concurrency"] is None else f"{c['max_concurrency']:,}"
+        name = _short_name(c["name"])
+        cap = _cap(c["max_concurrency"])
         interval = c["release_interval_seconds"]
         lines.append(
             (
@@ -263,10 +272,8 @@ def _group_table(groups: list[dict[str, Any]]) -> list[str]:
     header = ("GROUP", "CHANNELS", "READY", "RUNNING", "WEIGHT", "INTERVAL")
     lines: list[tuple[str, ...]] = [header]
     for g in groups:
-        name = g["name"]
-        if len(name) > _NAME_WIDTH:
-            name = name[: _NAME_WIDTH - 3] + "..."
-        cap = "-" if g["max_concurrency"] is None else f"{g['max_concurrency']:,}"
+        name = _short_name(g["name"])
+        cap = _cap(g["max_concurrency"])
         interval = g["release_interval_seconds"]
         lines.append(
             (
