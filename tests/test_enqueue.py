@@ -195,6 +195,37 @@ def test_one_message_wakes_workers_unless_a_stale_head_still_comes_first(
         listener.close()
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_channel_a_claim_left_backlogged_does_not_wake_workers(database_url: str) -> None:
+    """A claim that leaves ready messages behind counts them (ready_count above zero): the
+    channel's claimers come back as they settle, so no enqueue to it notifies, whatever its
+    head, and the head is not read. A claim that takes the rest sets the count to zero, and
+    the wake-ups resume."""
+    listener = psycopg.connect(database_url, autocommit=True)
+    try:
+        store.listen_wakeups(listener, conf.get().NOTIFY_CHANNEL)
+
+        def notified() -> bool:
+            return any(True for _ in listener.notifies(timeout=0.5, stop_after=1))
+
+        enqueue_many(EnqueueRequest(f.NOOP, (i,), channel="alice") for i in range(3))
+        assert notified()
+        assert len(claim(1)) == 1  # leaves two: the claim counted them
+        assert counters("alice").ready == 2
+        # A fresh head of higher priority notified while nothing counted the backlog (the
+        # rule of the stale head); a counted backlog does not.
+        enqueue(f.NOOP, 0, channel="alice", priority=1)
+        assert not notified()
+        enqueue_many([EnqueueRequest(f.NOOP, (1,), channel="alice", priority=2)])
+        assert not notified()
+        assert len(claim(10)) == 4  # takes the rest: the count is zero again
+        assert counters("alice").ready == 0
+        enqueue(f.NOOP, 0, channel="alice")
+        assert notified()
+    finally:
+        listener.close()
+
+
 @pytest.mark.django_db
 def test_enqueue_joins_the_callers_transaction() -> None:
     with pytest.raises(RuntimeError), transaction.atomic():
