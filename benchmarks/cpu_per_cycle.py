@@ -1,4 +1,4 @@
-"""Server CPU per claim cycle: the figure to compare two versions on a busy machine.
+r"""Server CPU per claim cycle: the figure to compare two versions on a busy machine.
 
 Wall time on a shared 2-core machine moves by 2x from run to run; the CPU time the server
 process spends for one connection moves far less. This loads 100,000 ready messages over 100
@@ -9,7 +9,8 @@ from /proc: server and client on one Linux machine) and the wall time, at claims
 100::
 
     python3 dev.py manage migrate
-    python3 dev.py manage shell -c "from benchmarks import cpu_per_cycle; cpu_per_cycle.main()"
+    PYTHONPATH=. python3 dev.py manage shell \
+        -c "from benchmarks import cpu_per_cycle; cpu_per_cycle.main()"
 
 Run it alternately in two worktrees (before, after) a few times and compare the medians
 (docs/performance.md, "Fairness by time: what it costs fairness by count").

@@ -10,9 +10,7 @@ own transaction, as in the enqueue scenario; the commit is in neither figure. Wh
 runs on this host, the server backend's CPU per call is read from ``/proc`` as well (the whole
 statement and its commit, without waits for a core or the disk).
 
-Cells: ``single`` (``enqueue()``), ``batch`` (``enqueue_many()`` of 100, one channel),
-``single-busy`` (``enqueue()`` to channels whose workers are draining them: a claim took the
-first half of each channel's backlog, as under load, and left the rest counted), and,
+Cells: ``single`` (``enqueue()``), ``batch`` (``enqueue_many()`` of 100, one channel), and,
 where the code has unique jobs, ``single-key`` / ``batch-key`` (a new key per message: every
 message stored) and ``single-held`` (a key its channel's message holds: kept, nothing stored).
 Needs PostgreSQL 15+ and a role allowed to set ``track_functions``.
@@ -22,10 +20,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
-from django_fairqueue import api, store
+from django_fairqueue import api
 from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many
 from django_fairqueue.contrib.bench import db
 from django_fairqueue.contrib.bench.functions import unavailable
@@ -36,15 +33,11 @@ from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
 
 BATCH = 100
 CHANNELS = 10
-#: single-busy: each channel's backlog before the claim that takes half of it
-BUSY_BACKLOG = 2_000
 ONE = "fairqueue_enqueue_one_v1"
 MANY = "fairqueue_enqueue_v1"
 #: mode -> what a call does
 MODES = {
     "single": "enqueue() of one message",
-    "single-busy": f"enqueue() of one message to channels a claim left backlogged "
-    f"({BUSY_BACKLOG:,} each, half claimed)",
     "batch": f"enqueue_many() of {BATCH}, one channel",
     "single-key": "enqueue() with a new unique_key",
     "batch-key": f"enqueue_many() of {BATCH}, one channel, a new unique_key per message",
@@ -83,26 +76,8 @@ class EnqueueCostResult:
 
 
 def plan(sizes: Sizes) -> list[EnqueueCostCell]:
-    modes = MODES if _has_unique_jobs() else {m: w for m, w in MODES.items() if "key" not in m}
+    modes = MODES if _has_unique_jobs() else {m: w for m, w in MODES.items() if "-" not in m}
     return [EnqueueCostCell(mode) for mode in modes]
-
-
-def _drain_half(names: list[str]) -> None:
-    """Each channel as its workers leave it under load: a backlog whose first half a claim
-    took (its ready-index entries dead until vacuum, the rest counted on the channel row)."""
-    for name in names:
-        enqueue_many(
-            EnqueueRequest(NOOP_TASK_NAME, (i,), channel=name) for i in range(BUSY_BACKLOG)
-        )
-    wanted = CHANNELS * BUSY_BACKLOG // 2
-    taken = 0
-    while taken < wanted:
-        got = store.claim_messages(
-            min(100, wanted - taken), lease=timedelta(hours=1), worker_id="enqueue-cost"
-        )
-        if not got:
-            raise BenchmarkError("enqueue_cost: the claim that drains half the backlog stopped")
-        taken += len(got)
 
 
 def run(bench: Bench, cell: EnqueueCostCell) -> EnqueueCostResult:
@@ -119,7 +94,7 @@ def run(bench: Bench, cell: EnqueueCostCell) -> EnqueueCostResult:
         nonlocal k
         k += 1
         channel = names[k % CHANNELS]
-        if cell.mode in ("single", "single-busy"):
+        if cell.mode == "single":
             enqueue(NOOP_TASK_NAME, k, channel=channel)
         elif cell.mode == "single-key":
             enqueue(NOOP_TASK_NAME, k, channel=channel, unique_key=f"k{k}")
@@ -142,8 +117,6 @@ def run(bench: Bench, cell: EnqueueCostCell) -> EnqueueCostResult:
 
     for _ in range(2 * CHANNELS):  # channels created, statements prepared, plans cached
         call()
-    if cell.mode == "single-busy":
-        _drain_half(names)
     reason = unavailable(using)
     if reason is not None:
         raise BenchmarkError(f"enqueue_cost: {reason}")
