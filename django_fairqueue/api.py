@@ -25,6 +25,8 @@ from django_fairqueue.exceptions import InvalidChannel, PayloadError
 from django_fairqueue.limits import (
     CHANNEL_NAME_MAX_LENGTH,
     GROUP_NAME_MAX_LENGTH,
+    MAX_PRIORITY,
+    MIN_PRIORITY,
     UNIQUE_KEY_MAX_LENGTH,
 )
 from django_fairqueue.models import Message
@@ -34,9 +36,6 @@ from django_fairqueue.taskspec import TaskSpec, registry
 if TYPE_CHECKING:
     from django_fairqueue.tasks import BoundTask, FairTask
 
-#: Same range as django.tasks, so a task moves between backends unchanged.
-MIN_PRIORITY = -100
-MAX_PRIORITY = 100
 
 TaskRef: TypeAlias = "str | FairTask[Any, Any] | TaskSpec"
 #: A channel: its name, a saved model instance, or ``(group, channel)`` for a channel of a

@@ -19,3 +19,6 @@ MAX_RELEASE_INTERVAL = timedelta(days=1)
 TASK_NAME_MAX_LENGTH = 200
 #: Longest unique key accepted (characters), as channel names.
 UNIQUE_KEY_MAX_LENGTH = 200
+#: A message's priority range: django.tasks' own, so a task moves between backends unchanged.
+MIN_PRIORITY = -100
+MAX_PRIORITY = 100

@@ -36,8 +36,10 @@ from django_fairqueue.limits import (
     CHANNEL_NAME_MAX_LENGTH,
     GROUP_NAME_MAX_LENGTH,
     MAX_CONCURRENCY_LIMIT,
+    MAX_PRIORITY,
     MAX_RELEASE_INTERVAL,
     MAX_WEIGHT,
+    MIN_PRIORITY,
     TASK_NAME_MAX_LENGTH,
     UNIQUE_KEY_MAX_LENGTH,
 )
@@ -380,6 +382,11 @@ class Message(TrackedModel):
                 name="fq_message_lease_iff_running",
             ),
             models.CheckConstraint(condition=~Q(task_name=""), name="fq_message_task_name"),
+            # What enqueue accepts, for every other writer too (Model.save(), update()).
+            models.CheckConstraint(
+                condition=Q(priority__gte=MIN_PRIORITY, priority__lte=MAX_PRIORITY),
+                name="fq_message_priority_range",
+            ),
             # Unique jobs. Only keyed rows are in the index (an enqueue without a key writes
             # no entry), and only while they hold their key: queued, or running when their
             # scope says so. The enqueue's ON CONFLICT repeats this predicate word for word

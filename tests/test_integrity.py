@@ -21,10 +21,11 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import DatabaseError, connection, connections, transaction
+from django.utils import timezone
 
 from django_fairqueue import ChannelFull, batches, store
 from django_fairqueue.exceptions import IsolationLevelError
-from django_fairqueue.maintenance import CounterVerifier
+from django_fairqueue.maintenance import CounterVerifier, verify
 from django_fairqueue.models import Channel, ChannelDelta, Message, MessageState
 from tests import factories as f
 
@@ -104,6 +105,63 @@ def test_every_orm_path_of_a_channel_leaves_the_counters_alone() -> None:
     # The model has no field to write them with at all.
     fields = {field.name for field in Channel._meta.get_fields()}
     assert not fields & {"ready_count", "running_count", "next_turn_at", "batch_pending"}
+
+
+@pytest.mark.django_db
+def test_no_orm_path_renames_a_channel_or_a_group() -> None:
+    """A name is the identity enqueues use and what makes a channel a group's: the database
+    refuses a write that changes it, whatever ORM path makes it, and the rows stay as they
+    were (the admin shows names read-only; the model itself cannot be trusted to)."""
+    from django_fairqueue import enqueue
+    from django_fairqueue.models import ChannelGroup
+
+    enqueue(f.NOOP, 1, channel=("acme", "alice"))
+    enqueue(f.NOOP, 2, channel="solo")
+    channel = Channel.objects.get(name="acme/alice")
+    group = ChannelGroup.objects.get(name="acme")
+
+    def refused(write: Callable[[], Any]) -> str:
+        with pytest.raises(DatabaseError) as raised, transaction.atomic():
+            write()
+        return str(raised.value)
+
+    channel.name = "other/zzz"
+    assert "a channel keeps its name" in refused(channel.save)
+    assert "'acme/alice' cannot become 'other/zzz'" in refused(channel.save)
+    assert "keeps its name" in refused(lambda: Channel.objects.filter(name="solo").update(name="x"))
+    channel.name = "x"
+    assert "keeps its name" in refused(lambda: Channel.objects.bulk_update([channel], ["name"]))
+    group.name = "other"
+    assert "a channel group keeps its name" in refused(group.save)
+    assert sorted(Channel.objects.values_list("name", "group__name")) == [
+        ("acme/alice", "acme"),
+        ("solo", None),
+    ]
+    # Writes that leave the name as it is go through (save() writes every field).
+    fresh = Channel.objects.get(name="solo")
+    fresh.weight = 3
+    fresh.save()
+    assert Channel.objects.get(name="solo").weight == 3
+    f.assert_counters_match_table()
+
+
+@pytest.mark.django_db
+def test_no_orm_path_stores_a_priority_enqueue_refuses() -> None:
+    message_id = enqueue_one("solo")
+    message = Message.objects.get(pk=message_id)
+    message.priority = 500
+    with pytest.raises(DatabaseError, match="fq_message_priority_range"), transaction.atomic():
+        message.save()
+    with pytest.raises(DatabaseError, match="fq_message_priority_range"), transaction.atomic():
+        Message.objects.filter(pk=message_id).update(priority=-101)
+    Message.objects.filter(pk=message_id).update(priority=100)
+    assert Message.objects.get(pk=message_id).priority == 100
+
+
+def enqueue_one(channel: str) -> int:
+    from django_fairqueue import enqueue
+
+    return enqueue(f.NOOP, 1, channel=channel)
 
 
 @pytest.mark.django_db
@@ -235,6 +293,12 @@ def test_a_completion_after_its_channel_was_deleted_leaves_no_delta_behind() -> 
     assert store.complete_messages([(m.id, m.lease_token, None)]) == set()
     f.fold_all()
     assert not ChannelDelta.objects.exists()
+    # The worker's statistics of it, flushed afterwards, have no channel to go to: dropped,
+    # not left as rows that verify would report as drift.
+    minute = timezone.now().replace(second=0, microsecond=0)
+    store.record_channel_stats([store.ChannelMinuteStats(m.channel_id, minute, claimed=1)])
+    assert store.verify_orphans().get("fairqueue_channel_stat") == 0
+    assert verify(repair=False) == []
 
 
 # ------------------------------------------------------------------------------------------------

@@ -204,6 +204,37 @@ CREATE TRIGGER fairqueue_channel_join_group
     EXECUTE FUNCTION fairqueue_channel_join_group_v1();
 
 
+-- A channel's name is its identity: enqueues find the channel by it, and it says which group
+-- the channel belongs to. A group's name says which channels are its own. So neither changes
+-- once the row exists, whatever writes it: Model.save(), QuerySet.update(), bulk_update(),
+-- loaddata over an existing row. (`UPDATE OF name`: only statements that set the name run
+-- the trigger; the claims and folds, which never do, pay nothing.) To move a tenant's work
+-- elsewhere, enqueue to a channel of the new name.
+CREATE OR REPLACE FUNCTION fairqueue_keep_name_v1() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'fairqueue: a % keeps its name: % cannot become %',
+        TG_ARGV[0], quote_literal(OLD.name), quote_literal(NEW.name)
+        USING ERRCODE = '55000',
+              HINT = 'A name is the identity enqueues use; create one of the new name instead.';
+END;
+$$;
+
+DROP TRIGGER IF EXISTS fairqueue_channel_keep_name ON fairqueue_channel;
+CREATE TRIGGER fairqueue_channel_keep_name
+    BEFORE UPDATE OF name ON fairqueue_channel
+    FOR EACH ROW
+    WHEN (OLD.name IS DISTINCT FROM NEW.name)
+    EXECUTE FUNCTION fairqueue_keep_name_v1('channel');
+
+DROP TRIGGER IF EXISTS fairqueue_group_keep_name ON fairqueue_channel_group;
+CREATE TRIGGER fairqueue_group_keep_name
+    BEFORE UPDATE OF name ON fairqueue_channel_group
+    FOR EACH ROW
+    WHEN (OLD.name IS DISTINCT FROM NEW.name)
+    EXECUTE FUNCTION fairqueue_keep_name_v1('channel group');
+
+
 -- A new group takes in the ungrouped channels its name declares ('acme' takes 'acme/...').
 -- Once per group; a scan of the channel names (no index answers a prefix under every
 -- collation). The counters move with them (fairqueue_group_counters_v1).

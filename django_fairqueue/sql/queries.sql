@@ -550,6 +550,8 @@ FROM unnest(%(channel_ids)s::bigint[], %(minutes)s::timestamptz[], %(claimed)s::
             %(histograms)s::jsonb[], %(run_ms_sum)s::bigint[])
      AS t(channel_id, minute, claimed, succeeded, failed, retried, timed_out, wait_ms_sum,
           wait_ms_max, histogram, run_ms_sum)
+-- not for a channel deleted since the worker claimed from it: its rows went with it
+WHERE EXISTS (SELECT FROM fairqueue_channel c WHERE c.id = t.channel_id)
 ORDER BY t.channel_id, t.minute
 ON CONFLICT (channel_id, minute) DO UPDATE
 SET claimed = s.claimed + EXCLUDED.claimed,

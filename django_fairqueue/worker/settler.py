@@ -216,7 +216,8 @@ class Settler(WorkerBase):
         if ignored:
             logger.warning(
                 "%s of %d messages changed nothing: their lease was lost (it expired and the "
-                "rescuer requeued them, or an operator cancelled them); ids %s",
+                "rescuer requeued them, an operator cancelled or deleted them, or their channel "
+                "was deleted); ids %s",
                 verb,
                 len(ignored),
                 ignored[:20],

@@ -50,8 +50,14 @@ class UploadForm(forms.Form):
         return [
             Document(
                 tenant=tenant,
-                title=(upload.name or "untitled")[:200],
-                body=upload.read().decode("utf-8", errors="replace"),
+                title=_text(upload.name or "untitled")[:200],
+                body=_text(upload.read().decode("utf-8", errors="replace")),
             )
             for upload in files
         ]
+
+
+def _text(value: str) -> str:
+    """``value`` storable in a PostgreSQL text column, which cannot hold NUL: a binary upload
+    (a PDF) has them. Each becomes U+FFFD, as undecodable bytes already do."""
+    return value.replace("\x00", "\ufffd")
