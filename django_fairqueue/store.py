@@ -844,6 +844,12 @@ def prune_finished_messages(
     return len(_run("prune_finished_messages", {"before": before, "limit": limit}, using))
 
 
+def prune_unique_holds(*, limit: int = 10_000, using: str | None = None) -> int:
+    """Delete up to ``limit`` hold rows of unique keys whose message is gone or finished for
+    good; returns how many."""
+    return len(_run("prune_unique_holds", {"limit": limit}, using))
+
+
 def select_channel_counters(
     ids: Sequence[int], *, using: str | None = None
 ) -> list[ChannelCounters]:
