@@ -260,8 +260,9 @@ class CounterVerifier:
 
 def verify(*, repair: bool, log: logging.Logger | None = None) -> list[store.CounterDrift]:
     """Counters that disagree with the rows (channel groups' sums that disagree with their
-    channels', and rows of no channel, as drift of a channel named ``(none)``); with
-    ``repair``, recount and delete them, then report what was wrong."""
+    channels', unique jobs of scope ``active`` their key's hold row does not name, and rows of
+    no channel, as drift of a channel named ``(none)``); with ``repair``, recount, name and
+    delete them, then report what was wrong."""
     drift = store.verify_channel_counters()
     if repair and drift:
         # each drifted channel recounted under its row lock; what was wrong then is reported
@@ -270,6 +271,10 @@ def verify(*, repair: bool, log: logging.Logger | None = None) -> list[store.Cou
     if repair and groups:
         groups = store.repair_group_counters(sorted({d.channel_id for d in groups}))
     drift += groups
+    holds = store.verify_unique_holds()
+    if repair and holds:
+        store.repair_unique_holds(sorted({d.channel_id for d in holds}))
+    drift += holds
     orphans = {t: n for t, n in store.verify_orphans().items() if n}
     if repair and orphans:
         orphans = {t: n for t, n in store.repair_orphans().items() if n}

@@ -1102,6 +1102,22 @@ def lock_groups(ids: Sequence[int], *, using: str | None = None) -> list[int]:
     return [r[0] for r in _run("lock_groups", {"ids": sorted(ids)}, using)]
 
 
+def verify_unique_holds(*, using: str | None = None) -> list[CounterDrift]:
+    """Channels whose unique jobs of scope ``active`` that hold their key (waiting or running)
+    are not all named by their key's hold row (``recorded``: how many are, ``actual``: how many
+    there are). Without its row, a running one would not keep its key. Read-only, lock-free."""
+    return [CounterDrift(*r) for r in _run("verify_unique_holds", {}, using)]
+
+
+def repair_unique_holds(ids: Sequence[int], *, using: str | None = None) -> list[int]:
+    """Give the unnamed holders of the channels ``ids`` their keys' hold rows (unless another
+    live holder is named: two messages hold the key, left to the operator). Returns the ids of
+    the messages now named."""
+    if not ids:
+        return []
+    return [int(r[0]) for r in _run("repair_unique_holds", {"ids": list(ids)}, using)]
+
+
 def verify_orphans(*, using: str | None = None) -> dict[str, int]:
     """{table: rows whose channel no longer exists}."""
     return {table: int(n) for table, n in _run("verify_orphans", {}, using)}

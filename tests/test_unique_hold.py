@@ -270,3 +270,21 @@ def test_the_pruner_deletes_the_rows_of_messages_gone_or_finished_for_good() -> 
     # a dead letter may be retried and hold its key again: its row stays
     assert sorted(UniqueHold.objects.values_list("unique_key", flat=True)) == ["dead", "live"]
     assert hold_of("acme", "live") == ids["live"]
+
+
+@pytest.mark.django_db
+def test_verify_reports_and_repairs_a_running_holder_its_row_does_not_name() -> None:
+    """Rows written by hand can leave a running holder of scope 'active' unnamed (it would not
+    keep its key): verify reports the channel, and --repair writes the row."""
+    first = enqueue(fairtasks.add, 1, 1, channel="acme", unique_key="k", unique_scope="active")
+    claim()
+    assert maintenance.verify(repair=False) == []
+    UniqueHold.objects.all().delete()
+    (drift,) = maintenance.verify(repair=False)
+    assert (drift.channel, drift.counter, drift.recorded, drift.actual) == (
+        "acme", "unique holds", 0, 1
+    )
+    assert [d.counter for d in maintenance.verify(repair=True)] == ["unique holds"]
+    assert maintenance.verify(repair=False) == []
+    assert hold_of("acme", "k") == first
+    assert enqueue(fairtasks.add, 2, 2, channel="acme", unique_key="k") == first

@@ -701,6 +701,45 @@ FROM unnest(%(ids)s::bigint[], %(ready)s::bigint[], %(running)s::bigint[],
             %(claimable)s::integer[]) AS v(id, ready, running, claimable)
 WHERE g.id = v.id;
 
+-- name: verify_unique_holds
+-- Channels whose messages of scope 'active' that hold their unique key (ready, scheduled,
+-- running) are not all named by their key's hold row in fairqueue_unique_hold: (channel id,
+-- name, 'unique holds', how many are named, how many there are). A message and its hold row
+-- are written in one transaction, so one snapshot sees both or neither. Read-only, lock-free.
+SELECT m.channel_id, coalesce(c.name, '(none)'), 'unique holds',
+       count(*) FILTER (WHERE h.message_id = m.id), count(*)
+FROM fairqueue_message m
+LEFT JOIN fairqueue_unique_hold h
+  ON h.channel_id = m.channel_id AND h.unique_key = m.unique_key
+LEFT JOIN fairqueue_channel c ON c.id = m.channel_id
+WHERE m.unique_key IS NOT NULL AND m.unique_scope = 'active'
+  AND m.state IN ('ready', 'scheduled', 'running')
+GROUP BY m.channel_id, c.name
+HAVING count(*) FILTER (WHERE h.message_id = m.id) <> count(*)
+ORDER BY m.channel_id;
+
+-- name: repair_unique_holds
+-- Make the hold row of each key of the channels `ids` name the message of scope 'active' that
+-- holds it (ready, scheduled, running) when the row is missing or names a message that holds
+-- nothing. A row naming another live holder is left alone (two messages hold the key: the
+-- operator's to settle; verify reports it again). Returns the ids now named.
+INSERT INTO fairqueue_unique_hold AS h (channel_id, unique_key, message_id)
+SELECT DISTINCT ON (m.channel_id, m.unique_key) m.channel_id, m.unique_key, m.id
+FROM fairqueue_message m
+WHERE m.channel_id = ANY (%(ids)s::bigint[])
+  AND m.unique_key IS NOT NULL AND m.unique_scope = 'active'
+  AND m.state IN ('ready', 'scheduled', 'running')
+  AND NOT EXISTS (
+      SELECT FROM fairqueue_unique_hold x
+      WHERE x.channel_id = m.channel_id AND x.unique_key = m.unique_key AND x.message_id = m.id)
+ORDER BY m.channel_id, m.unique_key, m.id
+ON CONFLICT (channel_id, unique_key) DO UPDATE SET message_id = excluded.message_id
+WHERE NOT EXISTS (
+    SELECT FROM fairqueue_message o
+    WHERE o.id = h.message_id AND o.channel_id = h.channel_id AND o.unique_key = h.unique_key
+      AND o.unique_scope = 'active' AND o.state IN ('ready', 'scheduled', 'running'))
+RETURNING h.message_id;
+
 -- name: verify_orphans
 -- Messages, deltas and work batches whose channel no longer exists, by table.
 SELECT tbl, n FROM fairqueue_verify_orphans_v1();
