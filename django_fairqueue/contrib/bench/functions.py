@@ -11,9 +11,9 @@ Cells: ``empty`` (nothing to claim, nothing due, nothing to fold: the fixed cost
 idle queue pays), and ``batch 1`` / ``batch 100`` over a standing backlog in 100 channels, each
 claim followed by its completion and by as many new messages to the same channels (so every
 claim also folds an enqueue delta, as in steady traffic). ``key-queued`` and ``key-active`` are
-the backlog case with every message a unique job of that scope, refilled with new keys (scope
-``active`` is the costlier: the claim writes an entry of the unique index for each message it
-takes). Where the server runs on this host, the backend's CPU time per claim and per completion
+the backlog case with every message a unique job of that scope, refilled with new keys (the
+claim writes no unique-index entry for either: a claimed message leaves the index, and scope
+``active`` keeps its key through a hold row written at enqueue). Where the server runs on this host, the backend's CPU time per claim and per completion
 is read from ``/proc`` too: unlike time inside the server, it does not count waits for a core,
 so it is the figure to compare on a busy machine. Needs PostgreSQL 15+ and a role allowed to
 set ``track_functions`` (a superuser, or one granted it).
