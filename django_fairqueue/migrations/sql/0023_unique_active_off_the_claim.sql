@@ -2155,15 +2155,21 @@ BEGIN
                        input.scope
                 FROM input
                 -- not a key a running message of scope 'active' holds (as far as this snapshot
-                -- shows: checked again after the insert)
-                WHERE input.ukey IS NULL
-                   OR NOT EXISTS (
-                       SELECT FROM fairqueue_unique_hold h
-                       JOIN fairqueue_message o ON o.id = h.message_id
-                       WHERE h.channel_id = input.cid AND h.unique_key = input.ukey
-                         AND o.channel_id = input.cid AND o.unique_key = input.ukey
-                         AND o.unique_scope = 'active'
-                         AND o.state IN ('ready', 'scheduled', 'running'))
+                -- shows: checked again after the insert). A lateral subquery with LIMIT: one
+                -- probe of the hold row's key per message, never a join over the whole tables
+                -- (which a generic plan's anti-join chose: 20 ms per batch of 100).
+                LEFT JOIN LATERAL (
+                    SELECT o.id
+                    FROM fairqueue_unique_hold h
+                    JOIN fairqueue_message o ON o.id = h.message_id
+                    WHERE input.ukey IS NOT NULL
+                      AND h.channel_id = input.cid AND h.unique_key = input.ukey
+                      AND o.channel_id = input.cid AND o.unique_key = input.ukey
+                      AND o.unique_scope = 'active'
+                      AND o.state IN ('ready', 'scheduled', 'running')
+                    LIMIT 1
+                ) held ON true
+                WHERE held.id IS NULL
                 -- Keyed rows in (channel, key) order: two batches inserting the same keys in opposite
                 -- orders would each wait for the other's first key (ON CONFLICT waits for an insert
                 -- in progress), a deadlock. The rows without a key come first, in input order, so
@@ -2203,11 +2209,16 @@ BEGIN
                 IF current_setting('transaction_isolation') = 'read committed' THEN
                     IF EXISTS (
                         SELECT FROM unnest(v_kid, v_kch, v_kkey) AS k(id, ch, ukey)
-                        JOIN fairqueue_unique_hold h ON h.channel_id = k.ch AND h.unique_key = k.ukey
-                        JOIN fairqueue_message o ON o.id = h.message_id
-                        WHERE o.id <> k.id AND o.channel_id = k.ch AND o.unique_key = k.ukey
-                          AND o.unique_scope = 'active'
-                          AND o.state IN ('ready', 'scheduled', 'running'))
+                        CROSS JOIN LATERAL (  -- one probe per key, as above
+                            SELECT o.id
+                            FROM fairqueue_unique_hold h
+                            JOIN fairqueue_message o ON o.id = h.message_id
+                            WHERE h.channel_id = k.ch AND h.unique_key = k.ukey
+                              AND o.id <> k.id AND o.channel_id = k.ch AND o.unique_key = k.ukey
+                              AND o.unique_scope = 'active'
+                              AND o.state IN ('ready', 'scheduled', 'running')
+                            LIMIT 1
+                        ) held)
                     THEN
                         RAISE EXCEPTION USING ERRCODE = 'FQ004';  -- start over: see below
                     END IF;
@@ -2685,13 +2696,17 @@ BEGIN
                    coalesce(p_unique_scope, 'queued')
             FROM ch
             -- not a key a running message of scope 'active' holds, as far as this snapshot
-            -- shows (checked again below)
-            WHERE NOT EXISTS (
-                SELECT FROM fairqueue_unique_hold h
+            -- shows (checked again below; one probe, as in fairqueue_enqueue_unique_v1)
+            LEFT JOIN LATERAL (
+                SELECT o.id
+                FROM fairqueue_unique_hold h
                 JOIN fairqueue_message o ON o.id = h.message_id
                 WHERE h.channel_id = ch.id AND h.unique_key = p_unique_key
                   AND o.channel_id = ch.id AND o.unique_key = p_unique_key
-                  AND o.unique_scope = 'active' AND o.state IN ('ready', 'scheduled', 'running'))
+                  AND o.unique_scope = 'active' AND o.state IN ('ready', 'scheduled', 'running')
+                LIMIT 1
+            ) held ON true
+            WHERE held.id IS NULL
             ON CONFLICT (channel_id, unique_key)
                 WHERE unique_key IS NOT NULL AND state IN ('ready', 'scheduled')
                 DO NOTHING
