@@ -66,9 +66,16 @@ def test_a_running_holder_of_scope_active_keeps_every_scope_out_until_it_ends() 
     assert hold_of("acme", "k") == first
     (m,) = claim()
     for scope in ("queued", "active"):
-        assert enqueue(fairtasks.add, 2, 2, channel="acme", unique_key="k", unique_scope=scope) == first
+        assert (
+            enqueue(fairtasks.add, 2, 2, channel="acme", unique_key="k", unique_scope=scope)
+            == first
+        )
         got = enqueue_many(
-            [EnqueueRequest(fairtasks.add, (3, 3), channel="acme", unique_key="k", unique_scope=scope)]
+            [
+                EnqueueRequest(
+                    fairtasks.add, (3, 3), channel="acme", unique_key="k", unique_scope=scope
+                )
+            ]
         )
         assert got == [first]
     assert holding("acme", "k") == [first]
@@ -87,7 +94,12 @@ def test_a_replace_that_gives_the_scope_active_takes_the_hold() -> None:
     first = enqueue(fairtasks.add, 1, 1, channel="acme", unique_key="k")
     assert UniqueHold.objects.count() == 0  # scope 'queued' writes no hold row
     again = enqueue(
-        fairtasks.add, 2, 2, channel="acme", unique_key="k", unique_scope="active",
+        fairtasks.add,
+        2,
+        2,
+        channel="acme",
+        unique_key="k",
+        unique_scope="active",
         on_conflict="replace",
     )
     assert again == first and hold_of("acme", "k") == first
@@ -133,8 +145,9 @@ def test_retries_releases_and_rescues_keep_the_hold() -> None:
     assert_counters_match_table()
 
 
-def _holder_claimed_in_flight(key: str, ready: threading.Event, release: threading.Event,
-                              out: dict[str, Any]) -> None:
+def _holder_claimed_in_flight(
+    key: str, ready: threading.Event, release: threading.Event, out: dict[str, Any]
+) -> None:
     """Enqueue a message of scope 'active' and claim it in one transaction, left open until
     ``release``: a concurrent insert of the key waits for this transaction, and when it ends
     the holder is already running (out of the unique index)."""
@@ -173,8 +186,9 @@ def test_an_enqueue_that_passes_the_index_as_the_holder_starts_is_kept_out(
     else:
         got, _ = enqueue_many(
             [
-                EnqueueRequest(fairtasks.add, (1, 1), channel="acme", unique_key="k",
-                               unique_scope=scope),
+                EnqueueRequest(
+                    fairtasks.add, (1, 1), channel="acme", unique_key="k", unique_scope=scope
+                ),
                 EnqueueRequest(fairtasks.add, (2, 2), channel="acme"),
             ]
         )
@@ -282,7 +296,10 @@ def test_verify_reports_and_repairs_a_running_holder_its_row_does_not_name() -> 
     UniqueHold.objects.all().delete()
     (drift,) = maintenance.verify(repair=False)
     assert (drift.channel, drift.counter, drift.recorded, drift.actual) == (
-        "acme", "unique holds", 0, 1
+        "acme",
+        "unique holds",
+        0,
+        1,
     )
     assert [d.counter for d in maintenance.verify(repair=True)] == ["unique holds"]
     assert maintenance.verify(repair=False) == []

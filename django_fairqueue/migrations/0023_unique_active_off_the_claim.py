@@ -52,12 +52,12 @@ DROP FUNCTION IF EXISTS fairqueue_unique_holder_v1(bigint, text, bigint, text);
 """
 
 
-def _swap(old: str) -> list[str]:
+def _swap(old: str) -> tuple[str, ...]:
     """Drop the index named fq_message_unique_idx and give its name to ``old``'s."""
-    return [
+    return (
         'DROP INDEX CONCURRENTLY IF EXISTS "fq_message_unique_idx"',
         f'ALTER INDEX "{old}" RENAME TO "fq_message_unique_idx"',
-    ]
+    )
 
 
 class Migration(migrations.Migration):
@@ -92,17 +92,20 @@ class Migration(migrations.Migration):
         ),
         # One string: one transaction (the hold rows and the functions that keep them).
         migrations.RunSQL(
-            "BEGIN;\n" + FILL_HOLDS + migration_sql("0023_unique_active_off_the_claim") + "\nCOMMIT;",
+            "BEGIN;\n"
+            + FILL_HOLDS
+            + migration_sql("0023_unique_active_off_the_claim")
+            + "\nCOMMIT;",
             "BEGIN;\n" + DROP_NEW_FUNCTIONS + migration_sql("0018_faster_enqueue") + "\nCOMMIT;",
         ),
         migrations.SeparateDatabaseAndState(
             database_operations=[
                 migrations.RunSQL(
                     _swap("fq_message_unique_waiting"),
-                    [
+                    (
                         _build("fq_message_unique_waiting", WAITING_OR_ACTIVE),
                         *_swap("fq_message_unique_waiting"),
-                    ],
+                    ),
                 ),
             ],
             state_operations=[

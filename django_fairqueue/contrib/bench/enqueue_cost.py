@@ -13,8 +13,9 @@ statement and its commit, without waits for a core or the disk).
 Cells: ``single`` (``enqueue()``), ``batch`` (``enqueue_many()`` of 100, one channel), and,
 where the code has unique jobs, ``single-key`` / ``batch-key`` (a new key per message: every
 message stored) and ``single-held`` (a key its channel's message holds: kept, nothing stored);
-``single-key-active`` / ``batch-key-active`` are the keyed cells with scope ``active`` (the key's hold
-row written too), and ``single-key-held-running`` a key held by a running message of that scope.
+``single-key-active`` / ``batch-key-active`` are the keyed cells with scope ``active`` (the
+key's hold row written too), and ``single-key-held-running`` a key held by a running message of
+that scope.
 Needs PostgreSQL 15+ and a role allowed to set ``track_functions``.
 """
 
@@ -134,7 +135,9 @@ def run(bench: Bench, cell: EnqueueCostCell) -> EnqueueCostResult:
     if cell.mode == "single-key-held-running":
         # the holders start: each channel's message of key "run" is claimed, and stays running
         store.claim_messages(
-            10 * CHANNELS, lease=timedelta(hours=1), worker_id="fairbench-enqueue-cost",
+            10 * CHANNELS,
+            lease=timedelta(hours=1),
+            worker_id="fairbench-enqueue-cost",
             using=using,
         )
     reason = unavailable(using)

@@ -13,10 +13,12 @@ claim followed by its completion and by as many new messages to the same channel
 claim also folds an enqueue delta, as in steady traffic). ``key-queued`` and ``key-active`` are
 the backlog case with every message a unique job of that scope, refilled with new keys (the
 claim writes no unique-index entry for either: a claimed message leaves the index, and scope
-``active`` keeps its key through a hold row written at enqueue). Where the server runs on this host, the backend's CPU time per claim and per completion
-is read from ``/proc`` too: unlike time inside the server, it does not count waits for a core,
-so it is the figure to compare on a busy machine. Needs PostgreSQL 15+ and a role allowed to
-set ``track_functions`` (a superuser, or one granted it).
+``active`` keeps its key through a hold row written at enqueue). Where the server runs on
+this host, the backend's CPU time per claim and per completion is read from ``/proc`` too:
+unlike time inside the server, it does not count waits for a core, so it is the figure to
+compare on a busy machine. The WAL each claim writes is read too (the median): what the claim
+writes, which the machine's load does not move. Needs PostgreSQL 15+ and a role allowed to set
+``track_functions`` (a superuser, or one granted it).
 """
 
 from __future__ import annotations
