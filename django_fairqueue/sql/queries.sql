@@ -480,10 +480,14 @@ RETURNING m.id;
 -- holds its key again.) Rows are taken SKIP LOCKED, and only while they still name the message
 -- read: an enqueue taking a row over holds it, and a row it took over names its new message.
 WITH candidates AS (
+    -- a probe of the message table per hold row (a lateral subquery with LIMIT), never a join
+    -- over the whole message table
     SELECT h.channel_id, h.unique_key, h.message_id
     FROM fairqueue_unique_hold h
-    LEFT JOIN fairqueue_message m ON m.id = h.message_id
-    WHERE m.id IS NULL OR m.state IN ('succeeded', 'cancelled', 'aborted')
+    LEFT JOIN LATERAL (
+        SELECT m.state FROM fairqueue_message m WHERE m.id = h.message_id LIMIT 1
+    ) m ON true
+    WHERE m.state IS NULL OR m.state IN ('succeeded', 'cancelled', 'aborted')
     LIMIT %(limit)s
 ), locked AS (
     SELECT h.channel_id, h.unique_key
