@@ -9,7 +9,8 @@
   lease token and change nothing, but the handler's own side effects happen twice. Make
   at-least-once handlers idempotent.
 * :class:`Pruner` deletes ``succeeded`` and ``cancelled`` rows older than
-  ``FAIRQUEUE['RESULT_RETENTION']``, in bounded batches.
+  ``FAIRQUEUE['RESULT_RETENTION']``, in bounded batches, and the hold rows of unique keys
+  whose message is gone or finished for good.
 * :class:`StatsPruner` deletes per-channel statistics older than a day
   (:func:`django_fairqueue.stats.prune`).
 * :class:`DeltaFolder` folds the channel counter deltas that completions leave behind into the
@@ -117,7 +118,8 @@ class Rescuer:
 
 @dataclass
 class Pruner:
-    """Delete succeeded and cancelled messages older than RESULT_RETENTION."""
+    """Delete succeeded and cancelled messages older than RESULT_RETENTION, and the hold rows
+    of unique keys whose message is gone or finished for good."""
 
     batch_size: int = 5000
     max_batches: int = 20
@@ -135,6 +137,11 @@ class Pruner:
             pruned = store.prune_finished_messages(before, limit=self.batch_size)
             total += pruned
             if pruned < self.batch_size:
+                break
+        # the hold rows of unique keys whose message finished or is gone (not counted: they
+        # are bookkeeping, not messages)
+        for _ in range(self.max_batches):
+            if store.prune_unique_holds(limit=self.batch_size) < self.batch_size:
                 break
         if total:
             logger.info("pruned %s finished messages", total, extra={"pruned": total})
@@ -253,8 +260,9 @@ class CounterVerifier:
 
 def verify(*, repair: bool, log: logging.Logger | None = None) -> list[store.CounterDrift]:
     """Counters that disagree with the rows (channel groups' sums that disagree with their
-    channels', and rows of no channel, as drift of a channel named ``(none)``); with
-    ``repair``, recount and delete them, then report what was wrong."""
+    channels', unique jobs of scope ``active`` their key's hold row does not name, and rows of
+    no channel, as drift of a channel named ``(none)``); with ``repair``, recount, name and
+    delete them, then report what was wrong."""
     drift = store.verify_channel_counters()
     if repair and drift:
         # each drifted channel recounted under its row lock; what was wrong then is reported
@@ -263,6 +271,10 @@ def verify(*, repair: bool, log: logging.Logger | None = None) -> list[store.Cou
     if repair and groups:
         groups = store.repair_group_counters(sorted({d.channel_id for d in groups}))
     drift += groups
+    holds = store.verify_unique_holds()
+    if repair and holds:
+        store.repair_unique_holds(sorted({d.channel_id for d in holds}))
+    drift += holds
     orphans = {t: n for t, n in store.verify_orphans().items() if n}
     if repair and orphans:
         orphans = {t: n for t, n in store.repair_orphans().items() if n}

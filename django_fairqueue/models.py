@@ -62,7 +62,8 @@ class UniqueScope(models.TextChoices):
     ACTIVE = "active", _("while queued or running")
 
 
-#: States whose messages hold their unique key (``UniqueScope.ACTIVE`` ones while running too).
+#: States whose messages hold their unique key in ``fq_message_unique_idx`` (``UniqueScope.ACTIVE``
+#: ones hold it while running too, through :class:`UniqueHold`).
 UNIQUE_HELD_STATES = ("ready", "scheduled")
 
 
@@ -388,18 +389,16 @@ class Message(TrackedModel):
                 name="fq_message_priority_range",
             ),
             # Unique jobs. Only keyed rows are in the index (an enqueue without a key writes
-            # no entry), and only while they hold their key: queued, or running when their
-            # scope says so. The enqueue's ON CONFLICT repeats this predicate word for word
+            # no entry), and only while they wait (ready or scheduled), whatever their scope:
+            # the claim takes a message out of it, so a claim writes no entry of it. A running
+            # message of scope 'active' holds its key through UniqueHold, written at enqueue.
+            # The enqueue's ON CONFLICT repeats this predicate word for word
             # (sql/functions_v1.sql), so it must not change without the SQL.
             models.UniqueConstraint(
                 F("channel"),
                 F("unique_key"),
                 name="fq_message_unique_idx",
-                condition=Q(unique_key__isnull=False)
-                & (
-                    Q(state__in=UNIQUE_HELD_STATES)
-                    | Q(state=MessageState.RUNNING, unique_scope=UniqueScope.ACTIVE)
-                ),
+                condition=Q(unique_key__isnull=False, state__in=UNIQUE_HELD_STATES),
             ),
             models.CheckConstraint(
                 condition=Q(unique_key__isnull=True, unique_scope__isnull=True)
@@ -456,6 +455,32 @@ class ChannelDelta(TrackedModel):
 
     def __str__(self) -> str:
         return f"channel {self.channel_id}: ready {self.ready:+d}, running {self.running:+d}"
+
+
+class UniqueHold(models.Model):
+    """Which message of scope ``active`` last took a channel's unique key.
+
+    ``fq_message_unique_idx`` admits one waiting (ready or scheduled) message per channel and
+    key; a message of scope ``active`` also keeps the key while it runs, through this row,
+    written when it enters the queue (its enqueue, a replace that gives it the scope, an
+    operator's retry), never by the claim. The row holds only while its message is of scope
+    ``active`` and ready, scheduled or running: an enqueue that meets it checks that after
+    inserting its own message, and takes over a row whose message holds no more. Rows whose
+    message finished or is gone are deleted by the pruner (``sql/functions_v1.sql``,
+    ``fairqueue_unique_holder_v1``).
+    """
+
+    pk = models.CompositePrimaryKey("channel_id", "unique_key")
+    # No foreign keys: a hold names ids and is checked against the message row it names.
+    channel_id = models.BigIntegerField()
+    unique_key = models.CharField(max_length=UNIQUE_KEY_MAX_LENGTH)
+    message_id = models.BigIntegerField()
+
+    class Meta:
+        db_table = "fairqueue_unique_hold"
+
+    def __str__(self) -> str:
+        return f"channel {self.channel_id} key {self.unique_key!r}: message {self.message_id}"
 
 
 #: Upper bounds (milliseconds) of the wait-time histogram buckets in ChannelStat.wait_histogram;

@@ -844,6 +844,12 @@ def prune_finished_messages(
     return len(_run("prune_finished_messages", {"before": before, "limit": limit}, using))
 
 
+def prune_unique_holds(*, limit: int = 10_000, using: str | None = None) -> int:
+    """Delete up to ``limit`` hold rows of unique keys whose message is gone or finished for
+    good; returns how many."""
+    return len(_run("prune_unique_holds", {"limit": limit}, using))
+
+
 def select_channel_counters(
     ids: Sequence[int], *, using: str | None = None
 ) -> list[ChannelCounters]:
@@ -1094,6 +1100,22 @@ def lock_groups(ids: Sequence[int], *, using: str | None = None) -> list[int]:
     """Lock the channel groups of ``ids`` until the transaction ends (in id order, waiting);
     returns the ids of those that exist."""
     return [r[0] for r in _run("lock_groups", {"ids": sorted(ids)}, using)]
+
+
+def verify_unique_holds(*, using: str | None = None) -> list[CounterDrift]:
+    """Channels whose unique jobs of scope ``active`` that hold their key (waiting or running)
+    are not all named by their key's hold row (``recorded``: how many are, ``actual``: how many
+    there are). Without its row, a running one would not keep its key. Read-only, lock-free."""
+    return [CounterDrift(*r) for r in _run("verify_unique_holds", {}, using)]
+
+
+def repair_unique_holds(ids: Sequence[int], *, using: str | None = None) -> list[int]:
+    """Give the unnamed holders of the channels ``ids`` their keys' hold rows (unless another
+    live holder is named: two messages hold the key, left to the operator). Returns the ids of
+    the messages now named."""
+    if not ids:
+        return []
+    return [int(r[0]) for r in _run("repair_unique_holds", {"ids": list(ids)}, using)]
 
 
 def verify_orphans(*, using: str | None = None) -> dict[str, int]:

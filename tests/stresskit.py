@@ -209,7 +209,9 @@ def counter_mismatches(db: Db) -> list[dict[str, Any]]:
 
 
 def keys_held_twice(db: Db) -> list[dict[str, Any]]:
-    """Unique keys held by more than one message of a channel (the index forbids it)."""
+    """Unique keys held by more than one message of a channel (the index and the hold rows
+    forbid it), and holders of scope 'active' their key's hold row does not name (a running
+    one would not keep its key)."""
     return [
         {"channel_id": cid, "unique_key": key, "ids": list(ids)}
         for cid, key, ids in db.rows(
@@ -217,6 +219,15 @@ def keys_held_twice(db: Db) -> list[dict[str, Any]]:
             "WHERE unique_key IS NOT NULL AND (state IN ('ready', 'scheduled') "
             "OR (state = 'running' AND unique_scope = 'active')) "
             "GROUP BY 1, 2 HAVING count(*) > 1"
+        )
+    ] + [
+        {"channel_id": cid, "unique_key": key, "ids": [mid], "unnamed_by_hold_row": True}
+        for cid, key, mid in db.rows(
+            "SELECT m.channel_id, m.unique_key, m.id FROM fairqueue_message m "
+            "WHERE m.unique_key IS NOT NULL AND m.unique_scope = 'active' "
+            "AND m.state IN ('ready', 'scheduled', 'running') AND NOT EXISTS ("
+            "SELECT FROM fairqueue_unique_hold h WHERE h.channel_id = m.channel_id "
+            "AND h.unique_key = m.unique_key AND h.message_id = m.id)"
         )
     ]
 

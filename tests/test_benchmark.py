@@ -116,6 +116,9 @@ def test_tiny_run_reports_every_scenario_as_json(tmp_path: Path) -> None:
         "single-key",
         "batch-key",
         "single-held",
+        "single-key-active",
+        "batch-key-active",
+        "single-key-held-running",
     ]
     for cell in cost_cells:
         assert cell["server_us"] > 0 and cell["client_us"] > 0
@@ -123,6 +126,9 @@ def test_tiny_run_reports_every_scenario_as_json(tmp_path: Path) -> None:
         # A claim's time includes the two housekeeping calls it makes first.
         assert cell["claim_us"] >= cell["claim_body_us"] > 0
         assert cell["promote_us"] > 0 and cell["fold_us"] > 0
+        # a claim that takes messages writes WAL (their rows); the empty one writes none
+        assert (cell["claim_wal_bytes"] is None) == (cell["case"] == "empty")
+        assert cell["case"] == "empty" or cell["claim_wal_bytes"] > 0
         assert cell["claim_us"] == pytest.approx(
             cell["claim_body_us"] + cell["promote_us"] + cell["fold_us"], abs=0.5
         )

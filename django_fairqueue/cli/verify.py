@@ -1,9 +1,10 @@
 """Check every channel's counters against its messages and work batches; --repair fixes them.
 
 The counters the claim trusts (ready, delayed, running, failed) are recounted from the rows in
-one read-only snapshot, without locks, and each channel group's sums from its channels. With
---repair, each channel or group found wrong is recounted under its row lock and rows whose
-channel no longer exists are deleted. Workers do the same
+one read-only snapshot, without locks, and each channel group's sums from its channels; unique
+jobs of scope 'active' that hold their key must be named by their key's hold row. With
+--repair, each channel or group found wrong is recounted under its row lock, the missing hold
+rows are written and rows whose channel no longer exists are deleted. Workers do the same
 every FAIRQUEUE['VERIFY_INTERVAL'] seconds and log what they repaired. Exits with status 1
 when it found drift and did not repair it, so a monitoring job can alert on it.
 """
@@ -22,8 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repair",
         action="store_true",
-        help="Recount the channels and channel groups found wrong (under their row locks) "
-        "and delete rows of channels that no longer exist.",
+        help="Recount the channels and channel groups found wrong (under their row locks), "
+        "write the missing hold rows of unique keys and delete rows of channels that no "
+        "longer exist.",
     )
 
 

@@ -139,7 +139,12 @@ WITH t AS MATERIALIZED (
     -- join on t alone: adding `m.id = ANY(ids)` here made the planner repeat the whole
     -- ANY lookup per row of t (5,050 index probes for 100 rows)
     WHERE m.id = t.id
-    RETURNING m.id, m.channel_id, m.state, t.run
+    RETURNING m.id, m.channel_id, m.state, t.run,
+              -- a unique job back in the queue: no running holder of scope 'active' meanwhile
+              -- (a unique violation if there is one: the caller runs the statement again)
+              CASE WHEN m.unique_key IS NOT NULL AND m.state IN ('ready', 'scheduled')
+                   THEN fairqueue_unique_rejoin_v1(m.channel_id, m.unique_key, m.id, m.unique_scope)
+              END AS rejoined
 ), delta AS (
     INSERT INTO fairqueue_channel_delta (
         channel_id, ready, scheduled, running, failed, run_seconds, run_count
@@ -179,7 +184,10 @@ WITH t AS MATERIALIZED (
         finished_at = CASE WHEN t.aborted OR t.superseded THEN clock_timestamp() END
     FROM t
     WHERE m.id = t.id
-    RETURNING m.id, m.channel_id, m.state
+    RETURNING m.id, m.channel_id, m.state,
+              CASE WHEN m.unique_key IS NOT NULL AND m.state = 'ready'  -- see fail_messages
+                   THEN fairqueue_unique_rejoin_v1(m.channel_id, m.unique_key, m.id, m.unique_scope)
+              END AS rejoined
 ), delta AS (
     INSERT INTO fairqueue_channel_delta (channel_id, ready, running, run_count)
     SELECT channel_id, count(*) FILTER (WHERE state = 'ready'), -count(*), count(*)
@@ -226,7 +234,10 @@ WITH expired AS (
     WHERE m.id = ANY (ARRAY(SELECT expired.id FROM expired))
     RETURNING m.id, m.channel_id, m.state, m.task_name, m.attempts, m.worker_id,
               least(fairqueue_run_seconds_v1(NULL, m.claimed_at),
-                    %(max_charge)s::float8) AS run
+                    %(max_charge)s::float8) AS run,
+              CASE WHEN m.unique_key IS NOT NULL AND m.state = 'ready'  -- see fail_messages
+                   THEN fairqueue_unique_rejoin_v1(m.channel_id, m.unique_key, m.id, m.unique_scope)
+              END AS rejoined
 ), delta AS (
     INSERT INTO fairqueue_channel_delta (
         channel_id, ready, scheduled, running, failed, succeeded, run_seconds, run_count
@@ -259,7 +270,11 @@ WITH failed AS MATERIALIZED (
     WHERE m.id = failed.id
       AND NOT (m.unique_key IS NOT NULL
                AND fairqueue_unique_key_held_v1(m.channel_id, m.unique_key))
-    RETURNING m.id, m.channel_id
+    RETURNING m.id, m.channel_id,
+              -- see fail_messages; one of scope 'active' takes its key's hold row again
+              CASE WHEN m.unique_key IS NOT NULL
+                   THEN fairqueue_unique_rejoin_v1(m.channel_id, m.unique_key, m.id, m.unique_scope)
+              END AS rejoined
 ), delta AS (
     INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
     SELECT channel_id, count(*), 0, 0, -count(*), 0 FROM retried GROUP BY channel_id
@@ -457,6 +472,35 @@ DELETE FROM fairqueue_message m
 WHERE m.id = ANY (ARRAY(SELECT victims.id FROM victims))
   AND m.state IN ('succeeded', 'cancelled', 'aborted')
 RETURNING m.id;
+
+-- name: prune_unique_holds
+-- Delete up to `limit` hold rows of unique keys (fairqueue_unique_hold) whose message is gone
+-- or finished for good (succeeded, cancelled, aborted): they hold nothing and never will again.
+-- (A failed message's row stays while the message does: an operator may retry it, and it then
+-- holds its key again.) Rows are taken SKIP LOCKED, and only while they still name the message
+-- read: an enqueue taking a row over holds it, and a row it took over names its new message.
+WITH candidates AS (
+    -- a probe of the message table per hold row (a lateral subquery with LIMIT), never a join
+    -- over the whole message table
+    SELECT h.channel_id, h.unique_key, h.message_id
+    FROM fairqueue_unique_hold h
+    LEFT JOIN LATERAL (
+        SELECT m.state FROM fairqueue_message m WHERE m.id = h.message_id LIMIT 1
+    ) m ON true
+    WHERE m.state IS NULL OR m.state IN ('succeeded', 'cancelled', 'aborted')
+    LIMIT %(limit)s
+), locked AS (
+    SELECT h.channel_id, h.unique_key
+    FROM fairqueue_unique_hold h
+    JOIN candidates c
+      ON h.channel_id = c.channel_id AND h.unique_key = c.unique_key
+     AND h.message_id = c.message_id
+    FOR UPDATE OF h SKIP LOCKED
+)
+DELETE FROM fairqueue_unique_hold h
+USING locked
+WHERE h.channel_id = locked.channel_id AND h.unique_key = locked.unique_key
+RETURNING h.message_id;
 
 -- name: select_channel_counters
 -- Channel counters including deltas not yet folded: exact, and bounded by the delta backlog.
@@ -662,6 +706,45 @@ SET ready_count = coalesce(v.ready, g.ready_count),
 FROM unnest(%(ids)s::bigint[], %(ready)s::bigint[], %(running)s::bigint[],
             %(claimable)s::integer[]) AS v(id, ready, running, claimable)
 WHERE g.id = v.id;
+
+-- name: verify_unique_holds
+-- Channels whose messages of scope 'active' that hold their unique key (ready, scheduled,
+-- running) are not all named by their key's hold row in fairqueue_unique_hold: (channel id,
+-- name, 'unique holds', how many are named, how many there are). A message and its hold row
+-- are written in one transaction, so one snapshot sees both or neither. Read-only, lock-free.
+SELECT m.channel_id, coalesce(c.name, '(none)'), 'unique holds',
+       count(*) FILTER (WHERE h.message_id = m.id), count(*)
+FROM fairqueue_message m
+LEFT JOIN fairqueue_unique_hold h
+  ON h.channel_id = m.channel_id AND h.unique_key = m.unique_key
+LEFT JOIN fairqueue_channel c ON c.id = m.channel_id
+WHERE m.unique_key IS NOT NULL AND m.unique_scope = 'active'
+  AND m.state IN ('ready', 'scheduled', 'running')
+GROUP BY m.channel_id, c.name
+HAVING count(*) FILTER (WHERE h.message_id = m.id) <> count(*)
+ORDER BY m.channel_id;
+
+-- name: repair_unique_holds
+-- Make the hold row of each key of the channels `ids` name the message of scope 'active' that
+-- holds it (ready, scheduled, running) when the row is missing or names a message that holds
+-- nothing. A row naming another live holder is left alone (two messages hold the key: the
+-- operator's to settle; verify reports it again). Returns the ids now named.
+INSERT INTO fairqueue_unique_hold AS h (channel_id, unique_key, message_id)
+SELECT DISTINCT ON (m.channel_id, m.unique_key) m.channel_id, m.unique_key, m.id
+FROM fairqueue_message m
+WHERE m.channel_id = ANY (%(ids)s::bigint[])
+  AND m.unique_key IS NOT NULL AND m.unique_scope = 'active'
+  AND m.state IN ('ready', 'scheduled', 'running')
+  AND NOT EXISTS (
+      SELECT FROM fairqueue_unique_hold x
+      WHERE x.channel_id = m.channel_id AND x.unique_key = m.unique_key AND x.message_id = m.id)
+ORDER BY m.channel_id, m.unique_key, m.id
+ON CONFLICT (channel_id, unique_key) DO UPDATE SET message_id = excluded.message_id
+WHERE NOT EXISTS (
+    SELECT FROM fairqueue_message o
+    WHERE o.id = h.message_id AND o.channel_id = h.channel_id AND o.unique_key = h.unique_key
+      AND o.unique_scope = 'active' AND o.state IN ('ready', 'scheduled', 'running'))
+RETURNING h.message_id;
 
 -- name: verify_orphans
 -- Messages, deltas and work batches whose channel no longer exists, by table.

@@ -103,6 +103,15 @@ def analyze_queue_tables(*, using: str | None = None) -> None:
     _run("analyze_queue_tables", {}, using)
 
 
+def select_wal_position(*, using: str | None = None) -> str:
+    return str(_run("select_wal_position", {}, using)[0][0])
+
+
+def select_wal_since(lsn: str, *, using: str | None = None) -> int:
+    """Bytes of WAL the server wrote since ``lsn`` (from :func:`select_wal_position`)."""
+    return int(_run("select_wal_since", {"lsn": lsn}, using)[0][0])
+
+
 def select_backend_pid(*, using: str | None = None) -> int:
     return int(_run("select_backend_pid", {}, using)[0][0])
 

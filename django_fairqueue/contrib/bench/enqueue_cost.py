@@ -12,7 +12,10 @@ statement and its commit, without waits for a core or the disk).
 
 Cells: ``single`` (``enqueue()``), ``batch`` (``enqueue_many()`` of 100, one channel), and,
 where the code has unique jobs, ``single-key`` / ``batch-key`` (a new key per message: every
-message stored) and ``single-held`` (a key its channel's message holds: kept, nothing stored).
+message stored) and ``single-held`` (a key its channel's message holds: kept, nothing stored);
+``single-key-active`` / ``batch-key-active`` are the keyed cells with scope ``active`` (the
+key's hold row written too), and ``single-key-held-running`` a key held by a running message of
+that scope.
 Needs PostgreSQL 15+ and a role allowed to set ``track_functions``.
 """
 
@@ -20,9 +23,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
-from django_fairqueue import api
+from django_fairqueue import api, store
 from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many
 from django_fairqueue.contrib.bench import db
 from django_fairqueue.contrib.bench.functions import unavailable
@@ -42,6 +46,11 @@ MODES = {
     "single-key": "enqueue() with a new unique_key",
     "batch-key": f"enqueue_many() of {BATCH}, one channel, a new unique_key per message",
     "single-held": "enqueue() of a unique_key held by its channel's message (kept)",
+    "single-key-active": "enqueue() with a new unique_key of scope active",
+    "batch-key-active": f"enqueue_many() of {BATCH}, one channel, a new unique_key of scope active "
+    "per message",
+    "single-key-held-running": "enqueue() of a unique_key held by its channel's running message "
+    "of scope active (kept)",
 }
 
 
@@ -100,11 +109,17 @@ def run(bench: Bench, cell: EnqueueCostCell) -> EnqueueCostResult:
             enqueue(NOOP_TASK_NAME, k, channel=channel, unique_key=f"k{k}")
         elif cell.mode == "single-held":
             enqueue(NOOP_TASK_NAME, k, channel=channel, unique_key="held")
+        elif cell.mode == "single-key-active":
+            enqueue(NOOP_TASK_NAME, k, channel=channel, unique_key=f"k{k}", unique_scope="active")
+        elif cell.mode == "single-key-held-running":
+            enqueue(NOOP_TASK_NAME, k, channel=channel, unique_key="run", unique_scope="active")
         else:
-            keyed = cell.mode == "batch-key"
+            keyed = cell.mode in ("batch-key", "batch-key-active")
+            options: dict[str, Any] = {}
+            if cell.mode == "batch-key-active":
+                options["unique_scope"] = "active"
             # (no unique_key argument at all when unkeyed: the scenario also measures code from
             # before unique jobs, whose EnqueueRequest has no such field)
-            options: dict[str, Any] = {}
             enqueue_many(
                 EnqueueRequest(
                     NOOP_TASK_NAME,
@@ -117,6 +132,14 @@ def run(bench: Bench, cell: EnqueueCostCell) -> EnqueueCostResult:
 
     for _ in range(2 * CHANNELS):  # channels created, statements prepared, plans cached
         call()
+    if cell.mode == "single-key-held-running":
+        # the holders start: each channel's message of key "run" is claimed, and stays running
+        store.claim_messages(
+            10 * CHANNELS,
+            lease=timedelta(hours=1),
+            worker_id="fairbench-enqueue-cost",
+            using=using,
+        )
     reason = unavailable(using)
     if reason is not None:
         raise BenchmarkError(f"enqueue_cost: {reason}")

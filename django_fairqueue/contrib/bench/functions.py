@@ -11,16 +11,19 @@ Cells: ``empty`` (nothing to claim, nothing due, nothing to fold: the fixed cost
 idle queue pays), and ``batch 1`` / ``batch 100`` over a standing backlog in 100 channels, each
 claim followed by its completion and by as many new messages to the same channels (so every
 claim also folds an enqueue delta, as in steady traffic). ``key-queued`` and ``key-active`` are
-the backlog case with every message a unique job of that scope, refilled with new keys (scope
-``active`` is the costlier: the claim writes an entry of the unique index for each message it
-takes). Where the server runs on this host, the backend's CPU time per claim and per completion
-is read from ``/proc`` too: unlike time inside the server, it does not count waits for a core,
-so it is the figure to compare on a busy machine. Needs PostgreSQL 15+ and a role allowed to
-set ``track_functions`` (a superuser, or one granted it).
+the backlog case with every message a unique job of that scope, refilled with new keys (the
+claim writes no unique-index entry for either: a claimed message leaves the index, and scope
+``active`` keeps its key through a hold row written at enqueue). Where the server runs on
+this host, the backend's CPU time per claim and per completion is read from ``/proc`` too:
+unlike time inside the server, it does not count waits for a core, so it is the figure to
+compare on a busy machine. The WAL each claim writes is read too (the median): what the claim
+writes, which the machine's load does not move. Needs PostgreSQL 15+ and a role allowed to set
+``track_functions`` (a superuser, or one granted it).
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -69,6 +72,9 @@ class FunctionsResult:
     #: the server backend's CPU microseconds per claim and per completion (None: unreadable)
     claim_cpu_us: float | None
     complete_cpu_us: float | None
+    #: bytes of WAL per claim call, median (what the claim writes: deterministic where the
+    #: times are not; None in the empty case, which writes nothing)
+    claim_wal_bytes: float | None
     load1: float
 
 
@@ -132,11 +138,15 @@ def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
     claim_cpu = complete_cpu = 0.0
     before = db.select_function_times(using=using)
     completions = 0
+    wal: list[int] = []
     for i in range(calls):
+        lsn = db.select_wal_position(using=using) if cell.case != "empty" else None
         started = cpu() if cpu is not None else 0.0
         got = store.claim_messages(cell.batch, lease=LEASE, worker_id=WORKER_ID, using=using)
         claimed = cpu() if cpu is not None else 0.0
         claim_cpu += claimed - started
+        if lsn is not None:
+            wal.append(db.select_wal_since(lsn, using=using))
         if cell.case != "empty":
             if len(got) != cell.batch:
                 raise BenchmarkError(f"functions: a claim of {cell.batch} got {len(got)}")
@@ -170,6 +180,7 @@ def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
         complete_cpu_us=(
             round(1e6 * complete_cpu / completions) if cpu is not None and completions else None
         ),
+        claim_wal_bytes=statistics.median(wal) if wal else None,
         load1=round(load, 2),
     )
 
@@ -189,6 +200,7 @@ SCENARIO = Scenario(
         Column("complete µs", "complete_us", ".1f"),
         Column("claim CPU µs", "claim_cpu_us", ".0f"),
         Column("complete CPU µs", "complete_cpu_us", ".0f"),
+        Column("claim WAL B", "claim_wal_bytes", ",.0f"),
         Column("calls", "calls", ","),
     ),
     summary=lambda r: f"claim {r.claim_us:.1f} µs",
@@ -206,5 +218,7 @@ SCENARIO = Scenario(
         "CPU µs: the server backend's CPU time per call, from /proc (where the server runs on "
         "this host): it leaves out waits for a core, so it is the figure to compare on a busy "
         "machine.",
+        "claim WAL B: bytes of WAL one claim writes (median; read before and after each claim, "
+        "outside the timed window): it does not move with the machine's load.",
     ),
 )

@@ -52,7 +52,7 @@ SELECT EXISTS (SELECT FROM fairqueue_message) AS messages,
 -- name: truncate_queue_tables
 -- Empty every queue table and restart its ids (fairbench, on a database it found empty or its scratch database).
 TRUNCATE fairqueue_message, fairqueue_channel_delta, fairqueue_channel, fairqueue_work_batch,
-    fairqueue_schedule, fairqueue_schedule_fire, fairqueue_channel_group
+    fairqueue_schedule, fairqueue_schedule_fire, fairqueue_channel_group, fairqueue_unique_hold
 RESTART IDENTITY;
 
 -- name: analyze_queue_tables
@@ -108,6 +108,14 @@ WITH created AS (
     RETURNING ready
 )
 SELECT coalesce(sum(delta.ready), 0)::bigint AS loaded FROM delta;
+
+-- name: select_wal_position
+-- Where the server writes WAL now (the claim's WAL bytes are measured from here).
+SELECT pg_current_wal_insert_lsn()::text;
+
+-- name: select_wal_since
+-- Bytes of WAL written since `lsn` (a select_wal_position).
+SELECT (pg_current_wal_insert_lsn() - %(lsn)s::pg_lsn)::bigint;
 
 -- name: select_backend_pid
 -- The process id of this connection's server backend (its CPU time is read from /proc).

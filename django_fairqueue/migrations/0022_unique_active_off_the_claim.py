@@ -1,0 +1,126 @@
+"""A unique job of scope ``active`` keeps its key while it runs without costing the claim.
+
+* ``fq_message_unique_idx`` now covers waiting messages only (ready, scheduled), whatever their
+  scope: the claim takes a message out of it, so a claim writes no entry of it (it wrote one
+  for every message of scope ``active`` it took, 14-36 % of its CPU when every message was one).
+* ``fairqueue_unique_hold`` (``UniqueHold``): ``(channel_id, unique_key) -> message_id``, written
+  when a message of scope ``active`` enters the queue, never by the claim. It holds while its
+  message is of scope ``active`` and ready, scheduled or running; filled here from the messages
+  of that scope in those states (at most one per key: the old index saw to it).
+* The functions are installed again from this migration's own copy (``sql/0023_*.sql``):
+  the enqueues check a running holder through the hold rows after their insert and take the
+  hold for messages of scope ``active``; ``fairqueue_unique_holder_v1`` and
+  ``fairqueue_unique_rejoin_v1`` are new. Reversing installs 0018's copy and drops them.
+
+Not atomic, so nothing is blocked while the new index builds: it is built ``CONCURRENTLY``
+under a temporary name; the hold rows are filled and the functions installed in one
+transaction (from then on both indexes hold, so no interleaving admits a second holder); the
+old index is dropped ``CONCURRENTLY`` and the new one takes its name. Reversing runs the same
+steps the other way.
+"""
+
+from django.db import migrations, models
+
+from django_fairqueue.migrations._sql import migration_sql
+
+WAITING = "WHERE (\"state\" IN ('ready', 'scheduled') AND \"unique_key\" IS NOT NULL)"
+WAITING_OR_ACTIVE = (
+    "WHERE (\"unique_key\" IS NOT NULL AND (\"state\" IN ('ready', 'scheduled') "
+    "OR (\"state\" = 'running' AND \"unique_scope\" = 'active')))"
+)
+
+
+def _build(name: str, predicate: str) -> str:
+    return (
+        f'CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS "{name}" '
+        f'ON "fairqueue_message" ("channel_id", "unique_key") {predicate}'
+    )
+
+
+FILL_HOLDS = """
+INSERT INTO fairqueue_unique_hold (channel_id, unique_key, message_id)
+SELECT m.channel_id, m.unique_key, m.id
+FROM fairqueue_message m
+WHERE m.unique_key IS NOT NULL AND m.unique_scope = 'active'
+  AND m.state IN ('ready', 'scheduled', 'running')
+ON CONFLICT (channel_id, unique_key) DO NOTHING;
+"""
+
+DROP_NEW_FUNCTIONS = """
+DROP FUNCTION IF EXISTS fairqueue_unique_rejoin_v1(bigint, text, bigint, text);
+DROP FUNCTION IF EXISTS fairqueue_unique_holder_v1(bigint, text, bigint, text);
+"""
+
+
+def _swap(old: str) -> tuple[str, ...]:
+    """Drop the index named fq_message_unique_idx and give its name to ``old``'s."""
+    return (
+        'DROP INDEX CONCURRENTLY IF EXISTS "fq_message_unique_idx"',
+        f'ALTER INDEX "{old}" RENAME TO "fq_message_unique_idx"',
+    )
+
+
+class Migration(migrations.Migration):
+    atomic = False
+
+    dependencies = [("fairqueue", "0020_group_cap_covers_batches")]
+
+    operations = [
+        migrations.CreateModel(
+            name="UniqueHold",
+            fields=[
+                (
+                    "pk",
+                    models.CompositePrimaryKey(
+                        "channel_id",
+                        "unique_key",
+                        blank=True,
+                        editable=False,
+                        primary_key=True,
+                        serialize=False,
+                    ),
+                ),
+                ("channel_id", models.BigIntegerField()),
+                ("unique_key", models.CharField(max_length=200)),
+                ("message_id", models.BigIntegerField()),
+            ],
+            options={"db_table": "fairqueue_unique_hold"},
+        ),
+        migrations.RunSQL(
+            _build("fq_message_unique_waiting", WAITING),
+            'DROP INDEX CONCURRENTLY IF EXISTS "fq_message_unique_waiting"',
+        ),
+        # One string: one transaction (the hold rows and the functions that keep them).
+        migrations.RunSQL(
+            "BEGIN;\n"
+            + FILL_HOLDS
+            + migration_sql("0023_unique_active_off_the_claim")
+            + "\nCOMMIT;",
+            "BEGIN;\n" + DROP_NEW_FUNCTIONS + migration_sql("0018_faster_enqueue") + "\nCOMMIT;",
+        ),
+        migrations.SeparateDatabaseAndState(
+            database_operations=[
+                migrations.RunSQL(
+                    _swap("fq_message_unique_waiting"),
+                    (
+                        _build("fq_message_unique_waiting", WAITING_OR_ACTIVE),
+                        *_swap("fq_message_unique_waiting"),
+                    ),
+                ),
+            ],
+            state_operations=[
+                migrations.RemoveConstraint(model_name="message", name="fq_message_unique_idx"),
+                migrations.AddConstraint(
+                    model_name="message",
+                    constraint=models.UniqueConstraint(
+                        models.F("channel"),
+                        models.F("unique_key"),
+                        condition=models.Q(
+                            ("state__in", ("ready", "scheduled")), ("unique_key__isnull", False)
+                        ),
+                        name="fq_message_unique_idx",
+                    ),
+                ),
+            ],
+        ),
+    ]
