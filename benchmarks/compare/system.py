@@ -6,7 +6,7 @@ import sys
 from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
 
-from benchmarks.compare.common import DSN_ENV, WorkerConfig
+from benchmarks.compare.common import DSN_ENV, Backlog, WorkerConfig, spread_key
 
 #: Messages per call in the batch enqueue cells (one tenant's upload).
 BATCH = 100
@@ -28,6 +28,9 @@ class System:
     wakeup = ""
     #: The package and version measured.
     version = ""
+    #: Whether it can weigh one tenant against another (the weights scenario); the others
+    #: have no counterpart and are reported as n/a with what their users would have to do.
+    weights = False
 
     def __init__(self, dsn: str) -> None:
         self.dsn = dsn
@@ -50,6 +53,20 @@ class System:
         """Queue ``count`` no-op jobs of ``tenant`` as fast as the system allows (not timed)."""
         raise NotImplementedError
 
+    def load_backlog(self, backlog: Backlog, variant: str) -> None:
+        """Queue ``backlog`` (several tenants, alternating; keys per tenant) in bulk, with one
+        ``INSERT ... SELECT`` of the system's own rows per slice of 100,000 (not timed)."""
+        raise NotImplementedError
+
+    def key(self, tenant: str, index: int | None = None) -> str:
+        """What a burst of ``tenant`` is queued under: the tenant's own key, or its
+        ``index``-th key of the sybil scenario (the names :meth:`load_backlog` uses)."""
+        return tenant if index is None else spread_key(tenant, index)
+
+    def set_weight(self, key: str, weight: int) -> None:
+        """Weigh ``key`` against the others (systems with ``weights`` only)."""
+        raise NotImplementedError
+
     # -- enqueue ------------------------------------------------------------------------------
 
     def enqueue_loop(self, mode: str, duration: float, start: Barrier) -> tuple[int, float, float]:
@@ -61,8 +78,9 @@ class System:
         """
         raise NotImplementedError
 
-    def burst(self, tenant: str, seqs: Sequence[int], variant: str) -> None:
-        """Enqueue one job per seq for ``tenant`` in one transaction (committed on return)."""
+    def burst(self, tenant: str, seqs: Sequence[int], variant: str, key: str | None = None) -> None:
+        """Enqueue one job per seq for ``tenant`` in one transaction (committed on return),
+        under ``key`` (default: the tenant's own key) where the variant uses keys."""
         raise NotImplementedError
 
     # -- workers ------------------------------------------------------------------------------
