@@ -8,7 +8,9 @@ table and logged (its defaults).
 Fairness variant ``entrypoint``: one entrypoint per tenant (``noop-A``, ``noop-B``), each with
 ``concurrency_limit`` = half the fleet's nominal capacity (processes x batch size / 2), enforced
 in SQL across workers: A cannot hold every slot, so B's jobs are picked at the next dequeue.
-Every worker must register every tenant's entrypoint in advance.
+Every worker must register every tenant's entrypoint in advance (here: every key any scenario
+uses, the sybil scenario's 100 keys of A and the bursts' tenants included). Bulk backlogs are
+the rows ``Queries.enqueue`` writes (the job and its ``queued`` log row).
 """
 
 from __future__ import annotations

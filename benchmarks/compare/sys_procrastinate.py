@@ -8,8 +8,9 @@ workers with the defaults otherwise: LISTEN/NOTIFY on, jobs kept after they fini
 Fairness variant ``lock``: every job carries ``lock=<tenant>``. procrastinate runs at most one
 job of a lock at a time, in order, so a worker's next fetch skips A's queued jobs while one of
 A's runs and takes B's: tenants alternate, at the price of running one job per tenant at a time.
-(Queues per tenant would need a worker per queue: a worker fetches across its queues by id,
-first in first out.)
+In the sybil scenario the lock is per key (A's 100 keys are 100 locks). (Queues per tenant
+would need a worker per queue: a worker fetches across its queues by id, first in first out.)
+Bulk backlogs are inserted as ``procrastinate_defer_jobs_v1`` inserts them.
 """
 
 from __future__ import annotations
