@@ -32,6 +32,7 @@ class DjangoTasksDb(DjangoSystem):
     name = "django-tasks-db"
     django_app = "django-tasks-db"
     configs = (WorkerConfig(1, 1), WorkerConfig(2, 1), WorkerConfig(4, 1))
+    fair_config = WorkerConfig(2, 1)
     concurrency_unit = "one job at a time per db_worker process"
     pickup_config = WorkerConfig(1, 1)
     wakeup = "polling, --interval 1 s (the default)"

@@ -49,6 +49,7 @@ class Fairqueue(DjangoSystem):
         WorkerConfig(2, 32, prefetch=68),
         WorkerConfig(2, 64, prefetch=136),
     )
+    fair_config = WorkerConfig(2, 64, prefetch=136)
     concurrency_unit = "handler threads per worker (--concurrency)"
     pickup_config = WorkerConfig(1, 1)
     wakeup = "LISTEN/NOTIFY (the default), polling as a fallback"

@@ -70,6 +70,7 @@ class Pgqueuer(System):
         WorkerConfig(2, 50),
         WorkerConfig(2, 100),
     )
+    fair_config = WorkerConfig(2, 100)
     concurrency_unit = "jobs per dequeue, run as asyncio tasks (batch_size=)"
     pickup_config = WorkerConfig(1, 1)
     wakeup = "LISTEN/NOTIFY (built in)"

@@ -63,6 +63,7 @@ class Procrastinate(System):
         WorkerConfig(2, 50),
         WorkerConfig(2, 100),
     )
+    fair_config = WorkerConfig(1, 10)
     concurrency_unit = "async jobs per worker (concurrency=)"
     pickup_config = WorkerConfig(1, 1)
     wakeup = "LISTEN/NOTIFY (listen_notify=True, the default)"

@@ -48,6 +48,7 @@ DEQUEUE = (
 class Raw(System):
     name = "raw-sql"
     configs = (WorkerConfig(1, 100), WorkerConfig(2, 100), WorkerConfig(4, 100))
+    fair_config = WorkerConfig(4, 100)
     concurrency_unit = "rows per DELETE"
     pickup_config = WorkerConfig(1, 1)
     wakeup = "LISTEN/NOTIFY (pg_notify in the transaction of each burst or pickup job)"

@@ -20,6 +20,10 @@ class System:
     variants: tuple[str, ...] = ("fifo",)
     #: The end-to-end sweep: processes x concurrency.
     configs: tuple[WorkerConfig, ...] = ()
+    #: The workers of the fairness and sybil scenarios when the end-to-end sweep is left out:
+    #: the system's best end-to-end configuration on the development machine (docs/
+    #: performance.md); None: the sweep's first.
+    fair_config: WorkerConfig | None = None
     #: What "concurrency" means for this system, for the tables.
     concurrency_unit = ""
     #: One idle worker for pickup latency.
