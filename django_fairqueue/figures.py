@@ -8,7 +8,7 @@ figures come from histograms and maintained counters instead: ``django_fairqueue
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -37,7 +37,7 @@ def jain_index(shares: Sequence[float]) -> float:
 
 def fair_completion_times(
     workers: float,
-    jobs: dict[str, tuple[float, float, float]],
+    jobs: Mapping[str, tuple[float, float, float]],
     background: bool = False,
 ) -> dict[str, float]:
     """Each tenant's completion time under the ideal fair schedule (processor sharing).
