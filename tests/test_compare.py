@@ -30,7 +30,7 @@ def test_the_ideal_fair_schedule_shares_the_workers_equally_and_by_water_filling
     # other 7 go to y and the background, 3.5 each; once x is done, 4 each
     done = fair_completion_times(8, {"x": (0.0, 1.0, 1), "y": (0.0, 6.0, 10)}, background=True)
     assert done["x"] == pytest.approx(1.0)
-    assert done["y"] == pytest.approx(6.0 / 3.5)
+    assert done["y"] == pytest.approx(1.0 + (6.0 - 3.5) / 4)
     # a later arrival takes its share from then on: y alone had 4 workers for 1 s, then 2
     done = fair_completion_times(4, {"y": (0.0, 8.0, 10), "z": (1.0, 2.0, 10)})
     assert done["z"] == pytest.approx(2.0)
@@ -113,6 +113,10 @@ def test_the_new_scenarios_tables_and_goals() -> None:
         "sybil": [{**_cells()["sybil"][0], "variant": "fifo", "timed_out": 1, "b_p99_ms": None}],
         "weights": [],
         "bursts": [],
+        # a tenant lock over a million jobs: nothing started in the window, no shares
+        "timeshare": [
+            {**_cells()["weights"][0], "variant": "entrypoint", "a_jobs": 0, "b_jobs": 0}
+        ],
     }
     doc = {"systems": [ours, pgqueuer]}
     goals = {g["goal"]: g["met"] for g in report.goals(doc)}
@@ -122,14 +126,14 @@ def test_the_new_scenarios_tables_and_goals() -> None:
     }
     text = report.tables(doc)
     assert "(b) Sybil" in text and "(d) Weights" in text and "(e) Bursts" in text
-    pg_row = next(
-        line for line in text.splitlines() if line.startswith("pgqueuer ") and "n/a" in line
-    )
-    assert "no weights (below)" in pg_row
+    rows = [line for line in text.splitlines() if line.startswith("pgqueuer ")]
+    assert any("n/a" in row and "no weights (below)" in row for row in rows)
     assert "pgqueuer: no weights: an entrypoint per tenant" in text
     # a round given up is reported as at least its timeout, not as a figure
     assert "> 60,000" in text
     assert "4.2 (t07)" in text
+    idle = [row for row in rows if "entrypoint" in row and "no job started" in row]
+    assert len(idle) == 1 and "0.99" not in idle[0]
 
 
 @pytest.mark.slow

@@ -347,10 +347,9 @@ def _timeshare_table(systems: dict[str, dict[str, Any]], scenario: str = "timesh
                     c["a_jobs"],
                     c["b_jobs"],
                     f"{c['a_time_share']:.2f} / {c['b_time_share']:.2f}",
-                    c["jain_time"],
-                    c["jain_count"],
+                    *_jains(c),
                     f"{c['starved_ms']:,.0f} ({c['starved']})" if "starved_ms" in c else None,
-                    c.get("note") or "",
+                    c.get("note") or ("no job started in the window" if _idle(c) else ""),
                     c.get("load1"),
                     _others(c),
                 ]
@@ -387,6 +386,15 @@ def _timeshare_table(systems: dict[str, dict[str, Any]], scenario: str = "timesh
         "starved: the longest a tenant went without a job starting in that part of the window."
         + "".join(unable)
     )
+
+
+def _idle(cell: dict[str, Any]) -> bool:
+    """No job of either tenant started in the measured window: there are no shares."""
+    return not (cell["a_jobs"] or cell["b_jobs"])
+
+
+def _jains(cell: dict[str, Any]) -> list[Any]:
+    return [None, None] if _idle(cell) else [cell["jain_time"], cell["jain_count"]]
 
 
 def _bursts_table(systems: dict[str, dict[str, Any]]) -> str:
@@ -497,7 +505,7 @@ def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
                     "goal": f"Jain over worker time >= 0.95, {what}, backlog {c['backlog']:,}",
                     "measured": f"{c['jain_time']} (time A / B {c['a_time_share']:.2f} / "
                     f"{c['b_time_share']:.2f}, load {c.get('load1')})",
-                    "met": c["jain_time"] >= 0.95,
+                    "met": not _idle(c) and c["jain_time"] >= 0.95,
                 }
             )
     return found
@@ -613,7 +621,9 @@ def _share_plots(systems: dict[str, dict[str, Any]], directory: Path) -> list[Pa
             cells = s.get(scenario) or []
             for variant in sorted({c["variant"] for c in cells}):
                 points = sorted(
-                    (c["backlog"], c["jain_time"]) for c in cells if c["variant"] == variant
+                    (c["backlog"], c["jain_time"])
+                    for c in cells
+                    if c["variant"] == variant and not _idle(c)
                 )
                 series.append(
                     Series(f"{tag} {name} ({variant})", points, "s--" if tag == "(d)" else "o-")

@@ -532,7 +532,7 @@ def timeshare_cell(
     with Fleet(system.worker_commands(TIMESHARE_CONFIG, variant), env) as fleet:
         starts = fleet.stamps.starts
         deadline = time.monotonic() + 60
-        while not (starts.get("A") and starts.get("B")):
+        while not (starts.get("A") and starts.get("B")):  # both tenants started
             fleet.check()
             if time.monotonic() > deadline:
                 note = "one tenant had not started within 60 s"
@@ -563,9 +563,14 @@ def timeshare_cell(
         "b_jobs": counts["B"],
         "a_time_share": round(spent["A"] / total, 3),
         "b_time_share": round(spent["B"] / total, 3),
-        # Jain's index over each tenant's worker time (count) divided by its weight
-        "jain_time": round(jain_index([spent[k] / weights[k] for k in work]), 3),
-        "jain_count": round(jain_index([counts[k] / weights[k] for k in work]), 3),
+        # Jain's index over each tenant's worker time (count) divided by its weight; none
+        # when no job started in the window (no shares to judge)
+        "jain_time": round(jain_index([spent[k] / weights[k] for k in work]), 3)
+        if any(counts.values())
+        else None,
+        "jain_count": round(jain_index([counts[k] / weights[k] for k in work]), 3)
+        if any(counts.values())
+        else None,
         "starved_ms": round(1000 * starved[whose], 1),
         "starved": whose,
         "note": note,
