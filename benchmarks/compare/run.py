@@ -443,6 +443,7 @@ def fairness_cell(
             time.sleep(sizes.fairness_pause)
         time.sleep(0.5)  # A's starts after B's last, for Jain's index
         a_times = sorted(a)
+    system.end_sessions()  # a worker's query may outlive it (and block the reset)
     system.reset()
     waits = [1000 * (t - committed) for committed, got in bursts for t in got]
     a_before: list[int] = []
@@ -547,6 +548,7 @@ def timeshare_cell(
         # the last 80 % of the window: past the start-up and the first estimates
         lo = began + 0.2 * sizes.timeshare_window
         within = {k: [t for t in starts.get(k, []) if lo <= t <= end] for k in work}
+    system.end_sessions()  # a worker's query may outlive it (and block the reset)
     system.reset()
     counts = {k: len(v) for k, v in within.items()}
     spent = {k: counts[k] * work[k] for k in work}
@@ -631,6 +633,7 @@ def bursts_cell(system: Any, variant: str, backlog: int, sizes: Sizes) -> dict[s
         time.sleep(0.2)
         times = dict(fleet.stamps.times)
         a_starts = list(starts.get("A", []))
+    system.end_sessions()  # a worker's query may outlive it (and block the reset)
     system.reset()
     jobs: dict[str, tuple[float, float, float]] = {}
     slowdowns: dict[str, float] = {}
@@ -657,7 +660,7 @@ def bursts_cell(system: Any, variant: str, backlog: int, sizes: Sizes) -> dict[s
     values = list(slowdowns.values())
     whose = max(starved, key=lambda k: starved[k])
     last = max(finish.values())
-    a_share_jobs = sum(1 for t in a_starts if began <= t <= last)
+    a_time = BURSTS_A_WORK * sum(1 for t in a_starts if began <= t <= last)
     burst_time = sum(work[name] for name, _ in times if name in committed)
     return {
         "variant": variant,
@@ -677,9 +680,7 @@ def bursts_cell(system: Any, variant: str, backlog: int, sizes: Sizes) -> dict[s
         "starved_ms": round(1000 * starved[whose], 1),
         "starved": whose,
         # A's share of worker time from the first arrival to the last completion
-        "a_time_share": round(
-            a_share_jobs * BURSTS_A_WORK / (a_share_jobs * BURSTS_A_WORK + burst_time), 3
-        ),
+        "a_time_share": round(a_time / (a_time + burst_time), 3) if a_time + burst_time else None,
         "note": note,
         "load_s": round(load_s, 1),
     }
@@ -785,7 +786,7 @@ def run_system(
                     cell = watch(
                         fairness_cell(system, variant, backlog, best_config, sizes, spread)
                     )
-                except BenchError as exc:
+                except Exception as exc:  # one cell's failure must not lose the others
                     say(f"\r  {scenario} {variant} A={backlog:,} failed: {exc}")
                     continue
                 say(
@@ -814,7 +815,7 @@ def run_system(
                     else:
                         cell = timeshare_cell(system, variant, backlog, sizes)
                     cell = watch(cell)
-                except BenchError as exc:
+                except Exception as exc:  # one cell's failure must not lose the others
                     say(f"\r  {scenario} {variant} {backlog:,} failed: {exc}")
                     continue
                 say(
@@ -832,7 +833,7 @@ def run_system(
                 watch.start()
                 try:
                     cell = watch(bursts_cell(system, variant, backlog, sizes))
-                except BenchError as exc:
+                except Exception as exc:  # one cell's failure must not lose the others
                     say(f"\r  bursts {variant} {backlog:,} failed: {exc}")
                     continue
                 say(

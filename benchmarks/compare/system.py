@@ -6,6 +6,8 @@ import sys
 from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
 
+import psycopg
+
 from benchmarks.compare.common import DSN_ENV, Backlog, WorkerConfig, spread_key
 
 #: Messages per call in the batch enqueue cells (one tenant's upload).
@@ -98,6 +100,17 @@ class System:
 
     def close(self) -> None:
         pass
+
+    def end_sessions(self) -> None:
+        """Close this process's connections, then end every other session on the system's
+        database: after its workers stopped, a query a worker started may still run (a fetch
+        over a million locked jobs can take minutes) and would hold up the next reset."""
+        self.close()
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
 
 
 class DjangoSystem(System):
