@@ -173,6 +173,9 @@ class Sizes:
     bursts_tenants: int = 50
     bursts_max: int = 40
     bursts_window: float = 15.0
+    #: the workers of the fairness and sybil cells when the end-to-end sweep is left out
+    #: (None: the system's ``fair_config``)
+    fair_workers: WorkerConfig | None = None
 
 
 PRESETS = {
@@ -213,7 +216,8 @@ PRESETS = {
         bursts_backlogs=(200,),
         bursts_tenants=4,
         bursts_max=3,
-        bursts_window=1.5,
+        bursts_window=1.0,
+        fair_workers=WorkerConfig(1, 4),
     ),
 }
 
@@ -742,7 +746,7 @@ def run_system(
     configs = list(system.configs)
     if sizes.e2e_configs:
         configs = configs[: sizes.e2e_configs]
-    best_config = system.fair_config or configs[0]
+    best_config = sizes.fair_workers or system.fair_config or configs[0]
     if "e2e" in scenarios:
         e2e = []
         rate, capacity = sizes.e2e_first_guess, 1
