@@ -261,9 +261,10 @@ def _pickup_table(systems: dict[str, dict[str, Any]]) -> str:
 
 def _wait(cell: dict[str, Any], key: str) -> str | None:
     """B's wait; a round given up is at least its timeout."""
-    if cell.get("timed_out") and cell[key] is None:
+    value = cell.get(key)  # b_max_ms: not in runs before 26 November 2026
+    if cell.get("timed_out") and value is None:
         return f"> {cell.get('timeout_s', 0) * 1000:,.0f}"
-    return None if cell[key] is None else f"{cell[key]:,}"
+    return None if value is None else f"{value:,}"
 
 
 FAIRNESS_TITLES = {
