@@ -8,7 +8,7 @@ figures come from histograms and maintained counters instead: ``django_fairqueue
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -33,3 +33,50 @@ def jain_index(shares: Sequence[float]) -> float:
     if not squares:
         return 1.0
     return sum(shares) ** 2 / (len(shares) * squares)
+
+
+def fair_completion_times(
+    workers: float,
+    jobs: Mapping[str, tuple[float, float, float]],
+    background: bool = False,
+) -> dict[str, float]:
+    """Each tenant's completion time under the ideal fair schedule (processor sharing).
+
+    ``jobs`` maps a tenant to (arrival, seconds of work, most workers it can use at once: its
+    number of jobs). At every instant the ``workers`` are split equally among the tenants with
+    work left, a tenant never getting more than it can use, what it cannot use going to the
+    others (water-filling); with ``background``, one more tenant that always has work and can
+    use any number of workers takes its equal share too. Returns tenant -> completion time, on
+    the arrivals' clock. A job of d seconds never completes in less than d: a tenant of n jobs
+    of d seconds can use n workers, so its n x d seconds of work take at least d."""
+    left = {k: work for k, (_, work, _) in jobs.items()}
+    arrivals = sorted((a, k) for k, (a, _, _) in jobs.items())
+    now = arrivals[0][0] if arrivals else 0.0
+    active: set[str] = set()
+    done: dict[str, float] = {}
+    i = 0
+    while len(done) < len(jobs):
+        while i < len(arrivals) and arrivals[i][0] <= now + 1e-12:
+            active.add(arrivals[i][1])
+            i += 1
+        if not active:
+            now = arrivals[i][0]
+            continue
+        # water-filling: the tenants that cannot use an equal share get what they can use
+        rate: dict[str, float] = {}
+        capacity, claimants = float(workers), len(active) + (1 if background else 0)
+        for k in sorted(active, key=lambda k: jobs[k][2]):
+            share = capacity / claimants
+            rate[k] = min(share, jobs[k][2])
+            capacity -= rate[k]
+            claimants -= 1
+        finish_in = min(left[k] / rate[k] for k in active)
+        next_arrival = arrivals[i][0] - now if i < len(arrivals) else math.inf
+        step = min(finish_in, next_arrival)
+        for k in list(active):
+            left[k] -= rate[k] * step
+            if left[k] <= 1e-9:
+                done[k] = now + step
+                active.discard(k)
+        now += step
+    return done

@@ -205,6 +205,72 @@ class Fleet:
 
 
 # --------------------------------------------------------------------------------------------
+# Backlogs loaded in one statement
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """``count`` jobs of each tenant, queued in alternating chunks of ``chunk`` (first in,
+    first out serves them alternately too; one tenant: one run). ``keys[i]`` > 1 spreads
+    tenant i's jobs round-robin over that many keys (the sybil scenario: channels, locks,
+    entrypoints named :func:`spread_key`), 1 keeps one key, the tenant's name."""
+
+    tenants: tuple[str, ...]
+    count: int
+    keys: tuple[int, ...] = ()
+    chunk: int = 1_000
+
+    @property
+    def total(self) -> int:
+        return self.count * len(self.tenants)
+
+    def key_counts(self) -> tuple[int, ...]:
+        return self.keys or (1,) * len(self.tenants)
+
+
+def spread_key(tenant: str, index: int) -> str:
+    """The name of a tenant's ``index``-th key (queue, lock, entrypoint) in the sybil scenario."""
+    return f"{tenant}-c{index:02d}"
+
+
+#: The jobs of a :class:`Backlog` as rows ``(i, tenant, key, seq)`` from ``generate_series``,
+#: ``i`` in queueing order from ``lo`` to ``hi`` (a slice of the whole, for chunked loads).
+#: Parameters: tenants, keys, chunk, lo, hi. A system wraps it in its own INSERT ... SELECT.
+SERIES_SQL = """
+SELECT s.i, t.tenant,
+       CASE WHEN t.keys > 1
+            THEN t.tenant || '-c' || lpad((s.seq %% t.keys)::text, 2, '0')
+            ELSE t.tenant END AS key,
+       s.seq
+FROM (
+    SELECT i,
+           ((i - 1) / %(chunk)s) %% cardinality(%(tenants)s::text[]) + 1 AS p,
+           ((i - 1) / (%(chunk)s * cardinality(%(tenants)s::text[]))) * %(chunk)s
+               + (i - 1) %% %(chunk)s AS seq
+    FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS i
+) AS s
+JOIN unnest(%(tenants)s::text[], %(keys)s::int[]) WITH ORDINALITY AS t(tenant, keys, p)
+    USING (p)
+"""
+#: Rows per statement of a chunked load.
+LOAD_SLICE = 100_000
+
+
+def series_slices(backlog: Backlog) -> list[dict[str, Any]]:
+    """The parameters of :data:`SERIES_SQL` for each slice of ``backlog`` in order."""
+    return [
+        {
+            "tenants": list(backlog.tenants),
+            "keys": list(backlog.key_counts()),
+            "chunk": backlog.chunk,
+            "lo": lo,
+            "hi": min(lo + LOAD_SLICE - 1, backlog.total),
+        }
+        for lo in range(1, backlog.total + 1, LOAD_SLICE)
+    ]
+
+
+# --------------------------------------------------------------------------------------------
 # Figures
 
 

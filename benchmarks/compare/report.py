@@ -114,8 +114,14 @@ def tables(doc: dict[str, Any]) -> str:
         out.append(_pickup_table(systems))
     if any(s.get("fairness") for s in systems.values()):
         out.append(_fairness_table(systems))
+    if any(s.get("sybil") for s in systems.values()):
+        out.append(_fairness_table(systems, "sybil"))
     if any(s.get("timeshare") for s in systems.values()):
         out.append(_timeshare_table(systems))
+    if any(s.get("weights") for s in systems.values()):
+        out.append(_timeshare_table(systems, "weights"))
+    if any(s.get("bursts") for s in systems.values()):
+        out.append(_bursts_table(systems))
     if doc.get("goals"):
         rows = [[g["goal"], g["measured"], "met" if g["met"] else "MISSED"] for g in doc["goals"]]
         out.append(_table("Goals", ["goal", "measured", "verdict"], rows))
@@ -253,50 +259,86 @@ def _pickup_table(systems: dict[str, dict[str, Any]]) -> str:
     )
 
 
-def _fairness_table(systems: dict[str, dict[str, Any]]) -> str:
+def _wait(cell: dict[str, Any], key: str) -> str | None:
+    """B's wait; a round given up is at least its timeout."""
+    value = cell.get(key)  # b_max_ms: not in runs before 26 November 2026
+    if cell.get("timed_out") and value is None:
+        return f"> {cell.get('timeout_s', 0) * 1000:,.0f}"
+    return None if value is None else f"{value:,}"
+
+
+FAIRNESS_TITLES = {
+    "fairness": "(a) One flood: A's backlog, then B's bursts of 10 (B's wait in ms, handler "
+    "start - commit)",
+    "sybil": "(b) Sybil: A's backlog spread over many keys (channels of its group, locks, "
+    "entrypoints), then B's bursts of 10 in one key of hers (B's wait in ms)",
+}
+
+
+def _fairness_table(systems: dict[str, dict[str, Any]], scenario: str = "fairness") -> str:
     rows = []
     for name, s in systems.items():
-        for c in s.get("fairness") or []:
+        for c in s.get(scenario) or []:
             rows.append(
                 [
                     name,
                     c["variant"],
                     f"{c['a_backlog']:,}",
+                    c.get("a_keys", 1),
                     c["workers"],
-                    c["b_p50_ms"],
-                    c["b_p99_ms"],
+                    _wait(c, "b_p50_ms"),
+                    _wait(c, "b_p99_ms"),
+                    _wait(c, "b_max_ms"),
                     c["a_before_b_max"],
                     c["jain_min"],
                     f"{c['a_rate']:,.0f}",
                     c["rounds"],
                     c.get("note") or "",
+                    c.get("load1"),
                     _others(c),
                 ]
             )
     return _table(
-        "Fairness: A's backlog, then B's burst of 10 (B's wait in ms, handler start - commit)",
+        FAIRNESS_TITLES[scenario],
         [
             "system",
             "variant",
             "A backlog",
+            "A keys",
             "P x C",
             "B p50",
             "B p99",
+            "B max",
             "A before B",
             "Jain",
             "A jobs/s",
             "rounds",
             "note",
+            "load",
             "others",
         ],
         rows,
     )
 
 
-def _timeshare_table(systems: dict[str, dict[str, Any]]) -> str:
+#: What a user of each peer would have to do for weights (the weights scenario has no
+#: counterpart in them).
+PEER_WEIGHTS = {
+    "procrastinate": "no weights: a queue per tenant with its own workers, sized 3:1 by hand "
+    "(static; idle when that tenant has no work)",
+    "pgqueuer": "no weights: an entrypoint per tenant with concurrency_limit 3:1 of the slots "
+    "(a static split of the slots; idle when that tenant has no work)",
+    "django-tasks-db": "no weights: a queue per tenant and 3:1 db_worker processes per queue "
+    "(static)",
+    FLOOR: "no weights (first in, first out)",
+}
+
+
+def _timeshare_table(systems: dict[str, dict[str, Any]], scenario: str = "timeshare") -> str:
     rows = []
+    unable = []
     for name, s in systems.items():
-        for c in s.get("timeshare") or []:
+        for c in s.get(scenario) or []:
             rows.append(
                 [
                     name,
@@ -306,14 +348,22 @@ def _timeshare_table(systems: dict[str, dict[str, Any]]) -> str:
                     c["a_jobs"],
                     c["b_jobs"],
                     f"{c['a_time_share']:.2f} / {c['b_time_share']:.2f}",
-                    c["jain_time"],
-                    c["jain_count"],
-                    c.get("note") or "",
+                    *_jains(c),
+                    f"{c['starved_ms']:,.0f} ({c['starved']})" if "starved_ms" in c else None,
+                    c.get("note") or ("no job started in the window" if _idle(c) else ""),
+                    c.get("load1"),
                     _others(c),
                 ]
             )
+        if scenario == "weights" and not s.get(scenario) and "weights" in s.get("scenarios", []):
+            rows.append([name, "n/a", *([None] * 8), "no weights (below)", None, None])
+            unable.append(f"\n  * {name}: {PEER_WEIGHTS.get(name, 'no weights')}")
+    if scenario == "weights":
+        title = "(d) Weights: B weighs 3, A 1, by time; A's jobs take 100 ms, B's 20 ms"
+    else:
+        title = "(c) Heavy against light: A's jobs take 200 ms, B's 5 ms, both backlogged"
     table = _table(
-        "Heavy against light: A's jobs take 200 ms, B's 5 ms, both backlogged",
+        title,
         [
             "system",
             "variant",
@@ -324,16 +374,84 @@ def _timeshare_table(systems: dict[str, dict[str, Any]]) -> str:
             "time A / B",
             "Jain time",
             "Jain count",
+            "starved ms",
             "note",
+            "load",
             "others",
         ],
         rows,
     )
     return table + (
         "\n  * time A / B: shares of worker time (jobs started in the last 80 % of the window x "
-        "their duration). No peer has weights or a charge by run time: weights 3:1 by time, "
-        "and a tenant spread over many keys, are measured by fairbench's timeshare scenario "
-        "for django-fairqueue only."
+        "their duration); Jain's index over each tenant's worker time (count) over its weight; "
+        "starved: the longest a tenant went without a job starting in that part of the window."
+        + "".join(unable)
+    )
+
+
+def _idle(cell: dict[str, Any]) -> bool:
+    """No job of either tenant started in the measured window: there are no shares."""
+    return not (cell["a_jobs"] or cell["b_jobs"])
+
+
+def _jains(cell: dict[str, Any]) -> list[Any]:
+    return [None, None] if _idle(cell) else [cell["jain_time"], cell["jain_count"]]
+
+
+def _bursts_table(systems: dict[str, dict[str, Any]]) -> str:
+    rows = []
+    for name, s in systems.items():
+        for c in s.get("bursts") or []:
+            rows.append(
+                [
+                    name,
+                    c["variant"],
+                    f"{c['backlog']:,}",
+                    c["workers"],
+                    f"{c['tenants'] - c['unserved']}/{c['tenants']}",
+                    c["slowdown_mean"],
+                    c["slowdown_p50"],
+                    f"{c['slowdown_max']} ({c['worst']})",
+                    c["jain_slowdown"],
+                    _wait(c, "wait_p50_ms"),
+                    _wait(c, "wait_p99_ms"),
+                    f"{c['starved_ms']:,.0f} ({c['starved']})",
+                    c["a_time_share"],
+                    c.get("note") or "",
+                    c.get("load1"),
+                    _others(c),
+                ]
+            )
+    table = _table(
+        "(e) Bursts: tenants arriving at random beside A's backlog (completion time over the "
+        "ideal fair schedule's)",
+        [
+            "system",
+            "variant",
+            "A backlog",
+            "P x C",
+            "served",
+            "mean",
+            "p50",
+            "worst",
+            "Jain",
+            "wait p50",
+            "wait p99",
+            "starved ms",
+            "A time",
+            "note",
+            "load",
+            "others",
+        ],
+        rows,
+    )
+    return table + (
+        "\n  * slowdown: a tenant's completion time (its last job's start + duration - its "
+        "commit) over the same under the ideal fair schedule (the P x C workers split equally "
+        "among the tenants with work, A always among them, none given more workers than it has "
+        "jobs); a tenant not served in time counts until the cell gave up (a lower bound). "
+        "Jain: over ideal / actual (1: all slowed down alike). A time: A's share of worker "
+        "time while the bursts ran."
     )
 
 
@@ -368,15 +486,29 @@ def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
                 }
             )
     found += _enqueue_goals(us, floor, [s for n, s in systems.items() if _is_peer(n, US)])
-    for c in us.get("fairness") or []:
-        p99 = c["b_p99_ms"]
-        found.append(
-            {
-                "goal": f"B's p99 < 50 ms with A's backlog {c['a_backlog']:,}",
-                "measured": f"{p99} ms (p50 {c['b_p50_ms']} ms, Jain {c['jain_min']})",
-                "met": p99 is not None and p99 < 50 and not c["timed_out"],
-            }
-        )
+    for scenario, how in (("fairness", ""), ("sybil", " spread over keys")):
+        for c in us.get(scenario) or []:
+            p99 = c["b_p99_ms"]
+            found.append(
+                {
+                    "goal": f"B's p99 < 50 ms with A's backlog {c['a_backlog']:,}{how}",
+                    "measured": f"{p99} ms (p50 {c['b_p50_ms']} ms, Jain {c['jain_min']}, "
+                    f"load {c.get('load1')})",
+                    "met": p99 is not None and p99 < 50 and not c["timed_out"],
+                }
+            )
+    for scenario, what in (("timeshare", "heavy against light"), ("weights", "weights 3:1")):
+        for c in us.get(scenario) or []:
+            if c["variant"] != "by-time":
+                continue
+            found.append(
+                {
+                    "goal": f"Jain over worker time >= 0.95, {what}, backlog {c['backlog']:,}",
+                    "measured": f"{c['jain_time']} (time A / B {c['a_time_share']:.2f} / "
+                    f"{c['b_time_share']:.2f}, load {c.get('load1')})",
+                    "met": not _idle(c) and c["jain_time"] >= 0.95,
+                }
+            )
     return found
 
 
@@ -446,14 +578,19 @@ def plots(doc: dict[str, Any], directory: Path) -> list[Path]:
             )
         )
     rows = [
-        (f"{name} ({c['variant']})", c)
+        (f"{name} ({c['variant']}){' sybil' if scenario == 'sybil' else ''}", c)
         for name, s in systems.items()
-        for c in s.get("fairness") or []
+        for scenario in ("fairness", "sybil")
+        for c in s.get(scenario) or []
         if c["b_p99_ms"] is not None
     ]
     labels = sorted({label for label, _ in rows})
     series = [
-        Series(label, sorted((c["a_backlog"], c["b_p99_ms"]) for lab, c in rows if lab == label))
+        Series(
+            label,
+            sorted((c["a_backlog"], c["b_p99_ms"]) for lab, c in rows if lab == label),
+            "s--" if label.endswith(" sybil") else "o-",
+        )
         for label in labels
     ]
     if series:
@@ -469,6 +606,74 @@ def plots(doc: dict[str, Any], directory: Path) -> list[Path]:
                     hline=(50.0, "goal: 50 ms"),
                 ),
                 directory / "compare-fairness.png",
+            )
+        )
+    written += _share_plots(systems, directory)
+    return written
+
+
+def _share_plots(systems: dict[str, dict[str, Any]], directory: Path) -> list[Path]:
+    """Jain's index over worker time in (c) and (d), and the bursts' slowdowns, against the
+    backlog, every system and variant."""
+    written: list[Path] = []
+    series = []
+    for scenario, tag in (("timeshare", "(c)"), ("weights", "(d)")):
+        for name, s in systems.items():
+            cells = s.get(scenario) or []
+            for variant in sorted({c["variant"] for c in cells}):
+                points = sorted(
+                    (c["backlog"], c["jain_time"])
+                    for c in cells
+                    if c["variant"] == variant and not _idle(c)
+                )
+                series.append(
+                    Series(f"{tag} {name} ({variant})", points, "s--" if tag == "(d)" else "o-")
+                )
+    if series:
+        written.append(
+            line_chart(
+                Chart(
+                    title="Jain's index over worker time: heavy vs light (c), weights 3:1 (d)",
+                    xlabel="each tenant's backlog (jobs, log)",
+                    ylabel="Jain's index over worker time",
+                    series=series,
+                    logx=True,
+                    hline=(0.95, "goal: 0.95"),
+                ),
+                directory / "compare-timeshare.png",
+            )
+        )
+    series = []
+    for name, s in systems.items():
+        cells = s.get("bursts") or []
+        for variant in sorted({c["variant"] for c in cells}):
+            mine = [c for c in cells if c["variant"] == variant]
+            series.append(
+                Series(
+                    f"{name} ({variant}) worst",
+                    sorted((c["backlog"], c["slowdown_max"]) for c in mine),
+                )
+            )
+            series.append(
+                Series(
+                    f"{name} ({variant}) mean",
+                    sorted((c["backlog"], c["slowdown_mean"]) for c in mine),
+                    "s--",
+                )
+            )
+    if series:
+        written.append(
+            line_chart(
+                Chart(
+                    title="(e) Bursts: completion time over the ideal fair schedule's",
+                    xlabel="A's backlog (jobs, log)",
+                    ylabel="slowdown (log; 1 = ideal)",
+                    series=series,
+                    logx=True,
+                    logy=True,
+                    hline=(1.0, "ideal"),
+                ),
+                directory / "compare-bursts.png",
             )
         )
     return written

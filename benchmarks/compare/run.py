@@ -14,15 +14,46 @@ own settings). The same scenarios for all:
 - end to end: a bulk-loaded backlog of no-op jobs drained by real worker processes, a sweep of
   processes x concurrency per system; the rate while 10% to 90% of it started;
 - pickup: one idle worker, one job at a time: handler start minus enqueue commit;
-- fairness: tenant A's backlog is loaded and the workers (the system's best end-to-end
-  configuration) start on it; tenant B then enqueues 10 jobs in one transaction, up to 5 rounds
-  while A still has work. B's wait: handler start minus B's commit; A's jobs/s meanwhile;
-  Jain's index over the jobs A and B started while B waited. Each system's fairness variants.
-- timeshare: heavy against light, both backlogged: A's jobs take 200 ms, B's 5 ms (the
-  handler sleeps after its stamp); the same 2 x 4 workers for every system; each tenant's
-  share of worker time and Jain's index over worker time and over counts. django-fairqueue
-  runs fair by count and by time. Weights (3:1 by time) have no counterpart in the peers; the
-  fairbench ``timeshare`` scenario measures them.
+The fairness scenarios (``--fair`` runs these five alone), each at a backlog of 10,000 and
+of 1,000,000 (``--sizes full``; ``quick``: 10,000 only). Tenant A is the big one ("bob"), B
+the small one ("alice"). Every backlog is loaded in bulk, untimed, with one ``INSERT ...
+SELECT`` per 100,000 rows of the system's own rows (the rows its enqueue writes, its triggers
+firing), so a million-job cell loads in seconds:
+
+- fairness (a): A's backlog is loaded and the workers (the system's best end-to-end
+  configuration, or its ``fair_config`` when e2e was left out: its best on the development
+  machine) start on it; B then enqueues 10 jobs in
+  one transaction, up to 5 rounds while A still has work. B's wait: handler start minus B's
+  commit; A's jobs/s meanwhile; Jain's index over the jobs A and B started while B waited. A
+  round B waits for longer than ``fairness_timeout`` (``big_timeout`` from 100,000 jobs on) is
+  given up and reported as such: a first-in-first-out queue makes B wait for all of A.
+- sybil (b): the same with A's backlog spread round-robin over 100 keys, B's bursts in one key
+  of hers. django-fairqueue: A's channels ``A/c00`` ... ``A/c99`` of channel group ``A``, B's
+  ``B/c00`` of group ``B`` (``channel=("A", "c17")``). A peer uses what it has per key, in the
+  same variants as in (a): procrastinate a lock per key, pgqueuer an entrypoint per key with a
+  concurrency limit; django-tasks-db and the floor have nothing (first in, first out).
+- timeshare (c): heavy against light, both backlogged: A's jobs take 200 ms, B's 5 ms (the
+  handler sleeps after its stamp), loaded in alternating chunks of 100 (first in, first out
+  alternates too); the same 2 x 4 workers for every system; each tenant's share of worker time
+  over the last 12 s of a 15 s window, Jain's index over worker time and over counts, the
+  longest a tenant went without a job starting. django-fairqueue runs fair by count and by
+  time.
+- weights (d): B weighs 3, A 1, by time (django-fairqueue's channel ``weight``, fairness by
+  time); A's jobs take 100 ms, B's 20 ms; otherwise as (c): the time shares should be 1:3.
+  No peer has weights: each is reported as n/a with what its users would have to do.
+- bursts (e): A's backlog of 20 ms jobs keeps the 2 x 4 workers busy; 50 tenants arrive at
+  random moments in the first 9 s (a fixed seed: the same plan for every system), each with 1
+  to 40 jobs of 5-50 ms queued in one transaction. Each tenant's completion time (its last job's
+  start plus its duration, minus its commit) over its completion time under the ideal fair
+  schedule (:func:`django_fairqueue.figures.fair_completion_times`: processor sharing, the 8
+  workers split equally among the tenants with work, A always among them, none given more
+  workers than it has jobs, what one cannot use going to the others); the mean and the worst,
+  Jain's index over ideal / actual, the tenants' waits and the longest starvation.
+
+Each peer runs in its best honest configuration for fairness: its documented mechanism where it
+has one (procrastinate's ``lock`` per tenant or key, pgqueuer's entrypoint per tenant or key
+with ``concurrency_limit`` = half the fleet's slots) beside its plain first-in-first-out
+configuration, the same workers as its throughput cells.
 
 The server is ``DATABASE_URL``'s, or the embedded development server (django_fairqueue.devdb).
 """
@@ -30,6 +61,7 @@ The server is ``DATABASE_URL``'s, or the embedded development server (django_fai
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import os
@@ -52,6 +84,7 @@ import psycopg
 from benchmarks.compare.common import (
     STAMP_ALL_ENV,
     WORK_ENV,
+    Backlog,
     BenchError,
     Fleet,
     WorkerConfig,
@@ -60,7 +93,7 @@ from benchmarks.compare.common import (
     dsn_with,
 )
 from django_fairqueue import terminal  # no Django import: safe before settings
-from django_fairqueue.figures import jain_index, percentile
+from django_fairqueue.figures import fair_completion_times, jain_index, percentile
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The baseline's git ref, for its version label (set for its process).
@@ -70,13 +103,17 @@ SYSTEMS = ("raw-sql", "django-fairqueue", "procrastinate", "pgqueuer", "django-t
 #: enqueue rounds (a before/after measured in the same rounds).
 BASELINE = "django-fairqueue-baseline"
 #: What ``--scenario`` may name, in the order they run.
-SCENARIOS = ("enqueue", "e2e", "pickup", "fairness", "timeshare")
+SCENARIOS = ("enqueue", "e2e", "pickup", "fairness", "sybil", "timeshare", "weights", "bursts")
+#: The fairness scenarios (``--fairness`` runs these alone).
+FAIRNESS_SCENARIOS = ("fairness", "sybil", "timeshare", "weights", "bursts")
 DJANGO_SYSTEMS = {
     "django-fairqueue": "fairqueue",
     BASELINE: "fairqueue",
     "django-tasks-db": "django-tasks-db",
 }
 MARK = "django-fairqueue benchmarks/compare database (dropped by every run)"
+#: Each system's database is named this plus the system's name (``--db-prefix``).
+DB_PREFIX = "compare_"
 SERVER_SETTINGS = (
     "server_version",
     "shared_buffers",
@@ -110,19 +147,35 @@ class Sizes:
     pickup_samples: int = 60
     pickup_poll_samples: int = 25
     fairness_backlogs: tuple[int, ...] = (10_000, 1_000_000)
-    #: backlogs for systems other than django-fairqueue (a first-in-first-out queue makes B
-    #: wait for all of A: at a million that is minutes per cell)
-    peer_backlogs: tuple[int, ...] = (10_000,)
+    #: backlogs for systems other than django-fairqueue (each is loaded in bulk in seconds; a
+    #: first-in-first-out queue then makes B wait for all of A, which at a million is given up
+    #: after ``big_timeout``: the cell says so)
+    peer_backlogs: tuple[int, ...] = (10_000, 1_000_000)
+    #: the sybil scenario: A's backlog spread over 100 keys (every system)
+    sybil_backlogs: tuple[int, ...] = (10_000, 1_000_000)
+    sybil_keys: int = 100
     fairness_burst: int = 10
     fairness_rounds: int = 5
     fairness_pause: float = 0.2
     #: seconds B's burst may wait before the round is given up (reported as such)
     fairness_timeout: float = 120.0
-    #: timeshare: each tenant's backlog, loaded in alternating chunks (so first in, first
-    #: out serves them alternately too), and the seconds measured after both started
-    timeshare_backlog: int = 10_000
+    #: the same from a backlog of 100,000 on (a queue that makes B wait for all of a million
+    #: would take minutes per cell to say what a timeout says)
+    big_timeout: float = 60.0
+    #: timeshare and weights: each tenant's backlog, loaded in alternating chunks (so first
+    #: in, first out serves them alternately too), and the seconds measured after both started
+    timeshare_backlogs: tuple[int, ...] = (10_000, 1_000_000)
     timeshare_chunk: int = 100
     timeshare_window: float = 15.0
+    #: bursts: A's background backlog, the tenants arriving within 0.6 x the window, the
+    #: most jobs one brings
+    bursts_backlogs: tuple[int, ...] = (10_000, 1_000_000)
+    bursts_tenants: int = 50
+    bursts_max: int = 40
+    bursts_window: float = 15.0
+    #: the workers of the fairness and sybil cells when the end-to-end sweep is left out
+    #: (None: the system's ``fair_config``)
+    fair_workers: WorkerConfig | None = None
 
 
 PRESETS = {
@@ -135,7 +188,11 @@ PRESETS = {
         pickup_samples=20,
         pickup_poll_samples=8,
         fairness_backlogs=(10_000,),
+        peer_backlogs=(10_000,),
+        sybil_backlogs=(10_000,),
         fairness_rounds=3,
+        timeshare_backlogs=(10_000,),
+        bursts_backlogs=(10_000,),
     ),
     "tiny": Sizes(
         "tiny",
@@ -147,13 +204,20 @@ PRESETS = {
         e2e_configs=1,
         pickup_samples=3,
         pickup_poll_samples=2,
-        fairness_backlogs=(500,),
-        peer_backlogs=(500,),
+        fairness_backlogs=(3_000,),
+        peer_backlogs=(3_000,),
+        sybil_backlogs=(3_000,),
+        sybil_keys=10,
         fairness_rounds=2,
         fairness_timeout=60.0,
-        timeshare_backlog=200,
+        timeshare_backlogs=(200,),
         timeshare_chunk=50,
         timeshare_window=1.0,
+        bursts_backlogs=(200,),
+        bursts_tenants=4,
+        bursts_max=3,
+        bursts_window=1.0,
+        fair_workers=WorkerConfig(1, 4),
     ),
 }
 
@@ -330,13 +394,22 @@ def pickup_cell(system: Any, samples: int) -> dict[str, Any]:
 
 
 def fairness_cell(
-    system: Any, variant: str, backlog: int, config: WorkerConfig, sizes: Sizes
+    system: Any,
+    variant: str,
+    backlog: int,
+    config: WorkerConfig,
+    sizes: Sizes,
+    spread: int = 0,
 ) -> dict[str, Any]:
+    """A's backlog, then B's bursts of 10 (scenario ``fairness``); with ``spread``, A's
+    backlog is spread over that many keys and B's bursts go to one key of hers (``sybil``)."""
     system.reset()
     load_began = time.monotonic()
-    system.load("A", backlog, variant)
+    system.load_backlog(Backlog(("A",), backlog, keys=(spread,) if spread else ()), variant)
     load_s = time.monotonic() - load_began
     system.close()
+    b_key = system.key("B", 0) if spread else None
+    timeout = sizes.big_timeout if backlog >= 100_000 else sizes.fairness_timeout
     env = {**system.worker_env(), STAMP_ALL_ENV: "1"}
     bursts: list[tuple[float, list[float]]] = []  # (B's commit, its jobs' starts)
     timed_out = 0
@@ -344,33 +417,37 @@ def fairness_cell(
     began = time.monotonic()
     with Fleet(system.worker_commands(config, variant), env) as fleet:
         a = fleet.stamps.a_times
-        deadline = time.monotonic() + sizes.fairness_timeout
-        while len(a) < min(backlog // 100 + 1, 20):  # the workers are draining A
+        deadline = time.monotonic() + timeout
+        # the workers are draining A: 20 of its jobs started, or one and 5 s passed (a
+        # tenant lock runs one of A's jobs at a time)
+        settled = time.monotonic() + 5
+        while len(a) < min(backlog // 100 + 1, 20) and not (a and time.monotonic() > settled):
             fleet.check()
             if time.monotonic() > deadline:
-                note = f"fewer than 20 of A's jobs started in {sizes.fairness_timeout:.0f} s"
+                note = f"none of A's jobs started in {timeout:.0f} s"
                 break
             time.sleep(0.01)
         time.sleep(sizes.fairness_pause)
         for r in range(sizes.fairness_rounds if not note else 0):
             if len(a) >= backlog - config.processes * (config.concurrency + config.prefetch):
                 break  # A has (almost) nothing left: B would be measured on an idle queue
-            if r and time.monotonic() - began > sizes.fairness_timeout:
+            if r and time.monotonic() - began > timeout:
                 break  # enough rounds for a slow system
             seqs = [r * sizes.fairness_burst + j for j in range(sizes.fairness_burst)]
-            system.burst("B", seqs, variant)
+            system.burst("B", seqs, variant, key=b_key)
             committed = time.time()
-            got = fleet.stamps.wait_for([("B", s) for s in seqs], sizes.fairness_timeout)
+            got = fleet.stamps.wait_for([("B", s) for s in seqs], timeout)
             fleet.check()
             if got is None:
                 timed_out += 1
-                note = f"B's burst not run within {sizes.fairness_timeout:.0f} s"
+                note = f"B's burst not run within {timeout:.0f} s"
                 break
             bursts.append((committed, got))
             bar(f"fairness {variant} {backlog:,}", (r + 1) / sizes.fairness_rounds)
             time.sleep(sizes.fairness_pause)
         time.sleep(0.5)  # A's starts after B's last, for Jain's index
         a_times = sorted(a)
+    system.end_sessions()  # a worker's query may outlive it (and block the reset)
     system.reset()
     waits = [1000 * (t - committed) for committed, got in bursts for t in got]
     a_before: list[int] = []
@@ -391,9 +468,11 @@ def fairness_cell(
     return {
         "variant": variant,
         "a_backlog": backlog,
+        "a_keys": spread or 1,
         "workers": config.label,
         "rounds": len(bursts) + timed_out,
         "timed_out": timed_out,
+        "timeout_s": timeout,
         "note": note,
         "b_p50_ms": round(percentile(waits, 50), 1) if waits else None,
         "b_p99_ms": round(percentile(waits, 99), 1) if waits else None,
@@ -409,31 +488,56 @@ def fairness_cell(
 #: The timeshare scenario: seconds each tenant's job runs, and the workers every system gets.
 TIMESHARE_WORK = {"A": 0.2, "B": 0.005}
 TIMESHARE_CONFIG = WorkerConfig(2, 4)
+#: The weights scenario: B weighs 3 against A's 1, by time, with shorter jobs than A's.
+WEIGHTS_WORK = {"A": 0.1, "B": 0.02}
+WEIGHTS = {"A": 1, "B": 3}
+#: The bursts scenario: A's background jobs; the tenants' jobs take 5-50 ms each.
+BURSTS_A_WORK = 0.02
+BURSTS_WORK_RANGE = (0.005, 0.05)
 
 
-def timeshare_cell(system: Any, variant: str, sizes: Sizes) -> dict[str, Any]:
-    """A (200 ms jobs) and B (5 ms jobs) both backlogged: shares of worker time."""
+def _work_env(work: dict[str, float]) -> str:
+    return ",".join(f"{k}={v}" for k, v in work.items())
+
+
+def _starvation(starts: Sequence[float], since: float, until: float) -> float:
+    """The longest gap (s) between a tenant's job starts within [since, until], counting
+    from ``since`` to its first start and from its last start to ``until``."""
+    ts = sorted(t for t in starts if since <= t <= until)
+    edges = [since, *ts, until]
+    return max(b - a for a, b in itertools.pairwise(edges))
+
+
+def timeshare_cell(
+    system: Any,
+    variant: str,
+    backlog: int,
+    sizes: Sizes,
+    work: dict[str, float] = TIMESHARE_WORK,
+    weights: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """Both tenants backlogged, jobs of ``work`` seconds: shares of worker time (scenario
+    ``timeshare``: A 200 ms, B 5 ms; ``weights``: B weighs 3, A 1, by time)."""
     system.reset()
     load_began = time.monotonic()
-    loaded = 0
-    while loaded < sizes.timeshare_backlog:
-        n = min(sizes.timeshare_chunk, sizes.timeshare_backlog - loaded)
-        system.load("A", n, variant)
-        system.load("B", n, variant)
-        loaded += n
+    system.load_backlog(Backlog(("A", "B"), backlog, chunk=sizes.timeshare_chunk), variant)
+    for tenant, weight in (weights or {}).items():
+        if weight != 1:
+            system.set_weight(system.key(tenant), weight)
     load_s = time.monotonic() - load_began
     system.close()
+    weights = weights or {k: 1 for k in work}
     env = {
         **system.worker_env(),
         STAMP_ALL_ENV: "1",
-        WORK_ENV: ",".join(f"{k}={v}" for k, v in TIMESHARE_WORK.items()),
+        WORK_ENV: _work_env(work),
         "COMPARE_FAIRNESS": "time" if variant == "by-time" else "count",
     }
     note = ""
     with Fleet(system.worker_commands(TIMESHARE_CONFIG, variant), env) as fleet:
         starts = fleet.stamps.starts
         deadline = time.monotonic() + 60
-        while not (starts.get("A") and starts.get("B")):
+        while not (starts.get("A") and starts.get("B")):  # both tenants started
             fleet.check()
             if time.monotonic() > deadline:
                 note = "one tenant had not started within 60 s"
@@ -447,20 +551,140 @@ def timeshare_cell(system: Any, variant: str, sizes: Sizes) -> dict[str, Any]:
             time.sleep(0.1)
         # the last 80 % of the window: past the start-up and the first estimates
         lo = began + 0.2 * sizes.timeshare_window
-        counts = {k: sum(1 for t in starts.get(k, []) if lo <= t <= end) for k in TIMESHARE_WORK}
+        within = {k: [t for t in starts.get(k, []) if lo <= t <= end] for k in work}
+    system.end_sessions()  # a worker's query may outlive it (and block the reset)
     system.reset()
-    spent = {k: counts[k] * TIMESHARE_WORK[k] for k in TIMESHARE_WORK}
+    counts = {k: len(v) for k, v in within.items()}
+    spent = {k: counts[k] * work[k] for k in work}
     total = sum(spent.values()) or 1.0
+    starved = {k: _starvation(within[k], lo, end) for k in work}
+    whose = max(starved, key=lambda k: starved[k])
     return {
         "variant": variant,
-        "backlog": sizes.timeshare_backlog,
+        "backlog": backlog,
         "workers": TIMESHARE_CONFIG.label,
+        "work_ms": {k: round(1000 * v) for k, v in work.items()},
+        "weights": weights,
         "a_jobs": counts["A"],
         "b_jobs": counts["B"],
         "a_time_share": round(spent["A"] / total, 3),
         "b_time_share": round(spent["B"] / total, 3),
-        "jain_time": round(jain_index(list(spent.values())), 3),
-        "jain_count": round(jain_index(list(counts.values())), 3),
+        # Jain's index over each tenant's worker time (count) divided by its weight; none
+        # when no job started in the window (no shares to judge)
+        "jain_time": round(jain_index([spent[k] / weights[k] for k in work]), 3)
+        if any(counts.values())
+        else None,
+        "jain_count": round(jain_index([counts[k] / weights[k] for k in work]), 3)
+        if any(counts.values())
+        else None,
+        "starved_ms": round(1000 * starved[whose], 1),
+        "starved": whose,
+        "note": note,
+        "load_s": round(load_s, 1),
+    }
+
+
+def bursts_plan(sizes: Sizes) -> list[tuple[float, str, int, float]]:
+    """The bursts scenario's tenants: (arrival after the start, name, jobs, seconds per job),
+    the same for every system (a fixed seed)."""
+    rng = random.Random(2026)
+    plan = []
+    for i in range(sizes.bursts_tenants):
+        size = rng.randint(1, sizes.bursts_max)
+        duration = round(rng.uniform(*BURSTS_WORK_RANGE), 3)
+        plan.append((rng.uniform(0, 0.6 * sizes.bursts_window), f"t{i:02d}", size, duration))
+    return sorted(plan)
+
+
+def bursts_cell(system: Any, variant: str, backlog: int, sizes: Sizes) -> dict[str, Any]:
+    """A's backlog of 20 ms jobs keeps every worker busy; the tenants of :func:`bursts_plan`
+    arrive meanwhile, each queueing its jobs in one transaction. Each tenant's completion time
+    (its last job's start plus its duration, minus its commit) over its completion time under
+    the ideal fair schedule (:func:`django_fairqueue.figures.fair_completion_times`: the
+    workers split equally among the tenants with work, A always among them)."""
+    system.reset()
+    load_began = time.monotonic()
+    system.load_backlog(Backlog(("A",), backlog), variant)
+    load_s = time.monotonic() - load_began
+    system.close()
+    plan = bursts_plan(sizes)
+    work = {"A": BURSTS_A_WORK, **{name: d for _, name, _, d in plan}}
+    timeout = sizes.big_timeout if backlog >= 100_000 else sizes.fairness_timeout
+    env = {**system.worker_env(), STAMP_ALL_ENV: "1", WORK_ENV: _work_env(work)}
+    committed: dict[str, float] = {}
+    note = ""
+    with Fleet(system.worker_commands(TIMESHARE_CONFIG, variant), env) as fleet:
+        starts = fleet.stamps.starts
+        deadline = time.monotonic() + 60
+        while not starts.get("A"):
+            fleet.check()
+            if time.monotonic() > deadline:
+                raise BenchError("A's jobs had not started within 60 s")
+            time.sleep(0.01)
+        began = time.time()
+        for at, name, size, _ in plan:
+            delay = began + at - time.time()
+            if delay > 0:
+                time.sleep(delay)
+            system.burst(name, list(range(size)), variant)
+            committed[name] = time.time()
+            fleet.check()
+            bar(f"bursts {variant} {backlog:,}", at / (0.6 * sizes.bursts_window))
+        keys = [(name, s) for _, name, size, _ in plan for s in range(size)]
+        if fleet.stamps.wait_for(keys, timeout) is None:
+            note = f"not every tenant served within {timeout:.0f} s of the last arrival"
+        ended = time.time()
+        time.sleep(0.2)
+        times = dict(fleet.stamps.times)
+        a_starts = list(starts.get("A", []))
+    system.end_sessions()  # a worker's query may outlive it (and block the reset)
+    system.reset()
+    jobs: dict[str, tuple[float, float, float]] = {}
+    slowdowns: dict[str, float] = {}
+    waits: list[float] = []
+    starved: dict[str, float] = {}
+    unserved = 0
+    finish: dict[str, float] = {}
+    for _, name, size, duration in plan:
+        got = sorted(times[(name, s)] for s in range(size) if (name, s) in times)
+        waits += [1000 * (t - committed[name]) for t in got]
+        jobs[name] = (committed[name] - began, size * duration, size)
+        if len(got) < size:
+            unserved += 1
+            finish[name] = ended  # a lower bound: not done when the cell gave up
+            starved[name] = _starvation(got, committed[name], ended)
+        else:
+            finish[name] = got[-1] + duration
+            starved[name] = _starvation(got, committed[name], got[-1])
+    ideal = fair_completion_times(
+        TIMESHARE_CONFIG.processes * TIMESHARE_CONFIG.concurrency, jobs, background=True
+    )
+    for name, (arrival, _, _) in jobs.items():
+        slowdowns[name] = (finish[name] - began - arrival) / max(ideal[name] - arrival, 1e-3)
+    values = list(slowdowns.values())
+    whose = max(starved, key=lambda k: starved[k])
+    last = max(finish.values())
+    a_time = BURSTS_A_WORK * sum(1 for t in a_starts if began <= t <= last)
+    burst_time = sum(work[name] for name, _ in times if name in committed)
+    return {
+        "variant": variant,
+        "backlog": backlog,
+        "workers": TIMESHARE_CONFIG.label,
+        "tenants": len(plan),
+        "jobs": len(keys),
+        "unserved": unserved,
+        "slowdown_mean": round(statistics.fmean(values), 2),
+        "slowdown_p50": round(percentile(values, 50), 2),
+        "slowdown_max": round(max(values), 2),
+        "worst": max(slowdowns, key=lambda k: slowdowns[k]),
+        # equally slowed down (whatever the factor) is fair: Jain over ideal / actual
+        "jain_slowdown": round(jain_index([1 / v for v in values]), 3),
+        "wait_p50_ms": round(percentile(waits, 50), 1) if waits else None,
+        "wait_p99_ms": round(percentile(waits, 99), 1) if waits else None,
+        "starved_ms": round(1000 * starved[whose], 1),
+        "starved": whose,
+        # A's share of worker time from the first arrival to the last completion
+        "a_time_share": round(a_time / (a_time + burst_time), 3) if a_time + burst_time else None,
         "note": note,
         "load_s": round(load_s, 1),
     }
@@ -488,7 +712,7 @@ def run_system(
 ) -> dict[str, Any]:
     """Run ``scenarios`` for one system. A scenario left out is an empty list (``pickup``:
     None) in the result, which the report skips. Fairness runs on the best end-to-end
-    configuration, or on the first one when e2e was left out."""
+    configuration, or on the system's ``fair_config`` when e2e was left out."""
     system = load_system(name, dsn)
     watch = Watch(str(dsn_fields(dsn)["dbname"]))
     say(f"== {name} ({system.version})")
@@ -504,7 +728,10 @@ def run_system(
         "e2e": [],
         "pickup": None,
         "fairness": [],
+        "sybil": [],
         "timeshare": [],
+        "weights": [],
+        "bursts": [],
     }
     if "enqueue" in scenarios:
         cells = []
@@ -519,7 +746,7 @@ def run_system(
     configs = list(system.configs)
     if sizes.e2e_configs:
         configs = configs[: sizes.e2e_configs]
-    best_config = configs[0]
+    best_config = sizes.fair_workers or system.fair_config or configs[0]
     if "e2e" in scenarios:
         e2e = []
         rate, capacity = sizes.e2e_first_guess, 1
@@ -546,40 +773,80 @@ def run_system(
         result["pickup"] = watch(pickup_cell(system, samples))
         say(f"\r  pickup: p50 {result['pickup']['p50_ms']} ms, p99 {result['pickup']['p99_ms']} ms")
 
-    if "fairness" in scenarios:
-        fairness = []
-        backlogs = sizes.fairness_backlogs if name == "django-fairqueue" else sizes.peer_backlogs
+    for scenario, spread in (("fairness", 0), ("sybil", sizes.sybil_keys)):
+        if scenario not in scenarios:
+            continue
+        cells = []
+        if scenario == "sybil":
+            backlogs = sizes.sybil_backlogs
+        else:
+            backlogs = (
+                sizes.fairness_backlogs if name == "django-fairqueue" else sizes.peer_backlogs
+            )
         for variant in system.variants:
             for backlog in backlogs:
                 watch.start()
                 try:
-                    cell = watch(fairness_cell(system, variant, backlog, best_config, sizes))
-                except BenchError as exc:
-                    say(f"\r  fairness {variant} A={backlog:,} failed: {exc}")
+                    cell = watch(
+                        fairness_cell(system, variant, backlog, best_config, sizes, spread)
+                    )
+                except Exception as exc:  # one cell's failure must not lose the others
+                    say(f"\r  {scenario} {variant} A={backlog:,} failed: {exc}")
                     continue
                 say(
-                    f"\r  fairness {variant} A={backlog:,}: B p50 {cell['b_p50_ms']} ms, "
-                    f"p99 {cell['b_p99_ms']} ms, Jain {cell['jain_min']}"
+                    f"\r  {scenario} {variant} A={backlog:,}: B p50 {cell['b_p50_ms']} ms, "
+                    f"p99 {cell['b_p99_ms']} ms, Jain {cell['jain_min']}, load {cell['load1']}"
+                    + (f" ({cell['note']})" if cell["note"] else "")
                 )
-                fairness.append(cell)
-        result["fairness"] = fairness
+                cells.append(cell)
+        result[scenario] = cells
 
-    if "timeshare" in scenarios:
-        timeshare = []
+    for scenario in ("timeshare", "weights"):
+        if scenario not in scenarios or (scenario == "weights" and not system.weights):
+            continue
+        cells = []
+        variants = getattr(system, "timeshare_variants", system.variants)
+        if scenario == "weights":
+            variants = ("by-time",)
+        for variant in variants:
+            for backlog in sizes.timeshare_backlogs:
+                watch.start()
+                try:
+                    if scenario == "weights":
+                        cell = timeshare_cell(
+                            system, variant, backlog, sizes, WEIGHTS_WORK, WEIGHTS
+                        )
+                    else:
+                        cell = timeshare_cell(system, variant, backlog, sizes)
+                    cell = watch(cell)
+                except Exception as exc:  # one cell's failure must not lose the others
+                    say(f"\r  {scenario} {variant} {backlog:,} failed: {exc}")
+                    continue
+                say(
+                    f"\r  {scenario} {variant} {backlog:,}: A {cell['a_time_share']:.2f} / B "
+                    f"{cell['b_time_share']:.2f} of worker time, Jain time {cell['jain_time']}, "
+                    f"count {cell['jain_count']}, load {cell['load1']}"
+                )
+                cells.append(cell)
+        result[scenario] = cells
+
+    if "bursts" in scenarios:
+        cells = []
         for variant in getattr(system, "timeshare_variants", system.variants):
-            watch.start()
-            try:
-                cell = watch(timeshare_cell(system, variant, sizes))
-            except BenchError as exc:
-                say(f"\r  timeshare {variant} failed: {exc}")
-                continue
-            say(
-                f"\r  timeshare {variant}: A {cell['a_time_share']:.2f} / B "
-                f"{cell['b_time_share']:.2f} of worker time, Jain time {cell['jain_time']}, "
-                f"count {cell['jain_count']}"
-            )
-            timeshare.append(cell)
-        result["timeshare"] = timeshare
+            for backlog in sizes.bursts_backlogs:
+                watch.start()
+                try:
+                    cell = watch(bursts_cell(system, variant, backlog, sizes))
+                except Exception as exc:  # one cell's failure must not lose the others
+                    say(f"\r  bursts {variant} {backlog:,} failed: {exc}")
+                    continue
+                say(
+                    f"\r  bursts {variant} {backlog:,}: slowdown mean {cell['slowdown_mean']}, "
+                    f"worst {cell['slowdown_max']}, Jain {cell['jain_slowdown']}, "
+                    f"load {cell['load1']}" + (f" ({cell['note']})" if cell["note"] else "")
+                )
+                cells.append(cell)
+        result["bursts"] = cells
     system.close()
     return result
 
@@ -663,6 +930,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="repeatable; default all (the enqueue cells alone take about a minute)",
     )
     parser.add_argument(
+        "--fair",
+        action="store_true",
+        help="the fairness scenarios: " + ", ".join(FAIRNESS_SCENARIOS),
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=3,
@@ -678,11 +950,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", help="default: docs/bench/compare-<date>.json")
     parser.add_argument("--plots", metavar="DIR", help="write compare-*.png plots there")
     parser.add_argument("--keep", action="store_true", help="keep the databases")
+    parser.add_argument(
+        "--db-prefix",
+        default=DB_PREFIX,
+        help=f"each system's database is PREFIX<system> (default {DB_PREFIX})",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one system
     parser.add_argument("--dsn", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.scenarios = [s for s in SCENARIOS if s in (args.scenario or SCENARIOS)]
+    chosen = [*(args.scenario or []), *(FAIRNESS_SCENARIOS if args.fair else ())]
+    args.scenarios = [s for s in SCENARIOS if s in (chosen or SCENARIOS)]
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     if args.baseline and args.scenarios != ["enqueue"]:
@@ -723,7 +1001,7 @@ def run_one_system(
     """Run ``scenarios`` for system ``name`` in a process of its own, on a fresh database;
     None if it failed (said on stderr). The baseline runs from ``baseline``'s tree (its
     ``django_fairqueue`` comes first on the path)."""
-    dbname = "compare_" + name.replace("-", "_")
+    dbname = DB_PREFIX + name.replace("-", "_")
     dsn = fresh_database(server, dbname)
     out = Path(f"/tmp/compare-{os.getpid()}-{dbname}.json")
     try:
@@ -797,8 +1075,10 @@ def median_cells(rounds: Sequence[list[dict[str, Any]] | None]) -> list[dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
+    global DB_PREFIX
     args = parse_args(argv)
     sizes = PRESETS[args.sizes]
+    DB_PREFIX = args.db_prefix
     scenarios = args.scenarios
 
     if args.one:

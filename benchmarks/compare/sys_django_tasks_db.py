@@ -21,7 +21,7 @@ import django_tasks_db
 from django.db import connection, connections, transaction
 from django_tasks_db.models import DBTaskResult, get_date_max
 
-from benchmarks.compare.common import WorkerConfig, timed_calls
+from benchmarks.compare.common import SERIES_SQL, Backlog, WorkerConfig, series_slices, timed_calls
 from benchmarks.compare.system import BATCH, DjangoSystem, python
 from benchmarks.compare.tasks_django_tasks import noop
 
@@ -32,6 +32,7 @@ class DjangoTasksDb(DjangoSystem):
     name = "django-tasks-db"
     django_app = "django-tasks-db"
     configs = (WorkerConfig(1, 1), WorkerConfig(2, 1), WorkerConfig(4, 1))
+    fair_config = WorkerConfig(2, 1)
     concurrency_unit = "one job at a time per db_worker process"
     pickup_config = WorkerConfig(1, 1)
     wakeup = "polling, --interval 1 s (the default)"
@@ -60,6 +61,32 @@ class DjangoTasksDb(DjangoSystem):
         with connection.cursor() as cursor:
             cursor.execute(f"ANALYZE {DBTaskResult._meta.db_table}")
 
+    def load_backlog(self, backlog: Backlog, variant: str) -> None:
+        """The rows ``enqueue()`` writes, one ``INSERT ... SELECT`` per slice; ``enqueued_at``
+        a microsecond apart in queueing order (its workers take the oldest first)."""
+        table = DBTaskResult._meta.db_table
+        sql = (
+            f"INSERT INTO {table} (id, status, enqueued_at, args_kwargs, priority, task_path, "
+            "worker_ids, queue_name, backend_name, run_after, exception_class_path, traceback) "
+            "SELECT gen_random_uuid(), 'READY', now() + i * interval '1 microsecond', "
+            "jsonb_build_object('args', jsonb_build_array(tenant, seq), 'kwargs', '{}'::jsonb), "
+            "%(priority)s, %(task_path)s, '[]'::jsonb, %(queue)s, 'default', %(run_after)s, '', '' "
+            f"FROM ({SERIES_SQL}) AS x ORDER BY i"
+        )
+        with connection.cursor() as cursor:
+            for params in series_slices(backlog):
+                cursor.execute(
+                    sql,
+                    {
+                        **params,
+                        "priority": noop.priority,
+                        "task_path": noop.module_path,
+                        "queue": noop.queue_name,
+                        "run_after": noop.run_after or get_date_max(),
+                    },
+                )
+            cursor.execute(f"ANALYZE {table}")
+
     def enqueue_loop(self, mode: str, duration: float, start: Barrier) -> tuple[int, float, float]:
         seq = 0
 
@@ -80,7 +107,7 @@ class DjangoTasksDb(DjangoSystem):
         finally:
             connections.close_all()
 
-    def burst(self, tenant: str, seqs: Sequence[int], variant: str) -> None:
+    def burst(self, tenant: str, seqs: Sequence[int], variant: str, key: str | None = None) -> None:
         with transaction.atomic():
             for s in seqs:
                 noop.enqueue(tenant, s)

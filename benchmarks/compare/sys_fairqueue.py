@@ -7,6 +7,11 @@ through the public API, ``enqueue()`` and ``enqueue_many()``. Backlogs for the t
 fairness cells are bulk-loaded with the bench app's ``db.load_ready_messages`` (the same
 rows and channel counters ``enqueue_many`` writes), which is not timed.
 
+The sybil scenario puts each tenant's channels in a channel group of its own (tenant A's 100
+channels ``A/c00`` ... ``A/c99``, B's burst in ``B/c00``): the claim is fair across groups
+first, so A's hundred channels weigh as one tenant. The weights scenario sets the channel's
+``weight`` (fairness by time, ``FAIRQUEUE["FAIRNESS"] = "time"``).
+
 Runs with Django set up (``benchmarks.compare.django_settings``, ``COMPARE_DJANGO_APP=fairqueue``).
 """
 
@@ -18,7 +23,7 @@ from multiprocessing.synchronize import Barrier
 from django.db import connections, transaction
 
 import django_fairqueue
-from benchmarks.compare.common import WorkerConfig, timed_calls
+from benchmarks.compare.common import Backlog, WorkerConfig, timed_calls
 from benchmarks.compare.system import BATCH, DjangoSystem, python
 from benchmarks.compare.tasks_fairqueue import NAME
 from django_fairqueue import EnqueueRequest, conf, enqueue, enqueue_many, store
@@ -44,13 +49,16 @@ class Fairqueue(DjangoSystem):
         WorkerConfig(2, 32, prefetch=68),
         WorkerConfig(2, 64, prefetch=136),
     )
+    fair_config = WorkerConfig(2, 64, prefetch=136)
     concurrency_unit = "handler threads per worker (--concurrency)"
     pickup_config = WorkerConfig(1, 1)
     wakeup = "LISTEN/NOTIFY (the default), polling as a fallback"
     version = f"django-fairqueue {django_fairqueue.__version__}"
+    weights = True
 
     def reset(self) -> None:
         db.truncate_queue_tables()
+        store.forget_groups()  # the channel groups went with the tables
 
     def load(self, tenant: str, count: int, variant: str) -> None:
         done = 0
@@ -62,9 +70,40 @@ class Fairqueue(DjangoSystem):
                 payload={"args": [tenant, 0], "kwargs": {}},
                 defaults=conf.get().CHANNEL_DEFAULTS,
             )
+        self._settle()
+
+    def _settle(self) -> None:
         while store.fold_channel_deltas(10_000) > 0:
             pass
         db.analyze_queue_tables()
+
+    def key(self, tenant: str, index: int | None = None) -> str:
+        # the sybil scenario: a tenant's channels are one channel group
+        return tenant if index is None else f"{tenant}/c{index:02d}"
+
+    def load_backlog(self, backlog: Backlog, variant: str) -> None:
+        """Each tenant's messages, round-robin over its channels (the order between tenants
+        does not matter to a fair claim)."""
+        for tenant, keys in zip(backlog.tenants, backlog.key_counts(), strict=True):
+            channels = [tenant] if keys == 1 else [self.key(tenant, i) for i in range(keys)]
+            if keys > 1:
+                store.ensure_groups([tenant])
+            done = 0
+            while done < backlog.count:
+                done += db.load_ready_messages(
+                    channels,
+                    min(LOAD_CHUNK, backlog.count - done),
+                    task_name=NAME,
+                    payload={"args": [tenant, 0], "kwargs": {}},
+                    defaults=conf.get().CHANNEL_DEFAULTS,
+                )
+        self._settle()
+
+    def set_weight(self, key: str, weight: int) -> None:
+        from django_fairqueue.models import Channel
+
+        if not Channel.objects.filter(name=key).update(weight=weight):
+            raise ValueError(f"no channel {key!r} to weigh")
 
     def enqueue_loop(self, mode: str, duration: float, start: Barrier) -> tuple[int, float, float]:
         seq = 0
@@ -84,9 +123,10 @@ class Fairqueue(DjangoSystem):
         finally:
             connections.close_all()
 
-    def burst(self, tenant: str, seqs: Sequence[int], variant: str) -> None:
+    def burst(self, tenant: str, seqs: Sequence[int], variant: str, key: str | None = None) -> None:
         with transaction.atomic():
-            enqueue_many(EnqueueRequest(NAME, (tenant, s), channel=tenant) for s in seqs)
+            channel = key or tenant
+            enqueue_many(EnqueueRequest(NAME, (tenant, s), channel=channel) for s in seqs)
 
     def worker_commands(self, config: WorkerConfig, variant: str) -> list[list[str]]:
         return [

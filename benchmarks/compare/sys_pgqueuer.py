@@ -8,7 +8,9 @@ table and logged (its defaults).
 Fairness variant ``entrypoint``: one entrypoint per tenant (``noop-A``, ``noop-B``), each with
 ``concurrency_limit`` = half the fleet's nominal capacity (processes x batch size / 2), enforced
 in SQL across workers: A cannot hold every slot, so B's jobs are picked at the next dequeue.
-Every worker must register every tenant's entrypoint in advance.
+Every worker must register every tenant's entrypoint in advance (here: every key any scenario
+uses, the sybil scenario's 100 keys of A and the bursts' tenants included). Bulk backlogs are
+the rows ``Queries.enqueue`` writes (the job and its ``queued`` log row).
 """
 
 from __future__ import annotations
@@ -21,15 +23,34 @@ from typing import Any
 
 import asyncpg
 import pgqueuer
+import psycopg
 from pgqueuer import AsyncpgDriver, PgQueuer, Queries
 from pgqueuer.models import Job
 
-from benchmarks.compare.common import DSN_ENV, WorkerConfig, astamp, dsn_url, timed_calls_async
+from benchmarks.compare.common import (
+    DSN_ENV,
+    SERIES_SQL,
+    Backlog,
+    WorkerConfig,
+    astamp,
+    dsn_url,
+    series_slices,
+    spread_key,
+    timed_calls_async,
+)
 from benchmarks.compare.system import BATCH, System, python
 
 CHUNK = 1_000
 ENTRYPOINT = "noop"
 TENANTS = ("A", "B", "E", "P")
+#: Every key a job may be queued under (the entrypoint variant registers each in every worker):
+#: the tenants, the sybil scenario's channels and the bursts scenario's tenants.
+KEYS = (
+    *TENANTS,
+    *(spread_key("A", i) for i in range(100)),
+    spread_key("B", 0),
+    *(f"t{i:02d}" for i in range(100)),
+)
 
 
 def entrypoint(tenant: str, variant: str) -> str:
@@ -49,6 +70,7 @@ class Pgqueuer(System):
         WorkerConfig(2, 50),
         WorkerConfig(2, 100),
     )
+    fair_config = WorkerConfig(2, 100)
     concurrency_unit = "jobs per dequeue, run as asyncio tasks (batch_size=)"
     pickup_config = WorkerConfig(1, 1)
     wakeup = "LISTEN/NOTIFY (built in)"
@@ -101,6 +123,22 @@ class Pgqueuer(System):
         asyncio.run(go())
         self._sql("ANALYZE pgqueuer")
 
+    def load_backlog(self, backlog: Backlog, variant: str) -> None:
+        """The rows ``Queries.enqueue`` inserts (the job and its ``queued`` log row), one
+        statement per slice."""
+        ep = "'noop-' || key" if variant == "entrypoint" else f"'{ENTRYPOINT}'"
+        sql = (
+            "WITH jobs AS (INSERT INTO pgqueuer (priority, entrypoint, payload, execute_after, "
+            f"status) SELECT 0, {ep}, convert_to(json_build_object('tenant', tenant, 'seq', seq)"
+            f"::text, 'UTF8'), now(), 'queued' FROM ({SERIES_SQL}) AS x ORDER BY i "
+            "RETURNING id, entrypoint, priority) INSERT INTO pgqueuer_log (job_id, status, "
+            "entrypoint, priority) SELECT id, 'queued', entrypoint, priority FROM jobs"
+        )
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            for params in series_slices(backlog):
+                conn.execute(sql, params)
+            conn.execute("ANALYZE pgqueuer")
+
     def enqueue_loop(self, mode: str, duration: float, start: Barrier) -> tuple[int, float, float]:
         async def go() -> tuple[int, float, float]:
             conn, queries = await self._queries()
@@ -126,13 +164,15 @@ class Pgqueuer(System):
         result: tuple[int, float, float] = asyncio.run(go())
         return result
 
-    def burst(self, tenant: str, seqs: Sequence[int], variant: str) -> None:
+    def burst(self, tenant: str, seqs: Sequence[int], variant: str, key: str | None = None) -> None:
         async def go() -> None:
             conn, queries = await self._queries()
             try:
                 n = len(seqs)
                 await queries.enqueue(
-                    [entrypoint(tenant, variant)] * n, [payload(tenant, s) for s in seqs], [0] * n
+                    [entrypoint(key or tenant, variant)] * n,
+                    [payload(tenant, s) for s in seqs],
+                    [0] * n,
                 )
             finally:
                 await conn.close()
@@ -159,8 +199,8 @@ async def work(dsn: str, batch_size: int, variant: str, limit: int) -> None:
     conn = await asyncpg.connect(dsn_url(dsn))
     pgq = PgQueuer(AsyncpgDriver(conn))
     if variant == "entrypoint":
-        for tenant in TENANTS:
-            pgq.entrypoint(entrypoint(tenant, variant), concurrency_limit=limit)(_noop)
+        for key in KEYS:
+            pgq.entrypoint(entrypoint(key, variant), concurrency_limit=limit)(_noop)
     else:
         pgq.entrypoint(ENTRYPOINT)(_noop)
     await pgq.run(batch_size=batch_size)

@@ -8,8 +8,9 @@ workers with the defaults otherwise: LISTEN/NOTIFY on, jobs kept after they fini
 Fairness variant ``lock``: every job carries ``lock=<tenant>``. procrastinate runs at most one
 job of a lock at a time, in order, so a worker's next fetch skips A's queued jobs while one of
 A's runs and takes B's: tenants alternate, at the price of running one job per tenant at a time.
-(Queues per tenant would need a worker per queue: a worker fetches across its queues by id,
-first in first out.)
+In the sybil scenario the lock is per key (A's 100 keys are 100 locks). (Queues per tenant
+would need a worker per queue: a worker fetches across its queues by id, first in first out.)
+Bulk backlogs are inserted as ``procrastinate_defer_jobs_v1`` inserts them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ from typing import Any
 import procrastinate
 import psycopg
 
-from benchmarks.compare.common import DSN_ENV, WorkerConfig, astamp, timed_calls_async
+from benchmarks.compare.common import (
+    DSN_ENV,
+    SERIES_SQL,
+    Backlog,
+    WorkerConfig,
+    astamp,
+    series_slices,
+    timed_calls_async,
+)
 from benchmarks.compare.system import BATCH, System, python
 
 CHUNK = 1_000
@@ -41,8 +50,8 @@ def make_app(dsn: str, pool: int = 4) -> procrastinate.App:
     return app
 
 
-def _defer_args(tenant: str, variant: str) -> dict[str, Any]:
-    return {"lock": tenant} if variant == "lock" else {}
+def _defer_args(key: str, variant: str) -> dict[str, Any]:
+    return {"lock": key} if variant == "lock" else {}
 
 
 class Procrastinate(System):
@@ -54,6 +63,7 @@ class Procrastinate(System):
         WorkerConfig(2, 50),
         WorkerConfig(2, 100),
     )
+    fair_config = WorkerConfig(1, 10)
     concurrency_unit = "async jobs per worker (concurrency=)"
     pickup_config = WorkerConfig(1, 1)
     wakeup = "LISTEN/NOTIFY (listen_notify=True, the default)"
@@ -97,6 +107,21 @@ class Procrastinate(System):
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             conn.execute("ANALYZE procrastinate_jobs")
 
+    def load_backlog(self, backlog: Backlog, variant: str) -> None:
+        """The rows ``procrastinate_defer_jobs_v1`` inserts (its row triggers fire as for a
+        defer), one ``INSERT ... SELECT`` per slice."""
+        lock = "key" if variant == "lock" else "NULL"
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            for params in series_slices(backlog):
+                conn.execute(
+                    "INSERT INTO procrastinate_jobs (queue_name, task_name, priority, lock, args) "
+                    f"SELECT 'default', 'noop', 0, {lock}, "
+                    "jsonb_build_object('tenant', tenant, 'seq', seq) "
+                    f"FROM ({SERIES_SQL}) AS x ORDER BY i",
+                    params,
+                )
+            conn.execute("ANALYZE procrastinate_jobs")
+
     def enqueue_loop(self, mode: str, duration: float, start: Barrier) -> tuple[int, float, float]:
         async def go(app: procrastinate.App) -> tuple[int, float, float]:
             task = app.tasks["noop"]
@@ -119,9 +144,9 @@ class Procrastinate(System):
         result: tuple[int, float, float] = self._run(self._with_app(go))
         return result
 
-    def burst(self, tenant: str, seqs: Sequence[int], variant: str) -> None:
+    def burst(self, tenant: str, seqs: Sequence[int], variant: str, key: str | None = None) -> None:
         async def go(app: procrastinate.App) -> None:
-            task = app.tasks["noop"].configure(**_defer_args(tenant, variant))
+            task = app.tasks["noop"].configure(**_defer_args(key or tenant, variant))
             await task.batch_defer_async(*({"tenant": tenant, "seq": s} for s in seqs))
 
         self._run(self._with_app(go))

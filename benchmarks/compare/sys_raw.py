@@ -16,7 +16,15 @@ from multiprocessing.synchronize import Barrier
 import psycopg
 from psycopg.types.json import Jsonb
 
-from benchmarks.compare.common import DSN_ENV, WorkerConfig, stamp, timed_calls
+from benchmarks.compare.common import (
+    DSN_ENV,
+    SERIES_SQL,
+    Backlog,
+    WorkerConfig,
+    series_slices,
+    stamp,
+    timed_calls,
+)
 from benchmarks.compare.system import BATCH, System, python
 
 SCHEMA = """
@@ -40,6 +48,7 @@ DEQUEUE = (
 class Raw(System):
     name = "raw-sql"
     configs = (WorkerConfig(1, 100), WorkerConfig(2, 100), WorkerConfig(4, 100))
+    fair_config = WorkerConfig(4, 100)
     concurrency_unit = "rows per DELETE"
     pickup_config = WorkerConfig(1, 1)
     wakeup = "LISTEN/NOTIFY (pg_notify in the transaction of each burst or pickup job)"
@@ -70,6 +79,16 @@ class Raw(System):
             )
             conn.execute("ANALYZE raw_jobs")
 
+    def load_backlog(self, backlog: Backlog, variant: str) -> None:
+        with self._connect() as conn:
+            for params in series_slices(backlog):
+                conn.execute(
+                    "INSERT INTO raw_jobs (tenant, payload) SELECT tenant, jsonb_build_object("
+                    f"'tenant', tenant, 'seq', seq) FROM ({SERIES_SQL}) AS x ORDER BY i",
+                    params,
+                )
+            conn.execute("ANALYZE raw_jobs")
+
     def enqueue_loop(self, mode: str, duration: float, start: Barrier) -> tuple[int, float, float]:
         conn = self._connect()
         seq = 0
@@ -90,7 +109,7 @@ class Raw(System):
         finally:
             conn.close()
 
-    def burst(self, tenant: str, seqs: Sequence[int], variant: str) -> None:
+    def burst(self, tenant: str, seqs: Sequence[int], variant: str, key: str | None = None) -> None:
         with self._connect() as conn, conn.transaction():
             payloads = [Jsonb({"tenant": tenant, "seq": s}) for s in seqs]
             conn.execute(INSERT_MANY, ([tenant] * len(seqs), payloads))

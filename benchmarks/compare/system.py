@@ -6,7 +6,9 @@ import sys
 from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
 
-from benchmarks.compare.common import DSN_ENV, WorkerConfig
+import psycopg
+
+from benchmarks.compare.common import DSN_ENV, Backlog, WorkerConfig, spread_key
 
 #: Messages per call in the batch enqueue cells (one tenant's upload).
 BATCH = 100
@@ -20,6 +22,10 @@ class System:
     variants: tuple[str, ...] = ("fifo",)
     #: The end-to-end sweep: processes x concurrency.
     configs: tuple[WorkerConfig, ...] = ()
+    #: The workers of the fairness and sybil scenarios when the end-to-end sweep is left out:
+    #: the system's best end-to-end configuration on the development machine (docs/
+    #: performance.md); None: the sweep's first.
+    fair_config: WorkerConfig | None = None
     #: What "concurrency" means for this system, for the tables.
     concurrency_unit = ""
     #: One idle worker for pickup latency.
@@ -28,6 +34,9 @@ class System:
     wakeup = ""
     #: The package and version measured.
     version = ""
+    #: Whether it can weigh one tenant against another (the weights scenario); the others
+    #: have no counterpart and are reported as n/a with what their users would have to do.
+    weights = False
 
     def __init__(self, dsn: str) -> None:
         self.dsn = dsn
@@ -50,6 +59,20 @@ class System:
         """Queue ``count`` no-op jobs of ``tenant`` as fast as the system allows (not timed)."""
         raise NotImplementedError
 
+    def load_backlog(self, backlog: Backlog, variant: str) -> None:
+        """Queue ``backlog`` (several tenants, alternating; keys per tenant) in bulk, with one
+        ``INSERT ... SELECT`` of the system's own rows per slice of 100,000 (not timed)."""
+        raise NotImplementedError
+
+    def key(self, tenant: str, index: int | None = None) -> str:
+        """What a burst of ``tenant`` is queued under: the tenant's own key, or its
+        ``index``-th key of the sybil scenario (the names :meth:`load_backlog` uses)."""
+        return tenant if index is None else spread_key(tenant, index)
+
+    def set_weight(self, key: str, weight: int) -> None:
+        """Weigh ``key`` against the others (systems with ``weights`` only)."""
+        raise NotImplementedError
+
     # -- enqueue ------------------------------------------------------------------------------
 
     def enqueue_loop(self, mode: str, duration: float, start: Barrier) -> tuple[int, float, float]:
@@ -61,8 +84,9 @@ class System:
         """
         raise NotImplementedError
 
-    def burst(self, tenant: str, seqs: Sequence[int], variant: str) -> None:
-        """Enqueue one job per seq for ``tenant`` in one transaction (committed on return)."""
+    def burst(self, tenant: str, seqs: Sequence[int], variant: str, key: str | None = None) -> None:
+        """Enqueue one job per seq for ``tenant`` in one transaction (committed on return),
+        under ``key`` (default: the tenant's own key) where the variant uses keys."""
         raise NotImplementedError
 
     # -- workers ------------------------------------------------------------------------------
@@ -76,6 +100,17 @@ class System:
 
     def close(self) -> None:
         pass
+
+    def end_sessions(self) -> None:
+        """Close this process's connections, then end every other session on the system's
+        database: after its workers stopped, a query a worker started may still run (a fetch
+        over a million locked jobs can take minutes) and would hold up the next reset."""
+        self.close()
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
 
 
 class DjangoSystem(System):

@@ -115,7 +115,7 @@ class Sizes:
     timeshare_workloads: tuple[str, ...] = ("flood", "sybil", "heavy", "weights", "bursts")
     #: Every workload at the first backlog; only these at the larger ones as well.
     timeshare_backlogs: tuple[int, ...] = (10_000, 1_000_000)
-    timeshare_big_workloads: tuple[str, ...] = ("flood", "sybil")
+    timeshare_big_workloads: tuple[str, ...] = ("flood", "sybil", "heavy", "weights", "bursts")
     timeshare_workers: int = 4
     #: Seconds the heavy and weights workloads run; the bursts arrive within 0.6 of it.
     timeshare_window: float = 15.0

@@ -8,15 +8,18 @@ enqueue) to the return of the claim that took it.
 
 * ``flood``: bob's backlog in one channel, then alice enqueues 10 messages (several rounds):
   alice's wait.
-* ``sybil``: bob's backlog spread over 100 channels, alice 10 in one channel: what fairness
-  per channel gives alice when one tenant owns many channels.
+* ``sybil``: bob's backlog spread over 100 channels of his channel group (``bob/c00`` ...
+  ``bob/c99``), alice 10 in one channel of hers (``alice/c00``): the claim is fair across
+  groups first, so bob's hundred channels weigh as one tenant.
 * ``heavy``: bob's tasks take 200 ms, alice's 5 ms, both backlogged: each one's share of
   worker time.
 * ``weights``: alice weight 3 with 20 ms tasks, bob weight 1 with 100 ms tasks: the shares of
   worker time should be 3:1.
 * ``bursts``: bob's backlog (20 ms tasks) and 50 tenants arriving at random moments with
   random numbers of 5-50 ms tasks: each tenant's completion time against the ideal fair
-  schedule (a fluid schedule giving each tenant with work an equal share of the workers).
+  schedule (:func:`django_fairqueue.figures.fair_completion_times`: processor sharing, the
+  workers split equally among the tenants with work, bob always among them, none given more
+  workers than it has messages).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from django_fairqueue.contrib.bench.harness import START_TIMEOUT, Bench, Benchma
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
-from django_fairqueue.figures import jain_index, percentile
+from django_fairqueue.figures import fair_completion_times, jain_index, percentile
 
 LEASE = timedelta(minutes=10)
 WORKLOADS = ("flood", "sybil", "heavy", "weights", "bursts")
@@ -83,6 +86,8 @@ class TimeshareResult:
     slowdown_p50: float | None
     slowdown_max: float | None
     load1: float
+    #: ... and their mean
+    slowdown_mean: float | None = None
 
 
 def plan(sizes: Sizes) -> list[TimeshareCell]:
@@ -141,7 +146,8 @@ def _worker(
 
 
 def tenant(channel: str) -> str:
-    return channel.split("-")[0]
+    """bob's channels are ``bob``, ``bob/c17`` (sybil): the tenant is the first word."""
+    return channel.split("/")[0].split("-")[0]
 
 
 def _shares(
@@ -174,38 +180,6 @@ def _starvation(seen: list[Seen], busy: dict[str, tuple[float, float]]) -> tuple
     return worst, whose
 
 
-def _fluid_ideal(
-    workers: int, jobs: dict[str, tuple[float, float]], background: bool
-) -> dict[str, float]:
-    """Completion time of each tenant's burst (arrival, seconds of work) in the ideal fair
-    schedule: the workers' capacity split equally among tenants with work left (the
-    background tenant, when there is one, always has work). Returns tenant -> completion."""
-    left = {k: w for k, (_, w) in jobs.items()}
-    arrivals = sorted((a, k) for k, (a, _) in jobs.items())
-    now = arrivals[0][0] if arrivals else 0.0
-    active: set[str] = set()
-    done: dict[str, float] = {}
-    i = 0
-    while len(done) < len(jobs):
-        while i < len(arrivals) and arrivals[i][0] <= now + 1e-12:
-            active.add(arrivals[i][1])
-            i += 1
-        if not active:
-            now = arrivals[i][0]
-            continue
-        rate = workers / (len(active) + (1 if background else 0))
-        finish_in = min(left[k] for k in active) / rate
-        next_arrival = arrivals[i][0] - now if i < len(arrivals) else float("inf")
-        step = min(finish_in, next_arrival)
-        for k in list(active):
-            left[k] -= rate * step
-            if left[k] <= 1e-9:
-                done[k] = now + step
-                active.discard(k)
-        now += step
-    return done
-
-
 def run(bench: Bench, cell: TimeshareCell) -> TimeshareResult:
     sizes = bench.sizes
     load = load1()
@@ -216,10 +190,15 @@ def run(bench: Bench, cell: TimeshareCell) -> TimeshareResult:
     durations: dict[str, float] = {}
     rng = random.Random(2026)
     w = cell.workload
+    alice = "alice"
     if w in ("flood", "sybil"):
         batch = sizes.fairness_batch
         workers = 2
-        bob = ["bob"] if w == "flood" else [f"bob-{i:03d}" for i in range(100)]
+        bob = ["bob"]
+        if w == "sybil":
+            store.ensure_groups(["alice", "bob"], using=bench.using)
+            bob = [f"bob/c{i:02d}" for i in range(100)]
+            alice = "alice/c00"
         bench.load(bob, cell.backlog)
     elif w == "heavy":
         durations = {"bob": 0.2, "alice": 0.005}
@@ -254,11 +233,11 @@ def run(bench: Bench, cell: TimeshareCell) -> TimeshareResult:
                 time.sleep(sizes.fairness_pause)
                 for r in range(sizes.fairness_rounds):
                     ids = enqueue_many(
-                        EnqueueRequest(NOOP_TASK_NAME, (r, j), channel="alice")
+                        EnqueueRequest(NOOP_TASK_NAME, (r, j), channel=alice)
                         for j in range(sizes.fairness_burst)
                     )
-                    bursts.append(("alice", time.time(), ids))
-                    _wait_claimed(bench.using, "alice")
+                    bursts.append((alice, time.time(), ids))
+                    _wait_claimed(bench.using, alice)
                     time.sleep(sizes.fairness_pause)
             elif w == "bursts":
                 for at, name, size, _ in plan_bursts:
@@ -284,10 +263,10 @@ def run(bench: Bench, cell: TimeshareCell) -> TimeshareResult:
     jain_time: float | None = None
     jain_count: float | None = None
     shares = ""
-    wait_p50 = wait_p99 = slow_p50 = slow_max = None
+    wait_p50 = wait_p99 = slow_p50 = slow_max = slow_mean = None
     busy: dict[str, tuple[float, float]] = {}
     if w in ("flood", "sybil"):
-        waits = [1000 * (ret - enq) for ch, enq, _, ret, _, _ in seen if ch == "alice"]
+        waits = [1000 * (ret - enq) for ch, enq, _, ret, _, _ in seen if ch == alice]
         wait_p50 = round(percentile(waits, 50), 2)
         wait_p99 = round(percentile(waits, 99), 2)
         ends = [c for _, c, _ in bursts[1:]] + [float("inf")]
@@ -297,7 +276,7 @@ def run(bench: Bench, cell: TimeshareCell) -> TimeshareResult:
         # counts over the windows while alice had work: her 10 vs what bob got meanwhile
         a = b = 0
         for _, committed, _ in bursts:
-            last = max(ret for ch, _, _, ret, _, _ in seen if ch == "alice" and ret >= committed)
+            last = max(ret for ch, _, _, ret, _, _ in seen if ch == alice and ret >= committed)
             _, counts = _shares(seen, committed, last, weights)
             a += counts.get("alice", 0)
             b += counts.get("bob", 0)
@@ -320,12 +299,14 @@ def run(bench: Bench, cell: TimeshareCell) -> TimeshareResult:
             if ch != "bob":
                 finish[ch] = max(finish.get(ch, 0.0), fin)
         jobs = {
-            name: (committed - began, len(ids) * durations[name]) for name, committed, ids in bursts
+            name: (committed - began, len(ids) * durations[name], len(ids))
+            for name, committed, ids in bursts
         }
-        ideal = _fluid_ideal(workers, jobs, background=True)
+        ideal = fair_completion_times(workers, jobs, background=True)
         slow = [(finish[k] - began - jobs[k][0]) / max(ideal[k] - jobs[k][0], 1e-3) for k in jobs]
         slow_p50 = round(percentile(slow, 50), 2)
         slow_max = round(max(slow), 2)
+        slow_mean = round(sum(slow) / len(slow), 2)
         hi = max(finish.values())
         spent, _ = _shares(seen, began, hi, weights)
         # equally slowed down (whatever the factor) is fair: Jain over ideal / actual
@@ -353,6 +334,7 @@ def run(bench: Bench, cell: TimeshareCell) -> TimeshareResult:
         starved=whose,
         slowdown_p50=slow_p50,
         slowdown_max=slow_max,
+        slowdown_mean=slow_mean,
         load1=round(load, 2),
     )
 
@@ -403,6 +385,7 @@ SCENARIO = Scenario(
         Column("small p99 ms", "small_wait_p99_ms", ".1f"),
         Column("starved ms", "worst_starvation_ms", ",.0f"),
         Column("whose", "starved"),
+        Column("slowdown mean", "slowdown_mean", ".2f"),
         Column("slowdown p50", "slowdown_p50", ".2f"),
         Column("slowdown max", "slowdown_max", ".2f"),
         Column("shares", "shares"),
@@ -422,9 +405,11 @@ SCENARIO = Scenario(
         "small p50/p99: alice's wait (flood, sybil) or the burst tenants' (bursts), from "
         "enqueue to the return of the claim that took the message.",
         "starved: the longest a tenant with work went without a message claimed.",
-        "slowdown: a burst tenant's completion time over the ideal fair schedule's (a fluid "
-        "schedule giving every tenant with work, bob included, an equal share of the workers).",
-        "sybil: bob's 100 channels are plain channels; fairness per channel gives alice one "
-        "channel's share among 101 (channel groups would make it one tenant's among two).",
+        "slowdown: a burst tenant's completion time over the ideal fair schedule's "
+        "(processor sharing: the workers split equally among the tenants with work, bob "
+        "included, none given more workers than it has messages).",
+        "sybil: bob's 100 channels are one channel group's, alice's channel another's: the "
+        "claim shares out between the groups first (groups' own scenario, sybil, has the "
+        "ungrouped contrast: alice one channel's share among 101).",
     ),
 )
