@@ -1,6 +1,7 @@
-"""Terminal progress drawing shared by the commands: ``fairpipeline plan``'s bar
-(:class:`django_fairqueue.batches.ProgressBar`), fairbench's live cell line and the peer
-comparison's (``benchmarks/compare``)."""
+"""Terminal output shared by the commands: :func:`printable`, which every table and line of
+``manage.py fairqueue`` and ``runfairworker`` passes stored text through, and the progress
+drawing of ``fairpipeline plan``'s bar (:class:`django_fairqueue.batches.ProgressBar`),
+fairbench's live cell line and the peer comparison's (``benchmarks/compare``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,23 @@ import time
 
 #: Erase the current terminal line and return to its start.
 CLEAR_LINE = "\r\x1b[2K"
+
+
+def printable(text: object) -> str:
+    """``text`` with every control character escaped as ``repr`` would (``\\x1b``, ``\\r``,
+    ``\\n``, ``\\u2028``...), and backslashes doubled so an escape cannot be forged.
+
+    Channel, group, task and schedule names, error messages and worker ids come from tenants
+    and tasks: printed raw, an escape sequence would reach the operator's terminal (recolour
+    it, move the cursor, rewrite what an earlier line said) and a newline would split a table
+    row. Everything else, any script, accents and emoji, is printed as is.
+    """
+    text = str(text)
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(
+        "\\\\" if ch == "\\" else (ch if ch.isprintable() else repr(ch)[1:-1]) for ch in text
+    )
 
 
 def bar(fraction: float, width: int = 20) -> str:

@@ -20,6 +20,7 @@ from typing import Any, TextIO
 from django.core.management.base import CommandError
 
 from django_fairqueue import failures
+from django_fairqueue.terminal import printable
 
 #: Longest error message shown in the text listing; --json has it whole.
 _ERROR_WIDTH = 80
@@ -108,12 +109,12 @@ def _list(options: dict[str, Any], stdout: TextIO) -> None:
     rows = [("ID", "CHANNEL", "TASK", "ATTEMPTS", "FINISHED", "ERROR")]
     for m in found:
         error = f"{m.error_type}: {m.error_message}" if m.error_message else m.error_type
-        error = " ".join(error.split())  # one line per message
+        error = printable(" ".join(error.split()))  # one line per message, no escapes
         if len(error) > _ERROR_WIDTH:
             error = error[: _ERROR_WIDTH - 3] + "..."
         finished = m.finished_at.strftime("%Y-%m-%d %H:%M:%S") if m.finished_at else "-"
         rows.append(
-            (str(m.id), m.channel, m.task, f"{m.attempts}/{m.max_attempts}", finished, error)
+            (str(m.id), printable(m.channel), printable(m.task), f"{m.attempts}/{m.max_attempts}", finished, error)
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:

@@ -29,13 +29,15 @@ from django.db import connections
 from django.utils import timezone
 
 from django_fairqueue import overview, registry, stats, store, waiting
+from django_fairqueue.terminal import printable
 
 #: Longest channel name printed in the table (the JSON has it whole).
 _NAME_WIDTH = 40
 
 
 def _short_name(name: str) -> str:
-    """A channel or group name cut to the table's name column."""
+    """A channel or group name, control characters escaped, cut to the table's name column."""
+    name = printable(name)
     return name if len(name) <= _NAME_WIDTH else name[: _NAME_WIDTH - 3] + "..."
 
 
@@ -179,7 +181,7 @@ def _render_channel(name: str, as_json: bool, now: datetime) -> str:
         "finished_last_5m": row.finished_recent,
         "workers": None,
     }
-    return table(single, summary=False) + f"\nWhy it waits: {why.text}"
+    return table(single, summary=False) + f"\nWhy it waits: {printable(why.text)}"
 
 
 def table(data: dict[str, Any], *, summary: bool = True) -> str:

@@ -11,6 +11,7 @@ from django_fairqueue import conf
 from django_fairqueue._runtime import configure_logging
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.exceptions import InvalidChannel
+from django_fairqueue.terminal import printable
 from django_fairqueue.worker import (
     Worker,
     WorkerConfig,
@@ -176,7 +177,7 @@ class Command(BaseCommand):
         finally:
             _stop(companions)
         if options["verbosity"] >= 1:
-            self.stderr.write(f"worker {config.worker_id}: {handled} messages handled")
+            self.stderr.write(f"worker {printable(config.worker_id)}: {handled} messages handled")
 
     def _supervise(self, options: dict[str, Any]) -> None:
         from django_fairqueue.worker import supervisor
