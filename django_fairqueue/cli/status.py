@@ -28,7 +28,7 @@ from django.core.management.base import CommandError
 from django.db import connections
 from django.utils import timezone
 
-from django_fairqueue import overview, registry, stats, store, waiting
+from django_fairqueue import bounds, overview, registry, stats, store, waiting
 from django_fairqueue.terminal import printable
 
 #: Longest channel name printed in the table (the JSON has it whole).
@@ -46,6 +46,7 @@ def _cap(max_concurrency: int | None) -> str:
 
 
 _WATCH_DEFAULT = 2.0
+_WATCH_MIN, _WATCH_MAX = 0.1, 86400.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "by name, most running, most failed.",
     )
     parser.add_argument(
-        "--limit", type=_positive, default=20, help="Most channels to list (default: 20)."
+        "--limit", type=bounds.limit_option, default=20, help="Most channels to list (default: 20)."
     )
     parser.add_argument("--json", action="store_true", help="Print JSON.")
     parser.add_argument(
@@ -308,21 +309,13 @@ def _write(stdout: TextIO, text: str) -> None:
     stdout.flush()
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
 def _seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value >= 0.1:
-        raise argparse.ArgumentTypeError(f"must be at least 0.1 seconds, got {text!r}")
+    if not _WATCH_MIN <= value <= _WATCH_MAX:  # NaN fails too; inf would crash the sleep
+        raise argparse.ArgumentTypeError(
+            f"must be {_WATCH_MIN:g} to {_WATCH_MAX:g} seconds, got {text!r}"
+        )
     return value
