@@ -549,7 +549,8 @@ def test_any_settings_dict_is_valid_or_check_e001_never_a_crash(raw: dict[str, A
                 conf.load(raw)
         else:
             conf.load(raw)  # accepted: the settings load the same way at first use
-            assert ids <= {"fairqueue.E002", "fairqueue.E004"}
+            # E005: a TASK_MODULES entry that does not import
+            assert ids <= {"fairqueue.E002", "fairqueue.E004", "fairqueue.E005"}
 
 
 @pytest.mark.parametrize("value", [None, 3])
@@ -562,6 +563,53 @@ def test_a_task_modules_setting_that_is_not_a_list_is_named_in_e001(value: Any) 
 def test_a_duration_setting_too_large_for_timedelta_is_check_e001() -> None:
     with override_settings(FAIRQUEUE={"RESULT_RETENTION": 8.64e13}):
         assert [e.id for e in checks.check_settings()] == ["fairqueue.E001"]
+
+
+@pytest.mark.parametrize("key", ["RESULT_RETENTION", "BATCH_RETENTION"])
+@pytest.mark.parametrize("value", [-5, timedelta(seconds=-1)])
+def test_a_negative_retention_is_check_e001(key: str, value: Any) -> None:
+    with override_settings(FAIRQUEUE={key: value}):
+        (error,) = checks.check_settings()
+    assert error.id == "fairqueue.E001"
+    assert f"{key}'] must be 0 or more" in error.msg
+    with override_settings(FAIRQUEUE={key: 0}):
+        assert checks.check_settings() == []
+
+
+def test_a_task_module_that_cannot_be_imported_is_check_e005_and_a_worker_command_error() -> None:
+    with override_settings(FAIRQUEUE={"TASK_MODULES": ["tests.fairtasks", "nope.mod"]}):
+        (error,) = checks.check_settings()
+        assert error.id == "fairqueue.E005"
+        assert "'nope.mod', which cannot be imported: ModuleNotFoundError" in error.msg
+        assert error.hint
+        with pytest.raises(CommandError, match=re.escape("names 'nope.mod', which cannot")):
+            call_command("runfairworker", "--burst", "--no-listen")
+    assert message_count() == 0
+
+
+def test_a_task_module_whose_import_fails_keeps_its_own_error_in_the_worker(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a module that exists but raises: the check names it, the worker shows its traceback
+    (tmp_path / "broken_fairtasks.py").write_text("raise RuntimeError('broken task module')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with override_settings(FAIRQUEUE={"TASK_MODULES": ["broken_fairtasks"]}):
+        (error,) = checks.check_settings()
+        assert error.id == "fairqueue.E005"
+        assert "RuntimeError: broken task module" in error.msg
+        with pytest.raises(RuntimeError, match="broken task module"):
+            call_command("runfairworker", "--burst", "--no-listen")
+
+
+def test_a_settings_schedule_naming_an_unregistered_task_is_check_e006() -> None:
+    schedules = {
+        "fine": {"task": "tests.fair.add", "cron": "@daily", "args": [1, 2]},
+        "orphan": {"task": "no.such.task", "cron": "@daily"},
+    }
+    with override_settings(FAIRQUEUE={"TASK_MODULES": ["tests.fairtasks"], "SCHEDULES": schedules}):
+        (error,) = checks.check_settings()
+    assert error.id == "fairqueue.E006"
+    assert "['orphan'] names task 'no.such.task', which is not registered" in error.msg
 
 
 # ------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from django_fairqueue import bounds, conf
 from django_fairqueue._runtime import configure_logging
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.exceptions import InvalidChannel
+from django_fairqueue.taskspec import registry
 from django_fairqueue.terminal import printable
 from django_fairqueue.worker import (
     Worker,
@@ -210,6 +211,14 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         config = self._config(options)
+        for module, exc in registry.import_task_modules():
+            missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+            if missing is None or not (module == missing or module.startswith(missing + ".")):
+                raise exc  # the module exists and its import failed: its own traceback
+            raise CommandError(
+                f"FAIRQUEUE['TASK_MODULES'] names {module!r}, which cannot be imported: {exc} "
+                "(manage.py check reports it as fairqueue.E005)"
+            ) from None
         configure_logging(options["verbosity"])
         if options["processes"] > 1 or options["max_tasks_per_child"] is not None:
             self._supervise(options)
