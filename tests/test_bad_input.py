@@ -746,3 +746,37 @@ def test_commands_refuse_integers_out_of_range_as_usage_errors(
 ) -> None:
     with pytest.raises(CommandError, match=r"argument .*: (must be|not)"):
         call_command("fairqueue", *args, stdout=io.StringIO())
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status", ""],
+        ["schedules", "--channel", ""],
+        ["failures", "list", "--channel", ""],
+        ["failures", "retry", "--all", "--channel", ""],
+        ["failures", "delete", "--all", "--channel", ""],
+        ["cancel", "--channel", ""],
+        ["abort", "--channel", ""],
+        ["cancel", "--channel", " padded"],
+    ],
+)
+def test_commands_refuse_an_empty_channel_name_alike(args: list[str], tables_intact: None) -> None:
+    with pytest.raises(CommandError, match=r"argument (--channel|CHANNEL): channel name must not"):
+        call_command("fairqueue", *args, stdout=io.StringIO())
+
+
+@pytest.mark.parametrize(
+    ("worker_id", "error"),
+    [("", "a non-empty"), ("  ", "a non-empty"), (None, "a non-empty"), ("w" * 201, "at most 200")],
+)
+def test_a_batch_claim_refuses_a_blank_worker_id_like_a_message_claim(
+    worker_id: Any, error: str
+) -> None:
+    from django_fairqueue import batches
+
+    with pytest.raises(ValueError, match=f"worker_id must be {error}"):
+        batches.claim(worker_id=worker_id)
+    if isinstance(worker_id, str):  # the worker's own check says the same
+        with pytest.raises(ValueError, match=f"worker_id must be {error}"):
+            WorkerConfig(worker_id=worker_id)

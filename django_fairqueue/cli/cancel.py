@@ -18,6 +18,7 @@ from typing import Any, TextIO
 from django.core.management.base import CommandError
 
 from django_fairqueue import api, bounds
+from django_fairqueue.cli import channel_name
 from django_fairqueue.exceptions import InvalidChannel
 
 
@@ -27,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_selection(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("ids", nargs="*", type=bounds.message_id, metavar="ID", help="Message ids.")
-    parser.add_argument("--channel", help="Every message of this channel (with --task: of both).")
+    parser.add_argument(
+        "--channel", type=channel_name, help="Every message of this channel (with --task: of both)."
+    )
     parser.add_argument("--task", help="Every message of this task name.")
     parser.add_argument("--json", action="store_true", help="Print JSON.")
 

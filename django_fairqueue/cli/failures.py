@@ -20,6 +20,7 @@ from typing import Any, TextIO
 from django.core.management.base import CommandError
 
 from django_fairqueue import bounds, failures
+from django_fairqueue.cli import channel_name
 from django_fairqueue.terminal import printable
 
 #: Longest error message shown in the text listing; --json has it whole.
@@ -137,7 +138,7 @@ def _list(options: dict[str, Any], stdout: TextIO) -> None:
 
 
 def _add_filters(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--channel", help="Only messages of this channel.")
+    parser.add_argument("--channel", type=channel_name, help="Only messages of this channel.")
     parser.add_argument("--task", help="Only messages of this task name.")
 
 

@@ -15,13 +15,14 @@ from typing import Any
 from django.core.management.base import CommandError, OutputWrapper
 
 from django_fairqueue import cron, overview, schedules, store
+from django_fairqueue.cli import channel_name
 from django_fairqueue.exceptions import InvalidSchedule
 from django_fairqueue.models import Schedule
 from django_fairqueue.terminal import printable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--channel", help="Only the schedules of this channel.")
+    parser.add_argument("--channel", type=channel_name, help="Only the schedules of this channel.")
     parser.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
     parser.add_argument(
         "--sync", action="store_true", help="Sync the code schedules into the table first."
@@ -45,7 +46,7 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
     if options["fire"]:
         stdout.write(f"fired {schedules.fire_due()} message(s)")
     rows = Schedule.objects.select_related("channel").order_by("channel__name", "name")
-    if options["channel"]:
+    if options["channel"] is not None:
         rows = rows.filter(channel__name=options["channel"])
     found = list(rows)
     now = store.select_clock()

@@ -29,6 +29,7 @@ from django.db import connections
 from django.utils import timezone
 
 from django_fairqueue import bounds, overview, registry, stats, store, waiting
+from django_fairqueue.cli import channel_name
 from django_fairqueue.terminal import printable
 
 #: Longest channel name printed in the table (the JSON has it whole).
@@ -53,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "channel",
         nargs="?",
+        type=channel_name,
         metavar="CHANNEL",
         help="Show this channel alone, with why its messages wait.",
     )
@@ -159,7 +161,7 @@ def _groups(limit: int) -> dict[str, Any]:
 
 def _render(options: dict[str, Any]) -> str:
     now = store.select_clock()  # the clock that stamped what is aged here
-    if options.get("channel"):
+    if options.get("channel") is not None:
         return _render_channel(options["channel"], options["json"], now)
     data = snapshot(options["sort"], options["limit"], now)
     if options["json"]:
