@@ -352,7 +352,8 @@ def claim(
     renewed (:func:`heartbeat`, :class:`Heartbeat`) until the batch is settled.
     """
     # as a worker's message claims (WorkerConfig): the name an operator finds the claim by
-    if not isinstance(worker_id, str) or not worker_id.strip():
+    given: object = worker_id  # callers may pass anything
+    if not isinstance(given, str) or not given.strip():
         raise ValueError(f"worker_id must be a non-empty string, got {worker_id!r}")
     if len(worker_id) > 200:
         raise ValueError("worker_id must be at most 200 characters")

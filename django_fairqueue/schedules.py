@@ -493,7 +493,8 @@ def upcoming(cron: str, timezone: str, after: datetime, count: int = 5) -> list[
     """The next ``count`` (0 to :data:`MAX_UPCOMING`) slots of the cron expression ``cron``
     in ``timezone`` after ``after`` (a preview), in UTC; fewer if the expression has fewer
     in the next 50 years. A bad expression or timezone raises :class:`InvalidSchedule`."""
-    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_UPCOMING:
+    given: object = count  # callers may pass anything
+    if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given <= MAX_UPCOMING:
         raise ValueError(f"count must be an integer from 0 to {MAX_UPCOMING}, got {count!r}")
     expr = validate_cron(cron)
     tz = validate_timezone(timezone)
