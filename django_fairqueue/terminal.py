@@ -5,7 +5,9 @@ fairbench's live cell line and the peer comparison's (``benchmarks/compare``).""
 
 from __future__ import annotations
 
+import logging
 import time
+from typing import Any
 
 #: Erase the current terminal line and return to its start.
 CLEAR_LINE = "\r\x1b[2K"
@@ -26,6 +28,30 @@ def printable(text: object) -> str:
     return "".join(
         "\\\\" if ch == "\\" else (ch if ch.isprintable() else repr(ch)[1:-1]) for ch in text
     )
+
+
+class PrintableFormatter(logging.Formatter):
+    """A log formatter for a terminal: the message passes through :func:`printable` (a log
+    line names channels and tasks, and quotes task errors), and a traceback keeps its lines
+    but has the control characters of each escaped."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        message = record.message
+        record.message = printable(message)
+        try:
+            return super().formatMessage(record)
+        finally:
+            record.message = message
+
+    def formatException(self, ei: Any) -> str:
+        return _lines(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return _lines(super().formatStack(stack_info))
+
+
+def _lines(text: str) -> str:
+    return "\n".join(printable(line) for line in text.split("\n"))
 
 
 def bar(fraction: float, width: int = 20) -> str:

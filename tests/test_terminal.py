@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 
 import pytest
 from django.core.management import call_command
@@ -132,3 +133,24 @@ def test_schedules_and_workers_escape_stored_names() -> None:
     listed = io.StringIO()
     call_command("fairqueue", "workers", stdout=listed)
     _assert_safe(listed.getvalue())
+
+
+def test_the_commands_log_lines_escape_names_and_errors_but_keep_traceback_lines() -> None:
+    formatter = terminal.PrintableFormatter("%(levelname)s %(message)s")
+    try:
+        raise ValueError(EVIL)
+    except ValueError:
+        import sys
+
+        exc_info = sys.exc_info()
+    record = logging.LogRecord(
+        "django_fairqueue.worker", logging.ERROR, __file__, 1, "task %s failed", (EVIL,), exc_info
+    )
+    text = formatter.format(record)
+    first, *rest = text.split("\n")
+    assert first == "ERROR task \\x1b[31mEVIL\\x1b[0m\\rfake\\nrow failed"
+    assert rest[0] == "Traceback (most recent call last):"
+    # a traceback keeps its newlines (the exception's own among them), escapes the rest
+    assert rest[-2:] == ["ValueError: \\x1b[31mEVIL\\x1b[0m\\rfake", "row"]
+    assert "\x1b" not in text and "\r" not in text
+    assert record.getMessage().startswith("task \x1b")  # other handlers see it as logged
