@@ -159,8 +159,10 @@ def configure_logging(verbosity: int) -> None:
     if package.handlers or logging.getLogger().handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
+    from django_fairqueue.terminal import PrintableFormatter  # names and errors escaped
+
     handler.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s")
+        PrintableFormatter("%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s")
     )
     package.addHandler(handler)
     package.setLevel(

@@ -351,6 +351,12 @@ def claim(
     a prefix (``"enrich:*"``). The lease (default ``FAIRQUEUE['LEASE_SECONDS']``) must be
     renewed (:func:`heartbeat`, :class:`Heartbeat`) until the batch is settled.
     """
+    # as a worker's message claims (WorkerConfig): the name an operator finds the claim by
+    given: object = worker_id  # callers may pass anything
+    if not isinstance(given, str) or not given.strip():
+        raise ValueError(f"worker_id must be a non-empty string, got {worker_id!r}")
+    if len(worker_id) > 200:
+        raise ValueError("worker_id must be at most 200 characters")
     alias = using or conf.get().DATABASE
     exact, prefixes = _split_jobs(jobs)
     return store.claim_work_batch(

@@ -40,6 +40,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
                 id="fairqueue.E003",
             )
         )
+    errors.extend(_task_checks(cfg))
     if len(cfg.DEFAULT_CHANNEL) > 200 or cfg.DEFAULT_CHANNEL.strip() != cfg.DEFAULT_CHANNEL:
         errors.append(
             Error(
@@ -48,6 +49,38 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
                 id="fairqueue.E004",
             )
         )
+    return errors
+
+
+def _task_checks(cfg: conf.FairQueueSettings) -> list[Error]:
+    """TASK_MODULES must import, and each of SCHEDULES must name a registered task: a worker
+    would otherwise die at start (the modules) or never fire the schedule (the task)."""
+    from django_fairqueue.taskspec import registry
+
+    errors = [
+        Error(
+            f"FAIRQUEUE['TASK_MODULES'] names {module!r}, which cannot be imported: "
+            f"{type(exc).__name__}: {exc}",
+            hint="Give the dotted path of a module on the Python path (python -c "
+            f"'import {module}' shows the full error).",
+            id="fairqueue.E005",
+        )
+        for module, exc in registry.import_task_modules()
+    ]
+    if errors or not cfg.SCHEDULES:
+        return errors
+    registry.autodiscover()
+    for spec in cfg.SCHEDULES:
+        if spec.task not in registry:
+            errors.append(
+                Error(
+                    f"FAIRQUEUE['SCHEDULES'][{spec.name!r}] names task {spec.task!r}, which is "
+                    "not registered.",
+                    hint="Use the name of a @task (its module must be an installed app's "
+                    "tasks module or in FAIRQUEUE['TASK_MODULES']).",
+                    id="fairqueue.E006",
+                )
+            )
     return errors
 
 

@@ -226,7 +226,10 @@ def load(raw: Any) -> FairQueueSettings:
                 raise ValueError(f"FAIRQUEUE['{key}'] must be True or False, got {value!r}")
             values[key] = value
         elif key in ("RESULT_RETENTION", "BATCH_RETENTION"):
-            values[key] = _duration(value, f"FAIRQUEUE['{key}']")
+            retention = _duration(value, f"FAIRQUEUE['{key}']")
+            if retention < timedelta(0):  # a row cannot be pruned before it finished
+                raise ValueError(f"FAIRQUEUE['{key}'] must be 0 or more, got {value!r}")
+            values[key] = retention
         elif key == "CLAIM_WAIT":
             wait = float(_number(value, "FAIRQUEUE['CLAIM_WAIT']", minimum=0.0))
             if wait > MAX_CLAIM_WAIT:

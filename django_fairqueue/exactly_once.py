@@ -35,7 +35,7 @@ from typing import Any
 
 from django.db import connections, transaction
 
-from django_fairqueue import conf, store
+from django_fairqueue import bounds, conf, store
 from django_fairqueue.exceptions import FairQueueError, LeaseLost
 from django_fairqueue.store import ClaimedMessage
 from django_fairqueue.taskspec import check_result
@@ -159,9 +159,10 @@ def batch(
     The claim may return fewer than ``limit`` messages, or none: channels locked by another
     transaction are skipped, and channel limits (concurrency, rate) apply as for workers.
     """
-    checked: object = limit  # callers may pass anything
-    if isinstance(checked, bool) or not isinstance(checked, int) or checked < 1:
-        raise ValueError(f"limit must be an integer >= 1, got {limit!r}")
+    try:
+        bounds.limit(limit)
+    except TypeError as exc:  # callers may pass anything; a ValueError as before
+        raise ValueError(str(exc)) from None
     alias = using or conf.get().DATABASE
     if not connections[alias].in_atomic_block:
         raise TransactionRequired(

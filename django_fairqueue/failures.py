@@ -22,7 +22,7 @@ from typing import Any
 
 from django.db.models import QuerySet
 
-from django_fairqueue import conf, store
+from django_fairqueue import bounds, conf, store
 from django_fairqueue.models import Channel, Message, MessageState
 
 __all__ = [
@@ -75,8 +75,8 @@ def list_failed(
 
     Pages by id: pass the last id you got as ``after_id`` for the next page.
     """
-    if limit < 1:
-        raise ValueError(f"limit must be >= 1, got {limit}")
+    bounds.limit(limit)
+    bounds.integer(after_id, "after_id", minimum=0, maximum=bounds.MAX_ID)
     rows = _failed(channel, task, after_id).values_list(
         "id",
         "channel__name",
@@ -171,14 +171,7 @@ def _in_batches(ids: Iterable[int], action: Callable[[Sequence[int]], list[int]]
 
 
 def _ids(ids: Iterable[int]) -> list[int]:
-    if isinstance(ids, str | bytes):
-        raise TypeError("ids must be an iterable of integers, not a string")
-    out = []
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise TypeError(f"message ids are integers, got {i!r}")
-        out.append(i)
-    return sorted(set(out))
+    return sorted(set(bounds.message_ids(ids)))
 
 
 def _error_field(error: Any, key: str) -> str:

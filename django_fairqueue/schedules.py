@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 from django.db import DatabaseError, OperationalError, transaction
 
 from django_fairqueue import conf, cron, store
-from django_fairqueue.cron import ScheduleSpec
+from django_fairqueue.cron import ScheduleSpec, slots_after, validate_cron, validate_timezone
 from django_fairqueue.exceptions import ChannelFull, InvalidSchedule, UnknownTask
 from django_fairqueue.taskspec import TaskSpec, registry
 
@@ -485,7 +485,23 @@ def states(ids: Sequence[int]) -> dict[int, store.ScheduleState]:
     return store.select_schedule_states(ids) if ids else {}
 
 
-def upcoming(expr: str, tz: str, after: datetime, count: int = 5) -> list[datetime]:
-    """The next ``count`` slots of a cron expression after ``after`` (a preview)."""
-    slots = cron.slots_after(expr, tz, after)
-    return [next(slots) for _ in range(count)]
+#: Most slots one :func:`upcoming` call previews.
+MAX_UPCOMING = 1000
+
+
+def upcoming(cron: str, timezone: str, after: datetime, count: int = 5) -> list[datetime]:
+    """The next ``count`` (0 to :data:`MAX_UPCOMING`) slots of the cron expression ``cron``
+    in ``timezone`` after ``after`` (a preview), in UTC; fewer if the expression has fewer
+    in the next 50 years. A bad expression or timezone raises :class:`InvalidSchedule`."""
+    given: object = count  # callers may pass anything
+    if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given <= MAX_UPCOMING:
+        raise ValueError(f"count must be an integer from 0 to {MAX_UPCOMING}, got {count!r}")
+    expr = validate_cron(cron)
+    tz = validate_timezone(timezone)
+    slots = slots_after(expr, tz, after)
+    found: list[datetime] = []
+    for slot in slots:
+        if len(found) == count:
+            break
+        found.append(slot)
+    return found

@@ -132,6 +132,19 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._specs)
 
+    def import_task_modules(self) -> list[tuple[str, Exception]]:
+        """Import each of FAIRQUEUE['TASK_MODULES'] and return those that failed, with why
+        (a module that does not exist, or one whose import raised)."""
+        from importlib import import_module
+
+        failed: list[tuple[str, Exception]] = []
+        for module in conf.get().TASK_MODULES:
+            try:
+                import_module(module)
+            except Exception as exc:
+                failed.append((module, exc))
+        return failed
+
     def autodiscover(self) -> None:
         """Import every installed app's ``tasks`` module and FAIRQUEUE['TASK_MODULES']."""
         from importlib import import_module

@@ -1,13 +1,57 @@
-"""Terminal progress drawing shared by the commands: ``fairpipeline plan``'s bar
-(:class:`django_fairqueue.batches.ProgressBar`), fairbench's live cell line and the peer
-comparison's (``benchmarks/compare``)."""
+"""Terminal output shared by the commands: :func:`printable`, which every table and line of
+``manage.py fairqueue`` and ``runfairworker`` passes stored text through, and the progress
+drawing of ``fairpipeline plan``'s bar (:class:`django_fairqueue.batches.ProgressBar`),
+fairbench's live cell line and the peer comparison's (``benchmarks/compare``)."""
 
 from __future__ import annotations
 
+import logging
 import time
+from typing import Any
 
 #: Erase the current terminal line and return to its start.
 CLEAR_LINE = "\r\x1b[2K"
+
+
+def printable(text: object) -> str:
+    """``text`` with every control character escaped as ``repr`` would (``\\x1b``, ``\\r``,
+    ``\\n``, ``\\u2028``...), and backslashes doubled so an escape cannot be forged.
+
+    Channel, group, task and schedule names, error messages and worker ids come from tenants
+    and tasks: printed raw, an escape sequence would reach the operator's terminal (recolour
+    it, move the cursor, rewrite what an earlier line said) and a newline would split a table
+    row. Everything else, any script, accents and emoji, is printed as is.
+    """
+    text = str(text)
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(
+        "\\\\" if ch == "\\" else (ch if ch.isprintable() else repr(ch)[1:-1]) for ch in text
+    )
+
+
+class PrintableFormatter(logging.Formatter):
+    """A log formatter for a terminal: the message passes through :func:`printable` (a log
+    line names channels and tasks, and quotes task errors), and a traceback keeps its lines
+    but has the control characters of each escaped."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        message = record.message
+        record.message = printable(message)
+        try:
+            return super().formatMessage(record)
+        finally:
+            record.message = message
+
+    def formatException(self, ei: Any) -> str:
+        return _lines(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return _lines(super().formatStack(stack_info))
+
+
+def _lines(text: str) -> str:
+    return "\n".join(printable(line) for line in text.split("\n"))
 
 
 def bar(fraction: float, width: int = 20) -> str:

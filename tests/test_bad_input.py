@@ -7,6 +7,7 @@ Property-based with hypothesis, plus the explicit cases the issue lists.
 
 from __future__ import annotations
 
+import io
 import math
 import re
 import uuid
@@ -18,12 +19,14 @@ from unittest import mock
 import psycopg
 import pytest
 from django.core.exceptions import ValidationError
-from django.db import IntegrityError, connection, transaction
+from django.core.management import CommandError, call_command
+from django.db import DataError, IntegrityError, connection, transaction
 from django.test import override_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from django_fairqueue import checks, conf, enqueue, store
+import django_fairqueue
+from django_fairqueue import checks, conf, enqueue, exactly_once, failures, store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.exceptions import InvalidChannel, PayloadError, UnknownTask
 from django_fairqueue.models import Channel, Message, MessageState
@@ -546,7 +549,8 @@ def test_any_settings_dict_is_valid_or_check_e001_never_a_crash(raw: dict[str, A
                 conf.load(raw)
         else:
             conf.load(raw)  # accepted: the settings load the same way at first use
-            assert ids <= {"fairqueue.E002", "fairqueue.E004"}
+            # E005: a TASK_MODULES entry that does not import
+            assert ids <= {"fairqueue.E002", "fairqueue.E004", "fairqueue.E005"}
 
 
 @pytest.mark.parametrize("value", [None, 3])
@@ -559,6 +563,53 @@ def test_a_task_modules_setting_that_is_not_a_list_is_named_in_e001(value: Any) 
 def test_a_duration_setting_too_large_for_timedelta_is_check_e001() -> None:
     with override_settings(FAIRQUEUE={"RESULT_RETENTION": 8.64e13}):
         assert [e.id for e in checks.check_settings()] == ["fairqueue.E001"]
+
+
+@pytest.mark.parametrize("key", ["RESULT_RETENTION", "BATCH_RETENTION"])
+@pytest.mark.parametrize("value", [-5, timedelta(seconds=-1)])
+def test_a_negative_retention_is_check_e001(key: str, value: Any) -> None:
+    with override_settings(FAIRQUEUE={key: value}):
+        (error,) = checks.check_settings()
+    assert error.id == "fairqueue.E001"
+    assert f"{key}'] must be 0 or more" in error.msg
+    with override_settings(FAIRQUEUE={key: 0}):
+        assert checks.check_settings() == []
+
+
+def test_a_task_module_that_cannot_be_imported_is_check_e005_and_a_worker_command_error() -> None:
+    with override_settings(FAIRQUEUE={"TASK_MODULES": ["tests.fairtasks", "nope.mod"]}):
+        (error,) = checks.check_settings()
+        assert error.id == "fairqueue.E005"
+        assert "'nope.mod', which cannot be imported: ModuleNotFoundError" in error.msg
+        assert error.hint
+        with pytest.raises(CommandError, match=re.escape("names 'nope.mod', which cannot")):
+            call_command("runfairworker", "--burst", "--no-listen")
+    assert message_count() == 0
+
+
+def test_a_task_module_whose_import_fails_keeps_its_own_error_in_the_worker(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a module that exists but raises: the check names it, the worker shows its traceback
+    (tmp_path / "broken_fairtasks.py").write_text("raise RuntimeError('broken task module')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with override_settings(FAIRQUEUE={"TASK_MODULES": ["broken_fairtasks"]}):
+        (error,) = checks.check_settings()
+        assert error.id == "fairqueue.E005"
+        assert "RuntimeError: broken task module" in error.msg
+        with pytest.raises(RuntimeError, match="broken task module"):
+            call_command("runfairworker", "--burst", "--no-listen")
+
+
+def test_a_settings_schedule_naming_an_unregistered_task_is_check_e006() -> None:
+    schedules = {
+        "fine": {"task": "tests.fair.add", "cron": "@daily", "args": [1, 2]},
+        "orphan": {"task": "no.such.task", "cron": "@daily"},
+    }
+    with override_settings(FAIRQUEUE={"TASK_MODULES": ["tests.fairtasks"], "SCHEDULES": schedules}):
+        (error,) = checks.check_settings()
+    assert error.id == "fairqueue.E006"
+    assert "['orphan'] names task 'no.such.task', which is not registered" in error.msg
 
 
 # ------------------------------------------------------------------------------------------
@@ -628,3 +679,104 @@ def test_named_statements_take_values_only_as_bound_parameters() -> None:
     for name, text in store.queries().items():
         # no %s positional placeholders, no Python %-formatting of values
         assert not re.search(r"(?<!%)%[sd]\b", text), name
+
+
+# ------------------------------------------------------------------------------------------------
+# integers PostgreSQL cannot hold: a clear error before the server's "bigint out of range"
+
+HUGE = 10**20
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: failures.retry([HUGE]),
+        lambda: failures.delete([2**63]),
+        lambda: failures.retry([0]),
+        lambda: failures.list_failed(limit=HUGE),
+        lambda: failures.list_failed(limit=2**31),
+        lambda: failures.list_failed(after_id=HUGE),
+    ],
+)
+def test_ids_and_limits_out_of_range_are_value_errors(call: Any, tables_intact: None) -> None:
+    with pytest.raises(ValueError, match=r"must be (1|0) to \d+, got"):
+        call()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=DataError,
+    reason="api.cancel/abort check their ids with api._ids, which has no range yet: "
+    "it should call bounds.message_ids",
+)
+@pytest.mark.parametrize("verb", ["cancel", "abort"])
+def test_cancel_and_abort_refuse_ids_out_of_range(verb: str) -> None:
+    with pytest.raises(ValueError, match="a message id must be 1 to"):
+        getattr(django_fairqueue, verb)([1, HUGE])
+
+
+def test_the_largest_id_and_limit_are_accepted() -> None:
+    assert failures.retry([2**63 - 1]) == []
+    assert failures.list_failed(limit=2**31 - 1, after_id=2**63 - 1) == []
+
+
+def test_exactly_once_batch_refuses_a_limit_past_integer() -> None:
+    too_many = pytest.raises(ValueError, match="limit must be 1 to 2147483647")
+    with transaction.atomic(), too_many, exactly_once.batch(limit=10**10):
+        pass
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["cancel", str(HUGE)],
+        ["abort", str(HUGE)],
+        ["cancel", "0"],
+        ["failures", "retry", str(HUGE)],
+        ["failures", "delete", str(2**63)],
+        ["failures", "list", "--limit", str(HUGE)],
+        ["failures", "list", "--after", str(HUGE)],
+        ["status", "--limit", str(2**31)],
+        ["status", "--watch", "inf"],
+        ["status", "--watch", "nan"],
+    ],
+)
+def test_commands_refuse_integers_out_of_range_as_usage_errors(
+    args: list[str], tables_intact: None
+) -> None:
+    with pytest.raises(CommandError, match=r"argument .*: (must be|not)"):
+        call_command("fairqueue", *args, stdout=io.StringIO())
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status", ""],
+        ["schedules", "--channel", ""],
+        ["failures", "list", "--channel", ""],
+        ["failures", "retry", "--all", "--channel", ""],
+        ["failures", "delete", "--all", "--channel", ""],
+        ["cancel", "--channel", ""],
+        ["abort", "--channel", ""],
+        ["cancel", "--channel", " padded"],
+    ],
+)
+def test_commands_refuse_an_empty_channel_name_alike(args: list[str], tables_intact: None) -> None:
+    with pytest.raises(CommandError, match=r"argument (--channel|CHANNEL): channel name must not"):
+        call_command("fairqueue", *args, stdout=io.StringIO())
+
+
+@pytest.mark.parametrize(
+    ("worker_id", "error"),
+    [("", "a non-empty"), ("  ", "a non-empty"), (None, "a non-empty"), ("w" * 201, "at most 200")],
+)
+def test_a_batch_claim_refuses_a_blank_worker_id_like_a_message_claim(
+    worker_id: Any, error: str
+) -> None:
+    from django_fairqueue import batches
+
+    with pytest.raises(ValueError, match=f"worker_id must be {error}"):
+        batches.claim(worker_id=worker_id)
+    if isinstance(worker_id, str):  # the worker's own check says the same
+        with pytest.raises(ValueError, match=f"worker_id must be {error}"):
+            WorkerConfig(worker_id=worker_id)

@@ -699,3 +699,34 @@ def test_a_process_frozen_mid_sync_delays_no_other_workers_maintenance(
     with connection.cursor() as cur:  # the previous lock_timeout is back after the lock
         cur.execute("SHOW lock_timeout")
         assert cur.fetchone() == ("0",)
+
+
+def test_upcoming_takes_the_documented_names_and_previews_in_utc() -> None:
+    after = datetime(2026, 3, 28, 12, 0, tzinfo=UTC)
+    slots = schedules.upcoming(cron="0 3 * * *", timezone="Europe/Berlin", after=after, count=3)
+    # 03:00 in Berlin is 01:00 UTC from 29 March (summer time began at 02:00 that day)
+    assert slots == [
+        datetime(2026, 3, 29, 1, 0, tzinfo=UTC),
+        datetime(2026, 3, 30, 1, 0, tzinfo=UTC),
+        datetime(2026, 3, 31, 1, 0, tzinfo=UTC),
+    ]
+    assert schedules.upcoming("0 3 * * *", "Europe/Berlin", after, 3) == slots
+    assert schedules.upcoming("@daily", "UTC", after, count=0) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"cron": "0 25 * * *"}, InvalidSchedule),
+        ({"cron": "not cron"}, InvalidSchedule),
+        ({"timezone": "Mars/Olympus"}, InvalidSchedule),
+        ({"count": -1}, ValueError),
+        ({"count": 10**9}, ValueError),
+    ],
+)
+def test_upcoming_refuses_a_bad_expression_timezone_or_count(
+    kwargs: dict[str, Any], error: type[Exception]
+) -> None:
+    call = {"cron": "@daily", "timezone": "UTC", "after": datetime.now(UTC), **kwargs}
+    with pytest.raises(error):
+        schedules.upcoming(**call)

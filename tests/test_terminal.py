@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import io
+import logging
+
+import pytest
+from django.core.management import call_command
 
 from django_fairqueue import terminal
 from django_fairqueue.batches import ProgressBar
@@ -59,3 +63,94 @@ def test_fairbench_progress_draws_live_only_on_a_terminal() -> None:
     # not a terminal: one line per cell, no control characters
     assert pipe.getvalue().startswith("[1/3] claim 1 channel: 1,234 messages/s (")
     assert "\x1b" not in pipe.getvalue()
+
+
+# ------------------------------------------------------------------------------------------------
+# stored text printed by the commands: control characters escaped
+
+EVIL = "\x1b[31mEVIL\x1b[0m\rfake\nrow"
+
+
+def test_printable_escapes_control_characters_like_repr_and_keeps_the_rest() -> None:
+    assert terminal.printable(EVIL) == "\\x1b[31mEVIL\\x1b[0m\\rfake\\nrow"
+    assert terminal.printable("a\u2028b\x00c\x7fd\u200fe") == "a\\u2028b\\x00c\\x7fd\\u200fe"
+    assert terminal.printable("café 東京 🎉 a b/c") == "café 東京 🎉 a b/c"
+    # a backslash is doubled, so a name cannot print as if it held an escape
+    assert terminal.printable("\\x1b") == "\\\\x1b"
+    assert terminal.printable(7) == "7"
+
+
+def _assert_safe(output: str) -> None:
+    assert not any(ch in output for ch in "\x1b\r\x00")
+    rows = [line for line in output.splitlines() if "EVIL" in line]
+    assert rows
+    for line in rows:
+        assert "EVIL\\x1b[0m\\rfake\\nrow" in line, line  # the newline did not split the row
+    assert not any(line.startswith("row") for line in output.splitlines())
+
+
+@pytest.mark.django_db
+def test_status_escapes_channel_and_group_names() -> None:
+    from django_fairqueue import enqueue
+    from tests import fairtasks
+
+    enqueue(fairtasks.add, 1, 2, channel=EVIL)
+    enqueue(fairtasks.add, 1, 2, channel=(EVIL, "member"))
+    out = io.StringIO()
+    call_command("fairqueue", "status", stdout=out)
+    _assert_safe(out.getvalue())
+    assert "\\x1b[31mEVIL\\x1b[0m\\rfake\\nrow/member" in out.getvalue()
+    alone = io.StringIO()
+    call_command("fairqueue", "status", EVIL, stdout=alone)
+    _assert_safe(alone.getvalue())
+
+
+@pytest.mark.django_db
+def test_failures_list_escapes_channel_task_and_error() -> None:
+    from tests.test_failures import make_failed
+
+    make_failed(EVIL, 1, error="\x1b]0;owned\x07 boom")
+    out = io.StringIO()
+    call_command("fairqueue", "failures", "list", stdout=out)
+    _assert_safe(out.getvalue())
+    assert "\\x1b]0;owned\\x07 boom" in out.getvalue()
+    assert "\x07" not in out.getvalue()
+
+
+@pytest.mark.django_db
+def test_schedules_and_workers_escape_stored_names() -> None:
+    from django_fairqueue import registry
+    from django_fairqueue.models import Channel, Schedule
+
+    channel = Channel.objects.create(name=EVIL)
+    Schedule.objects.create(name=EVIL, channel=channel, task_name=EVIL, cron="@daily")
+    out = io.StringIO()
+    call_command("fairqueue", "schedules", stdout=out)
+    (row,) = [line for line in out.getvalue().splitlines() if "@daily" in line]
+    assert row.count("\\x1b[31mEVIL\\x1b[0m\\rfake\\nrow") == 3
+    _assert_safe(out.getvalue())
+    registry.Registration(EVIL, concurrency=1).register()  # a worker id from --worker-id
+    listed = io.StringIO()
+    call_command("fairqueue", "workers", stdout=listed)
+    _assert_safe(listed.getvalue())
+
+
+def test_the_commands_log_lines_escape_names_and_errors_but_keep_traceback_lines() -> None:
+    formatter = terminal.PrintableFormatter("%(levelname)s %(message)s")
+    try:
+        raise ValueError(EVIL)
+    except ValueError:
+        import sys
+
+        exc_info = sys.exc_info()
+    record = logging.LogRecord(
+        "django_fairqueue.worker", logging.ERROR, __file__, 1, "task %s failed", (EVIL,), exc_info
+    )
+    text = formatter.format(record)
+    first, *rest = text.split("\n")
+    assert first == "ERROR task \\x1b[31mEVIL\\x1b[0m\\rfake\\nrow failed"
+    assert rest[0] == "Traceback (most recent call last):"
+    # a traceback keeps its newlines (the exception's own among them), escapes the rest
+    assert rest[-2:] == ["ValueError: \\x1b[31mEVIL\\x1b[0m\\rfake", "row"]
+    assert "\x1b" not in text and "\r" not in text
+    assert record.getMessage().startswith("task \x1b")  # other handlers see it as logged

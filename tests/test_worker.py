@@ -722,9 +722,9 @@ def test_maintenance_services_rescue_prune_and_fold(fq: Any) -> None:
         (["--concurrency", "0"], "--concurrency must be at least 1"),
         (["--batch-size", "0"], "--batch-size must be at least 1"),
         (["--max-messages", "0"], "--max-messages must be at least 1"),
-        (["--poll-interval", "0"], "--poll-interval must be a positive"),
-        (["--shutdown-grace", "-1"], "--shutdown-grace must be 0 or more"),
-        (["--lease", "0"], "--lease must be a positive"),
+        (["--poll-interval", "0"], "--poll-interval must be above 0 to 3600 seconds"),
+        (["--shutdown-grace", "-1"], "--shutdown-grace must be 0 to 86400 seconds"),
+        (["--lease", "0"], "--lease must be 5 to 86400 seconds"),
         (["--burst-horizon", "-1"], "--burst-horizon must be 0 to 86400 seconds"),
         (["--burst-horizon", "nan"], "--burst-horizon must be 0 to 86400 seconds"),
         (["--worker-id", " "], "--worker-id must be 1 to 200"),
@@ -732,6 +732,23 @@ def test_maintenance_services_rescue_prune_and_fold(fq: Any) -> None:
         (["--exclude-channels", ","], "--exclude-channels has an empty channel name"),
         (["--channels", "a,b", "--exclude-channels", "b"], "both in --channels and"),
         (["--channels", "x" * 201], "the most is 200"),
+        (["--concurrency", "100000000"], "--concurrency must be at most 1,000, got 100,000,000"),
+        (["--processes", "100000"], "--processes must be at most 256"),
+        (["--batch-size", "10001"], "--batch-size must be at most 10,000"),
+        (["--prefetch", "-1"], "--prefetch must be at least 0"),
+        (["--max-tasks-per-child", "0"], "--max-tasks-per-child must be at least 1"),
+        (["--max-abandoned-threads", "1001"], "--max-abandoned-threads must be at most 1,000"),
+        (["--poll-interval", "inf"], "--poll-interval must be above 0 to 3600 seconds"),
+        (["--poll-interval", "nan"], "--poll-interval must be above 0 to 3600 seconds"),
+        (["--shutdown-grace", "inf"], "--shutdown-grace must be 0 to 86400 seconds"),
+        (["--burst-horizon", "inf"], "--burst-horizon must be 0 to 86400 seconds"),
+        (["--lease", "0.01"], "--lease must be 5 to 86400 seconds"),
+        (["--lease", "4.9"], "--lease must be 5 to 86400 seconds"),
+        (["--lease", "inf"], "--lease must be 5 to 86400 seconds"),
+        (["--lease", "nan"], "--lease must be 5 to 86400 seconds"),
+        (["--channels", " a"], "--channels: .*blank"),
+        (["--channels", "a, b"], "--channels: .*blank"),
+        (["--exclude-channels", "a\x00"], "--exclude-channels: .*NUL"),
     ],
 )
 def test_runfairworker_refuses_bad_options_readably(args: list[str], error: str) -> None:
@@ -746,6 +763,8 @@ def test_worker_config_validates() -> None:
         WorkerConfig(burst_horizon=-0.5)
     with pytest.raises(ValueError, match="not a string"):
         WorkerConfig(channels="abc")
+    with pytest.raises(ValueError, match="concurrency must be at most 1,000 threads"):
+        WorkerConfig(concurrency=1001)
     with pytest.raises(ValueError, match="both included and excluded"):
         WorkerConfig(channels=["a"], exclude_channels=["a"])
     assert WorkerConfig(channels=["a", "b"]).channels == ("a", "b")

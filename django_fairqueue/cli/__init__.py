@@ -7,10 +7,13 @@ help text) and two functions:
 * ``handle(options, stdout)``: run it; ``options`` is the parsed dict, ``stdout`` Django's
   output wrapper. Raise ``django.core.management.CommandError`` for a readable failure.
 
-To add a subcommand, add its module and its name to :data:`SUBCOMMANDS`.
+To add a subcommand, add its module and its name to :data:`SUBCOMMANDS`. An option or argument
+that names a channel takes ``type=channel_name``.
 """
 
 from __future__ import annotations
+
+import argparse
 
 #: Subcommand names, in the order ``manage.py fairqueue --help`` lists them.
 SUBCOMMANDS: tuple[str, ...] = (
@@ -23,3 +26,15 @@ SUBCOMMANDS: tuple[str, ...] = (
     "verify",
     "workers",
 )
+
+
+def channel_name(text: str) -> str:
+    """argparse ``type`` of a channel name: one ``enqueue()`` would accept, else a usage error
+    (an empty name is refused, never read as "no filter" or as a channel no message has)."""
+    from django_fairqueue.api import validate_channel_name
+    from django_fairqueue.exceptions import InvalidChannel
+
+    try:
+        return validate_channel_name(text)
+    except InvalidChannel as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

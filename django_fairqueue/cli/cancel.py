@@ -17,7 +17,8 @@ from typing import Any, TextIO
 
 from django.core.management.base import CommandError
 
-from django_fairqueue import api
+from django_fairqueue import api, bounds
+from django_fairqueue.cli import channel_name
 from django_fairqueue.exceptions import InvalidChannel
 
 
@@ -26,8 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_selection(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("ids", nargs="*", type=_positive, metavar="ID", help="Message ids.")
-    parser.add_argument("--channel", help="Every message of this channel (with --task: of both).")
+    parser.add_argument("ids", nargs="*", type=bounds.message_id, metavar="ID", help="Message ids.")
+    parser.add_argument(
+        "--channel", type=channel_name, help="Every message of this channel (with --task: of both)."
+    )
     parser.add_argument("--task", help="Every message of this task name.")
     parser.add_argument("--json", action="store_true", help="Print JSON.")
 
@@ -70,13 +73,3 @@ def write(stdout: TextIO, line: str) -> None:
 
 def _messages(n: int) -> str:
     return f"{n} message" if n == 1 else f"{n} messages"
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a message id: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"not a message id: {text!r}")
-    return value

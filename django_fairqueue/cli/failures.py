@@ -19,7 +19,9 @@ from typing import Any, TextIO
 
 from django.core.management.base import CommandError
 
-from django_fairqueue import failures
+from django_fairqueue import bounds, failures
+from django_fairqueue.cli import channel_name
+from django_fairqueue.terminal import printable
 
 #: Longest error message shown in the text listing; --json has it whole.
 _ERROR_WIDTH = 80
@@ -34,11 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _add_filters(listing)
     listing.add_argument(
-        "--limit", type=_positive, default=100, help="Most messages to show (default: 100)."
+        "--limit",
+        type=bounds.limit_option,
+        default=100,
+        help="Most messages to show (default: 100).",
     )
     listing.add_argument(
         "--after",
-        type=_non_negative,
+        type=bounds.after_id,
         default=0,
         metavar="ID",
         help="Show messages with an id above ID (the next page).",
@@ -49,7 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             name,
             help=f"{verb} failed messages by id, or all of them with --all (idempotent).",
         )
-        sub.add_argument("ids", nargs="*", type=_positive, metavar="ID", help="Message ids.")
+        sub.add_argument(
+            "ids", nargs="*", type=bounds.message_id, metavar="ID", help="Message ids."
+        )
         sub.add_argument(
             "--all",
             action="store_true",
@@ -108,12 +115,19 @@ def _list(options: dict[str, Any], stdout: TextIO) -> None:
     rows = [("ID", "CHANNEL", "TASK", "ATTEMPTS", "FINISHED", "ERROR")]
     for m in found:
         error = f"{m.error_type}: {m.error_message}" if m.error_message else m.error_type
-        error = " ".join(error.split())  # one line per message
+        error = printable(" ".join(error.split()))  # one line per message, no escapes
         if len(error) > _ERROR_WIDTH:
             error = error[: _ERROR_WIDTH - 3] + "..."
         finished = m.finished_at.strftime("%Y-%m-%d %H:%M:%S") if m.finished_at else "-"
         rows.append(
-            (str(m.id), m.channel, m.task, f"{m.attempts}/{m.max_attempts}", finished, error)
+            (
+                str(m.id),
+                printable(m.channel),
+                printable(m.task),
+                f"{m.attempts}/{m.max_attempts}",
+                finished,
+                error,
+            )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
@@ -124,7 +138,7 @@ def _list(options: dict[str, Any], stdout: TextIO) -> None:
 
 
 def _add_filters(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--channel", help="Only messages of this channel.")
+    parser.add_argument("--channel", type=channel_name, help="Only messages of this channel.")
     parser.add_argument("--task", help="Only messages of this task name.")
 
 
@@ -140,24 +154,3 @@ def _past(action: str) -> str:
 
 def _messages(count: int) -> str:
     return f"{count} failed message" + ("" if count == 1 else "s")
-
-
-def _positive(text: str) -> int:
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = _integer(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
-
-
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None

@@ -15,12 +15,14 @@ from typing import Any
 from django.core.management.base import CommandError, OutputWrapper
 
 from django_fairqueue import cron, overview, schedules, store
+from django_fairqueue.cli import channel_name
 from django_fairqueue.exceptions import InvalidSchedule
 from django_fairqueue.models import Schedule
+from django_fairqueue.terminal import printable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--channel", help="Only the schedules of this channel.")
+    parser.add_argument("--channel", type=channel_name, help="Only the schedules of this channel.")
     parser.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
     parser.add_argument(
         "--sync", action="store_true", help="Sync the code schedules into the table first."
@@ -40,11 +42,11 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
             ("deleted", result.deleted),
         ):
             if names:
-                stdout.write(f"{what}: {', '.join(names)}")
+                stdout.write(f"{what}: {', '.join(map(printable, names))}")
     if options["fire"]:
         stdout.write(f"fired {schedules.fire_due()} message(s)")
     rows = Schedule.objects.select_related("channel").order_by("channel__name", "name")
-    if options["channel"]:
+    if options["channel"] is not None:
         rows = rows.filter(channel__name=options["channel"])
     found = list(rows)
     now = store.select_clock()
@@ -83,11 +85,11 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
         last = v["last_slot_at"]
         lines.append(
             (
-                v["channel"],
-                v["name"],
-                v["task"],
-                v["cron"],
-                v["timezone"],
+                printable(v["channel"]),
+                printable(v["name"]),
+                printable(v["task"]),
+                printable(v["cron"]),
+                printable(v["timezone"]),
                 f"in {overview.format_age((nxt - now).total_seconds())}"
                 if nxt is not None and nxt > now
                 else ("due" if nxt is not None else ("never" if v["enabled"] else "paused")),

@@ -28,14 +28,17 @@ from django.core.management.base import CommandError
 from django.db import connections
 from django.utils import timezone
 
-from django_fairqueue import overview, registry, stats, store, waiting
+from django_fairqueue import bounds, overview, registry, stats, store, waiting
+from django_fairqueue.cli import channel_name
+from django_fairqueue.terminal import printable
 
 #: Longest channel name printed in the table (the JSON has it whole).
 _NAME_WIDTH = 40
 
 
 def _short_name(name: str) -> str:
-    """A channel or group name cut to the table's name column."""
+    """A channel or group name, control characters escaped, cut to the table's name column."""
+    name = printable(name)
     return name if len(name) <= _NAME_WIDTH else name[: _NAME_WIDTH - 3] + "..."
 
 
@@ -44,12 +47,14 @@ def _cap(max_concurrency: int | None) -> str:
 
 
 _WATCH_DEFAULT = 2.0
+_WATCH_MIN, _WATCH_MAX = 0.1, 86400.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "channel",
         nargs="?",
+        type=channel_name,
         metavar="CHANNEL",
         help="Show this channel alone, with why its messages wait.",
     )
@@ -61,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "by name, most running, most failed.",
     )
     parser.add_argument(
-        "--limit", type=_positive, default=20, help="Most channels to list (default: 20)."
+        "--limit", type=bounds.limit_option, default=20, help="Most channels to list (default: 20)."
     )
     parser.add_argument("--json", action="store_true", help="Print JSON.")
     parser.add_argument(
@@ -156,7 +161,7 @@ def _groups(limit: int) -> dict[str, Any]:
 
 def _render(options: dict[str, Any]) -> str:
     now = store.select_clock()  # the clock that stamped what is aged here
-    if options.get("channel"):
+    if options.get("channel") is not None:
         return _render_channel(options["channel"], options["json"], now)
     data = snapshot(options["sort"], options["limit"], now)
     if options["json"]:
@@ -179,7 +184,7 @@ def _render_channel(name: str, as_json: bool, now: datetime) -> str:
         "finished_last_5m": row.finished_recent,
         "workers": None,
     }
-    return table(single, summary=False) + f"\nWhy it waits: {why.text}"
+    return table(single, summary=False) + f"\nWhy it waits: {printable(why.text)}"
 
 
 def table(data: dict[str, Any], *, summary: bool = True) -> str:
@@ -306,21 +311,13 @@ def _write(stdout: TextIO, text: str) -> None:
     stdout.flush()
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
 def _seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value >= 0.1:
-        raise argparse.ArgumentTypeError(f"must be at least 0.1 seconds, got {text!r}")
+    if not _WATCH_MIN <= value <= _WATCH_MAX:  # NaN fails too; inf would crash the sleep
+        raise argparse.ArgumentTypeError(
+            f"must be {_WATCH_MIN:g} to {_WATCH_MAX:g} seconds, got {text!r}"
+        )
     return value

@@ -14,6 +14,7 @@ from typing import Any
 from django.core.management.base import OutputWrapper
 
 from django_fairqueue import overview, registry, store
+from django_fairqueue.terminal import printable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,11 +37,11 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
         claim = v.last_claim_at and overview.format_age((now - v.last_claim_at).total_seconds())
         lines.append(
             (
-                v.worker_id,
+                printable(v.worker_id),
                 v.state,
-                v.host,
+                printable(v.host),
                 str(v.pid),
-                v.version,
+                printable(v.version),
                 f"{v.running}/{v.concurrency}",
                 f"{v.handled:,}",
                 f"{beat} ago",

@@ -46,6 +46,9 @@ BURST_HORIZON = 5.0
 MAX_BURST_HORIZON = 86_400.0
 #: Stuck handler threads (tasks past their time limit) after which a worker recycles itself.
 MAX_ABANDONED_THREADS = 10
+#: Most handler threads one worker process runs: past a few hundred, threads add contention,
+#: not throughput (run more processes), and the system refuses to start millions of them.
+MAX_CONCURRENCY = 1000
 
 #: The clock leases are estimated with: monotonic, and on Linux counting time suspended too (a
 #: machine that slept past a lease must see it expired). Never compared with the database's
@@ -121,6 +124,10 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         _positive_int(self.concurrency, "concurrency")
+        if self.concurrency > MAX_CONCURRENCY:
+            raise ValueError(
+                f"concurrency must be at most {MAX_CONCURRENCY:,} threads, got {self.concurrency:,}"
+            )
         _positive_int(self.batch_size, "batch_size")
         _positive_int(self.prefetch, "prefetch", minimum=0)
         _positive_int(self.max_abandoned_threads, "max_abandoned_threads")

@@ -7,10 +7,12 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_fairqueue import conf
+from django_fairqueue import bounds, conf
 from django_fairqueue._runtime import configure_logging
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.exceptions import InvalidChannel
+from django_fairqueue.taskspec import registry
+from django_fairqueue.terminal import printable
 from django_fairqueue.worker import (
     Worker,
     WorkerConfig,
@@ -18,13 +20,30 @@ from django_fairqueue.worker import (
     default_worker_id,
     extensions,
 )
-from django_fairqueue.worker.config import BURST_HORIZON, MAX_ABANDONED_THREADS, MAX_BURST_HORIZON
+from django_fairqueue.worker.config import (
+    BURST_HORIZON,
+    MAX_ABANDONED_THREADS,
+    MAX_BURST_HORIZON,
+    MAX_CONCURRENCY,
+)
+
+#: Most worker processes under one supervisor, and most messages one claim takes.
+MAX_PROCESSES = 256
+MAX_BATCH = 10_000
+#: Shortest --lease: the heartbeat renews leases every third of it, and a claimed message must
+#: reach its thread and its first renewal well inside it (a lease that expires first loses
+#: every message it claims, each at the cost of an attempt). Longest: a day, like the others.
+MIN_LEASE = 5.0
+MAX_SECONDS = 86_400.0
 
 
 def _names(value: str | None, option: str) -> tuple[str, ...]:
+    """The channel names of a comma-separated option, each checked as the API checks a name
+    (so ``' a'``, with a blank no channel name can have, is refused, not trimmed). A channel
+    whose name contains a comma cannot be named here."""
     if value is None:
         return ()
-    names = [part.strip() for part in value.split(",")]
+    names = value.split(",")
     for name in names:
         if not name:
             raise CommandError(
@@ -36,6 +55,31 @@ def _names(value: str | None, option: str) -> tuple[str, ...]:
         except InvalidChannel as exc:
             raise CommandError(f"{option}: {exc}") from exc
     return tuple(dict.fromkeys(names))
+
+
+def _seconds(
+    options: dict[str, Any], key: str, low: float, high: float, *, above: bool = False
+) -> float | None:
+    """A float option within low..high (above: strictly above ``low``); NaN and infinity are
+    refused as well, since a sleep or a timedelta cannot take them."""
+    value = options[key]
+    if value is None:
+        return None
+    option = "--" + key.replace("_", "-")
+    if not (low < value if above else low <= value) or not value <= high:
+        span = f"above {low:g}" if above else f"{low:g}"
+        raise CommandError(f"{option} must be {span} to {high:g} seconds, got {value}")
+    return float(value)
+
+
+def _count(options: dict[str, Any], key: str, low: int, high: int) -> int | None:
+    value: int | None = options[key]
+    if value is not None and not low <= value <= high:
+        option = "--" + key.replace("_", "-")
+        if value < low:
+            raise CommandError(f"{option} must be at least {low}, got {value}")
+        raise CommandError(f"{option} must be at most {high:,}, got {value:,}")
+    return value
 
 
 class Command(BaseCommand):
@@ -50,17 +94,20 @@ class Command(BaseCommand):
             "--concurrency",
             type=int,
             default=4,
-            help="Handler threads: messages run at once by this process (default 4).",
+            help="Handler threads: messages run at once by this process "
+            f"(1 to {MAX_CONCURRENCY:,}; default 4).",
         )
         parser.add_argument(
             "--channels",
             metavar="NAMES",
-            help="Claim only from these channels (comma-separated; they need not exist yet).",
+            help="Claim only from these channels (comma-separated, taken as written: no blanks "
+            "around the commas; they need not exist yet). A channel whose name contains a "
+            "comma cannot be named here.",
         )
         parser.add_argument(
             "--exclude-channels",
             metavar="NAMES",
-            help="Never claim from these channels (comma-separated).",
+            help="Never claim from these channels (comma-separated, as --channels).",
         )
         parser.add_argument(
             "--batch-size",
@@ -164,6 +211,14 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         config = self._config(options)
+        for module, exc in registry.import_task_modules():
+            missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+            if missing is None or not (module == missing or module.startswith(missing + ".")):
+                raise exc  # the module exists and its import failed: its own traceback
+            raise CommandError(
+                f"FAIRQUEUE['TASK_MODULES'] names {module!r}, which cannot be imported: {exc} "
+                "(manage.py check reports it as fairqueue.E005)"
+            ) from None
         configure_logging(options["verbosity"])
         if options["processes"] > 1 or options["max_tasks_per_child"] is not None:
             self._supervise(options)
@@ -176,7 +231,7 @@ class Command(BaseCommand):
         finally:
             _stop(companions)
         if options["verbosity"] >= 1:
-            self.stderr.write(f"worker {config.worker_id}: {handled} messages handled")
+            self.stderr.write(f"worker {printable(config.worker_id)}: {handled} messages handled")
 
     def _supervise(self, options: dict[str, Any]) -> None:
         from django_fairqueue.worker import supervisor
@@ -206,38 +261,19 @@ class Command(BaseCommand):
             raise CommandError("a worker process did not stop cleanly", returncode=code)
 
     def _config(self, options: dict[str, Any]) -> WorkerConfig:
-        concurrency = options["concurrency"]
-        if concurrency < 1:
-            raise CommandError(f"--concurrency must be at least 1, got {concurrency}")
-        batch_size = options["batch_size"]
-        if batch_size < 1:
-            raise CommandError(f"--batch-size must be at least 1, got {batch_size}")
-        prefetch = options["prefetch"]
-        if prefetch < 0:
-            raise CommandError(f"--prefetch must be 0 or more, got {prefetch}")
-        processes = options["processes"]
-        if processes < 1:
-            raise CommandError(f"--processes must be at least 1, got {processes}")
-        max_messages = options["max_messages"]
-        if max_messages is not None and max_messages < 1:
-            raise CommandError(f"--max-messages must be at least 1, got {max_messages}")
-        poll = options["poll_interval"]
-        if poll is not None and not poll > 0:
-            raise CommandError(f"--poll-interval must be a positive number of seconds, got {poll}")
-        grace = options["shutdown_grace"]
-        if not grace >= 0:
-            raise CommandError(f"--shutdown-grace must be 0 or more seconds, got {grace}")
-        horizon = options["burst_horizon"]
-        if not 0 <= horizon <= MAX_BURST_HORIZON:
-            raise CommandError(
-                f"--burst-horizon must be 0 to {MAX_BURST_HORIZON:g} seconds, got {horizon}"
-            )
-        abandoned = options["max_abandoned_threads"]
-        if abandoned < 1:
-            raise CommandError(f"--max-abandoned-threads must be at least 1, got {abandoned}")
-        lease = options["lease"]
-        if lease is not None and not lease > 0:
-            raise CommandError(f"--lease must be a positive number of seconds, got {lease}")
+        concurrency = _count(options, "concurrency", 1, MAX_CONCURRENCY)
+        batch_size = _count(options, "batch_size", 1, MAX_BATCH)
+        prefetch = _count(options, "prefetch", 0, MAX_BATCH)
+        _count(options, "processes", 1, MAX_PROCESSES)
+        max_messages = _count(options, "max_messages", 1, bounds.MAX_ID)
+        _count(options, "max_tasks_per_child", 1, bounds.MAX_ID)
+        abandoned = _count(options, "max_abandoned_threads", 1, MAX_CONCURRENCY)
+        poll = _seconds(options, "poll_interval", 0, 3600.0, above=True)
+        grace = _seconds(options, "shutdown_grace", 0, MAX_SECONDS)
+        horizon = _seconds(options, "burst_horizon", 0, MAX_BURST_HORIZON)
+        lease = _seconds(options, "lease", MIN_LEASE, MAX_SECONDS)
+        assert concurrency is not None and batch_size is not None and prefetch is not None
+        assert abandoned is not None and grace is not None and horizon is not None
         worker_id = options["worker_id"]
         if worker_id is not None and (not worker_id.strip() or len(worker_id) > 200):
             raise CommandError("--worker-id must be 1 to 200 characters, not blank")
