@@ -20,7 +20,7 @@ from django.conf import settings
 from django.db.models import Model
 from django.utils import timezone
 
-from django_fairqueue import conf, store, tracing
+from django_fairqueue import bounds, conf, store, tracing
 from django_fairqueue.exceptions import InvalidChannel, PayloadError
 from django_fairqueue.limits import (
     CHANNEL_NAME_MAX_LENGTH,
@@ -197,14 +197,7 @@ def abort(
 
 
 def _ids(ids: Iterable[int]) -> list[int]:
-    if isinstance(ids, int | str):
-        raise TypeError("ids must be a list of message ids")
-    checked = []
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise TypeError(f"message ids must be integers, got {i!r}")
-        checked.append(i)
-    return checked
+    return bounds.message_ids(ids)
 
 
 def _selection(

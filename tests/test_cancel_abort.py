@@ -70,7 +70,7 @@ def test_cancel_needs_a_selection_and_not_two() -> None:
         cancel()
     with pytest.raises(ValueError, match="not both"):
         cancel([1], channel="a")
-    with pytest.raises(TypeError, match="integers"):
+    with pytest.raises(TypeError, match="must be an integer"):
         cancel(["1"])  # type: ignore[list-item]
 
 

@@ -7,10 +7,10 @@
   when a message of scope ``active`` enters the queue, never by the claim. It holds while its
   message is of scope ``active`` and ready, scheduled or running; filled here from the messages
   of that scope in those states (at most one per key: the old index saw to it).
-* The functions are installed again from this migration's own copy (``sql/0023_*.sql``):
+* The functions are installed again from this migration's own copy (``sql/0022_*.sql``):
   the enqueues check a running holder through the hold rows after their insert and take the
   hold for messages of scope ``active``; ``fairqueue_unique_holder_v1`` and
-  ``fairqueue_unique_rejoin_v1`` are new. Reversing installs 0018's copy and drops them.
+  ``fairqueue_unique_rejoin_v1`` are new. Reversing installs 0021's copy and drops them.
 
 Not atomic, so nothing is blocked while the new index builds: it is built ``CONCURRENTLY``
 under a temporary name; the hold rows are filled and the functions installed in one
@@ -63,7 +63,7 @@ def _swap(old: str) -> tuple[str, ...]:
 class Migration(migrations.Migration):
     atomic = False
 
-    dependencies = [("fairqueue", "0020_group_cap_covers_batches")]
+    dependencies = [("fairqueue", "0021_wake_up_without_reading_the_head")]
 
     operations = [
         migrations.CreateModel(
@@ -94,9 +94,9 @@ class Migration(migrations.Migration):
         migrations.RunSQL(
             "BEGIN;\n"
             + FILL_HOLDS
-            + migration_sql("0023_unique_active_off_the_claim")
+            + migration_sql("0022_unique_active_off_the_claim")
             + "\nCOMMIT;",
-            "BEGIN;\n" + DROP_NEW_FUNCTIONS + migration_sql("0018_faster_enqueue") + "\nCOMMIT;",
+            "BEGIN;\n" + DROP_NEW_FUNCTIONS + migration_sql("0021_wake_up_without_reading_the_head") + "\nCOMMIT;",
         ),
         migrations.SeparateDatabaseAndState(
             database_operations=[

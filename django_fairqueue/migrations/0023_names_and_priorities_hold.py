@@ -4,7 +4,7 @@
   ``fairqueue_group_keep_name`` refuse a statement that changes a channel's or a group's name
   (``Model.save()``, ``QuerySet.update()``, ``bulk_update()``, ``loaddata``): enqueues find a
   channel by its name, and the name says which group it belongs to. The functions are
-  installed again from this migration's own copy (``sql/0024_*.sql``); reversing installs the
+  installed again from this migration's own copy (``sql/0023_*.sql``); reversing installs the
   previous copy and drops the triggers and their function.
 * ``fq_message_priority_range``: a message's priority is within -100..100, as ``enqueue()``
   checks, also when the ORM writes it. Rows out of range (only an ORM write could have stored
@@ -18,7 +18,7 @@ from django.db.models import Q
 
 from django_fairqueue.migrations._sql import migration_sql
 
-PREVIOUS = "0021_wake_up_without_reading_the_head"
+PREVIOUS = "0022_unique_active_off_the_claim"
 
 DROP_NEW = """
 DROP TRIGGER IF EXISTS fairqueue_channel_keep_name ON fairqueue_channel;
@@ -31,12 +31,12 @@ class Migration(migrations.Migration):
     atomic = False
 
     dependencies = [
-        ("fairqueue", "0021_wake_up_without_reading_the_head"),
+        ("fairqueue", "0022_unique_active_off_the_claim"),
     ]
 
     operations = [
         migrations.RunSQL(
-            migration_sql("0024_names_and_priorities_hold"),
+            migration_sql("0023_names_and_priorities_hold"),
             DROP_NEW + migration_sql(PREVIOUS),
         ),
         migrations.SeparateDatabaseAndState(

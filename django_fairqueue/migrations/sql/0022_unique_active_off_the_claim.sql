@@ -2597,31 +2597,45 @@ BEGIN
 
     -- One wake-up per transaction at most: PostgreSQL folds identical notifications of a
     -- transaction into one, so a batch (or a view enqueueing many times) notifies once.
-    -- And only when an idle worker may be waiting: not when the batch has one channel whose
-    -- head became ready over 50 ms ago. Nobody idle took it (workers are busy, or the channel
-    -- is capped, paused or rate limited), and busy workers claim again as they settle, so the
-    -- notification would only cost: NOTIFY serialises commits on a cluster-wide lock and wakes
-    -- every listener. A fresher head may be being claimed right now by a claim that cannot see
-    -- this batch yet: that still notifies. "Became ready" is the later of enqueued_at and
-    -- run_at: a message enqueued just now with a run_after already past is a fresh head.
-    -- The head is read like the claim reads it (ORDER BY and LIMIT 1 on fq_message_ready_idx):
-    -- one index probe. Batches of several channels (rare, and notifying once for many
-    -- messages) always notify: with the names as an array the planner cannot settle on a
-    -- generic plan and re-plans on every call.
+    -- And only when an idle worker may be waiting, which it is not (the notification would
+    -- only cost: NOTIFY serialises commits on a cluster-wide lock and wakes every listener)
+    -- when the batch has one channel and
+    -- * a claim left that channel backlogged: its counted ready_count (on the channel row,
+    --   which costs nothing more to read) is above zero. A claim leaves ready messages behind
+    --   only when the channel is capped, paused or rate limited, or when its claimer had its
+    --   fill, and that claimer claims again as it settles. A worker that went idle before that
+    --   claim was woken by the enqueues since, which found the count at zero; one that went
+    --   idle after it would have taken the rest. This is the common case under load, and it
+    --   reads no message: the head of a busy channel's ready index is where claims leave dead
+    --   entries until vacuum, and walking them cost the probe below up to 0.2 ms;
+    -- * or, with ready_count at zero (no claim has counted this backlog yet), the channel's
+    --   head became ready over 50 ms ago. Nobody idle took it (workers are busy, or the
+    --   channel is capped, paused or rate limited), and busy workers claim again as they
+    --   settle. A fresher head may be being claimed right now by a claim that cannot see this
+    --   batch yet: that still notifies. "Became ready" is the later of enqueued_at and run_at:
+    --   a message enqueued just now with a run_after already past is a fresh head. The head is
+    --   read like the claim reads it (ORDER BY and LIMIT 1 on fq_message_ready_idx): one
+    --   index probe, made only when the count is zero (CASE evaluates it lazily).
+    -- Batches of several channels (rare, and notifying once for many messages) always notify:
+    -- with the names as an array the planner cannot settle on a generic plan and re-plans on
+    -- every call.
     IF p_notify_channel IS NOT NULL AND (
         cardinality(v_names) > 1
         OR NOT EXISTS (
             SELECT 1
             FROM fairqueue_channel c
-            CROSS JOIN LATERAL (
-                SELECT m.run_at, m.enqueued_at
-                FROM fairqueue_message m
-                WHERE m.channel_id = c.id AND m.state = 'ready'
-                ORDER BY m.priority DESC, m.id
-                LIMIT 1
-            ) head
             WHERE c.name = v_names[1]
-              AND greatest(head.run_at, head.enqueued_at) < v_now - interval '50 milliseconds'
+              AND CASE WHEN c.ready_count > 0 THEN true ELSE EXISTS (
+                  SELECT FROM (
+                      SELECT m.run_at, m.enqueued_at
+                      FROM fairqueue_message m
+                      WHERE m.channel_id = c.id AND m.state = 'ready'
+                      ORDER BY m.priority DESC, m.id
+                      LIMIT 1
+                  ) head
+                  WHERE greatest(head.run_at, head.enqueued_at)
+                        < v_now - interval '50 milliseconds'
+              ) END
         )
     ) THEN
         PERFORM pg_notify(p_notify_channel, '');
@@ -2635,13 +2649,14 @@ $$;
 -- arrays' elements. An existing channel without max_backlog takes the fast path: the name
 -- lock (the same shared lock, taken first, in a statement of its own, so the next statement's
 -- snapshot sees any deletion that committed before it), then one statement that resolves the
--- name, reads the channel's head for the wake-up decision and inserts the message and its
--- delta. A missing or bounded channel goes through fairqueue_enqueue_v1 (channel creation, the
+-- name, makes the wake-up decision and inserts the message and its delta. A missing or bounded channel goes through fairqueue_enqueue_v1 (channel creation, the
 -- at-once and at-commit bounds); returns NULL where it returns no rows (p_create false).
--- The head is read before the insert, in the same statement: the message does not notify when
--- that head became ready over 50 ms ago and still comes first after the insert (same or
--- higher priority, or this message is scheduled), exactly when fairqueue_enqueue_v1's probe
--- after the insert would find that stale head.
+-- The wake-up decision is fairqueue_enqueue_v1's: no NOTIFY when a claim left the channel
+-- backlogged (ready_count above zero). Otherwise the head is read before the insert, in the
+-- same statement: the message does not notify when that head became ready over 50 ms ago and
+-- still comes first after the insert (same or higher priority, or this message is
+-- scheduled), exactly when fairqueue_enqueue_v1's probe after the insert would find that
+-- stale head.
 CREATE OR REPLACE FUNCTION fairqueue_enqueue_one_v1(
     p_channel text,
     p_task text,
@@ -2756,7 +2771,7 @@ BEGIN
         PERFORM pg_advisory_xact_lock_shared(fairqueue_channel_lock_key_v1(), v_key);
     END IF;
     WITH ch AS (
-        SELECT c.id
+        SELECT c.id, c.ready_count
         FROM fairqueue_channel c
         WHERE c.name = p_channel AND c.max_backlog IS NULL
     ), head AS (
@@ -2784,9 +2799,11 @@ BEGIN
         FROM inserted
     )
     SELECT inserted.id,
-           EXISTS (SELECT FROM head
-                   WHERE head.since < v_now - interval '50 milliseconds'
-                     AND (head.priority >= p_priority OR v_run_at > v_now))
+           CASE WHEN (SELECT ch.ready_count FROM ch) > 0 THEN true
+                ELSE EXISTS (SELECT FROM head
+                             WHERE head.since < v_now - interval '50 milliseconds'
+                               AND (head.priority >= p_priority OR v_run_at > v_now))
+           END
     INTO v_id, v_quiet
     FROM inserted;
     IF v_id IS NULL THEN  -- a missing or bounded channel: nothing was inserted

@@ -1729,21 +1729,163 @@ END;
 $$;
 
 
--- Whether another message holds a unique key of a channel: one waiting (ready or scheduled),
--- or one running with scope 'active' (the predicate of fq_message_unique_idx, which answers
--- it). A unique job going back to the queue (a retry, a release, a rescue of scope 'queued';
--- an operator's retry of a dead letter) whose key another message took meanwhile is
--- superseded by that message: it ends cancelled (or stays failed) rather than queue twice.
--- Not inlined (a subquery prevents it): callers test `unique_key IS NOT NULL` first, so a
--- message without a key never pays for the call.
+-- Whether another message holds a unique key of a channel: one waiting (ready or scheduled:
+-- fq_message_unique_idx answers it), or one running with scope 'active' (its hold row in
+-- fairqueue_unique_hold names it). A unique job going back to the queue (a retry, a release,
+-- a rescue of scope 'queued'; an operator's retry of a dead letter) whose key another message
+-- took meanwhile is superseded by that message: it ends cancelled (or stays failed) rather
+-- than queue twice. Not inlined (a subquery prevents it): callers test `unique_key IS NOT
+-- NULL` first, so a message without a key never pays for the call. STABLE: it reads the
+-- calling statement's snapshot; fairqueue_unique_rejoin_v1 checks again after the write.
 CREATE OR REPLACE FUNCTION fairqueue_unique_key_held_v1(p_channel_id bigint, p_unique_key text)
 RETURNS boolean
 LANGUAGE sql STABLE AS $$
     SELECT EXISTS (
-        SELECT FROM fairqueue_message o
-        WHERE o.channel_id = p_channel_id AND o.unique_key = p_unique_key
-          AND (o.state IN ('ready', 'scheduled')
-               OR (o.state = 'running' AND o.unique_scope = 'active')))
+               SELECT FROM fairqueue_message o
+               WHERE o.channel_id = p_channel_id AND o.unique_key = p_unique_key
+                 AND o.state IN ('ready', 'scheduled'))
+        OR EXISTS (
+               SELECT FROM fairqueue_unique_hold h
+               JOIN fairqueue_message o ON o.id = h.message_id
+               WHERE h.channel_id = p_channel_id AND h.unique_key = p_unique_key
+                 AND o.channel_id = p_channel_id AND o.unique_key = p_unique_key
+                 AND o.unique_scope = 'active' AND o.state = 'running')
+$$;
+
+
+-- The hold of a unique key by a message of scope 'active' while it runs.
+--
+-- fq_message_unique_idx covers waiting messages only (ready, scheduled), so the claim, which
+-- takes a message out of it, writes no index entry whatever the scope. A message of scope
+-- 'active' also keeps its key while it runs through a row of fairqueue_unique_hold,
+-- (channel_id, unique_key) -> message_id, written when the message enters the queue (its
+-- enqueue, a replace that gives a waiting holder the scope, an operator's retry) and never
+-- by the claim, the settlements or the rescue. A hold row is live while the message it names
+-- is of scope 'active' and ready, scheduled or running, with that channel and key; a row
+-- whose message finished, failed or is gone holds nothing and is taken over by the next
+-- message of scope 'active' that enters with the key (and deleted by the pruner once its
+-- message is gone or finished for good). Invariant: every message of scope 'active' that is
+-- ready, scheduled or running is named by its key's hold row.
+--
+-- fairqueue_unique_holder_v1 runs right after a keyed message p_id entered the index (its
+-- insert, or its return to the queue), in the same transaction, and returns the id of another
+-- message holding the key through a live hold row, or NULL. For a message of scope 'active'
+-- it also makes the hold row name p_id (when it returns NULL). The caller must not keep p_id
+-- in the queue when it returns an id.
+--
+-- Why after the write, and why it is enough at READ COMMITTED: p_id's index entry is in
+-- place (uncommitted) before this runs, so no other message can enter the index with the key
+-- until this transaction ends (its insert waits for ours), and a running holder can only
+-- appear by a claim of a waiting message, which must be in the index: none can start holding
+-- the key from now on. A holder that was claimed before p_id's insert committed its claim
+-- before that insert passed the index (the insert waits for a transaction that is updating
+-- the waiting row it meets), and its hold row was committed with its enqueue, earlier still;
+-- each statement of this VOLATILE function takes a fresh snapshot, so it sees both. Checking
+-- before the insert instead would miss a holder claimed between the check and the insert.
+-- Under REPEATABLE READ or SERIALIZABLE the snapshot is the transaction's: the function then
+-- locks the hold row (ON CONFLICT DO UPDATE on a row written after the snapshot is a
+-- serialization failure) and locks a holder it finds stale (FOR SHARE: a serialization
+-- failure if it changed after the snapshot), so what it read is still true; a holder its
+-- snapshot shows waiting or running counts as holding.
+--
+-- Lock order: the hold row ranks after message rows (docs/explanation/fairness.md, "Lock
+-- order"): callers have already locked or inserted the message rows they write. Nobody waits
+-- for a hold row while holding another message's index entry of the same key (only the
+-- transaction whose message is in the index writes that key's hold row), and the pruner
+-- deletes hold rows it takes SKIP LOCKED.
+CREATE OR REPLACE FUNCTION fairqueue_unique_holder_v1(
+    p_channel_id bigint, p_unique_key text, p_id bigint, p_scope text
+)
+RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_holder bigint;
+    v_live boolean;
+BEGIN
+    IF current_setting('transaction_isolation') = 'read committed' THEN
+        IF p_scope = 'active' THEN
+            -- Take the hold: a new row, or a row whose message holds no more.
+            INSERT INTO fairqueue_unique_hold AS h (channel_id, unique_key, message_id)
+            VALUES (p_channel_id, p_unique_key, p_id)
+            ON CONFLICT (channel_id, unique_key) DO UPDATE SET message_id = excluded.message_id
+            WHERE NOT EXISTS (
+                SELECT FROM fairqueue_message o
+                WHERE o.id = h.message_id AND o.channel_id = h.channel_id
+                  AND o.unique_key = h.unique_key AND o.unique_scope = 'active'
+                  AND o.state IN ('ready', 'scheduled', 'running'))
+            RETURNING h.message_id INTO v_holder;
+            IF FOUND THEN
+                RETURN NULL;
+            END IF;
+            -- A live hold (the row is locked now: it cannot change before this commits).
+            SELECT h.message_id INTO v_holder
+            FROM fairqueue_unique_hold h
+            WHERE h.channel_id = p_channel_id AND h.unique_key = p_unique_key;
+            RETURN nullif(v_holder, p_id);
+        END IF;
+        SELECT o.id INTO v_holder
+        FROM fairqueue_unique_hold h
+        JOIN fairqueue_message o ON o.id = h.message_id
+        WHERE h.channel_id = p_channel_id AND h.unique_key = p_unique_key AND o.id <> p_id
+          AND o.channel_id = p_channel_id AND o.unique_key = p_unique_key
+          AND o.unique_scope = 'active' AND o.state IN ('ready', 'scheduled', 'running');
+        RETURN v_holder;
+    END IF;
+    -- REPEATABLE READ, SERIALIZABLE: lock the hold row first (or insert it).
+    INSERT INTO fairqueue_unique_hold AS h (channel_id, unique_key, message_id)
+    VALUES (p_channel_id, p_unique_key, p_id)
+    ON CONFLICT (channel_id, unique_key) DO UPDATE SET message_id = h.message_id
+    RETURNING h.message_id INTO v_holder;
+    IF v_holder <> p_id THEN
+        SELECT o.unique_scope = 'active' AND o.state IN ('ready', 'scheduled', 'running')
+               AND o.channel_id = p_channel_id AND o.unique_key = p_unique_key
+        INTO v_live
+        FROM fairqueue_message o
+        WHERE o.id = v_holder;
+        IF v_live THEN
+            RETURN v_holder;
+        ELSIF FOUND THEN
+            -- Stale as this snapshot shows it: still so? (A serialization failure if not.)
+            PERFORM FROM fairqueue_message o WHERE o.id = v_holder FOR SHARE;
+        END IF;
+    END IF;
+    IF p_scope = 'active' THEN
+        UPDATE fairqueue_unique_hold h SET message_id = p_id
+        WHERE h.channel_id = p_channel_id AND h.unique_key = p_unique_key
+          AND h.message_id <> p_id;
+    ELSIF v_holder = p_id THEN
+        -- inserted only to lock the key's row: no hold of a message of scope 'queued'
+        DELETE FROM fairqueue_unique_hold h
+        WHERE h.channel_id = p_channel_id AND h.unique_key = p_unique_key;
+    END IF;
+    RETURN NULL;
+END;
+$$;
+
+
+-- A keyed message p_id just went back to the queue (a retry, a release, a rescue, an
+-- operator's retry of a dead letter: the statement's RETURNING calls this, after the row and
+-- its index entry are written). If a running message of scope 'active' holds the key
+-- (fairqueue_unique_holder_v1), the statement fails with a unique violation of
+-- fq_message_unique_idx, as it would had that holder been waiting: the caller runs it again
+-- (store._run_back_to_queue) and its fresh snapshot sees the holder, so the message is
+-- superseded. A message of scope 'active' (re)takes its key's hold row.
+CREATE OR REPLACE FUNCTION fairqueue_unique_rejoin_v1(
+    p_channel_id bigint, p_unique_key text, p_id bigint, p_scope text
+)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_holder bigint := fairqueue_unique_holder_v1(p_channel_id, p_unique_key, p_id, p_scope);
+BEGIN
+    IF v_holder IS NOT NULL THEN
+        RAISE EXCEPTION 'fairqueue: message % holds unique key % of channel % while it runs',
+            v_holder, quote_literal(p_unique_key), p_channel_id
+            USING ERRCODE = 'unique_violation', CONSTRAINT = 'fq_message_unique_idx',
+                  TABLE = 'fairqueue_message';
+    END IF;
+    RETURN true;
+END;
 $$;
 
 
@@ -1940,24 +2082,30 @@ $$;
 -- Unique jobs: the part of fairqueue_enqueue_v1 that runs when a batch carries unique keys
 -- (p_keys, NULL elements for messages without one), after the channels exist and the names are
 -- held. At most one message per (channel, unique key) holds the key: while it is ready or
--- scheduled, and while it runs too when its scope is 'active' (the partial unique index
--- fq_message_unique_idx; the ON CONFLICT below repeats its predicate word for word, which is
--- how PostgreSQL matches the index). A message whose key is held is not inserted, and its
--- policy decides (p_policies):
+-- scheduled (the partial unique index fq_message_unique_idx; the ON CONFLICT below repeats its
+-- predicate word for word, which is how PostgreSQL matches the index), and while it runs too
+-- when its scope is 'active' (its hold row: fairqueue_unique_holder_v1). A message whose key
+-- is held is not inserted, and its policy decides (p_policies):
 --   keep     return the holder's id;
 --   replace  give a queued holder this message's task, payload, priority, run time and
 --            limits, in place (same id, same place in its channel); a running holder is kept
 --            as it is (a running task's arguments cannot change) and its id returned;
 --   raise    SQLSTATE FQ003, with the holder in DETAIL; nothing of the batch is stored.
--- Race-free: the index admits one holder whatever the interleaving; ON CONFLICT waits for a
--- concurrent inserter of the same key and then sees its row. Each look-up below is a
--- statement of its own, so its snapshot sees the holder the insert conflicted with (committed
--- after this statement began, perhaps). A holder that stops holding meanwhile (claimed, with
--- scope 'queued'; finished, cancelled) makes the call start over, its keys given back.
--- Lock order: only message rows (rank 5): a replace locks the queued holder it rewrites;
--- a keep locks nothing, so an enqueue in a long transaction never holds up a worker. Keys
--- are inserted, and held keys handled, in (channel, key) order, so concurrent batches cannot
--- deadlock over them (separate calls in one transaction are the caller's order).
+-- Race-free: the index admits one waiting holder whatever the interleaving; ON CONFLICT waits
+-- for a concurrent inserter of the same key and then sees its row. A running holder of scope
+-- 'active' is not in the index: the insert passes over keys whose live hold row its snapshot
+-- sees, and after the insert the inserted keys are checked again (a holder claimed between
+-- the snapshot and the insert; fairqueue_unique_holder_v1 says why after is enough): one
+-- found makes the call start over, and the next attempt's snapshot sees it. Each look-up below
+-- is a statement of its own, so its snapshot sees the holder the insert conflicted with
+-- (committed after this statement began, perhaps). A holder that stops holding meanwhile
+-- (claimed, with scope 'queued'; finished, cancelled) makes the call start over, its keys
+-- given back.
+-- Lock order: message rows (rank 5), then hold rows: a replace locks the queued holder it
+-- rewrites; messages of scope 'active' write their keys' hold rows after every insert; a keep
+-- locks nothing else, so an enqueue in a long transaction never holds up a worker. Keys are
+-- inserted, hold rows written and held keys handled in (channel, key) order, so concurrent
+-- batches cannot deadlock over them (separate calls in one transaction are the caller's order).
 -- Returns the ids in input order (a kept or replaced message's id is its holder's).
 CREATE OR REPLACE FUNCTION fairqueue_enqueue_unique_v1(
     p_channels text[],
@@ -1987,6 +2135,7 @@ DECLARE
     v_kid bigint[];
     v_kch bigint[];
     v_kkey text[];
+    v_kscope text[];
     v_out bigint[];
     v_id bigint;
     v_state text;
@@ -2036,16 +2185,31 @@ BEGIN
                        input.run_at, p_now, 0, input.max_attempts, input.keep_result, '', input.ukey,
                        input.scope
                 FROM input
+                -- not a key a running message of scope 'active' holds (as far as this snapshot
+                -- shows: checked again after the insert). A lateral subquery with LIMIT: one
+                -- probe of the hold row's key per message, never a join over the whole tables
+                -- (which a generic plan's anti-join chose: 20 ms per batch of 100).
+                LEFT JOIN LATERAL (
+                    SELECT o.id
+                    FROM fairqueue_unique_hold h
+                    JOIN fairqueue_message o ON o.id = h.message_id
+                    WHERE input.ukey IS NOT NULL
+                      AND h.channel_id = input.cid AND h.unique_key = input.ukey
+                      AND o.channel_id = input.cid AND o.unique_key = input.ukey
+                      AND o.unique_scope = 'active'
+                      AND o.state IN ('ready', 'scheduled', 'running')
+                    LIMIT 1
+                ) held ON true
+                WHERE held.id IS NULL
                 -- Keyed rows in (channel, key) order: two batches inserting the same keys in opposite
                 -- orders would each wait for the other's first key (ON CONFLICT waits for an insert
                 -- in progress), a deadlock. The rows without a key come first, in input order, so
                 -- their ids still follow it.
                 ORDER BY input.ukey IS NOT NULL, input.cid, input.ukey, input.ord
                 ON CONFLICT (channel_id, unique_key)
-                    WHERE unique_key IS NOT NULL
-                      AND (state IN ('ready', 'scheduled') OR (state = 'running' AND unique_scope = 'active'))
+                    WHERE unique_key IS NOT NULL AND state IN ('ready', 'scheduled')
                     DO NOTHING
-                RETURNING m.id, m.channel_id, m.state, m.unique_key
+                RETURNING m.id, m.channel_id, m.state, m.unique_key, m.unique_scope
             ), delta AS (
                 INSERT INTO fairqueue_channel_delta (
                     channel_id, ready, scheduled, running, failed, succeeded, backlog_check
@@ -2061,9 +2225,50 @@ BEGIN
             SELECT array_agg(inserted.id ORDER BY inserted.id) FILTER (WHERE inserted.unique_key IS NULL),
                    array_agg(inserted.id) FILTER (WHERE inserted.unique_key IS NOT NULL),
                    array_agg(inserted.channel_id) FILTER (WHERE inserted.unique_key IS NOT NULL),
-                   array_agg(inserted.unique_key) FILTER (WHERE inserted.unique_key IS NOT NULL)
-            INTO v_plain, v_kid, v_kch, v_kkey
+                   array_agg(inserted.unique_key) FILTER (WHERE inserted.unique_key IS NOT NULL),
+                   array_agg(inserted.unique_scope) FILTER (WHERE inserted.unique_key IS NOT NULL)
+            INTO v_plain, v_kid, v_kch, v_kkey, v_kscope
             FROM inserted;
+
+            -- The inserted keys, checked again now that their index entries are in place (a
+            -- fresh snapshot: a holder of scope 'active' claimed since the insert's snapshot
+            -- is seen now), and the hold rows of those of scope 'active' taken, in (channel,
+            -- key) order. At READ COMMITTED one statement each (nobody can start holding an
+            -- inserted key before this transaction ends: see fairqueue_unique_holder_v1);
+            -- otherwise that function, key by key, with its locks.
+            IF v_kid IS NOT NULL THEN
+                IF current_setting('transaction_isolation') = 'read committed' THEN
+                    IF EXISTS (
+                        SELECT FROM unnest(v_kid, v_kch, v_kkey) AS k(id, ch, ukey)
+                        CROSS JOIN LATERAL (  -- one probe per key, as above
+                            SELECT o.id
+                            FROM fairqueue_unique_hold h
+                            JOIN fairqueue_message o ON o.id = h.message_id
+                            WHERE h.channel_id = k.ch AND h.unique_key = k.ukey
+                              AND o.id <> k.id AND o.channel_id = k.ch AND o.unique_key = k.ukey
+                              AND o.unique_scope = 'active'
+                              AND o.state IN ('ready', 'scheduled', 'running')
+                            LIMIT 1
+                        ) held)
+                    THEN
+                        RAISE EXCEPTION USING ERRCODE = 'FQ004';  -- start over: see below
+                    END IF;
+                    IF 'active' = ANY (v_kscope) THEN
+                        INSERT INTO fairqueue_unique_hold AS h (channel_id, unique_key, message_id)
+                        SELECT k.ch, k.ukey, k.id
+                        FROM unnest(v_kid, v_kch, v_kkey, v_kscope) AS k(id, ch, ukey, scope)
+                        WHERE k.scope = 'active'
+                        ORDER BY k.ch, k.ukey
+                        ON CONFLICT (channel_id, unique_key)
+                            DO UPDATE SET message_id = excluded.message_id;
+                    END IF;
+                ELSIF EXISTS (
+                    SELECT FROM unnest(v_kid, v_kch, v_kkey, v_kscope) AS k(id, ch, ukey, scope)
+                    WHERE fairqueue_unique_holder_v1(k.ch, k.ukey, k.id, k.scope) IS NOT NULL)
+                THEN
+                    RAISE EXCEPTION USING ERRCODE = 'FQ004';
+                END IF;
+            END IF;
 
             -- Ids by position: messages without a key in input order (the sequence follows it); a
             -- keyed message by its channel and key, only at the first position with that pair (a
@@ -2105,11 +2310,22 @@ BEGIN
                             quote_literal(p_keys[i]), quote_literal(p_channels[i])
                             USING ERRCODE = '40001';
                     END IF;
-                    SELECT m.id, m.state INTO v_id, v_state
-                    FROM fairqueue_message m
-                    WHERE m.channel_id = v_cids[i] AND m.unique_key = p_keys[i]
-                      AND (m.state IN ('ready', 'scheduled')
-                           OR (m.state = 'running' AND m.unique_scope = 'active'));
+                    -- the waiting holder (the index), else a running one of scope 'active'
+                    SELECT x.id, x.state INTO v_id, v_state
+                    FROM (
+                        (SELECT m.id, m.state
+                         FROM fairqueue_message m
+                         WHERE m.channel_id = v_cids[i] AND m.unique_key = p_keys[i]
+                           AND m.state IN ('ready', 'scheduled'))
+                        UNION ALL
+                        (SELECT o.id, o.state
+                         FROM fairqueue_unique_hold h
+                         JOIN fairqueue_message o ON o.id = h.message_id
+                         WHERE h.channel_id = v_cids[i] AND h.unique_key = p_keys[i]
+                           AND o.channel_id = v_cids[i] AND o.unique_key = p_keys[i]
+                           AND o.unique_scope = 'active' AND o.state = 'running')
+                    ) x
+                    LIMIT 1;
                     IF FOUND THEN
                         IF v_policy = 'raise' THEN
                             RAISE EXCEPTION 'fairqueue: channel % already has message % (%) with unique key %',
@@ -2133,6 +2349,17 @@ BEGIN
                                 max_attempts = p_max_attempts[i], keep_result = p_keep_result[i],
                                 unique_scope = v_scope, attempts = 0
                             WHERE m.id = v_id;
+                            IF v_scope = 'active' THEN
+                                -- now of scope 'active': it takes the key's hold row (a waiting
+                                -- holder is the key's only one: any row there holds nothing)
+                                INSERT INTO fairqueue_unique_hold AS h (
+                                    channel_id, unique_key, message_id
+                                )
+                                VALUES (v_cids[i], p_keys[i], v_id)
+                                ON CONFLICT (channel_id, unique_key)
+                                    DO UPDATE SET message_id = excluded.message_id
+                                    WHERE h.message_id <> excluded.message_id;
+                            END IF;
                             IF v_state <> v_new_state THEN
                                 INSERT INTO fairqueue_channel_delta (
                                     channel_id, ready, scheduled, running, failed, succeeded,
@@ -2487,13 +2714,16 @@ DECLARE
     v_run_at timestamptz := coalesce(p_run_at, v_now + p_delay, v_now);
     v_key integer := hashtext(p_channel);
     v_id bigint;
+    v_cid bigint;
     v_quiet boolean;
 BEGIN
     IF p_unique_key IS NOT NULL THEN
         -- A unique job. The common case, an existing channel without max_backlog and a key
         -- nobody holds, is one statement like the plain one below (the same name lock first),
-        -- its insert arbitrated by fq_message_unique_idx. Anything else (a missing or bounded
-        -- channel, a held key and its policy) goes through fairqueue_enqueue_unique_v1's rules.
+        -- its insert arbitrated by fq_message_unique_idx, then the check of a running holder
+        -- of scope 'active' (fairqueue_unique_holder_v1, which also takes the key's hold row
+        -- for a message of that scope). Anything else (a missing or bounded channel, a held
+        -- key and its policy) goes through fairqueue_enqueue_unique_v1's rules.
         IF NOT pg_try_advisory_xact_lock_shared(fairqueue_channel_lock_key_v1(), v_key) THEN
             PERFORM pg_advisory_xact_lock_shared(fairqueue_channel_lock_key_v1(), v_key);
         END IF;
@@ -2511,9 +2741,20 @@ BEGIN
                    v_run_at, v_now, 0, p_max_attempts, p_keep_result, '', p_unique_key,
                    coalesce(p_unique_scope, 'queued')
             FROM ch
+            -- not a key a running message of scope 'active' holds, as far as this snapshot
+            -- shows (checked again below; one probe, as in fairqueue_enqueue_unique_v1)
+            LEFT JOIN LATERAL (
+                SELECT o.id
+                FROM fairqueue_unique_hold h
+                JOIN fairqueue_message o ON o.id = h.message_id
+                WHERE h.channel_id = ch.id AND h.unique_key = p_unique_key
+                  AND o.channel_id = ch.id AND o.unique_key = p_unique_key
+                  AND o.unique_scope = 'active' AND o.state IN ('ready', 'scheduled', 'running')
+                LIMIT 1
+            ) held ON true
+            WHERE held.id IS NULL
             ON CONFLICT (channel_id, unique_key)
-                WHERE unique_key IS NOT NULL
-                  AND (state IN ('ready', 'scheduled') OR (state = 'running' AND unique_scope = 'active'))
+                WHERE unique_key IS NOT NULL AND state IN ('ready', 'scheduled')
                 DO NOTHING
             RETURNING m.id, m.channel_id
         ), delta AS (
@@ -2524,7 +2765,21 @@ BEGIN
                    (v_run_at > v_now)::integer, 0, 0, 0, false
             FROM inserted
         )
-        SELECT inserted.id INTO v_id FROM inserted;
+        SELECT inserted.id, inserted.channel_id INTO v_id, v_cid FROM inserted;
+        IF v_id IS NOT NULL
+           AND fairqueue_unique_holder_v1(v_cid, p_unique_key, v_id,
+                                          coalesce(p_unique_scope, 'queued')) IS NOT NULL
+        THEN
+            -- A running holder of scope 'active', claimed after this statement's snapshot
+            -- was taken: take the message back out and let the general path apply the policy.
+            DELETE FROM fairqueue_message m WHERE m.id = v_id;
+            INSERT INTO fairqueue_channel_delta (
+                channel_id, ready, scheduled, running, failed, succeeded, backlog_check, wake
+            )
+            VALUES (v_cid, -(v_run_at <= v_now)::integer, -(v_run_at > v_now)::integer,
+                    0, 0, 0, false, false);
+            v_id := NULL;
+        END IF;
         IF v_id IS NOT NULL THEN
             -- (without the plain path's test of a stale head: a unique job always wakes)
             IF p_notify_channel IS NOT NULL THEN
