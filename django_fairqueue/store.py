@@ -34,6 +34,13 @@ from psycopg.types.json import Jsonb, JsonbBinaryLoader
 
 from django_fairqueue import conf
 from django_fairqueue.exceptions import ChannelFull, DuplicateJob, IsolationLevelError
+from django_fairqueue.queues import (
+    DEFAULT_QUEUE,
+    SEPARATOR,
+    row_name,
+    split_row_name,
+    validate_queue_name,
+)
 
 logger = logging.getLogger("django_fairqueue.store")
 
@@ -192,6 +199,17 @@ class ClaimedMessage:
     lease_expires_at: datetime
     enqueued_at: datetime
     run_at: datetime
+    #: the message's queue (``channel`` is the channel's name within it)
+    queue: str = DEFAULT_QUEUE
+
+
+def _claimed(row: tuple[Any, ...]) -> ClaimedMessage:
+    """A claimed row; a channel row of another queue than the default is named
+    ``<queue>\\x1f<channel>``, which becomes ``queue`` and ``channel``."""
+    if SEPARATOR in row[2]:
+        queue, name = split_row_name(row[2])
+        return ClaimedMessage(*row[:2], name, *row[3:], queue=queue)  # type: ignore[misc]
+    return ClaimedMessage(*row)
 
 
 @dataclass(frozen=True, slots=True)
@@ -526,6 +544,7 @@ def claim_messages(
     quantum: int | None = None,
     maintain: bool = True,
     fairness: str | None = None,
+    queues: Sequence[str] | None = None,
     using: str | None = None,
 ) -> list[ClaimedMessage]:
     """Claim up to ``limit`` messages fairly across channels, each under a fresh lease.
@@ -536,11 +555,17 @@ def claim_messages(
     may queue briefly behind a concurrent claim holding the only eligible channels (see
     :func:`_run_claim`). ``fairness`` (``"count"`` or ``"time"``) overrides the
     ``FAIRNESS`` setting: which channel comes next, by turns of messages or by worker time.
+    ``queues`` limits the claim to those queues (None: every queue); several are served in
+    turn, the one whose first channel has waited longest first (docs/howto/queues.md).
     """
     params = _claim_params(limit, lease, worker_id, only_channel_ids, exclude_channel_ids, quantum)
-    params.update(maintain=maintain, by_time=_by_time(fairness))
+    params.update(
+        maintain=maintain,
+        by_time=_by_time(fairness),
+        queues=None if queues is None else [validate_queue_name(q) for q in queues],
+    )
     rows = _run_claim("claim_messages", params, using)
-    return [ClaimedMessage(*row) for row in rows]
+    return [_claimed(row) for row in rows]
 
 
 def _claim_params(
@@ -1118,6 +1143,21 @@ def select_channel_ids(names: Sequence[str], *, using: str | None = None) -> dic
     if not names:
         return {}
     return {name: cid for cid, name in _run("select_channel_ids", {"names": list(names)}, using)}
+
+
+def select_channel_ids_in_queues(
+    names: Sequence[str], queues: Sequence[str] | None, *, using: str | None = None
+) -> list[tuple[int, str, str]]:
+    """``(id, queue, name)`` of the channel rows of ``names`` in ``queues`` (None: all)."""
+    if not names:
+        return []
+    if queues is not None:  # the rows' names are known: index lookups
+        rows = [row_name(q, n) for q in queues for n in names]
+        return [
+            (cid, *split_row_name(row)) for row, cid in select_channel_ids(rows, using=using).items()
+        ]
+    params = {"names": list(names), "queues": None}
+    return [tuple(r) for r in _run("select_channel_ids_in_queues", params, using)]  # type: ignore[misc]
 
 
 def delete_failed_messages(ids: Sequence[int], *, using: str | None = None) -> list[int]:

@@ -63,7 +63,7 @@ SELECT id, channel_id, channel_name, task_name, payload, priority, attempts, max
 FROM fairqueue_claim_v1(
     %(limit)s::integer, %(lease)s::interval, %(worker)s::text, %(only)s::bigint[],
     %(exclude)s::bigint[], %(quantum)s::integer, %(maintain)s::boolean, %(wait_ms)s::integer,
-    %(by_time)s::boolean
+    %(by_time)s::boolean, %(queues)s::text[]
 );
 
 -- name: prepare_claims
@@ -678,6 +678,18 @@ ORDER BY n;
 -- name: select_channel_ids
 -- Channel ids for names (unknown names are absent from the result).
 SELECT c.id, c.name FROM fairqueue_channel c WHERE c.name = ANY (%(names)s::text[]);
+
+-- name: select_channel_ids_in_queues
+-- Channel rows of channel names in queues (NULL: every queue), with each row's queue and
+-- name within it. A worker's channel filters, resolved once a minute: the rows of other
+-- queues than the default are named '<queue>' || chr(31) || '<name>' (fairqueue_queue_of_name_v1).
+SELECT c.id, c.queue::text, CASE WHEN c.queue = 'default' THEN c.name::text
+                                 ELSE substr(c.name, length(c.queue) + 2) END
+FROM fairqueue_channel c
+WHERE (c.queue = 'default' OR strpos(c.name, chr(31)) > 1)
+  AND (%(queues)s::text[] IS NULL OR c.queue = ANY (%(queues)s::text[]))
+  AND CASE WHEN c.queue = 'default' THEN c.name::text
+           ELSE substr(c.name, length(c.queue) + 2) END = ANY (%(names)s::text[]);
 
 -- name: delete_failed_messages
 -- Delete dead letters; ids of messages in any other state are left alone. Returns the ids deleted.
