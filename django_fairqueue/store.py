@@ -1213,6 +1213,7 @@ def select_next_due(
     *,
     only_channel_ids: Sequence[int] | None = None,
     exclude_channel_ids: Sequence[int] | None = None,
+    queues: Sequence[str] | None = None,
     using: str | None = None,
 ) -> float | None:
     """Seconds until a claim with these channel filters could take a message that none can take
@@ -1222,6 +1223,7 @@ def select_next_due(
         "horizon": horizon,
         "only": list(only_channel_ids) if only_channel_ids is not None else None,
         "exclude": list(exclude_channel_ids) if exclude_channel_ids is not None else None,
+        "queues": list(queues) if queues is not None else None,
     }
     due_in = _run("select_next_due", params, using)[0][0]
     return None if due_in is None else float(due_in)

@@ -808,7 +808,8 @@ WITH failed AS MATERIALIZED (
 SELECT retried.id FROM retried;
 
 -- name: select_next_due
--- Seconds until a claim could take a message (of these channels, or all but the excluded), if
+-- Seconds until a claim could take a message (of these channels, or all but the excluded, of
+-- these queues or all), if
 -- within the horizon; else NULL; zero or less when one is claimable now. Lock-free: what a
 -- worker whose claim came back empty asks to decide when to claim again: the next turn of a rate-limited channel that has ready messages and
 -- a free slot, or the run_at of the next scheduled message (a retry, a delayed message) of a
@@ -832,6 +833,7 @@ WITH horizon AS (
       AND c.next_turn_at <= h.until
       AND (%(only)s::bigint[] IS NULL OR c.id = ANY (%(only)s::bigint[]))
       AND (%(exclude)s::bigint[] IS NULL OR NOT (c.id = ANY (%(exclude)s::bigint[])))
+      AND (%(queues)s::text[] IS NULL OR c.queue = ANY (%(queues)s::text[]))
 ), next_scheduled AS (
     -- fq_message_due_idx in run_at order, bounded by the horizon
     SELECT m.run_at AS at
@@ -843,6 +845,7 @@ WITH horizon AS (
       AND NOT c.paused
       AND (%(only)s::bigint[] IS NULL OR m.channel_id = ANY (%(only)s::bigint[]))
       AND (%(exclude)s::bigint[] IS NULL OR NOT (m.channel_id = ANY (%(exclude)s::bigint[])))
+      AND (%(queues)s::text[] IS NULL OR c.queue = ANY (%(queues)s::text[]))
     ORDER BY m.run_at
     LIMIT 1
 )

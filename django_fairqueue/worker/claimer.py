@@ -86,7 +86,10 @@ class Claimer(WorkerBase):
         due_in = None
         if only != []:  # (no channel of --channels exists yet: nothing to ask about)
             due_in = store.select_next_due(
-                timedelta(seconds=horizon), only_channel_ids=only, exclude_channel_ids=exclude
+                timedelta(seconds=horizon),
+                only_channel_ids=only,
+                exclude_channel_ids=exclude,
+                queues=self.config.queues,
             )
         if due_in is None:
             self._due_misses = 0
