@@ -710,9 +710,7 @@ class ChannelAdmin(_ChannelAdminBase):
         if obj.group_id is None:
             return "-"
         url = reverse("admin:fairqueue_channelgroup_change", args=[obj.group_id])
-        return format_html(
-            '<a href="{}">{}</a>', url, obj.group.short_name if obj.group else ""
-        )
+        return format_html('<a href="{}">{}</a>', url, obj.group.short_name if obj.group else "")
 
     @admin.display(description=_("ready"), ordering="backlog")
     def ready_display(self, obj: Channel) -> str:

@@ -59,7 +59,7 @@ class InvalidChannel(FairQueueError, ValueError):
 
 
 class InvalidQueue(InvalidChannel):
-    """A queue name is not acceptable (a kind of :class:`InvalidChannel`: it says where work goes)."""
+    """A queue name is not acceptable (a kind of :class:`InvalidChannel`: where work goes)."""
 
 
 class UnknownTask(FairQueueError, LookupError):

@@ -13,6 +13,7 @@ transaction for rollback exactly as an ORM error would.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -206,10 +207,11 @@ class ClaimedMessage:
 def _claimed(row: tuple[Any, ...]) -> ClaimedMessage:
     """A claimed row; a channel row of another queue than the default is named
     ``<queue>\\x1f<channel>``, which becomes ``queue`` and ``channel``."""
-    if SEPARATOR in row[2]:
-        queue, name = split_row_name(row[2])
-        return ClaimedMessage(*row[:2], name, *row[3:], queue=queue)  # type: ignore[misc]
-    return ClaimedMessage(*row)
+    message = ClaimedMessage(*row)
+    if SEPARATOR in message.channel:
+        queue, name = split_row_name(message.channel)
+        return dataclasses.replace(message, channel=name, queue=queue)
+    return message
 
 
 @dataclass(frozen=True, slots=True)
@@ -1154,10 +1156,11 @@ def select_channel_ids_in_queues(
     if queues is not None:  # the rows' names are known: index lookups
         rows = [row_name(q, n) for q in queues for n in names]
         return [
-            (cid, *split_row_name(row)) for row, cid in select_channel_ids(rows, using=using).items()
+            (cid, *split_row_name(row))
+            for row, cid in select_channel_ids(rows, using=using).items()
         ]
     params = {"names": list(names), "queues": None}
-    return [tuple(r) for r in _run("select_channel_ids_in_queues", params, using)]  # type: ignore[misc]
+    return [(r[0], r[1], r[2]) for r in _run("select_channel_ids_in_queues", params, using)]
 
 
 def delete_failed_messages(ids: Sequence[int], *, using: str | None = None) -> list[int]:

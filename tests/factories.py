@@ -115,9 +115,7 @@ def enqueue(
 def enqueue_in_queue(queue: str, channel: Any, n: int = 1) -> list[int]:
     """Enqueue ``n`` no-op messages to ``channel`` (a name or a (group, channel) pair) of
     ``queue`` in one round trip; returns their ids."""
-    return enqueue_many(
-        EnqueueRequest(NOOP, (i,), channel=channel, queue=queue) for i in range(n)
-    )
+    return enqueue_many(EnqueueRequest(NOOP, (i,), channel=channel, queue=queue) for i in range(n))
 
 
 def enqueue_spread(counts: dict[str, int]) -> list[int]:

@@ -52,7 +52,8 @@ TRUNCATE stress_exec_log, stress_enqueued, stress_limit_edit;
 _START = """
 INSERT INTO stress_exec_log (message_id, channel, queue, attempt, pid, lease_token,
                              seen_error_type, seen_error_message, started_at)
-SELECT %s, %s, %s, %s, %s, %s, m.last_error ->> 'type', m.last_error ->> 'message', clock_timestamp()
+SELECT %s, %s, %s, %s, %s, %s, m.last_error ->> 'type', m.last_error ->> 'message',
+       clock_timestamp()
 FROM (SELECT set_config('synchronous_commit', 'off', false)) AS s
 LEFT JOIN fairqueue_message m ON m.id = %s
 RETURNING id

@@ -348,8 +348,7 @@ def test_a_claim_of_every_queue_finds_the_queues_from_the_indexes(
     f.fold_all()
     with connection.cursor() as cur:
         cur.execute(
-            "UPDATE fairqueue_channel SET next_turn_at = now() - interval '1 day' "
-            "WHERE queue = 'a'"
+            "UPDATE fairqueue_channel SET next_turn_at = now() - interval '1 day' WHERE queue = 'a'"
         )
     auto_explain.take()
     got = store.claim_messages(LIMIT, lease=LEASE, worker_id="explain", fairness=fairness)

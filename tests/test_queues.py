@@ -56,7 +56,11 @@ def states() -> dict[str, set[str]]:
 def test_a_task_declares_its_queue_and_enqueue_overrides_it() -> None:
     mid = fairtasks.report.enqueue(title="q3", channel="acme")
     channel = Message.objects.get(pk=mid).channel
-    assert (channel.queue, channel.short_name, str(channel)) == ("reports", "acme", "acme [reports]")
+    assert (channel.queue, channel.short_name, str(channel)) == (
+        "reports",
+        "acme",
+        "acme [reports]",
+    )
     assert channel.name == row_name("reports", "acme") == "reports\x1facme"
 
     moved = enqueue(fairtasks.report, title="x", channel="acme", queue="exports")
@@ -76,7 +80,9 @@ def test_a_task_declares_its_queue_and_enqueue_overrides_it() -> None:
     queues = [Message.objects.get(pk=i).channel.queue for i in ids]
     assert queues == ["emails", "reports", "default"]
     # one channel row per (queue, tenant): acme in four queues
-    assert sorted(Channel.objects.filter(name__endswith="acme").values_list("queue", flat=True)) == [
+    assert sorted(
+        Channel.objects.filter(name__endswith="acme").values_list("queue", flat=True)
+    ) == [
         "default",
         "emails",
         "exports",
@@ -102,7 +108,10 @@ def test_a_group_is_per_queue() -> None:
     assert set(groups) == {"default", "reports"}
     assert groups["reports"].short_name == "acme"
     members = {c.name: c.group_id for c in Channel.objects.all()}
-    assert members == {"acme/alice": groups["default"].id, "reports\x1facme/alice": groups["reports"].id}
+    assert members == {
+        "acme/alice": groups["default"].id,
+        "reports\x1facme/alice": groups["reports"].id,
+    }
 
 
 def test_row_names_round_trip() -> None:
@@ -186,8 +195,7 @@ def test_claimers_of_different_queues_each_get_exactly_their_queues_messages() -
     per = 60
     for q in queues:
         enqueue_many(
-            EnqueueRequest(fairtasks.record, channel=f"tenant-{i % 7}", queue=q)
-            for i in range(per)
+            EnqueueRequest(fairtasks.record, channel=f"tenant-{i % 7}", queue=q) for i in range(per)
         )
     f.enqueue_spread({"plain": 30})  # the default queue: nobody below serves it
     lock = threading.Lock()
@@ -268,3 +276,48 @@ def test_a_cap_holds_across_claimers_of_a_queue_and_claimers_of_every_queue() ->
     assert not over, f"running over the cap: {over[:5]}"
     assert max_overlap(intervals) <= 2
     assert sorted(done) == sorted(set(done)) and len(done) == 120
+
+
+# ------------------------------------------------------------------------------------------
+# Where people see queues: status, the admin
+
+
+@pytest.mark.django_db
+def test_status_shows_each_channels_queue_and_the_queues_totals() -> None:
+    import io
+    import json
+
+    f.enqueue("acme", 2)
+    f.enqueue_in_queue("reports", "acme", 3)
+    f.enqueue_in_queue("reports", ("g", "x"), 1)
+    out = io.StringIO()
+    call_command("fairqueue", "status", stdout=out)
+    text = out.getvalue()
+    rows = {tuple(line.split()[:3]) for line in text.splitlines()}
+    assert ("acme", "reports", "3") in rows and ("acme", "default", "2") in rows
+    assert "Queues: default 1 channels, 2 ready, 0 running; reports 2 channels, 4 ready" in text
+    out = io.StringIO()
+    call_command("fairqueue", "status", "--json", stdout=out)
+    data = json.loads(out.getvalue())
+    assert data["queues"]["reports"] == {"channels": 2, "ready": 4, "running": 0}
+    assert {"name": "g", "queue": "reports"}.items() <= data["groups"][0].items()
+    out = io.StringIO()
+    call_command("fairqueue", "status", "acme", "--queue", "reports", "--json", stdout=out)
+    assert json.loads(out.getvalue())["ready"] == 3
+    with pytest.raises(CommandError, match="no channel named 'acme' in queue 'exports'"):
+        call_command("fairqueue", "status", "acme", "--queue", "exports")
+
+
+@pytest.mark.django_db
+def test_the_admin_lists_and_filters_by_queue(admin_client: Any) -> None:
+    f.enqueue("acme", 1)
+    f.enqueue_in_queue("reports", "bolt", 1)
+    page = admin_client.get("/admin/fairqueue/channel/?queue=reports").content.decode()
+    assert "bolt" in page and "acme" not in page.split("<tbody>")[1]
+    page = admin_client.get("/admin/fairqueue/channel/").content.decode()
+    assert 'href="?queue=reports"' in page  # the filter offers the registered tasks' queues
+    page = admin_client.get("/admin/fairqueue/message/?queue=reports").content.decode()
+    assert "bolt [reports]" in page and ">acme<" not in page
+    bolt = Channel.objects.get(queue="reports")
+    page = admin_client.get(f"/admin/fairqueue/channel/{bolt.pk}/change/").content.decode()
+    assert "reports" in page and "\x1f" not in page

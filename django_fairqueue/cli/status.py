@@ -7,12 +7,13 @@ the messages finished in the last 5 minutes.
 
 One line per channel (the first --limit, default 20, in --sort order, default most ready first;
 a channel is its name within its queue, and the QUEUE column says which), then, when channel
-groups exist, one line per group (the --limit with most ready first: its
-channels, ready and running summed over them, its cap, weight and rate limit), then the totals
-over all channels, per queue when there are several, and the live workers. Name a CHANNEL to see it alone, with
-why its messages wait. --json prints one JSON document for scripts; --watch redraws every
-SECONDS (default 2) until Ctrl-C. The figures come from the counters, bounded index probes and
-the per-minute statistics: cheap on a busy queue (docs/howto/observability.md).
+groups exist, one line per group (the --limit with most ready first: its channels, ready and
+running summed over them, its cap, weight and rate limit), then the totals over all channels,
+per queue when there are several, and the live workers. Name a CHANNEL (with --queue QUEUE
+outside the default queue) to see it alone, with why its messages wait. --json prints one
+JSON document for scripts; --watch redraws every SECONDS (default 2) until Ctrl-C. The figures
+come from the counters, bounded index probes and the per-minute statistics: cheap on a busy
+queue (docs/howto/observability.md).
 """
 
 # A subcommand module of the ``fairqueue`` command: add_arguments(parser), handle(options, stdout).
@@ -286,8 +287,7 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
         out.append(
             "Queues: "
             + "; ".join(
-                f"{name} {q['channels']:,} channels, {q['ready']:,} ready, "
-                f"{q['running']:,} running"
+                f"{name} {q['channels']:,} channels, {q['ready']:,} ready, {q['running']:,} running"
                 for name, q in data["queues"].items()
             )
             + "."
