@@ -321,3 +321,27 @@ def test_the_admin_lists_and_filters_by_queue(admin_client: Any) -> None:
     bolt = Channel.objects.get(queue="reports")
     page = admin_client.get(f"/admin/fairqueue/channel/{bolt.pk}/change/").content.decode()
     assert "reports" in page and "\x1f" not in page
+
+
+@pytest.mark.django_db
+def test_a_schedule_fires_into_its_tasks_queue_or_its_channels() -> None:
+    from django_fairqueue import schedules
+    from django_fairqueue.models import Schedule
+    from django_fairqueue.schedules import ScheduleSpec
+
+    def spec(name: str, task: str, **more: Any) -> ScheduleSpec:
+        return ScheduleSpec.build(name, {"task": task, "cron": "* * * * *", **more}, name)
+
+    schedules.sync([spec("r", "tests.fair.report", channel="acme")])
+    # an operator's schedule on the channel row of queue "exports"
+    exports = Channel.objects.create(name=row_name("exports", "acme"))
+    Schedule.objects.create(name="x", channel=exports, task_name="tests.fair.record", cron="* * * * *")
+    assert schedules.fire_due() == 0  # the first pass sets the next slots
+    with connection.cursor() as cur:
+        cur.execute("UPDATE fairqueue_schedule SET next_fire_at = now() - interval '30 seconds'")
+    assert schedules.fire_due() == 2
+    fired = Message.objects.select_related("channel").order_by("task_name")
+    assert [(m.task_name, m.channel.queue, m.channel.short_name) for m in fired] == [
+        ("tests.fair.record", "exports", "acme"),
+        ("tests.fair.report", "reports", "acme"),
+    ]
