@@ -245,59 +245,16 @@ CREATE TRIGGER fairqueue_group_queue
     EXECUTE FUNCTION fairqueue_set_queue_v1();
 
 
--- The queues among p_queues (NULL: all) that have a claimable flow (an ungrouped channel or a
--- group), each with the turn of its first flow: the claim of several queues serves the one
--- that has waited longest first. All queues: found by skipping through the two turn indexes
--- from queue to queue (one probe per queue), then one probe per queue for its first turn.
--- No lock; rate-limited flows whose turn is still to come count (their claim finds nothing).
+-- The queues among p_queues that have a claimable flow (an ungrouped channel or a group), each
+-- with the turn of its first flow: the claim of several queues serves the one that has waited
+-- longest first. Two index probes per queue, no lock; rate-limited flows whose turn is still to
+-- come count (their claim finds nothing).
 CREATE OR REPLACE FUNCTION fairqueue_claimable_queues_v1(p_queues text[])
 RETURNS TABLE (queue_name text, first_turn timestamptz)
 LANGUAGE plpgsql STABLE
 SET plan_cache_mode = force_generic_plan  -- see fairqueue_claim_v1
 AS $$
 BEGIN
-    IF p_queues IS NULL THEN
-        WITH RECURSIVE cq AS (
-            (SELECT c.queue::text AS q
-             FROM fairqueue_channel c
-             WHERE c.ready_count > 0
-                  AND NOT c.paused
-                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
-                  AND c.group_id IS NULL
-             ORDER BY c.queue
-             LIMIT 1)
-            UNION ALL
-            SELECT (SELECT c.queue::text
-                    FROM fairqueue_channel c
-                    WHERE c.ready_count > 0
-                  AND NOT c.paused
-                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
-                  AND c.group_id IS NULL
-                      AND c.queue > cq.q
-                    ORDER BY c.queue
-                    LIMIT 1)
-            FROM cq WHERE cq.q IS NOT NULL
-        ), gq AS (
-            (SELECT g.queue::text AS q
-             FROM fairqueue_channel_group g
-             WHERE g.claimable > 0
-               AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
-             ORDER BY g.queue
-             LIMIT 1)
-            UNION ALL
-            SELECT (SELECT g.queue::text
-                    FROM fairqueue_channel_group g
-                    WHERE g.claimable > 0
-                      AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
-                      AND g.queue > gq.q
-                    ORDER BY g.queue
-                    LIMIT 1)
-            FROM gq WHERE gq.q IS NOT NULL
-        )
-        SELECT array_agg(DISTINCT x.q) INTO p_queues
-        FROM (SELECT cq.q FROM cq UNION ALL SELECT gq.q FROM gq) x
-        WHERE x.q IS NOT NULL;
-    END IF;
     RETURN QUERY
     SELECT t.q, t.first_turn
     FROM (
@@ -306,9 +263,9 @@ BEGIN
                    (SELECT c.next_turn_at
                     FROM fairqueue_channel c
                     WHERE c.ready_count > 0
-                  AND NOT c.paused
-                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
-                  AND c.group_id IS NULL
+                      AND NOT c.paused
+                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                      AND c.group_id IS NULL
                       AND c.queue = n.q
                     ORDER BY c.next_turn_at, c.id
                     LIMIT 1),
@@ -1508,7 +1465,7 @@ BEGIN
     -- walks below read one queue's entries only: the indexes they walk lead with `queue`, so
     -- a claim of queue A never reads a channel of queue B. p_queues names the queues this
     -- claim may serve (NULL: all). One queue: walk it. Several: the queues that have a
-    -- claimable flow (fairqueue_claimable_queues_v1, a few index probes per queue), the one
+    -- claimable flow (fairqueue_claimable_queues_v1, two index probes per queue), the one
     -- whose first flow has waited longest first, each claimed in turn by a call of its own
     -- (without waiting for held channels: another queue may have work) until p_limit is met.
     -- None claimable: walk the first queue named, or 'default' (so that CLAIM_WAIT still
@@ -1516,8 +1473,55 @@ BEGIN
     IF cardinality(p_queues) = 1 THEN
         v_queue := p_queues[1];
     ELSE
-        SELECT array_agg(q.queue_name ORDER BY q.first_turn, q.queue_name) INTO v_queues
-        FROM fairqueue_claimable_queues_v1(p_queues) q;
+        v_queues := p_queues;
+        IF p_queues IS NULL THEN
+            -- All queues: those with a claimable flow, found by skipping through the two turn
+            -- indexes from queue to queue (one probe per queue and index, and one more each).
+            WITH RECURSIVE cq AS (
+                (SELECT c.queue::text AS q
+                 FROM fairqueue_channel c
+                 WHERE c.ready_count > 0
+                  AND NOT c.paused
+                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                  AND c.group_id IS NULL
+                 ORDER BY c.queue
+                 LIMIT 1)
+                UNION ALL
+                SELECT (SELECT c.queue::text
+                        FROM fairqueue_channel c
+                        WHERE c.ready_count > 0
+                  AND NOT c.paused
+                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                  AND c.group_id IS NULL
+                          AND c.queue > cq.q
+                        ORDER BY c.queue
+                        LIMIT 1)
+                FROM cq WHERE cq.q IS NOT NULL
+            ), gq AS (
+                (SELECT g.queue::text AS q
+                 FROM fairqueue_channel_group g
+                 WHERE g.claimable > 0
+                   AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                 ORDER BY g.queue
+                 LIMIT 1)
+                UNION ALL
+                SELECT (SELECT g.queue::text
+                        FROM fairqueue_channel_group g
+                        WHERE g.claimable > 0
+                          AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                          AND g.queue > gq.q
+                        ORDER BY g.queue
+                        LIMIT 1)
+                FROM gq WHERE gq.q IS NOT NULL
+            )
+            SELECT array_agg(DISTINCT x.q) INTO v_queues
+            FROM (SELECT cq.q FROM cq UNION ALL SELECT gq.q FROM gq) x
+            WHERE x.q IS NOT NULL;
+        END IF;
+        IF cardinality(v_queues) > 1 THEN  -- which have work, longest waiting first
+            SELECT array_agg(q.queue_name ORDER BY q.first_turn, q.queue_name) INTO v_queues
+            FROM fairqueue_claimable_queues_v1(v_queues) q;
+        END IF;
         IF coalesce(cardinality(v_queues), 0) <= 1 THEN
             v_queue := coalesce(v_queues[1], p_queues[1], 'default');
         ELSE
