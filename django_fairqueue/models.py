@@ -150,7 +150,7 @@ class ChannelGroup(models.Model):
         ]
 
     def __str__(self) -> str:
-        return _display(self.name)
+        return display_name(self.name)
 
     @property
     def short_name(self) -> str:
@@ -158,7 +158,7 @@ class ChannelGroup(models.Model):
         return split_row_name(self.name)[1]
 
 
-def _display(row_name: str) -> str:
+def display_name(row_name: str) -> str:
     """A channel or group row's name as people read it: ``acme`` (default queue), or
     ``acme [reports]``."""
     queue, name = split_row_name(row_name)
@@ -262,7 +262,7 @@ class Channel(models.Model):
         ]
 
     def __str__(self) -> str:
-        return _display(self.name)
+        return display_name(self.name)
 
     @property
     def short_name(self) -> str:

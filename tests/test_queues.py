@@ -350,3 +350,21 @@ def test_a_schedule_fires_into_its_tasks_queue_or_its_channels() -> None:
         ("tests.fair.record", "exports", "acme"),
         ("tests.fair.report", "reports", "acme"),
     ]
+
+
+@pytest.mark.django_db
+def test_metrics_name_a_channel_of_another_queue_with_its_queue() -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import generate_latest
+    from prometheus_client.core import CollectorRegistry
+
+    from django_fairqueue.metrics import QueueCollector
+
+    f.enqueue("acme", 2)
+    f.enqueue_in_queue("reports", "acme", 3)
+    registry = CollectorRegistry()
+    registry.register(QueueCollector())
+    text = generate_latest(registry).decode()
+    assert 'fairqueue_channel_ready{channel="acme"} 2.0' in text
+    assert 'fairqueue_channel_ready{channel="acme [reports]"} 3.0' in text
+    assert "\x1f" not in text
