@@ -1441,6 +1441,10 @@ DECLARE
     v_lock_timeout text;
     v_queue text;  -- the one queue this call walks
     v_queues text[];
+    v_lo text;  -- the lowest and highest queues of claimable channels and groups
+    v_hi text;
+    v_glo text;
+    v_ghi text;
     v_got integer := 0;
     i integer;
 BEGIN
@@ -1475,24 +1479,52 @@ BEGIN
     ELSE
         v_queues := p_queues;
         IF p_queues IS NULL THEN
-            -- All queues: those with a claimable flow, found by skipping through the two turn
-            -- indexes from queue to queue (one probe per queue and index, and one more each).
+            -- All queues. First the lowest and highest queue of a claimable flow (the first
+            -- and last entries of the two turn indexes): when they agree, that is the one queue
+            -- with work (a project with one queue, always), and nothing more is read.
+            SELECT (SELECT c.queue::text FROM fairqueue_channel c
+                    WHERE c.ready_count > 0
+                   AND NOT c.paused
+                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                   AND c.group_id IS NULL
+                    ORDER BY c.queue LIMIT 1),
+                   (SELECT c.queue::text FROM fairqueue_channel c
+                    WHERE c.ready_count > 0
+                   AND NOT c.paused
+                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                   AND c.group_id IS NULL
+                    ORDER BY c.queue DESC LIMIT 1),
+                   (SELECT g.queue::text FROM fairqueue_channel_group g
+                    WHERE g.claimable > 0
+                   AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                    ORDER BY g.queue LIMIT 1),
+                   (SELECT g.queue::text FROM fairqueue_channel_group g
+                    WHERE g.claimable > 0
+                   AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                    ORDER BY g.queue DESC LIMIT 1)
+            INTO v_lo, v_hi, v_glo, v_ghi;
+            v_queues := ARRAY(SELECT DISTINCT q FROM unnest(ARRAY[v_lo, v_hi, v_glo, v_ghi]) AS q
+                              WHERE q IS NOT NULL);
+        END IF;
+        IF cardinality(v_queues) > 1 AND p_queues IS NULL THEN
+            -- Several: every queue with a claimable flow, found by skipping through the two
+            -- turn indexes from queue to queue (one probe per queue and index).
             WITH RECURSIVE cq AS (
                 (SELECT c.queue::text AS q
                  FROM fairqueue_channel c
                  WHERE c.ready_count > 0
-                  AND NOT c.paused
-                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
-                  AND c.group_id IS NULL
+                   AND NOT c.paused
+                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                   AND c.group_id IS NULL
                  ORDER BY c.queue
                  LIMIT 1)
                 UNION ALL
                 SELECT (SELECT c.queue::text
                         FROM fairqueue_channel c
                         WHERE c.ready_count > 0
-                  AND NOT c.paused
-                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
-                  AND c.group_id IS NULL
+                          AND NOT c.paused
+                          AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                          AND c.group_id IS NULL
                           AND c.queue > cq.q
                         ORDER BY c.queue
                         LIMIT 1)
