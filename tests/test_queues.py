@@ -368,3 +368,23 @@ def test_metrics_name_a_channel_of_another_queue_with_its_queue() -> None:
     assert 'fairqueue_channel_ready{channel="acme"} 2.0' in text
     assert 'fairqueue_channel_ready{channel="acme [reports]"} 3.0' in text
     assert "\x1f" not in text
+
+
+@pytest.mark.django_db
+def test_cancel_by_channel_takes_the_queue() -> None:
+    from django_fairqueue import cancel
+
+    plain = f.enqueue("acme", 2)
+    reports = f.enqueue_in_queue("reports", "acme", 3)
+    assert sorted(cancel(channel="acme", queue="reports")) == sorted(reports)
+    assert sorted(cancel(channel="acme")) == sorted(plain)  # the default queue
+    with pytest.raises(InvalidQueue):
+        cancel(channel="acme", queue="no such")
+    f.enqueue_in_queue("exports", "acme", 1)
+    out = __import__("io").StringIO()
+    call_command("fairqueue", "cancel", "--channel", "acme", "--queue", "exports", stdout=out)
+    assert out.getvalue().startswith("Cancelled 1 message.")
+    with pytest.raises(CommandError, match="--queue goes with --channel"):
+        call_command("fairqueue", "cancel", "--task", "tests.noop", "--queue", "exports")
+    with pytest.raises(CommandError, match="queue name"):
+        call_command("fairqueue", "abort", "--channel", "acme", "--queue", "a b")
