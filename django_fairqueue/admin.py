@@ -149,7 +149,8 @@ class ChannelGroupAdmin(_GroupAdminBase):
 
     form = ChannelGroupForm
     list_display = [
-        "name",
+        "name_display",
+        "queue",
         "channels_display",
         "ready_display",
         "running_display",
@@ -157,6 +158,7 @@ class ChannelGroupAdmin(_GroupAdminBase):
         "release_interval_display",
     ]
     search_fields = ["name"]
+    list_filter = [adminlist.QueueFilter]
     list_per_page = 100
     show_full_result_count = False
     fieldsets = [
@@ -165,16 +167,22 @@ class ChannelGroupAdmin(_GroupAdminBase):
         (_("State"), {"fields": ["state_display", "channels_link", "created_at"]}),
     ]
 
+    @admin.display(description=_("name"), ordering="name")
+    def name_display(self, obj: ChannelGroup) -> str:
+        return obj.short_name
+
     def get_readonly_fields(
         self, request: HttpRequest, obj: ChannelGroup | None = None
     ) -> list[str]:
-        fields = ["state_display", "channels_link", "created_at"]
+        fields = ["state_display", "channels_link", "created_at", "name_display", "queue"]
         if obj is not None:
             fields.append("name")  # the group's identity: channel names refer to it
         return fields
 
     def get_fieldsets(self, request: HttpRequest, obj: ChannelGroup | None = None) -> Any:
-        return self.fieldsets[:2] if obj is None else self.fieldsets
+        if obj is None:
+            return self.fieldsets[:2]
+        return [(None, {"fields": ["name_display", "queue"]}), *self.fieldsets[1:]]
 
     def get_changelist_instance(self, request: HttpRequest) -> Any:
         cl = super().get_changelist_instance(request)
@@ -557,7 +565,8 @@ class ChannelAdmin(_ChannelAdminBase):
     # What a support engineer looks for first (backlog, running against the cap, how long the
     # oldest waits, failures), then the rest; the limits come last.
     list_display = [
-        "name",
+        "name_display",
+        "queue",
         "ready_display",
         "running_display",
         "oldest_ready_display",
@@ -575,6 +584,7 @@ class ChannelAdmin(_ChannelAdminBase):
         "max_backlog_display",
     ]
     list_filter = [
+        adminlist.QueueFilter,
         CapFilter,
         StarvingFilter,
         FailingFilter,
@@ -595,7 +605,7 @@ class ChannelAdmin(_ChannelAdminBase):
     # the channel's periodic schedules, read-only (django_fairqueue.schedule_admin)
     inlines = [ScheduleInline]
     fieldsets = [
-        (None, {"fields": ["name", "group_display"]}),
+        (None, {"fields": ["name", "queue", "group_display"]}),
         (
             _("Limits (take effect on the next claim)"),
             {"fields": list(EDITABLE_LIMITS)},
@@ -644,7 +654,7 @@ class ChannelAdmin(_ChannelAdminBase):
         fields = ["counters_display", "failures_display", "timeouts_display"]
         fields += ["retrying_display", "failed_display"]
         fields += ["why_waiting_display", "oldest_ready_display", "finished_display"]
-        fields += ["last_claimed_display", "created_at", "group_display"]
+        fields += ["last_claimed_display", "created_at", "group_display", "queue", "name_display"]
         if obj is not None:
             fields.append("name")  # the channel's identity: enqueue finds it by name
         return fields
@@ -659,7 +669,8 @@ class ChannelAdmin(_ChannelAdminBase):
     def get_fieldsets(self, request: HttpRequest, obj: Channel | None = None) -> Any:
         if obj is None:  # adding: only the name and the limits
             return self.fieldsets[:2]
-        return self.fieldsets
+        # the name within its queue, beside the queue
+        return [(None, {"fields": ["name_display", "queue", "group_display"]}), *self.fieldsets[1:]]
 
     def has_delete_permission(self, request: HttpRequest, obj: Channel | None = None) -> bool:
         # Django's confirmation page would collect and list every message of the channel (a
@@ -688,12 +699,18 @@ class ChannelAdmin(_ChannelAdminBase):
 
     # -- columns ---------------------------------------------------------------------------
 
+    @admin.display(description=_("name"), ordering="name")
+    def name_display(self, obj: Channel) -> str:
+        # the name within its queue (the row of channel "acme" in queue "reports" is named
+        # "reports<U+001F>acme"; the queue has its own column)
+        return obj.short_name
+
     @admin.display(description=_("group"), ordering="group__name")
     def group_display(self, obj: Channel) -> str:
         if obj.group_id is None:
             return "-"
         url = reverse("admin:fairqueue_channelgroup_change", args=[obj.group_id])
-        return format_html('<a href="{}">{}</a>', url, obj.group.name if obj.group else "")
+        return format_html('<a href="{}">{}</a>', url, obj.group.short_name if obj.group else "")
 
     @admin.display(description=_("ready"), ordering="backlog")
     def ready_display(self, obj: Channel) -> str:
@@ -1035,7 +1052,12 @@ class MessageAdmin(_MessageAdminBase):
         "finished_display",
         "error_summary",
     ]
-    list_filter = ["state", adminlist.TaskNameFilter, adminlist.ChannelFilter]
+    list_filter = [
+        "state",
+        adminlist.TaskNameFilter,
+        adminlist.MessageQueueFilter,
+        adminlist.ChannelFilter,
+    ]
     list_select_related = ["channel"]
     ordering = ["-id"]  # newest first (a backward scan of the primary key)
     #: The sorts a list page may take, each an index's order (adminlist.KeysetChangeList); the
@@ -1181,7 +1203,7 @@ class MessageAdmin(_MessageAdminBase):
     def channel_link(self, obj: Message) -> str:
         # <changelist>/<id>/change/: the admin's own URL of an object's page
         url = f"{self._url('channel')}{obj.channel_id}/change/"
-        return format_html('<a href="{}">{}</a>', url, obj.channel.name)
+        return format_html('<a href="{}">{}</a>', url, str(obj.channel))
 
     # The list's times, formatted directly (Django's localized formatting of a datetime costs
     # ten times more, a fifth of the list's rendering at 100 rows); the detail page keeps it.

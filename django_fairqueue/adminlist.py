@@ -32,6 +32,7 @@ from django.http import HttpRequest
 from django.utils.translation import gettext_lazy as _
 
 from django_fairqueue.models import Channel, Message
+from django_fairqueue.queues import DEFAULT_QUEUE
 from django_fairqueue.taskspec import registry
 
 #: The query parameter of a page: ``a<key>`` (rows after key), ``b<key>`` (rows before it) or
@@ -293,6 +294,35 @@ class TaskNameFilter(admin.SimpleListFilter):
         return queryset.filter(task_name=value) if value else queryset
 
 
+class QueueFilter(admin.SimpleListFilter):
+    """One queue (``?queue=reports``); the choices are the default queue and those of the
+    registered tasks (never a scan of the table). Any queue works in the URL. ``field`` is
+    the lookup of the queue from the listed model."""
+
+    title = _("queue")
+    parameter_name = "queue"
+    field = "queue"
+
+    def lookups(self, request: HttpRequest | None, model_admin: Any) -> list[tuple[str, str]]:
+        if not registry.names():
+            registry.autodiscover()
+        names = {DEFAULT_QUEUE} | {registry.get(n).queue for n in registry.names()}
+        current = self.value() if hasattr(self, "used_parameters") else None
+        if current:
+            names.add(current)
+        return [(n, n) for n in sorted(names)]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        return queryset.filter(**{self.field: value}) if value else queryset
+
+
+class MessageQueueFilter(QueueFilter):
+    """The queue of a message's channel."""
+
+    field = "channel__queue"
+
+
 class ChannelFilter(admin.ListFilter):
     """One channel, picked by name with the admin's autocomplete (select2 over the channel
     admin's search), so the page never lists 10,000 channels. The parameter is the channel's
@@ -359,7 +389,7 @@ class ChannelFilter(admin.ListFilter):
             yield {
                 "selected": True,
                 "query_string": changelist.get_query_string({self.parameter_name: value}),
-                "display": self.channel.name if self.channel else f"#{value} (no such channel)",
+                "display": str(self.channel) if self.channel else f"#{value} (no such channel)",
             }
 
 

@@ -30,6 +30,7 @@ from django_fairqueue.limits import (
     UNIQUE_KEY_MAX_LENGTH,
 )
 from django_fairqueue.models import Message
+from django_fairqueue.queues import DEFAULT_QUEUE, SEPARATOR, validate_queue_name
 from django_fairqueue.signals import message_enqueued
 from django_fairqueue.taskspec import TaskSpec, registry
 
@@ -57,6 +58,8 @@ class EnqueueRequest:
     unique_key: str | None = None
     unique_scope: str | None = None
     on_conflict: str | None = None
+    #: the queue (None: the task's, else ``"default"``; see :func:`enqueue`)
+    queue: str | None = None
 
 
 #: ``unique_scope`` values: how long a message keeps its ``unique_key`` from others.
@@ -74,6 +77,7 @@ def enqueue(
     unique_key: str | None = None,
     unique_scope: str | None = None,
     on_conflict: str | None = None,
+    queue: str | None = None,
     **kwargs: Any,
 ) -> int:
     """Queue one call of a registered task; returns the message id.
@@ -93,6 +97,10 @@ def enqueue(
     default) returns that message's id and stores nothing, ``"replace"`` gives a queued holder
     this call's arguments, run time and priority in place (a running one is kept) and returns
     its id, ``"raise"`` raises :class:`~django_fairqueue.exceptions.DuplicateJob`.
+
+    ``queue`` overrides the task's queue (``@task(queue=...)``, else ``"default"``): workers
+    started with ``--queues`` serve only theirs, fairly across the channels within each (see
+    docs/howto/queues.md). A bad name raises :class:`~django_fairqueue.exceptions.InvalidQueue`.
     """
     if isinstance(getattr(getattr(task, "task", None), "spec", None), TaskSpec):
         # a BoundTask (task.using(...)): its queue options, then its task
@@ -109,11 +117,13 @@ def enqueue(
             unique_scope = bound.unique_scope
         if on_conflict is None:
             on_conflict = bound.on_conflict
+        if queue is None:
+            queue = bound.queue
         spec = bound.task.spec
     else:
         spec = resolve_task(cast(TaskRef, task))
     cfg = conf.get()
-    message = _prepare_one(spec, list(args), kwargs, channel, run_after, priority, cfg)
+    message = _prepare_one(spec, list(args), kwargs, channel, run_after, priority, cfg, queue)
     if unique_key is not None or unique_scope is not None or on_conflict is not None:
         message = dataclasses.replace(
             message, **_unique_options(unique_key, unique_scope, on_conflict)
@@ -124,7 +134,9 @@ def enqueue(
         notify_channel=cfg.NOTIFY_CHANNEL if cfg.NOTIFY else None,
     )
     if message_enqueued.has_listeners(Message):
-        message_enqueued.send(sender=Message, message_ids=[message_id], channels=[message.channel])
+        message_enqueued.send(
+            sender=Message, message_ids=[message_id], channels=[_short(message.channel)]
+        )
     return message_id
 
 
@@ -141,7 +153,8 @@ def enqueue_many(requests: Iterable[EnqueueRequest]) -> list[int]:
         notify_channel=cfg.NOTIFY_CHANNEL if cfg.NOTIFY else None,
     )
     if ids and message_enqueued.has_listeners(Message):
-        message_enqueued.send(sender=Message, message_ids=ids, channels=list(batch.channels))
+        channels = [_short(c) for c in batch.channels]
+        message_enqueued.send(sender=Message, message_ids=ids, channels=channels)
     return ids
 
 
@@ -150,6 +163,7 @@ def cancel(
     *,
     channel: str | Model | None = None,
     task: TaskRef | None = None,
+    queue: str = DEFAULT_QUEUE,
 ) -> list[int]:
     """Cancel waiting (ready or scheduled) messages; returns the ids cancelled.
 
@@ -157,13 +171,14 @@ def cancel(
     Running messages are left alone (see :func:`abort`), and so is a message a worker is
     claiming at that very moment: it runs. A cancelled message keeps its row, in state
     ``cancelled``, until the pruner removes it (``FAIRQUEUE['RESULT_RETENTION']``); its unique
-    key, if it had one, is free at once. Part of the caller's transaction.
+    key, if it had one, is free at once. ``queue`` says which queue's channel ``channel`` is
+    (default ``"default"``). Part of the caller's transaction.
     """
     if ids is not None:
         if channel is not None or task is not None:
             raise ValueError("cancel() takes ids, or channel and/or task, not both")
         return store.cancel_messages(_ids(ids))
-    channel_id, task_name = _selection(channel, task, "cancel")
+    channel_id, task_name = _selection(channel, task, "cancel", queue)
     if channel_id == -1:
         return []
     return store.cancel_matching_messages(channel_id=channel_id, task=task_name)
@@ -174,6 +189,7 @@ def abort(
     *,
     channel: str | Model | None = None,
     task: TaskRef | None = None,
+    queue: str = DEFAULT_QUEUE,
 ) -> dict[int, str]:
     """Stop messages wherever they are; returns ``{id: "cancelled" or "abort_requested"}``.
 
@@ -182,13 +198,14 @@ def abort(
     True, and the attempt ends ``aborted`` when the task returns, or at
     ``FAIRQUEUE['ABORT_GRACE']`` if it does not. An aborted message is not retried. Give
     message ``ids``, or a ``channel`` and/or a ``task`` (its *running* messages; cancel the
-    waiting ones with :func:`cancel`). Part of the caller's transaction.
+    waiting ones with :func:`cancel`); ``queue`` says which queue's channel ``channel`` is.
+    Part of the caller's transaction.
     """
     if ids is not None:
         if channel is not None or task is not None:
             raise ValueError("abort() takes ids, or channel and/or task, not both")
         return store.abort_messages(_ids(ids))
-    channel_id, task_name = _selection(channel, task, "abort")
+    channel_id, task_name = _selection(channel, task, "abort", queue)
     if channel_id == -1:
         return {}
     return store.abort_messages(
@@ -201,7 +218,7 @@ def _ids(ids: Iterable[int]) -> list[int]:
 
 
 def _selection(
-    channel: str | Model | None, task: TaskRef | None, verb: str
+    channel: str | Model | None, task: TaskRef | None, verb: str, queue: str = DEFAULT_QUEUE
 ) -> tuple[int | None, str | None]:
     """(channel id, task name) of a selection by channel and/or task; channel id -1 when the
     channel does not exist (nothing to select)."""
@@ -210,6 +227,8 @@ def _selection(
     channel_id: int | None = None
     if channel is not None:
         name = validate_channel_name(channel)
+        if validate_queue_name(queue) != DEFAULT_QUEUE:
+            name = f"{queue}{SEPARATOR}{name}"
         channel_id = store.select_channel_ids([name]).get(name, -1)
     task_name: str | None = None
     if task is not None:
@@ -249,7 +268,8 @@ def _prepare_batch(
     # kept in the value so its id cannot be reused by another object during the call.
     specs: dict[int, tuple[object, TaskSpec, int, bool, str]] = {}
     checked: set[str] = set()
-    groups: set[str] = set()  # of channels given as (group, channel)
+    groups: set[str] = set()  # of channels given as (group, channel), as group row names
+    queues: dict[str | None, str] = {None: DEFAULT_QUEUE}  # given -> checked
     max_bytes = cfg.MAX_PAYLOAD_BYTES
     # A timedelta run_after travels as a delay and is added to the database's clock, the clock
     # the claim compares run_at with (an application server's clock may be off). The column
@@ -278,7 +298,16 @@ def _prepare_batch(
                 channel = spec.channel_from(*args, **kwargs)
             if channel is None:
                 channel = known[4]
-        if type(channel) is not str or channel not in checked:  # (unhashable: not a str)
+        queue = request.queue
+        if queue is None:
+            queue = spec.queue
+        if queue not in queues:
+            queues[queue] = validate_queue_name(queue)
+        queue = queues[queue]
+        if queue != DEFAULT_QUEUE:
+            group = _group_part(channel) if type(channel) is tuple else None
+            channel = _queue_row(queue, validate_channel_name(channel), group, groups)
+        elif type(channel) is not str or channel not in checked:  # (unhashable: not a str)
             if type(channel) is tuple:
                 groups.add(_group_part(channel))
             channel = validate_channel_name(channel)
@@ -342,6 +371,7 @@ def _prepare_one(
     run_after: datetime | timedelta | None,
     priority: int | None,
     cfg: conf.FairQueueSettings,
+    queue: str | None = None,
 ) -> store.NewMessage:
     """One message, checked and serialised as :func:`_prepare_batch` does it for each request
     (for :func:`enqueue`: no batch columns to build for a single message)."""
@@ -354,6 +384,12 @@ def _prepare_one(
     if type(channel) is tuple:
         group = _group_part(channel)
     channel = validate_channel_name(channel)
+    if queue is None:
+        queue = spec.queue
+    if queue != DEFAULT_QUEUE:
+        rows: set[str] = set()
+        channel = _queue_row(validate_queue_name(queue), channel, group, rows)
+        group = rows.pop() if rows else None
     payload = encode_payload(spec.name, args, kwargs, cfg.MAX_PAYLOAD_BYTES)
     traced = _trace_suffix()
     if traced:
@@ -414,6 +450,33 @@ def _group_part(channel: tuple[Any, ...]) -> str:
     whole by :func:`validate_channel_name`)."""
     validate_channel_name(channel)
     return validate_group_name(channel[0])
+
+
+def _queue_row(queue: str, channel: str, group: str | None, groups: set[str]) -> str:
+    """The row name of checked ``channel`` in ``queue`` (not the default one); adds the row
+    name of its ``group``, if any, to ``groups``."""
+    row = f"{queue}{SEPARATOR}{channel}"
+    if len(row) > CHANNEL_NAME_MAX_LENGTH:
+        raise InvalidChannel(
+            f"channel name {channel!r} is too long for queue {queue!r}: queue and channel "
+            f"names together take {len(row)} of the {CHANNEL_NAME_MAX_LENGTH} characters a "
+            "channel row's name may have"
+        )
+    if group is not None:
+        group_row = f"{queue}{SEPARATOR}{group}"
+        if len(group_row) > GROUP_NAME_MAX_LENGTH:
+            raise InvalidChannel(
+                f"channel group name {group!r} is too long for queue {queue!r}: together they "
+                f"take {len(group_row)} of the {GROUP_NAME_MAX_LENGTH} characters a group "
+                "row's name may have"
+            )
+        groups.add(group_row)
+    return row
+
+
+def _short(row: str) -> str:
+    """A channel row's name without its queue (the name enqueue was given)."""
+    return row.partition(SEPARATOR)[2] or row
 
 
 def validate_group_name(name: Any) -> str:
@@ -479,6 +542,11 @@ def validate_channel_name(name: Any) -> str:
         )
     if "\x00" in name:
         raise InvalidChannel("channel name must not contain NUL characters")
+    if SEPARATOR in name:
+        raise InvalidChannel(
+            "channel name must not contain the unit separator U+001F (it separates a queue "
+            f"from the channel in a channel row's name): {name!r}"
+        )
     if not name.isascii():
         try:
             name.encode("utf-8")

@@ -19,9 +19,10 @@ Functions decorated with Django's ``@task`` enqueue as fairqueue messages and ru
   and run registered names only; no import path is ever read from a row.
 * Enqueue is fairqueue's enqueue: SQL on Django's connection, so inside ``transaction.atomic()``
   it commits or rolls back with the caller's writes.
-* Channel: ``task.using(channel=...)``, else ``OPTIONS['CHANNEL_FROM']``, else the task's
-  ``queue_name`` when it is not Django's ``"default"``, else ``OPTIONS['DEFAULT_CHANNEL']``, else
-  ``FAIRQUEUE['DEFAULT_CHANNEL']``.
+* Channel: ``task.using(channel=...)``, else ``OPTIONS['CHANNEL_FROM']``, else
+  ``OPTIONS['DEFAULT_CHANNEL']``, else ``FAIRQUEUE['DEFAULT_CHANNEL']``.
+* Queue: the task's ``queue_name`` is its fairqueue queue (Django's ``"default"`` is the
+  default queue): ``runfairworker --queues`` serves only the queues named.
 * Results: every Django task keeps its row after success (``keep_result``), so ``get_result``
   works until the pruner removes it (``FAIRQUEUE['RESULT_RETENTION']``).
 """
@@ -44,7 +45,6 @@ from django.utils.module_loading import import_string
 
 from django_fairqueue import api, conf
 from django_fairqueue._tasks_compat import (
-    DEFAULT_TASK_QUEUE_NAME,
     BaseTaskBackend,
     InvalidTask,
     InvalidTaskBackend,
@@ -61,6 +61,7 @@ from django_fairqueue._tasks_compat import (
 )
 from django_fairqueue.context import abort_requested, current_message, timed_out
 from django_fairqueue.exceptions import InvalidChannel, TaskAborted, UnknownTask
+from django_fairqueue.queues import validate_queue_name
 from django_fairqueue.taskspec import TaskSpec, check_result, registry, result_not_storable
 
 if TYPE_CHECKING:
@@ -343,11 +344,12 @@ class FairQueueBackend(BaseTaskBackend):
         except ValueError as exc:
             raise InvalidTask(str(exc)) from exc
         channel = getattr(task, "channel", None)
-        if channel is not None:
-            try:
+        try:
+            if channel is not None:
                 api.validate_channel_name(channel)
-            except InvalidChannel as exc:
-                raise InvalidTask(str(exc)) from exc
+            validate_queue_name(task.queue_name)
+        except InvalidChannel as exc:
+            raise InvalidTask(str(exc)) from exc
         self._register(task)
 
     def enqueue(
@@ -366,6 +368,7 @@ class FairQueueBackend(BaseTaskBackend):
             unique_key=getattr(task, "unique_key", None),
             unique_scope=getattr(task, "unique_scope", None),
             on_conflict=getattr(task, "on_conflict", None),
+            queue=task.queue_name,
         )
         (message_id,) = api.enqueue_many([request])
         result = _make_result(
@@ -428,8 +431,6 @@ class FairQueueBackend(BaseTaskBackend):
         channel = getattr(task, "channel", None)
         if channel is None and self._channel_from_path is not None:
             channel = self._load_channel_from()(task, args, kwargs)
-        if channel is None and task.queue_name != DEFAULT_TASK_QUEUE_NAME:
-            channel = task.queue_name
         if channel is None:
             channel = self.default_channel or conf.get().DEFAULT_CHANNEL
         return channel

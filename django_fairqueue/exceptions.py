@@ -58,6 +58,10 @@ class InvalidChannel(FairQueueError, ValueError):
     """A channel name or channel setting is not acceptable."""
 
 
+class InvalidQueue(InvalidChannel):
+    """A queue name is not acceptable (a kind of :class:`InvalidChannel`: where work goes)."""
+
+
 class UnknownTask(FairQueueError, LookupError):
     """No task is registered under this name in this process."""
 

@@ -10,6 +10,8 @@ from datetime import timedelta
 
 #: Longest channel name accepted (characters). Names are identifiers, not documents.
 CHANNEL_NAME_MAX_LENGTH = 200
+#: Longest queue name accepted (characters); see django_fairqueue.queues.
+QUEUE_NAME_MAX_LENGTH = 64
 #: Longest channel group name accepted (characters); a group name has no '/'.
 GROUP_NAME_MAX_LENGTH = 100
 #: Upper bounds that catch typos (a weight of 1e9 is a mistake, not a policy).

@@ -46,7 +46,7 @@ except ImportError as exc:  # tests/test_admin.py hides the package to check thi
     ) from exc
 
 from django_fairqueue import overview, registry, stats, store
-from django_fairqueue.models import Channel
+from django_fairqueue.models import Channel, display_name
 
 __all__ = [
     "CLAIM_LATENCY",
@@ -105,11 +105,12 @@ class QueueCollector(Collector):
             labels=["channel"],
         )
         for c in sorted(counts.values(), key=lambda c: c.name):
+            name = display_name(c.name)  # "acme", or "acme [reports]" outside the default queue
             for attr, family in families.items():
-                family.add_metric([c.name], getattr(c, attr))
+                family.add_metric([name], getattr(c, attr))
             if c.max_concurrency is not None:
-                cap.add_metric([c.name], c.max_concurrency)
-            succeeded.add_metric([c.name], c.succeeded)
+                cap.add_metric([name], c.max_concurrency)
+            succeeded.add_metric([name], c.succeeded)
         yield from families.values()
         yield cap
         yield succeeded
@@ -144,7 +145,9 @@ class QueueCollector(Collector):
             labels=["channel"],
         )
         for cid, ready_since in oldest:
-            age.add_metric([counts[cid].name], max((now - ready_since).total_seconds(), 0.0))
+            age.add_metric(
+                [display_name(counts[cid].name)], max((now - ready_since).total_seconds(), 0.0)
+            )
         age.add_metric([ALL], max((now - oldest[0][1]).total_seconds(), 0.0) if oldest else 0.0)
         yield age
         wait = GaugeMetricFamily(
@@ -156,7 +159,7 @@ class QueueCollector(Collector):
         per_channel = stats.wait_by_channel(WINDOW_MINUTES, [cid for cid, _ in oldest])
         overall = stats.wait_summary(WINDOW_MINUTES)
         for name, summary in [
-            *((counts[cid].name, s) for cid, s in per_channel.items()),
+            *((display_name(counts[cid].name), s) for cid, s in per_channel.items()),
             (ALL, overall),
         ]:
             for quantile, value in (("0.5", summary.p50_ms), ("0.95", summary.p95_ms)):

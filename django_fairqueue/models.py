@@ -40,9 +40,11 @@ from django_fairqueue.limits import (
     MAX_RELEASE_INTERVAL,
     MAX_WEIGHT,
     MIN_PRIORITY,
+    QUEUE_NAME_MAX_LENGTH,
     TASK_NAME_MAX_LENGTH,
     UNIQUE_KEY_MAX_LENGTH,
 )
+from django_fairqueue.queues import DEFAULT_QUEUE, split_row_name
 
 
 class MessageState(models.TextChoices):
@@ -115,6 +117,14 @@ class ChannelGroup(models.Model):
         ),
     )
     created_at = models.DateTimeField(default=timezone.now, editable=False)
+    # The queue of the group's channels: set from the row's name by the database (a group of
+    # queue "reports" is the row named "reports<U+001F><group>"); see docs/howto/queues.md.
+    queue = models.CharField(
+        max_length=QUEUE_NAME_MAX_LENGTH,
+        default=DEFAULT_QUEUE,
+        db_default=DEFAULT_QUEUE,
+        editable=False,
+    )
 
     class Meta:
         db_table = "fairqueue_channel_group"
@@ -143,7 +153,19 @@ class ChannelGroup(models.Model):
         ]
 
     def __str__(self) -> str:
-        return self.name
+        return display_name(self.name)
+
+    @property
+    def short_name(self) -> str:
+        """The group's name within its queue (the row's name without its queue)."""
+        return split_row_name(self.name)[1]
+
+
+def display_name(row_name: str) -> str:
+    """A channel or group row's name as people read it: ``acme`` (default queue), or
+    ``acme [reports]``."""
+    queue, name = split_row_name(row_name)
+    return name if queue == DEFAULT_QUEUE else f"{name} [{queue}]"
 
 
 class Channel(models.Model):
@@ -203,6 +225,15 @@ class Channel(models.Model):
         db_constraint=False,
         db_index=False,  # fq_channel_group_idx, created by the migration
     )
+    # The queue the channel's work belongs to, set from the row's name by the database: the
+    # channel "acme" of queue "reports" is the row named "reports<U+001F>acme" (one row per
+    # tenant and queue, each with its own turn and limits); see docs/howto/queues.md.
+    queue = models.CharField(
+        max_length=QUEUE_NAME_MAX_LENGTH,
+        default=DEFAULT_QUEUE,
+        db_default=DEFAULT_QUEUE,
+        editable=False,
+    )
 
     class Meta:
         db_table = "fairqueue_channel"
@@ -234,7 +265,12 @@ class Channel(models.Model):
         ]
 
     def __str__(self) -> str:
-        return self.name
+        return display_name(self.name)
+
+    @property
+    def short_name(self) -> str:
+        """The channel's name within its queue (the name enqueue takes)."""
+        return split_row_name(self.name)[1]
 
 
 class Message(TrackedModel):

@@ -336,6 +336,7 @@ class Firer:
     def _fire(self, schedule: store.DueSchedule, step: Plan) -> int:
         """Fire the slots of ``step`` in one transaction; returns the messages enqueued."""
         from django_fairqueue.api import EnqueueRequest, enqueue_many
+        from django_fairqueue.queues import DEFAULT_QUEUE, split_row_name
 
         alias = conf.get().DATABASE
         try:
@@ -349,12 +350,16 @@ class Firer:
                     # restore) just moves on without the slots fired before.
                     got = set(store.claim_schedule_slots(schedule.id, step.slots))
                     taken = [slot for slot in step.slots if slot in got]
+                    # A schedule of a channel row of another queue than the default enqueues
+                    # into that queue; of the default queue's, into the task's own queue.
+                    queue, channel = split_row_name(schedule.channel)
                     requests = [
                         EnqueueRequest(
                             schedule.task_name,
                             list(schedule.args),
                             dict(schedule.kwargs),
-                            channel=schedule.channel,
+                            channel=channel,
+                            queue=None if queue == DEFAULT_QUEUE else queue,
                             run_after=self._run_after(schedule, slot),
                             priority=schedule.priority,
                         )

@@ -13,6 +13,7 @@ transaction for rollback exactly as an ORM error would.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -34,6 +35,13 @@ from psycopg.types.json import Jsonb, JsonbBinaryLoader
 
 from django_fairqueue import conf
 from django_fairqueue.exceptions import ChannelFull, DuplicateJob, IsolationLevelError
+from django_fairqueue.queues import (
+    DEFAULT_QUEUE,
+    SEPARATOR,
+    row_name,
+    split_row_name,
+    validate_queue_name,
+)
 
 logger = logging.getLogger("django_fairqueue.store")
 
@@ -192,6 +200,18 @@ class ClaimedMessage:
     lease_expires_at: datetime
     enqueued_at: datetime
     run_at: datetime
+    #: the message's queue (``channel`` is the channel's name within it)
+    queue: str = DEFAULT_QUEUE
+
+
+def _claimed(row: tuple[Any, ...]) -> ClaimedMessage:
+    """A claimed row; a channel row of another queue than the default is named
+    ``<queue>\\x1f<channel>``, which becomes ``queue`` and ``channel``."""
+    message = ClaimedMessage(*row)
+    if SEPARATOR in message.channel:
+        queue, name = split_row_name(message.channel)
+        return dataclasses.replace(message, channel=name, queue=queue)
+    return message
 
 
 @dataclass(frozen=True, slots=True)
@@ -526,6 +546,7 @@ def claim_messages(
     quantum: int | None = None,
     maintain: bool = True,
     fairness: str | None = None,
+    queues: Sequence[str] | None = None,
     using: str | None = None,
 ) -> list[ClaimedMessage]:
     """Claim up to ``limit`` messages fairly across channels, each under a fresh lease.
@@ -536,11 +557,17 @@ def claim_messages(
     may queue briefly behind a concurrent claim holding the only eligible channels (see
     :func:`_run_claim`). ``fairness`` (``"count"`` or ``"time"``) overrides the
     ``FAIRNESS`` setting: which channel comes next, by turns of messages or by worker time.
+    ``queues`` limits the claim to those queues (None: every queue); several are served in
+    turn, the one whose first channel has waited longest first (docs/howto/queues.md).
     """
     params = _claim_params(limit, lease, worker_id, only_channel_ids, exclude_channel_ids, quantum)
-    params.update(maintain=maintain, by_time=_by_time(fairness))
+    params.update(
+        maintain=maintain,
+        by_time=_by_time(fairness),
+        queues=None if queues is None else [validate_queue_name(q) for q in queues],
+    )
     rows = _run_claim("claim_messages", params, using)
-    return [ClaimedMessage(*row) for row in rows]
+    return [_claimed(row) for row in rows]
 
 
 def _claim_params(
@@ -1142,6 +1169,22 @@ def select_channel_ids(names: Sequence[str], *, using: str | None = None) -> dic
     return {name: cid for cid, name in _run("select_channel_ids", {"names": list(names)}, using)}
 
 
+def select_channel_ids_in_queues(
+    names: Sequence[str], queues: Sequence[str] | None, *, using: str | None = None
+) -> list[tuple[int, str, str]]:
+    """``(id, queue, name)`` of the channel rows of ``names`` in ``queues`` (None: all)."""
+    if not names:
+        return []
+    if queues is not None:  # the rows' names are known: index lookups
+        rows = [row_name(q, n) for q in queues for n in names]
+        return [
+            (cid, *split_row_name(row))
+            for row, cid in select_channel_ids(rows, using=using).items()
+        ]
+    params = {"names": list(names), "queues": None}
+    return [(r[0], r[1], r[2]) for r in _run("select_channel_ids_in_queues", params, using)]
+
+
 def delete_failed_messages(ids: Sequence[int], *, using: str | None = None) -> list[int]:
     """Delete failed messages (dead letters) only; returns the ids deleted."""
     if not ids:
@@ -1195,6 +1238,7 @@ def select_next_due(
     *,
     only_channel_ids: Sequence[int] | None = None,
     exclude_channel_ids: Sequence[int] | None = None,
+    queues: Sequence[str] | None = None,
     using: str | None = None,
 ) -> float | None:
     """Seconds until a claim with these channel filters could take a message that none can take
@@ -1204,6 +1248,7 @@ def select_next_due(
         "horizon": horizon,
         "only": list(only_channel_ids) if only_channel_ids is not None else None,
         "exclude": list(exclude_channel_ids) if exclude_channel_ids is not None else None,
+        "queues": list(queues) if queues is not None else None,
     }
     due_in = _run("select_next_due", params, using)[0][0]
     return None if due_in is None else float(due_in)

@@ -65,6 +65,7 @@ class FairTask(Generic[P, R]):
         unique_key: str | None = None,
         unique_scope: str | None = None,
         on_conflict: str | None = None,
+        queue: str | None = None,
     ) -> BoundTask:
         """Fix queue options (also for calls whose own arguments share their names)."""
         return BoundTask(
@@ -75,6 +76,7 @@ class FairTask(Generic[P, R]):
             unique_key=unique_key,
             unique_scope=unique_scope,
             on_conflict=on_conflict,
+            queue=queue,
         )
 
     def __repr__(self) -> str:
@@ -92,6 +94,7 @@ class BoundTask:
     unique_key: str | None = None
     unique_scope: str | None = None
     on_conflict: str | None = None
+    queue: str | None = None
 
     def enqueue(self, *args: Any, **kwargs: Any) -> int:
         from django_fairqueue.api import EnqueueRequest, enqueue_many
@@ -106,6 +109,7 @@ class BoundTask:
             unique_key=self.unique_key,
             unique_scope=self.unique_scope,
             on_conflict=self.on_conflict,
+            queue=self.queue,
         )
         return enqueue_many([request])[0]
 
@@ -125,6 +129,7 @@ def task(
     channel: str | None = None,
     channel_from: Callable[..., str] | None = None,
     timeout: float | None = None,
+    queue: str = "default",
 ) -> Callable[[Callable[P, R]], FairTask[P, R]]: ...
 
 
@@ -140,6 +145,7 @@ def task(
     channel: str | None = None,
     channel_from: Callable[..., str] | None = None,
     timeout: float | None = None,
+    queue: str = "default",
 ) -> FairTask[P, R] | Callable[[Callable[P, R]], FairTask[P, R]]:
     """Register a function as a task.
 
@@ -147,7 +153,9 @@ def task(
     ``"at_most_once"``; ``channel`` or ``channel_from`` choose the channel when ``enqueue`` is not
     given one; ``timeout`` is the time limit of one attempt in seconds (default
     ``FAIRQUEUE['TASK_TIMEOUT']``, 0 for none): past it the worker fails the attempt with
-    :class:`~django_fairqueue.exceptions.TaskTimeout` and retries it like any failure.
+    :class:`~django_fairqueue.exceptions.TaskTimeout` and retries it like any failure;
+    ``queue`` is the queue its messages go to (workers started with ``--queues`` serve only
+    theirs; see docs/howto/queues.md).
     """
 
     def wrap(f: Callable[P, R]) -> FairTask[P, R]:
@@ -163,6 +171,7 @@ def task(
             channel_from=channel_from,
             # seconds (a timedelta is accepted too); a bad value raises ValueError here
             timeout=conf.validate_timeout(timeout, f"task {task_name!r}: timeout"),
+            queue=queue,
         )
         registry.register(spec)
         return FairTask(spec)

@@ -18,6 +18,7 @@ from typing import Any
 from django_fairqueue import conf
 from django_fairqueue.exceptions import ResultNotStorable, UnknownTask
 from django_fairqueue.limits import TASK_NAME_MAX_LENGTH
+from django_fairqueue.queues import validate_queue_name
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class TaskSpec:
     channel: str | None = None
     # Derive the channel from the call's arguments, e.g. ``lambda doc_id, tenant: tenant``.
     channel_from: Callable[..., str] | None = None
+    # The queue the task's messages go to (workers serve queues: runfairworker --queues).
+    queue: str = "default"
     # Seconds an attempt may run (a worker fails it past that, TaskTimeout); None:
     # FAIRQUEUE['TASK_TIMEOUT']; 0: no limit whatever the setting says.
     timeout: float | None = None
@@ -105,6 +108,10 @@ class Registry:
         ):
             raise ValueError(f"task {spec.name!r}: max_attempts must be an integer >= 1")
         conf.validate_timeout(spec.timeout, f"task {spec.name!r}: timeout")
+        try:
+            validate_queue_name(spec.queue)
+        except ValueError as exc:
+            raise ValueError(f"task {spec.name!r}: {exc}") from None
         with self._lock:
             old = self._specs.get(spec.name)
             if (

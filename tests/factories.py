@@ -112,6 +112,12 @@ def enqueue(
     )
 
 
+def enqueue_in_queue(queue: str, channel: Any, n: int = 1) -> list[int]:
+    """Enqueue ``n`` no-op messages to ``channel`` (a name or a (group, channel) pair) of
+    ``queue`` in one round trip; returns their ids."""
+    return enqueue_many(EnqueueRequest(NOOP, (i,), channel=channel, queue=queue) for i in range(n))
+
+
 def enqueue_spread(counts: dict[str, int]) -> list[int]:
     """One batch: ``counts[name]`` messages per channel (channels interleaved)."""
     requests = []

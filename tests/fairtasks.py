@@ -113,3 +113,15 @@ def ignores_abort(marker: str | None = None, seconds: float = 5.0) -> str:
     _mark(marker)
     time.sleep(seconds)
     return "finished"
+
+
+@task(name="tests.fair.email", queue="emails", keep_result=True)
+def email(to: str = "") -> dict[str, Any]:
+    """A task of queue "emails"."""
+    return _ran(to=to)
+
+
+@task(name="tests.fair.report", queue="reports", keep_result=True)
+def report(title: str = "") -> dict[str, Any]:
+    """A task of queue "reports"."""
+    return _ran(title=title)

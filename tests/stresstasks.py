@@ -23,6 +23,7 @@ CREATE TABLE IF NOT EXISTS stress_exec_log (
     id bigserial PRIMARY KEY,
     message_id bigint NOT NULL,
     channel text NOT NULL,
+    queue text NOT NULL,
     attempt integer NOT NULL,
     pid integer NOT NULL,
     lease_token uuid,
@@ -49,9 +50,10 @@ TRUNCATE stress_exec_log, stress_enqueued, stress_limit_edit;
 
 # Asynchronous commit: the log is written at the rate tasks run; the server is never killed.
 _START = """
-INSERT INTO stress_exec_log (message_id, channel, attempt, pid, lease_token, seen_error_type,
-                             seen_error_message, started_at)
-SELECT %s, %s, %s, %s, %s, m.last_error ->> 'type', m.last_error ->> 'message', clock_timestamp()
+INSERT INTO stress_exec_log (message_id, channel, queue, attempt, pid, lease_token,
+                             seen_error_type, seen_error_message, started_at)
+SELECT %s, %s, %s, %s, %s, %s, m.last_error ->> 'type', m.last_error ->> 'message',
+       clock_timestamp()
 FROM (SELECT set_config('synchronous_commit', 'off', false)) AS s
 LEFT JOIN fairqueue_message m ON m.id = %s
 RETURNING id
@@ -73,6 +75,7 @@ def _run(seconds: float, fail_attempts: int) -> None:
             [
                 message.id,
                 message.channel,
+                message.queue,
                 message.attempts,
                 os.getpid(),
                 message.lease_token,

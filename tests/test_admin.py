@@ -755,6 +755,7 @@ def test_status_table_and_json(queue: dict[str, Any]) -> None:
     lines = out.getvalue().splitlines()
     assert re.split(r"\s{2,}", lines[0]) == [
         "CHANNEL",
+        "QUEUE",
         "READY",
         "DELAYED",
         "RETRYING",
@@ -768,7 +769,7 @@ def test_status_table_and_json(queue: dict[str, Any]) -> None:
         "INTERVAL",
         "PAUSED",
     ]
-    assert lines[1].split()[:8] == ["beta", "1", "0", "0", "1/-", "0", "0", "3"]
+    assert lines[1].split()[:9] == ["beta", "default", "1", "0", "0", "1/-", "0", "0", "3"]
     assert lines[3].split()[-1] == "yes"  # gamma paused
     assert "3 channels (3 shown, sorted by failed; 2 with ready messages, 1 paused)" in lines[5]
     assert lines[6].startswith("0 live workers")  # then the warning: work waits, no worker
@@ -776,8 +777,9 @@ def test_status_table_and_json(queue: dict[str, Any]) -> None:
     out = io.StringIO()
     call_command("fairqueue", "status", "--json", "--limit", "1", stdout=out)
     data = json.loads(out.getvalue())
-    assert [c["name"] for c in data["channels"]] == ["alpha"]
+    assert [(c["name"], c["queue"]) for c in data["channels"]] == [("alpha", "default")]
     assert data["channels"][0]["ready"] == 5
+    assert data["queues"] == {"default": {"channels": 3, "ready": 6, "running": 1}}
     assert data["totals"] == {
         "channels": 3,
         "backlogged": 2,

@@ -295,10 +295,24 @@ def test_default_channel_option_then_fairqueue_setting(tasks_options: Any) -> No
 
 
 @pytest.mark.django_db
-def test_queue_name_other_than_default_is_the_channel(tasks_options: Any) -> None:
+def test_queue_name_is_the_queue_not_the_channel(tasks_options: Any) -> None:
     tasks_options(QUEUES=[])  # any queue name is valid
-    assert row(add.using(queue_name="emails").enqueue(1, 1).id).channel.name == "emails"
-    assert row(add.enqueue(1, 1).id).channel.name == "default"
+    emails = row(add.using(queue_name="emails").enqueue(1, 1).id).channel
+    assert (emails.queue, emails.short_name) == ("emails", "default")
+    plain = row(add.using(channel="acme").enqueue(1, 1).id).channel
+    assert (plain.queue, plain.name) == ("default", "acme")
+    # a worker of another queue never gets it; one of "emails" does
+    lease = timedelta(minutes=1)
+    assert store.claim_messages(10, lease=lease, worker_id="w", queues=["reports"]) == []
+    (got,) = store.claim_messages(10, lease=lease, worker_id="w", queues=["emails"])
+    assert (got.queue, got.channel, got.id) == ("emails", "default", int(emails.messages.get().id))
+
+
+@pytest.mark.django_db
+def test_a_queue_name_that_is_not_a_fairqueue_queue_is_refused(tasks_options: Any) -> None:
+    tasks_options(QUEUES=[])
+    with pytest.raises(InvalidTask, match="queue name"):
+        add.using(queue_name="no spaces").enqueue(1, 1)
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import django_fairqueue
 from django_fairqueue import checks, conf, enqueue, exactly_once, failures, store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
-from django_fairqueue.exceptions import InvalidChannel, PayloadError, UnknownTask
+from django_fairqueue.exceptions import InvalidChannel, InvalidQueue, PayloadError, UnknownTask
 from django_fairqueue.models import Channel, Message, MessageState
 from django_fairqueue.worker import Worker, WorkerConfig
 from tests.factories import NOOP, assert_counters_match_table
@@ -113,6 +113,7 @@ def test_channel_names_with_sql_and_unicode_are_stored_verbatim(
         ("x" * 201, "201 characters; the most is 200"),
         ("x" * 10_240, "10240 characters; the most is 200"),
         ("nul\x00inside", "NUL"),
+        ("queue\x1fchannel", "unit separator U+001F"),
         (42, "must be a string"),
         (3.5, "must be a string"),
         (b"bytes", "must be a string"),
@@ -123,6 +124,35 @@ def test_bad_channel_names_are_refused_clearly(name: Any, error: str, tables_int
         enqueue(NOOP, channel=name)
     assert message_count() == 0
     assert not Channel.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("queue", "error"),
+    [
+        ("", "must not be empty"),
+        ("two words", "may hold only letters"),
+        ("-leading", "may hold only letters"),
+        ("a/b", "may hold only letters"),
+        ("q" * 65, "65 characters; the most is 64"),
+        (7, "must be a string"),
+    ],
+)
+def test_bad_queue_names_are_refused_clearly(queue: Any, error: str, tables_intact: None) -> None:
+    with pytest.raises(InvalidQueue, match=re.escape(error)):
+        enqueue(NOOP, channel="acme", queue=queue)
+    with pytest.raises(InvalidQueue, match=re.escape(error)):
+        enqueue_many([EnqueueRequest(NOOP, channel="acme"), EnqueueRequest(NOOP, queue=queue)])
+    assert message_count() == 0
+    assert not Channel.objects.exists()
+
+
+def test_a_channel_name_too_long_for_its_queue_is_refused(tables_intact: None) -> None:
+    enqueue(NOOP, channel="x" * 200)  # fits the default queue
+    with pytest.raises(InvalidChannel, match="too long for queue 'reports'"):
+        enqueue(NOOP, channel="x" * 200, queue="reports")
+    with pytest.raises(InvalidChannel, match="too long for queue 'reports'"):
+        enqueue(NOOP, channel=("g" * 95, "x"), queue="reports")
+    assert message_count() == 1
 
 
 def test_a_channel_name_that_is_not_valid_unicode_is_an_invalid_channel() -> None:
@@ -144,7 +174,9 @@ def test_any_channel_name_is_stored_verbatim_or_refused(name: str) -> None:
             mid = enqueue(NOOP, channel=name)
     except InvalidChannel:
         stripped = name.strip()
-        assert not stripped or stripped != name or len(name) > 200 or "\x00" in name
+        assert (
+            not stripped or stripped != name or len(name) > 200 or "\x00" in name or "\x1f" in name
+        )
         return
     assert Message.objects.select_related("channel").get(pk=mid).channel.name == name
 
@@ -152,7 +184,7 @@ def test_any_channel_name_is_stored_verbatim_or_refused(name: str) -> None:
 @EXAMPLES
 @given(names=st.lists(st.text(min_size=1, max_size=30).map(lambda s: f"c{s}c"), max_size=8))
 def test_worker_channel_filters_take_any_names(names: list[str]) -> None:
-    clean = [n for n in names if "\x00" not in n and len(n) <= 200]
+    clean = [n for n in names if "\x00" not in n and "\x1f" not in n and len(n) <= 200]
     config = WorkerConfig(channels=sorted(set(clean)), worker_id="filters")
     assert set(config.channels) == set(clean)
 

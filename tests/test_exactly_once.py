@@ -272,6 +272,7 @@ def test_other_claimers_skip_the_claimed_channel_until_commit(
     claim_sql = store.queries()["claim_messages"]
     params = {"limit": 10, "lease": timedelta(minutes=1), "worker": "other", "only": None}
     params |= {"exclude": None, "quantum": None, "maintain": True, "wait_ms": 50, "by_time": False}
+    params["queues"] = None  # every queue, as a worker started without --queues
     with transaction.atomic(), exactly_once.batch(limit=1, channels=["alice"]) as batch:
         assert len(batch) == 1
         # A worker on another connection claims meanwhile: it does not wait for our lock,

@@ -294,6 +294,7 @@ def test_a_claim_that_may_wait_finds_nothing_to_wait_for_from_the_index(
     auto_explain.take()
     params = {"limit": LIMIT, "lease": LEASE, "worker": "explain", "only": None}
     params |= {"exclude": None, "quantum": None, "maintain": True, "wait_ms": 50, "by_time": False}
+    params["queues"] = ["default"]  # (all queues: the same, after a probe per queue)
 
     assert store._run("claim_messages", params) == []  # (the test's transaction: no retry)
 
@@ -307,6 +308,53 @@ def test_a_claim_that_may_wait_finds_nothing_to_wait_for_from_the_index(
     # the walk, the wait, and the walk once more after it (a concurrent fold may have committed)
     assert len(turn_scans) == 3, "expected the walk, the wait and the last walk on the index"
     assert_small_and_indexed(plans, budget=LIMIT)
+
+
+@pytest.mark.parametrize("fairness", ["count", "time"])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_claim_of_one_queue_reads_nothing_of_another(
+    backlog: list[int], auto_explain: AutoExplain, fairness: str, grouped: bool
+) -> None:
+    # 1,000 backlogged channels in the default queue, one channel (of a group, or not) in
+    # queue "a". A worker of queue "a" walks queue a's index entries only: the channel rows it
+    # reads are its own channel's, however many other queues' channels are claimable.
+    channel = ("t", "one") if grouped else "one"
+    f.enqueue_in_queue("a", channel, 5)
+    f.fold_all()
+    auto_explain.take()
+    for _ in range(8):  # past PL/pgSQL's switch to a generic plan
+        with connection.cursor() as cur:
+            cur.execute("SAVEPOINT q")
+        got = store.claim_messages(
+            LIMIT, lease=LEASE, worker_id="explain", fairness=fairness, queues=["a"]
+        )
+        assert len(got) == 5 and {m.queue for m in got} == {"a"}
+        plans = auto_explain.take()
+        with connection.cursor() as cur:
+            cur.execute("ROLLBACK TO SAVEPOINT q")
+        # channel and group rows read: a handful, not the 1,000 claimable in "default"
+        assert_small_and_indexed(plans, budget=10, tables=GROUPED_TABLES - {"fairqueue_message"})
+        assert_small_and_indexed(plans, budget=10 * LIMIT, tables=GROUPED_TABLES)
+
+
+@pytest.mark.parametrize("fairness", ["count", "time"])
+def test_a_claim_of_every_queue_finds_the_queues_from_the_indexes(
+    backlog: list[int], auto_explain: AutoExplain, fairness: str
+) -> None:
+    # Two queues with work: a claim of all queues finds them by skipping through the turn
+    # indexes (a probe per queue), then serves them in turn, the queue whose first channel
+    # has waited longest first (here "a"'s): nothing reads the backlog.
+    f.enqueue_in_queue("a", "one", 5)
+    f.fold_all()
+    with connection.cursor() as cur:
+        cur.execute(
+            "UPDATE fairqueue_channel SET next_turn_at = now() - interval '1 day' WHERE queue = 'a'"
+        )
+    auto_explain.take()
+    got = store.claim_messages(LIMIT, lease=LEASE, worker_id="explain", fairness=fairness)
+    assert len(got) == LIMIT
+    assert [m.queue for m in got[:5]] == ["a"] * 5 and {m.queue for m in got[5:]} == {"default"}
+    assert_small_and_indexed(auto_explain.take(), budget=10 * LIMIT, tables=GROUPED_TABLES)
 
 
 def settle_plans(auto_explain: AutoExplain, run: Callable[[], object]) -> list[Plan]:

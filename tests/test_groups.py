@@ -349,7 +349,7 @@ def test_status_shows_groups_beside_channels() -> None:
     text = out.getvalue()
     assert "acme/c000" in text and "plain" in text
     group_line = next(line for line in text.splitlines() if line.startswith("acme "))
-    assert group_line.split() == ["acme", "3", "6", "0/5", "2", "-"]
+    assert group_line.split() == ["acme", "default", "3", "6", "0/5", "2", "-"]
     assert "1 channel groups" in text
     out = io.StringIO()
     call_command("fairqueue", "status", "--json", stdout=out)
@@ -357,6 +357,7 @@ def test_status_shows_groups_beside_channels() -> None:
     assert data["groups"] == [
         {
             "name": "acme",
+            "queue": "default",
             "channels": 3,
             "claimable_channels": 3,
             "ready": 6,

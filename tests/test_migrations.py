@@ -24,6 +24,7 @@ from django_fairqueue.migrations._sql import migration_sql
 functions_v1 = importlib.import_module("django_fairqueue.migrations.0002_functions_v1")
 claim_wait = importlib.import_module("django_fairqueue.migrations.0004_claim_wait")
 fairness_by_time = importlib.import_module("django_fairqueue.migrations.0013_fairness_by_time")
+queues = importlib.import_module("django_fairqueue.migrations.0024_queues")
 
 # fairqueue_claim_v1 as migration 0002 installed it before 0004 (no p_wait_ms); the body does
 # not matter to the migration, only the signature.
@@ -52,6 +53,7 @@ def test_0004_replaces_the_old_claim_signature_and_old_calls_still_work() -> Non
         # drops those it added.)
         cur.execute(functions_v1.DROP_V1)
         cur.execute(fairness_by_time.DROP_NEW)
+        cur.execute(queues.DROP_NEW)
         assert signatures("fairqueue_claim_v1") == []
         cur.execute(OLD_CLAIM)
 
@@ -76,7 +78,7 @@ def test_0013_leaves_one_signature_each_and_old_calls_still_work() -> None:
     """Callers of the previous release (a rolling deploy) reach the new functions, which then
     behave as before: fairness by count, no run time recorded."""
     (claim,) = signatures("fairqueue_claim_v1")
-    assert claim.endswith("p_wait_ms integer, p_by_time boolean"), claim
+    assert claim.endswith("p_wait_ms integer, p_by_time boolean, p_queues text[]"), claim
     (fold,) = signatures("fairqueue_fold_deltas_v1")
     assert fold.endswith("p_by_time boolean"), fold
     (complete,) = signatures("fairqueue_complete_v1")

@@ -21,7 +21,11 @@ every 50 ms. Then the clients stop, the workers drain the queue, and the test ch
    belongs to a channel that no longer exists, and every channel group's sums equal its
    channels';
 6. no client operation failed other than in the ways the mix expects;
-7. no unique key is held by two messages of a channel at once.
+7. no unique key is held by two messages of a channel at once;
+8. the worker serving only queue ``reports`` (``--queues reports``) ran nothing of another queue.
+
+A third of the enqueued work goes to queue ``reports``, whose channels (the same names, capped
+the same way) and group are rows of their own; the other workers serve every queue.
 
 The mix also enqueues unique jobs (every scope and conflict policy, alone and in batches),
 cancels by channel and task, and aborts waiting and running messages.
@@ -49,6 +53,7 @@ from typing import Any
 import pytest
 
 from django_fairqueue.models import Channel, ChannelGroup
+from django_fairqueue.queues import row_name
 from tests import stresskit
 from tests.faults.harness import Db, Fleet, wait_listening
 from tests.stresstasks import LOG_TABLES
@@ -130,23 +135,27 @@ def test_stress(database_url: str, tmp_path: Path) -> None:
     db = Db(database_url)
     db.conn.execute(LOG_TABLES)
     deadlocks_before = stresskit.deadlocks_of_database(db)
-    for group, cap, weight in GROUPS:
-        ChannelGroup.objects.create(name=group, max_concurrency=cap, weight=weight)
-    for name, cap, backlog, weight, interval in CHANNELS:
-        Channel.objects.create(
-            name=name,
-            max_concurrency=cap,
-            max_backlog=backlog,
-            weight=weight,
-            release_interval=timedelta(milliseconds=interval),
-        )
+    for queue in ("default", "reports"):  # each queue's rows, limited alike
+        for group, cap, weight in GROUPS:
+            ChannelGroup.objects.create(
+                name=row_name(queue, group), max_concurrency=cap, weight=weight
+            )
+        for name, cap, backlog, weight, interval in CHANNELS:
+            Channel.objects.create(
+                name=row_name(queue, name),
+                max_concurrency=cap,
+                max_backlog=backlog,
+                weight=weight,
+                release_interval=timedelta(milliseconds=interval),
+            )
 
     fleet = Fleet(database_url, OVERRIDES, args=WORKER_ARGS)
     sampler = stresskit.Sampler(Db(database_url))
     clients: list[tuple[subprocess.Popen[bytes], Path, Path]] = []
     killed: set[int] = set()
     try:
-        fleet.start(WORKERS)
+        fleet.start(WORKERS - 1)
+        reports_only = {w.pid for w in fleet.start(1, "--queues", "reports")}
         wait_listening(db, fleet)
         sampler.start()
         began = time.monotonic()
@@ -251,6 +260,12 @@ def test_stress(database_url: str, tmp_path: Path) -> None:
         orphans = stresskit.orphans(db)
         group_sums = stresskit.group_sums_wrong(db)
         enqueued = int(db.value("SELECT count(*) FROM stress_enqueued"))
+        by_queue = dict(db.rows("SELECT queue, count(*) FROM stress_exec_log GROUP BY queue"))
+        off_queue = db.rows(
+            "SELECT message_id, channel, queue, pid FROM stress_exec_log "
+            "WHERE pid = ANY (%s) AND queue <> 'reports'",
+            [sorted(reports_only)],
+        )
         executions, messages_run = db.rows(
             "SELECT count(*), count(DISTINCT message_id) FROM stress_exec_log"
         )[0]
@@ -268,6 +283,14 @@ def test_stress(database_url: str, tmp_path: Path) -> None:
             "messages_committed": enqueued,
             "messages_rolled_back": len(rolled_back),
             "executions": int(executions),
+            "executions_by_queue": {q: int(n) for q, n in sorted(by_queue.items())},
+            "executions_by_reports_only_worker": int(
+                db.value(
+                    "SELECT count(*) FROM stress_exec_log WHERE pid = ANY (%s)",
+                    [sorted(reports_only)],
+                )
+            ),
+            "ran_off_queue": len(off_queue),
             "messages_run": int(messages_run),
             "worker_kills": len(killed),
             "reruns_retry": reruns.retries,
@@ -345,6 +368,10 @@ def test_stress(database_url: str, tmp_path: Path) -> None:
         fail("5. channel groups whose sums differ from their channels'", group_sums)
     if keys_twice:
         fail("7. unique keys held by two messages at once", keys_twice)
+    if off_queue:
+        fail("8. the reports-only worker ran messages of other queues", off_queue)
+    if set(figures["executions_by_queue"]) != {"default", "reports"}:
+        fail("8. the mix did not run work of both queues", [figures["executions_by_queue"]])
     if unexpected:
         fail(
             f"6. {len(unexpected)} client operations failed unexpectedly",

@@ -1,6 +1,6 @@
 """Cancel waiting messages by id, channel or task.
 
-  fairqueue cancel (ID ... | --channel C [--task T] | --task T) [--json]
+  fairqueue cancel (ID ... | --channel C [--queue Q] [--task T] | --task T) [--json]
 
 Ready and delayed messages become ``cancelled`` (kept until pruned; a unique key they held is
 free at once). Running messages are left alone: stop them with ``fairqueue abort``. A message
@@ -31,6 +31,7 @@ def add_selection(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--channel", type=channel_name, help="Every message of this channel (with --task: of both)."
     )
+    parser.add_argument("--queue", help="The queue of --channel (default: the default queue).")
     parser.add_argument("--task", help="Every message of this task name.")
     parser.add_argument("--json", action="store_true", help="Print JSON.")
 
@@ -43,8 +44,13 @@ def selection(options: dict[str, Any], verb: str) -> dict[str, Any]:
         raise CommandError(f"{verb}: give message ids, or --channel and/or --task, not both")
     if not ids and channel is None and task is None:
         raise CommandError(f"{verb}: give message ids, --channel or --task")
+    queue = options.get("queue")
+    if queue is not None and channel is None:
+        raise CommandError(f"{verb}: --queue goes with --channel")
     if ids:
         return {"ids": ids}
+    if queue is not None:
+        return {"channel": channel, "task": task, "queue": queue}
     return {"channel": channel, "task": task}
 
 

@@ -5,13 +5,15 @@ failed attempt), running against the cap, failures and timeouts of the last 5 mi
 raised; it ran out of time or lost its lease), dead letters, the oldest ready message's age and
 the messages finished in the last 5 minutes.
 
-One line per channel (the first --limit, default 20, in --sort order, default most ready first),
-then, when channel groups exist, one line per group (the --limit with most ready first: its
-channels, ready and running summed over them, its cap, weight and rate limit), then the totals
-over all channels and the live workers. Name a CHANNEL to see it alone, with
-why its messages wait. --json prints one JSON document for scripts; --watch redraws every
-SECONDS (default 2) until Ctrl-C. The figures come from the counters, bounded index probes and
-the per-minute statistics: cheap on a busy queue (docs/howto/observability.md).
+One line per channel (the first --limit, default 20, in --sort order, default most ready first;
+a channel is its name within its queue, and the QUEUE column says which), then, when channel
+groups exist, one line per group (the --limit with most ready first: its channels, ready and
+running summed over them, its cap, weight and rate limit), then the totals over all channels,
+per queue when there are several, and the live workers. Name a CHANNEL (with --queue QUEUE
+outside the default queue) to see it alone, with why its messages wait. --json prints one
+JSON document for scripts; --watch redraws every SECONDS (default 2) until Ctrl-C. The figures
+come from the counters, bounded index probes and the per-minute statistics: cheap on a busy
+queue (docs/howto/observability.md).
 """
 
 # A subcommand module of the ``fairqueue`` command: add_arguments(parser), handle(options, stdout).
@@ -31,6 +33,7 @@ from django.utils import timezone
 from django_fairqueue import bounds, overview, registry, stats, store, waiting
 from django_fairqueue.cli import channel_name
 from django_fairqueue.terminal import printable
+from django_fairqueue.queues import split_row_name, validate_queue_name
 
 #: Longest channel name printed in the table (the JSON has it whole).
 _NAME_WIDTH = 40
@@ -57,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=channel_name,
         metavar="CHANNEL",
         help="Show this channel alone, with why its messages wait.",
+    )
+    parser.add_argument(
+        "--queue",
+        type=_queue,
+        metavar="QUEUE",
+        help="The queue of CHANNEL (default: the default queue).",
     )
     parser.add_argument(
         "--sort",
@@ -131,9 +140,27 @@ def snapshot(sort: str = "backlog", limit: int = 20, now: datetime | None = None
             "dead": sum(1 for v in views if v.state == "dead"),
         },
         "finished_last_5m": sum(stats.finished_of(recent).values()),
-        "channels": [row.as_dict(now) for row in overview.rows(ids)],
+        "queues": _queues(counts.values()),
+        "channels": [_in_queue(row.as_dict(now)) for row in overview.rows(ids)],
         **_groups(limit),
     }
+
+
+def _in_queue(row: dict[str, Any]) -> dict[str, Any]:
+    """A channel's or group's dict with its name within its queue, and its queue."""
+    queue, name = split_row_name(row["name"])
+    return {**row, "name": name, "queue": queue}
+
+
+def _queues(counts: Any) -> dict[str, dict[str, int]]:
+    """Per queue: its channels, and their ready and running messages."""
+    out: dict[str, dict[str, int]] = {}
+    for c in counts:
+        q = out.setdefault(split_row_name(c.name)[0], {"channels": 0, "ready": 0, "running": 0})
+        q["channels"] += 1
+        q["ready"] += c.ready
+        q["running"] += c.running
+    return dict(sorted(out.items()))
 
 
 def _groups(limit: int) -> dict[str, Any]:
@@ -145,7 +172,8 @@ def _groups(limit: int) -> dict[str, Any]:
         "groups_total": len(groups),
         "groups": [
             {
-                "name": g.name,
+                "name": split_row_name(g.name)[1],
+                "queue": split_row_name(g.name)[0],
                 "channels": g.channels,
                 "claimable_channels": g.claimable,
                 "ready": g.ready,
@@ -162,23 +190,27 @@ def _groups(limit: int) -> dict[str, Any]:
 def _render(options: dict[str, Any]) -> str:
     now = store.select_clock()  # the clock that stamped what is aged here
     if options.get("channel") is not None:
-        return _render_channel(options["channel"], options["json"], now)
+        queue = options.get("queue") or "default"
+        return _render_channel(options["channel"], options["json"], now, queue)
     data = snapshot(options["sort"], options["limit"], now)
     if options["json"]:
         return json.dumps(data)
     return table(data)
 
 
-def _render_channel(name: str, as_json: bool, now: datetime) -> str:
-    ids = store.select_channel_ids([name])
-    if name not in ids:
-        raise CommandError(f"no channel named {name!r}")
-    (row,) = overview.rows([ids[name]])
-    why = waiting.channel(ids[name])
+def _render_channel(name: str, as_json: bool, now: datetime, queue: str) -> str:
+    found = store.select_channel_ids_in_queues([name], [queue])
+    if not found:
+        raise CommandError(f"no channel named {name!r} in queue {queue!r}")
+    ((cid, _queue, _name),) = found
+    (row,) = overview.rows([cid])
+    why = waiting.channel(cid)
     if as_json:
-        return json.dumps({**row.as_dict(now), "why_waiting": why.text, "cause": why.cause})
+        return json.dumps(
+            {**_in_queue(row.as_dict(now)), "why_waiting": why.text, "cause": why.cause}
+        )
     single = {
-        "channels": [row.as_dict(now)],
+        "channels": [_in_queue(row.as_dict(now))],
         "sort": "name",
         "totals": overview.totals({}),
         "finished_last_5m": row.finished_recent,
@@ -192,6 +224,7 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
     minutes = overview.FINISHED_MINUTES
     header = (
         "CHANNEL",
+        "QUEUE",
         "READY",
         "DELAYED",
         "RETRYING",
@@ -213,6 +246,7 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
         lines.append(
             (
                 name,
+                c.get("queue", "default"),
                 f"{c['ready']:,}",
                 f"{c['delayed']:,}",
                 f"{c['retrying']:,}",
@@ -254,6 +288,15 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
         f"{t[f'failures_last_{minutes}m']:,} failures, {t[f'timeouts_last_{minutes}m']:,} "
         "timeouts."
     )
+    if len(data.get("queues") or {}) > 1:
+        out.append(
+            "Queues: "
+            + "; ".join(
+                f"{name} {q['channels']:,} channels, {q['ready']:,} ready, {q['running']:,} running"
+                for name, q in data["queues"].items()
+            )
+            + "."
+        )
     if data.get("groups_total"):
         out.append(
             f"{data['groups_total']:,} channel groups ({len(data['groups']):,} shown, most "
@@ -274,7 +317,7 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
 
 
 def _group_table(groups: list[dict[str, Any]]) -> list[str]:
-    header = ("GROUP", "CHANNELS", "READY", "RUNNING", "WEIGHT", "INTERVAL")
+    header = ("GROUP", "QUEUE", "CHANNELS", "READY", "RUNNING", "WEIGHT", "INTERVAL")
     lines: list[tuple[str, ...]] = [header]
     for g in groups:
         name = _short_name(g["name"])
@@ -283,6 +326,7 @@ def _group_table(groups: list[dict[str, Any]]) -> list[str]:
         lines.append(
             (
                 name,
+                g.get("queue", "default"),
                 f"{g['channels']:,}",
                 f"{g['ready']:,}",
                 f"{g['running']:,}/{cap}",
@@ -321,3 +365,10 @@ def _seconds(text: str) -> float:
             f"must be {_WATCH_MIN:g} to {_WATCH_MAX:g} seconds, got {text!r}"
         )
     return value
+
+
+def _queue(text: str) -> str:
+    try:
+        return validate_queue_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

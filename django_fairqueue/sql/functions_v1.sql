@@ -104,22 +104,54 @@ CREATE OR REPLACE FUNCTION fairqueue_top_virtual_time_v1(
 )
 RETURNS double precision
 LANGUAGE sql STABLE AS $$
+    -- The tag indexes lead with the queue (docs/howto/queues.md): the smallest tag is the
+    -- smallest of each queue's first entry, found queue after queue (one probe per queue).
     SELECT coalesce(
         least(
-            (SELECT c.vtime FROM fairqueue_channel c
-             WHERE c.ready_count > 0
-               AND NOT c.paused
-               AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
-               AND c.group_id IS NULL
-               AND c.id IS DISTINCT FROM p_exclude
-             ORDER BY c.vtime, c.id
-             LIMIT 1),
-            (SELECT g.vtime FROM fairqueue_channel_group g
-             WHERE g.claimable > 0
-               AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
-               AND g.id IS DISTINCT FROM p_exclude_group
-             ORDER BY g.vtime, g.id
-             LIMIT 1)),
+            (WITH RECURSIVE q AS (
+                (SELECT c.queue::text AS queue, c.vtime
+                 FROM fairqueue_channel c
+                 WHERE c.ready_count > 0
+                   AND NOT c.paused
+                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                   AND c.group_id IS NULL
+                   AND c.id IS DISTINCT FROM p_exclude
+                 ORDER BY c.queue, c.vtime, c.id
+                 LIMIT 1)
+                UNION ALL
+                SELECT n.queue, n.vtime
+                FROM q CROSS JOIN LATERAL (
+                    SELECT c.queue::text AS queue, c.vtime
+                    FROM fairqueue_channel c
+                    WHERE c.ready_count > 0
+                   AND NOT c.paused
+                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                   AND c.group_id IS NULL
+                      AND c.queue > q.queue
+                      AND c.id IS DISTINCT FROM p_exclude
+                    ORDER BY c.queue, c.vtime, c.id
+                    LIMIT 1) n)
+             SELECT min(q.vtime) FROM q),
+            (WITH RECURSIVE q AS (
+                (SELECT g.queue::text AS queue, g.vtime
+                 FROM fairqueue_channel_group g
+                 WHERE g.claimable > 0
+                   AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                   AND g.id IS DISTINCT FROM p_exclude_group
+                 ORDER BY g.queue, g.vtime, g.id
+                 LIMIT 1)
+                UNION ALL
+                SELECT n.queue, n.vtime
+                FROM q CROSS JOIN LATERAL (
+                    SELECT g.queue::text AS queue, g.vtime
+                    FROM fairqueue_channel_group g
+                    WHERE g.claimable > 0
+                      AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                      AND g.queue > q.queue
+                      AND g.id IS DISTINCT FROM p_exclude_group
+                    ORDER BY g.queue, g.vtime, g.id
+                    LIMIT 1) n)
+             SELECT min(q.vtime) FROM q)),
         nullif(greatest(
             (SELECT max(c.vtime) FROM fairqueue_channel c
              WHERE c.vtime > 0 AND c.group_id IS NULL AND c.id IS DISTINCT FROM p_exclude),
@@ -168,6 +200,86 @@ LANGUAGE sql STABLE AS $$
          ORDER BY c.vtime DESC
          LIMIT 1),
         0)
+$$;
+
+
+-- Queues (docs/howto/queues.md): named pools of work, orthogonal to channels. A channel row
+-- belongs to one queue: the channel "acme" of queue "reports" is the row named
+-- 'reports' || chr(31) || 'acme' (chr(31), the unit separator, is refused in the names the
+-- API takes), and its queue column says 'reports'. The default queue's rows are named as
+-- channels always were. A group is per queue the same way (the group 'reports' || chr(31) ||
+-- 'acme' holds the channels 'reports' || chr(31) || 'acme/...'). The claim's indexes lead
+-- with the queue, so a claim walks one queue's flows only.
+
+-- The queue a channel or group row name declares: the part before chr(31), else 'default'.
+CREATE OR REPLACE FUNCTION fairqueue_queue_of_name_v1(p_name text)
+RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE WHEN strpos(p_name, chr(31)) > 1 THEN split_part(p_name, chr(31), 1)
+                ELSE 'default' END
+$$;
+
+
+-- A row's queue follows its name, whoever writes it (an enqueue creating the channel, the
+-- admin, a fixture).
+CREATE OR REPLACE FUNCTION fairqueue_set_queue_v1() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.queue := fairqueue_queue_of_name_v1(NEW.name);
+    RETURN NEW;
+END;
+$$;
+
+DROP TRIGGER IF EXISTS fairqueue_channel_queue ON fairqueue_channel;
+CREATE TRIGGER fairqueue_channel_queue
+    BEFORE INSERT OR UPDATE OF name, queue ON fairqueue_channel
+    FOR EACH ROW
+    WHEN (NEW.queue IS DISTINCT FROM fairqueue_queue_of_name_v1(NEW.name))
+    EXECUTE FUNCTION fairqueue_set_queue_v1();
+
+DROP TRIGGER IF EXISTS fairqueue_group_queue ON fairqueue_channel_group;
+CREATE TRIGGER fairqueue_group_queue
+    BEFORE INSERT OR UPDATE OF name, queue ON fairqueue_channel_group
+    FOR EACH ROW
+    WHEN (NEW.queue IS DISTINCT FROM fairqueue_queue_of_name_v1(NEW.name))
+    EXECUTE FUNCTION fairqueue_set_queue_v1();
+
+
+-- The queues among p_queues that have a claimable flow (an ungrouped channel or a group), each
+-- with the turn of its first flow: the claim of several queues serves the one that has waited
+-- longest first. Two index probes per queue, no lock; rate-limited flows whose turn is still to
+-- come count (their claim finds nothing).
+CREATE OR REPLACE FUNCTION fairqueue_claimable_queues_v1(p_queues text[])
+RETURNS TABLE (queue_name text, first_turn timestamptz)
+LANGUAGE plpgsql STABLE
+SET plan_cache_mode = force_generic_plan  -- see fairqueue_claim_v1
+AS $$
+BEGIN
+    RETURN QUERY
+    SELECT t.q, t.first_turn
+    FROM (
+        SELECT n.q,
+               least(
+                   (SELECT c.next_turn_at
+                    FROM fairqueue_channel c
+                    WHERE c.ready_count > 0
+                      AND NOT c.paused
+                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                      AND c.group_id IS NULL
+                      AND c.queue = n.q
+                    ORDER BY c.next_turn_at, c.id
+                    LIMIT 1),
+                   (SELECT g.next_turn_at
+                    FROM fairqueue_channel_group g
+                    WHERE g.claimable > 0
+                      AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                      AND g.queue = n.q
+                    ORDER BY g.next_turn_at, g.id
+                    LIMIT 1)) AS first_turn
+        FROM unnest(p_queues) AS n(q)
+    ) t
+    WHERE t.first_turn IS NOT NULL;
+END;
 $$;
 
 
@@ -620,7 +732,8 @@ CREATE OR REPLACE FUNCTION fairqueue_claim_grouped_v1(
     p_quantum integer,
     p_wait_ms integer,
     p_by_time boolean,
-    p_now timestamptz
+    p_now timestamptz,
+    p_queue text
 )
 RETURNS TABLE (
     id bigint,
@@ -726,6 +839,7 @@ BEGIN
                        AND NOT c.paused
                        AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
                        AND c.group_id IS NULL
+                       AND c.queue = p_queue
                        AND (c.release_interval = interval '0' OR c.next_turn_at <= v_due)
                        AND (p_only IS NULL OR c.id = ANY (p_only))
                        AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
@@ -735,6 +849,7 @@ BEGIN
                      FROM fairqueue_channel_group g
                      WHERE g.claimable > 0
                        AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                       AND g.queue = p_queue
                        AND g.next_turn_at <= v_due
                      ORDER BY g.vtime, g.id)
                 ) x
@@ -748,6 +863,7 @@ BEGIN
                        AND NOT c.paused
                        AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
                        AND c.group_id IS NULL
+                       AND c.queue = p_queue
                        AND c.next_turn_at <= v_due
                        AND (p_only IS NULL OR c.id = ANY (p_only))
                        AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
@@ -757,6 +873,7 @@ BEGIN
                      FROM fairqueue_channel_group g
                      WHERE g.claimable > 0
                        AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                       AND g.queue = p_queue
                        AND g.next_turn_at <= v_due
                      ORDER BY g.next_turn_at, g.id)
                 ) x
@@ -1290,7 +1407,8 @@ CREATE OR REPLACE FUNCTION fairqueue_claim_v1(
     p_quantum integer DEFAULT NULL,
     p_maintain boolean DEFAULT true,
     p_wait_ms integer DEFAULT 0,
-    p_by_time boolean DEFAULT false
+    p_by_time boolean DEFAULT false,
+    p_queues text[] DEFAULT NULL
 )
 RETURNS TABLE (
     id bigint,
@@ -1352,6 +1470,13 @@ DECLARE
     v_folding bigint;
     v_wait_until timestamptz;
     v_lock_timeout text;
+    v_queue text;  -- the one queue this call walks
+    v_queues text[];
+    v_lo text;  -- the lowest and highest queues of claimable channels and groups
+    v_hi text;
+    v_glo text;
+    v_ghi text;
+    v_got integer := 0;
     i integer;
 BEGIN
     IF p_limit IS NULL OR p_limit < 1 THEN
@@ -1371,6 +1496,110 @@ BEGIN
         PERFORM fairqueue_fold_deltas_v1(1000, true, p_by_time);
     END IF;
 
+    -- Queues (docs/howto/queues.md). A channel (and a group) belongs to one queue, and the
+    -- walks below read one queue's entries only: the indexes they walk lead with `queue`, so
+    -- a claim of queue A never reads a channel of queue B. p_queues names the queues this
+    -- claim may serve (NULL: all). One queue: walk it. Several: the queues that have a
+    -- claimable flow (fairqueue_claimable_queues_v1, two index probes per queue), the one
+    -- whose first flow has waited longest first, each claimed in turn by a call of its own
+    -- (without waiting for held channels: another queue may have work) until p_limit is met.
+    -- None claimable: walk the first queue named, or 'default' (so that CLAIM_WAIT still
+    -- waits for a channel a concurrent claim holds or has just folded).
+    IF cardinality(p_queues) = 1 THEN
+        v_queue := p_queues[1];
+    ELSE
+        v_queues := p_queues;
+        IF p_queues IS NULL THEN
+            -- All queues. First the lowest and highest queue of a claimable flow (the first
+            -- and last entries of the two turn indexes): when they agree, that is the one queue
+            -- with work (a project with one queue, always), and nothing more is read.
+            SELECT (SELECT c.queue::text FROM fairqueue_channel c
+                    WHERE c.ready_count > 0
+                   AND NOT c.paused
+                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                   AND c.group_id IS NULL
+                    ORDER BY c.queue LIMIT 1),
+                   (SELECT c.queue::text FROM fairqueue_channel c
+                    WHERE c.ready_count > 0
+                   AND NOT c.paused
+                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                   AND c.group_id IS NULL
+                    ORDER BY c.queue DESC LIMIT 1),
+                   (SELECT g.queue::text FROM fairqueue_channel_group g
+                    WHERE g.claimable > 0
+                   AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                    ORDER BY g.queue LIMIT 1),
+                   (SELECT g.queue::text FROM fairqueue_channel_group g
+                    WHERE g.claimable > 0
+                   AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                    ORDER BY g.queue DESC LIMIT 1)
+            INTO v_lo, v_hi, v_glo, v_ghi;
+            v_queues := ARRAY(SELECT DISTINCT q FROM unnest(ARRAY[v_lo, v_hi, v_glo, v_ghi]) AS q
+                              WHERE q IS NOT NULL);
+        END IF;
+        IF cardinality(v_queues) > 1 AND p_queues IS NULL THEN
+            -- Several: every queue with a claimable flow, found by skipping through the two
+            -- turn indexes from queue to queue (one probe per queue and index).
+            WITH RECURSIVE cq AS (
+                (SELECT c.queue::text AS q
+                 FROM fairqueue_channel c
+                 WHERE c.ready_count > 0
+                   AND NOT c.paused
+                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                   AND c.group_id IS NULL
+                 ORDER BY c.queue
+                 LIMIT 1)
+                UNION ALL
+                SELECT (SELECT c.queue::text
+                        FROM fairqueue_channel c
+                        WHERE c.ready_count > 0
+                          AND NOT c.paused
+                          AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                          AND c.group_id IS NULL
+                          AND c.queue > cq.q
+                        ORDER BY c.queue
+                        LIMIT 1)
+                FROM cq WHERE cq.q IS NOT NULL
+            ), gq AS (
+                (SELECT g.queue::text AS q
+                 FROM fairqueue_channel_group g
+                 WHERE g.claimable > 0
+                   AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                 ORDER BY g.queue
+                 LIMIT 1)
+                UNION ALL
+                SELECT (SELECT g.queue::text
+                        FROM fairqueue_channel_group g
+                        WHERE g.claimable > 0
+                          AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                          AND g.queue > gq.q
+                        ORDER BY g.queue
+                        LIMIT 1)
+                FROM gq WHERE gq.q IS NOT NULL
+            )
+            SELECT array_agg(DISTINCT x.q) INTO v_queues
+            FROM (SELECT cq.q FROM cq UNION ALL SELECT gq.q FROM gq) x
+            WHERE x.q IS NOT NULL;
+        END IF;
+        IF cardinality(v_queues) > 1 THEN  -- which have work, longest waiting first
+            SELECT array_agg(q.queue_name ORDER BY q.first_turn, q.queue_name) INTO v_queues
+            FROM fairqueue_claimable_queues_v1(v_queues) q;
+        END IF;
+        IF coalesce(cardinality(v_queues), 0) <= 1 THEN
+            v_queue := coalesce(v_queues[1], p_queues[1], 'default');
+        ELSE
+            FOREACH v_queue IN ARRAY v_queues LOOP
+                RETURN QUERY SELECT * FROM fairqueue_claim_v1(
+                    p_limit - v_got, p_lease, p_worker, p_only, p_exclude, v_quantum, false, 0,
+                    p_by_time, ARRAY[v_queue]);
+                GET DIAGNOSTICS v_n = ROW_COUNT;
+                v_got := v_got + v_n;
+                EXIT WHEN v_got >= p_limit;
+            END LOOP;
+            RETURN;
+        END IF;
+    END IF;
+
     -- Channel groups: when a group is claimable now (one probe of fq_group_turn_idx; the
     -- ORDER BY keeps a generic plan on the index, where EXISTS was a sequential scan that
     -- reads every group not claimable), the claim walks groups and ungrouped channels together
@@ -1380,13 +1609,14 @@ BEGIN
     PERFORM FROM fairqueue_channel_group g
     WHERE g.claimable > 0
       AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+      AND g.queue = v_queue
       AND g.next_turn_at <= v_now
     ORDER BY g.next_turn_at, g.id
     LIMIT 1;
     IF FOUND THEN
         RETURN QUERY SELECT * FROM fairqueue_claim_grouped_v1(
             p_limit, p_lease, p_worker, p_only, p_exclude, v_quantum, p_wait_ms, p_by_time,
-            v_now);
+            v_now, v_queue);
         RETURN;
     END IF;
 
@@ -1428,6 +1658,7 @@ BEGIN
                   AND NOT c.paused
                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
                   AND c.group_id IS NULL
+                  AND c.queue = v_queue
                   AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
                   AND (p_only IS NULL OR c.id = ANY (p_only))
                   AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
@@ -1443,6 +1674,7 @@ BEGIN
                   AND NOT c.paused
                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
                   AND c.group_id IS NULL
+                  AND c.queue = v_queue
                   AND (c.release_interval = interval '0'
                        OR (c.next_turn_at <= v_wait_until
                            AND c.next_turn_at <= clock_timestamp()))
@@ -1460,6 +1692,7 @@ BEGIN
                   AND NOT c.paused
                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
                   AND c.group_id IS NULL
+                  AND c.queue = v_queue
                   AND c.next_turn_at <= v_now
                   AND (p_only IS NULL OR c.id = ANY (p_only))
                   AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
@@ -1475,6 +1708,7 @@ BEGIN
                   AND NOT c.paused
                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
                   AND c.group_id IS NULL
+                  AND c.queue = v_queue
                   -- The first bound is the index condition (rate-limited channels due later
                   -- are not even read); the second, evaluated again on the re-check, is exact.
                   AND c.next_turn_at <= v_wait_until
@@ -1559,6 +1793,7 @@ BEGIN
               AND NOT c.paused
               AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
               AND c.group_id IS NULL
+              AND c.queue = v_queue
               AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
               AND (p_only IS NULL OR c.id = ANY (p_only))
               AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))

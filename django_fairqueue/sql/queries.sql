@@ -63,7 +63,7 @@ SELECT id, channel_id, channel_name, task_name, payload, priority, attempts, max
 FROM fairqueue_claim_v1(
     %(limit)s::integer, %(lease)s::interval, %(worker)s::text, %(only)s::bigint[],
     %(exclude)s::bigint[], %(quantum)s::integer, %(maintain)s::boolean, %(wait_ms)s::integer,
-    %(by_time)s::boolean
+    %(by_time)s::boolean, %(queues)s::text[]
 );
 
 -- name: prepare_claims
@@ -764,6 +764,18 @@ ORDER BY n;
 -- Channel ids for names (unknown names are absent from the result).
 SELECT c.id, c.name FROM fairqueue_channel c WHERE c.name = ANY (%(names)s::text[]);
 
+-- name: select_channel_ids_in_queues
+-- Channel rows of channel names in queues (NULL: every queue), with each row's queue and
+-- name within it. A worker's channel filters, resolved once a minute: the rows of other
+-- queues than the default are named '<queue>' || chr(31) || '<name>' (fairqueue_queue_of_name_v1).
+SELECT c.id, c.queue::text, CASE WHEN c.queue = 'default' THEN c.name::text
+                                 ELSE substr(c.name, length(c.queue) + 2) END
+FROM fairqueue_channel c
+WHERE (c.queue = 'default' OR strpos(c.name, chr(31)) > 1)
+  AND (%(queues)s::text[] IS NULL OR c.queue = ANY (%(queues)s::text[]))
+  AND CASE WHEN c.queue = 'default' THEN c.name::text
+           ELSE substr(c.name, length(c.queue) + 2) END = ANY (%(names)s::text[]);
+
 -- name: delete_failed_messages
 -- Delete dead letters; ids of messages in any other state are left alone. Returns the ids deleted.
 WITH victims AS MATERIALIZED (
@@ -881,7 +893,8 @@ WITH failed AS MATERIALIZED (
 SELECT retried.id FROM retried;
 
 -- name: select_next_due
--- Seconds until a claim could take a message (of these channels, or all but the excluded), if
+-- Seconds until a claim could take a message (of these channels, or all but the excluded, of
+-- these queues or all), if
 -- within the horizon; else NULL; zero or less when one is claimable now. Lock-free: what a
 -- worker whose claim came back empty asks to decide when to claim again: the next turn of a rate-limited channel that has ready messages and
 -- a free slot, or the run_at of the next scheduled message (a retry, a delayed message) of a
@@ -905,6 +918,7 @@ WITH horizon AS (
       AND c.next_turn_at <= h.until
       AND (%(only)s::bigint[] IS NULL OR c.id = ANY (%(only)s::bigint[]))
       AND (%(exclude)s::bigint[] IS NULL OR NOT (c.id = ANY (%(exclude)s::bigint[])))
+      AND (%(queues)s::text[] IS NULL OR c.queue = ANY (%(queues)s::text[]))
 ), next_scheduled AS (
     -- fq_message_due_idx in run_at order, bounded by the horizon
     SELECT m.run_at AS at
@@ -916,6 +930,7 @@ WITH horizon AS (
       AND NOT c.paused
       AND (%(only)s::bigint[] IS NULL OR m.channel_id = ANY (%(only)s::bigint[]))
       AND (%(exclude)s::bigint[] IS NULL OR NOT (m.channel_id = ANY (%(exclude)s::bigint[])))
+      AND (%(queues)s::text[] IS NULL OR c.queue = ANY (%(queues)s::text[]))
     ORDER BY m.run_at
     LIMIT 1
 )

@@ -86,7 +86,10 @@ class Claimer(WorkerBase):
         due_in = None
         if only != []:  # (no channel of --channels exists yet: nothing to ask about)
             due_in = store.select_next_due(
-                timedelta(seconds=horizon), only_channel_ids=only, exclude_channel_ids=exclude
+                timedelta(seconds=horizon),
+                only_channel_ids=only,
+                exclude_channel_ids=exclude,
+                queues=self.config.queues,
             )
         if due_in is None:
             self._due_misses = 0
@@ -191,6 +194,7 @@ class Claimer(WorkerBase):
             worker_id=self.worker_id,
             only_channel_ids=only,
             exclude_channel_ids=exclude,
+            queues=self.config.queues,
         )
         if self._observe_claim is not None:
             self._observe_claim(time.monotonic() - started)
@@ -221,10 +225,13 @@ class Claimer(WorkerBase):
         if age < (60.0 if self._filters_complete else self.poll_interval):
             return
         names = [*self.config.channels, *self.config.exclude_channels]
-        ids = store.select_channel_ids(names)
-        self._only_ids = [ids[n] for n in self.config.channels if n in ids] or None
-        self._exclude_ids = [ids[n] for n in self.config.exclude_channels if n in ids] or None
-        self._filters_complete = len(ids) == len(set(names))
+        # (a name has a channel row in each queue it has work in: every one of the served
+        # queues counts)
+        rows = store.select_channel_ids_in_queues(names, self.config.queues)
+        only = set(self.config.channels)
+        self._only_ids = [cid for cid, _queue, name in rows if name in only] or None
+        self._exclude_ids = [cid for cid, _queue, name in rows if name not in only] or None
+        self._filters_complete = {name for _cid, _queue, name in rows} == set(names)
         self._filters_resolved_at = time.monotonic()
 
     # handlers

@@ -18,6 +18,7 @@ from django_fairqueue.api import validate_channel_name
 from django_fairqueue.exceptions import (
     FairQueueError,
 )
+from django_fairqueue.queues import validate_queue_name
 from django_fairqueue.store import ClaimedMessage
 from django_fairqueue.taskspec import TaskSpec
 
@@ -87,6 +88,9 @@ class WorkerConfig:
     channels: Sequence[str] = ()
     #: Never claim from these channels.
     exclude_channels: Sequence[str] = ()
+    #: Claim only from these queues (None: every queue), in turn, fairly across the channels
+    #: within each; channel filters apply within them (docs/howto/queues.md).
+    queues: Sequence[str] | None = None
     #: Most messages one claim takes (a claim never takes more than the free handler slots,
     #: plus ``prefetch``).
     batch_size: int = 100
@@ -156,6 +160,13 @@ class WorkerConfig:
         both = sorted(set(self.channels) & set(self.exclude_channels))
         if both:
             raise ValueError(f"channels both included and excluded: {both}")
+        if self.queues is not None:
+            if isinstance(self.queues, str):
+                raise ValueError("queues must be a list of queue names, not a string")
+            queues = tuple(dict.fromkeys(validate_queue_name(q) for q in self.queues))
+            if not queues:
+                raise ValueError("queues must name at least one queue (None: every queue)")
+            object.__setattr__(self, "queues", queues)
 
 
 def _positive_int(value: Any, name: str, *, minimum: int = 1) -> None:

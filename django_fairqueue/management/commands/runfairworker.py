@@ -11,6 +11,7 @@ from django_fairqueue import bounds, conf
 from django_fairqueue._runtime import configure_logging
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.exceptions import InvalidChannel
+from django_fairqueue.queues import parse_queue_list
 from django_fairqueue.taskspec import registry
 from django_fairqueue.terminal import printable
 from django_fairqueue.worker import (
@@ -108,6 +109,13 @@ class Command(BaseCommand):
             "--exclude-channels",
             metavar="NAMES",
             help="Never claim from these channels (comma-separated, as --channels).",
+        )
+        parser.add_argument(
+            "--queues",
+            metavar="NAMES",
+            help="Claim only from these queues (comma-separated, e.g. reports,exports; "
+            "default: every queue), in turn, fairly across the channels within each. "
+            "--channels and --exclude-channels apply within them.",
         )
         parser.add_argument(
             "--batch-size",
@@ -282,11 +290,18 @@ class Command(BaseCommand):
         both = sorted(set(channels) & set(exclude))
         if both:
             raise CommandError(f"channels both in --channels and --exclude-channels: {both}")
+        queues = None
+        if options.get("queues") is not None:
+            try:
+                queues = parse_queue_list(options["queues"])
+            except InvalidChannel as exc:
+                raise CommandError(f"--queues: {exc}") from exc
         try:
             return WorkerConfig(
                 concurrency=concurrency,
                 channels=channels,
                 exclude_channels=exclude,
+                queues=queues,
                 batch_size=batch_size,
                 prefetch=prefetch,
                 poll_interval=poll,
