@@ -344,6 +344,11 @@ class Firer:
                 message_ids: list[int] = []
                 taken: list[datetime] = []
                 if step.slots:
+                    # The channel's name lock before the slot rows: inserting a slot locks
+                    # the schedule row (its foreign key), which deleting the channel deletes
+                    # after taking that name lock, so the enqueue below must not be the first
+                    # to take it (a deadlock with a deletion in between).
+                    store.share_channel_name(schedule.channel)
                     # A slot already taken is another pass's (committed: its message exists;
                     # in flight: this waited for it). A pass with the same view then changed
                     # the row too, and the advance below finds that out; a rewound state (a

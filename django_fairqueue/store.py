@@ -1163,6 +1163,13 @@ def lock_channel_names(names: Sequence[str], *, using: str | None = None) -> Non
         _run("lock_channel_names", {"names": list(names)}, using)
 
 
+def share_channel_name(name: str, *, using: str | None = None) -> None:
+    """Take channel ``name``'s lock as an enqueue does, shared, until the transaction ends: a
+    transaction that will enqueue to it takes it first when it locks other rows before its
+    enqueue that deleting the channel locks too (the lock order's rank 1 comes first)."""
+    _run("share_channel_name", {"name": name}, using)
+
+
 def select_channel_ids(names: Sequence[str], *, using: str | None = None) -> dict[str, int]:
     if not names:
         return {}

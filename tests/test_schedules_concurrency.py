@@ -270,3 +270,70 @@ def test_deleting_channels_and_editing_schedules_while_firing_never_deadlocks(
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text[-3000:]
     assert not Schedule.objects.exists() and not ScheduleFire.objects.exists()
     assert not Message.objects.exclude(channel_id__in=Channel.objects.values("id")).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_deleting_a_channel_while_its_schedule_fires_waits_and_does_not_deadlock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A firing transaction takes its slot rows (their foreign key locks the schedule row) and
+    then enqueues (the channel's name lock); deleting the channel takes the name lock, then
+    deletes the schedule. The firer holds the name lock from its start, so the deletion waits
+    for it instead of each waiting for the other. Paused between its slots and its enqueue,
+    the firer gets there first in this test, every time."""
+    import threading
+
+    from django.db import connections
+
+    declare()
+    slotted, go = threading.Event(), threading.Event()
+    claim_slots = store.claim_schedule_slots
+
+    paused: list[int] = []
+
+    def claim_and_pause(schedule_id: int, *args: Any, **kwargs: Any) -> list[Any]:
+        got = claim_slots(schedule_id, *args, **kwargs)
+        if not slotted.is_set():
+            paused.append(schedule_id)
+            slotted.set()
+            go.wait(10)
+        return got
+
+    monkeypatch.setattr(store, "claim_schedule_slots", claim_and_pause)
+    errors: list[BaseException] = []
+    deleted: list[str] = []
+
+    def in_thread(target: Any) -> threading.Thread:
+        def run() -> None:
+            try:
+                target()
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                connections.close_all()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    due = store.select_due_schedules(1000)[0]
+    firer = in_thread(lambda: schedules.Firer().fire(due, grace=timedelta(seconds=60)))
+    assert slotted.wait(10)
+    assert paused == [due.id]
+    channel = due.channel
+
+    def delete() -> None:
+        Channel.objects.filter(name=channel).delete()
+        deleted.append(channel)
+
+    deleter = in_thread(delete)
+    time.sleep(1.5)  # past deadlock_timeout (1 s): a cycle would have been broken by now
+    assert not deleted  # the deletion waits for the firer
+    go.set()
+    firer.join(30)
+    deleter.join(30)
+    assert not errors, errors
+    assert deleted == [channel]
+    assert not Channel.objects.filter(name=channel).exists()
+    assert not Message.objects.filter(channel__name=channel).exists()
+    f.assert_counters_match_table()

@@ -32,8 +32,8 @@ from django.utils import timezone
 
 from django_fairqueue import bounds, overview, registry, stats, store, waiting
 from django_fairqueue.cli import channel_name
-from django_fairqueue.terminal import printable
 from django_fairqueue.queues import split_row_name, validate_queue_name
+from django_fairqueue.terminal import printable
 
 #: Longest channel name printed in the table (the JSON has it whole).
 _NAME_WIDTH = 40

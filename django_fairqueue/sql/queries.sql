@@ -760,6 +760,11 @@ SELECT pg_advisory_xact_lock(fairqueue_channel_lock_key_v1(), hashtext(n))
 FROM unnest(%(names)s::text[]) AS n
 ORDER BY n;
 
+-- name: share_channel_name
+-- Take a channel name's lock as an enqueue does (shared, to the end of the transaction), before
+-- a statement that locks rows a deletion of the channel also locks (a schedule's firing).
+SELECT pg_advisory_xact_lock_shared(fairqueue_channel_lock_key_v1(), hashtext(%(name)s::text));
+
 -- name: select_channel_ids
 -- Channel ids for names (unknown names are absent from the result).
 SELECT c.id, c.name FROM fairqueue_channel c WHERE c.name = ANY (%(names)s::text[]);
