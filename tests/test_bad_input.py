@@ -628,3 +628,50 @@ def test_named_statements_take_values_only_as_bound_parameters() -> None:
     for name, text in store.queries().items():
         # no %s positional placeholders, no Python %-formatting of values
         assert not re.search(r"(?<!%)%[sd]\b", text), name
+
+
+def _generator() -> Iterator[int]:
+    yield 1
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error"),
+    [
+        ("abc", {}, "args must be a list or tuple of arguments, got str"),
+        ({"a": 1}, {}, "args must be a list or tuple of arguments, got dict"),
+        (b"ab", {}, "args must be a list or tuple of arguments, got bytes"),
+        ({3, 1}, {}, "args must be a list or tuple of arguments, got set"),
+        (range(3), {}, "args must be a list or tuple of arguments, got range"),
+        (_generator(), {}, "args must be a list or tuple of arguments, got generator"),
+        (7, {}, "args must be a list or tuple of arguments, got int"),
+        ((), [("a", 1)], "kwargs must be a dict, got list"),
+        ((), "ab", "kwargs must be a dict, got str"),
+        ((), {1: "x"}, "kwargs keys must be strings (argument names), got 1"),
+    ],
+)
+def test_enqueue_many_refuses_args_it_would_have_to_change(
+    args: Any, kwargs: Any, error: str, tables_intact: None
+) -> None:
+    good = EnqueueRequest(NOOP, [1], {"a": 2}, channel="p")
+    bad = EnqueueRequest(NOOP, args, kwargs, channel="p")
+    with pytest.raises(PayloadError, match=re.escape(f"enqueue_many request 1 (task {NOOP!r}): ")):
+        enqueue_many([good, bad])
+    with pytest.raises(PayloadError, match=re.escape(error)):
+        enqueue_many([bad])
+    assert message_count() == 0
+
+
+def test_enqueue_many_takes_tuples_lists_and_mappings(tables_intact: None) -> None:
+    from types import MappingProxyType
+
+    ids = enqueue_many(
+        [
+            EnqueueRequest(NOOP, (1, "x"), MappingProxyType({"k": [1]}), channel="p"),
+            EnqueueRequest(NOOP, [2], {}, channel="p"),
+        ]
+    )
+    payloads = dict(Message.objects.filter(id__in=ids).values_list("id", "payload"))
+    assert [payloads[i] for i in ids] == [
+        {"args": [1, "x"], "kwargs": {"k": [1]}},
+        {"args": [2], "kwargs": {}},
+    ]
