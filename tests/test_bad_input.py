@@ -675,3 +675,58 @@ def test_enqueue_many_takes_tuples_lists_and_mappings(tables_intact: None) -> No
         {"args": [1, "x"], "kwargs": {"k": [1]}},
         {"args": [2], "kwargs": {}},
     ]
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "words"),
+    [
+        ({"priority": 500}, ValueError, "priority must be between -100 and 100, got 500"),
+        ({"priority": "x"}, ValueError, "priority must be an integer, got 'x'"),
+        ({"priority": True}, ValueError, "priority must be an integer"),
+        ({"channel": ""}, InvalidChannel, "channel name must not be empty"),
+        ({"channel": " a"}, InvalidChannel, "must not start or end with blanks"),
+        ({"channel": 5}, InvalidChannel, "channel name must be a string, got int"),
+        ({"channel": "x" * 201}, InvalidChannel, "the most is 200"),
+        ({"channel_from": "notcallable"}, TypeError, "channel_from must be a callable"),
+        ({"name": "a\x00"}, ValueError, "must not contain NUL characters"),
+        ({"name": "a\ud800"}, ValueError, "not valid Unicode"),
+        ({"name": "x" * 201}, ValueError, "longer than 200 characters"),
+        ({"max_attempts": 10**12}, ValueError, "max_attempts must be an integer from 1 to"),
+        ({"max_attempts": 0}, ValueError, "max_attempts must be an integer from 1 to"),
+        ({"timeout": -1}, ValueError, "timeout must be a number of seconds >= 0"),
+        ({"delivery": "sometimes"}, ValueError, "delivery must be one of"),
+        ({"keep_result": "yes"}, TypeError, "keep_result must be True, False or None"),
+    ],
+)
+def test_task_options_every_enqueue_would_refuse_are_refused_at_decoration(
+    options: dict[str, Any], error: type[Exception], words: str
+) -> None:
+    from django_fairqueue import task
+    from django_fairqueue.taskspec import registry
+
+    options.setdefault("name", "tests.bad_options")
+
+    def func() -> None: ...
+
+    with pytest.raises(error, match=re.escape(words)):
+        task(**options)(func)
+    assert "tests.bad_options" not in registry
+
+
+def test_task_options_at_their_bounds_are_taken() -> None:
+    from django_fairqueue import task
+    from django_fairqueue.taskspec import registry
+
+    def func() -> None: ...
+
+    t = task(
+        name="tests.good_options",
+        priority=-100,
+        channel=" x ".strip(),
+        channel_from=lambda: None,
+        max_attempts=2_147_483_647,
+    )(func)
+    try:
+        assert t.spec.priority == -100 and t.spec.max_attempts == 2_147_483_647
+    finally:
+        registry.unregister("tests.good_options")
