@@ -26,6 +26,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models import F, Q
 from django.utils import timezone
@@ -42,6 +43,7 @@ from django_fairqueue.limits import (
     MIN_PRIORITY,
     TASK_NAME_MAX_LENGTH,
     UNIQUE_KEY_MAX_LENGTH,
+    priority_error,
 )
 
 
@@ -410,6 +412,19 @@ class Message(TrackedModel):
 
     def __str__(self) -> str:
         return f"{self.task_name}#{self.pk} ({self.state})"
+
+    def clean(self) -> None:
+        super().clean()
+        error = priority_error(self.priority)
+        if error is not None:
+            raise ValidationError({"priority": error})
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        # the range every enqueue checks: a priority past it would sort the channel's head wrongly
+        error = priority_error(self.priority)
+        if error is not None:
+            raise ValueError(f"message {self.pk or '(new)'}: {error}")
+        super().save(*args, **kwargs)
 
 
 class ChannelDelta(TrackedModel):
@@ -808,6 +823,14 @@ class Schedule(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} ({self.cron} {self.timezone})"
+
+    def clean(self) -> None:
+        super().clean()
+        # what firing checks: a priority the enqueue would refuse never fires
+        if self.priority is not None:
+            error = priority_error(self.priority)
+            if error is not None:
+                raise ValidationError({"priority": error})
 
 
 class ScheduleFire(models.Model):

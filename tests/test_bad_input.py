@@ -730,3 +730,20 @@ def test_task_options_at_their_bounds_are_taken() -> None:
         assert t.spec.priority == -100 and t.spec.max_attempts == 2_147_483_647
     finally:
         registry.unregister("tests.good_options")
+
+
+@pytest.mark.parametrize("priority", [500, -101, 101, 32767])
+def test_an_orm_save_of_a_message_refuses_a_priority_out_of_range(priority: int) -> None:
+    channel = Channel.objects.create(name="orm-priority")
+    message = Message(channel=channel, task_name=NOOP, state=MessageState.READY, priority=priority)
+    with pytest.raises(ValidationError, match="priority must be between -100 and 100"):
+        message.full_clean()
+    with pytest.raises(ValueError, match=f"priority must be between -100 and 100, got {priority}"):
+        message.save()
+    assert message_count() == 0
+    message.priority = 100
+    message.save()
+    message.priority = 101
+    with pytest.raises(ValueError, match="priority must be between"):
+        message.save(update_fields=["priority"])
+    assert Message.objects.get().priority == 100
