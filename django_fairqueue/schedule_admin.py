@@ -33,7 +33,7 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from django_fairqueue import conf, cron, overview, store
+from django_fairqueue import adminlist, conf, cron, overview, store
 from django_fairqueue.exceptions import InvalidSchedule, PayloadError, UnknownTask
 from django_fairqueue.models import Schedule, ScheduleSource
 from django_fairqueue.taskspec import registry
@@ -215,7 +215,7 @@ class _StateColumns:
 
 
 @admin.register(Schedule)
-class ScheduleAdmin(_StateColumns, _ScheduleAdminBase):
+class ScheduleAdmin(_StateColumns, adminlist.NulSafeAdmin, _ScheduleAdminBase):
     form = ScheduleForm
     list_display = [
         "name",
