@@ -146,6 +146,32 @@ class ChannelGroup(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        _check_limits(self, f"channel group {self.name!r}")
+        super().save(*args, **kwargs)
+
+
+def _check_limits(obj: Channel | ChannelGroup, where: str) -> None:
+    """Check the limits of a channel or group about to be saved as the API checks them
+    (:func:`django_fairqueue.conf.validate_channel_limits`), raising
+    :class:`~django_fairqueue.exceptions.InvalidChannel` instead of the database's CHECK error;
+    a release interval given in seconds is stored as that duration."""
+    from django_fairqueue.conf import validate_channel_limits
+    from django_fairqueue.exceptions import InvalidChannel
+
+    limits: dict[str, Any] = {
+        "max_concurrency": obj.max_concurrency,
+        "release_interval": obj.release_interval,
+        "weight": obj.weight,
+    }
+    if isinstance(obj, Channel):
+        limits["max_backlog"] = obj.max_backlog
+    try:
+        checked = validate_channel_limits(**limits, where=where)
+    except ValueError as exc:
+        raise InvalidChannel(str(exc)) from None
+    obj.release_interval = checked.release_interval
+
 
 class Channel(models.Model):
     """A tenant's virtual queue: its name and the limits operators edit.
@@ -236,6 +262,10 @@ class Channel(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        _check_limits(self, f"channel {self.name!r}")
+        super().save(*args, **kwargs)
 
 
 class Message(TrackedModel):

@@ -338,9 +338,61 @@ def test_the_database_refuses_bad_limits_written_past_the_model(
     channel = Channel(name="limits", **fields)
     with pytest.raises(ValidationError):
         channel.full_clean()
-    with pytest.raises(IntegrityError), transaction.atomic():
-        channel.save()
+    with pytest.raises(InvalidChannel):
+        channel.save()  # the model checks first
     assert not Channel.objects.filter(name="limits").exists()
+    Channel.objects.create(name="limits")
+    # QuerySet.update() does not go through save(): the database's CHECK refuses it
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Channel.objects.filter(name="limits").update(**fields)
+    assert Channel.objects.get(name="limits").weight == 1
+
+
+@pytest.mark.parametrize("model", ["channel", "group"])
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"weight": 0}, "weight must be an integer >= 1, got 0"),
+        ({"weight": 5000}, "weight must be at most 1000, got 5000"),
+        ({"weight": 1.5}, "weight must be an integer >= 1, got 1.5"),
+        ({"weight": True}, "weight must be an integer >= 1, got True"),
+        ({"max_concurrency": 0}, "max_concurrency must be an integer >= 1"),
+        ({"max_concurrency": 2.5}, "max_concurrency must be an integer >= 1"),
+        ({"max_concurrency": 10**7}, "max_concurrency must be at most 1000000"),
+        ({"release_interval": timedelta(days=3)}, "release_interval must be between"),
+        ({"release_interval": "5"}, "number of seconds or a timedelta"),
+    ],
+)
+def test_an_orm_save_of_bad_limits_raises_invalid_channel(
+    model: str, fields: dict[str, Any], error: str
+) -> None:
+    from django_fairqueue.models import ChannelGroup
+
+    obj: Any = Channel(name="limits", **fields) if model == "channel" else ChannelGroup(
+        name="limits", **fields
+    )
+    with pytest.raises(InvalidChannel, match=re.escape(error)) as info:
+        obj.save()
+    assert f"{model if model == 'channel' else 'channel group'} 'limits'" in str(info.value)
+    assert not type(obj).objects.exists()
+    # an edit of a saved one too, also with update_fields
+    obj = type(obj).objects.create(name="limits")
+    for name, value in fields.items():
+        setattr(obj, name, value)
+    with pytest.raises(InvalidChannel, match=re.escape(error)):
+        obj.save(update_fields=list(fields))
+    assert type(obj).objects.get().weight == 1
+
+
+def test_a_release_interval_in_seconds_is_saved_as_that_duration() -> None:
+    channel = Channel.objects.create(name="limits", release_interval=5, max_backlog=3)
+    channel.refresh_from_db()
+    assert channel.release_interval == timedelta(seconds=5)
+
+
+def test_a_bad_max_backlog_through_the_orm_raises_invalid_channel() -> None:
+    with pytest.raises(InvalidChannel, match="max_backlog must be an integer >= 1, got 0"):
+        Channel(name="limits", max_backlog=0).save()
 
 
 @pytest.mark.parametrize(
