@@ -345,7 +345,8 @@ def _prepare_batch(
         keep.append(known[3])
     batch.delays = delays
     if groups:
-        store.ensure_groups(sorted(groups))
+        batch.groups = sorted(groups)
+        store.ensure_groups(batch.groups)
     return batch
 
 
@@ -413,6 +414,7 @@ def _prepare_one(
         spec.effective_max_attempts,
         spec.effective_keep_result,
         delay,
+        group=group,
     )
 
 
