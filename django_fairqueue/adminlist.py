@@ -24,11 +24,11 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin
-from django.contrib.admin.views.main import ORDER_VAR, PAGE_VAR, ChangeList
+from django.contrib.admin.views.main import ORDER_VAR, PAGE_VAR, SEARCH_VAR, ChangeList
 from django.contrib.admin.widgets import AutocompleteSelect
 from django.db.models import BooleanField, QuerySet
 from django.db.models.expressions import RawSQL
-from django.http import HttpRequest, HttpResponseBadRequest
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.utils.translation import gettext_lazy as _
 
 from django_fairqueue.models import Channel, Message
@@ -276,14 +276,17 @@ class NulSafeAdmin:
     clear 400, and in a search (the list's search box, the autocomplete of a channel) matches
     nothing, instead of a database error."""
 
-    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
         for key, values in request.GET.lists():
-            if key != admin.views.main.SEARCH_VAR and any("\x00" in v for v in values):
+            if key != SEARCH_VAR and any("\x00" in v for v in values):
                 return HttpResponseBadRequest(
                     f"The filter {key!r} contains a NUL character, which no stored value has.",
                     content_type="text/plain; charset=utf-8",
                 )
-        return super().changelist_view(request, extra_context)  # type: ignore[misc]
+        response: HttpResponse = super().changelist_view(  # type: ignore[misc]
+            request, extra_context
+        )
+        return response
 
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Any], search_term: str

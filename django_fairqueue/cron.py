@@ -175,9 +175,7 @@ def _check_payload(args: object, kwargs: object, where: str) -> tuple[list[Any],
     elif isinstance(kwargs, Mapping) and not isinstance(kwargs, dict):
         kwargs = dict(kwargs)
     if not isinstance(args, list):
-        raise InvalidSchedule(
-            f"{where}: args must be a list or tuple, got {type(args).__name__}"
-        )
+        raise InvalidSchedule(f"{where}: args must be a list or tuple, got {type(args).__name__}")
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
         raise InvalidSchedule(f"{where}: kwargs must be a dict with string keys, got {kwargs!r}")
     try:

@@ -467,9 +467,7 @@ _known_groups: dict[tuple[str, str], float] = {}
 GROUP_CACHE_SECONDS = 60.0
 
 
-def ensure_groups(
-    names: Sequence[str], *, using: str | None = None, verify: bool = False
-) -> None:
+def ensure_groups(names: Sequence[str], *, using: str | None = None, verify: bool = False) -> None:
     """Create the channel groups of ``names`` that do not exist (a group takes in the existing
     channels its name declares, and every channel created later with a name
     ``"<group>/..."``). Committed at once, on a connection of its own inside a transaction,

@@ -368,8 +368,10 @@ def test_an_orm_save_of_bad_limits_raises_invalid_channel(
 ) -> None:
     from django_fairqueue.models import ChannelGroup
 
-    obj: Any = Channel(name="limits", **fields) if model == "channel" else ChannelGroup(
-        name="limits", **fields
+    obj: Any = (
+        Channel(name="limits", **fields)
+        if model == "channel"
+        else ChannelGroup(name="limits", **fields)
     )
     with pytest.raises(InvalidChannel, match=re.escape(error)) as info:
         obj.save()

@@ -615,4 +615,3 @@ def test_a_new_channel_of_a_group_another_process_deleted_lands_in_the_group_aga
 def assert_group_sums_exact_after_fold() -> None:
     f.fold_all()
     assert_group_sums_exact()
-
