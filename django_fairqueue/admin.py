@@ -143,7 +143,7 @@ class ChannelGroupForm(_GroupFormBase):
 
 
 @admin.register(ChannelGroup)
-class ChannelGroupAdmin(_GroupAdminBase):
+class ChannelGroupAdmin(adminlist.NulSafeAdmin, _GroupAdminBase):
     """Channel groups: the operator edits weight, cap and rate limit; the claim's state
     (sums over the channels, turn, tag) is shown read-only and is no model field."""
 
@@ -556,7 +556,7 @@ def _row(obj: Channel) -> overview.ChannelRow | None:
 
 
 @admin.register(Channel)
-class ChannelAdmin(_ChannelAdminBase):
+class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
     class Media:
         css = {"all": ["django_fairqueue/admin.css"]}
 
@@ -1018,7 +1018,7 @@ def _int_param(request: HttpRequest, name: str, default: int, low: int, high: in
 
 
 @admin.register(Message)
-class MessageAdmin(_MessageAdminBase):
+class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
     """Messages at any scale (a million rows and more): an estimated count, pages by cursor over
     the two sorts an index serves, filters that never scan the table for their choices, and a
     search on ids and task names (:mod:`django_fairqueue.adminlist`)."""
@@ -1343,7 +1343,7 @@ class MessageAdmin(_MessageAdminBase):
 
 
 @admin.register(WorkBatch)
-class WorkBatchAdmin(_WorkBatchAdminBase):
+class WorkBatchAdmin(adminlist.NulSafeAdmin, _WorkBatchAdminBase):
     class Media:
         css = {"all": ["django_fairqueue/admin.css"]}
 
@@ -1514,7 +1514,7 @@ class WorkBatchAdmin(_WorkBatchAdminBase):
 
 
 @admin.register(WorkerRecord)
-class WorkerAdmin(_WorkerAdminBase):
+class WorkerAdmin(adminlist.NulSafeAdmin, _WorkerAdminBase):
     """The worker registry, read-only: who runs, where, what, and since when."""
 
     class Media:

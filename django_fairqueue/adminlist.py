@@ -24,11 +24,11 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin
-from django.contrib.admin.views.main import ORDER_VAR, PAGE_VAR, ChangeList
+from django.contrib.admin.views.main import ORDER_VAR, PAGE_VAR, SEARCH_VAR, ChangeList
 from django.contrib.admin.widgets import AutocompleteSelect
 from django.db.models import BooleanField, QuerySet
 from django.db.models.expressions import RawSQL
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.utils.translation import gettext_lazy as _
 
 from django_fairqueue.models import Channel, Message
@@ -269,6 +269,35 @@ class KeysetChangeList(ChangeList):
 
 
 # ============================================================================================
+# NUL characters
+
+
+class NulSafeAdmin:
+    """A text PostgreSQL cannot store (a NUL character) in a list's filter parameters is a
+    clear 400, and in a search (the list's search box, the autocomplete of a channel) matches
+    nothing, instead of a database error."""
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        for key, values in request.GET.lists():
+            if key != SEARCH_VAR and any("\x00" in v for v in values):
+                return HttpResponseBadRequest(
+                    f"The filter {key!r} contains a NUL character, which no stored value has.",
+                    content_type="text/plain; charset=utf-8",
+                )
+        response: HttpResponse = super().changelist_view(  # type: ignore[misc]
+            request, extra_context
+        )
+        return response
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
+    ) -> tuple[QuerySet[Any], bool]:
+        if "\x00" in search_term:
+            return queryset.none(), False
+        return super().get_search_results(request, queryset, search_term)  # type: ignore[misc,no-any-return]
+
+
+# ============================================================================================
 # Filters
 
 
@@ -291,6 +320,8 @@ class TaskNameFilter(admin.SimpleListFilter):
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
+        if value and "\x00" in value:  # no task name has one (and the database refuses it)
+            return queryset.none()
         return queryset.filter(task_name=value) if value else queryset
 
 

@@ -276,7 +276,7 @@ def _prepare_batch(
     # exists only once some message has a delay.
     delays: list[timedelta | None] | None = None
     traced = _trace_suffix()
-    for request in requests:
+    for position, request in enumerate(requests):
         task = request.task
         known = specs.get(id(task))
         if known is None:
@@ -290,8 +290,16 @@ def _prepare_batch(
             )
             specs[id(task)] = known
         spec = known[1]
-        args = list(request.args)
-        kwargs = dict(request.kwargs)
+        args = request.args
+        kwargs = request.kwargs
+        # a cheap type check: list() or dict() would turn a string, set, mapping, bytes or
+        # generator into something else without a word
+        if (type(args) is not tuple and type(args) is not list) or type(kwargs) is not dict:
+            _check_call_arguments(position, spec.name, args, kwargs)
+        args = list(args)
+        kwargs = dict(kwargs)
+        if kwargs and not all(type(key) is str for key in kwargs):
+            _check_call_arguments(position, spec.name, args, kwargs)
         channel = request.channel
         if channel is None:
             if spec.channel_from is not None:
@@ -359,8 +367,27 @@ def _prepare_batch(
         keep.append(known[3])
     batch.delays = delays
     if groups:
-        store.ensure_groups(sorted(groups))
+        batch.groups = sorted(groups)
+        store.ensure_groups(batch.groups)
     return batch
+
+
+def _check_call_arguments(position: int, task_name: str, args: Any, kwargs: Any) -> None:
+    """Raise :class:`PayloadError` unless a request's ``args`` is a list or tuple and its
+    ``kwargs`` a mapping with string keys (``enqueue_many``: naming the request's position)."""
+    where = f"enqueue_many request {position} (task {task_name!r})"
+    if not isinstance(args, (list, tuple)):
+        raise PayloadError(
+            f"{where}: args must be a list or tuple of arguments, got {type(args).__name__} "
+            "(a single argument is written (value,))"
+        )
+    if not isinstance(kwargs, Mapping):
+        raise PayloadError(f"{where}: kwargs must be a dict, got {type(kwargs).__name__}")
+    for key in kwargs:
+        if not isinstance(key, str):
+            raise PayloadError(
+                f"{where}: kwargs keys must be strings (argument names), got {key!r}"
+            )
 
 
 def _prepare_one(
@@ -416,6 +443,7 @@ def _prepare_one(
         spec.effective_max_attempts,
         spec.effective_keep_result,
         delay,
+        group=group,
     )
 
 

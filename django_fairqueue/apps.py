@@ -15,3 +15,19 @@ class FairQueueConfig(AppConfig):
         )
 
         integrity.connect()
+
+        from django.db.models.signals import post_delete
+
+        from django_fairqueue.models import ChannelGroup
+
+        # however a group is deleted (admin, ORM, queryset), this process stops assuming it
+        # exists, so the next enqueue naming it creates it again
+        post_delete.connect(
+            _forget_groups, sender=ChannelGroup, dispatch_uid="fairqueue_forget_groups"
+        )
+
+
+def _forget_groups(**kwargs: object) -> None:
+    from django_fairqueue import store
+
+    store.forget_groups()

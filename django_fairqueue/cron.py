@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -160,6 +161,10 @@ def jitter_offset(schedule_id: int, slot: datetime, jitter: timedelta) -> timede
     return timedelta(milliseconds=int(jitter / timedelta(milliseconds=1) * fraction))
 
 
+# JSON's escape of U+0000 (not a backslash followed by "u0000"), as the enqueue path finds it.
+_ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
 def _check_payload(args: object, kwargs: object, where: str) -> tuple[list[Any], dict[str, Any]]:
     """Arguments as JSON keeps them: a list and a dict with string keys that survive a round
     trip unchanged (the enqueue path checks them again, with the size limit)."""
@@ -167,14 +172,24 @@ def _check_payload(args: object, kwargs: object, where: str) -> tuple[list[Any],
         args = list(args)
     if kwargs is None:
         kwargs = {}
+    elif isinstance(kwargs, Mapping) and not isinstance(kwargs, dict):
+        kwargs = dict(kwargs)
     if not isinstance(args, list):
-        raise InvalidSchedule(f"{where}: args must be a list, got {type(args).__name__}")
+        raise InvalidSchedule(f"{where}: args must be a list or tuple, got {type(args).__name__}")
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
         raise InvalidSchedule(f"{where}: kwargs must be a dict with string keys, got {kwargs!r}")
     try:
-        same = json.loads(json.dumps([args, kwargs], allow_nan=False)) == [args, kwargs]
-    except (TypeError, ValueError, RecursionError) as exc:
+        text = json.dumps([args, kwargs], allow_nan=False, ensure_ascii=False)
+        text.encode("utf-8")  # a lone surrogate: not text PostgreSQL can store
+        same = json.loads(text) == [args, kwargs]
+    except UnicodeEncodeError:
+        raise InvalidSchedule(f"{where}: args and kwargs are not valid Unicode") from None
+    except (TypeError, ValueError) as exc:
         raise InvalidSchedule(f"{where}: args and kwargs must be JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidSchedule(f"{where}: args and kwargs are nested too deeply") from None
+    if "\\u0000" in text and _ESCAPED_NUL.search(text):  # jsonb cannot store U+0000
+        raise InvalidSchedule(f"{where}: args and kwargs contain a NUL character")
     if not same:
         raise InvalidSchedule(
             f"{where}: args and kwargs do not survive a JSON round trip unchanged "

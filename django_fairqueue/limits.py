@@ -24,3 +24,12 @@ UNIQUE_KEY_MAX_LENGTH = 200
 #: A message's priority range: django.tasks' own, so a task moves between backends unchanged.
 MIN_PRIORITY = -100
 MAX_PRIORITY = 100
+
+
+def priority_error(priority: object) -> str | None:
+    """Why ``priority`` is not a message priority, or None when it is one."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        return f"priority must be an integer, got {priority!r}"
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        return f"priority must be between {MIN_PRIORITY} and {MAX_PRIORITY}, got {priority}"
+    return None

@@ -26,6 +26,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models import F, Q
 from django.utils import timezone
@@ -43,6 +44,7 @@ from django_fairqueue.limits import (
     QUEUE_NAME_MAX_LENGTH,
     TASK_NAME_MAX_LENGTH,
     UNIQUE_KEY_MAX_LENGTH,
+    priority_error,
 )
 from django_fairqueue.queues import DEFAULT_QUEUE, split_row_name
 
@@ -155,6 +157,10 @@ class ChannelGroup(models.Model):
     def __str__(self) -> str:
         return display_name(self.name)
 
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        _check_limits(self, f"channel group {self.name!r}")
+        super().save(*args, **kwargs)
+
     @property
     def short_name(self) -> str:
         """The group's name within its queue (the row's name without its queue)."""
@@ -166,6 +172,28 @@ def display_name(row_name: str) -> str:
     ``acme [reports]``."""
     queue, name = split_row_name(row_name)
     return name if queue == DEFAULT_QUEUE else f"{name} [{queue}]"
+
+
+def _check_limits(obj: Channel | ChannelGroup, where: str) -> None:
+    """Check the limits of a channel or group about to be saved as the API checks them
+    (:func:`django_fairqueue.conf.validate_channel_limits`), raising
+    :class:`~django_fairqueue.exceptions.InvalidChannel` instead of the database's CHECK error;
+    a release interval given in seconds is stored as that duration."""
+    from django_fairqueue.conf import validate_channel_limits
+    from django_fairqueue.exceptions import InvalidChannel
+
+    limits: dict[str, Any] = {
+        "max_concurrency": obj.max_concurrency,
+        "release_interval": obj.release_interval,
+        "weight": obj.weight,
+    }
+    if isinstance(obj, Channel):
+        limits["max_backlog"] = obj.max_backlog
+    try:
+        checked = validate_channel_limits(**limits, where=where)
+    except ValueError as exc:
+        raise InvalidChannel(str(exc)) from None
+    obj.release_interval = checked.release_interval
 
 
 class Channel(models.Model):
@@ -266,6 +294,10 @@ class Channel(models.Model):
 
     def __str__(self) -> str:
         return display_name(self.name)
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        _check_limits(self, f"channel {self.name!r}")
+        super().save(*args, **kwargs)
 
     @property
     def short_name(self) -> str:
@@ -445,6 +477,19 @@ class Message(TrackedModel):
 
     def __str__(self) -> str:
         return f"{self.task_name}#{self.pk} ({self.state})"
+
+    def clean(self) -> None:
+        super().clean()
+        error = priority_error(self.priority)
+        if error is not None:
+            raise ValidationError({"priority": error})
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        # the range every enqueue checks: a priority past it would sort the channel's head wrongly
+        error = priority_error(self.priority)
+        if error is not None:
+            raise ValueError(f"message {self.pk or '(new)'}: {error}")
+        super().save(*args, **kwargs)
 
 
 class ChannelDelta(TrackedModel):
@@ -869,6 +914,14 @@ class Schedule(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} ({self.cron} {self.timezone})"
+
+    def clean(self) -> None:
+        super().clean()
+        # what firing checks: a priority the enqueue would refuse never fires
+        if self.priority is not None:
+            error = priority_error(self.priority)
+            if error is not None:
+                raise ValidationError({"priority": error})
 
 
 class ScheduleFire(models.Model):

@@ -33,7 +33,7 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from django_fairqueue import conf, cron, overview, store
+from django_fairqueue import adminlist, conf, cron, overview, store
 from django_fairqueue.exceptions import InvalidSchedule, PayloadError, UnknownTask
 from django_fairqueue.models import Schedule, ScheduleSource
 from django_fairqueue.taskspec import registry
@@ -65,11 +65,32 @@ _STATE = {
 CODE_EDITABLE = ("enabled",)
 
 
+class _JSONField(forms.JSONField):
+    """A JSON form field whose input nested deeper than the parser recurses is a form error,
+    not a server error."""
+
+    def to_python(self, value: Any) -> Any:
+        try:
+            return super().to_python(value)
+        except RecursionError:
+            raise ValidationError(
+                _("This JSON is nested too deeply."), code="invalid", params={"value": ""}
+            ) from None
+
+    def bound_data(self, data: Any, initial: Any) -> Any:
+        try:
+            return super().bound_data(data, initial)
+        except RecursionError:
+            return forms.fields.InvalidJSONInput(data)  # shown back as typed
+
+
 class ScheduleForm(_ScheduleFormBase):
     """Checks a schedule as the firing code will need it: a cron cronsim reads, a known
-    timezone, arguments enqueue accepts, a registered task (when this process knows tasks)."""
+    timezone, arguments enqueue accepts, a priority enqueue accepts, a registered task (when
+    this process knows tasks)."""
 
     class Meta:
+        field_classes = {"args": _JSONField, "kwargs": _JSONField}
         model = Schedule
         fields = [
             "name",
@@ -194,7 +215,7 @@ class _StateColumns:
 
 
 @admin.register(Schedule)
-class ScheduleAdmin(_StateColumns, _ScheduleAdminBase):
+class ScheduleAdmin(_StateColumns, adminlist.NulSafeAdmin, _ScheduleAdminBase):
     form = ScheduleForm
     list_display = [
         "name",

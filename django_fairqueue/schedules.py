@@ -89,7 +89,7 @@ def periodic(
             "task": spec.name,
             "cron": cron,
             "timezone": timezone,
-            "args": list(args),
+            "args": args,  # checked as given: list() would turn a string or a set into a list
             "kwargs": kwargs,
             "channel": channel,
             "missed": missed,
@@ -169,7 +169,7 @@ def sync(specs: Sequence[ScheduleSpec] | None = None) -> SyncResult:
         channel = validate_channel_name(channel or task.channel or cfg.DEFAULT_CHANNEL)
         try:
             encode_payload(task.name, spec.args, spec.kwargs, cfg.MAX_PAYLOAD_BYTES)
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:  # PayloadError is a TypeError
             raise InvalidSchedule(f"{where}: {exc}") from None
         rows[spec.name] = (
             channel,

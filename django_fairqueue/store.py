@@ -281,6 +281,9 @@ class NewMessage:
     unique_key: str | None = None
     unique_scope: str = "queued"
     on_conflict: str = "keep"
+    #: the channel group the caller named, ``channel=(group, channel)``: a new channel is
+    #: created only after its group is made sure of (see :func:`enqueue_messages`)
+    group: str | None = None
 
 
 @dataclass(slots=True)
@@ -302,6 +305,8 @@ class NewMessageBatch:
     unique_keys: list[str | None] | None = None
     unique_scopes: list[str] | None = None
     on_conflict: list[str] | None = None
+    #: the channel groups the caller named (``channel=(group, channel)``), or None
+    groups: list[str] | None = None
 
     @classmethod
     def of(cls, messages: Sequence[NewMessage]) -> NewMessageBatch:
@@ -339,7 +344,10 @@ def enqueue_messages(
     Inside a transaction, channels that do not exist yet are created in a short transaction of
     their own first (a second round trip, once per new channel): a new channel's name is held
     by its creator until it commits, and two transactions creating channels in opposite orders
-    would deadlock. In autocommit the statement creates them itself.
+    would deadlock. In autocommit the statement creates them itself, except for a batch naming
+    channel groups (``batch.groups``): a channel missing there is created only after its
+    group is created or found (not trusting this process's memory of the group, which another
+    process may have deleted), so a new channel of the tuple form always lands in its group.
     """
     batch = messages if isinstance(messages, NewMessageBatch) else NewMessageBatch.of(messages)
     if not batch.channels:
@@ -366,7 +374,7 @@ def enqueue_messages(
         "default_max_backlog": defaults.max_backlog,
         "notify_channel": notify_channel,
         "delays": None if batch.delays is None else _once(batch.delays),
-        "create": not create_apart,
+        "create": not create_apart and not batch.groups,
         "unique_keys": batch.unique_keys,
         "unique_scopes": None if batch.unique_scopes is None else _once(batch.unique_scopes),
         "on_conflict": None if batch.on_conflict is None else _once(batch.on_conflict),
@@ -374,9 +382,13 @@ def enqueue_messages(
     try:
         rows = _run("enqueue_messages", params, using)
         if len(rows) < len(batch.channels):
-            # Nothing was stored: a channel is missing. Create it apart, then store for real
-            # (creating inline now, should the apart creation have given up on a lock).
-            create_channels(batch.channels, defaults=defaults, using=using)
+            # Nothing was stored: a channel is missing. Its group first (if named), then the
+            # channel apart, then store for real (creating inline now, should the apart
+            # creation have given up on a lock).
+            if batch.groups:
+                ensure_groups(batch.groups, using=using, verify=True)
+            if create_apart:
+                create_channels(batch.channels, defaults=defaults, using=using)
             rows = _run("enqueue_messages", {**params, "create": True}, using)
     except Exception as exc:
         _raise_enqueue_error(exc)
@@ -409,7 +421,7 @@ def enqueue_message(
         "default_max_backlog": defaults.max_backlog,
         "notify_channel": notify_channel,
         "delay": message.delay,
-        "create": not _creates_channels_apart(wrapper),
+        "create": message.group is None and not _creates_channels_apart(wrapper),
         "unique_key": message.unique_key,
         "unique_scope": None if message.unique_key is None else message.unique_scope,
         "on_conflict": None if message.unique_key is None else message.on_conflict,
@@ -421,9 +433,13 @@ def enqueue_message(
             cur.execute(statement, params, prepare=prepare, binary=True)
             row = cur.fetchone()
             if row is None or row[0] is None:
-                # Nothing was stored: the channel is missing. Create it apart, then store for
-                # real (creating inline now, should the apart creation have given up on a lock).
-                create_channels([message.channel], defaults=defaults, using=using)
+                # Nothing was stored: the channel is missing. Its group first (if named), then
+                # the channel apart, then store for real (creating inline now, should the apart
+                # creation have given up on a lock).
+                if message.group is not None:
+                    ensure_groups([message.group], using=using, verify=True)
+                if _creates_channels_apart(wrapper):
+                    create_channels([message.channel], defaults=defaults, using=using)
                 cur.execute(statement, {**params, "create": True}, prepare=prepare, binary=True)
                 row = cur.fetchone()
     except Exception as exc:
@@ -471,17 +487,20 @@ _known_groups: dict[tuple[str, str], float] = {}
 GROUP_CACHE_SECONDS = 60.0
 
 
-def ensure_groups(names: Sequence[str], *, using: str | None = None) -> None:
+def ensure_groups(names: Sequence[str], *, using: str | None = None, verify: bool = False) -> None:
     """Create the channel groups of ``names`` that do not exist (a group takes in the existing
     channels its name declares, and every channel created later with a name
     ``"<group>/..."``). Committed at once, on a connection of its own inside a transaction,
     as new channels are: a channel created apart must see its group. Remembered for a minute
     per process, so an enqueue to a grouped channel pays this round trip about once a minute
-    per group."""
+    per group; ``verify`` makes sure of each group whatever this process remembers (before a
+    channel of it is created: another process may have deleted the group meanwhile)."""
     alias = using or conf.get().DATABASE
     now = time.monotonic()
     wanted = sorted(
-        n for n in set(names) if now - _known_groups.get((alias, n), -1e18) > GROUP_CACHE_SECONDS
+        n
+        for n in set(names)
+        if verify or now - _known_groups.get((alias, n), -1e18) > GROUP_CACHE_SECONDS
     )
     if not wanted:
         return

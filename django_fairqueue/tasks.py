@@ -159,7 +159,24 @@ def task(
     """
 
     def wrap(f: Callable[P, R]) -> FairTask[P, R]:
+        from django_fairqueue.api import _check_priority, validate_channel_name
+
         task_name = name or _qualname(f)
+        # the checks every enqueue of the task would make, made once here
+        where = f"task {task_name!r}"
+        try:
+            _check_priority(priority)
+            if channel is not None:
+                validate_channel_name(channel)
+        except ValueError as exc:
+            raise type(exc)(f"{where}: {exc}") from None
+        if channel_from is not None and not callable(channel_from):
+            raise TypeError(
+                f"{where}: channel_from must be a callable taking the task's arguments, "
+                f"got {type(channel_from).__name__}"
+            )
+        if keep_result is not None and not isinstance(keep_result, bool):
+            raise TypeError(f"{where}: keep_result must be True, False or None")
         spec = TaskSpec(
             name=task_name,
             func=f,

@@ -20,6 +20,9 @@ from django_fairqueue.exceptions import ResultNotStorable, UnknownTask
 from django_fairqueue.limits import TASK_NAME_MAX_LENGTH
 from django_fairqueue.queues import validate_queue_name
 
+#: The most attempts a task may have: the messages' max_attempts column is a 32-bit integer.
+MAX_ATTEMPTS_LIMIT = 2_147_483_647
+
 
 @dataclass(frozen=True)
 class TaskSpec:
@@ -104,9 +107,14 @@ class Registry:
             )
         attempts: object = spec.max_attempts  # checked at run time: callers may pass anything
         if attempts is not None and (
-            isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1
+            isinstance(attempts, bool)
+            or not isinstance(attempts, int)
+            or not 1 <= attempts <= MAX_ATTEMPTS_LIMIT
         ):
-            raise ValueError(f"task {spec.name!r}: max_attempts must be an integer >= 1")
+            raise ValueError(
+                f"task {spec.name!r}: max_attempts must be an integer from 1 to "
+                f"{MAX_ATTEMPTS_LIMIT}, got {attempts!r}"
+            )
         conf.validate_timeout(spec.timeout, f"task {spec.name!r}: timeout")
         try:
             validate_queue_name(spec.queue)
@@ -182,3 +190,10 @@ def _check_task_name(name: Any) -> None:
         )
     if len(name) > TASK_NAME_MAX_LENGTH:
         raise ValueError(f"task name is longer than {TASK_NAME_MAX_LENGTH} characters")
+    if "\x00" in name:
+        raise ValueError(f"task name must not contain NUL characters: {name!r}")
+    if not name.isascii():
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"task name is not valid Unicode: {name!r}") from None

@@ -363,3 +363,34 @@ def test_admin_benchmark_times_every_page(tmp_path: Path) -> None:
     from django_fairqueue.models import WorkerRecord
 
     assert not WorkerRecord.objects.filter(worker_id__startswith="fairbench-admin-").exists()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/admin/fairqueue/message/?task_name=%00",
+        "/admin/fairqueue/message/?task_name=a%00b",
+        "/admin/fairqueue/message/?q=%00",
+        "/admin/fairqueue/channel/?q=%00",
+        "/admin/fairqueue/channelgroup/?q=%00",
+        "/admin/fairqueue/schedule/?q=%00",
+        "/admin/fairqueue/workbatch/?q=%00",
+        "/admin/fairqueue/workbatch/?job_name=%00",
+        "/admin/fairqueue/workerrecord/?q=%00",
+        "/admin/fairqueue/workerrecord/?host=%00",
+        "/admin/autocomplete/?app_label=fairqueue&model_name=message&field_name=channel&term=%00",
+        "/admin/autocomplete/?app_label=fairqueue&model_name=message&field_name=channel&term=a%00",
+    ],
+)
+def test_a_nul_character_in_a_filter_or_search_is_no_server_error(
+    admin_client: Client, url: str
+) -> None:
+    Channel.objects.create(name="acme")
+    response = admin_client.get(url)
+    if url.startswith("/admin/autocomplete/"):  # matches nothing
+        assert response.status_code == 200 and response.json()["results"] == []
+    elif "?q=" in url:  # a search: matches nothing
+        assert response.status_code == 200
+    else:  # a filter: a clear 400
+        assert response.status_code == 400
+        assert "contains a NUL character" in response.content.decode()

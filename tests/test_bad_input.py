@@ -373,9 +373,63 @@ def test_the_database_refuses_bad_limits_written_past_the_model(
     channel = Channel(name="limits", **fields)
     with pytest.raises(ValidationError):
         channel.full_clean()
-    with pytest.raises(IntegrityError), transaction.atomic():
-        channel.save()
+    with pytest.raises(InvalidChannel):
+        channel.save()  # the model checks first
     assert not Channel.objects.filter(name="limits").exists()
+    Channel.objects.create(name="limits")
+    # QuerySet.update() does not go through save(): the database's CHECK refuses it
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Channel.objects.filter(name="limits").update(**fields)
+    assert Channel.objects.get(name="limits").weight == 1
+
+
+@pytest.mark.parametrize("model", ["channel", "group"])
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"weight": 0}, "weight must be an integer >= 1, got 0"),
+        ({"weight": 5000}, "weight must be at most 1000, got 5000"),
+        ({"weight": 1.5}, "weight must be an integer >= 1, got 1.5"),
+        ({"weight": True}, "weight must be an integer >= 1, got True"),
+        ({"max_concurrency": 0}, "max_concurrency must be an integer >= 1"),
+        ({"max_concurrency": 2.5}, "max_concurrency must be an integer >= 1"),
+        ({"max_concurrency": 10**7}, "max_concurrency must be at most 1000000"),
+        ({"release_interval": timedelta(days=3)}, "release_interval must be between"),
+        ({"release_interval": "5"}, "number of seconds or a timedelta"),
+    ],
+)
+def test_an_orm_save_of_bad_limits_raises_invalid_channel(
+    model: str, fields: dict[str, Any], error: str
+) -> None:
+    from django_fairqueue.models import ChannelGroup
+
+    obj: Any = (
+        Channel(name="limits", **fields)
+        if model == "channel"
+        else ChannelGroup(name="limits", **fields)
+    )
+    with pytest.raises(InvalidChannel, match=re.escape(error)) as info:
+        obj.save()
+    assert f"{model if model == 'channel' else 'channel group'} 'limits'" in str(info.value)
+    assert not type(obj).objects.exists()
+    # an edit of a saved one too, also with update_fields
+    obj = type(obj).objects.create(name="limits")
+    for name, value in fields.items():
+        setattr(obj, name, value)
+    with pytest.raises(InvalidChannel, match=re.escape(error)):
+        obj.save(update_fields=list(fields))
+    assert type(obj).objects.get().weight == 1
+
+
+def test_a_release_interval_in_seconds_is_saved_as_that_duration() -> None:
+    channel = Channel.objects.create(name="limits", release_interval=5, max_backlog=3)
+    channel.refresh_from_db()
+    assert channel.release_interval == timedelta(seconds=5)
+
+
+def test_a_bad_max_backlog_through_the_orm_raises_invalid_channel() -> None:
+    with pytest.raises(InvalidChannel, match="max_backlog must be an integer >= 1, got 0"):
+        Channel(name="limits", max_backlog=0).save()
 
 
 @pytest.mark.parametrize(
@@ -806,3 +860,122 @@ def test_a_batch_claim_refuses_a_blank_worker_id_like_a_message_claim(
     if isinstance(worker_id, str):  # the worker's own check says the same
         with pytest.raises(ValueError, match=f"worker_id must be {error}"):
             WorkerConfig(worker_id=worker_id)
+
+
+def _generator() -> Iterator[int]:
+    yield 1
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error"),
+    [
+        ("abc", {}, "args must be a list or tuple of arguments, got str"),
+        ({"a": 1}, {}, "args must be a list or tuple of arguments, got dict"),
+        (b"ab", {}, "args must be a list or tuple of arguments, got bytes"),
+        ({3, 1}, {}, "args must be a list or tuple of arguments, got set"),
+        (range(3), {}, "args must be a list or tuple of arguments, got range"),
+        (_generator(), {}, "args must be a list or tuple of arguments, got generator"),
+        (7, {}, "args must be a list or tuple of arguments, got int"),
+        ((), [("a", 1)], "kwargs must be a dict, got list"),
+        ((), "ab", "kwargs must be a dict, got str"),
+        ((), {1: "x"}, "kwargs keys must be strings (argument names), got 1"),
+    ],
+)
+def test_enqueue_many_refuses_args_it_would_have_to_change(
+    args: Any, kwargs: Any, error: str, tables_intact: None
+) -> None:
+    good = EnqueueRequest(NOOP, [1], {"a": 2}, channel="p")
+    bad = EnqueueRequest(NOOP, args, kwargs, channel="p")
+    with pytest.raises(PayloadError, match=re.escape(f"enqueue_many request 1 (task {NOOP!r}): ")):
+        enqueue_many([good, bad])
+    with pytest.raises(PayloadError, match=re.escape(error)):
+        enqueue_many([bad])
+    assert message_count() == 0
+
+
+def test_enqueue_many_takes_tuples_lists_and_mappings(tables_intact: None) -> None:
+    from types import MappingProxyType
+
+    ids = enqueue_many(
+        [
+            EnqueueRequest(NOOP, (1, "x"), MappingProxyType({"k": [1]}), channel="p"),
+            EnqueueRequest(NOOP, [2], {}, channel="p"),
+        ]
+    )
+    payloads = dict(Message.objects.filter(id__in=ids).values_list("id", "payload"))
+    assert [payloads[i] for i in ids] == [
+        {"args": [1, "x"], "kwargs": {"k": [1]}},
+        {"args": [2], "kwargs": {}},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "words"),
+    [
+        ({"priority": 500}, ValueError, "priority must be between -100 and 100, got 500"),
+        ({"priority": "x"}, ValueError, "priority must be an integer, got 'x'"),
+        ({"priority": True}, ValueError, "priority must be an integer"),
+        ({"channel": ""}, InvalidChannel, "channel name must not be empty"),
+        ({"channel": " a"}, InvalidChannel, "must not start or end with blanks"),
+        ({"channel": 5}, InvalidChannel, "channel name must be a string, got int"),
+        ({"channel": "x" * 201}, InvalidChannel, "the most is 200"),
+        ({"channel_from": "notcallable"}, TypeError, "channel_from must be a callable"),
+        ({"name": "a\x00"}, ValueError, "must not contain NUL characters"),
+        ({"name": "a\ud800"}, ValueError, "not valid Unicode"),
+        ({"name": "x" * 201}, ValueError, "longer than 200 characters"),
+        ({"max_attempts": 10**12}, ValueError, "max_attempts must be an integer from 1 to"),
+        ({"max_attempts": 0}, ValueError, "max_attempts must be an integer from 1 to"),
+        ({"timeout": -1}, ValueError, "timeout must be a number of seconds >= 0"),
+        ({"delivery": "sometimes"}, ValueError, "delivery must be one of"),
+        ({"keep_result": "yes"}, TypeError, "keep_result must be True, False or None"),
+    ],
+)
+def test_task_options_every_enqueue_would_refuse_are_refused_at_decoration(
+    options: dict[str, Any], error: type[Exception], words: str
+) -> None:
+    from django_fairqueue import task
+    from django_fairqueue.taskspec import registry
+
+    options.setdefault("name", "tests.bad_options")
+
+    def func() -> None: ...
+
+    with pytest.raises(error, match=re.escape(words)):
+        task(**options)(func)
+    assert "tests.bad_options" not in registry
+
+
+def test_task_options_at_their_bounds_are_taken() -> None:
+    from django_fairqueue import task
+    from django_fairqueue.taskspec import registry
+
+    def func() -> None: ...
+
+    t = task(
+        name="tests.good_options",
+        priority=-100,
+        channel=" x ".strip(),
+        channel_from=lambda: None,
+        max_attempts=2_147_483_647,
+    )(func)
+    try:
+        assert t.spec.priority == -100 and t.spec.max_attempts == 2_147_483_647
+    finally:
+        registry.unregister("tests.good_options")
+
+
+@pytest.mark.parametrize("priority", [500, -101, 101, 32767])
+def test_an_orm_save_of_a_message_refuses_a_priority_out_of_range(priority: int) -> None:
+    channel = Channel.objects.create(name="orm-priority")
+    message = Message(channel=channel, task_name=NOOP, state=MessageState.READY, priority=priority)
+    with pytest.raises(ValidationError, match="priority must be between -100 and 100"):
+        message.full_clean()
+    with pytest.raises(ValueError, match=f"priority must be between -100 and 100, got {priority}"):
+        message.save()
+    assert message_count() == 0
+    message.priority = 100
+    message.save()
+    message.priority = 101
+    with pytest.raises(ValueError, match="priority must be between"):
+        message.save(update_fields=["priority"])
+    assert Message.objects.get().priority == 100

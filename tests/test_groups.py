@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from django_fairqueue import store
 from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many
@@ -552,3 +553,66 @@ def test_repairing_group_sums_while_claims_and_settlements_run_keeps_them_exact(
     f.fold_all()
     assert_group_sums_exact()
     assert store.verify_group_counters() == []
+
+
+def _group_of_channel(name: str) -> str | None:
+    channel = Channel.objects.select_related("group").get(name=name)
+    return channel.group.name if channel.group is not None else None
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("how", ["instance", "queryset"])
+def test_deleting_a_group_here_makes_the_next_tuple_enqueue_create_it_again(how: str) -> None:
+    enqueue(f.NOOP, channel=("delgrp", "a"))
+    if how == "instance":
+        ChannelGroup.objects.get(name="delgrp").delete()
+    else:
+        ChannelGroup.objects.filter(name="delgrp").delete()
+    assert _group_of_channel("delgrp/a") is None  # deleting a group leaves its channels
+    enqueue(f.NOOP, channel=("delgrp", "b"))
+    assert _group_of_channel("delgrp/b") == "delgrp"
+    assert _group_of_channel("delgrp/a") == "delgrp"  # the new group takes its channels in
+
+
+def _delete_group_elsewhere(database_url: str, name: str) -> None:
+    """Delete a group as another process would (on a connection of its own, as Django's
+    delete does it: its channels ungrouped, then the group), so this process still
+    remembers the group as existing."""
+    with psycopg.connect(database_url, autocommit=True) as other, other.transaction():
+        row = other.execute(
+            "SELECT id FROM fairqueue_channel_group WHERE name = %s", [name]
+        ).fetchone()
+        assert row is not None
+        other.execute("UPDATE fairqueue_channel SET group_id = NULL WHERE group_id = %s", row)
+        other.execute("DELETE FROM fairqueue_channel_group WHERE id = %s", row)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("in_transaction", [False, True])
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_new_channel_of_a_group_another_process_deleted_lands_in_the_group_again(
+    database_url: str, in_transaction: bool, batch: bool
+) -> None:
+    enqueue(f.NOOP, channel=("delgrp", "a"))  # this process now remembers the group
+    _delete_group_elsewhere(database_url, "delgrp")
+    assert not ChannelGroup.objects.filter(name="delgrp").exists()
+
+    def go() -> None:
+        if batch:
+            enqueue_many([EnqueueRequest(f.NOOP, (), channel=("delgrp", "b"))])
+        else:
+            enqueue(f.NOOP, channel=("delgrp", "b"))
+
+    if in_transaction:
+        with transaction.atomic():
+            go()
+    else:
+        go()
+    assert _group_of_channel("delgrp/b") == "delgrp"
+    assert Channel.objects.get(name="delgrp/b").messages.count() == 1
+    assert_group_sums_exact_after_fold()
+
+
+def assert_group_sums_exact_after_fold() -> None:
+    f.fold_all()
+    assert_group_sums_exact()

@@ -91,6 +91,10 @@ def test_an_operator_adds_a_tenants_schedule_in_its_timezone(
         ("kwargs", "[1]", "kwargs must be a JSON object"),
         ("jitter", "2 00:00:00", "jitter must be"),
         ("catch_up_max", "5000", "catch_up_max"),
+        ("priority", "500", "priority must be between -100 and 100, got 500"),
+        ("priority", "-101", "priority must be between -100 and 100, got -101"),
+        ("args", "[" * 2000 + "]" * 2000, "nested too deeply"),
+        ("kwargs", '{"a":' * 2000 + "1" + "}" * 2000, "nested too deeply"),
     ],
 )
 def test_a_bad_schedule_gets_a_clear_error_and_nothing_is_saved(

@@ -5,6 +5,7 @@ what operators edit. Concurrency across processes is in tests/test_schedules_con
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -184,6 +185,46 @@ def test_settings_schedules_are_checked_with_a_clear_error() -> None:
         conf.load({"SCHEDULES": {"nightly": {"task": TASK, "cron": "0 3 * *"}}})
     with pytest.raises(ValueError, match="must be a dict"):
         conf.load({"SCHEDULES": [{"task": TASK}]})
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"args": {1, 2}}, "args must be a list or tuple, got set"),
+        ({"args": "abc"}, "args must be a list or tuple, got str"),
+        ({"args": b"ab"}, "args must be a list or tuple, got bytes"),
+        ({"args": range(2)}, "args must be a list or tuple, got range"),
+        ({"args": {"a": 1}}, "args must be a list or tuple, got dict"),
+        ({"kwargs": [("a", 1)]}, "kwargs must be a dict"),
+        ({"args": ["nul \x00"]}, "contain a NUL character"),
+        ({"kwargs": {"k": "lone \ud800"}}, "not valid Unicode"),
+    ],
+)
+def test_periodic_refuses_arguments_enqueue_would_refuse_instead_of_changing_them(
+    options: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(InvalidSchedule, match=re.escape(words)):
+        schedules.periodic("* * * * *", name="tests.bad_args", **options)(tick)
+    assert "tests.bad_args" not in {s.name for s in schedules.declared()}
+    with pytest.raises(ValueError, match=re.escape(words)):
+        conf.load({"SCHEDULES": {"bad": {"task": TASK, "cron": "@daily", **options}}})
+
+
+def test_periodic_takes_a_tuple_of_args_and_a_literal_backslash_u0000() -> None:
+    schedules.periodic("* * * * *", name="tests.good_args", args=(1, "\\u0000"))(tick)
+    try:
+        (found,) = [s for s in schedules.declared() if s.name == "tests.good_args"]
+        assert found.args == [1, "\\u0000"]
+    finally:
+        schedules.undeclare("tests.good_args")
+
+
+@pytest.mark.django_db
+def test_sync_refuses_a_payload_over_the_size_limit_as_an_invalid_schedule(settings: Any) -> None:
+    settings.FAIRQUEUE = {**settings.FAIRQUEUE, "MAX_PAYLOAD_BYTES": 100}
+    with pytest.raises(InvalidSchedule, match="MAX_PAYLOAD_BYTES"):
+        schedules.sync([spec("big", args=["x" * 200])])
+    assert not Schedule.objects.exists()
 
 
 def test_periodic_goes_on_a_registered_task_and_names_must_not_clash() -> None:
