@@ -93,7 +93,7 @@ from benchmarks.compare.common import (
     dsn_with,
 )
 from django_fairqueue import terminal  # no Django import: safe before settings
-from django_fairqueue.figures import fair_completion_times, jain_index, percentile
+from django_fairqueue.figures import jain_index, percentile
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The baseline's git ref, for its version label (set for its process).
@@ -656,6 +656,10 @@ def bursts_cell(system: Any, variant: str, backlog: int, sizes: Sizes) -> dict[s
         else:
             finish[name] = got[-1] + duration
             starved[name] = _starvation(got, committed[name], got[-1])
+    # Imported here, not at the top: `--baseline REF` runs this harness on the package of an
+    # earlier REF, which may not have it (its enqueue cells never come here).
+    from django_fairqueue.figures import fair_completion_times
+
     ideal = fair_completion_times(
         TIMESHARE_CONFIG.processes * TIMESHARE_CONFIG.concurrency, jobs, background=True
     )

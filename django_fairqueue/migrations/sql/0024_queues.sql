@@ -2915,8 +2915,9 @@ $$;
 -- arrays' elements. An existing channel without max_backlog takes the fast path: the name
 -- lock (the same shared lock, taken first, in a statement of its own, so the next statement's
 -- snapshot sees any deletion that committed before it), then one statement that resolves the
--- name, makes the wake-up decision and inserts the message and its delta. A missing or bounded channel goes through fairqueue_enqueue_v1 (channel creation, the
--- at-once and at-commit bounds); returns NULL where it returns no rows (p_create false).
+-- name, makes the wake-up decision and inserts the message and its delta. A missing or bounded
+-- channel goes through fairqueue_enqueue_v1 (channel creation, the at-once and at-commit
+-- bounds); returns NULL where it returns no rows (p_create false).
 -- The wake-up decision is fairqueue_enqueue_v1's: no NOTIFY when a claim left the channel
 -- backlogged (ready_count above zero). Otherwise the head is read before the insert, in the
 -- same statement: the message does not notify when that head became ready over 50 ms ago and
