@@ -232,11 +232,14 @@ def run(bench: Bench, cell: TimeshareCell) -> TimeshareResult:
             if w in ("flood", "sybil"):
                 time.sleep(sizes.fairness_pause)
                 for r in range(sizes.fairness_rounds):
+                    # The time before the enqueue: a worker may claim (and stamp) a message
+                    # before this process gets back from its commit.
+                    sent = time.time()
                     ids = enqueue_many(
                         EnqueueRequest(NOOP_TASK_NAME, (r, j), channel=alice)
                         for j in range(sizes.fairness_burst)
                     )
-                    bursts.append((alice, time.time(), ids))
+                    bursts.append((alice, sent, ids))
                     _wait_claimed(bench.using, alice)
                     time.sleep(sizes.fairness_pause)
             elif w == "bursts":
@@ -244,10 +247,11 @@ def run(bench: Bench, cell: TimeshareCell) -> TimeshareResult:
                     delay = began + at - time.time()
                     if delay > 0:
                         time.sleep(delay)
+                    sent = time.time()  # (as above)
                     ids = enqueue_many(
                         EnqueueRequest(NOOP_TASK_NAME, (j,), channel=name) for j in range(size)
                     )
-                    bursts.append((name, time.time(), ids))
+                    bursts.append((name, sent, ids))
                 for name, _, _ in bursts:
                     _wait_claimed(bench.using, name)
                 time.sleep(max(durations.values()) + 0.1)
@@ -271,12 +275,18 @@ def run(bench: Bench, cell: TimeshareCell) -> TimeshareResult:
         wait_p99 = round(percentile(waits, 99), 2)
         ends = [c for _, c, _ in bursts[1:]] + [float("inf")]
         for (who, committed, _), end in zip(bursts, ends, strict=True):
-            last = max(ret for ch, _, _, ret, _, _ in seen if ch == who and committed <= ret < end)
+            last = max(
+                (ret for ch, _, _, ret, _, _ in seen if ch == who and committed <= ret < end),
+                default=committed,
+            )
             busy[f"{who}@{committed}"] = (committed, last)
         # counts over the windows while alice had work: her 10 vs what bob got meanwhile
         a = b = 0
         for _, committed, _ in bursts:
-            last = max(ret for ch, _, _, ret, _, _ in seen if ch == alice and ret >= committed)
+            last = max(
+                (ret for ch, _, _, ret, _, _ in seen if ch == alice and ret >= committed),
+                default=committed,
+            )
             _, counts = _shares(seen, committed, last, weights)
             a += counts.get("alice", 0)
             b += counts.get("bob", 0)
