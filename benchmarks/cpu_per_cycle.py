@@ -25,10 +25,10 @@ from datetime import timedelta
 
 from django.db import connection
 
-from django_fairqueue import conf, store
+from benchmarks.backlog import load_counted
+from django_fairqueue import store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.contrib.bench import db as bench_db
-from django_fairqueue.contrib.bench.harness import NOOP_PAYLOAD
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
 
 LEASE = timedelta(minutes=5)
@@ -42,16 +42,7 @@ def _cpu_seconds(pid: int) -> float:
 def main(cycles: tuple[tuple[int, int], ...] = ((1, 1500), (100, 300))) -> dict[int, dict]:
     bench_db.truncate_queue_tables()
     channels = [f"c{i:03d}" for i in range(100)]
-    bench_db.load_ready_messages(
-        channels,
-        100_000,
-        task_name=NOOP_TASK_NAME,
-        payload=NOOP_PAYLOAD,
-        defaults=conf.get().CHANNEL_DEFAULTS,
-    )
-    while store.fold_channel_deltas(10_000) > 0:
-        pass
-    bench_db.analyze_queue_tables()
+    load_counted(channels, 100_000)
     with connection.cursor() as cur:
         cur.execute("SET synchronous_commit = off")
         cur.execute("SELECT pg_backend_pid()")

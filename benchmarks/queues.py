@@ -27,10 +27,8 @@ from typing import Any
 
 from django.db import connection, transaction
 
-from django_fairqueue import conf, store
+from benchmarks.backlog import load_counted
 from django_fairqueue.contrib.bench import db as bench_db
-from django_fairqueue.contrib.bench.harness import NOOP_PAYLOAD
-from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
 from django_fairqueue.queues import row_name
 
 CLAIM = (
@@ -41,16 +39,7 @@ SAMPLES = 15
 
 
 def _load(channels: list[str], per_channel: int) -> None:
-    bench_db.load_ready_messages(
-        channels,
-        len(channels) * per_channel,
-        task_name=NOOP_TASK_NAME,
-        payload=NOOP_PAYLOAD,
-        defaults=conf.get().CHANNEL_DEFAULTS,
-    )
-    while store.fold_channel_deltas(10_000) > 0:
-        pass
-    bench_db.analyze_queue_tables()
+    load_counted(channels, len(channels) * per_channel)
 
 
 def _sample(limit: int, queues: list[str] | None) -> dict[str, Any]:
