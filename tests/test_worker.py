@@ -907,6 +907,31 @@ def test_the_worker_sends_started_and_finished_signals_and_survives_a_broken_rec
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_burst_is_not_done_while_a_settlement_races_its_last_question(
+    fq: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst worker asks the database whether work is due, finds none (its last message
+    is still running), and only then sees that message settle. The settlement was a retry
+    without backoff: ready now, after the answer. The burst must run it, not call itself
+    done because nothing is unsettled any more."""
+    fq(RETRY_BACKOFF_BASE=0)
+    fairtasks.boom.enqueue(channel="alice")  # retried once, then failed
+    worker = one_worker(concurrency=1, burst=True)
+    asked = store.select_next_due
+
+    def answer_then_let_it_settle(*args: Any, **kwargs: Any) -> Any:
+        due_in = asked(*args, **kwargs)
+        if due_in is None:
+            # the running message settles (and retries) between the answer and its use
+            wait_until(lambda: not worker._unsettled, timeout=10)
+        return due_in
+
+    monkeypatch.setattr(store, "select_next_due", answer_then_let_it_settle)
+    assert worker.run() == 2
+    assert Message.objects.get().state == MessageState.FAILED
+
+
+@pytest.mark.django_db(transaction=True)
 def test_the_threaded_worker_records_per_channel_statistics(fq: Any) -> None:
     fq(RETRY_BACKOFF_BASE=0)
     for i in range(3):

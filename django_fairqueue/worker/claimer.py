@@ -83,6 +83,11 @@ class Claimer(WorkerBase):
         burst = self.config.burst
         only, exclude = self._filters()
         horizon = self.config.burst_horizon if burst else self.poll_interval * 1.2
+        # Read before asking the database: a message settled after this reading may have been
+        # requeued (a retry) after the question below was answered, so only a worker with
+        # nothing unsettled before asking may call its burst done.
+        with self._cond:
+            settled_before_asking = not self._unsettled
         due_in = None
         if only != []:  # (no channel of --channels exists yet: nothing to ask about)
             due_in = store.select_next_due(
@@ -95,8 +100,8 @@ class Claimer(WorkerBase):
             self._due_misses = 0
             if not burst:
                 return False
-            with self._cond:
-                return not self._unsettled
+            # otherwise a settlement is still to come, and it wakes the claimer
+            return settled_before_asking
         if due_in <= 0:
             self._due_misses += 1
             wait = min(DUE_RETRY_FIRST * 2**self._due_misses, self.poll_interval)
