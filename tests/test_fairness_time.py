@@ -243,6 +243,31 @@ def test_a_new_channel_is_charged_its_own_run_time_from_its_second_claim() -> No
 
 
 @pytest.mark.django_db(transaction=True)
+def test_batch_claims_share_time_before_the_maintenance_loop_ever_folds() -> None:
+    """Claims of 4 (a worker claiming for its free threads) and no maintenance fold at all
+    (it can be seconds late behind a million messages): the first settlements of each channel
+    still fold at the next claim, so the shares follow run times, not the 10 ms default (with
+    which a tenant of 200 ms tasks took 97 % of the worker time, as by count)."""
+    f.enqueue_spread({"heavy": 200, "light": 2000})
+    durations = {"heavy": 0.2, "light": 0.005}
+    spent: Counter[str] = Counter()
+    for _ in range(300):
+        got = claim(4, quantum=4)
+        assert got, "a claim came back empty while both channels had work"
+        for m in got:
+            backdate([m.id], durations[m.channel])
+        store.complete_messages(
+            [(m.id, m.lease_token, None) for m in got],
+            run_seconds=[durations[m.channel] for m in got],
+        )
+        for m in got:
+            spent[m.channel] += durations[m.channel]
+    # within the bound: one claim's charge of each, plus the first claim's under-estimate
+    assert abs(spent["heavy"] - spent["light"]) <= 2 * 4 * 0.2 + 1e-9, spent
+    assert jain(list(spent.values())) > 0.95, spent
+
+
+@pytest.mark.django_db(transaction=True)
 def test_after_the_queue_went_idle_nobody_comes_back_ahead() -> None:
     """Both idle at once: the one that wakes first must not keep an old, low tag (the
     system's virtual time is then the largest tag, not the smallest)."""
