@@ -191,6 +191,82 @@ def test_a_channel_idle_while_others_ran_comes_back_level_not_ahead() -> None:
     assert 8 <= counts["alice"] <= 12, counts
 
 
+def claims_until(name: str, limit: int, most: int) -> int:
+    """Claims of ``limit`` (settled at once, run times of 0.1 ms) until one gives ``name`` a
+    message; returns how many it took, or ``most + 1`` if none of ``most`` did."""
+    for n in range(1, most + 1):
+        got = claim(limit)
+        assert got, "a claim came back empty while channels had work"
+        store.complete_messages(
+            [(m.id, m.lease_token, None) for m in got], run_seconds=[0.0001] * len(got)
+        )
+        if any(m.channel == name for m in got):
+            return n
+    return most + 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_channel_waking_behind_an_over_charged_one_is_served_within_one_claim() -> None:
+    """A new channel of near-instant tasks is charged the default estimate (10 ms a message)
+    until its settlements fold, then drops back by what it was over-charged. A channel that
+    was lifted to its tag before the drop and went idle must not come back that far behind:
+    at a charge of microseconds per message, that was millions of the other's messages (a
+    flooded queue starved the newcomer's next burst)."""
+    f.enqueue("bob", 400)
+    running = [m for _ in range(10) for m in claim(10)]
+    assert len(running) == 100  # charged 10 ms each, nothing settled yet: bob at 1 s
+    f.enqueue("alice", 1)  # lifted to bob's tag, served by the next claim
+    assert claims_until("alice", 10, 2) <= 2
+    store.complete_messages(
+        [(m.id, m.lease_token, None) for m in running], run_seconds=[0.0001] * len(running)
+    )
+    f.fold_all()  # bob's 0.1 ms runs fold: his tag drops back by about a second
+    assert vtime("bob") < 0.1 < vtime("alice")
+    f.enqueue("alice", 1)
+    # served within one round: the next claim (or the one after, on a tie)
+    assert claims_until("alice", 10, 2) <= 2, (vtime("alice"), vtime("bob"))
+    f.fold_all()
+    assert vtime("alice") <= vtime("bob") + 0.01
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_new_channel_is_charged_its_own_run_time_from_its_second_claim() -> None:
+    """A channel's first settlements wake the claim, which folds them: the default estimate
+    (10 ms) is charged for its first claim only, not until the maintenance loop folds."""
+    f.enqueue("quick", 50)
+    got = claim(5, quantum=5)
+    backdate([m.id for m in got], 0.001)
+    store.complete_messages([(m.id, m.lease_token, None) for m in got], run_seconds=[0.001] * 5)
+    before = vtime("quick")
+    claim(1)  # folds the settlements first (a woken fold), then charges about 1 ms
+    assert vtime("quick") == pytest.approx(before - 5 * (0.01 - 0.001) + 0.001, abs=2e-4)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_batch_claims_share_time_before_the_maintenance_loop_ever_folds() -> None:
+    """Claims of 4 (a worker claiming for its free threads) and no maintenance fold at all
+    (it can be seconds late behind a million messages): the first settlements of each channel
+    still fold at the next claim, so the shares follow run times, not the 10 ms default (with
+    which a tenant of 200 ms tasks took 97 % of the worker time, as by count)."""
+    f.enqueue_spread({"heavy": 200, "light": 2000})
+    durations = {"heavy": 0.2, "light": 0.005}
+    spent: Counter[str] = Counter()
+    for _ in range(300):
+        got = claim(4, quantum=4)
+        assert got, "a claim came back empty while both channels had work"
+        for m in got:
+            backdate([m.id], durations[m.channel])
+        store.complete_messages(
+            [(m.id, m.lease_token, None) for m in got],
+            run_seconds=[durations[m.channel] for m in got],
+        )
+        for m in got:
+            spent[m.channel] += durations[m.channel]
+    # within the bound: one claim's charge of each, plus the first claim's under-estimate
+    assert abs(spent["heavy"] - spent["light"]) <= 2 * 4 * 0.2 + 1e-9, spent
+    assert jain(list(spent.values())) > 0.95, spent
+
+
 @pytest.mark.django_db(transaction=True)
 def test_after_the_queue_went_idle_nobody_comes_back_ahead() -> None:
     """Both idle at once: the one that wakes first must not keep an old, low tag (the

@@ -420,7 +420,8 @@ BEGIN
                 coalesce(g.last_claimed_at + g.release_interval, '-infinity'::timestamptz)))
                 ELSE g.next_turn_at END,
             vtime = CASE WHEN v_new AND NOT v_old AND g.claimable = 0
-                THEN greatest(g.vtime, fairqueue_top_virtual_time_v1(NULL, g.id))
+                THEN fairqueue_lift_v1(g.vtime, fairqueue_top_virtual_time_v1(NULL, g.id), false,
+                                       true, fairqueue_charge_v1(NEW.mean_run, g.weight))
                 ELSE g.vtime END
         WHERE g.id = NEW.group_id;
         RETURN NULL;
@@ -442,7 +443,8 @@ BEGIN
                 coalesce(g.last_claimed_at + g.release_interval, '-infinity'::timestamptz)))
                 ELSE g.next_turn_at END,
             vtime = CASE WHEN v_new AND g.claimable = 0
-                THEN greatest(g.vtime, fairqueue_top_virtual_time_v1(NULL, g.id))
+                THEN fairqueue_lift_v1(g.vtime, fairqueue_top_virtual_time_v1(NULL, g.id), false,
+                                       true, fairqueue_charge_v1(NEW.mean_run, g.weight))
                 ELSE g.vtime END
         WHERE g.id = NEW.group_id;
     END IF;
@@ -471,14 +473,35 @@ CREATE TRIGGER fairqueue_group_counters_delete
 
 
 -- A channel's tag after a fold: p_tag, lifted to the virtual time p_vnow when the channel
--- becomes claimable (p_before false, p_after true).
+-- becomes claimable (p_before false, p_after true), and then also brought down to at most
+-- one message's charge (p_charge) ahead of the virtual time: it starts within
+-- [p_vnow, p_vnow + p_charge]. The claim charges estimates in advance and the fold corrects
+-- them, so tags can move down: a channel charged 10 ms per message before its first
+-- settlements folded (a new channel of tasks that take microseconds) drops back by what it
+-- was over-charged. A channel that went idle meanwhile keeps a tag measured against the
+-- other's tag before that drop, and without this bound it came back that far behind: seconds
+-- of virtual time, which at a charge of a microsecond per message is millions of the other's
+-- messages before its next one. A channel that ran legitimately ahead when it went idle was
+-- at most one claim's charge past the virtual time; what is given up is that claim's charge
+-- beyond one message (within the documented bound) and any correction folded while idle.
 CREATE OR REPLACE FUNCTION fairqueue_lift_v1(
-    p_tag double precision, p_vnow double precision, p_before boolean, p_after boolean
+    p_tag double precision, p_vnow double precision, p_before boolean, p_after boolean,
+    p_charge double precision
 )
 RETURNS double precision
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-    SELECT CASE WHEN p_after AND NOT p_before THEN greatest(p_tag, coalesce(p_vnow, p_tag))
+    SELECT CASE WHEN p_after AND NOT p_before AND p_vnow IS NOT NULL
+                THEN greatest(p_vnow, least(p_tag, p_vnow + greatest(p_charge, 0)))
                 ELSE p_tag END
+$$;
+
+
+-- A channel's charge per message by time: its mean run time (the default while it has
+-- none; at least a microsecond) divided by its weight. The claim charges this in advance.
+CREATE OR REPLACE FUNCTION fairqueue_charge_v1(p_mean double precision, p_weight integer)
+RETURNS double precision
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT greatest(coalesce(p_mean, fairqueue_default_run_v1()), 1e-6) / greatest(p_weight, 1)
 $$;
 
 
@@ -683,7 +706,11 @@ BEGIN
             c.ready_count + v_ready[array_position(v_ids, c.id)] > 0 AND NOT c.paused
                 AND (c.max_concurrency IS NULL
                      OR c.running_count + v_running[array_position(v_ids, c.id)]
-                        < c.max_concurrency))
+                        < c.max_concurrency),
+            -- at most one message's charge ahead (its mean as this fold leaves it)
+            fairqueue_charge_v1(fairqueue_mean_run_v1(
+                c.mean_run, v_run[array_position(v_ids, c.id)],
+                v_ran[array_position(v_ids, c.id)]), c.weight))
         END,
         mean_run = fairqueue_mean_run_v1(
             c.mean_run, v_run[array_position(v_ids, c.id)], v_ran[array_position(v_ids, c.id)])
@@ -2207,13 +2234,16 @@ BEGIN
         SELECT * FROM gone UNION ALL SELECT * FROM kept
     ), delta AS (
         -- The concurrency slot is freed here, once: only rows this statement settled count.
-        -- It wakes the claim only for capped channels (or channels of a capped group); other
-        -- channels fold it in maintenance.
+        -- It wakes the claim only for capped channels (or channels of a capped group), and
+        -- for a channel's first settlements (no mean run time yet: by time, the claim charges
+        -- such a channel a default estimate until they fold); other channels fold it in
+        -- maintenance.
         INSERT INTO fairqueue_channel_delta (
             channel_id, running, succeeded, wake, run_seconds, run_count
         )
         SELECT s.channel_id, -count(*), count(*),
                (SELECT c.max_concurrency IS NOT NULL
+                       OR c.mean_run IS NULL
                        OR (c.group_id IS NOT NULL
                            AND (SELECT g.max_concurrency IS NOT NULL
                                 FROM fairqueue_channel_group g WHERE g.id = c.group_id))
@@ -3160,10 +3190,12 @@ BEGIN
                 THEN statement_timestamp()
             ELSE c.next_turn_at
         END,
-        vtime = greatest(
+        -- lifted, and at most one message's charge ahead (as fairqueue_lift_v1)
+        vtime = fairqueue_lift_v1(
             c.vtime + (sums.run - sums.runs * coalesce(c.mean_run, fairqueue_default_run_v1()))
                       / c.weight,
-            v_vnow),
+            v_vnow, false, true,
+            fairqueue_charge_v1(fairqueue_mean_run_v1(c.mean_run, sums.run, sums.ran), c.weight)),
         mean_run = fairqueue_mean_run_v1(c.mean_run, sums.run, sums.ran)
     FROM sums
     WHERE c.id = p_channel_id
