@@ -93,7 +93,7 @@ def test_a_task_declares_its_queue_and_enqueue_overrides_it() -> None:
 def test_a_task_with_a_bad_queue_is_refused_at_registration() -> None:
     from django_fairqueue import task
 
-    with pytest.raises(ValueError, match="may hold only letters"):
+    with pytest.raises(InvalidQueue, match="'tests.queues.bad': queue name 'no spaces' may hold"):
 
         @task(name="tests.queues.bad", queue="no spaces")
         def bad() -> None:  # pragma: no cover - never registered
@@ -384,7 +384,51 @@ def test_cancel_by_channel_takes_the_queue() -> None:
     out = __import__("io").StringIO()
     call_command("fairqueue", "cancel", "--channel", "acme", "--queue", "exports", stdout=out)
     assert out.getvalue().startswith("Cancelled 1 message.")
-    with pytest.raises(CommandError, match="--queue goes with --channel"):
-        call_command("fairqueue", "cancel", "--task", "tests.noop", "--queue", "exports")
+    out = __import__("io").StringIO()
+    call_command("fairqueue", "cancel", "--task", "tests.noop", "--queue", "exports", stdout=out)
+    assert out.getvalue().startswith("Cancelled 0 messages.")
     with pytest.raises(CommandError, match="queue name"):
         call_command("fairqueue", "abort", "--channel", "acme", "--queue", "a b")
+
+
+@pytest.mark.django_db
+def test_a_queue_without_a_channel_narrows_cancel_and_abort_to_that_queue() -> None:
+    import io
+
+    from django_fairqueue import abort, cancel
+
+    plain = f.enqueue("acme", 2)
+    reports = f.enqueue_in_queue("reports", "acme", 2) + f.enqueue_in_queue("reports", "bolt", 1)
+    exports = f.enqueue_in_queue("exports", "acme", 1)
+    assert sorted(cancel(task="tests.noop", queue="reports")) == sorted(reports)
+    assert sorted(cancel(task="tests.noop", queue="default")) == sorted(plain)
+    assert cancel(queue="reports") == []  # nothing waits there any more
+    out = io.StringIO()
+    call_command("fairqueue", "cancel", "--queue", "exports", "--json", stdout=out)
+    assert __import__("json").loads(out.getvalue())["ids"] == exports
+    with pytest.raises(ValueError, match="not both"):
+        cancel([1], queue="reports")
+    with pytest.raises(InvalidQueue):
+        cancel(task="tests.noop", queue="a b")
+
+    # abort: the running messages of the task in that queue only
+    running_reports = f.enqueue_in_queue("reports", "acme", 1)
+    running_plain = f.enqueue("acme", 1)
+    assert len(claim(10, None)) == 2
+    assert abort(task="tests.noop", queue="reports") == {running_reports[0]: "abort_requested"}
+    out = io.StringIO()
+    call_command("fairqueue", "abort", "--task", "tests.noop", "--queue", "default", stdout=out)
+    assert out.getvalue().startswith("Cancelled 0 waiting, requested the abort of 1 running.")
+    assert abort(task="tests.noop") == {
+        running_reports[0]: "abort_requested",
+        running_plain[0]: "abort_requested",
+    }
+
+
+def test_the_running_message_is_importable_from_the_package() -> None:
+    import django_fairqueue
+    from django_fairqueue import current_message
+    from django_fairqueue.context import current_message as in_context
+
+    assert current_message is in_context and "current_message" in django_fairqueue.__all__
+    assert current_message.get() is None  # outside a worker
