@@ -306,6 +306,15 @@ def test_status_shows_each_channels_queue_and_the_queues_totals() -> None:
     assert json.loads(out.getvalue())["ready"] == 3
     with pytest.raises(CommandError, match="no channel named 'acme' in queue 'exports'"):
         call_command("fairqueue", "status", "acme", "--queue", "exports")
+    # --queue without a channel: that queue's channels, groups and totals only
+    out = io.StringIO()
+    call_command("fairqueue", "status", "--queue", "reports", "--json", stdout=out)
+    data = json.loads(out.getvalue())
+    assert {(c["name"], c["queue"]) for c in data["channels"]} == {("acme", "reports"), ("g/x", "reports")}
+    assert (data["totals"]["ready"], list(data["queues"]), data["groups_total"]) == (4, ["reports"], 1)
+    out = io.StringIO()
+    call_command("fairqueue", "status", "--queue", "default", stdout=out)
+    assert "reports" not in out.getvalue()
 
 
 @pytest.mark.django_db
