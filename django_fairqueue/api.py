@@ -185,9 +185,7 @@ def cancel(
     channel_id, task_name, queue_name = _selection(channel, task, "cancel", queue)
     if channel_id == -1:
         return []
-    return store.cancel_matching_messages(
-        channel_id=channel_id, task=task_name, queue=queue_name
-    )
+    return store.cancel_matching_messages(channel_id=channel_id, task=task_name, queue=queue_name)
 
 
 def abort(

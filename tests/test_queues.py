@@ -93,7 +93,7 @@ def test_a_task_declares_its_queue_and_enqueue_overrides_it() -> None:
 def test_a_task_with_a_bad_queue_is_refused_at_registration() -> None:
     from django_fairqueue import task
 
-    with pytest.raises(InvalidQueue, match="'tests.queues.bad': queue name 'no spaces' may hold"):
+    with pytest.raises(InvalidQueue, match=r"'tests\.queues\.bad': queue name 'no spaces' may hold"):
 
         @task(name="tests.queues.bad", queue="no spaces")
         def bad() -> None:  # pragma: no cover - never registered
@@ -310,8 +310,15 @@ def test_status_shows_each_channels_queue_and_the_queues_totals() -> None:
     out = io.StringIO()
     call_command("fairqueue", "status", "--queue", "reports", "--json", stdout=out)
     data = json.loads(out.getvalue())
-    assert {(c["name"], c["queue"]) for c in data["channels"]} == {("acme", "reports"), ("g/x", "reports")}
-    assert (data["totals"]["ready"], list(data["queues"]), data["groups_total"]) == (4, ["reports"], 1)
+    assert {(c["name"], c["queue"]) for c in data["channels"]} == {
+        ("acme", "reports"),
+        ("g/x", "reports"),
+    }
+    assert (data["totals"]["ready"], list(data["queues"]), data["groups_total"]) == (
+        4,
+        ["reports"],
+        1,
+    )
     out = io.StringIO()
     call_command("fairqueue", "status", "--queue", "default", stdout=out)
     assert "reports" not in out.getvalue()
