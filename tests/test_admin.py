@@ -830,16 +830,16 @@ def test_metrics_exposition(queue: dict[str, Any]) -> None:
     assert response["Content-Type"].startswith("text/plain; version=0.0.4")
     text = response.content.decode()
     for line in (
-        'fairqueue_channel_ready{channel="alpha"} 5.0',
-        'fairqueue_channel_ready{channel="beta"} 1.0',
-        'fairqueue_channel_running{channel="beta"} 1.0',
-        'fairqueue_channel_failed{channel="beta"} 3.0',
-        'fairqueue_channel_scheduled{channel="gamma"} 2.0',
-        'fairqueue_channel_max_concurrency{channel="beta"} 4.0',
-        'fairqueue_channel_succeeded_total{channel="alpha"} 0.0',
+        'fairqueue_channel_ready{channel="alpha",queue="default"} 5.0',
+        'fairqueue_channel_ready{channel="beta",queue="default"} 1.0',
+        'fairqueue_channel_running{channel="beta",queue="default"} 1.0',
+        'fairqueue_channel_failed{channel="beta",queue="default"} 3.0',
+        'fairqueue_channel_scheduled{channel="gamma",queue="default"} 2.0',
+        'fairqueue_channel_max_concurrency{channel="beta",queue="default"} 4.0',
+        'fairqueue_channel_succeeded_total{channel="alpha",queue="default"} 0.0',
     ):
         assert line in text.splitlines(), line
-    assert 'fairqueue_channel_max_concurrency{channel="alpha"}' not in text
+    assert 'fairqueue_channel_max_concurrency{channel="alpha"' not in text
     after = process.get_sample_value("fairqueue_claim_duration_seconds_count")
     assert after == before + 2
     # a web process claims nothing: its view exports no (always empty) claim histogram

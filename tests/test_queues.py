@@ -369,7 +369,7 @@ def test_a_schedule_fires_into_its_tasks_queue_or_its_channels() -> None:
 
 
 @pytest.mark.django_db
-def test_metrics_name_a_channel_of_another_queue_with_its_queue() -> None:
+def test_metrics_label_each_channel_series_with_its_queue() -> None:
     pytest.importorskip("prometheus_client")
     from prometheus_client import generate_latest
     from prometheus_client.core import CollectorRegistry
@@ -378,12 +378,25 @@ def test_metrics_name_a_channel_of_another_queue_with_its_queue() -> None:
 
     f.enqueue("acme", 2)
     f.enqueue_in_queue("reports", "acme", 3)
+    # a default-queue channel whose name reads like another queue's: a series of its own
+    f.enqueue("acme [reports]", 1)
     registry = CollectorRegistry()
     registry.register(QueueCollector())
     text = generate_latest(registry).decode()
-    assert 'fairqueue_channel_ready{channel="acme"} 2.0' in text
-    assert 'fairqueue_channel_ready{channel="acme [reports]"} 3.0' in text
+    lines = text.splitlines()
+    assert 'fairqueue_channel_ready{channel="acme",queue="default"} 2.0' in lines
+    assert 'fairqueue_channel_ready{channel="acme",queue="reports"} 3.0' in lines
+    assert 'fairqueue_channel_ready{channel="acme [reports]",queue="default"} 1.0' in lines
     assert "\x1f" not in text
+    series = [line.rsplit(" ", 1)[0] for line in lines if not line.startswith("#")]
+    assert len(series) == len(set(series))  # every series once: Prometheus refuses duplicates
+    ages = [line for line in lines if line.startswith("fairqueue_oldest_ready_age_seconds{")]
+    assert {line.split("{")[1].split("}")[0] for line in ages} == {
+        'channel="acme",queue="default"',
+        'channel="acme",queue="reports"',
+        'channel="acme [reports]",queue="default"',
+        'channel="(all)",queue="(all)"',
+    }
 
 
 @pytest.mark.django_db
