@@ -38,6 +38,8 @@ from django.db import DatabaseError, OperationalError, transaction
 from django_fairqueue import conf, cron, store
 from django_fairqueue.cron import ScheduleSpec, slots_after, validate_cron, validate_timezone
 from django_fairqueue.exceptions import ChannelFull, InvalidSchedule, UnknownTask
+from django_fairqueue.limits import CHANNEL_NAME_MAX_LENGTH
+from django_fairqueue.queues import row_name, split_row_name
 from django_fairqueue.taskspec import TaskSpec, registry
 
 logger = logging.getLogger("django_fairqueue.schedules")
@@ -167,6 +169,15 @@ def sync(specs: Sequence[ScheduleSpec] | None = None) -> SyncResult:
         if channel is None and task.channel_from is not None:
             channel = task.channel_from(*spec.args, **spec.kwargs)
         channel = validate_channel_name(channel or task.channel or cfg.DEFAULT_CHANNEL)
+        # The channel's row in the task's queue, which its messages go to (and where the
+        # schedule is listed): "acme" of a task of queue "reports" is the row "reports\x1facme".
+        channel = row_name(task.queue, channel)
+        if len(channel) > CHANNEL_NAME_MAX_LENGTH:
+            raise InvalidSchedule(
+                f"{where}: channel {split_row_name(channel)[1]!r} is too long for queue "
+                f"{task.queue!r}: queue and channel names together take {len(channel)} of the "
+                f"{CHANNEL_NAME_MAX_LENGTH} characters a channel row's name may have"
+            )
         try:
             encode_payload(task.name, spec.args, spec.kwargs, cfg.MAX_PAYLOAD_BYTES)
         except (ValueError, TypeError) as exc:  # PayloadError is a TypeError

@@ -349,6 +349,9 @@ def test_a_schedule_fires_into_its_tasks_queue_or_its_channels() -> None:
         return ScheduleSpec.build(name, {"task": task, "cron": "* * * * *", **more}, name)
 
     schedules.sync([spec("r", "tests.fair.report", channel="acme")])
+    # a code schedule of a task of queue "reports" is on that queue's channel row
+    assert Schedule.objects.get(name="r").channel.name == row_name("reports", "acme")
+    assert not Channel.objects.filter(name="acme").exists()
     # an operator's schedule on the channel row of queue "exports"
     exports = Channel.objects.create(name=row_name("exports", "acme"))
     Schedule.objects.create(
@@ -461,3 +464,45 @@ def test_the_running_message_is_importable_from_the_package() -> None:
 
     assert current_message is in_context and "current_message" in django_fairqueue.__all__
     assert current_message.get() is None  # outside a worker
+
+
+@pytest.mark.django_db
+def test_schedules_are_listed_and_selected_by_channel_and_queue() -> None:
+    import io
+    import json
+
+    from django_fairqueue import schedules
+    from django_fairqueue.schedules import ScheduleSpec
+
+    def spec(name: str, task: str, **more: Any) -> ScheduleSpec:
+        return ScheduleSpec.build(name, {"task": task, "cron": "0 3 * * *", **more}, name)
+
+    schedules.sync(
+        [
+            spec("r", "tests.fair.report", channel="acme"),
+            spec("p", "tests.fair.record", channel="acme"),
+        ]
+    )
+
+    def listed(*argv: str) -> list[dict[str, Any]]:
+        out = io.StringIO()
+        call_command("fairqueue", "schedules", "--json", *argv, stdout=out)
+        return [
+            {k: row[k] for k in ("name", "channel", "queue")} for row in json.loads(out.getvalue())
+        ]
+
+    assert listed() == [
+        {"name": "p", "channel": "acme", "queue": "default"},
+        {"name": "r", "channel": "acme", "queue": "reports"},
+    ]
+    assert listed("--channel", "acme") == [{"name": "p", "channel": "acme", "queue": "default"}]
+    assert [r["name"] for r in listed("--channel", "acme", "--queue", "reports")] == ["r"]
+    assert [r["name"] for r in listed("--queue", "reports")] == ["r"]
+    out = io.StringIO()
+    call_command("fairqueue", "schedules", stdout=out)
+    text = out.getvalue()
+    assert "\\x1f" not in text
+    lines = {tuple(line.split()[:3]) for line in text.splitlines()}
+    assert ("acme", "reports", "r") in lines and ("acme", "default", "p") in lines
+    with pytest.raises(CommandError, match="queue name"):
+        call_command("fairqueue", "schedules", "--queue", "a b")
