@@ -49,7 +49,7 @@ from django.views.decorators.http import require_POST
 
 from django_fairqueue import adminlist, batches, conf, overview, registry, stats, store, waiting
 from django_fairqueue.api import validate_channel_name, validate_group_name
-from django_fairqueue.exceptions import InvalidChannel
+from django_fairqueue.exceptions import InvalidChannel, InvalidQueue
 from django_fairqueue.models import (
     BatchState,
     Channel,
@@ -59,6 +59,7 @@ from django_fairqueue.models import (
     WorkBatch,
     WorkerRecord,
 )
+from django_fairqueue.queues import validate_queue_name
 from django_fairqueue.schedule_admin import ScheduleAdmin, ScheduleInline
 
 __all__ = [
@@ -976,10 +977,17 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
         sort = request.GET.get("sort", "backlog")
         if sort not in overview.SORTS:
             sort = "backlog"
+        queue = request.GET.get("queue") or None
+        if queue is not None:
+            try:
+                validate_queue_name(queue)
+            except InvalidQueue:
+                queue = None  # as a bad sort: the default view (every queue)
         return {
             "sort": sort,
             "limit": _int_param(request, "limit", 20, 1, DASHBOARD_MAX_TENANTS),
             "window": _int_param(request, "window", 5, 1, 60),
+            "queue": queue,
         }
 
     def dashboard_view(self, request: HttpRequest) -> TemplateResponse:
@@ -993,6 +1001,7 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
             "data": overview.dashboard(**params),
             "params": params,
             "sorts": overview.SORTS,
+            "queues": adminlist.QueueFilter.known_queues(params["queue"]),
             "data_url": reverse(f"{self.admin_site.name}:fairqueue_channel_dashboard_data"),
             "refresh_seconds": _int_param(request, "refresh", 5, 1, 300),
         }

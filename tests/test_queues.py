@@ -506,3 +506,24 @@ def test_schedules_are_listed_and_selected_by_channel_and_queue() -> None:
     assert ("acme", "reports", "r") in lines and ("acme", "default", "p") in lines
     with pytest.raises(CommandError, match="queue name"):
         call_command("fairqueue", "schedules", "--queue", "a b")
+
+
+@pytest.mark.django_db
+def test_the_dashboard_names_channels_within_their_queue_and_filters_by_queue(
+    admin_client: Any,
+) -> None:
+    f.enqueue("acme", 2)
+    f.enqueue_in_queue("reports", "acme", 3)
+    url = "/admin/fairqueue/channel/dashboard/data/"
+    data = admin_client.get(url).json()
+    assert "\x1f" not in str(data)
+    assert sorted((t["name"], t["queue"], t["ready"]) for t in data["tenants"]) == [
+        ("acme", "default", 2),
+        ("acme", "reports", 3),
+    ]
+    data = admin_client.get(url + "?queue=reports").json()
+    assert [(t["name"], t["queue"]) for t in data["tenants"]] == [("acme", "reports")]
+    assert (data["queue"], data["totals"]["ready"], data["totals"]["channels"]) == ("reports", 3, 1)
+    assert len(admin_client.get(url + "?queue=a%20b").json()["tenants"]) == 2  # ignored
+    page = admin_client.get("/admin/fairqueue/channel/dashboard/?queue=reports").content.decode()
+    assert '<option value="reports" selected>' in page and "\x1f" not in page
