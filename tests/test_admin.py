@@ -42,6 +42,7 @@ from django_fairqueue.models import (
     BatchState,
     Channel,
     ChannelDelta,
+    ChannelGroup,
     ChannelStat,
     Message,
     MessageState,
@@ -390,6 +391,17 @@ def test_adding_a_channel(admin_client: Client) -> None:
     assert counters("fresh").ready == 2
     blank = admin_client.post(add, {"name": "   ", **limits()})
     assert "name" in blank.context["adminform"].form.errors
+    # a control character Python counts as a blank is refused, never stripped away
+    for name in ("\x1fx", "x\x1f", "reports\x1fx", " padded"):
+        refused = admin_client.post(add, {"name": name, **limits()})
+        assert refused.status_code == 200, name
+        assert "name" in refused.context["adminform"].form.errors, name
+    assert not Channel.objects.filter(name__in=["x", "padded"]).exists()
+    assert not Channel.objects.filter(name__contains="\x1f").exists()
+    group_add = reverse("admin:fairqueue_channelgroup_add")
+    refused = admin_client.post(group_add, {"name": "\x1fteam", "weight": 1})
+    assert refused.status_code == 200 and "name" in refused.context["adminform"].form.errors
+    assert not ChannelGroup.objects.filter(name="team").exists()
 
 
 def test_a_new_cap_counts_completions_not_folded_yet(admin_client: Client) -> None:
