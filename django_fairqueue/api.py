@@ -30,7 +30,7 @@ from django_fairqueue.limits import (
     UNIQUE_KEY_MAX_LENGTH,
 )
 from django_fairqueue.models import Message
-from django_fairqueue.queues import DEFAULT_QUEUE, SEPARATOR, validate_queue_name
+from django_fairqueue.queues import DEFAULT_QUEUE, SEPARATOR, split_row_name, validate_queue_name
 from django_fairqueue.signals import message_enqueued
 from django_fairqueue.taskspec import TaskSpec, registry
 
@@ -134,8 +134,9 @@ def enqueue(
         notify_channel=cfg.NOTIFY_CHANNEL if cfg.NOTIFY else None,
     )
     if message_enqueued.has_listeners(Message):
+        queue, channel = split_row_name(message.channel)
         message_enqueued.send(
-            sender=Message, message_ids=[message_id], channels=[_short(message.channel)]
+            sender=Message, message_ids=[message_id], channels=[channel], queues=[queue]
         )
     return message_id
 
@@ -153,8 +154,13 @@ def enqueue_many(requests: Iterable[EnqueueRequest]) -> list[int]:
         notify_channel=cfg.NOTIFY_CHANNEL if cfg.NOTIFY else None,
     )
     if ids and message_enqueued.has_listeners(Message):
-        channels = [_short(c) for c in batch.channels]
-        message_enqueued.send(sender=Message, message_ids=ids, channels=channels)
+        named = [split_row_name(c) for c in batch.channels]
+        message_enqueued.send(
+            sender=Message,
+            message_ids=ids,
+            channels=[channel for _, channel in named],
+            queues=[queue for queue, _ in named],
+        )
     return ids
 
 
@@ -508,11 +514,6 @@ def _queue_row(queue: str, channel: str, group: str | None, groups: set[str]) ->
             )
         groups.add(group_row)
     return row
-
-
-def _short(row: str) -> str:
-    """A channel row's name without its queue (the name enqueue was given)."""
-    return row.partition(SEPARATOR)[2] or row
 
 
 def validate_group_name(name: Any) -> str:

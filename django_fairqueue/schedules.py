@@ -39,7 +39,7 @@ from django_fairqueue import conf, cron, store
 from django_fairqueue.cron import ScheduleSpec, slots_after, validate_cron, validate_timezone
 from django_fairqueue.exceptions import ChannelFull, InvalidSchedule, UnknownTask
 from django_fairqueue.limits import CHANNEL_NAME_MAX_LENGTH
-from django_fairqueue.queues import row_name, split_row_name
+from django_fairqueue.queues import display_name, row_name, split_row_name
 from django_fairqueue.taskspec import TaskSpec, registry
 
 logger = logging.getLogger("django_fairqueue.schedules")
@@ -324,7 +324,7 @@ class Firer:
                     "schedule %r of channel %r names task %r, which this worker does not know; "
                     "it fires on workers that do",
                     schedule.name,
-                    schedule.channel,
+                    display_name(schedule.channel),
                     schedule.task_name,
                     extra={"schedule": schedule.name, "task": schedule.task_name},
                 )
@@ -337,7 +337,7 @@ class Firer:
                 logging.WARNING,
                 "schedule %r of channel %r missed slots since %s; %s: firing %d",
                 schedule.name,
-                schedule.channel,
+                display_name(schedule.channel),
                 schedule.next_fire_at,
                 schedule.missed,
                 len(step.slots),
@@ -404,7 +404,7 @@ class Firer:
                 logging.WARNING,
                 "schedule %r: channel %r is full; its slot %s fires when there is room",
                 schedule.name,
-                schedule.channel,
+                display_name(schedule.channel),
                 step.slots[-1] if step.slots else "-",
             )
             return 0
@@ -415,7 +415,7 @@ class Firer:
                 logging.ERROR,
                 "schedule %r of channel %r could not fire: %s",
                 schedule.name,
-                schedule.channel,
+                display_name(schedule.channel),
                 exc,
             )
             return 0

@@ -1209,6 +1209,7 @@ def test_message_enqueued_signal() -> None:
             "signal": message_enqueued,
             "message_ids": ids,
             "channels": ["one", "two", "one"],
+            "queues": ["default", "default", "default"],
         }
     ]
     enqueue("three", 1)

@@ -527,3 +527,51 @@ def test_the_dashboard_names_channels_within_their_queue_and_filters_by_queue(
     assert len(admin_client.get(url + "?queue=a%20b").json()["tenants"]) == 2  # ignored
     page = admin_client.get("/admin/fairqueue/channel/dashboard/?queue=reports").content.decode()
     assert '<option value="reports" selected>' in page and "\x1f" not in page
+
+
+@pytest.mark.django_db
+def test_verify_and_the_enqueue_signal_name_channels_within_their_queue(caplog: Any) -> None:
+    import io
+
+    from django_fairqueue.maintenance import CounterVerifier
+    from django_fairqueue.signals import message_enqueued
+
+    got: list[dict[str, Any]] = []
+
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        got.append(kwargs)
+
+    message_enqueued.connect(receiver)
+    try:
+        f.enqueue_in_queue("reports", "acme", 2)
+        enqueue(fairtasks.report, title="t", channel="bolt")
+    finally:
+        message_enqueued.disconnect(receiver)
+    assert [(g["channels"], g["queues"]) for g in got] == [
+        (["acme", "acme"], ["reports", "reports"]),
+        (["bolt"], ["reports"]),
+    ]
+    f.fold_all()
+    with connection.cursor() as cur:
+        cur.execute(
+            "UPDATE fairqueue_channel SET ready_count = 0 WHERE name = %s",
+            [row_name("reports", "acme")],
+        )
+    out = io.StringIO()
+    with pytest.raises(CommandError, match="disagree"):
+        call_command("fairqueue", "verify", stdout=out)
+    assert "channel 'acme [reports]': ready recorded 0, counted 2" in out.getvalue()
+    assert CounterVerifier().run_once() == 1
+    assert "channel 'acme [reports]' ready recorded 0, counted 2" in caplog.text
+    assert "\\x1f" not in out.getvalue() + caplog.text
+
+
+@pytest.mark.django_db
+def test_the_testing_helper_lists_a_channel_of_a_queue() -> None:
+    from django_fairqueue.testing import enqueued
+
+    plain = f.enqueue("acme", 1)
+    reports = f.enqueue_in_queue("reports", "acme", 2)
+    assert [m.id for m in enqueued(channel="acme")] == plain
+    assert [m.id for m in enqueued(channel="acme", queue="reports")] == reports
+    assert [m.id for m in enqueued(queue="reports")] == reports
