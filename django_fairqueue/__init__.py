@@ -3,7 +3,7 @@
 The public API is small::
 
     from django_fairqueue import task, enqueue, enqueue_many, EnqueueRequest
-    from django_fairqueue import cancel, abort, abort_requested
+    from django_fairqueue import cancel, abort, abort_requested, current_message
 
 Everything else is internal and may change.
 """
@@ -33,6 +33,7 @@ __all__ = [
     "abort",
     "abort_requested",
     "cancel",
+    "current_message",
     "enqueue",
     "enqueue_many",
     "periodic",
@@ -40,7 +41,7 @@ __all__ = [
     "task",
 ]
 
-from django_fairqueue.context import abort_requested, raise_if_abort_requested
+from django_fairqueue.context import abort_requested, current_message, raise_if_abort_requested
 from django_fairqueue.exceptions import (
     ChannelFull,
     DuplicateJob,

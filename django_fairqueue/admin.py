@@ -49,7 +49,7 @@ from django.views.decorators.http import require_POST
 
 from django_fairqueue import adminlist, batches, conf, overview, registry, stats, store, waiting
 from django_fairqueue.api import validate_channel_name, validate_group_name
-from django_fairqueue.exceptions import InvalidChannel
+from django_fairqueue.exceptions import InvalidChannel, InvalidQueue
 from django_fairqueue.models import (
     BatchState,
     Channel,
@@ -59,6 +59,7 @@ from django_fairqueue.models import (
     WorkBatch,
     WorkerRecord,
 )
+from django_fairqueue.queues import validate_queue_name
 from django_fairqueue.schedule_admin import ScheduleAdmin, ScheduleInline
 
 __all__ = [
@@ -104,6 +105,15 @@ def _log_changes(request: HttpRequest, objects: Sequence[Any], message: str) -> 
         )
 
 
+def _as_typed(form: forms.BaseForm, field: str) -> Any:
+    """A name as submitted, before the form field strips it: Python counts control characters
+    such as U+001F as blanks, so a stripped ``"\x1fx"`` would save channel ``"x"`` instead of
+    refusing a name enqueue refuses. The name checks then say what is wrong."""
+    cleaned = form.cleaned_data[field]
+    raw = form.data.get(form.add_prefix(field))
+    return raw if isinstance(raw, str) else cleaned
+
+
 # ============================================================================================
 # Channel groups
 
@@ -119,7 +129,7 @@ class ChannelGroupForm(_GroupFormBase):
 
     def clean_name(self) -> str:
         try:
-            return validate_group_name(self.cleaned_data["name"])
+            return validate_group_name(_as_typed(self, "name"))
         except InvalidChannel as exc:
             raise ValidationError(str(exc)) from None
 
@@ -343,9 +353,8 @@ class ChannelForm(_ChannelFormBase):
         fields = ["name", *EDITABLE_LIMITS]
 
     def clean_name(self) -> str:
-        name = self.cleaned_data["name"]
         try:
-            return validate_channel_name(name)
+            return validate_channel_name(_as_typed(self, "name"))
         except InvalidChannel as exc:
             raise ValidationError(str(exc)) from None
 
@@ -976,10 +985,17 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
         sort = request.GET.get("sort", "backlog")
         if sort not in overview.SORTS:
             sort = "backlog"
+        queue = request.GET.get("queue") or None
+        if queue is not None:
+            try:
+                validate_queue_name(queue)
+            except InvalidQueue:
+                queue = None  # as a bad sort: the default view (every queue)
         return {
             "sort": sort,
             "limit": _int_param(request, "limit", 20, 1, DASHBOARD_MAX_TENANTS),
             "window": _int_param(request, "window", 5, 1, 60),
+            "queue": queue,
         }
 
     def dashboard_view(self, request: HttpRequest) -> TemplateResponse:
@@ -993,6 +1009,7 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
             "data": overview.dashboard(**params),
             "params": params,
             "sorts": overview.SORTS,
+            "queues": adminlist.QueueFilter.known_queues(params["queue"]),
             "data_url": reverse(f"{self.admin_site.name}:fairqueue_channel_dashboard_data"),
             "refresh_seconds": _int_param(request, "refresh", 5, 1, 300),
         }

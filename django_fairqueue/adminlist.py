@@ -335,13 +335,18 @@ class QueueFilter(admin.SimpleListFilter):
     field = "queue"
 
     def lookups(self, request: HttpRequest | None, model_admin: Any) -> list[tuple[str, str]]:
+        current = self.value() if hasattr(self, "used_parameters") else None
+        return [(n, n) for n in self.known_queues(current)]
+
+    @staticmethod
+    def known_queues(current: str | None = None) -> list[str]:
+        """The default queue, the registered tasks' queues and ``current`` (if any), sorted."""
         if not registry.names():
             registry.autodiscover()
         names = {DEFAULT_QUEUE} | {registry.get(n).queue for n in registry.names()}
-        current = self.value() if hasattr(self, "used_parameters") else None
         if current:
             names.add(current)
-        return [(n, n) for n in sorted(names)]
+        return sorted(names)
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()

@@ -30,7 +30,7 @@ from django_fairqueue.limits import (
     UNIQUE_KEY_MAX_LENGTH,
 )
 from django_fairqueue.models import Message
-from django_fairqueue.queues import DEFAULT_QUEUE, SEPARATOR, validate_queue_name
+from django_fairqueue.queues import DEFAULT_QUEUE, SEPARATOR, split_row_name, validate_queue_name
 from django_fairqueue.signals import message_enqueued
 from django_fairqueue.taskspec import TaskSpec, registry
 
@@ -134,8 +134,9 @@ def enqueue(
         notify_channel=cfg.NOTIFY_CHANNEL if cfg.NOTIFY else None,
     )
     if message_enqueued.has_listeners(Message):
+        queue, channel = split_row_name(message.channel)
         message_enqueued.send(
-            sender=Message, message_ids=[message_id], channels=[_short(message.channel)]
+            sender=Message, message_ids=[message_id], channels=[channel], queues=[queue]
         )
     return message_id
 
@@ -153,8 +154,13 @@ def enqueue_many(requests: Iterable[EnqueueRequest]) -> list[int]:
         notify_channel=cfg.NOTIFY_CHANNEL if cfg.NOTIFY else None,
     )
     if ids and message_enqueued.has_listeners(Message):
-        channels = [_short(c) for c in batch.channels]
-        message_enqueued.send(sender=Message, message_ids=ids, channels=channels)
+        named = [split_row_name(c) for c in batch.channels]
+        message_enqueued.send(
+            sender=Message,
+            message_ids=ids,
+            channels=[channel for _, channel in named],
+            queues=[queue for queue, _ in named],
+        )
     return ids
 
 
@@ -163,25 +169,29 @@ def cancel(
     *,
     channel: str | Model | None = None,
     task: TaskRef | None = None,
-    queue: str = DEFAULT_QUEUE,
+    queue: str | None = None,
 ) -> list[int]:
     """Cancel waiting (ready or scheduled) messages; returns the ids cancelled.
 
-    Give message ``ids``, or a ``channel`` and/or a ``task`` (every waiting message of it).
-    Running messages are left alone (see :func:`abort`), and so is a message a worker is
-    claiming at that very moment: it runs. A cancelled message keeps its row, in state
-    ``cancelled``, until the pruner removes it (``FAIRQUEUE['RESULT_RETENTION']``); its unique
-    key, if it had one, is free at once. ``queue`` says which queue's channel ``channel`` is
-    (default ``"default"``). Part of the caller's transaction.
+    Give message ``ids``, or a ``channel`` and/or a ``task`` (every waiting message of it),
+    and/or a ``queue``. Running messages are left alone (see :func:`abort`), and so is a
+    message a worker is claiming at that very moment: it runs. A cancelled message keeps its
+    row, in state ``cancelled``, until the pruner removes it (``FAIRQUEUE['RESULT_RETENTION']``);
+    its unique key, if it had one, is free at once. Part of the caller's transaction.
+
+    ``queue`` narrows the selection to that queue: ``channel`` is then that queue's channel of
+    that name, and ``task`` alone selects the task's messages in that queue only. Without it,
+    ``channel`` is a channel of the default queue (as channel names given to the API are), and
+    ``task`` alone selects the task's messages in every queue.
     """
     if ids is not None:
-        if channel is not None or task is not None:
-            raise ValueError("cancel() takes ids, or channel and/or task, not both")
+        if channel is not None or task is not None or queue is not None:
+            raise ValueError("cancel() takes ids, or channel, task and/or queue, not both")
         return store.cancel_messages(_ids(ids))
-    channel_id, task_name = _selection(channel, task, "cancel", queue)
+    channel_id, task_name, queue_name = _selection(channel, task, "cancel", queue)
     if channel_id == -1:
         return []
-    return store.cancel_matching_messages(channel_id=channel_id, task=task_name)
+    return store.cancel_matching_messages(channel_id=channel_id, task=task_name, queue=queue_name)
 
 
 def abort(
@@ -189,7 +199,7 @@ def abort(
     *,
     channel: str | Model | None = None,
     task: TaskRef | None = None,
-    queue: str = DEFAULT_QUEUE,
+    queue: str | None = None,
 ) -> dict[int, str]:
     """Stop messages wherever they are; returns ``{id: "cancelled" or "abort_requested"}``.
 
@@ -198,18 +208,19 @@ def abort(
     True, and the attempt ends ``aborted`` when the task returns, or at
     ``FAIRQUEUE['ABORT_GRACE']`` if it does not. An aborted message is not retried. Give
     message ``ids``, or a ``channel`` and/or a ``task`` (its *running* messages; cancel the
-    waiting ones with :func:`cancel`); ``queue`` says which queue's channel ``channel`` is.
-    Part of the caller's transaction.
+    waiting ones with :func:`cancel`), and/or a ``queue``, which narrows the selection as
+    for :func:`cancel` (without it, ``channel`` is a channel of the default queue and ``task``
+    alone selects in every queue). Part of the caller's transaction.
     """
     if ids is not None:
-        if channel is not None or task is not None:
-            raise ValueError("abort() takes ids, or channel and/or task, not both")
+        if channel is not None or task is not None or queue is not None:
+            raise ValueError("abort() takes ids, or channel, task and/or queue, not both")
         return store.abort_messages(_ids(ids))
-    channel_id, task_name = _selection(channel, task, "abort", queue)
+    channel_id, task_name, queue_name = _selection(channel, task, "abort", queue)
     if channel_id == -1:
         return {}
     return store.abort_messages(
-        store.select_running_message_ids(channel_id=channel_id, task=task_name)
+        store.select_running_message_ids(channel_id=channel_id, task=task_name, queue=queue_name)
     )
 
 
@@ -218,22 +229,25 @@ def _ids(ids: Iterable[int]) -> list[int]:
 
 
 def _selection(
-    channel: str | Model | None, task: TaskRef | None, verb: str, queue: str = DEFAULT_QUEUE
-) -> tuple[int | None, str | None]:
-    """(channel id, task name) of a selection by channel and/or task; channel id -1 when the
-    channel does not exist (nothing to select)."""
-    if channel is None and task is None:
-        raise ValueError(f"{verb}() needs ids, a channel or a task")
+    channel: str | Model | None, task: TaskRef | None, verb: str, queue: str | None
+) -> tuple[int | None, str | None, str | None]:
+    """(channel id, task name, queue) of a selection by channel, task and/or queue; channel id
+    -1 when the channel does not exist (nothing to select). The queue is returned only when it
+    filters on its own (no channel: a channel row is in one queue already)."""
+    if channel is None and task is None and queue is None:
+        raise ValueError(f"{verb}() needs ids, a channel, a task or a queue")
+    if queue is not None:
+        validate_queue_name(queue)
     channel_id: int | None = None
     if channel is not None:
         name = validate_channel_name(channel)
-        if validate_queue_name(queue) != DEFAULT_QUEUE:
+        if queue is not None and queue != DEFAULT_QUEUE:
             name = f"{queue}{SEPARATOR}{name}"
         channel_id = store.select_channel_ids([name]).get(name, -1)
     task_name: str | None = None
     if task is not None:
         task_name = task if isinstance(task, str) else resolve_task(task).name
-    return channel_id, task_name
+    return channel_id, task_name, (queue if channel is None else None)
 
 
 def resolve_task(task: TaskRef) -> TaskSpec:
@@ -500,11 +514,6 @@ def _queue_row(queue: str, channel: str, group: str | None, groups: set[str]) ->
             )
         groups.add(group_row)
     return row
-
-
-def _short(row: str) -> str:
-    """A channel row's name without its queue (the name enqueue was given)."""
-    return row.partition(SEPARATOR)[2] or row
 
 
 def validate_group_name(name: Any) -> str:

@@ -470,7 +470,8 @@ class FairQueueBackend(BaseTaskBackend):
                 runner.task,
                 backend=self.alias,
                 priority=row.priority,
-                channel=row.channel.name,
+                channel=row.channel.short_name,
+                queue_name=row.channel.queue,
                 run_after=run_after if state in ("scheduled", "ready") else None,
             ),
             id=str(row.pk),
@@ -612,6 +613,7 @@ def _result_from_message(
             backend=task.backend,
             priority=message.priority,
             channel=message.channel,
+            queue_name=message.queue,
             run_after=None,
         ),
         id=str(message.id),
@@ -627,13 +629,22 @@ def _result_from_message(
 
 
 def _bound_task(
-    task: Task[P, R], *, backend: str, priority: int, channel: str, run_after: datetime | None
+    task: Task[P, R],
+    *,
+    backend: str,
+    priority: int,
+    channel: str,
+    queue_name: str,
+    run_after: datetime | None,
 ) -> Task[P, R]:
-    """``task`` as a message ran it: its backend, priority, run_after and (when it has the
-    field) channel. One copy at most, since every copy is validated again."""
+    """``task`` as a message ran it: its backend, priority, run_after, queue (the queue the
+    message was in, whatever the task declares) and (when it has the field) channel, the name
+    within that queue. One copy at most, since every copy is validated again."""
     changes: dict[str, Any] = {}
     if task.backend != backend:
         changes["backend"] = backend
+    if task.queue_name != queue_name:
+        changes["queue_name"] = queue_name
     if task.priority != priority:
         changes["priority"] = priority
     if task.run_after != run_after:

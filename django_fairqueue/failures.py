@@ -24,6 +24,7 @@ from django.db.models import QuerySet
 
 from django_fairqueue import bounds, conf, store
 from django_fairqueue.models import Channel, Message, MessageState
+from django_fairqueue.queues import row_name, split_row_name, validate_queue_name
 
 __all__ = [
     "FailedMessage",
@@ -40,10 +41,11 @@ BATCH_SIZE = 1000
 
 @dataclass(frozen=True, slots=True)
 class FailedMessage:
-    """One dead letter, as listed."""
+    """One dead letter, as listed: ``channel`` is the channel's name within its ``queue``."""
 
     id: int
     channel: str
+    queue: str
     task: str
     attempts: int
     max_attempts: int
@@ -56,6 +58,7 @@ class FailedMessage:
         return {
             "id": self.id,
             "channel": self.channel,
+            "queue": self.queue,
             "task": self.task,
             "attempts": self.attempts,
             "max_attempts": self.max_attempts,
@@ -70,14 +73,19 @@ def list_failed(
     task: str | None = None,
     limit: int = 100,
     after_id: int = 0,
+    *,
+    queue: str | None = None,
 ) -> list[FailedMessage]:
-    """Failed messages, oldest id first, optionally of one channel and/or task name.
+    """Failed messages, oldest id first, optionally of one channel, task name and/or queue.
 
-    Pages by id: pass the last id you got as ``after_id`` for the next page.
+    ``queue`` narrows the selection to that queue: ``channel`` is then that queue's channel of
+    that name. Without it, ``channel`` is a channel of the default queue, and a selection
+    without a channel covers every queue. Pages by id: pass the last id you got as
+    ``after_id`` for the next page.
     """
     bounds.limit(limit)
     bounds.integer(after_id, "after_id", minimum=0, maximum=bounds.MAX_ID)
-    rows = _failed(channel, task, after_id).values_list(
+    rows = _failed(channel, task, queue, after_id).values_list(
         "id",
         "channel__name",
         "task_name",
@@ -89,7 +97,8 @@ def list_failed(
     return [
         FailedMessage(
             id=pk,
-            channel=channel_name,
+            channel=split_row_name(channel_name)[1],
+            queue=split_row_name(channel_name)[0],
             task=task_name,
             attempts=attempts,
             max_attempts=max_attempts,
@@ -110,9 +119,12 @@ def retry(ids: Iterable[int]) -> list[int]:
     return _in_batches(ids, store.retry_failed_messages)
 
 
-def retry_all(channel: str | None = None, task: str | None = None) -> int:
-    """Retry every failed message (of a channel and/or task name); returns how many."""
-    return _each_page(channel, task, store.retry_failed_messages)
+def retry_all(
+    channel: str | None = None, task: str | None = None, *, queue: str | None = None
+) -> int:
+    """Retry every failed message (of a channel, task name and/or queue, selected as by
+    :func:`list_failed`); returns how many."""
+    return _each_page(channel, task, queue, store.retry_failed_messages)
 
 
 def delete(ids: Iterable[int]) -> list[int]:
@@ -120,41 +132,54 @@ def delete(ids: Iterable[int]) -> list[int]:
     return _in_batches(ids, store.delete_failed_messages)
 
 
-def delete_all(channel: str | None = None, task: str | None = None) -> int:
-    """Delete every failed message (of a channel and/or task name); returns how many."""
-    return _each_page(channel, task, store.delete_failed_messages)
+def delete_all(
+    channel: str | None = None, task: str | None = None, *, queue: str | None = None
+) -> int:
+    """Delete every failed message (of a channel, task name and/or queue, selected as by
+    :func:`list_failed`); returns how many."""
+    return _each_page(channel, task, queue, store.delete_failed_messages)
 
 
 # ---------------------------------------------------------------------------------------------
 
 
-def _failed(channel: str | None, task: str | None, after_id: int = 0) -> QuerySet[Message]:
+def _failed(
+    channel: str | None, task: str | None, queue: str | None, after_id: int = 0
+) -> QuerySet[Message]:
     """The one filter behind listing and the bulk actions, so ``retry_all(channel, task)`` acts
     on exactly what ``list_failed(channel, task)`` shows. With a channel it reads the partial
     index fq_message_failed_idx (channel, id)."""
     database = conf.get().DATABASE
     qs = Message.objects.using(database).filter(state=MessageState.FAILED, id__gt=after_id)
+    if queue is not None:
+        validate_queue_name(queue)
     if channel is not None:
+        name = channel if queue is None else row_name(queue, channel)
         channel_id = (
-            Channel.objects.using(database).filter(name=channel).values_list("id", flat=True)
+            Channel.objects.using(database).filter(name=name).values_list("id", flat=True)
         ).first()
         if channel_id is None:
             return qs.none()
         qs = qs.filter(channel_id=channel_id)
+    elif queue is not None:
+        qs = qs.filter(channel__queue=queue)
     if task is not None:
         qs = qs.filter(task_name=task)
     return qs.order_by("id")
 
 
 def _each_page(
-    channel: str | None, task: str | None, action: Callable[[Sequence[int]], list[int]]
+    channel: str | None,
+    task: str | None,
+    queue: str | None,
+    action: Callable[[Sequence[int]], list[int]],
 ) -> int:
     # An id cursor, not OFFSET: acted-on rows leave the failed state, and a message that fails
     # again meanwhile keeps its (lower) id, so each message is acted on at most once per call.
     done = 0
     after = 0
     while True:
-        ids = list(_failed(channel, task, after).values_list("id", flat=True)[:BATCH_SIZE])
+        ids = list(_failed(channel, task, queue, after).values_list("id", flat=True)[:BATCH_SIZE])
         if not ids:
             return done
         done += len(action(ids))

@@ -31,6 +31,8 @@ from django.db import DEFAULT_DB_ALIAS, router, transaction
 from django.db.models import Model, QuerySet
 from django.db.models.signals import post_save, pre_delete
 
+from django_fairqueue.queues import display_name
+
 logger = logging.getLogger("django_fairqueue.integrity")
 
 _pending = threading.local()
@@ -105,7 +107,7 @@ def _flush(using: str) -> None:
     for d in drift:
         logger.info(
             "recounted channel %r after a write through the ORM: %s was %s, is %s",
-            d.channel,
+            display_name(d.channel),
             d.counter,
             d.recorded,
             d.actual,

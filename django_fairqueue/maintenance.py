@@ -49,6 +49,7 @@ from django_fairqueue._runtime import (
     after_database_error,
     drop_broken_connection,
 )
+from django_fairqueue.queues import display_name, split_row_name
 
 logger = logging.getLogger("django_fairqueue.maintenance")
 
@@ -285,11 +286,15 @@ def verify(*, repair: bool, log: logging.Logger | None = None) -> list[store.Cou
                 "counter drift%s: %s %r %s recorded %s, counted %s",
                 " repaired" if repair else "",
                 d.kind,
-                d.channel,
+                display_name(d.channel),
                 d.counter,
                 d.recorded,
                 d.actual,
-                extra={"channel": d.channel, "counter": d.counter},
+                extra={
+                    "channel": split_row_name(d.channel)[1],
+                    "queue": split_row_name(d.channel)[0],
+                    "counter": d.counter,
+                },
             )
     return drift
 

@@ -7,8 +7,10 @@ Two sources, one registry (:data:`REGISTRY`):
   ``fairqueue_channel_scheduled``, ``fairqueue_channel_running``, ``fairqueue_channel_failed``
   (gauges; ``failed`` is the dead letters kept now), ``fairqueue_channel_max_concurrency``
   (channels with a cap) and ``fairqueue_channel_succeeded_total`` (messages processed
-  successfully since the channel was created; a counter), each labelled ``channel``. Any
-  process can serve these, e.g. the web process through :func:`metrics_view`.
+  successfully since the channel was created; a counter), each labelled ``channel`` (the name
+  within its queue, as enqueue takes it) and ``queue``, so the channel ``acme`` of two queues
+  makes two series. Any process can serve these, e.g. the web process through
+  :func:`metrics_view`.
 * **Claim latency, per worker process**: the histogram ``fairqueue_claim_duration_seconds``,
   fed by the worker calling :func:`observe_claim` after each claim. It lives in the memory of
   the process that observes it, so scrape each worker (:func:`start_http_server` starts
@@ -46,7 +48,8 @@ except ImportError as exc:  # tests/test_admin.py hides the package to check thi
     ) from exc
 
 from django_fairqueue import overview, registry, stats, store
-from django_fairqueue.models import Channel, display_name
+from django_fairqueue.models import Channel
+from django_fairqueue.queues import split_row_name
 
 __all__ = [
     "CLAIM_LATENCY",
@@ -63,7 +66,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: The setting holding the bearer token that grants access to :func:`metrics_view`.
 TOKEN_SETTING = "FAIRQUEUE_METRICS_TOKEN"
 #: The setting bounding the per-channel series of the age and wait metrics: the channels whose
-#: oldest ready message waits longest (plus an aggregate over all, ``channel="(all)"``).
+#: oldest ready message waits longest (plus an aggregate over all, ``channel="(all)"`` and
+#: ``queue="(all)"``; no queue can be named so).
 TOP_SETTING = "FAIRQUEUE_METRICS_TOP_CHANNELS"
 TOP_DEFAULT = 20
 #: The window of the wait, retry and failure figures (the per-minute statistics).
@@ -78,39 +82,43 @@ class QueueCollector(Collector):
         counts = overview.all_counts()
         families = {
             "ready": GaugeMetricFamily(
-                "fairqueue_channel_ready", "Messages ready to be claimed.", labels=["channel"]
+                "fairqueue_channel_ready",
+                "Messages ready to be claimed.",
+                labels=["channel", "queue"],
             ),
             "scheduled": GaugeMetricFamily(
                 "fairqueue_channel_scheduled",
                 "Messages waiting for their run_at (delayed, or a retry's backoff).",
-                labels=["channel"],
+                labels=["channel", "queue"],
             ),
             "running": GaugeMetricFamily(
-                "fairqueue_channel_running", "Messages claimed and running.", labels=["channel"]
+                "fairqueue_channel_running",
+                "Messages claimed and running.",
+                labels=["channel", "queue"],
             ),
             "failed": GaugeMetricFamily(
                 "fairqueue_channel_failed",
                 "Failed messages (dead letters) kept now.",
-                labels=["channel"],
+                labels=["channel", "queue"],
             ),
         }
         cap = GaugeMetricFamily(
             "fairqueue_channel_max_concurrency",
             "The channel's concurrency cap (channels without one are absent).",
-            labels=["channel"],
+            labels=["channel", "queue"],
         )
         succeeded = CounterMetricFamily(
             "fairqueue_channel_succeeded",
             "Messages that succeeded since the channel was created.",
-            labels=["channel"],
+            labels=["channel", "queue"],
         )
         for c in sorted(counts.values(), key=lambda c: c.name):
-            name = display_name(c.name)  # "acme", or "acme [reports]" outside the default queue
+            labels = _labels(c.name)
             for attr, family in families.items():
-                family.add_metric([name], getattr(c, attr))
+                family.add_metric(labels, getattr(c, attr))
             if c.max_concurrency is not None:
-                cap.add_metric([name], c.max_concurrency)
-            succeeded.add_metric([name], c.succeeded)
+                cap.add_metric(labels, c.max_concurrency)
+            succeeded.add_metric(labels, c.succeeded)
         yield from families.values()
         yield cap
         yield succeeded
@@ -142,29 +150,29 @@ class QueueCollector(Collector):
             "fairqueue_oldest_ready_age_seconds",
             f"How long the longest-waiting ready message has waited: the {top} channels "
             f"waiting longest, and the longest of all as channel={ALL!r}.",
-            labels=["channel"],
+            labels=["channel", "queue"],
         )
         for cid, ready_since in oldest:
-            age.add_metric(
-                [display_name(counts[cid].name)], max((now - ready_since).total_seconds(), 0.0)
-            )
-        age.add_metric([ALL], max((now - oldest[0][1]).total_seconds(), 0.0) if oldest else 0.0)
+            age.add_metric(_labels(counts[cid].name), max((now - ready_since).total_seconds(), 0.0))
+        age.add_metric(
+            [ALL, ALL], max((now - oldest[0][1]).total_seconds(), 0.0) if oldest else 0.0
+        )
         yield age
         wait = GaugeMetricFamily(
             "fairqueue_wait_seconds",
             f"Wait from ready to claimed over the last {WINDOW_MINUTES} minutes (p50, p95), for "
             f"the same channels and over all.",
-            labels=["channel", "quantile"],
+            labels=["channel", "queue", "quantile"],
         )
         per_channel = stats.wait_by_channel(WINDOW_MINUTES, [cid for cid, _ in oldest])
         overall = stats.wait_summary(WINDOW_MINUTES)
-        for name, summary in [
-            *((display_name(counts[cid].name), s) for cid, s in per_channel.items()),
-            (ALL, overall),
+        for labels, summary in [
+            *((_labels(counts[cid].name), s) for cid, s in per_channel.items()),
+            ([ALL, ALL], overall),
         ]:
             for quantile, value in (("0.5", summary.p50_ms), ("0.95", summary.p95_ms)):
                 if value is not None:
-                    wait.add_metric([name, quantile], value / 1000)
+                    wait.add_metric([*labels, quantile], value / 1000)
         yield wait
         window = stats.outcome_totals(WINDOW_MINUTES)
         for key, text in (
@@ -205,6 +213,13 @@ class QueueCollector(Collector):
         )
         aborting.add_metric([], store.select_abort_pending_count())
         yield aborting
+
+
+def _labels(row_name: str) -> list[str]:
+    """The ``channel`` and ``queue`` label values of a channel row: the channel's name within
+    its queue (as enqueue takes it), and the queue."""
+    queue, name = split_row_name(row_name)
+    return [name, queue]
 
 
 #: The queue as the database sees it (served by :func:`metrics_view`, from any process).

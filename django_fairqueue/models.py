@@ -46,7 +46,7 @@ from django_fairqueue.limits import (
     UNIQUE_KEY_MAX_LENGTH,
     priority_error,
 )
-from django_fairqueue.queues import DEFAULT_QUEUE, split_row_name
+from django_fairqueue.queues import DEFAULT_QUEUE, display_name, split_row_name
 
 
 class MessageState(models.TextChoices):
@@ -165,13 +165,6 @@ class ChannelGroup(models.Model):
     def short_name(self) -> str:
         """The group's name within its queue (the row's name without its queue)."""
         return split_row_name(self.name)[1]
-
-
-def display_name(row_name: str) -> str:
-    """A channel or group row's name as people read it: ``acme`` (default queue), or
-    ``acme [reports]``."""
-    queue, name = split_row_name(row_name)
-    return name if queue == DEFAULT_QUEUE else f"{name} [{queue}]"
 
 
 def _check_limits(obj: Channel | ChannelGroup, where: str) -> None:

@@ -41,6 +41,7 @@ from django.utils import timezone
 
 from django_fairqueue import conf, stats, store
 from django_fairqueue.models import Channel, ChannelDelta
+from django_fairqueue.queues import split_row_name
 
 __all__ = [
     "SORTS",
@@ -374,8 +375,13 @@ def dashboard(
     window: int = 5,
     series_minutes: int = 30,
     now: datetime | None = None,
+    queue: str | None = None,
 ) -> dict[str, Any]:
     """Everything the admin dashboard shows, JSON-ready.
+
+    Each channel (``tenants``, ``failing``) has its ``name`` within its ``queue``, as enqueue
+    takes it. With ``queue``, the channels, totals, served share and fairness are that
+    queue's; ``series`` and the overall ``wait`` are every queue's.
 
     ``tenants`` are the first ``limit`` channels in order ``sort``, each with its row, what it
     was served in the last ``window`` minutes (count and share) and its wait p50/p95 there;
@@ -387,8 +393,12 @@ def dashboard(
     """
     now = now or timezone.now()
     counts = all_counts()
+    if queue is not None:
+        counts = {k: c for k, c in counts.items() if split_row_name(c.name)[0] == queue}
     ids = ranked_ids(sort, limit, counts=counts)
     recent = stats.window_stats(FINISHED_MINUTES, now=now)
+    if queue is not None:
+        recent = {k: w for k, w in recent.items() if k in counts}
     failures = stats.failing_of(recent)
     none = stats.Failing()
     retrying = store.select_channel_retrying(
@@ -397,7 +407,8 @@ def dashboard(
     failing = [
         {
             "id": cid,
-            "name": counts[cid].name,
+            "name": split_row_name(counts[cid].name)[1],
+            "queue": split_row_name(counts[cid].name)[0],
             "paused": counts[cid].paused,
             f"failures_last_{FINISHED_MINUTES}m": failures.get(cid, none).failures,
             f"timeouts_last_{FINISHED_MINUTES}m": failures.get(cid, none).timeouts,
@@ -407,6 +418,8 @@ def dashboard(
         for cid in failing_ids(counts, failures, retrying, limit)
     ]
     in_window = recent if window == FINISHED_MINUTES else stats.window_stats(window, now=now)
+    if queue is not None:
+        in_window = {k: w for k, w in in_window.items() if k in counts}
     served = stats.served_of(in_window)
     backlogged = {c.id: c.weight for c in counts.values() if c.ready > 0 and not c.paused}
     fair = stats.fairness(backlogged, window, served=served, now=now)
@@ -415,6 +428,7 @@ def dashboard(
     tenants = []
     for row in rows(ids, now=now):
         item = row.as_dict(now)
+        item["queue"], item["name"] = split_row_name(row.name)
         item["served"] = served.get(row.id, 0)
         item["served_share"] = (
             round(served.get(row.id, 0) / total_served, 4) if total_served else 0.0
@@ -426,6 +440,7 @@ def dashboard(
         "generated_at": now.isoformat(),
         "window_minutes": window,
         "sort": sort,
+        "queue": queue,
         "totals": {
             **totals(counts),
             "retrying": sum(retrying.values()),

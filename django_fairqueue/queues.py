@@ -63,6 +63,13 @@ def row_name(queue: str, name: str) -> str:
     return name if queue == DEFAULT_QUEUE else f"{queue}{SEPARATOR}{name}"
 
 
+def display_name(row: str) -> str:
+    """A channel or group row's name as people read it in text: ``acme`` (default queue), or
+    ``acme [reports]`` (tables and JSON give the name and the queue apart instead)."""
+    queue, name = split_row_name(row)
+    return name if queue == DEFAULT_QUEUE else f"{name} [{queue}]"
+
+
 def split_row_name(row: str) -> tuple[str, str]:
     """``(queue, name)`` of a channel or group row's name (the inverse of :func:`row_name`)."""
     queue, sep, name = row.partition(SEPARATOR)

@@ -38,6 +38,8 @@ from django.db import DatabaseError, OperationalError, transaction
 from django_fairqueue import conf, cron, store
 from django_fairqueue.cron import ScheduleSpec, slots_after, validate_cron, validate_timezone
 from django_fairqueue.exceptions import ChannelFull, InvalidSchedule, UnknownTask
+from django_fairqueue.limits import CHANNEL_NAME_MAX_LENGTH
+from django_fairqueue.queues import display_name, row_name, split_row_name
 from django_fairqueue.taskspec import TaskSpec, registry
 
 logger = logging.getLogger("django_fairqueue.schedules")
@@ -167,6 +169,15 @@ def sync(specs: Sequence[ScheduleSpec] | None = None) -> SyncResult:
         if channel is None and task.channel_from is not None:
             channel = task.channel_from(*spec.args, **spec.kwargs)
         channel = validate_channel_name(channel or task.channel or cfg.DEFAULT_CHANNEL)
+        # The channel's row in the task's queue, which its messages go to (and where the
+        # schedule is listed): "acme" of a task of queue "reports" is the row "reports\x1facme".
+        channel = row_name(task.queue, channel)
+        if len(channel) > CHANNEL_NAME_MAX_LENGTH:
+            raise InvalidSchedule(
+                f"{where}: channel {split_row_name(channel)[1]!r} is too long for queue "
+                f"{task.queue!r}: queue and channel names together take {len(channel)} of the "
+                f"{CHANNEL_NAME_MAX_LENGTH} characters a channel row's name may have"
+            )
         try:
             encode_payload(task.name, spec.args, spec.kwargs, cfg.MAX_PAYLOAD_BYTES)
         except (ValueError, TypeError) as exc:  # PayloadError is a TypeError
@@ -313,7 +324,7 @@ class Firer:
                     "schedule %r of channel %r names task %r, which this worker does not know; "
                     "it fires on workers that do",
                     schedule.name,
-                    schedule.channel,
+                    display_name(schedule.channel),
                     schedule.task_name,
                     extra={"schedule": schedule.name, "task": schedule.task_name},
                 )
@@ -326,7 +337,7 @@ class Firer:
                 logging.WARNING,
                 "schedule %r of channel %r missed slots since %s; %s: firing %d",
                 schedule.name,
-                schedule.channel,
+                display_name(schedule.channel),
                 schedule.next_fire_at,
                 schedule.missed,
                 len(step.slots),
@@ -393,7 +404,7 @@ class Firer:
                 logging.WARNING,
                 "schedule %r: channel %r is full; its slot %s fires when there is room",
                 schedule.name,
-                schedule.channel,
+                display_name(schedule.channel),
                 step.slots[-1] if step.slots else "-",
             )
             return 0
@@ -404,7 +415,7 @@ class Firer:
                 logging.ERROR,
                 "schedule %r of channel %r could not fire: %s",
                 schedule.name,
-                schedule.channel,
+                display_name(schedule.channel),
                 exc,
             )
             return 0

@@ -11,13 +11,16 @@ can be connected with ``sender=Message``) and keyword arguments only:
     is connected (building the arguments costs nothing otherwise).
 
     * ``message_ids`` (``list[int]``): the new messages' ids, in the order they were enqueued;
-    * ``channels`` (``list[str]``): each message's channel name, parallel to ``message_ids``.
+    * ``channels`` (``list[str]``): each message's channel name (within its queue, as enqueue
+      was given it), parallel to ``message_ids``;
+    * ``queues`` (``list[str]``): each message's queue, parallel to ``message_ids``.
 
 ``message_started``
     Sent by the worker in the handler thread, right before it calls the task function.
 
-    * ``message`` (:class:`django_fairqueue.store.ClaimedMessage`): id, channel, task name,
-      payload, attempt number (``attempts``, counting this one), lease;
+    * ``message`` (:class:`django_fairqueue.store.ClaimedMessage`): id, channel (the name
+      within its queue), queue, task name, payload, attempt number (``attempts``, counting this
+      one), lease;
     * ``worker_id`` (``str``): the worker process's id (``host:pid:random``).
 
 ``message_finished``

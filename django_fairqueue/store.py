@@ -813,16 +813,18 @@ def cancel_matching_messages(
     *,
     channel_id: int | None = None,
     task: str | None = None,
+    queue: str | None = None,
     chunk: int = 10_000,
     using: str | None = None,
 ) -> list[int]:
-    """Cancel the waiting messages of a channel and/or a task, ``chunk`` rows per statement
-    (each its own statement, so a large backlog is not locked at once). Returns the ids."""
+    """Cancel the waiting messages of a channel and/or a task (within ``queue`` when given),
+    ``chunk`` rows per statement (each its own statement, so a large backlog is not locked at
+    once). Returns the ids."""
     cancelled: list[int] = []
     while True:
         rows = _run(
             "cancel_matching_messages",
-            {"channel_id": channel_id, "task": task, "limit": chunk},
+            {"channel_id": channel_id, "task": task, "queue": queue, "limit": chunk},
             using,
         )
         cancelled.extend(r[0] for r in rows)
@@ -831,10 +833,14 @@ def cancel_matching_messages(
 
 
 def select_running_message_ids(
-    *, channel_id: int | None = None, task: str | None = None, using: str | None = None
+    *,
+    channel_id: int | None = None,
+    task: str | None = None,
+    queue: str | None = None,
+    using: str | None = None,
 ) -> list[int]:
-    """Ids of the running messages of a channel and/or a task."""
-    params = {"channel_id": channel_id, "task": task}
+    """Ids of the running messages of a channel and/or a task (within ``queue`` when given)."""
+    params = {"channel_id": channel_id, "task": task, "queue": queue}
     return [r[0] for r in _run("select_running_message_ids", params, using)]
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django_fairqueue import conf
-from django_fairqueue.exceptions import ResultNotStorable, UnknownTask
+from django_fairqueue.exceptions import InvalidQueue, ResultNotStorable, UnknownTask
 from django_fairqueue.limits import TASK_NAME_MAX_LENGTH
 from django_fairqueue.queues import validate_queue_name
 
@@ -118,8 +118,8 @@ class Registry:
         conf.validate_timeout(spec.timeout, f"task {spec.name!r}: timeout")
         try:
             validate_queue_name(spec.queue)
-        except ValueError as exc:
-            raise ValueError(f"task {spec.name!r}: {exc}") from None
+        except InvalidQueue as exc:
+            raise InvalidQueue(f"task {spec.name!r}: {exc}") from None
         with self._lock:
             old = self._specs.get(spec.name)
             if (

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from django_fairqueue.models import Message, MessageState
+from django_fairqueue.queues import DEFAULT_QUEUE, row_name
 from django_fairqueue.tasks import FairTask, TaskSpec
 from django_fairqueue.worker import Worker, WorkerConfig
 
@@ -54,14 +55,20 @@ def drain(channels: str | Sequence[str] | None = None, max_messages: int | None 
 
 
 def enqueued(
-    task: str | FairTask[Any, Any] | TaskSpec | None = None, channel: str | None = None
+    task: str | FairTask[Any, Any] | TaskSpec | None = None,
+    channel: str | None = None,
+    queue: str | None = None,
 ) -> list[Message]:
-    """Messages waiting to run (ready or scheduled), oldest first, optionally of one task or
-    channel. ``task`` is a task name or the registered task."""
+    """Messages waiting to run (ready or scheduled), oldest first, optionally of one task,
+    channel and/or queue. ``task`` is a task name or the registered task; ``channel`` is a
+    channel of ``queue`` (of the default queue without one), and ``queue`` alone selects every
+    channel of that queue."""
     messages = Message.objects.filter(state__in=[MessageState.READY, MessageState.SCHEDULED])
     if task is not None:
         name = task if isinstance(task, str) else task.name
         messages = messages.filter(task_name=name)
     if channel is not None:
-        messages = messages.filter(channel__name=channel)
+        messages = messages.filter(channel__name=row_name(queue or DEFAULT_QUEUE, channel))
+    elif queue is not None:
+        messages = messages.filter(channel__queue=queue)
     return list(messages.select_related("channel").order_by("id"))

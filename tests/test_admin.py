@@ -42,6 +42,7 @@ from django_fairqueue.models import (
     BatchState,
     Channel,
     ChannelDelta,
+    ChannelGroup,
     ChannelStat,
     Message,
     MessageState,
@@ -390,6 +391,17 @@ def test_adding_a_channel(admin_client: Client) -> None:
     assert counters("fresh").ready == 2
     blank = admin_client.post(add, {"name": "   ", **limits()})
     assert "name" in blank.context["adminform"].form.errors
+    # a control character Python counts as a blank is refused, never stripped away
+    for name in ("\x1fx", "x\x1f", "reports\x1fx", " padded"):
+        refused = admin_client.post(add, {"name": name, **limits()})
+        assert refused.status_code == 200, name
+        assert "name" in refused.context["adminform"].form.errors, name
+    assert not Channel.objects.filter(name__in=["x", "padded"]).exists()
+    assert not Channel.objects.filter(name__contains="\x1f").exists()
+    group_add = reverse("admin:fairqueue_channelgroup_add")
+    refused = admin_client.post(group_add, {"name": "\x1fteam", "weight": 1})
+    assert refused.status_code == 200 and "name" in refused.context["adminform"].form.errors
+    assert not ChannelGroup.objects.filter(name="team").exists()
 
 
 def test_a_new_cap_counts_completions_not_folded_yet(admin_client: Client) -> None:
@@ -830,16 +842,16 @@ def test_metrics_exposition(queue: dict[str, Any]) -> None:
     assert response["Content-Type"].startswith("text/plain; version=0.0.4")
     text = response.content.decode()
     for line in (
-        'fairqueue_channel_ready{channel="alpha"} 5.0',
-        'fairqueue_channel_ready{channel="beta"} 1.0',
-        'fairqueue_channel_running{channel="beta"} 1.0',
-        'fairqueue_channel_failed{channel="beta"} 3.0',
-        'fairqueue_channel_scheduled{channel="gamma"} 2.0',
-        'fairqueue_channel_max_concurrency{channel="beta"} 4.0',
-        'fairqueue_channel_succeeded_total{channel="alpha"} 0.0',
+        'fairqueue_channel_ready{channel="alpha",queue="default"} 5.0',
+        'fairqueue_channel_ready{channel="beta",queue="default"} 1.0',
+        'fairqueue_channel_running{channel="beta",queue="default"} 1.0',
+        'fairqueue_channel_failed{channel="beta",queue="default"} 3.0',
+        'fairqueue_channel_scheduled{channel="gamma",queue="default"} 2.0',
+        'fairqueue_channel_max_concurrency{channel="beta",queue="default"} 4.0',
+        'fairqueue_channel_succeeded_total{channel="alpha",queue="default"} 0.0',
     ):
         assert line in text.splitlines(), line
-    assert 'fairqueue_channel_max_concurrency{channel="alpha"}' not in text
+    assert 'fairqueue_channel_max_concurrency{channel="alpha"' not in text
     after = process.get_sample_value("fairqueue_claim_duration_seconds_count")
     assert after == before + 2
     # a web process claims nothing: its view exports no (always empty) claim histogram
@@ -1197,6 +1209,7 @@ def test_message_enqueued_signal() -> None:
             "signal": message_enqueued,
             "message_ids": ids,
             "channels": ["one", "two", "one"],
+            "queues": ["default", "default", "default"],
         }
     ]
     enqueue("three", 1)

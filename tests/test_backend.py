@@ -104,6 +104,12 @@ def reports() -> str:
     return "report"
 
 
+def in_emails(x: int) -> int:
+    """Decorated in a test with ``queue_name="emails"`` (the test settings allow only the
+    default queue until a test lifts ``QUEUES``)."""
+    return x * 2
+
+
 #: Set when a test below is done: lets the handler threads stuck in these tasks return.
 RELEASE_STUCK = threading.Event()
 
@@ -306,6 +312,35 @@ def test_queue_name_is_the_queue_not_the_channel(tasks_options: Any) -> None:
     assert store.claim_messages(10, lease=lease, worker_id="w", queues=["reports"]) == []
     (got,) = store.claim_messages(10, lease=lease, worker_id="w", queues=["emails"])
     assert (got.queue, got.channel, got.id) == ("emails", "default", int(emails.messages.get().id))
+
+
+@pytest.mark.django_db
+def test_a_result_of_another_queue_reads_back_with_the_queue_it_ran_in(
+    tasks_options: Any,
+) -> None:
+    tasks_options(QUEUES=[])
+    emails = add.using(queue_name="emails").enqueue(2, 3)
+    got = task_backends["default"].get_result(emails.id)
+    assert (got.task.queue_name, got.task.channel, got.status) == (
+        "emails",
+        "default",
+        TaskResultStatus.READY,
+    )
+    assert add.get_result(emails.id).task.queue_name == "emails"
+    emails.refresh()
+    assert emails.task.queue_name == "emails"
+    assert drain() == 1
+    emails.refresh()
+    assert (emails.status, emails.return_value) == (TaskResultStatus.SUCCESSFUL, 5)
+    # a task declared in a queue: its results read back, and report the queue the message
+    # was in, not the one the task declares
+    declared = task(queue_name="emails")(in_emails)
+    first = declared.enqueue(3)
+    assert declared.get_result(first.id).task.queue_name == "emails"
+    moved = declared.using(queue_name="default", channel="acme").enqueue(4)
+    assert row(moved.id).channel.name == "acme"
+    got = declared.get_result(moved.id)
+    assert (got.task.queue_name, got.task.channel) == ("default", "acme")
 
 
 @pytest.mark.django_db

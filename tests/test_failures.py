@@ -18,7 +18,9 @@ from django.core.management.base import CommandParser
 from django_fairqueue import failures, store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.cli import failures as failures_cli
+from django_fairqueue.exceptions import InvalidQueue
 from django_fairqueue.models import Message, MessageState
+from django_fairqueue.queues import row_name
 from django_fairqueue.tasks import task
 
 pytestmark = pytest.mark.django_db
@@ -37,10 +39,18 @@ def render(n: int) -> None:
     """Never run here."""
 
 
-def make_failed(channel: str, n: int, name: str = PARSE, error: str = "bad input") -> list[int]:
-    """``n`` dead letters of ``channel``, failed like a worker fails an exhausted message."""
-    ids = enqueue_many(EnqueueRequest(name, [i], channel=channel) for i in range(n))
-    channel_id = store.select_channel_ids([channel])[channel]
+def make_failed(
+    channel: str,
+    n: int,
+    name: str = PARSE,
+    error: str = "bad input",
+    queue: str = "default",
+) -> list[int]:
+    """``n`` dead letters of ``channel`` (of ``queue``), failed like a worker fails an
+    exhausted message."""
+    ids = enqueue_many(EnqueueRequest(name, [i], channel=channel, queue=queue) for i in range(n))
+    row = row_name(queue, channel)
+    channel_id = store.select_channel_ids([row])[row]
     claimed = store.claim_messages(
         n, lease=timedelta(minutes=1), worker_id="w", only_channel_ids=[channel_id], quantum=n
     )
@@ -90,6 +100,42 @@ def test_list_failed_filters_and_pages() -> None:
     assert [m.id for m in first + rest] == a + b
     with pytest.raises(ValueError, match="limit"):
         failures.list_failed(limit=0)
+
+
+def test_dead_letters_of_another_queue_are_named_and_selected_by_channel_and_queue() -> None:
+    plain = make_failed("acme", 1)
+    reports = make_failed("acme", 2, queue="reports")
+    beta = make_failed("beta", 1, name=RENDER, queue="reports")
+    listed = failures.list_failed()
+    assert [(m.id, m.channel, m.queue) for m in listed] == [
+        (plain[0], "acme", "default"),
+        (reports[0], "acme", "reports"),
+        (reports[1], "acme", "reports"),
+        (beta[0], "beta", "reports"),
+    ]
+    assert listed[1].as_dict()["channel"] == "acme" and listed[1].as_dict()["queue"] == "reports"
+    assert [m.id for m in failures.list_failed(channel="acme")] == plain  # the default queue
+    assert [m.id for m in failures.list_failed(channel="acme", queue="reports")] == reports
+    assert [m.id for m in failures.list_failed(queue="reports")] == reports + beta
+    assert [m.id for m in failures.list_failed(queue="default")] == plain
+    assert [m.id for m in failures.list_failed(task=RENDER, queue="reports")] == beta
+    with pytest.raises(InvalidQueue):
+        failures.list_failed(queue="a b")
+    # the commands: a QUEUE column, the name within the queue, --queue
+    lines = cli("list", "--channel", "acme", "--queue", "reports").splitlines()
+    assert [line.split()[:3] for line in lines[1:]] == [
+        [str(i), "acme", "reports"] for i in reports
+    ]
+    assert "\\x1f" not in cli("list") and "\x1f" not in cli("list", "--json")
+    assert cli("retry", "--all", "--channel", "acme", "--queue", "reports") == (
+        "Retried 2 failed messages.\n"
+    )
+    assert states(reports) == {i: MessageState.READY for i in reports}
+    assert failures.delete_all(queue="reports") == 1
+    assert states(beta) == {} and states(plain) == {plain[0]: MessageState.FAILED}
+    assert failures.retry_all(channel="acme", queue="default") == 1
+    with pytest.raises(CommandError, match="queue name"):
+        cli("list", "--queue", "a b")
 
 
 def test_retry_makes_them_ready_with_a_fresh_budget_and_is_idempotent() -> None:
@@ -183,7 +229,7 @@ def test_cli_list_as_a_table() -> None:
     assert cli("list") == "No failed messages.\n"
     ids = make_failed("alice", 2, error="x" * 200)
     lines = cli("list", "--channel", "alice").splitlines()
-    assert lines[0].split() == ["ID", "CHANNEL", "TASK", "ATTEMPTS", "FINISHED", "ERROR"]
+    assert lines[0].split() == ["ID", "CHANNEL", "QUEUE", "TASK", "ATTEMPTS", "FINISHED", "ERROR"]
     assert [line.split()[0] for line in lines[1:]] == [str(i) for i in ids]
     assert all("builtins.ValueError: xxx" in line and line.endswith("...") for line in lines[1:])
     paged = cli("list", "--limit", "1").splitlines()
@@ -232,6 +278,7 @@ def test_cli_bulk_with_all() -> None:
         (("retry",), "give message ids, or --all"),
         (("delete", "3", "--all"), "not both"),
         (("retry", "3", "--channel", "alice"), "only narrow --all"),
+        (("delete", "3", "--queue", "reports"), "only narrow --all"),
     ],
 )
 def test_cli_usage_errors(argv: tuple[str, ...], message: str) -> None:

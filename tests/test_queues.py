@@ -93,7 +93,7 @@ def test_a_task_declares_its_queue_and_enqueue_overrides_it() -> None:
 def test_a_task_with_a_bad_queue_is_refused_at_registration() -> None:
     from django_fairqueue import task
 
-    with pytest.raises(ValueError, match="may hold only letters"):
+    with pytest.raises(InvalidQueue, match=r"'tests\.queues\.bad': queue name 'no spaces'"):
 
         @task(name="tests.queues.bad", queue="no spaces")
         def bad() -> None:  # pragma: no cover - never registered
@@ -306,6 +306,22 @@ def test_status_shows_each_channels_queue_and_the_queues_totals() -> None:
     assert json.loads(out.getvalue())["ready"] == 3
     with pytest.raises(CommandError, match="no channel named 'acme' in queue 'exports'"):
         call_command("fairqueue", "status", "acme", "--queue", "exports")
+    # --queue without a channel: that queue's channels, groups and totals only
+    out = io.StringIO()
+    call_command("fairqueue", "status", "--queue", "reports", "--json", stdout=out)
+    data = json.loads(out.getvalue())
+    assert {(c["name"], c["queue"]) for c in data["channels"]} == {
+        ("acme", "reports"),
+        ("g/x", "reports"),
+    }
+    assert (data["totals"]["ready"], list(data["queues"]), data["groups_total"]) == (
+        4,
+        ["reports"],
+        1,
+    )
+    out = io.StringIO()
+    call_command("fairqueue", "status", "--queue", "default", stdout=out)
+    assert "reports" not in out.getvalue()
 
 
 @pytest.mark.django_db
@@ -333,6 +349,9 @@ def test_a_schedule_fires_into_its_tasks_queue_or_its_channels() -> None:
         return ScheduleSpec.build(name, {"task": task, "cron": "* * * * *", **more}, name)
 
     schedules.sync([spec("r", "tests.fair.report", channel="acme")])
+    # a code schedule of a task of queue "reports" is on that queue's channel row
+    assert Schedule.objects.get(name="r").channel.name == row_name("reports", "acme")
+    assert not Channel.objects.filter(name="acme").exists()
     # an operator's schedule on the channel row of queue "exports"
     exports = Channel.objects.create(name=row_name("exports", "acme"))
     Schedule.objects.create(
@@ -353,7 +372,7 @@ def test_a_schedule_fires_into_its_tasks_queue_or_its_channels() -> None:
 
 
 @pytest.mark.django_db
-def test_metrics_name_a_channel_of_another_queue_with_its_queue() -> None:
+def test_metrics_label_each_channel_series_with_its_queue() -> None:
     pytest.importorskip("prometheus_client")
     from prometheus_client import generate_latest
     from prometheus_client.core import CollectorRegistry
@@ -362,12 +381,25 @@ def test_metrics_name_a_channel_of_another_queue_with_its_queue() -> None:
 
     f.enqueue("acme", 2)
     f.enqueue_in_queue("reports", "acme", 3)
+    # a default-queue channel whose name reads like another queue's: a series of its own
+    f.enqueue("acme [reports]", 1)
     registry = CollectorRegistry()
     registry.register(QueueCollector())
     text = generate_latest(registry).decode()
-    assert 'fairqueue_channel_ready{channel="acme"} 2.0' in text
-    assert 'fairqueue_channel_ready{channel="acme [reports]"} 3.0' in text
+    lines = text.splitlines()
+    assert 'fairqueue_channel_ready{channel="acme",queue="default"} 2.0' in lines
+    assert 'fairqueue_channel_ready{channel="acme",queue="reports"} 3.0' in lines
+    assert 'fairqueue_channel_ready{channel="acme [reports]",queue="default"} 1.0' in lines
     assert "\x1f" not in text
+    series = [line.rsplit(" ", 1)[0] for line in lines if not line.startswith("#")]
+    assert len(series) == len(set(series))  # every series once: Prometheus refuses duplicates
+    ages = [line for line in lines if line.startswith("fairqueue_oldest_ready_age_seconds{")]
+    assert {line.split("{")[1].split("}")[0] for line in ages} == {
+        'channel="acme",queue="default"',
+        'channel="acme",queue="reports"',
+        'channel="acme [reports]",queue="default"',
+        'channel="(all)",queue="(all)"',
+    }
 
 
 @pytest.mark.django_db
@@ -384,7 +416,162 @@ def test_cancel_by_channel_takes_the_queue() -> None:
     out = __import__("io").StringIO()
     call_command("fairqueue", "cancel", "--channel", "acme", "--queue", "exports", stdout=out)
     assert out.getvalue().startswith("Cancelled 1 message.")
-    with pytest.raises(CommandError, match="--queue goes with --channel"):
-        call_command("fairqueue", "cancel", "--task", "tests.noop", "--queue", "exports")
+    out = __import__("io").StringIO()
+    call_command("fairqueue", "cancel", "--task", "tests.noop", "--queue", "exports", stdout=out)
+    assert out.getvalue().startswith("Cancelled 0 messages.")
     with pytest.raises(CommandError, match="queue name"):
         call_command("fairqueue", "abort", "--channel", "acme", "--queue", "a b")
+
+
+@pytest.mark.django_db
+def test_a_queue_without_a_channel_narrows_cancel_and_abort_to_that_queue() -> None:
+    import io
+
+    from django_fairqueue import abort, cancel
+
+    plain = f.enqueue("acme", 2)
+    reports = f.enqueue_in_queue("reports", "acme", 2) + f.enqueue_in_queue("reports", "bolt", 1)
+    exports = f.enqueue_in_queue("exports", "acme", 1)
+    assert sorted(cancel(task="tests.noop", queue="reports")) == sorted(reports)
+    assert sorted(cancel(task="tests.noop", queue="default")) == sorted(plain)
+    assert cancel(queue="reports") == []  # nothing waits there any more
+    out = io.StringIO()
+    call_command("fairqueue", "cancel", "--queue", "exports", "--json", stdout=out)
+    assert __import__("json").loads(out.getvalue())["ids"] == exports
+    with pytest.raises(ValueError, match="not both"):
+        cancel([1], queue="reports")
+    with pytest.raises(InvalidQueue):
+        cancel(task="tests.noop", queue="a b")
+
+    # abort: the running messages of the task in that queue only
+    running_reports = f.enqueue_in_queue("reports", "acme", 1)
+    running_plain = f.enqueue("acme", 1)
+    assert len(claim(10, None)) == 2
+    assert abort(task="tests.noop", queue="reports") == {running_reports[0]: "abort_requested"}
+    out = io.StringIO()
+    call_command("fairqueue", "abort", "--task", "tests.noop", "--queue", "default", stdout=out)
+    assert out.getvalue().startswith("Cancelled 0 waiting, requested the abort of 1 running.")
+    assert abort(task="tests.noop") == {
+        running_reports[0]: "abort_requested",
+        running_plain[0]: "abort_requested",
+    }
+
+
+def test_the_running_message_is_importable_from_the_package() -> None:
+    import django_fairqueue
+    from django_fairqueue import current_message
+    from django_fairqueue.context import current_message as in_context
+
+    assert current_message is in_context and "current_message" in django_fairqueue.__all__
+    assert current_message.get() is None  # outside a worker
+
+
+@pytest.mark.django_db
+def test_schedules_are_listed_and_selected_by_channel_and_queue() -> None:
+    import io
+    import json
+
+    from django_fairqueue import schedules
+    from django_fairqueue.schedules import ScheduleSpec
+
+    def spec(name: str, task: str, **more: Any) -> ScheduleSpec:
+        return ScheduleSpec.build(name, {"task": task, "cron": "0 3 * * *", **more}, name)
+
+    schedules.sync(
+        [
+            spec("r", "tests.fair.report", channel="acme"),
+            spec("p", "tests.fair.record", channel="acme"),
+        ]
+    )
+
+    def listed(*argv: str) -> list[dict[str, Any]]:
+        out = io.StringIO()
+        call_command("fairqueue", "schedules", "--json", *argv, stdout=out)
+        return [
+            {k: row[k] for k in ("name", "channel", "queue")} for row in json.loads(out.getvalue())
+        ]
+
+    assert listed() == [
+        {"name": "p", "channel": "acme", "queue": "default"},
+        {"name": "r", "channel": "acme", "queue": "reports"},
+    ]
+    assert listed("--channel", "acme") == [{"name": "p", "channel": "acme", "queue": "default"}]
+    assert [r["name"] for r in listed("--channel", "acme", "--queue", "reports")] == ["r"]
+    assert [r["name"] for r in listed("--queue", "reports")] == ["r"]
+    out = io.StringIO()
+    call_command("fairqueue", "schedules", stdout=out)
+    text = out.getvalue()
+    assert "\\x1f" not in text
+    lines = {tuple(line.split()[:3]) for line in text.splitlines()}
+    assert ("acme", "reports", "r") in lines and ("acme", "default", "p") in lines
+    with pytest.raises(CommandError, match="queue name"):
+        call_command("fairqueue", "schedules", "--queue", "a b")
+
+
+@pytest.mark.django_db
+def test_the_dashboard_names_channels_within_their_queue_and_filters_by_queue(
+    admin_client: Any,
+) -> None:
+    f.enqueue("acme", 2)
+    f.enqueue_in_queue("reports", "acme", 3)
+    url = "/admin/fairqueue/channel/dashboard/data/"
+    data = admin_client.get(url).json()
+    assert "\x1f" not in str(data)
+    assert sorted((t["name"], t["queue"], t["ready"]) for t in data["tenants"]) == [
+        ("acme", "default", 2),
+        ("acme", "reports", 3),
+    ]
+    data = admin_client.get(url + "?queue=reports").json()
+    assert [(t["name"], t["queue"]) for t in data["tenants"]] == [("acme", "reports")]
+    assert (data["queue"], data["totals"]["ready"], data["totals"]["channels"]) == ("reports", 3, 1)
+    assert len(admin_client.get(url + "?queue=a%20b").json()["tenants"]) == 2  # ignored
+    page = admin_client.get("/admin/fairqueue/channel/dashboard/?queue=reports").content.decode()
+    assert '<option value="reports" selected>' in page and "\x1f" not in page
+
+
+@pytest.mark.django_db
+def test_verify_and_the_enqueue_signal_name_channels_within_their_queue(caplog: Any) -> None:
+    import io
+
+    from django_fairqueue.maintenance import CounterVerifier
+    from django_fairqueue.signals import message_enqueued
+
+    got: list[dict[str, Any]] = []
+
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        got.append(kwargs)
+
+    message_enqueued.connect(receiver)
+    try:
+        f.enqueue_in_queue("reports", "acme", 2)
+        enqueue(fairtasks.report, title="t", channel="bolt")
+    finally:
+        message_enqueued.disconnect(receiver)
+    assert [(g["channels"], g["queues"]) for g in got] == [
+        (["acme", "acme"], ["reports", "reports"]),
+        (["bolt"], ["reports"]),
+    ]
+    f.fold_all()
+    with connection.cursor() as cur:
+        cur.execute(
+            "UPDATE fairqueue_channel SET ready_count = 0 WHERE name = %s",
+            [row_name("reports", "acme")],
+        )
+    out = io.StringIO()
+    with pytest.raises(CommandError, match="disagree"):
+        call_command("fairqueue", "verify", stdout=out)
+    assert "channel 'acme [reports]': ready recorded 0, counted 2" in out.getvalue()
+    assert CounterVerifier().run_once() == 1
+    assert "channel 'acme [reports]' ready recorded 0, counted 2" in caplog.text
+    assert "\\x1f" not in out.getvalue() + caplog.text
+
+
+@pytest.mark.django_db
+def test_the_testing_helper_lists_a_channel_of_a_queue() -> None:
+    from django_fairqueue.testing import enqueued
+
+    plain = f.enqueue("acme", 1)
+    reports = f.enqueue_in_queue("reports", "acme", 2)
+    assert [m.id for m in enqueued(channel="acme")] == plain
+    assert [m.id for m in enqueued(channel="acme", queue="reports")] == reports
+    assert [m.id for m in enqueued(queue="reports")] == reports

@@ -581,7 +581,7 @@ def test_the_schedules_command_lists_syncs_and_fires() -> None:
     text = out.getvalue()
     assert "created: nightly" in text and "fired 0 message(s)" in text
     line = next(x for x in text.splitlines() if x.startswith("acme"))
-    assert line.split()[:5] == ["acme", "nightly", TASK, "0", "3"]
+    assert line.split()[:6] == ["acme", "default", "nightly", TASK, "0", "3"]
     assert "in " in line and "(code)" in line
     out = io.StringIO()
     call_command("fairqueue", "schedules", "--json", "--channel", "acme", stdout=out)

@@ -8,7 +8,7 @@ help text) and two functions:
   output wrapper. Raise ``django.core.management.CommandError`` for a readable failure.
 
 To add a subcommand, add its module and its name to :data:`SUBCOMMANDS`. An option or argument
-that names a channel takes ``type=channel_name``.
+that names a channel takes ``type=channel_name``, one that names a queue ``type=queue_name``.
 """
 
 from __future__ import annotations
@@ -37,4 +37,15 @@ def channel_name(text: str) -> str:
     try:
         return validate_channel_name(text)
     except InvalidChannel as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def queue_name(text: str) -> str:
+    """argparse ``type`` of a queue name: a valid one, else a usage error."""
+    from django_fairqueue.exceptions import InvalidQueue
+    from django_fairqueue.queues import validate_queue_name
+
+    try:
+        return validate_queue_name(text)
+    except InvalidQueue as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None

@@ -1,12 +1,13 @@
 """Abort messages: cancel the waiting ones, ask the running ones to stop.
 
-  fairqueue abort (ID ... | --channel C [--task T] | --task T) [--json]
+  fairqueue abort (ID ... | [--channel C] [--task T] [--queue Q]) [--json]
 
-With ids, waiting messages are cancelled and running ones get an abort request; with --channel
-or --task, the running messages of that channel or task get one (cancel the waiting ones with
-``fairqueue cancel``). The worker running a message sees the request at its next heartbeat:
-the task's ``abort_requested()`` turns True, and the message ends ``aborted`` when the task
-stops, or after ``FAIRQUEUE['ABORT_GRACE']`` seconds if it does not.
+With ids, waiting messages are cancelled and running ones get an abort request; with --channel,
+--task and/or --queue, the running messages of that selection get one (cancel the waiting ones
+with ``fairqueue cancel``); --queue narrows it as for ``fairqueue cancel``. The worker running a
+message sees the request at its next heartbeat: the task's ``abort_requested()`` turns True,
+and the message ends ``aborted`` when the task stops, or after ``FAIRQUEUE['ABORT_GRACE']``
+seconds if it does not.
 """
 
 # A subcommand module of the ``fairqueue`` command; the work is done by django_fairqueue.api.

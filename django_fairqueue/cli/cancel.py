@@ -1,6 +1,10 @@
-"""Cancel waiting messages by id, channel or task.
+"""Cancel waiting messages by id, channel, task or queue.
 
-  fairqueue cancel (ID ... | --channel C [--queue Q] [--task T] | --task T) [--json]
+  fairqueue cancel (ID ... | [--channel C] [--task T] [--queue Q]) [--json]
+
+--queue narrows the selection to that queue (--channel is then that queue's channel, --task
+alone that task's messages in that queue); without it, --channel is a channel of the default
+queue and --task alone selects in every queue.
 
 Ready and delayed messages become ``cancelled`` (kept until pruned; a unique key they held is
 free at once). Running messages are left alone: stop them with ``fairqueue abort``. A message
@@ -31,27 +35,30 @@ def add_selection(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--channel", type=channel_name, help="Every message of this channel (with --task: of both)."
     )
-    parser.add_argument("--queue", help="The queue of --channel (default: the default queue).")
+    parser.add_argument(
+        "--queue",
+        help=(
+            "Only this queue's messages; the queue of --channel (default: --channel is a "
+            "channel of the default queue, --task alone selects in every queue)."
+        ),
+    )
     parser.add_argument("--task", help="Every message of this task name.")
     parser.add_argument("--json", action="store_true", help="Print JSON.")
 
 
 def selection(options: dict[str, Any], verb: str) -> dict[str, Any]:
-    """The ids / channel / task keywords of the api call the options ask for."""
+    """The ids / channel / task / queue keywords of the api call the options ask for."""
     ids: list[int] = options["ids"]
-    channel, task = options["channel"], options["task"]
-    if ids and (channel is not None or task is not None):
-        raise CommandError(f"{verb}: give message ids, or --channel and/or --task, not both")
-    if not ids and channel is None and task is None:
-        raise CommandError(f"{verb}: give message ids, --channel or --task")
-    queue = options.get("queue")
-    if queue is not None and channel is None:
-        raise CommandError(f"{verb}: --queue goes with --channel")
+    channel, task, queue = options["channel"], options["task"], options.get("queue")
+    if ids and (channel is not None or task is not None or queue is not None):
+        raise CommandError(
+            f"{verb}: give message ids, or --channel, --task and/or --queue, not both"
+        )
+    if not ids and channel is None and task is None and queue is None:
+        raise CommandError(f"{verb}: give message ids, --channel, --task or --queue")
     if ids:
         return {"ids": ids}
-    if queue is not None:
-        return {"channel": channel, "task": task, "queue": queue}
-    return {"channel": channel, "task": task}
+    return {"channel": channel, "task": task, "queue": queue}
 
 
 def handle(options: dict[str, Any], stdout: TextIO) -> None:

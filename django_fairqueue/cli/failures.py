@@ -1,8 +1,11 @@
 """List, retry and delete failed messages (dead letters).
 
-  fairqueue failures list [--channel C] [--task T] [--limit N] [--after ID] [--json]
-  fairqueue failures retry (ID ... | --all [--channel C] [--task T]) [--json]
-  fairqueue failures delete (ID ... | --all [--channel C] [--task T]) [--json]
+  fairqueue failures list [--channel C] [--task T] [--queue Q] [--limit N] [--after ID] [--json]
+  fairqueue failures retry (ID ... | --all [--channel C] [--task T] [--queue Q]) [--json]
+  fairqueue failures delete (ID ... | --all [--channel C] [--task T] [--queue Q]) [--json]
+
+--queue narrows the selection to that queue (--channel is then that queue's channel); without
+it, --channel is a channel of the default queue, and the rest covers every queue.
 
 Retry makes a failed message ready again with a fresh attempt budget; delete removes it. Both
 are idempotent: ids of messages that are not failed (any more) are left alone.
@@ -20,7 +23,7 @@ from typing import Any, TextIO
 from django.core.management.base import CommandError
 
 from django_fairqueue import bounds, failures
-from django_fairqueue.cli import channel_name
+from django_fairqueue.cli import channel_name, queue_name
 from django_fairqueue.terminal import printable
 
 #: Longest error message shown in the text listing; --json has it whole.
@@ -60,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         sub.add_argument(
             "--all",
             action="store_true",
-            help="Every failed message (narrowed by --channel and --task).",
+            help="Every failed message (narrowed by --channel, --task and --queue).",
         )
         _add_filters(sub)
         sub.add_argument("--json", action="store_true", help="Print JSON.")
@@ -72,16 +75,16 @@ def handle(options: dict[str, Any], stdout: TextIO) -> None:
         _list(options, stdout)
         return
     ids: list[int] = options["ids"]
-    channel, task = options["channel"], options["task"]
+    channel, task, queue = options["channel"], options["task"], options["queue"]
     if options["all"] and ids:
         raise CommandError(f"failures {action}: give message ids or --all, not both")
     if not options["all"] and not ids:
         raise CommandError(f"failures {action}: give message ids, or --all for every one")
-    if not options["all"] and (channel is not None or task is not None):
-        raise CommandError(f"failures {action}: --channel and --task only narrow --all")
+    if not options["all"] and (channel is not None or task is not None or queue is not None):
+        raise CommandError(f"failures {action}: --channel, --task and --queue only narrow --all")
     if options["all"]:
         bulk = failures.retry_all if action == "retry" else failures.delete_all
-        count = bulk(channel=channel, task=task)
+        count = bulk(channel=channel, task=task, queue=queue)
         report: dict[str, Any] = {"action": action, "count": count}
         text = f"{_past(action)} {_messages(count)}."
     else:
@@ -101,7 +104,11 @@ def handle(options: dict[str, Any], stdout: TextIO) -> None:
 def _list(options: dict[str, Any], stdout: TextIO) -> None:
     limit = options["limit"]
     found = failures.list_failed(
-        channel=options["channel"], task=options["task"], limit=limit, after_id=options["after"]
+        channel=options["channel"],
+        task=options["task"],
+        limit=limit,
+        after_id=options["after"],
+        queue=options["queue"],
     )
     # A full page may have a next one; a short page is the last.
     next_after = found[-1].id if len(found) == limit else None
@@ -112,7 +119,7 @@ def _list(options: dict[str, Any], stdout: TextIO) -> None:
     if not found:
         _write(stdout, "No failed messages.")
         return
-    rows = [("ID", "CHANNEL", "TASK", "ATTEMPTS", "FINISHED", "ERROR")]
+    rows = [("ID", "CHANNEL", "QUEUE", "TASK", "ATTEMPTS", "FINISHED", "ERROR")]
     for m in found:
         error = f"{m.error_type}: {m.error_message}" if m.error_message else m.error_type
         error = printable(" ".join(error.split()))  # one line per message, no escapes
@@ -123,6 +130,7 @@ def _list(options: dict[str, Any], stdout: TextIO) -> None:
             (
                 str(m.id),
                 printable(m.channel),
+                m.queue,
                 printable(m.task),
                 f"{m.attempts}/{m.max_attempts}",
                 finished,
@@ -140,6 +148,14 @@ def _list(options: dict[str, Any], stdout: TextIO) -> None:
 def _add_filters(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--channel", type=channel_name, help="Only messages of this channel.")
     parser.add_argument("--task", help="Only messages of this task name.")
+    parser.add_argument(
+        "--queue",
+        type=queue_name,
+        help=(
+            "Only messages of this queue; the queue of --channel (default: --channel is a "
+            "channel of the default queue)."
+        ),
+    )
 
 
 def _write(stdout: TextIO, line: str) -> None:

@@ -1,4 +1,8 @@
-"""List the periodic schedules: channel, task, cron and timezone, next fire, last slot fired.
+"""List the periodic schedules: channel, queue, task, cron and timezone, next fire, last slot.
+
+A schedule's channel is its name within its queue (--channel acme --queue reports selects the
+schedules of tenant acme's channel in queue reports; --queue alone, every schedule of a queue;
+--channel alone, the default queue's channel).
 
 Code schedules (@periodic, FAIRQUEUE['SCHEDULES']) reach the table when a worker starts;
 --sync writes them now (after a deploy, before any worker runs) and says what changed.
@@ -15,14 +19,23 @@ from typing import Any
 from django.core.management.base import CommandError, OutputWrapper
 
 from django_fairqueue import cron, overview, schedules, store
-from django_fairqueue.cli import channel_name
+from django_fairqueue.cli import channel_name, queue_name
 from django_fairqueue.exceptions import InvalidSchedule
 from django_fairqueue.models import Schedule
+from django_fairqueue.queues import DEFAULT_QUEUE, row_name, split_row_name
 from django_fairqueue.terminal import printable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--channel", type=channel_name, help="Only the schedules of this channel.")
+    parser.add_argument(
+        "--queue",
+        type=queue_name,
+        help=(
+            "Only the schedules of this queue; the queue of --channel (default: --channel is "
+            "a channel of the default queue)."
+        ),
+    )
     parser.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
     parser.add_argument(
         "--sync", action="store_true", help="Sync the code schedules into the table first."
@@ -46,8 +59,11 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
     if options["fire"]:
         stdout.write(f"fired {schedules.fire_due()} message(s)")
     rows = Schedule.objects.select_related("channel").order_by("channel__name", "name")
+    queue = options.get("queue")
     if options["channel"] is not None:
-        rows = rows.filter(channel__name=options["channel"])
+        rows = rows.filter(channel__name=row_name(queue or DEFAULT_QUEUE, options["channel"]))
+    elif queue is not None:
+        rows = rows.filter(channel__queue=queue)
     found = list(rows)
     now = store.select_clock()
     states = schedules.states([s.pk for s in found])
@@ -60,7 +76,8 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
         views.append(
             {
                 "name": s.name,
-                "channel": s.channel.name,
+                "channel": split_row_name(s.channel.name)[1],
+                "queue": split_row_name(s.channel.name)[0],
                 "task": s.task_name,
                 "cron": s.cron,
                 "timezone": s.timezone,
@@ -78,7 +95,17 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
     if not views:
         stdout.write("No schedules (declare them with @periodic or add them in the admin).")
         return
-    header = ("CHANNEL", "SCHEDULE", "TASK", "CRON", "TIMEZONE", "NEXT FIRE", "LAST SLOT", "")
+    header = (
+        "CHANNEL",
+        "QUEUE",
+        "SCHEDULE",
+        "TASK",
+        "CRON",
+        "TIMEZONE",
+        "NEXT FIRE",
+        "LAST SLOT",
+        "",
+    )
     lines = [header]
     for v in views:
         nxt = v["next_fire_at"]
@@ -86,6 +113,7 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
         lines.append(
             (
                 printable(v["channel"]),
+                v["queue"],
                 printable(v["name"]),
                 printable(v["task"]),
                 printable(v["cron"]),

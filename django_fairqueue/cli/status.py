@@ -10,7 +10,8 @@ a channel is its name within its queue, and the QUEUE column says which), then, 
 groups exist, one line per group (the --limit with most ready first: its channels, ready and
 running summed over them, its cap, weight and rate limit), then the totals over all channels,
 per queue when there are several, and the live workers. Name a CHANNEL (with --queue QUEUE
-outside the default queue) to see it alone, with why its messages wait. --json prints one
+outside the default queue) to see it alone, with why its messages wait; --queue QUEUE without
+a CHANNEL lists that queue's channels, groups and totals only. --json prints one
 JSON document for scripts; --watch redraws every SECONDS (default 2) until Ctrl-C. The figures
 come from the counters, bounded index probes and the per-minute statistics: cheap on a busy
 queue (docs/howto/observability.md).
@@ -65,7 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--queue",
         type=_queue,
         metavar="QUEUE",
-        help="The queue of CHANNEL (default: the default queue).",
+        help=(
+            "The queue of CHANNEL (default: the default queue); without CHANNEL, list only "
+            "this queue's channels, groups and totals."
+        ),
     )
     parser.add_argument(
         "--sort",
@@ -112,17 +116,28 @@ def handle(options: dict[str, Any], stdout: TextIO) -> None:
         return
 
 
-def snapshot(sort: str = "backlog", limit: int = 20, now: datetime | None = None) -> dict[str, Any]:
+def snapshot(
+    sort: str = "backlog",
+    limit: int = 20,
+    now: datetime | None = None,
+    queue: str | None = None,
+) -> dict[str, Any]:
     """What ``status --json`` prints. Ages are measured on the database's clock (``now``),
-    which stamped the messages; the finished counts' minutes are the workers' own clocks."""
+    which stamped the messages; the finished counts' minutes are the workers' own clocks.
+    With ``queue``, the channels, groups and totals are that queue's only (the workers are
+    every worker's)."""
     now = now or store.select_clock()
     views = registry.workers()  # beats age on the database's clock, which stamped them
     counts = overview.all_counts()
+    if queue is not None:
+        counts = {k: c for k, c in counts.items() if split_row_name(c.name)[0] == queue}
     ids = overview.ranked_ids(sort, limit, counts=counts)
     alive = registry.live(views)
     retrying = store.select_channel_retrying([c.id for c in counts.values() if c.scheduled > 0])
     minutes = overview.FINISHED_MINUTES
     recent = stats.window_stats(minutes)
+    if queue is not None:
+        recent = {k: w for k, w in recent.items() if k in counts}
     failing = stats.failing_of(recent).values()
     return {
         "generated_at": now.isoformat(),
@@ -142,7 +157,7 @@ def snapshot(sort: str = "backlog", limit: int = 20, now: datetime | None = None
         "finished_last_5m": sum(stats.finished_of(recent).values()),
         "queues": _queues(counts.values()),
         "channels": [_in_queue(row.as_dict(now)) for row in overview.rows(ids)],
-        **_groups(limit),
+        **_groups(limit, queue),
     }
 
 
@@ -163,10 +178,13 @@ def _queues(counts: Any) -> dict[str, dict[str, int]]:
     return dict(sorted(out.items()))
 
 
-def _groups(limit: int) -> dict[str, Any]:
-    """The channel groups with most ready first (the first ``limit``), and how many exist.
-    Their ready and running are the sums over their channels as last folded."""
+def _groups(limit: int, queue: str | None = None) -> dict[str, Any]:
+    """The channel groups (of ``queue``, or all) with most ready first (the first ``limit``),
+    and how many exist. Their ready and running are the sums over their channels as last
+    folded."""
     groups = store.select_group_state()
+    if queue is not None:
+        groups = [g for g in groups if split_row_name(g.name)[0] == queue]
     groups.sort(key=lambda g: (-g.ready, -g.running, g.name))
     return {
         "groups_total": len(groups),
@@ -192,7 +210,7 @@ def _render(options: dict[str, Any]) -> str:
     if options.get("channel") is not None:
         queue = options.get("queue") or "default"
         return _render_channel(options["channel"], options["json"], now, queue)
-    data = snapshot(options["sort"], options["limit"], now)
+    data = snapshot(options["sort"], options["limit"], now, options.get("queue"))
     if options["json"]:
         return json.dumps(data)
     return table(data)

@@ -17,6 +17,7 @@ from typing import Any
 from django.core.management.base import CommandError, OutputWrapper
 
 from django_fairqueue.maintenance import verify
+from django_fairqueue.queues import display_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,8 +35,8 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
     drift = verify(repair=repair)
     for d in drift:
         stdout.write(
-            f"{d.kind} {d.channel!r}: {d.counter} recorded {d.recorded}, counted {d.actual}"
-            + (" (repaired)" if repair else "")
+            f"{d.kind} {display_name(d.channel)!r}: {d.counter} recorded "
+            f"{d.recorded}, counted {d.actual}" + (" (repaired)" if repair else "")
         )
     if not drift:
         stdout.write("every channel's counters match its rows")

@@ -7,7 +7,7 @@ the virtual time (docs/explanation/fairness.md, "No banked credit").
 * ``fairqueue_charge_v1(mean_run, weight)``: the charge per message the claim uses.
 * The first settlements of a channel (no ``mean_run`` yet) wake the claim, which folds them,
   so a new channel is charged its own run time from its next claim on.
-* The functions are installed again from this migration's own copy (``sql/0026_*.sql``).
+* The functions are installed again from this migration's own copy (``sql/0025_*.sql``).
   Reversing drops the new signatures and installs 0024's copy.
 """
 
@@ -32,7 +32,7 @@ class Migration(migrations.Migration):
     operations = [
         # Backwards: the new functions go and the previous full copy is installed again.
         migrations.RunSQL(
-            DROP_OLD + migration_sql("0026_lift_within_one_charge"),
+            DROP_OLD + migration_sql("0025_lift_within_one_charge"),
             DROP_NEW + migration_sql("0024_queues"),
         ),
     ]

@@ -316,7 +316,7 @@ WITH cancelled AS (
 SELECT id FROM cancelled;
 
 -- name: cancel_matching_messages
--- Cancel up to `limit` waiting (ready or scheduled) messages of a channel and/or a task; call until it returns 0.
+-- Cancel up to `limit` waiting (ready or scheduled) messages of a channel and/or a task, within a queue if one is given; call until it returns 0.
 -- Rows another transaction holds (a claim taking them right now) are skipped, as by cancel_messages.
 WITH victims AS (
     SELECT m.id, m.state AS old_state
@@ -324,6 +324,8 @@ WITH victims AS (
     WHERE m.state IN ('ready', 'scheduled')
       AND (%(channel_id)s::bigint IS NULL OR m.channel_id = %(channel_id)s::bigint)
       AND (%(task)s::text IS NULL OR m.task_name = %(task)s::text)
+      AND (%(queue)s::text IS NULL OR m.channel_id IN (
+          SELECT c.id FROM fairqueue_channel c WHERE c.queue = %(queue)s::text))
     LIMIT %(limit)s::integer
     FOR UPDATE SKIP LOCKED
 ), cancelled AS (
@@ -343,12 +345,14 @@ WITH victims AS (
 SELECT id FROM cancelled;
 
 -- name: select_running_message_ids
--- Ids of running messages of a channel and/or a task (for abort by channel or task): fq_message_lease_idx.
+-- Ids of running messages of a channel and/or a task, within a queue if one is given (for abort by channel, task or queue): fq_message_lease_idx.
 SELECT m.id
 FROM fairqueue_message m
 WHERE m.state = 'running'
   AND (%(channel_id)s::bigint IS NULL OR m.channel_id = %(channel_id)s::bigint)
   AND (%(task)s::text IS NULL OR m.task_name = %(task)s::text)
+  AND (%(queue)s::text IS NULL OR m.channel_id IN (
+      SELECT c.id FROM fairqueue_channel c WHERE c.queue = %(queue)s::text))
 ORDER BY m.id;
 
 -- name: abort_messages

@@ -204,6 +204,11 @@
     return channelUrl + t.id + "/change/";
   }
 
+  /* A channel as people read it: its name, with its queue outside the default one. */
+  function tenantLabel(t) {
+    return t.queue && t.queue !== "default" ? t.name + " [" + t.queue + "]" : t.name;
+  }
+
   function renderCards(data) {
     var cards = document.getElementById("fq-cards");
     var t = data.totals;
@@ -242,6 +247,7 @@
       var tr = document.createElement("tr");
       var cells = [
         null,
+        t.queue,
         fmtInt(t.ready),
         fmtInt(t.delayed),
         fmtInt(t.retrying),
@@ -265,7 +271,7 @@
           if (t.paused) {
             td.appendChild(document.createTextNode(" (paused)"));
           }
-        } else if (i === 7) {
+        } else if (i === 8) {
           if (t.failed > 0) {
             var f = document.createElement("a");
             f.href = messageUrl + "?channel__id__exact=" + t.id + "&state__exact=failed";
@@ -290,7 +296,7 @@
       document.getElementById("fq-chart-backlog"),
       tenants.map(function (t) {
         return {
-          label: t.name,
+          label: tenantLabel(t),
           href: tenantHref(t),
           parts: [
             { value: t.ready, cls: "fq-ready", label: "ready" },
@@ -306,7 +312,7 @@
       document.getElementById("fq-chart-running"),
       tenants.map(function (t) {
         return {
-          label: t.name,
+          label: tenantLabel(t),
           href: tenantHref(t),
           parts: [{ value: t.running, cls: "fq-running", label: "running" }],
           mark: t.max_concurrency,
@@ -320,7 +326,7 @@
       document.getElementById("fq-chart-failed"),
       (data.failing || []).map(function (t) {
         return {
-          label: t.name,
+          label: tenantLabel(t),
           href: tenantHref(t),
           parts: [
             { value: t.failures_last_5m, cls: "fq-failed-bar", label: "failures, 5 min" },
@@ -339,7 +345,7 @@
       document.getElementById("fq-chart-served"),
       tenants.map(function (t) {
         return {
-          label: t.name,
+          label: tenantLabel(t),
           href: tenantHref(t),
           parts: [{ value: t.served, cls: "fq-served", label: "served" }],
           valueText: data.served ? (100 * t.served_share).toFixed(1) + " %" : "-",
