@@ -450,6 +450,16 @@ def _baseline(using: str, statements: dict[str, str], hi: int, connections: int)
     return time.monotonic() - started
 
 
+def _timing(outcome: Any) -> list[float]:
+    """A batch's rows, seconds in all, Spark phase and merge."""
+    return [
+        outcome.rows,
+        round(outcome.seconds, 2),
+        round(outcome.spark_seconds, 2),
+        round(outcome.merge_seconds, 2),
+    ]
+
+
 def _per_row(seconds: float | None, rows: int) -> float | None:
     return None if seconds is None else round(seconds / rows * 1e6, 2)
 
@@ -606,11 +616,7 @@ def _run(
                     if spark_before is None or spark_after is None
                     else spark_after - spark_before,
                     "match": _same(_checksums(using, rules), expected) and expected[0] == rows,
-                    "timings": [
-                        [o.rows, round(o.seconds, 2), round(o.spark_seconds, 2),
-                         round(o.merge_seconds, 2)]
-                        for o in outcomes
-                    ],  # fmt: skip
+                    "timings": [_timing(o) for o in outcomes],
                 }
 
             say(f"{rows:,} rows: Spark pipeline, atomic sink (Spark, staging, fenced merge)")
