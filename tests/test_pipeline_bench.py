@@ -171,3 +171,70 @@ def test_a_merge_among_other_tenants_keys_inserts_and_a_rerun_upserts_without_du
     ) == sorted([float(i) for i in range(2, 20, 2) if i != 4] + [104.0])
     assert ResultRow.objects.filter(tenant="other").count() == 10
     datastore.drop_staging("default", staging)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--master", "spark://"], "names no host"),
+        (["--partitions", "0"], "--partitions must be at least 1"),
+        (["--conf", "spark.executor.memory"], "--conf takes KEY=VALUE"),
+        (["--conf", "=1g"], "--conf takes KEY=VALUE"),
+    ],
+)
+@needs_spark
+@pytest.mark.django_db(transaction=True)
+def test_bench_refuses_bad_spark_options_before_it_builds_anything(
+    args: list[str], message: str
+) -> None:
+    from django.core.management import CommandError, call_command
+
+    with pytest.raises(CommandError, match=message):
+        call_command("fairpipeline", "bench", "--rows", "20", "--tenants", "2", *args)
+    from django.db import connection
+
+    with connection.cursor() as cur:  # it stopped before creating its tables
+        cur.execute("SELECT to_regclass(%s)", [bench.SOURCE])
+        assert cur.fetchone() == (None,)
+    assert not WorkBatch.objects.exists()
+
+
+def test_spark_overrides_replace_the_settings_entries_for_the_run_only(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from django_fairqueue.contrib.pipeline import spark as spark_module
+
+    monkeypatch.setattr(spark_module, "_session", None)  # no session yet in this process
+
+    settings.FAIRQUEUE_PIPELINE = {
+        "SPARK": {"MASTER": "local[1]", "CONF": {"spark.executor.memory": "1g"}}
+    }
+    with bench.spark_overrides("local[2]", 3, {"spark.driver.memory": "2g"}):
+        inside = spark_module.spark_settings()
+    outside = spark_module.spark_settings()
+    assert (inside.master, inside.partitions) == ("local[2]", 3)
+    assert inside.conf == {"spark.executor.memory": "1g", "spark.driver.memory": "2g"}
+    assert (outside.master, outside.partitions) == ("local[1]", None)
+    assert outside.conf == {"spark.executor.memory": "1g"}
+    with pytest.raises(ValueError, match="PARTITIONS"), bench.spark_overrides(partitions=-1):
+        pass
+
+
+@needs_spark
+@pytest.mark.spark
+@pytest.mark.django_db(transaction=True)
+def test_bench_on_another_master_than_the_running_session_is_refused(
+    spark: Any,  # noqa: F811
+    spark_settings: None,  # noqa: F811
+) -> None:
+    with pytest.raises(ValueError, match="already runs a Spark session on local\\[1\\]"):
+        bench.run(20, using="default", tenants=2, master="local[2]")
+    # The session's own master is accepted, and the result says where the tasks ran.
+    result = bench.run(
+        40, using="default", tenants=2, rules=4, direct=False, master="local[1]",
+        sql_connections=[1],
+    )  # fmt: skip
+    assert result.results_match
+    assert (result.master, result.executors, result.executors_measured) == ("local[1]", 0, 0)
+    assert [t[0] for t in result.batch_timings] and sum(t[0] for t in result.batch_timings) == 40
+    assert all(total >= spark_phase >= 0 for _, total, spark_phase, _ in result.batch_timings)

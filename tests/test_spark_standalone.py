@@ -366,3 +366,37 @@ def test_a_job_runs_on_a_standalone_cluster_that_two_drivers_share(
         f"\nstandalone cluster (master + 2 workers) up in {standalone.started_in:.1f} s; "
         f"two drivers' job in {took:.1f} s"
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_benchmark_runs_on_the_cluster_and_counts_its_executors_cpu(
+    standalone: Standalone, database_url: str
+) -> None:
+    # The settings say local[1] with spark.cores.max 1; --master, --partitions and --conf
+    # replace them for the run: two executors, one per worker.
+    done = subprocess.run(
+        [
+            sys.executable,
+            *("-m", "django", "fairpipeline", "--settings", "tests.settings", "bench"),
+            *("--rows", "600", "--tenants", "2", "--rules", "5", "--no-direct"),
+            *("--sql-connections", "1", "--json", "--master", standalone.url),
+            *("--partitions", "2", "--conf", "spark.cores.max=2"),
+        ],
+        cwd=ROOT,
+        env=driver_env(database_url, "local[1]"),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    (result,) = json.loads(done.stdout)
+    assert result["results_match"]
+    assert result["master"] == standalone.url
+    # Both executors run on this machine: their JVMs' CPU (and their Python workers') is
+    # counted, so the Spark CPU per row is measured.
+    assert (result["executors"], result["executors_measured"]) == (2, 2)
+    assert result["spark_cpu_us_per_row"] is not None and result["spark_cpu_us_per_row"] > 0
+    assert sum(t[0] for t in result["batch_timings"]) == 600
+    assert not WorkBatch.objects.exists()  # nothing of the run stays

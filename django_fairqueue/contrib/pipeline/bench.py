@@ -29,12 +29,13 @@ are removed when it ends (the tenants are named after the run, so no existing ch
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -191,13 +192,100 @@ class DatabaseCpu:
 
 
 def spark_cpu_seconds() -> float | None:
-    """CPU seconds of Spark's JVM and its Python workers (local mode), and of this process."""
+    """CPU seconds of Spark's JVM and its Python workers (local mode), of this process, and of
+    the executors of this application that run on this machine (a standalone cluster's
+    executor JVMs, each with its Python workers: :func:`local_executor_pids`)."""
     jvm = _jvm_pid()
     spark = tree_cpu_seconds(jvm) if jvm is not None else None
     if spark is None:
         return None
     own = resource.getrusage(resource.RUSAGE_SELF)
-    return spark + own.ru_utime + own.ru_stime
+    executors = sum(tree_cpu_seconds(pid) or 0.0 for pid in local_executor_pids())
+    return spark + own.ru_utime + own.ru_stime + executors
+
+
+def _application_id() -> str | None:
+    from django_fairqueue.contrib.pipeline import spark
+
+    session = spark._session
+    if session is None:
+        return None
+    try:
+        return str(session.sparkContext.applicationId)
+    except Exception:
+        return None
+
+
+def local_executor_pids() -> list[int]:
+    """Process ids of this application's executor JVMs on this machine (none in local mode,
+    where the driver's JVM runs the tasks): the processes started with Spark's executor class
+    and ``--app-id`` of this application."""
+    app = _application_id()
+    if app is None:
+        return []
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                args = cmdline.read().split(b"\0")
+        except OSError:
+            continue
+        if b"org.apache.spark.executor.CoarseGrainedExecutorBackend" not in args:
+            continue
+        with contextlib.suppress(ValueError, IndexError):
+            if args[args.index(b"--app-id") + 1].decode() == app:
+                found.append(int(entry))
+    return found
+
+
+def executor_count() -> int:
+    """Executors of this process's Spark application (0 in local mode)."""
+    from django_fairqueue.contrib.pipeline import spark
+
+    session = spark._session
+    return len(spark.executor_ids(session)) if session is not None else 0
+
+
+@contextlib.contextmanager
+def spark_overrides(
+    master: str | None = None,
+    partitions: int | None = None,
+    conf: Mapping[str, str] | None = None,
+) -> Iterator[None]:
+    """``FAIRQUEUE_PIPELINE['SPARK']`` with ``MASTER``, ``PARTITIONS`` and ``CONF`` entries
+    replaced for the benchmark's session (the same run on another master). ``ValueError`` if
+    they are invalid, or if this process already runs a Spark session on another master."""
+    from django.test.utils import override_settings
+
+    from django_fairqueue.contrib.pipeline import appconf, spark
+
+    if master is None and partitions is None and not conf:
+        yield
+        return
+    raw = dict(appconf.get()["SPARK"])
+    if master is not None:
+        raw["MASTER"] = master
+    if partitions is not None:
+        raw["PARTITIONS"] = partitions
+    if conf:
+        raw["CONF"] = {**raw.get("CONF", {}), **conf}
+    from django.conf import settings
+
+    current = getattr(settings, "FAIRQUEUE_PIPELINE", None) or {}
+    with override_settings(FAIRQUEUE_PIPELINE={**current, "SPARK": raw}):
+        settings_now = spark.spark_settings()
+        plan = spark.session_plan(settings_now)  # a master naming no host fails here
+        session = spark._session
+        if session is not None and master is not None:
+            running = str(session.sparkContext.master)
+            if running != plan.master:
+                raise ValueError(
+                    f"this process already runs a Spark session on {running}: the benchmark "
+                    f"cannot use {plan.master} (run it in a process of its own)"
+                )
+        yield
 
 
 @dataclass
@@ -231,6 +319,12 @@ class BenchResult:
     jvm_peak_rss_mb: float
     python_workers_peak_rss_mb: float
     load_average: list[float] = field(default_factory=list)  # 1-min, at start and end
+    master: str = ""  # the Spark master the pipeline ran on
+    executors: int = 0  # its executors (0: local mode, the driver's JVM runs the tasks)
+    #: Executors whose CPU is in spark_cpu_us_per_row (those on this machine).
+    executors_measured: int = 0
+    #: Each batch of the atomic run: rows, seconds in all, Spark phase, merge (in run order).
+    batch_timings: list[list[float]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -356,6 +450,16 @@ def _baseline(using: str, statements: dict[str, str], hi: int, connections: int)
     return time.monotonic() - started
 
 
+def _timing(outcome: Any) -> list[float]:
+    """A batch's rows, seconds in all, Spark phase and merge."""
+    return [
+        outcome.rows,
+        round(outcome.seconds, 2),
+        round(outcome.spark_seconds, 2),
+        round(outcome.merge_seconds, 2),
+    ]
+
+
 def _per_row(seconds: float | None, rows: int) -> float | None:
     return None if seconds is None else round(seconds / rows * 1e6, 2)
 
@@ -371,14 +475,46 @@ def run(
     direct: bool = True,
     sql_connections: Sequence[int] = (),
     say: Callable[[str], None] = print,
+    master: str | None = None,
+    partitions: int | None = None,
+    spark_conf: Mapping[str, str] | None = None,
 ) -> BenchResult:
-    from django_fairqueue.contrib.pipeline.execute import BatchOutcome
-    from django_fairqueue.contrib.pipeline.runner import PipelineRunner, plan
-
+    """One benchmark run (see the module doc). ``master``, ``partitions`` and ``spark_conf``
+    replace ``FAIRQUEUE_PIPELINE['SPARK']``'s ``MASTER``, ``PARTITIONS`` and ``CONF`` entries
+    for the run (the Spark session is built with them if this process has none yet)."""
     if tenants < 1 or rows < tenants:
         raise ValueError("the benchmark needs at least one tenant and one row per tenant")
     if rules < 3:
         raise ValueError("the benchmark's tenants have at least 3 rules")
+    with spark_overrides(master, partitions, spark_conf):
+        return _run(
+            rows,
+            using=using,
+            batch_size=batch_size,
+            tenants=tenants,
+            rules=rules,
+            contiguous=contiguous,
+            direct=direct,
+            sql_connections=sql_connections,
+            say=say,
+        )
+
+
+def _run(
+    rows: int,
+    *,
+    using: str,
+    batch_size: int | None,
+    tenants: int,
+    rules: int,
+    contiguous: bool,
+    direct: bool,
+    sql_connections: Sequence[int],
+    say: Callable[[str], None],
+) -> BenchResult:
+    from django_fairqueue.contrib.pipeline.execute import BatchOutcome
+    from django_fairqueue.contrib.pipeline.runner import PipelineRunner, plan
+
     spark = get_session()
     load = [round(os.getloadavg()[0], 1)]
     name = f"fqbench-{uuid.uuid4().hex[:8]}"
@@ -480,6 +616,7 @@ def run(
                     if spark_before is None or spark_after is None
                     else spark_after - spark_before,
                     "match": _same(_checksums(using, rules), expected) and expected[0] == rows,
+                    "timings": [_timing(o) for o in outcomes],
                 }
 
             say(f"{rows:,} rows: Spark pipeline, atomic sink (Spark, staging, fenced merge)")
@@ -521,6 +658,10 @@ def run(
             jvm_peak_rss_mb=round(jvm_peak_rss_bytes() / 2**20),
             python_workers_peak_rss_mb=round(_workers_rss_bytes() / 2**20),
             load_average=load,
+            master=str(spark.sparkContext.master),
+            executors=executor_count(),
+            executors_measured=len(local_executor_pids()),
+            batch_timings=atomic_run["timings"],
         )
     finally:
         datastore.drop_table(using, SOURCE)

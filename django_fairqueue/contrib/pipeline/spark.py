@@ -292,6 +292,11 @@ def session_plan(
         # Rows per Arrow batch from the JVM to the Python write tasks (default 10,000): fewer,
         # larger batches mean fewer CSV encodings and COPY writes per task.
         "spark.sql.execution.arrow.maxRecordsPerBatch": "100000",
+        # PySpark records the Python call site of every DataFrame function it is given (six
+        # round trips to the JVM and a walk of the stack each): compiling a tenant's 200
+        # formulas made ~32,000 such calls, seconds of CPU per tenant. The pipeline reports
+        # formula errors itself, so it needs no call sites in Spark's error messages.
+        "spark.python.sql.dataFrameDebugging.enabled": "false",
         python_key: python,
     }
     if local:

@@ -118,6 +118,26 @@ class Command(BaseCommand):
             help="Run the SQL baseline on N connections at once (repeatable; default: 1, then "
             "one per CPU core; the fastest is the baseline).",
         )
+        bench.add_argument(
+            "--master",
+            metavar="URL",
+            help="Run the pipeline on this Spark master (e.g. spark://host:7077 or local[2]) "
+            "instead of FAIRQUEUE_PIPELINE['SPARK']['MASTER'].",
+        )
+        bench.add_argument(
+            "--partitions",
+            type=int,
+            metavar="N",
+            help="Spark tasks per batch (FAIRQUEUE_PIPELINE['SPARK']['PARTITIONS']; on a "
+            "standalone master also its spark.cores.max unless CORES_MAX is set).",
+        )
+        bench.add_argument(
+            "--conf",
+            action="append",
+            metavar="KEY=VALUE",
+            help="A Spark property for the benchmark's session (repeatable), over "
+            "FAIRQUEUE_PIPELINE['SPARK']['CONF'].",
+        )
         bench.add_argument("--json", action="store_true", help="Print JSON.")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -402,6 +422,14 @@ class Command(BaseCommand):
             raise CommandError("--rules must be at least 3")
         if any(n < 1 for n in options["sql_connections"] or ()):
             raise CommandError("--sql-connections must be at least 1")
+        if options["partitions"] is not None and options["partitions"] < 1:
+            raise CommandError("--partitions must be at least 1")
+        spark_conf = {}
+        for item in options["conf"] or ():
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise CommandError(f"--conf takes KEY=VALUE, got {item!r}")
+            spark_conf[key.strip()] = value
         results = []
         for rows in sizes:
             try:
@@ -415,6 +443,9 @@ class Command(BaseCommand):
                     direct=not options["no_direct"],
                     sql_connections=options["sql_connections"] or (),
                     say=lambda text: self.stderr.write(text),
+                    master=options["master"],
+                    partitions=options["partitions"],
+                    spark_conf=spark_conf,
                 )
             except self._pipeline_errors() as exc:
                 raise CommandError(str(exc)) from None
@@ -438,6 +469,13 @@ class Command(BaseCommand):
         lines = [
             f"{r.rows:,} rows, {r.tenants} tenants ({layout} ids), {r.rules} rules per tenant, "
             f"{r.batches} batches per Spark run, load average {r.load_average}",
+            f"  Spark master {r.master}, "
+            + (
+                f"{r.executors} executor(s), {r.executors_measured} of them on this machine "
+                "(their CPU is counted)"
+                if r.executors
+                else "tasks in the driver's JVM"
+            ),
             f"  SQL baseline     {r.sql_seconds:7.1f} s ({r.sql_rows_per_second:,.0f} rows/s; "
             f"one connection {seconds(r.sql_serial_seconds)}, one per core "
             f"{seconds(r.sql_parallel_seconds)})  database CPU {cpu(r.sql_db_cpu_us_per_row)}",
