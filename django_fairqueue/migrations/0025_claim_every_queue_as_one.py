@@ -1,0 +1,20 @@
+"""A claim of every queue (``p_queues`` NULL, the default worker's) costs what a claim cost
+before queues: the one statement that reads the lowest and highest queue with claimable work
+also stands in for the group probe (skipped when no group is claimable in any queue), and
+whether one queue has work is decided by PL/pgSQL comparisons instead of another statement.
+
+The functions are installed again from this migration's own copy (``sql/0025_*.sql``); no
+signature changes. Reversing installs 0024's copy.
+"""
+
+from django.db import migrations
+
+from django_fairqueue.migrations._sql import migration_sql
+
+
+class Migration(migrations.Migration):
+    dependencies = [("fairqueue", "0024_queues")]
+
+    operations = [
+        migrations.RunSQL(migration_sql("0025_claim_every_queue_as_one"), migration_sql("0024_queues")),
+    ]
