@@ -24,7 +24,9 @@ difference measured). "before" is the claim as it was before queues: the claim f
 a migration's frozen copy (``before``, default ``0023_names_and_priorities_hold``), installed
 under another name, walking the indexes as they were (without the leading ``queue``); "after"
 is the live function with the indexes as migrated, called as the default worker calls it
-(every queue, ``p_queues`` NULL) and as ``runfairworker --queues default`` calls it. Rounds
+(every queue, ``p_queues`` NULL) and as ``runfairworker --queues default`` calls it; "first
+queues" is the first claim with queues (``first``, default ``0024_queues``: it found the
+queues with a statement of their own before the group probe), every queue. Rounds
 alternate the versions (the indexes are rebuilt for each: cheap at this size) and read the
 server backend's CPU time from ``/proc``. Cells, each call as the worker makes it (a wait of
 50 ms for held channels, housekeeping on), in a transaction rolled back so every call starts
@@ -111,6 +113,7 @@ def main(other_channels: int = 10_000) -> dict[str, Any]:
 
 
 BEFORE_FUNCTION = "fairqueue_claim_v1_ab_before"
+FIRST_FUNCTION = "fairqueue_claim_v1_ab_first"
 AB_CLAIM = (
     "SELECT count(*) FROM {function}("
     "%s, interval '5 minutes', 'bench-queues', NULL, NULL, NULL, true, 50, false{queues})"
@@ -126,6 +129,11 @@ AB_VERSIONS = {
         AB_CLAIM.format(function="fairqueue_claim_v1", queues=", ARRAY['default']"),
         "queue, ",
     ),
+    # the first version with queues (``first``), every queue: what the change replaced
+    "first queues, every queue": (
+        AB_CLAIM.format(function=FIRST_FUNCTION, queues=", NULL::text[]"),
+        "queue, ",
+    ),
 }
 #: cell: (claim limit, channels, ready messages per channel)
 AB_CELLS = {"idle poll": (1, 0, 0), "claim of 1": (1, 100, 1_000), "claim of 100": (100, 100, 1_000)}
@@ -137,34 +145,37 @@ def _claim_indexes(lead: str) -> str:
     return str(queues_migration._indexes(lead))
 
 
+def _claim_ddl(migration: str, name: str) -> str:
+    """A migration's frozen ``fairqueue_claim_v1``, renamed ``name``."""
+    return function_ddl(migration_sql(migration), "fairqueue_claim_v1").replace(
+        "FUNCTION fairqueue_claim_v1(", f"FUNCTION {name}(", 1
+    )
+
+
 def ab(
     before: str = "0023_names_and_priorities_hold",
-    rounds: int = 6,
+    rounds: int = 10,
     calls: int = 3_000,
-    after: str | None = None,
+    first: str = "0024_queues",
 ) -> dict[str, Any]:
     """Server CPU per claim, before queues and after, alternating in one session (see the
-    module docstring). Prints a line per cell and the figures as json. ``after`` names a
-    migration whose frozen claim function to measure as "after" instead of the live one."""
-    before_ddl = function_ddl(migration_sql(before), "fairqueue_claim_v1").replace(
-        "FUNCTION fairqueue_claim_v1(", f"FUNCTION {BEFORE_FUNCTION}(", 1
-    )
+    module docstring). Prints a line per cell and the figures as json."""
     live_ddl = function_ddl(store.functions_sql(), "fairqueue_claim_v1")
-    after_ddl = live_ddl if after is None else function_ddl(migration_sql(after), "fairqueue_claim_v1")
     cpu = backend_cpu(conf.get().DATABASE)
     if cpu is None:
         raise RuntimeError("the server backend's CPU time is not readable here")
     out: dict[str, Any] = {
         "before": before,
-        "after": after or "the live functions file",
+        "first": first,
         "rounds": rounds,
         "calls": calls,
         "cells": {},
     }
     try:
         with connection.cursor() as cur:
-            cur.execute(before_ddl)
-            cur.execute(after_ddl)
+            cur.execute(_claim_ddl(before, BEFORE_FUNCTION))
+            cur.execute(_claim_ddl(first, FIRST_FUNCTION))
+            cur.execute(live_ddl)
         for cell, (limit, channels, per_channel) in AB_CELLS.items():
             bench_db.truncate_queue_tables()
             if channels:
@@ -203,6 +214,7 @@ def ab(
         with connection.cursor() as cur:
             cur.execute(_claim_indexes("queue, "))
             cur.execute(f"DROP FUNCTION IF EXISTS {BEFORE_FUNCTION}")
+            cur.execute(f"DROP FUNCTION IF EXISTS {FIRST_FUNCTION}")
             cur.execute(live_ddl)
         bench_db.truncate_queue_tables()
     print("queues_ab", json.dumps(out))

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import io
 import json
+import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 from django.contrib.auth.models import Permission, User
 from django.core.management import call_command
@@ -21,6 +24,7 @@ from django_fairqueue.models import Channel, ChannelGroup, WorkerRecord
 from django_fairqueue.queues import SEPARATOR, row_name
 from django_fairqueue.worker import Worker, WorkerConfig
 from tests import factories as f
+from tests.test_integrity import in_thread
 
 LEASE = timedelta(minutes=5)
 ADD_URL = "/admin/fairqueue/channel/add/"
@@ -79,6 +83,49 @@ def test_a_claim_of_every_queue_passes_over_a_group_not_due_and_serves_the_chann
     got = claim(10, None)
     assert [m.channel for m in got] == ["solo", "solo"]
     assert claim(10, None) == []
+
+
+@pytest.fixture
+def side(database_url: str) -> Iterator[psycopg.Connection[Any]]:
+    """A second session, outside Django, with a transaction the test drives by hand."""
+    with psycopg.connect(database_url) as conn:
+        yield conn
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_idle_claim_of_every_queue_waits_for_a_channel_a_concurrent_claim_only_folded(
+    side: Any, settings: Any
+) -> None:
+    """Nothing is claimable in any queue in the claim's snapshot, but a concurrent claim (in a
+    transaction still open) has folded a new message of queue ``reports`` and serves nothing:
+    the claim of every queue waits for it and claims that message, in its queue."""
+    settings.FAIRQUEUE = {"CLAIM_WAIT": 2.0}
+    f.enqueue("empty", 1)
+    (taken,) = claim(1, None)  # "empty" has a channel row and nothing ready
+    f.enqueue_in_queue("reports", "folded", 1)  # a waking delta, not folded yet
+    empty = f.channel_ids(["empty"])["empty"]
+    rows = side.execute(
+        "SELECT channel_name FROM fairqueue_claim_v1(5, interval '5 minutes', 'other', %s)",
+        [[empty]],
+    ).fetchall()
+    assert rows == []  # it folded every waking delta, served nothing
+    got, out = in_thread(lambda: claim(5, None))
+    time.sleep(0.3)
+    assert got.is_alive()  # waiting for the channel the other claim folded
+    side.commit()
+    got.join(10)
+    assert [(m.queue, m.channel) for m in out["result"]] == [("reports", "folded")], out
+
+
+@pytest.mark.django_db
+def test_a_claim_of_every_queue_without_a_wait_folds_first_and_then_finds_nothing(
+    settings: Any,
+) -> None:
+    settings.FAIRQUEUE = {"CLAIM_WAIT": 0}
+    assert claim(5, None) == []
+    f.enqueue_in_queue("reports", "acme", 1)  # a waking delta: the claim folds it first
+    assert [(m.queue, m.channel) for m in claim(5, None)] == [("reports", "acme")]
+    assert claim(5, None) == []
 
 
 # ------------------------------------------------------------------------------------------

@@ -1478,6 +1478,7 @@ DECLARE
     v_ghi text;
     v_no_groups boolean := false;  -- no group is claimable in any queue (p_queues NULL)
     v_grouped boolean := false;  -- a group of v_queue is claimable now
+    v_nothing boolean := false;  -- no flow of any queue is claimable (p_queues NULL)
     v_got integer := 0;
     i integer;
 BEGIN
@@ -1539,6 +1540,7 @@ BEGIN
                 ORDER BY g.queue DESC LIMIT 1)
         INTO v_lo, v_hi, v_glo, v_ghi;
         v_no_groups := v_glo IS NULL;
+        v_nothing := v_lo IS NULL AND v_glo IS NULL;
         v_queue := coalesce(v_lo, v_glo, 'default');
         IF (v_hi IS NOT NULL AND v_hi <> v_queue)
            OR (v_glo IS NOT NULL AND v_glo <> v_queue)
@@ -1612,6 +1614,38 @@ BEGIN
             END LOOP;
             RETURN;
         END IF;
+    END IF;
+
+    -- A claim of every queue that found no claimable flow in any queue (an idle poll): no walk
+    -- can find a channel, held or not (a channel a concurrent claim holds is claimable in its
+    -- committed version, which the probe read). What a claim that may wait still waits for is
+    -- a channel a concurrent claim has just folded (step 2c below, the same statements): wait
+    -- for it, then walk its queue once with a new snapshot, without waiting again. Nothing
+    -- being folded: nothing to claim.
+    IF v_nothing THEN
+        IF coalesce(p_wait_ms, 0) <= 0 THEN
+            RETURN;
+        END IF;
+        SELECT d.channel_id INTO v_folding
+        FROM fairqueue_channel_delta d
+        WHERE d.wake
+          AND (p_only IS NULL OR d.channel_id = ANY (p_only))
+          AND (p_exclude IS NULL OR NOT (d.channel_id = ANY (p_exclude)))
+        ORDER BY d.id
+        LIMIT 1;
+        IF NOT FOUND THEN
+            RETURN;
+        END IF;
+        v_lock_timeout := current_setting('lock_timeout');
+        PERFORM set_config('lock_timeout', p_wait_ms || 'ms', true);
+        SELECT c.queue::text INTO v_queue
+        FROM fairqueue_channel c
+        WHERE c.id = v_folding
+        FOR UPDATE;
+        PERFORM set_config('lock_timeout', v_lock_timeout, true);
+        v_queue := coalesce(v_queue, 'default');
+        v_fold_waited := true;
+        v_now := clock_timestamp();
     END IF;
 
     -- Channel groups: when a group is claimable now (one probe of fq_group_turn_idx; the
