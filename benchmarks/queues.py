@@ -136,7 +136,11 @@ AB_VERSIONS = {
     ),
 }
 #: cell: (claim limit, channels, ready messages per channel)
-AB_CELLS = {"idle poll": (1, 0, 0), "claim of 1": (1, 100, 1_000), "claim of 100": (100, 100, 1_000)}
+AB_CELLS = {
+    "idle poll": (1, 0, 0),
+    "claim of 1": (1, 100, 1_000),
+    "claim of 100": (100, 100, 1_000),
+}
 
 
 def _claim_indexes(lead: str) -> str:
