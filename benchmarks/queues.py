@@ -161,9 +161,11 @@ def ab(
     rounds: int = 10,
     calls: int = 3_000,
     first: str = "0024_queues",
+    cells: tuple[str, ...] = tuple(AB_CELLS),
 ) -> dict[str, Any]:
     """Server CPU per claim, before queues and after, alternating in one session (see the
-    module docstring). Prints a line per cell and the figures as json."""
+    module docstring). Prints a line per cell and the figures as json. ``cells``: some of
+    ``AB_CELLS`` only."""
     live_ddl = function_ddl(store.functions_sql(), "fairqueue_claim_v1")
     cpu = backend_cpu(conf.get().DATABASE)
     if cpu is None:
@@ -180,7 +182,8 @@ def ab(
             cur.execute(_claim_ddl(before, BEFORE_FUNCTION))
             cur.execute(_claim_ddl(first, FIRST_FUNCTION))
             cur.execute(live_ddl)
-        for cell, (limit, channels, per_channel) in AB_CELLS.items():
+        for cell in cells:
+            limit, channels, per_channel = AB_CELLS[cell]
             bench_db.truncate_queue_tables()
             if channels:
                 _load([f"ab{i:03d}" for i in range(channels)], per_channel)

@@ -165,6 +165,22 @@ def test_a_worker_records_its_queues_in_the_registry() -> None:
 
 
 @pytest.mark.django_db
+def test_why_waiting_knows_which_queues_the_live_workers_serve() -> None:
+    from django_fairqueue import waiting
+
+    f.enqueue_in_queue("reports", "acme", 1)
+    reports_acme = Channel.objects.get(queue="reports").pk
+    registry.Registration("w-emails", concurrency=2, queues=["emails"]).register()
+    why = waiting.channel(reports_acme)
+    assert why.cause == "no_worker_for_channel" and "--queues" in why.text
+    # a worker of "reports" limited to channel "acme" (the name within the queue) serves it
+    registry.Registration(
+        "w-reports", concurrency=2, queues=["reports"], channels=["acme"]
+    ).register()
+    assert waiting.channel(reports_acme).cause == "next"
+
+
+@pytest.mark.django_db
 def test_the_workers_admin_page_shows_each_workers_queues(admin_client: Client) -> None:
     registry.Registration("w-reports", concurrency=2, queues=["reports"]).register()
     registry.Registration("w-all", concurrency=2).register()
