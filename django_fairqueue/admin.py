@@ -371,6 +371,8 @@ class ChannelForm(_ChannelFormBase):
             raise ValidationError(str(exc)) from None
 
     def clean_queue_name(self) -> str:
+        if self.add_prefix("queue_name") not in self.data:
+            return DEFAULT_QUEUE  # a post without the field (a script of before queues)
         queue = self.cleaned_data.get("queue_name") or ""
         try:
             return validate_queue_name(queue)

@@ -165,6 +165,33 @@ def test_a_worker_records_its_queues_in_the_registry() -> None:
 
 
 @pytest.mark.django_db
+def test_status_counts_each_queues_live_workers_and_warns_of_a_queue_none_serves() -> None:
+    f.enqueue_in_queue("reports", "acme", 2)
+    f.enqueue("plain", 1)
+    registry.Registration("w-emails", concurrency=2, queues=["emails"]).register()
+    out = io.StringIO()
+    call_command("fairqueue", "status", "--json", stdout=out)
+    queues = json.loads(out.getvalue())["queues"]
+    assert queues["reports"]["live_workers"] == queues["default"]["live_workers"] == 0
+    out = io.StringIO()
+    call_command("fairqueue", "status", stdout=out)
+    assert "reports 1 channels, 2 ready, 0 running, 0 live workers" in out.getvalue()
+    assert "WARNING: no live worker serves queues default, reports:" in out.getvalue()
+    registry.Registration("w-reports", concurrency=2, queues=["reports", "emails"]).register()
+    out = io.StringIO()
+    call_command("fairqueue", "status", stdout=out)
+    assert "WARNING: no live worker serves queue default:" in out.getvalue()
+    registry.Registration("w-all", concurrency=2).register()
+    out = io.StringIO()
+    call_command("fairqueue", "status", "--json", stdout=out)
+    queues = json.loads(out.getvalue())["queues"]
+    assert (queues["reports"]["live_workers"], queues["default"]["live_workers"]) == (2, 1)
+    out = io.StringIO()
+    call_command("fairqueue", "status", stdout=out)
+    assert "no live worker serves" not in out.getvalue()
+
+
+@pytest.mark.django_db
 def test_why_waiting_knows_which_queues_the_live_workers_serve() -> None:
     from django_fairqueue import waiting
 
@@ -234,6 +261,7 @@ def test_the_admin_refuses_bad_queue_and_channel_names_with_a_form_error(
         return " ".join(text for texts in form_errors.values() for text in texts)
 
     assert "queue name must not be empty" in errors("acme", "").lower()
+    assert "queue name must not be empty" in errors("acme", "   ").lower()
     assert "null characters are not allowed" in errors("acme", "rep\x00orts").lower()
     assert "the most is 64" in errors("acme", "q" * 65)
     assert "may hold only letters, digits" in errors("acme", "bad queue")
