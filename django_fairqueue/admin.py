@@ -50,6 +50,7 @@ from django.views.decorators.http import require_POST
 from django_fairqueue import adminlist, batches, conf, overview, registry, stats, store, waiting
 from django_fairqueue.api import validate_channel_name, validate_group_name
 from django_fairqueue.exceptions import InvalidChannel, InvalidQueue
+from django_fairqueue.limits import CHANNEL_NAME_MAX_LENGTH
 from django_fairqueue.models import (
     BatchState,
     Channel,
@@ -59,7 +60,7 @@ from django_fairqueue.models import (
     WorkBatch,
     WorkerRecord,
 )
-from django_fairqueue.queues import validate_queue_name
+from django_fairqueue.queues import DEFAULT_QUEUE, row_name, validate_queue_name
 from django_fairqueue.schedule_admin import ScheduleAdmin, ScheduleInline
 
 __all__ = [
@@ -346,11 +347,30 @@ def _duration(value: timedelta | None) -> str:
 
 
 class ChannelForm(_ChannelFormBase):
-    """A channel's limits, checked with the same rules as FAIRQUEUE['CHANNEL_DEFAULTS']."""
+    """A channel's limits, checked with the same rules as FAIRQUEUE['CHANNEL_DEFAULTS'].
+
+    Adding, also its queue (``queue_name``): the channel ``acme`` of queue ``reports`` is the
+    row named ``reports<U+001F>acme``, as enqueue names it, and the database sets the row's
+    ``queue`` from that name. Names are checked as enqueue checks them."""
+
+    queue_name = forms.CharField(
+        label=_("Queue"),
+        initial=DEFAULT_QUEUE,
+        required=False,
+        help_text=_(
+            "The queue the channel belongs to (workers started with --queues serve only "
+            "theirs). Letters, digits, '_', '.' and '-'."
+        ),
+    )
 
     class Meta:
         model = Channel
         fields = ["name", *EDITABLE_LIMITS]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.instance.pk is not None:  # a channel's queue is part of its identity
+            self.fields.pop("queue_name", None)
 
     def clean_name(self) -> str:
         try:
@@ -358,8 +378,31 @@ class ChannelForm(_ChannelFormBase):
         except InvalidChannel as exc:
             raise ValidationError(str(exc)) from None
 
+    def clean_queue_name(self) -> str:
+        if self.add_prefix("queue_name") not in self.data:
+            return DEFAULT_QUEUE  # a post without the field (a script of before queues)
+        queue = self.cleaned_data.get("queue_name") or ""
+        try:
+            return validate_queue_name(queue)
+        except InvalidQueue as exc:
+            text = str(exc)
+            raise ValidationError(text[:1].upper() + text[1:]) from None
+
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
+        queue = data.get("queue_name")
+        if "queue_name" in self.fields and queue and data.get("name"):
+            # the row's name, as enqueue names it: unique among all queues' channels
+            row = row_name(queue, data["name"])
+            if len(row) > CHANNEL_NAME_MAX_LENGTH:
+                self.add_error(
+                    "name",
+                    f"Channel name is too long for queue {queue!r}: queue and channel names "
+                    f"together take {len(row)} of the {CHANNEL_NAME_MAX_LENGTH} characters a "
+                    "channel row's name may have",
+                )
+            else:
+                data["name"] = row
         defaults = {"max_concurrency": None, "release_interval": timedelta(0), "weight": 1}
         # One limit at a time, so each message lands under its own field.
         for name in ("max_concurrency", "release_interval", "weight", "max_backlog"):
@@ -575,7 +618,7 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
     # oldest waits, failures), then the rest; the limits come last.
     list_display = [
         "name_display",
-        "queue",
+        "queue_display",
         "ready_display",
         "running_display",
         "oldest_ready_display",
@@ -676,8 +719,8 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
         return super().get_inline_instances(request, obj)
 
     def get_fieldsets(self, request: HttpRequest, obj: Channel | None = None) -> Any:
-        if obj is None:  # adding: only the name and the limits
-            return self.fieldsets[:2]
+        if obj is None:  # adding: the name, its queue and the limits
+            return [(None, {"fields": ["name", "queue_name"]}), self.fieldsets[1]]
         # the name within its queue, beside the queue
         return [(None, {"fields": ["name_display", "queue", "group_display"]}), *self.fieldsets[1:]]
 
@@ -713,6 +756,12 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
         # the name within its queue (the row of channel "acme" in queue "reports" is named
         # "reports<U+001F>acme"; the queue has its own column)
         return obj.short_name
+
+    @admin.display(description=_("queue"), ordering="queue")
+    def queue_display(self, obj: Channel) -> str:
+        # a link to the list of this queue's channels: any queue, not only those the filter
+        # offers (the default queue and the registered tasks' queues)
+        return format_html('<a href="?{}">{}</a>', urlencode({"queue": obj.queue}), obj.queue)
 
     @admin.display(description=_("group"), ordering="group__name")
     def group_display(self, obj: Channel) -> str:
@@ -1548,6 +1597,7 @@ class WorkerAdmin(adminlist.NulSafeAdmin, _WorkerAdminBase):
         "started_at",
         "heartbeat_at",
         "last_claim_at",
+        "queues_display",
         "filters_display",
     ]
     list_filter = ["state", "host"]
@@ -1576,6 +1626,10 @@ class WorkerAdmin(adminlist.NulSafeAdmin, _WorkerAdminBase):
     @admin.display(description=_("running / threads"), ordering="running")
     def running_display(self, obj: WorkerRecord) -> str:
         return f"{obj.running} / {obj.concurrency}" if obj.state == "running" else "-"
+
+    @admin.display(description=_("queues"))
+    def queues_display(self, obj: WorkerRecord) -> str:
+        return str(_("all")) if obj.queues is None else ", ".join(obj.queues)
 
     @admin.display(description=_("channels"))
     def filters_display(self, obj: WorkerRecord) -> str:

@@ -774,6 +774,8 @@ class WorkerRecord(models.Model):
     #: channel filters (--channels / --exclude-channels); empty lists: every channel
     channels = models.JSONField(default=list)
     exclude_channels = models.JSONField(default=list)
+    #: the queues it claims from (--queues), in its order; NULL: every queue
+    queues = models.JSONField(null=True, blank=True, default=None)
     state = models.CharField(max_length=16, choices=WorkerState.choices)
     started_at = models.DateTimeField()
     heartbeat_at = models.DateTimeField()

@@ -48,11 +48,13 @@ class Registration:
         concurrency: int,
         channels: Sequence[str] = (),
         exclude_channels: Sequence[str] = (),
+        queues: Sequence[str] | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.concurrency = concurrency
         self.channels = channels
         self.exclude_channels = exclude_channels
+        self.queues = queues  # None: every queue
 
     def register(self) -> int:
         """Record this worker as running; returns how many leases of a previous process with
@@ -65,6 +67,7 @@ class Registration:
             concurrency=self.concurrency,
             channels=list(self.channels),
             exclude_channels=list(self.exclude_channels),
+            queues=None if self.queues is None else list(self.queues),
         )
         if orphaned:
             logger.warning(
@@ -137,6 +140,8 @@ class WorkerView:
     started_at: datetime
     heartbeat_at: datetime
     last_claim_at: datetime | None
+    #: the queues it claims from, in its order; None: every queue
+    queues: list[str] | None = None
 
     def as_dict(self) -> dict[str, object]:
         out = dict(self.__dict__)
@@ -180,10 +185,16 @@ def workers(now: datetime | None = None) -> list[WorkerView]:
                 w.started_at,
                 w.heartbeat_at,
                 w.last_claim_at,
+                list(w.queues) if w.queues is not None else None,
             )
         )
     order = {"alive": 0, "silent": 1, "dead": 2, "stopped": 3}
     return sorted(rows, key=lambda r: order.get(r.state, 4))
+
+
+def queues_text(queues: Sequence[str] | None) -> str:
+    """How a worker's queues read for operators: ``"all"`` or the names, comma-separated."""
+    return "all" if queues is None else ", ".join(queues)
 
 
 def live(views: list[WorkerView]) -> list[WorkerView]:

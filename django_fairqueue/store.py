@@ -1592,9 +1592,11 @@ def register_worker(
     concurrency: int,
     channels: Sequence[str],
     exclude_channels: Sequence[str],
+    queues: Sequence[str] | None = None,
     using: str | None = None,
 ) -> int:
-    """Record a worker as running; returns the leases of a predecessor with its id it expired."""
+    """Record a worker as running; returns the leases of a predecessor with its id it expired.
+    ``queues``: the queues it serves, None for every queue."""
     params = {
         "worker_id": worker_id,
         "host": host,
@@ -1603,6 +1605,7 @@ def register_worker(
         "concurrency": concurrency,
         "channels": Jsonb(list(channels)),
         "exclude_channels": Jsonb(list(exclude_channels)),
+        "queues": None if queues is None else Jsonb(list(queues)),
     }
     return int(_run("register_worker", params, using)[0][0])
 

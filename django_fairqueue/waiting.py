@@ -24,6 +24,7 @@ from datetime import datetime, timedelta
 
 from django_fairqueue import conf, overview, registry, store
 from django_fairqueue.models import Message, MessageState
+from django_fairqueue.queues import split_row_name
 
 #: The window of claims the estimate is based on (the statistics hold one row per minute).
 RATE_MINUTES = 5
@@ -90,7 +91,7 @@ def _channel_cause(
         return Why(
             "no_worker_for_channel",
             f"no live worker serves this channel: the {len(alive)} live ones are limited to "
-            "other channels (--channels / --exclude-channels)",
+            "other queues or channels (--queues / --channels / --exclude-channels)",
         )
     rate = state.claimed_recently / (RATE_MINUTES * 60)
     if state.ahead == 0:
@@ -105,7 +106,12 @@ def _channel_cause(
     )
 
 
-def _serves(view: registry.WorkerView, name: str) -> bool:
+def _serves(view: registry.WorkerView, row: str) -> bool:
+    """Whether the worker of ``view`` claims from the channel row named ``row``: its queue is
+    one the worker serves, and its name (within the queue) passes the channel filters."""
+    queue, name = split_row_name(row)
+    if view.queues is not None and queue not in view.queues:
+        return False
     if view.channels:
         return name in view.channels
     return name not in view.exclude_channels

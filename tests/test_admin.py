@@ -791,7 +791,9 @@ def test_status_table_and_json(queue: dict[str, Any]) -> None:
     data = json.loads(out.getvalue())
     assert [(c["name"], c["queue"]) for c in data["channels"]] == [("alpha", "default")]
     assert data["channels"][0]["ready"] == 5
-    assert data["queues"] == {"default": {"channels": 3, "ready": 6, "running": 1}}
+    assert data["queues"] == {
+        "default": {"channels": 3, "ready": 6, "running": 1, "live_workers": 0}
+    }
     assert data["totals"] == {
         "channels": 3,
         "backlogged": 2,

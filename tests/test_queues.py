@@ -295,11 +295,14 @@ def test_status_shows_each_channels_queue_and_the_queues_totals() -> None:
     text = out.getvalue()
     rows = {tuple(line.split()[:3]) for line in text.splitlines()}
     assert ("acme", "reports", "3") in rows and ("acme", "default", "2") in rows
-    assert "Queues: default 1 channels, 2 ready, 0 running; reports 2 channels, 4 ready" in text
+    assert (
+        "Queues: default 1 channels, 2 ready, 0 running, 0 live workers; reports 2 channels, "
+        "4 ready, 0 running, 0 live workers." in text
+    )
     out = io.StringIO()
     call_command("fairqueue", "status", "--json", stdout=out)
     data = json.loads(out.getvalue())
-    assert data["queues"]["reports"] == {"channels": 2, "ready": 4, "running": 0}
+    assert data["queues"]["reports"] == {"channels": 2, "ready": 4, "running": 0, "live_workers": 0}
     assert {"name": "g", "queue": "reports"}.items() <= data["groups"][0].items()
     out = io.StringIO()
     call_command("fairqueue", "status", "acme", "--queue", "reports", "--json", stdout=out)
@@ -331,7 +334,8 @@ def test_the_admin_lists_and_filters_by_queue(admin_client: Any) -> None:
     page = admin_client.get("/admin/fairqueue/channel/?queue=reports").content.decode()
     assert "bolt" in page and "acme" not in page.split("<tbody>")[1]
     page = admin_client.get("/admin/fairqueue/channel/").content.decode()
-    assert 'href="?queue=reports"' in page  # the filter offers the registered tasks' queues
+    # the filter offers the registered tasks' queues
+    assert 'href="?queue=reports"' in page.split('id="changelist-filter"')[1]
     page = admin_client.get("/admin/fairqueue/message/?queue=reports").content.decode()
     assert "bolt [reports]" in page and ">acme<" not in page
     bolt = Channel.objects.get(queue="reports")

@@ -155,7 +155,7 @@ def snapshot(
             "dead": sum(1 for v in views if v.state == "dead"),
         },
         "finished_last_5m": sum(stats.finished_of(recent).values()),
-        "queues": _queues(counts.values()),
+        "queues": _queues(counts.values(), alive),
         "channels": [_in_queue(row.as_dict(now)) for row in overview.rows(ids)],
         **_groups(limit, queue),
     }
@@ -167,14 +167,17 @@ def _in_queue(row: dict[str, Any]) -> dict[str, Any]:
     return {**row, "name": name, "queue": queue}
 
 
-def _queues(counts: Any) -> dict[str, dict[str, int]]:
-    """Per queue: its channels, and their ready and running messages."""
+def _queues(counts: Any, alive: list[registry.WorkerView]) -> dict[str, dict[str, int]]:
+    """Per queue: its channels, their ready and running messages, and the live workers that
+    serve it (those of every queue, and those started with --queues naming it)."""
     out: dict[str, dict[str, int]] = {}
     for c in counts:
         q = out.setdefault(split_row_name(c.name)[0], {"channels": 0, "ready": 0, "running": 0})
         q["channels"] += 1
         q["ready"] += c.ready
         q["running"] += c.running
+    for name, q in out.items():
+        q["live_workers"] = sum(1 for v in alive if v.queues is None or name in v.queues)
     return dict(sorted(out.items()))
 
 
@@ -310,7 +313,8 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
         out.append(
             "Queues: "
             + "; ".join(
-                f"{name} {q['channels']:,} channels, {q['ready']:,} ready, {q['running']:,} running"
+                f"{name} {q['channels']:,} channels, {q['ready']:,} ready, "
+                f"{q['running']:,} running, {q['live_workers']:,} live workers"
                 for name, q in data["queues"].items()
             )
             + "."
@@ -330,6 +334,18 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
         out.append(
             "WARNING: no live worker: nothing will run. Messages shown as running belong to "
             "dead workers and are requeued once their leases expire and a worker rescues them."
+        )
+    unserved = [
+        name
+        for name, q in (data.get("queues") or {}).items()
+        if q["ready"] and not q["live_workers"]
+    ]
+    if w["live"] and unserved:
+        out.append(
+            f"WARNING: no live worker serves queue{'s' if len(unserved) > 1 else ''} "
+            f"{', '.join(unserved)}: its ready messages wait until a worker of every queue, or "
+            "one started with --queues naming it, runs (manage.py fairqueue workers shows "
+            "each worker's queues)."
         )
     return "\n".join(out)
 

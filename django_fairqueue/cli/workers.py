@@ -1,5 +1,8 @@
 """List the workers in the registry: alive, silent, dead or stopped, and what each runs.
 
+QUEUES is what the worker claims from: "all" (every queue, the default), or the queues it
+was started with (runfairworker --queues), in its order.
+
 A worker beats every FAIRQUEUE['WORKER_HEARTBEAT'] seconds; one silent for longer than
 WORKER_DEAD_AFTER is dead, and the maintenance loop of any live worker then requeues the
 messages it was running. Stopped and dead workers stay listed for a day.
@@ -30,7 +33,18 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
     if not views:
         stdout.write("No workers have registered (start one with manage.py runfairworker).")
         return
-    header = ("WORKER", "STATE", "HOST", "PID", "VERSION", "RUNNING", "HANDLED", "BEAT", "CLAIM")
+    header = (
+        "WORKER",
+        "STATE",
+        "HOST",
+        "PID",
+        "VERSION",
+        "QUEUES",
+        "RUNNING",
+        "HANDLED",
+        "BEAT",
+        "CLAIM",
+    )
     lines = [header]
     for v in views:
         beat = overview.format_age((now - v.heartbeat_at).total_seconds())
@@ -42,6 +56,7 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
                 printable(v.host),
                 str(v.pid),
                 printable(v.version),
+                printable(registry.queues_text(v.queues)),
                 f"{v.running}/{v.concurrency}",
                 f"{v.handled:,}",
                 f"{beat} ago",

@@ -1503,6 +1503,9 @@ DECLARE
     v_hi text;
     v_glo text;
     v_ghi text;
+    v_no_groups boolean := false;  -- no group is claimable in any queue (p_queues NULL)
+    v_grouped boolean := false;  -- a group of v_queue is claimable now
+    v_nothing boolean := false;  -- no flow of any queue is claimable (p_queues NULL)
     v_got integer := 0;
     i integer;
 BEGIN
@@ -1534,39 +1537,52 @@ BEGIN
     -- waits for a channel a concurrent claim holds or has just folded).
     IF cardinality(p_queues) = 1 THEN
         v_queue := p_queues[1];
-    ELSE
-        v_queues := p_queues;
-        IF p_queues IS NULL THEN
-            -- All queues. First the lowest and highest queue of a claimable flow (the first
-            -- and last entries of the two turn indexes): when they agree, that is the one queue
-            -- with work (a project with one queue, always), and nothing more is read.
-            SELECT (SELECT c.queue::text FROM fairqueue_channel c
-                    WHERE c.ready_count > 0
-                   AND NOT c.paused
-                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
-                   AND c.group_id IS NULL
-                    ORDER BY c.queue LIMIT 1),
-                   (SELECT c.queue::text FROM fairqueue_channel c
-                    WHERE c.ready_count > 0
-                   AND NOT c.paused
-                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
-                   AND c.group_id IS NULL
-                    ORDER BY c.queue DESC LIMIT 1),
-                   (SELECT g.queue::text FROM fairqueue_channel_group g
-                    WHERE g.claimable > 0
-                   AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
-                    ORDER BY g.queue LIMIT 1),
-                   (SELECT g.queue::text FROM fairqueue_channel_group g
-                    WHERE g.claimable > 0
-                   AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
-                    ORDER BY g.queue DESC LIMIT 1)
-            INTO v_lo, v_hi, v_glo, v_ghi;
-            v_queues := ARRAY(SELECT DISTINCT q FROM unnest(ARRAY[v_lo, v_hi, v_glo, v_ghi]) AS q
-                              WHERE q IS NOT NULL);
+    ELSIF p_queues IS NULL THEN
+        -- All queues. One statement reads the lowest and highest queue of a claimable flow
+        -- (the first and last entries of the two turn indexes, no lock). It stands in for
+        -- the group probe below, so a claim of every queue runs as many statements as a
+        -- claim of one: no claimable group at all, and that probe is skipped. When the
+        -- queues found agree, that is the one queue with work (a project with one queue,
+        -- always), or none has work, and nothing more is read; the comparisons are PL/pgSQL
+        -- expressions, not statements.
+        SELECT (SELECT c.queue::text FROM fairqueue_channel c
+                WHERE c.ready_count > 0
+                  AND NOT c.paused
+                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                  AND c.group_id IS NULL
+                ORDER BY c.queue LIMIT 1),
+               (SELECT c.queue::text FROM fairqueue_channel c
+                WHERE c.ready_count > 0
+                  AND NOT c.paused
+                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                  AND c.group_id IS NULL
+                ORDER BY c.queue DESC LIMIT 1),
+               (SELECT g.queue::text FROM fairqueue_channel_group g
+                WHERE g.claimable > 0
+                  AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                ORDER BY g.queue LIMIT 1),
+               (SELECT g.queue::text FROM fairqueue_channel_group g
+                WHERE g.claimable > 0
+                  AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                ORDER BY g.queue DESC LIMIT 1)
+        INTO v_lo, v_hi, v_glo, v_ghi;
+        v_no_groups := v_glo IS NULL;
+        v_nothing := v_lo IS NULL AND v_glo IS NULL;
+        v_queue := coalesce(v_lo, v_glo, 'default');
+        IF (v_hi IS NOT NULL AND v_hi <> v_queue)
+           OR (v_glo IS NOT NULL AND v_glo <> v_queue)
+           OR (v_ghi IS NOT NULL AND v_ghi <> v_queue) THEN
+            -- Several queues have work. Every queue with a claimable flow, found by skipping
+            -- through the two turn indexes from queue to queue (one probe per queue and
+            -- index), then served in turn below.
+            v_queue := NULL;
+            v_no_groups := false;
         END IF;
-        IF cardinality(v_queues) > 1 AND p_queues IS NULL THEN
-            -- Several: every queue with a claimable flow, found by skipping through the two
-            -- turn indexes from queue to queue (one probe per queue and index).
+    ELSE
+        v_queues := p_queues;  -- several named (or none: the default queue)
+    END IF;
+    IF v_queue IS NULL THEN
+        IF p_queues IS NULL THEN
             WITH RECURSIVE cq AS (
                 (SELECT c.queue::text AS q
                  FROM fairqueue_channel c
@@ -1627,20 +1643,56 @@ BEGIN
         END IF;
     END IF;
 
+    -- A claim of every queue that found no claimable flow in any queue (an idle poll): no walk
+    -- can find a channel, held or not (a channel a concurrent claim holds is claimable in its
+    -- committed version, which the probe read). What a claim that may wait still waits for is
+    -- a channel a concurrent claim has just folded (step 2c below, the same statements): wait
+    -- for it, then walk its queue once with a new snapshot, without waiting again. Nothing
+    -- being folded: nothing to claim.
+    IF v_nothing THEN
+        IF coalesce(p_wait_ms, 0) <= 0 THEN
+            RETURN;
+        END IF;
+        SELECT d.channel_id INTO v_folding
+        FROM fairqueue_channel_delta d
+        WHERE d.wake
+          AND (p_only IS NULL OR d.channel_id = ANY (p_only))
+          AND (p_exclude IS NULL OR NOT (d.channel_id = ANY (p_exclude)))
+        ORDER BY d.id
+        LIMIT 1;
+        IF NOT FOUND THEN
+            RETURN;
+        END IF;
+        v_lock_timeout := current_setting('lock_timeout');
+        PERFORM set_config('lock_timeout', p_wait_ms || 'ms', true);
+        SELECT c.queue::text INTO v_queue
+        FROM fairqueue_channel c
+        WHERE c.id = v_folding
+        FOR UPDATE;
+        PERFORM set_config('lock_timeout', v_lock_timeout, true);
+        v_queue := coalesce(v_queue, 'default');
+        v_fold_waited := true;
+        v_now := clock_timestamp();
+    END IF;
+
     -- Channel groups: when a group is claimable now (one probe of fq_group_turn_idx; the
     -- ORDER BY keeps a generic plan on the index, where EXISTS was a sequential scan that
     -- reads every group not claimable), the claim walks groups and ungrouped channels together
     -- (fairqueue_claim_grouped_v1). Without groups, or while none is claimable, the walk below
     -- sees ungrouped channels only (their indexes hold no grouped channel), exactly as before
     -- groups existed.
-    PERFORM FROM fairqueue_channel_group g
-    WHERE g.claimable > 0
-      AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
-      AND g.queue = v_queue
-      AND g.next_turn_at <= v_now
-    ORDER BY g.next_turn_at, g.id
-    LIMIT 1;
-    IF FOUND THEN
+    -- (A claim of every queue that found no claimable group skips the probe.)
+    IF NOT v_no_groups THEN
+        PERFORM FROM fairqueue_channel_group g
+        WHERE g.claimable > 0
+          AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+          AND g.queue = v_queue
+          AND g.next_turn_at <= v_now
+        ORDER BY g.next_turn_at, g.id
+        LIMIT 1;
+        v_grouped := FOUND;
+    END IF;
+    IF v_grouped THEN
         RETURN QUERY SELECT * FROM fairqueue_claim_grouped_v1(
             p_limit, p_lease, p_worker, p_only, p_exclude, v_quantum, p_wait_ms, p_by_time,
             v_now, v_queue);

@@ -1238,16 +1238,17 @@ ORDER BY b.job_name;
 -- is made to expire now, and the rescuer requeues it. Returns how many leases were expired.
 WITH registered AS (
     INSERT INTO fairqueue_worker AS w (
-        worker_id, host, pid, version, concurrency, channels, exclude_channels, state,
+        worker_id, host, pid, version, concurrency, channels, exclude_channels, queues, state,
         started_at, heartbeat_at, last_claim_at, running, handled, stopped_at
     )
     VALUES (%(worker_id)s::text, %(host)s::text, %(pid)s::integer, %(version)s::text,
             %(concurrency)s::integer, %(channels)s::jsonb, %(exclude_channels)s::jsonb,
-            'running', clock_timestamp(), clock_timestamp(), NULL, 0, 0, NULL)
+            %(queues)s::jsonb, 'running', clock_timestamp(), clock_timestamp(), NULL, 0, 0, NULL)
     ON CONFLICT (worker_id) DO UPDATE
     SET host = EXCLUDED.host, pid = EXCLUDED.pid, version = EXCLUDED.version,
         concurrency = EXCLUDED.concurrency, channels = EXCLUDED.channels,
-        exclude_channels = EXCLUDED.exclude_channels, state = 'running',
+        exclude_channels = EXCLUDED.exclude_channels, queues = EXCLUDED.queues,
+        state = 'running',
         started_at = EXCLUDED.started_at, heartbeat_at = EXCLUDED.heartbeat_at,
         last_claim_at = NULL, running = 0, handled = 0, stopped_at = NULL
     RETURNING w.worker_id

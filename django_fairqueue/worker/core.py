@@ -100,6 +100,7 @@ class Worker(Claimer, TimeLimits, Settler, Heartbeat, Listener):
             concurrency=self.config.concurrency,
             channels=self.config.channels,
             exclude_channels=self.config.exclude_channels,
+            queues=self.config.queues,
         )
         registration.register()
         with stop_signals(self._on_signal):

@@ -240,6 +240,7 @@ def child_flags(options: dict[str, Any]) -> list[str]:
     for name in (
         "channels",
         "exclude_channels",
+        "queues",
         "poll_interval",
         "lease",
         "burst_horizon",
