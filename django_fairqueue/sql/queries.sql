@@ -899,15 +899,28 @@ SELECT retried.id FROM retried;
 
 -- name: select_next_due
 -- Seconds until a claim could take a message (of these channels, or all but the excluded, of
--- these queues or all), if
--- within the horizon; else NULL; zero or less when one is claimable now. Lock-free: what a
--- worker whose claim came back empty asks to decide when to claim again: the next turn of a rate-limited channel that has ready messages and
--- a free slot, or the run_at of the next scheduled message (a retry, a delayed message) of a
--- channel not paused. Differences of the database's own clock, never compared with the caller's.
+-- these queues or all), if within the horizon; else NULL; zero or less when one is claimable
+-- now. Lock-free: what a worker whose claim came back empty asks to decide when to claim
+-- again: the next turn of a rate-limited channel that has ready messages and a free slot (for
+-- a channel in a group, the later of its own turn and its group's, and only while the group
+-- too has a free slot), or the run_at of the next scheduled message (a retry, a delayed
+-- message) of a channel not paused. It agrees with fairqueue_claim_v1 on what a claim can
+-- take, counting the counter changes not folded yet (the claim folds them first), so a burst
+-- worker never waits for work that only other workers' running messages keep from it.
+-- Differences of the database's own clock, never compared with the caller's.
 WITH horizon AS (
     SELECT clock_timestamp() AS now, clock_timestamp() + %(horizon)s::interval AS until
+), group_freed AS (
+    -- slots of groups freed by settlements not folded yet (running deltas are never
+    -- positive): one pass over the pending deltas, which the fold keeps few
+    SELECT gc.group_id, sum(gd.running) AS running
+    FROM fairqueue_channel_delta gd
+    JOIN fairqueue_channel gc ON gc.id = gd.channel_id
+    WHERE gd.running <> 0 AND gc.group_id IS NOT NULL
+    GROUP BY gc.group_id
 ), next_turn AS (
-    SELECT min(c.next_turn_at) AS at
+    SELECT min(CASE WHEN g.id IS NULL THEN c.next_turn_at
+                    ELSE greatest(c.next_turn_at, gt.at) END) AS at
     FROM fairqueue_channel c
     CROSS JOIN horizon h
     LEFT JOIN LATERAL (
@@ -916,11 +929,24 @@ WITH horizon AS (
         FROM fairqueue_channel_delta d
         WHERE d.channel_id = c.id
     ) x ON true
+    LEFT JOIN fairqueue_channel_group g ON g.id = c.group_id
+    LEFT JOIN LATERAL (
+        -- the group's turn: as the fold would set it were the channel made claimable now
+        SELECT CASE WHEN g.claimable > 0 THEN g.next_turn_at
+                    ELSE least(g.next_turn_at, greatest(h.now, coalesce(
+                        g.last_claimed_at + g.release_interval, '-infinity'::timestamptz)))
+               END AS at
+    ) gt ON g.id IS NOT NULL
+    LEFT JOIN group_freed gf ON gf.group_id = g.id
     WHERE NOT c.paused
       AND c.ready_count + coalesce(x.ready, 0) > 0
       AND (c.max_concurrency IS NULL
            OR c.running_count + coalesce(x.running, 0) < c.max_concurrency)
       AND c.next_turn_at <= h.until
+      AND (g.id IS NULL
+           OR (gt.at <= h.until
+               AND (g.max_concurrency IS NULL
+                    OR g.running_count + coalesce(gf.running, 0) < g.max_concurrency)))
       AND (%(only)s::bigint[] IS NULL OR c.id = ANY (%(only)s::bigint[]))
       AND (%(exclude)s::bigint[] IS NULL OR NOT (c.id = ANY (%(exclude)s::bigint[])))
       AND (%(queues)s::text[] IS NULL OR c.queue = ANY (%(queues)s::text[]))
