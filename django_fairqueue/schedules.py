@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
+from zoneinfo import ZoneInfo
 
 from django.db import DatabaseError, OperationalError, transaction
 
@@ -502,16 +503,25 @@ MAX_UPCOMING = 1000
 def upcoming(cron: str, timezone: str, after: datetime, count: int = 5) -> list[datetime]:
     """The next ``count`` (0 to :data:`MAX_UPCOMING`) slots of the cron expression ``cron``
     in ``timezone`` after ``after`` (a preview), in UTC; fewer if the expression has fewer
-    in the next 50 years. A bad expression or timezone raises :class:`InvalidSchedule`."""
+    in the next 50 years (or before the end of year 9999). A bad expression or timezone raises
+    :class:`InvalidSchedule`; an ``after`` that is not a datetime, :class:`TypeError`. A naive
+    ``after`` is a wall-clock time in ``timezone``, as the schedule reads its cron."""
     given: object = count  # callers may pass anything
     if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given <= MAX_UPCOMING:
         raise ValueError(f"count must be an integer from 0 to {MAX_UPCOMING}, got {count!r}")
     expr = validate_cron(cron)
     tz = validate_timezone(timezone)
-    slots = slots_after(expr, tz, after)
+    start: object = after
+    if not isinstance(start, datetime):
+        raise TypeError(f"after must be a datetime, got {after!r}")
+    if after.tzinfo is None or after.utcoffset() is None:
+        after = after.replace(tzinfo=ZoneInfo(tz))
     found: list[datetime] = []
-    for slot in slots:
-        if len(found) == count:
-            break
-        found.append(slot)
+    try:
+        for slot in slots_after(expr, tz, after):
+            if len(found) == count:
+                break
+            found.append(slot)
+    except OverflowError:
+        pass  # past the last datetime Python has (year 9999): no more slots
     return found
