@@ -22,6 +22,7 @@ from django_fairqueue.worker import (
     extensions,
 )
 from django_fairqueue.worker.config import (
+from django_fairqueue.management.base import FairCommand
     BURST_HORIZON,
     MAX_ABANDONED_THREADS,
     MAX_BURST_HORIZON,
@@ -83,7 +84,7 @@ def _count(options: dict[str, Any], key: str, low: int, high: int) -> int | None
     return value
 
 
-class Command(BaseCommand):
+class Command(FairCommand):
     help = (
         "Run a worker: claim messages fairly across channels and run their tasks on a pool of "
         "threads. The first SIGTERM/SIGINT stops claiming and lets running messages finish; a "

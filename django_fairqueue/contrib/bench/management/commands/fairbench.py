@@ -16,6 +16,7 @@ from django_fairqueue.contrib.bench.database import benchmark_database
 from django_fairqueue.contrib.bench.report import ScenarioReport, table, targets_table
 from django_fairqueue.contrib.bench.runner import run, select_cells, with_repeat
 from django_fairqueue.contrib.bench.scenarios import (
+from django_fairqueue.management.base import FairCommand
     PRESETS,
     SCENARIOS,
     BenchmarkError,
@@ -26,7 +27,7 @@ from django_fairqueue.contrib.bench.scenarios import (
 )
 
 
-class Command(BaseCommand):
+class Command(FairCommand):
     help = (
         "Benchmark django-fairqueue on this database: enqueue rate, claim+complete throughput, "
         "claim latency, fairness, and (through real runfairworker processes) end-to-end "
