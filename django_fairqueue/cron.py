@@ -250,6 +250,8 @@ class ScheduleSpec:
         """Check every option (raising :class:`InvalidSchedule` naming ``where``)."""
         if not isinstance(name, str) or not name.strip() or name != name.strip():
             raise InvalidSchedule(f"{where}: the name must be non-empty text, got {name!r}")
+        if "\x00" in name:
+            raise InvalidSchedule(f"{where}: the name must not contain NUL characters")
         if len(name) > NAME_MAX_LENGTH:
             raise InvalidSchedule(f"{where}: the name is longer than {NAME_MAX_LENGTH} characters")
         known = {f.name for f in fields(cls)} - {"name"}
@@ -268,6 +270,12 @@ class ScheduleSpec:
         channel = options.get("channel")
         if channel is not None and (not isinstance(channel, str) or not channel.strip()):
             raise InvalidSchedule(f"{where}: channel must be a channel name, got {channel!r}")
+        if channel is not None and (channel != channel.strip() or "\x00" in channel):
+            # enqueue() refuses these too; caught here, at import, naming the schedule
+            raise InvalidSchedule(
+                f"{where}: channel must not start or end with blanks or contain NUL, "
+                f"got {channel!r}"
+            )
         missed = options.get("missed", "latest")
         catch_up_max = options.get("catch_up_max", 10)
         validate_missed(missed, catch_up_max, where)

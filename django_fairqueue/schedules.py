@@ -38,7 +38,7 @@ from django.db import DatabaseError, OperationalError, transaction
 
 from django_fairqueue import conf, cron, store
 from django_fairqueue.cron import ScheduleSpec, slots_after, validate_cron, validate_timezone
-from django_fairqueue.exceptions import ChannelFull, InvalidSchedule, UnknownTask
+from django_fairqueue.exceptions import ChannelFull, InvalidChannel, InvalidSchedule, UnknownTask
 from django_fairqueue.taskspec import TaskSpec, registry
 
 logger = logging.getLogger("django_fairqueue.schedules")
@@ -99,12 +99,27 @@ def periodic(
             "priority": priority,
             "enabled": enabled,
         }
-        built = ScheduleSpec.build(schedule_name, options, f"@periodic {schedule_name!r}")
+        where = f"@periodic {schedule_name!r}"
+        built = ScheduleSpec.build(schedule_name, options, where)
+        if built.channel is not None:
+            from django_fairqueue.api import validate_channel_name
+
+            try:
+                validate_channel_name(built.channel)
+            except InvalidChannel as exc:
+                raise InvalidSchedule(f"{where}: {exc}") from None
         old = _declared.get(schedule_name)
         if old is not None and old.task != built.task:
             raise InvalidSchedule(
                 f"schedule name {schedule_name!r} is already declared for task {old.task!r}; "
                 "give each @periodic of a task its own name="
+            )
+        if old is not None and old != built:
+            # the same declaration imported again is harmless; a different one would replace
+            # the first without a word
+            raise InvalidSchedule(
+                f"schedule name {schedule_name!r} is already declared for task {old.task!r} "
+                f"with other options (cron {old.cron!r}); give each @periodic its own name="
             )
         _declared[schedule_name] = built
         return task_object
@@ -167,7 +182,10 @@ def sync(specs: Sequence[ScheduleSpec] | None = None) -> SyncResult:
         channel = spec.channel
         if channel is None and task.channel_from is not None:
             channel = task.channel_from(*spec.args, **spec.kwargs)
-        channel = validate_channel_name(channel or task.channel or cfg.DEFAULT_CHANNEL)
+        try:
+            channel = validate_channel_name(channel or task.channel or cfg.DEFAULT_CHANNEL)
+        except InvalidChannel as exc:
+            raise InvalidSchedule(f"{where}: {exc}") from None
         try:
             encode_payload(task.name, spec.args, spec.kwargs, cfg.MAX_PAYLOAD_BYTES)
         except (ValueError, TypeError) as exc:  # PayloadError is a TypeError

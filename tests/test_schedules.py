@@ -259,6 +259,41 @@ def test_periodic_goes_on_a_registered_task_and_names_must_not_clash() -> None:
         schedules.undeclare("tests.clash")
 
 
+@pytest.mark.parametrize(
+    ("name", "options", "words"),
+    [
+        ("tests.blank_channel", {"channel": " x"}, "@periodic 'tests.blank_channel': channel"),
+        ("tests.sep_channel", {"channel": "a\x1fb"}, "unit separator"),
+        ("tests.n\x00ul", {}, "must not contain NUL"),
+    ],
+)
+def test_periodic_refuses_a_channel_or_name_the_sync_would_refuse_at_import(
+    name: str, options: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(InvalidSchedule, match=re.escape(words)):
+        schedules.periodic("0 3 * * *", name=name, **options)(tick)
+    assert name not in {s.name for s in schedules.declared()}
+
+
+@pytest.mark.django_db
+def test_a_settings_schedule_on_a_bad_channel_stops_the_sync_naming_it() -> None:
+    with pytest.raises(InvalidSchedule, match=r"schedule 'bad'.*unit separator"):
+        schedules.sync([spec("bad", channel="a\x1fb")])
+    assert not Schedule.objects.exists()
+
+
+def test_a_second_periodic_of_the_same_name_is_refused_unless_it_is_the_same() -> None:
+    schedules.periodic("0 3 * * *", name="tests.dup")(tick)
+    try:
+        schedules.periodic("0 3 * * *", name="tests.dup")(tick)  # imported again: the same
+        with pytest.raises(InvalidSchedule, match="already declared .* other options"):
+            schedules.periodic("0 4 * * *", name="tests.dup")(tick)
+        (found,) = [s for s in schedules.declared() if s.name == "tests.dup"]
+        assert found.cron == "0 3 * * *"
+    finally:
+        schedules.undeclare("tests.dup")
+
+
 # -- the missed-slot policies (pure: what a pass does with a row as read) ------------------------
 
 
