@@ -1649,6 +1649,12 @@ class ChannelWaitState:
     ahead: int
     oldest_running_since: datetime | None
     claimed_recently: int
+    #: its channel group (None: ungrouped) and the group's limits, as the claim checks them
+    group: str | None = None
+    group_max_concurrency: int | None = None
+    group_running: int = 0
+    group_release_interval: timedelta = timedelta(0)
+    group_next_turn_at: datetime | None = None
 
 
 def select_channel_wait_state(
@@ -1660,7 +1666,22 @@ def select_channel_wait_state(
         return None
     r = rows[0]
     return ChannelWaitState(
-        r[0], r[1], r[2], r[3], r[4], int(r[5]), int(r[6]), r[7], int(r[8]), r[9], int(r[10])
+        r[0],
+        r[1],
+        r[2],
+        r[3],
+        r[4],
+        int(r[5]),
+        int(r[6]),
+        r[7],
+        int(r[8]),
+        r[9],
+        int(r[10]),
+        r[11],
+        r[12],
+        int(r[13] or 0),
+        r[14] if r[14] is not None else timedelta(0),
+        r[15],
     )
 
 

@@ -1357,13 +1357,28 @@ SELECT c.name::text, c.paused, c.max_concurrency, c.release_interval, c.next_tur
        (SELECT coalesce(sum(s.claimed), 0)
         FROM fairqueue_channel_stat s
         WHERE s.minute >= date_trunc('minute', clock_timestamp()) - interval '4 minutes')
-        AS claimed_recently
+        AS claimed_recently,
+       -- its group's limits, as the claim checks them: the running count with its channels'
+       -- settlements not folded yet (fq_channel_group_idx, fq_delta_channel_idx), and its turn
+       -- as the fold would set it were the channel made claimable now (select_next_due's rule)
+       g.name::text AS group_name, g.max_concurrency AS group_max_concurrency,
+       g.running_count + coalesce((
+           SELECT sum(gd.running)
+           FROM fairqueue_channel gc
+           JOIN fairqueue_channel_delta gd ON gd.channel_id = gc.id
+           WHERE gc.group_id IS NOT NULL AND gc.group_id = g.id), 0) AS group_running,
+       g.release_interval AS group_release_interval,
+       CASE WHEN g.claimable > 0 THEN g.next_turn_at
+            ELSE least(g.next_turn_at, greatest(clock_timestamp(), coalesce(
+                g.last_claimed_at + g.release_interval, '-infinity'::timestamptz)))
+       END AS group_next_turn_at
 FROM fairqueue_channel c
 LEFT JOIN LATERAL (
     SELECT sum(x.ready) AS ready, sum(x.running) AS running
     FROM fairqueue_channel_delta x
     WHERE x.channel_id = c.id
 ) d ON true
+LEFT JOIN fairqueue_channel_group g ON g.id = c.group_id
 WHERE c.id = %(channel_id)s::bigint;
 
 -- name: select_messages_ahead
