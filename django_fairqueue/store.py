@@ -244,10 +244,11 @@ class GroupState:
     weight: int
     max_concurrency: int | None
     release_interval: timedelta
-    #: sums over the group's channels as folded (settlements not folded yet not counted)
+    #: sums over the group's channels, with their counter changes not folded yet (as each
+    #: channel's figures are shown)
     ready: int
     running: int
-    #: channels claimable by their counters (ready messages, not paused, under their cap)
+    #: channels claimable by those counters (ready messages, not paused, under their cap)
     claimable: int
     channels: int
     next_turn_at: datetime

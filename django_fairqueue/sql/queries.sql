@@ -530,14 +530,34 @@ SET next_turn_at = least(g.next_turn_at, greatest(
 WHERE g.id = %(group_id)s::bigint;
 
 -- name: select_group_state
--- Channel groups (of `ids`, or all) with their scheduler state: the sums over their channels
--- as folded (deltas not folded yet are not counted), and how many channels each has.
-SELECT g.id, g.name::text, g.weight, g.max_concurrency, g.release_interval, g.ready_count,
-       g.running_count, g.claimable,
-       (SELECT count(*) FROM fairqueue_channel c
-        WHERE c.group_id IS NOT NULL AND c.group_id = g.id) AS channels,
-       g.next_turn_at, g.vtime, g.last_claimed_at
+-- Channel groups (of `ids`, or all) with their scheduler state, for operators (status, the
+-- admin): ready, running and claimable summed over their channels with the counter changes not
+-- folded yet, as select_all_channel_counts shows each channel (the folded sums, which the
+-- trigger keeps in step with the channels' folded counters, lag until maintenance folds), and
+-- how many channels each has. One pass over each group's channels (fq_channel_group_idx), a
+-- probe of fq_delta_channel_idx per channel.
+SELECT g.id, g.name::text, g.weight, g.max_concurrency, g.release_interval,
+       coalesce(s.ready, 0), coalesce(s.running, 0), coalesce(s.claimable, 0),
+       coalesce(s.channels, 0), g.next_turn_at, g.vtime, g.last_claimed_at
 FROM fairqueue_channel_group g
+LEFT JOIN LATERAL (
+    SELECT count(*) AS channels,
+           sum(c.ready_count + coalesce(d.ready, 0))::bigint AS ready,
+           sum(c.running_count + coalesce(d.running, 0))::bigint AS running,
+           count(*) FILTER (
+               WHERE c.ready_count + coalesce(d.ready, 0) > 0
+                 AND NOT c.paused
+                 AND (c.max_concurrency IS NULL
+                      OR c.running_count + coalesce(d.running, 0) < c.max_concurrency)
+           )::integer AS claimable
+    FROM fairqueue_channel c
+    LEFT JOIN LATERAL (
+        SELECT sum(x.ready) AS ready, sum(x.running) AS running
+        FROM fairqueue_channel_delta x
+        WHERE x.channel_id = c.id
+    ) d ON true
+    WHERE c.group_id IS NOT NULL AND c.group_id = g.id
+) s ON true
 WHERE %(ids)s::bigint[] IS NULL OR g.id = ANY (%(ids)s::bigint[])
 ORDER BY g.name;
 
