@@ -286,7 +286,7 @@ def test_a_second_periodic_of_the_same_name_is_refused_unless_it_is_the_same() -
     schedules.periodic("0 3 * * *", name="tests.dup")(tick)
     try:
         schedules.periodic("0 3 * * *", name="tests.dup")(tick)  # imported again: the same
-        with pytest.raises(InvalidSchedule, match="already declared .* other options"):
+        with pytest.raises(InvalidSchedule, match=r"already declared .* other options"):
             schedules.periodic("0 4 * * *", name="tests.dup")(tick)
         (found,) = [s for s in schedules.declared() if s.name == "tests.dup"]
         assert found.cron == "0 3 * * *"

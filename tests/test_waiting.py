@@ -70,9 +70,7 @@ def test_a_channel_held_back_by_its_groups_cap_or_rate_limit_says_so(folded: boo
     f.enqueue_in_queue("default", ("tg", "u1"), 2)
     ChannelGroup.objects.filter(name="tg").update(max_concurrency=2)
     f.fold_all()
-    held = store.claim_messages(
-        2, lease=LEASE, worker_id="w", only_channel_ids=[cid("tg/u0")]
-    )
+    held = store.claim_messages(2, lease=LEASE, worker_id="w", only_channel_ids=[cid("tg/u0")])
     assert len(held) == 2
     capped = why("tg/u1")
     assert capped.cause == "group_at_cap", capped

@@ -11,7 +11,7 @@ from importlib import import_module
 from types import ModuleType
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import CommandParser
 
 from django_fairqueue.cli import SUBCOMMANDS
 from django_fairqueue.management.base import FairCommand

@@ -5,12 +5,13 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from django_fairqueue import bounds, conf
 from django_fairqueue._runtime import configure_logging
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.exceptions import InvalidChannel
+from django_fairqueue.management.base import FairCommand
 from django_fairqueue.queues import parse_queue_list
 from django_fairqueue.taskspec import registry
 from django_fairqueue.terminal import printable
@@ -22,7 +23,6 @@ from django_fairqueue.worker import (
     extensions,
 )
 from django_fairqueue.worker.config import (
-from django_fairqueue.management.base import FairCommand
     BURST_HORIZON,
     MAX_ABANDONED_THREADS,
     MAX_BURST_HORIZON,

@@ -9,14 +9,13 @@ from argparse import ArgumentParser
 from pathlib import Path
 from typing import Any, TextIO, cast
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from django_fairqueue import conf
 from django_fairqueue.contrib.bench.database import benchmark_database
 from django_fairqueue.contrib.bench.report import ScenarioReport, table, targets_table
 from django_fairqueue.contrib.bench.runner import run, select_cells, with_repeat
 from django_fairqueue.contrib.bench.scenarios import (
-from django_fairqueue.management.base import FairCommand
     PRESETS,
     SCENARIOS,
     BenchmarkError,
@@ -25,6 +24,7 @@ from django_fairqueue.management.base import FairCommand
     Sizes,
     plots,
 )
+from django_fairqueue.management.base import FairCommand
 
 
 class Command(FairCommand):

@@ -14,7 +14,7 @@ import sys
 from datetime import timedelta
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from django_fairqueue._runtime import configure_logging
 from django_fairqueue.management.base import FairCommand
