@@ -16,6 +16,7 @@ Every datetime it returns is aware and in UTC, the database's frame.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import re
@@ -23,7 +24,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime, timedelta
 from typing import Any
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 from cronsim import CronSim, CronSimError
 
@@ -64,6 +65,16 @@ def validate_cron(expr: object, where: str = "cron") -> str:
             f"{where} must be a cron expression such as '*/5 * * * *', got {expr!r}"
         )
     text = " ".join(expr.split())
+    fields_given = len(expand(text).split())
+    if fields_given != 5:
+        # cronsim reads a sixth field as seconds ("* * * * * *": every second): refused, so
+        # every expression means what the five-field syntax says
+        raise InvalidSchedule(
+            f"{where} {expr!r} is not a valid cron expression: Wrong number of fields "
+            f"({fields_given}, not five: minute hour day-of-month month day-of-week, or "
+            "@hourly, @daily, @weekly, @monthly, @yearly)"
+            + ("; a field of seconds is not supported" if fields_given == 6 else "")
+        )
     try:
         slots = CronSim(expand(text), datetime.now(UTC))
     except CronSimError as exc:
@@ -76,13 +87,28 @@ def validate_cron(expr: object, where: str = "cron") -> str:
     return text
 
 
+@functools.cache
+def _iana_names() -> frozenset[str]:
+    """The IANA timezone names this system knows (empty if it lists none)."""
+    # "localtime" (a link to the system's zone) and the posix/ and right/ copies are files of
+    # the zoneinfo tree, not names of a zone
+    return frozenset(
+        name
+        for name in available_timezones()
+        if name != "localtime" and not name.startswith(("posix/", "right/"))
+    )
+
+
 def validate_timezone(name: object, where: str = "timezone") -> str:
     """Return ``name`` if it is an IANA timezone (``"Europe/Berlin"``, ``"UTC"``), else raise."""
     if not isinstance(name, str) or not name.strip():
         raise InvalidSchedule(f"{where} must be an IANA timezone name such as 'UTC', got {name!r}")
     try:
         ZoneInfo(name)
+        known = name in _iana_names() or not _iana_names()
     except (ZoneInfoNotFoundError, ValueError):
+        known = False
+    if not known:  # "localtime" and the like are files of the zoneinfo tree, not IANA names
         raise InvalidSchedule(
             f"{where} {name!r} is not a known timezone (an IANA name such as 'Europe/Berlin')"
         ) from None
@@ -224,6 +250,8 @@ class ScheduleSpec:
         """Check every option (raising :class:`InvalidSchedule` naming ``where``)."""
         if not isinstance(name, str) or not name.strip() or name != name.strip():
             raise InvalidSchedule(f"{where}: the name must be non-empty text, got {name!r}")
+        if "\x00" in name:
+            raise InvalidSchedule(f"{where}: the name must not contain NUL characters")
         if len(name) > NAME_MAX_LENGTH:
             raise InvalidSchedule(f"{where}: the name is longer than {NAME_MAX_LENGTH} characters")
         known = {f.name for f in fields(cls)} - {"name"}
@@ -242,6 +270,12 @@ class ScheduleSpec:
         channel = options.get("channel")
         if channel is not None and (not isinstance(channel, str) or not channel.strip()):
             raise InvalidSchedule(f"{where}: channel must be a channel name, got {channel!r}")
+        if channel is not None and (channel != channel.strip() or "\x00" in channel):
+            # enqueue() refuses these too; caught here, at import, naming the schedule
+            raise InvalidSchedule(
+                f"{where}: channel must not start or end with blanks or contain NUL, "
+                f"got {channel!r}"
+            )
         missed = options.get("missed", "latest")
         catch_up_max = options.get("catch_up_max", 10)
         validate_missed(missed, catch_up_max, where)

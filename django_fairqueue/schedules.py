@@ -32,12 +32,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
+from zoneinfo import ZoneInfo
 
 from django.db import DatabaseError, OperationalError, transaction
 
 from django_fairqueue import conf, cron, store
 from django_fairqueue.cron import ScheduleSpec, slots_after, validate_cron, validate_timezone
-from django_fairqueue.exceptions import ChannelFull, InvalidSchedule, UnknownTask
+from django_fairqueue.exceptions import ChannelFull, InvalidChannel, InvalidSchedule, UnknownTask
 from django_fairqueue.limits import CHANNEL_NAME_MAX_LENGTH
 from django_fairqueue.queues import display_name, row_name, split_row_name
 from django_fairqueue.taskspec import TaskSpec, registry
@@ -100,12 +101,27 @@ def periodic(
             "priority": priority,
             "enabled": enabled,
         }
-        built = ScheduleSpec.build(schedule_name, options, f"@periodic {schedule_name!r}")
+        where = f"@periodic {schedule_name!r}"
+        built = ScheduleSpec.build(schedule_name, options, where)
+        if built.channel is not None:
+            from django_fairqueue.api import validate_channel_name
+
+            try:
+                validate_channel_name(built.channel)
+            except InvalidChannel as exc:
+                raise InvalidSchedule(f"{where}: {exc}") from None
         old = _declared.get(schedule_name)
         if old is not None and old.task != built.task:
             raise InvalidSchedule(
                 f"schedule name {schedule_name!r} is already declared for task {old.task!r}; "
                 "give each @periodic of a task its own name="
+            )
+        if old is not None and old != built:
+            # the same declaration imported again is harmless; a different one would replace
+            # the first without a word
+            raise InvalidSchedule(
+                f"schedule name {schedule_name!r} is already declared for task {old.task!r} "
+                f"with other options (cron {old.cron!r}); give each @periodic its own name="
             )
         _declared[schedule_name] = built
         return task_object
@@ -168,7 +184,10 @@ def sync(specs: Sequence[ScheduleSpec] | None = None) -> SyncResult:
         channel = spec.channel
         if channel is None and task.channel_from is not None:
             channel = task.channel_from(*spec.args, **spec.kwargs)
-        channel = validate_channel_name(channel or task.channel or cfg.DEFAULT_CHANNEL)
+        try:
+            channel = validate_channel_name(channel or task.channel or cfg.DEFAULT_CHANNEL)
+        except InvalidChannel as exc:
+            raise InvalidSchedule(f"{where}: {exc}") from None
         # The channel's row in the task's queue, which its messages go to (and where the
         # schedule is listed): "acme" of a task of queue "reports" is the row "reports\x1facme".
         channel = row_name(task.queue, channel)
@@ -513,16 +532,25 @@ MAX_UPCOMING = 1000
 def upcoming(cron: str, timezone: str, after: datetime, count: int = 5) -> list[datetime]:
     """The next ``count`` (0 to :data:`MAX_UPCOMING`) slots of the cron expression ``cron``
     in ``timezone`` after ``after`` (a preview), in UTC; fewer if the expression has fewer
-    in the next 50 years. A bad expression or timezone raises :class:`InvalidSchedule`."""
+    in the next 50 years (or before the end of year 9999). A bad expression or timezone raises
+    :class:`InvalidSchedule`; an ``after`` that is not a datetime, :class:`TypeError`. A naive
+    ``after`` is a wall-clock time in ``timezone``, as the schedule reads its cron."""
     given: object = count  # callers may pass anything
     if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given <= MAX_UPCOMING:
         raise ValueError(f"count must be an integer from 0 to {MAX_UPCOMING}, got {count!r}")
     expr = validate_cron(cron)
     tz = validate_timezone(timezone)
-    slots = slots_after(expr, tz, after)
+    start: object = after
+    if not isinstance(start, datetime):
+        raise TypeError(f"after must be a datetime, got {after!r}")
+    if after.tzinfo is None or after.utcoffset() is None:
+        after = after.replace(tzinfo=ZoneInfo(tz))
     found: list[datetime] = []
-    for slot in slots:
-        if len(found) == count:
-            break
-        found.append(slot)
+    try:
+        for slot in slots_after(expr, tz, after):
+            if len(found) == count:
+                break
+            found.append(slot)
+    except OverflowError:
+        pass  # past the last datetime Python has (year 9999): no more slots
     return found

@@ -244,10 +244,11 @@ class GroupState:
     weight: int
     max_concurrency: int | None
     release_interval: timedelta
-    #: sums over the group's channels as folded (settlements not folded yet not counted)
+    #: sums over the group's channels, with their counter changes not folded yet (as each
+    #: channel's figures are shown)
     ready: int
     running: int
-    #: channels claimable by their counters (ready messages, not paused, under their cap)
+    #: channels claimable by those counters (ready messages, not paused, under their cap)
     claimable: int
     channels: int
     next_turn_at: datetime
@@ -1658,6 +1659,12 @@ class ChannelWaitState:
     ahead: int
     oldest_running_since: datetime | None
     claimed_recently: int
+    #: its channel group (None: ungrouped) and the group's limits, as the claim checks them
+    group: str | None = None
+    group_max_concurrency: int | None = None
+    group_running: int = 0
+    group_release_interval: timedelta = timedelta(0)
+    group_next_turn_at: datetime | None = None
 
 
 def select_channel_wait_state(
@@ -1669,7 +1676,22 @@ def select_channel_wait_state(
         return None
     r = rows[0]
     return ChannelWaitState(
-        r[0], r[1], r[2], r[3], r[4], int(r[5]), int(r[6]), r[7], int(r[8]), r[9], int(r[10])
+        r[0],
+        r[1],
+        r[2],
+        r[3],
+        r[4],
+        int(r[5]),
+        int(r[6]),
+        r[7],
+        int(r[8]),
+        r[9],
+        int(r[10]),
+        r[11],
+        r[12],
+        int(r[13] or 0),
+        r[14] if r[14] is not None else timedelta(0),
+        r[15],
     )
 
 

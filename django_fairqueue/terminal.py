@@ -74,3 +74,30 @@ class Throttle:
             return False
         self._last = now
         return True
+
+
+#: The exit status of a command whose reader closed its output (``| head``): 128 + SIGPIPE,
+#: as a program the signal ended would report.
+CLOSED_PIPE_STATUS = 141
+
+
+def exit_quietly_on_closed_pipe(run: Any, *args: Any) -> Any:
+    """Call ``run(*args)``; if the reader of standard output went away (``fairqueue workers |
+    head``), exit with :data:`CLOSED_PIPE_STATUS` and no traceback.
+
+    Every management command of the product runs through this (their ``run_from_argv``).
+    Standard output is pointed at ``/dev/null`` first, so the interpreter's own flush at exit
+    cannot raise the same error again.
+    """
+    import os
+    import sys
+
+    try:
+        return run(*args)
+    except BrokenPipeError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # no real file descriptor behind sys.stdout
+            pass
+        raise SystemExit(CLOSED_PIPE_STATUS) from None

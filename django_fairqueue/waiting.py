@@ -9,6 +9,8 @@ admin's message page), the first cause that applies, in the order the claim itse
 4. the channel is paused;
 5. the channel is at its cap (n of n running, the oldest since T);
 6. the channel is rate limited until T;
+6b. its channel group is at its cap (n of n running across the group), or rate limited until
+   its next turn T;
 7. no live worker serves the channel (none at all, or none whose channel filters include it);
 8. otherwise its place: how many channels come before it in the round (and for a message, how
    many messages before it in its channel), with an estimate from the recent claim rate.
@@ -24,7 +26,7 @@ from datetime import datetime, timedelta
 
 from django_fairqueue import conf, overview, registry, store
 from django_fairqueue.models import Message, MessageState
-from django_fairqueue.queues import split_row_name
+from django_fairqueue.queues import display_name, split_row_name
 
 #: The window of claims the estimate is based on (the statistics hold one row per minute).
 RATE_MINUTES = 5
@@ -83,6 +85,24 @@ def _channel_cause(
             f"rate limited (one message every {state.release_interval.total_seconds():g}s): "
             f"its next release is at {_when(state.next_turn_at, now)}",
         )
+    if state.group is not None:
+        group = display_name(state.group)  # a group of another queue: "acme [reports]"
+        gcap = state.group_max_concurrency
+        if gcap is not None and state.group_running >= gcap:
+            return Why(
+                "group_at_cap",
+                f"its channel group {group!r} is at its cap: {state.group_running} of {gcap} "
+                "running across the group's channels; the next starts when one of them "
+                "finishes",
+            )
+        turn = state.group_next_turn_at
+        if turn is not None and turn > now:
+            every = state.group_release_interval.total_seconds()
+            return Why(
+                "group_rate_limited",
+                f"its channel group {group!r} is rate limited (one message every {every:g}s "
+                f"across its channels): the group's next release is at {_when(turn, now)}",
+            )
     views = registry.workers(now) if views is None else views
     alive = registry.live(views)
     if not alive:

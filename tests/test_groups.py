@@ -90,7 +90,8 @@ def test_tuple_channel_creates_the_group_and_a_channel_named_group_slash_channel
     assert Channel.objects.get(name="acme/bob").group_id == group.pk
     assert Channel.objects.filter(name="acme/alice").count() == 1
     (state,) = store.select_group_state([group.pk])
-    assert (state.channels, state.claimable, state.ready) == (2, 0, 0)  # deltas, not folded
+    # the figures shown count the changes not folded yet, as each channel's do
+    assert (state.channels, state.claimable, state.ready) == (2, 2, 3)
     f.fold_all()
     (state,) = store.select_group_state([group.pk])
     assert (state.channels, state.claimable, state.ready) == (2, 2, 3)
@@ -376,6 +377,34 @@ def test_status_shows_groups_beside_channels() -> None:
             "release_interval_seconds": 0.0,
         }
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_status_shows_a_groups_sums_agreeing_with_its_channels_before_any_fold(
+    admin_client: Any,
+) -> None:
+    import io
+    import json
+
+    from django.core.management import call_command
+    from django.urls import reverse
+
+    enqueue(f.NOOP, 1, channel=("gx", "a"))
+    enqueue(f.NOOP, 2, channel=("gx", "a"))  # not folded: no worker, no maintenance
+    out = io.StringIO()
+    call_command("fairqueue", "status", "--json", stdout=out)
+    data = json.loads(out.getvalue())
+    (group,) = data["groups"]
+    (channel,) = [c for c in data["channels"] if c["name"] == "gx/a"]
+    assert channel["ready"] == 2
+    assert (group["ready"], group["claimable_channels"]) == (2, 1)
+    out = io.StringIO()
+    call_command("fairqueue", "status", stdout=out)
+    group_line = next(line for line in out.getvalue().splitlines() if line.startswith("gx "))
+    assert group_line.split()[:4] == ["gx", "default", "1", "2"]
+    page = admin_client.get(reverse("admin:fairqueue_channelgroup_changelist"))
+    assert page.status_code == 200
+    assert store.select_group_state()[0].ready == 2
 
 
 @pytest.mark.django_db(transaction=True)

@@ -83,6 +83,7 @@ def test_an_operator_adds_a_tenants_schedule_in_its_timezone(
     ("field", "value", "message"),
     [
         ("cron", "0 8 * *", "Wrong number of fields"),
+        ("cron", "* * * * * *", "a field of seconds is not supported"),
         ("cron", "0 25 * * *", "Bad hour"),
         ("timezone", "Europe/Nowhere", "not a known timezone"),
         ("task_name", "no.such.task", "is not a registered task"),

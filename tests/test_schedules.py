@@ -68,6 +68,20 @@ def test_a_bad_cron_expression_is_refused_saying_why(expr: str, reason: str) -> 
     assert "schedule 'x': cron" in str(info.value)
 
 
+@pytest.mark.parametrize("expr", ["* * * * * *", "0 0 * * * *", "*/5 * * * * *"])
+def test_a_sixth_field_of_seconds_is_refused_everywhere_a_cron_enters(expr: str) -> None:
+    with pytest.raises(InvalidSchedule, match="a field of seconds is not supported") as info:
+        cron.validate_cron(expr)
+    assert repr(expr) in str(info.value)
+    with pytest.raises(InvalidSchedule, match="not five"):
+        schedules.upcoming(expr, "UTC", datetime(2026, 1, 1, tzinfo=UTC), count=3)
+    with pytest.raises(InvalidSchedule, match="not five"):
+        schedules.periodic(expr, name="tests.six_fields")(tick)
+    assert "tests.six_fields" not in {s.name for s in schedules.declared()}
+    with pytest.raises(ValueError, match="not five"):
+        conf.load({"SCHEDULES": {"six": {"task": TASK, "cron": expr}}})
+
+
 def test_an_expression_that_never_comes_is_refused() -> None:
     # valid syntax, but no last Monday of a month falls on the 1st or 21st for 50 years
     with pytest.raises(InvalidSchedule, match="no slot in the next 50 years"):
@@ -87,9 +101,10 @@ def test_aliases_and_blanks() -> None:
     assert cron.next_slot("@hourly", "UTC", utc(2026, 1, 1, 5, 0)) == utc(2026, 1, 1, 6, 0)
 
 
-def test_a_bad_timezone_is_refused() -> None:
+@pytest.mark.parametrize("name", ["Mars/Olympus", "localtime", "posix/Europe/Berlin"])
+def test_a_bad_timezone_is_refused(name: str) -> None:
     with pytest.raises(InvalidSchedule, match="not a known timezone"):
-        cron.validate_timezone("Mars/Olympus")
+        cron.validate_timezone(name)
     assert cron.validate_timezone(BERLIN) == BERLIN
 
 
@@ -242,6 +257,41 @@ def test_periodic_goes_on_a_registered_task_and_names_must_not_clash() -> None:
             schedules.periodic("* * * * *", name="tests.clash")(other)
     finally:
         schedules.undeclare("tests.clash")
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "words"),
+    [
+        ("tests.blank_channel", {"channel": " x"}, "@periodic 'tests.blank_channel': channel"),
+        ("tests.sep_channel", {"channel": "a\x1fb"}, "unit separator"),
+        ("tests.n\x00ul", {}, "must not contain NUL"),
+    ],
+)
+def test_periodic_refuses_a_channel_or_name_the_sync_would_refuse_at_import(
+    name: str, options: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(InvalidSchedule, match=re.escape(words)):
+        schedules.periodic("0 3 * * *", name=name, **options)(tick)
+    assert name not in {s.name for s in schedules.declared()}
+
+
+@pytest.mark.django_db
+def test_a_settings_schedule_on_a_bad_channel_stops_the_sync_naming_it() -> None:
+    with pytest.raises(InvalidSchedule, match=r"schedule 'bad'.*unit separator"):
+        schedules.sync([spec("bad", channel="a\x1fb")])
+    assert not Schedule.objects.exists()
+
+
+def test_a_second_periodic_of_the_same_name_is_refused_unless_it_is_the_same() -> None:
+    schedules.periodic("0 3 * * *", name="tests.dup")(tick)
+    try:
+        schedules.periodic("0 3 * * *", name="tests.dup")(tick)  # imported again: the same
+        with pytest.raises(InvalidSchedule, match=r"already declared .* other options"):
+            schedules.periodic("0 4 * * *", name="tests.dup")(tick)
+        (found,) = [s for s in schedules.declared() if s.name == "tests.dup"]
+        assert found.cron == "0 3 * * *"
+    finally:
+        schedules.undeclare("tests.dup")
 
 
 # -- the missed-slot policies (pure: what a pass does with a row as read) ------------------------
@@ -753,6 +803,31 @@ def test_upcoming_takes_the_documented_names_and_previews_in_utc() -> None:
     ]
     assert schedules.upcoming("0 3 * * *", "Europe/Berlin", after, 3) == slots
     assert schedules.upcoming("@daily", "UTC", after, count=0) == []
+
+
+@pytest.mark.parametrize(
+    ("after", "error", "words"),
+    [
+        ("2026-01-01", TypeError, "after must be a datetime, got '2026-01-01'"),
+        (None, TypeError, "after must be a datetime, got None"),
+    ],
+)
+def test_upcoming_refuses_an_after_that_is_not_a_datetime(
+    after: Any, error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error, match=re.escape(words)):
+        schedules.upcoming("@daily", "UTC", after)
+
+
+def test_upcoming_reads_a_naive_after_in_the_schedules_timezone_and_ends_at_year_9999() -> None:
+    naive = datetime(2026, 1, 1, 8, 30)  # 08:30 in Berlin is 07:30 UTC
+    assert schedules.upcoming("0 * * * *", "Europe/Berlin", naive, count=1) == [
+        datetime(2026, 1, 1, 8, 0, tzinfo=UTC)  # 09:00 in Berlin
+    ]
+    last = datetime(9999, 12, 31, 22, 0, tzinfo=UTC)
+    assert schedules.upcoming("0 * * * *", "UTC", last, count=3) == [
+        datetime(9999, 12, 31, 23, 0, tzinfo=UTC)
+    ]
 
 
 @pytest.mark.parametrize(

@@ -154,3 +154,49 @@ def test_the_commands_log_lines_escape_names_and_errors_but_keep_traceback_lines
     assert rest[-2:] == ["ValueError: \\x1b[31mEVIL\\x1b[0m\\rfake", "row"]
     assert "\x1b" not in text and "\r" not in text
     assert record.getMessage().startswith("task \x1b")  # other handlers see it as logged
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["fairqueue", "workers"],
+        ["fairqueue", "failures", "list"],
+        ["fairqueue", "status"],
+    ],
+)
+def test_a_command_whose_reader_closed_the_pipe_exits_quietly(
+    database_url: str, argv: list[str]
+) -> None:
+    """``manage.py fairqueue workers | head``: the reader goes away, the command ends with
+    status 141 (as if SIGPIPE ended it) and no traceback."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests import fairtasks
+
+    for i in range(3):  # something to list
+        fairtasks.add.enqueue(i, i, channel=f"pipe{i}")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "django", *argv],
+            cwd=Path(__file__).resolve().parent.parent,
+            env={
+                **os.environ,
+                "DATABASE_URL": database_url,
+                "DJANGO_SETTINGS_MODULE": "tests.settings",
+            },
+            stdin=subprocess.DEVNULL,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 141, proc.stderr

@@ -59,6 +59,46 @@ def test_empty_paused_capped_and_rate_limited_channels() -> None:
     assert metered.cause == "rate_limited" and "one message every 3600s" in metered.text
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("folded", [True, False])
+def test_a_channel_held_back_by_its_groups_cap_or_rate_limit_says_so(folded: bool) -> None:
+    from django_fairqueue.models import ChannelGroup
+
+    alive()
+    # a group at its cap: 2 of 2 running in tg/u0, while tg/u1 has ready messages
+    f.enqueue_in_queue("default", ("tg", "u0"), 2)
+    f.enqueue_in_queue("default", ("tg", "u1"), 2)
+    ChannelGroup.objects.filter(name="tg").update(max_concurrency=2)
+    f.fold_all()
+    held = store.claim_messages(2, lease=LEASE, worker_id="w", only_channel_ids=[cid("tg/u0")])
+    assert len(held) == 2
+    capped = why("tg/u1")
+    assert capped.cause == "group_at_cap", capped
+    assert "'tg'" in capped.text and "2 of 2 running" in capped.text
+    # one finishes: the slot is free at once, folded or not
+    store.complete_messages([(held[0].id, held[0].lease_token, None)], run_seconds=None)
+    if folded:
+        f.fold_all()
+    assert why("tg/u1").cause in ("next", "in_round")
+
+    # a group releasing one message every 10 minutes, just after a release
+    f.enqueue_in_queue("default", ("wg", "r1"), 2)
+    f.enqueue_in_queue("default", ("wg", "r2"), 2)
+    ChannelGroup.objects.filter(name="wg").update(release_interval=timedelta(minutes=10))
+    f.fold_all()
+    got = store.claim_messages(
+        5, lease=LEASE, worker_id="w", only_channel_ids=[cid("wg/r1"), cid("wg/r2")]
+    )
+    assert len(got) == 1
+    if folded:
+        f.fold_all()
+    for name in ("wg/r1", "wg/r2"):
+        metered = why(name)
+        assert metered.cause == "group_rate_limited", metered
+        assert "'wg'" in metered.text and "one message every 600s" in metered.text
+        assert "(in 9m" in metered.text or "(in 10m" in metered.text, metered.text
+
+
 def test_no_live_worker_at_all_or_none_for_this_channel() -> None:
     f.enqueue("lonely", 1)
     assert why("lonely").cause == "no_worker"

@@ -985,6 +985,85 @@ def test_select_next_due_tells_a_drained_queue_from_a_busy_one() -> None:
     assert 1 < (due(exclude_channel_ids=[store.select_channel_ids(["b"])["b"]]) or 0) <= 2
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("folded", [True, False])
+def test_select_next_due_honours_a_groups_turn_and_cap_as_the_claim_does(folded: bool) -> None:
+    from django_fairqueue.models import ChannelGroup
+    from tests.factories import fold_all
+
+    lease = timedelta(minutes=5)
+
+    def due(**filters: Any) -> float | None:
+        return store.select_next_due(timedelta(seconds=5), **filters)
+
+    def settle() -> None:
+        if folded:
+            fold_all()
+
+    # A rate-limited group: one release, then its next turn is ten minutes away.
+    for i in range(2):
+        fairtasks.add.enqueue(i, 1, channel=("wg", "r1"))
+    ChannelGroup.objects.filter(name="wg").update(release_interval=timedelta(minutes=10))
+    settle()
+    assert (due() or 1) <= 0  # its first turn is now
+    (taken,) = store.claim_messages(10, lease=lease, worker_id="w")
+    settle()
+    assert store.claim_messages(10, lease=lease, worker_id="w") == []
+    assert due() is None  # the claim takes nothing for ten minutes: nothing due in 5 s
+    assert 590 < (store.select_next_due(timedelta(hours=1)) or 0) <= 600
+    store.complete_messages([(taken.id, taken.lease_token, None)], run_seconds=None)
+    settle()
+    assert due() is None  # a freed slot does not move the group's turn
+
+    # A capped group held at its cap by another worker's messages.
+    for i in range(4):
+        fairtasks.add.enqueue(i, 1, channel=("tg", "u0" if i < 2 else "u1"))
+    ChannelGroup.objects.filter(name="tg").update(max_concurrency=2)
+    fold_all()
+    u0, u1 = (store.select_channel_ids([n])[n] for n in ("tg/u0", "tg/u1"))
+    held = store.claim_messages(2, lease=lease, worker_id="other", only_channel_ids=[u0])
+    assert len(held) == 2
+    settle()
+    assert store.claim_messages(10, lease=lease, worker_id="w", only_channel_ids=[u1]) == []
+    assert due(only_channel_ids=[u1]) is None
+    # one of them finishes: its slot is free at once, folded or not
+    store.complete_messages([(held[0].id, held[0].lease_token, None)], run_seconds=None)
+    settle()
+    assert (due(only_channel_ids=[u1]) or 1) <= 0
+    assert len(store.claim_messages(10, lease=lease, worker_id="w", only_channel_ids=[u1])) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("limit", ["rate", "cap"])
+def test_a_burst_run_ends_when_only_a_groups_limit_keeps_work_from_it(limit: str) -> None:
+    from django_fairqueue.models import ChannelGroup
+
+    for i in range(3):
+        fairtasks.add.enqueue(i, 1, channel=("wg", "r1"))
+    group = ChannelGroup.objects.filter(name="wg")
+    if limit == "rate":
+        group.update(release_interval=timedelta(minutes=10))
+        expected = 1  # its first turn, then ten minutes to the next
+    else:
+        group.update(max_concurrency=1)
+        fairtasks.add.enqueue(9, 9, channel=("wg", "busy"))
+        busy = store.select_channel_ids(["wg/busy"])["wg/busy"]
+        # another worker holds the group's only slot
+        held = store.claim_messages(
+            1, lease=timedelta(minutes=5), worker_id="other", only_channel_ids=[busy]
+        )
+        assert len(held) == 1
+        expected = 0
+    worker = one_worker(burst=True, channels=["wg/r1"])
+    started = time.monotonic()
+    with running(worker) as outcome:
+        # it ends by itself (stopping it is the fallback of running(): a run that never
+        # ended polled every second for work it could not take)
+        wait_until(lambda: "handled" in outcome, 8, "the burst run ended")
+    assert outcome["handled"] == expected
+    assert time.monotonic() - started < 5
+
+
 # ------------------------------------------------------------------------------------------------
 # an idle worker claims when work comes due, not at its next poll
 

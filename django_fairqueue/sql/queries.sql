@@ -534,14 +534,34 @@ SET next_turn_at = least(g.next_turn_at, greatest(
 WHERE g.id = %(group_id)s::bigint;
 
 -- name: select_group_state
--- Channel groups (of `ids`, or all) with their scheduler state: the sums over their channels
--- as folded (deltas not folded yet are not counted), and how many channels each has.
-SELECT g.id, g.name::text, g.weight, g.max_concurrency, g.release_interval, g.ready_count,
-       g.running_count, g.claimable,
-       (SELECT count(*) FROM fairqueue_channel c
-        WHERE c.group_id IS NOT NULL AND c.group_id = g.id) AS channels,
-       g.next_turn_at, g.vtime, g.last_claimed_at
+-- Channel groups (of `ids`, or all) with their scheduler state, for operators (status, the
+-- admin): ready, running and claimable summed over their channels with the counter changes not
+-- folded yet, as select_all_channel_counts shows each channel (the folded sums, which the
+-- trigger keeps in step with the channels' folded counters, lag until maintenance folds), and
+-- how many channels each has. One pass over each group's channels (fq_channel_group_idx), a
+-- probe of fq_delta_channel_idx per channel.
+SELECT g.id, g.name::text, g.weight, g.max_concurrency, g.release_interval,
+       coalesce(s.ready, 0), coalesce(s.running, 0), coalesce(s.claimable, 0),
+       coalesce(s.channels, 0), g.next_turn_at, g.vtime, g.last_claimed_at
 FROM fairqueue_channel_group g
+LEFT JOIN LATERAL (
+    SELECT count(*) AS channels,
+           sum(c.ready_count + coalesce(d.ready, 0))::bigint AS ready,
+           sum(c.running_count + coalesce(d.running, 0))::bigint AS running,
+           count(*) FILTER (
+               WHERE c.ready_count + coalesce(d.ready, 0) > 0
+                 AND NOT c.paused
+                 AND (c.max_concurrency IS NULL
+                      OR c.running_count + coalesce(d.running, 0) < c.max_concurrency)
+           )::integer AS claimable
+    FROM fairqueue_channel c
+    LEFT JOIN LATERAL (
+        SELECT sum(x.ready) AS ready, sum(x.running) AS running
+        FROM fairqueue_channel_delta x
+        WHERE x.channel_id = c.id
+    ) d ON true
+    WHERE c.group_id IS NOT NULL AND c.group_id = g.id
+) s ON true
 WHERE %(ids)s::bigint[] IS NULL OR g.id = ANY (%(ids)s::bigint[])
 ORDER BY g.name;
 
@@ -903,15 +923,28 @@ SELECT retried.id FROM retried;
 
 -- name: select_next_due
 -- Seconds until a claim could take a message (of these channels, or all but the excluded, of
--- these queues or all), if
--- within the horizon; else NULL; zero or less when one is claimable now. Lock-free: what a
--- worker whose claim came back empty asks to decide when to claim again: the next turn of a rate-limited channel that has ready messages and
--- a free slot, or the run_at of the next scheduled message (a retry, a delayed message) of a
--- channel not paused. Differences of the database's own clock, never compared with the caller's.
+-- these queues or all), if within the horizon; else NULL; zero or less when one is claimable
+-- now. Lock-free: what a worker whose claim came back empty asks to decide when to claim
+-- again: the next turn of a rate-limited channel that has ready messages and a free slot (for
+-- a channel in a group, the later of its own turn and its group's, and only while the group
+-- too has a free slot), or the run_at of the next scheduled message (a retry, a delayed
+-- message) of a channel not paused. It agrees with fairqueue_claim_v1 on what a claim can
+-- take, counting the counter changes not folded yet (the claim folds them first), so a burst
+-- worker never waits for work that only other workers' running messages keep from it.
+-- Differences of the database's own clock, never compared with the caller's.
 WITH horizon AS (
     SELECT clock_timestamp() AS now, clock_timestamp() + %(horizon)s::interval AS until
+), group_freed AS (
+    -- slots of groups freed by settlements not folded yet (running deltas are never
+    -- positive): one pass over the pending deltas, which the fold keeps few
+    SELECT gc.group_id, sum(gd.running) AS running
+    FROM fairqueue_channel_delta gd
+    JOIN fairqueue_channel gc ON gc.id = gd.channel_id
+    WHERE gd.running <> 0 AND gc.group_id IS NOT NULL
+    GROUP BY gc.group_id
 ), next_turn AS (
-    SELECT min(c.next_turn_at) AS at
+    SELECT min(CASE WHEN g.id IS NULL THEN c.next_turn_at
+                    ELSE greatest(c.next_turn_at, gt.at) END) AS at
     FROM fairqueue_channel c
     CROSS JOIN horizon h
     LEFT JOIN LATERAL (
@@ -920,11 +953,24 @@ WITH horizon AS (
         FROM fairqueue_channel_delta d
         WHERE d.channel_id = c.id
     ) x ON true
+    LEFT JOIN fairqueue_channel_group g ON g.id = c.group_id
+    LEFT JOIN LATERAL (
+        -- the group's turn: as the fold would set it were the channel made claimable now
+        SELECT CASE WHEN g.claimable > 0 THEN g.next_turn_at
+                    ELSE least(g.next_turn_at, greatest(h.now, coalesce(
+                        g.last_claimed_at + g.release_interval, '-infinity'::timestamptz)))
+               END AS at
+    ) gt ON g.id IS NOT NULL
+    LEFT JOIN group_freed gf ON gf.group_id = g.id
     WHERE NOT c.paused
       AND c.ready_count + coalesce(x.ready, 0) > 0
       AND (c.max_concurrency IS NULL
            OR c.running_count + coalesce(x.running, 0) < c.max_concurrency)
       AND c.next_turn_at <= h.until
+      AND (g.id IS NULL
+           OR (gt.at <= h.until
+               AND (g.max_concurrency IS NULL
+                    OR g.running_count + coalesce(gf.running, 0) < g.max_concurrency)))
       AND (%(only)s::bigint[] IS NULL OR c.id = ANY (%(only)s::bigint[]))
       AND (%(exclude)s::bigint[] IS NULL OR NOT (c.id = ANY (%(exclude)s::bigint[])))
       AND (%(queues)s::text[] IS NULL OR c.queue = ANY (%(queues)s::text[]))
@@ -1336,13 +1382,28 @@ SELECT c.name::text, c.paused, c.max_concurrency, c.release_interval, c.next_tur
        (SELECT coalesce(sum(s.claimed), 0)
         FROM fairqueue_channel_stat s
         WHERE s.minute >= date_trunc('minute', clock_timestamp()) - interval '4 minutes')
-        AS claimed_recently
+        AS claimed_recently,
+       -- its group's limits, as the claim checks them: the running count with its channels'
+       -- settlements not folded yet (fq_channel_group_idx, fq_delta_channel_idx), and its turn
+       -- as the fold would set it were the channel made claimable now (select_next_due's rule)
+       g.name::text AS group_name, g.max_concurrency AS group_max_concurrency,
+       g.running_count + coalesce((
+           SELECT sum(gd.running)
+           FROM fairqueue_channel gc
+           JOIN fairqueue_channel_delta gd ON gd.channel_id = gc.id
+           WHERE gc.group_id IS NOT NULL AND gc.group_id = g.id), 0) AS group_running,
+       g.release_interval AS group_release_interval,
+       CASE WHEN g.claimable > 0 THEN g.next_turn_at
+            ELSE least(g.next_turn_at, greatest(clock_timestamp(), coalesce(
+                g.last_claimed_at + g.release_interval, '-infinity'::timestamptz)))
+       END AS group_next_turn_at
 FROM fairqueue_channel c
 LEFT JOIN LATERAL (
     SELECT sum(x.ready) AS ready, sum(x.running) AS running
     FROM fairqueue_channel_delta x
     WHERE x.channel_id = c.id
 ) d ON true
+LEFT JOIN fairqueue_channel_group g ON g.id = c.group_id
 WHERE c.id = %(channel_id)s::bigint;
 
 -- name: select_messages_ahead

@@ -11,16 +11,17 @@ from importlib import import_module
 from types import ModuleType
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import CommandParser
 
 from django_fairqueue.cli import SUBCOMMANDS
+from django_fairqueue.management.base import FairCommand
 
 
 def _subcommand(name: str) -> ModuleType:
     return import_module(f"django_fairqueue.cli.{name}")
 
 
-class Command(BaseCommand):
+class Command(FairCommand):
     help = "django-fairqueue operations: " + ", ".join(SUBCOMMANDS) + "."
 
     def add_arguments(self, parser: CommandParser) -> None:

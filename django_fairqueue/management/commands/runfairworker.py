@@ -5,12 +5,13 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from django_fairqueue import bounds, conf
 from django_fairqueue._runtime import configure_logging
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.exceptions import InvalidChannel
+from django_fairqueue.management.base import FairCommand
 from django_fairqueue.queues import parse_queue_list
 from django_fairqueue.taskspec import registry
 from django_fairqueue.terminal import printable
@@ -83,7 +84,7 @@ def _count(options: dict[str, Any], key: str, low: int, high: int) -> int | None
     return value
 
 
-class Command(BaseCommand):
+class Command(FairCommand):
     help = (
         "Run a worker: claim messages fairly across channels and run their tasks on a pool of "
         "threads. The first SIGTERM/SIGINT stops claiming and lets running messages finish; a "

@@ -9,7 +9,7 @@ from argparse import ArgumentParser
 from pathlib import Path
 from typing import Any, TextIO, cast
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from django_fairqueue import conf
 from django_fairqueue.contrib.bench.database import benchmark_database
@@ -24,9 +24,10 @@ from django_fairqueue.contrib.bench.scenarios import (
     Sizes,
     plots,
 )
+from django_fairqueue.management.base import FairCommand
 
 
-class Command(BaseCommand):
+class Command(FairCommand):
     help = (
         "Benchmark django-fairqueue on this database: enqueue rate, claim+complete throughput, "
         "claim latency, fairness, and (through real runfairworker processes) end-to-end "

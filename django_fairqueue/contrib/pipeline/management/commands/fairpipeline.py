@@ -14,9 +14,10 @@ import sys
 from datetime import timedelta
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from django_fairqueue._runtime import configure_logging
+from django_fairqueue.management.base import FairCommand
 
 
 def _eta(seconds: float | None) -> str:
@@ -27,7 +28,7 @@ def _eta(seconds: float | None) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
-class Command(BaseCommand):
+class Command(FairCommand):
     help = (
         "The Spark data pipeline: plan jobs (one per tenant), run their work batches, show "
         "progress, retry failed batches, or benchmark against the same formulas in SQL."
