@@ -93,7 +93,12 @@ def exit_quietly_on_closed_pipe(run: Any, *args: Any) -> Any:
     import sys
 
     try:
-        return run(*args)
+        result = run(*args)
+        # What is still buffered is written here, where a closed pipe is caught, and not by
+        # the interpreter's flush at exit (which reports it and exits with status 120). A
+        # short listing fits in the buffer whole, so this is where it meets the closed pipe.
+        sys.stdout.flush()
+        return result
     except BrokenPipeError:
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
