@@ -149,6 +149,39 @@ def test_every_function_is_documented_in_the_how_to() -> None:
     assert not missing
 
 
+def test_names_and_constants_reach_the_spark_sql_text_as_data() -> None:
+    from django_fairqueue.contrib.pipeline import compile as fc
+
+    assert fc.quoted("a`b") == "`a``b`"
+    text = "it's \\ `x` -- /* */ \n é ${x}"
+    rendered = fc.literal(text)
+    hex_digits = rendered.removeprefix("CAST(X'").removesuffix("' AS STRING)")
+    assert bytes.fromhex(hex_digits).decode() == text  # nothing but hexadecimal digits
+    assert fc.literal(1e20) == "(1e+20D)" and fc.literal(-2.5) == "(-2.5D)"
+    assert fc.literal(3) == "(3)" and fc.literal(2**40) == "(1099511627776L)"
+    assert (fc.literal(True), fc.literal(None)) == ("true", "NULL")
+    assert fc.literal(dt.date(2026, 1, 2)) == "DATE '2026-01-02'"
+    with pytest.raises(TypeError):
+        fc.literal(object())
+
+
+def test_a_formula_whose_text_repeats_too_much_is_refused_without_spark() -> None:
+    from django_fairqueue.contrib.pipeline import compile as fc
+
+    # INT uses its argument three times: 40 nested would be 3^40 copies of n.
+    formulas = check("ok = INT(INT(n))", "x = " + "INT(" * 40 + "n" + ")" * 40)
+    with pytest.raises(FormulaError, match="more than 200,000 characters of Spark SQL") as caught:
+        fc.check_compiles(formulas, today=TODAY)
+    assert "tenant 'acme'" in str(caught.value) and "x = INT(INT(" in str(caught.value)
+    # Named intermediate rules keep each rule's text short.
+    fc.check_compiles(
+        check(*(f"_i{k} = INT({'_i' + str(k - 1) if k else 'n'})" for k in range(40)), "x = _i39"),
+        today=TODAY,
+    )
+    with pytest.raises(FormulaError, match="pipeline's own columns"):
+        check("__fq_err_x = n")
+
+
 # --------------------------------------------------------------------------------------------
 # Meaning, on Spark
 
@@ -207,6 +240,11 @@ CASES: list[tuple[str, Any]] = [
     ('DATEDIF(DATE(2000, 2, 29), DATE(2026, 2, 28), "Y")', 25.0),
     ('DATEDIF(TODAY(), d, "D")', ERROR), ("EDATE(d, 1)", dt.date(2026, 2, 28)),
     ("EOMONTH(d, 1)", dt.date(2026, 2, 28)), ("d > DATE(2026, 1, 1)", True),
+    # text constants are data, whatever they hold
+    ("\"it's \\ `x` -- /* */ é\" & \"\"", "it's \\ `x` -- /* */ é"),
+    ("'\"); DROP TABLE t; --'", "\"); DROP TABLE t; --"),
+    # deep nesting (the limit is 64 levels) parses in Spark
+    ("(" * 30 + "n" + " + 1)" * 30, 40.0), ("ABS(" * 60 + "-n" + ")" * 60, 10.0),
 ]  # fmt: skip
 
 

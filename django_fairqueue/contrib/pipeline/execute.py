@@ -38,6 +38,7 @@ from typing import Any
 
 from django.db import transaction
 
+from django_fairqueue.contrib.pipeline import compile as fc
 from django_fairqueue.contrib.pipeline import datastore
 from django_fairqueue.contrib.pipeline.core import LongSink, Pipeline, parse_job_name, registry
 from django_fairqueue.contrib.pipeline.formulas import (
@@ -192,6 +193,7 @@ def prepare(
             targets=targets,
             functions=pipeline.functions,
         )
+        fc.check_compiles(parsed, today=today or dt.date.today())
     return Prepared(
         pipeline,
         tenant,
@@ -261,15 +263,12 @@ def apply_transform(
     """The tenant's formulas (or the pipeline's transform), then the sink's columns and types.
 
     Returns the DataFrame (sink columns, then one boolean error column per rule that can
-    have errors) and the names of the rules those error columns count.
+    have errors) and the names of the rules those error columns count. The columns are
+    handed to Spark as SQL text (see :mod:`.compile`), one call per phase.
     """
-    from pyspark.sql import functions as F
-
-    from django_fairqueue.contrib.pipeline import compile as fc
-
     present: set[str]
-    errors: dict[str, Any] = {}
-    values: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    values: dict[str, str] = {}
     if prepared.formulas is not None:
         df, outputs = fc.apply_formulas(
             df, prepared.formulas, today=prepared.today, names=dict(names or {})
@@ -291,38 +290,36 @@ def apply_transform(
     typed = {c.name for c in prepared.sink}
     for column in prepared.sink:
         if column.name == results:
-            fields = [values[n].alias(n) for n in values if n not in typed]
-            json = F.to_json(F.struct(*fields)) if fields else F.lit("{}")
-            selected.append(json.alias(column.name))
+            fields = [f"{values[n]} AS {fc.quoted(n)}" for n in values if n not in typed]
+            json = fc.call("to_json", fc.call("struct", *fields)) if fields else "'{}'"
+            selected.append(f"{json} AS {fc.quoted(column.name)}")
             continue
         if column.name in values:
             value = values[column.name]
-            cast = value.try_cast(column.spark)
+            cast = fc.try_cast(value, column.spark)
             if prepared.formulas is not None:
                 # A value the column cannot hold (out of range, not a date...) is an error.
-                bad = value.isNotNull() & cast.isNull()
-                errors[column.name] = (errors[column.name] | bad) if column.name in errors else bad
-            selected.append(cast.alias(column.name))
+                bad = f"({fc.not_null(value)} AND {fc.is_null(cast)})"
+                errors[column.name] = fc.or_errors(errors.get(column.name), bad)
+            selected.append(f"{cast} AS {fc.quoted(column.name)}")
         elif column.name in present:
-            selected.append(fc.quoted(column.name).cast(column.spark).alias(column.name))
+            selected.append(f"{fc.cast(fc.quoted(column.name), column.spark)} AS "
+                            f"{fc.quoted(column.name)}")  # fmt: skip
         else:
-            selected.append(F.lit(None).cast(column.spark).alias(column.name))
+            selected.append(f"{fc.cast('NULL', column.spark)} AS {fc.quoted(column.name)}")
     counted = list(errors)
-    flags = [F.coalesce(errors[n], F.lit(False)).alias(f"{fc.ERROR_PREFIX}{i}")
+    flags = [f"{fc.coalesce(errors[n], 'false')} AS {fc.quoted(f'{fc.ERROR_PREFIX}{i}')}"
              for i, n in enumerate(counted)]  # fmt: skip
-    return df.select(*selected, *flags), counted
+    return df.selectExpr(*selected, *flags), counted
 
 
 def _long_rows(
-    df: Any, prepared: Prepared, values: dict[str, Any], errors: dict[str, Any]
+    df: Any, prepared: Prepared, values: dict[str, str], errors: dict[str, str]
 ) -> tuple[Any, list[str]]:
     """The long sink's rows: per source row, one row per rule with a value, and a marker row
     (rule NULL) that carries the row's error flags and tells the merge which source rows the
     batch computed (their other rows in the sink are removed)."""
-    from pyspark.sql import functions as F
     from pyspark.sql.types import NumericType
-
-    from django_fairqueue.contrib.pipeline import compile as fc
 
     sink = prepared.target
     assert isinstance(sink, LongSink)
@@ -332,49 +329,46 @@ def _long_rows(
     )
     types = {f.name: f.dataType for f in df.schema.fields}
     specs = {c.name: c for c in prepared.sink}
-    numbers: dict[str, Any] = {}
+    numbers: dict[str, str] = {}
     if sink.number_column is not None:
         spark_type = specs[sink.number_column].spark
         for rule in rules:
             if isinstance(types.get(rule), NumericType):
-                cast = values[rule].try_cast(spark_type)
+                cast = fc.try_cast(values[rule], spark_type)
                 numbers[rule] = cast
                 if prepared.formulas is not None:  # a number the column cannot hold: an error
-                    bad = values[rule].isNotNull() & cast.isNull()
-                    errors[rule] = (errors[rule] | bad) if rule in errors else bad
+                    bad = f"({fc.not_null(values[rule])} AND {fc.is_null(cast)})"
+                    errors[rule] = fc.or_errors(errors.get(rule), bad)
     counted = list(errors)
 
-    def entry(rule: str | None) -> Any:
+    def entry(rule: str | None) -> str:
         fields = []
         for column in prepared.sink:
             name = column.name
             if name == sink.id_column:
-                value = fc.quoted(prepared.pipeline.source.id_column).cast(column.spark)
+                value = fc.cast(fc.quoted(prepared.pipeline.source.id_column), column.spark)
             elif name == sink.rule_column:
-                value = F.lit(rule).cast("string")
+                value = fc.cast(fc.literal(rule), "string")
             elif name not in sink.value_columns:  # copied from the source row
-                value = fc.quoted(name).cast(column.spark)
+                value = fc.cast(fc.quoted(name), column.spark)
             elif rule is None:
-                value = F.lit(None).cast(column.spark)
+                value = fc.cast("NULL", column.spark)
             elif name == sink.value_column:
-                listed = F.to_json(F.array(values[rule]))  # "[12.5]": the JSON scalar inside
-                value = listed.substr(F.lit(2), F.length(listed) - 2)
+                listed = fc.call("to_json", fc.call("array", values[rule]))
+                value = f"substr({listed}, 2, (length({listed}) - 2))"  # the JSON scalar in [..]
             elif name == sink.number_column:
-                value = numbers.get(rule, F.lit(None).cast(column.spark))
+                value = numbers.get(rule, fc.cast("NULL", column.spark))
             else:
-                value = values[rule].cast("string")
-            fields.append(value.alias(name))
-        flags = [
-            (F.coalesce(errors[n], F.lit(False)) if rule is None else F.lit(False)).alias(
-                f"{fc.ERROR_PREFIX}{i}"
-            )
-            for i, n in enumerate(counted)
-        ]
-        keep = F.lit(True) if rule is None else values[rule].isNotNull()
-        return F.struct(*fields, *flags, keep.alias("fq_keep"))
+                value = fc.cast(values[rule], "string")
+            fields.append(f"{value} AS {fc.quoted(name)}")
+        for i, counted_rule in enumerate(counted):
+            flag = fc.coalesce(errors[counted_rule], "false") if rule is None else "false"
+            fields.append(f"{flag} AS {fc.quoted(f'{fc.ERROR_PREFIX}{i}')}")
+        keep = "true" if rule is None else fc.not_null(values[rule])
+        return fc.call("struct", *fields, f"{keep} AS fq_keep")
 
-    entries = F.array(entry(None), *(entry(rule) for rule in rules))
-    rows = df.select(F.inline(entries)).where(F.col("fq_keep")).drop("fq_keep")
+    entries = fc.call("array", entry(None), *(entry(rule) for rule in rules))
+    rows = df.selectExpr(fc.call("inline", entries)).where("fq_keep").drop("fq_keep")
     return rows, counted
 
 
@@ -564,14 +558,10 @@ class _Plans:
         conninfo: str,
         sink: datastore.SinkWriteSpec | None,
     ) -> _Plan:
-        from pyspark.sql import functions as F
-
         # The ids 0..0 are placeholders: tasks read the batch's range from the job property.
         rows = _source_frame(spark, prepared, 0, parts - 1, None)
         names: dict[str, Any] = {}
         if aggregates is not None:
-            from django_fairqueue.contrib.pipeline import compile as fc
-
             assert prepared.formulas is not None
             rows, names = fc.join_aggregates(
                 spark, rows, aggregates, today=prepared.today, formulas=prepared.formulas
@@ -585,7 +575,7 @@ class _Plans:
                 key_index=key_index,
                 error_columns=len(counted),
             )
-            out = out.select(F.spark_partition_id().alias("fq_part"), *out.columns)
+            out = out.selectExpr("spark_partition_id() AS fq_part", "*")
             task = partial(datastore.write_staging, write)
         else:
             task = partial(
@@ -679,7 +669,6 @@ class _AggregateCache:
     def get(self, spark: Any, prepared: Prepared, job_name: str, job_group: str | None) -> Any:
         from django.db.models import Max, Min
 
-        from django_fairqueue.contrib.pipeline import compile as fc
         from django_fairqueue.models import WorkBatch
 
         assert prepared.formulas is not None
@@ -737,8 +726,6 @@ def _typed_value(value: Any, value_type: str) -> Any:
 
 def _decode_aggregates(prepared: Prepared, stored: Any) -> Any:
     """Phase one's values from their JSON form (None if they do not fit the formulas)."""
-    from django_fairqueue.contrib.pipeline import compile as fc
-
     assert prepared.formulas is not None
     shapes = fc.aggregate_shapes(prepared.formulas)
     if not isinstance(stored, list) or len(stored) != len(shapes):

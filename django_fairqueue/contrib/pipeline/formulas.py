@@ -6,8 +6,8 @@ cell): ``total = IF(qty > 0, price * qty, 0)``, ``label = UPPER(LEFT(city, 3)) &
 <https://github.com/lark-parser/lark>`_ (no recursion while parsing, so no input can exhaust
 Python's stack); this module turns lark's tree into a small typed tree (:class:`Node`) after
 checking its depth and size, and checks every name, function, argument count and type. No
-Spark session is needed for any of it: :mod:`.compile` turns a checked tree into PySpark
-``Column`` objects (never SQL text) when a batch runs.
+Spark session is needed for any of it: :mod:`.compile` turns a checked tree into Spark SQL
+expression text in which the tenant's names and constants are data, never SQL.
 
 Types: number, text, boolean, date, and the blank (``NULL``/a missing value). Errors (a
 division by zero, ``SQRT(-1)``, ``VALUE("abc")``, ...) are values, as in a spreadsheet: the
@@ -49,6 +49,7 @@ MAX_NODES = 2000  # operators, calls, names and constants in one expression
 MAX_RULES = 2000  # formulas of one tenant
 MAX_TOTAL_NODES = 200_000  # over all of a tenant's formulas
 MAX_CHAIN_DEPTH = 400  # nesting once each rule's references to earlier rules are counted
+RESERVED_PREFIX = "__fq_"  # the columns the compiled formulas add (errors, aggregates)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _TARGET = re.compile(r"^\s*`?([A-Za-z_][A-Za-z0-9_]*)`?\s*=(?!=)\s*(.*)$", re.DOTALL)
 
@@ -927,6 +928,9 @@ def parse_formulas(
                 f"{target!r} is not a column of the sink (sink columns: "
                 f"{', '.join(sorted(allowed_targets))})",
             )
+        if target.startswith(RESERVED_PREFIX):
+            raise FormulaError(tenant, shown, f"names starting with {RESERVED_PREFIX} are the "
+                               "pipeline's own columns")  # fmt: skip
         if target in rules:
             raise FormulaError(tenant, shown, f"{target!r} is defined twice")
         if target in known:
