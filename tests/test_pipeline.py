@@ -308,6 +308,55 @@ def test_formulas_are_applied_per_tenant_as_python_computes_them(
 @needs_spark
 @pytest.mark.spark
 @pytest.mark.django_db(transaction=True)
+def test_a_burst_runner_runs_batches_behind_other_channels_unfolded_deltas(
+    spark: Any, spark_settings: None, formulas: dict[str, list[str]]
+) -> None:
+    """Messages queued with no worker running leave a counter delta each; a claim folds a
+    bounded number of them, oldest first. The runner folds them all before giving up."""
+    from django_fairqueue import enqueue
+    from tests.factories import NOOP
+
+    for _ in range(1_200):  # more than one claim folds, ahead of the batches' deltas
+        enqueue(NOOP, channel="busy-tenant")
+    make_rows(10)
+    plan(PIPELINE)
+
+    stats = PipelineRunner(worker_id="test", pipelines=[PIPELINE], burst=True, spark=spark).run()
+
+    assert stats.succeeded == 2 and stats.failed == 0
+    assert all(j.state == "succeeded" for j in batches.jobs(prefix=f"{PIPELINE}:"))
+
+
+@needs_spark
+@pytest.mark.spark
+@pytest.mark.django_db(transaction=True)
+def test_runners_sharing_a_session_run_every_batch_once(
+    spark: Any, spark_settings: None, formulas: dict[str, list[str]]
+) -> None:
+    from django_fairqueue.contrib.pipeline.runner import RunnerGroup
+
+    make_rows(120)  # 2 batches per tenant
+    plan(PIPELINE)
+
+    # max_batches counts over the group: two runners, one batch in all.
+    one = RunnerGroup(2, worker_id="pair", pipelines=[PIPELINE], burst=True, spark=spark,
+                      max_batches=1).run()  # fmt: skip
+    assert (one.succeeded, one.failed) == (1, 0)
+
+    group = RunnerGroup(2, worker_id="pair", pipelines=[PIPELINE], burst=True, spark=spark)
+    stats = group.run()
+
+    assert (stats.succeeded, stats.failed, stats.lost) == (3, 0, 0)
+    assert set(WorkBatch.objects.values_list("worker_id", flat=True)) <= {"pair/1", "pair/2"}
+    expected_with_sql()
+    assert_same_rows(sink_rows(), sink_rows(ExpectedRow))
+    with pytest.raises(ValueError, match="whole number >= 1"):
+        RunnerGroup(0, worker_id="pair")
+
+
+@needs_spark
+@pytest.mark.spark
+@pytest.mark.django_db(transaction=True)
 def test_a_failed_batch_leaves_nothing_and_its_rerun_writes_each_row_once(
     spark: Any, spark_settings: None, formulas: dict[str, list[str]]
 ) -> None:

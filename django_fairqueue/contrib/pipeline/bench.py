@@ -325,6 +325,8 @@ class BenchResult:
     executors_measured: int = 0
     #: Each batch of the atomic run: rows, seconds in all, Spark phase, merge (in run order).
     batch_timings: list[list[float]] = field(default_factory=list)
+    #: Runners (threads sharing the Spark session) of the pipeline runs.
+    runners: int = 1
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -478,6 +480,7 @@ def run(
     master: str | None = None,
     partitions: int | None = None,
     spark_conf: Mapping[str, str] | None = None,
+    runners: int = 1,
 ) -> BenchResult:
     """One benchmark run (see the module doc). ``master``, ``partitions`` and ``spark_conf``
     replace ``FAIRQUEUE_PIPELINE['SPARK']``'s ``MASTER``, ``PARTITIONS`` and ``CONF`` entries
@@ -486,6 +489,8 @@ def run(
         raise ValueError("the benchmark needs at least one tenant and one row per tenant")
     if rules < 3:
         raise ValueError("the benchmark's tenants have at least 3 rules")
+    if runners < 1:
+        raise ValueError("the benchmark needs at least one runner")
     with spark_overrides(master, partitions, spark_conf):
         return _run(
             rows,
@@ -497,6 +502,7 @@ def run(
             direct=direct,
             sql_connections=sql_connections,
             say=say,
+            runners=runners,
         )
 
 
@@ -511,9 +517,10 @@ def _run(
     direct: bool,
     sql_connections: Sequence[int],
     say: Callable[[str], None],
+    runners: int = 1,
 ) -> BenchResult:
     from django_fairqueue.contrib.pipeline.execute import BatchOutcome
-    from django_fairqueue.contrib.pipeline.runner import PipelineRunner, plan
+    from django_fairqueue.contrib.pipeline.runner import PipelineRunner, RunnerGroup, plan
 
     spark = get_session()
     load = [round(os.getloadavg()[0], 1)]
@@ -595,9 +602,9 @@ def _run(
                 planned = plan(chosen.name).planned
                 planning = time.monotonic() - started
                 say(f"{rows:,} rows: planned in {planning:.1f} s")
-                runner = PipelineRunner(
-                    worker_id=f"bench:{os.getpid()}", pipelines=[chosen.name], burst=True,
-                    spark=spark, on_batch=outcomes.append,
+                runner = RunnerGroup(
+                    runners, worker_id=f"bench:{os.getpid()}", pipelines=[chosen.name],
+                    burst=True, spark=spark, on_batch=outcomes.append,
                 )  # fmt: skip
                 stats = runner.run()
                 seconds = time.monotonic() - started
@@ -662,6 +669,7 @@ def _run(
             executors=executor_count(),
             executors_measured=len(local_executor_pids()),
             batch_timings=atomic_run["timings"],
+            runners=runners,
         )
     finally:
         datastore.drop_table(using, SOURCE)

@@ -13,6 +13,7 @@ count an attempt, as they would fail again.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -25,7 +26,7 @@ from typing import Any
 from django.db import connections, transaction
 from django.utils import timezone
 
-from django_fairqueue import batches, conf
+from django_fairqueue import batches, conf, store
 from django_fairqueue._runtime import StopFlag
 from django_fairqueue.contrib.pipeline import cluster, datastore
 from django_fairqueue.contrib.pipeline.core import (
@@ -474,6 +475,42 @@ class RunnerStats:
     paused: int = 0
 
 
+def fold_all_deltas(alias: str, *, limit: int = 10_000, rounds: int = 100) -> int:
+    """Fold pending channel counter deltas into the channel rows, as a message worker's
+    maintenance does (at most ``limit * rounds``); return how many were folded."""
+    total = 0
+    for _ in range(rounds):
+        folded = store.fold_channel_deltas(limit, using=alias)
+        total += folded
+        if folded < limit:
+            break
+    return total
+
+
+class _Quota:
+    """At most ``limit`` batches over the runners sharing it (``--max-batches``)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.left = limit
+        self._lock = threading.Lock()
+
+    def reserve(self) -> bool:
+        """Take one batch's place before claiming; False once none is left."""
+        with self._lock:
+            if self.left is None:
+                return True
+            if self.left <= 0:
+                return False
+            self.left -= 1
+            return True
+
+    def give_back(self) -> None:
+        """The claim found nothing: the place is free again."""
+        with self._lock:
+            if self.left is not None:
+                self.left += 1
+
+
 class PipelineRunner:
     """Claim pipeline batches fairly across tenants and run them until stopped.
 
@@ -493,6 +530,7 @@ class PipelineRunner:
         max_batches: int | None = None,
         spark: Any = None,
         on_batch: Callable[[BatchOutcome], None] | None = None,
+        quota: _Quota | None = None,
     ) -> None:
         cfg = conf.get()
         self.worker_id = worker_id
@@ -502,6 +540,7 @@ class PipelineRunner:
         self.poll_interval = poll_interval if poll_interval is not None else cfg.POLL_INTERVAL
         self.burst = burst
         self.max_batches = max_batches
+        self.quota = quota if quota is not None else _Quota(max_batches)
         self.spark = spark
         self.on_batch = on_batch
         self.stats = RunnerStats()
@@ -535,8 +574,12 @@ class PipelineRunner:
         return {registry.get(name).alias for name in names} or {conf.get().DATABASE}
 
     def maintain(self) -> None:
-        """Return expired batches to the queue; drop orphaned staging tables."""
+        """Return expired batches to the queue; drop orphaned staging tables; fold counter
+        deltas (a channel's new batches are seen by the claim once its delta is folded; a
+        claim folds a bounded number, oldest first, so a backlog of other channels' deltas,
+        with no message worker running, would otherwise hide them)."""
         for alias in self._aliases():
+            fold_all_deltas(alias)
             rescued = batches.rescue_expired(using=alias)
             if rescued:
                 logger.info("rescued %d work batches whose lease expired", len(rescued))
@@ -557,21 +600,18 @@ class PipelineRunner:
         if self.spark is None:
             self.spark = get_session()
         logger.info("pipeline runner %s: %s", self.worker_id, describe_session(self.spark))
-        done = 0
         try:
             while not self.stopping.is_set():
+                if not self.quota.reserve():  # before the claim: runners may share the quota
+                    break
                 try:
                     if time.monotonic() >= self._next_maintenance:
                         self.maintain()
                         self._next_maintenance = time.monotonic() + MAINTENANCE_INTERVAL
                     self._check()
-                    batch = batches.claim(
-                        worker_id=self.worker_id,
-                        jobs=patterns,
-                        lease=self.lease,
-                        channels=self.channels,
-                    )
+                    batch = self._claim(patterns)
                 except Exception as exc:
+                    self.quota.give_back()
                     error = cluster.infrastructure_error(exc)
                     if error is None:
                         raise
@@ -580,23 +620,34 @@ class PipelineRunner:
                     self._pause_for(error, exc)
                     continue
                 if batch is None:
+                    self.quota.give_back()
                     if self.burst:
                         break
                     self.stopping.wait(self.poll_interval)
                     continue
                 self.process(batch)
                 if self._pending is not None:
+                    self.quota.give_back()  # the batch was given back, not run
                     error, cause = self._pending
                     self._pending = None
                     self._pause_for(error, cause)
                     continue
-                done += 1
-                if self.max_batches is not None and done >= self.max_batches:
-                    break
         finally:
             for alias in connections:
                 connections[alias].close()
         return self.stats
+
+    def _claim(self, patterns: list[str]) -> batches.ClaimedBatch | None:
+        def claim() -> batches.ClaimedBatch | None:
+            return batches.claim(
+                worker_id=self.worker_id, jobs=patterns, lease=self.lease, channels=self.channels
+            )
+
+        claimed = claim()
+        # Before a burst ends: fold every pending delta, then ask once more.
+        if claimed is None and self.burst and sum(map(fold_all_deltas, self._aliases())):
+            claimed = claim()
+        return claimed
 
     def run_logged(self) -> None:
         """:meth:`run` for a thread: an unexpected error is logged, never raised."""
@@ -789,6 +840,71 @@ class PipelineRunner:
             logger.warning(
                 "batch %s (%s) given back, no attempt used: %s", batch.id, batch.job_name, error
             )
+
+
+class RunnerGroup:
+    """``count`` runners in threads of one process, sharing its Spark session: each claims and
+    runs its own batch, so one batch's driver-side planning and its merge (one database
+    backend) overlap the other batches' Spark phases instead of leaving cores idle.
+
+    ``options`` are :class:`PipelineRunner`'s; ``max_batches`` counts over the group. Each
+    runner records ``worker_id/k`` on its batches (``worker_id`` itself when ``count`` is 1).
+    """
+
+    def __init__(self, count: int, *, worker_id: str, max_batches: int | None = None,
+                 **options: Any) -> None:  # fmt: skip
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"the number of runners must be a whole number >= 1, got {count!r}")
+        quota = _Quota(max_batches)
+        self.runners = [
+            PipelineRunner(
+                worker_id=worker_id if count == 1 else f"{worker_id}/{k + 1}",
+                max_batches=max_batches,
+                quota=quota,
+                **options,
+            )
+            for k in range(count)
+        ]
+        self.stopping = self.runners[0].stopping
+
+    def stop(self) -> None:
+        for runner in self.runners:
+            runner.stop()
+
+    def run(self) -> RunnerStats:
+        """Run every runner until all have stopped; their statistics added up. The first
+        error a runner raised is raised once all have stopped (the others are stopped)."""
+        if len(self.runners) == 1:
+            return self.runners[0].run()
+        from django_fairqueue.contrib.pipeline.spark import get_session
+
+        spark = self.runners[0].spark or get_session()
+        errors: list[BaseException] = []
+
+        def run(runner: PipelineRunner) -> None:
+            try:
+                runner.run()
+            except BaseException as exc:
+                errors.append(exc)
+                self.stop()
+
+        threads = []
+        for runner in self.runners:
+            runner.spark = spark
+            thread = threading.Thread(target=run, args=(runner,), name=runner.worker_id)
+            runner.thread = thread
+            thread.start()
+            threads.append(thread)
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        total = RunnerStats()
+        for runner in self.runners:
+            for field in dataclasses.fields(RunnerStats):
+                setattr(total, field.name,
+                        getattr(total, field.name) + getattr(runner.stats, field.name))  # fmt: skip
+        return total
 
 
 def describe(pipeline: Pipeline) -> dict[str, Any]:

@@ -80,6 +80,14 @@ class Command(FairCommand):
         run.add_argument("--lease", type=float, metavar="SECONDS", help="Lease of a batch.")
         run.add_argument("--poll-interval", type=float, metavar="SECONDS")
         run.add_argument("--worker-id", help="Name recorded on claimed batches.")
+        run.add_argument(
+            "--runners",
+            type=int,
+            default=1,
+            metavar="N",
+            help="Run N batches at a time, in threads sharing one Spark session (default 1): "
+            "a batch's planning and merge then overlap the others' Spark work.",
+        )
 
         status = sub.add_parser("status", help="Progress of every pipeline job.")
         status.add_argument("pipeline", nargs="?", help="Only this pipeline's jobs.")
@@ -138,6 +146,14 @@ class Command(FairCommand):
             metavar="KEY=VALUE",
             help="A Spark property for the benchmark's session (repeatable), over "
             "FAIRQUEUE_PIPELINE['SPARK']['CONF'].",
+        )
+        bench.add_argument(
+            "--runners",
+            type=int,
+            default=1,
+            metavar="N",
+            help="Run the pipeline with N runners sharing the Spark session, as "
+            "`fairpipeline run --runners N` does (default 1).",
         )
         bench.add_argument("--json", action="store_true", help="Print JSON.")
 
@@ -271,7 +287,7 @@ class Command(FairCommand):
     # ---- run
 
     def _run(self, options: dict[str, Any]) -> None:
-        from django_fairqueue.contrib.pipeline.runner import PipelineRunner
+        from django_fairqueue.contrib.pipeline.runner import RunnerGroup
         from django_fairqueue.worker import default_worker_id
 
         for name in ("lease", "poll_interval"):
@@ -279,8 +295,11 @@ class Command(FairCommand):
                 raise CommandError(f"--{name.replace('_', '-')} must be a positive number")
         if options["max_batches"] is not None and options["max_batches"] < 1:
             raise CommandError("--max-batches must be at least 1")
+        if options["runners"] < 1:
+            raise CommandError("--runners must be at least 1")
         try:
-            runner = PipelineRunner(
+            runner = RunnerGroup(
+                options["runners"],
                 worker_id=options["worker_id"] or default_worker_id(),
                 pipelines=options["pipelines"] or None,
                 channels=options["tenant"],
@@ -295,7 +314,7 @@ class Command(FairCommand):
         def stop(signum: int, frame: Any) -> None:
             if runner.stopping.is_set():
                 raise SystemExit(1)  # a second signal: leave now
-            self.stderr.write("stopping: cancelling the running batch and giving it back")
+            self.stderr.write("stopping: cancelling the running batch(es) and giving them back")
             runner.stop()
 
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -425,6 +444,8 @@ class Command(FairCommand):
             raise CommandError("--sql-connections must be at least 1")
         if options["partitions"] is not None and options["partitions"] < 1:
             raise CommandError("--partitions must be at least 1")
+        if options["runners"] < 1:
+            raise CommandError("--runners must be at least 1")
         spark_conf = {}
         for item in options["conf"] or ():
             key, sep, value = item.partition("=")
@@ -447,6 +468,7 @@ class Command(FairCommand):
                     master=options["master"],
                     partitions=options["partitions"],
                     spark_conf=spark_conf,
+                    runners=options["runners"],
                 )
             except self._pipeline_errors() as exc:
                 raise CommandError(str(exc)) from None
@@ -476,7 +498,8 @@ class Command(FairCommand):
                 "(their CPU is counted)"
                 if r.executors
                 else "tasks in the driver's JVM"
-            ),
+            )
+            + f", {r.runners} runner(s)",
             f"  SQL baseline     {r.sql_seconds:7.1f} s ({r.sql_rows_per_second:,.0f} rows/s; "
             f"one connection {seconds(r.sql_serial_seconds)}, one per core "
             f"{seconds(r.sql_parallel_seconds)})  database CPU {cpu(r.sql_db_cpu_us_per_row)}",
