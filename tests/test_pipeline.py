@@ -270,6 +270,14 @@ def test_without_pyspark_the_commands_say_how_to_install(
 
 
 @pytest.mark.django_db(transaction=True)
+def test_the_worker_checks_its_pipeline_runners_count() -> None:
+    with pytest.raises(CommandError, match="--pipeline-runners must be at least 1"):
+        call_command("runfairworker", "--pipelines", "--pipeline-runners", "0", "--burst")
+    with pytest.raises(CommandError, match="--pipeline-runners needs --pipelines"):
+        call_command("runfairworker", "--pipeline-runners", "2", "--burst")
+
+
+@pytest.mark.django_db(transaction=True)
 def test_without_pyspark_planning_works(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1306,13 +1306,14 @@ def test_supervised_workers_get_every_option_of_the_command_but_the_supervisors(
         "--poll-interval", "0.5", "--burst", "--burst-horizon", "2", "--lease", "9",
         "--no-listen", "--no-maintenance", "--max-abandoned-threads", "4",
         "--shutdown-grace", "3", "--pipelines", "enrich", "--queues", "reports,exports",
+        "--pipeline-runners", "2",
     ]  # fmt: skip
     options = vars(parser.parse_args([*given, "--processes", "2", "--max-tasks-per-child", "5"]))
     child = vars(parser.parse_args(supervisor.child_flags(options)))
     for key in (
         "concurrency", "channels", "batch_size", "prefetch", "poll_interval", "burst",
         "burst_horizon", "lease", "no_listen", "no_maintenance", "max_abandoned_threads",
-        "shutdown_grace", "pipelines", "queues",
+        "shutdown_grace", "pipelines", "queues", "pipeline_runners",
     ):  # fmt: skip
         assert child[key] == options[key], key
     assert (child["processes"], child["max_tasks_per_child"]) == (1, None)

@@ -46,6 +46,8 @@ Expr = str  # a Spark SQL expression
 Pair = tuple[Expr, Expr | None]
 ERROR_PREFIX = "__fq_err_"
 _AGG_PREFIX = "__fq_agg_"
+_RAW_PREFIX = "__fq_raw_"  # a rule's value before its errors blank it
+_RAW_ERROR_PREFIX = "__fq_rawerr_"  # its errors before a number's overflow is added
 _BLANK_DATE = dt.date(1899, 12, 31)  # what a blank date compares as (a spreadsheet's day 0)
 #: The longest text one rule may compile to. Some functions use their argument more than once
 #: (``INT``, text conversion of a number, ``IF``'s condition in value and error), so nesting
@@ -153,7 +155,9 @@ def or_errors(*errors: Expr | None) -> Expr | None:
 
 
 def _bad_number(value: Expr) -> Expr:
-    return f"(isnan({value}) OR (abs({value}) = {_INF}))"
+    """NaN or infinite (NULL for NULL). Spark orders NaN above infinity, so one comparison
+    covers both and the value is written once."""
+    return f"(NOT (abs({value}) < {_INF}))"
 
 
 def _number(value: Expr) -> Expr:
@@ -775,44 +779,62 @@ class Output:
     error_column: str | None
 
 
+@dataclass
+class Level:
+    """Rules computed side by side, in two projections: ``computed`` holds each rule's value
+    (and, for a rule that can have errors, its value and its errors so far under names of the
+    pipeline's own), ``settled`` such a rule's error column and its value, blank where an
+    error. Each expression is written once; the second projection reads the first by column
+    name (Spark keeps the two apart, as the first's columns are read twice), where one
+    projection would repeat the value inside its error and the error inside the value."""
+
+    computed: dict[str, Expr]
+    settled: dict[str, Expr]
+
+
 def formula_levels(
     formulas: FormulaSet, *, today: dt.date, names: Mapping[str, Pair]
-) -> tuple[list[dict[str, Expr]], list[Output]]:
-    """Phase two as text: levels of (column -> expression), each rule as a column (blank
-    where it is an error) and an error column for each rule that can have errors. A rule
-    starts a new level only when it uses a rule of the current level, keeping the plan shallow.
+) -> tuple[list[Level], list[Output]]:
+    """Phase two as text: each rule as a column (blank where it is an error) and an error
+    column for each rule that can have errors, in :class:`Level` s. A rule starts a new level
+    only when it uses a rule of the current level, keeping the plan shallow.
 
     :class:`FormulaError` for a rule whose text is longer than :data:`MAX_EXPRESSION_CHARS`.
     """
     known: dict[str, Pair] = dict(names)
     compiler = Compiler(today=today, names=known)
-    levels: list[dict[str, Expr]] = []
-    level: dict[str, Expr] = {}
+    levels: list[Level] = []
+    level = Level({}, {})
+    in_level: set[str] = set()
     outputs: list[Output] = []
     for formula in formulas.formulas:
-        if _references(formula.tree) & level.keys():
+        target = formula.target
+        if _references(formula.tree) & in_level:
             levels.append(level)
-            level = {}
+            level, in_level = Level({}, {}), set()
         try:
             value, error = compiler(formula.tree)
         except TooLong as exc:
-            raise _too_long(formulas.tenant, f"{formula.target} = {formula.source}", exc) from None
-        if formula.tree.type == NUMBER and error is not None:
-            error = or_errors(error, _bad_number(value))
+            raise _too_long(formulas.tenant, f"{target} = {formula.source}", exc) from None
         error_name = None
-        if error is not None:
-            error_name = ERROR_PREFIX + formula.target
-            error = coalesce(error, _FALSE)
-            level[error_name] = error
-            value = when((_not(error), value))
-        level[formula.target] = value
-        known[formula.target] = (
-            quoted(formula.target),
-            quoted(error_name) if error_name else None,
-        )
+        if error is None:
+            level.computed[target] = value
+        else:
+            error_name = ERROR_PREFIX + target
+            raw, raw_error = _RAW_PREFIX + target, _RAW_ERROR_PREFIX + target
+            level.computed[raw] = value
+            level.computed[raw_error] = error
+            settled = quoted(raw_error)
+            if formula.tree.type == NUMBER:
+                settled = f"({settled} OR {_bad_number(quoted(raw))})"
+            settled = coalesce(settled, _FALSE)
+            level.settled[error_name] = settled
+            level.settled[target] = when((_not(settled), quoted(raw)))
+        in_level.add(target)
+        known[target] = (quoted(target), quoted(error_name) if error_name else None)
         if not formula.intermediate:
-            outputs.append(Output(formula.target, formula.tree.type, error_name))
-    if level:
+            outputs.append(Output(target, formula.tree.type, error_name))
+    if level.computed:
         levels.append(level)
     return levels, outputs
 
@@ -831,10 +853,12 @@ def _too_long(tenant: str, shown: str, exc: TooLong) -> FormulaError:
 def apply_formulas(
     df: Any, formulas: FormulaSet, *, today: dt.date, names: Mapping[str, Pair]
 ) -> tuple[Any, list[Output]]:
-    """Phase two on ``df``: one ``selectExpr`` per level of :func:`formula_levels`."""
+    """Phase two on ``df``: a ``selectExpr`` per projection of :func:`formula_levels`."""
     levels, outputs = formula_levels(formulas, today=today, names=names)
     for level in levels:
-        df = df.selectExpr("*", *(f"{text} AS {quoted(name)}" for name, text in level.items()))
+        for columns in (level.computed, level.settled):
+            if columns:
+                df = df.selectExpr("*", *(f"{text} AS {quoted(n)}" for n, text in columns.items()))
     return df, outputs
 
 

@@ -866,10 +866,19 @@ class RunnerGroup:
             for k in range(count)
         ]
         self.stopping = self.runners[0].stopping
+        #: The thread running :meth:`run_logged`, when a worker runs the group next to it.
+        self.thread: threading.Thread | None = None
 
     def stop(self) -> None:
         for runner in self.runners:
             runner.stop()
+
+    def run_logged(self) -> None:
+        """:meth:`run` for a thread: an unexpected error is logged, never raised."""
+        try:
+            self.run()
+        except Exception:
+            logger.exception("the pipeline runners stopped on an error")
 
     def run(self) -> RunnerStats:
         """Run every runner until all have stopped; their statistics added up. The first

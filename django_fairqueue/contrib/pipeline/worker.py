@@ -15,14 +15,15 @@ from django_fairqueue.worker.extensions import Companion, WorkerExtension
 if TYPE_CHECKING:
     from django.core.management.base import CommandParser
 
-    from django_fairqueue.contrib.pipeline.runner import PipelineRunner
+    from django_fairqueue.contrib.pipeline.runner import PipelineRunner, RunnerGroup
     from django_fairqueue.worker.config import WorkerConfig
 
 
 class RunnerThread(Companion):
-    """A :class:`PipelineRunner` running in a thread next to the worker's."""
+    """A :class:`PipelineRunner` (or a :class:`RunnerGroup` of them) running in a thread
+    next to the worker's."""
 
-    def __init__(self, runner: PipelineRunner) -> None:
+    def __init__(self, runner: PipelineRunner | RunnerGroup) -> None:
         self.runner = runner
         self.thread = threading.Thread(target=runner.run_logged, name="fairqueue-pipeline-runner")
         runner.thread = self.thread
@@ -41,20 +42,36 @@ class PipelineExtension(WorkerExtension):
             nargs="?",
             const="",
             metavar="NAMES",
-            help="Also run Spark pipeline batches, one at a time, in a thread of this process: "
-            "the named pipelines (comma-separated) or, without NAMES, every registered one. "
+            help="Also run Spark pipeline batches (one at a time, see --pipeline-runners) in "
+            "a thread: the named pipelines (comma-separated) or, without NAMES, every "
+            "registered one. "
             "Needs the spark extra (docs/howto/spark-pipeline.md).",
+        )
+        parser.add_argument(
+            "--pipeline-runners",
+            type=int,
+            default=1,
+            metavar="N",
+            help="With --pipelines: run N batches at a time, in threads sharing the Spark "
+            "session (default 1).",
         )
 
     def child_flags(self, options: Mapping[str, Any]) -> list[str]:
         names = options.get("pipelines")
         if names is None:
             return []
-        return ["--pipelines", names] if names else ["--pipelines"]
+        runners = options.get("pipeline_runners") or 1
+        extra = ["--pipeline-runners", str(runners)] if runners != 1 else []
+        return (["--pipelines", names] if names else ["--pipelines"]) + extra
 
     def start(self, options: Mapping[str, Any], config: WorkerConfig) -> Companion | None:
+        runners = options.get("pipeline_runners", 1)
         if options.get("pipelines") is None:
+            if runners != 1:
+                raise ValueError("--pipeline-runners needs --pipelines")
             return None
+        if not isinstance(runners, int) or runners < 1:
+            raise ValueError("--pipeline-runners must be at least 1")
         from django_fairqueue.contrib.pipeline.spark import (
             SparkUnavailable,
             require_java,
@@ -64,11 +81,12 @@ class PipelineExtension(WorkerExtension):
         try:
             require_pyspark()
             require_java()
-            from django_fairqueue.contrib.pipeline.runner import PipelineRunner, job_patterns
+            from django_fairqueue.contrib.pipeline.runner import RunnerGroup, job_patterns
 
             names = [n.strip() for n in options["pipelines"].split(",") if n.strip()]
             job_patterns(names)  # an unknown pipeline name fails here, not in the thread
-            runner = PipelineRunner(
+            runner = RunnerGroup(
+                runners,
                 worker_id=config.worker_id,
                 pipelines=names or None,
                 channels=config.channels or None,
