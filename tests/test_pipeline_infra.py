@@ -70,6 +70,10 @@ def test_outside_spark_submit_the_settings_master_is_used_with_sane_defaults() -
     assert default.options["spark.pyspark.python"] == "/venv/bin/python"
     assert default.options["spark.scheduler.mode"] == "FAIR"
     assert "spark.cores.max" not in default.options  # local mode has no cores to share
+    assert default.options["spark.driver.defaultJavaOptions"] == "-XX:+UseParallelGC"
+    # A collector chosen in the Java options wins: two would stop the JVM from starting.
+    chosen = SparkSettings(conf={"spark.driver.extraJavaOptions": "-Xss4m -XX:+UseSerialGC"})
+    assert "spark.driver.defaultJavaOptions" not in session_plan(chosen, environ={}).options
 
     cluster_settings = SparkSettings(master="spark://m:7077", master_set=True)
     planned = session_plan(cluster_settings, environ={}, executable="/venv/bin/python")
@@ -79,6 +83,7 @@ def test_outside_spark_submit_the_settings_master_is_used_with_sane_defaults() -
     )
     assert planned.options["spark.cores.max"] == "2"  # a default, so drivers share a cluster
     assert "spark.driver.host" not in planned.options
+    assert "spark.driver.defaultJavaOptions" not in planned.options  # the tasks run elsewhere
     assert not planned.warnings
 
 
