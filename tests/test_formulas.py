@@ -284,6 +284,33 @@ def test_each_function_means_what_the_reference_says(spark: Any) -> None:  # noq
 
 @needs_spark
 @pytest.mark.spark
+def test_error_flags_packed_in_spark_are_counted_per_rule_by_the_write_task(
+    spark: Any,  # noqa: F811
+) -> None:
+    import pyarrow as pa
+
+    from django_fairqueue.contrib.pipeline import compile as fc
+    from django_fairqueue.contrib.pipeline import datastore
+
+    rules = 130  # three words of flags
+    rows = [[None if (r + k) % 11 == 0 else (r * 7 + k) % 3 == 0 for k in range(rules)]
+            for r in range(40)]  # fmt: skip
+    schema = ", ".join(f"f{k} boolean" for k in range(rules))
+    df = spark.createDataFrame([tuple(row) for row in rows], schema)
+    words = fc.packed_flags([f"f{k}" for k in range(rules)], datastore.ERROR_BITS)
+    assert len(words) == datastore.error_words(rules) == 3
+    packed = [list(r) for r in df.selectExpr(*words).collect()]
+
+    encoder = datastore._Encoder(None, error_columns=rules)
+    columns = [pa.array(range(len(rows)), pa.int64())]
+    columns += [pa.array([r[j] for r in packed], pa.int64()) for j in range(len(words))]
+    encoder.encode(pa.RecordBatch.from_arrays(columns, names=["id", "w0", "w1", "w2"]))
+
+    assert encoder.errors == [sum(bool(row[k]) for row in rows) for k in range(rules)]
+
+
+@needs_spark
+@pytest.mark.spark
 def test_aggregates_over_the_tenant_grouped_and_not(spark: Any) -> None:  # noqa: F811
     from django_fairqueue.contrib.pipeline import compile as fc
 

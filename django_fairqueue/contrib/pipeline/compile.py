@@ -792,6 +792,17 @@ class Level:
     settled: dict[str, Expr]
 
 
+def packed_flags(flags: Sequence[Expr], bits: int) -> list[Expr]:
+    """Boolean expressions (NULL counts as false) packed ``bits`` to a bigint, bit k of
+    word j being flag ``bits * j + k``."""
+    words = []
+    for first in range(0, len(flags), bits):
+        terms = [f"CASE WHEN {flag} THEN {1 << k}L ELSE 0L END"
+                 for k, flag in enumerate(flags[first : first + bits])]  # fmt: skip
+        words.append("(" + " | ".join(terms) + ")")
+    return words
+
+
 def formula_levels(
     formulas: FormulaSet, *, today: dt.date, names: Mapping[str, Pair]
 ) -> tuple[list[Level], list[Output]]:

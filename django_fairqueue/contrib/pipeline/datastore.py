@@ -558,7 +558,7 @@ class WriteSpec:
     conninfo: str
     statements: StagingStatements
     key_index: int | None = None  # column of the single integer key, for its min/max
-    error_columns: int = 0  # trailing boolean columns: a rule's error flags, counted, not written
+    error_columns: int = 0  # rules whose error values are counted: see ERROR_BITS
 
 
 @dataclass(frozen=True)
@@ -576,7 +576,7 @@ class SinkWriteSpec:
     sink_has_keys: str | None  # None unless the key is one integer column
     key_index: int | None = None
     chunk_rows: int = 65_536
-    error_columns: int = 0  # trailing boolean columns: a rule's error flags, counted, not written
+    error_columns: int = 0  # rules whose error values are counted: see ERROR_BITS
 
 
 def sink_write_spec(
@@ -620,6 +620,17 @@ def sink_write_spec(
         )
 
 
+#: A row's error flags (one per counted rule) reach the write tasks packed into trailing
+#: bigint columns, ERROR_BITS flags each (bit k of column j: rule ERROR_BITS * j + k): a
+#: boolean column per rule cost more to move from the JVM to Python than the rules' values.
+ERROR_BITS = 62
+
+
+def error_words(rules: int) -> int:
+    """How many trailing columns hold ``rules`` error flags."""
+    return -(-rules // ERROR_BITS)
+
+
 class _Encoder:
     """Arrow batches -> CSV bytes for COPY, counting rows and tracking the key's min and max."""
 
@@ -628,7 +639,7 @@ class _Encoder:
 
         self.key_index = key_index
         self.skip = skip  # leading columns not written (the atomic path's partition number)
-        self.error_columns = error_columns  # trailing columns counted, not written
+        self.words = error_words(error_columns)  # trailing columns counted, not written
         self.errors = [0] * error_columns
         self.options = pacsv.WriteOptions(include_header=False)
         self.rows = 0
@@ -654,22 +665,28 @@ class _Encoder:
             self.key_min = lo if self.key_min is None else min(self.key_min, lo)
             self.key_max = hi if self.key_max is None else max(self.key_max, hi)
         self.rows += batch.num_rows
-        if self.error_columns:
+        if self.words:
             import pyarrow as pa
-            import pyarrow.compute as pc
 
-            width = batch.num_columns - self.error_columns
-            for i in range(self.error_columns):
-                flags = batch.column(width + i)
-                self.errors[i] += int(
-                    pc.sum(pc.cast(pc.fill_null(flags, False), pa.int64())).as_py() or 0
-                )
+            width = batch.num_columns - self.words
+            for j in range(self.words):
+                self._count(j, batch.column(width + j))
             batch = pa.RecordBatch.from_arrays(
                 batch.columns[:width], names=batch.schema.names[:width]
             )
         buffer = io.BytesIO()
         pacsv.write_csv(batch, buffer, self.options)
         return buffer.getbuffer()
+
+    def _count(self, word: int, packed: Any) -> None:
+        import pyarrow.compute as pc
+
+        if not (pc.max(packed).as_py() or 0):  # the usual case: no error in the batch
+            return
+        first = word * ERROR_BITS
+        for bit in range(min(ERROR_BITS, len(self.errors) - first)):
+            flags = pc.bit_wise_and(pc.shift_right(packed, bit), 1)
+            self.errors[first + bit] += int(pc.sum(flags).as_py() or 0)
 
     def result(self) -> Any:
         import pyarrow as pa

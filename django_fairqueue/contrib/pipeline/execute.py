@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -308,9 +308,13 @@ def apply_transform(
         else:
             selected.append(f"{fc.cast('NULL', column.spark)} AS {fc.quoted(column.name)}")
     counted = list(errors)
-    flags = [f"{fc.coalesce(errors[n], 'false')} AS {fc.quoted(f'{fc.ERROR_PREFIX}{i}')}"
-             for i, n in enumerate(counted)]  # fmt: skip
-    return df.selectExpr(*selected, *flags), counted
+    return df.selectExpr(*selected, *_error_words(errors[n] for n in counted)), counted
+
+
+def _error_words(flags: Iterable[str]) -> list[str]:
+    """The trailing columns a write task counts errors from (``datastore.ERROR_BITS``)."""
+    words = fc.packed_flags(list(flags), datastore.ERROR_BITS)
+    return [f"{word} AS {fc.quoted(f'{fc.ERROR_PREFIX}{j}')}" for j, word in enumerate(words)]
 
 
 def _long_rows(
@@ -361,9 +365,8 @@ def _long_rows(
             else:
                 value = fc.cast(values[rule], "string")
             fields.append(f"{value} AS {fc.quoted(name)}")
-        for i, counted_rule in enumerate(counted):
-            flag = fc.coalesce(errors[counted_rule], "false") if rule is None else "false"
-            fields.append(f"{flag} AS {fc.quoted(f'{fc.ERROR_PREFIX}{i}')}")
+        # The marker row carries the source row's error flags; the rules' rows carry none.
+        fields += _error_words((errors[n] if rule is None else "false") for n in counted)
         keep = "true" if rule is None else fc.not_null(values[rule])
         return fc.call("struct", *fields, f"{keep} AS fq_keep")
 
