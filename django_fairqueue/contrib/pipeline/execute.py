@@ -262,9 +262,9 @@ def apply_transform(
 ) -> tuple[Any, list[str]]:
     """The tenant's formulas (or the pipeline's transform), then the sink's columns and types.
 
-    Returns the DataFrame (sink columns, then one boolean error column per rule that can
-    have errors) and the names of the rules those error columns count. The columns are
-    handed to Spark as SQL text (see :mod:`.compile`), one call per phase.
+    Returns the DataFrame (sink columns, then the error flags of the rules that can have
+    errors, packed as ``datastore.ERROR_BITS`` describes) and the names of those rules, in
+    flag order. The columns are handed to Spark as SQL text (see :mod:`.compile`).
     """
     present: set[str]
     errors: dict[str, str] = {}
