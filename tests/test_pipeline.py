@@ -270,9 +270,29 @@ def test_without_pyspark_the_commands_say_how_to_install(
 
 
 @pytest.mark.django_db(transaction=True)
+def test_names_the_commands_refuse(formulas: dict[str, list[str]]) -> None:
+    with pytest.raises(CommandError, match="no pipeline named 'nosuch'"):
+        call_command("fairpipeline", "status", "nosuch")
+    for action in ("plan", "cancel", "retry"):
+        with pytest.raises(CommandError, match="--tenant needs a tenant's name"):
+            call_command("fairpipeline", action, PIPELINE, "--tenant", " ")
+    with pytest.raises(CommandError, match="--batch-size must be at least 1"):
+        call_command("fairpipeline", "bench", "--rows", "100", "--batch-size", "0")
+    formulas["nosuch"] = []  # a tenant the lookup knows, without formulas
+    report = plan(PIPELINE, tenants=["nosuch"])
+    assert str(report.refused["nosuch"]) == "tenant 'nosuch': the tenant has no formulas"
+    with pytest.raises(FormulaError, match="a name starts with a letter or _"):
+        parse_formulas("bob", {"1abc": "price"}, columns={"price": "float"}, targets=None)
+
+
+@pytest.mark.django_db(transaction=True)
 def test_the_worker_checks_its_pipeline_runners_count() -> None:
-    with pytest.raises(CommandError, match="--pipeline-runners must be at least 1"):
-        call_command("runfairworker", "--pipelines", "--pipeline-runners", "0", "--burst")
+    for bad in ("0", "65"):
+        with pytest.raises(CommandError, match="--pipeline-runners must be from 1 to 64"):
+            call_command("runfairworker", "--pipelines", "--pipeline-runners", bad, "--burst")
+    for bad in ("0", "100000"):
+        with pytest.raises(CommandError, match="--runners must be from 1 to 64"):
+            call_command("fairpipeline", "run", "--runners", bad, "--burst")
     with pytest.raises(CommandError, match="--pipeline-runners needs --pipelines"):
         call_command("runfairworker", "--pipeline-runners", "2", "--burst")
 
@@ -358,7 +378,7 @@ def test_runners_sharing_a_session_run_every_batch_once(
     assert set(WorkBatch.objects.values_list("worker_id", flat=True)) <= {"pair/1", "pair/2"}
     expected_with_sql()
     assert_same_rows(sink_rows(), sink_rows(ExpectedRow))
-    with pytest.raises(ValueError, match="whole number >= 1"):
+    with pytest.raises(ValueError, match="whole number from 1 to 64"):
         RunnerGroup(0, worker_id="pair")
 
 

@@ -61,7 +61,10 @@ class FormulaError(ValueError):
         self.tenant = tenant
         self.formula = formula
         self.reason = reason
-        super().__init__(f"tenant {tenant!r}: invalid formula {formula!r}: {reason}")
+        if formula:
+            super().__init__(f"tenant {tenant!r}: invalid formula {formula!r}: {reason}")
+        else:  # about the tenant's formulas as a whole (none, too many, unreadable)
+            super().__init__(f"tenant {tenant!r}: {reason}")
 
 
 class _Invalid(Exception):
@@ -916,7 +919,8 @@ def parse_formulas(
         if not target:
             raise FormulaError(tenant, shown, "a formula reads `name = expression`")
         if not _NAME.match(target):
-            raise FormulaError(tenant, shown, "a name is letters, digits and _ (at most 63)")
+            raise FormulaError(tenant, shown, "a name starts with a letter or _, then letters, "
+                               "digits and _ (at most 63 in all)")  # fmt: skip
         if (
             allowed_targets is not None
             and not target.startswith("_")

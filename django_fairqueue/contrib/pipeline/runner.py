@@ -52,6 +52,9 @@ logger = logging.getLogger("django_fairqueue.pipeline")
 
 #: How often a runner drops orphaned staging tables and rescues expired batches.
 MAINTENANCE_INTERVAL = 30.0
+#: The most runners one process runs (``--runners``): each is a thread with its own batch,
+#: Spark job and database connections; past the cores of a machine more only wait.
+MAX_RUNNERS = 64
 #: A batch that fails this many times in a row on an infrastructure error while the check of the
 #: executors passes in between is charged an attempt: the batch itself may be the cause.
 INFRASTRUCTURE_STRIKES = 3
@@ -853,8 +856,11 @@ class RunnerGroup:
 
     def __init__(self, count: int, *, worker_id: str, max_batches: int | None = None,
                  **options: Any) -> None:  # fmt: skip
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"the number of runners must be a whole number >= 1, got {count!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_RUNNERS:
+            raise ValueError(
+                f"the number of runners must be a whole number from 1 to {MAX_RUNNERS}, "
+                f"got {count!r}"
+            )
         quota = _Quota(max_batches)
         self.runners = [
             PipelineRunner(

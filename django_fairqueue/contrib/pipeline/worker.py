@@ -70,8 +70,10 @@ class PipelineExtension(WorkerExtension):
             if runners != 1:
                 raise ValueError("--pipeline-runners needs --pipelines")
             return None
-        if not isinstance(runners, int) or runners < 1:
-            raise ValueError("--pipeline-runners must be at least 1")
+        from django_fairqueue.contrib.pipeline.runner import MAX_RUNNERS
+
+        if not isinstance(runners, int) or not 1 <= runners <= MAX_RUNNERS:
+            raise ValueError(f"--pipeline-runners must be from 1 to {MAX_RUNNERS}")
         from django_fairqueue.contrib.pipeline.spark import (
             SparkUnavailable,
             require_java,

@@ -17,6 +17,7 @@ from typing import Any
 from django.core.management.base import CommandError, CommandParser
 
 from django_fairqueue._runtime import configure_logging
+from django_fairqueue.contrib.pipeline.runner import MAX_RUNNERS
 from django_fairqueue.management.base import FairCommand
 
 
@@ -160,6 +161,8 @@ class Command(FairCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         configure_logging(options["verbosity"])
         action = options["action"]
+        if any(not name.strip() for name in options.get("tenant") or ()):
+            raise CommandError("--tenant needs a tenant's name (a channel), not an empty one")
         # Planning needs nothing of Spark's: a planner without PySpark installed (the web
         # host, say) checks formulas and plans what a Spark host runs.
         if action in ("run", "bench"):
@@ -295,8 +298,8 @@ class Command(FairCommand):
                 raise CommandError(f"--{name.replace('_', '-')} must be a positive number")
         if options["max_batches"] is not None and options["max_batches"] < 1:
             raise CommandError("--max-batches must be at least 1")
-        if options["runners"] < 1:
-            raise CommandError("--runners must be at least 1")
+        if not 1 <= options["runners"] <= MAX_RUNNERS:
+            raise CommandError(f"--runners must be from 1 to {MAX_RUNNERS}")
         try:
             runner = RunnerGroup(
                 options["runners"],
@@ -344,6 +347,13 @@ class Command(FairCommand):
         name = options["pipeline"]
         prefix = f"{name}:" if name else None
         jobs = batches.jobs(prefix=prefix)
+        if name and not jobs:
+            from django_fairqueue.contrib.pipeline.core import registry
+
+            try:  # a name neither registered nor in the jobs is a typo, as for the others
+                registry.get(name)
+            except self._pipeline_errors() as exc:
+                raise CommandError(str(exc)) from None
         if not name:
             from django_fairqueue.contrib.pipeline.core import registry
 
@@ -444,8 +454,10 @@ class Command(FairCommand):
             raise CommandError("--sql-connections must be at least 1")
         if options["partitions"] is not None and options["partitions"] < 1:
             raise CommandError("--partitions must be at least 1")
-        if options["runners"] < 1:
-            raise CommandError("--runners must be at least 1")
+        if options["batch_size"] is not None and options["batch_size"] < 1:
+            raise CommandError("--batch-size must be at least 1")
+        if not 1 <= options["runners"] <= MAX_RUNNERS:
+            raise CommandError(f"--runners must be from 1 to {MAX_RUNNERS}")
         spark_conf = {}
         for item in options["conf"] or ():
             key, sep, value = item.partition("=")
