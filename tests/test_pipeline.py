@@ -252,6 +252,16 @@ def test_status_shows_progress_per_job(
     call_command("fairpipeline", "status")
     assert "test.enrich:bob" in capsys.readouterr().out
 
+    # A job cancelled before any batch ran keeps its line, as cancelled.
+    call_command("fairpipeline", "cancel", PIPELINE, "--tenant", "bob")
+    capsys.readouterr()
+    call_command("fairpipeline", "status", PIPELINE)
+    line = next(x for x in capsys.readouterr().out.splitlines() if "test.enrich:bob" in x)
+    assert line.split()[1] == "cancelled"
+    call_command("fairpipeline", "status", "--json")
+    jobs = {job["job"]: job for job in json.loads(capsys.readouterr().out)}
+    assert jobs["test.enrich:bob"]["cancelled"] and jobs["test.enrich:bob"]["batches_total"] == 0
+
 
 def test_without_pyspark_the_commands_say_how_to_install(
     monkeypatch: pytest.MonkeyPatch,
@@ -293,6 +303,8 @@ def test_the_worker_checks_its_pipeline_runners_count() -> None:
     for bad in ("0", "100000"):
         with pytest.raises(CommandError, match="--runners must be from 1 to 64"):
             call_command("fairpipeline", "run", "--runners", bad, "--burst")
+    with pytest.raises(CommandError, match="--pipelines: an empty pipeline name in ','"):
+        call_command("runfairworker", "--pipelines", ",", "--burst")
     with pytest.raises(CommandError, match="--pipeline-runners needs --pipelines"):
         call_command("runfairworker", "--pipeline-runners", "2", "--burst")
 
@@ -353,6 +365,22 @@ def test_a_burst_runner_runs_batches_behind_other_channels_unfolded_deltas(
 
     assert stats.succeeded == 2 and stats.failed == 0
     assert all(j.state == "succeeded" for j in batches.jobs(prefix=f"{PIPELINE}:"))
+
+
+@needs_spark
+@pytest.mark.spark
+@pytest.mark.django_db(transaction=True)
+def test_a_burst_worker_with_pipelines_runs_the_ready_batches_before_it_exits(
+    spark: Any, spark_settings: None, formulas: dict[str, list[str]]
+) -> None:
+    make_rows(10)
+    plan(PIPELINE)
+
+    call_command("runfairworker", "--pipelines", PIPELINE, "--pipeline-runners", "2",
+                 "--burst", "--no-listen", "--burst-horizon", "0")  # fmt: skip
+
+    assert all(j.state == "succeeded" for j in batches.jobs(prefix=f"{PIPELINE}:"))
+    assert len(sink_rows()) == 20
 
 
 @needs_spark

@@ -11,7 +11,8 @@ work batches in a thread of the worker process) registers a :class:`WorkerExtens
             extensions.register(MyExtension())
 
 ``runfairworker`` then offers the extension's options, starts its companion before the worker
-claims and stops it (and waits for it) when the worker stops, whatever the reason; under a
+claims and stops it (and waits for it) when the worker stops, whatever the reason; with
+``--burst`` it first lets the companion finish its own burst (:meth:`Companion.finish`); under a
 supervisor (``--processes``) each worker process gets the extension's options again. The queue
 knows no extension by name: without the app, its options do not exist.
 """
@@ -34,6 +35,10 @@ class Companion:
     def stop(self) -> None:
         """Stop, and return once stopped."""
         raise NotImplementedError
+
+    def finish(self) -> None:
+        """The worker ran with ``--burst`` and is done: return once the companion's own work
+        is done too (it was started in burst mode). By default at once."""
 
 
 class WorkerExtension:

@@ -32,6 +32,11 @@ class RunnerThread(Companion):
         self.runner.stop()  # cancels a running Spark job and gives its batch back
         self.thread.join()
 
+    def finish(self) -> None:
+        # In burst mode the runner ends once no batch is ready; a signal still interrupts.
+        while self.thread.is_alive():
+            self.thread.join(0.5)
+
 
 class PipelineExtension(WorkerExtension):
     name = "pipelines"
@@ -74,6 +79,10 @@ class PipelineExtension(WorkerExtension):
 
         if not isinstance(runners, int) or not 1 <= runners <= MAX_RUNNERS:
             raise ValueError(f"--pipeline-runners must be from 1 to {MAX_RUNNERS}")
+        raw = options["pipelines"]
+        names = [n.strip() for n in raw.split(",")] if raw.strip() else []
+        if "" in names:
+            raise ValueError(f"--pipelines: an empty pipeline name in {raw!r}")
         from django_fairqueue.contrib.pipeline.spark import (
             SparkUnavailable,
             require_java,
@@ -85,7 +94,6 @@ class PipelineExtension(WorkerExtension):
             require_java()
             from django_fairqueue.contrib.pipeline.runner import RunnerGroup, job_patterns
 
-            names = [n.strip() for n in options["pipelines"].split(",") if n.strip()]
             job_patterns(names)  # an unknown pipeline name fails here, not in the thread
             runner = RunnerGroup(
                 runners,

@@ -8,7 +8,7 @@ from typing import Any
 from django.core.management.base import CommandError, CommandParser
 
 from django_fairqueue import bounds, conf
-from django_fairqueue._runtime import configure_logging
+from django_fairqueue._runtime import configure_logging, stop_signals
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.exceptions import InvalidChannel
 from django_fairqueue.management.base import FairCommand
@@ -235,6 +235,10 @@ class Command(FairCommand):
         companions = self._start_companions(options, config)
         try:
             handled = Worker(config).run()
+            if config.burst:  # the companions' work is part of the burst: let them finish
+                with stop_signals(lambda signum: _stop(companions)):
+                    for companion in companions:
+                        companion.finish()
         except WorkerCrashed as exc:
             raise CommandError(str(exc)) from exc
         finally:

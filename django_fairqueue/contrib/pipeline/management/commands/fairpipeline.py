@@ -21,6 +21,25 @@ from django_fairqueue.contrib.pipeline.runner import MAX_RUNNERS
 from django_fairqueue.management.base import FairCommand
 
 
+def _no_batches(job_name: str, tenant: str) -> Any:
+    """The progress of a job that has no batches (cancelled before any ran)."""
+    from django_fairqueue.batches import JobProgress
+
+    return JobProgress(
+        job_name=job_name,
+        channel=tenant,
+        batches_total=0,
+        batches_by_state={"pending": 0, "running": 0, "succeeded": 0, "failed": 0},
+        rows_total=0,
+        rows_done=0,
+        rows_written=0,
+        started_at=None,
+        last_finished_at=None,
+        rows_per_second=None,
+        eta=None,
+    )
+
+
 def _eta(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -163,8 +182,12 @@ class Command(FairCommand):
         action = options["action"]
         if any(not name.strip() for name in options.get("tenant") or ()):
             raise CommandError("--tenant needs a tenant's name (a channel), not an empty one")
+        if not 1 <= options.get("runners", 1) <= MAX_RUNNERS:  # before Spark is looked for
+            raise CommandError(f"--runners must be from 1 to {MAX_RUNNERS}")
         # Planning needs nothing of Spark's: a planner without PySpark installed (the web
         # host, say) checks formulas and plans what a Spark host runs.
+        if action == "bench":
+            self._check_bench(options)  # before Spark is looked for
         if action in ("run", "bench"):
             self._require_spark()
         getattr(self, f"_{action}")(options)
@@ -298,8 +321,6 @@ class Command(FairCommand):
                 raise CommandError(f"--{name.replace('_', '-')} must be a positive number")
         if options["max_batches"] is not None and options["max_batches"] < 1:
             raise CommandError("--max-batches must be at least 1")
-        if not 1 <= options["runners"] <= MAX_RUNNERS:
-            raise CommandError(f"--runners must be from 1 to {MAX_RUNNERS}")
         try:
             runner = RunnerGroup(
                 options["runners"],
@@ -343,10 +364,18 @@ class Command(FairCommand):
 
     def _status(self, options: dict[str, Any]) -> None:
         from django_fairqueue import batches
+        from django_fairqueue.contrib.pipeline.models import PipelineJob
 
         name = options["pipeline"]
         prefix = f"{name}:" if name else None
         jobs = batches.jobs(prefix=prefix)
+        # A job cancelled before any batch ran has no batches left: listed all the same.
+        listed = {job.job_name for job in jobs}
+        cancelled = PipelineJob.objects.filter(cancelled_at__isnull=False)
+        if name:
+            cancelled = cancelled.filter(pipeline=name)
+        jobs += [_no_batches(p.job_name, p.tenant) for p in cancelled if p.job_name not in listed]
+        jobs.sort(key=lambda job: job.job_name)
         if name and not jobs:
             from django_fairqueue.contrib.pipeline.core import registry
 
@@ -359,8 +388,6 @@ class Command(FairCommand):
 
             known = tuple(f"{n}:" for n in registry.names())
             jobs = [job for job in jobs if job.job_name.startswith(known)] if known else []
-        from django_fairqueue.contrib.pipeline.models import PipelineJob
-
         pinned = {
             p.job_name: p
             for p in PipelineJob.objects.filter(job_name__in=[j.job_name for j in jobs])
@@ -439,10 +466,8 @@ class Command(FairCommand):
 
     # ---- bench
 
-    def _bench(self, options: dict[str, Any]) -> None:
-        from django_fairqueue import conf
-        from django_fairqueue.contrib.pipeline import bench
-
+    @staticmethod
+    def _check_bench(options: dict[str, Any]) -> None:
         sizes = options["rows"] or [1_000_000]
         if any(n < 2 for n in sizes):
             raise CommandError("--rows must be at least 2")
@@ -456,13 +481,19 @@ class Command(FairCommand):
             raise CommandError("--partitions must be at least 1")
         if options["batch_size"] is not None and options["batch_size"] < 1:
             raise CommandError("--batch-size must be at least 1")
-        if not 1 <= options["runners"] <= MAX_RUNNERS:
-            raise CommandError(f"--runners must be from 1 to {MAX_RUNNERS}")
-        spark_conf = {}
         for item in options["conf"] or ():
-            key, sep, value = item.partition("=")
+            key, sep, _ = item.partition("=")
             if not sep or not key.strip():
                 raise CommandError(f"--conf takes KEY=VALUE, got {item!r}")
+
+    def _bench(self, options: dict[str, Any]) -> None:
+        from django_fairqueue import conf
+        from django_fairqueue.contrib.pipeline import bench
+
+        sizes = options["rows"] or [1_000_000]
+        spark_conf = {}
+        for item in options["conf"] or ():
+            key, _, value = item.partition("=")
             spark_conf[key.strip()] = value
         results = []
         for rows in sizes:
