@@ -240,6 +240,9 @@ CASES: list[tuple[str, Any]] = [
     ('DATEDIF(DATE(2000, 2, 29), DATE(2026, 2, 28), "Y")', 25.0),
     ('DATEDIF(TODAY(), d, "D")', ERROR), ("EDATE(d, 1)", dt.date(2026, 2, 28)),
     ("EOMONTH(d, 1)", dt.date(2026, 2, 28)), ("d > DATE(2026, 1, 1)", True),
+    # numbers past a bigint (floor() would overflow in Spark's ANSI mode)
+    ("1e20 & \"\"", "1.0E20"), ("n * 1e18 & \"\"", "1.0E19"), ("MOD(1e20, 7)", 2.0),
+    ("INT(-1e20)", -1e20), ("CEILING(1e300)", 1e300), ("MOD(-1e20, 7)", 5.0),
     # text constants are data, whatever they hold
     ("\"it's \\ `x` -- /* */ é\" & \"\"", "it's \\ `x` -- /* */ é"),
     ("'\"); DROP TABLE t; --'", "\"); DROP TABLE t; --"),

@@ -24,7 +24,7 @@ from django_fairqueue import batches
 from django_fairqueue.contrib.pipeline import datastore, execute
 from django_fairqueue.contrib.pipeline.core import LongSink, Pipeline, Sink, Source, registry
 from django_fairqueue.contrib.pipeline.models import PipelineJob
-from django_fairqueue.contrib.pipeline.runner import PipelineRunner, plan, recompute
+from django_fairqueue.contrib.pipeline.runner import PipelineRunner, cancel, plan, recompute
 from django_fairqueue.models import WorkBatch
 from tests.pipelineapp import pipelines
 from tests.pipelineapp.models import DataRow, JsonResultRow, LongResultRow
@@ -302,6 +302,22 @@ def test_recompute_plans_what_changed_since_the_last_successful_run(
     assert f"{NAME}:bob (formulas " in out
     assert "every row: formulas changed since the last successful run" in out
     assert "2 new batches (100 rows)" in out
+
+
+@pytest.mark.django_db(transaction=True)
+def test_cancelling_a_finished_job_keeps_its_run_as_the_last_successful_one(
+    json_formulas: dict[str, list[str]],
+) -> None:
+    rows(20)
+    recompute(NAME, tenants=["bob"])
+    complete_without_spark(f"{NAME}:bob")  # finished, not yet recorded as the last success
+
+    assert cancel(NAME, tenants=["bob"]) == {"bob": 0}
+
+    job = PipelineJob.objects.get(job_name=f"{NAME}:bob")
+    assert job.cancelled_at is not None and job.succeeded_version == job.version
+    (decided,) = recompute(NAME, tenants=["bob"], dry_run=True).tenants
+    assert (decided.scope, decided.reason) == ("none", "no row changed since 0")
 
 
 def test_recompute_needs_a_known_pipeline() -> None:

@@ -180,7 +180,9 @@ def _text(node: Node, value: Expr) -> Expr:
     if node.type == TEXT:
         return coalesce(value, _EMPTY)
     if node.type == NUMBER:
-        whole = _and(_bin(value, "=", call("floor", value)), f"(abs({value}) < {_SAFE_INTEGER})")
+        # floor() gives a bigint: only asked of a number it fits (else ANSI mode fails the job)
+        whole = when((f"(abs({value}) < {_SAFE_INTEGER})", _bin(value, "=", call("floor", value))),
+                     otherwise=_FALSE)  # fmt: skip
         as_text = when((whole, cast(try_cast(value, "bigint"), "string")),
                        otherwise=cast(value, "string"))  # fmt: skip
         return coalesce(as_text, _EMPTY)
@@ -439,8 +441,10 @@ class Compiler:
     def _op_MOD(self, node: Node) -> Pair:
         (a, b), error = self.values(node.args)
         a, b = _number(a), _number(b)
-        divisor = when((_bin(b, "<>", "(0)"), b))
-        value = f"({a} - ({divisor} * floor({a} / {divisor})))"
+        # a - b * INT(a / b), computed exactly: Java's remainder (the sign of a), moved by b
+        # when the signs differ (a / b loses the remainder of numbers past 2^53).
+        rest = f"({a} % {when((_bin(b, '<>', '(0)'), b))})"
+        value = when((f"(({rest} * {b}) < (0))", f"({rest} + {b})"), otherwise=rest)
         return value, or_errors(error, _bin(b, "=", "(0)"))
 
     def _op_POWER(self, node: Node) -> Pair:

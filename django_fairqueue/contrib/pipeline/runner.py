@@ -448,6 +448,8 @@ def cancel(name: str, *, tenants: Sequence[str] | None = None) -> dict[str, int]
     for job in jobs:
         with transaction.atomic(using=alias):
             locked = PipelineJob.objects.using(alias).select_for_update().get(pk=job.pk)
+            # A run that already finished stays the last successful one (recompute reads it).
+            _promote(locked, WorkBatch.objects.using(alias).filter(job_name=job.job_name))
             locked.cancelled_at = timezone.now()
             locked.save(update_fields=["cancelled_at"])
             count, _ = (
