@@ -386,6 +386,39 @@ def test_a_burst_worker_with_pipelines_runs_the_ready_batches_before_it_exits(
 @needs_spark
 @pytest.mark.spark
 @pytest.mark.django_db(transaction=True)
+def test_text_longer_than_a_varchar_column_is_an_error_value_not_a_failed_batch(
+    spark: Any, spark_settings: None, formulas: dict[str, list[str]]
+) -> None:
+    from django.db import connection
+
+    from django_fairqueue.contrib.pipeline.models import PipelineJob
+
+    table = ResultRow._meta.db_table
+    with connection.cursor() as cur:
+        cur.execute(f"ALTER TABLE {table} ALTER COLUMN band TYPE varchar(3)")
+    try:
+        make_rows(30)
+        plan(PIPELINE)
+        stats = PipelineRunner(worker_id="t", pipelines=[PIPELINE], burst=True, spark=spark).run()
+        expected_with_sql()
+        want = sink_rows(ExpectedRow)
+        got = sink_rows()
+    finally:
+        with connection.cursor() as cur:
+            cur.execute(f"ALTER TABLE {table} ALTER COLUMN band TYPE text")
+
+    assert (stats.succeeded, stats.failed) == (2, 0)
+    too_long = {key for key, row in want.items() if len(row[3]) > 3}
+    assert too_long and len(too_long) < len(want)  # "high", "none", "N/A" fit or not
+    for key, row in want.items():
+        assert got[key][3] == (None if key in too_long else row[3])
+    counted = sum(job.errors.get("band", 0) for job in PipelineJob.objects.all())
+    assert counted == len(too_long)
+
+
+@needs_spark
+@pytest.mark.spark
+@pytest.mark.django_db(transaction=True)
 def test_runners_sharing_a_session_run_every_batch_once(
     spark: Any, spark_settings: None, formulas: dict[str, list[str]]
 ) -> None:

@@ -96,6 +96,7 @@ class ColumnType:
     pg_type: str  # pg_type.typname: int4, float8, numeric, text, ...
     precision: int | None = None
     scale: int | None = None
+    max_length: int | None = None  # of varchar(n) and char(n)
 
 
 def column_types(using: str, table: str) -> dict[str, ColumnType]:
@@ -105,7 +106,7 @@ def column_types(using: str, table: str) -> dict[str, ColumnType]:
         rows = cur.execute(
             compose("column_types"), {"table": quoted.as_string(cur.connection)}
         ).fetchall()
-    return {row[0]: ColumnType(row[0], row[1], row[2], row[3]) for row in rows}
+    return {row[0]: ColumnType(*row) for row in rows}
 
 
 def connection_string(using: str) -> str:

@@ -87,6 +87,7 @@ class ColumnSpec:
     kind: str
     arrow: str
     spark: str
+    max_length: int | None = None  # characters a varchar(n) or char(n) column holds
 
 
 def column_spec(table: str, column: datastore.ColumnType) -> ColumnSpec:
@@ -105,7 +106,7 @@ def column_spec(table: str, column: datastore.ColumnType) -> ColumnSpec:
             f"{table}.{column.name} has type {column.pg_type}, which the pipeline does not "
             f"read or write; supported: {SUPPORTED_TYPES}"
         ) from None
-    return ColumnSpec(column.name, kind, arrow, spark)
+    return ColumnSpec(column.name, kind, arrow, spark, column.max_length)
 
 
 def _columns(using: str, table: str, wanted: tuple[str, ...], role: str) -> list[ColumnSpec]:
@@ -297,6 +298,8 @@ def apply_transform(
         if column.name in values:
             value = values[column.name]
             cast = fc.try_cast(value, column.spark)
+            if prepared.formulas is not None and column.max_length is not None:
+                cast = _fitting(cast, column.max_length)
             if prepared.formulas is not None:
                 # A value the column cannot hold (out of range, not a date...) is an error.
                 bad = f"({fc.not_null(value)} AND {fc.is_null(cast)})"
@@ -309,6 +312,11 @@ def apply_transform(
             selected.append(f"{fc.cast('NULL', column.spark)} AS {fc.quoted(column.name)}")
     counted = list(errors)
     return df.selectExpr(*selected, *_error_words(errors[n] for n in counted)), counted
+
+
+def _fitting(text: str, length: int) -> str:
+    """Text a varchar(length) column holds, else NULL (counted as an error by the caller)."""
+    return fc.when((f"(char_length({text}) <= {int(length)})", text))
 
 
 def _error_words(flags: Iterable[str]) -> list[str]:
@@ -343,6 +351,14 @@ def _long_rows(
                 if prepared.formulas is not None:  # a number the column cannot hold: an error
                     bad = f"({fc.not_null(values[rule])} AND {fc.is_null(cast)})"
                     errors[rule] = fc.or_errors(errors.get(rule), bad)
+    texts = {rule: fc.cast(values[rule], "string") for rule in rules}
+    length = specs[sink.text_column].max_length if sink.text_column is not None else None
+    if length is not None and prepared.formulas is not None:
+        for rule in rules:  # text the column cannot hold: an error, as for numbers
+            fitting = _fitting(texts[rule], length)
+            bad = f"({fc.not_null(texts[rule])} AND {fc.is_null(fitting)})"
+            errors[rule] = fc.or_errors(errors.get(rule), bad)
+            texts[rule] = fitting
     counted = list(errors)
 
     def entry(rule: str | None) -> str:
@@ -363,7 +379,7 @@ def _long_rows(
             elif name == sink.number_column:
                 value = numbers.get(rule, fc.cast("NULL", column.spark))
             else:
-                value = fc.cast(values[rule], "string")
+                value = texts[rule]
             fields.append(f"{value} AS {fc.quoted(name)}")
         # The marker row carries the source row's error flags; the rules' rows carry none.
         fields += _error_words((errors[n] if rule is None else "false") for n in counted)

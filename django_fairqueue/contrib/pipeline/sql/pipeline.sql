@@ -8,13 +8,16 @@
 -- except lock_batch_for_write: the fence Spark tasks run themselves, without Django (see there).
 
 -- name: column_types
--- The columns of a table, in order: name, PostgreSQL type name, precision and scale of numerics.
+-- The columns of a table, in order: name, PostgreSQL type name, precision and scale of numerics,
+-- the length of varchar(n) and char(n).
 SELECT a.attname::text,
        t.typname::text,
        CASE WHEN t.typname = 'numeric' AND a.atttypmod >= 4
             THEN ((a.atttypmod - 4) >> 16) & 65535 END AS numeric_precision,
        CASE WHEN t.typname = 'numeric' AND a.atttypmod >= 4
-            THEN (a.atttypmod - 4) & 65535 END AS numeric_scale
+            THEN (a.atttypmod - 4) & 65535 END AS numeric_scale,
+       CASE WHEN t.typname IN ('varchar', 'bpchar') AND a.atttypmod >= 4
+            THEN a.atttypmod - 4 END AS max_length
 FROM pg_attribute a
 JOIN pg_type t ON t.oid = a.atttypid
 WHERE a.attrelid = to_regclass(%(table)s) AND a.attnum > 0 AND NOT a.attisdropped
