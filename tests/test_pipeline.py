@@ -252,6 +252,19 @@ def test_status_shows_progress_per_job(
     call_command("fairpipeline", "status")
     assert "test.enrich:bob" in capsys.readouterr().out
 
+    # Why a batch failed shows under its job, until the batch succeeds.
+    claimed = batches.claim(worker_id="t", jobs=["test.enrich:alice"])
+    assert claimed is not None
+    batches.fail(claimed, ValueError("the sink refused a row\nmore detail"), worker_id="t")
+    call_command("fairpipeline", "status", PIPELINE)
+    out = capsys.readouterr().out
+    assert (f"  last error (batch {claimed.id}, pending, attempt 1): ValueError: the sink "
+            "refused a row\n") in out  # fmt: skip
+    call_command("fairpipeline", "status", "--json")
+    shown = {job["job"]: job for job in json.loads(capsys.readouterr().out)}
+    assert shown["test.enrich:alice"]["last_error"]["message"].startswith("the sink refused")
+    assert shown["test.enrich:bob"]["last_error"] is None
+
     # A job cancelled before any batch ran keeps its line, as cancelled.
     call_command("fairpipeline", "cancel", PIPELINE, "--tenant", "bob")
     capsys.readouterr()

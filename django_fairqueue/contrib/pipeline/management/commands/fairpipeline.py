@@ -21,6 +21,24 @@ from django_fairqueue.contrib.pipeline.runner import MAX_RUNNERS
 from django_fairqueue.management.base import FairCommand
 
 
+def _last_errors(job_names: list[str]) -> dict[str, dict[str, Any]]:
+    """Per job, the error of its batch that failed last, among batches still failed or
+    waiting for a retry (a batch that then succeeded is left out)."""
+    from django_fairqueue.models import BatchState, WorkBatch
+
+    found: dict[str, dict[str, Any]] = {}
+    failed = (
+        WorkBatch.objects.filter(job_name__in=job_names, last_error__isnull=False)
+        .exclude(state=BatchState.SUCCEEDED)
+        .order_by("job_name", "-finished_at", "-id")
+        .values_list("job_name", "id", "state", "last_error")
+    )
+    for job_name, batch, state, error in failed:
+        if job_name not in found and isinstance(error, dict):
+            found[job_name] = {"batch": batch, "state": state, **error}
+    return found
+
+
 def _no_batches(job_name: str, tenant: str) -> Any:
     """The progress of a job that has no batches (cancelled before any ran)."""
     from django_fairqueue.batches import JobProgress
@@ -392,6 +410,7 @@ class Command(FairCommand):
             p.job_name: p
             for p in PipelineJob.objects.filter(job_name__in=[j.job_name for j in jobs])
         }
+        last_errors = _last_errors([j.job_name for j in jobs])
         if options["json"]:
             shown = []
             for job in jobs:
@@ -400,6 +419,7 @@ class Command(FairCommand):
                 row["version"] = pin.version if pin else None
                 row["errors"] = dict(pin.errors) if pin else {}
                 row["cancelled"] = bool(pin and pin.cancelled_at)
+                row["last_error"] = last_errors.get(job.job_name)
                 row["output"] = pin.output if pin else None
                 row["changed_since"] = pin.changed_since if pin else None
                 row["last_success"] = (
@@ -442,6 +462,13 @@ class Command(FairCommand):
                 f"{pin.version if pin else '-':<16} {errors:>8,} "
                 f"{pin.output if pin else '-':<6} {scope}"
             )
+            failure = last_errors.get(job.job_name)
+            if failure is not None:
+                message = (failure.get("message") or "").strip().splitlines() or [""]
+                self.stdout.write(
+                    f"  last error (batch {failure['batch']}, {failure['state']}, attempt "
+                    f"{failure.get('attempt')}): {failure.get('type')}: {message[0][:300]}"
+                )
 
     # ---- retry
 
