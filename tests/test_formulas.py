@@ -50,6 +50,9 @@ def test_deep_nesting_is_a_clear_error_not_a_crash() -> None:
     # Thousands of nested operators: lark parses without recursion, the depth is checked on the
     # tree before anything recursive runs, and Spark never sees them.
     assert "nested 1901 levels deep; at most 64" in refused("x = " + "-" * 1900 + "1")
+    # A long chain says how to write it; written so, it is one level.
+    assert "write SUM(a, b, c)" in refused("x = " + " + ".join(["n"] * 80))
+    assert check("x = SUM(" + ", ".join(["n"] * 80) + ")").formulas[0].kind == "number"
     assert "nested 901 levels deep" in refused("x = " + "NOT " * 900 + "TRUE")
     # Parentheses alone add no nesting (lark keeps no node for them).
     assert check("x = " + "(" * 3000 + "1" + ")" * 3000).formulas[0].kind == "number"

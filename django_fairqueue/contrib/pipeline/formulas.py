@@ -785,7 +785,11 @@ def _parse(
         raise _Invalid(str(exc).strip().splitlines()[0]) from None
     depth = _expression_depth(tree)
     if depth > MAX_DEPTH:
-        raise _Invalid(f"nested {depth} levels deep; at most {MAX_DEPTH} are allowed")
+        raise _Invalid(
+            f"nested {depth} levels deep; at most {MAX_DEPTH} are allowed (each operator of a "
+            "chain such as a + b + c is a level: write SUM(a, b, c), CONCAT(a, b, c), "
+            "AND(a, b, c) or OR(a, b, c), which are one)"
+        )
     _, size = _depth_and_size(tree)
     if size > MAX_NODES * 3:
         raise _Invalid(f"too large: at most {MAX_NODES} operators, names and constants")
