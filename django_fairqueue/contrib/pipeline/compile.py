@@ -154,6 +154,11 @@ def or_errors(*errors: Expr | None) -> Expr | None:
     return present[0] if len(present) == 1 else "(" + " OR ".join(present) + ")"
 
 
+def either(error: Expr | None, other: Expr) -> Expr:
+    """``error`` or ``other`` (``other`` alone when there is no ``error``)."""
+    return other if error is None else f"({error} OR {other})"
+
+
 def _bad_number(value: Expr) -> Expr:
     """NaN or infinite (NULL for NULL). Spark orders NaN above infinity, so one comparison
     covers both and the value is written once."""

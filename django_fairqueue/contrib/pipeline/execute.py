@@ -303,7 +303,7 @@ def apply_transform(
             if prepared.formulas is not None:
                 # A value the column cannot hold (out of range, not a date...) is an error.
                 bad = f"({fc.not_null(value)} AND {fc.is_null(cast)})"
-                errors[column.name] = fc.or_errors(errors.get(column.name), bad)
+                errors[column.name] = fc.either(errors.get(column.name), bad)
             selected.append(f"{cast} AS {fc.quoted(column.name)}")
         elif column.name in present:
             selected.append(f"{fc.cast(fc.quoted(column.name), column.spark)} AS "
@@ -350,14 +350,14 @@ def _long_rows(
                 numbers[rule] = cast
                 if prepared.formulas is not None:  # a number the column cannot hold: an error
                     bad = f"({fc.not_null(values[rule])} AND {fc.is_null(cast)})"
-                    errors[rule] = fc.or_errors(errors.get(rule), bad)
+                    errors[rule] = fc.either(errors.get(rule), bad)
     texts = {rule: fc.cast(values[rule], "string") for rule in rules}
     length = specs[sink.text_column].max_length if sink.text_column is not None else None
     if length is not None and prepared.formulas is not None:
         for rule in rules:  # text the column cannot hold: an error, as for numbers
             fitting = _fitting(texts[rule], length)
             bad = f"({fc.not_null(texts[rule])} AND {fc.is_null(fitting)})"
-            errors[rule] = fc.or_errors(errors.get(rule), bad)
+            errors[rule] = fc.either(errors.get(rule), bad)
             texts[rule] = fitting
     counted = list(errors)
 

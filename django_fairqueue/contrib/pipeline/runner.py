@@ -52,9 +52,10 @@ logger = logging.getLogger("django_fairqueue.pipeline")
 
 #: How often a runner drops orphaned staging tables and rescues expired batches.
 MAINTENANCE_INTERVAL = 30.0
-#: The most runners one process runs (``--runners``): each is a thread with its own batch,
-#: Spark job and database connections; past the cores of a machine more only wait.
-MAX_RUNNERS = 64
+#: The most runners one process runs (``--runners``): each is a thread with its own batch and
+#: Spark job, and holds database connections (its own, its heartbeat's, and one per Spark task
+#: of its batch: about six with two partitions); past a machine's cores more only wait.
+MAX_RUNNERS = 16
 #: A batch that fails this many times in a row on an infrastructure error while the check of the
 #: executors passes in between is charged an attempt: the batch itself may be the cause.
 INFRASTRUCTURE_STRIKES = 3
@@ -649,9 +650,11 @@ class PipelineRunner:
             )
 
         claimed = claim()
-        # Before a burst ends: fold every pending delta, then ask once more.
-        if claimed is None and self.burst and sum(map(fold_all_deltas, self._aliases())):
-            claimed = claim()
+        if claimed is None and self.burst:
+            # Before a burst ends: fold every pending delta, then ask once more.
+            folded = sum(fold_all_deltas(alias) for alias in self._aliases())
+            if folded:
+                claimed = claim()
         return claimed
 
     def run_logged(self) -> None:
@@ -858,7 +861,7 @@ class RunnerGroup:
 
     def __init__(self, count: int, *, worker_id: str, max_batches: int | None = None,
                  **options: Any) -> None:  # fmt: skip
-        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_RUNNERS:
+        if type(count) is not int or not 1 <= count <= MAX_RUNNERS:  # a bool is no count
             raise ValueError(
                 f"the number of runners must be a whole number from 1 to {MAX_RUNNERS}, "
                 f"got {count!r}"
