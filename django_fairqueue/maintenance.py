@@ -157,6 +157,7 @@ class DeltaFolder:
     max_batches: int = 10
     every: float = 1.0  # seconds
     name: str = "folder"
+    using: str | None = None  # database alias; None: FAIRQUEUE['DATABASE']
 
     @property
     def interval(self) -> float:
@@ -165,7 +166,7 @@ class DeltaFolder:
     def run_once(self) -> int:
         total = 0
         for _ in range(self.max_batches):
-            folded = store.fold_channel_deltas(self.batch_size)
+            folded = store.fold_channel_deltas(self.batch_size, using=self.using)
             total += folded
             if folded < self.batch_size:
                 break

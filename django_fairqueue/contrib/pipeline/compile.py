@@ -142,6 +142,11 @@ def not_null(value: Expr) -> Expr:
     return f"({value} IS NOT NULL)"
 
 
+def lost(before: Expr, after: Expr) -> Expr:
+    """A value a conversion turned into NULL (a cast that failed): an error value."""
+    return _and(not_null(before), is_null(after))
+
+
 def coalesce(*values: Expr) -> Expr:
     return call("coalesce", *values)
 
@@ -412,7 +417,7 @@ class Compiler:
             result = f"(signum({result}) * {_whole(call('abs', result))})"
         elif target == NUMBER and scale is not None:
             result = call("round", result, literal(int(scale)))
-        bad = _and(not_null(value), is_null(result)) if source.type != target else None
+        bad = lost(value, result) if source.type != target else None
         return result, or_errors(error, bad)
 
     # numbers
@@ -507,7 +512,7 @@ class Compiler:
         if source.type == NUMBER:
             return value, error
         result = try_cast(call("trim", _text(source, value)), "double")
-        return result, or_errors(error, _and(not_null(value), is_null(result)))
+        return result, or_errors(error, lost(value, result))
 
     # text
     def _op_CONCAT(self, node: Node) -> Pair:
@@ -591,7 +596,7 @@ class Compiler:
         if source.type == DATE_T:
             return value, error
         result = try_cast(call("trim", _text(source, value)), "date")
-        return result, or_errors(error, _and(not_null(value), is_null(result)))
+        return result, or_errors(error, lost(value, result))
 
     def _date_part(self, node: Node, function: str) -> Pair:
         value, error = self(node.args[0])

@@ -302,7 +302,7 @@ def apply_transform(
                 cast = _fitting(cast, column.max_length)
             if prepared.formulas is not None:
                 # A value the column cannot hold (out of range, not a date...) is an error.
-                bad = f"({fc.not_null(value)} AND {fc.is_null(cast)})"
+                bad = fc.lost(value, cast)
                 errors[column.name] = fc.either(errors.get(column.name), bad)
             selected.append(f"{cast} AS {fc.quoted(column.name)}")
         elif column.name in present:
@@ -349,14 +349,14 @@ def _long_rows(
                 cast = fc.try_cast(values[rule], spark_type)
                 numbers[rule] = cast
                 if prepared.formulas is not None:  # a number the column cannot hold: an error
-                    bad = f"({fc.not_null(values[rule])} AND {fc.is_null(cast)})"
+                    bad = fc.lost(values[rule], cast)
                     errors[rule] = fc.either(errors.get(rule), bad)
     texts = {rule: fc.cast(values[rule], "string") for rule in rules}
     length = specs[sink.text_column].max_length if sink.text_column is not None else None
     if length is not None and prepared.formulas is not None:
         for rule in rules:  # text the column cannot hold: an error, as for numbers
             fitting = _fitting(texts[rule], length)
-            bad = f"({fc.not_null(texts[rule])} AND {fc.is_null(fitting)})"
+            bad = fc.lost(texts[rule], fitting)
             errors[rule] = fc.either(errors.get(rule), bad)
             texts[rule] = fitting
     counted = list(errors)

@@ -26,7 +26,7 @@ from typing import Any
 from django.db import connections, transaction
 from django.utils import timezone
 
-from django_fairqueue import batches, conf, store
+from django_fairqueue import batches, conf
 from django_fairqueue._runtime import StopFlag
 from django_fairqueue.contrib.pipeline import cluster, datastore
 from django_fairqueue.contrib.pipeline.core import (
@@ -46,6 +46,7 @@ from django_fairqueue.contrib.pipeline.execute import (
 from django_fairqueue.contrib.pipeline.formulas import FormulaError
 from django_fairqueue.contrib.pipeline.models import PipelineJob
 from django_fairqueue.exceptions import LeaseLost
+from django_fairqueue.maintenance import DeltaFolder
 from django_fairqueue.models import BatchState, WorkBatch
 
 logger = logging.getLogger("django_fairqueue.pipeline")
@@ -481,16 +482,10 @@ class RunnerStats:
     paused: int = 0
 
 
-def fold_all_deltas(alias: str, *, limit: int = 10_000, rounds: int = 100) -> int:
-    """Fold pending channel counter deltas into the channel rows, as a message worker's
-    maintenance does (at most ``limit * rounds``); return how many were folded."""
-    total = 0
-    for _ in range(rounds):
-        folded = store.fold_channel_deltas(limit, using=alias)
-        total += folded
-        if folded < limit:
-            break
-    return total
+def fold_all_deltas(alias: str) -> int:
+    """Fold pending channel counter deltas into the channel rows with a message worker's
+    folder (up to 1,000,000 at a time); return how many were folded."""
+    return DeltaFolder(max_batches=100, using=alias).run_once()
 
 
 class _Quota:
@@ -545,7 +540,6 @@ class PipelineRunner:
         self.lease = lease or timedelta(seconds=cfg.LEASE_SECONDS)
         self.poll_interval = poll_interval if poll_interval is not None else cfg.POLL_INTERVAL
         self.burst = burst
-        self.max_batches = max_batches
         self.quota = quota if quota is not None else _Quota(max_batches)
         self.spark = spark
         self.on_batch = on_batch

@@ -21,6 +21,17 @@ from django_fairqueue.contrib.pipeline.runner import MAX_RUNNERS
 from django_fairqueue.management.base import FairCommand
 
 
+def _spark_conf(options: dict[str, Any]) -> dict[str, str]:
+    """``--conf KEY=VALUE ...`` as a dict; a malformed item is a :class:`CommandError`."""
+    found = {}
+    for item in options["conf"] or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise CommandError(f"--conf takes KEY=VALUE, got {item!r}")
+        found[key.strip()] = value
+    return found
+
+
 def _last_errors(job_names: list[str]) -> dict[str, dict[str, Any]]:
     """Per job, the error of its batch that failed last, among batches still failed or
     waiting for a retry (a batch that then succeeded is left out)."""
@@ -382,6 +393,7 @@ class Command(FairCommand):
 
     def _status(self, options: dict[str, Any]) -> None:
         from django_fairqueue import batches
+        from django_fairqueue.contrib.pipeline.core import registry
         from django_fairqueue.contrib.pipeline.models import PipelineJob
 
         name = options["pipeline"]
@@ -395,15 +407,11 @@ class Command(FairCommand):
         jobs += [_no_batches(p.job_name, p.tenant) for p in cancelled if p.job_name not in listed]
         jobs.sort(key=lambda job: job.job_name)
         if name and not jobs:
-            from django_fairqueue.contrib.pipeline.core import registry
-
             try:  # a name neither registered nor in the jobs is a typo, as for the others
                 registry.get(name)
             except self._pipeline_errors() as exc:
                 raise CommandError(str(exc)) from None
         if not name:
-            from django_fairqueue.contrib.pipeline.core import registry
-
             known = tuple(f"{n}:" for n in registry.names())
             jobs = [job for job in jobs if job.job_name.startswith(known)] if known else []
         pinned = {
@@ -508,20 +516,14 @@ class Command(FairCommand):
             raise CommandError("--partitions must be at least 1")
         if options["batch_size"] is not None and options["batch_size"] < 1:
             raise CommandError("--batch-size must be at least 1")
-        for item in options["conf"] or ():
-            key, sep, _ = item.partition("=")
-            if not sep or not key.strip():
-                raise CommandError(f"--conf takes KEY=VALUE, got {item!r}")
+        _spark_conf(options)
 
     def _bench(self, options: dict[str, Any]) -> None:
         from django_fairqueue import conf
         from django_fairqueue.contrib.pipeline import bench
 
         sizes = options["rows"] or [1_000_000]
-        spark_conf = {}
-        for item in options["conf"] or ():
-            key, _, value = item.partition("=")
-            spark_conf[key.strip()] = value
+        spark_conf = _spark_conf(options)
         results = []
         for rows in sizes:
             try:
