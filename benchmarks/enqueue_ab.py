@@ -3,7 +3,7 @@ r"""Server CPU per ``enqueue()`` under two versions of the enqueue function, in 
 Two runs on a shared 2-core machine differ by more than most changes to a statement. This
 measures both versions in the same session, on the same rows, alternating rounds: it installs
 ``fairqueue_enqueue_one_v1`` from a migration's frozen copy (``before``) or from the live
-``sql/functions_v1.sql`` (``after``) and times rounds of ``enqueue()`` calls, reading the server
+``db/functions/enqueue.sql`` (``after``) and times rounds of ``enqueue()`` calls, reading the server
 backend's CPU time from ``/proc`` (server and client on one Linux machine). It EMPTIES the queue
 tables of the example project's database first, and puts the live function back at the end::
 
@@ -38,6 +38,7 @@ from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many
 from django_fairqueue.contrib.bench import db as bench_db
 from django_fairqueue.contrib.bench.harness import backend_cpu
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
+from django_fairqueue.db import functions
 from django_fairqueue.migrations._sql import migration_sql
 
 FUNCTION = "fairqueue_enqueue_one_v1"
@@ -80,7 +81,7 @@ def main(
 ) -> dict[str, Any]:
     versions = {
         "before": function_ddl(migration_sql(before)),
-        "after": function_ddl(store.functions_sql()),
+        "after": function_ddl(functions.sql("enqueue")),
     }
     using = conf.get().DATABASE
     out: dict[str, Any] = {"before": before, "rounds": rounds, "calls": calls, "cells": {}}

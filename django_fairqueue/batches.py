@@ -8,7 +8,7 @@ them with :func:`fenced` (their writes and the batch's completion commit togethe
 :func:`fail` (retry with backoff, then the failed state). The rescuer returns batches whose
 worker died; :func:`prune` deletes finished jobs after ``FAIRQUEUE['BATCH_RETENTION']``.
 
-Every statement is named in ``sql/queries.sql`` (claim: ``sql/functions_batches_v1.sql``) and
+Every statement is named in ``sql/queries.sql`` (claim: ``db/functions/batches.sql``) and
 run by ``store.py``. Design and guarantees: docs/explanation/work-batches.md.
 """
 

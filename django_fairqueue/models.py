@@ -2,8 +2,8 @@
 
 The models own the DDL (tables, named partial indexes, CHECK constraints), so ``makemigrations`` is
 the single source of truth for the schema. Every statement that *moves* queue state lives in
-``sql/queries.sql`` and ``sql/functions_v1.sql`` and is run by ``store.py``; nothing here writes
-queue state through the ORM.
+``sql/queries.sql`` and the server functions (``db/functions/``) and is run by ``store.py``;
+nothing here writes queue state through the ORM.
 
 How the pieces fit (see docs/explanation/fairness.md):
 
@@ -454,7 +454,7 @@ class Message(TrackedModel):
             # the claim takes a message out of it, so a claim writes no entry of it. A running
             # message of scope 'active' holds its key through UniqueHold, written at enqueue.
             # The enqueue's ON CONFLICT repeats this predicate word for word
-            # (sql/functions_v1.sql), so it must not change without the SQL.
+            # (db/functions/enqueue.sql), so it must not change without the SQL.
             models.UniqueConstraint(
                 F("channel"),
                 F("unique_key"),
@@ -512,7 +512,7 @@ class ChannelDelta(TrackedModel):
     # ones): the fold sets the channel's batch_pending flag.
     batch_pending = models.BooleanField(default=False, db_default=False)
     # Written by an enqueue to a channel with max_backlog: a deferred constraint trigger checks
-    # the bound when the enqueuing transaction commits (sql/functions_v1.sql).
+    # the bound when the enqueuing transaction commits (db/functions/backlog.sql).
     backlog_check = models.BooleanField(default=False, db_default=False)
     # Fairness by time: seconds the settled messages ran (as their workers measured them,
     # bounded by the database's clock), and how many messages the claim charged an estimate
@@ -540,7 +540,7 @@ class UniqueHold(models.Model):
     operator's retry), never by the claim. The row holds only while its message is of scope
     ``active`` and ready, scheduled or running: an enqueue that meets it checks that after
     inserting its own message, and takes over a row whose message holds no more. Rows whose
-    message finished or is gone are deleted by the pruner (``sql/functions_v1.sql``,
+    message finished or is gone are deleted by the pruner (``db/functions/unique_holds.sql``,
     ``fairqueue_unique_holder_v1``).
     """
 

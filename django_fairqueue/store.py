@@ -73,17 +73,6 @@ def queries() -> dict[str, str]:
     return named_statements("django_fairqueue", "sql/queries.sql")
 
 
-def functions_sql(version: int = 1, *, part: str = "") -> str:
-    """DDL of the server-side functions as the code calls them: the live ``sql/`` file.
-
-    ``part`` names a separately versioned file: ``functions_batches_v1.sql`` for ``part="batches"``.
-    Migrations never read it (each installs its own frozen copy, see ``migrations/_sql.py``);
-    tests/test_migrations.py checks that a migrated database has exactly these functions.
-    """
-    stem = f"functions_{part}_v{version}" if part else f"functions_v{version}"
-    return resources.files("django_fairqueue").joinpath(f"sql/{stem}.sql").read_text("utf-8")
-
-
 @contextmanager
 def _cursor(
     using: str | None = None, *, wrapper: BaseDatabaseWrapper | None = None, values: bool = True

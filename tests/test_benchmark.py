@@ -193,7 +193,7 @@ def test_scratch_runs_elsewhere_and_leaves_the_data_alone(
     scratch = scratch_name(connection.settings_dict["NAME"])
     assert doc["meta"]["database"]["name"] == scratch
     assert doc["meta"]["scratch"] is True
-    # a fresh database: its functions are those of the checked-out sql/functions_v1.sql
+    # a fresh database: its functions are those of the checked-out db/functions/
     assert not [w for w in doc["meta"]["warnings"] if "differ" in w]
     assert [c["channels"] for c in doc["scenarios"]["latency"]["cells"]] == [2]
     assert "Claim latency" in result.stdout

@@ -18,7 +18,7 @@ from django.db.migrations.executor import MigrationExecutor
 from django.db.migrations.loader import MigrationLoader
 
 import django_fairqueue.migrations as fairqueue_migrations
-from django_fairqueue import store
+from django_fairqueue.db import functions as server_functions
 from django_fairqueue.migrations._sql import migration_sql
 
 functions_v1 = importlib.import_module("django_fairqueue.migrations.0002_functions_v1")
@@ -117,12 +117,11 @@ def installed_functions() -> dict[str, str]:
 
 
 def live_functions() -> dict[str, str]:
-    """The functions of the live sql/ files, installed alone (rolled back afterwards)."""
+    """The functions of the live db/functions/ files, installed alone (rolled back afterwards)."""
     with transaction.atomic(), connection.cursor() as cur:
         for signature in installed_functions():
             cur.execute(f"DROP FUNCTION {signature} CASCADE")  # and the trigger using it
-        cur.execute(store.functions_sql(1))
-        cur.execute(store.functions_sql(1, part="batches"))
+        cur.execute(server_functions.sql())
         functions = installed_functions()
         transaction.set_rollback(True)
     return functions
@@ -165,8 +164,8 @@ def test_migrating_from_zero_or_any_step_installs_exactly_the_live_functions() -
     names = app_migrations()
     latest = names[-1]
     hint = (
-        "\n\nA migrated database's functions differ from the live sql/ files: after editing "
-        "sql/functions_v1.sql or sql/functions_batches_v1.sql, add a migration that installs a "
+        "\n\nA migrated database's functions differ from the live db/functions/ files: after "
+        "editing one of them, add a migration that installs a "
         "copy of the edited file (django_fairqueue/migrations/_sql.py)."
     )
     try:
@@ -199,8 +198,8 @@ def test_each_migration_installs_functions_from_its_own_frozen_copy() -> None:
         if app != APP:
             continue
         source = inspect.getsource(sys.modules[type(migration).__module__])
-        # store.functions_sql reads the live files, which change with the code.
-        assert "functions_sql" not in source, name
+        # db.functions reads the live files, which change with the code.
+        assert "db.functions" not in source and "db import functions" not in source, name
         sql = ""
         for operation in migration.operations:
             if isinstance(operation, migrations.RunSQL):

@@ -4,7 +4,7 @@ scratch database next to it (``--scratch``), created fresh and dropped afterward
 The benchmark TRUNCATEs the queue tables before every scenario. On a database that holds queue
 rows that would destroy someone's work, so it refuses; a scratch database leaves the user's
 data alone. A scratch database is recreated on every run, so it always carries the functions of
-the checked-out ``sql/functions_v1.sql`` (a reused one would keep those it was migrated with).
+the checked-out ``db/functions/`` (a reused one would keep those it was migrated with).
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 Throughput and latency figures include the network round trip, the client and, for anything
 that writes, the commit's WAL flush, all of which vary with the machine's mood (the same code
 has measured a third apart an hour later). The time PostgreSQL spends inside each PL/pgSQL
-function is much steadier, and it is what a change to ``functions_v1.sql`` changes: this
-scenario reads it from ``pg_stat_user_functions`` (with ``track_functions = 'pl'`` for its own
-session) as differences over ``samples`` calls.
+function is much steadier, and it is what a change to the server functions (``db/functions/``)
+changes: this scenario reads it from ``pg_stat_user_functions`` (with ``track_functions = 'pl'``
+for its own session) as differences over ``samples`` calls.
 
 Cells: ``empty`` (nothing to claim, nothing due, nothing to fold: the fixed cost every poll of an
 idle queue pays), and ``batch 1`` / ``batch 100`` over a standing backlog in 100 channels, each

@@ -22,12 +22,13 @@ from django.conf import settings
 from django.db import connections
 
 import django_fairqueue
-from django_fairqueue import conf, store
+from django_fairqueue import conf
 from django_fairqueue.contrib.bench import db
 from django_fairqueue.contrib.bench.harness import Bench, CpuWatch, Progress
 from django_fairqueue.contrib.bench.report import Report, ScenarioReport, check_targets
 from django_fairqueue.contrib.bench.scenario import Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
+from django_fairqueue.db import functions
 
 #: Server settings recorded with every run (the ones that move queue figures).
 SERVER_SETTINGS = (
@@ -150,7 +151,7 @@ def describe(using: str, sizes: Sizes) -> dict[str, Any]:
     stale = _stale_functions(installed)
     if stale:
         warnings.append(
-            f"installed function(s) {', '.join(stale)} differ from sql/functions_v1.sql: this "
+            f"installed function(s) {', '.join(stale)} differ from db/functions/: this "
             "database was migrated before the last edit (use --scratch for a fresh install)"
         )
     load = os.getloadavg()
@@ -187,10 +188,10 @@ def describe(using: str, sizes: Sizes) -> dict[str, Any]:
 
 
 def _stale_functions(installed: dict[str, str]) -> list[str]:
-    """fairqueue functions whose installed body differs from the checked-out functions_v1.sql."""
+    """fairqueue functions whose installed body differs from the checked-out db/functions/."""
     wanted = {
         name: hashlib.md5(body.encode(), usedforsecurity=False).hexdigest()
-        for name, body in _FUNCTION_RE.findall(store.functions_sql(1))
+        for name, body in _FUNCTION_RE.findall(functions.sql())
     }
     return sorted(name for name, digest in wanted.items() if installed.get(name) != digest)
 

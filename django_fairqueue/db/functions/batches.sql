@@ -1,7 +1,4 @@
--- django-fairqueue: server-side function of the work-batch queue, version 1.
---
--- Installed by migration 0003 with CREATE OR REPLACE, and again by later migrations that change
--- it, each from a copy of its own (versioning as in functions_v1.sql).
+-- django-fairqueue server functions: work batches. The claim of a work batch.
 --
 -- Locking rules (docs/explanation/work-batches.md):
 --   * The batch claim locks one channel row at a time, FOR NO KEY UPDATE SKIP LOCKED, and writes

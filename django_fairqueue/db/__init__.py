@@ -1,0 +1,1 @@
+"""The database layer of django-fairqueue: the server functions (``db/functions/``)."""

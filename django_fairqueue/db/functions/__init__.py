@@ -1,0 +1,40 @@
+"""The server-side functions, one ``.sql`` file per family, and their loader.
+
+Each file holds ``CREATE OR REPLACE FUNCTION`` (and the triggers that call its trigger
+functions) for one family of the queue's work. These files are the live definitions: the code
+calls exactly these functions, and migrations install them from here (``InstallFunctions`` in
+``migrations/_sql.py``), never from a copy. ``FAMILIES`` lists them in an order that installs
+with ``check_function_bodies`` on: a SQL-language function comes after the functions it calls.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib import resources
+
+#: The families, in install order.
+FAMILIES = (
+    "locks_clocks",
+    "groups",
+    "queues",
+    "fold_counters",
+    "unique_holds",
+    "claim",
+    "settle",
+    "enqueue",
+    "backlog",
+    "verify_repair",
+    "batches",
+)
+
+
+@cache
+def _read(family: str) -> str:
+    if family not in FAMILIES:
+        raise ValueError(f"no server function family {family!r}; the families: {FAMILIES}")
+    return resources.files(__name__).joinpath(f"{family}.sql").read_text("utf-8")
+
+
+def sql(*families: str) -> str:
+    """The DDL of the named families, in the order given; with no name, of every family."""
+    return "\n\n".join(_read(family) for family in families or FAMILIES)

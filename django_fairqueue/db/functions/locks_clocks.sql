@@ -1,0 +1,206 @@
+-- django-fairqueue server functions: locks and clocks. The lock order every function follows,
+-- the advisory-lock namespaces, and the virtual clocks of fairness by time (the system and
+-- group virtual times, a channel's lift, charge and mean run time).
+
+-- Lock order (docs/explanation/fairness.md, "Lock order"); every statement follows it:
+--   1. advisory locks on channel names, shared (enqueue) or exclusive (deleting a channel);
+--   2. fairqueue_channel rows, in id order. Claims (messages and work batches), the fold and
+--      the repair write counters and turns; operators write only configuration columns (the
+--      Django model maps no other). Claims and the fold never wait for a channel row: they
+--      use SKIP LOCKED (a claim's bounded CLAIM_WAIT ends in lock_timeout, not a deadlock);
+--   3. fairqueue_channel_group rows: the group of a channel, after the channel, by whoever
+--      writes a grouped channel's counters (fairqueue_group_counters_v1); claims lock a group
+--      SKIP LOCKED (or under CLAIM_WAIT's lock_timeout) and its channels SKIP LOCKED;
+--   4. fairqueue_channel_delta rows: inserted by every writer of messages, deleted by the fold
+--      and the repair, which lock them SKIP LOCKED or after the channel;
+--   5. fairqueue_message and fairqueue_work_batch rows, in id order within one statement.
+--      Claims lock ready rows SKIP LOCKED (they never wait on a message), settlements only
+--      rows their lease token owns;
+--   6. the bounded-backlog advisory locks, taken only while the transaction commits, all at
+--      once in channel id order (fairqueue_backlog_check_v1).
+-- Nothing takes a lock of an earlier rank while it waits for a later one, except a caller's
+-- own transaction doing so across statements, which the SKIP LOCKED waits above tolerate.
+
+
+-- Advisory-lock namespace of the bounded-backlog check at commit: ("fq" as int, channel id).
+CREATE OR REPLACE FUNCTION fairqueue_lock_key_v1() RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 26225 $$;
+
+
+-- Channel existence: every enqueue holds a shared lock per channel name (in this namespace,
+-- keyed by hashtext(name)) until its transaction ends, and deleting a channel takes the
+-- exclusive one first. A deletion therefore waits for enqueues in flight (and then deletes
+-- their messages too), and an enqueue that comes after it finds the name gone and creates the
+-- channel anew: no message is ever left behind with a channel id that no longer exists.
+-- Shared locks never conflict with each other, so enqueues cannot deadlock on them.
+CREATE OR REPLACE FUNCTION fairqueue_channel_lock_key_v1() RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 26227 $$;
+
+
+-- Fairness by time (FAIRQUEUE['FAIRNESS'] = 'time'; docs/explanation/fairness.md, "Fairness by
+-- time"). Each channel carries `vtime`, its virtual start tag: the seconds of worker time it
+-- was charged, divided by its weight. The claim serves the claimable channel with the smallest
+-- tag (index fq_channel_vtime_idx) and charges it the channel's mean run time per message
+-- (`mean_run`, FAIRQUEUE_DEFAULT_RUN when unknown); the settlement's delta carries the time
+-- the messages really ran, and the fold puts the difference right. A channel that becomes
+-- claimable (new work after being idle, a freed slot, unpaused) is lifted to the system's
+-- virtual time, so it cannot bank credit while it was away.
+
+-- The estimate charged per message of a channel with no recorded run time yet (seconds).
+CREATE OR REPLACE FUNCTION fairqueue_default_run_v1() RETURNS double precision
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 0.01::double precision $$;
+
+
+-- The top-level virtual time (fairqueue_virtual_time_v1, below), other than channel p_exclude
+-- and group p_exclude_group.
+CREATE OR REPLACE FUNCTION fairqueue_top_virtual_time_v1(
+    p_exclude bigint, p_exclude_group bigint
+)
+RETURNS double precision
+LANGUAGE sql STABLE AS $$
+    -- The tag indexes lead with the queue (docs/howto/queues.md): the smallest tag is the
+    -- smallest of each queue's first entry, found queue after queue (one probe per queue).
+    SELECT coalesce(
+        least(
+            (WITH RECURSIVE q AS (
+                (SELECT c.queue::text AS queue, c.vtime
+                 FROM fairqueue_channel c
+                 WHERE c.ready_count > 0
+                   AND NOT c.paused
+                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                   AND c.group_id IS NULL
+                   AND c.id IS DISTINCT FROM p_exclude
+                 ORDER BY c.queue, c.vtime, c.id
+                 LIMIT 1)
+                UNION ALL
+                SELECT n.queue, n.vtime
+                FROM q CROSS JOIN LATERAL (
+                    SELECT c.queue::text AS queue, c.vtime
+                    FROM fairqueue_channel c
+                    WHERE c.ready_count > 0
+                   AND NOT c.paused
+                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                   AND c.group_id IS NULL
+                      AND c.queue > q.queue
+                      AND c.id IS DISTINCT FROM p_exclude
+                    ORDER BY c.queue, c.vtime, c.id
+                    LIMIT 1) n)
+             SELECT min(q.vtime) FROM q),
+            (WITH RECURSIVE q AS (
+                (SELECT g.queue::text AS queue, g.vtime
+                 FROM fairqueue_channel_group g
+                 WHERE g.claimable > 0
+                   AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                   AND g.id IS DISTINCT FROM p_exclude_group
+                 ORDER BY g.queue, g.vtime, g.id
+                 LIMIT 1)
+                UNION ALL
+                SELECT n.queue, n.vtime
+                FROM q CROSS JOIN LATERAL (
+                    SELECT g.queue::text AS queue, g.vtime
+                    FROM fairqueue_channel_group g
+                    WHERE g.claimable > 0
+                      AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                      AND g.queue > q.queue
+                      AND g.id IS DISTINCT FROM p_exclude_group
+                    ORDER BY g.queue, g.vtime, g.id
+                    LIMIT 1) n)
+             SELECT min(q.vtime) FROM q)),
+        nullif(greatest(
+            (SELECT max(c.vtime) FROM fairqueue_channel c
+             WHERE c.vtime > 0 AND c.group_id IS NULL AND c.id IS DISTINCT FROM p_exclude),
+            (SELECT max(g.vtime) FROM fairqueue_channel_group g
+             WHERE g.vtime > 0 AND g.id IS DISTINCT FROM p_exclude_group)), 0),
+        0)
+$$;
+
+
+-- The system virtual time: the smallest tag of a claimable top-level flow, other than
+-- p_exclude: an ungrouped channel (the first entry of fq_channel_vtime_idx, its predicate
+-- repeated word for word) or a channel group (fq_group_vtime_idx). When nothing is claimable,
+-- the largest tag of any of them (fq_channel_vtime_max_idx, fq_group_vtime_max_idx): after
+-- the queue went idle every flow starts level with the most served one, so a channel that was
+-- idle longest cannot come back ahead of one that ran recently. Index probes, no lock.
+-- (Those indexes hold only tags above 0: by count no tag moves, so claims and folds by count
+-- add nothing to them; a largest tag of 0 is the same as none.)
+-- Channels of a group have tags of their own, compared only within their group
+-- (fairqueue_group_virtual_time_v1).
+CREATE OR REPLACE FUNCTION fairqueue_virtual_time_v1(p_exclude bigint DEFAULT NULL)
+RETURNS double precision
+LANGUAGE sql STABLE AS $$
+    SELECT fairqueue_top_virtual_time_v1(p_exclude, NULL)
+$$;
+
+
+-- The virtual time inside group p_group, other than channel p_exclude: the smallest tag of a
+-- claimable channel of the group (fq_channel_in_group_vtime_idx), else the largest tag of any
+-- of its channels (fq_channel_group_idx). Index probes, no lock.
+CREATE OR REPLACE FUNCTION fairqueue_group_virtual_time_v1(p_group bigint, p_exclude bigint)
+RETURNS double precision
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce(
+        (SELECT c.vtime FROM fairqueue_channel c
+         WHERE c.group_id IS NOT NULL
+           AND c.ready_count > 0
+           AND NOT c.paused
+           AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+           AND c.group_id = p_group
+           AND c.id IS DISTINCT FROM p_exclude
+         ORDER BY c.vtime, c.id
+         LIMIT 1),
+        (SELECT c.vtime FROM fairqueue_channel c
+         WHERE c.group_id IS NOT NULL AND c.group_id = p_group
+           AND c.id IS DISTINCT FROM p_exclude
+         ORDER BY c.vtime DESC
+         LIMIT 1),
+        0)
+$$;
+
+
+-- A channel's tag after a fold: p_tag, lifted to the virtual time p_vnow when the channel
+-- becomes claimable (p_before false, p_after true), and then also brought down to at most
+-- one message's charge (p_charge) ahead of the virtual time: it starts within
+-- [p_vnow, p_vnow + p_charge]. The claim charges estimates in advance and the fold corrects
+-- them, so tags can move down: a channel charged 10 ms per message before its first
+-- settlements folded (a new channel of tasks that take microseconds) drops back by what it
+-- was over-charged. A channel that went idle meanwhile keeps a tag measured against the
+-- other's tag before that drop, and without this bound it came back that far behind: seconds
+-- of virtual time, which at a charge of a microsecond per message is millions of the other's
+-- messages before its next one. A channel that ran legitimately ahead when it went idle was
+-- at most one claim's charge past the virtual time; what is given up is that claim's charge
+-- beyond one message (within the documented bound) and any correction folded while idle.
+CREATE OR REPLACE FUNCTION fairqueue_lift_v1(
+    p_tag double precision, p_vnow double precision, p_before boolean, p_after boolean,
+    p_charge double precision
+)
+RETURNS double precision
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE WHEN p_after AND NOT p_before AND p_vnow IS NOT NULL
+                THEN greatest(p_vnow, least(p_tag, p_vnow + greatest(p_charge, 0)))
+                ELSE p_tag END
+$$;
+
+
+-- A channel's charge per message by time: its mean run time (the default while it has
+-- none; at least a microsecond) divided by its weight. The claim charges this in advance.
+CREATE OR REPLACE FUNCTION fairqueue_charge_v1(p_mean double precision, p_weight integer)
+RETURNS double precision
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT greatest(coalesce(p_mean, fairqueue_default_run_v1()), 1e-6) / greatest(p_weight, 1)
+$$;
+
+
+-- A channel's mean run time after p_runs more messages that ran p_run seconds in all: an
+-- exponentially weighted mean, each message weighing 1/10 (so it follows a change of the
+-- workload within a few dozen messages and shrugs off one outlier).
+CREATE OR REPLACE FUNCTION fairqueue_mean_run_v1(
+    p_mean double precision, p_run double precision, p_runs bigint
+)
+RETURNS double precision
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE
+        WHEN coalesce(p_runs, 0) <= 0 THEN p_mean
+        WHEN p_mean IS NULL THEN p_run / p_runs
+        ELSE p_mean + (1 - power(0.9, p_runs)) * (p_run / p_runs - p_mean)
+    END
+$$;
