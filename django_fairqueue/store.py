@@ -67,10 +67,20 @@ def named_statements(package: str, resource: str) -> dict[str, str]:
     return named
 
 
+#: The statement files of ``db/statements/``, one per table family.
+STATEMENT_FILES = (
+    "connection", "enqueue", "messages", "channels", "statistics", "recount", "work_batches",
+    "workers", "periodic",
+)
+
+
 @cache
 def queries() -> dict[str, str]:
-    """Named statements of sql/queries.sql, loaded once."""
-    return named_statements("django_fairqueue", "sql/queries.sql")
+    """Named statements of db/statements/*.sql, loaded once."""
+    named: dict[str, str] = {}
+    for family in STATEMENT_FILES:
+        named.update(named_statements("django_fairqueue.db", f"statements/{family}.sql"))
+    return named
 
 
 def functions_sql(version: int = 1, *, part: str = "") -> str:

@@ -34,7 +34,7 @@ SQL_ALLOWED = {
 
 # Each module that runs named statements, with the SQL file of its statements.
 STATEMENT_MODULES = [
-    pytest.param(store, PACKAGE / "sql" / "queries.sql", id="store"),
+    pytest.param(store, PACKAGE / "db" / "statements", id="store"),
     pytest.param(bench_db, BENCH / "sql" / "bench.sql", id="bench-db"),
 ]
 
@@ -105,7 +105,8 @@ def test_every_store_function_runs_the_statement_of_its_own_name(
 
 @pytest.mark.parametrize(("module", "sql_file"), STATEMENT_MODULES)
 def test_every_statement_has_a_description(module: ModuleType, sql_file: Path) -> None:
-    text = sql_file.read_text("utf-8")
+    files = sorted(sql_file.glob("*.sql")) if sql_file.is_dir() else [sql_file]
+    text = "".join(f.read_text("utf-8") for f in files)
     for name, body in module.queries().items():
         assert re.match(r"-- \S", body), f"{name}: the line after `-- name:` must describe it"
         code = [line for line in body.splitlines() if line.strip() and not line.startswith("--")]

@@ -1,0 +1,1 @@
+"""The only code that runs queue SQL (being filled from store.py)."""
