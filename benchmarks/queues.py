@@ -52,9 +52,10 @@ from django.db import connection, transaction
 
 from benchmarks.backlog import load_counted
 from benchmarks.enqueue_ab import function_ddl
-from django_fairqueue import conf, store
+from django_fairqueue import conf
 from django_fairqueue.contrib.bench import db as bench_db
 from django_fairqueue.contrib.bench.harness import backend_cpu
+from django_fairqueue.db import pg
 from django_fairqueue.migrations._sql import migration_sql
 from django_fairqueue.queues import row_name
 
@@ -166,7 +167,7 @@ def ab(
     """Server CPU per claim, before queues and after, alternating in one session (see the
     module docstring). Prints a line per cell and the figures as json. ``cells``: some of
     ``AB_CELLS`` only."""
-    live_ddl = function_ddl(store.functions_sql(), "fairqueue_claim_v1")
+    live_ddl = function_ddl(pg.functions_sql(), "fairqueue_claim_v1")
     cpu = backend_cpu(conf.get().DATABASE)
     if cpu is None:
         raise RuntimeError("the server backend's CPU time is not readable here")

@@ -18,7 +18,7 @@ from django.db.migrations.executor import MigrationExecutor
 from django.db.migrations.loader import MigrationLoader
 
 import django_fairqueue.migrations as fairqueue_migrations
-from django_fairqueue import store
+from django_fairqueue.db import pg
 from django_fairqueue.migrations._sql import migration_sql
 
 functions_v1 = importlib.import_module("django_fairqueue.migrations.0002_functions_v1")
@@ -121,8 +121,8 @@ def live_functions() -> dict[str, str]:
     with transaction.atomic(), connection.cursor() as cur:
         for signature in installed_functions():
             cur.execute(f"DROP FUNCTION {signature} CASCADE")  # and the trigger using it
-        cur.execute(store.functions_sql(1))
-        cur.execute(store.functions_sql(1, part="batches"))
+        cur.execute(pg.functions_sql(1))
+        cur.execute(pg.functions_sql(1, part="batches"))
         functions = installed_functions()
         transaction.set_rollback(True)
     return functions
@@ -199,7 +199,7 @@ def test_each_migration_installs_functions_from_its_own_frozen_copy() -> None:
         if app != APP:
             continue
         source = inspect.getsource(sys.modules[type(migration).__module__])
-        # store.functions_sql reads the live files, which change with the code.
+        # pg.functions_sql reads the live files, which change with the code.
         assert "functions_sql" not in source, name
         sql = ""
         for operation in migration.operations:

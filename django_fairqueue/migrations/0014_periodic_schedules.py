@@ -3,7 +3,7 @@
 * ``fairqueue_schedule`` maps what operators and code declare (``Schedule``). Its firing state
   shares the row but is not mapped (as a channel's counters are not): ``next_fire_at``,
   ``last_slot_at``, ``last_fired_at``, ``last_message_id`` and ``fired_spec`` are written only
-  by the firing statements of ``sql/queries.sql``. ``spec`` is generated from the columns that
+  by the firing statements of ``db/statements/schedules.sql``. ``spec`` is generated from the columns that
   decide the slots (cron, timezone, enabled); a schedule whose ``fired_spec`` differs (new,
   edited, paused or resumed: generated ``stale``) is due for a fresh next slot.
 * ``fairqueue_schedule_fire`` holds one row per fired slot, unique on (schedule, slot): the

@@ -22,12 +22,13 @@ from django.conf import settings
 from django.db import connections
 
 import django_fairqueue
-from django_fairqueue import conf, store
+from django_fairqueue import conf
 from django_fairqueue.contrib.bench import db
 from django_fairqueue.contrib.bench.harness import Bench, CpuWatch, Progress
 from django_fairqueue.contrib.bench.report import Report, ScenarioReport, check_targets
 from django_fairqueue.contrib.bench.scenario import Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
+from django_fairqueue.db import pg
 
 #: Server settings recorded with every run (the ones that move queue figures).
 SERVER_SETTINGS = (
@@ -190,7 +191,7 @@ def _stale_functions(installed: dict[str, str]) -> list[str]:
     """fairqueue functions whose installed body differs from the checked-out functions_v1.sql."""
     wanted = {
         name: hashlib.md5(body.encode(), usedforsecurity=False).hexdigest()
-        for name, body in _FUNCTION_RE.findall(store.functions_sql(1))
+        for name, body in _FUNCTION_RE.findall(pg.functions_sql(1))
     }
     return sorted(name for name, digest in wanted.items() if installed.get(name) != digest)
 

@@ -2,7 +2,7 @@
 -- scheduler state.
 --
 -- Each statement starts with `-- name: verb_noun` and a one-line description;
--- django_fairqueue/db/channels.py loads this file once and has exactly one function per name
+-- django_fairqueue/db/channel_store.py loads this file once and has exactly one function per name
 -- (tests/test_store_sql.py checks both ways).
 -- Parameters are psycopg named placeholders %(name)s, always bound, never formatted in.
 

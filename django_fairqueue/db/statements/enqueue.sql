@@ -1,7 +1,7 @@
 -- django-fairqueue: the statements that insert messages (the way into the queue).
 --
 -- Each statement starts with `-- name: verb_noun` and a one-line description;
--- django_fairqueue/db/enqueue.py loads this file once and has exactly one function per name
+-- django_fairqueue/db/enqueue_store.py loads this file once and has exactly one function per name
 -- (tests/test_store_sql.py checks both ways).
 -- Parameters are psycopg named placeholders %(name)s, always bound, never formatted in.
 

@@ -1,7 +1,7 @@
 -- django-fairqueue: the statements that claim, settle, rescue and act on messages.
 --
 -- Each statement starts with `-- name: verb_noun` and a one-line description;
--- django_fairqueue/db/messages.py loads this file once and has exactly one function per name
+-- django_fairqueue/db/message_store.py loads this file once and has exactly one function per name
 -- (tests/test_store_sql.py checks both ways).
 -- Parameters are psycopg named placeholders %(name)s, always bound, never formatted in.
 -- Statements that settle a claim (heartbeat, complete, fail, release) match on the lease
@@ -481,7 +481,7 @@ SELECT id FROM deleted;
 
 -- name: listen_wakeups
 -- Subscribe a worker's dedicated connection to enqueue wake-ups. LISTEN takes an identifier, not
--- a value: store.listen_wakeups quotes the name with psycopg.sql.Identifier, never formatting it.
+-- a value: message_store.listen_wakeups quotes the name with psycopg.sql.Identifier, never formatting it.
 LISTEN {channel};
 
 -- name: select_next_due

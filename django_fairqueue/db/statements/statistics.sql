@@ -1,7 +1,7 @@
 -- django-fairqueue: per-channel and per-minute statistics the workers flush.
 --
 -- Each statement starts with `-- name: verb_noun` and a one-line description;
--- django_fairqueue/db/statistics.py loads this file once and has exactly one function per name
+-- django_fairqueue/db/stats_store.py loads this file once and has exactly one function per name
 -- (tests/test_store_sql.py checks both ways).
 -- Parameters are psycopg named placeholders %(name)s, always bound, never formatted in.
 

@@ -2,7 +2,7 @@
 -- Design and locking: docs/explanation/work-batches.md.
 --
 -- Each statement starts with `-- name: verb_noun` and a one-line description;
--- django_fairqueue/db/work_batches.py loads this file once and has exactly one function per name
+-- django_fairqueue/db/batch_store.py loads this file once and has exactly one function per name
 -- (tests/test_store_sql.py checks both ways).
 -- Parameters are psycopg named placeholders %(name)s, always bound, never formatted in.
 
@@ -62,7 +62,7 @@ LIMIT 1;
 -- Walk a source table's id index from `from`: up to `steps` windows of `size` ids (count, first, last).
 -- A recursive CTE of index(-only) scans, each starting after the previous window's last id, so
 -- one round trip plans many batches and no id is ever loaded into Python. The table, id column
--- and filter columns (one equality each) are composed by store.py as quoted identifiers; the
+-- and filter columns (one equality each) are composed by batch_store.py as quoted identifiers; the
 -- values are bound. An index on the id column (behind the filter columns, if any) is needed.
 WITH RECURSIVE walk(step, n, first_id, last_id) AS (
     SELECT 1, s.n, s.first_id, s.last_id

@@ -1,7 +1,7 @@
 -- django-fairqueue: the worker registry (django_fairqueue.registry).
 --
 -- Each statement starts with `-- name: verb_noun` and a one-line description;
--- django_fairqueue/db/workers.py loads this file once and has exactly one function per name
+-- django_fairqueue/db/worker_store.py loads this file once and has exactly one function per name
 -- (tests/test_store_sql.py checks both ways).
 -- Parameters are psycopg named placeholders %(name)s, always bound, never formatted in.
 

@@ -2,7 +2,7 @@
 -- slots and fires.
 --
 -- Each statement starts with `-- name: verb_noun` and a one-line description;
--- django_fairqueue/db/periodic.py loads this file once and has exactly one function per name
+-- django_fairqueue/db/schedule_store.py loads this file once and has exactly one function per name
 -- (tests/test_store_sql.py checks both ways).
 -- Parameters are psycopg named placeholders %(name)s, always bound, never formatted in.
 
