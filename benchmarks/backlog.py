@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from django_fairqueue import conf, store
+from django_fairqueue import conf
 from django_fairqueue.contrib.bench import db as bench_db
 from django_fairqueue.contrib.bench.harness import NOOP_PAYLOAD
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
+from django_fairqueue.db import channel_store
 
 
 def load_counted(channels: list[str], total: int) -> None:
@@ -18,6 +19,6 @@ def load_counted(channels: list[str], total: int) -> None:
         payload=NOOP_PAYLOAD,
         defaults=conf.get().CHANNEL_DEFAULTS,
     )
-    while store.fold_channel_deltas(10_000) > 0:
+    while channel_store.fold_channel_deltas(10_000) > 0:
         pass
     bench_db.analyze_queue_tables()

@@ -26,10 +26,10 @@ from datetime import timedelta
 from django.db import connection
 
 from benchmarks.backlog import load_counted
-from django_fairqueue import store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.contrib.bench import db as bench_db
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
+from django_fairqueue.db import channel_store, message_store
 
 LEASE = timedelta(minutes=5)
 
@@ -53,12 +53,12 @@ def main(cycles: tuple[tuple[int, int], ...] = ((1, 1500), (100, 300))) -> dict[
 
         def cycle(batch: int = batch) -> None:
             nonlocal done
-            got = store.claim_messages(batch, lease=LEASE, worker_id="cpu-per-cycle")
-            store.complete_messages([(m.id, m.lease_token, None) for m in got])
+            got = message_store.claim_messages(batch, lease=LEASE, worker_id="cpu-per-cycle")
+            message_store.complete_messages([(m.id, m.lease_token, None) for m in got])
             enqueue_many(EnqueueRequest(NOOP_TASK_NAME, (), channel=m.channel) for m in got)
             done += 1
             if done % 50 == 0:
-                store.fold_channel_deltas(10_000)
+                channel_store.fold_channel_deltas(10_000)
 
         for _ in range(30):  # plans cached, caches warm
             cycle()

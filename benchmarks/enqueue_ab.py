@@ -37,12 +37,12 @@ from typing import Any
 
 from django.db import connection
 
-from django_fairqueue import conf, store
+from django_fairqueue import conf
 from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many
 from django_fairqueue.contrib.bench import db as bench_db
 from django_fairqueue.contrib.bench.harness import backend_cpu
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
-from django_fairqueue.db import functions
+from django_fairqueue.db import channel_store, functions, message_store
 
 #: Until this commit each migration that changed a function carried a whole copy of the function
 #: file, ``django_fairqueue/migrations/sql/<migration>.sql``: the "before" versions named here.
@@ -81,12 +81,14 @@ def _load(cell: str) -> None:
     enqueue_many(EnqueueRequest(NOOP_TASK_NAME, (i,), channel=CHANNEL) for i in range(BACKLOG))
     if cell == "uncounted":
         return
-    while store.fold_channel_deltas(10_000) > 0:
+    while channel_store.fold_channel_deltas(10_000) > 0:
         pass
     if cell == "half-drained":
         taken = 0
         while taken < BACKLOG // 2:
-            got = store.claim_messages(100, lease=timedelta(hours=1), worker_id="enqueue-ab")
+            got = message_store.claim_messages(
+                100, lease=timedelta(hours=1), worker_id="enqueue-ab"
+            )
             if not got:
                 raise RuntimeError("the claim that drains half the backlog stopped")
             taken += len(got)

@@ -7,7 +7,7 @@ dashboard.
   pending deltas in a few queries for the whole page (:mod:`django_fairqueue.overview`), never
   a COUNT(*) of messages per row.
 * **Messages** and **work batches** are read-only; their actions (retry, cancel, delete) go
-  through :mod:`django_fairqueue.store`, like the Python API, so counters stay exact.
+  through :mod:`django_fairqueue.db`, like the Python API, so counters stay exact.
 * **Schedules**: periodic schedules, with their next fire time
   (:mod:`django_fairqueue.schedule_admin`); a channel's page lists its own.
 * **Dashboard** at ``<admin>/fairqueue/channel/dashboard/``: charts drawn in the browser by a
@@ -47,8 +47,9 @@ from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 from django.views.decorators.http import require_POST
 
-from django_fairqueue import adminlist, batches, conf, overview, registry, stats, store, waiting
+from django_fairqueue import adminlist, batches, conf, overview, registry, stats, waiting
 from django_fairqueue.api import validate_channel_name, validate_group_name
+from django_fairqueue.db import batch_store, channel_store, message_store, pg
 from django_fairqueue.exceptions import InvalidChannel, InvalidQueue
 from django_fairqueue.limits import CHANNEL_NAME_MAX_LENGTH
 from django_fairqueue.models import (
@@ -87,7 +88,7 @@ else:  # the generic aliases exist only for type checkers (no django-stubs-ext a
 
 #: The limits an operator edits; a change saves only these columns (see ChannelAdmin.save_model).
 EDITABLE_LIMITS = ("max_concurrency", "release_interval", "weight", "max_backlog", "paused")
-#: Ids per store call in bulk actions: each statement's locks and WAL stay bounded.
+#: Ids per database call in bulk actions: each statement's locks and WAL stay bounded.
 ACTION_CHUNK = 1000
 #: The pseudo-field the "oldest ready" column sorts by (sorted in Python, see ChannelChangeList).
 AGE_ORDER = "oldest_ready_age"
@@ -197,7 +198,7 @@ class ChannelGroupAdmin(adminlist.NulSafeAdmin, _GroupAdminBase):
 
     def get_changelist_instance(self, request: HttpRequest) -> Any:
         cl = super().get_changelist_instance(request)
-        states = {g.id: g for g in store.select_group_state([o.pk for o in cl.result_list])}
+        states = {g.id: g for g in channel_store.select_group_state([o.pk for o in cl.result_list])}
         for obj in cl.result_list:
             setattr(obj, "_fq_state", states.get(obj.pk))  # noqa: B010
         return cl
@@ -211,20 +212,20 @@ class ChannelGroupAdmin(adminlist.NulSafeAdmin, _GroupAdminBase):
             with transaction.atomic(using=conf.get().DATABASE):
                 obj.save(update_fields=fields)
                 # a rate limit removed or shortened must not leave the group due later
-                store.rearm_group(obj.pk)
+                channel_store.rearm_group(obj.pk)
 
     def delete_model(self, request: HttpRequest, obj: ChannelGroup) -> None:
         super().delete_model(request, obj)
-        store.forget_groups()
+        channel_store.forget_groups()
 
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[ChannelGroup]) -> None:
         super().delete_queryset(request, queryset)
-        store.forget_groups()
+        channel_store.forget_groups()
 
-    def _state(self, obj: ChannelGroup) -> store.GroupState | None:
-        state: store.GroupState | None = getattr(obj, "_fq_state", None)
+    def _state(self, obj: ChannelGroup) -> channel_store.GroupState | None:
+        state: channel_store.GroupState | None = getattr(obj, "_fq_state", None)
         if state is None:
-            found = store.select_group_state([obj.pk])
+            found = channel_store.select_group_state([obj.pk])
             state = found[0] if found else None
             setattr(obj, "_fq_state", state)  # noqa: B010
         return state
@@ -520,8 +521,8 @@ class StarvingFilter(admin.SimpleListFilter):
             seconds = float(value)
         except ValueError:
             return queryset.none()
-        since = store.select_backlogged_oldest_ready(using=conf.get().DATABASE)
-        cutoff = store.select_clock() - timedelta(seconds=seconds)
+        since = channel_store.select_backlogged_oldest_ready(using=conf.get().DATABASE)
+        cutoff = pg.select_clock() - timedelta(seconds=seconds)
         return _among(queryset, [cid for cid, t in since.items() if t < cutoff])
 
 
@@ -545,14 +546,14 @@ class FailingFilter(admin.SimpleListFilter):
         if self.value() == "retrying":
             # only channels with scheduled messages can have retries waiting
             scheduled = [cid for cid, c in overview.all_counts().items() if c.scheduled > 0]
-            retrying = store.select_channel_retrying(scheduled, using=conf.get().DATABASE)
+            retrying = channel_store.select_channel_retrying(scheduled, using=conf.get().DATABASE)
             return _among(queryset, list(retrying))
         return queryset
 
 
 class ChannelChangeList(ChangeList):
     """Adds two things to the standard list: sorting by oldest ready age (computed by the
-    store for the filtered channels, then paged here), and the page's figures fetched for the
+    database for the filtered channels, then paged here), and the page's figures fetched for the
     whole page at once (:func:`django_fairqueue.overview.rows`)."""
 
     age_order: str | None = None
@@ -747,7 +748,7 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
                 obj.save(update_fields=fields)
                 # A cap added to a busy channel must count the completions not folded yet,
                 # or the channel looks full until maintenance folds them.
-                store.fold_deltas_of_channel(obj.pk)
+                channel_store.fold_deltas_of_channel(obj.pk)
 
     # -- columns ---------------------------------------------------------------------------
 
@@ -911,7 +912,7 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
             # A resumed channel is lifted to the others' virtual time (fairness by time): it
             # must not come back with the credit of the time it was paused.
             for channel in changed:
-                store.fold_deltas_of_channel(channel.pk)
+                channel_store.fold_deltas_of_channel(channel.pk)
         verb = "Paused" if paused else "Resumed"
         _log_changes(request, changed, f"{verb} (admin action).")
         self.message_user(
@@ -938,10 +939,10 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
         for channel in queryset.order_by("pk"):
             n = 0
             after = 0
-            while ids := store.select_failed_message_ids(
+            while ids := message_store.select_failed_message_ids(
                 channel_id=channel.pk, after_id=after, limit=ACTION_CHUNK
             ):
-                n += len(store.retry_failed_messages(ids))
+                n += len(message_store.retry_failed_messages(ids))
                 after = ids[-1]
             if n:
                 acted.append(channel)
@@ -963,11 +964,13 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
         self, request: HttpRequest, queryset: QuerySet[Channel]
     ) -> TemplateResponse | None:
         channels = list(queryset.order_by("name"))
-        counters = {c.id: c for c in store.select_channel_counters([c.pk for c in channels])}
+        counters = {
+            c.id: c for c in channel_store.select_channel_counters([c.pk for c in channels])
+        }
         if request.POST.get("post") == "yes":
             total = 0
             for channel in channels:
-                n = store.purge_channel_backlog(channel.pk)
+                n = message_store.purge_channel_backlog(channel.pk)
                 total += n
                 _log_changes(
                     request, [channel], f"Purged the backlog: {n} waiting messages deleted."
@@ -984,7 +987,7 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
             )
             return None
         lines: list[dict[str, Any]] = []
-        retrying = store.select_channel_retrying(
+        retrying = channel_store.select_channel_retrying(
             [cid for cid, c in counters.items() if c.scheduled > 0]
         )
         for channel in channels:
@@ -1219,7 +1222,7 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
     ) -> HttpResponse:
         # The columns of running messages are relative to the database's clock, read once;
         # the links of a page share their URL prefixes (one reverse() each, not one a row).
-        self._now = store.select_clock()
+        self._now = pg.select_clock()
         self._urls = {
             "channel": reverse("admin:fairqueue_channel_changelist"),
             "workers": reverse("admin:fairqueue_workerrecord_changelist"),
@@ -1290,7 +1293,7 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
         return f"{obj.attempts} / {obj.max_attempts}"
 
     def _clock(self) -> Any:
-        return getattr(self, "_now", None) or store.select_clock()
+        return getattr(self, "_now", None) or pg.select_clock()
 
     @admin.display(description=_("worker"))
     def worker_link(self, obj: Message) -> str:
@@ -1373,12 +1376,12 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
 
     @admin.action(description=_("Retry selected failed messages"), permissions=["act"])
     def retry_messages(self, request: HttpRequest, queryset: QuerySet[Message]) -> None:
-        self._act(request, queryset, store.retry_failed_messages, "Retried")
+        self._act(request, queryset, message_store.retry_failed_messages, "Retried")
         self.message_user(request, _("Only failed messages are retried."), messages.INFO)
 
     @admin.action(description=_("Cancel selected waiting messages"), permissions=["act"])
     def cancel_messages(self, request: HttpRequest, queryset: QuerySet[Message]) -> None:
-        self._act(request, queryset, store.cancel_messages, "Cancelled")
+        self._act(request, queryset, message_store.cancel_messages, "Cancelled")
         self.message_user(
             request, _("Only ready and delayed messages are cancelled."), messages.INFO
         )
@@ -1388,7 +1391,9 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
         permissions=["act"],
     )
     def abort_messages(self, request: HttpRequest, queryset: QuerySet[Message]) -> None:
-        self._act(request, queryset, lambda ids: sorted(store.abort_messages(ids)), "Aborted")
+        self._act(
+            request, queryset, lambda ids: sorted(message_store.abort_messages(ids)), "Aborted"
+        )
         self.message_user(
             request,
             _(
@@ -1400,7 +1405,7 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
 
     @admin.action(description=_("Delete selected messages (not running)"), permissions=["remove"])
     def delete_messages(self, request: HttpRequest, queryset: QuerySet[Message]) -> None:
-        self._act(request, queryset, store.delete_messages, "Deleted", deleting=True)
+        self._act(request, queryset, message_store.delete_messages, "Deleted", deleting=True)
         self.message_user(request, _("Running messages are never deleted."), messages.INFO)
 
 
@@ -1488,7 +1493,7 @@ class WorkBatchAdmin(adminlist.NulSafeAdmin, _WorkBatchAdminBase):
     def _retry(self, request: HttpRequest, ids: Sequence[int]) -> int:
         done = 0
         for chunk in _chunks(ids):
-            retried = store.retry_failed_work_batches(chunk)
+            retried = batch_store.retry_failed_work_batches(chunk)
             done += len(retried)
             _log_changes(
                 request,

@@ -20,7 +20,8 @@ from django.conf import settings
 from django.db.models import Model
 from django.utils import timezone
 
-from django_fairqueue import bounds, conf, store, tracing
+from django_fairqueue import bounds, conf, tracing
+from django_fairqueue.db import channel_store, enqueue_store, message_store
 from django_fairqueue.exceptions import InvalidChannel, PayloadError
 from django_fairqueue.limits import (
     CHANNEL_NAME_MAX_LENGTH,
@@ -128,7 +129,7 @@ def enqueue(
         message = dataclasses.replace(
             message, **_unique_options(unique_key, unique_scope, on_conflict)
         )
-    message_id = store.enqueue_message(
+    message_id = enqueue_store.enqueue_message(
         message,
         defaults=cfg.CHANNEL_DEFAULTS,
         notify_channel=cfg.NOTIFY_CHANNEL if cfg.NOTIFY else None,
@@ -148,7 +149,7 @@ def enqueue_many(requests: Iterable[EnqueueRequest]) -> list[int]:
     """
     cfg = conf.get()
     batch = _prepare_batch(requests, cfg)
-    ids = store.enqueue_messages(
+    ids = enqueue_store.enqueue_messages(
         batch,
         defaults=cfg.CHANNEL_DEFAULTS,
         notify_channel=cfg.NOTIFY_CHANNEL if cfg.NOTIFY else None,
@@ -187,11 +188,13 @@ def cancel(
     if ids is not None:
         if channel is not None or task is not None or queue is not None:
             raise ValueError("cancel() takes ids, or channel, task and/or queue, not both")
-        return store.cancel_messages(_ids(ids))
+        return message_store.cancel_messages(_ids(ids))
     channel_id, task_name, queue_name = _selection(channel, task, "cancel", queue)
     if channel_id == -1:
         return []
-    return store.cancel_matching_messages(channel_id=channel_id, task=task_name, queue=queue_name)
+    return message_store.cancel_matching_messages(
+        channel_id=channel_id, task=task_name, queue=queue_name
+    )
 
 
 def abort(
@@ -215,12 +218,14 @@ def abort(
     if ids is not None:
         if channel is not None or task is not None or queue is not None:
             raise ValueError("abort() takes ids, or channel, task and/or queue, not both")
-        return store.abort_messages(_ids(ids))
+        return message_store.abort_messages(_ids(ids))
     channel_id, task_name, queue_name = _selection(channel, task, "abort", queue)
     if channel_id == -1:
         return {}
-    return store.abort_messages(
-        store.select_running_message_ids(channel_id=channel_id, task=task_name, queue=queue_name)
+    return message_store.abort_messages(
+        message_store.select_running_message_ids(
+            channel_id=channel_id, task=task_name, queue=queue_name
+        )
     )
 
 
@@ -243,7 +248,7 @@ def _selection(
         name = validate_channel_name(channel)
         if queue is not None and queue != DEFAULT_QUEUE:
             name = f"{queue}{SEPARATOR}{name}"
-        channel_id = store.select_channel_ids([name]).get(name, -1)
+        channel_id = channel_store.select_channel_ids([name]).get(name, -1)
     task_name: str | None = None
     if task is not None:
         task_name = task if isinstance(task, str) else resolve_task(task).name
@@ -263,14 +268,14 @@ def resolve_task(task: TaskRef) -> TaskSpec:
 
 def _prepare_batch(
     requests: Iterable[EnqueueRequest], cfg: conf.FairQueueSettings
-) -> store.NewMessageBatch:
+) -> enqueue_store.NewMessageBatch:
     """Validate and serialise every request into the columns the enqueue statement takes.
 
     This is the per-message hot path of every enqueue (a batch of 100 spent about as long
     here as in the database), so what is the same for many messages is worked out once per
     call: a task's spec and settings-derived values, and each distinct channel name's check.
     """
-    batch = store.NewMessageBatch()
+    batch = enqueue_store.NewMessageBatch()
     channels = batch.channels
     tasks = batch.task_names
     payloads = batch.payloads
@@ -341,7 +346,7 @@ def _prepare_batch(
         if priority is None:
             priority = spec.priority
         if type(priority) is not int or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
-            priority = _check_priority(priority)  # raises unless an int subclass in range
+            priority = check_priority(priority)  # raises unless an int subclass in range
         run_after = request.run_after
         run_at = delay = None
         if isinstance(run_after, timedelta):
@@ -382,7 +387,7 @@ def _prepare_batch(
     batch.delays = delays
     if groups:
         batch.groups = sorted(groups)
-        store.ensure_groups(batch.groups)
+        channel_store.ensure_groups(batch.groups)
     return batch
 
 
@@ -413,7 +418,7 @@ def _prepare_one(
     priority: int | None,
     cfg: conf.FairQueueSettings,
     queue: str | None = None,
-) -> store.NewMessage:
+) -> enqueue_store.NewMessage:
     """One message, checked and serialised as :func:`_prepare_batch` does it for each request
     (for :func:`enqueue`: no batch columns to build for a single message)."""
     if channel is None:
@@ -438,7 +443,7 @@ def _prepare_one(
     if priority is None:
         priority = spec.priority
     if type(priority) is not int or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
-        priority = _check_priority(priority)  # raises unless an int subclass in range
+        priority = check_priority(priority)  # raises unless an int subclass in range
     run_at = delay = None
     if isinstance(run_after, timedelta):
         delay = run_after
@@ -447,8 +452,8 @@ def _prepare_one(
     elif run_after is not None:
         run_at = _run_at(run_after)
     if group is not None:
-        store.ensure_groups([group])
-    return store.NewMessage(
+        channel_store.ensure_groups([group])
+    return enqueue_store.NewMessage(
         channel,
         spec.name,
         payload,
@@ -638,7 +643,7 @@ def _keep_big_floats(text: str) -> str:
 
 
 class _Payload(str):
-    """JSON text already checked; store.py passes it through without re-encoding."""
+    """JSON text already checked; the enqueue statement takes it as is, without re-encoding."""
 
 
 def _trace_suffix() -> str | None:
@@ -701,7 +706,8 @@ def _all_scalars(args: list[Any], kwargs: dict[str, Any]) -> bool:
     return True
 
 
-def _check_priority(priority: Any) -> int:
+def check_priority(priority: Any) -> int:
+    """``priority`` if it is an int within the priority range; ValueError otherwise."""
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ValueError(f"priority must be an integer, got {priority!r}")
     if not MIN_PRIORITY <= priority <= MAX_PRIORITY:

@@ -28,6 +28,6 @@ class FairQueueConfig(AppConfig):
 
 
 def _forget_groups(**kwargs: object) -> None:
-    from django_fairqueue import store
+    from django_fairqueue.db import channel_store
 
-    store.forget_groups()
+    channel_store.forget_groups()

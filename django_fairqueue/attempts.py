@@ -30,7 +30,7 @@ def _qualified_name(cls: type) -> str:
     return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
 
-def _storable(text: str, limit: int, *, keep_end: bool = False) -> str:
+def storable(text: str, limit: int, *, keep_end: bool = False) -> str:
     """Text jsonb accepts (no NUL, no lone surrogates), at most ``limit`` characters."""
     text = text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
     if len(text) > limit:
@@ -45,8 +45,8 @@ def error_info(
     tb = "".join(traceback.format_exception(exc)) if with_traceback else None
     return {
         "type": _qualified_name(type(exc)),
-        "message": _storable(str(exc), MAX_ERROR_MESSAGE),
-        "traceback": _storable(tb, MAX_TRACEBACK, keep_end=True) if tb is not None else None,
+        "message": storable(str(exc), MAX_ERROR_MESSAGE),
+        "traceback": storable(tb, MAX_TRACEBACK, keep_end=True) if tb is not None else None,
         "attempt": attempt,
         "worker": worker_id,
     }

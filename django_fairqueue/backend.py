@@ -65,8 +65,8 @@ from django_fairqueue.queues import validate_queue_name
 from django_fairqueue.taskspec import TaskSpec, check_result, registry, result_not_storable
 
 if TYPE_CHECKING:
+    from django_fairqueue.db.message_store import ClaimedMessage
     from django_fairqueue.models import Message
-    from django_fairqueue.store import ClaimedMessage
 
     _TaskBase = Task[..., Any]
 

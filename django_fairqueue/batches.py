@@ -8,8 +8,9 @@ them with :func:`fenced` (their writes and the batch's completion commit togethe
 :func:`fail` (retry with backoff, then the failed state). The rescuer returns batches whose
 worker died; :func:`prune` deletes finished jobs after ``FAIRQUEUE['BATCH_RETENTION']``.
 
-Every statement is named in ``sql/queries.sql`` (claim: ``db/functions/batches.sql``) and
-run by ``store.py``. Design and guarantees: docs/explanation/work-batches.md.
+Every statement is named in ``db/statements/work_batches.sql`` (claim:
+``db/functions/batches.sql``) and run by :mod:`django_fairqueue.db.batch_store`. Design and
+guarantees: docs/explanation/work-batches.md.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ from typing import IO, Any
 from django.db import connections, models, transaction
 from django.utils import timezone
 
-from django_fairqueue import conf, store, terminal
+from django_fairqueue import conf, terminal
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.attempts import error_info, retry_delay  # messages' backoff and record
+from django_fairqueue.db import batch_store, channel_store
+from django_fairqueue.db.batch_store import ClaimedBatch, RescuedBatch
 from django_fairqueue.exceptions import LeaseLost
 from django_fairqueue.models import Channel
-from django_fairqueue.store import ClaimedBatch, RescuedBatch
 
 __all__ = [
     "ClaimedBatch",
@@ -88,7 +90,9 @@ def _validate_job_name(job_name: Any) -> str:
     return job_name
 
 
-def _source(table: object, id_column: str | None, using: str) -> tuple[store.SourceColumn, str]:
+def _source(
+    table: object, id_column: str | None, using: str
+) -> tuple[batch_store.SourceColumn, str]:
     """Resolve a model or table name to its catalog entry and integer id column."""
     if isinstance(table, type) and issubclass(table, models.Model):
         pk = table._meta.pk
@@ -100,7 +104,7 @@ def _source(table: object, id_column: str | None, using: str) -> tuple[store.Sou
         column = id_column or "id"
     else:
         raise TypeError(f"table must be a Django model or a table name, got {table!r}")
-    found = store.select_table_column(name, column, schema=schema, using=using)
+    found = batch_store.select_table_column(name, column, schema=schema, using=using)
     if found is None:
         where = f"{schema}.{name}" if schema else name
         raise ValueError(f"no column {column!r} in table {where!r} (or no such table)")
@@ -150,11 +154,16 @@ def plan(
     filters = dict(filters or {})
     source, column = _source(table, id_column, alias)
     for name in filters:
-        if store.select_table_column(source.table, name, schema=source.schema, using=alias) is None:
+        if (
+            batch_store.select_table_column(source.table, name, schema=source.schema, using=alias)
+            is None
+        ):
             raise ValueError(f"filter column {name!r} is not a column of {source.table!r}")
 
-    channel_id = store.ensure_channel(channel, defaults=conf.get().CHANNEL_DEFAULTS, using=alias)
-    low, high = store.select_id_span(source, column, filters=filters, using=alias)
+    channel_id = channel_store.ensure_channel(
+        channel, defaults=conf.get().CHANNEL_DEFAULTS, using=alias
+    )
+    low, high = batch_store.select_id_span(source, column, filters=filters, using=alias)
     report = _progress_reporter(progress, job_name)
     # Windows walked per transaction: about two million index entries, so a step takes well
     # under a second (the bar moves, other planners of the job get their turn) yet plans many
@@ -163,8 +172,8 @@ def plan(
     created = rows = 0
     while True:
         with transaction.atomic(using=alias):
-            store.lock_plan(job_name, using=alias)
-            last = store.select_last_planned_batch(job_name, using=alias)
+            batch_store.lock_plan(job_name, using=alias)
+            last = batch_store.select_last_planned_batch(job_name, using=alias)
             if last is not None and last[0] != channel_id:
                 owner = (
                     Channel.objects.using(alias).filter(pk=last[0]).values_list("name", flat=True)
@@ -173,7 +182,7 @@ def plan(
                     f"job {job_name!r} is planned on channel {owner!r}, not {channel!r}"
                 )
             start = last[1] + 1 if last is not None else _BIGINT_MIN
-            windows = store.walk_id_index(
+            windows = batch_store.walk_id_index(
                 source,
                 column,
                 start=start,
@@ -191,7 +200,7 @@ def plan(
                 first = start if (last is not None or ranges) else window.first_id
                 ranges.append((first, window.last_id, window.count))
                 start = window.last_id + 1
-            added, added_rows = store.insert_planned_batches(
+            added, added_rows = batch_store.insert_planned_batches(
                 channel_id=channel_id,
                 job=job_name,
                 ranges=ranges,
@@ -207,7 +216,7 @@ def plan(
             report(rows, fraction)
     if report is not None:
         report(rows, 1.0)
-    total = store.select_job_progress(job=job_name, using=alias)
+    total = batch_store.select_job_progress(job=job_name, using=alias)
     return PlanResult(
         job_name=job_name,
         channel=channel,
@@ -253,11 +262,13 @@ def plan_ranges(
         if not isinstance(rows, int) or rows < 0:
             raise ValueError(f"rows of a range must be 0 or more, got {rows!r}")
         checked.append((first, last, rows))
-    channel_id = store.ensure_channel(channel, defaults=conf.get().CHANNEL_DEFAULTS, using=alias)
+    channel_id = channel_store.ensure_channel(
+        channel, defaults=conf.get().CHANNEL_DEFAULTS, using=alias
+    )
     created = rows_planned = 0
     with transaction.atomic(using=alias):
-        store.lock_plan(job_name, using=alias)
-        last_batch = store.select_last_planned_batch(job_name, using=alias)
+        batch_store.lock_plan(job_name, using=alias)
+        last_batch = batch_store.select_last_planned_batch(job_name, using=alias)
         if last_batch is not None and last_batch[0] != channel_id:
             raise ValueError(f"job {job_name!r} is planned on another channel, not {channel!r}")
         if checked and last_batch is not None and checked[0][0] <= last_batch[1]:
@@ -265,14 +276,14 @@ def plan_ranges(
                 f"job {job_name!r} has batches up to id {last_batch[1]}: ranges must start after"
             )
         if checked:
-            created, rows_planned = store.insert_planned_batches(
+            created, rows_planned = batch_store.insert_planned_batches(
                 channel_id=channel_id,
                 job=job_name,
                 ranges=checked,
                 max_attempts=max_attempts,
                 using=alias,
             )
-    total = store.select_job_progress(job=job_name, using=alias)
+    total = batch_store.select_job_progress(job=job_name, using=alias)
     return PlanResult(
         job_name=job_name,
         channel=channel,
@@ -331,7 +342,7 @@ def _split_jobs(jobs: Sequence[str] | None) -> tuple[list[str] | None, list[str]
 def _channel_ids(names: Sequence[str] | None, using: str) -> list[int] | None:
     if names is None:
         return None
-    return list(store.select_channel_ids(list(names), using=using).values())
+    return list(channel_store.select_channel_ids(list(names), using=using).values())
 
 
 def claim(
@@ -359,7 +370,7 @@ def claim(
         raise ValueError("worker_id must be at most 200 characters")
     alias = using or conf.get().DATABASE
     exact, prefixes = _split_jobs(jobs)
-    return store.claim_work_batch(
+    return batch_store.claim_work_batch(
         worker=worker_id,
         lease=lease if lease is not None else _default_lease(),
         jobs=exact,
@@ -379,7 +390,7 @@ def heartbeat(
 ) -> bool:
     """Renew the batch's lease; False means it was lost (stop working on it: its writes would be
     refused)."""
-    expires = store.heartbeat_work_batch(
+    expires = batch_store.heartbeat_work_batch(
         batch.id, batch.lease_token, lease=lease or _default_lease(), using=using
     )
     return expires is not None
@@ -498,14 +509,14 @@ def fenced(batch: ClaimedBatch, *, using: str | None = None) -> Iterator[Fence]:
     alias = using or conf.get().DATABASE
     try:
         with transaction.atomic(using=alias):
-            if not store.lock_leased_work_batch(batch.id, batch.lease_token, using=alias):
+            if not batch_store.lock_leased_work_batch(batch.id, batch.lease_token, using=alias):
                 raise LeaseLost(
                     f"work batch {batch.id} ({batch.job_name} {batch.start_id}..{batch.end_id}) "
                     "is no longer leased to this worker; its results were not written"
                 )
             fence = Fence(batch)
             yield fence
-            if not store.complete_work_batch(
+            if not batch_store.complete_work_batch(
                 batch.id, batch.lease_token, rows=fence.rows_processed, using=alias
             ):  # cannot happen while the row lock is held; a guard, not a path
                 raise LeaseLost(f"work batch {batch.id} lost its lease while locked")
@@ -546,7 +557,7 @@ def fail(
         raise ValueError(f"retry delay must be a finite number >= 0, got {delay!r}")
     _settled.add(batch)  # before the commit: see _Settled
     try:
-        state = store.fail_work_batch(
+        state = batch_store.fail_work_batch(
             batch.id,
             batch.lease_token,
             error=_error_dict(error, batch, worker_id),
@@ -566,7 +577,7 @@ def release(batch: ClaimedBatch, *, using: str | None = None) -> bool:
     """Give the batch back untouched (graceful shutdown): pending again, attempt not counted."""
     _settled.add(batch)  # before the commit: see _Settled
     try:
-        released = store.release_work_batch(batch.id, batch.lease_token, using=using)
+        released = batch_store.release_work_batch(batch.id, batch.lease_token, using=using)
     except BaseException:
         _settled.discard(batch)
         raise
@@ -582,7 +593,7 @@ def release(batch: ClaimedBatch, *, using: str | None = None) -> bool:
 def rescue_expired(*, limit: int = 1000, using: str | None = None) -> list[RescuedBatch]:
     """Batches whose lease expired go back to pending (after a backoff) or to failed."""
     cfg = conf.get()
-    return store.rescue_expired_work_batches(
+    return batch_store.rescue_expired_work_batches(
         backoff_base=timedelta(seconds=cfg.RETRY_BACKOFF_BASE),
         backoff_max=timedelta(seconds=cfg.RETRY_BACKOFF_MAX),
         limit=limit,
@@ -594,7 +605,7 @@ def prune(*, older_than: timedelta | None = None, using: str | None = None) -> i
     """Delete the batches of jobs whose every batch succeeded more than ``older_than`` ago
     (default ``FAIRQUEUE['BATCH_RETENTION']``). Jobs with failed batches are kept."""
     keep = older_than if older_than is not None else conf.get().BATCH_RETENTION
-    return store.prune_finished_work_batches(timezone.now() - keep, using=using)
+    return batch_store.prune_finished_work_batches(timezone.now() - keep, using=using)
 
 
 def retry_failed(
@@ -603,13 +614,13 @@ def retry_failed(
     """Put failed batches (by id, or all of a job, or all) back to pending with a fresh attempt
     budget. Idempotent. Returns the ids retried."""
     if ids is None:
-        ids = store.select_failed_work_batch_ids(job_name, using=using)
-    return store.retry_failed_work_batches(list(ids), using=using)
+        ids = batch_store.select_failed_work_batch_ids(job_name, using=using)
+    return batch_store.retry_failed_work_batches(list(ids), using=using)
 
 
 def delete_failed(ids: Sequence[int], *, using: str | None = None) -> list[int]:
     """Delete failed batches (dead letters); other states are never deleted."""
-    return store.delete_failed_work_batches(list(ids), using=using)
+    return batch_store.delete_failed_work_batches(list(ids), using=using)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -663,7 +674,7 @@ class JobProgress:
         }
 
 
-def _job_progress(row: store.JobRow) -> JobProgress:
+def _job_progress(row: batch_store.JobRow) -> JobProgress:
     rate: float | None = None
     eta: timedelta | None = None
     if row.started_at is not None and row.last_finished_at is not None and row.rows_done:
@@ -697,7 +708,7 @@ def _job_progress(row: store.JobRow) -> JobProgress:
 
 def progress(job_name: str, *, using: str | None = None) -> JobProgress:
     """Batches and rows done / total, rate and ETA of one job; LookupError if it has no batches."""
-    rows = store.select_job_progress(job=job_name, using=using)
+    rows = batch_store.select_job_progress(job=job_name, using=using)
     if not rows:
         raise LookupError(f"no work batches for job {job_name!r} (planned and since pruned?)")
     return _job_progress(rows[0])
@@ -705,4 +716,4 @@ def progress(job_name: str, *, using: str | None = None) -> JobProgress:
 
 def jobs(*, prefix: str | None = None, using: str | None = None) -> list[JobProgress]:
     """Progress of every job (or of the jobs whose name starts with ``prefix``), by name."""
-    return [_job_progress(r) for r in store.select_job_progress(prefix=prefix, using=using)]
+    return [_job_progress(r) for r in batch_store.select_job_progress(prefix=prefix, using=using)]

@@ -11,7 +11,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from django_fairqueue.store import ClaimedMessage
+    from django_fairqueue.db.message_store import ClaimedMessage
 
 current_message: ContextVar[ClaimedMessage | None] = ContextVar(
     "fairqueue_current_message", default=None

@@ -35,9 +35,10 @@ from typing import Any
 
 from django.db import connections, transaction
 
-from django_fairqueue import bounds, conf, store
+from django_fairqueue import bounds, conf
+from django_fairqueue.db import channel_store, message_store
+from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.exceptions import FairQueueError, LeaseLost
-from django_fairqueue.store import ClaimedMessage
 from django_fairqueue.taskspec import check_result
 
 __all__ = ["Batch", "TransactionRequired", "batch"]
@@ -50,7 +51,7 @@ class TransactionRequired(FairQueueError, RuntimeError):
 class Batch:
     """The messages one :func:`batch` claimed, and what to do with each when the block ends.
 
-    Iterate it for the :class:`~django_fairqueue.store.ClaimedMessage` objects (``id``,
+    Iterate it for the :class:`~django_fairqueue.db.message_store.ClaimedMessage` objects (``id``,
     ``channel``, ``task_name``, ``payload``, ``attempts``, ...). Each message is completed when
     the block exits normally unless you :meth:`fail` or :meth:`release` it first;
     :meth:`complete` sets the result a ``keep_result`` message stores.
@@ -128,9 +129,9 @@ class Batch:
             for m in self.messages
             if m.id not in self._released and m.id not in self._failed
         ]
-        settled = len(store.release_messages(released, using=using))
-        settled += len(store.fail_messages(failed, using=using))
-        settled += len(store.complete_messages(done, using=using))
+        settled = len(message_store.release_messages(released, using=using))
+        settled += len(message_store.fail_messages(failed, using=using))
+        settled += len(message_store.complete_messages(done, using=using))
         # This transaction holds the rows since the claim, so nobody can have taken them.
         # If it happens anyway, raising rolls the block back rather than commit half of it.
         if settled != len(self.messages):
@@ -181,8 +182,8 @@ def batch(
             # Housekeeping in a short transaction of its own, then a claim without it: this
             # transaction must lock only the channels it serves (the claim would otherwise fold
             # other channels' counters and hold their rows until the caller commits).
-            store.prepare_claims(using=alias)
-            messages = store.claim_messages(
+            message_store.prepare_claims(using=alias)
+            messages = message_store.claim_messages(
                 limit,
                 lease=timedelta(seconds=conf.get().LEASE_SECONDS),
                 worker_id=worker_id or _default_worker_id(),
@@ -201,7 +202,7 @@ def batch(
 
 
 def _channel_ids(names: Sequence[str], alias: str) -> list[int]:
-    return sorted(store.select_channel_ids(list(names), using=alias).values())
+    return sorted(channel_store.select_channel_ids(list(names), using=alias).values())
 
 
 def _default_worker_id() -> str:

@@ -4,9 +4,9 @@ A message ends in the ``failed`` state when it ran out of attempts, could not ru
 unknown task, a payload that does not decode) or was failed on purpose; it keeps its last error
 (type, message, traceback). From here it can be retried, with a fresh attempt budget, or deleted.
 
-Reads use the ORM; every write goes through :mod:`django_fairqueue.store`. Everything joins the
-caller's transaction when there is one. Retry and delete are idempotent: ids that are not (or
-no longer) failed are skipped, so running the same command twice is harmless.
+Reads use the ORM; every write goes through :mod:`django_fairqueue.db.message_store`. Everything
+joins the caller's transaction when there is one. Retry and delete are idempotent: ids that are not
+(or no longer) failed are skipped, so running the same command twice is harmless.
 
 The same operations as a command: ``manage.py fairqueue failures list|retry|delete``
 (:mod:`django_fairqueue.cli.failures`).
@@ -22,7 +22,8 @@ from typing import Any
 
 from django.db.models import QuerySet
 
-from django_fairqueue import bounds, conf, store
+from django_fairqueue import bounds, conf
+from django_fairqueue.db import message_store
 from django_fairqueue.models import Channel, Message, MessageState
 from django_fairqueue.queues import row_name, split_row_name, validate_queue_name
 
@@ -116,7 +117,7 @@ def retry(ids: Iterable[int]) -> list[int]:
     Returns the ids retried now; ids that are not failed (already retried, deleted, never
     failed) are skipped.
     """
-    return _in_batches(ids, store.retry_failed_messages)
+    return _in_batches(ids, message_store.retry_failed_messages)
 
 
 def retry_all(
@@ -124,12 +125,12 @@ def retry_all(
 ) -> int:
     """Retry every failed message (of a channel, task name and/or queue, selected as by
     :func:`list_failed`); returns how many."""
-    return _each_page(channel, task, queue, store.retry_failed_messages)
+    return _each_page(channel, task, queue, message_store.retry_failed_messages)
 
 
 def delete(ids: Iterable[int]) -> list[int]:
     """Delete these failed messages; returns the ids deleted. Other states are left alone."""
-    return _in_batches(ids, store.delete_failed_messages)
+    return _in_batches(ids, message_store.delete_failed_messages)
 
 
 def delete_all(
@@ -137,7 +138,7 @@ def delete_all(
 ) -> int:
     """Delete every failed message (of a channel, task name and/or queue, selected as by
     :func:`list_failed`); returns how many."""
-    return _each_page(channel, task, queue, store.delete_failed_messages)
+    return _each_page(channel, task, queue, message_store.delete_failed_messages)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,20 +1,21 @@
 """Keep the scheduler's counters true whatever Django path writes the queue's tables.
 
-The queue's own statements (``store.py``) change rows and counters together. Django's ORM
+The queue's own statements (``django_fairqueue.db``) change rows and counters together. Django's ORM
 cannot: it knows nothing of the counters. So:
 
 * The scheduler's columns of a channel are no model fields at all (see ``models.Channel``):
   saving, updating or loading a ``Channel`` writes its configuration only.
 * Deleting a channel through the ORM (``channel.delete()``, a queryset's ``delete()``, the
-  admin) first takes the channel's name lock (:func:`django_fairqueue.store.lock_channel_names`),
-  so enqueues in flight finish first and their messages go with the channel, and a later
-  enqueue creates the channel anew: no message is left behind pointing at no channel.
+  admin) first takes the channel's name lock
+  (:func:`django_fairqueue.db.channel_store.lock_channel_names`), so enqueues in flight
+  finish first and their messages go with the channel, and a later enqueue creates the
+  channel anew: no message is left behind pointing at no channel.
 * Any ORM write of messages, counter deltas or work batches (``save()``, ``delete()``,
   ``QuerySet.update()``/``delete()``, ``bulk_create()``/``bulk_update()``, and ``loaddata``,
   which saves raw rows) schedules a recount of the channels it touched, run when the
-  transaction commits (:func:`django_fairqueue.store.repair_channel_counters`, each channel
-  under its row lock). A fixture or a ``dumpdata`` taken while workers ran therefore loads
-  into consistent counters.
+  transaction commits (:func:`django_fairqueue.db.integrity_store.repair_channel_counters`,
+  each channel under its row lock). A fixture or a ``dumpdata`` taken while workers ran
+  therefore loads into consistent counters.
 
 The maintenance loop also recounts every channel now and then (``maintenance.CounterVerifier``)
 and logs what it had to repair: the last line of defence for a write nobody foresaw.
@@ -97,13 +98,13 @@ def _flush_already_queued(using: str) -> bool:
 
 
 def _flush(using: str) -> None:
-    from django_fairqueue import store
+    from django_fairqueue.db import integrity_store
 
     pending: dict[str, set[int]] = _pending.__dict__.get("by_alias", {})
     ids = pending.pop(using, None)
     if not ids:
         return
-    drift = store.repair_channel_counters(sorted(ids), using=using)
+    drift = integrity_store.repair_channel_counters(sorted(ids), using=using)
     for d in drift:
         logger.info(
             "recounted channel %r after a write through the ORM: %s was %s, is %s",
@@ -193,9 +194,9 @@ def _raw_saved(sender: type[Model], instance: Any, raw: bool, using: str, **kwar
 
 
 def _channel_deleting(sender: type[Model], instance: Any, using: str, **kwargs: Any) -> None:
-    from django_fairqueue import store
+    from django_fairqueue.db import channel_store
 
-    store.lock_channel_names([instance.name], using=using)
+    channel_store.lock_channel_names([instance.name], using=using)
 
 
 def connect() -> None:

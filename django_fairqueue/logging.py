@@ -9,8 +9,8 @@ Three pieces, usable separately:
   by *your task code* through any logger carry them too. Outside a message they are ``None``,
   so a format string such as ``"%(channel)s %(message_id)s %(message)s"`` never fails.
 * :func:`message_logger`, a ``LoggerAdapter`` that adds a given message's fields to each call
-  (for code that holds a :class:`~django_fairqueue.store.ClaimedMessage` outside its thread,
-  e.g. the settler).
+  (for code that holds a :class:`~django_fairqueue.db.message_store.ClaimedMessage` outside
+  its thread, e.g. the settler).
 * :class:`JsonFormatter`, one JSON object per line, with the fields above when set.
 
 Example ``LOGGING`` for JSON lines on stderr (see docs/howto/observability.md)::
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from django_fairqueue.context import current_message
 
 if TYPE_CHECKING:
-    from django_fairqueue.store import ClaimedMessage
+    from django_fairqueue.db.message_store import ClaimedMessage
 
 __all__ = ["CONTEXT_FIELDS", "JsonFormatter", "MessageContextFilter", "message_logger"]
 

@@ -41,13 +41,20 @@ from typing import Protocol
 
 from django.utils import timezone
 
-from django_fairqueue import batches, conf, registry, schedules, stats, store
+from django_fairqueue import batches, conf, registry, schedules, stats
 from django_fairqueue._runtime import (
     CONNECTION_ERRORS,
     Backoff,
     StopFlag,
     after_database_error,
     drop_broken_connection,
+)
+from django_fairqueue.db import (
+    channel_store,
+    integrity_store,
+    message_store,
+    schedule_store,
+    worker_store,
 )
 from django_fairqueue.queues import display_name, split_row_name
 
@@ -88,7 +95,7 @@ class Rescuer:
         # is unknown: 0.
         recorder = stats.StatsRecorder()
         for _ in range(self.max_batches):
-            rescued = store.rescue_expired_messages(self.batch_size)
+            rescued = message_store.rescue_expired_messages(self.batch_size)
             for message in rescued:
                 recorder.record_settled(
                     message.channel_id,
@@ -135,14 +142,14 @@ class Pruner:
         before = timezone.now() - conf.get().RESULT_RETENTION
         total = 0
         for _ in range(self.max_batches):
-            pruned = store.prune_finished_messages(before, limit=self.batch_size)
+            pruned = message_store.prune_finished_messages(before, limit=self.batch_size)
             total += pruned
             if pruned < self.batch_size:
                 break
         # the hold rows of unique keys whose message finished or is gone (not counted: they
         # are bookkeeping, not messages)
         for _ in range(self.max_batches):
-            if store.prune_unique_holds(limit=self.batch_size) < self.batch_size:
+            if message_store.prune_unique_holds(limit=self.batch_size) < self.batch_size:
                 break
         if total:
             logger.info("pruned %s finished messages", total, extra={"pruned": total})
@@ -166,7 +173,7 @@ class DeltaFolder:
     def run_once(self) -> int:
         total = 0
         for _ in range(self.max_batches):
-            folded = store.fold_channel_deltas(self.batch_size, using=self.using)
+            folded = channel_store.fold_channel_deltas(self.batch_size, using=self.using)
             total += folded
             if folded < self.batch_size:
                 break
@@ -188,8 +195,8 @@ class StatsPruner:
 
     def run_once(self) -> int:
         stats.prune(self.keep)
-        store.prune_workers(timezone.now() - self.keep)
-        while store.prune_schedule_fires(timezone.now() - self.keep) >= 10_000:
+        worker_store.prune_workers(timezone.now() - self.keep)
+        while schedule_store.prune_schedule_fires(timezone.now() - self.keep) >= 10_000:
             pass
         return 0  # the statements do not count what they deleted
 
@@ -260,27 +267,31 @@ class CounterVerifier:
         return len(verify(repair=True, log=logger))
 
 
-def verify(*, repair: bool, log: logging.Logger | None = None) -> list[store.CounterDrift]:
+def verify(
+    *, repair: bool, log: logging.Logger | None = None
+) -> list[integrity_store.CounterDrift]:
     """Counters that disagree with the rows (channel groups' sums that disagree with their
     channels', unique jobs of scope ``active`` their key's hold row does not name, and rows of
     no channel, as drift of a channel named ``(none)``); with ``repair``, recount, name and
     delete them, then report what was wrong."""
-    drift = store.verify_channel_counters()
+    drift = integrity_store.verify_channel_counters()
     if repair and drift:
         # each drifted channel recounted under its row lock; what was wrong then is reported
-        drift = store.repair_channel_counters(sorted({d.channel_id for d in drift}))
-    groups = store.verify_group_counters()
+        drift = integrity_store.repair_channel_counters(sorted({d.channel_id for d in drift}))
+    groups = integrity_store.verify_group_counters()
     if repair and groups:
-        groups = store.repair_group_counters(sorted({d.channel_id for d in groups}))
+        groups = integrity_store.repair_group_counters(sorted({d.channel_id for d in groups}))
     drift += groups
-    holds = store.verify_unique_holds()
+    holds = integrity_store.verify_unique_holds()
     if repair and holds:
-        store.repair_unique_holds(sorted({d.channel_id for d in holds}))
+        integrity_store.repair_unique_holds(sorted({d.channel_id for d in holds}))
     drift += holds
-    orphans = {t: n for t, n in store.verify_orphans().items() if n}
+    orphans = {t: n for t, n in integrity_store.verify_orphans().items() if n}
     if repair and orphans:
-        orphans = {t: n for t, n in store.repair_orphans().items() if n}
-    drift += [store.CounterDrift(0, "(none)", f"{t} rows", n, 0) for t, n in orphans.items()]
+        orphans = {t: n for t, n in integrity_store.repair_orphans().items() if n}
+    drift += [
+        integrity_store.CounterDrift(0, "(none)", f"{t} rows", n, 0) for t, n in orphans.items()
+    ]
     if log is not None:
         for d in drift:
             log.warning(

@@ -47,7 +47,8 @@ except ImportError as exc:  # tests/test_admin.py hides the package to check thi
         "django_fairqueue.metrics needs prometheus-client: pip install django-fairqueue[prometheus]"
     ) from exc
 
-from django_fairqueue import overview, registry, stats, store
+from django_fairqueue import overview, registry, stats
+from django_fairqueue.db import channel_store, message_store, pg
 from django_fairqueue.models import Channel
 from django_fairqueue.queues import split_row_name
 
@@ -140,8 +141,8 @@ class QueueCollector(Collector):
         tenants does not export 10,000 series of each; the aggregate covers every channel.
         """
         top = int(getattr(settings, TOP_SETTING, TOP_DEFAULT))
-        now = store.select_clock()
-        since = store.select_backlogged_oldest_ready()
+        now = pg.select_clock()
+        since = channel_store.select_backlogged_oldest_ready()
         # a channel created since the counters were read is left for the next scrape
         oldest = sorted(
             ((cid, t) for cid, t in since.items() if cid in counts), key=lambda item: item[1]
@@ -197,21 +198,21 @@ class QueueCollector(Collector):
             "Messages waiting out a retry's backoff after a failed attempt (all channels).",
         )
         scheduled = [c.id for c in counts.values() if c.scheduled > 0]
-        retrying.add_metric([], sum(store.select_channel_retrying(scheduled).values()))
+        retrying.add_metric([], sum(channel_store.select_channel_retrying(scheduled).values()))
         yield retrying
         stale = GaugeMetricFamily(
             "fairqueue_stale_leases",
             "Running messages whose lease has expired: their worker died or stalled, and they "
             "wait for a live worker's rescuer.",
         )
-        stale.add_metric([], store.select_stale_lease_count())
+        stale.add_metric([], message_store.select_stale_lease_count())
         yield stale
         aborting = GaugeMetricFamily(
             "fairqueue_aborts_pending",
             "Running messages asked to abort that have not stopped yet (each ends aborted "
             "within a heartbeat and ABORT_GRACE, unless its worker is gone).",
         )
-        aborting.add_metric([], store.select_abort_pending_count())
+        aborting.add_metric([], message_store.select_abort_pending_count())
         yield aborting
 
 

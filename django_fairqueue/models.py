@@ -2,8 +2,8 @@
 
 The models own the DDL (tables, named partial indexes, CHECK constraints), so ``makemigrations`` is
 the single source of truth for the schema. Every statement that *moves* queue state lives in
-``sql/queries.sql`` and the server functions (``db/functions/``) and is run by ``store.py``;
-nothing here writes queue state through the ORM.
+``db/statements/`` and the server functions (``db/functions/``) and is run by
+``django_fairqueue.db``; nothing here writes queue state through the ORM.
 
 How the pieces fit (see docs/explanation/fairness.md):
 
@@ -89,7 +89,7 @@ class ChannelGroup(models.Model):
     edit: the group's scheduler state (``ready_count``, ``running_count``, ``claimable``,
     ``next_turn_at``, ``turn_used``, ``vtime``, ``last_claimed_at``) shares the row but is
     written only by the queue's SQL functions, so no ORM save can overwrite it. Read it with
-    :func:`django_fairqueue.store.select_group_state`. See docs/explanation/fairness.md.
+    :func:`django_fairqueue.db.channel_store.select_group_state`. See docs/explanation/fairness.md.
     """
 
     name = models.CharField(
@@ -201,10 +201,10 @@ class Channel(models.Model):
     never write them back: ``save()`` of an instance loaded an hour ago, ``QuerySet.update()``,
     ``bulk_update()``, admin edits and ``loaddata`` all write configuration columns only, and an
     UPDATE of those (under READ COMMITTED) re-reads the row a claim just changed instead of
-    overwriting it. Read the state with :func:`django_fairqueue.store.select_channel_counters`
-    or the admin. The two partial indexes the claims walk are created by migrations, not
-    declared here, for the same reason (and the two of ``vtime``). See
-    docs/explanation/fairness.md, "Lock order".
+    overwriting it. Read the state with
+    :func:`django_fairqueue.db.channel_store.select_channel_counters` or the admin. The two
+    partial indexes the claims walk are created by migrations, not declared here, for the
+    same reason (and the two of ``vtime``). See docs/explanation/fairness.md, "Lock order".
     """
 
     # Unique through Meta.constraints, not unique=True: that would also create a
@@ -760,10 +760,10 @@ class WorkerState(models.TextChoices):
 class WorkerRecord(models.Model):
     """A worker process in the registry (:mod:`django_fairqueue.registry`).
 
-    Written only by the registry's statements in ``store.py``: a worker registers before it
-    claims, beats every ``WORKER_HEARTBEAT`` seconds and marks itself stopped on a graceful
-    stop; the maintenance loop marks a silent one dead. Rows of stopped and dead workers are
-    kept for a day (the pruner), so an operator can see what ran where.
+    Written only by the registry's statements (:mod:`django_fairqueue.db.worker_store`): a worker
+    registers before it claims, beats every ``WORKER_HEARTBEAT`` seconds and marks itself stopped on
+    a graceful stop; the maintenance loop marks a silent one dead. Rows of stopped and dead workers
+    are kept for a day (the pruner), so an operator can see what ran where.
     """
 
     worker_id = models.CharField(max_length=200, unique=True)
@@ -823,15 +823,15 @@ class ScheduleSource(models.TextChoices):
 class Schedule(models.Model):
     """A periodic schedule: which task to enqueue into which channel, on what cron.
 
-    The model maps what operators and code declare. The firing state shares the row but is
-    not mapped, exactly like a channel's counters: ``next_fire_at``, ``last_slot_at``,
+    The model maps what operators and code declare. The firing state shares the row but is not
+    mapped, exactly like a channel's counters: ``next_fire_at``, ``last_slot_at``,
     ``last_fired_at``, ``last_message_id`` and ``fired_spec`` are written only by the firing
-    statements (``sql/queries.sql``), so an admin save or an ORM ``update()`` can never move a
-    schedule's slots. ``spec`` is a generated column (cron, timezone, enabled); when an edit
-    changes it, the schedule no longer matches the ``fired_spec`` its state was computed for,
-    and the next firing pass computes its next slot afresh from the database's clock (no
-    catching up over an edit or a pause). Read the state with
-    :func:`django_fairqueue.schedules.states`. See docs/howto/periodic-tasks.md.
+    statements (``db/statements/schedules.sql``), so an admin save or an ORM ``update()`` can never
+    move a schedule's slots. ``spec`` is a generated column (cron, timezone, enabled); when an edit
+    changes it, the schedule no longer matches the ``fired_spec`` its state was computed for, and
+    the next firing pass computes its next slot afresh from the database's clock (no catching up
+    over an edit or a pause). Read the state with :func:`django_fairqueue.schedules.states`. See
+    docs/howto/periodic-tasks.md.
     """
 
     name = models.CharField(max_length=200)

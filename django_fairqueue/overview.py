@@ -5,17 +5,17 @@ table:
 
 * counts (ready, delayed, running, failed, succeeded) are the channel row's counters plus its
   pending counter deltas (docs/explanation/fairness.md, *Counters without a hot row*): for a
-  few channels :func:`django_fairqueue.store.select_channel_counters`, for all of them one
-  statement joining the channel table to the deltas summed per channel
-  (:func:`django_fairqueue.store.select_all_channel_counts`);
+  few channels :func:`django_fairqueue.db.channel_store.select_channel_counters`, for all of
+  them one statement joining the channel table to the deltas summed per channel
+  (:func:`django_fairqueue.db.channel_store.select_all_channel_counts`);
 * the oldest ready message is a loose index scan of ``fq_message_ready_idx``, one probe per
-  priority level in use (:func:`django_fairqueue.store.select_channel_oldest_ready`);
+  priority level in use (:func:`django_fairqueue.db.channel_store.select_channel_oldest_ready`);
 * finished, served, wait, failures and timeouts come from the per-minute statistics
   (:mod:`django_fairqueue.stats`): per channel one statement for a window, over all channels
   the per-minute sums;
 * retrying (messages waiting out a retry's backoff) reads the retries of the channels whose
   scheduled counter is positive, through the partial ``fq_message_retrying_idx``
-  (:func:`django_fairqueue.store.select_channel_retrying`).
+  (:func:`django_fairqueue.db.channel_store.select_channel_retrying`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from django.db.models.expressions import RawSQL
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from django_fairqueue import conf, stats, store
+from django_fairqueue import conf, stats
+from django_fairqueue.db import channel_store
 from django_fairqueue.models import Channel, ChannelDelta
 from django_fairqueue.queues import split_row_name
 
@@ -99,17 +100,17 @@ STATE_COLUMNS = frozenset(
 
 
 #: A channel's configuration the listings show and its exact counts.
-ChannelCounts = store.ChannelSummary
+ChannelCounts = channel_store.ChannelSummary
 
 
 def all_counts() -> dict[int, ChannelCounts]:
     """Exact counts of every channel: its counter columns plus its pending deltas.
 
-    One statement (:func:`django_fairqueue.store.select_all_channel_counts`): the channel
+    One statement (:func:`django_fairqueue.db.channel_store.select_all_channel_counts`): the channel
     table joined to the pending deltas summed once per channel, cheaper than a correlated sum
     per channel row, and read without the ORM's per-row work (10,000 channels in a few ms).
     """
-    return {c.id: c for c in store.select_all_channel_counts(using=_db())}
+    return {c.id: c for c in channel_store.select_all_channel_counts(using=_db())}
 
 
 def totals(counts: Mapping[int, ChannelCounts]) -> dict[str, int]:
@@ -241,11 +242,11 @@ def rows(ids: Sequence[int], *, now: datetime | None = None) -> list[ChannelRow]
     ids = list(ids)
     db = _db()
     channels = Channel.objects.using(db).in_bulk(ids)
-    counters = {c.id: c for c in store.select_channel_counters(ids, using=db)}
+    counters = {c.id: c for c in channel_store.select_channel_counters(ids, using=db)}
     with_ready = [cid for cid, c in counters.items() if c.ready > 0]
-    oldest = store.select_channel_oldest_ready(with_ready, using=db)
+    oldest = channel_store.select_channel_oldest_ready(with_ready, using=db)
     with_scheduled = [cid for cid, c in counters.items() if c.scheduled > 0]
-    retrying = store.select_channel_retrying(with_scheduled, using=db)
+    retrying = channel_store.select_channel_retrying(with_scheduled, using=db)
     recent = stats.window_stats(FINISHED_MINUTES, channel_ids=ids, now=now)
     finished = stats.finished_of(recent)
     failing = stats.failing_of(recent)
@@ -304,7 +305,7 @@ def ranked_ids(
         wanted = set(among)
         pool = [c for c in pool if c.id in wanted]
     if sort == "age":
-        since = store.select_backlogged_oldest_ready(using=_db())
+        since = channel_store.select_backlogged_oldest_ready(using=_db())
         far = timezone.now() + timedelta(days=36500)
         pool.sort(key=lambda c: (since.get(c.id, far), c.name))
     elif sort == "name":
@@ -401,7 +402,7 @@ def dashboard(
         recent = {k: w for k, w in recent.items() if k in counts}
     failures = stats.failing_of(recent)
     none = stats.Failing()
-    retrying = store.select_channel_retrying(
+    retrying = channel_store.select_channel_retrying(
         [c.id for c in counts.values() if c.scheduled > 0], using=_db()
     )
     failing = [

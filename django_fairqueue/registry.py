@@ -11,7 +11,8 @@ Registering also expires the leases still held under the same worker id: a proce
 not claimed yet holds none, so they belong to a previous process with that id (a supervised
 worker restarted in its slot, a container restarted with a fixed ``--worker-id``).
 
-The registry is written only through ``store.py``'s statements; the admin shows it read-only.
+The registry is written only through :mod:`django_fairqueue.db.worker_store`; the admin shows it
+read-only.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from django_fairqueue import __version__, conf, store
+from django_fairqueue import __version__, conf
 from django_fairqueue._runtime import CONNECTION_ERRORS, StopFlag, after_database_error
+from django_fairqueue.db import pg, worker_store
 
 logger = logging.getLogger("django_fairqueue.registry")
 
@@ -59,7 +61,7 @@ class Registration:
     def register(self) -> int:
         """Record this worker as running; returns how many leases of a previous process with
         the same worker id it expired (the rescuer requeues those messages)."""
-        orphaned = store.register_worker(
+        orphaned = worker_store.register_worker(
             self.worker_id,
             host=socket.gethostname(),
             pid=os.getpid(),
@@ -86,7 +88,7 @@ class Registration:
 
     def beat(self, now: Beat) -> None:
         try:
-            store.beat_worker(
+            worker_store.beat_worker(
                 self.worker_id,
                 running=now.running,
                 handled=now.handled,
@@ -97,7 +99,7 @@ class Registration:
 
     def deregister(self, now: Beat) -> None:
         try:
-            store.deregister_worker(self.worker_id, handled=now.handled)
+            worker_store.deregister_worker(self.worker_id, handled=now.handled)
         except CONNECTION_ERRORS as exc:  # it will look dead after WORKER_DEAD_AFTER instead
             logger.warning("worker registry: could not mark stopped: %s", after_database_error(exc))
 
@@ -107,9 +109,9 @@ def wall_clock() -> datetime:
     return datetime.now(UTC)
 
 
-def rescue_dead_workers() -> list[store.DeadWorker]:
+def rescue_dead_workers() -> list[worker_store.DeadWorker]:
     """Mark workers whose beat is older than WORKER_DEAD_AFTER dead and expire their leases."""
-    dead = store.expire_dead_workers(conf.get().WORKER_DEAD_AFTER)
+    dead = worker_store.expire_dead_workers(conf.get().WORKER_DEAD_AFTER)
     for worker in dead:
         logger.warning(
             "worker %s (%s pid %s) is dead: no beat for %.0fs; expired its %d leases",
@@ -161,7 +163,7 @@ def workers(now: datetime | None = None) -> list[WorkerView]:
     from django_fairqueue.models import WorkerRecord
 
     cfg = conf.get()
-    now = now or store.select_clock(using=cfg.DATABASE)
+    now = now or pg.select_clock(using=cfg.DATABASE)
     rows = []
     for w in WorkerRecord.objects.using(cfg.DATABASE).order_by("-heartbeat_at"):
         state = w.state

@@ -33,7 +33,8 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from django_fairqueue import adminlist, conf, cron, overview, store
+from django_fairqueue import adminlist, conf, cron, overview
+from django_fairqueue.db import pg, schedule_store
 from django_fairqueue.exceptions import InvalidSchedule, PayloadError, UnknownTask
 from django_fairqueue.models import Schedule, ScheduleSource
 from django_fairqueue.taskspec import registry
@@ -202,7 +203,7 @@ class _StateColumns:
     def now(self) -> datetime:
         # one read of the database's clock per page: the clock the slots are computed on
         if self._now is None:
-            self._now = store.select_clock()
+            self._now = pg.select_clock()
         return self._now
 
     @admin.display(description=_("next fire"), ordering="next_fire_at")
@@ -311,7 +312,7 @@ class ScheduleAdmin(_StateColumns, adminlist.NulSafeAdmin, _ScheduleAdminBase):
 
     @admin.display(description=_("last message"))
     def last_message_display(self, obj: Schedule) -> SafeString | str:
-        states = store.select_schedule_states([obj.pk]) if obj.pk else {}
+        states = schedule_store.select_schedule_states([obj.pk]) if obj.pk else {}
         message_id = states[obj.pk].last_message_id if obj.pk in states else None
         if message_id is None:
             return "-"

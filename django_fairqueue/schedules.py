@@ -36,8 +36,9 @@ from zoneinfo import ZoneInfo
 
 from django.db import DatabaseError, OperationalError, transaction
 
-from django_fairqueue import conf, cron, store
+from django_fairqueue import conf, cron
 from django_fairqueue.cron import ScheduleSpec, slots_after, validate_cron, validate_timezone
+from django_fairqueue.db import channel_store, pg, schedule_store
 from django_fairqueue.exceptions import ChannelFull, InvalidChannel, InvalidSchedule, UnknownTask
 from django_fairqueue.limits import CHANNEL_NAME_MAX_LENGTH
 from django_fairqueue.queues import display_name, row_name, split_row_name
@@ -220,9 +221,9 @@ def sync(specs: Sequence[ScheduleSpec] | None = None) -> SyncResult:
     with transaction.atomic(using=alias):
         # Lock order: the sync's own advisory lock, then channel rows (created if missing),
         # then schedule rows; a firing pass takes schedule rows last of all.
-        store.lock_schedule_sync()
+        schedule_store.lock_schedule_sync()
         channel_ids = {
-            name: store.ensure_channel(name, defaults=cfg.CHANNEL_DEFAULTS)
+            name: channel_store.ensure_channel(name, defaults=cfg.CHANNEL_DEFAULTS)
             for name in sorted({channel for channel, _ in rows.values()})
         }
         existing = {s.name: s for s in Schedule.objects.using(alias).filter(source="code")}
@@ -263,7 +264,7 @@ class Plan:
     missed: bool = False
 
 
-def plan(schedule: store.DueSchedule, *, grace: timedelta) -> Plan:
+def plan(schedule: schedule_store.DueSchedule, *, grace: timedelta) -> Plan:
     """The slots to fire now and the next slot, from the row as read and the database's
     clock (``schedule.now``)."""
     now = schedule.now
@@ -301,9 +302,9 @@ class Firer:
         enqueued."""
         seconds = self.grace if self.grace is not None else conf.get().SCHEDULE_GRACE
         grace = timedelta(seconds=seconds)
-        due = store.select_due_schedules(self.limit, skip_tasks=sorted(self.unknown_tasks))
+        due = schedule_store.select_due_schedules(self.limit, skip_tasks=sorted(self.unknown_tasks))
         fired = 0
-        quiet: list[tuple[store.DueSchedule, datetime | None]] = []
+        quiet: list[tuple[schedule_store.DueSchedule, datetime | None]] = []
         for schedule in due:
             step = self._plan(schedule, grace)
             if step is None:
@@ -315,24 +316,24 @@ class Firer:
         if quiet:
             # new, edited or resumed schedules (and slots skipped): only their next slot to
             # write, all in one statement, no enqueue, so no transaction each
-            store.advance_schedules_without_slots(quiet)
+            schedule_store.advance_schedules_without_slots(quiet)
         return fired
 
     def seconds_to_next(self) -> float | None:
-        return store.select_next_schedule_fire(skip_tasks=sorted(self.unknown_tasks))
+        return schedule_store.select_next_schedule_fire(skip_tasks=sorted(self.unknown_tasks))
 
-    def fire(self, schedule: store.DueSchedule, *, grace: timedelta) -> int:
+    def fire(self, schedule: schedule_store.DueSchedule, *, grace: timedelta) -> int:
         """Fire one schedule as read (in a transaction of its own); returns the messages
         enqueued."""
         step = self._plan(schedule, grace)
         if step is None:
             return 0
         if not step.slots:
-            store.advance_schedules_without_slots([(schedule, step.next_fire_at)])
+            schedule_store.advance_schedules_without_slots([(schedule, step.next_fire_at)])
             return 0
         return self._fire(schedule, step)
 
-    def _plan(self, schedule: store.DueSchedule, grace: timedelta) -> Plan | None:
+    def _plan(self, schedule: schedule_store.DueSchedule, grace: timedelta) -> Plan | None:
         """What to do with a schedule as read; None for a task this process does not know."""
         if schedule.task_name not in registry and schedule.enabled:
             try:
@@ -363,7 +364,7 @@ class Firer:
             )
         return step
 
-    def _fire(self, schedule: store.DueSchedule, step: Plan) -> int:
+    def _fire(self, schedule: schedule_store.DueSchedule, step: Plan) -> int:
         """Fire the slots of ``step`` in one transaction; returns the messages enqueued."""
         from django_fairqueue.api import EnqueueRequest, enqueue_many
         from django_fairqueue.queues import DEFAULT_QUEUE, split_row_name
@@ -378,12 +379,12 @@ class Firer:
                     # the schedule row (its foreign key), which deleting the channel deletes
                     # after taking that name lock, so the enqueue below must not be the first
                     # to take it (a deadlock with a deletion in between).
-                    store.share_channel_name(schedule.channel)
+                    channel_store.share_channel_name(schedule.channel)
                     # A slot already taken is another pass's (committed: its message exists;
                     # in flight: this waited for it). A pass with the same view then changed
                     # the row too, and the advance below finds that out; a rewound state (a
                     # restore) just moves on without the slots fired before.
-                    got = set(store.claim_schedule_slots(schedule.id, step.slots))
+                    got = set(schedule_store.claim_schedule_slots(schedule.id, step.slots))
                     taken = [slot for slot in step.slots if slot in got]
                     # A schedule of a channel row of another queue than the default enqueues
                     # into that queue; of the default queue's, into the task's own queue.
@@ -401,7 +402,7 @@ class Firer:
                         for slot in taken
                     ]
                     message_ids = enqueue_many(requests)
-                if not store.advance_schedule(
+                if not schedule_store.advance_schedule(
                     schedule,
                     slots=taken,
                     message_ids=message_ids,
@@ -441,13 +442,13 @@ class Firer:
         return len(taken)
 
     @staticmethod
-    def _run_after(schedule: store.DueSchedule, slot: datetime) -> datetime | None:
+    def _run_after(schedule: schedule_store.DueSchedule, slot: datetime) -> datetime | None:
         if not schedule.jitter:
             return None  # now: the slot's time has come
         return slot + cron.jitter_offset(schedule.id, slot, schedule.jitter)
 
     def _complain(
-        self, schedule: store.DueSchedule, what: str, level: int, message: str, *args: Any
+        self, schedule: schedule_store.DueSchedule, what: str, level: int, message: str, *args: Any
     ) -> None:
         """Log once per schedule and kind of trouble every ten minutes (every worker's every
         pass meets it)."""
@@ -503,7 +504,7 @@ class Scheduler:
                 logger.error("code schedules not synced: %s", exc)
                 self.synced = True
             except OperationalError as exc:
-                if not store.is_lock_timeout(exc):
+                if not pg.is_lock_timeout(exc):
                     raise
                 # Another process holds the sync's lock (syncing, or frozen in the middle of
                 # it): fire what the table has now and sync at the next pass.
@@ -520,9 +521,9 @@ class Scheduler:
 # -- reading ------------------------------------------------------------------------------------
 
 
-def states(ids: Sequence[int]) -> dict[int, store.ScheduleState]:
+def states(ids: Sequence[int]) -> dict[int, schedule_store.ScheduleState]:
     """The firing state of schedules by id (next slot, last slot, last fired, last message)."""
-    return store.select_schedule_states(ids) if ids else {}
+    return schedule_store.select_schedule_states(ids) if ids else {}
 
 
 #: Most slots one :func:`upcoming` call previews.

@@ -18,7 +18,7 @@ can be connected with ``sender=Message``) and keyword arguments only:
 ``message_started``
     Sent by the worker in the handler thread, right before it calls the task function.
 
-    * ``message`` (:class:`django_fairqueue.store.ClaimedMessage`): id, channel (the name
+    * ``message`` (:class:`django_fairqueue.db.message_store.ClaimedMessage`): id, channel (the name
       within its queue), queue, task name, payload, attempt number (``attempts``, counting this
       one), lease;
     * ``worker_id`` (``str``): the worker process's id (``host:pid:random``).

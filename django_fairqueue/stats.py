@@ -2,7 +2,7 @@
 
 Workers tally in memory with a :class:`StatsRecorder` and flush every few seconds: one upsert
 of one row per (channel, minute) into ``fairqueue_channel_stat``
-(:func:`django_fairqueue.store.record_channel_stats`), so the claim itself writes nothing
+(:func:`django_fairqueue.db.stats_store.record_channel_stats`), so the claim itself writes nothing
 extra. The same flush adds the sums of its rows per minute, all channels together, to
 ``fairqueue_minute_stat`` (in the same transaction, so the two agree). The query helpers below
 feed the admin dashboard, ``manage.py fairqueue status`` and the metrics; they read with the
@@ -49,7 +49,8 @@ from typing import Any, Literal
 from django.db.models import Max, Sum
 from django.utils import timezone
 
-from django_fairqueue import conf, store
+from django_fairqueue import conf
+from django_fairqueue.db import message_store, stats_store
 from django_fairqueue.models import WAIT_BUCKETS_MS, ChannelStat, MinuteStat
 
 __all__ = [
@@ -144,7 +145,7 @@ class StatsRecorder:
         return tally
 
     def record_claimed(
-        self, messages: Iterable[store.ClaimedMessage], claimed_at: datetime
+        self, messages: Iterable[message_store.ClaimedMessage], claimed_at: datetime
     ) -> None:
         """Count messages one claim returned at ``claimed_at`` (an aware datetime), with their
         wait: ``claimed_at - max(enqueued_at, run_at)``."""
@@ -194,7 +195,7 @@ class StatsRecorder:
         if not tallies:
             return 0
         rows = [
-            store.ChannelMinuteStats(
+            stats_store.ChannelMinuteStats(
                 channel_id=channel_id,
                 minute=minute,
                 claimed=t.claimed,
@@ -210,7 +211,7 @@ class StatsRecorder:
             for (channel_id, minute), t in sorted(tallies.items())
         ]
         try:
-            store.record_channel_stats(rows, using=self.using)
+            stats_store.record_channel_stats(rows, using=self.using)
         except BaseException:
             with self._lock:
                 for key, tally in tallies.items():
@@ -225,7 +226,7 @@ class StatsRecorder:
 
 def prune(older_than: timedelta = timedelta(days=1), *, using: str | None = None) -> None:
     """Delete statistics rows older than ``older_than`` (the maintenance loop's job)."""
-    store.prune_channel_stats(timezone.now() - older_than, using=using)
+    stats_store.prune_channel_stats(timezone.now() - older_than, using=using)
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,21 +268,21 @@ def _histogram(row: Mapping[str, Any]) -> list[int]:
 
 def window_stats(
     minutes: int = 5, *, channel_ids: Sequence[int] | None = None, now: datetime | None = None
-) -> dict[int, store.WindowStats]:
+) -> dict[int, stats_store.WindowStats]:
     """{channel id: its sums over the window}, for the channels (of ``channel_ids``, or all)
     with statistics there. One statement; :func:`served_of`, :func:`finished_of` and
     :func:`failing_of` take the figures out of it."""
     since = window_start(minutes, now)
-    rows = store.select_channel_window_stats(since, channel_ids, using=conf.get().DATABASE)
+    rows = stats_store.select_channel_window_stats(since, channel_ids, using=conf.get().DATABASE)
     return {w.channel_id: w for w in rows}
 
 
-def served_of(window: Mapping[int, store.WindowStats]) -> dict[int, int]:
+def served_of(window: Mapping[int, stats_store.WindowStats]) -> dict[int, int]:
     """{channel id: messages claimed}, for the channels with any."""
     return {cid: w.claimed for cid, w in window.items() if w.claimed}
 
 
-def finished_of(window: Mapping[int, store.WindowStats]) -> dict[int, int]:
+def finished_of(window: Mapping[int, stats_store.WindowStats]) -> dict[int, int]:
     """{channel id: messages finished}: succeeded plus failed for good (retried attempts are
     not finished), for the channels with any."""
     return {cid: w.succeeded + w.failed for cid, w in window.items() if w.succeeded + w.failed}
@@ -535,7 +536,7 @@ class Failing:
         return self.failures + self.timeouts
 
 
-def failing_of(window: Mapping[int, store.WindowStats]) -> dict[int, Failing]:
+def failing_of(window: Mapping[int, stats_store.WindowStats]) -> dict[int, Failing]:
     """{channel id: its failed attempts}, for the channels with any: failures (the task
     raised) and timeouts (time limit, expired lease), retried or failed for good."""
     out = {}

@@ -16,8 +16,8 @@ from django_fairqueue import conf
 from django_fairqueue.taskspec import (
     Registry,
     TaskSpec,
-    _qualname,
     check_result,
+    qualname,
     registry,
     result_not_storable,
 )
@@ -159,13 +159,13 @@ def task(
     """
 
     def wrap(f: Callable[P, R]) -> FairTask[P, R]:
-        from django_fairqueue.api import _check_priority, validate_channel_name
+        from django_fairqueue.api import check_priority, validate_channel_name
 
-        task_name = name or _qualname(f)
+        task_name = name or qualname(f)
         # the checks every enqueue of the task would make, made once here
         where = f"task {task_name!r}"
         try:
-            _check_priority(priority)
+            check_priority(priority)
             if channel is not None:
                 validate_channel_name(channel)
         except ValueError as exc:

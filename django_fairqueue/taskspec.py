@@ -125,10 +125,10 @@ class Registry:
             if (
                 old is not None
                 and old.func is not spec.func
-                and _qualname(old.func) != _qualname(spec.func)
+                and qualname(old.func) != qualname(spec.func)
             ):
                 raise ValueError(
-                    f"task name {spec.name!r} is already registered for {_qualname(old.func)}"
+                    f"task name {spec.name!r} is already registered for {qualname(old.func)}"
                 )
             self._specs[spec.name] = spec
 
@@ -179,7 +179,8 @@ class Registry:
 registry = Registry()
 
 
-def _qualname(func: Callable[..., Any]) -> str:
+def qualname(func: Callable[..., Any]) -> str:
+    """``module.qualname`` of a function: a task's default name."""
     return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"
 
 

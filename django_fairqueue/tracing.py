@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - exercised by installs without the extr
     _INSTALLED = False
 
 if TYPE_CHECKING:
-    from django_fairqueue.store import ClaimedMessage
+    from django_fairqueue.db.message_store import ClaimedMessage
 
 __all__ = ["CARRIER_KEY", "carrier", "enabled", "run_span"]
 

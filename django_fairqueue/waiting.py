@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django_fairqueue import conf, overview, registry, store
+from django_fairqueue import conf, overview, registry
+from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.models import Message, MessageState
 from django_fairqueue.queues import display_name, split_row_name
 
@@ -53,7 +54,7 @@ def _when(moment: datetime, now: datetime) -> str:
 
 def channel(channel_id: int, *, views: list[registry.WorkerView] | None = None) -> Why:
     """Why the ready messages of a channel wait (or that nothing does)."""
-    state = store.select_channel_wait_state(channel_id)
+    state = channel_store.select_channel_wait_state(channel_id)
     if state is None:
         return Why("missing", "no such channel")
     if state.ready <= 0:
@@ -63,7 +64,7 @@ def channel(channel_id: int, *, views: list[registry.WorkerView] | None = None) 
 
 def _channel_cause(
     channel_id: int,
-    state: store.ChannelWaitState,
+    state: channel_store.ChannelWaitState,
     views: list[registry.WorkerView] | None,
 ) -> Why:
     now = state.now
@@ -142,7 +143,7 @@ def message(msg: Message, *, views: list[registry.WorkerView] | None = None) -> 
     if msg.state in (MessageState.SUCCEEDED, MessageState.FAILED, MessageState.CANCELLED):
         done = msg.finished_at.isoformat(timespec="seconds") if msg.finished_at else "?"
         return Why("finished", f"not waiting: {msg.state} at {done}")
-    state = store.select_channel_wait_state(msg.channel_id)
+    state = channel_store.select_channel_wait_state(msg.channel_id)
     if state is None:
         return Why("missing", "its channel no longer exists")
     now = state.now
@@ -169,7 +170,7 @@ def message(msg: Message, *, views: list[registry.WorkerView] | None = None) -> 
             )
         return Why("delayed", f"delayed until {_when(msg.run_at, now)}")
     cause = _channel_cause(msg.channel_id, state, views)
-    ahead = store.select_messages_ahead(msg.channel_id, msg.priority, msg.pk)
+    ahead = message_store.select_messages_ahead(msg.channel_id, msg.priority, msg.pk)
     if ahead:
         noun = "message" if ahead == 1 else "messages"
         text = f"{ahead:,} {noun} of its channel ahead of it; the channel: {cause.text}"

@@ -26,8 +26,8 @@ from django.db.models import Count
 from django.utils import timezone
 from factory.django import DjangoModelFactory
 
-from django_fairqueue import store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
+from django_fairqueue.db import channel_store
 from django_fairqueue.models import Channel, Message, MessageState
 from django_fairqueue.tasks import task
 
@@ -132,7 +132,7 @@ def enqueue_spread(counts: dict[str, int]) -> list[int]:
 
 def channel_ids(names: Iterable[str]) -> dict[str, int]:
     names = list(names)
-    found = store.select_channel_ids(names)
+    found = channel_store.select_channel_ids(names)
     assert set(found) == set(names), f"missing channels {set(names) - set(found)}"
     return found
 
@@ -180,7 +180,7 @@ def bulk_load_ready(n_channels: int, per_channel: int, *, prefix: str = "bulk") 
 
 def fold_all() -> None:
     """Fold every pending counter delta (the maintenance loop's job)."""
-    while store.fold_channel_deltas() > 0:
+    while channel_store.fold_channel_deltas() > 0:
         pass
 
 
@@ -214,7 +214,7 @@ def assert_counters_match_table(*, fold: bool = True) -> None:
     the number of its messages per state in the table."""
     counts = table_counts()
     ids = list(Channel.objects.values_list("id", flat=True))
-    exact = {c.id: c for c in store.select_channel_counters(ids)}
+    exact = {c.id: c for c in channel_store.select_channel_counters(ids)}
 
     def expected(cid: int) -> tuple[int, int, int, int]:
         c = counts.get(cid, Counter())

@@ -264,7 +264,7 @@ class Client:
         Channel.objects.filter(name=self.channel(), paused=True).update(paused=False)
 
     def op_cancel(self) -> None:
-        from django_fairqueue import store
+        from django_fairqueue.db import message_store
         from django_fairqueue.models import Message
 
         ids = list(
@@ -274,7 +274,7 @@ class Client:
         )
         chosen = self.rng.sample(ids, min(len(ids), self.rng.randint(1, 4)))
         # What the admin's "Cancel selected waiting messages" action runs.
-        self.outcomes["cancelled"] += len(store.cancel_messages(chosen))
+        self.outcomes["cancelled"] += len(message_store.cancel_messages(chosen))
 
     def op_enqueue_unique(self) -> None:
         """Unique jobs: a few keys per channel, every scope and policy, alone or in a batch
@@ -345,13 +345,13 @@ class Client:
         self.outcomes["dead_letters_deleted"] += len(failures.delete([f.id for f in chosen]))
 
     def op_purge(self) -> None:
-        from django_fairqueue import store
+        from django_fairqueue.db import message_store
         from django_fairqueue.models import Channel
 
         pk = Channel.objects.filter(name=self.channel()).values_list("pk", flat=True).first()
         if pk is not None:
             # What the admin's "Purge backlog" action runs.
-            self.outcomes["purged"] += store.purge_channel_backlog(pk)
+            self.outcomes["purged"] += message_store.purge_channel_backlog(pk)
 
     def op_delete_channel(self) -> None:
         from django_fairqueue.models import Channel

@@ -32,10 +32,11 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from django_fairqueue import overview, stats, store
+from django_fairqueue import overview, stats
 from django_fairqueue.admin import ChannelAdmin
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.context import current_message
+from django_fairqueue.db import batch_store, channel_store, message_store, stats_store
 from django_fairqueue.logging import JsonFormatter, MessageContextFilter, message_logger
 from django_fairqueue.models import (
     WAIT_BUCKETS_MS,
@@ -82,8 +83,8 @@ def cid(name: str) -> int:
     return channel_ids([name])[name]
 
 
-def claim(name: str, n: int) -> list[store.ClaimedMessage]:
-    got = store.claim_messages(
+def claim(name: str, n: int) -> list[message_store.ClaimedMessage]:
+    got = message_store.claim_messages(
         n, lease=LEASE, worker_id="test-worker", only_channel_ids=[cid(name)], quantum=n
     )
     assert len(got) == n
@@ -94,13 +95,13 @@ def make_failed(name: str, n: int) -> list[int]:
     """``n`` dead letters of channel ``name``, failed the way a worker fails them."""
     enqueue(name, n)
     claimed = claim(name, n)
-    states = store.fail_messages([(m.id, m.lease_token, FAILURE, None) for m in claimed])
+    states = message_store.fail_messages([(m.id, m.lease_token, FAILURE, None) for m in claimed])
     assert set(states.values()) == {"failed"}
     return sorted(states)
 
 
-def counters(name: str) -> store.ChannelCounters:
-    (c,) = store.select_channel_counters([cid(name)])
+def counters(name: str) -> channel_store.ChannelCounters:
+    (c,) = channel_store.select_channel_counters([cid(name)])
     return c
 
 
@@ -184,7 +185,7 @@ def test_channel_list_shows_exact_counts_including_pending_deltas(
 def test_channel_list_queries_do_not_grow_with_the_page(admin_client: Client) -> None:
     def measure() -> tuple[int, int]:
         calls = 0
-        real = store.select_channel_counters
+        real = channel_store.select_channel_counters
 
         def counting(*args: Any, **kwargs: Any) -> Any:
             nonlocal calls
@@ -192,7 +193,7 @@ def test_channel_list_queries_do_not_grow_with_the_page(admin_client: Client) ->
             return real(*args, **kwargs)
 
         with (
-            mock.patch.object(store, "select_channel_counters", counting),
+            mock.patch.object(channel_store, "select_channel_counters", counting),
             CaptureQueriesContext(connection) as queries,
         ):
             assert admin_client.get(CHANNELS).status_code == 200
@@ -215,7 +216,7 @@ def test_sort_by_backlog_and_by_oldest_age(admin_client: Client) -> None:
         Message.objects.filter(channel_id=cid(name)).update(
             enqueued_at=now - timedelta(minutes=minutes), run_at=now - timedelta(minutes=minutes)
         )
-    store.cancel_messages(enqueue("idle", 1))  # a channel with nothing ready
+    message_store.cancel_messages(enqueue("idle", 1))  # a channel with nothing ready
 
     by_backlog = admin_client.get(CHANNELS, {"o": f"-{column('ready_display')}"})
     assert page_names(by_backlog) == ["big", "middle", "small", "idle"]
@@ -255,14 +256,14 @@ def test_oldest_ready_looks_past_the_highest_priority() -> None:
     low = list(Message.objects.filter(channel_id=cid("mixed"), priority=-5))
     Message.objects.filter(pk=low[0].pk).update(enqueued_at=now - timedelta(hours=2))
     Message.objects.filter(priority=-5, pk=low[0].pk).update(run_at=now - timedelta(hours=2))
-    since = store.select_channel_oldest_ready([cid("mixed")])[cid("mixed")]
+    since = channel_store.select_channel_oldest_ready([cid("mixed")])[cid("mixed")]
     assert abs((since - (now - timedelta(hours=2))).total_seconds()) < 1
     # a delayed message that became due counts from its run_at, not its enqueue time
     enqueue("late", 1)
     Message.objects.filter(channel_id=cid("late")).update(
         enqueued_at=now - timedelta(days=1), run_at=now - timedelta(minutes=1)
     )
-    since = store.select_channel_oldest_ready([cid("late")])[cid("late")]
+    since = channel_store.select_channel_oldest_ready([cid("late")])[cid("late")]
     assert abs((since - (now - timedelta(minutes=1))).total_seconds()) < 1
 
 
@@ -278,10 +279,12 @@ def test_filters_and_search(admin_client: Client, queue: dict[str, Any]) -> None
 def test_finished_last_five_minutes_comes_from_the_stats(admin_client: Client) -> None:
     enqueue("done", 1)
     now = timezone.now()
-    store.record_channel_stats(
+    stats_store.record_channel_stats(
         [
-            store.ChannelMinuteStats(cid("done"), stats.minute_of(now), succeeded=4, failed=1),
-            store.ChannelMinuteStats(
+            stats_store.ChannelMinuteStats(
+                cid("done"), stats.minute_of(now), succeeded=4, failed=1
+            ),
+            stats_store.ChannelMinuteStats(
                 cid("done"), stats.minute_of(now - timedelta(minutes=10)), succeeded=100
             ),
         ]
@@ -408,9 +411,9 @@ def test_a_new_cap_counts_completions_not_folded_yet(admin_client: Client) -> No
     enqueue("busy", 6)
     fold_all()
     done = claim("busy", 5)
-    store.complete_messages([(m.id, m.lease_token, None) for m in done[:4]])
+    message_store.complete_messages([(m.id, m.lease_token, None) for m in done[:4]])
     fold_all()  # uncapped: these completion deltas do not wake the claim...
-    store.complete_messages([(m.id, m.lease_token, None) for m in done[4:]])
+    message_store.complete_messages([(m.id, m.lease_token, None) for m in done[4:]])
     assert ChannelDelta.objects.filter(channel_id=cid("busy")).exists()  # ...this one waits
     response = admin_client.post(change_url("busy"), limits(max_concurrency=1))
     assert response.status_code == 302
@@ -419,7 +422,10 @@ def test_a_new_cap_counts_completions_not_folded_yet(admin_client: Client) -> No
     assert (row.max_concurrency, state["running_count"], state["ready_count"]) == (1, 0, 1)
     assert not ChannelDelta.objects.filter(channel_id=row.pk).exists()
     # the cap of 1 has its free slot at once
-    assert len(store.claim_messages(5, lease=LEASE, worker_id="w", only_channel_ids=[row.pk])) == 1
+    assert (
+        len(message_store.claim_messages(5, lease=LEASE, worker_id="w", only_channel_ids=[row.pk]))
+        == 1
+    )
 
 
 def test_channel_name_is_read_only_and_channels_cannot_be_deleted(admin_client: Client) -> None:
@@ -445,7 +451,7 @@ def test_pause_and_resume(admin_client: Client, queue: dict[str, Any]) -> None:
         "gamma",
     }
     # a paused channel is not claimed
-    assert store.claim_messages(10, lease=LEASE, worker_id="w", only_channel_ids=ids) == []
+    assert message_store.claim_messages(10, lease=LEASE, worker_id="w", only_channel_ids=ids) == []
     action(admin_client, CHANNELS, "resume_channels", [*ids, cid("gamma")])
     assert not Channel.objects.filter(paused=True).exists()
     assert log_messages(CHANGE).count("Paused (admin action).") == 2
@@ -677,7 +683,7 @@ def test_work_batch_retry_action_and_per_job(admin_client: Client, batches: Any)
     retried = WorkBatch.objects.get(job_name="export", start_id=200)
     assert (retried.attempts, retried.rows_processed, retried.finished_at) == (0, 0, None)
     assert retried.last_error == FAILURE  # kept for the record
-    assert store.retry_failed_work_batches([retried.pk]) == []  # idempotent
+    assert batch_store.retry_failed_work_batches([retried.pk]) == []  # idempotent
     url = reverse("admin:fairqueue_workbatch_retry_job")
     assert admin_client.post(url, {"job": "reindex"}).status_code == 302
     assert set(WorkBatch.objects.filter(job_name="reindex").values_list("state", flat=True)) == {
@@ -709,9 +715,9 @@ def record_minute(name: str, minute: datetime, claimed: int, waits_ms: list[floa
     hist = [0] * (len(WAIT_BUCKETS_MS) + 1)
     for w in waits_ms:
         hist[stats.bucket_of(w)] += 1
-    store.record_channel_stats(
+    stats_store.record_channel_stats(
         [
-            store.ChannelMinuteStats(
+            stats_store.ChannelMinuteStats(
                 cid(name),
                 stats.minute_of(minute),
                 claimed=claimed,
@@ -920,8 +926,10 @@ def test_metrics_without_prometheus_client_says_what_to_install() -> None:
 # statistics
 
 
-def claimed_message(channel_id: int, enqueued: datetime, run_at: datetime) -> store.ClaimedMessage:
-    return store.ClaimedMessage(
+def claimed_message(
+    channel_id: int, enqueued: datetime, run_at: datetime
+) -> message_store.ClaimedMessage:
+    return message_store.ClaimedMessage(
         id=1,
         channel_id=channel_id,
         channel="c",
@@ -990,7 +998,7 @@ def test_recorder_keeps_tallies_when_a_flush_fails() -> None:
     now = timezone.now()
     recorder.record_settled(channel, "succeeded", 10, at=now)
     with (
-        mock.patch.object(store, "record_channel_stats", side_effect=RuntimeError("db down")),
+        mock.patch.object(stats_store, "record_channel_stats", side_effect=RuntimeError("db down")),
         pytest.raises(RuntimeError),
     ):
         recorder.flush()
@@ -1090,7 +1098,7 @@ def test_stats_queries_over_a_window() -> None:
     assert sum(minutes[stats.minute_of(now)].wait_histogram) == 4
     stats.prune(timedelta(days=1))  # these rows are in 2030: nothing is old
     assert (ChannelStat.objects.count(), MinuteStat.objects.count()) == (3, 3)
-    store.prune_channel_stats(now - timedelta(minutes=5))
+    stats_store.prune_channel_stats(now - timedelta(minutes=5))
     assert (ChannelStat.objects.count(), MinuteStat.objects.count()) == (2, 2)
 
 
@@ -1103,10 +1111,12 @@ def test_the_minute_sums_add_up_over_channels_and_flushes() -> None:
     minute = stats.minute_of(timezone.now())
     n = len(WAIT_BUCKETS_MS) + 1
 
-    def tally(channel: int, claimed: int, bucket: int, wait_max: int) -> store.ChannelMinuteStats:
+    def tally(
+        channel: int, claimed: int, bucket: int, wait_max: int
+    ) -> stats_store.ChannelMinuteStats:
         hist = [0] * n
         hist[bucket] = claimed
-        return store.ChannelMinuteStats(
+        return stats_store.ChannelMinuteStats(
             channel,
             minute,
             claimed=claimed,
@@ -1119,8 +1129,8 @@ def test_the_minute_sums_add_up_over_channels_and_flushes() -> None:
             run_ms_sum=claimed,
         )
 
-    store.record_channel_stats([tally(channels[0], 5, 2, 40), tally(channels[1], 3, 4, 900)])
-    store.record_channel_stats([tally(channels[1], 2, 4, 20), tally(channels[2], 4, 0, 1)])
+    stats_store.record_channel_stats([tally(channels[0], 5, 2, 40), tally(channels[1], 3, 4, 900)])
+    stats_store.record_channel_stats([tally(channels[1], 2, 4, 20), tally(channels[2], 4, 0, 1)])
     row = MinuteStat.objects.get(minute=minute)
     assert (row.claimed, row.succeeded, row.retried, row.timed_out) == (14, 10, 4, 4)
     assert (row.wait_ms_sum, row.wait_ms_max, row.run_ms_sum) == (140, 900, 14)
@@ -1158,9 +1168,9 @@ def test_concurrent_flushes_neither_deadlock_nor_lose_counts() -> None:
             start.wait()
             for round_ in range(15):
                 order = channels[::-1] if (seed + round_) % 2 else channels
-                store.record_channel_stats(
+                stats_store.record_channel_stats(
                     [
-                        store.ChannelMinuteStats(c, m, claimed=1, succeeded=1)
+                        stats_store.ChannelMinuteStats(c, m, claimed=1, succeeded=1)
                         for c in order
                         for m in (minutes[::-1] if seed % 2 else minutes)
                     ]
@@ -1268,7 +1278,7 @@ def test_logging_filter_adapter_and_json_formatter() -> None:
 def test_channel_list_puts_starvation_and_failure_first_and_filters_by_them(
     admin_client: Client, queue: dict[str, Any]
 ) -> None:
-    from django_fairqueue import store
+    from django_fairqueue.db import stats_store
 
     # beta runs 1 under a cap lowered to... 1 (at cap), then a second running one: over cap
     Channel.objects.filter(name="beta").update(max_concurrency=1)
@@ -1304,8 +1314,8 @@ def test_channel_list_puts_starvation_and_failure_first_and_filters_by_them(
     assert names("o=3") and names("o=-3")  # sortable by running
     assert names("starving=0") == {"alpha", "beta"}
     assert names("starving=3600") == set()
-    store.record_channel_stats(
-        [store.ChannelMinuteStats(cid("beta"), timezone.now().replace(second=0), failed=2)]
+    stats_store.record_channel_stats(
+        [stats_store.ChannelMinuteStats(cid("beta"), timezone.now().replace(second=0), failed=2)]
     )
     assert names("failing=yes") == {"beta"}
     html = admin_client.get(CHANNELS).content.decode()

@@ -6,7 +6,7 @@ channels of the whole queue whatever order its other panels use; and the markup 
 admin pages (breadcrumbs, the work-batch jobs table) on the running Django.
 
 Queue data is made the way the queue makes it (enqueue, claim, fail through the store); the
-statistics the way workers flush them (``store.record_channel_stats``).
+statistics the way workers flush them (``stats_store.record_channel_stats``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from django_fairqueue import overview, stats, store
+from django_fairqueue import overview, stats
+from django_fairqueue.db import message_store, stats_store
 from django_fairqueue.maintenance import Rescuer
 from django_fairqueue.models import BatchState, Channel, Message, MessageState, WorkBatch
 from tests.factories import channel_ids, enqueue
@@ -49,11 +50,11 @@ def cid(name: str) -> int:
 def fail(name: str, n: int, retry_in: timedelta | None) -> list[int]:
     """Claim ``n`` messages of ``name`` and fail them: retried after ``retry_in``, or dead
     letters (None)."""
-    claimed = store.claim_messages(
+    claimed = message_store.claim_messages(
         n, lease=LEASE, worker_id="test-worker", only_channel_ids=[cid(name)], quantum=n
     )
     assert len(claimed) == n
-    states = store.fail_messages([(m.id, m.lease_token, ERROR, retry_in) for m in claimed])
+    states = message_store.fail_messages([(m.id, m.lease_token, ERROR, retry_in) for m in claimed])
     assert set(states.values()) == {"scheduled" if retry_in else "failed"}
     return sorted(states)
 
@@ -64,9 +65,9 @@ def record_failures(
     """Failed attempts in the statistics, as a worker flushes them; ``timed_out`` of them ran
     out of time."""
     at = stats.minute_of(timezone.now() - timedelta(minutes=minutes_ago))
-    store.record_channel_stats(
+    stats_store.record_channel_stats(
         [
-            store.ChannelMinuteStats(
+            stats_store.ChannelMinuteStats(
                 cid(name), at, failed=failed, retried=retried, timed_out=timed_out
             )
         ]
@@ -324,7 +325,7 @@ def test_no_permission_no_failing_figures(flaky: dict[str, Any]) -> None:
 
 def test_the_rescuer_counts_expired_leases_as_timeouts() -> None:
     enqueue("stuck", 3)
-    claimed = store.claim_messages(
+    claimed = message_store.claim_messages(
         3, lease=LEASE, worker_id="gone", only_channel_ids=[cid("stuck")], quantum=3
     )
     # one has no attempts left: dead-lettered; two go back to ready

@@ -21,9 +21,10 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
-from django_fairqueue import adminlist, store
+from django_fairqueue import adminlist
 from django_fairqueue.admin import MessageAdmin
 from django_fairqueue.contrib.bench import admin_render
+from django_fairqueue.db import message_store, pg
 from django_fairqueue.models import Channel, Message, MessageState
 from tests.factories import NOOP, channel_ids, enqueue, enqueue_spread
 
@@ -120,7 +121,7 @@ def test_a_deep_cursor_shows_the_rows_after_it(admin_client: Client, spread: lis
 
 def test_a_deep_cursor_within_a_state(admin_client: Client, spread: list[int]) -> None:
     cancelled = spread[::3]  # every third message, old and new alike
-    store.cancel_messages(cancelled)
+    message_store.cancel_messages(cancelled)
     pivot = spread[200]
     response = admin_client.get(
         MESSAGES, {"state__exact": "ready", adminlist.CURSOR_VAR: f"a{pivot}"}
@@ -207,7 +208,9 @@ def test_a_low_estimate_says_at_least() -> None:
 
 def test_filter_by_state_task_name_and_channel(admin_client: Client, spread: list[int]) -> None:
     ids = channel_ids(["alpha", "beta"])
-    claimed = store.claim_messages(3, lease=LEASE, worker_id="w-1", only_channel_ids=[ids["beta"]])
+    claimed = message_store.claim_messages(
+        3, lease=LEASE, worker_id="w-1", only_channel_ids=[ids["beta"]]
+    )
     running = admin_client.get(MESSAGES, {"state__exact": "running"})
     assert sorted(shown(running)) == sorted(m.id for m in claimed)
 
@@ -267,10 +270,10 @@ def test_search_by_id_and_task_name_prefix(admin_client: Client, spread: list[in
 
 def test_running_messages_show_worker_claim_and_lease(admin_client: Client) -> None:
     enqueue("alpha", 2)
-    (fresh,) = store.claim_messages(1, lease=LEASE, worker_id="host-1:123")
-    (stale,) = store.claim_messages(1, lease=timedelta(seconds=1), worker_id="host-2:9")
+    (fresh,) = message_store.claim_messages(1, lease=LEASE, worker_id="host-1:123")
+    (stale,) = message_store.claim_messages(1, lease=timedelta(seconds=1), worker_id="host-2:9")
     Message.objects.filter(pk=stale.id).update(
-        lease_expires_at=store.select_clock() - timedelta(minutes=3)
+        lease_expires_at=pg.select_clock() - timedelta(minutes=3)
     )
     html = admin_client.get(MESSAGES).content.decode()
     workers = reverse("admin:fairqueue_workerrecord_changelist")

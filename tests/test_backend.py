@@ -23,7 +23,6 @@ from django.db import connections, transaction
 from django.test import override_settings
 from django.utils import timezone
 
-from django_fairqueue import store
 from django_fairqueue._tasks_compat import (
     InvalidTask,
     InvalidTaskBackend,
@@ -38,6 +37,7 @@ from django_fairqueue._tasks_compat import (
 )
 from django_fairqueue.backend import FairQueueBackend, FairQueueTask
 from django_fairqueue.context import current_message
+from django_fairqueue.db import message_store
 from django_fairqueue.exceptions import TaskTimeout
 from django_fairqueue.models import Message, MessageState
 from django_fairqueue.tasks import registry
@@ -309,8 +309,8 @@ def test_queue_name_is_the_queue_not_the_channel(tasks_options: Any) -> None:
     assert (plain.queue, plain.name) == ("default", "acme")
     # a worker of another queue never gets it; one of "emails" does
     lease = timedelta(minutes=1)
-    assert store.claim_messages(10, lease=lease, worker_id="w", queues=["reports"]) == []
-    (got,) = store.claim_messages(10, lease=lease, worker_id="w", queues=["emails"])
+    assert message_store.claim_messages(10, lease=lease, worker_id="w", queues=["reports"]) == []
+    (got,) = message_store.claim_messages(10, lease=lease, worker_id="w", queues=["emails"])
     assert (got.queue, got.channel, got.id) == ("emails", "default", int(emails.messages.get().id))
 
 
@@ -393,7 +393,7 @@ def test_get_result_follows_the_message_ready_running_successful() -> None:
     assert (ready.started_at, ready.worker_ids, ready.attempts) == (None, [], 0)
     assert ready.enqueued_at == row(result.id).enqueued_at
 
-    (claimed,) = store.claim_messages(1, lease=timedelta(minutes=1), worker_id="w-1")
+    (claimed,) = message_store.claim_messages(1, lease=timedelta(minutes=1), worker_id="w-1")
     running = add.get_result(result.id)
     assert running.status == TaskResultStatus.RUNNING
     assert running.started_at == running.last_attempted_at == row(result.id).claimed_at
@@ -406,7 +406,7 @@ def test_get_result_follows_the_message_ready_running_successful() -> None:
         value = registry.get(claimed.task_name).func(*claimed.payload["args"])
     finally:
         current_message.reset(token)
-    store.complete_messages([(claimed.id, claimed.lease_token, value)])
+    message_store.complete_messages([(claimed.id, claimed.lease_token, value)])
     result.refresh()  # Django's refresh() goes through get_result
     assert result.status == TaskResultStatus.SUCCESSFUL
     assert result.return_value == 42
@@ -455,9 +455,9 @@ def test_arguments_that_do_not_fit_fail_at_once_without_retries() -> None:
 @pytest.mark.django_db
 def test_error_types_that_are_not_importable_are_kept_as_recorded() -> None:
     result = add.enqueue(1, 2)
-    (claimed,) = store.claim_messages(1, lease=timedelta(minutes=1), worker_id="w-1")
+    (claimed,) = message_store.claim_messages(1, lease=timedelta(minutes=1), worker_id="w-1")
     error = {"type": "LeaseExpired", "message": "lease expired", "traceback": None}
-    store.fail_messages([(claimed.id, claimed.lease_token, error, None)])
+    message_store.fail_messages([(claimed.id, claimed.lease_token, error, None)])
     (recorded,) = add.get_result(result.id).errors
     assert (recorded.exception_class_path, recorded.traceback) == ("LeaseExpired", "lease expired")
 
@@ -465,7 +465,7 @@ def test_error_types_that_are_not_importable_are_kept_as_recorded() -> None:
 @pytest.mark.django_db
 def test_cancelled_message_is_a_failed_result() -> None:
     result = add.enqueue(1, 2)
-    store.cancel_messages([int(result.id)])
+    message_store.cancel_messages([int(result.id)])
     assert add.get_result(result.id).status == TaskResultStatus.FAILED
 
 
@@ -620,7 +620,7 @@ def test_rolled_back_enqueue_leaves_nothing(database_url: str) -> None:
     assert _count_elsewhere(database_url, result.id) == 0
     with pytest.raises(TaskResultDoesNotExist):
         add.get_result(result.id)
-    assert store.claim_messages(10, lease=timedelta(minutes=1), worker_id="w") == []
+    assert message_store.claim_messages(10, lease=timedelta(minutes=1), worker_id="w") == []
 
 
 # -- time limits -----------------------------------------------------------------------------------

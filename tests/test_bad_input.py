@@ -26,12 +26,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import django_fairqueue
-from django_fairqueue import checks, conf, enqueue, exactly_once, failures, store
+from django_fairqueue import checks, conf, enqueue, exactly_once, failures
 from django_fairqueue.api import EnqueueRequest, enqueue_many
+from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.exceptions import InvalidChannel, InvalidQueue, PayloadError, UnknownTask
 from django_fairqueue.models import Channel, Message, MessageState
 from django_fairqueue.worker import Worker, WorkerConfig
 from tests.factories import NOOP, assert_counters_match_table
+from tests.test_store_sql import all_statements
 from tests.workerkit import enqueue_raw
 
 pytestmark = pytest.mark.django_db
@@ -65,8 +67,8 @@ NASTY_CHANNELS = [
 ]
 
 
-def claim_all(limit: int = 1000) -> list[store.ClaimedMessage]:
-    return store.claim_messages(limit, lease=LEASE, worker_id="bad-input")
+def claim_all(limit: int = 1000) -> list[message_store.ClaimedMessage]:
+    return message_store.claim_messages(limit, lease=LEASE, worker_id="bad-input")
 
 
 def message_count() -> int:
@@ -99,7 +101,7 @@ def test_channel_names_with_sql_and_unicode_are_stored_verbatim(
     assert stored.channel.name == name
     (claimed,) = claim_all()
     assert (claimed.id, claimed.channel) == (mid, name)
-    assert store.select_channel_ids([name]) == {name: stored.channel_id}
+    assert channel_store.select_channel_ids([name]) == {name: stored.channel_id}
 
 
 @pytest.mark.parametrize(
@@ -311,7 +313,7 @@ def test_json_arguments_come_back_to_the_task_unchanged(
             assert _has_nul(args) or _has_nul(kwargs)
             return
         assert not (_has_nul(args) or _has_nul(kwargs))
-        (claimed,) = store.claim_messages(1, lease=LEASE, worker_id="json")
+        (claimed,) = message_store.claim_messages(1, lease=LEASE, worker_id="json")
         assert claimed.id == mid
         assert claimed.payload == {"args": args, "kwargs": kwargs}
         assert same_types(claimed.payload, {"args": args, "kwargs": kwargs})
@@ -457,7 +459,7 @@ def test_bad_worker_options_are_refused(kwargs: dict[str, Any], error: str) -> N
 def test_a_claim_of_zero_or_fewer_messages_is_refused_by_the_database(limit: Any) -> None:
     enqueue(NOOP, channel="z")
     with pytest.raises(Exception, match="claim limit must be >= 1"), transaction.atomic():
-        store.claim_messages(limit, lease=LEASE, worker_id="zero")
+        message_store.claim_messages(limit, lease=LEASE, worker_id="zero")
     assert Message.objects.get().state == MessageState.READY
 
 
@@ -721,16 +723,18 @@ def test_no_value_is_ever_part_of_the_sql_text(tables_intact: None) -> None:
             [EnqueueRequest(NOOP, [MARKER], {"k": MARKER}, channel=MARKER) for _ in range(3)]
         )
         enqueue(NOOP, channel=f"{MARKER}-later", run_after=timedelta(hours=1))
-        cid = store.select_channel_ids([MARKER])[MARKER]
-        claimed = store.claim_messages(3, lease=LEASE, worker_id=MARKER)
+        cid = channel_store.select_channel_ids([MARKER])[MARKER]
+        claimed = message_store.claim_messages(3, lease=LEASE, worker_id=MARKER)
         a, b, c = claimed
-        assert store.heartbeat_messages([(a.id, a.lease_token)], lease=LEASE) == {a.id: False}
-        store.complete_messages([(a.id, a.lease_token, {"r": MARKER})])
-        store.fail_messages([(b.id, b.lease_token, {"message": MARKER}, None)])
-        store.release_messages([(c.id, c.lease_token)])
-        store.select_channel_counters([cid])
-        store.cancel_messages([c.id])
-        store.delete_failed_messages([b.id])
+        assert message_store.heartbeat_messages([(a.id, a.lease_token)], lease=LEASE) == {
+            a.id: False
+        }
+        message_store.complete_messages([(a.id, a.lease_token, {"r": MARKER})])
+        message_store.fail_messages([(b.id, b.lease_token, {"message": MARKER}, None)])
+        message_store.release_messages([(c.id, c.lease_token)])
+        channel_store.select_channel_counters([cid])
+        message_store.cancel_messages([c.id])
+        message_store.delete_failed_messages([b.id])
     assert sent, "nothing was recorded: the spy is not on the queue's cursor"
     assert set(ids) >= {a.id, b.id, c.id}
     leaked = [q for q in sent if "marker" in q]
@@ -742,7 +746,7 @@ def test_listen_quotes_the_notify_channel_as_an_identifier(database_url: str) ->
     settings refuse it before) is one identifier, and NOTIFY through pg_notify() reaches it."""
     hostile = 'wake"; DROP TABLE fairqueue_message; --'
     with psycopg.connect(database_url, autocommit=True) as listener:
-        store.listen_wakeups(listener, hostile)
+        message_store.listen_wakeups(listener, hostile)
         with psycopg.connect(database_url, autocommit=True) as sender:
             sender.execute("SELECT pg_notify(%s, 'hello')", [hostile])
         got = [(n.channel, n.payload) for n in listener.notifies(timeout=5, stop_after=1)]
@@ -751,18 +755,19 @@ def test_listen_quotes_the_notify_channel_as_an_identifier(database_url: str) ->
 
 
 def test_named_statements_take_values_only_as_bound_parameters() -> None:
-    """sql/queries.sql: values are %(name)s placeholders. Format fields stand only for what
-    cannot be bound, and store.py fills each through psycopg.sql: LISTEN's channel and a source
-    table's name and id column (sql.Identifier), and its filters (sql.Placeholder conditions).
+    """db/statements/*.sql: values are %(name)s placeholders. Format fields stand only for
+    what cannot be bound, and the db package fills each through psycopg.sql: LISTEN's channel
+    and a source table's name and id column (sql.Identifier), and its filters
+    (sql.Placeholder conditions).
     A new field fails this test until it is reviewed and added here."""
     fields = {
         field
-        for text in store.queries().values()
+        for text in all_statements().values()
         for field in re.findall(r"(?<![%'])\{(\w+)\}", text)
     }
     assert fields <= {"channel", "table", "id", "filters"}, fields
-    assert re.findall(r"\{(\w+)\}", store.queries()["listen_wakeups"]) == ["channel"]
-    for name, text in store.queries().items():
+    assert re.findall(r"\{(\w+)\}", message_store.queries()["listen_wakeups"]) == ["channel"]
+    for name, text in all_statements().items():
         # no %s positional placeholders, no Python %-formatting of values
         assert not re.search(r"(?<!%)%[sd]\b", text), name
 

@@ -36,7 +36,8 @@ from django.contrib.auth.models import User
 from django.db import connections
 from django.utils import timezone
 
-from django_fairqueue import stats, store
+from django_fairqueue import stats
+from django_fairqueue.db import message_store, worker_store
 from django_fairqueue.models import (
     BatchState,
     Channel,
@@ -129,7 +130,7 @@ def load_demo_data() -> None:
     ids = channel_ids(tenants)
     lease = timedelta(minutes=30)
     for name, n in (("acme-corp", 8), ("globex", 3), ("umbrella", 5)):
-        store.claim_messages(
+        message_store.claim_messages(
             n, lease=lease, worker_id="demo-worker", only_channel_ids=[ids[name]], quantum=n
         )
     failure = {
@@ -141,17 +142,19 @@ def load_demo_data() -> None:
         "documents.errors.CorruptPDF: xref table not found\n",
     }
     for name, n in (("globex", 12), ("hooli", 1)):
-        claimed = store.claim_messages(
+        claimed = message_store.claim_messages(
             n, lease=lease, worker_id="demo-worker", only_channel_ids=[ids[name]], quantum=n
         )
-        store.fail_messages([(m.id, m.lease_token, failure, None) for m in claimed])
+        message_store.fail_messages([(m.id, m.lease_token, failure, None) for m in claimed])
     # umbrella fails now and then: six messages wait for their retry
-    claimed = store.claim_messages(
+    claimed = message_store.claim_messages(
         6, lease=lease, worker_id="demo-worker", only_channel_ids=[ids["umbrella"]], quantum=6
     )
     timeout = {**failure, "type": "django_fairqueue.exceptions.TaskTimeout"}
     timeout["message"] = "task documents.process exceeded its time limit of 30 s"
-    store.fail_messages([(m.id, m.lease_token, timeout, timedelta(minutes=10)) for m in claimed])
+    message_store.fail_messages(
+        [(m.id, m.lease_token, timeout, timedelta(minutes=10)) for m in claimed]
+    )
     fold_all()
     # How long each tenant's work has been waiting (test data: set directly on the rows).
     for name, minutes in (("acme-corp", 12), ("umbrella", 3), ("globex", 1), ("initech", 25)):
@@ -173,7 +176,7 @@ def load_demo_data() -> None:
         at = now - timedelta(minutes=minute)
         for name, (per_minute, wait) in profile.items():
             messages = [
-                store.ClaimedMessage(
+                message_store.ClaimedMessage(
                     id=0,
                     channel_id=ids[name],
                     channel=name,
@@ -253,7 +256,7 @@ def load_demo_batches_and_workers() -> None:
             **(failed if i < 2 else {"rows_processed": 2000, "finished_at": now}),
         )
     for worker, channels in (("web-1:4242", []), ("web-2:311", ["acme-corp", "globex"])):
-        store.register_worker(
+        worker_store.register_worker(
             worker,
             host=worker.split(":")[0],
             pid=int(worker.split(":")[1]),
@@ -484,7 +487,7 @@ def test_every_admin_page_looks_right_light_and_dark(
         batch = WorkBatch.objects.filter(state=BatchState.FAILED).order_by("pk").first()
         assert message is not None and batch is not None
         for worker in ("web-1:4242", "web-2:311"):  # alive: a fresh beat
-            store.beat_worker(worker, running=3, handled=1200, last_claim_at=timezone.now())
+            worker_store.beat_worker(worker, running=3, handled=1200, last_claim_at=timezone.now())
         schedule = Schedule.objects.get(name="weekly report")
         return {"acme": demo, "message": message.pk, "batch": batch.pk, "schedule": schedule.pk}
 

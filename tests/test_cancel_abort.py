@@ -18,7 +18,8 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.db import connections
 
-from django_fairqueue import abort, abort_requested, cancel, store
+from django_fairqueue import abort, abort_requested, cancel
+from django_fairqueue.db import message_store
 from django_fairqueue.models import Message, MessageState
 from django_fairqueue.worker import Worker, WorkerConfig
 from tests import fairtasks
@@ -29,8 +30,8 @@ from tests.workerkit import wait_until
 LEASE = timedelta(minutes=5)
 
 
-def claim(limit: int = 100, worker: str = "w") -> list[store.ClaimedMessage]:
-    return store.claim_messages(limit, lease=LEASE, worker_id=worker)
+def claim(limit: int = 100, worker: str = "w") -> list[message_store.ClaimedMessage]:
+    return message_store.claim_messages(limit, lease=LEASE, worker_id=worker)
 
 
 def state(mid: int) -> str:
@@ -52,7 +53,7 @@ def test_cancel_by_ids_channel_and_task_leaves_running_messages_alone() -> None:
     claim()  # takes a1, a3, b1, b2, running (a2 is scheduled)
     for m in Message.objects.filter(state="running").exclude(pk=running):
         # back to waiting, all but `running`
-        store.release_messages([(m.id, m.lease_token)])
+        message_store.release_messages([(m.id, m.lease_token)])
 
     assert cancel([a1, running, 999_999]) == [a1]
     assert sorted(cancel(channel="a", task=fairtasks.record)) == [a3]
@@ -85,9 +86,9 @@ def test_cancel_racing_claims_takes_each_message_once_and_frees_no_slot() -> Non
         cancelled: set[int] = set()
         for round_ in range(15):
             if i % 2:
-                got = store.claim_messages(5, lease=LEASE, worker_id=f"w{i}")
+                got = message_store.claim_messages(5, lease=LEASE, worker_id=f"w{i}")
                 claimed |= {m.id for m in got}
-                store.complete_messages([(m.id, m.lease_token, None) for m in got[:2]])
+                message_store.complete_messages([(m.id, m.lease_token, None) for m in got[:2]])
             else:
                 chunk = ids[(i * 37 + round_ * 11) % 280 :][:20]
                 cancelled |= set(cancel(chunk))
@@ -119,7 +120,7 @@ def test_abort_cancels_waiting_messages_and_flags_running_ones() -> None:
     row = Message.objects.get(pk=running)
     assert row.state == "running" and row.abort_requested_at is not None
     # the worker's heartbeat sees it
-    assert store.heartbeat_messages([(m.id, m.lease_token)], lease=LEASE) == {running: True}
+    assert message_store.heartbeat_messages([(m.id, m.lease_token)], lease=LEASE) == {running: True}
     assert_counters_match_table()
 
 
@@ -129,10 +130,10 @@ def test_an_aborted_attempt_is_settled_once_and_a_late_completion_changes_nothin
     (m,) = claim()
     abort([mid])
     error = {"type": "django_fairqueue.exceptions.TaskAborted", "message": "stop"}
-    assert store.settle_aborted_messages([(m.id, m.lease_token, error)]) == {mid}
-    assert store.settle_aborted_messages([(m.id, m.lease_token, error)]) == set()
-    assert store.complete_messages([(m.id, m.lease_token, 3)]) == set()
-    assert store.fail_messages([(m.id, m.lease_token, {}, timedelta(0))]) == {}
+    assert message_store.settle_aborted_messages([(m.id, m.lease_token, error)]) == {mid}
+    assert message_store.settle_aborted_messages([(m.id, m.lease_token, error)]) == set()
+    assert message_store.complete_messages([(m.id, m.lease_token, 3)]) == set()
+    assert message_store.fail_messages([(m.id, m.lease_token, {}, timedelta(0))]) == {}
     row = Message.objects.get(pk=mid)
     assert (row.state, row.lease_token, row.last_error["message"]) == ("aborted", None, "stop")
     assert_counters_match_table()
@@ -145,14 +146,14 @@ def test_a_message_with_an_abort_requested_is_never_retried(how: str) -> None:
     (m,) = claim()
     abort([mid])
     if how == "fail":
-        assert store.fail_messages([(m.id, m.lease_token, {"type": "E"}, timedelta(0))]) == {
-            mid: "aborted"
-        }
+        assert message_store.fail_messages(
+            [(m.id, m.lease_token, {"type": "E"}, timedelta(0))]
+        ) == {mid: "aborted"}
     elif how == "release":
-        assert store.release_messages([(m.id, m.lease_token)]) == {mid}
+        assert message_store.release_messages([(m.id, m.lease_token)]) == {mid}
     else:
         Message.objects.filter(pk=mid).update(lease_expires_at="2000-01-01T00:00:00Z")
-        assert [r.state for r in store.rescue_expired_messages()] == ["aborted"]
+        assert [r.state for r in message_store.rescue_expired_messages()] == ["aborted"]
     assert state(mid) == "aborted"
     assert_counters_match_table()
 
@@ -188,17 +189,19 @@ def test_abort_racing_completion_leaves_consistent_counters() -> None:
             if i % 3 == 0:
                 abort(chunk)
             elif i % 3 == 1:
-                mine |= store.complete_messages([(j, by_id[j].lease_token, None) for j in chunk])
+                mine |= message_store.complete_messages(
+                    [(j, by_id[j].lease_token, None) for j in chunk]
+                )
             else:
                 mine |= set(
-                    store.fail_messages(
+                    message_store.fail_messages(
                         [(j, by_id[j].lease_token, {"type": "E"}, None) for j in chunk]
                     )
                 )
         aborting = Message.objects.filter(pk__in=chunk, state="running").exclude(
             abort_requested_at=None
         )
-        mine |= store.settle_aborted_messages(
+        mine |= message_store.settle_aborted_messages(
             [(m.id, by_id[m.id].lease_token, {"type": "TaskAborted"}) for m in aborting]
         )
         return mine
@@ -332,7 +335,7 @@ def test_the_django_tasks_status_of_cancelled_and_aborted_messages() -> None:
     result = backend_task.enqueue(2, 2)
     (m,) = claim()
     abort([m.id])
-    store.settle_aborted_messages(
+    message_store.settle_aborted_messages(
         [(m.id, m.lease_token, {"type": "django_fairqueue.exceptions.TaskAborted"})]
     )
     got = backend_task.get_backend().get_result(result.id)

@@ -17,7 +17,7 @@ import pytest
 from django.db import DataError, connection, transaction
 from django.utils import timezone
 
-from django_fairqueue import store
+from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.models import Message, MessageState
 from tests import factories as f
 
@@ -39,12 +39,12 @@ def by_count(settings: Any) -> None:
     settings.FAIRQUEUE = {**settings.FAIRQUEUE, "FAIRNESS": "count"}
 
 
-def claim(limit: int = 1, **kwargs: Any) -> list[store.ClaimedMessage]:
-    return store.claim_messages(limit, lease=LEASE, worker_id="test-worker", **kwargs)
+def claim(limit: int = 1, **kwargs: Any) -> list[message_store.ClaimedMessage]:
+    return message_store.claim_messages(limit, lease=LEASE, worker_id="test-worker", **kwargs)
 
 
-def complete(messages: list[store.ClaimedMessage]) -> set[int]:
-    return store.complete_messages([(m.id, m.lease_token, None) for m in messages])
+def complete(messages: list[message_store.ClaimedMessage]) -> set[int]:
+    return message_store.complete_messages([(m.id, m.lease_token, None) for m in messages])
 
 
 def claim_one_by_one(n: int, *, settle: bool = True) -> list[str]:
@@ -59,8 +59,8 @@ def claim_one_by_one(n: int, *, settle: bool = True) -> list[str]:
     return order
 
 
-def counters(name: str) -> store.ChannelCounters:
-    (found,) = store.select_channel_counters([f.channel_ids([name])[name]])
+def counters(name: str) -> channel_store.ChannelCounters:
+    (found,) = channel_store.select_channel_counters([f.channel_ids([name])[name]])
     return found
 
 
@@ -367,11 +367,11 @@ def test_claimed_row_carries_its_lease() -> None:
 # Settling under lease tokens
 
 
-def _expire_and_rescue(message: store.ClaimedMessage) -> None:
+def _expire_and_rescue(message: message_store.ClaimedMessage) -> None:
     Message.objects.filter(id=message.id).update(
         lease_expires_at=timezone.now() - timedelta(seconds=1)
     )
-    assert [r.id for r in store.rescue_expired_messages()] == [message.id]
+    assert [r.id for r in message_store.rescue_expired_messages()] == [message.id]
 
 
 @pytest.mark.django_db
@@ -385,10 +385,10 @@ def test_stale_lease_token_changes_nothing_and_frees_no_slot() -> None:
     assert second.attempts == 2
     stale = (first.id, first.lease_token)
 
-    assert store.complete_messages([(*stale, "late result")]) == set()
-    assert store.fail_messages([(*stale, {"type": "X"}, None)]) == {}
-    assert store.heartbeat_messages([stale], lease=LEASE) == {}
-    assert store.release_messages([stale]) == set()
+    assert message_store.complete_messages([(*stale, "late result")]) == set()
+    assert message_store.fail_messages([(*stale, {"type": "X"}, None)]) == {}
+    assert message_store.heartbeat_messages([stale], lease=LEASE) == {}
+    assert message_store.release_messages([stale]) == set()
 
     row = Message.objects.get(id=first.id)
     assert (row.state, row.lease_token, row.attempts) == (
@@ -415,7 +415,7 @@ def test_heartbeat_extends_only_the_leases_still_held() -> None:
     a, b = claim(2)
     complete([b])
 
-    assert store.heartbeat_messages(
+    assert message_store.heartbeat_messages(
         [(a.id, a.lease_token), (b.id, b.lease_token)], lease=timedelta(hours=2)
     ) == {a.id: False}
     assert Message.objects.get(id=a.id).lease_expires_at > a.lease_expires_at
@@ -428,7 +428,7 @@ def test_fail_retries_or_dead_letters_and_keeps_counters() -> None:
     now_retry, later_retry, no_retry = claim(3)
     error = {"type": "RuntimeError", "message": "boom", "traceback": None}
 
-    states = store.fail_messages(
+    states = message_store.fail_messages(
         [
             (now_retry.id, now_retry.lease_token, error, timedelta(0)),
             (later_retry.id, later_retry.lease_token, error, timedelta(hours=1)),
@@ -437,7 +437,7 @@ def test_fail_retries_or_dead_letters_and_keeps_counters() -> None:
     )
 
     assert states == {now_retry.id: "ready", later_retry.id: "scheduled", no_retry.id: "failed"}
-    assert store.fail_messages([(no_retry.id, no_retry.lease_token, error, None)]) == {}
+    assert message_store.fail_messages([(no_retry.id, no_retry.lease_token, error, None)]) == {}
     c = counters("alice")
     assert (c.ready, c.scheduled, c.running, c.failed) == (1, 1, 0, 1)
     assert Message.objects.get(id=later_retry.id).last_error == error
@@ -451,8 +451,8 @@ def test_release_returns_the_message_and_its_slot_without_counting_the_attempt()
     f.set_limits(["alice"], max_concurrency=1)
     (got,) = claim(1)
 
-    assert store.release_messages([(got.id, got.lease_token)]) == {got.id}
-    assert store.release_messages([(got.id, got.lease_token)]) == set()
+    assert message_store.release_messages([(got.id, got.lease_token)]) == {got.id}
+    assert message_store.release_messages([(got.id, got.lease_token)]) == set()
 
     (again,) = claim(1)
     assert again.id == got.id and again.attempts == 1
@@ -501,11 +501,11 @@ def test_select_failed_message_ids_pages_by_id() -> None:
     f.MessageFactory(channel=alice, state=MessageState.READY)
     other = f.MessageFactory(state=MessageState.FAILED).id
 
-    first = store.select_failed_message_ids(channel_id=alice.id, limit=3)
-    rest = store.select_failed_message_ids(channel_id=alice.id, after_id=first[-1], limit=3)
+    first = message_store.select_failed_message_ids(channel_id=alice.id, limit=3)
+    rest = message_store.select_failed_message_ids(channel_id=alice.id, after_id=first[-1], limit=3)
 
     assert first + rest == failed
-    assert store.select_failed_message_ids() == sorted([*failed, other])
+    assert message_store.select_failed_message_ids() == sorted([*failed, other])
 
 
 @pytest.mark.django_db
@@ -515,7 +515,7 @@ def test_rescue_finds_only_expired_leases() -> None:
     )
     f.MessageFactory(state=MessageState.RUNNING)  # lease still valid for a minute
 
-    rescued = store.rescue_expired_messages()
+    rescued = message_store.rescue_expired_messages()
 
     assert [(r.id, r.state, r.worker_id) for r in rescued] == [
         (expired.id, MessageState.READY, "factory-worker")
@@ -530,6 +530,6 @@ def test_prune_deletes_only_old_finished_rows() -> None:
     f.MessageFactory(state=MessageState.FAILED, enqueued_at=old)
     recent = f.MessageFactory(state=MessageState.SUCCEEDED)
 
-    assert store.prune_finished_messages(timezone.now() - timedelta(days=1)) == 2
+    assert message_store.prune_finished_messages(timezone.now() - timedelta(days=1)) == 2
     assert set(Message.objects.values_list("state", flat=True)) == {"failed", "succeeded"}
     assert Message.objects.filter(id=recent.id).exists()

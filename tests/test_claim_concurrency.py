@@ -31,8 +31,9 @@ import pytest
 from django.db import connection, transaction
 from django.test.utils import override_settings
 
-from django_fairqueue import ChannelFull, store
+from django_fairqueue import ChannelFull
 from django_fairqueue.api import EnqueueRequest, enqueue_many
+from django_fairqueue.db import message_store
 from django_fairqueue.models import Channel, Message, MessageState
 from tests import factories as f
 
@@ -60,8 +61,8 @@ def run_threads(n: int, target: Callable[[int], T]) -> list[T]:
         return [future.result(timeout=DEADLINE + 30) for future in futures]
 
 
-def claim(limit: int, worker: str) -> list[store.ClaimedMessage]:
-    return store.claim_messages(limit, lease=LEASE, worker_id=worker)
+def claim(limit: int, worker: str) -> list[message_store.ClaimedMessage]:
+    return message_store.claim_messages(limit, lease=LEASE, worker_id=worker)
 
 
 def max_overlap(intervals: list[tuple[float, float]]) -> int:
@@ -143,12 +144,12 @@ def test_eight_claimers_never_exceed_a_channel_cap_and_free_each_slot_once() -> 
             with lock:
                 for m in got:
                     intervals[m.channel].append((claimed_at, done_at))
-            assert store.release_messages(to_release) == {r[0] for r in to_release}
-            assert set(store.fail_messages(to_fail)) == {r[0] for r in to_fail}
-            settled = store.complete_messages(to_complete)
+            assert message_store.release_messages(to_release) == {r[0] for r in to_release}
+            assert set(message_store.fail_messages(to_fail)) == {r[0] for r in to_fail}
+            settled = message_store.complete_messages(to_complete)
             assert settled == {c[0] for c in to_complete}
             if to_complete and rng.random() < 0.2:
-                assert store.complete_messages(to_complete) == set()  # a slot is freed once
+                assert message_store.complete_messages(to_complete) == set()  # a slot is freed once
             with lock:
                 completed.extend(settled)
 
@@ -256,7 +257,7 @@ import django
 
 os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
 django.setup()
-from django_fairqueue import store
+from django_fairqueue.db import message_store
 
 barrier, limit = sys.argv[1], int(sys.argv[2])
 # Start together: Django's set-up takes seconds on a busy machine.
@@ -265,7 +266,9 @@ while not os.path.exists(os.path.join(barrier, "go")):
     time.sleep(0.01)
 ids, empty = [], 0
 while empty < 20:
-    got = store.claim_messages(limit, lease=timedelta(minutes=5), worker_id=f"proc-{os.getpid()}")
+    got = message_store.claim_messages(
+        limit, lease=timedelta(minutes=5), worker_id=f"proc-{os.getpid()}"
+    )
     ids.extend(m.id for m in got)
     empty = 0 if got else empty + 1
     if not got:
@@ -479,7 +482,7 @@ def test_claimers_of_one_channel_come_back_empty_only_once_it_is_drained() -> No
         while time.monotonic() < deadline:
             got = claim(1, f"claimer-{i}")
             if got:
-                store.complete_messages([(m.id, m.lease_token, None) for m in got])
+                message_store.complete_messages([(m.id, m.lease_token, None) for m in got])
                 mine += len(got)
                 with lock:
                     claimed[0] += len(got)
@@ -547,7 +550,7 @@ def test_concurrent_batches_to_overlapping_channels_never_deadlock() -> None:
         while not enqueuers_done.is_set():
             got = claim(20, "claimer")
             if got:
-                done = store.complete_messages([(m.id, m.lease_token, None) for m in got])
+                done = message_store.complete_messages([(m.id, m.lease_token, None) for m in got])
                 with lock:
                     settled.extend(done)
             else:

@@ -16,20 +16,21 @@ from django.db import IntegrityError, connection, transaction
 from django.test.utils import CaptureQueriesContext, override_settings
 from django.utils import timezone
 
-from django_fairqueue import ChannelFull, InvalidChannel, PayloadError, UnknownTask, conf, store
+from django_fairqueue import ChannelFull, InvalidChannel, PayloadError, UnknownTask, conf
 from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many, validate_channel_name
+from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.models import Channel, Message, MessageState
 from tests import factories as f
 
 LEASE = timedelta(minutes=5)
 
 
-def claim(limit: int) -> list[store.ClaimedMessage]:
-    return store.claim_messages(limit, lease=LEASE, worker_id="test-worker")
+def claim(limit: int) -> list[message_store.ClaimedMessage]:
+    return message_store.claim_messages(limit, lease=LEASE, worker_id="test-worker")
 
 
-def counters(name: str) -> store.ChannelCounters:
-    (found,) = store.select_channel_counters([f.channel_ids([name])[name]])
+def counters(name: str) -> channel_store.ChannelCounters:
+    (found,) = channel_store.select_channel_counters([f.channel_ids([name])[name]])
     return found
 
 
@@ -179,7 +180,7 @@ def test_one_message_wakes_workers_unless_a_stale_head_still_comes_first(
     over 50 ms ago and nobody took it), as enqueue() of one message applies it."""
     listener = psycopg.connect(database_url, autocommit=True)
     try:
-        store.listen_wakeups(listener, conf.get().NOTIFY_CHANNEL)
+        message_store.listen_wakeups(listener, conf.get().NOTIFY_CHANNEL)
 
         def notified(**kwargs: Any) -> bool:
             enqueue(f.NOOP, 0, channel="alice", **kwargs)
@@ -203,7 +204,7 @@ def test_a_channel_a_claim_left_backlogged_does_not_wake_workers(database_url: s
     the wake-ups resume."""
     listener = psycopg.connect(database_url, autocommit=True)
     try:
-        store.listen_wakeups(listener, conf.get().NOTIFY_CHANNEL)
+        message_store.listen_wakeups(listener, conf.get().NOTIFY_CHANNEL)
 
         def notified() -> bool:
             return any(True for _ in listener.notifies(timeout=0.5, stop_after=1))
@@ -318,11 +319,11 @@ def test_scheduled_messages_count_towards_the_backlog_and_running_ones_do_not() 
         f.enqueue("alice", 1)
 
     # completing frees no backlog room (it was running), cancelling a waiting one does
-    store.complete_messages([(claimed[0].id, claimed[0].lease_token, None)])
+    message_store.complete_messages([(claimed[0].id, claimed[0].lease_token, None)])
     with pytest.raises(ChannelFull), transaction.atomic():
         f.enqueue("alice", 1)
     waiting = Message.objects.filter(state=MessageState.SCHEDULED).values_list("id", flat=True)
-    assert len(store.cancel_messages(list(waiting)[:1])) == 1
+    assert len(message_store.cancel_messages(list(waiting)[:1])) == 1
     assert len(f.enqueue("alice", 1)) == 1
     f.assert_counters_match_table()
 
@@ -384,7 +385,9 @@ def test_any_other_text_is_a_channel_name(name: str) -> None:
     (mid,) = f.enqueue(name)
 
     assert Message.objects.get(id=mid).channel.name == name
-    assert store.select_channel_ids([name]) == {name: Message.objects.get(id=mid).channel_id}
+    assert channel_store.select_channel_ids([name]) == {
+        name: Message.objects.get(id=mid).channel_id
+    }
     (got,) = claim(1)
     assert got.channel == name
 

@@ -17,8 +17,9 @@ import pytest
 from django.contrib.auth.models import Group
 from django.db import transaction
 
-from django_fairqueue import exactly_once, store
+from django_fairqueue import exactly_once
 from django_fairqueue.api import EnqueueRequest, enqueue_many
+from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.exceptions import ResultNotStorable
 from django_fairqueue.models import Message, MessageState
 from django_fairqueue.tasks import task
@@ -42,8 +43,8 @@ def enqueue(channel: str, n: int, name: str = TASK) -> list[int]:
 
 
 def counters(channel: str) -> tuple[int, int, int, int, int]:
-    ids = store.select_channel_ids([channel])
-    (c,) = store.select_channel_counters([ids[channel]])
+    ids = channel_store.select_channel_ids([channel])
+    (c,) = channel_store.select_channel_counters([ids[channel]])
     return (c.ready, c.scheduled, c.running, c.failed, c.succeeded)
 
 
@@ -212,7 +213,7 @@ def test_rollback_returns_the_messages_with_the_claim_undone(
     assert counters("alice") == before_counters == (3, 0, 0, 0, 0)
     assert not Group.objects.exists()
     # and they are claimable again
-    assert len(store.claim_messages(10, lease=timedelta(minutes=1), worker_id="w")) == 5
+    assert len(message_store.claim_messages(10, lease=timedelta(minutes=1), worker_id="w")) == 5
 
 
 @pytest.mark.django_db(transaction=True)
@@ -269,7 +270,7 @@ def test_other_claimers_skip_the_claimed_channel_until_commit(
     alice, bob = alice_and_bob
     # No folding beforehand: bob's enqueue left waking deltas. The batch must do its
     # housekeeping outside this transaction, or bob's row would stay locked until we commit.
-    claim_sql = store.queries()["claim_messages"]
+    claim_sql = message_store.queries()["claim_messages"]
     params = {"limit": 10, "lease": timedelta(minutes=1), "worker": "other", "only": None}
     params |= {"exclude": None, "quantum": None, "maintain": True, "wait_ms": 50, "by_time": False}
     params["queues"] = None  # every queue, as a worker started without --queues

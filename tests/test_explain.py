@@ -19,7 +19,7 @@ import psycopg
 import pytest
 from django.db import connection
 
-from django_fairqueue import store
+from django_fairqueue.db import message_store
 from django_fairqueue.models import ChannelDelta
 from tests import factories as f
 
@@ -162,8 +162,8 @@ def analyze() -> None:
         cur.execute("ANALYZE fairqueue_message, fairqueue_channel, fairqueue_channel_delta")
 
 
-def claim(fairness: str = "count") -> list[store.ClaimedMessage]:
-    return store.claim_messages(LIMIT, lease=LEASE, worker_id="explain", fairness=fairness)
+def claim(fairness: str = "count") -> list[message_store.ClaimedMessage]:
+    return message_store.claim_messages(LIMIT, lease=LEASE, worker_id="explain", fairness=fairness)
 
 
 @pytest.mark.parametrize("fairness", ["count", "time"])
@@ -296,7 +296,9 @@ def test_a_claim_that_may_wait_finds_nothing_to_wait_for_from_the_index(
     params |= {"exclude": None, "quantum": None, "maintain": True, "wait_ms": 50, "by_time": False}
     params["queues"] = ["default"]  # (all queues: the same, after a probe per queue)
 
-    assert store._run("claim_messages", params) == []  # (the test's transaction: no retry)
+    assert (
+        message_store.queries.run("claim_messages", params) == []
+    )  # (the test's transaction: no retry)
 
     plans = auto_explain.take()
     turn_scans = [
@@ -325,7 +327,7 @@ def test_a_claim_of_one_queue_reads_nothing_of_another(
     for _ in range(8):  # past PL/pgSQL's switch to a generic plan
         with connection.cursor() as cur:
             cur.execute("SAVEPOINT q")
-        got = store.claim_messages(
+        got = message_store.claim_messages(
             LIMIT, lease=LEASE, worker_id="explain", fairness=fairness, queues=["a"]
         )
         assert len(got) == 5 and {m.queue for m in got} == {"a"}
@@ -351,7 +353,7 @@ def test_a_claim_of_every_queue_finds_the_queues_from_the_indexes(
             "UPDATE fairqueue_channel SET next_turn_at = now() - interval '1 day' WHERE queue = 'a'"
         )
     auto_explain.take()
-    got = store.claim_messages(LIMIT, lease=LEASE, worker_id="explain", fairness=fairness)
+    got = message_store.claim_messages(LIMIT, lease=LEASE, worker_id="explain", fairness=fairness)
     assert len(got) == LIMIT
     assert [m.queue for m in got[:5]] == ["a"] * 5 and {m.queue for m in got[5:]} == {"default"}
     assert_small_and_indexed(auto_explain.take(), budget=10 * LIMIT, tables=GROUPED_TABLES)
@@ -371,7 +373,7 @@ def settle_plans(auto_explain: AutoExplain, run: Callable[[], object]) -> list[P
 
 
 @pytest.fixture
-def in_flight(backlog: list[int], auto_explain: AutoExplain) -> list[store.ClaimedMessage]:
+def in_flight(backlog: list[int], auto_explain: AutoExplain) -> list[message_store.ClaimedMessage]:
     running = [m for _ in range(30) for m in claim()]  # 3,000 running
     auto_explain.take()
     return running
@@ -381,16 +383,16 @@ def in_flight(backlog: list[int], auto_explain: AutoExplain) -> list[store.Claim
     "statement", ["complete", "heartbeat", "release", "abort", "settle_aborted"]
 )
 def test_settle_statements_read_primary_keys_only(
-    in_flight: list[store.ClaimedMessage], auto_explain: AutoExplain, statement: str
+    in_flight: list[message_store.ClaimedMessage], auto_explain: AutoExplain, statement: str
 ) -> None:
     batch = in_flight[:LIMIT]
     leases = [(m.id, m.lease_token) for m in batch]
     run = {
-        "complete": lambda: store.complete_messages([(*lease, 1) for lease in leases]),
-        "heartbeat": lambda: store.heartbeat_messages(leases, lease=LEASE),
-        "release": lambda: store.release_messages(leases),
-        "abort": lambda: store.abort_messages([m.id for m in batch]),
-        "settle_aborted": lambda: store.settle_aborted_messages(
+        "complete": lambda: message_store.complete_messages([(*lease, 1) for lease in leases]),
+        "heartbeat": lambda: message_store.heartbeat_messages(leases, lease=LEASE),
+        "release": lambda: message_store.release_messages(leases),
+        "abort": lambda: message_store.abort_messages([m.id for m in batch]),
+        "settle_aborted": lambda: message_store.settle_aborted_messages(
             [(*lease, {"type": "TaskAborted"}) for lease in leases]
         ),
     }[statement]
@@ -402,12 +404,12 @@ def test_settle_statements_read_primary_keys_only(
 
 
 def test_fail_reads_primary_keys_only(
-    in_flight: list[store.ClaimedMessage], auto_explain: AutoExplain
+    in_flight: list[message_store.ClaimedMessage], auto_explain: AutoExplain
 ) -> None:
     error = {"type": "RuntimeError", "message": "boom", "traceback": None}
     failed = [(m.id, m.lease_token, error, timedelta(minutes=1)) for m in in_flight[:LIMIT]]
 
-    plans = settle_plans(auto_explain, lambda: store.fail_messages(failed))
+    plans = settle_plans(auto_explain, lambda: message_store.fail_messages(failed))
 
     indexes = assert_small_and_indexed(plans, budget=3 * LIMIT)
     assert "fairqueue_message_pkey" in indexes
@@ -427,7 +429,7 @@ def test_a_returning_unique_job_looks_for_a_newer_holder_in_the_unique_index(
         ]
     )
     f.fold_all()
-    got = store.claim_messages(
+    got = message_store.claim_messages(
         LIMIT,
         lease=LEASE,
         worker_id="explain",
@@ -442,7 +444,7 @@ def test_a_returning_unique_job_looks_for_a_newer_holder_in_the_unique_index(
     )
     auto_explain.take()
     error = {"type": "RuntimeError", "message": "boom", "traceback": None}
-    states = store.fail_messages([(m.id, m.lease_token, error, timedelta(0)) for m in got])
+    states = message_store.fail_messages([(m.id, m.lease_token, error, timedelta(0)) for m in got])
     plans = auto_explain.take()
     assert sorted(states.values()).count("cancelled") == LIMIT // 2
     indexes = assert_small_and_indexed(plans, budget=3 * LIMIT)

@@ -15,9 +15,10 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.core.management.base import CommandParser
 
-from django_fairqueue import failures, store
+from django_fairqueue import failures
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.cli import failures as failures_cli
+from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.exceptions import InvalidQueue
 from django_fairqueue.models import Message, MessageState
 from django_fairqueue.queues import row_name
@@ -50,19 +51,21 @@ def make_failed(
     exhausted message."""
     ids = enqueue_many(EnqueueRequest(name, [i], channel=channel, queue=queue) for i in range(n))
     row = row_name(queue, channel)
-    channel_id = store.select_channel_ids([row])[row]
-    claimed = store.claim_messages(
+    channel_id = channel_store.select_channel_ids([row])[row]
+    claimed = message_store.claim_messages(
         n, lease=timedelta(minutes=1), worker_id="w", only_channel_ids=[channel_id], quantum=n
     )
     assert sorted(m.id for m in claimed) == ids
     failure = {"type": "builtins.ValueError", "message": error, "traceback": "Traceback ..."}
-    states = store.fail_messages([(m.id, m.lease_token, failure, None) for m in claimed])
+    states = message_store.fail_messages([(m.id, m.lease_token, failure, None) for m in claimed])
     assert set(states.values()) == {"failed"}
     return ids
 
 
 def failed_count(channel: str) -> int:
-    (counters,) = store.select_channel_counters([store.select_channel_ids([channel])[channel]])
+    (counters,) = channel_store.select_channel_counters(
+        [channel_store.select_channel_ids([channel])[channel]]
+    )
     return counters.failed
 
 
@@ -148,7 +151,7 @@ def test_retry_makes_them_ready_with_a_fresh_budget_and_is_idempotent() -> None:
     assert retried.last_error is not None  # the error stays for the record
     assert failed_count("alice") == 1
     # and a worker can claim them again
-    claimed = store.claim_messages(10, lease=timedelta(minutes=1), worker_id="w")
+    claimed = message_store.claim_messages(10, lease=timedelta(minutes=1), worker_id="w")
     assert {m.id for m in claimed} == {ids[0], ids[1], ready_id}
 
 
@@ -164,13 +167,13 @@ def test_retry_all_pages_through_everything(monkeypatch: pytest.MonkeyPatch) -> 
     b = make_failed("bob", 2)
     monkeypatch.setattr(failures, "BATCH_SIZE", 3)
     calls = []
-    real = store.retry_failed_messages
+    real = message_store.retry_failed_messages
 
     def counted(ids: Any, **kwargs: Any) -> list[int]:
         calls.append(len(ids))
         return real(ids, **kwargs)
 
-    monkeypatch.setattr(store, "retry_failed_messages", counted)
+    monkeypatch.setattr(message_store, "retry_failed_messages", counted)
     assert failures.retry_all(channel="alice") == 7
     assert calls == [3, 3, 1]  # bounded statements
     assert set(states(a).values()) == {MessageState.READY}

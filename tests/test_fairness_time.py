@@ -21,8 +21,8 @@ import pytest
 from django.db import connection
 from django.test.utils import override_settings
 
-from django_fairqueue import store
 from django_fairqueue.conf import load
+from django_fairqueue.db import channel_store, message_store
 from tests import factories as f
 
 LEASE = timedelta(minutes=5)
@@ -41,8 +41,8 @@ def _base() -> dict[str, Any]:
     return dict(settings.FAIRQUEUE)
 
 
-def claim(limit: int = 1, **kwargs: Any) -> list[store.ClaimedMessage]:
-    return store.claim_messages(limit, lease=LEASE, worker_id="test-worker", **kwargs)
+def claim(limit: int = 1, **kwargs: Any) -> list[message_store.ClaimedMessage]:
+    return message_store.claim_messages(limit, lease=LEASE, worker_id="test-worker", **kwargs)
 
 
 def backdate(ids: list[int], seconds: float) -> None:
@@ -65,7 +65,7 @@ def run(durations: dict[str, float], claims: int, *, limit: int = 1) -> tuple[Co
         assert got, "a claim came back empty while every channel had work"
         for m in got:
             backdate([m.id], durations[m.channel])
-        done = store.complete_messages(
+        done = message_store.complete_messages(
             [(m.id, m.lease_token, None) for m in got],
             run_seconds=[durations[m.channel] for m in got],
         )
@@ -155,7 +155,7 @@ def test_a_claim_charges_the_mean_in_advance_and_the_settlement_corrects_it() ->
     # charged in advance: about the mean run time (0.2 s) before anything settles
     assert vtime("heavy") == pytest.approx(before + 0.2, abs=0.01)
     backdate([got[0].id], 0.5)
-    store.complete_messages([(got[0].id, got[0].lease_token, None)], run_seconds=[0.5])
+    message_store.complete_messages([(got[0].id, got[0].lease_token, None)], run_seconds=[0.5])
     f.fold_all()
     # corrected: 0.5 ran, not 0.2 (the mean is corrected with what the claim charged)
     assert vtime("heavy") == pytest.approx(before + 0.5, abs=0.03)
@@ -168,7 +168,9 @@ def test_released_messages_give_the_advance_charge_back() -> None:
     before = vtime("heavy")
     got = claim(3, quantum=3)
     assert vtime("heavy") > before + 0.5
-    assert store.release_messages([(m.id, m.lease_token) for m in got]) == {m.id for m in got}
+    assert message_store.release_messages([(m.id, m.lease_token) for m in got]) == {
+        m.id for m in got
+    }
     f.fold_all()
     assert vtime("heavy") == pytest.approx(before, abs=1e-6)
 
@@ -197,7 +199,7 @@ def claims_until(name: str, limit: int, most: int) -> int:
     for n in range(1, most + 1):
         got = claim(limit)
         assert got, "a claim came back empty while channels had work"
-        store.complete_messages(
+        message_store.complete_messages(
             [(m.id, m.lease_token, None) for m in got], run_seconds=[0.0001] * len(got)
         )
         if any(m.channel == name for m in got):
@@ -217,7 +219,7 @@ def test_a_channel_waking_behind_an_over_charged_one_is_served_within_one_claim(
     assert len(running) == 100  # charged 10 ms each, nothing settled yet: bob at 1 s
     f.enqueue("alice", 1)  # lifted to bob's tag, served by the next claim
     assert claims_until("alice", 10, 2) <= 2
-    store.complete_messages(
+    message_store.complete_messages(
         [(m.id, m.lease_token, None) for m in running], run_seconds=[0.0001] * len(running)
     )
     f.fold_all()  # bob's 0.1 ms runs fold: his tag drops back by about a second
@@ -236,7 +238,9 @@ def test_a_new_channel_is_charged_its_own_run_time_from_its_second_claim() -> No
     f.enqueue("quick", 50)
     got = claim(5, quantum=5)
     backdate([m.id for m in got], 0.001)
-    store.complete_messages([(m.id, m.lease_token, None) for m in got], run_seconds=[0.001] * 5)
+    message_store.complete_messages(
+        [(m.id, m.lease_token, None) for m in got], run_seconds=[0.001] * 5
+    )
     before = vtime("quick")
     claim(1)  # folds the settlements first (a woken fold), then charges about 1 ms
     assert vtime("quick") == pytest.approx(before - 5 * (0.01 - 0.001) + 0.001, abs=2e-4)
@@ -256,7 +260,7 @@ def test_batch_claims_share_time_before_the_maintenance_loop_ever_folds() -> Non
         assert got, "a claim came back empty while both channels had work"
         for m in got:
             backdate([m.id], durations[m.channel])
-        store.complete_messages(
+        message_store.complete_messages(
             [(m.id, m.lease_token, None) for m in got],
             run_seconds=[durations[m.channel] for m in got],
         )
@@ -291,7 +295,7 @@ def test_a_resumed_channel_does_not_bring_the_time_it_was_paused() -> None:
     run({"bob": 0.1}, 50)
     # what the admin's resume action does: unpause, then fold the channel (which lifts it)
     f.set_limits(["alice"], paused=False)
-    store.fold_deltas_of_channel(f.channel_ids(["alice"])["alice"])
+    channel_store.fold_deltas_of_channel(f.channel_ids(["alice"])["alice"])
     _spent, counts = run({"alice": 0.1, "bob": 0.1}, 20)
     assert abs(counts["alice"] - counts["bob"]) <= 2, counts
 
@@ -320,7 +324,7 @@ def test_a_failure_charges_its_reported_time_but_never_more_than_the_database_sa
     backdate([first.id, second.id], 2.0)
     # a timed-out attempt reports its time limit (1.5 s); a worker whose clock jumped reports
     # an hour, but only about 2 s passed on the database's clock since the claim
-    store.fail_messages(
+    message_store.fail_messages(
         [
             (first.id, first.lease_token, {"type": "TaskTimeout"}, None),
             (second.id, second.lease_token, {"type": "X"}, None),
@@ -339,7 +343,7 @@ def test_an_unreported_run_time_is_the_time_since_the_claim_and_never_negative()
     first, second = claim(2, quantum=2)
     backdate([first.id], 0.3)
     backdate([second.id], -60)  # the database's clock stepped back since the claim
-    store.complete_messages([(m.id, m.lease_token, None) for m in (first, second)])
+    message_store.complete_messages([(m.id, m.lease_token, None) for m in (first, second)])
     run_seconds, run_count = delta_runs("a")
     assert run_count == 2
     assert 0.3 <= run_seconds < 0.8
@@ -357,7 +361,7 @@ def test_a_rescued_message_is_charged_at_most_one_lease() -> None:
             [m.id],
         )
     with override_settings(FAIRQUEUE={**_base(), **TIME, "LEASE_SECONDS": 30.0}):
-        (rescued,) = store.rescue_expired_messages()
+        (rescued,) = message_store.rescue_expired_messages()
     assert rescued.id == m.id
     assert delta_runs("a") == (30.0, 1)
 
@@ -385,10 +389,10 @@ def test_concurrent_claimers_by_time_never_exceed_caps_nor_claim_twice() -> None
                 cur.execute("SET synchronous_commit = off")
             empty = 0
             while empty < 20:
-                got = store.claim_messages(3, lease=LEASE, worker_id=f"w{i}")
+                got = message_store.claim_messages(3, lease=LEASE, worker_id=f"w{i}")
                 if not got:
                     empty += 1
-                    store.fold_channel_deltas()
+                    channel_store.fold_channel_deltas()
                     continue
                 empty = 0
                 with lock:
@@ -400,12 +404,12 @@ def test_concurrent_claimers_by_time_never_exceed_caps_nor_claim_twice() -> None
                 with lock:
                     for m in got:
                         running[m.channel_id] -= 1
-                store.complete_messages(
+                message_store.complete_messages(
                     [(m.id, m.lease_token, None) for m in got],
                     run_seconds=[0.001 * (1 + m.channel_id % 5) for m in got],
                 )
                 if i == 0:
-                    store.fold_channel_deltas()
+                    channel_store.fold_channel_deltas()
         except BaseException as exc:
             errors.append(exc)
         finally:
@@ -428,8 +432,8 @@ def test_why_waiting_counts_the_channels_of_smaller_tags_ahead() -> None:
     f.enqueue_spread({"heavy": 50, "light": 50, "idle": 1})
     run({"heavy": 0.2, "light": 0.005, "idle": 0.001}, 12)
     ids = f.channel_ids(["heavy", "light"])
-    heavy = store.select_channel_wait_state(ids["heavy"])
-    light = store.select_channel_wait_state(ids["light"])
+    heavy = channel_store.select_channel_wait_state(ids["heavy"])
+    light = channel_store.select_channel_wait_state(ids["light"])
     assert heavy is not None and light is not None
     # by time the order is the tags': whichever was charged less is ahead of the other
     smaller = "heavy" if vtime("heavy") < vtime("light") else "light"

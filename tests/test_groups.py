@@ -18,8 +18,8 @@ import psycopg
 import pytest
 from django.db import connection, transaction
 
-from django_fairqueue import store
 from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many
+from django_fairqueue.db import channel_store, integrity_store, message_store
 from django_fairqueue.exceptions import InvalidChannel
 from django_fairqueue.models import Channel, ChannelGroup
 from tests import factories as f
@@ -33,9 +33,9 @@ LEASE = timedelta(minutes=5)
 def _async_commit() -> Iterator[None]:
     with connection.cursor() as cur:
         cur.execute("SET synchronous_commit = off")
-    store.forget_groups()
+    channel_store.forget_groups()
     yield
-    store.forget_groups()
+    channel_store.forget_groups()
 
 
 @pytest.fixture(params=["count", "time"])
@@ -44,12 +44,14 @@ def fairness(request: Any, settings: Any) -> str:
     return str(request.param)
 
 
-def claim(limit: int = 1, worker: str = "test-worker") -> list[store.ClaimedMessage]:
-    return store.claim_messages(limit, lease=LEASE, worker_id=worker)
+def claim(limit: int = 1, worker: str = "test-worker") -> list[message_store.ClaimedMessage]:
+    return message_store.claim_messages(limit, lease=LEASE, worker_id=worker)
 
 
-def complete(messages: list[store.ClaimedMessage]) -> None:
-    store.complete_messages([(m.id, m.lease_token, None) for m in messages], run_seconds=None)
+def complete(messages: list[message_store.ClaimedMessage]) -> None:
+    message_store.complete_messages(
+        [(m.id, m.lease_token, None) for m in messages], run_seconds=None
+    )
 
 
 def spread(group: str, channels: int, per_channel: int) -> None:
@@ -61,7 +63,7 @@ def spread(group: str, channels: int, per_channel: int) -> None:
     )
 
 
-def group_of(message: store.ClaimedMessage) -> str:
+def group_of(message: message_store.ClaimedMessage) -> str:
     return message.channel.split("/", 1)[0] if "/" in message.channel else message.channel
 
 
@@ -89,11 +91,11 @@ def test_tuple_channel_creates_the_group_and_a_channel_named_group_slash_channel
     enqueue(f.NOOP, channel="acme/bob")
     assert Channel.objects.get(name="acme/bob").group_id == group.pk
     assert Channel.objects.filter(name="acme/alice").count() == 1
-    (state,) = store.select_group_state([group.pk])
+    (state,) = channel_store.select_group_state([group.pk])
     # the figures shown count the changes not folded yet, as each channel's do
     assert (state.channels, state.claimable, state.ready) == (2, 2, 3)
     f.fold_all()
-    (state,) = store.select_group_state([group.pk])
+    (state,) = channel_store.select_group_state([group.pk])
     assert (state.channels, state.claimable, state.ready) == (2, 2, 3)
 
 
@@ -106,7 +108,7 @@ def test_a_slash_in_a_name_groups_nothing_until_the_group_exists() -> None:
     f.fold_all()
     group = ChannelGroup.objects.create(name="user", max_concurrency=3)
     assert Channel.objects.get(name="user/42").group_id == group.pk
-    (state,) = store.select_group_state([group.pk])
+    (state,) = channel_store.select_group_state([group.pk])
     assert (state.ready, state.claimable) == (2, 1)
     assert_group_sums_exact()
 
@@ -180,7 +182,7 @@ def test_within_a_group_channels_take_turns(fairness: str) -> None:
                 "WHERE id = %s",
                 [got[0].id],
             )
-        store.complete_messages([(got[0].id, got[0].lease_token, None)], run_seconds=[0.01])
+        message_store.complete_messages([(got[0].id, got[0].lease_token, None)], run_seconds=[0.01])
     assert Counter(served) == {f"bob/c{c:03d}": 2 for c in range(4)}
 
 
@@ -264,7 +266,9 @@ def test_paused_channels_of_a_group_are_not_claimable_and_counted_out() -> None:
     spread("p", 2, 3)
     f.fold_all()
     Channel.objects.filter(name="p/c000").update(paused=True)
-    (state,) = store.select_group_state(list(ChannelGroup.objects.values_list("pk", flat=True)))
+    (state,) = channel_store.select_group_state(
+        list(ChannelGroup.objects.values_list("pk", flat=True))
+    )
     assert state.claimable == 1
     got = claim(100)
     assert {m.channel for m in got} == {"p/c001"}
@@ -329,7 +333,7 @@ def test_group_sums_follow_rescues_releases_and_deleted_channels() -> None:
     spread("g", 3, 4)
     f.fold_all()
     got = claim(6)
-    store.release_messages([(m.id, m.lease_token) for m in got[:2]])
+    message_store.release_messages([(m.id, m.lease_token) for m in got[:2]])
     complete(got[2:4])
     f.fold_all()
     assert_group_sums_exact()
@@ -404,7 +408,7 @@ def test_status_shows_a_groups_sums_agreeing_with_its_channels_before_any_fold(
     assert group_line.split()[:4] == ["gx", "default", "1", "2"]
     page = admin_client.get(reverse("admin:fairqueue_channelgroup_changelist"))
     assert page.status_code == 200
-    assert store.select_group_state()[0].ready == 2
+    assert channel_store.select_group_state()[0].ready == 2
 
 
 @pytest.mark.django_db(transaction=True)
@@ -433,7 +437,7 @@ def test_group_admin_edits_limits_only_and_view_only_users_change_nothing(
     assert ok.status_code == 302
     group.refresh_from_db()
     assert (group.weight, group.max_concurrency) == (4, 2)
-    (state,) = store.select_group_state([group.pk])
+    (state,) = channel_store.select_group_state([group.pk])
     assert (state.ready, state.claimable, state.channels) == (6, 2, 2)
     # a view-only user sees the group and can change nothing
     viewer = django_user_model.objects.create_user("viewer", password="pw", is_staff=True)
@@ -575,7 +579,7 @@ def test_repairing_group_sums_while_claims_and_settlements_run_keeps_them_exact(
         if i == 0:  # the repairer: recounts the group over and over (nothing is wrong)
             gid = ChannelGroup.objects.get(name="busy").pk
             while not stop.is_set():
-                assert store.repair_group_counters([gid]) == []
+                assert integrity_store.repair_group_counters([gid]) == []
                 repairs.append(1)
             return
         try:
@@ -589,7 +593,7 @@ def test_repairing_group_sums_while_claims_and_settlements_run_keeps_them_exact(
     assert repairs, "the repairer never ran"
     f.fold_all()
     assert_group_sums_exact()
-    assert store.verify_group_counters() == []
+    assert integrity_store.verify_group_counters() == []
 
 
 def _group_of_channel(name: str) -> str | None:

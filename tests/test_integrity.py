@@ -23,7 +23,8 @@ from django.core.management.base import CommandError
 from django.db import DatabaseError, connection, connections, transaction
 from django.utils import timezone
 
-from django_fairqueue import ChannelFull, batches, store
+from django_fairqueue import ChannelFull, batches
+from django_fairqueue.db import channel_store, integrity_store, message_store, stats_store
 from django_fairqueue.exceptions import IsolationLevelError
 from django_fairqueue.maintenance import CounterVerifier, verify
 from django_fairqueue.models import Channel, ChannelDelta, Message, MessageState
@@ -32,8 +33,8 @@ from tests import factories as f
 LEASE = timedelta(minutes=5)
 
 
-def claim(limit: int = 1, **kwargs: Any) -> list[store.ClaimedMessage]:
-    return store.claim_messages(limit, lease=LEASE, worker_id="test-worker", **kwargs)
+def claim(limit: int = 1, **kwargs: Any) -> list[message_store.ClaimedMessage]:
+    return message_store.claim_messages(limit, lease=LEASE, worker_id="test-worker", **kwargs)
 
 
 def state(name: str) -> dict[str, Any]:
@@ -227,7 +228,7 @@ def test_loaddata_of_a_dump_taken_while_workers_ran_loads_consistent_counters() 
     call_command("dumpdata", "fairqueue", stdout=out)
     dump = out.getvalue()
     # The queue moves on after the dump: completions, new work, a fold.
-    store.complete_messages([(m.id, m.lease_token, None) for m in running])
+    message_store.complete_messages([(m.id, m.lease_token, None) for m in running])
     f.enqueue("x", 4)
     f.fold_all()
     path = "/tmp/fairqueue-integrity-dump.json"
@@ -236,7 +237,7 @@ def test_loaddata_of_a_dump_taken_while_workers_ran_loads_consistent_counters() 
     call_command("loaddata", path, verbosity=0)
     assert json.loads(dump)  # a real dump, with messages in it
     f.assert_counters_match_table()
-    assert store.verify_channel_counters() == []
+    assert integrity_store.verify_channel_counters() == []
 
 
 @pytest.mark.django_db
@@ -244,7 +245,7 @@ def test_the_admin_and_verify_see_no_drift_after_a_limit_edit() -> None:
     f.enqueue("edited", 3)
     assert len(claim(1)) == 1
     Channel.objects.filter(name="edited").update(max_concurrency=1)
-    assert store.verify_channel_counters() == []
+    assert integrity_store.verify_channel_counters() == []
 
 
 # ------------------------------------------------------------------------------------------------
@@ -273,7 +274,7 @@ def test_deleting_a_channel_waits_for_enqueues_in_flight_and_leaves_no_orphans()
     deleter.join(10)
     assert "error" not in enq_out and "error" not in del_out, (enq_out, del_out)
     assert not Channel.objects.filter(name="doomed").exists()
-    orphans = store.verify_orphans()
+    orphans = integrity_store.verify_orphans()
     assert (orphans["fairqueue_message"], orphans["fairqueue_channel_delta"]) == (0, 0)
     # After the deletion, an enqueue to the name creates the channel anew.
     f.enqueue("doomed", 1)
@@ -291,14 +292,16 @@ def test_a_completion_after_its_channel_was_deleted_leaves_no_delta_behind() -> 
     (m,) = claim(1)
     with transaction.atomic():
         Channel.objects.filter(name="gone").delete()
-    assert store.complete_messages([(m.id, m.lease_token, None)]) == set()
+    assert message_store.complete_messages([(m.id, m.lease_token, None)]) == set()
     f.fold_all()
     assert not ChannelDelta.objects.exists()
     # The worker's statistics of it, flushed afterwards, have no channel to go to: dropped,
     # not left as rows that verify would report as drift.
     minute = timezone.now().replace(second=0, microsecond=0)
-    store.record_channel_stats([store.ChannelMinuteStats(m.channel_id, minute, claimed=1)])
-    assert store.verify_orphans().get("fairqueue_channel_stat") == 0
+    stats_store.record_channel_stats(
+        [stats_store.ChannelMinuteStats(m.channel_id, minute, claimed=1)]
+    )
+    assert integrity_store.verify_orphans().get("fairqueue_channel_stat") == 0
     assert verify(repair=False) == []
 
 
@@ -321,7 +324,7 @@ def test_a_mixed_settle_batch_cannot_deadlock_with_a_heartbeat(side: Any) -> Non
         [kept.id],
     )
     done = [(kept.id, kept.lease_token, {"ok": 1}), (plain.id, plain.lease_token, None)]
-    settle, out = in_thread(lambda: store.complete_messages(done))
+    settle, out = in_thread(lambda: message_store.complete_messages(done))
     time.sleep(0.3)  # the completion now waits for the kept row, holding nothing
     # ...and then asks for the plain one, as a heartbeat in id order does.
     side.execute(
@@ -458,7 +461,7 @@ def test_due_times_come_from_the_database_clock() -> None:
     assert row.run_at - row.enqueued_at == timedelta(minutes=7)
     (now_id,) = f.enqueue("later2", 1)
     (m,) = claim(1, only_channel_ids=[f.channel_ids(["later2"])["later2"]])
-    store.fail_messages([(m.id, m.lease_token, {"type": "X"}, timedelta(minutes=3))])
+    message_store.fail_messages([(m.id, m.lease_token, {"type": "X"}, timedelta(minutes=3))])
     with connection.cursor() as cur:
         cur.execute(
             "SELECT run_at - clock_timestamp() FROM fairqueue_message WHERE id = %s", [now_id]
@@ -488,7 +491,7 @@ def test_removing_a_rate_limit_releases_the_channel_at_once() -> None:
     assert len(claim(5)) == 1
     assert claim(5) == []
     Channel.objects.filter(name="metered").update(release_interval=timedelta(0))
-    store.fold_deltas_of_channel(f.channel_ids(["metered"])["metered"])  # as the admin does
+    channel_store.fold_deltas_of_channel(f.channel_ids(["metered"])["metered"])  # as the admin does
     assert len(claim(5)) == 2
 
 
@@ -511,7 +514,7 @@ def test_max_concurrency_covers_messages_and_work_batches_together() -> None:
     with batches.fenced(batch):
         pass
     assert len(claim(5)) == 1  # the batch's slot, freed
-    assert store.verify_channel_counters() == []
+    assert integrity_store.verify_channel_counters() == []
 
 
 @pytest.mark.django_db(transaction=True)
@@ -545,7 +548,7 @@ def test_concurrent_message_and_batch_claimers_never_exceed_the_shared_cap() -> 
                     return
                 sample = running_now()
                 time.sleep(0.002)
-                store.complete_messages([(m.id, m.lease_token, None) for m in got])
+                message_store.complete_messages([(m.id, m.lease_token, None) for m in got])
                 n = len(got)
             else:
                 batch = batches.claim(worker_id=kind, lease=LEASE)
@@ -569,7 +572,7 @@ def test_concurrent_message_and_batch_claimers_never_exceed_the_shared_cap() -> 
     assert done == {"messages": 40, "batches": 20}
     assert max(most) <= 2, f"running reached {max(most)} under a cap of 2"
     assert max(most) == 2, "the claimers never reached the cap: the test did not exercise it"
-    assert store.verify_channel_counters() == []
+    assert integrity_store.verify_channel_counters() == []
 
 
 # ------------------------------------------------------------------------------------------------

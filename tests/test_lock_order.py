@@ -25,7 +25,8 @@ import psycopg
 import pytest
 from django.db import connection
 
-from django_fairqueue import abort, store
+from django_fairqueue import abort
+from django_fairqueue.db import message_store
 from tests import fairtasks
 
 LEASE = timedelta(minutes=5)
@@ -37,10 +38,12 @@ def _two_messages(state: str) -> tuple[int, int, dict[int, uuid.UUID]]:
     b = fairtasks.add.enqueue(2, 2, channel="lock-order")
     tokens: dict[int, uuid.UUID] = {}
     if state in ("running", "failed"):
-        tokens = {m.id: m.lease_token for m in store.claim_messages(2, lease=LEASE, worker_id="w")}
+        tokens = {
+            m.id: m.lease_token for m in message_store.claim_messages(2, lease=LEASE, worker_id="w")
+        }
         assert set(tokens) == {a, b}
     if state == "failed":
-        store.fail_messages([(i, tokens[i], {"type": "E"}, None) for i in (a, b)])
+        message_store.fail_messages([(i, tokens[i], {"type": "E"}, None) for i in (a, b)])
     with connection.cursor() as cur:
         # A new version of a, written after every version of b.
         cur.execute("UPDATE fairqueue_message SET priority = priority WHERE id = %s", [a])
@@ -101,30 +104,30 @@ def _waits_on_a_holding_nothing(
 CASES: dict[str, tuple[str, Callable[[int, int, dict[int, uuid.UUID]], Any]]] = {
     "complete": (
         "running",
-        lambda a, b, t: store.complete_messages([(a, t[a], None), (b, t[b], None)]),
+        lambda a, b, t: message_store.complete_messages([(a, t[a], None), (b, t[b], None)]),
     ),
     "fail": (
         "running",
-        lambda a, b, t: store.fail_messages(
+        lambda a, b, t: message_store.fail_messages(
             [(i, t[i], {"type": "E"}, timedelta(seconds=5)) for i in (a, b)]
         ),
     ),
-    "release": ("running", lambda a, b, t: store.release_messages([(a, t[a]), (b, t[b])])),
+    "release": ("running", lambda a, b, t: message_store.release_messages([(a, t[a]), (b, t[b])])),
     "heartbeat": (
         "running",
-        lambda a, b, t: store.heartbeat_messages([(a, t[a]), (b, t[b])], lease=LEASE),
+        lambda a, b, t: message_store.heartbeat_messages([(a, t[a]), (b, t[b])], lease=LEASE),
     ),
     "settle aborted": (
         "running",
-        lambda a, b, t: store.settle_aborted_messages(
+        lambda a, b, t: message_store.settle_aborted_messages(
             [(i, t[i], {"type": "TaskAborted"}) for i in (a, b)]
         ),
     ),
     "abort running": ("running", lambda a, b, t: abort([b, a])),
     "abort waiting": ("ready", lambda a, b, t: abort([b, a])),
-    "delete": ("ready", lambda a, b, t: store.delete_messages([b, a])),
-    "retry failed": ("failed", lambda a, b, t: store.retry_failed_messages([b, a])),
-    "delete failed": ("failed", lambda a, b, t: store.delete_failed_messages([b, a])),
+    "delete": ("ready", lambda a, b, t: message_store.delete_messages([b, a])),
+    "retry failed": ("failed", lambda a, b, t: message_store.retry_failed_messages([b, a])),
+    "delete failed": ("failed", lambda a, b, t: message_store.delete_failed_messages([b, a])),
 }
 
 

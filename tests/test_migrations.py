@@ -23,8 +23,9 @@ from django.db.migrations.state import ProjectState
 
 import django_fairqueue
 import django_fairqueue.migrations as fairqueue_migrations
-from django_fairqueue import api, batches, store
+from django_fairqueue import api, batches
 from django_fairqueue.db import functions as server_functions
+from django_fairqueue.db import message_store
 from django_fairqueue.migrations._sql import InstallFunctions
 from django_fairqueue.models import Channel, ChannelGroup, Schedule
 from tests import fairtasks
@@ -273,16 +274,18 @@ def fill_every_kind_of_row() -> None:
     cancelled = fairtasks.add.enqueue(2, 2, channel="alpha", run_after=timedelta(hours=2))
     for key in ("k1", "k2"):
         fairtasks.add.enqueue(3, 3, channel="gamma", unique_key=key, unique_scope="active")
-    claimed = store.claim_messages(9, lease=timedelta(hours=1), worker_id="before-the-squash")
+    claimed = message_store.claim_messages(
+        9, lease=timedelta(hours=1), worker_id="before-the-squash"
+    )
     assert len(claimed) == 9
     done, retried, failed, aborted, released, *_ = claimed
-    store.complete_messages([(done.id, done.lease_token, 2)])  # kept result: succeeded
+    message_store.complete_messages([(done.id, done.lease_token, 2)])  # kept result: succeeded
     error = {"type": "ValueError", "message": "no"}
-    store.fail_messages([(retried.id, retried.lease_token, error, timedelta(minutes=5))])
-    store.fail_messages([(failed.id, failed.lease_token, error, None)])
+    message_store.fail_messages([(retried.id, retried.lease_token, error, timedelta(minutes=5))])
+    message_store.fail_messages([(failed.id, failed.lease_token, error, None)])
     api.abort([aborted.id])
-    store.release_messages([(aborted.id, aborted.lease_token)])  # its worker stopped it
-    store.release_messages([(released.id, released.lease_token)])
+    message_store.release_messages([(aborted.id, aborted.lease_token)])  # its worker stopped it
+    message_store.release_messages([(released.id, released.lease_token)])
     api.cancel([cancelled])
     channel = Channel.objects.get(name="alpha")
     Schedule.objects.create(
@@ -332,7 +335,7 @@ def test_a_database_at_0027_with_rows_of_every_kind_upgrades_with_nothing_lost()
         assert every_row() == before
         assert squashed_recorded(), "0001-0027 ran, yet the squashed migration is not recorded"
         # and the queue goes on: the ready messages are claimed, the counters agree
-        claimed = store.claim_messages(50, lease=timedelta(minutes=1), worker_id="after")
+        claimed = message_store.claim_messages(50, lease=timedelta(minutes=1), worker_id="after")
         assert len(claimed) == sum('"state": "ready"' in r for r in before["fairqueue_message"])
         with connection.cursor() as cur:
             cur.execute("SELECT count(*) FROM fairqueue_verify_channels_v1(NULL)")

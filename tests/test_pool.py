@@ -1,7 +1,7 @@
 """The queue on Django's psycopg connection pool (``DATABASES[...]["OPTIONS"]["pool"]``).
 
-store.py runs statements on the raw psycopg connection Django hands out; with a pool that is a
-pooled connection, returned to the pool when Django closes it. Every statement kind must work
+django_fairqueue.db runs statements on the raw psycopg connection Django hands out; with a pool that
+is a pooled connection, returned to the pool when Django closes it. Every statement kind must work
 there, and a connection must come back to the pool clean (not idle in a transaction).
 """
 
@@ -14,7 +14,8 @@ import pytest
 from django.db import connections
 from django.test import override_settings
 
-from django_fairqueue import EnqueueRequest, enqueue_many, store
+from django_fairqueue import EnqueueRequest, enqueue_many
+from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.tasks import task
 
 pytest.importorskip("psycopg_pool", reason="needs psycopg-pool (the dev extra installs it)")
@@ -45,24 +46,26 @@ def test_enqueue_claim_settle_on_pooled_connections(pooled: str) -> None:
     ids = enqueue_many(EnqueueRequest(TASK, [i], channel=f"pool-{i % 2}") for i in range(6))
     assert wrapper.pool is not None  # the statements really went through the pool
 
-    claimed = store.claim_messages(6, lease=timedelta(minutes=1), worker_id="pool")
+    claimed = message_store.claim_messages(6, lease=timedelta(minutes=1), worker_id="pool")
     assert sorted(m.id for m in claimed) == ids
     leases = [(m.id, m.lease_token) for m in claimed]
-    assert store.heartbeat_messages(leases, lease=timedelta(minutes=1)) == dict.fromkeys(ids, False)
+    assert message_store.heartbeat_messages(leases, lease=timedelta(minutes=1)) == dict.fromkeys(
+        ids, False
+    )
 
     # Give the connection back between statements, as a worker does between passes: the next
     # statement gets a pooled connection again (maybe another one), prepared statements and all.
     wrapper.close()
-    done = store.complete_messages([(i, token, None) for i, token in leases[:4]])
+    done = message_store.complete_messages([(i, token, None) for i, token in leases[:4]])
     wrapper.close()
-    failed = store.fail_messages(
+    failed = message_store.fail_messages(
         [(i, token, {"type": "E", "message": "x"}, None) for i, token in leases[4:]]
     )
     assert done == set(ids[:4]) and set(failed) == set(ids[4:])
 
-    store.fold_channel_deltas()
-    counters = store.select_channel_counters(
-        sorted(store.select_channel_ids(["pool-0", "pool-1"]).values())
+    channel_store.fold_channel_deltas()
+    counters = channel_store.select_channel_counters(
+        sorted(channel_store.select_channel_ids(["pool-0", "pool-1"]).values())
     )
     assert sum(c.succeeded for c in counters) == 4
     assert sum(c.failed for c in counters) == 2

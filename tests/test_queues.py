@@ -17,8 +17,9 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.db import connection
 
-from django_fairqueue import InvalidQueue, enqueue, store
+from django_fairqueue import InvalidQueue, enqueue
 from django_fairqueue.api import EnqueueRequest, enqueue_many
+from django_fairqueue.db import message_store
 from django_fairqueue.models import Channel, ChannelGroup, Message, MessageState
 from django_fairqueue.queues import row_name, split_row_name
 from django_fairqueue.worker import Worker, WorkerConfig
@@ -29,8 +30,10 @@ from tests.test_claim_concurrency import DEADLINE, max_overlap, run_threads
 LEASE = timedelta(minutes=5)
 
 
-def claim(limit: int, queues: list[str] | None, worker: str = "w") -> list[store.ClaimedMessage]:
-    return store.claim_messages(limit, lease=LEASE, worker_id=worker, queues=queues)
+def claim(
+    limit: int, queues: list[str] | None, worker: str = "w"
+) -> list[message_store.ClaimedMessage]:
+    return message_store.claim_messages(limit, lease=LEASE, worker_id=worker, queues=queues)
 
 
 def burst_worker(**config: Any) -> Worker:
@@ -215,7 +218,7 @@ def test_claimers_of_different_queues_each_get_exactly_their_queues_messages() -
                 continue
             with lock:
                 seen[queue].extend((m.id, m.queue) for m in got)
-            assert store.complete_messages([(m.id, m.lease_token, None) for m in got])
+            assert message_store.complete_messages([(m.id, m.lease_token, None) for m in got])
 
     run_threads(6, claimer)  # two claimers per queue
 
@@ -267,7 +270,7 @@ def test_a_cap_holds_across_claimers_of_a_queue_and_claimers_of_every_queue() ->
             end = time.monotonic()
             with lock:
                 intervals.extend((start, end) for m in got if m.channel_id == capped.pk)
-            store.complete_messages([(m.id, m.lease_token, None) for m in got])
+            message_store.complete_messages([(m.id, m.lease_token, None) for m in got])
             with lock:
                 done.extend(m.id for m in got)
 

@@ -19,7 +19,8 @@ from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
-from django_fairqueue import registry, store
+from django_fairqueue import registry
+from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.models import Channel, ChannelGroup, WorkerRecord
 from django_fairqueue.queues import SEPARATOR, row_name
 from django_fairqueue.worker import Worker, WorkerConfig
@@ -30,8 +31,8 @@ LEASE = timedelta(minutes=5)
 ADD_URL = "/admin/fairqueue/channel/add/"
 
 
-def claim(limit: int, queues: list[str] | None) -> list[store.ClaimedMessage]:
-    return store.claim_messages(limit, lease=LEASE, worker_id="ops", queues=queues)
+def claim(limit: int, queues: list[str] | None) -> list[message_store.ClaimedMessage]:
+    return message_store.claim_messages(limit, lease=LEASE, worker_id="ops", queues=queues)
 
 
 # ------------------------------------------------------------------------------------------
@@ -72,7 +73,7 @@ def test_a_claim_of_every_queue_serves_groups_and_channels_of_several_queues() -
 def test_a_claim_of_every_queue_passes_over_a_group_not_due_and_serves_the_channels() -> None:
     f.enqueue_in_queue("reports", ("acme", "alice"), 2)
     f.enqueue_in_queue("reports", "solo", 2)
-    store.fold_channel_deltas(1000)
+    channel_store.fold_channel_deltas(1000)
     # the group is rate limited and its next turn an hour away: claimable, not due
     with connection.cursor() as cur:
         cur.execute(

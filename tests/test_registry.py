@@ -14,9 +14,10 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from django_fairqueue import registry, store
+from django_fairqueue import registry
 from django_fairqueue.cli import status as status_cli
 from django_fairqueue.cli import workers as workers_cli
+from django_fairqueue.db import message_store
 from django_fairqueue.maintenance import Rescuer
 from django_fairqueue.models import Message, MessageState, WorkerRecord
 from tests import factories as f
@@ -28,7 +29,7 @@ LEASE = timedelta(minutes=10)
 
 def test_registering_expires_the_leases_a_previous_process_with_the_same_id_left() -> None:
     f.enqueue("slot", 3)
-    claimed = store.claim_messages(2, lease=LEASE, worker_id="sup-0")
+    claimed = message_store.claim_messages(2, lease=LEASE, worker_id="sup-0")
     assert len(claimed) == 2
     # the same slot's next process registers: nothing of its own can be running yet
     assert registry.Registration("sup-0", concurrency=4).register() == 2
@@ -41,7 +42,7 @@ def test_a_silent_worker_is_dead_and_its_leases_expire(settings: Any) -> None:
     settings.FAIRQUEUE = {**settings.FAIRQUEUE, "WORKER_DEAD_AFTER": 30.0}
     f.enqueue("x", 1)
     registry.Registration("gone", concurrency=1).register()
-    (m,) = store.claim_messages(1, lease=LEASE, worker_id="gone")
+    (m,) = message_store.claim_messages(1, lease=LEASE, worker_id="gone")
     WorkerRecord.objects.filter(worker_id="gone").update(
         heartbeat_at=timezone.now() - timedelta(minutes=1)
     )

@@ -15,8 +15,9 @@ import pytest
 from django.db import connection
 from django.test import override_settings
 
-from django_fairqueue import conf, cron, schedules, store
+from django_fairqueue import conf, cron, schedules
 from django_fairqueue.cron import ScheduleSpec
+from django_fairqueue.db import pg, schedule_store
 from django_fairqueue.exceptions import InvalidSchedule
 from django_fairqueue.models import Channel, Message, Schedule, ScheduleFire
 from django_fairqueue.tasks import task
@@ -297,7 +298,7 @@ def test_a_second_periodic_of_the_same_name_is_refused_unless_it_is_the_same() -
 # -- the missed-slot policies (pure: what a pass does with a row as read) ------------------------
 
 
-def row(**over: Any) -> store.DueSchedule:
+def row(**over: Any) -> schedule_store.DueSchedule:
     values: dict[str, Any] = {
         "id": 1,
         "name": "s",
@@ -319,7 +320,7 @@ def row(**over: Any) -> store.DueSchedule:
         "now": utc(2026, 1, 1, 0, 0, 2),
     }
     values.update(over)
-    return store.DueSchedule(**values)
+    return schedule_store.DueSchedule(**values)
 
 
 GRACE = timedelta(seconds=60)
@@ -372,7 +373,7 @@ def spec(name: str = "tick", **options: Any) -> ScheduleSpec:
     return ScheduleSpec.build(name, {"task": TASK, "cron": "* * * * *", **options}, name)
 
 
-def state(schedule: Schedule) -> store.ScheduleState:
+def state(schedule: Schedule) -> schedule_store.ScheduleState:
     return schedules.states([schedule.pk])[schedule.pk]
 
 
@@ -424,13 +425,13 @@ def test_the_first_pass_sets_the_next_slot_and_fires_nothing() -> None:
     (a,) = Schedule.objects.all()
     assert schedules.fire_due() == 0
     st = state(a)
-    now = store.select_clock()
+    now = pg.select_clock()
     assert st.current and st.last_slot_at is None
     assert st.next_fire_at is not None
     assert now < st.next_fire_at <= now + timedelta(minutes=1)
     assert st.next_fire_at.second == 0
     assert schedules.fire_due() == 0  # not due yet
-    assert 0 < (store.select_next_schedule_fire() or 0) <= 60
+    assert 0 < (schedule_store.select_next_schedule_fire() or 0) <= 60
 
 
 @pytest.mark.django_db
@@ -474,7 +475,7 @@ def test_missed_slots_follow_the_policy(policy: str, fired: int) -> None:
         assert {b - a for a, b in itertools.pairwise(slots)} == {timedelta(minutes=1)}
     # every missed slot is behind it now: nothing more is due
     assert schedules.fire_due() == 0
-    assert state(a).next_fire_at > store.select_clock()  # type: ignore[operator]
+    assert state(a).next_fire_at > pg.select_clock()  # type: ignore[operator]
 
 
 @pytest.mark.django_db
@@ -541,12 +542,12 @@ def test_pausing_fires_nothing_and_resuming_does_not_catch_up() -> None:
     Schedule.objects.filter(pk=a.pk).update(enabled=False)
     backdate(a, 20)
     assert schedules.fire_due() == 0
-    assert state(a).next_fire_at is None and store.select_next_schedule_fire() is None
+    assert state(a).next_fire_at is None and schedule_store.select_next_schedule_fire() is None
     Schedule.objects.filter(pk=a.pk).update(enabled=True)
-    assert store.select_next_schedule_fire() == 0  # due for a fresh slot
+    assert schedule_store.select_next_schedule_fire() == 0  # due for a fresh slot
     assert schedules.fire_due() == 0
     assert not messages()
-    assert state(a).next_fire_at > store.select_clock()  # type: ignore[operator]
+    assert state(a).next_fire_at > pg.select_clock()  # type: ignore[operator]
 
 
 @pytest.mark.django_db
@@ -683,7 +684,7 @@ def test_the_firing_check_reads_two_indexes_not_the_schedules() -> None:
         cur.execute("ANALYZE fairqueue_schedule")
         for name in ("select_due_schedules", "select_next_schedule_fire"):
             cur.execute(
-                "EXPLAIN (ANALYZE, FORMAT JSON) " + store.queries()[name],
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + schedule_store.queries()[name],
                 {"skip_tasks": [], "limit": 100},
             )
             (doc,) = cur.fetchone()[0]
@@ -761,13 +762,13 @@ def test_a_process_frozen_mid_sync_delays_no_other_workers_maintenance(
 
     from django.db import connections, transaction
 
-    monkeypatch.setattr(store, "SCHEDULE_SYNC_LOCK_TIMEOUT", "200ms")
+    monkeypatch.setattr(schedule_store, "SCHEDULE_SYNC_LOCK_TIMEOUT", "200ms")
     holding, release = threading.Event(), threading.Event()
 
     def frozen_sync() -> None:
         try:
             with transaction.atomic():
-                store.lock_schedule_sync()
+                schedule_store.lock_schedule_sync()
                 holding.set()
                 release.wait(20)
         finally:

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from django_fairqueue import schedules, store
+from django_fairqueue import schedules
 from django_fairqueue.cron import ScheduleSpec
+from django_fairqueue.db import schedule_store
 from django_fairqueue.models import Channel, Message, Schedule, ScheduleFire
 
 from . import factories as f
@@ -36,14 +37,15 @@ import django
 os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
 django.setup()
 from django.db import connection
-from django_fairqueue import schedules, store
+from django_fairqueue import schedules
+from django_fairqueue.db import schedule_store
 from django_fairqueue.api import enqueue
 from django_fairqueue.models import Schedule
 
 barrier, role, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
 stale = list(Schedule.objects.all())  # an operator's copies, loaded before any firing
 firer = schedules.Firer()
-seen = store.select_due_schedules(1000) if role == "stale-firer" else []
+seen = schedule_store.select_due_schedules(1000) if role == "stale-firer" else []
 open(os.path.join(barrier, f"ready-{os.getpid()}"), "w").close()
 while not os.path.exists(os.path.join(barrier, "go")):
     time.sleep(0.005)
@@ -200,7 +202,7 @@ def test_firers_holding_the_same_stale_view_fire_each_slot_once(
     assert sum(1 for r in results if r["fired"]) >= 2, "only one process fired anything"
     assert_one_message_per_slot()
     assert_state_follows_the_fires()
-    assert store.select_next_schedule_fire() is not None
+    assert schedule_store.select_next_schedule_fire() is not None
 
 
 @pytest.mark.slow
@@ -287,7 +289,7 @@ def test_deleting_a_channel_while_its_schedule_fires_waits_and_does_not_deadlock
 
     declare()
     slotted, go = threading.Event(), threading.Event()
-    claim_slots = store.claim_schedule_slots
+    claim_slots = schedule_store.claim_schedule_slots
 
     paused: list[int] = []
 
@@ -299,7 +301,7 @@ def test_deleting_a_channel_while_its_schedule_fires_waits_and_does_not_deadlock
             go.wait(10)
         return got
 
-    monkeypatch.setattr(store, "claim_schedule_slots", claim_and_pause)
+    monkeypatch.setattr(schedule_store, "claim_schedule_slots", claim_and_pause)
     errors: list[BaseException] = []
     deleted: list[str] = []
 
@@ -316,7 +318,7 @@ def test_deleting_a_channel_while_its_schedule_fires_waits_and_does_not_deadlock
         thread.start()
         return thread
 
-    due = store.select_due_schedules(1000)[0]
+    due = schedule_store.select_due_schedules(1000)[0]
     firer = in_thread(lambda: schedules.Firer().fire(due, grace=timedelta(seconds=60)))
     assert slotted.wait(10)
     assert paused == [due.id]

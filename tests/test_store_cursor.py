@@ -1,48 +1,48 @@
-"""The store's kept cursors: one per connection and kind, reused across statements, never
-shared by two statements at once, and replaced when the connection is."""
+"""The kept cursors of django_fairqueue.db.pg: one per connection and kind, reused across
+statements, never shared by two statements at once, and replaced when the connection is."""
 
 from __future__ import annotations
 
 import pytest
 from django.db import connection
 
-from django_fairqueue import store
+from django_fairqueue.db import pg
 
 
 @pytest.mark.django_db
 def test_statements_reuse_one_cursor_per_connection_and_kind() -> None:
-    with store._cursor() as first:
+    with pg.kept_cursor() as first:
         first.execute("SELECT 1")
-    with store._cursor() as second:
+    with pg.kept_cursor() as second:
         second.execute("SELECT 2")
         assert second.fetchone() == (2,)
     assert second is first
-    with store._cursor(values=False) as plain:
+    with pg.kept_cursor(values=False) as plain:
         pass
     assert plain is not first  # results with jsonb values take a loader the other has not
 
 
 @pytest.mark.django_db
 def test_a_statement_inside_another_gets_a_cursor_of_its_own() -> None:
-    with store._cursor() as outer:
+    with pg.kept_cursor() as outer:
         outer.execute("SELECT g FROM generate_series(1, 3) AS g")
-        with store._cursor() as inner:
+        with pg.kept_cursor() as inner:
             assert inner is not outer
             inner.execute("SELECT 42")
             assert inner.fetchone() == (42,)
         assert inner.closed  # the extra one is not kept
         # the outer statement's rows are still its own
         assert outer.fetchall() == [(1,), (2,), (3,)]
-    with store._cursor() as again:
+    with pg.kept_cursor() as again:
         assert again is outer
 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_new_connection_gets_a_new_cursor() -> None:
-    with store._cursor() as before:
+    with pg.kept_cursor() as before:
         before.execute("SELECT 1")
     connection.close()
-    with store._cursor() as after:
+    with pg.kept_cursor() as after:
         after.execute("SELECT 1")
         assert after.fetchone() == (1,)
     assert after is not before
@@ -51,9 +51,9 @@ def test_a_new_connection_gets_a_new_cursor() -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_a_failed_statement_leaves_the_kept_cursor_usable() -> None:
-    with pytest.raises(Exception, match="division by zero"), store._cursor() as cur:
+    with pytest.raises(Exception, match="division by zero"), pg.kept_cursor() as cur:
         cur.execute("SELECT 1 / 0")
-    with store._cursor() as again:
+    with pg.kept_cursor() as again:
         assert again is cur
         again.execute("SELECT 7")
         assert again.fetchone() == (7,)

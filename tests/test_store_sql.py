@@ -1,15 +1,18 @@
 """The "SQL in one place" rules, enforced.
 
-* Every statement named in ``sql/queries.sql`` has a function of the same name in ``store.py``
-  that runs it, and every function of ``store.py`` that runs a named statement runs its own.
-  The same holds for the benchmark app's ``contrib/bench/sql/bench.sql`` and its ``db.py``.
+* Every statement named in a file of ``db/statements/`` has a function of the same name in the
+  module of ``django_fairqueue.db`` that loads that file, and every function of such a module
+  that runs a named statement runs its own; every statement file belongs to one module. The
+  same holds for the benchmark app's ``contrib/bench/sql/bench.sql`` and its ``db.py``.
 * No Python module of the package writes SQL of its own: the keywords of a statement appear only
-  in ``store.py``, the bench app's ``db.py``, ``devdb.py`` (server bootstrap) and migrations.
+  in ``db/``, the bench app's ``db.py``, ``devdb.py`` (server bootstrap) and migrations.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import pkgutil
 import re
 from pathlib import Path
 from types import ModuleType
@@ -17,26 +20,60 @@ from types import ModuleType
 import pytest
 
 import django_fairqueue
-from django_fairqueue import store
+from django_fairqueue import db
 from django_fairqueue.contrib.bench import db as bench_db
 
 PACKAGE = Path(django_fairqueue.__file__).parent
+DB = PACKAGE / "db"
 BENCH = PACKAGE / "contrib" / "bench"
 PIPELINE = PACKAGE / "contrib" / "pipeline"
 # The pipeline app's datastore.py runs the data-plane statements of its sql/pipeline.sql (user
 # tables).
 SQL_ALLOWED = {
-    PACKAGE / "store.py",
     BENCH / "db.py",
     PACKAGE / "devdb.py",
     PIPELINE / "datastore.py",
 }
 
+
+def family_modules() -> list[ModuleType]:
+    """The modules of ``django_fairqueue.db`` that run named statements (each holds its file)."""
+    modules = [
+        importlib.import_module(f"{db.__name__}.{info.name}")
+        for info in pkgutil.iter_modules(db.__path__)
+    ]
+    return [m for m in modules if hasattr(m, "queries")]
+
+
+def statement_file(module: ModuleType) -> Path:
+    """The SQL file whose statements ``module`` runs."""
+    files = module.queries
+    return Path(importlib.import_module(files.package).__file__ or "").parent / files.resource
+
+
+def all_statements() -> dict[str, str]:
+    """Every named statement of ``db/statements/``, by name."""
+    named: dict[str, str] = {}
+    for module in family_modules():
+        named.update(module.queries())
+    return named
+
+
 # Each module that runs named statements, with the SQL file of its statements.
 STATEMENT_MODULES = [
-    pytest.param(store, PACKAGE / "sql" / "queries.sql", id="store"),
+    *(
+        pytest.param(m, statement_file(m), id=m.__name__.rsplit(".", 1)[1])
+        for m in family_modules()
+    ),
     pytest.param(bench_db, BENCH / "sql" / "bench.sql", id="bench-db"),
 ]
+
+
+def test_every_statement_file_belongs_to_one_module() -> None:
+    files = [statement_file(m) for m in family_modules()]
+    assert len(files) == len(set(files)), files
+    assert sorted(files) == sorted((DB / "statements").glob("*.sql"))
+    assert len(files) >= 9  # pg, enqueue, messages, channels, ... (the discovery works)
 
 
 def _statement_name(node: ast.AST) -> ast.expr | None:
@@ -95,8 +132,8 @@ def test_every_store_function_runs_the_statement_of_its_own_name(
     named = set(module.queries())
     for function, statements in statement_runners(module).items():
         assert statements == {function}, (
-            f"{module.__name__}.{function} runs {sorted(statements)}; a store function runs "
-            "exactly the statement of its own name"
+            f"{module.__name__}.{function} runs {sorted(statements)}; a function of the db "
+            "package runs exactly the statement of its own name"
         )
         assert function in named, (
             f"{module.__name__}.{function} runs a statement {sql_file.name} lacks"
@@ -114,15 +151,20 @@ def test_every_statement_has_a_description(module: ModuleType, sql_file: Path) -
 
 
 def test_a_statement_name_belongs_to_one_file() -> None:
-    shared = sorted(set(store.queries()) & set(bench_db.queries()))
-    assert not shared, f"named in both sql/queries.sql and the bench app's sql/bench.sql: {shared}"
+    seen: dict[str, str] = {}
+    for module in [*family_modules(), bench_db]:
+        for name in module.queries():
+            assert name not in seen, f"{name} is named by {seen[name]} and {module.__name__}"
+            seen[name] = module.__name__
 
 
 def python_files() -> list[Path]:
     return sorted(
         path
         for path in PACKAGE.rglob("*.py")
-        if path not in SQL_ALLOWED and "migrations" not in path.relative_to(PACKAGE).parts
+        if path not in SQL_ALLOWED
+        and not path.is_relative_to(DB)
+        and "migrations" not in path.relative_to(PACKAGE).parts
     )
 
 
@@ -156,9 +198,11 @@ def sql_strings(path: Path, root: Path = PACKAGE) -> list[str]:
 
 
 @pytest.mark.parametrize("path", python_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_no_sql_outside_store(path: Path) -> None:
+def test_no_sql_outside_the_db_package(path: Path) -> None:
     found = sql_strings(path)
-    assert not found, "SQL outside store.py (move it to sql/queries.sql):\n" + "\n".join(found)
+    assert not found, "SQL outside django_fairqueue/db (name it in db/statements/):\n" + "\n".join(
+        found
+    )
 
 
 @pytest.mark.parametrize(
@@ -201,6 +245,6 @@ def test_the_rule_sees_the_package() -> None:
     files = {p.relative_to(PACKAGE).as_posix() for p in python_files()}
     assert {"api.py", "models.py", "tasks.py", "conf.py"} <= files
     assert not any(f.startswith("migrations/") for f in files)
-    assert "store.py" not in files
+    assert not any(f.startswith("db/") for f in files)
     assert "contrib/bench/harness.py" in files
     assert "contrib/bench/db.py" not in files

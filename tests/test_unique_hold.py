@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 from django.db import OperationalError, connection, connections, transaction
 
-from django_fairqueue import enqueue, enqueue_many, maintenance, store
+from django_fairqueue import enqueue, enqueue_many, maintenance
 from django_fairqueue.api import EnqueueRequest
+from django_fairqueue.db import message_store
 from django_fairqueue.models import Message, UniqueHold
 from tests import fairtasks
 from tests.factories import assert_counters_match_table
@@ -25,8 +26,8 @@ from tests.factories import assert_counters_match_table
 LEASE = timedelta(minutes=5)
 
 
-def claim(limit: int = 100) -> list[store.ClaimedMessage]:
-    return store.claim_messages(limit, lease=LEASE, worker_id="w")
+def claim(limit: int = 100) -> list[message_store.ClaimedMessage]:
+    return message_store.claim_messages(limit, lease=LEASE, worker_id="w")
 
 
 def holding(channel: str, key: str) -> list[int]:
@@ -79,7 +80,7 @@ def test_a_running_holder_of_scope_active_keeps_every_scope_out_until_it_ends() 
         )
         assert got == [first]
     assert holding("acme", "k") == [first]
-    store.complete_messages([(m.id, m.lease_token, None)])
+    message_store.complete_messages([(m.id, m.lease_token, None)])
     # the stale row is taken over by the next message of scope 'active'
     second = enqueue(fairtasks.add, 4, 4, channel="acme", unique_key="k", unique_scope="active")
     assert second != first and hold_of("acme", "k") == second
@@ -115,12 +116,12 @@ def test_an_operators_retry_takes_the_hold_back() -> None:
     key: the retry makes the hold row name it again, so it keeps the key while it runs."""
     first = enqueue(fairtasks.add, 1, 1, channel="acme", unique_key="k", unique_scope="active")
     (m,) = claim()
-    store.fail_messages([(m.id, m.lease_token, {"type": "E"}, None)])
+    message_store.fail_messages([(m.id, m.lease_token, {"type": "E"}, None)])
     second = enqueue(fairtasks.add, 2, 2, channel="acme", unique_key="k", unique_scope="active")
     (m2,) = claim()
-    store.complete_messages([(m2.id, m2.lease_token, None)])
+    message_store.complete_messages([(m2.id, m2.lease_token, None)])
     assert hold_of("acme", "k") == second
-    assert store.retry_failed_messages([first]) == [first]
+    assert message_store.retry_failed_messages([first]) == [first]
     assert hold_of("acme", "k") == first
     claim()
     assert enqueue(fairtasks.add, 3, 3, channel="acme", unique_key="k") == first
@@ -132,13 +133,13 @@ def test_an_operators_retry_takes_the_hold_back() -> None:
 def test_retries_releases_and_rescues_keep_the_hold() -> None:
     first = enqueue(fairtasks.add, 1, 1, channel="acme", unique_key="k", unique_scope="active")
     (m,) = claim()
-    store.fail_messages([(m.id, m.lease_token, {"type": "E"}, timedelta(0))])  # retried
+    message_store.fail_messages([(m.id, m.lease_token, {"type": "E"}, timedelta(0))])  # retried
     assert holding("acme", "k") == [first] and hold_of("acme", "k") == first
     (m,) = claim()
-    store.release_messages([(m.id, m.lease_token)])
+    message_store.release_messages([(m.id, m.lease_token)])
     (m,) = claim()
     Message.objects.filter(pk=first).update(lease_expires_at="2000-01-01T00:00:00Z")
-    assert [r.id for r in store.rescue_expired_messages()] == [first]
+    assert [r.id for r in message_store.rescue_expired_messages()] == [first]
     claim()
     assert enqueue(fairtasks.add, 2, 2, channel="acme", unique_key="k") == first
     assert holding("acme", "k") == [first] and hold_of("acme", "k") == first
@@ -175,7 +176,7 @@ def test_an_enqueue_that_passes_the_index_as_the_holder_starts_is_kept_out(
     enqueue gets its id (keep) and stores nothing."""
     enqueue(fairtasks.add, 9, 9, channel="acme")  # the channel exists and commits first
     (plain,) = claim()
-    store.complete_messages([(plain.id, plain.lease_token, None)])
+    message_store.complete_messages([(plain.id, plain.lease_token, None)])
     ready, release, out = threading.Event(), threading.Event(), {}
     thread = threading.Thread(target=_holder_claimed_in_flight, args=("k", ready, release, out))
     thread.start()
@@ -209,20 +210,20 @@ def test_a_message_returning_as_the_holder_starts_is_superseded(how: str) -> Non
     returning = enqueue(fairtasks.add, 1, 1, channel="acme", unique_key="k")  # scope 'queued'
     (m,) = claim()
     if how == "operator":
-        store.fail_messages([(m.id, m.lease_token, {"type": "E"}, None)])
+        message_store.fail_messages([(m.id, m.lease_token, {"type": "E"}, None)])
     ready, release, out = threading.Event(), threading.Event(), {}
     thread = threading.Thread(target=_holder_claimed_in_flight, args=("k", ready, release, out))
     thread.start()
     assert ready.wait(10)
     threading.Timer(0.3, release.set).start()
     if how == "retry":
-        store.fail_messages([(m.id, m.lease_token, {"type": "E"}, timedelta(0))])
+        message_store.fail_messages([(m.id, m.lease_token, {"type": "E"}, timedelta(0))])
         want = "cancelled"
     elif how == "release":
-        store.release_messages([(m.id, m.lease_token)])
+        message_store.release_messages([(m.id, m.lease_token)])
         want = "cancelled"
     else:
-        assert store.retry_failed_messages([returning]) == []
+        assert message_store.retry_failed_messages([returning]) == []
         want = "failed"
     thread.join(10)
     assert Message.objects.get(pk=returning).state == want
@@ -237,7 +238,7 @@ def test_repeatable_read_fails_to_serialize_rather_than_hold_a_key_twice() -> No
     snapshot is a serialization failure (the caller retries), never a second holder."""
     enqueue(fairtasks.add, 9, 9, channel="acme")
     (plain,) = claim()
-    store.complete_messages([(plain.id, plain.lease_token, None)])
+    message_store.complete_messages([(plain.id, plain.lease_token, None)])
     out: dict[str, Any] = {}
 
     def holder() -> None:
@@ -273,11 +274,11 @@ def test_the_pruner_deletes_the_rows_of_messages_gone_or_finished_for_good() -> 
         )
         (m,) = claim(1)
         if end == "complete":
-            store.complete_messages([(m.id, m.lease_token, None)])
+            message_store.complete_messages([(m.id, m.lease_token, None)])
         elif end == "fail":
-            store.fail_messages([(m.id, m.lease_token, {"type": "E"}, None)])
+            message_store.fail_messages([(m.id, m.lease_token, {"type": "E"}, None)])
         elif end == "delete":
-            store.complete_messages([(m.id, m.lease_token, None)])
+            message_store.complete_messages([(m.id, m.lease_token, None)])
             Message.objects.filter(pk=m.id).delete()
     assert UniqueHold.objects.count() == 4
     maintenance.Pruner().run_once()

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 from django.db import connection, transaction
 
-from django_fairqueue import DuplicateJob, enqueue, enqueue_many, store
+from django_fairqueue import DuplicateJob, enqueue, enqueue_many
 from django_fairqueue.api import EnqueueRequest
+from django_fairqueue.db import message_store
 from django_fairqueue.models import Message
 from tests import fairtasks
 from tests.factories import assert_counters_match_table
@@ -23,8 +24,8 @@ from tests.test_claim_concurrency import run_threads
 LEASE = timedelta(minutes=5)
 
 
-def claim(limit: int = 100) -> list[store.ClaimedMessage]:
-    return store.claim_messages(limit, lease=LEASE, worker_id="w")
+def claim(limit: int = 100) -> list[message_store.ClaimedMessage]:
+    return message_store.claim_messages(limit, lease=LEASE, worker_id="w")
 
 
 def holders(channel: str, key: str) -> list[Message]:
@@ -64,7 +65,7 @@ def test_scope_queued_frees_the_key_when_the_holder_starts_and_active_when_it_en
         enqueue(fairtasks.add, 2, 2, channel="acme", unique_key="a", unique_scope="active")
         == active
     )
-    store.complete_messages([(active, (a if a.id == active else b).lease_token, None)])
+    message_store.complete_messages([(active, (a if a.id == active else b).lease_token, None)])
     assert enqueue(fairtasks.add, 3, 3, channel="acme", unique_key="a") != active
     assert_counters_match_table()
 
@@ -161,7 +162,7 @@ def test_enqueue_many_mixes_keys_and_plain_messages_in_input_order() -> None:
 def test_a_retrying_message_keeps_its_key() -> None:
     mid = fairtasks.add.enqueue(1, 1, channel="acme", unique_key="k")
     (m,) = claim()
-    states = store.fail_messages([(m.id, m.lease_token, {"type": "E"}, timedelta(hours=1))])
+    states = message_store.fail_messages([(m.id, m.lease_token, {"type": "E"}, timedelta(hours=1))])
     assert states == {mid: "scheduled"}
     assert fairtasks.add.enqueue(2, 2, channel="acme", unique_key="k") == mid
     assert_counters_match_table()
@@ -175,13 +176,13 @@ def test_a_returning_message_whose_key_was_taken_meanwhile_is_superseded(how: st
     newer = fairtasks.add.enqueue(2, 2, channel="acme", unique_key="k")  # scope queued
     assert newer != first
     if how == "fail":
-        out = store.fail_messages([(m.id, m.lease_token, {"type": "E"}, timedelta(0))])
+        out = message_store.fail_messages([(m.id, m.lease_token, {"type": "E"}, timedelta(0))])
         assert out == {first: "cancelled"}
     elif how == "release":
-        assert store.release_messages([(m.id, m.lease_token)]) == {first}
+        assert message_store.release_messages([(m.id, m.lease_token)]) == {first}
     else:
         Message.objects.filter(pk=first).update(lease_expires_at="2000-01-01T00:00:00Z")
-        assert [r.state for r in store.rescue_expired_messages()] == ["cancelled"]
+        assert [r.state for r in message_store.rescue_expired_messages()] == ["cancelled"]
     row = Message.objects.get(pk=first)
     assert (row.state, row.lease_token) == ("cancelled", None)
     assert Message.objects.get(pk=newer).state == "ready"
@@ -199,7 +200,7 @@ def test_retrying_a_failed_unique_job_while_a_holder_commits_leaves_it_failed() 
 
     first = fairtasks.add.enqueue(1, 1, channel="acme", unique_key="k")
     (m,) = claim()
-    store.fail_messages([(m.id, m.lease_token, {"type": "E"}, None)])
+    message_store.fail_messages([(m.id, m.lease_token, {"type": "E"}, None)])
     inserted, release = threading.Event(), threading.Event()
     out: dict[str, Any] = {}
 
@@ -218,7 +219,7 @@ def test_retrying_a_failed_unique_job_while_a_holder_commits_leaves_it_failed() 
     # The retry's snapshot does not see the uncommitted holder; its write waits on the index
     # entry until the holder commits (released a moment after the retry started).
     threading.Timer(0.3, release.set).start()
-    assert store.retry_failed_messages([first]) == []
+    assert message_store.retry_failed_messages([first]) == []
     thread.join(10)
     assert Message.objects.get(pk=first).state == "failed"
     assert Message.objects.get(pk=out["newer"]).state == "ready"
@@ -229,11 +230,11 @@ def test_retrying_a_failed_unique_job_while_a_holder_commits_leaves_it_failed() 
 def test_retrying_a_failed_unique_job_leaves_it_failed_while_another_holds_the_key() -> None:
     first = fairtasks.add.enqueue(1, 1, channel="acme", unique_key="k")
     (m,) = claim()
-    store.fail_messages([(m.id, m.lease_token, {"type": "E"}, None)])
+    message_store.fail_messages([(m.id, m.lease_token, {"type": "E"}, None)])
     newer = fairtasks.add.enqueue(2, 2, channel="acme", unique_key="k")
-    assert store.retry_failed_messages([first]) == []
-    store.cancel_messages([newer])
-    assert store.retry_failed_messages([first]) == [first]
+    assert message_store.retry_failed_messages([first]) == []
+    message_store.cancel_messages([newer])
+    assert message_store.retry_failed_messages([first]) == [first]
     assert_counters_match_table()
 
 
@@ -334,10 +335,12 @@ def test_concurrent_enqueuers_and_claimers_never_hold_a_key_twice() -> None:
                 except DuplicateJob:
                     pass
             else:
-                claimed = store.claim_messages(3, lease=LEASE, worker_id=f"w{i}")
+                claimed = message_store.claim_messages(3, lease=LEASE, worker_id=f"w{i}")
                 half = len(claimed) // 2
-                store.complete_messages([(m.id, m.lease_token, None) for m in claimed[:half]])
-                store.fail_messages(
+                message_store.complete_messages(
+                    [(m.id, m.lease_token, None) for m in claimed[:half]]
+                )
+                message_store.fail_messages(
                     [(m.id, m.lease_token, {"type": "E"}, timedelta(0)) for m in claimed[half:]]
                 )
                 done += len(claimed)
@@ -427,7 +430,9 @@ def test_batches_of_the_same_keys_in_opposite_orders_do_not_deadlock() -> None:
                     ]
                 )
             if round_ % 5 == 4:
-                store.cancel_matching_messages(channel_id=holders("acme", "k0")[0].channel_id)
+                message_store.cancel_matching_messages(
+                    channel_id=holders("acme", "k0")[0].channel_id
+                )
             done += 1
         return done
 

@@ -13,7 +13,8 @@ from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
-from django_fairqueue import registry, store, waiting
+from django_fairqueue import registry, waiting
+from django_fairqueue.db import message_store, stats_store
 from django_fairqueue.models import Channel, Message
 from tests import factories as f
 
@@ -39,7 +40,7 @@ def why(name: str) -> waiting.Why:
 def test_empty_paused_capped_and_rate_limited_channels() -> None:
     alive()
     f.enqueue("empty", 1)
-    store.claim_messages(1, lease=LEASE, worker_id="w")
+    message_store.claim_messages(1, lease=LEASE, worker_id="w")
     assert why("empty").cause == "empty"
 
     f.enqueue("p", 2)
@@ -48,13 +49,13 @@ def test_empty_paused_capped_and_rate_limited_channels() -> None:
 
     f.enqueue("capped", 3)
     f.set_limits(["capped"], max_concurrency=2)
-    assert len(store.claim_messages(5, lease=LEASE, worker_id="w")) == 2
+    assert len(message_store.claim_messages(5, lease=LEASE, worker_id="w")) == 2
     capped = why("capped")
     assert capped.cause == "at_cap" and "2 of 2 running, the oldest since" in capped.text
 
     f.enqueue("metered", 3)
     f.set_limits(["metered"], release_interval=timedelta(hours=1))
-    assert len(store.claim_messages(5, lease=LEASE, worker_id="w")) == 1
+    assert len(message_store.claim_messages(5, lease=LEASE, worker_id="w")) == 1
     metered = why("metered")
     assert metered.cause == "rate_limited" and "one message every 3600s" in metered.text
 
@@ -70,13 +71,15 @@ def test_a_channel_held_back_by_its_groups_cap_or_rate_limit_says_so(folded: boo
     f.enqueue_in_queue("default", ("tg", "u1"), 2)
     ChannelGroup.objects.filter(name="tg").update(max_concurrency=2)
     f.fold_all()
-    held = store.claim_messages(2, lease=LEASE, worker_id="w", only_channel_ids=[cid("tg/u0")])
+    held = message_store.claim_messages(
+        2, lease=LEASE, worker_id="w", only_channel_ids=[cid("tg/u0")]
+    )
     assert len(held) == 2
     capped = why("tg/u1")
     assert capped.cause == "group_at_cap", capped
     assert "'tg'" in capped.text and "2 of 2 running" in capped.text
     # one finishes: the slot is free at once, folded or not
-    store.complete_messages([(held[0].id, held[0].lease_token, None)], run_seconds=None)
+    message_store.complete_messages([(held[0].id, held[0].lease_token, None)], run_seconds=None)
     if folded:
         f.fold_all()
     assert why("tg/u1").cause in ("next", "in_round")
@@ -86,7 +89,7 @@ def test_a_channel_held_back_by_its_groups_cap_or_rate_limit_says_so(folded: boo
     f.enqueue_in_queue("default", ("wg", "r2"), 2)
     ChannelGroup.objects.filter(name="wg").update(release_interval=timedelta(minutes=10))
     f.fold_all()
-    got = store.claim_messages(
+    got = message_store.claim_messages(
         5, lease=LEASE, worker_id="w", only_channel_ids=[cid("wg/r1"), cid("wg/r2")]
     )
     assert len(got) == 1
@@ -117,8 +120,8 @@ def test_channels_ahead_in_the_round_with_an_estimate() -> None:
     last = why("c")
     assert last.cause == "in_round" and last.text.startswith("2 channels ahead of it")
     assert why("a").cause == "next"
-    store.record_channel_stats(
-        [store.ChannelMinuteStats(cid("a"), f.timezone.now().replace(second=0), claimed=600)]
+    stats_store.record_channel_stats(
+        [stats_store.ChannelMinuteStats(cid("a"), f.timezone.now().replace(second=0), claimed=600)]
     )
     assert "at the recent rate of 2.0 messages/s, about 1s" in why("c").text
 
@@ -133,13 +136,15 @@ def test_a_messages_own_causes() -> None:
     ahead = waiting.message(Message.objects.get(pk=second))
     assert ahead.text.startswith("1 message of its channel ahead of it")
 
-    (m,) = store.claim_messages(1, lease=LEASE, worker_id="w", only_channel_ids=[cid("m2")])
+    (m,) = message_store.claim_messages(1, lease=LEASE, worker_id="w", only_channel_ids=[cid("m2")])
     assert waiting.message(Message.objects.get(pk=m.id)).cause == "running"
-    store.fail_messages([(m.id, m.lease_token, {"type": "Boom", "message": "x"}, LEASE)])
+    message_store.fail_messages([(m.id, m.lease_token, {"type": "Boom", "message": "x"}, LEASE)])
     retry = waiting.message(Message.objects.get(pk=m.id))
     assert retry.cause == "retry" and "attempt 1 of" in retry.text and "Boom: x" in retry.text
 
-    (n,) = store.claim_messages(1, lease=LEASE, worker_id="gone", only_channel_ids=[cid("m2")])
+    (n,) = message_store.claim_messages(
+        1, lease=LEASE, worker_id="gone", only_channel_ids=[cid("m2")]
+    )
     with connection.cursor() as cur:
         cur.execute(
             "UPDATE fairqueue_message SET lease_expires_at = now() - interval '1 minute' "

@@ -24,8 +24,9 @@ from django.db import connection, connections, transaction
 from django.db.models import Sum
 from django.utils import timezone
 
-from django_fairqueue import conf, stats, store
+from django_fairqueue import conf, stats
 from django_fairqueue.context import current_message
+from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.maintenance import DeltaFolder, Pruner, Rescuer
 from django_fairqueue.models import Channel, ChannelStat, Message, MessageState, MinuteStat
 from django_fairqueue.signals import message_finished, message_started
@@ -273,7 +274,9 @@ def test_at_most_once_fails_without_retry_and_a_lost_lease_dead_letters_it() -> 
 
     # A worker that dies mid-handler: the rescuer dead-letters the message, never reruns it.
     crashed = fairtasks.at_most_once.enqueue(channel="bob")
-    (claimed,) = store.claim_messages(1, lease=timedelta(milliseconds=1), worker_id="doomed")
+    (claimed,) = message_store.claim_messages(
+        1, lease=timedelta(milliseconds=1), worker_id="doomed"
+    )
     assert claimed.id == crashed
     time.sleep(0.01)
     assert Rescuer().run_once() == 1
@@ -357,14 +360,14 @@ def test_a_stop_during_the_claim_gives_the_claimed_messages_back_unstarted(
 ) -> None:
     ids = [fairtasks.add.enqueue(i, 0, channel="alice") for i in range(3)]
     worker = one_worker(concurrency=3)
-    real_claim = store.claim_messages
+    real_claim = message_store.claim_messages
 
-    def claim_then_signal(*args: Any, **kwargs: Any) -> list[store.ClaimedMessage]:
+    def claim_then_signal(*args: Any, **kwargs: Any) -> list[message_store.ClaimedMessage]:
         claimed = real_claim(*args, **kwargs)
         worker.stop()  # SIGTERM arriving while the claim was in flight
         return claimed
 
-    monkeypatch.setattr(store, "claim_messages", claim_then_signal)
+    monkeypatch.setattr(message_store, "claim_messages", claim_then_signal)
     assert worker.run_once() == 0
     rows = Message.objects.filter(pk__in=ids)
     assert {(r.state, r.attempts, r.lease_token) for r in rows} == {(MessageState.READY, 0, None)}
@@ -399,15 +402,15 @@ def test_an_empty_claim_under_contention_does_not_end_a_burst_run(
     # LOCKED), though messages wait. Here the first five claims meet such peers, with nothing
     # in flight: more than the quick retries absorb, so the lock-free check must see the work.
     ids = [fairtasks.add.enqueue(i, 0, channel="solo") for i in range(12)]
-    real_claim = store.claim_messages
+    real_claim = message_store.claim_messages
     calls = 0
 
-    def contended(*args: Any, **kwargs: Any) -> list[store.ClaimedMessage]:
+    def contended(*args: Any, **kwargs: Any) -> list[message_store.ClaimedMessage]:
         nonlocal calls
         calls += 1
         return [] if calls <= 5 else real_claim(*args, **kwargs)
 
-    monkeypatch.setattr(store, "claim_messages", contended)
+    monkeypatch.setattr(message_store, "claim_messages", contended)
     assert one_worker(concurrency=2, burst=True).run() == 12
     assert {r.state for r in Message.objects.filter(pk__in=ids)} == {MessageState.SUCCEEDED}
 
@@ -597,15 +600,15 @@ def test_a_worker_releases_messages_handed_over_after_the_stop(
 ) -> None:
     ids = [fairtasks.add.enqueue(i, 0, channel="alice") for i in range(4)]
     worker = one_worker(concurrency=4)
-    real_claim = store.claim_messages
+    real_claim = message_store.claim_messages
 
-    def claim_then_signal(*args: Any, **kwargs: Any) -> list[store.ClaimedMessage]:
+    def claim_then_signal(*args: Any, **kwargs: Any) -> list[message_store.ClaimedMessage]:
         claimed = real_claim(*args, **kwargs)
         if claimed:
             worker.stop()
         return claimed
 
-    monkeypatch.setattr(store, "claim_messages", claim_then_signal)
+    monkeypatch.setattr(message_store, "claim_messages", claim_then_signal)
     assert worker.run() == 0
     rows = Message.objects.filter(pk__in=ids)
     assert {(r.state, r.attempts) for r in rows} == {(MessageState.READY, 0)}
@@ -620,17 +623,20 @@ def test_a_worker_releases_messages_handed_over_after_the_stop(
 def test_writes_of_a_worker_whose_lease_was_taken_over_change_nothing() -> None:
     mid = fairtasks.add.enqueue(1, 2, channel="alice")
     stale = one_worker(worker_id="stale")
-    (old,) = store.claim_messages(1, lease=timedelta(milliseconds=1), worker_id="stale")
+    (old,) = message_store.claim_messages(1, lease=timedelta(milliseconds=1), worker_id="stale")
     time.sleep(0.01)
     assert Rescuer().run_once() == 1
-    (new,) = store.claim_messages(1, lease=timedelta(minutes=1), worker_id="fresh")
+    (new,) = message_store.claim_messages(1, lease=timedelta(minutes=1), worker_id="fresh")
     assert new.id == old.id == mid
 
     done = [Outcome(old, "succeeded", result=99)]
     stale.settle(done)
     failed = [Outcome(old, "failed", error={"type": "X"})]
     stale.settle(failed)
-    assert store.heartbeat_messages([(old.id, old.lease_token)], lease=timedelta(hours=1)) == {}
+    assert (
+        message_store.heartbeat_messages([(old.id, old.lease_token)], lease=timedelta(hours=1))
+        == {}
+    )
 
     row = message(mid)
     assert (row.state, row.worker_id, row.lease_token) == (
@@ -690,7 +696,7 @@ def test_drain_survives_a_task_whose_database_error_would_break_the_transaction(
 def test_maintenance_services_rescue_prune_and_fold(fq: Any) -> None:
     fq(RESULT_RETENTION=0)
     expired = fairtasks.add.enqueue(1, 1, channel="alice")
-    store.claim_messages(1, lease=timedelta(milliseconds=1), worker_id="gone")
+    message_store.claim_messages(1, lease=timedelta(milliseconds=1), worker_id="gone")
     done = fairtasks.add.enqueue(2, 2, channel="bob")
     drain(channels="bob")
     assert message(done).state == MessageState.SUCCEEDED
@@ -843,7 +849,7 @@ def test_enqueue_notifies_only_when_an_idle_worker_may_be_waiting(
 ) -> None:
     listener = psycopg.connect(database_url, autocommit=True)
     try:
-        store.listen_wakeups(listener, conf.get().NOTIFY_CHANNEL)
+        message_store.listen_wakeups(listener, conf.get().NOTIFY_CHANNEL)
 
         def notified() -> int:
             return sum(1 for _ in listener.notifies(timeout=0.3))
@@ -917,7 +923,7 @@ def test_a_burst_is_not_done_while_a_settlement_races_its_last_question(
     fq(RETRY_BACKOFF_BASE=0)
     fairtasks.boom.enqueue(channel="alice")  # retried once, then failed
     worker = one_worker(concurrency=1, burst=True)
-    asked = store.select_next_due
+    asked = message_store.select_next_due
 
     def answer_then_let_it_settle(*args: Any, **kwargs: Any) -> Any:
         due_in = asked(*args, **kwargs)
@@ -926,7 +932,7 @@ def test_a_burst_is_not_done_while_a_settlement_races_its_last_question(
             wait_until(lambda: not worker._unsettled, timeout=10)
         return due_in
 
-    monkeypatch.setattr(store, "select_next_due", answer_then_let_it_settle)
+    monkeypatch.setattr(message_store, "select_next_due", answer_then_let_it_settle)
     assert worker.run() == 2
     assert Message.objects.get().state == MessageState.FAILED
 
@@ -965,11 +971,11 @@ def test_the_threaded_worker_records_per_channel_statistics(fq: Any) -> None:
 @pytest.mark.django_db
 def test_select_next_due_tells_a_drained_queue_from_a_busy_one() -> None:
     def due(**filters: Any) -> float | None:
-        return store.select_next_due(timedelta(seconds=5), **filters)
+        return message_store.select_next_due(timedelta(seconds=5), **filters)
 
     assert due() is None
     fairtasks.add.enqueue(1, 1, channel="a")  # counted through its not yet folded delta
-    a = store.select_channel_ids(["a"])["a"]
+    a = channel_store.select_channel_ids(["a"])["a"]
     assert (due() or 1) <= 0  # claimable now
     assert due(exclude_channel_ids=[a]) is None
     assert (due(only_channel_ids=[a]) or 1) <= 0
@@ -982,7 +988,7 @@ def test_select_next_due_tells_a_drained_queue_from_a_busy_one() -> None:
     time.sleep(0.01)
     assert (due() or 1) <= 0  # due, promoted by the next claim
     fairtasks.add.enqueue(3, 3, channel="c", run_after=timedelta(seconds=2))
-    assert 1 < (due(exclude_channel_ids=[store.select_channel_ids(["b"])["b"]]) or 0) <= 2
+    assert 1 < (due(exclude_channel_ids=[channel_store.select_channel_ids(["b"])["b"]]) or 0) <= 2
 
 
 @pytest.mark.django_db(transaction=True)
@@ -994,7 +1000,7 @@ def test_select_next_due_honours_a_groups_turn_and_cap_as_the_claim_does(folded:
     lease = timedelta(minutes=5)
 
     def due(**filters: Any) -> float | None:
-        return store.select_next_due(timedelta(seconds=5), **filters)
+        return message_store.select_next_due(timedelta(seconds=5), **filters)
 
     def settle() -> None:
         if folded:
@@ -1006,12 +1012,12 @@ def test_select_next_due_honours_a_groups_turn_and_cap_as_the_claim_does(folded:
     ChannelGroup.objects.filter(name="wg").update(release_interval=timedelta(minutes=10))
     settle()
     assert (due() or 1) <= 0  # its first turn is now
-    (taken,) = store.claim_messages(10, lease=lease, worker_id="w")
+    (taken,) = message_store.claim_messages(10, lease=lease, worker_id="w")
     settle()
-    assert store.claim_messages(10, lease=lease, worker_id="w") == []
+    assert message_store.claim_messages(10, lease=lease, worker_id="w") == []
     assert due() is None  # the claim takes nothing for ten minutes: nothing due in 5 s
-    assert 590 < (store.select_next_due(timedelta(hours=1)) or 0) <= 600
-    store.complete_messages([(taken.id, taken.lease_token, None)], run_seconds=None)
+    assert 590 < (message_store.select_next_due(timedelta(hours=1)) or 0) <= 600
+    message_store.complete_messages([(taken.id, taken.lease_token, None)], run_seconds=None)
     settle()
     assert due() is None  # a freed slot does not move the group's turn
 
@@ -1020,17 +1026,20 @@ def test_select_next_due_honours_a_groups_turn_and_cap_as_the_claim_does(folded:
         fairtasks.add.enqueue(i, 1, channel=("tg", "u0" if i < 2 else "u1"))
     ChannelGroup.objects.filter(name="tg").update(max_concurrency=2)
     fold_all()
-    u0, u1 = (store.select_channel_ids([n])[n] for n in ("tg/u0", "tg/u1"))
-    held = store.claim_messages(2, lease=lease, worker_id="other", only_channel_ids=[u0])
+    u0, u1 = (channel_store.select_channel_ids([n])[n] for n in ("tg/u0", "tg/u1"))
+    held = message_store.claim_messages(2, lease=lease, worker_id="other", only_channel_ids=[u0])
     assert len(held) == 2
     settle()
-    assert store.claim_messages(10, lease=lease, worker_id="w", only_channel_ids=[u1]) == []
+    assert message_store.claim_messages(10, lease=lease, worker_id="w", only_channel_ids=[u1]) == []
     assert due(only_channel_ids=[u1]) is None
     # one of them finishes: its slot is free at once, folded or not
-    store.complete_messages([(held[0].id, held[0].lease_token, None)], run_seconds=None)
+    message_store.complete_messages([(held[0].id, held[0].lease_token, None)], run_seconds=None)
     settle()
     assert (due(only_channel_ids=[u1]) or 1) <= 0
-    assert len(store.claim_messages(10, lease=lease, worker_id="w", only_channel_ids=[u1])) == 1
+    assert (
+        len(message_store.claim_messages(10, lease=lease, worker_id="w", only_channel_ids=[u1]))
+        == 1
+    )
 
 
 @pytest.mark.django_db(transaction=True)
@@ -1047,9 +1056,9 @@ def test_a_burst_run_ends_when_only_a_groups_limit_keeps_work_from_it(limit: str
     else:
         group.update(max_concurrency=1)
         fairtasks.add.enqueue(9, 9, channel=("wg", "busy"))
-        busy = store.select_channel_ids(["wg/busy"])["wg/busy"]
+        busy = channel_store.select_channel_ids(["wg/busy"])["wg/busy"]
         # another worker holds the group's only slot
-        held = store.claim_messages(
+        held = message_store.claim_messages(
             1, lease=timedelta(minutes=5), worker_id="other", only_channel_ids=[busy]
         )
         assert len(held) == 1

@@ -13,7 +13,7 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.db import connections
 
-from django_fairqueue import store
+from django_fairqueue.db import message_store
 from django_fairqueue.models import Message, MessageState
 from django_fairqueue.worker import Worker, WorkerConfig
 from tests import fairtasks
@@ -27,14 +27,14 @@ def worker(**config: Any) -> Worker:
 def recording_claims(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """(limit asked, messages got) of every claim the worker makes."""
     claims: list[tuple[int, int]] = []
-    real = store.claim_messages
+    real = message_store.claim_messages
 
-    def claim(limit: int, **kwargs: Any) -> list[store.ClaimedMessage]:
+    def claim(limit: int, **kwargs: Any) -> list[message_store.ClaimedMessage]:
         got = real(limit, **kwargs)
         claims.append((limit, len(got)))
         return got
 
-    monkeypatch.setattr(store, "claim_messages", claim)
+    monkeypatch.setattr(message_store, "claim_messages", claim)
     return claims
 
 
@@ -147,7 +147,7 @@ def test_prefetched_messages_whose_lease_expired_are_dropped_not_started(
             return {message_id: False for message_id, _ in leases}
         return {}  # every lease renewed was found expired (taken over)
 
-    monkeypatch.setattr(store, "heartbeat_messages", heartbeat_messages)
+    monkeypatch.setattr(message_store, "heartbeat_messages", heartbeat_messages)
     ids = [fairtasks.sleep.enqueue(0.0, channel="alice") for _ in range(4)]
     w = worker(concurrency=1, prefetch=3, lease=timedelta(seconds=lease))
     message_started.connect(hold_first, weak=False)

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from django_fairqueue import conf, store
+from django_fairqueue import conf
+from django_fairqueue.db import channel_store, enqueue_store
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -22,17 +23,17 @@ T = TypeVar("T")
 
 def enqueue_raw(channel: str, task_name: str, payload: str, max_attempts: int = 3) -> int:
     """Insert a message the API would refuse to make (unknown task, broken payload)."""
-    (mid,) = store.enqueue_messages(
-        [store.NewMessage(channel, task_name, payload, max_attempts=max_attempts)],
+    (mid,) = enqueue_store.enqueue_messages(
+        [enqueue_store.NewMessage(channel, task_name, payload, max_attempts=max_attempts)],
         defaults=conf.get().CHANNEL_DEFAULTS,
         notify_channel=None,
     )
     return mid
 
 
-def counters(channel: str) -> store.ChannelCounters:
-    cid = store.select_channel_ids([channel])[channel]
-    (row,) = store.select_channel_counters([cid])
+def counters(channel: str) -> channel_store.ChannelCounters:
+    cid = channel_store.select_channel_ids([channel])[channel]
+    (row,) = channel_store.select_channel_counters([cid])
     return row
 
 

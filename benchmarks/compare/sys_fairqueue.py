@@ -26,8 +26,9 @@ import django_fairqueue
 from benchmarks.compare.common import Backlog, WorkerConfig, timed_calls
 from benchmarks.compare.system import BATCH, DjangoSystem, python
 from benchmarks.compare.tasks_fairqueue import NAME
-from django_fairqueue import EnqueueRequest, conf, enqueue, enqueue_many, store
+from django_fairqueue import EnqueueRequest, conf, enqueue, enqueue_many
 from django_fairqueue.contrib.bench import db
+from django_fairqueue.db import channel_store
 
 LOAD_CHUNK = 200_000
 
@@ -58,7 +59,7 @@ class Fairqueue(DjangoSystem):
 
     def reset(self) -> None:
         db.truncate_queue_tables()
-        store.forget_groups()  # the channel groups went with the tables
+        channel_store.forget_groups()  # the channel groups went with the tables
 
     def load(self, tenant: str, count: int, variant: str) -> None:
         done = 0
@@ -73,7 +74,7 @@ class Fairqueue(DjangoSystem):
         self._settle()
 
     def _settle(self) -> None:
-        while store.fold_channel_deltas(10_000) > 0:
+        while channel_store.fold_channel_deltas(10_000) > 0:
             pass
         db.analyze_queue_tables()
 
@@ -87,7 +88,7 @@ class Fairqueue(DjangoSystem):
         for tenant, keys in zip(backlog.tenants, backlog.key_counts(), strict=True):
             channels = [tenant] if keys == 1 else [self.key(tenant, i) for i in range(keys)]
             if keys > 1:
-                store.ensure_groups([tenant])
+                channel_store.ensure_groups([tenant])
             done = 0
             while done < backlog.count:
                 done += db.load_ready_messages(

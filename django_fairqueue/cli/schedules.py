@@ -18,8 +18,9 @@ from typing import Any
 
 from django.core.management.base import CommandError, OutputWrapper
 
-from django_fairqueue import cron, overview, schedules, store
+from django_fairqueue import cron, overview, schedules
 from django_fairqueue.cli import channel_name, queue_name
+from django_fairqueue.db import pg
 from django_fairqueue.exceptions import InvalidSchedule
 from django_fairqueue.models import Schedule
 from django_fairqueue.queues import DEFAULT_QUEUE, row_name, split_row_name
@@ -65,7 +66,7 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
     elif queue is not None:
         rows = rows.filter(channel__queue=queue)
     found = list(rows)
-    now = store.select_clock()
+    now = pg.select_clock()
     states = schedules.states([s.pk for s in found])
     views: list[dict[str, Any]] = []
     for s in found:

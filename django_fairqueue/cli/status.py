@@ -31,8 +31,9 @@ from django.core.management.base import CommandError
 from django.db import connections
 from django.utils import timezone
 
-from django_fairqueue import bounds, overview, registry, stats, store, waiting
+from django_fairqueue import bounds, overview, registry, stats, waiting
 from django_fairqueue.cli import channel_name
+from django_fairqueue.db import channel_store, pg
 from django_fairqueue.queues import split_row_name, validate_queue_name
 from django_fairqueue.terminal import printable
 
@@ -126,14 +127,16 @@ def snapshot(
     which stamped the messages; the finished counts' minutes are the workers' own clocks.
     With ``queue``, the channels, groups and totals are that queue's only (the workers are
     every worker's)."""
-    now = now or store.select_clock()
+    now = now or pg.select_clock()
     views = registry.workers()  # beats age on the database's clock, which stamped them
     counts = overview.all_counts()
     if queue is not None:
         counts = {k: c for k, c in counts.items() if split_row_name(c.name)[0] == queue}
     ids = overview.ranked_ids(sort, limit, counts=counts)
     alive = registry.live(views)
-    retrying = store.select_channel_retrying([c.id for c in counts.values() if c.scheduled > 0])
+    retrying = channel_store.select_channel_retrying(
+        [c.id for c in counts.values() if c.scheduled > 0]
+    )
     minutes = overview.FINISHED_MINUTES
     recent = stats.window_stats(minutes)
     if queue is not None:
@@ -185,7 +188,7 @@ def _groups(limit: int, queue: str | None = None) -> dict[str, Any]:
     """The channel groups (of ``queue``, or all) with most ready first (the first ``limit``),
     and how many exist. Their ready and running are the sums over their channels as last
     folded."""
-    groups = store.select_group_state()
+    groups = channel_store.select_group_state()
     if queue is not None:
         groups = [g for g in groups if split_row_name(g.name)[0] == queue]
     groups.sort(key=lambda g: (-g.ready, -g.running, g.name))
@@ -209,7 +212,7 @@ def _groups(limit: int, queue: str | None = None) -> dict[str, Any]:
 
 
 def _render(options: dict[str, Any]) -> str:
-    now = store.select_clock()  # the clock that stamped what is aged here
+    now = pg.select_clock()  # the clock that stamped what is aged here
     if options.get("channel") is not None:
         queue = options.get("queue") or "default"
         return _render_channel(options["channel"], options["json"], now, queue)
@@ -220,7 +223,7 @@ def _render(options: dict[str, Any]) -> str:
 
 
 def _render_channel(name: str, as_json: bool, now: datetime, queue: str) -> str:
-    found = store.select_channel_ids_in_queues([name], [queue])
+    found = channel_store.select_channel_ids_in_queues([name], [queue])
     if not found:
         raise CommandError(f"no channel named {name!r} in queue {queue!r}")
     ((cid, _queue, _name),) = found

@@ -16,7 +16,8 @@ from typing import Any
 
 from django.core.management.base import OutputWrapper
 
-from django_fairqueue import overview, registry, store
+from django_fairqueue import overview, registry
+from django_fairqueue.db import pg
 from django_fairqueue.terminal import printable
 
 
@@ -25,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
-    now = store.select_clock()  # the clock that stamped the beats
+    now = pg.select_clock()  # the clock that stamped the beats
     views = registry.workers(now)
     if options["json"]:
         stdout.write(json.dumps([v.as_dict() for v in views]))

@@ -2,7 +2,7 @@
 
 ``fairqueue_schedule`` maps what operators and code declare; its firing state (``next_fire_at``,
 ``last_slot_at``, ``last_fired_at``, ``last_message_id``, ``fired_spec`` and the generated
-``spec`` and ``stale``) is written only by the firing statements of ``sql/queries.sql``.
+``spec`` and ``stale``) is written only by the firing statements of ``db/statements/schedules.sql``.
 ``fairqueue_schedule_fire`` holds one row per fired slot, unique on (schedule, slot).
 """
 

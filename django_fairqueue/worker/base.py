@@ -17,10 +17,10 @@ from django_fairqueue import conf
 from django_fairqueue._runtime import (
     StopFlag,
 )
+from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.maintenance import Service
 from django_fairqueue.registry import Beat
 from django_fairqueue.stats import StatsRecorder
-from django_fairqueue.store import ClaimedMessage
 from django_fairqueue.taskspec import registry
 from django_fairqueue.worker.config import (
     Outcome,

@@ -7,15 +7,15 @@ import random
 import time
 from datetime import timedelta
 
-from django_fairqueue import store
 from django_fairqueue._runtime import (
     CONNECTION_ERRORS,
     Backoff,
     after_database_error,
     drop_broken_connection,
 )
+from django_fairqueue.db import channel_store, message_store
+from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.registry import wall_clock
-from django_fairqueue.store import ClaimedMessage
 from django_fairqueue.worker.base import WorkerBase
 from django_fairqueue.worker.config import (
     DUE_RETRY_FIRST,
@@ -90,7 +90,7 @@ class Claimer(WorkerBase):
             settled_before_asking = not self._unsettled
         due_in = None
         if only != []:  # (no channel of --channels exists yet: nothing to ask about)
-            due_in = store.select_next_due(
+            due_in = message_store.select_next_due(
                 timedelta(seconds=horizon),
                 only_channel_ids=only,
                 exclude_channel_ids=exclude,
@@ -193,7 +193,7 @@ class Claimer(WorkerBase):
             return []  # none of the channels exists yet
         started = time.monotonic()
         sent = _lease_clock()  # the claim's database time is later than this
-        messages = store.claim_messages(
+        messages = message_store.claim_messages(
             limit,
             lease=self.lease,
             worker_id=self.worker_id,
@@ -208,7 +208,7 @@ class Claimer(WorkerBase):
             # with stale ids may return it. Give such messages back untouched and re-resolve.
             wrong = [m for m in messages if not self._channel_allowed(m.channel)]
             if wrong:
-                store.release_messages([(m.id, m.lease_token) for m in wrong])
+                message_store.release_messages([(m.id, m.lease_token) for m in wrong])
                 self._filters_resolved_at = -float("inf")
                 messages = [m for m in messages if self._channel_allowed(m.channel)]
         if messages:
@@ -232,7 +232,7 @@ class Claimer(WorkerBase):
         names = [*self.config.channels, *self.config.exclude_channels]
         # (a name has a channel row in each queue it has work in: every one of the served
         # queues counts)
-        rows = store.select_channel_ids_in_queues(names, self.config.queues)
+        rows = channel_store.select_channel_ids_in_queues(names, self.config.queues)
         only = set(self.config.channels)
         self._only_ids = [cid for cid, _queue, name in rows if name in only] or None
         self._exclude_ids = [cid for cid, _queue, name in rows if name not in only] or None

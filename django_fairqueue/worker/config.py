@@ -15,11 +15,11 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from django_fairqueue.api import validate_channel_name
+from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.exceptions import (
     FairQueueError,
 )
 from django_fairqueue.queues import validate_queue_name
-from django_fairqueue.store import ClaimedMessage
 from django_fairqueue.taskspec import TaskSpec
 
 logger = logging.getLogger("django_fairqueue.worker")

@@ -14,11 +14,11 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import close_old_connections, connections, transaction
 from django.db.backends.signals import connection_created
 
+from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.exceptions import (
     PayloadError,
 )
 from django_fairqueue.models import Message
-from django_fairqueue.store import ClaimedMessage
 from django_fairqueue.taskspec import TaskSpec
 
 logger = logging.getLogger("django_fairqueue.worker")

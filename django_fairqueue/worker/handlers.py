@@ -13,6 +13,7 @@ from asgiref.sync import async_to_sync
 from django_fairqueue import tracing
 from django_fairqueue.attempts import error_info, retry_delay
 from django_fairqueue.context import abort_flag, current_message, time_limit_passed
+from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.exceptions import (
     PayloadError,
     ResultNotStorable,
@@ -20,7 +21,6 @@ from django_fairqueue.exceptions import (
     UnknownTask,
 )
 from django_fairqueue.signals import message_finished, message_started
-from django_fairqueue.store import ClaimedMessage
 from django_fairqueue.taskspec import TaskSpec, check_result, registry
 from django_fairqueue.worker.base import WorkerBase
 from django_fairqueue.worker.config import (

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 
-from django_fairqueue import store
 from django_fairqueue._runtime import (
     CONNECTION_ERRORS,
     Backoff,
     after_database_error,
     drop_broken_connection,
 )
+from django_fairqueue.db import message_store
 from django_fairqueue.worker.base import WorkerBase
 from django_fairqueue.worker.config import (
     HEARTBEAT_BATCH,
@@ -43,7 +43,7 @@ class Heartbeat(WorkerBase):
                 for start in range(0, len(leases), HEARTBEAT_BATCH):
                     chunk = leases[start : start + HEARTBEAT_BATCH]
                     sent = _lease_clock()  # the renewal's database time is later than this
-                    renewed = store.heartbeat_messages(chunk, lease=self.lease)
+                    renewed = message_store.heartbeat_messages(chunk, lease=self.lease)
                     owned |= renewed.keys()
                     deadline = sent + self.lease.total_seconds()
                     with self._cond:

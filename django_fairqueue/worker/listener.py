@@ -8,10 +8,11 @@ from typing import Any
 import psycopg
 from django.db import connections
 
-from django_fairqueue import conf, store
+from django_fairqueue import conf
 from django_fairqueue._runtime import (
     Backoff,
 )
+from django_fairqueue.db import message_store
 from django_fairqueue.worker.base import WorkerBase
 
 logger = logging.getLogger("django_fairqueue.worker")
@@ -28,7 +29,7 @@ class Listener(WorkerBase):
             conn: psycopg.Connection[Any] | None = None
             try:
                 conn = psycopg.connect(**self._listener_params())
-                store.listen_wakeups(conn, channel)
+                message_store.listen_wakeups(conn, channel)
                 logger.info(
                     "%s on %r for wake-ups",
                     "listening again" if connected_before else "listening",

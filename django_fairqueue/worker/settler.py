@@ -10,7 +10,6 @@ import time
 from django.db import DatabaseError
 from django.utils import timezone
 
-from django_fairqueue import store
 from django_fairqueue._runtime import (
     CONNECTION_ERRORS,
     Backoff,
@@ -18,6 +17,7 @@ from django_fairqueue._runtime import (
     drop_broken_connection,
 )
 from django_fairqueue.attempts import error_info
+from django_fairqueue.db import message_store
 from django_fairqueue.worker.base import WorkerBase
 from django_fairqueue.worker.config import (
     _STATS_OUTCOME,
@@ -164,22 +164,24 @@ class Settler(WorkerBase):
 
     def _write_statement(self, verb: str, group: list[Outcome]) -> dict[int, str]:
         if verb == "complete":
-            done = store.complete_messages(
+            done = message_store.complete_messages(
                 [(o.message.id, o.message.lease_token, o.result) for o in group],
                 run_seconds=_run_seconds(group),
             )
             return {i: "succeeded" for i in done}
         if verb == "fail":
-            return store.fail_messages(
+            return message_store.fail_messages(
                 [(o.message.id, o.message.lease_token, o.error or {}, o.retry_in) for o in group],
                 run_seconds=_run_seconds(group),
             )
         if verb == "abort":
-            aborted = store.settle_aborted_messages(
+            aborted = message_store.settle_aborted_messages(
                 [(o.message.id, o.message.lease_token, o.error or {}) for o in group]
             )
             return {i: "aborted" for i in aborted}
-        released = store.release_messages([(o.message.id, o.message.lease_token) for o in group])
+        released = message_store.release_messages(
+            [(o.message.id, o.message.lease_token) for o in group]
+        )
         return {i: "ready" for i in released}
 
     def _after_write(self, verb: str, group: list[Outcome], written: dict[int, str]) -> None:

@@ -8,7 +8,7 @@ import sys
 import time
 import traceback
 
-from django_fairqueue.attempts import MAX_TRACEBACK, _storable, error_info
+from django_fairqueue.attempts import MAX_TRACEBACK, error_info, storable
 from django_fairqueue.exceptions import (
     TaskTimeout,
 )
@@ -89,7 +89,7 @@ class TimeLimits(Handlers):
         frame = sys._current_frames().get(attempt.thread.ident or -1)
         if frame is not None:  # where the task was stuck, for the operator
             stack = "".join(traceback.format_stack(frame))
-            error["traceback"] = _storable(
+            error["traceback"] = storable(
                 "Stack of the handler thread at the time limit (most recent call last):\n"
                 f"{stack}{error['type']}: {error['message']}\n",
                 MAX_TRACEBACK,

@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from django_fairqueue import store
+from django_fairqueue.db import enqueue_store
 from tests.workerkit import WorkerProcess
 
 #: ``short`` (default: the normal test run, CI) or ``full`` (the ``faults`` tox environment).
@@ -113,7 +113,7 @@ def enqueue(
     """Enqueue one message per entry of ``channels`` with the queue's own enqueue statement
     (channels created on first use with the given limits) and note their ids in
     ``fault_enqueued`` in the same transaction; returns the ids."""
-    sql = store.queries()["enqueue_messages"]
+    sql = enqueue_store.queries()["enqueue_messages"]
     if keep_result is None:
         keep_result = task == "tests.faults.kept"
     payload = json.dumps({"args": [seconds], "kwargs": {}})

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import pytest
 
-from django_fairqueue import store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
+from django_fairqueue.db import channel_store
 from django_fairqueue.exceptions import ChannelFull
 from tests.faults import harness
 from tests.faults import tasks as fault_tasks
@@ -46,7 +46,7 @@ def test_overload_refuses_clearly_and_loses_nothing_accepted(
     fault_db.conn.execute(
         "UPDATE fairqueue_channel SET max_backlog = %s WHERE name = 'hot'", [MAX_BACKLOG]
     )
-    ids = store.select_channel_ids(["hot", *OTHERS])
+    ids = channel_store.select_channel_ids(["hot", *OTHERS])
     fleet = fleets(fault_db.url, args=("--concurrency", "4", "--verbosity", "0"))
     fleet.start(2)
     harness.wait_listening(fault_db, fleet)
@@ -74,7 +74,7 @@ def test_overload_refuses_clearly_and_loses_nothing_accepted(
         )
         accepted += len(got)
         note(fault_db, got, ids[other])
-        (hot,) = store.select_channel_counters([ids["hot"]])
+        (hot,) = channel_store.select_channel_counters([ids["hot"]])
         backlog_seen = max(backlog_seen, hot.ready + hot.scheduled)
     t1 = harness.now(fault_db)
     drain = harness.wait_drained(fault_db, pick(300, 900), fleet=fleet)

@@ -40,11 +40,12 @@ from django.db import models
 from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 
-from django_fairqueue import stats, store
+from django_fairqueue import stats
 from django_fairqueue.contrib.bench import db
 from django_fairqueue.contrib.bench.harness import Bench, BenchmarkError, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
+from django_fairqueue.db import stats_store
 from django_fairqueue.figures import median, percentile
 from django_fairqueue.models import Channel
 
@@ -268,7 +269,7 @@ def _load(bench: Bench, cell: AdminCell) -> dict[str, Any]:
     using = bench.using
     began = time.perf_counter()
     bench.reset()
-    store.prune_channel_stats(timezone.now() + timedelta(days=1), using=using)
+    stats_store.prune_channel_stats(timezone.now() + timedelta(days=1), using=using)
     width = max(5, len(str(cell.channels - 1)))
     Channel.objects.using(using).bulk_create(
         [Channel(name=f"tenant-{i:0{width}d}") for i in range(cell.channels)], batch_size=5_000
@@ -325,7 +326,7 @@ def _write_stats(ids: list[int], using: str) -> None:
             histogram = [0] * buckets
             histogram[5 + (cid % 6)] = 20
             rows.append(
-                store.ChannelMinuteStats(
+                stats_store.ChannelMinuteStats(
                     cid,
                     at,
                     claimed=20,
@@ -338,12 +339,12 @@ def _write_stats(ids: list[int], using: str) -> None:
                 )
             )
         for chunk in range(0, len(rows), 5_000):
-            store.record_channel_stats(rows[chunk : chunk + 5_000], using=using)
+            stats_store.record_channel_stats(rows[chunk : chunk + 5_000], using=using)
 
 
 def _cleanup(bench: Bench) -> None:
     """What the queue-table TRUNCATE at the end of the run does not remove."""
-    store.prune_channel_stats(timezone.now() + timedelta(days=1), using=bench.using)
+    stats_store.prune_channel_stats(timezone.now() + timedelta(days=1), using=bench.using)
     db.delete_admin_workers(using=bench.using)
     bench.state.pop("admin_render", None)
 

@@ -19,10 +19,10 @@ from datetime import timedelta
 from multiprocessing.synchronize import Barrier, Event
 from typing import Any
 
-from django_fairqueue import store
 from django_fairqueue.contrib.bench.harness import START_TIMEOUT, Bench, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
+from django_fairqueue.db import message_store
 from django_fairqueue.figures import median
 
 LEASE = timedelta(minutes=10)
@@ -106,9 +106,9 @@ def _worker(
     slack = batch * len(claimed)  # rows other claimers may hold right now
 
     def claim_and_complete() -> int:
-        got = store.claim_messages(batch, lease=LEASE, worker_id=worker_id, using=using)
+        got = message_store.claim_messages(batch, lease=LEASE, worker_id=worker_id, using=using)
         if got:
-            store.complete_messages([(m.id, m.lease_token, None) for m in got], using=using)
+            message_store.complete_messages([(m.id, m.lease_token, None) for m in got], using=using)
             claimed[index] += len(got)
         return len(got)
 

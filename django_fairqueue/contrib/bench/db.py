@@ -1,9 +1,9 @@
 """The benchmark's SQL: one function per named statement of ``sql/bench.sql``.
 
-The queue's ``store.py`` for the benchmark's own statements (locking a run, old snapshots,
-function timings, bulk loads, scratch databases), run the same way: on the Django connection
-of ``using`` (default ``FAIRQUEUE['DATABASE']``), through the helpers of ``store``. The queue
-never calls these.
+The queue's ``django_fairqueue.db`` for the benchmark's own statements (locking a run, old
+snapshots, function timings, bulk loads, scratch databases), run the same way: on the Django
+connection of ``using`` (default ``FAIRQUEUE['DATABASE']``), through the public helpers of
+:mod:`django_fairqueue.db.pg`. The queue never calls these.
 """
 
 from __future__ import annotations
@@ -11,25 +11,17 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
-from functools import cache
 from typing import Any
 
 import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from django_fairqueue import conf, store
-from django_fairqueue.store import _cursor, _own_connection
+from django_fairqueue import conf
+from django_fairqueue.db import pg
 
-
-@cache
-def queries() -> dict[str, str]:
-    """Named statements of sql/bench.sql, loaded once."""
-    return store.named_statements("django_fairqueue.contrib.bench", "sql/bench.sql")
-
-
-def _run(name: str, params: dict[str, Any], using: str | None = None) -> list[tuple[Any, ...]]:
-    return store.run_statement(queries()[name], params, using)
+queries = pg.StatementFile("django_fairqueue.contrib.bench", "sql/bench.sql")
+_run = queries.run
 
 
 @contextmanager
@@ -39,7 +31,7 @@ def lock_benchmark(*, using: str | None = None) -> Iterator[bool]:
     A connection of its own, outside Django's handler, so ``connections.close_all()`` (before
     the benchmark forks) does not end the session and with it the lock.
     """
-    with _own_connection(using) as wrapper:  # closing it ends the session and the lock
+    with pg.own_connection(using) as wrapper:  # closing it ends the session and the lock
         with wrapper.wrap_database_errors:
             wrapper.ensure_connection()
             with psycopg.Cursor(wrapper.connection) as cur:
@@ -52,7 +44,7 @@ def lock_benchmark(*, using: str | None = None) -> Iterator[bool]:
 def hold_old_snapshot(*, using: str | None = None) -> Iterator[int]:
     """Open a REPEATABLE READ transaction on a connection of its own and keep its snapshot
     until the block ends (fairbench's snapshot scenario); yields that session's pid."""
-    with _own_connection(using) as wrapper:  # closing it ends the transaction and snapshot
+    with pg.own_connection(using) as wrapper:  # closing it ends the transaction and snapshot
         with wrapper.wrap_database_errors:
             wrapper.ensure_connection()
             conn = wrapper.connection
@@ -88,7 +80,7 @@ def select_function_times(*, using: str | None = None) -> dict[str, tuple[int, f
 def select_queue_tables_in_use(*, using: str | None = None) -> dict[str, bool]:
     """{table role: holds rows} for messages, channels, channel_deltas, work_batches and
     schedules."""
-    with _cursor(using) as cur:
+    with pg.kept_cursor(using) as cur:
         cur.execute(queries()["select_queue_tables_in_use"], {}, binary=True)
         row = cur.fetchone()
         names = [d.name for d in cur.description or ()]
@@ -176,7 +168,7 @@ def select_function_digests(*, using: str | None = None) -> dict[str, str]:
 
 def create_scratch_database(name: str, *, comment: str, using: str | None = None) -> None:
     """CREATE DATABASE ``name`` on the server of ``using``, marked with ``comment``."""
-    with _cursor(using) as cur:
+    with pg.kept_cursor(using) as cur:
         cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         cur.execute(
             sql.SQL("COMMENT ON DATABASE {} IS {}").format(
@@ -187,7 +179,7 @@ def create_scratch_database(name: str, *, comment: str, using: str | None = None
 
 def drop_scratch_database(name: str, *, using: str | None = None) -> None:
     """DROP DATABASE IF EXISTS ``name``, ending its sessions (PostgreSQL 13+)."""
-    with _cursor(using) as cur:
+    with pg.kept_cursor(using) as cur:
         cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 

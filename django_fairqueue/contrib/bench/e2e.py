@@ -16,12 +16,12 @@ import math
 import time
 from dataclasses import dataclass, replace
 
-from django_fairqueue import store
 from django_fairqueue.contrib.bench.claim import channel_names
 from django_fairqueue.contrib.bench.harness import START_TIMEOUT, Bench, BenchmarkError, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.workerproc import Fleet
+from django_fairqueue.db import channel_store
 
 #: Seconds between two reads of the channel counters.
 POLL = 0.02
@@ -109,7 +109,7 @@ def run(bench: Bench, cell: E2ECell) -> E2EResult:
     names = channel_names(cell.channels)
     backlog = _backlog(bench, cell)
     bench.load(names, backlog)
-    ids = list(store.select_channel_ids(names, using=using).values())
+    ids = list(channel_store.select_channel_ids(names, using=using).values())
     args = [
         "--burst",
         "--concurrency",
@@ -127,7 +127,7 @@ def run(bench: Bench, cell: E2ECell) -> E2EResult:
         began = fleet.started
         deadline = began + START_TIMEOUT + SLACK + 10 * backlog / sizes.e2e_first_guess
         while True:
-            rows = store.select_channel_counters(ids, using=using)
+            rows = channel_store.select_channel_counters(ids, using=using)
             now = time.perf_counter()
             failed = sum(r.failed for r in rows)
             done = sum(r.succeeded for r in rows) + failed

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from django_fairqueue import api, store
+from django_fairqueue import api
 from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many
 from django_fairqueue.contrib.bench import db
 from django_fairqueue.contrib.bench.functions import unavailable
@@ -34,6 +34,7 @@ from django_fairqueue.contrib.bench.harness import Bench, BenchmarkError, backen
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
+from django_fairqueue.db import message_store
 
 BATCH = 100
 CHANNELS = 10
@@ -134,7 +135,7 @@ def run(bench: Bench, cell: EnqueueCostCell) -> EnqueueCostResult:
         call()
     if cell.mode == "single-key-held-running":
         # the holders start: each channel's message of key "run" is claimed, and stays running
-        store.claim_messages(
+        message_store.claim_messages(
             10 * CHANNELS,
             lease=timedelta(hours=1),
             worker_id="fairbench-enqueue-cost",

@@ -15,7 +15,6 @@ from datetime import timedelta
 from multiprocessing.synchronize import Barrier, Event
 from typing import Any
 
-from django_fairqueue import store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.contrib.bench.harness import (
     START_TIMEOUT,
@@ -26,6 +25,7 @@ from django_fairqueue.contrib.bench.harness import (
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
+from django_fairqueue.db import message_store
 from django_fairqueue.figures import jain_index, median, percentile
 
 LEASE = timedelta(minutes=10)
@@ -88,10 +88,10 @@ def _worker(
     start.wait(START_TIMEOUT)
     while not stop.is_set():
         started = time.time()
-        got = store.claim_messages(batch, lease=LEASE, worker_id=worker_id, using=using)
+        got = message_store.claim_messages(batch, lease=LEASE, worker_id=worker_id, using=using)
         returned = time.time()
         if got:
-            store.complete_messages([(m.id, m.lease_token, None) for m in got], using=using)
+            message_store.complete_messages([(m.id, m.lease_token, None) for m in got], using=using)
         bs = [(m.id, m.enqueued_at.timestamp(), returned) for m in got if m.channel == B]
         if bs:
             with served.get_lock():

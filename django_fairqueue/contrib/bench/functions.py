@@ -29,13 +29,13 @@ from datetime import timedelta
 
 from django.db import DatabaseError
 
-from django_fairqueue import store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.contrib.bench import db
 from django_fairqueue.contrib.bench.harness import Bench, BenchmarkError, backend_cpu, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
+from django_fairqueue.db import message_store
 
 LEASE = timedelta(minutes=10)
 WORKER_ID = "fairbench-functions"
@@ -86,7 +86,7 @@ def plan(sizes: Sizes) -> list[FunctionsCell]:
     ]
 
 
-def _per_call(
+def per_call(
     before: dict[str, tuple[int, float, float]],
     after: dict[str, tuple[int, float, float]],
     name: str,
@@ -132,8 +132,10 @@ def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
     calls = sizes.functions_samples if cell.case == "empty" else sizes.functions_samples // 2
     # Warm-up: plans cached, statements prepared.
     for _ in range(10):
-        got = store.claim_messages(cell.batch, lease=LEASE, worker_id=WORKER_ID, using=using)
-        store.release_messages([(m.id, m.lease_token) for m in got], using=using)
+        got = message_store.claim_messages(
+            cell.batch, lease=LEASE, worker_id=WORKER_ID, using=using
+        )
+        message_store.release_messages([(m.id, m.lease_token) for m in got], using=using)
     cpu = backend_cpu(using)
     claim_cpu = complete_cpu = 0.0
     before = db.select_function_times(using=using)
@@ -142,7 +144,9 @@ def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
     for i in range(calls):
         lsn = db.select_wal_position(using=using) if cell.case != "empty" else None
         started = cpu() if cpu is not None else 0.0
-        got = store.claim_messages(cell.batch, lease=LEASE, worker_id=WORKER_ID, using=using)
+        got = message_store.claim_messages(
+            cell.batch, lease=LEASE, worker_id=WORKER_ID, using=using
+        )
         claimed = cpu() if cpu is not None else 0.0
         claim_cpu += claimed - started
         if lsn is not None:
@@ -150,7 +154,7 @@ def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
         if cell.case != "empty":
             if len(got) != cell.batch:
                 raise BenchmarkError(f"functions: a claim of {cell.batch} got {len(got)}")
-            store.complete_messages([(m.id, m.lease_token, None) for m in got], using=using)
+            message_store.complete_messages([(m.id, m.lease_token, None) for m in got], using=using)
             complete_cpu += (cpu() if cpu is not None else 0.0) - claimed
             completions += 1
             enqueue_many(
@@ -171,11 +175,11 @@ def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
         case=cell.case,
         batch=cell.batch,
         calls=calls,
-        claim_us=_per_call(before, after, CLAIM, calls),
-        claim_body_us=_per_call(before, after, CLAIM, calls, own=True),
-        promote_us=_per_call(before, after, PROMOTE, calls),
-        fold_us=_per_call(before, after, FOLD, calls),
-        complete_us=_per_call(before, after, COMPLETE, completions) if completions else None,
+        claim_us=per_call(before, after, CLAIM, calls),
+        claim_body_us=per_call(before, after, CLAIM, calls, own=True),
+        promote_us=per_call(before, after, PROMOTE, calls),
+        fold_us=per_call(before, after, FOLD, calls),
+        complete_us=per_call(before, after, COMPLETE, completions) if completions else None,
         claim_cpu_us=round(1e6 * claim_cpu / calls) if cpu is not None else None,
         complete_cpu_us=(
             round(1e6 * complete_cpu / completions) if cpu is not None and completions else None

@@ -21,13 +21,13 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
-from django_fairqueue import store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.contrib.bench import db, functions
 from django_fairqueue.contrib.bench.harness import Bench, BenchmarkError, backend_cpu, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
+from django_fairqueue.db import channel_store, message_store
 
 LEASE = timedelta(minutes=10)
 WORKER_ID = "fairbench-groups"
@@ -89,25 +89,29 @@ def run_cost(bench: Bench, cell: GroupsCell) -> GroupsResult:
     bench.reset()
     names = _names(cell.channels, cell.groups)
     if cell.groups:
-        store.ensure_groups([f"g{i:04d}" for i in range(cell.groups)], using=using)
+        channel_store.ensure_groups([f"g{i:04d}" for i in range(cell.groups)], using=using)
     bench.load(names, cell.channels * sizes.groups_per_channel)
     reason = functions.unavailable(using)
     if reason is not None:
         raise BenchmarkError(f"groups: {reason}")
     calls = sizes.groups_samples
     for _ in range(10):  # warm-up: plans cached, statements prepared
-        got = store.claim_messages(cell.batch, lease=LEASE, worker_id=WORKER_ID, using=using)
-        store.release_messages([(m.id, m.lease_token) for m in got], using=using)
+        got = message_store.claim_messages(
+            cell.batch, lease=LEASE, worker_id=WORKER_ID, using=using
+        )
+        message_store.release_messages([(m.id, m.lease_token) for m in got], using=using)
     cpu = backend_cpu(using)
     claim_cpu = 0.0
     before = db.select_function_times(using=using)
     for i in range(calls):
         started = cpu() if cpu is not None else 0.0
-        got = store.claim_messages(cell.batch, lease=LEASE, worker_id=WORKER_ID, using=using)
+        got = message_store.claim_messages(
+            cell.batch, lease=LEASE, worker_id=WORKER_ID, using=using
+        )
         claim_cpu += (cpu() if cpu is not None else 0.0) - started
         if len(got) != cell.batch:
             raise BenchmarkError(f"groups: a claim of {cell.batch} got {len(got)}")
-        store.complete_messages([(m.id, m.lease_token, None) for m in got], using=using)
+        message_store.complete_messages([(m.id, m.lease_token, None) for m in got], using=using)
         enqueue_many(EnqueueRequest(NOOP_TASK_NAME, channel=m.channel) for m in got)
         if i % 100 == 0:
             bench.progress.update(f"{i:,}/{calls:,} claims", i / calls)
@@ -119,7 +123,7 @@ def run_cost(bench: Bench, cell: GroupsCell) -> GroupsResult:
         groups=cell.groups,
         batch=cell.batch,
         calls=calls,
-        claim_us=functions._per_call(before, after, functions.CLAIM, calls),
+        claim_us=functions.per_call(before, after, functions.CLAIM, calls),
         claim_cpu_us=round(1e6 * claim_cpu / calls) if cpu is not None else None,
         vs_first=None,
         load1=round(load, 2),
@@ -208,7 +212,7 @@ def run_sybil(bench: Bench, cell: SybilCell) -> SybilResult:
     load = load1()
     bench.reset()
     if cell.grouped:
-        store.ensure_groups(["alice", "bob"], using=using)
+        channel_store.ensure_groups(["alice", "bob"], using=using)
         bob = [f"bob/ch-{i:03d}" for i in range(100)]
         alice = "alice/inbox"
     else:
@@ -219,9 +223,9 @@ def run_sybil(bench: Bench, cell: SybilCell) -> SybilResult:
     waits: list[float] = []
     bob_taken: list[int] = []
 
-    def claim() -> list[store.ClaimedMessage]:
-        got = store.claim_messages(batch, lease=LEASE, worker_id=WORKER_ID, using=using)
-        store.complete_messages([(m.id, m.lease_token, None) for m in got], using=using)
+    def claim() -> list[message_store.ClaimedMessage]:
+        got = message_store.claim_messages(batch, lease=LEASE, worker_id=WORKER_ID, using=using)
+        message_store.complete_messages([(m.id, m.lease_token, None) for m in got], using=using)
         return got
 
     for _ in range(20):  # warm-up on bob's backlog

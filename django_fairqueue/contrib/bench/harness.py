@@ -23,10 +23,11 @@ from typing import Any, TextIO
 
 from django.db import connections
 
-from django_fairqueue import conf, store, terminal
+from django_fairqueue import conf, terminal
 from django_fairqueue.contrib.bench import db
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
+from django_fairqueue.db import channel_store
 
 #: Rows per bulk-load statement: progress moves, and no single transaction writes a gigabyte.
 LOAD_CHUNK = 200_000
@@ -111,7 +112,7 @@ class Bench:
         """Empty the queue tables (TRUNCATE ... RESTART IDENTITY)."""
         connections[self.using].close_if_unusable_or_obsolete()
         db.truncate_queue_tables(using=self.using)
-        store.forget_groups()  # the channel groups went with the tables
+        channel_store.forget_groups()  # the channel groups went with the tables
 
     def load(
         self, channels: Sequence[str], count: int, *, unique_scope: str | None = None
@@ -140,7 +141,7 @@ class Bench:
     def settle(self) -> None:
         """Fold every pending counter delta and refresh statistics, as after a bulk load."""
         self.progress.update("folding counters, ANALYZE")
-        while store.fold_channel_deltas(10_000, using=self.using) > 0:
+        while channel_store.fold_channel_deltas(10_000, using=self.using) > 0:
             pass
         db.analyze_queue_tables(using=self.using)
 

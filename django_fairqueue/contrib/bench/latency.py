@@ -12,12 +12,12 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
-from django_fairqueue import store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.contrib.bench.harness import Bench, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario, relative_to_first
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
+from django_fairqueue.db import message_store
 from django_fairqueue.figures import median, percentile
 
 LEASE = timedelta(minutes=10)
@@ -82,11 +82,11 @@ def run(bench: Bench, cell: LatencyCell) -> LatencyResult:
     total = sizes.latency_warmup + sizes.latency_samples
     for i in range(total):
         began = time.perf_counter()
-        got = store.claim_messages(
+        got = message_store.claim_messages(
             sizes.latency_batch, lease=LEASE, worker_id=WORKER_ID, using=using
         )
         claimed = time.perf_counter()
-        store.complete_messages([(m.id, m.lease_token, None) for m in got], using=using)
+        message_store.complete_messages([(m.id, m.lease_token, None) for m in got], using=using)
         completed = time.perf_counter()
         # Put back what was taken, to the same channels: the backlog stays at its size.
         enqueue_many(EnqueueRequest(NOOP_TASK_NAME, channel=m.channel) for m in got)

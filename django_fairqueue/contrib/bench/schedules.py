@@ -18,13 +18,14 @@ from datetime import timedelta
 
 from django.db import transaction
 
-from django_fairqueue import cron, schedules, store
+from django_fairqueue import cron, schedules
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.contrib.bench import db
 from django_fairqueue.contrib.bench.harness import Bench, BenchmarkError, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
+from django_fairqueue.db import pg
 from django_fairqueue.figures import median, percentile
 from django_fairqueue.models import Channel, Schedule
 
@@ -105,7 +106,7 @@ def run(bench: Bench, cell: SchedulesCell) -> SchedulesResult:
     db.analyze_schedules(using=bench.using)
     if firer.seconds_to_next() in (None, 0):
         raise BenchmarkError("schedules: the first pass left schedules without a next slot")
-    now = store.select_clock(using=bench.using)
+    now = pg.select_clock(using=bench.using)
     (slot,) = cron.due_slots(CRON, TIMEZONE, now - timedelta(days=2), now, 1)
     timings, alone = [], []
     for i in range(sizes.schedules_samples):

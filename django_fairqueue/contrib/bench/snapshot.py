@@ -19,13 +19,13 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
-from django_fairqueue import store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.contrib.bench import db
 from django_fairqueue.contrib.bench.harness import Bench, BenchmarkError, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario, relative_to_first
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
+from django_fairqueue.db import message_store
 from django_fairqueue.figures import median, percentile
 
 LEASE = timedelta(minutes=10)
@@ -71,11 +71,11 @@ def _cycle(bench: Bench, channels: list[str], i: int) -> float:
     """Enqueue one message, claim one, complete it; returns the claim's milliseconds."""
     enqueue_many([EnqueueRequest(NOOP_TASK_NAME, channel=channels[i % len(channels)])])
     began = time.perf_counter()
-    got = store.claim_messages(1, lease=LEASE, worker_id=WORKER_ID, using=bench.using)
+    got = message_store.claim_messages(1, lease=LEASE, worker_id=WORKER_ID, using=bench.using)
     claimed = time.perf_counter()
     if not got:
         raise BenchmarkError("snapshot: a claim came back empty with a standing backlog")
-    store.complete_messages([(m.id, m.lease_token, None) for m in got], using=bench.using)
+    message_store.complete_messages([(m.id, m.lease_token, None) for m in got], using=bench.using)
     return 1000 * (claimed - began)
 
 

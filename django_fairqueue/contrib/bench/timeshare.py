@@ -34,12 +34,12 @@ from multiprocessing.synchronize import Barrier, Event
 
 from django.db import connections
 
-from django_fairqueue import store
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.contrib.bench.harness import START_TIMEOUT, Bench, BenchmarkError, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
+from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.figures import fair_completion_times, jain_index, percentile
 
 LEASE = timedelta(minutes=10)
@@ -120,10 +120,10 @@ def _worker(
     start.wait(START_TIMEOUT)
     while not stop.is_set():
         if index == 0 and time.monotonic() >= next_fold:
-            store.fold_channel_deltas(10_000, fairness=fairness, using=using)
+            channel_store.fold_channel_deltas(10_000, fairness=fairness, using=using)
             next_fold = time.monotonic() + FOLD_EVERY
         started = time.time()
-        got = store.claim_messages(
+        got = message_store.claim_messages(
             batch, lease=LEASE, worker_id=worker_id, fairness=fairness, using=using
         )
         returned = time.time()
@@ -139,7 +139,7 @@ def _worker(
             ran = time.monotonic() - t0
             runs.append(ran)
             seen.append((m.channel, m.enqueued_at.timestamp(), started, returned, ran, time.time()))
-        store.complete_messages(
+        message_store.complete_messages(
             [(m.id, m.lease_token, None) for m in got], run_seconds=runs, using=using
         )
     return seen
@@ -196,7 +196,7 @@ def run(bench: Bench, cell: TimeshareCell) -> TimeshareResult:
         workers = 2
         bob = ["bob"]
         if w == "sybil":
-            store.ensure_groups(["alice", "bob"], using=bench.using)
+            channel_store.ensure_groups(["alice", "bob"], using=bench.using)
             bob = [f"bob/c{i:02d}" for i in range(100)]
             alice = "alice/c00"
         bench.load(bob, cell.backlog)
@@ -358,10 +358,10 @@ def store_weight(channel: str, weight: int, using: str) -> None:
 def _wait_claimed(using: str, channel: str) -> None:
     """Until ``channel`` has no ready message left (the burst just enqueued is claimed: it has
     no other work), or fail the cell. Counters include the deltas not folded yet: exact."""
-    (cid,) = store.select_channel_ids([channel], using=using).values()
+    (cid,) = channel_store.select_channel_ids([channel], using=using).values()
     deadline = time.monotonic() + SERVE_TIMEOUT
     while True:
-        (counters,) = store.select_channel_counters([cid], using=using)
+        (counters,) = channel_store.select_channel_counters([cid], using=using)
         if not counters.ready:
             return
         if time.monotonic() > deadline:

@@ -207,7 +207,7 @@ def spark_cpu_seconds() -> float | None:
 def _application_id() -> str | None:
     from django_fairqueue.contrib.pipeline import spark
 
-    session = spark._session
+    session = spark.current_session()
     if session is None:
         return None
     try:
@@ -244,7 +244,7 @@ def executor_count() -> int:
     """Executors of this process's Spark application (0 in local mode)."""
     from django_fairqueue.contrib.pipeline import spark
 
-    session = spark._session
+    session = spark.current_session()
     return len(spark.executor_ids(session)) if session is not None else 0
 
 
@@ -277,7 +277,7 @@ def spark_overrides(
     with override_settings(FAIRQUEUE_PIPELINE={**current, "SPARK": raw}):
         settings_now = spark.spark_settings()
         plan = spark.session_plan(settings_now)  # a master naming no host fails here
-        session = spark._session
+        session = spark.current_session()
         if session is not None and master is not None:
             running = str(session.sparkContext.master)
             if running != plan.master:
@@ -358,7 +358,7 @@ def _workers_rss_bytes() -> int:
 def _jvm_pid() -> int | None:
     from django_fairqueue.contrib.pipeline import spark
 
-    session = spark._session
+    session = spark.current_session()
     if session is None:
         return None
     try:

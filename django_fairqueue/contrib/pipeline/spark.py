@@ -468,6 +468,11 @@ def get_session() -> Any:
         return _session
 
 
+def current_session() -> Any:
+    """This process's SparkSession if one was built or given, else None (never builds one)."""
+    return _session
+
+
 def use_session(session: Any) -> None:
     """Use an existing SparkSession (tests, notebooks, ``spark-submit`` drivers)."""
     global _session, _plan

@@ -1,7 +1,7 @@
 -- django-fairqueue's benchmark (`manage.py fairbench`, django_fairqueue.contrib.bench): the
 -- statements only the benchmark runs. The queue never runs them.
 --
--- Same format as django_fairqueue/sql/queries.sql: each statement starts with
+-- Same format as django_fairqueue/db/statements/*.sql: each statement starts with
 -- `-- name: verb_noun` and a one-line description; db.py loads this file once and has exactly
 -- one function per name (tests/test_store_sql.py checks both ways). Parameters are psycopg
 -- named placeholders %(name)s, always bound, never formatted in.

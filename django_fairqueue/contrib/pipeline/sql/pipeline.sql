@@ -4,7 +4,8 @@
 -- pipeline app's datastore.py loads and runs them. Identifiers ({table}, {columns}, ...) are
 -- filled with psycopg.sql.Identifier, never with text; values are psycopg named
 -- placeholders %(name)s, always bound (COPY statements are bound client-side by psycopg).
--- Queue statements (work batches) live in the queue's sql/queries.sql, run through store.py,
+-- Queue statements (work batches) live in the queue's db/statements/work_batches.sql, run through
+-- django_fairqueue.db.batch_store,
 -- except lock_batch_for_write: the fence Spark tasks run themselves, without Django (see there).
 
 -- name: column_types
@@ -127,7 +128,7 @@ SELECT count(*) FROM {staging} WHERE {rule} IS NULL;
 
 -- name: lock_batch_for_write
 -- Queue SQL kept here on purpose: the first statement of a Spark task's transaction when the sink
--- is not atomic. Spark executors have no Django (so no store.py / queries.sql); this is their
+-- is not atomic. Spark executors have no Django (so no django_fairqueue.db); this is their
 -- fence. It takes a share lock on the batch row under the lease token: while the task's
 -- transaction is open the rescuer (FOR UPDATE SKIP LOCKED) cannot take the batch away, and once
 -- the batch was rescued or settled no row comes back and the task writes nothing. Heartbeats

@@ -19,8 +19,8 @@ from django.db import transaction
 from django.db.models import Count, Q
 
 from django_fairqueue import EnqueueRequest, enqueue_many
+from django_fairqueue.db.message_store import purge_channel_backlog
 from django_fairqueue.models import Channel, Message, MessageState
-from django_fairqueue.store import purge_channel_backlog
 from documents.models import Document
 
 BIG, SMALL = "bob", "alice"

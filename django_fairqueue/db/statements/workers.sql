@@ -1,0 +1,79 @@
+-- django-fairqueue: the worker registry (django_fairqueue.registry).
+--
+-- Each statement starts with `-- name: verb_noun` and a one-line description;
+-- django_fairqueue/db/worker_store.py loads this file once and has exactly one function per name
+-- (tests/test_store_sql.py checks both ways).
+-- Parameters are psycopg named placeholders %(name)s, always bound, never formatted in.
+
+-- name: register_worker
+-- Record a worker process as running (upsert by worker id); expire the leases a previous process with the same id left behind.
+-- The registering process has claimed nothing yet, so every running message under its id is an
+-- orphan of a predecessor (a supervised slot restarted, a fixed --worker-id reused): its lease
+-- is made to expire now, and the rescuer requeues it. Returns how many leases were expired.
+WITH registered AS (
+    INSERT INTO fairqueue_worker AS w (
+        worker_id, host, pid, version, concurrency, channels, exclude_channels, queues, state,
+        started_at, heartbeat_at, last_claim_at, running, handled, stopped_at
+    )
+    VALUES (%(worker_id)s::text, %(host)s::text, %(pid)s::integer, %(version)s::text,
+            %(concurrency)s::integer, %(channels)s::jsonb, %(exclude_channels)s::jsonb,
+            %(queues)s::jsonb, 'running', clock_timestamp(), clock_timestamp(), NULL, 0, 0, NULL)
+    ON CONFLICT (worker_id) DO UPDATE
+    SET host = EXCLUDED.host, pid = EXCLUDED.pid, version = EXCLUDED.version,
+        concurrency = EXCLUDED.concurrency, channels = EXCLUDED.channels,
+        exclude_channels = EXCLUDED.exclude_channels, queues = EXCLUDED.queues,
+        state = 'running',
+        started_at = EXCLUDED.started_at, heartbeat_at = EXCLUDED.heartbeat_at,
+        last_claim_at = NULL, running = 0, handled = 0, stopped_at = NULL
+    RETURNING w.worker_id
+), orphaned AS (
+    UPDATE fairqueue_message m
+    SET lease_expires_at = clock_timestamp()
+    WHERE m.state = 'running' AND m.worker_id = %(worker_id)s::text
+      AND m.lease_expires_at > clock_timestamp()
+    RETURNING m.id
+)
+SELECT (SELECT count(*) FROM orphaned) AS expired, (SELECT count(*) FROM registered) AS n;
+
+-- name: beat_worker
+-- A registered worker's beat: it is alive, runs `running` messages, handled `handled`, claimed last at `last_claim_at`.
+-- A worker marked dead that beats again (it was frozen, not killed) is running again; its old
+-- leases were expired and its late settlements are fenced by their lease tokens.
+UPDATE fairqueue_worker w
+SET heartbeat_at = clock_timestamp(), state = 'running', running = %(running)s::integer,
+    handled = %(handled)s::bigint,
+    last_claim_at = coalesce(%(last_claim_at)s::timestamptz, w.last_claim_at)
+WHERE w.worker_id = %(worker_id)s::text;
+
+-- name: deregister_worker
+-- A worker stopped gracefully (its leases are settled or released).
+UPDATE fairqueue_worker w
+SET state = 'stopped', stopped_at = clock_timestamp(), running = 0, handled = %(handled)s::bigint
+WHERE w.worker_id = %(worker_id)s::text;
+
+-- name: expire_dead_workers
+-- Mark workers silent for longer than `dead_after` dead and expire the leases of the messages they ran; returns each with how many.
+-- The rescuer requeues (or dead-letters) those messages in the same maintenance pass.
+WITH dead AS (
+    UPDATE fairqueue_worker w
+    SET state = 'dead', running = 0
+    WHERE w.state = 'running'
+      AND w.heartbeat_at < clock_timestamp() - %(dead_after)s::interval
+    RETURNING w.worker_id, w.host, w.pid,
+              extract(epoch FROM clock_timestamp() - w.heartbeat_at)::float8 AS silent
+), expired AS (
+    UPDATE fairqueue_message m
+    SET lease_expires_at = clock_timestamp()
+    WHERE m.state = 'running' AND m.lease_expires_at > clock_timestamp()
+      AND m.worker_id IN (SELECT dead.worker_id FROM dead)
+    RETURNING m.worker_id
+)
+SELECT dead.worker_id, dead.host, dead.pid, dead.silent,
+       (SELECT count(*) FROM expired WHERE expired.worker_id = dead.worker_id)
+FROM dead
+ORDER BY dead.worker_id;
+
+-- name: prune_workers
+-- Forget workers stopped or dead before `before`.
+DELETE FROM fairqueue_worker w
+WHERE w.state <> 'running' AND w.heartbeat_at < %(before)s::timestamptz;

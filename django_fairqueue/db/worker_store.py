@@ -1,0 +1,83 @@
+"""The worker registry (``django_fairqueue.registry``): workers record themselves,
+beat, deregister; a silent one is marked dead and its leases expired.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from psycopg.types.json import Jsonb
+
+from django_fairqueue.db import pg
+
+queries = pg.StatementFile("django_fairqueue.db", "statements/workers.sql")
+_run = queries.run
+
+
+@dataclass(frozen=True, slots=True)
+class DeadWorker:
+    worker_id: str
+    host: str
+    pid: int
+    silent_seconds: float
+    leases_expired: int
+
+
+def register_worker(
+    worker_id: str,
+    *,
+    host: str,
+    pid: int,
+    version: str,
+    concurrency: int,
+    channels: Sequence[str],
+    exclude_channels: Sequence[str],
+    queues: Sequence[str] | None = None,
+    using: str | None = None,
+) -> int:
+    """Record a worker as running; returns the leases of a predecessor with its id it expired.
+    ``queues``: the queues it serves, None for every queue."""
+    params = {
+        "worker_id": worker_id,
+        "host": host,
+        "pid": pid,
+        "version": version,
+        "concurrency": concurrency,
+        "channels": Jsonb(list(channels)),
+        "exclude_channels": Jsonb(list(exclude_channels)),
+        "queues": None if queues is None else Jsonb(list(queues)),
+    }
+    return int(_run("register_worker", params, using)[0][0])
+
+
+def beat_worker(
+    worker_id: str,
+    *,
+    running: int,
+    handled: int,
+    last_claim_at: datetime | None,
+    using: str | None = None,
+) -> None:
+    params = {
+        "worker_id": worker_id,
+        "running": running,
+        "handled": handled,
+        "last_claim_at": last_claim_at,
+    }
+    _run("beat_worker", params, using)
+
+
+def deregister_worker(worker_id: str, *, handled: int, using: str | None = None) -> None:
+    _run("deregister_worker", {"worker_id": worker_id, "handled": handled}, using)
+
+
+def expire_dead_workers(dead_after: float, *, using: str | None = None) -> list[DeadWorker]:
+    """Mark workers silent for ``dead_after`` seconds dead and expire their leases."""
+    rows = _run("expire_dead_workers", {"dead_after": timedelta(seconds=dead_after)}, using)
+    return [DeadWorker(r[0], r[1], int(r[2]), float(r[3]), int(r[4])) for r in rows]
+
+
+def prune_workers(before: datetime, *, using: str | None = None) -> None:
+    _run("prune_workers", {"before": before}, using)
