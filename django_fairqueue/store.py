@@ -777,16 +777,21 @@ def fail_messages(
 
 
 def release_messages(
-    leases: Sequence[tuple[int, uuid.UUID]], *, using: str | None = None
+    leases: Sequence[tuple[int, uuid.UUID]],
+    *,
+    delays: Sequence[timedelta | None] | None = None,
+    using: str | None = None,
 ) -> set[int]:
-    """Return unstarted claimed messages to the queue; the attempt is not counted."""
+    """Return claimed messages to the queue; the attempt is not counted. With ``delays``
+    (one per lease, None: none), each waits that long before it can be claimed again."""
     if not leases:
         return set()
-    rows = _run_back_to_queue(
-        "release_messages",
-        {"ids": [i for i, _ in leases], "tokens": [t for _, t in leases]},
-        using,
-    )
+    params = {
+        "ids": [i for i, _ in leases],
+        "tokens": [t for _, t in leases],
+        "delays": list(delays) if delays is not None else [None] * len(leases),
+    }
+    rows = _run_back_to_queue("release_messages", params, using)
     return {r[0] for r in rows}
 
 
@@ -1872,3 +1877,38 @@ def prune_schedule_fires(before: datetime, *, limit: int = 10_000, using: str | 
             binary=True,
         )
         return cur.rowcount
+
+
+# -- production PostgreSQL: the xmin horizon, the wake-up check ------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class XminHolder:
+    """A session, prepared transaction or replication slot holding the xmin horizon back."""
+
+    kind: str  # "transaction", "prepared" or "slot"
+    pid: int | None  # the backend (a slot's: its consumer's, None when none is connected)
+    name: str  # application name (or role), prepared transaction's gid, slot name
+    age_seconds: float | None  # since its transaction began (a slot: unknown, None)
+    xid_age: int | None  # how many transactions back its snapshot reaches
+    state: str  # the session's state ("idle in transaction", ...), "prepared", "inactive"
+    query: str | None  # the start of its latest query (None when not visible to this role)
+
+
+def select_xmin_holders(
+    min_age: timedelta, *, limit: int = 5, using: str | None = None
+) -> list[XminHolder]:
+    """Who holds the xmin horizon of the queue's database back, oldest snapshot first:
+    transactions and prepared transactions older than ``min_age``, inactive slots."""
+    rows = _run("select_xmin_holders", {"min_age": min_age, "limit": limit}, using)
+    return [XminHolder(*row) for row in rows]
+
+
+def set_worker_wakeups(worker_id: str, wakeups: str, *, using: str | None = None) -> None:
+    """Record how a worker learns of new messages: ``notify`` or ``polling: <why>``."""
+    _run("set_worker_wakeups", {"worker_id": worker_id, "wakeups": wakeups}, using)
+
+
+def notify_probe(channel: str, payload: str, *, using: str | None = None) -> None:
+    """Send ``payload`` on ``channel`` from Django's connection, as an enqueue notifies."""
+    _run("notify_probe", {"channel": channel, "payload": payload}, using)

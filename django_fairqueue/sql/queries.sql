@@ -160,13 +160,15 @@ WITH t AS MATERIALIZED (
 SELECT id, state FROM failed;
 
 -- name: release_messages
--- Give claimed messages back unstarted (shutdown): ready again, the attempt not counted.
+-- Give claimed messages back unstarted (shutdown) or cut short by the database being unavailable: ready again (after its `delays` entry, when not NULL: scheduled), the attempt not counted.
 -- One with an abort requested ends aborted instead, and a unique job whose key was taken
 -- while it was claimed (scope 'queued') ends cancelled, superseded (see fail_messages).
--- Nothing ran: the delta gives back the run time the claim charged in advance (run_count
--- with no run_seconds).
+-- The attempt did not count: the delta gives back the run time the claim charged in advance
+-- (run_count with no run_seconds).
 WITH t AS MATERIALIZED (
     SELECT m.id,
+           clock_timestamp()
+           + (%(delays)s::interval[])[array_position(%(ids)s::bigint[], m.id)] AS run_at,
            m.abort_requested_at IS NOT NULL AS aborted,
            (m.unique_key IS NOT NULL AND m.unique_scope = 'queued'
             AND fairqueue_unique_key_held_v1(m.channel_id, m.unique_key)) AS superseded
@@ -178,19 +180,22 @@ WITH t AS MATERIALIZED (
 ), released AS (
     UPDATE fairqueue_message m
     SET state = CASE WHEN t.aborted THEN 'aborted' WHEN t.superseded THEN 'cancelled'
-                     ELSE 'ready' END,
+                     WHEN t.run_at IS NOT NULL THEN 'scheduled' ELSE 'ready' END,
+        run_at = CASE WHEN t.run_at IS NOT NULL AND NOT (t.aborted OR t.superseded)
+                      THEN t.run_at ELSE m.run_at END,
         attempts = greatest(m.attempts - 1, 0), lease_token = NULL,
         lease_expires_at = NULL, worker_id = '',
         finished_at = CASE WHEN t.aborted OR t.superseded THEN clock_timestamp() END
     FROM t
     WHERE m.id = t.id
     RETURNING m.id, m.channel_id, m.state,
-              CASE WHEN m.unique_key IS NOT NULL AND m.state = 'ready'  -- see fail_messages
+              CASE WHEN m.unique_key IS NOT NULL AND m.state IN ('ready', 'scheduled')
                    THEN fairqueue_unique_rejoin_v1(m.channel_id, m.unique_key, m.id, m.unique_scope)
-              END AS rejoined
+              END AS rejoined  -- see fail_messages
 ), delta AS (
-    INSERT INTO fairqueue_channel_delta (channel_id, ready, running, run_count)
-    SELECT channel_id, count(*) FILTER (WHERE state = 'ready'), -count(*), count(*)
+    INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, run_count)
+    SELECT channel_id, count(*) FILTER (WHERE state = 'ready'),
+           count(*) FILTER (WHERE state = 'scheduled'), -count(*), count(*)
     FROM released GROUP BY channel_id
 )
 SELECT id FROM released;
@@ -1296,7 +1301,7 @@ WITH registered AS (
         exclude_channels = EXCLUDED.exclude_channels, queues = EXCLUDED.queues,
         state = 'running',
         started_at = EXCLUDED.started_at, heartbeat_at = EXCLUDED.heartbeat_at,
-        last_claim_at = NULL, running = 0, handled = 0, stopped_at = NULL
+        last_claim_at = NULL, running = 0, handled = 0, stopped_at = NULL, wakeups = ''
     RETURNING w.worker_id
 ), orphaned AS (
     UPDATE fairqueue_message m
@@ -1561,3 +1566,51 @@ SELECT m.channel_id, count(*)
 FROM fairqueue_message m
 WHERE m.channel_id = ANY (%(ids)s::bigint[]) AND m.state = 'scheduled' AND m.attempts > 0
 GROUP BY m.channel_id;
+
+-- name: select_xmin_holders
+-- What holds this database's xmin horizon back, oldest snapshot first: sessions whose transaction began more than `min_age` ago and holds a snapshot or an xid, prepared transactions older than that, and replication slots holding an xmin with no consumer connected.
+-- VACUUM keeps every row version such a holder may still see, so under one the queue's hot
+-- tables and indexes fill with dead versions the claim walks past. Sessions and prepared
+-- transactions of other databases do not hold this database's horizon (PostgreSQL 14 and
+-- later); slots hold every database's. Autovacuum's own snapshot is ignored by other vacuums,
+-- so it is not listed. A role without pg_read_all_stats sees other roles' sessions without
+-- their query (NULL), still with their age.
+SELECT h.kind, h.pid, h.name, h.age_seconds, h.xid_age, h.state, h.query
+FROM (
+    SELECT 'transaction'::text AS kind, a.pid,
+           coalesce(nullif(a.application_name, ''), a.usename::text, '') AS name,
+           extract(epoch FROM clock_timestamp() - a.xact_start)::float8 AS age_seconds,
+           age(coalesce(a.backend_xmin, a.backend_xid))::bigint AS xid_age,
+           coalesce(a.state, '') AS state, left(a.query, 200) AS query
+    FROM pg_stat_activity a
+    WHERE a.datname = current_database()
+      AND a.pid <> pg_backend_pid()
+      AND a.backend_type <> 'autovacuum worker'
+      AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+      AND a.xact_start < clock_timestamp() - %(min_age)s::interval
+    UNION ALL
+    SELECT 'prepared', NULL, p.gid,
+           extract(epoch FROM clock_timestamp() - p.prepared)::float8,
+           age(p.transaction)::bigint, 'prepared', NULL
+    FROM pg_prepared_xacts p
+    WHERE p.database = current_database()
+      AND p.prepared < clock_timestamp() - %(min_age)s::interval
+    UNION ALL
+    -- a slot has no start time; its xmin's age in transactions says how far back it holds
+    SELECT 'slot', s.active_pid, s.slot_name::text, NULL,
+           greatest(age(s.xmin), age(s.catalog_xmin))::bigint,
+           CASE WHEN s.xmin IS NULL THEN 'inactive, catalog only' ELSE 'inactive' END, NULL
+    FROM pg_replication_slots s
+    WHERE NOT s.active AND (s.xmin IS NOT NULL OR s.catalog_xmin IS NOT NULL)
+) h
+ORDER BY h.xid_age DESC NULLS LAST, h.age_seconds DESC NULLS LAST
+LIMIT %(limit)s::integer;
+
+-- name: set_worker_wakeups
+-- Record how a worker learns of new messages: 'notify' (its LISTEN was seen to work) or 'polling: <why>'.
+UPDATE fairqueue_worker w SET wakeups = %(wakeups)s::text WHERE w.worker_id = %(worker_id)s::text;
+
+-- name: notify_probe
+-- A wake-up listener's check of itself: a notification on its own channel, from another
+-- connection, with a payload only it knows (a worker woken by it only claims once more).
+SELECT pg_notify(%(channel)s::text, %(payload)s::text);
