@@ -179,7 +179,10 @@ class Settler(WorkerBase):
                 [(o.message.id, o.message.lease_token, o.error or {}) for o in group]
             )
             return {i: "aborted" for i in aborted}
-        released = store.release_messages([(o.message.id, o.message.lease_token) for o in group])
+        released = store.release_messages(
+            [(o.message.id, o.message.lease_token) for o in group],
+            delays=[o.retry_in for o in group],  # given back after a database outage: a delay
+        )
         return {i: "ready" for i in released}
 
     def _after_write(self, verb: str, group: list[Outcome], written: dict[int, str]) -> None:
