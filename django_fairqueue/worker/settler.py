@@ -126,8 +126,10 @@ class Settler(WorkerBase):
         for verb, group in groups:
             if not group:
                 continue
-            written = self._write(verb, group, savepoint)
             ids = {o.message.id for o in group}
+            with self._cond:
+                self._settling |= ids
+            written = self._write(verb, group, savepoint)
             outcomes[:] = [o for o in outcomes if o.message.id not in ids]
             self._after_write(verb, group, written)
 
@@ -201,6 +203,7 @@ class Settler(WorkerBase):
         with self._cond:
             for outcome in group:
                 message_id = outcome.message.id
+                self._settling.discard(message_id)
                 if self._unsettled.get(message_id, outcome.message) is not outcome.message:
                     continue  # its retry, claimed again already (a timed-out attempt's, say)
                 self._unsettled.pop(message_id, None)
