@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import logging
-from typing import Any
 
 import psycopg
 import pytest
