@@ -12,11 +12,10 @@ primary by themselves, as they would behind a DNS name or a virtual IP that move
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,26 +37,16 @@ LEASE = 10.0
 TASK = "tests.faults.durable"
 
 
-def _migrate(url: str) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "django", "migrate", "--settings", "tests.settings", "-v", "0"],
-        cwd=ROOT,
-        env={**os.environ, "DATABASE_URL": url},
-        check=True,
-        timeout=180,
-    )
-
-
 @pytest.fixture
-def pair() -> Iterator[tuple[devdb.EmbeddedPostgres, devdb.EmbeddedPostgres]]:
-    """A primary and its synchronous standby, both running; removed at the end."""
-    base = ROOT / ".fairqueue"
-    primary = devdb.EmbeddedPostgres(base / f"pgdata-primary-{os.getpid()}", devdb.default_bindir())
-    standby = devdb.EmbeddedPostgres(base / f"pgdata-standby-{os.getpid()}", devdb.default_bindir())
+def pair(
+    private_server: devdb.EmbeddedPostgres,
+) -> Iterator[tuple[devdb.EmbeddedPostgres, devdb.EmbeddedPostgres]]:
+    """The private server as the primary, and its synchronous standby, both running."""
+    primary = private_server
+    standby = devdb.EmbeddedPostgres(
+        ROOT / ".fairqueue" / f"pgdata-standby-{os.getpid()}", devdb.default_bindir()
+    )
     try:
-        primary.start()
-        primary.ensure_database("faults")
-        _migrate(primary.url("faults"))
         standby.datadir.mkdir(parents=True, mode=0o700)
         standby._prepare_permissions()  # as root: the server's user owns it
         primary._run(
@@ -93,12 +82,9 @@ def pair() -> Iterator[tuple[devdb.EmbeddedPostgres, devdb.EmbeddedPostgres]]:
             )
         yield primary, standby
     finally:
-        for server in (standby, primary):
-            try:
-                server.stop("immediate")
-            except devdb.DevDBError:
-                pass  # the killed primary is not running
-            shutil.rmtree(server.datadir, ignore_errors=True)
+        with contextlib.suppress(devdb.DevDBError):
+            standby.stop("immediate")
+        shutil.rmtree(standby.datadir, ignore_errors=True)
 
 
 def test_failover_to_a_synchronous_standby_under_load(
@@ -128,10 +114,8 @@ def test_failover_to_a_synchronous_standby_under_load(
             except psycopg.Error:
                 refused[0] += 1
                 if conn is not None:
-                    try:
+                    with contextlib.suppress(psycopg.Error):
                         conn.close()
-                    except psycopg.Error:
-                        pass
                 conn = None
                 time.sleep(0.1)
         if conn is not None:
