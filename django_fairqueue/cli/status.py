@@ -9,7 +9,9 @@ One line per channel (the first --limit, default 20, in --sort order, default mo
 a channel is its name within its queue, and the QUEUE column says which), then, when channel
 groups exist, one line per group (the --limit with most ready first: its channels, ready and
 running summed over them, its cap, weight and rate limit), then the totals over all channels,
-per queue when there are several, and the live workers. Name a CHANNEL (with --queue QUEUE
+per queue when there are several, the live workers, and a warning naming any transaction or
+replication slot that has held the xmin horizon for longer than HORIZON_WARN_AFTER (it slows
+every claim; docs/reliability.md says what to do). Name a CHANNEL (with --queue QUEUE
 outside the default queue) to see it alone, with why its messages wait; --queue QUEUE without
 a CHANNEL lists that queue's channels, groups and totals only. --json prints one
 JSON document for scripts; --watch redraws every SECONDS (default 2) until Ctrl-C. The figures
