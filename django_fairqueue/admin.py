@@ -47,7 +47,7 @@ from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 from django.views.decorators.http import require_POST
 
-from django_fairqueue import adminlist, batches, conf, overview, registry, stats, waiting
+from django_fairqueue import adminlist, batches, conf, horizon, overview, registry, stats, waiting
 from django_fairqueue.api import validate_channel_name, validate_group_name
 from django_fairqueue.db import batch_store, channel_store, message_store, pg
 from django_fairqueue.exceptions import InvalidChannel, InvalidQueue
@@ -1064,6 +1064,8 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
             "queues": adminlist.QueueFilter.known_queues(params["queue"]),
             "data_url": reverse(f"{self.admin_site.name}:fairqueue_channel_dashboard_data"),
             "refresh_seconds": _int_param(request, "refresh", 5, 1, 300),
+            # what holds the xmin horizon back (a long transaction slows every claim)
+            "xmin_horizon": [horizon.as_dict(h) for h in horizon.holders()],
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(request, "admin/fairqueue/dashboard.html", context)
@@ -1071,7 +1073,9 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
     def dashboard_data_view(self, request: HttpRequest) -> JsonResponse:
         if not self.has_view_permission(request):
             raise PermissionDenied
-        return JsonResponse(overview.dashboard(**self._dashboard_params(request)))
+        data = overview.dashboard(**self._dashboard_params(request))
+        data["xmin_horizon"] = [horizon.as_dict(h) for h in horizon.holders()]
+        return JsonResponse(data)
 
 
 def _int_param(request: HttpRequest, name: str, default: int, low: int, high: int) -> int:

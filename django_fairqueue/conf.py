@@ -94,6 +94,10 @@ class FairQueueSettings:
     # Seconds after a slot's time during which firing it is on time; a slot found later was
     # missed, and its schedule's missed policy (latest, skip, catch_up) decides.
     SCHEDULE_GRACE: float = 60.0
+    # Seconds a transaction (or prepared transaction) may hold the queue database's xmin
+    # horizon before ``fairqueue status``, the dashboard and the metrics name it: while it is
+    # open, VACUUM keeps every row version the queue writes, and claims slow down.
+    HORIZON_WARN_AFTER: float = 300.0
 
 
 def _duration(value: Any, name: str) -> timedelta:

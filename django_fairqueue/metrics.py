@@ -47,7 +47,7 @@ except ImportError as exc:  # tests/test_admin.py hides the package to check thi
         "django_fairqueue.metrics needs prometheus-client: pip install django-fairqueue[prometheus]"
     ) from exc
 
-from django_fairqueue import overview, registry, stats
+from django_fairqueue import horizon, overview, registry, stats
 from django_fairqueue.db import channel_store, message_store, pg
 from django_fairqueue.models import Channel
 from django_fairqueue.queues import split_row_name
@@ -223,9 +223,37 @@ def _labels(row_name: str) -> list[str]:
     return [name, queue]
 
 
+# -- the xmin horizon ----------------------------------------------------------------------
+
+
+class HorizonCollector(Collector):
+    """What holds the queue database's xmin horizon back (a long transaction slows every
+    claim): the oldest transaction's age, and the holders past ``HORIZON_WARN_AFTER``."""
+
+    def collect(self) -> Iterator[Metric]:
+        age = GaugeMetricFamily(
+            "fairqueue_xmin_horizon_seconds",
+            "Seconds since the oldest transaction holding the queue database's xmin horizon "
+            "began (0: none); while it is open VACUUM keeps every row version the queue writes.",
+        )
+        age.add_metric([], horizon.oldest_age())
+        yield age
+        held = GaugeMetricFamily(
+            "fairqueue_xmin_horizon_holder_xid_age",
+            "Transactions, prepared transactions and inactive replication slots holding the "
+            "xmin horizon past FAIRQUEUE['HORIZON_WARN_AFTER']: how many transactions back "
+            "each holds it (fairqueue status names them with their query).",
+            labels=["kind", "pid", "name"],
+        )
+        for h in horizon.holders():
+            held.add_metric([h.kind, "" if h.pid is None else str(h.pid), h.name], h.xid_age or 0)
+        yield held
+
+
 #: The queue as the database sees it (served by :func:`metrics_view`, from any process).
 REGISTRY = CollectorRegistry(auto_describe=False)
 REGISTRY.register(QueueCollector())
+REGISTRY.register(HorizonCollector())
 
 #: What only this process knows (served by :func:`start_http_server` in a worker): a web
 #: process never claims, so its view would export an always-empty histogram.

@@ -784,6 +784,10 @@ class WorkerRecord(models.Model):
     running = models.IntegerField(default=0)
     handled = models.BigIntegerField(default=0)
     stopped_at = models.DateTimeField(null=True, blank=True)
+    #: how it learns of new messages: "notify" (its LISTEN was seen to work), "polling: <why>"
+    #: (it checked, no notification came through: it polls on purpose), "" (not known: it
+    #: was started with --no-listen, or has not checked yet)
+    wakeups = models.CharField(max_length=300, blank=True, default="", db_default="")
 
     class Meta:
         db_table = "fairqueue_worker"

@@ -144,6 +144,8 @@ class WorkerView:
     last_claim_at: datetime | None
     #: the queues it claims from, in its order; None: every queue
     queues: list[str] | None = None
+    #: how it learns of new messages: "notify", "polling: <why>", "" (unknown, --no-listen)
+    wakeups: str = ""
 
     def as_dict(self) -> dict[str, object]:
         out = dict(self.__dict__)
@@ -188,6 +190,7 @@ def workers(now: datetime | None = None) -> list[WorkerView]:
                 w.heartbeat_at,
                 w.last_claim_at,
                 list(w.queues) if w.queues is not None else None,
+                w.wakeups,
             )
         )
     order = {"alive": 0, "silent": 1, "dead": 2, "stopped": 3}

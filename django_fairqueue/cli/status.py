@@ -9,7 +9,9 @@ One line per channel (the first --limit, default 20, in --sort order, default mo
 a channel is its name within its queue, and the QUEUE column says which), then, when channel
 groups exist, one line per group (the --limit with most ready first: its channels, ready and
 running summed over them, its cap, weight and rate limit), then the totals over all channels,
-per queue when there are several, and the live workers. Name a CHANNEL (with --queue QUEUE
+per queue when there are several, the live workers, and a warning naming any transaction or
+replication slot that has held the xmin horizon for longer than HORIZON_WARN_AFTER (it slows
+every claim; docs/reliability.md says what to do). Name a CHANNEL (with --queue QUEUE
 outside the default queue) to see it alone, with why its messages wait; --queue QUEUE without
 a CHANNEL lists that queue's channels, groups and totals only. --json prints one
 JSON document for scripts; --watch redraws every SECONDS (default 2) until Ctrl-C. The figures
@@ -31,7 +33,7 @@ from django.core.management.base import CommandError
 from django.db import connections
 from django.utils import timezone
 
-from django_fairqueue import bounds, overview, registry, stats, waiting
+from django_fairqueue import bounds, conf, horizon, overview, registry, stats, waiting
 from django_fairqueue.cli import channel_name
 from django_fairqueue.db import channel_store, pg
 from django_fairqueue.queues import split_row_name, validate_queue_name
@@ -161,6 +163,8 @@ def snapshot(
         "queues": _queues(counts.values(), alive),
         "channels": [_in_queue(row.as_dict(now)) for row in overview.rows(ids)],
         **_groups(limit, queue),
+        # the long transactions (and slots) that hold VACUUM back and slow every claim
+        "xmin_horizon": [horizon.as_dict(h) for h in horizon.holders()],
     }
 
 
@@ -350,7 +354,22 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
             "one started with --queues naming it, runs (manage.py fairqueue workers shows "
             "each worker's queues)."
         )
+    out.extend(_horizon_lines(data.get("xmin_horizon") or []))
     return "\n".join(out)
+
+
+def _horizon_lines(holders: list[dict[str, Any]]) -> list[str]:
+    """The warning naming what holds the xmin horizon back, one line per holder."""
+    if not holders:
+        return []
+    after = overview.format_age(conf.get().HORIZON_WARN_AFTER)
+    return [
+        f"WARNING: {len(holders)} old transaction{'s' if len(holders) > 1 else ''} or slot"
+        f"{'s' if len(holders) > 1 else ''} (over {after}) hold the xmin horizon: VACUUM keeps "
+        "every row version the queue writes, and claims slow down until they end "
+        '(docs/reliability.md, "A long transaction"):',
+        *(f"  {h['text']}" for h in holders),
+    ]
 
 
 def _group_table(groups: list[dict[str, Any]]) -> list[str]:

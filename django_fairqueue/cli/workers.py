@@ -1,7 +1,11 @@
 """List the workers in the registry: alive, silent, dead or stopped, and what each runs.
 
 QUEUES is what the worker claims from: "all" (every queue, the default), or the queues it
-was started with (runfairworker --queues), in its order.
+was started with (runfairworker --queues), in its order. WAKEUPS is how it learns of new
+messages: "notify" (its listener saw a notification of its own arrive after LISTEN),
+"polling" (none arrived, behind a transaction pooler say: it polls every POLL_INTERVAL on
+purpose, and the line under the table says why), "-" (started with --no-listen, or not
+checked yet).
 
 A worker beats every FAIRQUEUE['WORKER_HEARTBEAT'] seconds; one silent for longer than
 WORKER_DEAD_AFTER is dead, and the maintenance loop of any live worker then requeues the
@@ -45,6 +49,7 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
         "HANDLED",
         "BEAT",
         "CLAIM",
+        "WAKEUPS",
     )
     lines = [header]
     for v in views:
@@ -62,6 +67,7 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
                 f"{v.handled:,}",
                 f"{beat} ago",
                 f"{claim} ago" if claim else "-",
+                v.wakeups.split(":", 1)[0] or "-",
             )
         )
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
@@ -69,3 +75,7 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
         stdout.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     alive = registry.live(views)
     stdout.write(f"\n{len(alive)} live of {len(views)} registered.")
+    for v in alive:
+        if v.wakeups.startswith("polling"):
+            why = v.wakeups.split(":", 1)[1].strip()
+            stdout.write(f"{printable(v.worker_id)} polls for new messages: {printable(why)}.")

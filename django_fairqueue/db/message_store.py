@@ -285,16 +285,21 @@ def fail_messages(
 
 
 def release_messages(
-    leases: Sequence[tuple[int, uuid.UUID]], *, using: str | None = None
+    leases: Sequence[tuple[int, uuid.UUID]],
+    *,
+    delays: Sequence[timedelta | None] | None = None,
+    using: str | None = None,
 ) -> set[int]:
-    """Return unstarted claimed messages to the queue; the attempt is not counted."""
+    """Return claimed messages to the queue; the attempt is not counted. With ``delays``
+    (one per lease, None: none), each waits that long before it can be claimed again."""
     if not leases:
         return set()
-    rows = _run_back_to_queue(
-        "release_messages",
-        {"ids": [i for i, _ in leases], "tokens": [t for _, t in leases]},
-        using,
-    )
+    params = {
+        "ids": [i for i, _ in leases],
+        "tokens": [t for _, t in leases],
+        "delays": list(delays) if delays is not None else [None] * len(leases),
+    }
+    rows = _run_back_to_queue("release_messages", params, using)
     return {r[0] for r in rows}
 
 
@@ -485,3 +490,8 @@ def select_abort_pending_count(*, using: str | None = None) -> int:
 
 def select_stale_lease_count(*, using: str | None = None) -> int:
     return int(_run("select_stale_lease_count", {}, using)[0][0])
+
+
+def notify_probe(channel: str, payload: str, *, using: str | None = None) -> None:
+    """Send ``payload`` on ``channel`` from Django's connection, as an enqueue notifies."""
+    _run("notify_probe", {"channel": channel, "payload": payload}, using)

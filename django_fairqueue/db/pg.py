@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from importlib import resources
 from typing import Any
 
@@ -195,3 +195,25 @@ def select_clock(*, using: str | None = None) -> datetime:
     """The database's clock (``clock_timestamp()``), for figures computed against its
     timestamps (ages, next fire times)."""
     return _run("select_clock", {}, using)[0][0]  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True, slots=True)
+class XminHolder:
+    """A session, prepared transaction or replication slot holding the xmin horizon back."""
+
+    kind: str  # "transaction", "prepared" or "slot"
+    pid: int | None  # the backend (a slot's: its consumer's, None when none is connected)
+    name: str  # application name (or role), prepared transaction's gid, slot name
+    age_seconds: float | None  # since its transaction began (a slot: unknown, None)
+    xid_age: int | None  # how many transactions back its snapshot reaches
+    state: str  # the session's state ("idle in transaction", ...), "prepared", "inactive"
+    query: str | None  # the start of its latest query (None when not visible to this role)
+
+
+def select_xmin_holders(
+    min_age: timedelta, *, limit: int = 5, using: str | None = None
+) -> list[XminHolder]:
+    """Who holds the xmin horizon of the queue's database back, oldest snapshot first:
+    transactions and prepared transactions older than ``min_age``, inactive slots."""
+    rows = _run("select_xmin_holders", {"min_age": min_age, "limit": limit}, using)
+    return [XminHolder(*row) for row in rows]

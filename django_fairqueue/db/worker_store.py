@@ -81,3 +81,8 @@ def expire_dead_workers(dead_after: float, *, using: str | None = None) -> list[
 
 def prune_workers(before: datetime, *, using: str | None = None) -> None:
     _run("prune_workers", {"before": before}, using)
+
+
+def set_worker_wakeups(worker_id: str, wakeups: str, *, using: str | None = None) -> None:
+    """Record how a worker learns of new messages: ``notify`` or ``polling: <why>``."""
+    _run("set_worker_wakeups", {"worker_id": worker_id, "wakeups": wakeups}, using)

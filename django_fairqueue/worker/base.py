@@ -71,6 +71,9 @@ class WorkerBase:
         self._half_batch = max(1, min(self.config.batch_size, self._capacity) // 2)
         self._unsettled: dict[int, ClaimedMessage] = {}  # claimed, not yet written back
         self._lost: set[int] = set()  # unsettled, but a heartbeat found the lease gone
+        # Outcomes being written by the settler: a renewal that no longer finds one running
+        # met its settlement, not a lost lease (the settler reports a lease it finds lost).
+        self._settling: set[int] = set()
         # unsettled (or in a run_once pass): when the lease expires at the latest, on
         # _lease_clock (the claim or the last renewal, sent at that time, plus the lease)
         self._lease_deadlines: dict[int, float] = {}

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 from asgiref.sync import async_to_sync
 
-from django_fairqueue import tracing
+from django_fairqueue import dbfaults, tracing
 from django_fairqueue.attempts import error_info, retry_delay
 from django_fairqueue.context import abort_flag, current_message, time_limit_passed
 from django_fairqueue.db.message_store import ClaimedMessage
@@ -41,6 +41,8 @@ from django_fairqueue.worker.execution import (
 )
 
 logger = logging.getLogger("django_fairqueue.worker")
+#: One line per cause of unavailability every few seconds, however many tasks it cut short.
+_given_back = dbfaults.RateLimitedWarnings(logger)
 
 
 class Handlers(WorkerBase):
@@ -303,6 +305,15 @@ class Handlers(WorkerBase):
         retry: bool,
     ) -> Outcome:
         error = error_info(exc, attempt=message.attempts, worker_id=self.worker_id)
+        cause = dbfaults.unavailable(exc)
+        if cause is not None:  # not the task's fault: given back, the attempt not counted
+            return Outcome(
+                message,
+                "released",
+                error={**error, "unavailable": cause},
+                retry_in=dbfaults.give_back_delay(),
+                duration=time.monotonic() - started,
+            )
         # at_most_once messages have max_attempts 1; the check also covers a task switched to
         # at_most_once after its messages were enqueued.
         if (
@@ -323,6 +334,20 @@ class Handlers(WorkerBase):
         message = outcome.message
         level = logging.INFO if outcome.kind == "succeeded" else logging.WARNING
         if not logger.isEnabledFor(level):
+            return
+        if outcome.kind == "released":  # given back: the database was unavailable
+            error = outcome.error or {}
+            _given_back.warning(
+                str(error.get("unavailable")),
+                "gave back %s message %s channel %r without using an attempt: the database is "
+                "unavailable (%s: %s)",
+                message.task_name,
+                message.id,
+                message.channel,
+                error.get("type"),
+                error.get("message"),
+                extra=_log_extra(message, duration=outcome.duration, outcome="released"),
+            )
             return
         if outcome.kind == "succeeded":
             what = "succeeded"

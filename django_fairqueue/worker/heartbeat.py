@@ -59,7 +59,15 @@ class Heartbeat(WorkerBase):
             backoff.reset()
             drop_broken_connection()
             with self._cond:
-                lost = [i for i, _ in leases if i not in owned and i in self._unsettled]
+                # Not lost: one settled meanwhile (being written, or written and forgotten),
+                # or claimed again under a new token (a retry) since this renewal began.
+                lost = [
+                    i
+                    for i, token in leases
+                    if i not in owned
+                    and i not in self._settling
+                    and getattr(self._unsettled.get(i), "lease_token", None) == token
+                ]
                 self._lost.update(lost)
             if lost:
                 logger.warning(

@@ -8,7 +8,7 @@ from typing import Any
 import psycopg
 from django.db import connections
 
-from django_fairqueue import conf
+from django_fairqueue import conf, wakeups
 from django_fairqueue._runtime import (
     Backoff,
 )
@@ -30,6 +30,8 @@ class Listener(WorkerBase):
             try:
                 conn = psycopg.connect(**self._listener_params())
                 message_store.listen_wakeups(conn, channel)
+                if not wakeups.confirm(conn, channel, self.worker_id):
+                    return  # notifications do not arrive: polling only, on purpose (logged)
                 logger.info(
                     "%s on %r for wake-ups",
                     "listening again" if connected_before else "listening",

@@ -126,8 +126,10 @@ class Settler(WorkerBase):
         for verb, group in groups:
             if not group:
                 continue
-            written = self._write(verb, group, savepoint)
             ids = {o.message.id for o in group}
+            with self._cond:
+                self._settling |= ids
+            written = self._write(verb, group, savepoint)
             outcomes[:] = [o for o in outcomes if o.message.id not in ids]
             self._after_write(verb, group, written)
 
@@ -180,7 +182,8 @@ class Settler(WorkerBase):
             )
             return {i: "aborted" for i in aborted}
         released = message_store.release_messages(
-            [(o.message.id, o.message.lease_token) for o in group]
+            [(o.message.id, o.message.lease_token) for o in group],
+            delays=[o.retry_in for o in group],  # given back after a database outage: a delay
         )
         return {i: "ready" for i in released}
 
@@ -200,6 +203,7 @@ class Settler(WorkerBase):
         with self._cond:
             for outcome in group:
                 message_id = outcome.message.id
+                self._settling.discard(message_id)
                 if self._unsettled.get(message_id, outcome.message) is not outcome.message:
                     continue  # its retry, claimed again already (a timed-out attempt's, say)
                 self._unsettled.pop(message_id, None)

@@ -1,15 +1,21 @@
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from django_fairqueue import devdb
 from tests.faults import harness
 from tests.faults.harness import Db, Fleet
+from tests.workerkit import ROOT
 
 #: Short leases and intervals: a killed worker's messages come back within seconds. Heartbeats
 #: renew three times per lease, so a busy machine needs seconds of stall to lose one.
@@ -62,3 +68,26 @@ def fleets() -> Iterator[Callable[..., Fleet]]:
         for fleet in made:
             fleet.close()
             print(fleet.logs())
+
+
+@pytest.fixture
+def private_server() -> Iterator[devdb.EmbeddedPostgres]:
+    """A PostgreSQL of our own, in .fairqueue/ (the server's user must reach it), migrated:
+    for the scenarios that restart, kill or reconfigure the server, never the shared one."""
+    datadir = ROOT / ".fairqueue" / f"pgdata-faults-{os.getpid()}"
+    server = devdb.EmbeddedPostgres(datadir, devdb.default_bindir())
+    try:
+        server.start()
+        server.ensure_database("faults")
+        subprocess.run(
+            [sys.executable, "-m", "django", "migrate", "--settings", "tests.settings", "-v", "0"],
+            cwd=ROOT,
+            env={**os.environ, "DATABASE_URL": server.url("faults")},
+            check=True,
+            timeout=180,
+        )
+        yield server
+    finally:
+        with contextlib.suppress(devdb.DevDBError):  # killed by the scenario
+            server.stop("immediate")
+        shutil.rmtree(datadir, ignore_errors=True)

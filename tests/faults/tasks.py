@@ -18,17 +18,18 @@ from django_fairqueue import conf, task
 from django_fairqueue.context import current_message
 
 # Asynchronous commit: the log is written at the rate tasks run. Worker processes are killed,
-# never the server mid-write (a fast shutdown flushes the WAL), so no committed row is lost.
+# never the server mid-write (a fast shutdown flushes the WAL), so no committed row is lost;
+# the failover scenario kills the server itself, and logs with ``durable`` (commit waits).
 _START = """
 INSERT INTO fault_exec_log (message_id, channel, attempt, pid, claimed_at, started_at)
 SELECT %s, %s, %s, %s, %s::timestamptz - %s * interval '1 second', clock_timestamp()
-FROM (SELECT set_config('synchronous_commit', 'off', false)) AS s
+FROM (SELECT set_config('synchronous_commit', %s, false)) AS s
 RETURNING id
 """
 _END = "UPDATE fault_exec_log SET finished_at = clock_timestamp() WHERE id = %s"
 
 
-def _logged(seconds: float) -> dict[str, Any]:
+def _logged(seconds: float, *, durable: bool = False) -> dict[str, Any]:
     message = current_message.get()
     if message is None:
         raise RuntimeError("fault tasks run only inside a worker")
@@ -43,6 +44,7 @@ def _logged(seconds: float) -> dict[str, Any]:
                 os.getpid(),
                 message.lease_expires_at,
                 lease,
+                "on" if durable else "off",
             ],
         )
         (log_id,) = cursor.fetchone()
@@ -62,3 +64,10 @@ def work(seconds: float = 0.0) -> None:
 def kept(seconds: float = 0.0) -> dict[str, Any]:
     """Like ``work``, but the row stays ``succeeded`` with the worker's pid as its result."""
     return _logged(seconds)
+
+
+@task(name="tests.faults.durable", max_attempts=20)
+def durable(seconds: float = 0.0) -> None:
+    """Like ``work``, its log written with synchronous commit: a run that finished before the
+    server was killed is in the log of the standby promoted after it."""
+    _logged(seconds, durable=True)

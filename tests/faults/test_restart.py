@@ -9,19 +9,14 @@ reconnect and catch up.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
 from django_fairqueue import devdb
 from tests.faults import harness
 from tests.faults.harness import Db, Fleet, pick
-from tests.workerkit import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
@@ -32,27 +27,6 @@ THREADS = 4
 #: Leases outlast the restart, so no message should run twice.
 LEASE = 15.0
 LISTENER = "fairqueue listener %"
-
-
-@pytest.fixture
-def private_server() -> Iterator[devdb.EmbeddedPostgres]:
-    """A PostgreSQL of our own, in .fairqueue/ (the server's user must reach it), migrated."""
-    datadir = ROOT / ".fairqueue" / f"pgdata-faults-{os.getpid()}"
-    server = devdb.EmbeddedPostgres(datadir, devdb.default_bindir())
-    try:
-        server.start()
-        server.ensure_database("faults")
-        subprocess.run(
-            [sys.executable, "-m", "django", "migrate", "--settings", "tests.settings", "-v", "0"],
-            cwd=ROOT,
-            env={**os.environ, "DATABASE_URL": server.url("faults")},
-            check=True,
-            timeout=180,
-        )
-        yield server
-    finally:
-        server.stop("immediate")
-        shutil.rmtree(datadir, ignore_errors=True)
 
 
 def listeners(db: Db) -> int:

@@ -116,13 +116,15 @@ WITH t AS MATERIALIZED (
 SELECT id, state FROM failed;
 
 -- name: release_messages
--- Give claimed messages back unstarted (shutdown): ready again, the attempt not counted.
+-- Give claimed messages back unstarted (shutdown) or cut short by the database being unavailable: ready again (after its `delays` entry, when not NULL: scheduled), the attempt not counted.
 -- One with an abort requested ends aborted instead, and a unique job whose key was taken
 -- while it was claimed (scope 'queued') ends cancelled, superseded (see fail_messages).
--- Nothing ran: the delta gives back the run time the claim charged in advance (run_count
--- with no run_seconds).
+-- The attempt did not count: the delta gives back the run time the claim charged in advance
+-- (run_count with no run_seconds).
 WITH t AS MATERIALIZED (
     SELECT m.id,
+           clock_timestamp()
+           + (%(delays)s::interval[])[array_position(%(ids)s::bigint[], m.id)] AS run_at,
            m.abort_requested_at IS NOT NULL AS aborted,
            (m.unique_key IS NOT NULL AND m.unique_scope = 'queued'
             AND fairqueue_unique_key_held_v1(m.channel_id, m.unique_key)) AS superseded
@@ -134,19 +136,22 @@ WITH t AS MATERIALIZED (
 ), released AS (
     UPDATE fairqueue_message m
     SET state = CASE WHEN t.aborted THEN 'aborted' WHEN t.superseded THEN 'cancelled'
-                     ELSE 'ready' END,
+                     WHEN t.run_at IS NOT NULL THEN 'scheduled' ELSE 'ready' END,
+        run_at = CASE WHEN t.run_at IS NOT NULL AND NOT (t.aborted OR t.superseded)
+                      THEN t.run_at ELSE m.run_at END,
         attempts = greatest(m.attempts - 1, 0), lease_token = NULL,
         lease_expires_at = NULL, worker_id = '',
         finished_at = CASE WHEN t.aborted OR t.superseded THEN clock_timestamp() END
     FROM t
     WHERE m.id = t.id
     RETURNING m.id, m.channel_id, m.state,
-              CASE WHEN m.unique_key IS NOT NULL AND m.state = 'ready'  -- see fail_messages
+              CASE WHEN m.unique_key IS NOT NULL AND m.state IN ('ready', 'scheduled')
                    THEN fairqueue_unique_rejoin_v1(m.channel_id, m.unique_key, m.id, m.unique_scope)
-              END AS rejoined
+              END AS rejoined  -- see fail_messages
 ), delta AS (
-    INSERT INTO fairqueue_channel_delta (channel_id, ready, running, run_count)
-    SELECT channel_id, count(*) FILTER (WHERE state = 'ready'), -count(*), count(*)
+    INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, run_count)
+    SELECT channel_id, count(*) FILTER (WHERE state = 'ready'),
+           count(*) FILTER (WHERE state = 'scheduled'), -count(*), count(*)
     FROM released GROUP BY channel_id
 )
 SELECT id FROM released;
@@ -573,3 +578,8 @@ WHERE m.state = 'running' AND m.abort_requested_at IS NOT NULL;
 -- Running messages whose lease expired (their worker died or stalled): fq_message_lease_idx.
 SELECT count(*) FROM fairqueue_message m
 WHERE m.state = 'running' AND m.lease_expires_at < clock_timestamp();
+
+-- name: notify_probe
+-- A wake-up listener's check of itself: a notification on its own channel, from another
+-- connection, with a payload only it knows (a worker woken by it only claims once more).
+SELECT pg_notify(%(channel)s::text, %(payload)s::text);

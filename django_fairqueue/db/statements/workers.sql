@@ -24,7 +24,7 @@ WITH registered AS (
         exclude_channels = EXCLUDED.exclude_channels, queues = EXCLUDED.queues,
         state = 'running',
         started_at = EXCLUDED.started_at, heartbeat_at = EXCLUDED.heartbeat_at,
-        last_claim_at = NULL, running = 0, handled = 0, stopped_at = NULL
+        last_claim_at = NULL, running = 0, handled = 0, stopped_at = NULL, wakeups = ''
     RETURNING w.worker_id
 ), orphaned AS (
     UPDATE fairqueue_message m
@@ -77,3 +77,7 @@ ORDER BY dead.worker_id;
 -- Forget workers stopped or dead before `before`.
 DELETE FROM fairqueue_worker w
 WHERE w.state <> 'running' AND w.heartbeat_at < %(before)s::timestamptz;
+
+-- name: set_worker_wakeups
+-- Record how a worker learns of new messages: 'notify' (its LISTEN was seen to work) or 'polling: <why>'.
+UPDATE fairqueue_worker w SET wakeups = %(wakeups)s::text WHERE w.worker_id = %(worker_id)s::text;

@@ -1,0 +1,143 @@
+"""Infrastructure faults cost no attempt: errors classed as the database being unavailable
+(real ones, from a real server or a refused connection) give the message back without using
+an attempt, after a short delay; warnings about one cause are rate-limited."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import DatabaseError, connections
+from django.db.utils import DatabaseErrorWrapper
+from django.utils import timezone
+
+from django_fairqueue import dbfaults
+from django_fairqueue.models import Message
+from django_fairqueue.tasks import task
+from django_fairqueue.worker import Worker, WorkerConfig
+from tests.factories import assert_counters_match_table
+
+#: Nothing listens on port 9 (discard) of the loopback: connecting is refused at once.
+REFUSED = "postgresql://postgres@127.0.0.1:9/nothing?connect_timeout=3"
+
+
+def _refuse() -> None:
+    """Connect where the connection is refused, seen through Django's wrapper as a task using
+    a database alias of its own would see it (``django.db.OperationalError``)."""
+    with DatabaseErrorWrapper(connections["default"]):
+        psycopg.connect(REFUSED)
+
+
+@task(name="tests.dbfaults.refused", max_attempts=2)
+def refused() -> None:
+    _refuse()
+
+
+@task(name="tests.dbfaults.bug", max_attempts=2)
+def bug() -> None:
+    raise ValueError("a bug in the task")
+
+
+def _raised(action: Callable[[], Any]) -> BaseException:
+    try:
+        action()
+    except BaseException as exc:
+        return exc
+    raise AssertionError("nothing raised")
+
+
+def test_a_refused_connection_is_unavailability() -> None:
+    assert dbfaults.unavailable(_raised(lambda: psycopg.connect(REFUSED))) == "connection failed"
+    wrapped = _raised(_refuse)  # django.db.OperationalError from psycopg's
+    assert type(wrapped).__module__ == "django.db.utils"
+    assert dbfaults.unavailable(wrapped) == "connection failed"
+    # raised while handling it, as a task's own except clause would: still seen
+    try:
+        try:
+            _refuse()
+        except DatabaseError as exc:
+            raise RuntimeError("could not save the report") from exc
+    except RuntimeError as outer:
+        assert dbfaults.unavailable(outer) == "connection failed"
+
+
+def test_server_errors_of_an_outage_are_unavailability(database_url: str) -> None:
+    with psycopg.connect(database_url, autocommit=True) as victim:
+        with psycopg.connect(database_url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", [victim.info.backend_pid])
+        # the server's FATAL 57P01 reaches the next statement
+        assert dbfaults.unavailable(_raised(lambda: victim.execute("SELECT 1"))) in (
+            "admin shutdown",
+            "connection failed",  # when the socket's close is read before the message
+        )
+    with psycopg.connect(database_url) as conn:
+        conn.execute("SET TRANSACTION READ ONLY")  # as a demoted primary, a hot standby
+        exc = _raised(lambda: conn.execute("CREATE TEMPORARY TABLE t (i int)"))
+        assert exc.sqlstate == "25006"  # type: ignore[attr-defined]
+        assert dbfaults.unavailable(exc) == "read-only transaction"
+
+
+def test_errors_of_the_task_are_not_unavailability(database_url: str) -> None:
+    assert dbfaults.unavailable(ValueError("bug")) is None
+    with psycopg.connect(database_url) as conn:
+        conn.execute("SET statement_timeout = 1")
+        timeout = _raised(lambda: conn.execute("SELECT pg_sleep(1)"))
+        assert isinstance(timeout, psycopg.OperationalError)  # 57014: the task's own limit
+        assert dbfaults.unavailable(timeout) is None
+    with psycopg.connect(database_url) as conn:
+        bad = _raised(lambda: conn.execute("SELECT 1 / 0"))
+        assert dbfaults.unavailable(bad) is None
+
+
+@pytest.mark.django_db
+def test_a_task_cut_short_by_an_outage_is_given_back_without_an_attempt(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ids = [refused.enqueue(channel="outage") for _ in range(4)]
+    failing = bug.enqueue(channel="outage")
+    before = timezone.now()
+    worker = Worker(WorkerConfig(concurrency=5, batch_size=5, maintenance=False))
+    with caplog.at_level(logging.WARNING, logger="django_fairqueue.worker"):
+        # one handled: a message given back is not counted as handled (as a release)
+        assert worker.run_once() == 1
+    for m in Message.objects.filter(pk__in=ids):
+        assert m.state == "scheduled", m.state
+        assert m.attempts == 0  # the attempt was given back
+        assert m.lease_token is None and m.worker_id == ""
+        # back after GIVE_BACK_DELAY (jittered 50-100 %), on the database's clock
+        assert before + timedelta(seconds=dbfaults.GIVE_BACK_DELAY * 0.5) <= m.run_at
+        assert m.run_at <= timezone.now() + timedelta(seconds=dbfaults.GIVE_BACK_DELAY)
+    # a task's own error still costs its attempt
+    assert Message.objects.get(pk=failing).attempts == 1
+    assert_counters_match_table()
+    # four given back, one line: the others are folded into the next one about the cause
+    lines = [r.getMessage() for r in caplog.records if "gave back" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "the database is unavailable" in lines[0] and "Connection refused" in lines[0]
+
+
+def test_warnings_are_rate_limited_per_cause(caplog: pytest.LogCaptureFixture) -> None:
+    logger = logging.getLogger("tests.dbfaults")
+    clock = [100.0]
+    warnings = dbfaults.RateLimitedWarnings(logger, every=10.0)
+    with (
+        caplog.at_level(logging.WARNING, logger="tests.dbfaults"),
+        pytest.MonkeyPatch.context() as mp,
+    ):
+        mp.setattr(dbfaults.time, "monotonic", lambda: clock[0])
+        assert warnings.warning("too many connections", "refused %s", 1)
+        for i in range(40):
+            clock[0] += 0.1
+            assert not warnings.warning("too many connections", "refused %s", i)
+        assert warnings.warning("admin shutdown", "shut down")  # another cause: logged
+        clock[0] += 10.0
+        assert warnings.warning("too many connections", "refused %s", "again")
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused 1",
+        "shut down",
+        "refused again (and 40 more like it in the last 14s)",
+    ]
