@@ -10,6 +10,8 @@ dashboard.
   through :mod:`django_fairqueue.store`, like the Python API, so counters stay exact.
 * **Schedules**: periodic schedules, with their next fire time
   (:mod:`django_fairqueue.schedule_admin`); a channel's page lists its own.
+* **Usage per tenant**: worker time, attempts and failures per channel or group over a range
+  of days, sortable, as CSV too (:mod:`django_fairqueue.usage_admin`).
 * **Dashboard** at ``<admin>/fairqueue/channel/dashboard/``: charts drawn in the browser by a
   small script shipped with the app, refreshed from a JSON endpoint next to it.
 
@@ -62,12 +64,14 @@ from django_fairqueue.models import (
 )
 from django_fairqueue.queues import DEFAULT_QUEUE, row_name, validate_queue_name
 from django_fairqueue.schedule_admin import ScheduleAdmin, ScheduleInline
+from django_fairqueue.usage_admin import UsageAdmin
 
 __all__ = [
     "ChannelAdmin",
     "ChannelGroupAdmin",
     "MessageAdmin",
     "ScheduleAdmin",
+    "UsageAdmin",
     "WorkBatchAdmin",
     "WorkerAdmin",
 ]
@@ -1217,9 +1221,8 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:
-        # The columns of running messages are relative to the database's clock, read once;
-        # the links of a page share their URL prefixes (one reverse() each, not one a row).
-        self._now = store.select_clock()
+        # The links of a page share their URL prefixes (one reverse() each, not one a row);
+        # they are the same for every request, unlike the clock (get_changelist_instance).
         self._urls = {
             "channel": reverse("admin:fairqueue_channel_changelist"),
             "workers": reverse("admin:fairqueue_workerrecord_changelist"),
@@ -1289,8 +1292,23 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
     def attempts_display(self, obj: Message) -> str:
         return f"{obj.attempts} / {obj.max_attempts}"
 
-    def _clock(self) -> Any:
-        return getattr(self, "_now", None) or store.select_clock()
+    def get_changelist_instance(self, request: HttpRequest) -> Any:
+        cl = super().get_changelist_instance(request)
+        # The columns of running messages are relative to the database's clock, read once per
+        # page and kept on the page's rows: never on this admin, which every request shares.
+        now = store.select_clock()
+        for obj in cl.result_list:
+            setattr(obj, "_fq_now", now)  # noqa: B010
+        return cl
+
+    @staticmethod
+    def _clock(obj: Message) -> datetime:
+        """The database's clock of this request: the list's, or read once for a detail page."""
+        now: datetime | None = getattr(obj, "_fq_now", None)
+        if now is None:
+            now = store.select_clock()
+            setattr(obj, "_fq_now", now)  # noqa: B010
+        return now
 
     @admin.display(description=_("worker"))
     def worker_link(self, obj: Message) -> str:
@@ -1304,7 +1322,7 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
     def running_for_display(self, obj: Message) -> str:
         if obj.state != MessageState.RUNNING or obj.claimed_at is None:
             return "-"
-        seconds = max(0.0, (self._clock() - obj.claimed_at).total_seconds())
+        seconds = max(0.0, (self._clock(obj) - obj.claimed_at).total_seconds())
         return format_html(
             '<span title="claimed at {}">{}</span>',
             obj.claimed_at.isoformat(timespec="seconds"),
@@ -1315,7 +1333,7 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
     def lease_display(self, obj: Message) -> str:
         if obj.state != MessageState.RUNNING or obj.lease_expires_at is None:
             return "-"
-        left = (obj.lease_expires_at - self._clock()).total_seconds()
+        left = (obj.lease_expires_at - self._clock(obj)).total_seconds()
         at = obj.lease_expires_at.isoformat(timespec="seconds")
         if left < 0:
             return format_html(

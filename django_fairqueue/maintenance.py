@@ -12,7 +12,8 @@
   ``FAIRQUEUE['RESULT_RETENTION']``, in bounded batches, and the hold rows of unique keys
   whose message is gone or finished for good.
 * :class:`StatsPruner` deletes per-channel statistics older than a day
-  (:func:`django_fairqueue.stats.prune`).
+  (:func:`django_fairqueue.stats.prune`), and usage older than ``FAIRQUEUE['USAGE_RETENTION']``
+  (:mod:`django_fairqueue.usage`).
 * :class:`DeltaFolder` folds the channel counter deltas that completions leave behind into the
   channel rows (the claim folds only the deltas that can make a channel claimable).
 * :class:`~django_fairqueue.schedules.Scheduler` fires the periodic schedules that are due,
@@ -176,7 +177,8 @@ class DeltaFolder:
 @dataclass
 class StatsPruner:
     """Delete per-channel statistics rows older than ``keep``, the registry rows of workers
-    stopped or dead for that long, and the fired slots of periodic schedules as old."""
+    stopped or dead for that long, the fired slots of periodic schedules as old, and the
+    usage hours older than ``FAIRQUEUE['USAGE_RETENTION']``."""
 
     keep: timedelta = timedelta(days=1)
     every: float | None = None  # seconds; None: FAIRQUEUE['PRUNE_INTERVAL']
@@ -188,6 +190,7 @@ class StatsPruner:
 
     def run_once(self) -> int:
         stats.prune(self.keep)
+        store.prune_usage(timezone.now() - conf.get().USAGE_RETENTION)
         store.prune_workers(timezone.now() - self.keep)
         while store.prune_schedule_fires(timezone.now() - self.keep) >= 10_000:
             pass

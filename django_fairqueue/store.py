@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -1021,8 +1021,9 @@ class ChannelMinuteStats:
 
 
 def record_channel_stats(stats: Sequence[ChannelMinuteStats], *, using: str | None = None) -> None:
-    """Add per-(channel, minute) tallies to the statistics table (one upsert), and their sums
-    per minute to the per-minute table (a second upsert, in the same transaction)."""
+    """Add per-(channel, minute) tallies to the statistics table (one upsert), their sums
+    per minute to the per-minute table (a second upsert), and their usage per channel and hour
+    (:func:`record_usage`), in one transaction."""
     if not stats:
         return
     alias = using or conf.get().DATABASE
@@ -1045,6 +1046,7 @@ def record_channel_stats(stats: Sequence[ChannelMinuteStats], *, using: str | No
             alias,
         )
         record_minute_stats(stats, using=alias)
+        record_usage(stats, using=alias)  # per tenant and hour, for billing (after: lock order)
 
 
 def record_minute_stats(stats: Sequence[ChannelMinuteStats], *, using: str | None = None) -> None:
@@ -1872,3 +1874,73 @@ def prune_schedule_fires(before: datetime, *, limit: int = 10_000, using: str | 
             binary=True,
         )
         return cur.rowcount
+
+
+# --------------------------------------------------------------------------------------------
+# Per-tenant usage (django_fairqueue.usage) and expired leases per channel (the admin)
+
+
+def hour_of(moment: datetime) -> datetime:
+    """``moment`` truncated to its hour, in UTC: the key of a usage row."""
+    return moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+
+
+def record_usage(stats: Sequence[ChannelMinuteStats], *, using: str | None = None) -> None:
+    """Add the usage of a statistics flush per (channel, hour) and per channel: attempts
+    settled, succeeded, failed (timeouts among them) and worker time. Called by
+    :func:`record_channel_stats` in its transaction, after the minute rows (the lock order)."""
+    hours: dict[tuple[datetime, int], list[int]] = {}
+    for x in stats:
+        attempts = x.succeeded + x.failed + x.retried
+        if not attempts and not x.run_ms_sum:
+            continue  # claims only: nothing settled yet
+        row = hours.setdefault((hour_of(x.minute), x.channel_id), [0, 0, 0, 0, 0])
+        for i, value in enumerate(
+            (attempts, x.succeeded, x.failed + x.retried, x.timed_out, x.run_ms_sum)
+        ):
+            row[i] += value
+    if not hours:
+        return
+    keys = sorted(hours)
+    columns = list(zip(*(hours[k] for k in keys), strict=True))
+    _run(
+        "record_usage_hours",
+        {
+            "hours": [hour for hour, _ in keys],
+            "channel_ids": [cid for _, cid in keys],
+            "attempts": list(columns[0]),
+            "succeeded": list(columns[1]),
+            "failures": list(columns[2]),
+            "timeouts": list(columns[3]),
+            "worker_ms": list(columns[4]),
+        },
+        using,
+    )
+    totals: dict[int, list[int]] = {}
+    for (_, cid), values in hours.items():
+        total = totals.setdefault(cid, [0, 0, 0, 0, 0])
+        for i, value in enumerate(values):
+            total[i] += value
+    ids = sorted(totals)
+    columns = list(zip(*(totals[c] for c in ids), strict=True))
+    _run(
+        "record_usage_totals",
+        {
+            "channel_ids": ids,
+            "attempts": list(columns[0]),
+            "succeeded": list(columns[1]),
+            "failures": list(columns[2]),
+            "timeouts": list(columns[3]),
+            "worker_ms": list(columns[4]),
+        },
+        using,
+    )
+
+
+def prune_usage(before: datetime, *, using: str | None = None) -> None:
+    _run("prune_usage", {"before": before}, using)
+
+
+def select_expired_leases_by_channel(*, using: str | None = None) -> dict[int, int]:
+    """{channel id: running messages whose lease expired}, for the channels with any."""
+    return {int(cid): int(n) for cid, n in _run("select_expired_leases_by_channel", {}, using)}

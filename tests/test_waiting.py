@@ -110,6 +110,20 @@ def test_no_live_worker_at_all_or_none_for_this_channel() -> None:
     assert why("lonely").cause == "next"
 
 
+def test_a_capped_channel_whose_workers_all_stopped_says_no_live_worker_not_at_cap() -> None:
+    # The cap holds nothing back while no worker claims: "the next starts when one finishes"
+    # would promise what cannot happen (the running messages belong to a stopped worker).
+    alive()
+    f.enqueue("capped", 3)
+    f.set_limits(["capped"], max_concurrency=2)
+    assert len(store.claim_messages(5, lease=LEASE, worker_id="w")) == 2
+    assert why("capped").cause == "at_cap"
+    store.deregister_worker("w", handled=0)
+    stopped = why("capped")
+    assert stopped.cause == "no_worker", stopped
+    assert "no live worker" in stopped.text and "cap" not in stopped.text
+
+
 def test_channels_ahead_in_the_round_with_an_estimate() -> None:
     alive()
     f.enqueue_spread({"a": 1, "b": 1, "c": 1})
