@@ -37,11 +37,11 @@ from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
 from django.db.models import F, IntegerField, Lookup, QuerySet, Value
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils import timezone
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 from django.utils.safestring import SafeString
 from django.utils.text import format_lazy
@@ -49,7 +49,18 @@ from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 from django.views.decorators.http import require_POST
 
-from django_fairqueue import adminlist, batches, conf, overview, registry, stats, store, waiting
+from django_fairqueue import (
+    adminlist,
+    api,
+    batches,
+    conf,
+    failures,
+    overview,
+    registry,
+    stats,
+    store,
+    waiting,
+)
 from django_fairqueue.api import validate_channel_name, validate_group_name
 from django_fairqueue.exceptions import InvalidChannel, InvalidQueue
 from django_fairqueue.limits import CHANNEL_NAME_MAX_LENGTH
@@ -335,6 +346,16 @@ def _timestamp(value: datetime | None) -> str:
     if timezone.is_aware(value):
         value = timezone.localtime(value)
     return value.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _parse_time(text: Any) -> datetime | None:
+    """A timestamp the database wrote into JSON (ISO 8601), or None."""
+    if not isinstance(text, str):
+        return None
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        return None
 
 
 def _duration(value: timedelta | None) -> str:
@@ -1127,6 +1148,7 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
         adminlist.TaskNameFilter,
         adminlist.MessageQueueFilter,
         adminlist.ChannelFilter,
+        adminlist.WorkerFilter,
     ]
     list_select_related = ["channel"]
     ordering = ["-id"]  # newest first (a backward scan of the primary key)
@@ -1174,7 +1196,7 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
             },
         ),
         (_("Payload and result"), {"fields": ["payload_display", "result_display"]}),
-        (_("Error"), {"fields": ["error_display"]}),
+        (_("Error"), {"fields": ["error_display", "errors_display"]}),
     ]
     readonly_fields = [
         "id",
@@ -1198,7 +1220,9 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
         "payload_display",
         "result_display",
         "error_display",
+        "errors_display",
     ]
+    change_form_template = "admin/fairqueue/message/change_form.html"
 
     # The checkbox without a widget template per row (see ChannelAdmin.action_checkbox).
     action_checkbox = ChannelAdmin.action_checkbox  # type: ignore[assignment]
@@ -1255,6 +1279,89 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
 
     def has_remove_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm(f"{self.opts.app_label}.delete_message")
+
+    # -- one message's buttons: retry, cancel, abort ---------------------------------------
+
+    #: The buttons of a message's page: verb -> (label, the states it applies to).
+    BUTTONS: dict[str, tuple[Any, tuple[str, ...]]] = {
+        "retry": (_("Retry"), (MessageState.FAILED,)),
+        "cancel": (_("Cancel"), (MessageState.READY, MessageState.SCHEDULED)),
+        "abort": (_("Abort"), (MessageState.RUNNING,)),
+    }
+
+    def get_urls(self) -> list[URLPattern]:
+        return [
+            path(
+                "<int:object_id>/act/<str:verb>/",
+                self.admin_site.admin_view(require_POST(self.act_view)),
+                name="fairqueue_message_act",
+            ),
+            *super().get_urls(),
+        ]
+
+    def buttons(self, request: HttpRequest, obj: Message) -> list[dict[str, Any]]:
+        """The buttons this user may press on this message's page, in its state."""
+        if not self.has_act_permission(request):
+            return []
+        out = []
+        for verb, (label, states) in self.BUTTONS.items():
+            if obj.state in states and not (verb == "abort" and obj.abort_requested_at):
+                url = reverse(f"{self.admin_site.name}:fairqueue_message_act", args=[obj.pk, verb])
+                out.append({"verb": verb, "label": label, "url": url})
+        return out
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        obj = self.get_object(request, object_id)
+        context = {"fq_buttons": self.buttons(request, obj) if obj is not None else []}
+        return super().change_view(
+            request, object_id, form_url, {**context, **(extra_context or {})}
+        )
+
+    def act_view(self, request: HttpRequest, object_id: int, verb: str) -> HttpResponseRedirect:
+        """A button of a message's page: the public API's retry, cancel or abort of this one
+        message, logged; the page then says what happened (nothing, if its state moved on)."""
+        if not self.has_act_permission(request):
+            raise PermissionDenied
+        if verb not in self.BUTTONS:
+            raise Http404(f"no such action: {verb}")
+        obj = Message.objects.filter(pk=object_id).only("id", "task_name", "state").first()
+        if obj is None:
+            raise Http404(f"no message {object_id}")
+        if verb == "retry":
+            done = bool(failures.retry([obj.pk]))
+            text = _("Retried: ready again with a fresh attempt budget.")
+        elif verb == "cancel":
+            done = bool(api.cancel([obj.pk]))
+            text = _("Cancelled.")
+        else:
+            outcome = api.abort([obj.pk]).get(obj.pk)
+            done = outcome is not None
+            text = (
+                _("Cancelled (it was waiting).")
+                if outcome == "cancelled"
+                else _(
+                    "Abort requested: it ends aborted once its task stops, or after the "
+                    "abort grace period."
+                )
+            )
+        if done:
+            _log_changes(request, [obj], f"{verb.capitalize()} (admin button).")
+            self.message_user(request, text, messages.SUCCESS)
+        else:
+            self.message_user(
+                request,
+                _("Nothing done: the message is no longer %(state)s.") % {"state": obj.state},
+                messages.WARNING,
+            )
+        return HttpResponseRedirect(
+            reverse(f"{self.admin_site.name}:fairqueue_message_change", args=[obj.pk])
+        )
 
     # -- columns ---------------------------------------------------------------------------
 
@@ -1360,6 +1467,46 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
     @admin.display(description=_("last error"))
     def error_display(self, obj: Message) -> str:
         return _error_html(obj.last_error)
+
+    @admin.display(description=_("every attempt's error"))
+    def errors_display(self, obj: Message) -> str:
+        """The history of failed attempts (at most ERROR_HISTORY, oldest first), one line each,
+        the traceback folded."""
+        history = obj.errors if isinstance(obj.errors, list) else []
+        if not history:
+            return "-"
+        rows = format_html_join(
+            "",
+            '<tr><td>{}</td><td class="fq-nowrap">{}</td><td class="fq-nowrap">{}</td>'
+            "<td>{}{}</td></tr>",
+            (
+                (
+                    e.get("attempt", "?"),
+                    _timestamp(_parse_time(e.get("at"))),
+                    e.get("worker") or "-",
+                    _error_summary(e),
+                    format_html(
+                        '<details><summary>{}</summary><pre class="fq-traceback">{}</pre>'
+                        "</details>",
+                        _("traceback"),
+                        e["traceback"],
+                    )
+                    if e.get("traceback")
+                    else "",
+                )
+                for e in history
+                if isinstance(e, dict)
+            ),
+        )
+        return format_html(
+            '<table class="fq-errors" id="fq-errors"><thead><tr><th>{}</th><th>{}</th><th>{}</th>'
+            "<th>{}</th></tr></thead><tbody>{}</tbody></table>",
+            _("attempt"),
+            _("at"),
+            _("worker"),
+            _("error"),
+            rows,
+        )
 
     # -- actions ---------------------------------------------------------------------------
 
