@@ -171,3 +171,92 @@ def test_wait_served_and_finished_of_the_last_minutes_are_sortable(admin_client:
     assert order("wait_display", descending=True) == ["a", "c", "b", "idle"]
     assert order("served_display", descending=True) == ["b", "a", "c", "idle"]
     assert order("finished_display") == ["c", "a", "b", "idle"]
+
+
+# ------------------------------------------------------------------------------------------
+# metrics
+
+
+def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from django_fairqueue import metrics
+
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in metrics.REGISTRY.collect()
+        for s in family.samples
+    }
+
+
+def series(samples: dict[Any, float], name: str) -> set[str]:
+    return {dict(k[1])["channel"] for k in samples if k[0] == name}
+
+
+def test_metrics_keep_every_channels_series_from_scrape_to_scrape(settings: Any) -> None:
+    # the age series of a channel that waits, then is served, then waits again, stays; the
+    # top-20 of before made it appear and vanish, resetting every `for: 5m` rule
+    for i in range(30):
+        enqueue(f"t{i:02}", 1)
+    enqueue("idle", 1)
+    store.claim_messages(1, lease=LEASE, worker_id="w", only_channel_ids=[cid("idle")])
+    first = scrape()
+    ages = series(first, "fairqueue_oldest_ready_age_seconds")
+    assert ages == {f"t{i:02}" for i in range(30)} | {"idle", "(all)"}
+    assert (
+        first[("fairqueue_oldest_ready_age_seconds", (("channel", "idle"), ("queue", "default")))]
+        == 0
+    )
+    assert series(scrape(), "fairqueue_oldest_ready_age_seconds") == ages
+    settings.FAIRQUEUE_METRICS_MAX_CHANNELS = 5  # a bound, the first by queue and name
+    assert series(scrape(), "fairqueue_oldest_ready_age_seconds") == {
+        "idle",
+        "t00",
+        "t01",
+        "t02",
+        "t03",
+        "(all)",
+    }
+
+
+def test_a_paused_tenant_has_a_paused_series_the_documented_alert_excludes() -> None:
+    enqueue("asleep", 1)
+    enqueue("awake", 1)
+    Channel.objects.filter(name="asleep").update(paused=True)
+    samples = scrape()
+    paused = {
+        dict(k[1])["channel"]: v for k, v in samples.items() if k[0] == "fairqueue_channel_paused"
+    }
+    assert paused == {"asleep": 1.0, "awake": 0.0}
+    # the documented rule: ... unless on(channel, queue) fairqueue_channel_paused == 1
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs/howto/observability.md").read_text()
+    assert "unless on(channel, queue) fairqueue_channel_paused == 1" in doc
+
+
+def test_failures_retries_and_usage_carry_the_channel(queue_with_failures: None) -> None:
+    samples = scrape()
+    key = ("channel", "flaky"), ("kind", "raised"), ("queue", "default")
+    assert samples[("fairqueue_channel_failures_last_5m", key)] == 2
+    assert (
+        samples[("fairqueue_channel_retrying", (("channel", "flaky"), ("queue", "default")))] == 2
+    )
+    flaky = (("channel", "flaky"), ("queue", "default"))
+    assert samples[("fairqueue_channel_failures_total", flaky)] == 2
+    assert samples[("fairqueue_channel_worker_seconds_total", flaky)] == 1.5
+    calm = (("channel", "calm"), ("queue", "default"))
+    assert samples[("fairqueue_channel_attempts_total", calm)] == 0
+
+
+@pytest.fixture
+def queue_with_failures() -> None:
+    enqueue("calm", 1)
+    enqueue("flaky", 2)
+    claimed = store.claim_messages(
+        2, lease=LEASE, worker_id="w", only_channel_ids=[cid("flaky")], quantum=2
+    )
+    error = {"type": "ValueError", "message": "boom"}
+    store.fail_messages([(m.id, m.lease_token, error, timedelta(hours=1)) for m in claimed])
+    recorder = stats.StatsRecorder()
+    for _ in claimed:
+        recorder.record_settled(cid("flaky"), "retried", 750.0)
+    recorder.flush()
