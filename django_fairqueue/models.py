@@ -849,6 +849,9 @@ class WorkerRecord(models.Model):
     running = models.IntegerField(default=0)
     handled = models.BigIntegerField(default=0)
     stopped_at = models.DateTimeField(null=True, blank=True)
+    #: ``host:pid`` of the ``runfairworker --processes`` supervisor that started it ("" for a
+    #: worker started on its own): the admin lists a supervisor's children together
+    supervisor = models.CharField(max_length=300, blank=True, default="", db_default="")
 
     class Meta:
         db_table = "fairqueue_worker"

@@ -28,6 +28,15 @@ from django_fairqueue._runtime import CONNECTION_ERRORS, StopFlag, after_databas
 
 logger = logging.getLogger("django_fairqueue.registry")
 
+#: The environment variable a ``runfairworker --processes`` supervisor gives its children:
+#: its ``host:pid``, which each child records in its registry row.
+SUPERVISOR_ENV = "FAIRQUEUE_SUPERVISOR"
+
+
+def supervisor_name() -> str:
+    """How this process names itself as its children's supervisor: ``host:pid``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
 
 @dataclass(frozen=True)
 class Beat:
@@ -69,6 +78,7 @@ class Registration:
             exclude_channels=list(self.exclude_channels),
             queues=None if self.queues is None else list(self.queues),
         )
+        store.set_worker_supervisor(self.worker_id, os.environ.get(SUPERVISOR_ENV, ""))
         if orphaned:
             logger.warning(
                 "worker %s: expired %d leases a previous process with this id left behind",
@@ -142,6 +152,8 @@ class WorkerView:
     last_claim_at: datetime | None
     #: the queues it claims from, in its order; None: every queue
     queues: list[str] | None = None
+    #: ``host:pid`` of the supervisor that started it ("" for none)
+    supervisor: str = ""
 
     def as_dict(self) -> dict[str, object]:
         out = dict(self.__dict__)
@@ -186,6 +198,7 @@ def workers(now: datetime | None = None) -> list[WorkerView]:
                 w.heartbeat_at,
                 w.last_claim_at,
                 list(w.queues) if w.queues is not None else None,
+                w.supervisor,
             )
         )
     order = {"alive": 0, "silent": 1, "dead": 2, "stopped": 3}

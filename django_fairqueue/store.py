@@ -1944,3 +1944,7 @@ def prune_usage(before: datetime, *, using: str | None = None) -> None:
 def select_expired_leases_by_channel(*, using: str | None = None) -> dict[int, int]:
     """{channel id: running messages whose lease expired}, for the channels with any."""
     return {int(cid): int(n) for cid, n in _run("select_expired_leases_by_channel", {}, using)}
+
+
+def set_worker_supervisor(worker_id: str, supervisor: str, *, using: str | None = None) -> None:
+    _run("set_worker_supervisor", {"worker_id": worker_id, "supervisor": supervisor}, using)

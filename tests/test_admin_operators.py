@@ -260,3 +260,107 @@ def queue_with_failures() -> None:
     for _ in claimed:
         recorder.record_settled(cid("flaky"), "retried", 750.0)
     recorder.flush()
+
+
+# ------------------------------------------------------------------------------------------
+# the workers page
+
+
+def register(worker_id: str, supervisor: str = "", concurrency: int = 4) -> None:
+    import os
+    from unittest import mock
+
+    env = {registry.SUPERVISOR_ENV: supervisor} if supervisor else {}
+    with mock.patch.dict(os.environ, env, clear=False):
+        if not supervisor:
+            os.environ.pop(registry.SUPERVISOR_ENV, None)
+        registry.Registration(worker_id, concurrency=concurrency).register()
+
+
+def beat_ago(worker_id: str, seconds: float) -> None:
+    with connection.cursor() as cur:
+        cur.execute(
+            "UPDATE fairqueue_worker SET heartbeat_at = clock_timestamp() - %s * interval '1s' "
+            "WHERE worker_id = %s",
+            [seconds, worker_id],
+        )
+
+
+def worker_rows(response: Any) -> list[str]:
+    assert response.status_code == 200
+    return [w.worker_id for w in response.context["cl"].result_list]
+
+
+def test_the_workers_page_filters_by_the_states_it_shows_to_the_second(
+    admin_client: Client,
+) -> None:
+    for worker_id in ("alive-1", "silent-1", "dead-1", "gone-1", "stopped-1"):
+        register(worker_id)
+    beat_ago("silent-1", 20)  # 3 beats late (WORKER_HEARTBEAT 5 s)
+    beat_ago("dead-1", 40)  # past WORKER_DEAD_AFTER, not marked yet
+    beat_ago("gone-1", 40)
+    registry.rescue_dead_workers()  # marked dead by maintenance
+    register("dead-1")
+    beat_ago("dead-1", 40)
+    store.deregister_worker("stopped-1", handled=3)
+    for state, expected in (
+        ("alive", ["alive-1"]),
+        ("silent", ["silent-1"]),
+        ("dead", ["dead-1", "gone-1"]),
+        ("stopped", ["stopped-1"]),
+    ):
+        page = admin_client.get(WORKERS, {"state": state})
+        assert sorted(worker_rows(page)) == expected, state
+        cells = re.findall(r'<td class="field-alive_display">(.*?)</td>', page.content.decode())
+        assert [re.sub(r"<[^>]+>", "", c) for c in cells] == [state] * len(expected)
+    html = admin_client.get(WORKERS).content.decode()
+    # times to the second, with their age
+    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \(\d+s ago\)", html)
+    assert re.search(r"\(20s ago\)|\(21s ago\)", html)
+
+
+def test_a_dead_workers_messages_are_one_click_away(admin_client: Client) -> None:
+    register("w-dead")
+    enqueue("acme", 2)
+    held = store.claim_messages(2, lease=LEASE, worker_id="w-dead")
+    assert len(held) == 2
+    beat_ago("w-dead", 60)
+    registry.rescue_dead_workers()  # its leases expired: the rescuer takes them back
+    store.rescue_expired_messages()
+    html = admin_client.get(WORKERS).content.decode()
+    link = re.search(r'<a href="([^"]+\?worker=w-dead)" class="fq-failed">ran or lost</a>', html)
+    assert link is not None
+    lost = admin_client.get(link.group(1).replace("&amp;", "&"))
+    assert sorted(m.pk for m in lost.context["cl"].result_list) == sorted(m.id for m in held)
+    assert "LeaseExpired" in lost.content.decode()
+
+
+def test_a_supervisors_processes_are_listed_together(admin_client: Client) -> None:
+    register("solo")
+    register("sup-1", supervisor="host-a:100")
+    register("zeta", supervisor="host-a:100")
+    register("alpha", supervisor="host-b:7")
+    rows = worker_rows(admin_client.get(WORKERS))
+    assert rows == ["solo", "sup-1", "zeta", "alpha"]  # unsupervised, then by supervisor
+    html = admin_client.get(WORKERS).content.decode()
+    assert '<span class="fq-child">└ zeta</span>' in html and "host-a:100" in html
+    assert registry.workers()[0].supervisor in ("", "host-a:100", "host-b:7")
+
+
+def test_the_busy_page_shows_what_each_worker_runs_since_when(admin_client: Client) -> None:
+    from django_fairqueue.worker import supervisor
+
+    env = supervisor.environment()
+    assert env[registry.SUPERVISOR_ENV] == registry.supervisor_name()  # given to children
+    register("busy-1", supervisor="host-a:100")
+    register("idle-1")
+    enqueue("acme", 2)
+    held = store.claim_messages(2, lease=LEASE, worker_id="busy-1")
+    page = admin_client.get(reverse("admin:fairqueue_workerrecord_busy"))
+    assert page.status_code == 200
+    html = page.content.decode()
+    for m in held:
+        assert reverse("admin:fairqueue_message_change", args=[m.id]) in html
+    assert "busy-1" in html and "2 / 4" in html and "idle-1" in html and "Idle" in html
+    assert re.search(r"\d\d:\d\d:\d\d \(\d+s ago\)", html) and "in 4m" in html
+    assert "Busy: what each worker runs now" in admin_client.get(WORKERS).content.decode()

@@ -8,6 +8,8 @@
   the trigger ``fairqueue_message_errors`` (function ``fairqueue_message_errors_v1``, from this
   migration's frozen copy of ``sql/functions_errors_v1.sql``) whenever a statement writes a new
   ``last_error``.
+* ``fairqueue_worker.supervisor``: the ``runfairworker --processes`` supervisor (``host:pid``)
+  of a worker process, so the admin lists its children together.
 """
 
 from django.db import migrations, models
@@ -70,6 +72,11 @@ class Migration(migrations.Migration):
                 'verbose_name_plural': 'usage per tenant',
                 'constraints': [models.UniqueConstraint(fields=('hour', 'channel_id'), name='fq_usage_hour_channel')],
             },
+        ),
+        migrations.AddField(
+            model_name="workerrecord",
+            name="supervisor",
+            field=models.CharField(blank=True, db_default="", default="", max_length=300),
         ),
         migrations.RunSQL(migration_sql("0028_usage") + TRIGGER, DROP),
     ]

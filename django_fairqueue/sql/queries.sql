@@ -1625,3 +1625,10 @@ SELECT m.channel_id, count(*)
 FROM fairqueue_message m
 WHERE m.state = 'running' AND m.lease_expires_at < clock_timestamp()
 GROUP BY m.channel_id;
+
+-- name: set_worker_supervisor
+-- Record which supervisor (host:pid; '' for none) started a registered worker process, right
+-- after register_worker (the registry row is its own: no other writer touches this column).
+UPDATE fairqueue_worker w
+SET supervisor = %(supervisor)s::text
+WHERE w.worker_id = %(worker_id)s::text;
