@@ -364,3 +364,16 @@ def test_the_busy_page_shows_what_each_worker_runs_since_when(admin_client: Clie
     assert "busy-1" in html and "2 / 4" in html and "idle-1" in html and "Idle" in html
     assert re.search(r"\d\d:\d\d:\d\d \(\d+s ago\)", html) and "in 4m" in html
     assert "Busy: what each worker runs now" in admin_client.get(WORKERS).content.decode()
+
+
+def test_one_time_format_to_the_second_on_a_message_page(admin_client: Client) -> None:
+    # Django's default formatting ("Nov. 28, 2026, 9:04 p.m.": minutes) beside ISO strings
+    # with offsets made three formats on one page.
+    (mid,) = enqueue("acme", 1)
+    store.claim_messages(1, lease=LEASE, worker_id="w")
+    html = admin_client.get(reverse("admin:fairqueue_message_change", args=[mid])).content
+    text = html.decode()
+    assert "a.m." not in text and "p.m." not in text
+    assert "+00:00" not in text and "T" not in re.findall(r"\d{4}-\d\d-\d\d.\d\d:\d\d", text)[0]
+    stamps = re.findall(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", text)
+    assert len(stamps) >= 4  # enqueued, run at, claimed, the lease
