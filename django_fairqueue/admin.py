@@ -2060,7 +2060,7 @@ class WorkerAdmin(adminlist.NulSafeAdmin, _WorkerAdminBase):
     # -- busy: what each worker runs now --------------------------------------------------
 
     #: Most running messages the busy page lists (the oldest claims first per worker).
-    BUSY_LIMIT = 1000
+    BUSY_LIMIT = 300
 
     def get_urls(self) -> list[URLPattern]:
         return [
