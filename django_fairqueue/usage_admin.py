@@ -131,9 +131,19 @@ class UsageAdmin(_UsageAdminBase):
             "errors": errors,
             "headers": headers,
             "rows": [
-                {**r.as_dict(), "worker_time": f"{r.worker_seconds:,.1f} s"}
+                {
+                    **r.as_dict(),
+                    "worker_time": f"{r.worker_seconds:,.1f} s",
+                    "failure_percent": f"{100 * r.failure_rate:.1f} %",
+                }
                 for r in rows[:PAGE_ROWS]
             ],
+            "total_percent": f"{100 * usage.summed(rows).failure_rate:.1f} %",
+            "span": (
+                f"{params['first']}"
+                if params["first"] == params["last"]
+                else f"{params['first']} to {params['last']}"
+            ),
             "shown": min(len(rows), PAGE_ROWS),
             "count": len(rows),
             "total": usage.summed(rows).as_dict(),

@@ -175,7 +175,7 @@ def test_the_admin_usage_page_sorts_filters_by_dates_and_exports_csv(
     assert page.status_code == 200
     html = page.content.decode()
     assert html.index(">big<") < html.index(">small<")
-    assert "60.0 s" in html and "50 %" in html
+    assert "60.0 s" in html and "50.0 %" in html
     html = admin_client.get(USAGE, {"o": "name"}).content.decode()
     assert html.index(">big<") < html.index(">small<")
     html = admin_client.get(USAGE, {"o": "-name"}).content.decode()
