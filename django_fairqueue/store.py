@@ -19,7 +19,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -1885,56 +1885,51 @@ def hour_of(moment: datetime) -> datetime:
     return moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
 
 
+#: The figures of a usage row, in the order of the record_usage_* statements' arrays.
+USAGE_FIGURES = ("attempts", "succeeded", "failures", "timeouts", "worker_ms")
+
+
+def _usage_sums(rows: Iterable[tuple[Any, Sequence[int]]]) -> dict[Any, list[int]]:
+    """The figures of ``(key, figures)`` pairs summed per key."""
+    sums: dict[Any, list[int]] = {}
+    for key, figures in rows:
+        total = sums.setdefault(key, [0] * len(USAGE_FIGURES))
+        for i, value in enumerate(figures):
+            total[i] += value
+    return sums
+
+
+def _usage_params(sums: dict[Any, list[int]], keys: list[Any]) -> dict[str, list[int]]:
+    columns = list(zip(*(sums[k] for k in keys), strict=True))
+    return {name: list(columns[i]) for i, name in enumerate(USAGE_FIGURES)}
+
+
 def record_usage(stats: Sequence[ChannelMinuteStats], *, using: str | None = None) -> None:
     """Add the usage of a statistics flush per (channel, hour) and per channel: attempts
     settled, succeeded, failed (timeouts among them) and worker time. Called by
     :func:`record_channel_stats` in its transaction, after the minute rows (the lock order)."""
-    hours: dict[tuple[datetime, int], list[int]] = {}
-    for x in stats:
-        attempts = x.succeeded + x.failed + x.retried
-        if not attempts and not x.run_ms_sum:
-            continue  # claims only: nothing settled yet
-        row = hours.setdefault((hour_of(x.minute), x.channel_id), [0, 0, 0, 0, 0])
-        for i, value in enumerate(
-            (attempts, x.succeeded, x.failed + x.retried, x.timed_out, x.run_ms_sum)
-        ):
-            row[i] += value
+    hours = _usage_sums(
+        (
+            (hour_of(x.minute), x.channel_id),
+            (
+                x.succeeded + x.failed + x.retried,
+                x.succeeded,
+                x.failed + x.retried,
+                x.timed_out,
+                x.run_ms_sum,
+            ),
+        )
+        for x in stats
+        if x.succeeded + x.failed + x.retried or x.run_ms_sum  # claims alone: nothing settled
+    )
     if not hours:
         return
     keys = sorted(hours)
-    columns = list(zip(*(hours[k] for k in keys), strict=True))
-    _run(
-        "record_usage_hours",
-        {
-            "hours": [hour for hour, _ in keys],
-            "channel_ids": [cid for _, cid in keys],
-            "attempts": list(columns[0]),
-            "succeeded": list(columns[1]),
-            "failures": list(columns[2]),
-            "timeouts": list(columns[3]),
-            "worker_ms": list(columns[4]),
-        },
-        using,
-    )
-    totals: dict[int, list[int]] = {}
-    for (_, cid), values in hours.items():
-        total = totals.setdefault(cid, [0, 0, 0, 0, 0])
-        for i, value in enumerate(values):
-            total[i] += value
+    params = {"hours": [h for h, _ in keys], "channel_ids": [c for _, c in keys]}
+    _run("record_usage_hours", {**params, **_usage_params(hours, keys)}, using)
+    totals = _usage_sums((cid, figures) for (_, cid), figures in hours.items())
     ids = sorted(totals)
-    columns = list(zip(*(totals[c] for c in ids), strict=True))
-    _run(
-        "record_usage_totals",
-        {
-            "channel_ids": ids,
-            "attempts": list(columns[0]),
-            "succeeded": list(columns[1]),
-            "failures": list(columns[2]),
-            "timeouts": list(columns[3]),
-            "worker_ms": list(columns[4]),
-        },
-        using,
-    )
+    _run("record_usage_totals", {"channel_ids": ids, **_usage_params(totals, ids)}, using)
 
 
 def prune_usage(before: datetime, *, using: str | None = None) -> None:
