@@ -620,7 +620,7 @@ class ChannelChangeList(ChangeList):
             name = field.removeprefix("-") if isinstance(field, str) else ""
             if name == AGE_ORDER or name in FIGURE_ORDERS:
                 if self.computed_order is None:  # the first sort key the user clicked
-                    self.computed_order = (name, field.startswith("-"))
+                    self.computed_order = (name, str(field).startswith("-"))
             else:
                 kept.append(field)
         return kept

@@ -166,8 +166,8 @@ class QueueCollector(Collector):
         )
         for c in chosen:
             ready_since = since.get(c.id)
-            wait = max((now - ready_since).total_seconds(), 0.0) if ready_since else 0.0
-            age.add_metric(_labels(c.name), wait)
+            waited = max((now - ready_since).total_seconds(), 0.0) if ready_since else 0.0
+            age.add_metric(_labels(c.name), waited)
             paused.add_metric(_labels(c.name), 1.0 if c.paused else 0.0)
         # a channel created since the counters were read is left for the next scrape
         oldest = min((t for cid, t in since.items() if cid in counts), default=None)

@@ -31,7 +31,7 @@ from django.utils import timezone
 
 from django_fairqueue import conf
 from django_fairqueue.models import UsageHour, UsageTotal
-from django_fairqueue.queues import split_row_name
+from django_fairqueue.queues import DEFAULT_QUEUE, SEPARATOR, split_row_name
 
 __all__ = [
     "BY",
@@ -154,23 +154,28 @@ def report(
         raise ValueError(f"by must be one of {BY}, got {by!r}")
     field, descending = _sort_key(order)
     hours = UsageHour.objects.using(conf.get().DATABASE).filter(hour__gte=start, hour__lt=end)
+    if queue is not None:  # a channel row's name says its queue (queues.row_name)
+        if queue == DEFAULT_QUEUE:
+            hours = hours.exclude(channel_name__contains=SEPARATOR)
+        else:
+            hours = hours.filter(channel_name__startswith=queue + SEPARATOR)
     sums = {name: Sum(name) for name in _SUMS}
     rows: list[UsageRow] = []
-    if by == "channel":
-        grouped = hours.values("channel_id").annotate(
-            row=Max("channel_name"), grp=Max("group_name"), **sums
-        )
-        for r in grouped.order_by():
+    # per channel, with its names; per group (a group's row name says its queue), and the
+    # channels of no group together, in the queue asked for or every queue ("")
+    key = "channel_id" if by == "channel" else "group_name"
+    grouped: Any = hours.values(key).annotate(
+        row=Max("channel_name"), grp=Max("group_name"), **sums
+    )
+    for r in grouped.order_by():
+        if by == "channel":
             q, name = split_row_name(r["row"])
             rows.append(_row(name, q, r, channel_id=r["channel_id"], group=r["grp"]))
-    else:
-        grouped = hours.values("group_name").annotate(row=Max("channel_name"), **sums)
-        for r in grouped.order_by():
-            q = split_row_name(r["row"])[0]
-            name = split_row_name(r["group_name"])[1] if r["group_name"] else NO_GROUP
-            rows.append(_row(name, q, r, group=r["group_name"]))
-    if queue is not None:
-        rows = [r for r in rows if r.queue == queue]
+        elif r["grp"]:
+            q, name = split_row_name(r["grp"])
+            rows.append(_row(name, q, r, group=r["grp"]))
+        else:
+            rows.append(_row(NO_GROUP, queue or "", r))
     rows.sort(key=lambda r: (r.name, r.queue))  # ties by name, whatever the order
     if field not in ("name", "queue"):
         rows.sort(key=lambda r: getattr(r, field), reverse=descending)

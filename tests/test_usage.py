@@ -117,6 +117,11 @@ def test_the_report_sums_a_range_of_days_per_channel_or_group_in_any_order() -> 
         ("acme", 14, 13.0),
         (usage.NO_GROUP, 1, 0.5),
     ]
+    in_reports = usage.report(start, end, by="group", queue="reports")
+    assert [(g.name, g.queue, g.worker_seconds) for g in in_reports] == [
+        (usage.NO_GROUP, "reports", 0.5)
+    ]
+    assert [r.name for r in usage.report(start, end, by="group", queue="default")] == ["acme"]
     two_days = usage.report(start, end + timedelta(days=1))
     assert sum(r.worker_seconds for r in two_days) == 13.5 + 99.0
     lines = list(csv.reader(io.StringIO(usage.as_csv(rows, start=start, end=end, by="channel"))))
