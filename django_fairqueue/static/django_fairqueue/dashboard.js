@@ -249,6 +249,14 @@
     });
   }
 
+  /* Why a tenant's running count runs nothing: no live worker, or leases expired. */
+  function staleText(data, t) {
+    if (t.running > 0 && data.workers && data.workers.live === 0) {
+      return " (no live worker)";
+    }
+    return t.expired_leases ? " (" + fmtInt(t.expired_leases) + " lease expired)" : "";
+  }
+
   function renderTable(data) {
     var body = document.querySelector("#fq-table tbody");
     clear(body);
@@ -260,7 +268,8 @@
         fmtInt(t.ready),
         fmtInt(t.delayed),
         fmtInt(t.retrying),
-        fmtInt(t.running) + " / " + (t.max_concurrency === null ? "∞" : fmtInt(t.max_concurrency)),
+        fmtInt(t.running) + " / " + (t.max_concurrency === null ? "∞" : fmtInt(t.max_concurrency)) +
+          staleText(data, t),
         fmtInt(t.failures_last_5m),
         fmtInt(t.timeouts_last_5m),
         null,
