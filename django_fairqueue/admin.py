@@ -10,6 +10,8 @@ dashboard.
   through :mod:`django_fairqueue.db`, like the Python API, so counters stay exact.
 * **Schedules**: periodic schedules, with their next fire time
   (:mod:`django_fairqueue.schedule_admin`); a channel's page lists its own.
+* **Usage per tenant**: worker time, attempts and failures per channel or group over a range
+  of days, sortable, as CSV too (:mod:`django_fairqueue.usage_admin`).
 * **Dashboard** at ``<admin>/fairqueue/channel/dashboard/``: charts drawn in the browser by a
   small script shipped with the app, refreshed from a JSON endpoint next to it.
 
@@ -34,20 +36,31 @@ from django.contrib.admin.models import CHANGE, LogEntry
 from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
-from django.db.models import F, IntegerField, Lookup, QuerySet, Value
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
+from django.db.models import F, IntegerField, Lookup, Q, QuerySet, Value
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils import timezone
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
-from django.utils.safestring import SafeString
+from django.utils.safestring import SafeString, mark_safe
 from django.utils.text import format_lazy
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 from django.views.decorators.http import require_POST
 
-from django_fairqueue import adminlist, batches, conf, horizon, overview, registry, stats, waiting
+from django_fairqueue import (
+    adminlist,
+    api,
+    batches,
+    conf,
+    failures,
+    horizon,
+    overview,
+    registry,
+    stats,
+    waiting,
+)
 from django_fairqueue.api import validate_channel_name, validate_group_name
 from django_fairqueue.db import batch_store, channel_store, message_store, pg
 from django_fairqueue.exceptions import InvalidChannel, InvalidQueue
@@ -63,12 +76,14 @@ from django_fairqueue.models import (
 )
 from django_fairqueue.queues import DEFAULT_QUEUE, row_name, validate_queue_name
 from django_fairqueue.schedule_admin import ScheduleAdmin, ScheduleInline
+from django_fairqueue.usage_admin import UsageAdmin
 
 __all__ = [
     "ChannelAdmin",
     "ChannelGroupAdmin",
     "MessageAdmin",
     "ScheduleAdmin",
+    "UsageAdmin",
     "WorkBatchAdmin",
     "WorkerAdmin",
 ]
@@ -92,6 +107,10 @@ EDITABLE_LIMITS = ("max_concurrency", "release_interval", "weight", "max_backlog
 ACTION_CHUNK = 1000
 #: The pseudo-field the "oldest ready" column sorts by (sorted in Python, see ChannelChangeList).
 AGE_ORDER = "oldest_ready_age"
+#: Pseudo-fields of columns whose figures come from the per-minute statistics, sorted in
+#: Python over every channel of the filtered list (ChannelChangeList): the database holds no
+#: column to order them by.
+FIGURE_ORDERS = ("wait_p50", "served_recent", "finished_recent")
 #: Most tenants the dashboard shows (and its JSON accepts).
 DASHBOARD_MAX_TENANTS = 100
 
@@ -327,11 +346,17 @@ def _error_html(error: Any) -> str:
 
 def _timestamp(value: datetime | None) -> str:
     """``2026-11-25 21:04:05`` in the current time zone; ``-`` for None."""
-    if value is None:
-        return "-"
-    if timezone.is_aware(value):
-        value = timezone.localtime(value)
-    return value.strftime("%Y-%m-%d %H:%M:%S")
+    return overview.format_time(value)
+
+
+def _parse_time(text: Any) -> datetime | None:
+    """A timestamp the database wrote into JSON (ISO 8601), or None."""
+    if not isinstance(text, str):
+        return None
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        return None
 
 
 def _duration(value: timedelta | None) -> str:
@@ -526,6 +551,35 @@ class StarvingFilter(admin.SimpleListFilter):
         return _among(queryset, [cid for cid, t in since.items() if t < cutoff])
 
 
+class UnservedFilter(admin.SimpleListFilter):
+    """Channels starving under a backlog: not paused, ready messages waiting for more than N
+    minutes, and nothing claimed from the channel in those N minutes (``?unserved=5``). Under a
+    big backlog every channel's oldest message is old; only those the round passes over are
+    also unserved."""
+
+    title = _("served nothing while backlogged")
+    parameter_name = "unserved"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [(str(m), str(_("in %d min")) % m) for m in (1, 5, 15, 60)]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value is None:
+            return queryset
+        try:
+            minutes = float(value)
+        except ValueError:
+            return queryset.none()
+        cutoff = pg.select_clock() - timedelta(minutes=minutes)
+        since = channel_store.select_backlogged_oldest_ready(using=conf.get().DATABASE)
+        waiting = _among(queryset, [cid for cid, t in since.items() if t < cutoff])
+        # last_claimed_at: annotated by overview.annotate_counters (the scheduler's column)
+        return waiting.filter(paused=False).filter(
+            Q(last_claimed_at__lt=cutoff) | Q(last_claimed_at__isnull=True)
+        )
+
+
 class FailingFilter(admin.SimpleListFilter):
     """Channels failing now: an attempt failed (retried or for good, time limits and expired
     leases included) in the last minutes, or messages wait for a retry."""
@@ -552,48 +606,81 @@ class FailingFilter(admin.SimpleListFilter):
 
 
 class ChannelChangeList(ChangeList):
-    """Adds two things to the standard list: sorting by oldest ready age (computed by the
-    database for the filtered channels, then paged here), and the page's figures fetched for the
-    whole page at once (:func:`django_fairqueue.overview.rows`)."""
+    """Adds three things to the standard list: sorting by figures the database cannot order
+    by (oldest ready age, and the statistics of the last minutes: wait p50, served, finished),
+    computed for the filtered channels and then paged here; the page's figures fetched for the
+    whole page at once (:func:`django_fairqueue.overview.rows`); and whether any worker is
+    alive, read once, so a running count no live worker renews does not look alive."""
 
-    age_order: str | None = None
+    computed_order: tuple[str, bool] | None = None  # (pseudo-field, descending)
 
     def get_ordering(self, request: HttpRequest, queryset: QuerySet[Any]) -> list[Any]:
         ordering = super().get_ordering(request, queryset)
         kept = []
         for field in ordering:
-            if field in (AGE_ORDER, f"-{AGE_ORDER}"):
-                self.age_order = "desc" if field.startswith("-") else "asc"
+            name = field.removeprefix("-") if isinstance(field, str) else ""
+            if name == AGE_ORDER or name in FIGURE_ORDERS:
+                if self.computed_order is None:  # the first sort key the user clicked
+                    self.computed_order = (name, str(field).startswith("-"))
             else:
                 kept.append(field)
         return kept
 
     def get_results(self, request: HttpRequest) -> None:
         super().get_results(request)
-        if self.age_order is not None:
-            self.result_list = self._by_age()
+        if self.computed_order is not None:
+            self.result_list = self._by_computed(*self.computed_order)
         page = list(self.result_list)
         now = timezone.now()
         found = {row.id: row for row in overview.rows([obj.pk for obj in page], now=now)}
+        live = len(registry.live(registry.workers()))
         for obj in page:
             # Read by the column methods (ChannelAdmin.*_display, through _row).
             setattr(obj, "_fq_row", found.get(obj.pk))  # noqa: B010
             setattr(obj, "_fq_now", now)  # noqa: B010
+            setattr(obj, "_fq_live", live)  # noqa: B010
         self.result_list = page
 
-    def _by_age(self) -> list[Channel]:
+    def _by_computed(self, name: str, descending: bool) -> list[Channel]:
         ids = list(self.queryset.order_by().values_list("pk", flat=True))
         counts = overview.all_counts()
-        ranked = overview.ranked_ids("age", counts=counts, among=ids)  # longest-waiting first
-        waiting = [cid for cid in ranked if counts[cid].ready > 0]
-        idle = [cid for cid in ranked if counts[cid].ready <= 0]
-        # ascending age: the most recently ready first; channels with nothing ready stay last
-        ordered = (waiting[::-1] if self.age_order == "asc" else waiting) + idle
+        if name == AGE_ORDER:
+            ranked = overview.ranked_ids("age", counts=counts, among=ids)  # longest wait first
+            waiting = [cid for cid in ranked if counts[cid].ready > 0]
+            idle = [cid for cid in ranked if counts[cid].ready <= 0]
+            # ascending age: the most recently ready first; nothing ready stays last
+            ordered = (waiting if descending else waiting[::-1]) + idle
+        else:
+            figures = _figures(name, ids)
+            with_figure = sorted(
+                (cid for cid in ids if cid in figures and cid in counts),
+                key=lambda cid: (figures[cid], counts[cid].name),
+                reverse=descending,
+            )
+            # channels without the figure (nothing claimed in the window) last, by name
+            without = sorted(
+                (cid for cid in ids if cid not in figures and cid in counts),
+                key=lambda cid: counts[cid].name,
+            )
+            ordered = with_figure + without
         if not (self.show_all and self.can_show_all) and self.multi_page:
             start = (self.page_num - 1) * self.list_per_page
             ordered = ordered[start : start + self.list_per_page]
         objects = self.queryset.order_by().in_bulk(ordered)
         return [objects[cid] for cid in ordered if cid in objects]
+
+
+def _figures(name: str, ids: Sequence[int]) -> dict[int, float]:
+    """{channel id: its figure ``name`` (of FIGURE_ORDERS) over the last FINISHED_MINUTES
+    minutes}, for the channels of ``ids`` that have one (one statement over the window)."""
+    minutes = overview.FINISHED_MINUTES
+    if name == "wait_p50":
+        waits = stats.wait_by_channel(minutes, ids)
+        return {cid: w.p50_ms for cid, w in waits.items() if w.p50_ms is not None}
+    window = stats.window_stats(minutes, channel_ids=ids)
+    if name == "served_recent":
+        return {cid: float(n) for cid, n in stats.served_of(window).items()}
+    return {cid: float(n) for cid, n in stats.finished_of(window).items()}
 
 
 def _row(obj: Channel) -> overview.ChannelRow | None:
@@ -608,6 +695,22 @@ def _row(obj: Channel) -> overview.ChannelRow | None:
     return row
 
 
+def _stale_running(obj: Channel, row: overview.ChannelRow) -> str:
+    """Why a channel's running count is not running anything (or ""): no live worker at all
+    (the list reads the registry once: ``_fq_live``), or leases expired and not rescued yet."""
+    if row.running <= 0:
+        return ""
+    live = getattr(obj, "_fq_live", None)
+    if live is None:  # the change page: read here
+        live = len(registry.live(registry.workers()))
+        setattr(obj, "_fq_live", live)  # noqa: B010
+    if live == 0:
+        return str(_("no live worker"))
+    if row.expired_leases:
+        return str(_("%d lease expired")) % row.expired_leases
+    return ""
+
+
 @admin.register(Channel)
 class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
     class Media:
@@ -618,19 +721,20 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
     # What a support engineer looks for first (backlog, running against the cap, how long the
     # oldest waits, failures), then the rest; the limits come last.
     list_display = [
-        "name_display",
+        "name_display",  # "paused" shows beside the name: never off-screen
         "queue_display",
         "ready_display",
         "running_display",
         "oldest_ready_display",
+        "last_served_display",
         "wait_display",
+        "served_display",
+        "finished_display",
         "failures_display",
         "timeouts_display",
         "retrying_display",
         "failed_display",
         "scheduled_display",
-        "finished_display",
-        "paused",
         "group_display",
         "weight",
         "release_interval_display",
@@ -640,6 +744,7 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
         adminlist.QueueFilter,
         CapFilter,
         StarvingFilter,
+        UnservedFilter,
         FailingFilter,
         "paused",
         HasFailuresFilter,
@@ -676,7 +781,7 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
                     "oldest_ready_display",
                     "finished_display",
                     "last_claimed_display",
-                    "created_at",
+                    "created_display",
                 ]
             },
         ),
@@ -696,9 +801,11 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Channel]:
         qs = overview.annotate_counters(super().get_queryset(request).select_related("group"))
-        # A constant stand-in, so that Django can check an ordering that names the age column
-        # (ChannelChangeList takes it out and sorts by age itself).
-        return qs.annotate(**{AGE_ORDER: Value(0, output_field=IntegerField())})
+        # Constant stand-ins, so that Django can check an ordering that names a computed column
+        # (ChannelChangeList takes it out and sorts by the figure itself).
+        return qs.annotate(
+            **{name: Value(0, output_field=IntegerField()) for name in (AGE_ORDER, *FIGURE_ORDERS)}
+        )
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return ChannelChangeList
@@ -707,7 +814,13 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
         fields = ["counters_display", "failures_display", "timeouts_display"]
         fields += ["retrying_display", "failed_display"]
         fields += ["why_waiting_display", "oldest_ready_display", "finished_display"]
-        fields += ["last_claimed_display", "created_at", "group_display", "queue", "name_display"]
+        fields += [
+            "last_claimed_display",
+            "created_display",
+            "group_display",
+            "queue",
+            "name_display",
+        ]
         if obj is not None:
             fields.append("name")  # the channel's identity: enqueue finds it by name
         return fields
@@ -755,7 +868,12 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
     @admin.display(description=_("name"), ordering="name")
     def name_display(self, obj: Channel) -> str:
         # the name within its queue (the row of channel "acme" in queue "reports" is named
-        # "reports<U+001F>acme"; the queue has its own column)
+        # "reports<U+001F>acme"; the queue has its own column); paused beside it, so a paused
+        # tenant is never mistaken for a starving one, however narrow the screen
+        if obj.paused:
+            return format_html(
+                '{} <span class="fq-badge fq-paused">{}</span>', obj.short_name, _("paused")
+            )
         return obj.short_name
 
     @admin.display(description=_("queue"), ordering="queue")
@@ -789,6 +907,11 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
             return "-"
         cap = obj.max_concurrency
         text = f"{row.running:,} / {'∞' if cap is None else f'{cap:,}'}"
+        stale = _stale_running(obj, row)
+        if stale:
+            return format_html(
+                '<span class="fq-stale" title="{}">{} ({})</span>', stale, text, stale
+            )
         if cap is not None and row.running > cap:  # a cap lowered below what runs
             return format_html(
                 '<span class="fq-over-cap" title="{}">{}</span>', _("over cap"), text
@@ -863,11 +986,40 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
         now: Any = getattr(obj, "_fq_now", None) or timezone.now()
         return format_html(
             '<span title="ready since {}">{}</span>',
-            row.oldest_ready_since.isoformat(timespec="seconds"),
+            _timestamp(row.oldest_ready_since),
             overview.format_age(row.oldest_age(now)),
         )
 
-    @admin.display(description=format_lazy(_("wait p50 {} min"), overview.FINISHED_MINUTES))
+    @admin.display(description=_("last served"), ordering="last_claimed_at")
+    def last_served_display(self, obj: Channel) -> str:
+        # when the claim last took a message of it: a backlogged channel not served for long
+        # is starving (the filter "served nothing while backlogged" finds them all)
+        row = _row(obj)
+        if row is None or row.last_claimed_at is None:
+            return "-"
+        now: Any = getattr(obj, "_fq_now", None) or timezone.now()
+        age = max((now - row.last_claimed_at).total_seconds(), 0.0)
+        late = row.ready > 0 and not obj.paused and age >= 60
+        return format_html(
+            '<span title="{}"{}>{} ago</span>',
+            _timestamp(row.last_claimed_at),
+            mark_safe(' class="fq-failed"') if late else "",  # a constant
+            overview.format_age(age),
+        )
+
+    @admin.display(
+        description=format_lazy(_("served {} min"), overview.FINISHED_MINUTES),
+        ordering="served_recent",
+    )
+    def served_display(self, obj: Channel) -> str:
+        # messages claimed from it in the window: its share of the workers lately
+        row = _row(obj)
+        return f"{row.served_recent:,}" if row else "-"
+
+    @admin.display(
+        description=format_lazy(_("wait p50 {} min"), overview.FINISHED_MINUTES),
+        ordering="wait_p50",
+    )
     def wait_display(self, obj: Channel) -> str:
         # how long what it claimed lately waited: a backlog that moves slowly shows here
         # before its oldest message grows old
@@ -876,7 +1028,10 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
             return "-"
         return overview.format_ms(row.wait_p50_ms)
 
-    @admin.display(description=_("finished 5 min"))
+    @admin.display(
+        description=format_lazy(_("finished {} min"), overview.FINISHED_MINUTES),
+        ordering="finished_recent",
+    )
     def finished_display(self, obj: Channel) -> str:
         row = _row(obj)
         return f"{row.finished_recent:,}" if row else "-"
@@ -885,10 +1040,15 @@ class ChannelAdmin(adminlist.NulSafeAdmin, _ChannelAdminBase):
     def why_waiting_display(self, obj: Channel) -> str:
         return waiting.channel(obj.pk).text
 
-    @admin.display(description=_("last claimed at"))
+    @admin.display(description=_("created at"))
+    def created_display(self, obj: Channel) -> str:
+        return _timestamp(obj.created_at)
+
+    @admin.display(description=_("last served"))
     def last_claimed_display(self, obj: Channel) -> Any:
         # a scheduler column, read by the queryset (overview.annotate_counters), not a field
-        return getattr(obj, "last_claimed_at", None) or "-"
+        moment = getattr(obj, "last_claimed_at", None)
+        return overview.format_since(moment, timezone.now()) if moment else "-"
 
     @admin.display(description=_("counts"))
     def counters_display(self, obj: Channel) -> str:
@@ -1110,19 +1270,21 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
         )
 
     change_list_template = "admin/fairqueue/message/change_list.html"
+    # What a running message is doing first (its worker, for how long, its lease), so they
+    # stay on screen at 1440 px; the times and the error after.
     list_display = [
         "id",
         "channel_link",
         "task_name",
         "state",
-        "priority",
         "attempts_display",
-        "enqueued_display",
-        "run_at_display",
         "worker_link",
         "running_for_display",
         "lease_display",
+        "enqueued_display",
+        "run_at_display",
         "finished_display",
+        "priority",
         "error_summary",
     ]
     list_filter = [
@@ -1130,6 +1292,7 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
         adminlist.TaskNameFilter,
         adminlist.MessageQueueFilter,
         adminlist.ChannelFilter,
+        adminlist.WorkerFilter,
     ]
     list_select_related = ["channel"]
     ordering = ["-id"]  # newest first (a backward scan of the primary key)
@@ -1160,11 +1323,21 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
                     "keep_result",
                     "unique_key",
                     "unique_scope",
-                    "abort_requested_at",
+                    "abort_requested_display",
                 ]
             },
         ),
-        (_("Times"), {"fields": ["enqueued_at", "run_at", "claimed_at", "finished_at"]}),
+        (
+            _("Times"),
+            {
+                "fields": [
+                    "enqueued_display",
+                    "run_at_display",
+                    "claimed_display",
+                    "finished_display",
+                ]
+            },
+        ),
         (
             _("Lease"),
             {
@@ -1177,7 +1350,7 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
             },
         ),
         (_("Payload and result"), {"fields": ["payload_display", "result_display"]}),
-        (_("Error"), {"fields": ["error_display"]}),
+        (_("Error"), {"fields": ["error_display", "errors_display"]}),
     ]
     readonly_fields = [
         "id",
@@ -1189,11 +1362,11 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
         "keep_result",
         "unique_key",
         "unique_scope",
-        "abort_requested_at",
-        "enqueued_at",
-        "run_at",
-        "claimed_at",
-        "finished_at",
+        "abort_requested_display",
+        "enqueued_display",
+        "run_at_display",
+        "claimed_display",
+        "finished_display",
         "worker_link",
         "running_for_display",
         "lease_display",
@@ -1201,7 +1374,9 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
         "payload_display",
         "result_display",
         "error_display",
+        "errors_display",
     ]
+    change_form_template = "admin/fairqueue/message/change_form.html"
 
     # The checkbox without a widget template per row (see ChannelAdmin.action_checkbox).
     action_checkbox = ChannelAdmin.action_checkbox  # type: ignore[assignment]
@@ -1224,9 +1399,8 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:
-        # The columns of running messages are relative to the database's clock, read once;
-        # the links of a page share their URL prefixes (one reverse() each, not one a row).
-        self._now = pg.select_clock()
+        # The links of a page share their URL prefixes (one reverse() each, not one a row);
+        # they are the same for every request, unlike the clock (get_changelist_instance).
         self._urls = {
             "channel": reverse("admin:fairqueue_channel_changelist"),
             "workers": reverse("admin:fairqueue_workerrecord_changelist"),
@@ -1260,6 +1434,89 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
     def has_remove_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm(f"{self.opts.app_label}.delete_message")
 
+    # -- one message's buttons: retry, cancel, abort ---------------------------------------
+
+    #: The buttons of a message's page: verb -> (label, the states it applies to).
+    BUTTONS: dict[str, tuple[Any, tuple[str, ...]]] = {
+        "retry": (_("Retry"), (MessageState.FAILED,)),
+        "cancel": (_("Cancel"), (MessageState.READY, MessageState.SCHEDULED)),
+        "abort": (_("Abort"), (MessageState.RUNNING,)),
+    }
+
+    def get_urls(self) -> list[URLPattern]:
+        return [
+            path(
+                "<int:object_id>/act/<str:verb>/",
+                self.admin_site.admin_view(require_POST(self.act_view)),
+                name="fairqueue_message_act",
+            ),
+            *super().get_urls(),
+        ]
+
+    def buttons(self, request: HttpRequest, obj: Message) -> list[dict[str, Any]]:
+        """The buttons this user may press on this message's page, in its state."""
+        if not self.has_act_permission(request):
+            return []
+        out = []
+        for verb, (label, states) in self.BUTTONS.items():
+            if obj.state in states and not (verb == "abort" and obj.abort_requested_at):
+                url = reverse(f"{self.admin_site.name}:fairqueue_message_act", args=[obj.pk, verb])
+                out.append({"verb": verb, "label": label, "url": url})
+        return out
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        obj = self.get_object(request, object_id)
+        context = {"fq_buttons": self.buttons(request, obj) if obj is not None else []}
+        return super().change_view(
+            request, object_id, form_url, {**context, **(extra_context or {})}
+        )
+
+    def act_view(self, request: HttpRequest, object_id: int, verb: str) -> HttpResponseRedirect:
+        """A button of a message's page: the public API's retry, cancel or abort of this one
+        message, logged; the page then says what happened (nothing, if its state moved on)."""
+        if not self.has_act_permission(request):
+            raise PermissionDenied
+        if verb not in self.BUTTONS:
+            raise Http404(f"no such action: {verb}")
+        obj = Message.objects.filter(pk=object_id).only("id", "task_name", "state").first()
+        if obj is None:
+            raise Http404(f"no message {object_id}")
+        if verb == "retry":
+            done = bool(failures.retry([obj.pk]))
+            text = _("Retried: ready again with a fresh attempt budget.")
+        elif verb == "cancel":
+            done = bool(api.cancel([obj.pk]))
+            text = _("Cancelled.")
+        else:
+            outcome = api.abort([obj.pk]).get(obj.pk)
+            done = outcome is not None
+            text = (
+                _("Cancelled (it was waiting).")
+                if outcome == "cancelled"
+                else _(
+                    "Abort requested: it ends aborted once its task stops, or after the "
+                    "abort grace period."
+                )
+            )
+        if done:
+            _log_changes(request, [obj], f"{verb.capitalize()} (admin button).")
+            self.message_user(request, text, messages.SUCCESS)
+        else:
+            self.message_user(
+                request,
+                _("Nothing done: the message is no longer %(state)s.") % {"state": obj.state},
+                messages.WARNING,
+            )
+        return HttpResponseRedirect(
+            reverse(f"{self.admin_site.name}:fairqueue_message_change", args=[obj.pk])
+        )
+
     # -- columns ---------------------------------------------------------------------------
 
     def _url(self, name: str) -> str:
@@ -1278,8 +1535,9 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
         url = f"{self._url('channel')}{obj.channel_id}/change/"
         return format_html('<a href="{}">{}</a>', url, str(obj.channel))
 
-    # The list's times, formatted directly (Django's localized formatting of a datetime costs
-    # ten times more, a fifth of the list's rendering at 100 rows); the detail page keeps it.
+    # Times, formatted directly and to the second, as on every fairqueue page (Django's
+    # localized formatting shows minutes, and costs ten times more: a fifth of the list's
+    # rendering at 100 rows).
     @admin.display(description=_("enqueued at"))
     def enqueued_display(self, obj: Message) -> str:
         return _timestamp(obj.enqueued_at)
@@ -1292,12 +1550,35 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
     def finished_display(self, obj: Message) -> str:
         return _timestamp(obj.finished_at)
 
+    @admin.display(description=_("claimed at"))
+    def claimed_display(self, obj: Message) -> str:
+        return _timestamp(obj.claimed_at)
+
+    @admin.display(description=_("abort requested at"))
+    def abort_requested_display(self, obj: Message) -> str:
+        return _timestamp(obj.abort_requested_at)
+
     @admin.display(description=_("attempts"))
     def attempts_display(self, obj: Message) -> str:
         return f"{obj.attempts} / {obj.max_attempts}"
 
-    def _clock(self) -> Any:
-        return getattr(self, "_now", None) or pg.select_clock()
+    def get_changelist_instance(self, request: HttpRequest) -> Any:
+        cl = super().get_changelist_instance(request)
+        # The columns of running messages are relative to the database's clock, read once per
+        # page and kept on the page's rows: never on this admin, which every request shares.
+        now = pg.select_clock()
+        for obj in cl.result_list:
+            setattr(obj, "_fq_now", now)  # noqa: B010
+        return cl
+
+    @staticmethod
+    def _clock(obj: Message) -> datetime:
+        """The database's clock of this request: the list's, or read once for a detail page."""
+        now: datetime | None = getattr(obj, "_fq_now", None)
+        if now is None:
+            now = pg.select_clock()
+            setattr(obj, "_fq_now", now)  # noqa: B010
+        return now
 
     @admin.display(description=_("worker"))
     def worker_link(self, obj: Message) -> str:
@@ -1311,10 +1592,10 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
     def running_for_display(self, obj: Message) -> str:
         if obj.state != MessageState.RUNNING or obj.claimed_at is None:
             return "-"
-        seconds = max(0.0, (self._clock() - obj.claimed_at).total_seconds())
+        seconds = max(0.0, (self._clock(obj) - obj.claimed_at).total_seconds())
         return format_html(
             '<span title="claimed at {}">{}</span>',
-            obj.claimed_at.isoformat(timespec="seconds"),
+            _timestamp(obj.claimed_at),
             overview.format_age(seconds),
         )
 
@@ -1322,8 +1603,8 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
     def lease_display(self, obj: Message) -> str:
         if obj.state != MessageState.RUNNING or obj.lease_expires_at is None:
             return "-"
-        left = (obj.lease_expires_at - self._clock()).total_seconds()
-        at = obj.lease_expires_at.isoformat(timespec="seconds")
+        left = (obj.lease_expires_at - self._clock(obj)).total_seconds()
+        at = _timestamp(obj.lease_expires_at)
         if left < 0:
             return format_html(
                 '<span class="fq-failed" title="{}">{}</span>',
@@ -1349,6 +1630,46 @@ class MessageAdmin(adminlist.NulSafeAdmin, _MessageAdminBase):
     @admin.display(description=_("last error"))
     def error_display(self, obj: Message) -> str:
         return _error_html(obj.last_error)
+
+    @admin.display(description=_("every attempt's error"))
+    def errors_display(self, obj: Message) -> str:
+        """The history of failed attempts (at most ERROR_HISTORY, oldest first), one line each,
+        the traceback folded."""
+        history = obj.errors if isinstance(obj.errors, list) else []
+        if not history:
+            return "-"
+        rows = format_html_join(
+            "",
+            '<tr><td>{}</td><td class="fq-nowrap">{}</td><td class="fq-nowrap">{}</td>'
+            "<td>{}{}</td></tr>",
+            (
+                (
+                    e.get("attempt", "?"),
+                    _timestamp(_parse_time(e.get("at"))),
+                    e.get("worker") or "-",
+                    _error_summary(e),
+                    format_html(
+                        '<details><summary>{}</summary><pre class="fq-traceback">{}</pre>'
+                        "</details>",
+                        _("traceback"),
+                        e["traceback"],
+                    )
+                    if e.get("traceback")
+                    else "",
+                )
+                for e in history
+                if isinstance(e, dict)
+            ),
+        )
+        return format_html(
+            '<table class="fq-errors" id="fq-errors"><thead><tr><th>{}</th><th>{}</th><th>{}</th>'
+            "<th>{}</th></tr></thead><tbody>{}</tbody></table>",
+            _("attempt"),
+            _("at"),
+            _("worker"),
+            _("error"),
+            rows,
+        )
 
     # -- actions ---------------------------------------------------------------------------
 
@@ -1588,30 +1909,69 @@ class WorkBatchAdmin(adminlist.NulSafeAdmin, _WorkBatchAdminBase):
 # Workers
 
 
+class WorkerStateFilter(admin.SimpleListFilter):
+    """The state column's values (alive, silent, dead, stopped), judged as the column judges
+    them, on the database's clock: a registered worker whose beat is late is silent, and dead
+    once WORKER_DEAD_AFTER passed, before the maintenance loop marks it so."""
+
+    title = _("state")
+    parameter_name = "state"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [(s, s) for s in ("alive", "silent", "dead", "stopped")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value is None:
+            return queryset
+        cfg = conf.get()
+        now = pg.select_clock(using=cfg.DATABASE)
+        late = now - timedelta(seconds=3 * cfg.WORKER_HEARTBEAT)
+        gone = now - timedelta(seconds=cfg.WORKER_DEAD_AFTER)
+        running = queryset.filter(state="running")
+        if value == "alive":
+            return running.filter(heartbeat_at__gte=late)
+        if value == "silent":
+            return running.filter(heartbeat_at__lt=late, heartbeat_at__gte=gone)
+        if value == "dead":
+            return queryset.filter(Q(state="dead") | Q(state="running", heartbeat_at__lt=gone))
+        if value == "stopped":
+            return queryset.filter(state="stopped")
+        return queryset.none()
+
+
 @admin.register(WorkerRecord)
 class WorkerAdmin(adminlist.NulSafeAdmin, _WorkerAdminBase):
-    """The worker registry, read-only: who runs, where, what, and since when."""
+    """The worker registry, read-only: who runs, where, what, since when, and what each ran.
+
+    A supervisor's children (``runfairworker --processes``) are listed together under it; the
+    *Busy* page shows what each live worker runs now and since when."""
 
     class Media:
         css = {"all": ["django_fairqueue/admin.css"]}
 
+    change_list_template = "admin/fairqueue/workerrecord/change_list.html"
     list_display = [
-        "worker_id",
+        "worker_display",
         "alive_display",
+        "supervisor_display",
         "host",
         "pid",
-        "version",
         "running_display",
         "handled",
-        "started_at",
-        "heartbeat_at",
-        "last_claim_at",
+        "messages_link",
+        "heartbeat_display",
+        "last_claim_display",
+        "started_display",
         "queues_display",
         "filters_display",
+        "version",
     ]
-    list_filter = ["state", "host"]
-    search_fields = ["worker_id", "host"]
+    list_filter = [WorkerStateFilter, "host"]
+    search_fields = ["worker_id", "host", "supervisor"]
     show_full_result_count = False
+    # a supervisor's children together, in slot order; workers on their own by id
+    ordering = ["supervisor", "worker_id"]
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -1623,18 +1983,76 @@ class WorkerAdmin(adminlist.NulSafeAdmin, _WorkerAdminBase):
         return False
 
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
-        # one read of the registry per page: the state shown needs the beat's age
-        self._states = {v.worker_id: v.state for v in registry.workers()}
-        return super().changelist_view(request, extra_context)
+        # One read of the registry and the clock per page, kept on the request's rows (never on
+        # this admin, which every request shares): the states need the beat's age.
+        return super().changelist_view(
+            request,
+            {"busy_url": reverse("admin:fairqueue_workerrecord_busy"), **(extra_context or {})},
+        )
+
+    def get_changelist_instance(self, request: HttpRequest) -> Any:
+        cl = super().get_changelist_instance(request)
+        now = pg.select_clock()
+        states = {v.worker_id: v.state for v in registry.workers(now)}
+        messages_url = reverse("admin:fairqueue_message_changelist")
+        for obj in cl.result_list:
+            setattr(obj, "_fq_now", now)  # noqa: B010
+            setattr(obj, "_fq_state", states.get(obj.worker_id, obj.state))  # noqa: B010
+            setattr(obj, "_fq_messages", messages_url)  # noqa: B010
+        return cl
+
+    def _ago(self, obj: WorkerRecord, moment: datetime | None) -> str:
+        now = getattr(obj, "_fq_now", None) or timezone.now()
+        return overview.format_since(moment, now) if moment else "-"
+
+    @admin.display(description=_("worker"), ordering="worker_id")
+    def worker_display(self, obj: WorkerRecord) -> str:
+        if obj.supervisor:  # a child, under its supervisor
+            return format_html('<span class="fq-child">└ {}</span>', obj.worker_id)
+        return obj.worker_id
 
     @admin.display(description=_("state"))
     def alive_display(self, obj: WorkerRecord) -> str:
-        states: dict[str, str] = getattr(self, "_states", {})
-        return states.get(obj.worker_id, obj.state)
+        state: str = getattr(obj, "_fq_state", obj.state)
+        if state in ("dead", "silent"):
+            return format_html('<span class="fq-failed">{}</span>', state)
+        return state
+
+    @admin.display(description=_("supervisor"), ordering="supervisor")
+    def supervisor_display(self, obj: WorkerRecord) -> str:
+        return obj.supervisor or "-"
 
     @admin.display(description=_("running / threads"), ordering="running")
     def running_display(self, obj: WorkerRecord) -> str:
-        return f"{obj.running} / {obj.concurrency}" if obj.state == "running" else "-"
+        state = getattr(obj, "_fq_state", obj.state)
+        return f"{obj.running} / {obj.concurrency}" if state in ("alive", "silent") else "-"
+
+    @admin.display(description=_("messages"))
+    def messages_link(self, obj: WorkerRecord) -> str:
+        """The messages it ran; for a dead worker, "ran or lost": what it was running when it
+        died carries its id, with an expired lease (the rescuer's LeaseExpired error)."""
+        url = getattr(obj, "_fq_messages", None) or reverse("admin:fairqueue_message_changelist")
+        state = getattr(obj, "_fq_state", obj.state)
+        label = _("ran or lost") if state == "dead" else _("ran")
+        return format_html(
+            '<a href="{}?{}"{}>{}</a>',
+            url,
+            urlencode({"worker": obj.worker_id}),
+            mark_safe(' class="fq-failed"') if state == "dead" else "",  # a constant
+            label,
+        )
+
+    @admin.display(description=_("last beat"), ordering="heartbeat_at")
+    def heartbeat_display(self, obj: WorkerRecord) -> str:
+        return self._ago(obj, obj.heartbeat_at)
+
+    @admin.display(description=_("last claim"), ordering="last_claim_at")
+    def last_claim_display(self, obj: WorkerRecord) -> str:
+        return self._ago(obj, obj.last_claim_at)
+
+    @admin.display(description=_("started"), ordering="started_at")
+    def started_display(self, obj: WorkerRecord) -> str:
+        return self._ago(obj, obj.started_at)
 
     @admin.display(description=_("queues"))
     def queues_display(self, obj: WorkerRecord) -> str:
@@ -1647,3 +2065,98 @@ class WorkerAdmin(adminlist.NulSafeAdmin, _WorkerAdminBase):
         if obj.exclude_channels:
             return str(_("all but %s")) % ", ".join(obj.exclude_channels)
         return str(_("all"))
+
+    # -- busy: what each worker runs now --------------------------------------------------
+
+    #: Most running messages the busy page lists (the oldest claims first per worker).
+    BUSY_LIMIT = 300
+
+    def get_urls(self) -> list[URLPattern]:
+        return [
+            path(
+                "busy/",
+                self.admin_site.admin_view(self.busy_view),
+                name="fairqueue_workerrecord_busy",
+            ),
+            *super().get_urls(),
+        ]
+
+    def busy_view(self, request: HttpRequest) -> TemplateResponse:
+        """Every worker that holds running messages or is live, its supervisor's children
+        together, each with what it runs now: the message, its channel and task, since when,
+        and its lease. A dead worker's messages stay listed (their lease expired) until a
+        live worker's rescuer takes them back."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        now = pg.select_clock()
+        views = {v.worker_id: v for v in registry.workers(now)}
+        running = list(
+            Message.objects.filter(state=MessageState.RUNNING)
+            .select_related("channel")
+            .only(
+                "id",
+                "task_name",
+                "claimed_at",
+                "lease_expires_at",
+                "worker_id",
+                "attempts",
+                "max_attempts",
+                "abort_requested_at",
+                "channel__name",
+            )
+            .order_by("worker_id", "claimed_at", "id")[: self.BUSY_LIMIT + 1]
+        )
+        truncated = len(running) > self.BUSY_LIMIT
+        by_worker: dict[str, list[dict[str, Any]]] = {}
+        for m in running[: self.BUSY_LIMIT]:
+            left = (m.lease_expires_at - now).total_seconds() if m.lease_expires_at else None
+            by_worker.setdefault(m.worker_id, []).append(
+                {
+                    "id": m.pk,
+                    "channel": m.channel.short_name,
+                    "channel_id": m.channel_id,
+                    "task": m.task_name,
+                    "attempt": f"{m.attempts} / {m.max_attempts}",
+                    "since": overview.format_since(m.claimed_at, now),
+                    "lease": (
+                        "-"
+                        if left is None
+                        else f"in {overview.format_age(left)}"
+                        if left >= 0
+                        else f"expired {overview.format_age(-left)} ago"
+                    ),
+                    "expired": left is not None and left < 0,
+                    "aborting": m.abort_requested_at is not None,
+                }
+            )
+        ids = set(by_worker) | {w for w, v in views.items() if v.state in ("alive", "silent")}
+        workers = []
+        for worker_id in sorted(
+            ids, key=lambda w: ((views[w].supervisor if w in views else ""), w)
+        ):
+            view = views.get(worker_id)
+            workers.append(
+                {
+                    "id": worker_id,
+                    "state": view.state if view else "?",
+                    "supervisor": view.supervisor if view else "",
+                    "host": view.host if view else "",
+                    "pid": view.pid if view else "",
+                    "slots": f"{len(by_worker.get(worker_id, []))} / {view.concurrency}"
+                    if view
+                    else str(len(by_worker.get(worker_id, []))),
+                    "messages": by_worker.get(worker_id, []),
+                }
+            )
+        context = {
+            **self.admin_site.each_context(request),
+            "title": _("Busy: what each worker runs now"),
+            "opts": self.model._meta,
+            "workers": workers,
+            "truncated": truncated,
+            "limit": self.BUSY_LIMIT,
+            "now": overview.format_time(now),
+            "media": self.media,
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, "admin/fairqueue/workerrecord/busy.html", context)

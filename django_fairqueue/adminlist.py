@@ -353,6 +353,25 @@ class QueueFilter(admin.SimpleListFilter):
         return queryset.filter(**{self.field: value}) if value else queryset
 
 
+class WorkerFilter(admin.SimpleListFilter):
+    """The messages a worker ran (``?worker=host:1234``): those it runs now, and those it ran
+    last (a message keeps the id of the worker of its last attempt: what a dead worker was
+    running carries its id, its lease expired). No list of choices (that would read every
+    worker id of the table): the workers page links here, and the filter shows the one chosen.
+    """
+
+    title = _("worker")
+    parameter_name = "worker"
+
+    def lookups(self, request: HttpRequest | None, model_admin: Any) -> list[tuple[str, str]]:
+        current = self.value() if hasattr(self, "used_parameters") else None
+        return [(current, current)] if current else []
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        return queryset.filter(worker_id=value) if value else queryset
+
+
 class MessageQueueFilter(QueueFilter):
     """The queue of a message's channel."""
 

@@ -50,6 +50,9 @@ class FairQueueSettings:
     RESULT_RETENTION: timedelta = timedelta(days=1)
     # Work batches of a job that fully succeeded are deleted this long after its last batch.
     BATCH_RETENTION: timedelta = timedelta(days=7)
+    # Per-tenant usage (worker time, attempts, failures per channel and hour) is kept this
+    # long, then pruned by maintenance (docs/howto/observability.md, "Usage per tenant").
+    USAGE_RETENTION: timedelta = timedelta(days=31)
     NOTIFY: bool = True  # LISTEN/NOTIFY wake-ups; polling always runs as well
     NOTIFY_CHANNEL: str = "fairqueue"
     POLL_INTERVAL: float = 1.0
@@ -229,7 +232,7 @@ def load(raw: Any) -> FairQueueSettings:
             if not isinstance(value, bool):
                 raise ValueError(f"FAIRQUEUE['{key}'] must be True or False, got {value!r}")
             values[key] = value
-        elif key in ("RESULT_RETENTION", "BATCH_RETENTION"):
+        elif key in ("RESULT_RETENTION", "BATCH_RETENTION", "USAGE_RETENTION"):
             retention = _duration(value, f"FAIRQUEUE['{key}']")
             if retention < timedelta(0):  # a row cannot be pruned before it finished
                 raise ValueError(f"FAIRQUEUE['{key}'] must be 0 or more, got {value!r}")

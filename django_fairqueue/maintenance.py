@@ -12,7 +12,8 @@
   ``FAIRQUEUE['RESULT_RETENTION']``, in bounded batches, and the hold rows of unique keys
   whose message is gone or finished for good.
 * :class:`StatsPruner` deletes per-channel statistics older than a day
-  (:func:`django_fairqueue.stats.prune`).
+  (:func:`django_fairqueue.stats.prune`), and usage older than ``FAIRQUEUE['USAGE_RETENTION']``
+  (:mod:`django_fairqueue.usage`).
 * :class:`DeltaFolder` folds the channel counter deltas that completions leave behind into the
   channel rows (the claim folds only the deltas that can make a channel claimable).
 * :class:`~django_fairqueue.schedules.Scheduler` fires the periodic schedules that are due,
@@ -54,6 +55,7 @@ from django_fairqueue.db import (
     integrity_store,
     message_store,
     schedule_store,
+    stats_store,
     worker_store,
 )
 from django_fairqueue.queues import display_name, split_row_name
@@ -183,7 +185,8 @@ class DeltaFolder:
 @dataclass
 class StatsPruner:
     """Delete per-channel statistics rows older than ``keep``, the registry rows of workers
-    stopped or dead for that long, and the fired slots of periodic schedules as old."""
+    stopped or dead for that long, the fired slots of periodic schedules as old, and the
+    usage hours older than ``FAIRQUEUE['USAGE_RETENTION']``."""
 
     keep: timedelta = timedelta(days=1)
     every: float | None = None  # seconds; None: FAIRQUEUE['PRUNE_INTERVAL']
@@ -195,6 +198,7 @@ class StatsPruner:
 
     def run_once(self) -> int:
         stats.prune(self.keep)
+        stats_store.prune_usage(timezone.now() - conf.get().USAGE_RETENTION)
         worker_store.prune_workers(timezone.now() - self.keep)
         while schedule_store.prune_schedule_fires(timezone.now() - self.keep) >= 10_000:
             pass

@@ -10,7 +10,10 @@ Two sources, one registry (:data:`REGISTRY`):
   successfully since the channel was created; a counter), each labelled ``channel`` (the name
   within its queue, as enqueue takes it) and ``queue``, so the channel ``acme`` of two queues
   makes two series. Any process can serve these, e.g. the web process through
-  :func:`metrics_view`.
+  :func:`metrics_view`. For alerting and billing, per channel too (the first
+  ``FAIRQUEUE_METRICS_MAX_CHANNELS`` by queue and name, a set that stays from scrape to scrape):
+  the oldest ready age, paused, wait p50/p95, failed attempts of the last minutes by kind,
+  retries waiting, and the usage counters (worker seconds, attempts, failures, timeouts).
 * **Claim latency, per worker process**: the histogram ``fairqueue_claim_duration_seconds``,
   fed by the worker calling :func:`observe_claim` after each claim. It lives in the memory of
   the process that observes it, so scrape each worker (:func:`start_http_server` starts
@@ -47,7 +50,7 @@ except ImportError as exc:  # tests/test_admin.py hides the package to check thi
         "django_fairqueue.metrics needs prometheus-client: pip install django-fairqueue[prometheus]"
     ) from exc
 
-from django_fairqueue import horizon, overview, registry, stats
+from django_fairqueue import horizon, overview, registry, stats, usage
 from django_fairqueue.db import channel_store, message_store, pg
 from django_fairqueue.models import Channel
 from django_fairqueue.queues import split_row_name
@@ -66,11 +69,14 @@ __all__ = [
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: The setting holding the bearer token that grants access to :func:`metrics_view`.
 TOKEN_SETTING = "FAIRQUEUE_METRICS_TOKEN"
-#: The setting bounding the per-channel series of the age and wait metrics: the channels whose
-#: oldest ready message waits longest (plus an aggregate over all, ``channel="(all)"`` and
-#: ``queue="(all)"``; no queue can be named so).
-TOP_SETTING = "FAIRQUEUE_METRICS_TOP_CHANNELS"
-TOP_DEFAULT = 20
+#: The setting bounding the per-channel series of the alerting families (oldest ready age,
+#: wait, paused, retrying, failures, usage): at most this many channels, the first by queue
+#: and name, so the set of series does not change from one scrape to the next while the
+#: channels do not (a rule with ``for: 5m`` needs its series to stay). Beyond it the
+#: aggregate over all (``channel="(all)"``, ``queue="(all)"``; no queue can be named so)
+#: still covers every channel.
+MAX_SETTING = "FAIRQUEUE_METRICS_MAX_CHANNELS"
+MAX_DEFAULT = 10_000
 #: The window of the wait, retry and failure figures (the per-minute statistics).
 WINDOW_MINUTES = 5
 ALL = "(all)"
@@ -135,46 +141,58 @@ class QueueCollector(Collector):
         yield from self._alerting(counts)
 
     def _alerting(self, counts: dict[int, overview.ChannelCounts]) -> Iterator[Metric]:
-        """What to alert on: who starves (oldest ready age, waits), who fails, stale leases.
+        """What to alert on: who starves (oldest ready age, waits), who is paused (so a paused
+        tenant's age does not page anyone), who fails, stale leases; and who used how much.
 
-        Per channel only for the TOP_SETTING channels waiting longest, so a queue of 10,000
-        tenants does not export 10,000 series of each; the aggregate covers every channel.
+        Per channel for a stable set: every channel up to MAX_SETTING, in queue and name order,
+        each with a value at every scrape (an age of 0 with nothing ready), so a series never
+        vanishes while its channel exists. Cardinality: one series per channel and family (the
+        wait two, p50 and p95), like the counts above.
         """
-        top = int(getattr(settings, TOP_SETTING, TOP_DEFAULT))
+        limit = int(getattr(settings, MAX_SETTING, MAX_DEFAULT))
         now = pg.select_clock()
         since = channel_store.select_backlogged_oldest_ready()
-        # a channel created since the counters were read is left for the next scrape
-        oldest = sorted(
-            ((cid, t) for cid, t in since.items() if cid in counts), key=lambda item: item[1]
-        )[:top]
+        chosen = sorted(counts.values(), key=lambda c: _labels(c.name)[::-1])[:limit]
+        ids = [c.id for c in chosen]
         age = GaugeMetricFamily(
             "fairqueue_oldest_ready_age_seconds",
-            f"How long the longest-waiting ready message has waited: the {top} channels "
-            f"waiting longest, and the longest of all as channel={ALL!r}.",
+            "How long the longest-waiting ready message has waited (0: nothing ready), per "
+            f"channel and the longest of all as channel={ALL!r}.",
             labels=["channel", "queue"],
         )
-        for cid, ready_since in oldest:
-            age.add_metric(_labels(counts[cid].name), max((now - ready_since).total_seconds(), 0.0))
-        age.add_metric(
-            [ALL, ALL], max((now - oldest[0][1]).total_seconds(), 0.0) if oldest else 0.0
+        paused = GaugeMetricFamily(
+            "fairqueue_channel_paused",
+            "1 while the channel is paused (nothing of it is claimed), else 0.",
+            labels=["channel", "queue"],
         )
+        for c in chosen:
+            ready_since = since.get(c.id)
+            waited = max((now - ready_since).total_seconds(), 0.0) if ready_since else 0.0
+            age.add_metric(_labels(c.name), waited)
+            paused.add_metric(_labels(c.name), 1.0 if c.paused else 0.0)
+        # a channel created since the counters were read is left for the next scrape
+        oldest = min((t for cid, t in since.items() if cid in counts), default=None)
+        age.add_metric([ALL, ALL], max((now - oldest).total_seconds(), 0.0) if oldest else 0.0)
         yield age
+        yield paused
         wait = GaugeMetricFamily(
             "fairqueue_wait_seconds",
-            f"Wait from ready to claimed over the last {WINDOW_MINUTES} minutes (p50, p95), for "
-            f"the same channels and over all.",
+            f"Wait from ready to claimed over the last {WINDOW_MINUTES} minutes (p50, p95), per "
+            "channel that claimed any then, and over all.",
             labels=["channel", "queue", "quantile"],
         )
-        per_channel = stats.wait_by_channel(WINDOW_MINUTES, [cid for cid, _ in oldest])
+        per_channel = stats.wait_by_channel(WINDOW_MINUTES, ids)
         overall = stats.wait_summary(WINDOW_MINUTES)
         for labels, summary in [
-            *((_labels(counts[cid].name), s) for cid, s in per_channel.items()),
+            *((_labels(counts[cid].name), s) for cid, s in sorted(per_channel.items())),
             ([ALL, ALL], overall),
         ]:
             for quantile, value in (("0.5", summary.p50_ms), ("0.95", summary.p95_ms)):
                 if value is not None:
                     wait.add_metric([*labels, quantile], value / 1000)
         yield wait
+        yield from self._per_channel_failures(chosen)
+        yield from self._usage(chosen)
         window = stats.outcome_totals(WINDOW_MINUTES)
         for key, text in (
             # expired leases included (the rescuer counts them), and attempts past their time limit
@@ -214,6 +232,65 @@ class QueueCollector(Collector):
         )
         aborting.add_metric([], message_store.select_abort_pending_count())
         yield aborting
+
+    def _per_channel_failures(self, chosen: list[overview.ChannelCounts]) -> Iterator[Metric]:
+        """Failed attempts of the last minutes and retries waiting, per channel (0 when none)."""
+        window = stats.window_stats(WINDOW_MINUTES, channel_ids=[c.id for c in chosen])
+        failing = stats.failing_of(window)
+        retrying = channel_store.select_channel_retrying([c.id for c in chosen if c.scheduled > 0])
+        failures = GaugeMetricFamily(
+            f"fairqueue_channel_failures_last_{WINDOW_MINUTES}m",
+            f"Failed attempts over the last {WINDOW_MINUTES} minutes, retried or dead-lettered, "
+            "by kind: raised (the task raised) or timeout (past its time limit, or its lease "
+            "expired and was rescued).",
+            labels=["channel", "queue", "kind"],
+        )
+        waiting = GaugeMetricFamily(
+            "fairqueue_channel_retrying",
+            "Messages waiting out a retry's backoff after a failed attempt.",
+            labels=["channel", "queue"],
+        )
+        none = stats.Failing()
+        for c in chosen:
+            labels = _labels(c.name)
+            f = failing.get(c.id, none)
+            failures.add_metric([*labels, "raised"], f.failures)
+            failures.add_metric([*labels, "timeout"], f.timeouts)
+            waiting.add_metric(labels, retrying.get(c.id, 0))
+        yield failures
+        yield waiting
+
+    def _usage(self, chosen: list[overview.ChannelCounts]) -> Iterator[Metric]:
+        """Per-tenant usage since each channel was first recorded (never pruned: counters)."""
+        totals = usage.totals()
+        families = {
+            "worker_ms": CounterMetricFamily(
+                "fairqueue_channel_worker_seconds",
+                "Worker time the channel's attempts ran, in seconds.",
+                labels=["channel", "queue"],
+            ),
+            "attempts": CounterMetricFamily(
+                "fairqueue_channel_attempts",
+                "Attempts settled: succeeded, failed for good, or failed and retried.",
+                labels=["channel", "queue"],
+            ),
+            "failures": CounterMetricFamily(
+                "fairqueue_channel_failures",
+                "Attempts that failed (raised, past their time limit, or their lease expired).",
+                labels=["channel", "queue"],
+            ),
+            "timeouts": CounterMetricFamily(
+                "fairqueue_channel_timeouts",
+                "Of the failed attempts, those that ran out of time.",
+                labels=["channel", "queue"],
+            ),
+        }
+        for c in chosen:
+            total = totals.get(c.id)
+            for attr, family in families.items():
+                value = getattr(total, attr) if total is not None else 0
+                family.add_metric(_labels(c.name), value / 1000 if attr == "worker_ms" else value)
+        yield from families.values()
 
 
 def _labels(row_name: str) -> list[str]:

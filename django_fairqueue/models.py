@@ -337,6 +337,10 @@ class Message(TrackedModel):
     finished_at = models.DateTimeField(null=True, blank=True)
     result = models.JSONField(null=True, blank=True)
     last_error = models.JSONField(null=True, blank=True)
+    #: every failed attempt's error, oldest first, at most ERROR_HISTORY of them: written by
+    #: the database (the trigger fairqueue_message_errors_v1 appends each new last_error), so
+    #: every path that fails an attempt (a raise, a time limit, an expired lease) keeps it
+    errors = models.JSONField(null=True, blank=True, editable=False)
     # -- unique jobs: at most one message per (channel, unique_key) in the states of its scope
     # (the partial unique index fq_message_unique_idx). NULL, not "", for "no key": the
     # index holds only rows with a key, and an empty key is refused --
@@ -671,6 +675,67 @@ class MinuteStat(models.Model):
         return f"{self.minute:%H:%M}: {self.claimed} claimed"
 
 
+#: Most errors a message keeps in ``Message.errors`` (the oldest are dropped first).
+ERROR_HISTORY = 20
+
+
+class UsageHour(models.Model):
+    """Per channel and hour: the worker time its attempts took and how they ended.
+
+    Written by the workers' statistics flush (:func:`django_fairqueue.db.stats_store.record_usage`,
+    in the transaction of the per-minute statistics), kept ``FAIRQUEUE['USAGE_RETENTION']``
+    (pruned by maintenance), read by the admin's usage page, ``fairqueue usage`` and the
+    metrics. The channel's and its group's names are copied in: usage outlives a deleted
+    channel (no foreign key), as a bill does.
+    """
+
+    hour = models.DateTimeField()
+    channel_id = models.BigIntegerField()
+    #: the channel row's name (``<queue><U+001F><name>`` outside the default queue)
+    channel_name = models.CharField(max_length=CHANNEL_NAME_MAX_LENGTH)
+    #: the channel's group when the attempts ran ("" for none)
+    group_name = models.CharField(max_length=CHANNEL_NAME_MAX_LENGTH, blank=True, default="")
+    #: attempts settled: succeeded, failed for good, or failed and retried
+    attempts = models.BigIntegerField(default=0)
+    succeeded = models.BigIntegerField(default=0)
+    #: attempts that failed (raised, ran past their time limit or lost their lease)
+    failures = models.BigIntegerField(default=0)
+    #: of ``failures``, those that ran out of time
+    timeouts = models.BigIntegerField(default=0)
+    #: the time the attempts ran, in milliseconds
+    worker_ms = models.BigIntegerField(default=0)
+
+    class Meta:
+        db_table = "fairqueue_usage"
+        verbose_name = _("usage hour")
+        verbose_name_plural = _("usage per tenant")
+        constraints = [
+            # the flush's upsert key; its leading hour serves the date ranges and the pruner
+            models.UniqueConstraint(fields=["hour", "channel_id"], name="fq_usage_hour_channel"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.channel_name} @ {self.hour:%Y-%m-%d %H}h: {self.worker_ms} ms"
+
+
+class UsageTotal(models.Model):
+    """Per channel, the usage since it was first recorded: never pruned, so the Prometheus
+    counters read from it only grow. Written with :class:`UsageHour`, one row a channel."""
+
+    channel_id = models.BigIntegerField(primary_key=True)
+    attempts = models.BigIntegerField(default=0)
+    succeeded = models.BigIntegerField(default=0)
+    failures = models.BigIntegerField(default=0)
+    timeouts = models.BigIntegerField(default=0)
+    worker_ms = models.BigIntegerField(default=0)
+
+    class Meta:
+        db_table = "fairqueue_usage_total"
+
+    def __str__(self) -> str:
+        return f"channel {self.channel_id}: {self.worker_ms} ms in {self.attempts} attempts"
+
+
 class WorkBatch(TrackedModel):
     """A contiguous id range of a big table, processed as one unit by one worker."""
 
@@ -788,6 +853,9 @@ class WorkerRecord(models.Model):
     #: (it checked, no notification came through: it polls on purpose), "" (not known: it
     #: was started with --no-listen, or has not checked yet)
     wakeups = models.CharField(max_length=300, blank=True, default="", db_default="")
+    #: ``host:pid`` of the ``runfairworker --processes`` supervisor that started it ("" for a
+    #: worker started on its own): the admin lists a supervisor's children together
+    supervisor = models.CharField(max_length=300, blank=True, default="", db_default="")
 
     class Meta:
         db_table = "fairqueue_worker"

@@ -39,8 +39,8 @@ from django.db.models.expressions import RawSQL
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from django_fairqueue import conf, stats
-from django_fairqueue.db import channel_store
+from django_fairqueue import conf, registry, stats
+from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.models import Channel, ChannelDelta
 from django_fairqueue.queues import split_row_name
 
@@ -53,6 +53,8 @@ __all__ = [
     "dashboard",
     "failing_ids",
     "format_age",
+    "format_since",
+    "format_time",
     "ranked_ids",
     "rows",
     "totals",
@@ -190,6 +192,13 @@ class ChannelRow:
     #: the median wait (enqueue or due time to claim) of what it claimed in the last
     #: FINISHED_MINUTES minutes, in ms (None: it claimed nothing then)
     wait_p50_ms: float | None = None
+    #: of ``running``, messages whose lease expired: their worker stopped renewing it (died,
+    #: stalled), and they wait for a live worker's rescuer. Not running anything any more.
+    expired_leases: int = 0
+    #: when it was last claimed from (None: never, or not since it was created)
+    last_claimed_at: datetime | None = None
+    #: messages claimed from it in the last FINISHED_MINUTES minutes
+    served_recent: int = 0
 
     @property
     def delayed(self) -> int:
@@ -227,21 +236,29 @@ class ChannelRow:
             f"failures_last_{FINISHED_MINUTES}m": self.failures_recent,
             f"timeouts_last_{FINISHED_MINUTES}m": self.timeouts_recent,
             f"wait_p50_ms_last_{FINISHED_MINUTES}m": self.wait_p50_ms,
+            "expired_leases": self.expired_leases,
+            "last_claimed_at": self.last_claimed_at.isoformat() if self.last_claimed_at else None,
+            f"served_last_{FINISHED_MINUTES}m": self.served_recent,
         }
 
 
 def rows(ids: Sequence[int], *, now: datetime | None = None) -> list[ChannelRow]:
     """The rows of these channels, in the order given (unknown ids are skipped).
 
-    Six queries whatever the number of ids: limits, counters with deltas, oldest ready
-    (only for channels with ready messages), retrying (only for channels with scheduled
-    messages), recent finishes and failures, recent waits.
+    Seven queries whatever the number of ids: limits, counters with deltas (and when each was
+    last claimed from), oldest ready (only for channels with ready messages), retrying (only
+    for channels with scheduled messages), recent finishes and failures, recent waits, expired
+    leases (the running rows whose lease ran out, an index range of fq_message_lease_idx).
     """
     if not ids:
         return []
     ids = list(ids)
     db = _db()
-    channels = Channel.objects.using(db).in_bulk(ids)
+    channels = (
+        Channel.objects.using(db)
+        .annotate(served_at=state_column("last_claimed_at", DateTimeField()))
+        .in_bulk(ids)
+    )
     counters = {c.id: c for c in channel_store.select_channel_counters(ids, using=db)}
     with_ready = [cid for cid, c in counters.items() if c.ready > 0]
     oldest = channel_store.select_channel_oldest_ready(with_ready, using=db)
@@ -249,8 +266,10 @@ def rows(ids: Sequence[int], *, now: datetime | None = None) -> list[ChannelRow]
     retrying = channel_store.select_channel_retrying(with_scheduled, using=db)
     recent = stats.window_stats(FINISHED_MINUTES, channel_ids=ids, now=now)
     finished = stats.finished_of(recent)
+    served = stats.served_of(recent)
     failing = stats.failing_of(recent)
     waits = stats.wait_by_channel(FINISHED_MINUTES, ids, now=now)
+    expired = message_store.select_expired_leases_by_channel(using=db)
     none = stats.Failing()
     out = []
     for cid in ids:
@@ -278,6 +297,9 @@ def rows(ids: Sequence[int], *, now: datetime | None = None) -> list[ChannelRow]
                 failures_recent=failing.get(cid, none).failures,
                 timeouts_recent=failing.get(cid, none).timeouts,
                 wait_p50_ms=waits[cid].p50_ms if cid in waits else None,
+                expired_leases=expired.get(cid, 0),
+                last_claimed_at=getattr(channel, "served_at", None),
+                served_recent=served.get(cid, 0),
             )
         )
     return out
@@ -349,6 +371,27 @@ def format_ms(ms: float | None) -> str:
     if ms < 1000:
         return f"{round(ms)} ms"
     return f"{ms / 1000:.{2 if ms < 10000 else 1}f} s"
+
+
+def format_time(moment: datetime | None) -> str:
+    """A moment as every operator view shows it: ``2026-11-25 21:04:05`` in the current time
+    zone, to the second; ``-`` for None."""
+    if moment is None:
+        return "-"
+    if timezone.is_aware(moment):
+        moment = timezone.localtime(moment)
+    return moment.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def format_since(moment: datetime | None, now: datetime) -> str:
+    """A moment and how far it is from ``now``: ``2026-11-25 21:04:05 (3m 12s ago)`` or
+    ``... (in 45s)``; ``-`` for None."""
+    if moment is None:
+        return "-"
+    seconds = (moment - now).total_seconds()
+    if seconds >= 0:
+        return f"{format_time(moment)} (in {format_age(seconds)})"
+    return f"{format_time(moment)} ({format_age(-seconds)} ago)"
 
 
 def format_age(seconds: float | None) -> str:
@@ -454,4 +497,20 @@ def dashboard(
         "series": [m.as_dict() for m in stats.minute_series(series_minutes, now=now)],
         "tenants": tenants,
         "failing": failing,
+        **fleet(),
+    }
+
+
+def fleet() -> dict[str, Any]:
+    """The workers as the dashboard shows them: how many are live (alive or silent) and in
+    each state, and the running messages whose lease expired. With no live worker, nothing
+    that counts as running runs: the dashboard says so beside the running count."""
+    views = registry.workers()
+    states = ("alive", "silent", "dead", "stopped")
+    return {
+        "workers": {
+            "live": len(registry.live(views)),
+            **{state: sum(1 for v in views if v.state == state) for state in states},
+        },
+        "expired_leases": message_store.select_stale_lease_count(using=_db()),
     }

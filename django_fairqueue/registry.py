@@ -30,6 +30,15 @@ from django_fairqueue.db import pg, worker_store
 
 logger = logging.getLogger("django_fairqueue.registry")
 
+#: The environment variable a ``runfairworker --processes`` supervisor gives its children:
+#: its ``host:pid``, which each child records in its registry row.
+SUPERVISOR_ENV = "FAIRQUEUE_SUPERVISOR"
+
+
+def supervisor_name() -> str:
+    """How this process names itself as its children's supervisor: ``host:pid``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
 
 @dataclass(frozen=True)
 class Beat:
@@ -71,6 +80,7 @@ class Registration:
             exclude_channels=list(self.exclude_channels),
             queues=None if self.queues is None else list(self.queues),
         )
+        worker_store.set_worker_supervisor(self.worker_id, os.environ.get(SUPERVISOR_ENV, ""))
         if orphaned:
             logger.warning(
                 "worker %s: expired %d leases a previous process with this id left behind",
@@ -146,6 +156,8 @@ class WorkerView:
     queues: list[str] | None = None
     #: how it learns of new messages: "notify", "polling: <why>", "" (unknown, --no-listen)
     wakeups: str = ""
+    #: ``host:pid`` of the supervisor that started it ("" for none)
+    supervisor: str = ""
 
     def as_dict(self) -> dict[str, object]:
         out = dict(self.__dict__)
@@ -191,6 +203,7 @@ def workers(now: datetime | None = None) -> list[WorkerView]:
                 w.last_claim_at,
                 list(w.queues) if w.queues is not None else None,
                 w.wakeups,
+                w.supervisor,
             )
         )
     order = {"alive": 0, "silent": 1, "dead": 2, "stopped": 3}

@@ -7,11 +7,12 @@ admin's message page), the first cause that applies, in the order the claim itse
 2. delayed until T, or waiting to retry at T after a failed attempt;
 3. its lease expired and it waits for the rescuer;
 4. the channel is paused;
-5. the channel is at its cap (n of n running, the oldest since T);
-6. the channel is rate limited until T;
-6b. its channel group is at its cap (n of n running across the group), or rate limited until
+5. no live worker serves the channel (none at all, or none whose channel filters include it):
+   checked before the limits, which hold nothing back while no worker claims;
+6. the channel is at its cap (n of n running, the oldest since T);
+7. the channel is rate limited until T;
+7b. its channel group is at its cap (n of n running across the group), or rate limited until
    its next turn T;
-7. no live worker serves the channel (none at all, or none whose channel filters include it);
 8. otherwise its place: how many channels come before it in the round (and for a message, how
    many messages before it in its channel), with an estimate from the recent claim rate.
 
@@ -45,11 +46,7 @@ class Why:
 
 
 def _when(moment: datetime, now: datetime) -> str:
-    seconds = (moment - now).total_seconds()
-    at = moment.isoformat(timespec="seconds")
-    if seconds >= 0:
-        return f"{at} (in {overview.format_age(seconds)})"
-    return f"{at} ({overview.format_age(-seconds)} ago)"
+    return overview.format_since(moment, now)
 
 
 def channel(channel_id: int, *, views: list[registry.WorkerView] | None = None) -> Why:
@@ -70,6 +67,19 @@ def _channel_cause(
     now = state.now
     if state.paused:
         return Why("paused", "paused: none of its messages is claimed until it is resumed")
+    # Before the limits: with no worker to claim, a cap or a rate limit holds nothing back
+    # (and "the next starts when one finishes" would promise what cannot happen: the running
+    # messages of a dead worker only end when a live worker's rescuer takes them back).
+    views = registry.workers(now) if views is None else views
+    alive = registry.live(views)
+    if not alive:
+        return Why("no_worker", "no live worker: nothing runs until one starts")
+    if not any(_serves(v, state.name) for v in alive):
+        return Why(
+            "no_worker_for_channel",
+            f"no live worker serves this channel: the {len(alive)} live ones are limited to "
+            "other queues or channels (--queues / --channels / --exclude-channels)",
+        )
     cap = state.max_concurrency
     if cap is not None and state.running >= cap:
         since = ""
@@ -104,16 +114,6 @@ def _channel_cause(
                 f"its channel group {group!r} is rate limited (one message every {every:g}s "
                 f"across its channels): the group's next release is at {_when(turn, now)}",
             )
-    views = registry.workers(now) if views is None else views
-    alive = registry.live(views)
-    if not alive:
-        return Why("no_worker", "no live worker: nothing runs until one starts")
-    if not any(_serves(v, state.name) for v in alive):
-        return Why(
-            "no_worker_for_channel",
-            f"no live worker serves this channel: the {len(alive)} live ones are limited to "
-            "other queues or channels (--queues / --channels / --exclude-channels)",
-        )
     rate = state.claimed_recently / (RATE_MINUTES * 60)
     if state.ahead == 0:
         return Why("next", "next in the round: the next claim of a free worker takes it")
@@ -141,7 +141,7 @@ def _serves(view: registry.WorkerView, row: str) -> bool:
 def message(msg: Message, *, views: list[registry.WorkerView] | None = None) -> Why:
     """Why this message has not run yet (or what it is doing instead)."""
     if msg.state in (MessageState.SUCCEEDED, MessageState.FAILED, MessageState.CANCELLED):
-        done = msg.finished_at.isoformat(timespec="seconds") if msg.finished_at else "?"
+        done = overview.format_time(msg.finished_at) if msg.finished_at else "?"
         return Why("finished", f"not waiting: {msg.state} at {done}")
     state = channel_store.select_channel_wait_state(msg.channel_id)
     if state is None:

@@ -1278,8 +1278,9 @@ def test_logging_filter_adapter_and_json_formatter() -> None:
 def test_channel_list_puts_starvation_and_failure_first_and_filters_by_them(
     admin_client: Client, queue: dict[str, Any]
 ) -> None:
-    from django_fairqueue.db import stats_store
+    from django_fairqueue import registry
 
+    registry.Registration("live-worker", concurrency=4).register()  # its leases are renewed
     # beta runs 1 under a cap lowered to... 1 (at cap), then a second running one: over cap
     Channel.objects.filter(name="beta").update(max_concurrency=1)
     html = admin_client.get(CHANNELS).content.decode()

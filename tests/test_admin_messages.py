@@ -12,6 +12,7 @@ from datetime import timedelta
 from io import StringIO
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from django.contrib.auth.models import Permission, User
@@ -397,3 +398,86 @@ def test_a_nul_character_in_a_filter_or_search_is_no_server_error(
     else:  # a filter: a clear 400
         assert response.status_code == 400
         assert "contains a NUL character" in response.content.decode()
+
+
+# ------------------------------------------------------------------------------------------
+# one message's page: its own clock, its buttons, every attempt's error
+
+
+def test_each_page_reads_the_database_clock_of_its_own_request(admin_client: Client) -> None:
+    # The clock was kept on the admin (shared by every request and user): a detail page after
+    # a list showed the list's time ("running for 0s" beside a lease 40 s older).
+    enqueue("alpha", 1)
+    (running,) = message_store.claim_messages(1, lease=LEASE, worker_id="w")
+    real = pg.select_clock
+    with mock.patch.object(pg, "select_clock", side_effect=real):
+        assert "running" in admin_client.get(MESSAGES).content.decode()
+    later = real() + timedelta(seconds=40)
+    with mock.patch.object(pg, "select_clock", return_value=later):
+        page = admin_client.get(reverse("admin:fairqueue_message_change", args=[running.id]))
+    assert "running" in page.content.decode()
+    assert ">40s<" in page.content.decode() or ">41s<" in page.content.decode()
+    assert not hasattr(admin_site_message_admin(), "_now")
+
+
+def admin_site_message_admin() -> MessageAdmin:
+    from django.contrib import admin
+
+    found = admin.site._registry[Message]
+    assert isinstance(found, MessageAdmin)
+    return found
+
+
+def test_a_message_page_has_retry_cancel_and_abort_buttons_for_its_state(
+    admin_client: Client,
+) -> None:
+    waiting, failing, running = enqueue("alpha", 3)
+    change = lambda pk: reverse("admin:fairqueue_message_change", args=[pk])  # noqa: E731
+    act = lambda pk, verb: reverse("admin:fairqueue_message_act", args=[pk, verb])  # noqa: E731
+    html = admin_client.get(change(waiting)).content.decode()
+    assert act(waiting, "cancel") in html and act(waiting, "retry") not in html
+    assert act(waiting, "abort") not in html
+    response = admin_client.post(act(waiting, "cancel"), follow=True)
+    assert "Cancelled." in response.content.decode()
+    assert Message.objects.get(pk=waiting).state == MessageState.CANCELLED
+    # a failed one: Retry
+    Message.objects.filter(pk=failing).update(max_attempts=1)
+    claimed = {m.id: m for m in message_store.claim_messages(2, lease=LEASE, worker_id="w")}
+    error = {"type": "ValueError", "message": "boom"}
+    message_store.fail_messages([(failing, claimed[failing].lease_token, error, None)])
+    html = admin_client.get(change(failing)).content.decode()
+    assert act(failing, "retry") in html and act(failing, "cancel") not in html
+    assert 'id="fq-errors"' in html and "ValueError: boom" in html  # the attempt history
+    admin_client.post(act(failing, "retry"))
+    assert Message.objects.get(pk=failing).state == MessageState.READY
+    # a running one: Abort, then no second button
+    assert act(running, "abort") in admin_client.get(change(running)).content.decode()
+    admin_client.post(act(running, "abort"))
+    assert Message.objects.get(pk=running).abort_requested_at is not None
+    assert act(running, "abort") not in admin_client.get(change(running)).content.decode()
+    # a state that moved on: nothing done, and the page says so
+    response = admin_client.post(act(waiting, "cancel"), follow=True)
+    assert "Nothing done" in response.content.decode()
+    assert admin_client.get(act(waiting, "cancel")).status_code == 405  # POST only
+    assert admin_client.post(act(waiting, "explode")).status_code == 404
+
+
+def test_the_buttons_need_change_message(spread: list[int]) -> None:
+    viewer = client_for(user_with("fairqueue.view_message"))
+    target = spread[0]
+    html = viewer.get(reverse("admin:fairqueue_message_change", args=[target])).content.decode()
+    assert "fq-message-actions" not in html
+    act = reverse("admin:fairqueue_message_act", args=[target, "cancel"])
+    assert viewer.post(act).status_code == 403
+    assert Message.objects.get(pk=target).state == MessageState.READY
+
+
+def test_the_worker_filter_lists_what_a_worker_ran_or_lost(admin_client: Client) -> None:
+    enqueue("alpha", 3)
+    (lost,) = message_store.claim_messages(1, lease=LEASE, worker_id="dead-1")
+    message_store.claim_messages(1, lease=LEASE, worker_id="other")
+    Message.objects.filter(pk=lost.id).update(lease_expires_at=pg.select_clock())
+    message_store.rescue_expired_messages()
+    response = admin_client.get(MESSAGES, {"worker": "dead-1"})
+    assert shown(response) == [lost.id]
+    assert "LeaseExpired" in response.content.decode()

@@ -23,6 +23,7 @@ run).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
@@ -36,7 +37,7 @@ from django.contrib.auth.models import User
 from django.db import connections
 from django.utils import timezone
 
-from django_fairqueue import stats
+from django_fairqueue import registry, stats
 from django_fairqueue.db import message_store, worker_store
 from django_fairqueue.models import (
     BatchState,
@@ -203,6 +204,74 @@ def load_demo_data() -> None:
                 recorder.record_settled(ids[name], outcome, 250.0, at=at)  # type: ignore[arg-type]
     recorder.flush()
     load_demo_batches_and_workers()
+    load_demo_incident(ids)
+
+
+def load_demo_incident(ids: dict[str, int]) -> None:
+    """What a support engineer meets in an incident: a tenant starving under its backlog,
+    one over its cap, a dead worker whose messages were taken back, a supervisor's processes,
+    and yesterday's usage."""
+    enqueue("soylent", 30)
+    soylent = channel_ids(["soylent"])["soylent"]
+    since = timezone.now() - timedelta(minutes=20)
+    Message.objects.filter(channel_id=soylent).update(enqueued_at=since, run_at=since)
+    with connections["default"].cursor() as cur:  # served last a quarter of an hour ago
+        cur.execute(
+            "UPDATE fairqueue_channel SET last_claimed_at = %s WHERE id = %s",
+            [timezone.now() - timedelta(minutes=15), soylent],
+        )
+    # umbrella runs 5 under a cap lowered to 4: over its cap
+    Channel.objects.filter(name="umbrella").update(max_concurrency=4)
+    # a worker that died holding two of globex's messages: its leases expired, rescued
+    worker_store.register_worker(
+        "batch-7:977",
+        host="batch-7",
+        pid=977,
+        version="0.1.0",
+        concurrency=4,
+        channels=[],
+        exclude_channels=[],
+    )
+    held = message_store.claim_messages(
+        2,
+        lease=timedelta(minutes=30),
+        worker_id="batch-7:977",
+        only_channel_ids=[ids["globex"]],
+        quantum=2,
+    )
+    assert len(held) == 2
+    with connections["default"].cursor() as cur:
+        cur.execute(
+            "UPDATE fairqueue_worker SET heartbeat_at = now() - interval '10 minutes' "
+            "WHERE worker_id = 'batch-7:977'"
+        )
+    registry.rescue_dead_workers()
+    message_store.rescue_expired_messages()
+    # a supervisor's two processes (runfairworker --processes 2)
+    for child in ("web-3:5101", "web-3:5102"):
+        worker_store.register_worker(
+            child,
+            host="web-3",
+            pid=int(child.split(":")[1]),
+            version="0.1.0",
+            concurrency=4,
+            channels=[],
+            exclude_channels=[],
+        )
+        worker_store.set_worker_supervisor(child, "web-3:5100")
+    # yesterday's usage: worker time, attempts and failures per tenant
+    recorder = stats.StatsRecorder()
+    noon = timezone.now().replace(hour=12, minute=0) - timedelta(days=1)
+    for name, (attempts, failed, run_ms) in {
+        "acme-corp": (4200, 3, 2_100.0),
+        "umbrella": (2600, 140, 3_100.0),
+        "globex": (900, 60, 450.0),
+        "hooli": (40, 0, 90.0),
+    }.items():
+        for i in range(attempts):
+            outcome = "retried" if i < failed else "succeeded"
+            recorder.record_settled(ids[name], outcome, run_ms, at=noon)  # type: ignore[arg-type]
+    recorder.flush()
 
 
 def load_demo_batches_and_workers() -> None:
@@ -459,11 +528,17 @@ PAGES = {
     "messages": ("/admin/fairqueue/message/", "#result_list"),
     "message": ("/admin/fairqueue/message/{message}/change/", "#content-main .fq-error"),
     "workers": ("/admin/fairqueue/workerrecord/", "#result_list"),
+    "busy": ("/admin/fairqueue/workerrecord/busy/", ".fq-busy"),
+    "usage": ("/admin/fairqueue/usagehour/", "#fq-usage"),
     "work-batches": ("/admin/fairqueue/workbatch/", "#fq-jobs"),
     "work-batch": ("/admin/fairqueue/workbatch/{batch}/change/", "#content-main"),
     "schedules": ("/admin/fairqueue/schedule/", "#result_list"),
     "schedule": ("/admin/fairqueue/schedule/{schedule}/change/", "#schedule_form"),
 }
+
+
+#: The demo's live workers (the looks test beats them: its pages take longer than a beat).
+ALIVE = ("web-1:4242", "web-2:311", "web-3:5101", "web-3:5102")
 
 
 def visit(page: Any, base: str, name: str, ids: dict[str, int]) -> None:
@@ -486,7 +561,7 @@ def test_every_admin_page_looks_right_light_and_dark(
         message = Message.objects.filter(state=MessageState.FAILED).order_by("pk").first()
         batch = WorkBatch.objects.filter(state=BatchState.FAILED).order_by("pk").first()
         assert message is not None and batch is not None
-        for worker in ("web-1:4242", "web-2:311"):  # alive: a fresh beat
+        for worker in ALIVE:  # alive: a fresh beat
             worker_store.beat_worker(worker, running=3, handled=1200, last_claim_at=timezone.now())
         schedule = Schedule.objects.get(name="weekly report")
         return {"acme": demo, "message": message.pk, "batch": batch.pk, "schedule": schedule.pk}
@@ -562,3 +637,135 @@ def test_every_admin_page_looks_right_light_and_dark(
     for shot in shots:
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         save(shot)
+
+
+# ------------------------------------------------------------------------------------------
+# A support engineer's questions, each answered from the admin
+
+
+def login(page: Any, base: str) -> None:
+    page.goto(f"{base}/admin/login/")
+    page.fill("#id_username", "operator")
+    page.fill("#id_password", PASSWORD)
+    page.click("input[type=submit]")
+    page.wait_for_selector("#site-name")
+
+
+def test_a_support_engineer_answers_each_question_from_the_admin(
+    demo: int, live_server: Any, browser: Any
+) -> None:
+    base = live_server.url
+    off_loop(
+        lambda: [
+            worker_store.beat_worker(w, running=0, handled=0, last_claim_at=None) for w in ALIVE
+        ]
+    )
+    page = browser.new_page()
+    problems: list[str] = []
+    page.on("pageerror", lambda exc: problems.append(f"script error on {page.url}: {exc}"))
+    login(page, base)
+
+    # 1. Who is starving, and since when? The filter finds the one the round passes over
+    # (every backlog here is old: "oldest ready over 1 min" would list five).
+    page.goto(f"{base}/admin/fairqueue/channel/")
+    page.click("#changelist-filter >> text=in 5 min")
+    page.wait_for_url("**unserved=5")
+    page.wait_for_selector("#result_list")
+    rows = page.locator("#result_list tbody tr")
+    assert rows.count() == 1 and "soylent" in rows.first.inner_text()
+    served = rows.first.locator("td.field-last_served_display").inner_text()
+    assert served.startswith("15m") and served.endswith("ago"), served
+    assert "20m" in rows.first.locator("td.field-oldest_ready_display").inner_text()
+
+    # 2. Who fails right now? The dashboard's failing panel, most failing first.
+    page.goto(f"{base}/admin/fairqueue/channel/dashboard/")
+    page.wait_for_selector("#fq-chart-failed svg text.fq-label")
+    failing = page.locator("#fq-chart-failed svg text.fq-label").all_text_contents()
+    assert failing[0] == "umbrella", failing
+
+    # 3. Who is over its cap? The dashboard's bar says it in red, the list's filter names it.
+    bar = page.evaluate(
+        """() => [...document.querySelectorAll('#fq-chart-running svg rect')]
+             .filter(r => r.querySelector('title').textContent.startsWith('umbrella: running'))
+             .map(r => getComputedStyle(r).fill)"""
+    )
+    assert bar == ["rgb(225, 87, 89)"], bar  # over its cap: red, never green
+    page.goto(f"{base}/admin/fairqueue/channel/?cap=over")
+    assert page.locator("#result_list tbody tr").count() == 1
+    assert "5 / 4" in page.locator("#result_list tbody tr").inner_text()
+
+    # 4. Why does tenant X wait? Its page says, in one sentence.
+    page.goto(f"{base}/admin/fairqueue/channel/{demo}/change/")
+    why = page.locator(".field-why_waiting_display .readonly").inner_text()
+    assert why.startswith("at its cap: 8 of 8 running, the oldest since"), why
+
+    # 5. Which workers live, and what did the dead one have? (the live ones beat: this
+    # machine may have taken longer than three beats to get here)
+    off_loop(
+        lambda: [
+            worker_store.beat_worker(w, running=0, handled=0, last_claim_at=None) for w in ALIVE
+        ]
+    )
+    page.goto(f"{base}/admin/fairqueue/workerrecord/?state=alive")
+    alive = page.locator("#result_list tbody tr").all_inner_texts()
+    assert len(alive) == 4 and all("alive" in row for row in alive)
+    children = page.locator("#result_list tr", has_text="web-3:5101")
+    assert "web-3:5100" in children.inner_text()  # listed under its supervisor
+    page.goto(f"{base}/admin/fairqueue/workerrecord/?state=dead")
+    dead = page.locator("#result_list tr", has_text="batch-7:977")
+    assert re.search(r"\d\d:\d\d:\d\d \(1\dm \d\ds ago\)", dead.inner_text()), dead.inner_text()
+    dead.locator("text=ran or lost").click()
+    page.wait_for_url("**/message/?worker=**")
+    page.wait_for_selector("#result_list")
+    lost = page.locator("#result_list tbody tr").all_inner_texts()
+    assert len(lost) == 2 and all("LeaseExpired" in row for row in lost), lost
+    # what every live worker runs now, since when
+    page.goto(f"{base}/admin/fairqueue/workerrecord/busy/")
+    assert page.locator("h2.fq-busy-worker", has_text="web-3:5101").count() == 1
+    assert "running since" in page.locator(".fq-busy").first.inner_text().lower()
+
+    # 6. What does a schedule do next?
+    page.goto(f"{base}/admin/fairqueue/schedule/")
+    weekly = page.locator("#result_list tr", has_text="weekly report").inner_text()
+    assert "CET (in " in weekly or "CEST (in " in weekly
+
+    # 7. Who used how much worker time yesterday? Most first; the CSV says the same.
+    page.goto(f"{base}/admin/fairqueue/usagehour/")
+    first = page.locator("#fq-usage tbody tr").first.inner_text()
+    assert first.startswith("acme-corp") and "8,820.0 s" in first, first
+    href = page.locator("#fq-usage-csv").get_attribute("href")
+    csv_text = page.request.get(f"{base}/admin/fairqueue/usagehour/{href}").text()
+    assert csv_text.splitlines()[1].split(",")[2:6] == ["acme-corp", "default", "", "8820.0"]
+    page.click("#fq-usage thead >> text=failures")
+    page.wait_for_url("**o=-failures**")
+    assert page.locator("#fq-usage tbody tr").first.inner_text().startswith("umbrella")
+
+    # A dead letter's page: every attempt's error, and a Retry button that works.
+    page.goto(f"{base}/admin/fairqueue/message/?channel__id__exact={demo}&state__exact=running")
+    # the running view: worker and lease on screen at 1440 px, nothing wrapped
+    for column in ("worker_link", "lease_display", "running_for_display"):
+        box = page.locator(f"#result_list td.field-{column}").first.bounding_box()
+        assert box is not None and box["x"] + box["width"] <= WIDTH, (column, box)
+    heights = {
+        round(b["height"])
+        for b in page.evaluate(
+            "() => [...document.querySelectorAll('#result_list tbody tr')]"
+            ".map(r => r.getBoundingClientRect().toJSON())"
+        )
+    }
+    assert len(heights) == 1, heights  # every row one line high
+    page.goto(f"{base}/admin/fairqueue/message/?state__exact=failed")
+    page.locator("#result_list tbody tr th a").first.click()
+    page.wait_for_url("**/change/**")
+    page.wait_for_selector("#fq-errors")
+    assert "CorruptPDF" in page.locator("#fq-errors").inner_text()
+    page.click("#fq-message-actions input[value=Retry]")
+    page.wait_for_selector(".messagelist .success")
+    assert "Retried" in page.inner_text(".messagelist")
+
+    # paused is visible beside the name, on screen at 1440 px
+    page.goto(f"{base}/admin/fairqueue/channel/")
+    badge = page.locator("#result_list tr", has_text="initech").locator(".fq-paused")
+    box = badge.bounding_box()
+    assert box is not None and box["x"] + box["width"] <= WIDTH
+    assert not problems, problems

@@ -14,7 +14,7 @@ from django.test import Client
 from django.urls import reverse
 
 from django_fairqueue import registry, waiting
-from django_fairqueue.db import message_store, stats_store
+from django_fairqueue.db import message_store, stats_store, worker_store
 from django_fairqueue.models import Channel, Message
 from tests import factories as f
 
@@ -111,6 +111,20 @@ def test_no_live_worker_at_all_or_none_for_this_channel() -> None:
     assert why("lonely").cause == "no_worker_for_channel"
     registry.Registration("w3", concurrency=1).register()
     assert why("lonely").cause == "next"
+
+
+def test_a_capped_channel_whose_workers_all_stopped_says_no_live_worker_not_at_cap() -> None:
+    # The cap holds nothing back while no worker claims: "the next starts when one finishes"
+    # would promise what cannot happen (the running messages belong to a stopped worker).
+    alive()
+    f.enqueue("capped", 3)
+    f.set_limits(["capped"], max_concurrency=2)
+    assert len(message_store.claim_messages(5, lease=LEASE, worker_id="w")) == 2
+    assert why("capped").cause == "at_cap"
+    worker_store.deregister_worker("w", handled=0)
+    stopped = why("capped")
+    assert stopped.cause == "no_worker", stopped
+    assert "no live worker" in stopped.text and "cap" not in stopped.text
 
 
 def test_channels_ahead_in_the_round_with_an_estimate() -> None:

@@ -23,6 +23,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "abort",
     "schedules",
     "status",
+    "usage",
     "verify",
     "workers",
 )

@@ -495,3 +495,8 @@ def select_stale_lease_count(*, using: str | None = None) -> int:
 def notify_probe(channel: str, payload: str, *, using: str | None = None) -> None:
     """Send ``payload`` on ``channel`` from Django's connection, as an enqueue notifies."""
     _run("notify_probe", {"channel": channel, "payload": payload}, using)
+
+
+def select_expired_leases_by_channel(*, using: str | None = None) -> dict[int, int]:
+    """{channel id: running messages whose lease expired}, for the channels with any."""
+    return {int(cid): int(n) for cid, n in _run("select_expired_leases_by_channel", {}, using)}

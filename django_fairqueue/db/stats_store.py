@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from django.db import transaction
@@ -71,8 +71,9 @@ class ChannelMinuteStats:
 
 
 def record_channel_stats(stats: Sequence[ChannelMinuteStats], *, using: str | None = None) -> None:
-    """Add per-(channel, minute) tallies to the statistics table (one upsert), and their sums
-    per minute to the per-minute table (a second upsert, in the same transaction)."""
+    """Add per-(channel, minute) tallies to the statistics table (one upsert), their sums
+    per minute to the per-minute table (a second upsert), and their usage per channel and hour
+    (:func:`record_usage`), in one transaction."""
     if not stats:
         return
     alias = using or conf.get().DATABASE
@@ -95,6 +96,7 @@ def record_channel_stats(stats: Sequence[ChannelMinuteStats], *, using: str | No
             alias,
         )
         record_minute_stats(stats, using=alias)
+        record_usage(stats, using=alias)  # per tenant and hour, for billing (after: lock order)
 
 
 def record_minute_stats(stats: Sequence[ChannelMinuteStats], *, using: str | None = None) -> None:
@@ -141,3 +143,63 @@ def record_minute_stats(stats: Sequence[ChannelMinuteStats], *, using: str | Non
 
 def prune_channel_stats(before: datetime, *, using: str | None = None) -> None:
     _run("prune_channel_stats", {"before": before}, using)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-tenant usage (django_fairqueue.usage): per channel and hour, and per channel in all
+
+
+def hour_of(moment: datetime) -> datetime:
+    """``moment`` truncated to its hour, in UTC: the key of a usage row."""
+    return moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+
+
+#: The figures of a usage row, in the order of the record_usage_* statements' arrays.
+USAGE_FIGURES = ("attempts", "succeeded", "failures", "timeouts", "worker_ms")
+
+
+def _usage_sums(rows: Iterable[tuple[Any, Sequence[int]]]) -> dict[Any, list[int]]:
+    """The figures of ``(key, figures)`` pairs summed per key."""
+    sums: dict[Any, list[int]] = {}
+    for key, figures in rows:
+        total = sums.setdefault(key, [0] * len(USAGE_FIGURES))
+        for i, value in enumerate(figures):
+            total[i] += value
+    return sums
+
+
+def _usage_params(sums: dict[Any, list[int]], keys: list[Any]) -> dict[str, list[int]]:
+    columns = list(zip(*(sums[k] for k in keys), strict=True))
+    return {name: list(columns[i]) for i, name in enumerate(USAGE_FIGURES)}
+
+
+def record_usage(stats: Sequence[ChannelMinuteStats], *, using: str | None = None) -> None:
+    """Add the usage of a statistics flush per (channel, hour) and per channel: attempts
+    settled, succeeded, failed (timeouts among them) and worker time. Called by
+    :func:`record_channel_stats` in its transaction, after the minute rows (the lock order)."""
+    hours = _usage_sums(
+        (
+            (hour_of(x.minute), x.channel_id),
+            (
+                x.succeeded + x.failed + x.retried,
+                x.succeeded,
+                x.failed + x.retried,
+                x.timed_out,
+                x.run_ms_sum,
+            ),
+        )
+        for x in stats
+        if x.succeeded + x.failed + x.retried or x.run_ms_sum  # claims alone: nothing settled
+    )
+    if not hours:
+        return
+    keys = sorted(hours)
+    params = {"hours": [h for h, _ in keys], "channel_ids": [c for _, c in keys]}
+    _run("record_usage_hours", {**params, **_usage_params(hours, keys)}, using)
+    totals = _usage_sums((cid, figures) for (_, cid), figures in hours.items())
+    ids = sorted(totals)
+    _run("record_usage_totals", {"channel_ids": ids, **_usage_params(totals, ids)}, using)
+
+
+def prune_usage(before: datetime, *, using: str | None = None) -> None:
+    _run("prune_usage", {"before": before}, using)

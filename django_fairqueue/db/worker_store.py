@@ -86,3 +86,7 @@ def prune_workers(before: datetime, *, using: str | None = None) -> None:
 def set_worker_wakeups(worker_id: str, wakeups: str, *, using: str | None = None) -> None:
     """Record how a worker learns of new messages: ``notify`` or ``polling: <why>``."""
     _run("set_worker_wakeups", {"worker_id": worker_id, "wakeups": wakeups}, using)
+
+
+def set_worker_supervisor(worker_id: str, supervisor: str, *, using: str | None = None) -> None:
+    _run("set_worker_supervisor", {"worker_id": worker_id, "supervisor": supervisor}, using)

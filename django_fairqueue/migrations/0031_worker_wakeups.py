@@ -7,7 +7,7 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-    dependencies = [("fairqueue", "0027_worker_queues")]
+    dependencies = [("fairqueue", "0028_usage")]
 
     operations = [
         migrations.AddField(

@@ -200,10 +200,15 @@ def _how(code: int) -> str:
 
 
 def environment() -> dict[str, str]:
-    """The children's environment: this process's, with the settings module it runs with."""
+    """The children's environment: this process's, with the settings module it runs with and
+    this supervisor's name (``host:pid``)."""
     from django.conf import settings
 
+    from django_fairqueue import registry
+
     env = dict(os.environ)
+    # each child records this process as its supervisor (the admin groups them)
+    env[registry.SUPERVISOR_ENV] = registry.supervisor_name()
     module = getattr(settings, "SETTINGS_MODULE", None)
     if module and "DJANGO_SETTINGS_MODULE" not in env:
         env["DJANGO_SETTINGS_MODULE"] = module

@@ -40,7 +40,7 @@ from django.db import models
 from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 
-from django_fairqueue import stats
+from django_fairqueue import conf, stats
 from django_fairqueue.contrib.bench import db
 from django_fairqueue.contrib.bench.harness import Bench, BenchmarkError, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
@@ -204,7 +204,20 @@ def pages() -> list[Page]:
         Page("dashboard", "admin:fairqueue_channel_dashboard"),
         Page("dashboard json", "admin:fairqueue_channel_dashboard_data"),
         Page("workers", "admin:fairqueue_workerrecord_changelist"),
+        Page("workers dead", "admin:fairqueue_workerrecord_changelist", query="state=dead"),
+        Page("workers busy", "admin:fairqueue_workerrecord_busy"),
+        Page("messages of a worker", messages, query="worker=fairbench-admin-3"),
         Page("work batches", "admin:fairqueue_workbatch_changelist"),
+    ]
+    usage = "admin:fairqueue_usagehour_changelist"
+    out += [
+        Page("usage yesterday", usage),
+        # sorted in Python over the same rows: one by name, one by a ratio
+        Page("usage by name", usage, query="o=name"),
+        Page("usage by failure rate", usage, query="o=-failure_rate"),
+        Page("usage by group", usage, query="by=group"),
+        Page("usage whole retention", usage, query="from={first_day}&to=today"),
+        Page("usage whole retention csv", usage, query="from={first_day}&to=today&format=csv"),
     ]
     return out
 
@@ -285,6 +298,8 @@ def _load(bench: Bench, cell: AdminCell) -> dict[str, Any]:
     db.load_admin_workers(using=using)
     db.load_admin_work_batches(ids[0], WORK_BATCHES, using=using)
     _write_stats(ids, using)
+    bench.progress.update("loading usage")
+    db.load_admin_usage(conf.get().USAGE_RETENTION.days, using=using)
     bench.settle()
     bench.progress.update("VACUUM ANALYZE")
     db.vacuum_queue_tables(using=using)
@@ -309,6 +324,9 @@ def _load(bench: Bench, cell: AdminCell) -> dict[str, Any]:
         "message_running": one(MessageState.RUNNING),
         "message_failed": one(MessageState.FAILED),
         "message_ready": one(MessageState.READY),
+        "first_day": (
+            timezone.localdate() - timedelta(days=conf.get().USAGE_RETENTION.days - 1)
+        ).isoformat(),
     }
 
 
@@ -346,6 +364,7 @@ def _cleanup(bench: Bench) -> None:
     """What the queue-table TRUNCATE at the end of the run does not remove."""
     stats_store.prune_channel_stats(timezone.now() + timedelta(days=1), using=bench.using)
     db.delete_admin_workers(using=bench.using)
+    db.delete_admin_usage(using=bench.using)
     bench.state.pop("admin_render", None)
 
 

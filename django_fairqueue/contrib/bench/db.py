@@ -222,3 +222,13 @@ def make_schedules_due(n: int, slot: datetime, *, using: str | None = None) -> N
 
 def analyze_schedules(*, using: str | None = None) -> None:
     _run("analyze_schedules", {}, using)
+
+
+def load_admin_usage(days: int, *, using: str | None = None) -> None:
+    """Usage of every channel for every hour of ``days`` days, then VACUUM ANALYZE of it."""
+    _run("load_admin_usage", {"days": days}, using)
+    _run("analyze_admin_usage", {}, using)
+
+
+def delete_admin_usage(*, using: str | None = None) -> None:
+    _run("delete_admin_usage", {}, using)

@@ -27,6 +27,7 @@ FAMILIES = (
     "unique_holds",
     "claim",
     "settle",
+    "errors",
     "enqueue",
     "backlog",
     "verify_repair",

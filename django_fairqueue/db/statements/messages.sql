@@ -583,3 +583,11 @@ WHERE m.state = 'running' AND m.lease_expires_at < clock_timestamp();
 -- A wake-up listener's check of itself: a notification on its own channel, from another
 -- connection, with a payload only it knows (a worker woken by it only claims once more).
 SELECT pg_notify(%(channel)s::text, %(payload)s::text);
+
+-- name: select_expired_leases_by_channel
+-- Per channel: running messages whose lease expired (their worker died or stalled), which a
+-- live worker's rescuer has not taken back yet. fq_message_lease_idx (running rows only).
+SELECT m.channel_id, count(*)
+FROM fairqueue_message m
+WHERE m.state = 'running' AND m.lease_expires_at < clock_timestamp()
+GROUP BY m.channel_id;

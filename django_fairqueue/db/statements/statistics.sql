@@ -95,3 +95,59 @@ WITH minutes AS (
     DELETE FROM fairqueue_minute_stat m WHERE m.minute < %(before)s::timestamptz
 )
 DELETE FROM fairqueue_channel_stat s WHERE s.minute < %(before)s::timestamptz;
+
+-- name: record_usage_hours
+-- Add a statistics flush's usage per (channel, hour) to fairqueue_usage, with the channel's and
+-- its group's names as they are now (usage outlives a deleted channel, so they are copied).
+-- In the flush's transaction, after the per-minute rows: the lock order is the channel's minute
+-- rows, the minute rows, then these hour rows by (hour, channel), then the total rows by
+-- channel (record_usage_totals). A channel deleted since the claim has no usage written.
+INSERT INTO fairqueue_usage AS u (
+    hour, channel_id, channel_name, group_name, attempts, succeeded, failures, timeouts,
+    worker_ms
+)
+SELECT t.hour, t.channel_id, c.name, coalesce(g.name, ''), t.attempts, t.succeeded,
+       t.failures, t.timeouts, t.worker_ms
+FROM unnest(%(hours)s::timestamptz[], %(channel_ids)s::bigint[], %(attempts)s::bigint[],
+            %(succeeded)s::bigint[], %(failures)s::bigint[], %(timeouts)s::bigint[],
+            %(worker_ms)s::bigint[])
+     AS t(hour, channel_id, attempts, succeeded, failures, timeouts, worker_ms)
+JOIN fairqueue_channel c ON c.id = t.channel_id
+LEFT JOIN fairqueue_channel_group g ON g.id = c.group_id
+ORDER BY t.hour, t.channel_id
+ON CONFLICT (hour, channel_id) DO UPDATE
+SET channel_name = EXCLUDED.channel_name,
+    group_name = EXCLUDED.group_name,
+    attempts = u.attempts + EXCLUDED.attempts,
+    succeeded = u.succeeded + EXCLUDED.succeeded,
+    failures = u.failures + EXCLUDED.failures,
+    timeouts = u.timeouts + EXCLUDED.timeouts,
+    worker_ms = u.worker_ms + EXCLUDED.worker_ms;
+
+-- name: record_usage_totals
+-- Add the same flush's usage per channel to fairqueue_usage_total (never pruned: the metrics'
+-- counters), in channel order, after record_usage_hours.
+INSERT INTO fairqueue_usage_total AS u (
+    channel_id, attempts, succeeded, failures, timeouts, worker_ms
+)
+SELECT t.channel_id, t.attempts, t.succeeded, t.failures, t.timeouts, t.worker_ms
+FROM unnest(%(channel_ids)s::bigint[], %(attempts)s::bigint[], %(succeeded)s::bigint[],
+            %(failures)s::bigint[], %(timeouts)s::bigint[], %(worker_ms)s::bigint[])
+     AS t(channel_id, attempts, succeeded, failures, timeouts, worker_ms)
+WHERE EXISTS (SELECT FROM fairqueue_channel c WHERE c.id = t.channel_id)
+ORDER BY t.channel_id
+ON CONFLICT (channel_id) DO UPDATE
+SET attempts = u.attempts + EXCLUDED.attempts,
+    succeeded = u.succeeded + EXCLUDED.succeeded,
+    failures = u.failures + EXCLUDED.failures,
+    timeouts = u.timeouts + EXCLUDED.timeouts,
+    worker_ms = u.worker_ms + EXCLUDED.worker_ms;
+
+-- name: prune_usage
+-- Delete usage hours older than `before` (the leading hour of fq_usage_hour_channel), and the
+-- totals of channels deleted since (their series leave the metrics with them).
+WITH totals AS (
+    DELETE FROM fairqueue_usage_total t
+    WHERE NOT EXISTS (SELECT FROM fairqueue_channel c WHERE c.id = t.channel_id)
+)
+DELETE FROM fairqueue_usage u WHERE u.hour < %(before)s::timestamptz;

@@ -81,3 +81,10 @@ WHERE w.state <> 'running' AND w.heartbeat_at < %(before)s::timestamptz;
 -- name: set_worker_wakeups
 -- Record how a worker learns of new messages: 'notify' (its LISTEN was seen to work) or 'polling: <why>'.
 UPDATE fairqueue_worker w SET wakeups = %(wakeups)s::text WHERE w.worker_id = %(worker_id)s::text;
+
+-- name: set_worker_supervisor
+-- Record which supervisor (host:pid; '' for none) started a registered worker process, right
+-- after register_worker (the registry row is its own: no other writer touches this column).
+UPDATE fairqueue_worker w
+SET supervisor = %(supervisor)s::text
+WHERE w.worker_id = %(worker_id)s::text;

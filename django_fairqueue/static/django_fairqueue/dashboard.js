@@ -213,10 +213,19 @@
     var cards = document.getElementById("fq-cards");
     var t = data.totals;
     var f = data.fairness;
+    // the fleet: live workers, and a running count that no live worker renews
+    var live = data.workers ? data.workers.live : null;
+    var noWorker = live === 0 && t.running > 0;
+    var runningLabel = noWorker
+      ? "running: no live worker"
+      : data.expired_leases
+      ? "running, " + fmtInt(data.expired_leases) + " lease expired"
+      : "running";
     var items = [
+      [fmtInt(live), "live workers", live === 0],
       [fmtInt(t.backlogged) + " / " + fmtInt(t.channels), "channels backlogged"],
       [fmtInt(t.ready), "ready"],
-      [fmtInt(t.running), "running"],
+      [fmtInt(t.running), runningLabel, noWorker || data.expired_leases > 0],
       [fmtInt(t.failures_last_5m), "failures, 5 min"],
       [fmtInt(t.timeouts_last_5m), "timeouts, 5 min"],
       [fmtInt(t.retrying), "retrying"],
@@ -227,7 +236,7 @@
     clear(cards);
     items.forEach(function (item) {
       var card = document.createElement("div");
-      card.className = "fq-card";
+      card.className = item[2] ? "fq-card fq-card-warn" : "fq-card";
       var v = document.createElement("span");
       v.className = "fq-card-value";
       v.textContent = item[0];
@@ -238,6 +247,14 @@
       card.appendChild(l);
       cards.appendChild(card);
     });
+  }
+
+  /* Why a tenant's running count runs nothing: no live worker, or leases expired. */
+  function staleText(data, t) {
+    if (t.running > 0 && data.workers && data.workers.live === 0) {
+      return " (no live worker)";
+    }
+    return t.expired_leases ? " (" + fmtInt(t.expired_leases) + " lease expired)" : "";
   }
 
   function renderTable(data) {
@@ -251,7 +268,8 @@
         fmtInt(t.ready),
         fmtInt(t.delayed),
         fmtInt(t.retrying),
-        fmtInt(t.running) + " / " + (t.max_concurrency === null ? "∞" : fmtInt(t.max_concurrency)),
+        fmtInt(t.running) + " / " + (t.max_concurrency === null ? "∞" : fmtInt(t.max_concurrency)) +
+          staleText(data, t),
         fmtInt(t.failures_last_5m),
         fmtInt(t.timeouts_last_5m),
         null,
@@ -289,9 +307,20 @@
     });
   }
 
+  function runningClass(t) {
+    if (t.max_concurrency !== null && t.running > t.max_concurrency) {
+      return "fq-over-cap-bar";
+    }
+    if (t.max_concurrency !== null && t.running === t.max_concurrency) {
+      return "fq-at-cap-bar";
+    }
+    return "fq-running";
+  }
+
   function render(data) {
     renderCards(data);
     var tenants = data.tenants;
+    var noLive = data.workers ? data.workers.live === 0 : false;
     barChart(
       document.getElementById("fq-chart-backlog"),
       tenants.map(function (t) {
@@ -314,7 +343,19 @@
         return {
           label: tenantLabel(t),
           href: tenantHref(t),
-          parts: [{ value: t.running, cls: "fq-running", label: "running" }],
+          // over its cap red, at it orange; leases no live worker renews grey
+          parts: [
+            {
+              value: noLive ? 0 : t.running - t.expired_leases,
+              cls: runningClass(t),
+              label: "running",
+            },
+            {
+              value: noLive ? t.running : t.expired_leases,
+              cls: "fq-running-stale",
+              label: noLive ? "no live worker" : "lease expired",
+            },
+          ],
           mark: t.max_concurrency,
           valueText: fmtInt(t.running) + " / " + (t.max_concurrency === null ? "∞" : fmtInt(t.max_concurrency)),
         };

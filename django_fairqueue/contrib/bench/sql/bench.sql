@@ -257,3 +257,32 @@ WHERE s.id <= %(n)s::bigint;
 -- name: analyze_schedules
 -- Refresh planner statistics of the schedule tables after the schedules scenario creates them.
 ANALYZE fairqueue_schedule, fairqueue_schedule_fire;
+
+-- name: load_admin_usage
+-- Usage of every channel for every hour of the last `days` days (what USAGE_RETENTION keeps), and
+-- their totals: the admin benchmark's usage pages read the biggest table retention allows.
+WITH hours AS (
+    SELECT date_trunc('hour', now()) - k * interval '1 hour' AS hour
+    FROM generate_series(0, %(days)s::integer * 24 - 1) AS k
+), hourly AS (
+    INSERT INTO fairqueue_usage (
+        hour, channel_id, channel_name, group_name, attempts, succeeded, failures, timeouts,
+        worker_ms
+    )
+    SELECT h.hour, c.id, c.name, '', 60 + mod(c.id, 7), 58 + mod(c.id, 7), 2, mod(c.id, 2),
+           (60 + mod(c.id, 7)) * (100 + mod(c.id * 37, 900))
+    FROM fairqueue_channel c CROSS JOIN hours h
+    ON CONFLICT (hour, channel_id) DO NOTHING
+)
+INSERT INTO fairqueue_usage_total (channel_id, attempts, succeeded, failures, timeouts, worker_ms)
+SELECT c.id, 100000, 99000, 1000, 10, 1000000000 FROM fairqueue_channel c
+ON CONFLICT (channel_id) DO NOTHING;
+
+-- name: analyze_admin_usage
+-- Planner statistics of the usage tables after load_admin_usage.
+VACUUM (ANALYZE) fairqueue_usage, fairqueue_usage_total;
+
+-- name: delete_admin_usage
+-- Remove the admin benchmark's usage rows (every row: the benchmark runs on an empty queue).
+WITH totals AS (DELETE FROM fairqueue_usage_total)
+DELETE FROM fairqueue_usage;
