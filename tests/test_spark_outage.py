@@ -7,7 +7,7 @@ ports. The runner must see the outage, cancel the job, give the batch back witho
 attempt, rebuild its session once the master is back, and finish the batch.
 
 Like tests/test_spark_standalone.py, it runs only when selected: ``python3 dev.py test -m
-cluster tests/test_spark_outage.py`` (about a minute and a half on a quiet 2-core machine).
+cluster tests/test_spark_outage.py`` (two cluster starts: minutes on a busy 2-core machine).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def test_a_batch_caught_in_a_cluster_outage_is_given_back_and_done_once_the_clus
             120,
             lambda: "cannot reach the Spark master" in driver.output,
         )
-        timeline["cluster restarted"] = time.monotonic() - started
+        timeline["restart begun"] = time.monotonic() - started
         cluster.start(workers=1)
         timeline["cluster up"] = time.monotonic() - started
         wait_for("the batch done", 300, lambda: WorkBatch.objects.get().state == "succeeded")
