@@ -96,12 +96,17 @@ def test_realistic_rules_are_what_analysts_write_with_chains_twenty_deep() -> No
     })  # fmt: skip
     assert len(outputs) == 250
     # Two chains of 20 rules each using the one before (r084..r103, r184..r203): as many
-    # levels as the longest chain, the chains side by side.
+    # levels as the longest chain, the chains side by side; the levels before the last hold
+    # only the rules used later (the chains and the typed rule ``total``).
     by_name = {r.name: r for r in rules}
     assert "r102" in by_name["r103"].formula and "r083" not in by_name["r084"].formula
     assert len(levels) == bench.CHAIN_DEPTH
     assert {"r084", "r184"} <= rules_in(levels[0])  # both chains start in the first level
     assert {"r103", "r203"} <= rules_in(levels[-1])
+    assert set().union(*map(rules_in, levels[:-1])) == {
+        *(f"r{k:03d}" for k in (*range(84, 103), *range(184, 203))),
+        *("subtotal", "total"),
+    }
 
 
 def rules_in(level: fc.Level) -> set[str]:
@@ -109,7 +114,7 @@ def rules_in(level: fc.Level) -> set[str]:
     return {name.removeprefix(fc.ERROR_PREFIX) for name in level.computed}
 
 
-def test_a_rule_goes_in_the_level_after_the_deepest_rule_it_uses() -> None:
+def test_a_rule_used_goes_in_the_level_after_the_deepest_it_uses_the_others_last() -> None:
     formulas = parse_formulas(
         "t",
         ["a = qty + 1", "b = a * 2", "c = qty * 3", "d = c + b", "e = price - 1", "f = a / e"],
@@ -117,7 +122,7 @@ def test_a_rule_goes_in_the_level_after_the_deepest_rule_it_uses() -> None:
         targets=None,
     )
     levels, _ = fc.formula_levels(formulas, today=dt.date(2026, 11, 29), names={})
-    assert [sorted(rules_in(level)) for level in levels] == [["a", "c", "e"], ["b", "f"], ["d"]]
+    assert [sorted(rules_in(level)) for level in levels] == [["a", "c", "e"], ["b"], ["d", "f"]]
 
 
 @needs_spark
