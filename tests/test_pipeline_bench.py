@@ -3,12 +3,16 @@ the atomic merge among interleaved keys that the benchmark's layout exercises.""
 
 from __future__ import annotations
 
+import datetime as dt
 import itertools
 from typing import Any
 
 import pytest
 
 from django_fairqueue.contrib.pipeline import bench, datastore
+from django_fairqueue.contrib.pipeline import compile as fc
+from django_fairqueue.contrib.pipeline.execute import DATE, FLOAT, INT, STR
+from django_fairqueue.contrib.pipeline.formulas import parse_formulas
 from django_fairqueue.contrib.pipeline.models import PipelineJob
 from django_fairqueue.models import Channel, WorkBatch
 from tests.test_pipeline import needs_spark, spark, spark_settings  # noqa: F401 (fixtures)
@@ -61,6 +65,64 @@ def test_rules_have_a_formula_and_sql_each_and_tenants_differ() -> None:
     assert list(expressions) == ["id", "tenant", "subtotal", "total", "band", "results"]
     # 117 results in jsonb_build_object calls of at most 50 keys (a function takes 100 args)
     assert expressions["results"].as_string(None).count("jsonb_build_object(") == 3
+
+
+#: The benchmark source's columns, as the pipeline reads them.
+BENCH_COLUMNS = {
+    **dict.fromkeys(("id", "qty", "clicks", "impressions"), INT),
+    **dict.fromkeys(("price", "discount", "tax_rate", "spend"), FLOAT),
+    **dict.fromkeys(("tenant", "channel", "region"), STR),
+    **dict.fromkeys(("first_on", "last_on"), DATE),
+}
+
+
+def test_realistic_rules_are_what_analysts_write_with_chains_twenty_deep() -> None:
+    rules = bench.realistic_rules(0, 250)
+    assert len(rules) == 250 and len({r.name for r in rules}) == 250
+    assert all(r.formula.startswith(f"{r.name} = ") and r.sql for r in rules)
+    text = "\n".join(r.formula for r in rules)
+    used = ["IF(", "IFERROR(", "ISBLANK(", "COALESCE(", '" & ', "UPPER(", "LEFT(", "DAYS("]
+    used += ["MONTH(", "YEAR(", " / ", "SUM(spend)", "AVERAGE(spend BY channel)", "ROUND("]
+    assert [u for u in used if u not in text] == []
+    assert [r.formula for r in rules] != [r.formula for r in bench.realistic_rules(1, 250)]
+    assert bench.rule_set("simple", 0, 12) == bench.tenant_rules(0, 12)
+    with pytest.raises(ValueError, match="unknown kind of rules"):
+        bench.rule_set("tricky", 0, 12)
+
+    formulas = parse_formulas("t", [r.formula for r in rules], columns=BENCH_COLUMNS, targets=None)
+    assert len(formulas.aggregates) == 2  # SUM(spend) and AVERAGE(spend BY channel), shared
+    levels, outputs = fc.formula_levels(formulas, today=dt.date(2026, 11, 29), names={
+        fc._AGG_PREFIX + node.key(): ("1.0D", None) for node in formulas.aggregates
+    })  # fmt: skip
+    assert len(outputs) == 250
+    # Two chains of 20 rules each using the one before (r084..r103, r184..r203): as many
+    # levels as the longest chain, the chains side by side; the levels before the last hold
+    # only the rules used later (the chains and the typed rule ``total``).
+    by_name = {r.name: r for r in rules}
+    assert "r102" in by_name["r103"].formula and "r083" not in by_name["r084"].formula
+    assert len(levels) == bench.CHAIN_DEPTH
+    assert {"r084", "r184"} <= rules_in(levels[0])  # both chains start in the first level
+    assert {"r103", "r203"} <= rules_in(levels[-1])
+    assert set().union(*map(rules_in, levels[:-1])) == {
+        *(f"r{k:03d}" for k in (*range(84, 103), *range(184, 203))),
+        *("subtotal", "total"),
+    }
+
+
+def rules_in(level: fc.Level) -> set[str]:
+    """The rules a level computes (a rule that can have errors has an error column too)."""
+    return {name.removeprefix(fc.ERROR_PREFIX) for name in level.computed}
+
+
+def test_a_rule_used_goes_in_the_level_after_the_deepest_it_uses_the_others_last() -> None:
+    formulas = parse_formulas(
+        "t",
+        ["a = qty + 1", "b = a * 2", "c = qty * 3", "d = c + b", "e = price - 1", "f = a / e"],
+        columns=BENCH_COLUMNS,
+        targets=None,
+    )
+    levels, _ = fc.formula_levels(formulas, today=dt.date(2026, 11, 29), names={})
+    assert [sorted(rules_in(level)) for level in levels] == [["a", "c", "e"], ["b"], ["d", "f"]]
 
 
 @needs_spark

@@ -15,6 +15,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psycopg
@@ -486,6 +487,153 @@ def test_the_database_unreachable_from_executors_pauses_the_runner_and_uses_no_a
     assert ResultRow.objects.count() == 10
     assert runner.paused_by is None
     assert any("resumed" in r.getMessage() for r in caplog.records)
+
+
+class _FakeSession:
+    """What :class:`cluster.Watchdog` reads of a session: the master, whether the context
+    stopped, the executors' ids (a test sets ``executors``)."""
+
+    def __init__(self, master: str) -> None:
+        self.executors: list[str] = ["0"]
+        self.stopped = False
+        jsc_sc = SimpleNamespace(
+            isStopped=lambda: self.stopped,
+            getExecutorIds=lambda: SimpleNamespace(mkString=lambda sep: sep.join(self.executors)),
+        )
+        self.sparkContext = SimpleNamespace(
+            master=master, applicationId="app-test", _jsc=SimpleNamespace(sc=lambda: jsc_sc)
+        )
+
+
+def test_the_watchdog_sees_an_application_without_executors_and_a_master_gone() -> None:
+    now = [0.0]
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        up = f"spark://127.0.0.1:{listener.getsockname()[1]}"
+        session = _FakeSession(up)
+        watchdog = cluster.Watchdog(session, executor_timeout=30, clock=lambda: now[0])
+
+        def look_until(seconds: float) -> cluster.InfrastructureError | None:
+            while now[0] < seconds:
+                now[0] += 0.25
+                seen = watchdog.look()
+                if seen is not None:
+                    return seen
+            return None
+
+        assert look_until(60) is None  # executors, and the master answers
+        session.executors = []  # the executors are gone: the job would wait for ever
+        assert look_until(89) is None
+        seen = look_until(91)
+        assert seen is not None and seen.kind == cluster.NO_EXECUTORS
+        assert "app-test has had no executor for 30 s (EXECUTOR_TIMEOUT 30 s)" in seen.detail
+        assert cluster.NO_EXECUTORS in cluster.REBUILD_KINDS
+    finally:
+        listener.close()
+
+    # A master that refuses connections: gone at the second miss in a row (2 s apart).
+    gone = _FakeSession(f"spark://127.0.0.1:{free_port()}")
+    now[0] = 0.0
+    watchdog = cluster.Watchdog(gone, executor_timeout=30, clock=lambda: now[0])
+    found = []
+    while not found and now[0] < 10:
+        now[0] += 0.25
+        found = [outage for outage in [watchdog.look()] if outage is not None]
+    assert [o.kind for o in found] == [cluster.MASTER_LOST]
+    assert 4 <= now[0] <= 5
+    assert "cannot reach the Spark master" in found[0].detail
+    assert cluster.MASTER_LOST in cluster.REBUILD_KINDS
+
+    # Local mode has no executors to lose: only a stopped context is an outage.
+    local = _FakeSession("local[2]")
+    local.executors = []
+    now[0] = 0.0
+    watchdog = cluster.Watchdog(local, executor_timeout=1, clock=lambda: now[0])
+    for _ in range(40):
+        now[0] += 0.25
+        assert watchdog.look() is None
+    local.stopped = True
+    now[0] += 1
+    stopped = watchdog.look()
+    assert stopped is not None and stopped.kind == cluster.SESSION_STOPPED
+
+
+@needs_spark
+@pytest.mark.spark
+@pytest.mark.django_db(transaction=True)
+def test_an_outage_under_a_running_batch_cancels_its_job_and_gives_it_back_without_an_attempt(
+    spark: Any,
+    settings: Any,
+    formulas: dict[str, list[str]],
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The runner's side of an outage: the batch's Spark task is held mid-batch (its read of
+    the source waits on a lock the test holds), the watchdog reports an outage, and the job is
+    cancelled, the batch given back unspent, and run again after the pause.
+    (tests/test_spark_outage.py kills a real standalone cluster.)"""
+    settings.FAIRQUEUE = {**settings.FAIRQUEUE, "RETRY_BACKOFF_BASE": 0.0, "LEASE_SECONDS": 30.0}
+    settings.FAIRQUEUE_PIPELINE = {
+        "SPARK": {**SPARK_SETTINGS, "PAUSE_SECONDS": 0.2, "PAUSE_MAX_SECONDS": 0.5}
+    }
+    make_rows(10)
+    plan(PIPELINE, tenants=["alice"])
+    (batch_id,) = WorkBatch.objects.values_list("id", flat=True)
+    table = DataRow._meta.db_table
+    held = threading.Event()
+    outages: list[cluster.InfrastructureError] = []
+
+    def look(self: cluster.Watchdog) -> cluster.InfrastructureError | None:
+        if not held.is_set() or outages:
+            return None
+        outages.append(
+            cluster.InfrastructureError(cluster.NO_EXECUTORS, "application app-x has had none")
+        )
+        return outages[0]
+
+    monkeypatch.setattr(cluster.Watchdog, "look", look)
+    cluster.forget()
+    runner = PipelineRunner(worker_id="infra", pipelines=[PIPELINE], spark=spark, poll_interval=0.1)
+    caplog.set_level(logging.INFO, logger="django_fairqueue.pipeline")
+    lock = psycopg.connect(database_url)
+    thread = None
+    try:
+        lock.execute(f'LOCK TABLE "{table}" IN ACCESS EXCLUSIVE MODE')
+        thread = _runner_thread(runner)
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND query ILIKE %s AND pid <> pg_backend_pid()"
+        )
+        with psycopg.connect(database_url, autocommit=True) as watch:  # a fresh view each time
+            wait_until(
+                lambda: watch.execute(waiting, (f"%{table}%",)).fetchone()[0] > 0,  # type: ignore[index]
+                timeout=300,
+                what="the batch's task waiting on the source",
+            )
+        held.set()
+        wait_until(lambda: runner.stats.released == 1, timeout=120, what="the batch given back")
+        row = WorkBatch.objects.get(pk=batch_id)
+        assert (row.state, row.attempts) in {("pending", 0), ("running", 1)}  # maybe run again
+        lock.commit()
+        wait_until(
+            lambda: WorkBatch.objects.get(pk=batch_id).state == "succeeded",
+            timeout=300,
+            what="the batch done after the pause",
+        )
+    finally:
+        lock.close()
+        runner.stop()
+        if thread is not None:
+            thread.join(60)
+    row = WorkBatch.objects.get(pk=batch_id)
+    assert (row.attempts, row.last_error) == (1, None)
+    assert (runner.stats.failed, runner.stats.paused, runner.stats.succeeded) == (0, 1, 1)
+    assert ResultRow.objects.count() == 10
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("no Spark executors" in m and "cancelling its Spark job" in m for m in messages)
+    assert any("given back, no attempt used: no Spark executors" in m for m in messages)
+    assert any("resumed" in m for m in messages)
 
 
 @needs_spark

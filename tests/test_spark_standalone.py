@@ -117,14 +117,15 @@ class Process:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # killed below
                 self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL it and everything it started, as a crash of its machine would."""
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # anything of its group left behind
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
         self._reader.join(10)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
@@ -132,75 +133,95 @@ class Process:
 
 @dataclass
 class Standalone:
-    url: str
-    ui: str
-    spark_home: Path
-    env: dict[str, str]
+    """A standalone cluster of this machine: a master and workers (one core each)."""
+
+    work: Path
+    port: int = field(default_factory=free_port)
+    ui_port: int = field(default_factory=free_port)
     processes: list[Process] = field(default_factory=list)
+    #: Processes stopped or killed, for their output.
+    ended: list[Process] = field(default_factory=list)
     started_in: float = 0.0
+
+    def __post_init__(self) -> None:
+        import pyspark
+
+        self.spark_home = Path(pyspark.__file__).resolve().parent
+        self.url = f"spark://127.0.0.1:{self.port}"
+        self.ui = f"http://127.0.0.1:{self.ui_port}"
+        self.env = {
+            **os.environ,
+            "SPARK_HOME": str(self.spark_home),
+            "SPARK_LOCAL_IP": "127.0.0.1",
+            "SPARK_DAEMON_MEMORY": "256m",
+            "SPARK_LOG_DIR": str(self.work / "logs"),
+            "PYSPARK_PYTHON": sys.executable,
+        }
 
     def status(self) -> Any:
         return get_json(f"{self.ui}/json/")
 
-
-@pytest.fixture(scope="module")
-def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalone]:
-    import pyspark
-
-    spark_home = Path(pyspark.__file__).resolve().parent
-    work = tmp_path_factory.mktemp("spark-standalone")
-    env = {
-        **os.environ,
-        "SPARK_HOME": str(spark_home),
-        "SPARK_LOCAL_IP": "127.0.0.1",
-        "SPARK_DAEMON_MEMORY": "256m",
-        "SPARK_LOG_DIR": str(work / "logs"),
-        "PYSPARK_PYTHON": sys.executable,
-    }
-    port, ui_port = free_port(), free_port()
-    cluster = Standalone(
-        url=f"spark://127.0.0.1:{port}",
-        ui=f"http://127.0.0.1:{ui_port}",
-        spark_home=spark_home,
-        env=env,
-    )
-    spark_class = str(spark_home / "bin" / "spark-class")
-    started = time.monotonic()
-    try:
-        cluster.processes.append(
+    def start(self, workers: int) -> None:
+        """Start the master (on the same ports every time) and ``workers`` workers."""
+        started = time.monotonic()
+        spark_class = str(self.spark_home / "bin" / "spark-class")
+        self.processes.append(
             Process(
                 "master",
                 [
                     spark_class,
                     "org.apache.spark.deploy.master.Master",
-                    *("--host", "127.0.0.1", "--port", str(port), "--webui-port", str(ui_port)),
+                    *("--host", "127.0.0.1", "--port", str(self.port)),
+                    *("--webui-port", str(self.ui_port)),
                 ],
-                env,
-                work,
+                self.env,
+                self.work,
             )
         )
-        wait_for("the master is up", 180, lambda: cluster.status()["status"] == "ALIVE")
-        for number in (1, 2):
-            cluster.processes.append(
+        wait_for("the master is up", 180, lambda: self.status()["status"] == "ALIVE")
+        for number in range(1, workers + 1):
+            self.processes.append(
                 Process(
                     f"worker{number}",
                     [
                         spark_class,
                         "org.apache.spark.deploy.worker.Worker",
                         *("--host", "127.0.0.1", "--cores", "1", "--memory", "1g"),
-                        *("--webui-port", str(free_port()), "--work-dir", str(work / f"w{number}")),
-                        cluster.url,
+                        *("--webui-port", str(free_port())),
+                        *("--work-dir", str(self.work / f"w{number}")),
+                        self.url,
                     ],
-                    env,
-                    work,
+                    self.env,
+                    self.work,
                 )
             )
-        wait_for("two workers are alive", 180, lambda: cluster.status()["aliveworkers"] == 2)
-        cluster.started_in = time.monotonic() - started
+        wait_for(
+            f"{workers} workers are alive", 180, lambda: self.status()["aliveworkers"] == workers
+        )
+        self.started_in = time.monotonic() - started
+
+    def kill(self) -> None:
+        """Kill the master and the workers (with their executors) at once."""
+        for process in self.processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.proc.pid, signal.SIGKILL)
+        self.stop()
+
+    def stop(self) -> None:
+        while self.processes:
+            process = self.processes.pop()
+            process.stop()
+            self.ended.append(process)
+
+
+@pytest.fixture(scope="module")
+def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalone]:
+    cluster = Standalone(tmp_path_factory.mktemp("spark-standalone"))
+    try:
+        cluster.start(workers=2)
         yield cluster
     finally:
-        for process in reversed(cluster.processes):
-            process.stop()
+        cluster.stop()
 
 
 def command_line(process: psutil.Process) -> list[str]:
@@ -210,13 +231,15 @@ def command_line(process: psutil.Process) -> list[str]:
         return []
 
 
-def driver_env(database_url: str, master: str) -> dict[str, str]:
+def driver_env(database_url: str, master: str, **spark: Any) -> dict[str, str]:
+    """A driver's environment; ``spark``: more FAIRQUEUE_PIPELINE['SPARK'] settings."""
     overrides = {
         "FAIRQUEUE_PIPELINE": {
             "SPARK": {
                 "MASTER": master,
                 "CORES_MAX": 1,
                 "EXECUTOR_TIMEOUT": 240,
+                **spark,
                 "CONF": {
                     "spark.executor.memory": "512m",
                     "spark.driver.memory": "512m",

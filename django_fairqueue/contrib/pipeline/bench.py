@@ -48,6 +48,17 @@ SINK = "fq_bench_pipeline_sink"
 TYPED = ("subtotal", "total", "band")
 #: Keys of the results column whose sums the benchmark compares (when there are that many rules).
 CHECKED_RESULTS = ("r004", "r005", "r006")
+#: The source columns of each kind of rules (the realistic ones read a marketing table's
+#: columns too, with blanks: ``channel``, ``spend`` and ``clicks`` are blank in some rows).
+SIMPLE_COLUMNS = ("id", "tenant", "price", "qty", "discount", "tax_rate")
+REALISTIC_COLUMNS = (
+    *SIMPLE_COLUMNS,
+    *("channel", "region", "spend", "clicks", "impressions", "first_on", "last_on"),
+)
+RULE_KINDS = ("simple", "realistic")
+#: A realistic rule set has a chain of this many rules, each using the one before, in every
+#: 100 rules (from its 80th).
+CHAIN_DEPTH = 20
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,130 @@ def tenant_rules(index: int, count: int) -> list[Rule]:
             code = f"abs(price * {a} - qty)"
         rules.append(Rule(name, f"{name} = {formula}", code))
     return rules[:count] if count >= 3 else rules
+
+
+def _num(column: str) -> str:
+    """A numeric column in the baseline's SQL as the formulas see it: blank is 0."""
+    return f"coalesce({column}, 0)::float8"
+
+
+def _round(sql: str, digits: int) -> str:
+    """ROUND as the formulas do it (half away from zero, on the decimal the number prints as)."""
+    return f"round(({sql})::text::numeric, {digits})::float8"
+
+
+def _realistic_rule(k: int, index: int, previous: Rule | None) -> Rule:
+    """Rule ``r{k}`` of a realistic set: what marketing analysts write (IF chains, text, dates,
+    blanks, division, tenant aggregates, chains of rules using rules), with its SQL twin. Each
+    SQL twin follows the formulas' semantics for this data: a blank is 0 in arithmetic and ""
+    in text, text compares without case, a division by zero is an error (blank in the sink),
+    an aggregate is over the tenant's rows (a window in SQL)."""
+    a = ((k + index) % 7 + 1) / 10
+    n = (k + index) % 17
+    x = 50 + (k * 13 + index) % 900
+    name = f"r{k:03d}"
+    spend, clicks, views = _num("spend"), _num("clicks"), _num("impressions")
+    position = k - 4
+    if position % 100 >= 100 - CHAIN_DEPTH and previous is not None:
+        link = (position % 100) % 3
+        if position % 100 == 100 - CHAIN_DEPTH:  # a chain starts from the source
+            return Rule(name, f"{name} = spend * {a} + clicks", f"({spend} * {a} + {clicks})")
+        prev = previous.name
+        if link == 0:
+            return Rule(name, f"{name} = {prev} * {a} + {n}", f"({previous.sql} * {a} + {n})")
+        if link == 1:
+            return Rule(
+                name,
+                f"{name} = {prev} + IF(qty > {n}, {a}, -{a})",
+                f"({previous.sql} + CASE WHEN qty > {n} THEN {a} ELSE -{a} END)",
+            )
+        return Rule(name, f"{name} = ROUND({prev}, 4)", _round(previous.sql, 4))
+    match position % 8:
+        case 0:  # a division, its error caught
+            return Rule(
+                name,
+                f"{name} = IFERROR(clicks / impressions, 0) * {a}",
+                f"(CASE WHEN {views} = 0 THEN 0 ELSE {clicks} / {views} END * {a})",
+            )
+        case 1:  # a share of the tenant's total
+            return Rule(
+                name,
+                f"{name} = IFERROR(spend / SUM(spend), 0) * {x}",
+                f"(CASE WHEN sum({spend}) OVER () = 0 THEN 0 "
+                f"ELSE {spend} / sum({spend}) OVER () END * {x})",
+            )
+        case 2:  # days between two dates
+            return Rule(
+                name,
+                f"{name} = DAYS(last_on, first_on) + {n}",
+                f"((last_on - first_on)::float8 + {n})",
+            )
+        case 3:  # an IF chain over a blank-able number
+            return Rule(
+                name,
+                f'{name} = IF(spend > {x}, "gold", IF(spend > {x // 2}, "silver", '
+                f'IF(ISBLANK(spend), "none", "bronze")))',
+                f"CASE WHEN {spend} > {x} THEN 'gold' WHEN {spend} > {x // 2} THEN 'silver' "
+                "WHEN spend IS NULL THEN 'none' ELSE 'bronze' END",
+            )
+        case 4:  # text built from blank-able text
+            return Rule(
+                name,
+                f'{name} = UPPER(LEFT(COALESCE(channel, "none"), {1 + k // 8 % 4})) & "-" & region',
+                f"(upper(left(coalesce(channel, 'none'), {1 + k // 8 % 4})) || '-' || "
+                "coalesce(region, ''))",
+            )
+        case 5:  # a text comparison (without case) choosing a number
+            return Rule(
+                name,
+                f'{name} = IF(channel = "EMAIL", clicks * {a}, IF(region = "north", {n}, 0))',
+                f"CASE WHEN lower(coalesce(channel, '')) = 'email' THEN {clicks} * {a} "
+                f"WHEN lower(coalesce(region, '')) = 'north' THEN {n} ELSE 0 END",
+            )
+        case 6:  # a division that may be an error, and the distance to the channel's mean
+            if (position // 8) % 2:
+                return Rule(
+                    name,
+                    f"{name} = spend / impressions * 1000",
+                    f"(CASE WHEN {views} = 0 THEN NULL ELSE {spend} / {views} END * 1000)",
+                )
+            return Rule(
+                name,
+                f"{name} = ROUND(spend - AVERAGE(spend BY channel), 2)",
+                _round(f"{spend} - avg(spend) OVER (PARTITION BY channel)", 2),
+            )
+        case _:  # a date's parts, and a rule using the tenant's typed rules
+            if (position // 8) % 2:
+                return Rule(
+                    name,
+                    f'{name} = IF(MONTH(first_on) >= 7, "H2", "H1") & "-" & YEAR(last_on)',
+                    "(CASE WHEN extract(month FROM first_on) >= 7 THEN 'H2' ELSE 'H1' END || "
+                    "'-' || extract(year FROM last_on)::int::text)",
+                )
+            return Rule(name, f"{name} = MAX(total - {x}, 0)", "")
+
+
+def realistic_rules(index: int, count: int) -> list[Rule]:
+    """``count`` realistic rules (at least 3) of the tenant numbered ``index``: the simple
+    set's typed rules, then :func:`_realistic_rule` s; tenants differ."""
+    rules = tenant_rules(index, 3)
+    total = next(r.sql for r in rules if r.name == "total")
+    for k in range(4, count + 1):
+        rule = _realistic_rule(k, index, rules[-1])
+        if not rule.sql:  # uses the typed rule ``total``: inline its SQL
+            x = 50 + (k * 13 + index) % 900
+            rule = Rule(rule.name, rule.formula, f"greatest({total} - {x}, 0)")
+        rules.append(rule)
+    return rules[:count]
+
+
+def rule_set(kind: str, index: int, count: int) -> list[Rule]:
+    """The rules of tenant ``index`` of one kind (:data:`RULE_KINDS`)."""
+    if kind == "simple":
+        return tenant_rules(index, count)
+    if kind == "realistic":
+        return realistic_rules(index, count)
+    raise ValueError(f"unknown kind of rules {kind!r}; known: {', '.join(RULE_KINDS)}")
 
 
 def baseline_expressions(rules: Sequence[Rule]) -> dict[str, Any]:
@@ -293,6 +428,7 @@ class BenchResult:
     rows: int
     tenants: int
     rules: int  # per tenant
+    rules_kind: str  # RULE_KINDS
     interleaved: bool
     batches: int  # per Spark run
     sql_serial_seconds: float | None  # one connection, tenant after tenant
@@ -374,14 +510,12 @@ def _bench_pipeline(
     rules: dict[str, list[Rule]],
     *,
     atomic: bool = True,
+    kind: str = "simple",
 ) -> Pipeline:
+    columns = REALISTIC_COLUMNS if kind == "realistic" else SIMPLE_COLUMNS
     return Pipeline(
         name=name,
-        source=Source(
-            SOURCE,
-            columns=["id", "tenant", "price", "qty", "discount", "tax_rate"],
-            tenant_column="tenant",
-        ),
+        source=Source(SOURCE, columns=list(columns), tenant_column="tenant"),
         sink=Sink(
             SINK,
             key=["id"],
@@ -406,9 +540,18 @@ def _forget(using: str, name: str, channels: Sequence[str]) -> None:
     Channel.objects.using(using).filter(name__in=list(channels)).delete()
 
 
-def _checksums(using: str, rules: int) -> tuple[Any, ...]:
+def checked_results(kind: str, rules: int) -> list[str]:
+    """The rules (keys of the results column) whose sums the benchmark compares: the first
+    three, and of realistic rules also the first tenant aggregate BY a column, a second
+    division and the last rule of the first chain (when there are that many rules)."""
+    names = list(CHECKED_RESULTS)
+    if kind == "realistic":
+        names += ["r010", "r012", f"r{103:03d}"]
+    return [name for name in names if int(name[1:]) <= rules]
+
+
+def _checksums(using: str, checked: Sequence[str]) -> tuple[Any, ...]:
     count, total = datastore.checksum(using, SINK, "total")
-    checked = CHECKED_RESULTS[: max(0, rules - 3)]
     return (count, total, *(datastore.results_checksum(using, SINK, "results", k) for k in checked))
 
 
@@ -473,6 +616,7 @@ def run(
     batch_size: int | None = None,
     tenants: int = 10,
     rules: int = 3,
+    rules_kind: str = "simple",
     contiguous: bool = False,
     direct: bool = True,
     sql_connections: Sequence[int] = (),
@@ -484,11 +628,15 @@ def run(
 ) -> BenchResult:
     """One benchmark run (see the module doc). ``master``, ``partitions`` and ``spark_conf``
     replace ``FAIRQUEUE_PIPELINE['SPARK']``'s ``MASTER``, ``PARTITIONS`` and ``CONF`` entries
-    for the run (the Spark session is built with them if this process has none yet)."""
+    for the run (the Spark session is built with them if this process has none yet).
+    ``rules_kind``: ``"simple"`` (five kinds of arithmetic over four numeric columns) or
+    ``"realistic"`` (:func:`realistic_rules`)."""
     if tenants < 1 or rows < tenants:
         raise ValueError("the benchmark needs at least one tenant and one row per tenant")
     if rules < 3:
         raise ValueError("the benchmark's tenants have at least 3 rules")
+    if rules_kind not in RULE_KINDS:
+        raise ValueError(f"unknown kind of rules {rules_kind!r}; known: {', '.join(RULE_KINDS)}")
     if runners < 1:
         raise ValueError("the benchmark needs at least one runner")
     with spark_overrides(master, partitions, spark_conf):
@@ -498,6 +646,7 @@ def run(
             batch_size=batch_size,
             tenants=tenants,
             rules=rules,
+            rules_kind=rules_kind,
             contiguous=contiguous,
             direct=direct,
             sql_connections=sql_connections,
@@ -513,6 +662,7 @@ def _run(
     batch_size: int | None,
     tenants: int,
     rules: int,
+    rules_kind: str,
     contiguous: bool,
     direct: bool,
     sql_connections: Sequence[int],
@@ -526,7 +676,8 @@ def _run(
     load = [round(os.getloadavg()[0], 1)]
     name = f"fqbench-{uuid.uuid4().hex[:8]}"
     names = [f"{name}-t{i:02d}" for i in range(tenants)]
-    by_tenant = {t: tenant_rules(i, rules) for i, t in enumerate(names)}
+    by_tenant = {t: rule_set(rules_kind, i, rules) for i, t in enumerate(names)}
+    checked = checked_results(rules_kind, rules)
     cpu = DatabaseCpu(using)
     datastore.drop_table(using, SOURCE)
     datastore.drop_table(using, SINK)
@@ -545,9 +696,9 @@ def _run(
 
         share = rows // tenants  # a tenant's rows, give or take the hash's spread:
         size = batch_size or share + share // 10 + 1  # one batch per tenant
-        pipeline = registry.register(_bench_pipeline(name, size, using, by_tenant))
+        pipeline = registry.register(_bench_pipeline(name, size, using, by_tenant, kind=rules_kind))
         other = registry.register(
-            _bench_pipeline(f"{name}-direct", size, using, by_tenant, atomic=False)
+            _bench_pipeline(f"{name}-direct", size, using, by_tenant, atomic=False, kind=rules_kind)
         )
         try:
             # Warm up: the first job of a session costs seconds more than later ones (3 rules:
@@ -588,7 +739,7 @@ def _run(
                 after = cpu.seconds()
                 used = None if before is None or after is None else after - before
                 timings[connections] = (seconds, used)
-            expected = _checksums(using, rules)
+            expected = _checksums(using, checked)
             serial = timings[1][0] if 1 in timings else None
             parallel = timings[cores][0] if cores in timings else None
             sql_seconds, sql_cpu = min(timings.values(), key=lambda t: t[0])
@@ -622,7 +773,7 @@ def _run(
                     "spark_cpu": None
                     if spark_before is None or spark_after is None
                     else spark_after - spark_before,
-                    "match": _same(_checksums(using, rules), expected) and expected[0] == rows,
+                    "match": _same(_checksums(using, checked), expected) and expected[0] == rows,
                     "timings": [_timing(o) for o in outcomes],
                 }
 
@@ -641,6 +792,7 @@ def _run(
             rows=rows,
             tenants=tenants,
             rules=rules,
+            rules_kind=rules_kind,
             interleaved=not contiguous,
             batches=atomic_run["batches"],
             sql_serial_seconds=round(serial, 2) if serial is not None else None,

@@ -6,6 +6,9 @@
   back without using up an attempt and pauses; the second kind counts an attempt.
 * :func:`check` runs before the runner claims (again): it waits for executors and runs one tiny
   Spark job whose tasks import what the pipeline's tasks need and connect to each database.
+* :class:`Watchdog` watches a running batch's application: no executor for
+  ``EXECUTOR_TIMEOUT`` seconds, or a standalone master gone, is an outage; the runner cancels
+  the batch's Spark job, gives the batch back and rebuilds the session.
 * :func:`ensure_pool` gives each channel a Spark FAIR scheduler pool, named after the channel,
   weighted like the channel, so tenants share a Spark application as they share the queue.
 
@@ -48,6 +51,12 @@ DRIVER_DATABASE = "the driver cannot reach the database"
 EXECUTORS_LOST = "Spark executors were lost"
 NO_EXECUTORS = "no Spark executors"
 SESSION_STOPPED = "the Spark session stopped"
+MASTER_LOST = "the Spark master went away"
+#: Errors after which the runner stops its session and builds a new one (a new application)
+#: before it claims again: the old application cannot run tasks any more. A standalone master
+#: that restarts forgets the applications it had (without its recovery mode) and kills their
+#: executors when the workers register again, so only a new application gets executors back.
+REBUILD_KINDS = frozenset({SESSION_STOPPED, MASTER_LOST, NO_EXECUTORS})
 
 _HINTS = {
     EXECUTOR_PYTHON: (
@@ -62,6 +71,16 @@ _HINTS = {
     DRIVER_DATABASE: "check that PostgreSQL is up and reachable from this process",
     EXECUTORS_LOST: "a worker died or was stopped, or the master dropped the application",
     SESSION_STOPPED: "the session is rebuilt when the runner resumes",
+    MASTER_LOST: (
+        "the application went with its master: the runner builds a new session once the "
+        "master is back"
+    ),
+    NO_EXECUTORS: (
+        "no worker is alive, or none has the free cores and memory asked for: other "
+        "applications may hold every core (give each driver a spark.cores.max: "
+        "FAIRQUEUE_PIPELINE['SPARK']['CORES_MAX']) or spark.executor.memory is more than a "
+        "worker offers; see the master's web UI"
+    ),
 }
 
 # SQLSTATE classes of a connection or server that is down, full or shutting down (08, 53, 57P,
@@ -227,13 +246,85 @@ def wait_for_executors(
             raise InfrastructureError(
                 NO_EXECUTORS,
                 f"the master {context.master} gave application {context.applicationId} no "
-                f"executor in {timeout:.0f} s",
-                "no worker is alive, or none has the free cores and memory asked for: other "
-                "applications may hold every core (give each driver a spark.cores.max: "
-                f"FAIRQUEUE_PIPELINE['SPARK']['CORES_MAX'], here {cores}) or "
-                "spark.executor.memory is more than a worker offers; see the master's web UI",
+                f"executor in {timeout:.0f} s (spark.cores.max {cores})",
+                _HINTS[NO_EXECUTORS],
             )
         stopped = bool(wait(0.5))
+
+
+#: How often a :class:`Watchdog` looks at the executors and tries the master; a master is gone
+#: when it refused (or timed out) this many times in a row, so one lost packet is no outage.
+WATCH_INTERVAL = 1.0
+MASTER_PROBE_INTERVAL = 2.0
+MASTER_MISSES = 2
+
+
+class Watchdog:
+    """Looks at a running batch's application from another thread (:meth:`look`).
+
+    An outage is: the application had no executor for ``executor_timeout`` seconds (Spark keeps
+    the job waiting for one forever), its standalone master (every address of a
+    ``spark://h1,h2`` URL) refused connections :data:`MASTER_MISSES` times in a row, or its
+    SparkContext stopped. Local mode has no executors to lose: only the last counts there.
+    """
+
+    def __init__(
+        self,
+        spark: Any,
+        executor_timeout: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.context = spark.sparkContext
+        self.spark = spark
+        self.master = str(self.context.master)
+        self.executor_timeout = executor_timeout
+        self.clock = clock
+        now = clock()
+        self._seen_executors = now  # a batch starts the count afresh
+        self._next_look = now
+        self._next_probe = now + MASTER_PROBE_INTERVAL
+        self._misses = 0
+
+    def look(self) -> InfrastructureError | None:
+        """The outage seen, or None (cheap: does its work once per :data:`WATCH_INTERVAL`)."""
+        from django_fairqueue.contrib.pipeline.spark import (
+            SparkClusterError,
+            check_master,
+            executor_ids,
+        )
+
+        now = self.clock()
+        if now < self._next_look:
+            return None
+        self._next_look = now + WATCH_INTERVAL
+        if self.context._jsc.sc().isStopped():
+            return InfrastructureError(
+                SESSION_STOPPED, "the SparkContext stopped", _HINTS[SESSION_STOPPED]
+            )
+        if self.master.startswith("local"):
+            return None
+        if executor_ids(self.spark):
+            self._seen_executors = now
+        elif now - self._seen_executors >= self.executor_timeout:
+            return InfrastructureError(
+                NO_EXECUTORS,
+                f"application {self.context.applicationId} has had no executor for "
+                f"{now - self._seen_executors:.0f} s (EXECUTOR_TIMEOUT "
+                f"{self.executor_timeout:.0f} s)",
+                _HINTS[NO_EXECUTORS],
+            )
+        if self.master.startswith("spark://") and now >= self._next_probe:
+            try:
+                check_master(self.master, timeout=MASTER_PROBE_INTERVAL)
+            except SparkClusterError as exc:
+                self._misses += 1
+                if self._misses >= MASTER_MISSES:
+                    return InfrastructureError(MASTER_LOST, str(exc), _HINTS[MASTER_LOST])
+            else:
+                self._misses = 0
+            self._next_probe = self.clock() + MASTER_PROBE_INTERVAL
+        return None
 
 
 _healthy: set[tuple[str, tuple[str, ...]]] = set()

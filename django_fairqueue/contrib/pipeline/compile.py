@@ -46,8 +46,6 @@ Expr = str  # a Spark SQL expression
 Pair = tuple[Expr, Expr | None]
 ERROR_PREFIX = "__fq_err_"
 _AGG_PREFIX = "__fq_agg_"
-_RAW_PREFIX = "__fq_raw_"  # a rule's value before its errors blank it
-_RAW_ERROR_PREFIX = "__fq_rawerr_"  # its errors before a number's overflow is added
 _BLANK_DATE = dt.date(1899, 12, 31)  # what a blank date compares as (a spreadsheet's day 0)
 #: The longest text one rule may compile to. Some functions use their argument more than once
 #: (``INT``, text conversion of a number, ``IF``'s condition in value and error), so nesting
@@ -795,15 +793,16 @@ class Output:
 
 @dataclass
 class Level:
-    """Rules computed side by side, in two projections: ``computed`` holds each rule's value
-    (and, for a rule that can have errors, its value and its errors so far under names of the
-    pipeline's own), ``settled`` such a rule's error column and its value, blank where an
-    error. Each expression is written once; the second projection reads the first by column
-    name (Spark keeps the two apart, as the first's columns are read twice), where one
-    projection would repeat the value inside its error and the error inside the value."""
+    """Rules computed side by side, in one projection: ``computed`` holds each rule's value
+    (blank where an error) and, for a rule that can have errors, its error column. Such a
+    rule's value text holds its error text, and its error text a number's value (an overflow
+    is an error): Spark evaluates a repeated subexpression once per row (its subexpression
+    elimination), while a second projection per level, reading the first's columns by name,
+    doubled the plan's depth, and Spark's planning cost grows with the square of it (its
+    planner walks the stack of projections below each one): 250 rules with chains 20 deep
+    took minutes of the driver's CPU that way."""
 
     computed: dict[str, Expr]
-    settled: dict[str, Expr]
 
 
 def packed_flags(flags: Sequence[Expr], bits: int) -> list[Expr]:
@@ -821,22 +820,30 @@ def formula_levels(
     formulas: FormulaSet, *, today: dt.date, names: Mapping[str, Pair]
 ) -> tuple[list[Level], list[Output]]:
     """Phase two as text: each rule as a column (blank where it is an error) and an error
-    column for each rule that can have errors, in :class:`Level` s. A rule starts a new level
-    only when it uses a rule of the current level, keeping the plan shallow.
+    column for each rule that can have errors, in :class:`Level` s (a projection each, over
+    every column of the levels before). A rule other rules use goes in the level after the
+    deepest rule it uses (the first if it uses none), so there are as many levels as the
+    longest chain of rules using rules (two chains of 20 side by side make 20, not 40); every
+    other rule goes in the last level. So the levels before the last carry only the source and
+    the rules used later: Spark copies every column of a projection into each row it passes
+    on, and its planning walks the stack of projections below each one, so 20 levels each
+    carrying a tenant's 250 rules cost minutes of CPU where narrow ones cost seconds.
 
     :class:`FormulaError` for a rule whose text is longer than :data:`MAX_EXPRESSION_CHARS`.
     """
     known: dict[str, Pair] = dict(names)
     compiler = Compiler(today=today, names=known)
-    levels: list[Level] = []
-    level = Level({}, {})
-    in_level: set[str] = set()
+    depth: dict[str, int] = {}
+    used: set[str] = set()  # the rules other rules use
+    for formula in formulas.formulas:
+        references = _references(formula.tree)
+        used |= references
+        depth[formula.target] = 1 + max((depth[n] for n in references if n in depth), default=-1)
+    levels = [Level({}) for _ in range(1 + max(depth.values(), default=0))]
     outputs: list[Output] = []
     for formula in formulas.formulas:
         target = formula.target
-        if _references(formula.tree) & in_level:
-            levels.append(level)
-            level, in_level = Level({}, {}), set()
+        level = levels[depth[target] if target in used else -1]
         try:
             value, error = compiler(formula.tree)
         except TooLong as exc:
@@ -846,21 +853,14 @@ def formula_levels(
             level.computed[target] = value
         else:
             error_name = ERROR_PREFIX + target
-            raw, raw_error = _RAW_PREFIX + target, _RAW_ERROR_PREFIX + target
-            level.computed[raw] = value
-            level.computed[raw_error] = error
-            settled = quoted(raw_error)
             if formula.tree.type == NUMBER:
-                settled = f"({settled} OR {_bad_number(quoted(raw))})"
-            settled = coalesce(settled, _FALSE)
-            level.settled[error_name] = settled
-            level.settled[target] = when((_not(settled), quoted(raw)))
-        in_level.add(target)
+                error = f"({error} OR {_bad_number(value)})"
+            settled = coalesce(error, _FALSE)
+            level.computed[error_name] = settled
+            level.computed[target] = when((_not(settled), value))
         known[target] = (quoted(target), quoted(error_name) if error_name else None)
         if not formula.intermediate:
             outputs.append(Output(target, formula.tree.type, error_name))
-    if level.computed:
-        levels.append(level)
     return levels, outputs
 
 
@@ -878,12 +878,10 @@ def _too_long(tenant: str, shown: str, exc: TooLong) -> FormulaError:
 def apply_formulas(
     df: Any, formulas: FormulaSet, *, today: dt.date, names: Mapping[str, Pair]
 ) -> tuple[Any, list[Output]]:
-    """Phase two on ``df``: a ``selectExpr`` per projection of :func:`formula_levels`."""
+    """Phase two on ``df``: a ``selectExpr`` per level of :func:`formula_levels`."""
     levels, outputs = formula_levels(formulas, today=today, names=names)
     for level in levels:
-        for columns in (level.computed, level.settled):
-            if columns:
-                df = df.selectExpr("*", *(f"{text} AS {quoted(n)}" for n, text in columns.items()))
+        df = df.selectExpr("*", *(f"{text} AS {quoted(n)}" for n, text in level.computed.items()))
     return df, outputs
 
 

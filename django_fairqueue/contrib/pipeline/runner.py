@@ -7,8 +7,11 @@ threads.
 
 Errors of the infrastructure (:mod:`.cluster`: the executors' Python, the database unreachable,
 executors lost) do not use up a batch's attempts: the batch is given back and the runner pauses,
-with a growing pause, until a check of the executors passes. Errors of the data or the formulas
-count an attempt, as they would fail again.
+with a growing pause, until a check of the executors passes. An outage that leaves a batch's
+Spark job waiting rather than failing (no executor for ``EXECUTOR_TIMEOUT`` seconds, the master
+gone) is seen by a watchdog thread, which cancels the job: the batch is given back the same way
+and the session rebuilt. Errors of the data or the formulas count an attempt, as they would
+fail again.
 """
 
 from __future__ import annotations
@@ -557,6 +560,8 @@ class PipelineRunner:
         self._pause = 0.0
         self._strikes: dict[int, int] = {}
         self._pending: tuple[cluster.InfrastructureError, BaseException] | None = None
+        #: The outage the watchdog cancelled the running batch's Spark job for.
+        self._outage: cluster.InfrastructureError | None = None
         self._own_session = spark is None
 
     def stop(self) -> None:
@@ -708,7 +713,7 @@ class PipelineRunner:
         cluster.forget(self.spark)
         for alias in connections:  # a broken connection is reopened on the next use
             connections[alias].close_if_unusable_or_obsolete()
-        if error.kind in (cluster.SESSION_STOPPED,) and self._own_session:
+        if error.kind in cluster.REBUILD_KINDS and self._own_session:
             try:
                 stop_session()
             except Exception as exc:
@@ -746,10 +751,16 @@ class PipelineRunner:
         return cluster.ensure_pool(self.spark, batch.channel, weight or 1)
 
     def process(self, batch: batches.ClaimedBatch) -> None:
+        from django_fairqueue.contrib.pipeline.spark import spark_settings
+
         started = time.monotonic()
+        self._outage = None
         with batches.Heartbeat(batch, lease=self.lease) as beat:
+            watchdog = cluster.Watchdog(self.spark, spark_settings().executor_timeout)
             watcher = threading.Thread(
-                target=self._watch, args=(beat.lost,), name="fairqueue-pipeline-watch"
+                target=self._watch,
+                args=(batch, beat.lost, watchdog),
+                name="fairqueue-pipeline-watch",
             )
             finished = self._finished = threading.Event()
             watcher.start()
@@ -767,6 +778,9 @@ class PipelineRunner:
             except Exception as exc:
                 self._settle_error(batch, exc, lost=beat.lost.is_set())
             else:
+                if self._outage is not None:  # the job ended as the watchdog cancelled it
+                    cluster.forget(self.spark)  # check the executors before the next claim
+                    self._outage = None
                 self._strikes.pop(batch.id, None)
                 self.stats.succeeded += 1
                 self.stats.rows += outcome.rows
@@ -789,10 +803,26 @@ class PipelineRunner:
                 finished.set()
                 watcher.join()
 
-    def _watch(self, lost: threading.Event) -> None:
-        """Cancel the Spark job when the lease is lost or the runner stops."""
+    def _watch(
+        self, batch: batches.ClaimedBatch, lost: threading.Event, watchdog: cluster.Watchdog
+    ) -> None:
+        """Cancel the Spark job when the lease is lost, the runner stops, or the watchdog sees
+        an outage (the job would wait for executors for ever)."""
         while not self._finished.wait(0.25):
             if lost.is_set() or self.stopping.is_set():
+                self._cancel()
+                return
+            try:
+                outage = watchdog.look()
+            except Exception as exc:  # the driver's JVM itself went away
+                outage = cluster.infrastructure_error(exc) or cluster.InfrastructureError(
+                    cluster.SESSION_STOPPED, str(exc)[:500]
+                )
+            if outage is not None:
+                self._outage = outage
+                logger.error(
+                    "batch %s (%s): %s; cancelling its Spark job", batch.id, batch.job_name, outage
+                )
                 self._cancel()
                 return
 
@@ -805,6 +835,11 @@ class PipelineRunner:
             if batches.release(batch):
                 self.stats.released += 1
                 logger.info("batch %s released (shutting down)", batch.id)
+            return
+        outage, self._outage = self._outage, None
+        if outage is not None:  # the cluster's doing, whatever the cancelled job raised
+            self._give_back(batch, outage)
+            self._pending = (outage, exc)
             return
         error = cluster.infrastructure_error(exc)
         if error is not None:

@@ -33,7 +33,9 @@ process builds one on first use and keeps it: never one per batch.
     ``connect_timeout`` (seconds) of the executors' connections when their connection string
     has none; default 10, so an unreachable database fails a task fast.
 ``EXECUTOR_TIMEOUT``
-    Seconds the runner waits for the cluster to give it an executor before it pauses; default 60.
+    Seconds the runner waits for the cluster to give it an executor before it pauses, and the
+    longest a running batch's application may have no executor before the batch's Spark job is
+    cancelled, the batch given back (no attempt used) and the session rebuilt; default 60.
 ``PAUSE_SECONDS``, ``PAUSE_MAX_SECONDS``
     The runner's first pause after an infrastructure error and the longest (it doubles in
     between); default 5 and 300.

@@ -194,7 +194,15 @@ CREATE UNLOGGED TABLE {table} (
     price double precision NOT NULL,
     qty integer NOT NULL,
     discount double precision NOT NULL,
-    tax_rate double precision NOT NULL
+    tax_rate double precision NOT NULL,
+    -- a marketing table's columns, for the realistic rules (channel, spend, clicks have blanks)
+    channel text,
+    region text NOT NULL,
+    spend double precision,
+    clicks integer,
+    impressions integer NOT NULL,
+    first_on date NOT NULL,
+    last_on date NOT NULL
 );
 
 -- name: create_bench_sink
@@ -216,7 +224,8 @@ CREATE INDEX ON {table} (tenant, id);
 -- Generate rows lo..hi (of 1..rows) of the benchmark's source for the tenants %(tenants)s: each
 -- id's tenant picked by a hash of the id, so tenants' rows interleave as in a table filled by
 -- all of them at once; with %(contiguous)s, each tenant owns one run of ids instead.
-INSERT INTO {table} (id, tenant, price, qty, discount, tax_rate)
+INSERT INTO {table} (id, tenant, price, qty, discount, tax_rate, channel, region, spend, clicks,
+                     impressions, first_on, last_on)
 SELECT g,
        (%(tenants)s::text[])[1 + CASE
            WHEN %(contiguous)s THEN (g - 1) * cardinality(%(tenants)s::text[]) / %(rows)s
@@ -224,7 +233,15 @@ SELECT g,
        round((1 + (g * 7919 %% 100000) / 100.0)::numeric, 2)::double precision,
        1 + g %% 17,
        (g %% 5) * 0.05,
-       CASE WHEN g %% 3 = 0 THEN 0.2 ELSE 0.07 END
+       CASE WHEN g %% 3 = 0 THEN 0.2 ELSE 0.07 END,
+       (ARRAY[NULL, 'Email', 'Email', 'Search', 'Search', 'Social', 'Social'])[1 + g %% 7],
+       (ARRAY['north', 'south', 'east', 'west'])[1 + (g / 3) %% 4],
+       CASE WHEN g %% 11 = 0 THEN NULL
+            ELSE round(((g * 104729 %% 50000) / 37.0)::numeric, 2)::double precision END,
+       CASE WHEN g %% 13 = 0 THEN NULL ELSE (g * 31 %% 400)::integer END,
+       CASE WHEN g %% 9 = 0 THEN 0 ELSE (100 + g * 17 %% 9000)::integer END,
+       DATE '2024-01-01' + (g * 37 %% 700)::integer,
+       DATE '2024-01-01' + (g * 37 %% 700)::integer + (g %% 90)::integer
 FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS g;
 
 -- name: backend_pid

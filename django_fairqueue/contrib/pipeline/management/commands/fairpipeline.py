@@ -160,6 +160,14 @@ class Command(FairCommand):
             "--rules", type=int, default=3, help="Formulas per tenant (default 3, at least 3)."
         )
         bench.add_argument(
+            "--rules-kind",
+            choices=("simple", "realistic"),
+            default="simple",
+            help="simple (default): arithmetic over four numeric columns; realistic: what "
+            "analysts write (IF chains, text, dates, blanks, division, tenant aggregates, "
+            "chains of 20 rules using rules), with its SQL twin for the baseline.",
+        )
+        bench.add_argument(
             "--contiguous",
             action="store_true",
             help="Give each tenant one run of ids (default: tenants' ids interleave, as in a "
@@ -533,6 +541,7 @@ class Command(FairCommand):
                     batch_size=options["batch_size"],
                     tenants=options["tenants"],
                     rules=options["rules"],
+                    rules_kind=options["rules_kind"],
                     contiguous=options["contiguous"],
                     direct=not options["no_direct"],
                     sql_connections=options["sql_connections"] or (),
@@ -562,7 +571,8 @@ class Command(FairCommand):
 
         layout = "interleaved" if r.interleaved else "contiguous"
         lines = [
-            f"{r.rows:,} rows, {r.tenants} tenants ({layout} ids), {r.rules} rules per tenant, "
+            f"{r.rows:,} rows, {r.tenants} tenants ({layout} ids), {r.rules} {r.rules_kind} rules "
+            "per tenant, "
             f"{r.batches} batches per Spark run, load average {r.load_average}",
             f"  Spark master {r.master}, "
             + (
