@@ -2,10 +2,11 @@ r"""Server CPU per ``enqueue()`` under two versions of the enqueue function, in 
 
 Two runs on a shared 2-core machine differ by more than most changes to a statement. This
 measures both versions in the same session, on the same rows, alternating rounds: it installs
-``fairqueue_enqueue_one_v1`` from a migration's frozen copy (``before``) or from the live
-``db/functions/enqueue.sql`` (``after``) and times rounds of ``enqueue()`` calls, reading the server
-backend's CPU time from ``/proc`` (server and client on one Linux machine). It EMPTIES the queue
-tables of the example project's database first, and puts the live function back at the end::
+``fairqueue_enqueue_one_v1`` as a migration installed it (``before``, from git history) or from
+the live ``db/functions/enqueue.sql`` (``after``) and times rounds of ``enqueue()`` calls,
+reading the server backend's CPU time from ``/proc`` (server and client on one Linux
+machine). It EMPTIES the queue tables of the example project's database first, and puts the
+live function back at the end::
 
     python3 dev.py manage migrate
     PYTHONPATH=. python3 dev.py manage shell \
@@ -20,7 +21,8 @@ Cells:
 - ``half-drained``: a channel whose workers took the first half of that backlog, as under
   load: the claimed messages' entries stay in the ready index, dead, until vacuum runs.
 
-``main(before="0018_faster_enqueue")`` names the migration whose copy is "before".
+``main(before="0018_faster_enqueue")`` names the migration whose version is "before" (read
+with ``git show``: run it from a git checkout).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from __future__ import annotations
 import json
 import re
 import statistics
+import subprocess
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from django.db import connection
@@ -39,11 +43,23 @@ from django_fairqueue.contrib.bench import db as bench_db
 from django_fairqueue.contrib.bench.harness import backend_cpu
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
 from django_fairqueue.db import functions
-from django_fairqueue.migrations._sql import migration_sql
+
+#: Until this commit each migration that changed a function carried a whole copy of the function
+#: file, ``django_fairqueue/migrations/sql/<migration>.sql``: the "before" versions named here.
+COPIES_AT = "2a3c146"
 
 FUNCTION = "fairqueue_enqueue_one_v1"
 CHANNEL = "enqueue-ab"
 BACKLOG = 20_000
+
+
+def migration_sql(migration: str) -> str:
+    """The function file as migration ``migration`` installed it, from the git history."""
+    path = f"{COPIES_AT}:django_fairqueue/migrations/sql/{migration}.sql"
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run(
+        ["git", "show", path], cwd=root, check=True, capture_output=True, text=True
+    ).stdout
 
 
 def function_ddl(sql: str, name: str = FUNCTION) -> str:

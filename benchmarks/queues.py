@@ -21,12 +21,13 @@ statements' buffer use to the calling node). Claims of 1 and of 100::
 ``ab()`` answers the other question, what a project with one queue pays for queues, before
 and after in one session (a shared machine's load drifts more between two runs than the
 difference measured). "before" is the claim as it was before queues: the claim function of
-a migration's frozen copy (``before``, default ``0023_names_and_priorities_hold``), installed
-under another name, walking the indexes as they were (without the leading ``queue``); "after"
-is the live function with the indexes as migrated, called as the default worker calls it
-(every queue, ``p_queues`` NULL) and as ``runfairworker --queues default`` calls it; "first
-queues" is the first claim with queues (``first``, default ``0024_queues``: it found the
-queues with a statement of their own before the group probe), every queue. Rounds
+a migration's copy in git history (``before``, default ``0023_names_and_priorities_hold``),
+installed under another name, walking the indexes as they were (without the leading
+``queue``); "after" is the live function with the indexes as migrated, called as the
+default worker calls it (every queue, ``p_queues`` NULL) and as ``runfairworker --queues
+default`` calls it; "first queues" is the first claim with queues (``first``, default
+``0024_queues``: it found the queues with a statement of their own before the group probe),
+every queue (run it from a git checkout: both are read with ``git show``). Rounds
 alternate the versions (the indexes are rebuilt for each: cheap at this size) and read the
 server backend's CPU time from ``/proc``. Cells, each call as the worker makes it (a wait of
 50 ms for held channels, housekeeping on), in a transaction rolled back so every call starts
@@ -51,12 +52,11 @@ from typing import Any
 from django.db import connection, transaction
 
 from benchmarks.backlog import load_counted
-from benchmarks.enqueue_ab import function_ddl
+from benchmarks.enqueue_ab import function_ddl, migration_sql
 from django_fairqueue import conf
 from django_fairqueue.contrib.bench import db as bench_db
 from django_fairqueue.contrib.bench.harness import backend_cpu
 from django_fairqueue.db import functions
-from django_fairqueue.migrations._sql import migration_sql
 from django_fairqueue.queues import row_name
 
 CLAIM = (
@@ -151,7 +151,7 @@ def _claim_indexes(lead: str) -> str:
 
 
 def _claim_ddl(migration: str, name: str) -> str:
-    """A migration's frozen ``fairqueue_claim_v1``, renamed ``name``."""
+    """``fairqueue_claim_v1`` as migration ``migration`` installed it, renamed ``name``."""
     return function_ddl(migration_sql(migration), "fairqueue_claim_v1").replace(
         "FUNCTION fairqueue_claim_v1(", f"FUNCTION {name}(", 1
     )

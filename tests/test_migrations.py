@@ -1,30 +1,43 @@
-"""Migrations install server-side functions from frozen copies, and end with exactly the live ones.
+"""Migrations carry their change, never a copy; every path through them ends at the same schema.
 
-A migration that replaces functions leaves exactly one callable version of each.
+A new database runs the squashed initial migration; one that ran some of 0001-0027 runs the
+rest of those. Both end with the same tables, indexes, constraints and triggers, and with
+exactly the live server functions (``db/functions/``). A migration that replaces functions
+leaves exactly one callable version of each.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
-import inspect
 import re
-import sys
+import tomllib
 from pathlib import Path
 
 import pytest
-from django.db import connection, migrations, transaction
+from django.db import connection, transaction
 from django.db.migrations.executor import MigrationExecutor
 from django.db.migrations.loader import MigrationLoader
+from django.db.migrations.state import ProjectState
 
+import django_fairqueue
 import django_fairqueue.migrations as fairqueue_migrations
 from django_fairqueue.db import functions as server_functions
-from django_fairqueue.migrations._sql import migration_sql
+from django_fairqueue.migrations._sql import InstallFunctions
 
-functions_v1 = importlib.import_module("django_fairqueue.migrations.0002_functions_v1")
 claim_wait = importlib.import_module("django_fairqueue.migrations.0004_claim_wait")
-fairness_by_time = importlib.import_module("django_fairqueue.migrations.0013_fairness_by_time")
-queues = importlib.import_module("django_fairqueue.migrations.0024_queues")
+
+APP = "fairqueue"
+SQUASHED = "0001_squashed_0027_worker_queues"
+MIGRATIONS_DIR = Path(fairqueue_migrations.__file__).parent
+PACKAGE_DIR = Path(django_fairqueue.__file__).parent
+CREATE_FUNCTION_RE = re.compile(
+    r"\bCREATE\s+(?:OR\s+REPLACE\s+)?FUNCTION\s+(?:\w+\.)?(\w+)", re.IGNORECASE
+)
+#: The migrations hold their changes only (about 2,000 lines with the replaced 0001-0027). The
+#: headroom is for the migrations to come, and smaller than the claim's or the enqueue's family
+#: file: a copy of either would not fit (a copy of any family fails the name check anyway).
+MIGRATION_LINES_MAX = 2_500
 
 # fairqueue_claim_v1 as migration 0002 installed it before 0004 (no p_wait_ms); the body does
 # not matter to the migration, only the signature.
@@ -49,21 +62,18 @@ def signatures(name: str) -> list[str]:
 @pytest.mark.django_db
 def test_0004_replaces_the_old_claim_signature_and_old_calls_still_work() -> None:
     with connection.cursor() as cur:
-        # As before 0004 ran: the old claim only. (0002's reverse drops every signature; 0013's
-        # drops those it added.)
-        cur.execute(functions_v1.DROP_V1)
-        cur.execute(fairness_by_time.DROP_NEW)
-        cur.execute(queues.DROP_NEW)
-        assert signatures("fairqueue_claim_v1") == []
+        # As before 0004 ran: the old claim only.
+        for signature in signatures("fairqueue_claim_v1"):
+            cur.execute(f"DROP FUNCTION fairqueue_claim_v1({signature})")
         cur.execute(OLD_CLAIM)
+    state = ProjectState()
+    with connection.schema_editor() as editor:
+        for operation in claim_wait.Migration.operations:
+            operation.database_forwards(APP, editor, state, state)
 
-        (operation,) = claim_wait.Migration.operations
-        cur.execute(operation.sql)
-
-        (claim,) = signatures("fairqueue_claim_v1")
-        assert claim.endswith("p_maintain boolean, p_wait_ms integer"), claim
-        (combined,) = signatures("fairqueue_complete_and_claim_v1")
-        assert combined.endswith("p_quantum integer, p_wait_ms integer"), combined
+    (claim,) = signatures("fairqueue_claim_v1")
+    assert "p_maintain boolean, p_wait_ms integer" in claim, claim
+    with connection.cursor() as cur:
         # A caller still passing the old arguments (a worker of the previous release during a
         # rolling deploy) resolves to the new function, which then never waits.
         cur.execute(
@@ -95,25 +105,66 @@ def test_0013_leaves_one_signature_each_and_old_calls_still_work() -> None:
         assert cur.fetchone() == (0,)
 
 
-# --- Every migration installs a frozen copy of its SQL ------------------------------------------
-#
-# Migrations read migrations/sql/<name>.sql (django_fairqueue/migrations/_sql.py), never the live
-# sql/*.sql files. The live files are what the code calls, so a fully migrated database must
-# have exactly their functions: an edit of a live file needs a new migration with its own copy.
+# --- Every path ends at the same schema and the live functions ----------------------------------
 
-APP = "fairqueue"
-FROZEN_DIR = Path(fairqueue_migrations.__file__).parent / "sql"
-CREATE_FUNCTION_RE = re.compile(r"\bCREATE\s+(?:OR\s+REPLACE\s+)?FUNCTION\b", re.IGNORECASE)
+#: kind -> (how many leading columns name an object, the query)
+SCHEMA_QUERIES = {
+    # column order is left out: a column added by a later migration comes last in an upgraded
+    # table, where the squashed migration may create it elsewhere
+    "columns": (
+        2,
+        """
+        SELECT c.relname, a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
+               pg_get_expr(d.adbin, d.adrelid), a.attgenerated, a.attidentity
+        FROM pg_attribute a
+        JOIN pg_class c ON c.oid = a.attrelid
+        LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+        WHERE starts_with(c.relname, 'fairqueue') AND c.relkind = 'r'
+          AND a.attnum > 0 AND NOT a.attisdropped""",
+    ),
+    "storage": (
+        1,
+        """
+        SELECT relname, reloptions FROM pg_class
+        WHERE starts_with(relname, 'fairqueue') AND relkind = 'r'""",
+    ),
+    "constraints": (
+        2,
+        """
+        SELECT c.relname, k.conname, pg_get_constraintdef(k.oid), k.convalidated
+        FROM pg_constraint k JOIN pg_class c ON c.oid = k.conrelid
+        WHERE starts_with(c.relname, 'fairqueue')""",
+    ),
+    "indexes": (
+        1,
+        """
+        SELECT indexname, indexdef FROM pg_indexes WHERE starts_with(tablename, 'fairqueue')""",
+    ),
+    "triggers": (1, "SELECT tgname, pg_get_triggerdef(oid) FROM pg_trigger WHERE NOT tgisinternal"),
+    "functions": (
+        1,
+        """
+        SELECT p.oid::regprocedure::text, pg_get_functiondef(p.oid) FROM pg_proc p
+        WHERE starts_with(p.proname, 'fairqueue_')""",
+    ),
+}
+
+
+def schema() -> dict[str, dict[str, str]]:
+    """What the queue's tables and functions are, per kind: {identity: definition}."""
+    found = {}
+    with connection.cursor() as cur:
+        for kind, (keys, query) in SCHEMA_QUERIES.items():
+            cur.execute(query)
+            found[kind] = {
+                " ".join(map(str, row[:keys])): "\n".join(map(str, row[keys:]))
+                for row in cur.fetchall()
+            }
+    return found
 
 
 def installed_functions() -> dict[str, str]:
-    """Signature -> pg_get_functiondef of every function whose name starts with fairqueue_."""
-    with connection.cursor() as cur:
-        cur.execute(
-            "SELECT p.oid::regprocedure::text, pg_get_functiondef(p.oid) FROM pg_proc p "
-            "WHERE starts_with(p.proname, 'fairqueue_') ORDER BY 1"
-        )
-        return dict(cur.fetchall())
+    return schema()["functions"]
 
 
 def live_functions() -> dict[str, str]:
@@ -127,93 +178,151 @@ def live_functions() -> dict[str, str]:
     return functions
 
 
-def app_migrations() -> list[str]:
-    """Names of the app's migrations, in the order they apply."""
-    graph = MigrationLoader(connection).graph
-    (leaf,) = graph.leaf_nodes(APP)
-    return [name for app, name in graph.forwards_plan(leaf) if app == APP]
-
-
-def migrate(name: str | None) -> None:
-    """Migrate the app forwards or backwards to migration ``name`` (None: unapplied)."""
-    MigrationExecutor(connection).migrate([(APP, name)])
-
-
 def differences(got: dict[str, str], want: dict[str, str]) -> str:
-    """What a reader needs to see where two sets of functions differ (empty if they do not)."""
+    """What a reader needs to see where two sets of definitions differ (empty if they do not)."""
     lines = [f"missing: {s}" for s in sorted(want.keys() - got.keys())]
     lines += [f"unexpected: {s}" for s in sorted(got.keys() - want.keys())]
-    for signature in sorted(want.keys() & got.keys()):
-        if got[signature] != want[signature]:
+    for key in sorted(want.keys() & got.keys()):
+        if got[key] != want[key]:
             diff = difflib.unified_diff(
-                want[signature].splitlines(),
-                got[signature].splitlines(),
-                "live",
-                "migrated",
-                n=1,
-                lineterm="",
+                want[key].splitlines(), got[key].splitlines(), "want", "got", n=1, lineterm=""
             )
-            lines += [f"differs: {signature}", *list(diff)[:40]]
+            lines += [f"differs: {key}", *list(diff)[:40]]
     return "\n".join(lines)
 
 
+def replaced_chain() -> MigrationExecutor:
+    """An executor that sees 0001-0027 one by one, not their squash: it builds a database as a
+    release before the squash left it (partway through them)."""
+    executor = MigrationExecutor(connection)
+    executor.loader = MigrationLoader(connection, replace_migrations=False)
+    return executor
+
+
+def migrate_all() -> None:
+    """Every app to its latest migration, as ``manage.py migrate`` does."""
+    executor = MigrationExecutor(connection)
+    executor.migrate(executor.loader.graph.leaf_nodes())
+
+
+def migrate_app_to_zero() -> None:
+    MigrationExecutor(connection).migrate([(APP, None)])
+
+
 @pytest.mark.django_db(transaction=True)
-def test_migrating_from_zero_or_any_step_installs_exactly_the_live_functions() -> None:
-    want = live_functions()
-    assert {"fairqueue_claim_v1", "fairqueue_claim_batch_v1"} <= {s.split("(")[0] for s in want}
-    names = app_migrations()
-    latest = names[-1]
+def test_every_path_through_the_migrations_ends_at_one_schema_with_the_live_functions() -> None:
+    want_functions = live_functions()
+    assert {"fairqueue_claim_v1", "fairqueue_claim_batch_v1"} <= {
+        s.split("(")[0] for s in want_functions
+    }
     hint = (
         "\n\nA migrated database's functions differ from the live db/functions/ files: after "
-        "editing one of them, add a migration that installs a "
-        "copy of the edited file (django_fairqueue/migrations/_sql.py)."
+        "editing one, add a migration that installs its family (django_fairqueue/migrations/"
+        "_sql.py, InstallFunctions)."
     )
+    replaced = [name for app, name in replaced_chain().loader.disk_migrations if app == APP]
+    replaced = sorted(n for n in replaced if n != SQUASHED)
+    assert replaced[0] == "0001_initial" and replaced[-1] == "0027_worker_queues"
     try:
-        for step in [None, *names[:-1]]:
-            # A database at this step, upgraded: one migrated back to it (the reverses that do
-            # not drop functions leave newer ones behind), and one migrated up to it from zero.
-            for from_zero in (False, True):
-                if from_zero:
-                    migrate(None)
-                migrate(step)
-                migrate(latest)
-                found = differences(installed_functions(), want)
-                how = "up from zero" if from_zero else "back from the latest"
-                assert not found, f"{step or 'zero'} ({how}) -> {latest}:\n{found}{hint}"
+        # A new database: the squashed migration alone.
+        migrate_app_to_zero()
+        with connection.cursor() as cur:
+            cur.execute("SELECT count(*) FROM pg_proc WHERE starts_with(proname, 'fairqueue_')")
+            assert cur.fetchone() == (0,), "unapplying the migrations leaves functions behind"
+        migrate_all()
+        fresh = schema()
+        assert not differences(fresh["functions"], want_functions), (
+            differences(fresh["functions"], want_functions) + hint
+        )
+        # A database at each step of 0001-0027 (0027 itself: the chain as a release before
+        # the squash ran it), upgraded.
+        for step in replaced:
+            migrate_app_to_zero()
+            replaced_chain().migrate([(APP, step)])
+            migrate_all()
+            got = schema()
+            for kind in SCHEMA_QUERIES:
+                found = differences(got[kind], fresh[kind])
+                assert not found, f"{step} -> latest: {kind} differ from a new database's\n{found}"
+            with connection.cursor() as cur:
+                cur.execute(
+                    "SELECT count(*) FROM django_migrations WHERE app = %s AND name = %s",
+                    [APP, SQUASHED],
+                )
+                assert cur.fetchone() == (1,), f"{step}: the squashed migration is not recorded"
     finally:
         # Later tests share the database: leave every app fully migrated.
-        executor = MigrationExecutor(connection)
-        executor.migrate(executor.loader.graph.leaf_nodes())
+        migrate_all()
 
 
-def test_each_migration_installs_functions_from_its_own_frozen_copy() -> None:
-    # A migration's copies: migrations/sql/<name>.sql, or <name>.<part>.sql when it installs
-    # several files (say <name>.sql and <name>.batches.sql).
-    copies: dict[str, list[str]] = {}
-    for path in sorted(FROZEN_DIR.glob("*.sql")):
-        copies.setdefault(path.stem.split(".")[0], []).append(path.stem)
-    loader = MigrationLoader(None, ignore_no_migrations=True)
-    installers: set[str] = set()
-    for (app, name), migration in loader.disk_migrations.items():
-        if app != APP:
-            continue
-        source = inspect.getsource(sys.modules[type(migration).__module__])
-        # db.functions reads the live files, which change with the code.
-        assert "db.functions" not in source and "db import functions" not in source, name
-        sql = ""
-        for operation in migration.operations:
-            if isinstance(operation, migrations.RunSQL):
-                statements = [operation.sql] if isinstance(operation.sql, str) else operation.sql
-                sql += "\n".join(s if isinstance(s, str) else s[0] for s in statements)
-        if not CREATE_FUNCTION_RE.search(sql):
-            continue
-        installers.add(name)
-        assert copies.get(name), f"{name} creates functions but has no migrations/sql/{name}.sql"
-        for copy in copies[name]:
-            text = migration_sql(copy)
-            assert text in sql, f"{name} does not run its copy {copy}.sql whole"
-            sql = sql.replace(text, "")
-        assert not CREATE_FUNCTION_RE.search(sql), f"{name} creates functions outside its copies"
-    assert {"0002_functions_v1", "0003_work_batch_claim"} <= installers
-    # Every copy belongs to a migration that installs it (a misnamed copy would not be run).
-    assert set(copies) == installers
+# --- Migrations carry their change, not a copy --------------------------------------------------
+
+
+def migration_files() -> list[Path]:
+    return sorted(
+        p for p in MIGRATIONS_DIR.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    )
+
+
+def live_function_names() -> set[str]:
+    return {name.lower() for name in CREATE_FUNCTION_RE.findall(server_functions.sql())}
+
+
+def test_no_migration_carries_a_copy_of_a_function() -> None:
+    files = migration_files()
+    assert MIGRATIONS_DIR / f"{SQUASHED}.py" in files
+    # Function text lives in db/functions/ only: no data file beside the migrations ...
+    assert [p.name for p in files if p.suffix != ".py"] == []
+    # ... and no migration module defines a server function (InstallFunctions installs them).
+    live = live_function_names()
+    for path in files:
+        defined = {n.lower() for n in CREATE_FUNCTION_RE.findall(path.read_text("utf-8"))}
+        assert not defined & live, f"{path.name} carries a copy of {sorted(defined & live)}"
+        assert len(defined) <= 1, f"{path.name} defines functions {sorted(defined)}"
+    lines = sum(len(p.read_text("utf-8").splitlines()) for p in files)
+    assert lines <= MIGRATION_LINES_MAX, (
+        f"the migrations hold {lines} lines: does one carry a copy instead of its change?"
+    )
+
+
+def test_the_copy_check_catches_a_copy() -> None:
+    """The check above, on a migration that carries a family file: it must find it."""
+    copy = f'SQL = """\n{server_functions.sql("settle")}"""\n'
+    defined = {n.lower() for n in CREATE_FUNCTION_RE.findall(copy)}
+    assert {"fairqueue_complete_v1", "fairqueue_run_seconds_v1"} <= defined & live_function_names()
+
+
+def test_every_migration_installs_functions_through_install_functions() -> None:
+    loader = MigrationLoader(None, ignore_no_migrations=True, replace_migrations=False)
+    installers = {
+        name
+        for (app, name), migration in loader.disk_migrations.items()
+        if app == APP and any(isinstance(op, InstallFunctions) for op in migration.operations)
+    }
+    assert {SQUASHED, "0002_functions_v1", "0003_work_batch_claim"} <= installers
+    squashed = loader.disk_migrations[(APP, SQUASHED)]
+    (install,) = [op for op in squashed.operations if isinstance(op, InstallFunctions)]
+    assert install.families == server_functions.FAMILIES
+    with pytest.raises(ValueError, match="unknown function families"):
+        InstallFunctions("claims")
+
+
+def test_the_wheel_carries_no_copy_of_a_function_file() -> None:
+    """pyproject's package data (what the wheel ships beside the modules): the only .sql files
+    with server functions in it are the family files."""
+    pyproject = tomllib.loads((PACKAGE_DIR.parent / "pyproject.toml").read_text("utf-8"))
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["django_fairqueue"]
+    shipped = {p for pattern in patterns for p in PACKAGE_DIR.glob(pattern) if p.is_file()}
+    family_files = {
+        PACKAGE_DIR / "db" / "functions" / f"{f}.sql" for f in server_functions.FAMILIES
+    }
+    assert family_files <= shipped
+    live = live_function_names()
+    with_functions = {
+        p
+        for p in shipped
+        if p.suffix == ".sql"
+        and {n.lower() for n in CREATE_FUNCTION_RE.findall(p.read_text("utf-8"))} & live
+    }
+    assert with_functions == family_files
+    assert not any("migrations" in p.relative_to(PACKAGE_DIR).parts for p in shipped)

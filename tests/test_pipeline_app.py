@@ -19,14 +19,15 @@ from django_fairqueue import conf
 from django_fairqueue.contrib.pipeline import appconf
 from django_fairqueue.contrib.pipeline.models import PipelineJob
 from django_fairqueue.contrib.pipeline.spark import spark_settings
+from tests.test_migrations import replaced_chain
 
 APP = "fairqueue_pipeline"
 
 
 def _move() -> tuple[tuple[str, str], tuple[str, str]]:
     """The queue's migration that gave the model up (the one the app's first migration
-    follows), and the one before it."""
-    graph = MigrationLoader(None, ignore_no_migrations=True).graph
+    follows), and the one before it, among those the squashed initial migration replaces."""
+    graph = MigrationLoader(None, ignore_no_migrations=True, replace_migrations=False).graph
     (move,) = [p for p in graph.node_map[(APP, "0001_initial")].parents if p[0] == "fairqueue"]
     (before,) = [p for p in graph.node_map[move].parents if p[0] == "fairqueue"]
     return move.key, before.key
@@ -43,7 +44,7 @@ def table_oid() -> int:
 
 @pytest.mark.django_db(transaction=True)
 def test_migrating_from_before_the_move_keeps_the_jobs_and_their_permissions() -> None:
-    executor = MigrationExecutor(connection)
+    executor = replaced_chain()
     oid = table_oid()
     try:
         # A database as the previous release left it: the job model in the queue's app.
@@ -86,9 +87,9 @@ def test_migrating_from_before_the_move_keeps_the_jobs_and_their_permissions() -
         assert not ContentType.objects.filter(app_label="fairqueue", model="pipelinejob").exists()
 
         # And back: the queue's state has the model again, the row still there.
-        executor = MigrationExecutor(connection)
+        executor = replaced_chain()
         executor.migrate([BEFORE_THE_MOVE, (APP, None)])
-        old = MigrationExecutor(connection).loader.project_state([BEFORE_THE_MOVE]).apps
+        old = replaced_chain().loader.project_state([BEFORE_THE_MOVE]).apps
         assert old.get_model("fairqueue", "PipelineJob").objects.get().pk == job.pk
         assert ContentType.objects.filter(app_label="fairqueue", model="pipelinejob").exists()
     finally:
@@ -98,7 +99,7 @@ def test_migrating_from_before_the_move_keeps_the_jobs_and_their_permissions() -
 
 def test_the_queue_state_no_longer_has_the_model() -> None:
     assert MOVE[1].endswith("_pipeline_job_to_its_app")
-    loader = MigrationLoader(None, ignore_no_migrations=True)
+    loader = MigrationLoader(None, ignore_no_migrations=True, replace_migrations=False)
     queue = loader.project_state([MOVE]).apps
     with pytest.raises(LookupError):
         queue.get_model("fairqueue", "PipelineJob")

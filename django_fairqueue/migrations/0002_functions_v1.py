@@ -1,37 +1,17 @@
 """Server-side functions and storage settings for the queue tables.
 
-The functions are functions_v1.sql as it stood before migration 0003 (sql/0002_functions_v1.sql).
-fairqueue_complete_v1 and fairqueue_complete_and_claim_v1 came later, with 0004's copy; the
-reverse drops them too, so that going back to 0001 from any later state leaves no function.
+The functions of the families this migration first installed (replaced by the squashed initial
+migration; see migrations/_sql.py). The reverse drops every function, so that going back to
+0001 from any later state leaves none.
 """
+
+import importlib
 
 from django.db import migrations
 
-from django_fairqueue.migrations._sql import migration_sql
+from django_fairqueue.migrations._sql import DROP_ALL_FUNCTIONS, InstallFunctions
 
-# Queue tables churn: every claim rewrites channel rows and every settlement deletes or updates
-# a message. Vacuum them after a fixed number of dead rows instead of a fraction of the table,
-# without cost-based throttling, so dead index entries never pile up in front of the claim.
-STORAGE = """
-ALTER TABLE fairqueue_channel SET (
-    fillfactor = 70,
-    autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000,
-    autovacuum_vacuum_cost_delay = 0, autovacuum_analyze_scale_factor = 0.05
-);
-ALTER TABLE fairqueue_channel_delta SET (
-    autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000,
-    autovacuum_vacuum_cost_delay = 0
-);
-ALTER TABLE fairqueue_message SET (
-    fillfactor = 90,
-    autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
-    autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.02,
-    autovacuum_vacuum_cost_delay = 0
-);
-ALTER TABLE fairqueue_work_batch SET (
-    autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0
-);
-"""
+SQUASHED = importlib.import_module("django_fairqueue.migrations.0001_squashed_0027_worker_queues")
 
 UNSTORAGE = """
 ALTER TABLE fairqueue_channel RESET (fillfactor, autovacuum_vacuum_scale_factor,
@@ -45,29 +25,12 @@ ALTER TABLE fairqueue_work_batch RESET (autovacuum_vacuum_scale_factor,
     autovacuum_vacuum_cost_delay);
 """
 
-DROP_V1 = """
-DROP FUNCTION IF EXISTS fairqueue_enqueue_v1(text[], text[], jsonb[], smallint[], timestamptz[],
-    integer[], boolean[], integer, interval, integer, integer, text);
-DROP FUNCTION IF EXISTS fairqueue_claim_v1(integer, interval, text, bigint[], bigint[], integer,
-    boolean);
-DROP FUNCTION IF EXISTS fairqueue_complete_and_claim_v1(bigint[], uuid[], jsonb[], integer,
-    interval, text, bigint[], bigint[], integer);
--- the signatures as of migration 0004 (p_wait_ms)
-DROP FUNCTION IF EXISTS fairqueue_claim_v1(integer, interval, text, bigint[], bigint[], integer,
-    boolean, integer);
-DROP FUNCTION IF EXISTS fairqueue_complete_and_claim_v1(bigint[], uuid[], jsonb[], integer,
-    interval, text, bigint[], bigint[], integer, integer);
-DROP FUNCTION IF EXISTS fairqueue_complete_v1(bigint[], uuid[], jsonb[]);
-DROP FUNCTION IF EXISTS fairqueue_fold_deltas_v1(integer, boolean);
-DROP FUNCTION IF EXISTS fairqueue_promote_due_v1(timestamptz, integer);
-DROP FUNCTION IF EXISTS fairqueue_lock_key_v1();
-"""
-
 
 class Migration(migrations.Migration):
     dependencies = [("fairqueue", "0001_initial")]
 
     operations = [
-        migrations.RunSQL(STORAGE, UNSTORAGE),
-        migrations.RunSQL(migration_sql("0002_functions_v1"), DROP_V1),
+        migrations.RunSQL(SQUASHED.STORAGE, UNSTORAGE),
+        migrations.RunSQL(migrations.RunSQL.noop, DROP_ALL_FUNCTIONS),
+        InstallFunctions("locks_clocks", "fold_counters", "claim", "enqueue"),
     ]

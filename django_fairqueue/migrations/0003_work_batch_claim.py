@@ -1,10 +1,10 @@
 """Work-batch claim: round-robin state on channels, the running-batches index, the lease check
-and the claim function (sql/0003_work_batch_claim.sql: functions_batches_v1.sql)."""
+and the claim function (the ``batches`` family)."""
 
 import django.db.models.functions.datetime
 from django.db import migrations, models
 
-from django_fairqueue.migrations._sql import migration_sql
+from django_fairqueue.migrations._sql import InstallFunctions
 
 DROP_BATCHES_V1 = """
 DROP FUNCTION IF EXISTS fairqueue_claim_batch_v1(text, interval, text[], text[], bigint[], bigint[]);
@@ -64,5 +64,6 @@ class Migration(migrations.Migration):
                 name="fq_batch_lease_iff_running",
             ),
         ),
-        migrations.RunSQL(migration_sql("0003_work_batch_claim"), DROP_BATCHES_V1),
+        migrations.RunSQL(migrations.RunSQL.noop, DROP_BATCHES_V1),
+        InstallFunctions("batches"),
     ]

@@ -1,22 +1,17 @@
 """The scheduler's state leaves the Channel model; deadlock-free enqueue, one cap for both queues.
 
-* The counters and turns of ``fairqueue_channel`` stay in the table (the claim's partial
-  indexes need them in the channel row) but are no longer fields of the ``Channel`` model, so
-  no ORM write (``save()`` of a stale instance, ``update()``, ``bulk_update()``, ``loaddata``)
-  can write them back. They get database defaults, since the ORM inserts channels without them.
-* ``fairqueue_channel_delta`` gains ``batch_pending`` (work-batch settlements flag their
-  channel through a delta instead of writing its row) and ``backlog_check`` (the max_backlog
-  bound is checked when the enqueuing transaction commits, by a deferred constraint trigger).
-* The functions are installed again from this migration's own copies (``sql/0006_*.sql``):
-  ``fairqueue_enqueue_v1`` takes two more arguments with defaults (its old signature is dropped
-  first, as 0004 did for the claim); ``fairqueue_enqueue_one_v1`` is new (one message, the
-  call ``enqueue()`` makes); ``fairqueue_complete_and_claim_v1`` is dropped (the worker never
-  called it); the other changes keep their signatures.
+* The counters and turns of ``fairqueue_channel`` stay in the table but are no longer model
+  fields, so no ORM write can write them back; they get database defaults.
+* ``fairqueue_channel_delta`` gains ``batch_pending`` and ``backlog_check`` (the max_backlog
+  bound is checked when the enqueuing transaction commits).
+* ``fairqueue_enqueue_v1`` takes two more arguments (its old signature is dropped first),
+  ``fairqueue_enqueue_one_v1`` is new, ``fairqueue_complete_and_claim_v1`` is dropped; the
+  families this migration changed are installed.
 """
 
 from django.db import migrations, models
 
-from django_fairqueue.migrations._sql import migration_sql
+from django_fairqueue.migrations._sql import InstallFunctions
 
 SCHEDULER_COLUMNS = [
     "next_turn_at",
@@ -108,13 +103,16 @@ class Migration(migrations.Migration):
             name="backlog_check",
             field=models.BooleanField(db_default=False, default=False),
         ),
-        # Backwards: the new functions go and the previous migration's are installed again.
-        migrations.RunSQL(
-            DROP_OLD_ENQUEUE + migration_sql("0006_channel_state_outside_the_model"),
-            DROP_NEW + migration_sql("0005_maintenance_probes"),
-        ),
-        migrations.RunSQL(
-            migration_sql("0006_channel_state_outside_the_model.batches"),
-            migration_sql("0003_work_batch_claim"),
+        # Backwards: the new functions go.
+        migrations.RunSQL(DROP_OLD_ENQUEUE, DROP_NEW),
+        InstallFunctions(
+            "locks_clocks",
+            "fold_counters",
+            "claim",
+            "settle",
+            "enqueue",
+            "backlog",
+            "verify_repair",
+            "batches",
         ),
     ]

@@ -1,18 +1,14 @@
 """Unique jobs, cancel and abort.
 
-* ``fairqueue_message`` gains ``unique_key`` and ``unique_scope`` (a partial unique index,
-  ``fq_message_unique_idx``, admits one message per channel and key while it holds the key) and
-  ``abort_requested_at`` (an abort request for a running message, read by its worker's
-  heartbeat); the state ``aborted`` joins the others, and pruning covers it.
-* The functions are installed again from this migration's own copy
-  (``sql/0009_unique_jobs_and_abort.sql``): ``fairqueue_enqueue_v1`` and
-  ``fairqueue_enqueue_one_v1`` take the unique-job arguments (their old signatures are dropped
-  first); ``fairqueue_enqueue_unique_v1`` is new.
+* ``fairqueue_message`` gains ``unique_key``, ``unique_scope`` (``fq_message_unique_idx``) and
+  ``abort_requested_at``; the state ``aborted`` joins the others.
+* The ``enqueue`` family: ``fairqueue_enqueue_v1`` and ``fairqueue_enqueue_one_v1`` take the
+  unique-job arguments (old signatures dropped first); ``fairqueue_enqueue_unique_v1`` is new.
 """
 
 from django.db import migrations, models
 
-from django_fairqueue.migrations._sql import migration_sql
+from django_fairqueue.migrations._sql import InstallFunctions
 
 DROP_OLD_ENQUEUE = """
 DROP FUNCTION IF EXISTS fairqueue_enqueue_one_v1(text, text, jsonb, smallint, timestamptz, integer,
@@ -83,9 +79,7 @@ class Migration(migrations.Migration):
             model_name='message',
             constraint=models.CheckConstraint(condition=models.Q(models.Q(('unique_key__isnull', True), ('unique_scope__isnull', True)), models.Q(('unique_key__isnull', False), ('unique_scope__in', ['queued', 'active'])), _connector='OR'), name='fq_message_unique_scope'),
         ),
-        # Backwards: the new functions go and the previous migration's are installed again.
-        migrations.RunSQL(
-            DROP_OLD_ENQUEUE + migration_sql("0009_unique_jobs_and_abort"),
-            DROP_NEW + migration_sql("0006_channel_state_outside_the_model"),
-        ),
+        # Backwards: the new functions go.
+        migrations.RunSQL(DROP_OLD_ENQUEUE, DROP_NEW),
+        InstallFunctions("enqueue"),
     ]

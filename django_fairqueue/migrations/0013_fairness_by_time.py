@@ -1,24 +1,17 @@
 """Fairness by time: a virtual tag per channel, run time in the deltas.
 
-* ``fairqueue_channel`` gains ``vtime`` (the channel's virtual start tag: seconds of worker
-  time charged, divided by its weight) and ``mean_run`` (its mean run time per message, the
-  estimate a claim charges before the settlement says what really ran). Scheduler state, so
-  not model fields (see the Channel docstring). ``fq_channel_vtime_idx`` is the claim's walk
-  in tag order (the predicate of ``fq_channel_turn_idx``); ``fq_channel_vtime_max_idx``
-  answers the largest tag, the system's virtual time when no channel is claimable (tags above
-  0 only: fairness by count leaves every tag at 0, so its writes never touch this index).
-* ``fairqueue_channel_delta`` gains ``run_seconds`` and ``run_count``: settlements record the
-  run time there, never in the channel row.
-* The functions are installed again from this migration's own copy (``sql/0013_*.sql``).
-  ``fairqueue_claim_v1`` (``p_by_time``), ``fairqueue_fold_deltas_v1`` (``p_by_time``) and
-  ``fairqueue_complete_v1`` (``p_runs``) take one more argument with a default, so their old
-  signatures are dropped first (a caller passing the old arguments reaches the new function,
-  which then behaves as before).
+* ``fairqueue_channel`` gains ``vtime`` (its virtual start tag) and ``mean_run`` (its mean run
+  time per message), scheduler state outside the model, and the tag indexes.
+* ``fairqueue_channel_delta`` gains ``run_seconds`` and ``run_count``.
+* ``fairqueue_claim_v1``, ``fairqueue_fold_deltas_v1`` and ``fairqueue_complete_v1`` take one
+  more argument with a default: their old signatures are dropped first (old callers reach the
+  new functions, which then behave as before); the families this migration changed are
+  installed.
 """
 
 from django.db import migrations, models
 
-from django_fairqueue.migrations._sql import migration_sql
+from django_fairqueue.migrations._sql import InstallFunctions
 
 COLUMNS = """
 ALTER TABLE fairqueue_channel
@@ -71,9 +64,7 @@ class Migration(migrations.Migration):
             name="run_count",
             field=models.IntegerField(db_default=0, default=0),
         ),
-        # Backwards: the new functions go and the previous migration's are installed again.
-        migrations.RunSQL(
-            DROP_OLD + migration_sql("0013_fairness_by_time"),
-            DROP_NEW + migration_sql("0010_unique_batches_in_key_order"),
-        ),
+        # Backwards: the new functions go.
+        migrations.RunSQL(DROP_OLD, DROP_NEW),
+        InstallFunctions("locks_clocks", "fold_counters", "claim", "settle"),
     ]

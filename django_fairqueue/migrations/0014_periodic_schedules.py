@@ -1,20 +1,18 @@
 """Periodic schedules: the schedule table, its firing state outside the model, and the fires.
 
-* ``fairqueue_schedule`` maps what operators and code declare (``Schedule``). Its firing state
-  shares the row but is not mapped (as a channel's counters are not): ``next_fire_at``,
-  ``last_slot_at``, ``last_fired_at``, ``last_message_id`` and ``fired_spec`` are written only
-  by the firing statements of ``sql/queries.sql``. ``spec`` is generated from the columns that
-  decide the slots (cron, timezone, enabled); a schedule whose ``fired_spec`` differs (new,
-  edited, paused or resumed: generated ``stale``) is due for a fresh next slot.
-* ``fairqueue_schedule_fire`` holds one row per fired slot, unique on (schedule, slot): the
-  key that makes a slot fire once.
-* Two partial indexes serve the firing check, one indexed lookup when nothing is due.
+``fairqueue_schedule`` maps what operators and code declare; its firing state (``next_fire_at``,
+``last_slot_at``, ``last_fired_at``, ``last_message_id``, ``fired_spec`` and the generated
+``spec`` and ``stale``) is written only by the firing statements of ``sql/queries.sql``.
+``fairqueue_schedule_fire`` holds one row per fired slot, unique on (schedule, slot).
 """
 
 import datetime
+import importlib
 import django.db.models.deletion
 import django.utils.timezone
 from django.db import migrations, models
+
+SQUASHED = importlib.import_module("django_fairqueue.migrations.0001_squashed_0027_worker_queues")
 
 
 class Migration(migrations.Migration):
@@ -99,29 +97,7 @@ class Migration(migrations.Migration):
             constraint=models.UniqueConstraint(fields=('schedule', 'slot_at'), name='fq_fire_schedule_slot'),
         ),
         migrations.RunSQL(
-            sql="""
-ALTER TABLE fairqueue_schedule
-    ADD COLUMN next_fire_at timestamptz,
-    ADD COLUMN last_slot_at timestamptz,
-    ADD COLUMN last_fired_at timestamptz,
-    ADD COLUMN last_message_id bigint,
-    ADD COLUMN fired_spec text,
-    ADD COLUMN spec text GENERATED ALWAYS AS (
-        cron || ' ' || timezone || CASE WHEN enabled THEN ' on' ELSE ' off' END
-    ) STORED,
-    -- spec, again (a generated column cannot read another), against what the state was
-    -- computed for; a column of its own so the planner has statistics of it
-    ADD COLUMN stale boolean GENERATED ALWAYS AS (
-        fired_spec IS DISTINCT FROM (
-            cron || ' ' || timezone || CASE WHEN enabled THEN ' on' ELSE ' off' END
-        )
-    ) STORED;
--- due: enabled schedules by their next slot
-CREATE INDEX fq_schedule_next_idx ON fairqueue_schedule (next_fire_at) WHERE enabled;
--- new, edited, paused or resumed schedules, whose state was computed for another spec
-CREATE INDEX fq_schedule_stale_idx ON fairqueue_schedule (id) WHERE stale;
-""",
-            # the table goes with the reversal of CreateModel
+            sql=SQUASHED.FIRING_STATE,
             reverse_sql=migrations.RunSQL.noop,
         ),
     ]

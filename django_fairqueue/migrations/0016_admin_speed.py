@@ -1,23 +1,10 @@
 """Three things for the admin at scale (docs/performance.md, "The admin at a million messages"):
 
-* ``timed_out`` in the per-minute channel statistics: of the failed attempts counted there, those
-  that ran out of time (past the task's time limit, or a lease that expired and was rescued), so
-  the admin, ``fairqueue status`` and the metrics show timeouts apart from failures (the task
-  raised). Existing rows get 0: their attempts count as failures. The column has a database
-  default, so workers still running the previous version during a deploy insert their rows
-  without it.
-* ``fairqueue_minute_stat``, the per-minute sums of the channel statistics over all channels,
-  written by the workers' flush with the channel rows: the dashboard's series and overall
-  figures read one row a minute instead of every channel's. Filled here from the channel rows
-  already kept, so the dashboard's history does not start empty. During a rolling deploy, what
-  workers of the previous version flush reaches the channel rows only: the per-minute sums of
-  those minutes (the dashboard's series, its overall wait) miss it.
-* ``fq_message_retrying_idx``, the retries waiting out their backoff per channel (scheduled
-  rows with attempts > 0), for the "retrying" figure: without it the count reads every
-  scheduled row of the channels, delayed messages included.
+``timed_out`` in the per-minute channel statistics; ``fairqueue_minute_stat``, the per-minute
+sums over all channels (filled from the channel rows); ``fq_message_retrying_idx``.
 
-The index is built CONCURRENTLY, so enqueue, claims and completions go on while it builds;
-hence not atomic. Reversing drops all three.
+The index is built CONCURRENTLY, so the queue goes on while it builds; hence not atomic.
+Reversing drops all three.
 """
 
 from django.contrib.postgres.operations import AddIndexConcurrently

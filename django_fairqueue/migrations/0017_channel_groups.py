@@ -1,17 +1,10 @@
 """Channel groups: fairness across groups first, then across the channels of a group.
 
-* ``fairqueue_channel_group`` maps what operators edit (``ChannelGroup``: name, weight, cap,
-  rate limit). Its scheduler state shares the row but is not mapped (as a channel's is not):
-  ``ready_count``, ``running_count`` and ``claimable`` (sums over its channels, kept exact by
-  the trigger ``fairqueue_group_counters``), ``next_turn_at``, ``turn_used``, ``vtime`` and
-  ``last_claimed_at`` (written by the claim).
-* ``fairqueue_channel.group_id`` (``Channel.group``): set when a channel named
-  ``<group>/<rest>`` is created while its group exists, or when the group is created.
-* The claim's walks of ungrouped channels keep their index names, with ``group_id IS NULL``
-  added to their predicates; the channels of groups have their own pair of indexes, led by
-  ``group_id``; the groups have theirs.
-* The functions are installed again from this migration's own copy (``sql/0017_*.sql``);
-  nothing changes a signature, so old calls reach the new functions.
+* ``fairqueue_channel_group`` maps what operators edit; its scheduler state shares the row
+  but is not mapped.
+* ``fairqueue_channel.group_id`` (``Channel.group``), and the claim's indexes for grouped
+  channels and for groups.
+* The families this migration changed are installed; no signature changes.
 """
 
 import datetime
@@ -20,7 +13,7 @@ import django.db.models.deletion
 import django.utils.timezone
 from django.db import migrations, models
 
-from django_fairqueue.migrations._sql import migration_sql
+from django_fairqueue.migrations._sql import InstallFunctions
 
 CLAIMABLE = """ready_count > 0 AND NOT paused
   AND (max_concurrency IS NULL OR running_count < max_concurrency)"""
@@ -123,9 +116,7 @@ class Migration(migrations.Migration):
         ),
         # the group's columns go with the table when CreateModel is reversed
         migrations.RunSQL(SCHEMA, UNSCHEMA),
-        # Backwards: the new functions go and the previous migration's are installed again.
-        migrations.RunSQL(
-            migration_sql("0017_channel_groups"),
-            DROP_NEW + migration_sql("0015_settlements_lock_in_id_order"),
-        ),
+        # Backwards: the new functions go.
+        migrations.RunSQL(migrations.RunSQL.noop, DROP_NEW),
+        InstallFunctions("locks_clocks", "groups", "fold_counters", "claim", "settle"),
     ]

@@ -4,14 +4,13 @@
 longer read the channel's head when a claim left the channel backlogged (its counted
 ``ready_count`` is above zero): a worker that will come back to it is busy, and no idle worker
 can take it sooner. That is the usual case under load, and there the head of the channel's
-ready index holds the entries claims left dead until vacuum, which the probe walked. The
-functions are installed again from this migration's own copy (``sql/0021_*.sql``); same
-signatures, so reversing installs 0018's copy.
+ready index holds the entries claims left dead until vacuum, which the probe walked (the
+``enqueue`` family); same signatures.
 """
 
 from django.db import migrations
 
-from django_fairqueue.migrations._sql import migration_sql
+from django_fairqueue.migrations._sql import InstallFunctions
 
 
 class Migration(migrations.Migration):
@@ -20,8 +19,5 @@ class Migration(migrations.Migration):
     ]
 
     operations = [
-        migrations.RunSQL(
-            migration_sql("0021_wake_up_without_reading_the_head"),
-            migration_sql("0018_faster_enqueue"),
-        ),
+        InstallFunctions("enqueue"),
     ]

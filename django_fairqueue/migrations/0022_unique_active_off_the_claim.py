@@ -1,27 +1,19 @@
 """A unique job of scope ``active`` keeps its key while it runs without costing the claim.
 
-* ``fq_message_unique_idx`` now covers waiting messages only (ready, scheduled), whatever their
-  scope: the claim takes a message out of it, so a claim writes no entry of it (it wrote one
-  for every message of scope ``active`` it took, 14-36 % of its CPU when every message was one).
-* ``fairqueue_unique_hold`` (``UniqueHold``): ``(channel_id, unique_key) -> message_id``, written
-  when a message of scope ``active`` enters the queue, never by the claim. It holds while its
-  message is of scope ``active`` and ready, scheduled or running; filled here from the messages
-  of that scope in those states (at most one per key: the old index saw to it).
-* The functions are installed again from this migration's own copy (``sql/0022_*.sql``):
-  the enqueues check a running holder through the hold rows after their insert and take the
-  hold for messages of scope ``active``; ``fairqueue_unique_holder_v1`` and
-  ``fairqueue_unique_rejoin_v1`` are new. Reversing installs 0021's copy and drops them.
+* ``fq_message_unique_idx`` now covers waiting messages only (ready, scheduled).
+* ``fairqueue_unique_hold`` (``UniqueHold``) holds the key of a message of scope ``active``
+  while it waits or runs; filled here from such messages.
+* The ``enqueue`` and ``unique_holds`` families are installed (``fairqueue_unique_holder_v1``
+  and ``fairqueue_unique_rejoin_v1`` are new; reversing drops them).
 
-Not atomic, so nothing is blocked while the new index builds: it is built ``CONCURRENTLY``
-under a temporary name; the hold rows are filled and the functions installed in one
-transaction (from then on both indexes hold, so no interleaving admits a second holder); the
-old index is dropped ``CONCURRENTLY`` and the new one takes its name. Reversing runs the same
-steps the other way.
+Not atomic, so nothing is blocked while the new index builds ``CONCURRENTLY`` under a temporary
+name; the hold rows are filled and the functions installed in one transaction; the old index is
+dropped ``CONCURRENTLY`` and the new one takes its name.
 """
 
 from django.db import migrations, models
 
-from django_fairqueue.migrations._sql import migration_sql
+from django_fairqueue.migrations._sql import InstallFunctions
 
 WAITING = "WHERE (\"state\" IN ('ready', 'scheduled') AND \"unique_key\" IS NOT NULL)"
 WAITING_OR_ACTIVE = (
@@ -90,14 +82,9 @@ class Migration(migrations.Migration):
             _build("fq_message_unique_waiting", WAITING),
             'DROP INDEX CONCURRENTLY IF EXISTS "fq_message_unique_waiting"',
         ),
-        # One string: one transaction (the hold rows and the functions that keep them).
-        migrations.RunSQL(
-            "BEGIN;\n"
-            + FILL_HOLDS
-            + migration_sql("0022_unique_active_off_the_claim")
-            + "\nCOMMIT;",
-            "BEGIN;\n" + DROP_NEW_FUNCTIONS + migration_sql("0021_wake_up_without_reading_the_head") + "\nCOMMIT;",
-        ),
+        # One transaction: the hold rows and the functions that keep them.
+        migrations.RunSQL(migrations.RunSQL.noop, DROP_NEW_FUNCTIONS),
+        InstallFunctions("unique_holds", "enqueue", first=FILL_HOLDS),
         migrations.SeparateDatabaseAndState(
             database_operations=[
                 migrations.RunSQL(

@@ -1,24 +1,16 @@
 """Names that do not change, and priorities in range, whatever writes the rows.
 
-* ``fairqueue_keep_name_v1`` and the triggers ``fairqueue_channel_keep_name`` and
-  ``fairqueue_group_keep_name`` refuse a statement that changes a channel's or a group's name
-  (``Model.save()``, ``QuerySet.update()``, ``bulk_update()``, ``loaddata``): enqueues find a
-  channel by its name, and the name says which group it belongs to. The functions are
-  installed again from this migration's own copy (``sql/0023_*.sql``); reversing installs the
-  previous copy and drops the triggers and their function.
-* ``fq_message_priority_range``: a message's priority is within -100..100, as ``enqueue()``
-  checks, also when the ORM writes it. Rows out of range (only an ORM write could have stored
-  one) are first brought to the nearest end of the range, the order the claim gave them
-  already. Added ``NOT VALID`` and validated in a statement of its own, which scans the table
-  without blocking writes.
+* The triggers ``fairqueue_channel_keep_name`` and ``fairqueue_group_keep_name`` refuse a
+  statement that renames a channel or a group (the ``groups`` family).
+* ``fq_message_priority_range`` (-100..100): rows out of range are first brought to the
+  nearest end; added ``NOT VALID``, then validated without blocking writes.
 """
 
 from django.db import migrations, models
 from django.db.models import Q
 
-from django_fairqueue.migrations._sql import migration_sql
+from django_fairqueue.migrations._sql import InstallFunctions
 
-PREVIOUS = "0022_unique_active_off_the_claim"
 
 DROP_NEW = """
 DROP TRIGGER IF EXISTS fairqueue_channel_keep_name ON fairqueue_channel;
@@ -35,10 +27,8 @@ class Migration(migrations.Migration):
     ]
 
     operations = [
-        migrations.RunSQL(
-            migration_sql("0023_names_and_priorities_hold"),
-            DROP_NEW + migration_sql(PREVIOUS),
-        ),
+        migrations.RunSQL(migrations.RunSQL.noop, DROP_NEW),
+        InstallFunctions("groups"),
         migrations.SeparateDatabaseAndState(
             state_operations=[
                 migrations.AddConstraint(

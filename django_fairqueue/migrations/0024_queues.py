@@ -1,20 +1,16 @@
 """Queues: named pools of work, orthogonal to channels (docs/howto/queues.md).
 
-* ``fairqueue_channel.queue`` and ``fairqueue_channel_group.queue`` (``Channel.queue``,
-  ``ChannelGroup.queue``), ``'default'`` for every existing row: a row's queue follows its name
-  (the channel ``acme`` of queue ``reports`` is the row named ``reports`` U+001F ``acme``),
-  set by the triggers ``fairqueue_channel_queue`` and ``fairqueue_group_queue``.
-* The four indexes the claim walks (turn and tag order, channels and groups) lead with the
-  queue, with the same names and predicates: a claim walks one queue's flows only.
-* The functions are installed again from this migration's own copy (``sql/0024_*.sql``).
-  ``fairqueue_claim_v1`` takes ``p_queues`` (last, default NULL: all queues, so an old
-  worker's call reaches it) and ``fairqueue_claim_grouped_v1`` ``p_queue``: the previous
-  signatures are dropped first. Reversing drops the new ones and installs 0023's copy.
+* ``Channel.queue`` and ``ChannelGroup.queue``, ``'default'`` for every existing row, kept to
+  the row's name by the triggers ``fairqueue_channel_queue`` and ``fairqueue_group_queue``.
+* The four indexes the claim walks lead with the queue.
+* ``fairqueue_claim_v1`` takes ``p_queues`` and ``fairqueue_claim_grouped_v1`` ``p_queue``:
+  the previous signatures are dropped first; the families this migration changed are
+  installed. Reversing drops the new ones.
 """
 
 from django.db import migrations, models
 
-from django_fairqueue.migrations._sql import migration_sql
+from django_fairqueue.migrations._sql import InstallFunctions
 
 CLAIMABLE = """ready_count > 0 AND NOT paused
   AND (max_concurrency IS NULL OR running_count < max_concurrency)"""
@@ -78,9 +74,7 @@ class Migration(migrations.Migration):
             ),
         ),
         migrations.RunSQL(_indexes("queue, "), _indexes("")),
-        # Backwards: the new functions go and the previous full copy is installed again.
-        migrations.RunSQL(
-            DROP_OLD + migration_sql("0024_queues"),
-            DROP_NEW + migration_sql("0023_names_and_priorities_hold"),
-        ),
+        # Backwards: the new functions go.
+        migrations.RunSQL(DROP_OLD, DROP_NEW),
+        InstallFunctions("locks_clocks", "queues", "claim"),
     ]
