@@ -10,27 +10,13 @@ cannot silence.
 - ``fq_delta_lowered_idx``: deltas that took ready messages out (a cancel, purge, delete or
   abort), which the enqueue's wake-up decision now subtracts from the counted backlog.
 
-Installs only the families it changes, from the live files: fold_counters, claim, enqueue,
-verify_repair.
+Installs only the families it changes: fold_counters, claim, enqueue, verify_repair.
 """
 
 from django.db import migrations, models
 from django.db.models import F, Q
 
-from django_fairqueue.db import functions
-
-FAMILIES = ("fold_counters", "claim", "enqueue", "verify_repair")
-
-DROP_OLD = """
-DROP FUNCTION IF EXISTS fairqueue_claim_grouped_v1(integer, interval, text, bigint[], bigint[],
-    integer, integer, boolean, timestamptz, text);
-"""
-
-DROP_NEW = """
-DROP FUNCTION IF EXISTS fairqueue_plan_grouped_v1(integer, bigint[], bigint[], integer, integer,
-    boolean, timestamptz, text);
-DROP FUNCTION IF EXISTS fairqueue_correct_groups_v1(bigint[], double precision[], bigint[]);
-"""
+from django_fairqueue.migrations._sql import InstallFunctions
 
 
 class Migration(migrations.Migration):
@@ -39,9 +25,14 @@ class Migration(migrations.Migration):
     operations = [
         migrations.AddIndex(
             model_name="channeldelta",
-            index=models.Index(
-                F("channel"), condition=Q(ready__lt=0), name="fq_delta_lowered_idx"
-            ),
+            index=models.Index(F("channel"), condition=Q(ready__lt=0), name="fq_delta_lowered_idx"),
         ),
-        migrations.RunSQL(DROP_OLD + functions.sql(*FAMILIES), DROP_NEW),
+        # Its result type changed (it returns a plan now), and so did its name: the old one
+        # would stay callable.
+        migrations.RunSQL(
+            "DROP FUNCTION IF EXISTS fairqueue_claim_grouped_v1(integer, interval, text, "
+            "bigint[], bigint[], integer, integer, boolean, timestamptz, text);",
+            migrations.RunSQL.noop,
+        ),
+        InstallFunctions("fold_counters", "claim", "enqueue", "verify_repair"),
     ]
