@@ -163,15 +163,25 @@ def test_a_claim_charges_the_mean_in_advance_and_the_settlement_corrects_it() ->
 
 
 @pytest.mark.django_db(transaction=True)
-def test_released_messages_give_the_advance_charge_back() -> None:
-    f.enqueue("heavy", 20)
-    run({"heavy": 0.2}, 5)
-    before = vtime("heavy")
+@pytest.mark.parametrize("grouped", [False, True])
+def test_released_messages_give_the_advance_charge_back(grouped: bool) -> None:
+    """The channel's tag, and its group's (which the claim charged too)."""
+    channel = ("acme", "heavy") if grouped else "heavy"
+    enqueue_many(EnqueueRequest(f.NOOP, (i,), channel=channel) for i in range(20))
+    name = "acme/heavy" if grouped else "heavy"
+    run({name: 0.2}, 5)
+
+    def tags() -> tuple[float, float]:
+        return vtime(name), group_vtime("acme") if grouped else 0.0
+
+    before = tags()
     got = claim(3, quantum=3)
-    assert vtime("heavy") > before + 0.5
+    assert vtime(name) > before[0] + 0.5
+    if grouped:
+        assert group_vtime("acme") > before[1] + 0.5
     assert store.release_messages([(m.id, m.lease_token) for m in got]) == {m.id for m in got}
     f.fold_all()
-    assert vtime("heavy") == pytest.approx(before, abs=1e-6)
+    assert tags() == pytest.approx(before, abs=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -322,18 +332,6 @@ def test_a_group_of_fresh_sub_channels_gets_half_the_worker_time_not_most_of_it(
     many = sum(t for name, t in spent.items() if name.startswith("many/"))
     share = many / (many + spent["one/only"])
     assert 0.45 <= share <= 0.55, (many, spent["one/only"])
-
-
-@pytest.mark.django_db(transaction=True)
-def test_released_messages_give_the_group_its_advance_charge_back() -> None:
-    enqueue_many(EnqueueRequest(f.NOOP, (i,), channel=("acme", "heavy")) for i in range(20))
-    run({"acme/heavy": 0.2}, 5)
-    before = group_vtime("acme")
-    got = claim(3, quantum=3)
-    assert group_vtime("acme") > before + 0.5
-    assert store.release_messages([(m.id, m.lease_token) for m in got]) == {m.id for m in got}
-    f.fold_all()
-    assert group_vtime("acme") == pytest.approx(before, abs=1e-6)
 
 
 @pytest.mark.django_db(transaction=True)
