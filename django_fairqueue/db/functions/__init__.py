@@ -5,6 +5,12 @@ functions) for one family of the queue's work. These files are the live definiti
 calls exactly these functions, and migrations install them from here (``InstallFunctions`` in
 ``migrations/_sql.py``), never from a copy. ``FAMILIES`` lists them in an order that installs
 with ``check_function_bodies`` on: a SQL-language function comes after the functions it calls.
+Migrations name families (``InstallFunctions("claim")``): a family renamed or merged must be
+renamed in them too, else they fail to load.
+
+A function keeps its ``_v1`` name through compatible changes only. An incompatible change adds
+a new name (``fairqueue_claim_v2``), so workers of the old and the new release run side by side
+during a rolling deploy; the old name is dropped a release later.
 """
 
 from __future__ import annotations
