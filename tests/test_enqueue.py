@@ -17,7 +17,14 @@ from django.test.utils import CaptureQueriesContext, override_settings
 from django.utils import timezone
 
 from django_fairqueue import ChannelFull, InvalidChannel, PayloadError, UnknownTask, conf
-from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many, validate_channel_name
+from django_fairqueue.api import (
+    EnqueueRequest,
+    abort,
+    cancel,
+    enqueue,
+    enqueue_many,
+    validate_channel_name,
+)
 from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.models import Channel, Message, MessageState
 from tests import factories as f
@@ -223,6 +230,48 @@ def test_a_channel_a_claim_left_backlogged_does_not_wake_workers(database_url: s
         assert counters("alice").ready == 0
         enqueue(f.NOOP, 0, channel="alice")
         assert notified()
+    finally:
+        listener.close()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("form", ["one", "batch"])
+@pytest.mark.parametrize("how", ["cancel", "purge", "delete", "abort"])
+def test_a_backlog_taken_out_by_an_operator_does_not_silence_the_next_wake_up(
+    database_url: str, how: str, form: str
+) -> None:
+    """A claim left two messages counted (ready_count 2); an operator then takes them out
+    (cancel, purge, delete, abort), which writes deltas that no claim has folded yet: the
+    channel is empty and its workers idle. The next enqueue must wake them: the count it
+    trusts is the claimed-and-left one less what was taken out since."""
+    listener = psycopg.connect(database_url, autocommit=True)
+    try:
+        message_store.listen_wakeups(listener, conf.get().NOTIFY_CHANNEL)
+
+        def notified() -> bool:
+            return any(True for _ in listener.notifies(timeout=0.5, stop_after=1))
+
+        left = enqueue_many(EnqueueRequest(f.NOOP, (i,), channel="alice") for i in range(3))
+        assert notified()
+        (taken,) = claim(1)
+        message_store.complete_messages([(taken.id, taken.lease_token, None)])
+        waiting = [i for i in left if i != taken.id]
+        assert counters("alice").ready == 2
+        if how == "cancel":
+            assert sorted(cancel(waiting)) == waiting
+        elif how == "purge":
+            assert message_store.purge_channel_backlog(f.channel_ids(["alice"])["alice"]) == 2
+        elif how == "delete":
+            assert sorted(message_store.delete_messages(waiting)) == waiting
+        else:
+            assert abort(waiting) == {i: "cancelled" for i in waiting}
+        assert counters("alice").ready == 0
+        assert f.channel_state("alice")["ready_count"] == 2  # not folded yet
+        if form == "one":
+            enqueue(f.NOOP, 0, channel="alice")
+        else:
+            enqueue_many(EnqueueRequest(f.NOOP, (i,), channel="alice") for i in range(2))
+        assert notified(), "an idle worker would sleep until its poll"
     finally:
         listener.close()
 

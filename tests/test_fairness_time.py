@@ -21,8 +21,9 @@ import pytest
 from django.db import connection
 from django.test.utils import override_settings
 
+from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.conf import load
-from django_fairqueue.db import channel_store, message_store
+from django_fairqueue.db import channel_store, integrity_store, message_store
 from tests import factories as f
 
 LEASE = timedelta(minutes=5)
@@ -162,17 +163,27 @@ def test_a_claim_charges_the_mean_in_advance_and_the_settlement_corrects_it() ->
 
 
 @pytest.mark.django_db(transaction=True)
-def test_released_messages_give_the_advance_charge_back() -> None:
-    f.enqueue("heavy", 20)
-    run({"heavy": 0.2}, 5)
-    before = vtime("heavy")
+@pytest.mark.parametrize("grouped", [False, True])
+def test_released_messages_give_the_advance_charge_back(grouped: bool) -> None:
+    """The channel's tag, and its group's (which the claim charged too)."""
+    channel = ("acme", "heavy") if grouped else "heavy"
+    enqueue_many(EnqueueRequest(f.NOOP, (i,), channel=channel) for i in range(20))
+    name = "acme/heavy" if grouped else "heavy"
+    run({name: 0.2}, 5)
+
+    def tags() -> tuple[float, float]:
+        return vtime(name), group_vtime("acme") if grouped else 0.0
+
+    before = tags()
     got = claim(3, quantum=3)
-    assert vtime("heavy") > before + 0.5
+    assert vtime(name) > before[0] + 0.5
+    if grouped:
+        assert group_vtime("acme") > before[1] + 0.5
     assert message_store.release_messages([(m.id, m.lease_token) for m in got]) == {
         m.id for m in got
     }
     f.fold_all()
-    assert vtime("heavy") == pytest.approx(before, abs=1e-6)
+    assert tags() == pytest.approx(before, abs=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -298,6 +309,68 @@ def test_a_resumed_channel_does_not_bring_the_time_it_was_paused() -> None:
     channel_store.fold_deltas_of_channel(f.channel_ids(["alice"])["alice"])
     _spent, counts = run({"alice": 0.1, "bob": 0.1}, 20)
     assert abs(counts["alice"] - counts["bob"]) <= 2, counts
+
+
+# ------------------------------------------------------------------------------------------------
+# Groups: a group's tag is corrected by its channels' real run time, as a channel's is
+
+
+def group_vtime(name: str) -> float:
+    with connection.cursor() as cur:
+        cur.execute("SELECT vtime FROM fairqueue_channel_group WHERE name = %s", [name])
+        (value,) = cur.fetchone()
+    return float(value)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_group_of_fresh_sub_channels_gets_half_the_worker_time_not_most_of_it() -> None:
+    """One tenant's 400 messages each in a fresh channel of its group (one per user or
+    document, as the groups how-to suggests), another's 400 in one channel of its group; equal
+    weights, equal durations. Each fresh channel is charged the default estimate (10 ms) at
+    its claim; the group must then be charged what really ran (100 ms), or the tenant of fresh
+    channels takes most of the worker time."""
+    enqueue_many(EnqueueRequest(f.NOOP, (i,), channel=("many", f"u{i:03d}")) for i in range(400))
+    enqueue_many(EnqueueRequest(f.NOOP, (i,), channel=("one", "only")) for i in range(400))
+    durations = {f"many/u{i:03d}": 0.1 for i in range(400)} | {"one/only": 0.1}
+    spent, _counts = run(durations, 200)
+    many = sum(t for name, t in spent.items() if name.startswith("many/"))
+    share = many / (many + spent["one/only"])
+    assert 0.45 <= share <= 0.55, (many, spent["one/only"])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rescued_message_charges_its_group_the_time_since_its_claim() -> None:
+    enqueue_many(EnqueueRequest(f.NOOP, (i,), channel=("acme", "heavy")) for i in range(20))
+    run({"acme/heavy": 0.2}, 5)
+    before = group_vtime("acme")
+    (m,) = claim(1)
+    with connection.cursor() as cur:  # claimed 2 s ago, its worker died
+        cur.execute(
+            "UPDATE fairqueue_message SET claimed_at = claimed_at - interval '2 seconds', "
+            "lease_expires_at = clock_timestamp() - interval '1 second' WHERE id = %s",
+            [m.id],
+        )
+    (rescued,) = message_store.rescue_expired_messages()
+    assert rescued.id == m.id
+    f.fold_all()
+    assert group_vtime("acme") == pytest.approx(before + 2.0, abs=0.05)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_counter_repair_keeps_the_run_times_of_the_deltas_it_deletes() -> None:
+    enqueue_many(EnqueueRequest(f.NOOP, (i,), channel=("acme", "heavy")) for i in range(20))
+    run({"acme/heavy": 0.2}, 5)
+    channel, group = vtime("acme/heavy"), group_vtime("acme")
+    (m,) = claim(1)  # charged the mean, 0.2 s, in advance
+    backdate([m.id], 0.5)
+    message_store.complete_messages([(m.id, m.lease_token, None)], run_seconds=[0.5])
+    assert (
+        integrity_store.repair_channel_counters(list(f.channel_ids(["acme/heavy"]).values())) == []
+    )
+    f.fold_all()
+    # corrected to what ran, 0.5 s, as the fold of the deleted delta would have
+    assert vtime("acme/heavy") == pytest.approx(channel + 0.5, abs=0.03)
+    assert group_vtime("acme") == pytest.approx(group + 0.5, abs=0.03)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-    dependencies = [("fairqueue", "0028_usage")]
+    dependencies = [("fairqueue", "0030_one_claim")]
 
     operations = [
         migrations.AddField(

@@ -44,8 +44,10 @@ END;
 $$;
 
 
--- The fair claim with channel groups (called by fairqueue_claim_v1 when a group is
--- claimable; same arguments, its clock reading and its quantum). Two levels:
+-- Steps 2 and 3 of the fair claim when a channel group is claimable: which channels the
+-- claim serves, and how many messages each gets (fairqueue_claim_v1 calls this with its
+-- arguments, its clock reading and its quantum, then takes and charges what it returns, in
+-- the statement the claim without groups runs). Two levels:
 --
 --   1. walk the top-level flows in turn order (by time: tag order), ungrouped channels
 --      (fq_channel_turn_idx) and groups (fq_group_turn_idx) merged into one ordered stream;
@@ -61,9 +63,10 @@ $$;
 --      its weight x quantum, shared among its channels by their own turns); by time, each
 --      message to the flow of smallest start tag, within a group to its channel of smallest
 --      start tag;
---   3. take the messages and charge the channels (as fairqueue_claim_v1), then the groups:
---      turn, rate limit and tag. The groups' counters move with their channels'
---      (fairqueue_group_counters_v1).
+--   3. return the plan: the channels locked, in walk order, with their shares and what the
+--      charge needs (turns, rate limits, estimates), each channel's group, and the groups
+--      locked with theirs. fairqueue_claim_v1 charges the groups too: turn, rate limit and
+--      tag; their counters move with their channels' (fairqueue_group_counters_v1).
 --
 -- A group's cap and rate limit are checked on its locked row, as a channel's are on its own:
 -- every claim that serves a channel of the group holds the group row from its walk to its
@@ -74,32 +77,34 @@ $$;
 -- others and the walk locked nothing, bounded by lock_timeout.
 -- By time, this claim does not wait for a smallest tag held by a concurrent claim (it takes
 -- the next flow, as fairqueue_claim_v1 does by count).
-CREATE OR REPLACE FUNCTION fairqueue_claim_grouped_v1(
+CREATE OR REPLACE FUNCTION fairqueue_plan_grouped_v1(
     p_limit integer,
-    p_lease interval,
-    p_worker text,
     p_only bigint[],
     p_exclude bigint[],
     p_quantum integer,
     p_wait_ms integer,
     p_by_time boolean,
     p_now timestamptz,
-    p_queue text
-)
-RETURNS TABLE (
-    id bigint,
-    channel_id bigint,
-    channel_name text,
-    task_name text,
-    payload jsonb,
-    priority smallint,
-    attempts integer,
-    max_attempts integer,
-    keep_result boolean,
-    lease_token uuid,
-    lease_expires_at timestamptz,
-    enqueued_at timestamptz,
-    run_at timestamptz
+    p_queue text,
+    -- the plan (the arrays are fairqueue_claim_v1's, which it names after them)
+    OUT o_now timestamptz,  -- the clock reading to charge with (read again after a wait)
+    OUT o_ids bigint[],
+    OUT o_names text[],
+    OUT o_alloc integer[],
+    OUT o_used integer[],
+    OUT o_turn integer[],
+    OUT o_interval interval[],
+    OUT o_last integer[],
+    OUT o_seq integer,
+    OUT o_est double precision[],
+    OUT o_mean double precision[],
+    OUT o_cg integer[],
+    OUT o_gids bigint[],
+    OUT o_gused integer[],
+    OUT o_gturn integer[],
+    OUT o_ginterval interval[],
+    OUT o_glast integer[],
+    OUT o_gweight integer[]
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan  -- see fairqueue_claim_v1
@@ -511,7 +516,7 @@ BEGIN
     END LOOP;
 
     IF v_n = 0 THEN
-        RETURN;
+        RETURN;  -- nothing to take (o_ids NULL)
     END IF;
 
     v_alloc := array_fill(0, ARRAY[v_n]);
@@ -639,92 +644,24 @@ BEGIN
         END LOOP;
     END IF;
 
-    -- Take the messages and charge the channels, as fairqueue_claim_v1 does (its comments
-    -- say why each part is written this way), then charge the groups with what their
-    -- channels actually got.
-    RETURN QUERY
-    WITH alloc AS (
-        SELECT a.cid, a.n FROM unnest(v_ids, v_alloc) AS a(cid, n)
-    ), cand AS (
-        SELECT h.id
-        FROM alloc
-        CROSS JOIN LATERAL (
-            SELECT m.id
-            FROM fairqueue_message m
-            WHERE m.channel_id = alloc.cid AND m.state = 'ready'
-            ORDER BY m.priority DESC, m.id
-            LIMIT alloc.n
-            FOR UPDATE OF m SKIP LOCKED
-        ) h
-        WHERE alloc.n > 0
-    ), claimed AS (
-        UPDATE fairqueue_message m
-        SET state = 'running',
-            attempts = m.attempts + 1,
-            lease_token = gen_random_uuid(),
-            lease_expires_at = v_now + p_lease,
-            claimed_at = v_now,
-            worker_id = p_worker
-        WHERE m.id = ANY (ARRAY(SELECT cand.id FROM cand)) AND m.state = 'ready'
-        RETURNING m.id, m.channel_id, m.task_name, m.payload, m.priority, m.attempts,
-                  m.max_attempts, m.keep_result, m.lease_token, m.lease_expires_at,
-                  m.enqueued_at, m.run_at
-    ), got AS MATERIALIZED (
-        SELECT claimed.channel_id AS cid, count(*)::integer AS n,
-               array_position(v_ids, claimed.channel_id) AS k
-        FROM claimed
-        GROUP BY claimed.channel_id
-    ), charged AS (
-        UPDATE fairqueue_channel c
-        SET running_count = c.running_count + got.n,
-            ready_count = c.ready_count - got.n,
-            last_claimed_at = v_now,
-            next_turn_at = CASE
-                WHEN v_interval[got.k] > interval '0' THEN v_now + v_interval[got.k]
-                WHEN v_used[got.k] + got.n >= v_turn[got.k]
-                    THEN v_now - (v_seq - v_last[got.k]) * interval '1 microsecond'
-                ELSE c.next_turn_at
-            END,
-            turn_used = CASE
-                WHEN v_interval[got.k] > interval '0' THEN 0
-                ELSE (v_used[got.k] + got.n) % v_turn[got.k]
-            END,
-            vtime = CASE WHEN p_by_time THEN c.vtime + got.n * v_est[got.k] ELSE c.vtime END
-        FROM got
-        WHERE c.id = got.cid AND c.id = ANY (v_ids)
-        RETURNING c.id
-    ), ggot AS MATERIALIZED (
-        SELECT v_cg[got.k] AS gk, sum(got.n)::integer AS n,
-               sum(got.n * v_mean[got.k]) AS charge
-        FROM got
-        WHERE v_cg[got.k] > 0
-        GROUP BY v_cg[got.k]
-    ), gcharged AS (
-        UPDATE fairqueue_channel_group g
-        SET last_claimed_at = v_now,
-            next_turn_at = CASE
-                WHEN v_ginterval[ggot.gk] > interval '0' THEN v_now + v_ginterval[ggot.gk]
-                WHEN v_gused[ggot.gk] + ggot.n >= v_gturn[ggot.gk]
-                    THEN v_now - (v_seq - v_glast[ggot.gk]) * interval '1 microsecond'
-                ELSE g.next_turn_at
-            END,
-            turn_used = CASE
-                WHEN v_ginterval[ggot.gk] > interval '0' THEN 0
-                ELSE (v_gused[ggot.gk] + ggot.n) % v_gturn[ggot.gk]
-            END,
-            vtime = CASE WHEN p_by_time THEN g.vtime + ggot.charge / v_gweight[ggot.gk]
-                         ELSE g.vtime END
-        FROM ggot
-        WHERE g.id = v_gids[ggot.gk] AND g.id = ANY (v_gids)
-        RETURNING g.id
-    )
-    SELECT claimed.id, claimed.channel_id, v_names[array_position(v_ids, claimed.channel_id)],
-           claimed.task_name::text,
-           claimed.payload, claimed.priority, claimed.attempts::integer,
-           claimed.max_attempts::integer, claimed.keep_result, claimed.lease_token,
-           claimed.lease_expires_at, claimed.enqueued_at, claimed.run_at
-    FROM claimed
-    ORDER BY claimed.priority DESC, claimed.id;
+    o_now := v_now;
+    o_ids := v_ids;
+    o_names := v_names;
+    o_alloc := v_alloc;
+    o_used := v_used;
+    o_turn := v_turn;
+    o_interval := v_interval;
+    o_last := v_last;
+    o_seq := v_seq;
+    o_est := v_est;
+    o_mean := v_mean;
+    o_cg := v_cg;
+    o_gids := v_gids;
+    o_gused := v_gused;
+    o_gturn := v_gturn;
+    o_ginterval := v_ginterval;
+    o_glast := v_glast;
+    o_gweight := v_gweight;
 END;
 $$;
 
@@ -738,8 +675,12 @@ $$;
 --   2. lock up to p_limit eligible channels in turn order (index fq_channel_turn_idx):
 --      eligible = ready_count > 0, not paused, under its cap, next_turn_at <= now;
 --   3. share p_limit among them by weighted water-filling (deficit round-robin in memory);
+--      (steps 2 and 3 with channel groups: fairqueue_plan_grouped_v1, when a group is
+--      claimable)
 --   4. claim each channel's share from fq_message_ready_idx, SKIP LOCKED;
---   5. charge the channels: running_count, ready_count, and the next turn.
+--   5. charge the channels: running_count, ready_count, and the next turn; and the groups
+--      of grouped channels: their turn, rate limit and tag.
+-- Steps 4 and 5 are one statement, the same with groups and without: a fix to it lands once.
 --
 -- Cost: steps 2-5 touch only the chosen channels and the rows claimed; nothing scans the
 -- backlog, so the cost is flat in the number of queued messages and grows with the number of
@@ -803,6 +744,15 @@ DECLARE
     v_interval interval[] := '{}';
     v_est double precision[] := '{}';  -- the tag's charge per message (by time)
     v_tag double precision[] := '{}';  -- the channels' tags as the walk locked them (by time)
+    -- with groups (fairqueue_plan_grouped_v1; empty without: step 5 then charges no group)
+    v_mean double precision[] := '{}';  -- a channel's charge per message before weights
+    v_cg integer[] := '{}';  -- a channel's group (its index in v_gids), 0: none
+    v_gids bigint[] := '{}';
+    v_gused integer[] := '{}';
+    v_gturn integer[] := '{}';
+    v_ginterval interval[] := '{}';
+    v_glast integer[] := '{}';
+    v_gweight integer[] := '{}';
     v_first_tag double precision;  -- the tag of the first channel the walk locked (by time)
     v_front double precision;  -- the smallest claimable tag plus one charge (by time)
     v_skipped integer := 0;  -- channels locked by the walk and given nothing (by time)
@@ -1002,9 +952,9 @@ BEGIN
     -- Channel groups: when a group is claimable now (one probe of fq_group_turn_idx; the
     -- ORDER BY keeps a generic plan on the index, where EXISTS was a sequential scan that
     -- reads every group not claimable), the claim walks groups and ungrouped channels together
-    -- (fairqueue_claim_grouped_v1). Without groups, or while none is claimable, the walk below
+    -- (fairqueue_plan_grouped_v1). Without groups, or while none is claimable, the walk below
     -- sees ungrouped channels only (their indexes hold no grouped channel), exactly as before
-    -- groups existed.
+    -- groups existed. Either way, steps 4 and 5 are the one statement at the end.
     -- (A claim of every queue that found no claimable group skips the probe.)
     IF NOT v_no_groups THEN
         PERFORM FROM fairqueue_channel_group g
@@ -1017,45 +967,187 @@ BEGIN
         v_grouped := FOUND;
     END IF;
     IF v_grouped THEN
-        RETURN QUERY SELECT * FROM fairqueue_claim_grouped_v1(
-            p_limit, p_lease, p_worker, p_only, p_exclude, v_quantum, p_wait_ms, p_by_time,
-            v_now, v_queue);
-        RETURN;
-    END IF;
-
-    -- Step 2. Walk eligible channels in turn order, locking one per FETCH, and stop as soon as
-    -- their shares cover p_limit: a claim locks only the channels it will serve.
-    -- The WHERE repeats fq_channel_turn_idx's predicate word for word so the planner can prove
-    -- the partial index applies; ORDER BY matches the index (no sort, no backlog scan).
-    -- SKIP LOCKED: a channel held by a concurrent claim is skipped, never waited for.
-    -- FOR UPDATE re-checks the WHERE on the newest row version, so a cap or turn changed by a
-    -- claim that committed after our snapshot is honoured (no lost update).
-    --
-    -- Step 2b (p_wait_ms > 0 only), the second pass of the loop. Nothing unlocked was
-    -- eligible. When that is because concurrent claims hold the eligible channels (one hot
-    -- tenant, several claimers), queue behind the first of them in turn order rather than
-    -- come back empty: a claim holds a channel only for the rest of its statement and its
-    -- commit, and a claimer that came back empty would sleep until its next poll. The wait is
-    -- a blocking FOR UPDATE on one channel; it re-checks the WHERE on the row as its holder
-    -- left it, passing over a row that is no longer eligible (drained, at its cap, or rate
-    -- limited), and that row is then served like a row of the walk. The re-check compares
-    -- turns with the clock at that moment, and the clock is read again after the wait: the
-    -- holder's claim may have started after our first reading and moved the turn past it.
-    -- Bounded by lock_timeout = p_wait_ms: a channel held longer (by a claim inside a
-    -- caller's transaction, or a claim slowed down by a long transaction elsewhere) makes
-    -- this statement fail with SQLSTATE 55P03; store.py then reports no messages (and redoes
-    -- a completion of the same call on its own). So only a caller in a transaction of its own
-    -- may wait. No deadlock can last: this transaction's other locks were taken with SKIP
-    -- LOCKED or are on its own leased messages, and lock_timeout, far below deadlock_timeout,
-    -- ends a wait on a channel locked by another claim's counter fold.
-    LOOP
-        IF p_by_time AND NOT v_waited THEN
-            -- The same walk in tag order. The rate limit is a filter here, not an index
-            -- bound: `release_interval = 0 OR` keeps the planner off fq_channel_turn_idx
-            -- (a range scan there would have to sort every claimable channel by tag).
-            OPEN v_cur FOR
-                SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
-                       c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
+        -- Steps 2 and 3 over the groups and the ungrouped channels together.
+        SELECT p.o_now, p.o_ids, p.o_names, p.o_alloc, p.o_used, p.o_turn, p.o_interval,
+               p.o_last, p.o_seq, p.o_est, p.o_mean, p.o_cg, p.o_gids, p.o_gused, p.o_gturn,
+               p.o_ginterval, p.o_glast, p.o_gweight
+        INTO v_now, v_ids, v_names, v_alloc, v_used, v_turn, v_interval, v_last, v_seq, v_est,
+             v_mean, v_cg, v_gids, v_gused, v_gturn, v_ginterval, v_glast, v_gweight
+        FROM fairqueue_plan_grouped_v1(
+            p_limit, p_only, p_exclude, v_quantum, p_wait_ms, p_by_time, v_now, v_queue) p;
+        IF v_ids IS NULL THEN
+            RETURN;
+        END IF;
+    ELSE
+        -- Step 2. Walk eligible channels in turn order, locking one per FETCH, and stop as soon as
+        -- their shares cover p_limit: a claim locks only the channels it will serve.
+        -- The WHERE repeats fq_channel_turn_idx's predicate word for word so the planner can prove
+        -- the partial index applies; ORDER BY matches the index (no sort, no backlog scan).
+        -- SKIP LOCKED: a channel held by a concurrent claim is skipped, never waited for.
+        -- FOR UPDATE re-checks the WHERE on the newest row version, so a cap or turn changed by a
+        -- claim that committed after our snapshot is honoured (no lost update).
+        --
+        -- Step 2b (p_wait_ms > 0 only), the second pass of the loop. Nothing unlocked was
+        -- eligible. When that is because concurrent claims hold the eligible channels (one hot
+        -- tenant, several claimers), queue behind the first of them in turn order rather than
+        -- come back empty: a claim holds a channel only for the rest of its statement and its
+        -- commit, and a claimer that came back empty would sleep until its next poll. The wait is
+        -- a blocking FOR UPDATE on one channel; it re-checks the WHERE on the row as its holder
+        -- left it, passing over a row that is no longer eligible (drained, at its cap, or rate
+        -- limited), and that row is then served like a row of the walk. The re-check compares
+        -- turns with the clock at that moment, and the clock is read again after the wait: the
+        -- holder's claim may have started after our first reading and moved the turn past it.
+        -- Bounded by lock_timeout = p_wait_ms: a channel held longer (by a claim inside a
+        -- caller's transaction, or a claim slowed down by a long transaction elsewhere) makes
+        -- this statement fail with SQLSTATE 55P03; store.py then reports no messages (and redoes
+        -- a completion of the same call on its own). So only a caller in a transaction of its own
+        -- may wait. No deadlock can last: this transaction's other locks were taken with SKIP
+        -- LOCKED or are on its own leased messages, and lock_timeout, far below deadlock_timeout,
+        -- ends a wait on a channel locked by another claim's counter fold.
+        LOOP
+            IF p_by_time AND NOT v_waited THEN
+                -- The same walk in tag order. The rate limit is a filter here, not an index
+                -- bound: `release_interval = 0 OR` keeps the planner off fq_channel_turn_idx
+                -- (a range scan there would have to sort every claimable channel by tag).
+                OPEN v_cur FOR
+                    SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
+                           c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
+                    FROM fairqueue_channel c
+                    WHERE c.ready_count > 0
+                      AND NOT c.paused
+                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                      AND c.group_id IS NULL
+                      AND c.queue = v_queue
+                      AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
+                      AND (p_only IS NULL OR c.id = ANY (p_only))
+                      AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
+                    ORDER BY c.vtime, c.id
+                    LIMIT p_limit
+                    FOR UPDATE SKIP LOCKED;
+            ELSIF p_by_time THEN
+                OPEN v_cur FOR
+                    SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
+                           c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
+                    FROM fairqueue_channel c
+                    WHERE c.ready_count > 0
+                      AND NOT c.paused
+                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                      AND c.group_id IS NULL
+                      AND c.queue = v_queue
+                      AND (c.release_interval = interval '0'
+                           OR (c.next_turn_at <= v_wait_until
+                               AND c.next_turn_at <= clock_timestamp()))
+                      AND (p_only IS NULL OR c.id = ANY (p_only))
+                      AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
+                    ORDER BY c.vtime, c.id
+                    LIMIT 1
+                    FOR UPDATE;
+            ELSIF NOT v_waited THEN
+                OPEN v_cur FOR
+                    SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
+                           c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
+                    FROM fairqueue_channel c
+                    WHERE c.ready_count > 0
+                      AND NOT c.paused
+                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                      AND c.group_id IS NULL
+                      AND c.queue = v_queue
+                      AND c.next_turn_at <= v_now
+                      AND (p_only IS NULL OR c.id = ANY (p_only))
+                      AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
+                    ORDER BY c.next_turn_at, c.id
+                    LIMIT p_limit
+                    FOR UPDATE SKIP LOCKED;
+            ELSE
+                OPEN v_cur FOR
+                    SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
+                           c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
+                    FROM fairqueue_channel c
+                    WHERE c.ready_count > 0
+                      AND NOT c.paused
+                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                      AND c.group_id IS NULL
+                      AND c.queue = v_queue
+                      -- The first bound is the index condition (rate-limited channels due later
+                      -- are not even read); the second, evaluated again on the re-check, is exact.
+                      AND c.next_turn_at <= v_wait_until
+                      AND c.next_turn_at <= clock_timestamp()
+                      AND (p_only IS NULL OR c.id = ANY (p_only))
+                      AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
+                    ORDER BY c.next_turn_at, c.id
+                    LIMIT 1
+                    FOR UPDATE;
+            END IF;
+            LOOP
+                FETCH v_cur INTO r;
+                EXIT WHEN NOT FOUND;
+                v_n := v_n + 1;
+                v_ids[v_n] := r.id;
+                v_names[v_n] := r.name;
+                v_turn[v_n] := r.weight * v_quantum;
+                -- a turn left over from a larger quantum is simply finished
+                v_used[v_n] := LEAST(r.turn_used, v_turn[v_n] - 1);
+                -- the most this call may take: ready rows, free slots, one release if rate limited
+                v_room[v_n] := LEAST(
+                    r.ready_count,
+                    coalesce(r.max_concurrency - r.running_count, p_limit),
+                    CASE WHEN r.release_interval > interval '0' THEN 1 ELSE p_limit END);
+                v_interval[v_n] := r.release_interval;
+                IF p_by_time THEN  -- (not computed by count: a function call per channel)
+                    v_tag[v_n] := r.vtime;
+                    IF v_n = 1 THEN
+                        v_first_tag := r.vtime;
+                    END IF;
+                    v_est[v_n] := greatest(coalesce(r.mean_run, fairqueue_default_run_v1()), 1e-6)
+                                  / r.weight;
+                END IF;
+                v_covered := v_covered + LEAST(v_turn[v_n] - v_used[v_n], v_room[v_n]);
+                EXIT WHEN v_covered >= p_limit;
+            END LOOP;
+            CLOSE v_cur;
+            IF v_waited THEN
+                -- Step 2c. Still nothing. A channel a concurrent claim has just folded is
+                -- not eligible in our snapshots yet (its new messages were still deltas
+                -- there), and that claim holds the channel row until it commits, even when it
+                -- does not serve the channel: wait for it the same way (bounded by the same
+                -- lock_timeout), if a waking delta is still to be seen. Then, as any wait may
+                -- have let such a claim commit, walk once more with a new snapshot, which sees
+                -- its fold.
+                IF v_n = 0 AND NOT v_fold_waited THEN
+                    SELECT d.channel_id INTO v_folding
+                    FROM fairqueue_channel_delta d
+                    WHERE d.wake
+                      AND (p_only IS NULL OR d.channel_id = ANY (p_only))
+                      AND (p_exclude IS NULL OR NOT (d.channel_id = ANY (p_exclude)))
+                    ORDER BY d.id
+                    LIMIT 1;
+                    IF FOUND THEN
+                        PERFORM FROM fairqueue_channel c WHERE c.id = v_folding FOR UPDATE;
+                    END IF;
+                    PERFORM set_config('lock_timeout', v_lock_timeout, true);
+                    v_fold_waited := true;
+                    v_waited := false;
+                    v_now := clock_timestamp();
+                    CONTINUE;
+                END IF;
+                PERFORM set_config('lock_timeout', v_lock_timeout, true);
+                v_now := clock_timestamp();  -- for the charge, claimed_at and the lease
+                IF v_skipped > 0 AND v_n = v_skipped THEN
+                    v_room := v_kept_room;  -- the channel waited for was no longer claimable
+                END IF;
+                EXIT;
+            END IF;
+            -- By time, a channel held by a concurrent claim may be far ahead in tag order of the
+            -- first one this walk locked (a tenant of short tasks, claimed by several claimers at
+            -- once): skipping it would hand the claim to a channel of long tasks every time, and
+            -- the shares would follow the lock traffic, not the tags. So when the smallest
+            -- claimable tag (read without a lock) is below ours by more than one of its messages'
+            -- charge, wait for that channel as in step 2b, and serve only it: the channels this
+            -- walk locked are kept (locked to the commit) but given nothing.
+            IF p_by_time AND v_n > 0 AND coalesce(p_wait_ms, 0) > 0 AND NOT v_fold_waited THEN
+                SELECT c.vtime + greatest(coalesce(c.mean_run, fairqueue_default_run_v1()), 1e-6)
+                                 / c.weight
+                INTO v_front
                 FROM fairqueue_channel c
                 WHERE c.ready_count > 0
                   AND NOT c.paused
@@ -1066,212 +1158,78 @@ BEGIN
                   AND (p_only IS NULL OR c.id = ANY (p_only))
                   AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
                 ORDER BY c.vtime, c.id
-                LIMIT p_limit
-                FOR UPDATE SKIP LOCKED;
-        ELSIF p_by_time THEN
-            OPEN v_cur FOR
-                SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
-                       c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
-                FROM fairqueue_channel c
-                WHERE c.ready_count > 0
-                  AND NOT c.paused
-                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
-                  AND c.group_id IS NULL
-                  AND c.queue = v_queue
-                  AND (c.release_interval = interval '0'
-                       OR (c.next_turn_at <= v_wait_until
-                           AND c.next_turn_at <= clock_timestamp()))
-                  AND (p_only IS NULL OR c.id = ANY (p_only))
-                  AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
-                ORDER BY c.vtime, c.id
-                LIMIT 1
-                FOR UPDATE;
-        ELSIF NOT v_waited THEN
-            OPEN v_cur FOR
-                SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
-                       c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
-                FROM fairqueue_channel c
-                WHERE c.ready_count > 0
-                  AND NOT c.paused
-                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
-                  AND c.group_id IS NULL
-                  AND c.queue = v_queue
-                  AND c.next_turn_at <= v_now
-                  AND (p_only IS NULL OR c.id = ANY (p_only))
-                  AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
-                ORDER BY c.next_turn_at, c.id
-                LIMIT p_limit
-                FOR UPDATE SKIP LOCKED;
-        ELSE
-            OPEN v_cur FOR
-                SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
-                       c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
-                FROM fairqueue_channel c
-                WHERE c.ready_count > 0
-                  AND NOT c.paused
-                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
-                  AND c.group_id IS NULL
-                  AND c.queue = v_queue
-                  -- The first bound is the index condition (rate-limited channels due later
-                  -- are not even read); the second, evaluated again on the re-check, is exact.
-                  AND c.next_turn_at <= v_wait_until
-                  AND c.next_turn_at <= clock_timestamp()
-                  AND (p_only IS NULL OR c.id = ANY (p_only))
-                  AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
-                ORDER BY c.next_turn_at, c.id
-                LIMIT 1
-                FOR UPDATE;
-        END IF;
-        LOOP
-            FETCH v_cur INTO r;
-            EXIT WHEN NOT FOUND;
-            v_n := v_n + 1;
-            v_ids[v_n] := r.id;
-            v_names[v_n] := r.name;
-            v_turn[v_n] := r.weight * v_quantum;
-            -- a turn left over from a larger quantum is simply finished
-            v_used[v_n] := LEAST(r.turn_used, v_turn[v_n] - 1);
-            -- the most this call may take: ready rows, free slots, one release if rate limited
-            v_room[v_n] := LEAST(
-                r.ready_count,
-                coalesce(r.max_concurrency - r.running_count, p_limit),
-                CASE WHEN r.release_interval > interval '0' THEN 1 ELSE p_limit END);
-            v_interval[v_n] := r.release_interval;
-            IF p_by_time THEN  -- (not computed by count: a function call per channel)
-                v_tag[v_n] := r.vtime;
-                IF v_n = 1 THEN
-                    v_first_tag := r.vtime;
-                END IF;
-                v_est[v_n] := greatest(coalesce(r.mean_run, fairqueue_default_run_v1()), 1e-6)
-                              / r.weight;
-            END IF;
-            v_covered := v_covered + LEAST(v_turn[v_n] - v_used[v_n], v_room[v_n]);
-            EXIT WHEN v_covered >= p_limit;
-        END LOOP;
-        CLOSE v_cur;
-        IF v_waited THEN
-            -- Step 2c. Still nothing. A channel a concurrent claim has just folded is not
-            -- eligible in our snapshots yet (its new messages were still deltas there), and that
-            -- claim holds the channel row until it commits, even when it does not serve the
-            -- channel: wait for it the same way (bounded by the same lock_timeout), if a waking
-            -- delta is still to be seen. Then, as any wait may have let such a claim commit,
-            -- walk once more with a new snapshot, which sees its fold.
-            IF v_n = 0 AND NOT v_fold_waited THEN
-                SELECT d.channel_id INTO v_folding
-                FROM fairqueue_channel_delta d
-                WHERE d.wake
-                  AND (p_only IS NULL OR d.channel_id = ANY (p_only))
-                  AND (p_exclude IS NULL OR NOT (d.channel_id = ANY (p_exclude)))
-                ORDER BY d.id
                 LIMIT 1;
-                IF FOUND THEN
-                    PERFORM FROM fairqueue_channel c WHERE c.id = v_folding FOR UPDATE;
+                IF v_front < v_first_tag THEN
+                    v_skipped := v_n;
+                    v_kept_room := v_room;
+                    v_room := array_fill(0, ARRAY[v_n]);
+                    v_covered := 0;
                 END IF;
-                PERFORM set_config('lock_timeout', v_lock_timeout, true);
-                v_fold_waited := true;
-                v_waited := false;
-                v_now := clock_timestamp();
-                CONTINUE;
             END IF;
-            PERFORM set_config('lock_timeout', v_lock_timeout, true);
-            v_now := clock_timestamp();  -- for the charge, claimed_at and the lease
-            IF v_skipped > 0 AND v_n = v_skipped THEN
-                v_room := v_kept_room;  -- the channel waited for was no longer claimable
-            END IF;
-            EXIT;
-        END IF;
-        -- By time, a channel held by a concurrent claim may be far ahead in tag order of the
-        -- first one this walk locked (a tenant of short tasks, claimed by several claimers at
-        -- once): skipping it would hand the claim to a channel of long tasks every time, and
-        -- the shares would follow the lock traffic, not the tags. So when the smallest
-        -- claimable tag (read without a lock) is below ours by more than one of its messages'
-        -- charge, wait for that channel as in step 2b, and serve only it: the channels this
-        -- walk locked are kept (locked to the commit) but given nothing.
-        IF p_by_time AND v_n > 0 AND coalesce(p_wait_ms, 0) > 0 AND NOT v_fold_waited THEN
-            SELECT c.vtime + greatest(coalesce(c.mean_run, fairqueue_default_run_v1()), 1e-6)
-                             / c.weight
-            INTO v_front
-            FROM fairqueue_channel c
-            WHERE c.ready_count > 0
-              AND NOT c.paused
-              AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
-              AND c.group_id IS NULL
-              AND c.queue = v_queue
-              AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
-              AND (p_only IS NULL OR c.id = ANY (p_only))
-              AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
-            ORDER BY c.vtime, c.id
-            LIMIT 1;
-            IF v_front < v_first_tag THEN
-                v_skipped := v_n;
-                v_kept_room := v_room;
-                v_room := array_fill(0, ARRAY[v_n]);
-                v_covered := 0;
-            END IF;
-        END IF;
-        EXIT WHEN (v_n > v_skipped) OR coalesce(p_wait_ms, 0) <= 0 OR v_fold_waited;
-        v_waited := true;
-        v_wait_until := clock_timestamp() + p_wait_ms * interval '1 millisecond';
-        v_lock_timeout := current_setting('lock_timeout');
-        PERFORM set_config('lock_timeout', p_wait_ms || 'ms', true);
-    END LOOP;
-
-    IF v_n = 0 THEN
-        RETURN;
-    END IF;
-
-    -- Step 3, by time: each message goes to the channel whose next message would start at the
-    -- smallest tag (its tag plus what this claim gave it already, at its charge per message),
-    -- up to its room: a merge of the channels' sequences of start tags, one statement on the
-    -- arrays. A channel far ahead in tag order gets nothing though the walk locked it (with
-    -- turns it would get its turn, and a tenant of long tasks took a slot in every claim of
-    -- several messages). Channels go to the back in walk order.
-    IF p_by_time THEN
-        SELECT array_agg(coalesce(g.n, 0)::integer ORDER BY o.k)
-        INTO v_alloc
-        FROM generate_series(1, v_n) AS o(k)
-        LEFT JOIN (
-            SELECT x.k, count(*) AS n
-            FROM (
-                SELECT a.k
-                FROM unnest(v_tag, v_est, v_room) WITH ORDINALITY AS a(tag, est, room, k)
-                CROSS JOIN LATERAL generate_series(0, LEAST(a.room, p_limit) - 1) AS s(i)
-                ORDER BY a.tag + s.i * a.est, a.k
-                LIMIT p_limit
-            ) x
-            GROUP BY x.k
-        ) g ON g.k = o.k;
-        v_last := ARRAY(SELECT generate_series(1, v_n));
-        v_seq := v_n;
-    END IF;
-
-    -- Step 3. Weighted water-filling in turn order. Round 0 gives each channel what is left of
-    -- its current turn; later rounds (only when the channels found could not cover p_limit)
-    -- give a whole turn each. Earlier channels get the remainder of a partial round, exactly
-    -- as a sequence of smaller claims would.
-    IF NOT p_by_time THEN
-        v_alloc := array_fill(0, ARRAY[v_n]);
-        v_last := array_fill(0, ARRAY[v_n]);
-        v_left := p_limit;
-        LOOP
-            v_progress := false;
-            FOR i IN 1 .. v_n LOOP
-                EXIT WHEN v_left = 0;
-                v_give := LEAST(
-                    CASE WHEN v_round = 0 THEN v_turn[i] - v_used[i] ELSE v_turn[i] END,
-                    v_room[i] - v_alloc[i],
-                    v_left);
-                IF v_give > 0 THEN
-                    v_alloc[i] := v_alloc[i] + v_give;
-                    v_left := v_left - v_give;
-                    v_progress := true;
-                    v_seq := v_seq + 1;
-                    v_last[i] := v_seq;
-                END IF;
-            END LOOP;
-            EXIT WHEN v_left = 0 OR NOT v_progress;
-            v_round := v_round + 1;
+            EXIT WHEN (v_n > v_skipped) OR coalesce(p_wait_ms, 0) <= 0 OR v_fold_waited;
+            v_waited := true;
+            v_wait_until := clock_timestamp() + p_wait_ms * interval '1 millisecond';
+            v_lock_timeout := current_setting('lock_timeout');
+            PERFORM set_config('lock_timeout', p_wait_ms || 'ms', true);
         END LOOP;
+
+        IF v_n = 0 THEN
+            RETURN;
+        END IF;
+
+        -- Step 3, by time: each message goes to the channel whose next message would start at the
+        -- smallest tag (its tag plus what this claim gave it already, at its charge per message),
+        -- up to its room: a merge of the channels' sequences of start tags, one statement on the
+        -- arrays. A channel far ahead in tag order gets nothing though the walk locked it (with
+        -- turns it would get its turn, and a tenant of long tasks took a slot in every claim of
+        -- several messages). Channels go to the back in walk order.
+        IF p_by_time THEN
+            SELECT array_agg(coalesce(g.n, 0)::integer ORDER BY o.k)
+            INTO v_alloc
+            FROM generate_series(1, v_n) AS o(k)
+            LEFT JOIN (
+                SELECT x.k, count(*) AS n
+                FROM (
+                    SELECT a.k
+                    FROM unnest(v_tag, v_est, v_room) WITH ORDINALITY AS a(tag, est, room, k)
+                    CROSS JOIN LATERAL generate_series(0, LEAST(a.room, p_limit) - 1) AS s(i)
+                    ORDER BY a.tag + s.i * a.est, a.k
+                    LIMIT p_limit
+                ) x
+                GROUP BY x.k
+            ) g ON g.k = o.k;
+            v_last := ARRAY(SELECT generate_series(1, v_n));
+            v_seq := v_n;
+        END IF;
+
+        -- Step 3. Weighted water-filling in turn order. Round 0 gives each channel what is left of
+        -- its current turn; later rounds (only when the channels found could not cover p_limit)
+        -- give a whole turn each. Earlier channels get the remainder of a partial round, exactly
+        -- as a sequence of smaller claims would.
+        IF NOT p_by_time THEN
+            v_alloc := array_fill(0, ARRAY[v_n]);
+            v_last := array_fill(0, ARRAY[v_n]);
+            v_left := p_limit;
+            LOOP
+                v_progress := false;
+                FOR i IN 1 .. v_n LOOP
+                    EXIT WHEN v_left = 0;
+                    v_give := LEAST(
+                        CASE WHEN v_round = 0 THEN v_turn[i] - v_used[i] ELSE v_turn[i] END,
+                        v_room[i] - v_alloc[i],
+                        v_left);
+                    IF v_give > 0 THEN
+                        v_alloc[i] := v_alloc[i] + v_give;
+                        v_left := v_left - v_give;
+                        v_progress := true;
+                        v_seq := v_seq + 1;
+                        v_last[i] := v_seq;
+                    END IF;
+                END LOOP;
+                EXIT WHEN v_left = 0 OR NOT v_progress;
+                v_round := v_round + 1;
+            END LOOP;
+        END IF;
     END IF;
 
     -- Steps 4 and 5 in one statement. The LATERAL subquery reads each channel's head from
@@ -1284,7 +1242,8 @@ BEGIN
     -- transaction as soon as it wrote one of those channels. Skipping costs a lock record per
     -- claimed row; waiting could cost the whole fleet. The UPDATE re-checks state = 'ready'.
     -- Channels are charged with what was actually claimed (`got`), which may be less than
-    -- their share.
+    -- their share, and so are the groups of grouped channels (none without groups: v_cg is
+    -- empty, and `ggot` with it).
     RETURN QUERY
     WITH alloc AS (
         SELECT a.cid, a.n FROM unnest(v_ids, v_alloc) AS a(cid, n)
@@ -1353,6 +1312,34 @@ BEGIN
         FROM got
         WHERE c.id = got.cid AND c.id = ANY (v_ids)  -- primary-key lookups, as above
         RETURNING c.id
+    ), ggot AS MATERIALIZED (
+        -- what each group's channels got; by time its charge, each channel's mean run time
+        -- per message (the group's weight divides it below)
+        SELECT v_cg[got.k] AS gk, sum(got.n)::integer AS n,
+               sum(got.n * v_mean[got.k]) AS charge
+        FROM got
+        WHERE v_cg[got.k] > 0
+        GROUP BY v_cg[got.k]
+    ), gcharged AS (
+        -- the group's turn and rate limit, as a channel's above; its tag by time. (Its
+        -- ready and running sums follow its channels': fairqueue_group_counters_v1.)
+        UPDATE fairqueue_channel_group g
+        SET last_claimed_at = v_now,
+            next_turn_at = CASE
+                WHEN v_ginterval[ggot.gk] > interval '0' THEN v_now + v_ginterval[ggot.gk]
+                WHEN v_gused[ggot.gk] + ggot.n >= v_gturn[ggot.gk]
+                    THEN v_now - (v_seq - v_glast[ggot.gk]) * interval '1 microsecond'
+                ELSE g.next_turn_at
+            END,
+            turn_used = CASE
+                WHEN v_ginterval[ggot.gk] > interval '0' THEN 0
+                ELSE (v_gused[ggot.gk] + ggot.n) % v_gturn[ggot.gk]
+            END,
+            vtime = CASE WHEN p_by_time THEN g.vtime + ggot.charge / v_gweight[ggot.gk]
+                         ELSE g.vtime END
+        FROM ggot
+        WHERE g.id = v_gids[ggot.gk] AND g.id = ANY (v_gids)
+        RETURNING g.id
     )
     SELECT claimed.id, claimed.channel_id, v_names[array_position(v_ids, claimed.channel_id)],
            claimed.task_name::text,
@@ -1362,6 +1349,7 @@ BEGIN
     FROM claimed
     -- In the order a worker should start them (it may prefetch more than it runs at once).
     ORDER BY claimed.priority DESC, claimed.id;
-    -- (`charged` is not read: PostgreSQL runs every data-modifying CTE to completion.)
+    -- (`charged` and `gcharged` are not read: PostgreSQL runs every data-modifying CTE to
+    -- completion.)
 END;
 $$;

@@ -554,7 +554,13 @@ BEGIN
     -- only cost: NOTIFY serialises commits on a cluster-wide lock and wakes every listener)
     -- when the batch has one channel and
     -- * a claim left that channel backlogged: its counted ready_count (on the channel row,
-    --   which costs nothing more to read) is above zero. A claim leaves ready messages behind
+    --   which costs nothing more to read), less the ready messages taken out since by a
+    --   cancel, purge, delete or abort whose delta no fold has added yet (the partial index
+    --   fq_delta_lowered_idx holds exactly those deltas: one probe, almost always of nothing,
+    --   and only when the count is above zero), is above zero. Without them, an idle channel
+    --   an operator emptied still counted its messages, and the next enqueue woke nobody
+    --   (a removal still in flight when this statement runs is not seen: the workers' poll
+    --   finds that message). A claim leaves ready messages behind
     --   only when the channel is capped, paused or rate limited, or when its claimer had its
     --   fill, and that claimer claims again as it settles. A worker that went idle before that
     --   claim was woken by the enqueues since, which found the count at zero; one that went
@@ -578,7 +584,10 @@ BEGIN
             SELECT 1
             FROM fairqueue_channel c
             WHERE c.name = v_names[1]
-              AND CASE WHEN c.ready_count > 0 THEN true ELSE EXISTS (
+              AND CASE WHEN CASE WHEN c.ready_count > 0 THEN c.ready_count + coalesce((
+                                     SELECT sum(d.ready) FROM fairqueue_channel_delta d
+                                     WHERE d.channel_id = c.id AND d.ready < 0), 0) > 0 END
+                       THEN true ELSE EXISTS (
                   SELECT FROM (
                       SELECT m.run_at, m.enqueued_at
                       FROM fairqueue_message m
@@ -606,7 +615,8 @@ $$;
 -- channel goes through fairqueue_enqueue_v1 (channel creation, the at-once and at-commit
 -- bounds); returns NULL where it returns no rows (p_create false).
 -- The wake-up decision is fairqueue_enqueue_v1's: no NOTIFY when a claim left the channel
--- backlogged (ready_count above zero). Otherwise the head is read before the insert, in the
+-- backlogged (ready_count above zero, less what a cancel, purge, delete or abort took out
+-- since: fq_delta_lowered_idx). Otherwise the head is read before the insert, in the
 -- same statement: the message does not notify when that head became ready over 50 ms ago and
 -- still comes first after the insert (same or higher priority, or this message is
 -- scheduled), exactly when fairqueue_enqueue_v1's probe after the insert would find that
@@ -725,7 +735,12 @@ BEGIN
         PERFORM pg_advisory_xact_lock_shared(fairqueue_channel_lock_key_v1(), v_key);
     END IF;
     WITH ch AS (
-        SELECT c.id, c.ready_count
+        -- (`backlogged`: fairqueue_enqueue_v1's test, read once)
+        SELECT c.id,
+               CASE WHEN c.ready_count > 0 THEN c.ready_count + coalesce((
+                        SELECT sum(d.ready) FROM fairqueue_channel_delta d
+                        WHERE d.channel_id = c.id AND d.ready < 0), 0) > 0
+                    ELSE false END AS backlogged
         FROM fairqueue_channel c
         WHERE c.name = p_channel AND c.max_backlog IS NULL
     ), head AS (
@@ -753,7 +768,7 @@ BEGIN
         FROM inserted
     )
     SELECT inserted.id,
-           CASE WHEN (SELECT ch.ready_count FROM ch) > 0 THEN true
+           CASE WHEN (SELECT ch.backlogged FROM ch) THEN true
                 ELSE EXISTS (SELECT FROM head
                              WHERE head.since < v_now - interval '50 milliseconds'
                                AND (head.priority >= p_priority OR v_run_at > v_now))

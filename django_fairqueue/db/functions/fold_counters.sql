@@ -2,6 +2,40 @@
 -- every writer of messages records into their channel rows: in bulk by claims and the
 -- maintenance, and for one channel at once after an operator's change.
 
+-- Correct the tags of the groups of channels p_ids by what their messages really ran:
+-- p_run[i] seconds for p_runs[i] messages of channel p_ids[i] (releases: no seconds, what the
+-- claim charged given back). Each of those messages was charged to its group at its claim at
+-- its channel's mean run time (the default while the channel had none) divided by the
+-- group's weight (fairqueue_claim_v1); this adds what ran less that estimate, divided by the
+-- group's weight, as the fold does to the channel's own tag. So a group whose work lands in
+-- fresh channels (one per user or document), each charged the default estimate at its only
+-- claim, is charged what its messages really took. The folds call this holding the channels
+-- and their groups, before they move the channels' means (the estimates the claims charged).
+-- Ungrouped channels change nothing.
+CREATE OR REPLACE FUNCTION fairqueue_correct_groups_v1(
+    p_ids bigint[], p_run double precision[], p_runs bigint[]
+)
+RETURNS void
+LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan  -- see fairqueue_claim_v1
+AS $$
+BEGIN
+    UPDATE fairqueue_channel_group g
+    SET vtime = g.vtime + x.fix / g.weight
+    FROM (
+        SELECT c.group_id,
+               sum(p_run[array_position(p_ids, c.id)]
+                   - p_runs[array_position(p_ids, c.id)]
+                     * coalesce(c.mean_run, fairqueue_default_run_v1())) AS fix
+        FROM fairqueue_channel c
+        WHERE c.id = ANY (p_ids) AND c.group_id IS NOT NULL
+        GROUP BY c.group_id
+    ) x
+    WHERE g.id = x.group_id AND x.fix <> 0;
+END;
+$$;
+
+
 -- Fold pending counter deltas into their channel rows. With p_wake_only, only deltas that may
 -- make a channel claimable (new ready messages; freed slots of a capped channel) are folded:
 -- the claim does this before picking channels. The others (completions on uncapped channels)
@@ -14,9 +48,10 @@
 -- hundred primary-key lookups, which is cheaper there but makes the fold's cost grow with the
 -- number of channels; we want it to grow with the number of deltas only, at any size.
 -- Every fold adds the run time settlements recorded to the channel's mean (`mean_run`). With
--- p_by_time (fairness by time) it also corrects the tags (the claim charged the mean; the
--- delta says what really ran) and lifts each channel it makes claimable to the system's
--- virtual time (fairqueue_virtual_time_v1, read once per call, before the update).
+-- p_by_time (fairness by time) it also corrects the tags, the channel's and its group's (the
+-- claim charged the mean; the delta says what really ran), and lifts each channel it makes
+-- claimable to the system's virtual time (fairqueue_virtual_time_v1, read once per call,
+-- before the update).
 CREATE OR REPLACE FUNCTION fairqueue_fold_deltas_v1(
     p_limit integer, p_wake_only boolean, p_by_time boolean DEFAULT false
 )
@@ -148,6 +183,12 @@ BEGIN
     END IF;
     IF p_by_time THEN
         v_vnow := fairqueue_virtual_time_v1();
+        -- 3b. The groups of grouped channels among them (locked in step 2b), by what really
+        --     ran, before step 4 moves the means their claims charged. A group that becomes
+        --     claimable in step 4 is then lifted from its corrected tag (its trigger).
+        IF v_groups IS NOT NULL THEN
+            PERFORM fairqueue_correct_groups_v1(v_ids, v_run, v_runs);
+        END IF;
     END IF;
 
     -- 4. Add the sums: primary-key lookups, each row's sums found by its array position.
@@ -214,9 +255,9 @@ CREATE OR REPLACE FUNCTION fairqueue_fold_channel_v1(p_channel_id bigint)
 RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_n integer;
     v_vnow double precision;
     v_group bigint;
+    s record;
 BEGIN
     -- The channel, then its group (the lock order: channel rows, then group rows).
     SELECT c.group_id INTO v_group FROM fairqueue_channel c WHERE c.id = p_channel_id FOR UPDATE;
@@ -239,23 +280,27 @@ BEGIN
         WHERE d.channel_id = p_channel_id
         RETURNING d.ready, d.scheduled, d.running, d.failed, d.succeeded, d.batch_pending,
                   d.run_seconds, d.run_count
-    ), sums AS (
-        SELECT coalesce(sum(ready), 0) AS ready, coalesce(sum(scheduled), 0) AS scheduled,
-               coalesce(sum(running), 0) AS running, coalesce(sum(failed), 0) AS failed,
-               coalesce(sum(succeeded), 0) AS succeeded,
-               coalesce(bool_or(batch_pending), false) AS batches,
-               coalesce(sum(run_seconds), 0) AS run, coalesce(sum(run_count), 0) AS runs,
-               coalesce(sum(run_count) FILTER (WHERE run_seconds > 0), 0) AS ran,
-               count(*) AS n
-        FROM gone
     )
+    SELECT coalesce(sum(ready), 0) AS ready, coalesce(sum(scheduled), 0) AS scheduled,
+           coalesce(sum(running), 0) AS running, coalesce(sum(failed), 0) AS failed,
+           coalesce(sum(succeeded), 0) AS succeeded,
+           coalesce(bool_or(batch_pending), false) AS batches,
+           coalesce(sum(run_seconds), 0) AS run, coalesce(sum(run_count), 0) AS runs,
+           coalesce(sum(run_count) FILTER (WHERE run_seconds > 0), 0) AS ran,
+           count(*)::integer AS n
+    INTO s
+    FROM gone;
+    IF v_group IS NOT NULL AND s.runs > 0 THEN
+        -- its group's tag too, before the channel's mean moves (as fairqueue_fold_deltas_v1)
+        PERFORM fairqueue_correct_groups_v1(ARRAY[p_channel_id], ARRAY[s.run], ARRAY[s.runs]);
+    END IF;
     UPDATE fairqueue_channel c
-    SET ready_count = c.ready_count + sums.ready,
-        scheduled_count = c.scheduled_count + sums.scheduled,
-        running_count = c.running_count + sums.running,
-        failed_count = c.failed_count + sums.failed,
-        succeeded_total = c.succeeded_total + sums.succeeded,
-        batch_pending = c.batch_pending OR sums.batches,
+    SET ready_count = c.ready_count + s.ready,
+        scheduled_count = c.scheduled_count + s.scheduled,
+        running_count = c.running_count + s.running,
+        failed_count = c.failed_count + s.failed,
+        succeeded_total = c.succeeded_total + s.succeeded,
+        batch_pending = c.batch_pending OR s.batches,
         next_turn_at = CASE  -- as in fairqueue_fold_deltas_v1
             WHEN c.release_interval = interval '0' AND c.next_turn_at > statement_timestamp()
                 THEN statement_timestamp()
@@ -263,14 +308,15 @@ BEGIN
         END,
         -- lifted, and at most one message's charge ahead (as fairqueue_lift_v1)
         vtime = fairqueue_lift_v1(
-            c.vtime + (sums.run - sums.runs * coalesce(c.mean_run, fairqueue_default_run_v1()))
+            c.vtime + (s.run - s.runs * coalesce(c.mean_run, fairqueue_default_run_v1()))
                       / c.weight,
             v_vnow, false, true,
-            fairqueue_charge_v1(fairqueue_mean_run_v1(c.mean_run, sums.run, sums.ran), c.weight)),
-        mean_run = fairqueue_mean_run_v1(c.mean_run, sums.run, sums.ran)
-    FROM sums
-    WHERE c.id = p_channel_id
-    RETURNING sums.n INTO v_n;
-    RETURN coalesce(v_n, 0);
+            fairqueue_charge_v1(fairqueue_mean_run_v1(c.mean_run, s.run, s.ran), c.weight)),
+        mean_run = fairqueue_mean_run_v1(c.mean_run, s.run, s.ran)
+    WHERE c.id = p_channel_id;
+    IF NOT FOUND THEN
+        RETURN 0;
+    END IF;
+    RETURN s.n;
 END;
 $$;

@@ -9,10 +9,13 @@
 --      Django model maps no other). Claims and the fold never wait for a channel row: they
 --      use SKIP LOCKED (a claim's bounded CLAIM_WAIT ends in lock_timeout, not a deadlock);
 --   3. fairqueue_channel_group rows: the group of a channel, after the channel, by whoever
---      writes a grouped channel's counters (fairqueue_group_counters_v1); claims lock a group
---      SKIP LOCKED (or under CLAIM_WAIT's lock_timeout) and its channels SKIP LOCKED;
+--      writes a grouped channel's counters (fairqueue_group_counters_v1) and by the folds,
+--      which correct its tag (fairqueue_correct_groups_v1); claims lock a group SKIP LOCKED
+--      (or under CLAIM_WAIT's lock_timeout) and its channels SKIP LOCKED, and charge both in
+--      one statement at the end (fairqueue_claim_v1);
 --   4. fairqueue_channel_delta rows: inserted by every writer of messages, deleted by the fold
---      and the repair, which lock them SKIP LOCKED or after the channel;
+--      and the repair, which lock them SKIP LOCKED or after the channel (the repair inserts
+--      back what they recorded of run time);
 --   5. fairqueue_message and fairqueue_work_batch rows, in id order within one statement.
 --      Claims lock ready rows SKIP LOCKED (they never wait on a message), settlements only
 --      rows their lease token owns;

@@ -68,7 +68,10 @@ $$;
 -- lock (so no claim changes it meanwhile). Returns what was wrong, as seen under the lock.
 -- The pending deltas are deleted and the rows counted in one statement, so one snapshot: a
 -- writer that commits meanwhile has both its rows and its delta outside that snapshot, and
--- its delta (not deleted) keeps the counter exact when the fold adds it later.
+-- its delta (not deleted) keeps the counter exact when the fold adds it later. The run times
+-- the deleted deltas recorded count nothing the rows can tell: they go back in as deltas of
+-- their own (those of messages that ran apart from releases, which ran nothing), for the next
+-- fold to correct the channel's tag and mean and its group's tag with, as it would have.
 CREATE OR REPLACE FUNCTION fairqueue_repair_channels_v1(p_ids bigint[])
 RETURNS TABLE (channel_id bigint, channel_name text, counter text, recorded bigint,
                actual bigint)
@@ -83,7 +86,13 @@ BEGIN
         WITH gone AS (
             DELETE FROM fairqueue_channel_delta d
             WHERE d.channel_id = v_id
-            RETURNING d.succeeded, d.batch_pending
+            RETURNING d.succeeded, d.batch_pending, d.run_seconds, d.run_count
+        ), kept AS (
+            INSERT INTO fairqueue_channel_delta (channel_id, wake, run_seconds, run_count)
+            SELECT v_id, false, sum(gone.run_seconds), sum(gone.run_count)
+            FROM gone
+            WHERE gone.run_count <> 0 OR gone.run_seconds <> 0
+            GROUP BY gone.run_seconds > 0
         ), m AS (
             SELECT count(*) FILTER (WHERE x.state = 'ready') AS ready,
                    count(*) FILTER (WHERE x.state = 'scheduled') AS scheduled,
