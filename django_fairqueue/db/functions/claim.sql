@@ -999,9 +999,9 @@ BEGIN
         -- holder's claim may have started after our first reading and moved the turn past it.
         -- Bounded by lock_timeout = p_wait_ms: a channel held longer (by a claim inside a
         -- caller's transaction, or a claim slowed down by a long transaction elsewhere) makes
-        -- this statement fail with SQLSTATE 55P03; store.py then reports no messages (and redoes
-        -- a completion of the same call on its own). So only a caller in a transaction of its own
-        -- may wait. No deadlock can last: this transaction's other locks were taken with SKIP
+        -- this statement fail with SQLSTATE 55P03; message_store then reports no messages (and
+        -- redoes a completion of the same call on its own). So only a caller in a transaction of
+        -- its own may wait. No deadlock can last: this transaction's other locks were taken with SKIP
         -- LOCKED or are on its own leased messages, and lock_timeout, far below deadlock_timeout,
         -- ends a wait on a channel locked by another claim's counter fold.
         LOOP

@@ -140,7 +140,7 @@ $$;
 -- its index entry are written). If a running message of scope 'active' holds the key
 -- (fairqueue_unique_holder_v1), the statement fails with a unique violation of
 -- fq_message_unique_idx, as it would had that holder been waiting: the caller runs it again
--- (store._run_back_to_queue) and its fresh snapshot sees the holder, so the message is
+-- (message_store._run_back_to_queue) and its fresh snapshot sees the holder, so the message is
 -- superseded. A message of scope 'active' (re)takes its key's hold row.
 CREATE OR REPLACE FUNCTION fairqueue_unique_rejoin_v1(
     p_channel_id bigint, p_unique_key text, p_id bigint, p_scope text
