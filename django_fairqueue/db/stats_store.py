@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -168,7 +168,7 @@ def _usage_sums(rows: Iterable[tuple[Any, Sequence[int]]]) -> dict[Any, list[int
     return sums
 
 
-def _usage_params(sums: dict[Any, list[int]], keys: list[Any]) -> dict[str, list[int]]:
+def _usage_params(sums: Mapping[Any, Sequence[int]], keys: list[Any]) -> dict[str, list[int]]:
     columns = list(zip(*(sums[k] for k in keys), strict=True))
     return {name: list(columns[i]) for i, name in enumerate(USAGE_FIGURES)}
 
@@ -191,12 +191,24 @@ def record_usage(stats: Sequence[ChannelMinuteStats], *, using: str | None = Non
         for x in stats
         if x.succeeded + x.failed + x.retried or x.run_ms_sum  # claims alone: nothing settled
     )
-    if not hours:
-        return
+    if hours:
+        record_usage_hours(hours, using=using)
+        record_usage_totals(
+            _usage_sums((cid, figures) for (_, cid), figures in hours.items()), using=using
+        )
+
+
+def record_usage_hours(
+    hours: Mapping[tuple[datetime, int], Sequence[int]], *, using: str | None = None
+) -> None:
+    """Add figures per (hour, channel id) (:data:`USAGE_FIGURES`) to the usage hours."""
     keys = sorted(hours)
     params = {"hours": [h for h, _ in keys], "channel_ids": [c for _, c in keys]}
     _run("record_usage_hours", {**params, **_usage_params(hours, keys)}, using)
-    totals = _usage_sums((cid, figures) for (_, cid), figures in hours.items())
+
+
+def record_usage_totals(totals: Mapping[int, Sequence[int]], *, using: str | None = None) -> None:
+    """Add figures per channel id (:data:`USAGE_FIGURES`) to the usage totals."""
     ids = sorted(totals)
     _run("record_usage_totals", {"channel_ids": ids, **_usage_params(totals, ids)}, using)
 
