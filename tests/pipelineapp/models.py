@@ -81,3 +81,20 @@ class LongResultRow(models.Model):
 
     def __str__(self) -> str:
         return f"{self.row_id}.{self.rule}"
+
+
+class StrictResultRow(models.Model):
+    """A sink whose columns are NOT NULL, as Django makes them by default."""
+
+    id = models.BigIntegerField(primary_key=True)
+    tenant = models.CharField(max_length=50)
+    band = models.CharField(max_length=20, blank=True, default="")
+    total = models.FloatField(default=-1.0)
+    due = models.DateField()
+    stamp = models.TextField(blank=True, default="")
+
+    class Meta:
+        db_table = "pipelinetest_strict_result"
+
+    def __str__(self) -> str:
+        return f"{self.tenant} #{self.pk}"

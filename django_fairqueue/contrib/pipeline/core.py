@@ -220,6 +220,9 @@ class Pipeline:
     database: str | None = None
     #: A second output a job may choose instead of ``sink``: one row per source row and rule.
     long_sink: LongSink | None = None
+    #: The time zone of TODAY() and NOW(): an IANA name, or tenant -> name (None: the
+    #: ``FAIRQUEUE_PIPELINE`` setting ``TIME_ZONE``, default UTC).
+    time_zone: str | Callable[[str], str | None] | None = None
 
     def __post_init__(self) -> None:
         name: Any = self.name  # checked at run time: callers may pass anything
@@ -264,6 +267,11 @@ class Pipeline:
 
     def job_name(self, tenant: str) -> str:
         return f"{self.name}:{tenant}"
+
+    def zone_of(self, tenant: str) -> str | None:
+        """The tenant's time zone name, if the pipeline declares one."""
+        zone = self.time_zone(tenant) if callable(self.time_zone) else self.time_zone
+        return None if zone is None else str(zone)
 
     def tenant_names(self) -> list[str]:
         tenants = self.tenants() if callable(self.tenants) else self.tenants
@@ -347,6 +355,7 @@ def pipeline(
     max_attempts: int = 3,
     database: str | None = None,
     long_sink: LongSink | None = None,
+    time_zone: str | Callable[[str], str | None] | None = None,
 ) -> Callable[[Callable[[str], Formulas]], Pipeline]:
     """Decorate a tenant -> formulas lookup to declare and register a pipeline."""
 
@@ -363,6 +372,7 @@ def pipeline(
                 max_attempts=max_attempts,
                 database=database,
                 long_sink=long_sink,
+                time_zone=time_zone,
             )
         )
 

@@ -97,6 +97,7 @@ class ColumnType:
     precision: int | None = None
     scale: int | None = None
     max_length: int | None = None  # of varchar(n) and char(n)
+    not_null: bool = False
 
 
 def column_types(using: str, table: str) -> dict[str, ColumnType]:

@@ -9,7 +9,7 @@
 
 -- name: column_types
 -- The columns of a table, in order: name, PostgreSQL type name, precision and scale of numerics,
--- the length of varchar(n) and char(n).
+-- the length of varchar(n) and char(n), NOT NULL.
 SELECT a.attname::text,
        t.typname::text,
        CASE WHEN t.typname = 'numeric' AND a.atttypmod >= 4
@@ -17,7 +17,8 @@ SELECT a.attname::text,
        CASE WHEN t.typname = 'numeric' AND a.atttypmod >= 4
             THEN (a.atttypmod - 4) & 65535 END AS numeric_scale,
        CASE WHEN t.typname IN ('varchar', 'bpchar') AND a.atttypmod >= 4
-            THEN a.atttypmod - 4 END AS max_length
+            THEN a.atttypmod - 4 END AS max_length,
+       a.attnotnull
 FROM pg_attribute a
 JOIN pg_type t ON t.oid = a.atttypid
 WHERE a.attrelid = to_regclass(%(table)s) AND a.attnum > 0 AND NOT a.attisdropped
