@@ -17,6 +17,7 @@ from django_fairqueue.contrib.pipeline.formulas import (
     FUNCTIONS,
     MAX_DEPTH,
     FormulaError,
+    LookupTable,
     parse_formulas,
     version_of,
 )
@@ -326,6 +327,7 @@ CASES: list[tuple[str, Any]] = [
     ('TEXT(n, "General")', "10"), ('TEXT(46053, "yyyy-mm-dd")', "2026-01-31"),
     # dates
     ("NOW()", NOW), ("YEAR(NOW())", 2026.0), ('NOW() & ""', "2026-11-25 14:05:09"),
+    ("d < NOW()", True), ("TODAY() < NOW()", True), ("db < NOW()", True),
     ("WEEKNUM(DATE(2012, 3, 9))", 10.0), ("WEEKNUM(DATE(2012, 3, 9), 2)", 11.0),
     ("WEEKNUM(DATE(2021, 1, 1), 21)", 53.0), ("WEEKNUM(DATE(2012, 12, 31), 1)", 53.0),
     ("NETWORKDAYS(DATE(2012, 10, 1), DATE(2013, 3, 1))", 110.0),
@@ -776,3 +778,69 @@ def test_not_null_columns_get_their_default_and_today_is_the_pipelines_zones(
         assert row.due == (dt.date(2026, 1, 1) if r.qty > 3 else dt.date(1899, 12, 31))
         assert row.stamp == f"{local:%Y-%m-%d %H:%M} {job.today.isoformat()}"
     assert job.errors == {"total": sum(1 for r in data.values() if r.qty == 3)}
+
+
+def test_lookups_are_checked_against_the_declared_tables() -> None:
+    tables = {"prices": LookupTable("code", {"code": "str", "price": "float", "band": "str"})}
+
+    def lookup_refused(formula: str) -> str:
+        with pytest.raises(FormulaError) as caught:
+            parse_formulas("acme", [formula], columns=COLUMNS, targets=None, lookups=tables)
+        return str(caught.value)
+
+    ok = parse_formulas("acme", ['x = VLOOKUP(t, "prices", 3, FALSE)',
+                                 'y = XLOOKUP(t, "prices.code", "prices.price", 0) + 1'],
+                        columns=COLUMNS, targets=None, lookups=tables)  # fmt: skip
+    assert [f.kind for f in ok.formulas] == ["text", "number"]
+    assert "only an exact match" in lookup_refused('x = VLOOKUP(t, "prices", 2, TRUE)')
+    assert "from 1 to 3" in lookup_refused('x = VLOOKUP(t, "prices", 4, FALSE)')
+    assert 'lookup table, in quotes ("prices")' in lookup_refused('x = VLOOKUP(t, "nope", 2, 0)')
+    assert "looked up by its key 'code'" in lookup_refused(
+        'x = XLOOKUP(t, "prices.band", "prices.price")'
+    )
+    assert "the value looked up is number" in lookup_refused('x = VLOOKUP(n, "prices", 2, 0)')
+    aggregate = 'x = VLOOKUP(COUNT(t) & "", "prices", 2, 0)'
+    assert "may not use an aggregate" in lookup_refused(aggregate)
+
+
+@needs_spark
+@pytest.mark.spark
+@pytest.mark.django_db(transaction=True)
+def test_vlookup_and_xlookup_read_the_tenants_own_lookup_rows(
+    spark: Any,  # noqa: F811
+    spark_settings: None,  # noqa: F811
+) -> None:
+    from decimal import Decimal
+
+    from tests.pipelineapp.models import PriceRow
+
+    json_rows(40)  # notes g0, g1, g2 and blanks
+    PriceRow.objects.bulk_create([
+        PriceRow(tenant="alice", code="g0", price=Decimal("1.50"), band="low"),
+        PriceRow(tenant="alice", code="G1", price=Decimal("2.50"), band="high"),
+        PriceRow(tenant="bob", code="g0", price=Decimal("100"), band="x"),
+    ])  # fmt: skip
+    plan("test.lookup")
+    run_all(spark, "test.lookup")
+
+    assert all(j.state == "succeeded" for j in batches.jobs(prefix="test.lookup:"))
+    prices = {"g0": 1.5, "g1": 2.5}
+    results = {r.id: r.results for r in JsonResultRow.objects.all()}
+    missing = 0
+    for row in DataRow.objects.all():
+        got = results[row.id]
+        price = prices.get(row.note or "") if row.tenant == "alice" else None
+        if row.tenant == "bob":
+            assert got.get("price_of") == (100.0 if row.note == "g0" else None)
+            continue
+        if price is None:  # not in the table (g2, a blank): an error, or XLOOKUP's default
+            missing += 1
+            assert "price_of" not in got and "total" not in got and "via" not in got
+            assert got["band_of"] == "none"
+            continue
+        assert got["price_of"] == price == got["via"]  # a text key matches without case
+        assert got["band_of"] == {"g0": "low", "g1": "high"}[row.note or ""]
+        assert got["code_of"] == {"g0": "g0", "g1": "G1"}[row.note or ""]  # the key as stored
+        assert got["total"] == pytest.approx(row.qty * price)
+    job = PipelineJob.objects.get(job_name="test.lookup:alice")
+    assert job.errors["price_of"] == missing == job.errors["via"]

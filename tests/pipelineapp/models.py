@@ -98,3 +98,18 @@ class StrictResultRow(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant} #{self.pk}"
+
+
+class PriceRow(models.Model):
+    """A lookup table: each tenant's prices by code."""
+
+    tenant = models.CharField(max_length=50)
+    code = models.TextField()
+    price = models.DecimalField(max_digits=10, decimal_places=2)
+    band = models.TextField()
+
+    class Meta:
+        db_table = "pipelinetest_price"
+
+    def __str__(self) -> str:
+        return f"{self.tenant} {self.code}"

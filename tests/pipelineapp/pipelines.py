@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from django_fairqueue.contrib.pipeline import LongSink, Sink, Source, pipeline
+from django_fairqueue.contrib.pipeline import LongSink, Lookup, Sink, Source, pipeline
 from tests.pipelineapp.models import (
     DataRow,
     JsonResultRow,
     LongResultRow,
+    PriceRow,
     ResultRow,
     StrictResultRow,
 )
@@ -99,3 +100,31 @@ STRICT_ZONES = {"alice": "Pacific/Kiritimati"}  # UTC+14: its date is often not 
 )
 def strict_formulas(tenant: str) -> list[str]:
     return STRICT_FORMULAS[tenant]
+
+
+#: The lookup pipeline's rules (tests change them).
+LOOKUP_FORMULAS: dict[str, list[str]] = {
+    "alice": [
+        'price_of = VLOOKUP(note, "prices", 2, FALSE)',
+        'band_of = XLOOKUP(note, "prices.code", "prices.band", "none")',
+        'code_of = VLOOKUP(UPPER(note), "prices", 1, FALSE)',
+        "total = qty * price_of",
+        'via = XLOOKUP(_key, "prices.code", "prices.price")',
+        '_key = LOWER(note) & ""',
+    ],
+    "bob": ['price_of = VLOOKUP(note, "prices", 2, FALSE)'],
+}
+
+
+@pipeline(
+    name="test.lookup",
+    source=Source(DataRow, columns=["id", "tenant", "qty", "note"], tenant_column="tenant"),
+    sink=Sink(JsonResultRow, key=["id"], columns=["tenant"], results="results"),
+    tenants=lambda: sorted(LOOKUP_FORMULAS),
+    lookups={
+        "prices": Lookup(PriceRow, key="code", columns=["price", "band"], tenant_column="tenant")
+    },
+    batch_size=50,
+)
+def lookup_formulas(tenant: str) -> list[str]:
+    return LOOKUP_FORMULAS[tenant]

@@ -318,6 +318,17 @@ class Compiler:
     def _op_agg(self, node: Node) -> Pair:
         return self.names[_AGG_PREFIX + node.key()]
 
+    def _op_lookup(self, node: Node) -> Pair:
+        table, column = node.value
+        found, missing_or_none = self.names[lookup_name(table, column, node.args[0])]
+        missing = missing_or_none or _FALSE
+        _, key_error = self(node.args[0])
+        if len(node.args) == 1:  # not found: an error (a spreadsheet's #N/A)
+            return found, or_errors(key_error, missing)
+        default, default_error = self(node.args[1])
+        error = when((missing, default_error), otherwise=_FALSE) if default_error else None
+        return when((missing, default), otherwise=found), or_errors(key_error, error)
+
     # arithmetic
     def _op_neg(self, node: Node) -> Pair:
         value, error = self(node.args[0])
@@ -1213,6 +1224,97 @@ def join_aggregates(
     return df, names
 
 
+# --------------------------------------------------------------------------------------------
+# Lookup tables (VLOOKUP, XLOOKUP): joined to the rows before the formulas
+
+_LOOKUP_PREFIX = "__fq_lk_"
+
+
+def lookup_name(table: str, column: str, key: Node) -> str:
+    """The name under which a lookup's (value, not found) pair is known to the compiler."""
+    return f"{_LOOKUP_PREFIX}{table}|{column}|{key.key()}"
+
+
+def lookup_shapes(formulas: FormulaSet) -> list[tuple[str, Node, list[tuple[str, str]]]]:
+    """Each distinct (table, key expression): the columns (name, type) read through it."""
+    shapes: dict[tuple[str, str], tuple[str, Node, list[tuple[str, str]]]] = {}
+    for formula in formulas.formulas:
+        stack = [formula.tree]
+        while stack:
+            item = stack.pop()
+            stack.extend(item.args)
+            if item.op != "lookup":
+                continue
+            table, column = item.value
+            key = item.args[0]
+            found = shapes.setdefault((table, key.key()), (table, key, []))[2]
+            kind = item.type if len(item.args) == 1 else _returned_type(item)
+            if (column, kind) not in found:
+                found.append((column, kind))
+    return list(shapes.values())
+
+
+def _returned_type(node: Node) -> str:
+    """The type of a lookup's column when the lookup has a default (its result's type)."""
+    return node.type if node.type != BLANK else node.args[1].type
+
+
+def join_lookups(
+    spark: Any,
+    df: Any,
+    formulas: FormulaSet,
+    tables: Mapping[str, Sequence[tuple[Any, ...]]],
+    columns: Mapping[str, Sequence[str]],
+    *,
+    today: dt.date,
+) -> tuple[Any, dict[str, Pair]]:
+    """Add each lookup's columns to the rows: a broadcast left join per (table, key
+    expression) on the key (text without case). ``tables``: a table's rows, their columns
+    named by ``columns[table]`` (the key first)."""
+    from pyspark.sql import functions as F
+
+    rules = {f.target: f.tree for f in formulas.formulas}
+    compiler = Compiler(today=today, names={}, inline=rules)
+    names: dict[str, Pair] = {}
+    for index, (table, key, wanted) in enumerate(lookup_shapes(formulas)):
+        prefix = f"{_LOOKUP_PREFIX}{index}_"
+        order = list(columns[table])
+        kinds = {c: k for c, k in wanted}
+        key_type = SPARK_TYPES.get(key.type, "string")
+        fields = [f"k {key_type}", *(f"{quoted('c' + str(i))} {SPARK_TYPES[kinds[c]]}"
+                                      for i, c in enumerate(kinds))]  # fmt: skip
+        picked = [
+            [_lookup_value(row[0], key.type)]
+            + [_lookup_value(row[order.index(c)], kinds[c]) for c in kinds]
+            for row in tables[table]
+        ]
+        right = spark.createDataFrame(picked, ", ".join(fields))
+        found_key = "lower(k)" if key.type == TEXT else "k"
+        right = right.selectExpr(
+            f"{found_key} AS {quoted(prefix + 'key')}",
+            *(f"{quoted('c' + str(i))} AS {quoted(prefix + 'c' + str(i))}"
+              for i in range(len(kinds))),
+            f"true AS {quoted(prefix + 'found')}",
+        )  # fmt: skip
+        value = compiler(key)[0]
+        joined = call("lower", value) if key.type == TEXT else value
+        df = df.withColumn(prefix + "row", F.expr(joined))
+        condition = f"({quoted(prefix + 'row')} = {quoted(prefix + 'key')})"
+        df = df.join(F.broadcast(right), on=F.expr(condition), how="left")
+        missing = is_null(quoted(prefix + "found"))
+        for i, column in enumerate(kinds):
+            names[lookup_name(table, column, key)] = (quoted(f"{prefix}c{i}"), missing)
+    return df, names
+
+
+def _lookup_value(value: Any, kind: str) -> Any:
+    from decimal import Decimal
+
+    if isinstance(value, Decimal) or (kind == NUMBER and isinstance(value, int)):
+        return float(value)
+    return value
+
+
 @dataclass(frozen=True)
 class Output:
     """A rule written to the sink: its column, and its error column if it can have errors."""
@@ -1328,6 +1430,9 @@ def check_compiles(formulas: FormulaSet, *, today: dt.date) -> None:
         for _groups, nodes, _keys, _columns in shapes
         for node in nodes
     }
+    for table, key, wanted in lookup_shapes(formulas):
+        for column, _kind in wanted:
+            placeholders[lookup_name(table, column, key)] = (quoted("found"), quoted("missing"))
     formula_levels(formulas, today=today, names=placeholders)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
 import json
 import logging
 import re
@@ -50,6 +51,7 @@ from django_fairqueue.contrib.pipeline.formulas import (
     INT,
     STR,
     FormulaSet,
+    LookupTable,
     parse_formulas,
     split_formulas,
 )
@@ -259,6 +261,7 @@ def prepare(
             columns={c.name: c.kind for c in source},
             targets=targets,
             functions=pipeline.functions,
+            lookups=_lookup_tables(pipeline),
         )
     local = local_time(pipeline, tenant, now)
     prepared = Prepared(
@@ -275,6 +278,44 @@ def prepare(
     if parsed is not None:
         fc.check_compiles(parsed, today=prepared.moment)
     return prepared
+
+
+def _lookup_tables(pipeline: Pipeline) -> dict[str, LookupTable]:
+    """The pipeline's lookup tables, their columns typed (checked as a sink's are)."""
+    tables = {}
+    for name, lookup in pipeline.lookups.items():
+        wanted = (lookup.key, *lookup.columns)
+        specs = _columns(pipeline.alias, lookup.table_name, wanted, f"lookup {name!r}")
+        if lookup.tenant_column is not None:
+            _columns(pipeline.alias, lookup.table_name, (lookup.tenant_column,), "lookup")
+        tables[name] = LookupTable(lookup.key, {c.name: c.kind for c in specs})
+    return tables
+
+
+def lookup_rows(prepared: Prepared) -> dict[str, list[tuple[Any, ...]]]:
+    """The rows of the lookup tables the formulas use (read when a batch runs): key first."""
+    if prepared.formulas is None:
+        return {}
+    pipeline = prepared.pipeline
+    tables = {}
+    for name in sorted({table for table, _key, _columns in fc.lookup_shapes(prepared.formulas)}):
+        lookup = pipeline.lookups[name]
+        rows = datastore.lookup_rows(
+            pipeline.alias,
+            table=lookup.table_name,
+            key=lookup.key,
+            columns=lookup.columns,
+            tenant_column=lookup.tenant_column,
+            tenant=prepared.tenant,
+            limit=lookup.max_rows + 1,
+        )
+        if len(rows) > lookup.max_rows:
+            raise PipelineError(
+                f"lookup {name!r} has more than {lookup.max_rows:,} keys for tenant "
+                f"{prepared.tenant!r} (Lookup.max_rows)"
+            )
+        tables[name] = rows
+    return tables
 
 
 def local_time(pipeline: Pipeline, tenant: str, moment: dt.datetime | None = None) -> dt.datetime:
@@ -645,7 +686,10 @@ class _Plans:
         conninfo = executor_conninfo(pipeline.alias)
         if sink is not None:
             sink = dataclasses.replace(sink, batch_id=0, lease_token="")
+        tables = lookup_rows(prepared)
+        digest = hashlib.sha256(repr(sorted(tables.items())).encode()).hexdigest()
         key = (
+            digest,  # a lookup table edited since: a new plan
             id(spark),
             pipeline.name,
             id(pipeline),  # a Pipeline may hold lists (tenants=[...]): not hashable
@@ -665,7 +709,7 @@ class _Plans:
             found = self._plans.get(key)
         if found is not None and found.aggregates is aggregates and found.pipeline is pipeline:
             return found
-        built = self._build(spark, prepared, parts, aggregates, conninfo, sink)
+        built = self._build(spark, prepared, parts, aggregates, conninfo, sink, tables)
         with self._lock:
             if len(self._plans) >= self.size:
                 self._plans.pop(next(iter(self._plans)))
@@ -680,6 +724,7 @@ class _Plans:
         aggregates: Any,
         conninfo: str,
         sink: datastore.SinkWriteSpec | None,
+        tables: dict[str, list[tuple[Any, ...]]],
     ) -> _Plan:
         # The ids 0..0 are placeholders: tasks read the batch's range from the job property.
         rows = _source_frame(spark, prepared, 0, parts - 1, None)
@@ -689,6 +734,13 @@ class _Plans:
             rows, names = fc.join_aggregates(
                 spark, rows, aggregates, today=prepared.moment, formulas=prepared.formulas
             )
+        if tables:
+            assert prepared.formulas is not None
+            columns = {n: (lk.key, *lk.columns) for n, lk in prepared.pipeline.lookups.items()}
+            rows, found = fc.join_lookups(
+                spark, rows, prepared.formulas, tables, columns, today=prepared.moment
+            )
+            names.update(found)
         out, counted = apply_transform(rows, prepared, names)
         if sink is None:
             key_index = 0 if integer_key(prepared) else None

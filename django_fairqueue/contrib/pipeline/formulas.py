@@ -601,6 +601,12 @@ FUNCTIONS: dict[str, Function] = {
            'TEXTJOIN(", ", TRUE, city, region, country)'),
         _f("EXACT", 2, 2, _all_texts(BOOLEAN), "whether two texts are equal, with case",
            "EXACT(code, UPPER(code))"),
+        _f("VLOOKUP", 4, 4, _check_any(BLANK), "the column (1: the key) of the lookup "
+           "table's row whose key equals the value (exact match: the 4th argument is FALSE); "
+           "none: error", 'VLOOKUP(sku, "prices", 2, FALSE)'),
+        _f("XLOOKUP", 3, 4, _check_any(BLANK), "the return column of the lookup table's row "
+           "whose key equals the value; none: the 4th argument, else error",
+           'XLOOKUP(sku, "prices.sku", "prices.price", 0)'),
         _f("TEXT", 2, 2, _check_text_format, "a number or date as text in a format (the "
            "format codes of the reference's TEXT table)", 'TEXT(price, "$#,##0.00")'),
         # dates
@@ -708,10 +714,12 @@ class _Builder:
         columns: Mapping[str, str],
         rules: Mapping[str, Node],
         functions: frozenset[str],
+        lookups: Mapping[str, LookupTable] | None = None,
     ) -> None:
         self.columns = columns  # source column -> value type
         self.rules = rules  # earlier rule -> its checked tree
         self.functions = functions
+        self.lookups = lookups or {}
         self.in_aggregate = False
 
     def build(self, tree: Any) -> Node:
@@ -790,7 +798,8 @@ class _Builder:
 
     def _compare(self, left: Any, op: Any, right: Any) -> Node:
         a, b = self.build(left), self.build(right)
-        _common([a, b], f"comparison {op}")
+        if {a.type, b.type} != {DATE_T, DATETIME}:  # a date is its midnight beside a datetime
+            _common([a, b], f"comparison {op}")
         symbol = {"==": "=", "!=": "<>"}.get(str(op), str(op))
         return _node(symbol, BOOLEAN, [a, b])
 
@@ -877,6 +886,12 @@ class _Builder:
         raw_by = [] if by is None else [c for c in by.children[1:] if c is not None]
         if name in AGGREGATES and len(raw_args) == 1:
             return self._aggregate(name, raw_args[0], raw_by)
+        if name in ("VLOOKUP", "XLOOKUP") and not raw_by:
+            _count_args(function, len(raw_args))
+            try:
+                return self._lookup(name, [self.build(arg) for arg in raw_args])
+            except _Invalid as exc:
+                raise _Invalid(f"{name}(): {exc}") from None
         if name in CRITERIA_AGGREGATES:
             _count_args(function, len(raw_args))
             try:
@@ -894,6 +909,53 @@ class _Builder:
         except _Invalid as exc:
             raise _Invalid(f"{name}(): {exc}") from None
         return _node(name, result, built, fallible=fallible)
+
+    def _lookup(self, name: str, args: list[Node]) -> Node:
+        """``lookup`` nodes: args (the value looked up[, the value if not found]), value
+        (table, column returned)."""
+        value, *rest = args
+        if name == "VLOOKUP":
+            table = self._lookup_table(rest[0], "the table")
+            index = constant_number(rest[1])
+            columns = list(self.lookups[table].columns)
+            if index is None or index != int(index) or not 1 <= index <= len(columns):
+                raise _Invalid(f"the column must be a constant from 1 to {len(columns)} (the "
+                               f"key, then {', '.join(columns[1:])})")  # fmt: skip
+            exact = rest[2] if len(rest) > 2 else None
+            if exact is None or exact.op != "const" or exact.value not in (False, 0.0):
+                raise _Invalid("only an exact match is supported: give FALSE as the 4th argument")
+            column, default = columns[int(index) - 1], None
+        else:
+            table, key = self._lookup_column(rest[0], "the lookup array")
+            if key != self.lookups[table].key:
+                raise _Invalid(f"{table} is looked up by its key {self.lookups[table].key!r}")
+            table_returned, column = self._lookup_column(rest[1], "the return array")
+            if table_returned != table:
+                raise _Invalid("the lookup and return arrays are columns of one table")
+            default = rest[2] if len(rest) > 2 else None
+        if _reads_joined(value, self.rules):
+            raise _Invalid("the value looked up may not use an aggregate or another lookup")
+        kind = self.lookups[table].columns[column]
+        key_kind = self.lookups[table].columns[self.lookups[table].key]
+        if value.type not in (key_kind, BLANK):
+            raise _Invalid(f"the value looked up is {value.type}; {table}'s key is {key_kind}")
+        if default is None:
+            return _node("lookup", kind, [value], value=(table, column), fallible=True)
+        result = _common([_node("const", kind), default], "the value if not found")
+        return _node("lookup", result, [value, default], value=(table, column))
+
+    def _lookup_table(self, node: Node, what: str) -> str:
+        if node.op != "const" or node.value not in self.lookups:
+            known = ", ".join(f'"{n}"' for n in sorted(self.lookups)) or "none declared"
+            raise _Invalid(f"{what} is the name of a lookup table, in quotes ({known})")
+        return str(node.value)
+
+    def _lookup_column(self, node: Node, what: str) -> tuple[str, str]:
+        text = str(node.value) if node.op == "const" else ""
+        table, _, column = text.partition(".")
+        if table not in self.lookups or column not in self.lookups[table].columns:
+            raise _Invalid(f'{what} is "table.column" of a lookup table ({text!r} is not one)')
+        return table, column
 
     def _aggregate(self, name: str, arg: Any, by: list[Any]) -> Node:
         (built,), groups = self._in_aggregate(name, [arg], by)
@@ -960,6 +1022,21 @@ class _Builder:
         except _Invalid as exc:
             raise _Invalid(f"{name}(): {exc}") from None
         return Node("agg", result, (built, *groups), name, True)
+
+
+def _reads_joined(node: Node, rules: Mapping[str, Node]) -> bool:
+    """Whether ``node`` (or a rule it uses) reads a tenant aggregate or a lookup: values
+    joined to the rows, which a lookup's key cannot wait for."""
+    stack, seen = [node], set()
+    while stack:
+        item = stack.pop()
+        if item.op in ("agg", "lookup"):
+            return True
+        if item.op == "ref" and item.value not in seen and item.value in rules:
+            seen.add(item.value)
+            stack.append(rules[item.value])
+        stack.extend(item.args)
+    return False
 
 
 def _count_args(function: Function, given: int) -> None:
@@ -1320,6 +1397,14 @@ class FormulaSet:
         return list(self.written) or [(f.target, f.source) for f in self.formulas]
 
 
+@dataclass(frozen=True)
+class LookupTable:
+    """What formulas may read of a lookup table: its key and columns (key first), typed."""
+
+    key: str
+    columns: Mapping[str, str]  # column -> value type or kind
+
+
 def parse_formulas(
     tenant: str,
     raw: Any,
@@ -1327,6 +1412,7 @@ def parse_formulas(
     columns: Mapping[str, str],
     targets: Iterable[str] | None,
     functions: Iterable[str] | None = None,
+    lookups: Mapping[str, LookupTable] | None = None,
 ) -> FormulaSet:
     """Parse and check a tenant's formulas against the source ``columns`` (name -> kind).
 
@@ -1355,6 +1441,10 @@ def parse_formulas(
     chain: dict[str, int] = {}
     aggregates: dict[str, Node] = {}
     written: dict[str, tuple[str, str, Any]] = {}  # target -> (expression, shown, syntax tree)
+    tables = {
+        name: LookupTable(table.key, _value_types(table.columns))
+        for name, table in (lookups or {}).items()
+    }
     for target, expression in pairs:
         text = f"{target} = {expression}" if target else expression
         shown = text if len(text) <= 200 else text[:200] + "..."
@@ -1397,7 +1487,7 @@ def parse_formulas(
                 name: (node if not aggregated[name] else _mark_aggregate(node))
                 for name, node in rules.items()
             }
-            tree = _Builder(known, builder_rules, allowed).build(syntax)
+            tree = _Builder(known, builder_rules, allowed, tables).build(syntax)
         except _Invalid as exc:
             raise FormulaError(tenant, shown, str(exc)) from None
         size, depth = _tree_size_and_chain(tree, chain)

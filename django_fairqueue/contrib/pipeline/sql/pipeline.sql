@@ -235,3 +235,18 @@ SELECT pg_backend_pid();
 -- Refresh the planner's statistics and the visibility map of a freshly filled table (so the
 -- planning walk is index-only, as on a settled table). Runs outside a transaction block.
 VACUUM (ANALYZE) {table};
+
+-- name: lookup_rows
+-- A lookup table's rows, one per key (of a key's rows, the one whose columns sort first), at
+-- most %(limit)s.
+SELECT DISTINCT ON ({key}) {columns} FROM {table}
+WHERE {key} IS NOT NULL
+ORDER BY {key}, {columns}
+LIMIT %(limit)s;
+
+-- name: lookup_rows_of_tenant
+-- The tenant's rows of a lookup table, one per key, at most %(limit)s.
+SELECT DISTINCT ON ({key}) {columns} FROM {table}
+WHERE {key} IS NOT NULL AND {tenant} = %(tenant)s
+ORDER BY {key}, {columns}
+LIMIT %(limit)s;
