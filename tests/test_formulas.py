@@ -355,8 +355,10 @@ CASES: list[tuple[str, Any]] = [
 ]  # fmt: skip
 
 
-#: Functions over the tenant's rows: their cases are in the aggregates tests.
-TENANT_AGGREGATES = {"SUM", "AVERAGE", "COUNT", "MIN", "MAX", "TODAY", *CRITERIA_AGGREGATES}
+#: Functions over the tenant's rows or a lookup table: their cases are in the aggregates and
+#: lookup tests.
+TENANT_AGGREGATES = {"SUM", "AVERAGE", "COUNT", "MIN", "MAX", "TODAY", "RANK", "VLOOKUP",
+                     "XLOOKUP", *CRITERIA_AGGREGATES}  # fmt: skip
 
 
 def test_every_function_has_a_meaning_case() -> None:
@@ -544,6 +546,16 @@ def test_criteria_aggregates_give_the_spreadsheets_documented_values(
         ],
     )  # fmt: skip
     assert got == {"a": 20.0, "b": 30.0, "c": 2.0, "d": 13.0, "e": 1.0, "f": 12.5}
+
+    # Excel's RANK example: 7, 3.5, 3.5, 1, 2 (RANK(3.5, ..., 1) is 3, RANK(7, ...) is 1); the
+    # row asked about is the first, 3.5.
+    got = _tenant_values(
+        spark,
+        [(3.5, "a"), (7.0, "a"), (3.5, "b"), (1.0, "b"), (2.0, "b"), (None, "b")],
+        "x double, g string",
+        ["up = RANK(x, 1)", "down = RANK(x)", "within = RANK(x BY g)", "share = x / RANK(x)"],
+    )
+    assert got == {"up": 3.0, "down": 2.0, "within": 2.0, "share": 1.75}
 
 
 def test_criteria_are_constants_and_aggregate_over_rows_not_aggregates() -> None:

@@ -39,6 +39,7 @@ from django_fairqueue.contrib.pipeline.formulas import (
     NUMBER,
     NUMBER_START,
     NUMBER_TEXT,
+    RANK_ASC,
     TEXT,
     FormulaError,
     FormulaSet,
@@ -1121,7 +1122,7 @@ def _aggregate_texts(node: Node, value: Expr, error: Expr | None) -> tuple[Expr,
             return coalesce(call("sum", clean), _ZERO), has_error
         case "AVERAGE":
             return call("avg", clean), f"({has_error} OR (count({clean}) = (0)))"
-        case "COUNT":
+        case "COUNT" | "RANK" | "RANK_ASC":  # a rank: its group's count, until ranked
             return cast(call("count", clean), "double"), has_error
         case "MEDIAN":
             return call("percentile", clean, "0.5D"), f"({has_error} OR (count({clean}) = (0)))"
@@ -1178,8 +1179,33 @@ def compute_aggregates(
                 f"tenant {formulas.tenant!r}: an aggregate BY "
                 f"{', '.join(g.key() for g in groups)} has more than {max_groups:,} groups"
             )
-        results.append((groups, tuple(nodes), tuple(tuple(row) for row in rows)))
+        plain = [list(row) for row in rows]
+        for i, node in enumerate(nodes):
+            if node.value in ("RANK", RANK_ASC):
+                _rank_groups(plain, len(groups), i, ascending=node.value == RANK_ASC)
+        results.append((groups, tuple(nodes), tuple(tuple(row) for row in plain)))
     return AggregateValues(groups=tuple(results))
+
+
+def _rank_groups(rows: list[list[Any]], keys: int, index: int, *, ascending: bool) -> None:
+    """Turn aggregate ``index``'s counts into ranks: the ranked value is key 0, the other keys
+    (a RANK's BY groups) partition. A rank is 1 + the rows whose value ranks before; a blank
+    value has none (an error value)."""
+    column = keys + 2 * index
+    partitions: dict[tuple[Any, ...], list[list[Any]]] = {}
+    for row in rows:
+        partitions.setdefault(tuple(row[1:keys]), []).append(row)
+    for members in partitions.values():
+        ranked = sorted((r for r in members if r[0] is not None), key=lambda r: r[0],
+                        reverse=not ascending)  # fmt: skip
+        before = 0.0
+        for row in ranked:
+            count = row[column]
+            row[column] = before + 1
+            before += count
+        for row in members:
+            if row[0] is None:
+                row[column], row[column + 1] = None, True
 
 
 def join_aggregates(

@@ -517,6 +517,9 @@ FUNCTIONS: dict[str, Function] = {
         _f("PI", 0, 0, _check_any(NUMBER), "3.14159265358979", "PI() * r ^ 2"),
         _f("MEDIAN", 1, None, _check_median, "one argument: the tenant's median (aggregate); "
            "several: their median, blanks ignored; none: error", "MEDIAN(price BY region)"),
+        _f("RANK", 1, 2, _check_any(NUMBER), "the rank of the row's value among the tenant's "
+           "values of it (aggregate), 1 for the largest (order 0, default) or the smallest "
+           "(order 1), ties sharing the better rank; blank: error", "RANK(revenue BY region)"),
         _f("SUMPRODUCT", 1, None, _numbers(), "the tenant's sum of the products of the "
            "arguments, row by row (aggregate); blanks as 0", "SUMPRODUCT(price, qty)"),
         _f("SUMIF", 2, 3, _check_any(NUMBER), "the tenant's sum of sum_range (default: range) "
@@ -645,6 +648,8 @@ FUNCTIONS: dict[str, Function] = {
            "EOMONTH(ordered_on, 0)"),
     ]
 }  # fmt: skip
+#: RANK's aggregate with the smallest value first (RANK(x, 1)).
+RANK_ASC = "RANK_ASC"
 #: The tenant aggregates (one argument, optionally ``BY`` expressions).
 AGGREGATES = ("SUM", "AVERAGE", "COUNT", "MIN", "MAX", "MEDIAN")
 #: Tenant aggregates written as a spreadsheet writes them: with criteria, or over products.
@@ -886,6 +891,12 @@ class _Builder:
         raw_by = [] if by is None else [c for c in by.children[1:] if c is not None]
         if name in AGGREGATES and len(raw_args) == 1:
             return self._aggregate(name, raw_args[0], raw_by)
+        if name == "RANK":
+            _count_args(function, len(raw_args))
+            try:
+                return self._rank(raw_args, raw_by)
+            except _Invalid as exc:
+                raise _Invalid(f"RANK(): {exc}") from None
         if name in ("VLOOKUP", "XLOOKUP") and not raw_by:
             _count_args(function, len(raw_args))
             try:
@@ -909,6 +920,19 @@ class _Builder:
         except _Invalid as exc:
             raise _Invalid(f"{name}(): {exc}") from None
         return _node(name, result, built, fallible=fallible)
+
+    def _rank(self, raw_args: list[Any], by: list[Any]) -> Node:
+        """RANK(x[, order] [BY ...]): an aggregate grouped by x itself (and the BY groups),
+        whose per-group counts phase one turns into ranks."""
+        args, groups = self._in_aggregate("RANK", raw_args, by)
+        value = args[0]
+        _require(value, (NUMBER,), "the value ranked")
+        ascending = False
+        if len(args) > 1:
+            _constant_in(args[1], (0, 1), "the order (0: largest first, 1: smallest first)")
+            ascending = constant_number(args[1]) == 1
+        return Node("agg", NUMBER, (value, value, *groups), RANK_ASC if ascending else "RANK",
+                    True)  # fmt: skip
 
     def _lookup(self, name: str, args: list[Node]) -> Node:
         """``lookup`` nodes: args (the value looked up[, the value if not found]), value
