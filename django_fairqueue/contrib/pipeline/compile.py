@@ -278,7 +278,9 @@ def _comparable(node: Node, value: Expr, other: str) -> Expr:
 
 @dataclass
 class Compiler:
-    """Compiles nodes with ``names``: an earlier rule or aggregate -> its (value, error)."""
+    """Compiles nodes with ``names``: a rule computed before, an aggregate or a lookup -> its
+    (value, error). ``today``: the job's date, or (a datetime) its planned moment, whose date
+    is TODAY() and which NOW() is."""
 
     today: dt.date
     names: Mapping[str, Pair]

@@ -51,7 +51,7 @@ MAX_DEPTH = 64  # nesting of one expression (a spreadsheet's function nesting li
 MAX_NODES = 2000  # operators, calls, names and constants in one expression
 MAX_RULES = 2000  # formulas of one tenant
 MAX_TOTAL_NODES = 200_000  # over all of a tenant's formulas
-MAX_CHAIN_DEPTH = 400  # nesting once each rule's references to earlier rules are counted
+MAX_CHAIN_DEPTH = 400  # nesting once each rule's references to other rules are counted
 RESERVED_PREFIX = "__fq_"  # the columns the compiled formulas add (errors, aggregates)
 #: Text a spreadsheet reads as a number (VALUE, criteria such as ">1,000"), once the spaces
 #: around it are trimmed: a sign, digits with optional thousands separators, a fraction, an
@@ -166,7 +166,7 @@ def _parser() -> Any:
 class Node:
     """A checked expression: ``op`` with typed ``args``.
 
-    ``op``: ``const`` (``value``), ``col`` (a source column), ``ref`` (an earlier rule),
+    ``op``: ``const`` (``value``), ``col`` (a source column), ``ref`` (another rule),
     ``agg`` (a tenant aggregate: ``value`` is the function, ``args`` its argument then the
     ``BY`` expressions), ``case`` (condition, value, ..., [default]), ``cast`` (``value``: the
     target type), or an operator or function name (``+``, ``=``, ``and``, ``concat``, ``IF``, ...).
@@ -722,7 +722,7 @@ class _Builder:
         lookups: Mapping[str, LookupTable] | None = None,
     ) -> None:
         self.columns = columns  # source column -> value type
-        self.rules = rules  # earlier rule -> its checked tree
+        self.rules = rules  # a rule built before (one it may use) -> its checked tree
         self.functions = functions
         self.lookups = lookups or {}
         self.in_aggregate = False
