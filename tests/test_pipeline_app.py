@@ -120,6 +120,7 @@ def test_the_old_spark_setting_is_refused_with_where_it_went(settings: Any) -> N
         ({"SPARKS": {}}, r"FAIRQUEUE_PIPELINE has unknown keys \['SPARKS'\]"),
         ({"SPARK": "local"}, r"FAIRQUEUE_PIPELINE\['SPARK'\] must be a dict, got str"),
         ({"SPARK": {"MASTER": ""}}, r"FAIRQUEUE_PIPELINE\['SPARK'\]\['MASTER'\] must be"),
+        ({"TIME_ZONE": "Mars/Olympus"}, r"unknown time zone 'Mars/Olympus' \(an IANA name"),
     ],
 )
 def test_bad_pipeline_settings_fail_the_system_check(
@@ -134,7 +135,7 @@ def test_bad_pipeline_settings_fail_the_system_check(
 
 def test_no_pipeline_setting_means_the_defaults(settings: Any) -> None:
     del settings.FAIRQUEUE_PIPELINE
-    assert appconf.get() == {"SPARK": {}}
+    assert appconf.get() == {"SPARK": {}, "TIME_ZONE": "UTC"}  # not Django's TIME_ZONE
     assert spark_settings().master == "local[2]"
     assert [e for e in run_checks() if e.id.startswith("fairqueue_pipeline")] == []
 

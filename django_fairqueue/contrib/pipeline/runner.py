@@ -44,6 +44,7 @@ from django_fairqueue.contrib.pipeline.execute import (
     PipelineError,
     drop_orphaned_staging,
     execute_batch,
+    not_null_fills,
     prepare,
 )
 from django_fairqueue.contrib.pipeline.formulas import FormulaError
@@ -72,6 +73,8 @@ class PlanReport:
     planned: list[batches.PlanResult]
     refused: dict[str, Exception]
     versions: dict[str, str]  # tenant -> the formula version its job is pinned to
+    #: tenant -> what to know before the job runs (a NOT NULL column a rule may leave blank)
+    warnings: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
 
 def plan(
@@ -112,6 +115,9 @@ def plan(
             report.refused[tenant] = exc
             continue
         report.versions[tenant] = prepared.fingerprint
+        notes = not_null_warnings(prepared)
+        if notes:
+            report.warnings[tenant] = notes
         report.planned.append(
             batches.plan(
                 pipeline.job_name(tenant),
@@ -131,6 +137,16 @@ def plan(
 
 
 _UNFINISHED = (BatchState.PENDING, BatchState.RUNNING)
+
+
+def not_null_warnings(prepared: Any) -> list[str]:
+    """One line per NOT NULL sink column a rule writes: what a blank or error value becomes."""
+    return [
+        f"tenant {prepared.tenant!r}: sink column {column!r} is NOT NULL: where rule {column} "
+        f"is blank or an error, the column gets {fill!r} (the model field's default, else "
+        "the empty value of its type); make the column nullable to keep blanks"
+        for column, fill in not_null_fills(prepared).items()
+    ]
 
 
 def _output_of(pipeline: Pipeline, tenant: str) -> str:
