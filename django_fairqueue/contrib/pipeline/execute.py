@@ -323,7 +323,10 @@ def local_time(pipeline: Pipeline, tenant: str, moment: dt.datetime | None = Non
     ``TIME_ZONE`` setting of ``FAIRQUEUE_PIPELINE``, else UTC), to the second, zone dropped."""
     from django_fairqueue.contrib.pipeline import appconf
 
-    zone = appconf.zone(pipeline.zone_of(tenant) or appconf.get()["TIME_ZONE"])
+    try:
+        zone = appconf.zone(pipeline.zone_of(tenant) or appconf.get()["TIME_ZONE"])
+    except ValueError as exc:
+        raise PipelineError(f"pipeline {pipeline.name!r}, tenant {tenant!r}: {exc}") from None
     moment = moment or dt.datetime.now(dt.UTC)
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=dt.UTC)
