@@ -120,6 +120,7 @@ def test_the_old_spark_setting_is_refused_with_where_it_went(settings: Any) -> N
         ({"SPARKS": {}}, r"FAIRQUEUE_PIPELINE has unknown keys \['SPARKS'\]"),
         ({"SPARK": "local"}, r"FAIRQUEUE_PIPELINE\['SPARK'\] must be a dict, got str"),
         ({"SPARK": {"MASTER": ""}}, r"FAIRQUEUE_PIPELINE\['SPARK'\]\['MASTER'\] must be"),
+        ({"TIME_ZONE": "Mars/Olympus"}, r"unknown time zone 'Mars/Olympus' \(an IANA name"),
     ],
 )
 def test_bad_pipeline_settings_fail_the_system_check(
@@ -134,7 +135,7 @@ def test_bad_pipeline_settings_fail_the_system_check(
 
 def test_no_pipeline_setting_means_the_defaults(settings: Any) -> None:
     del settings.FAIRQUEUE_PIPELINE
-    assert appconf.get() == {"SPARK": {}}
+    assert appconf.get() == {"SPARK": {}, "TIME_ZONE": "UTC"}  # not Django's TIME_ZONE
     assert spark_settings().master == "local[2]"
     assert [e for e in run_checks() if e.id.startswith("fairqueue_pipeline")] == []
 
@@ -148,3 +149,20 @@ def test_the_admin_lists_jobs_under_the_app(admin_client: Client) -> None:
     assert response.status_code == 200
     assert b"p:acme" in response.content
     assert admin_client.get("/admin/fairqueue/pipelinejob/").status_code == 404
+
+
+def test_today_and_now_are_read_in_the_pipelines_zone_per_tenant(settings: Any) -> None:
+    from django_fairqueue.contrib.pipeline import execute
+    from django_fairqueue.contrib.pipeline.core import Pipeline, Sink, Source
+
+    settings.TIME_ZONE = "America/Chicago"  # Django's zone plays no part
+    zones = {"tokyo": "Asia/Tokyo", "bad": "Nope/Zone"}
+    pipeline = Pipeline(name="tz.test", source=Source("t", columns=["id"]), sink=Sink("s"),
+                        formulas=lambda tenant: [], time_zone=zones.get)  # fmt: skip
+    moment = dt.datetime(2026, 11, 25, 20, 30, 15, 999, tzinfo=dt.UTC)
+    assert execute.local_time(pipeline, "tokyo", moment) == dt.datetime(2026, 11, 26, 5, 30, 15)
+    assert execute.local_time(pipeline, "other", moment) == dt.datetime(2026, 11, 25, 20, 30, 15)
+    settings.FAIRQUEUE_PIPELINE = {"TIME_ZONE": "Europe/Paris"}
+    assert execute.local_time(pipeline, "other", moment) == dt.datetime(2026, 11, 25, 21, 30, 15)
+    with pytest.raises(execute.PipelineError, match="tenant 'bad': unknown time zone 'Nope/Zone'"):
+        execute.local_time(pipeline, "bad", moment)

@@ -489,6 +489,18 @@ def test_the_database_unreachable_from_executors_pauses_the_runner_and_uses_no_a
     assert any("resumed" in r.getMessage() for r in caplog.records)
 
 
+def reads_waiting(watch: psycopg.Connection[Any], table: str) -> bool:
+    """Whether a session waits on a lock with a statement naming ``table`` (a Spark task's
+    read of the source, held by the test's lock). ``watch`` is in autocommit: in a
+    transaction, pg_stat_activity would show the same snapshot every time."""
+    found = watch.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+        "AND query ILIKE %s AND pid <> pg_backend_pid()",
+        (f"%{table}%",),
+    ).fetchone()
+    return bool(found and found[0])
+
+
 class _FakeSession:
     """What :class:`cluster.Watchdog` reads of a session: the master, whether the context
     stopped, the executors' ids (a test sets ``executors``)."""
@@ -601,13 +613,9 @@ def test_an_outage_under_a_running_batch_cancels_its_job_and_gives_it_back_witho
     try:
         lock.execute(f'LOCK TABLE "{table}" IN ACCESS EXCLUSIVE MODE')
         thread = _runner_thread(runner)
-        waiting = (
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-            "AND query ILIKE %s AND pid <> pg_backend_pid()"
-        )
-        with psycopg.connect(database_url, autocommit=True) as watch:  # a fresh view each time
+        with psycopg.connect(database_url, autocommit=True) as watch:
             wait_until(
-                lambda: watch.execute(waiting, (f"%{table}%",)).fetchone()[0] > 0,  # type: ignore[index]
+                lambda: reads_waiting(watch, table),
                 timeout=300,
                 what="the batch's task waiting on the source",
             )

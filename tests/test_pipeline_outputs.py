@@ -173,6 +173,9 @@ def test_the_long_sink_holds_what_the_json_sink_holds_one_row_per_rule(
                 assert json_value == pytest.approx(value)
                 assert float(number) == pytest.approx(value, abs=1e-4)
                 assert float(text) == pytest.approx(value)
+                # as a spreadsheet shows it (2, not 2.0E0; 15 significant digits)
+                assert "E" not in text and float(text) == pytest.approx(value, rel=1e-14)
+                assert len(text.lstrip("-0.").replace(".", "")) <= 15
             elif isinstance(value, int):
                 assert json_value == value
                 assert number == Decimal(value)

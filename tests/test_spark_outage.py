@@ -30,6 +30,7 @@ from tests.test_pipeline import (
     make_rows,
     sink_rows,
 )
+from tests.test_pipeline_infra import reads_waiting
 from tests.test_spark_standalone import ROOT, Process, Standalone, driver_env, wait_for
 from tests.test_spark_standalone import formulas as formulas  # the fixture
 from tests.test_spark_standalone import pytestmark as pytestmark
@@ -37,11 +38,6 @@ from tests.test_spark_standalone import pytestmark as pytestmark
 #: The driver's settings: an outage is seen within seconds (the master is probed every 2 s);
 #: pauses stay short so the runner retries soon after the cluster is back.
 OUTAGE_SETTINGS = {"EXECUTOR_TIMEOUT": 60, "PAUSE_SECONDS": 1, "PAUSE_MAX_SECONDS": 4}
-
-WAITING_READS = """
-SELECT count(*) FROM pg_stat_activity
-WHERE wait_event_type = 'Lock' AND query ILIKE %s AND pid <> pg_backend_pid()
-"""
 
 
 @pytest.mark.django_db(transaction=True)
@@ -71,11 +67,11 @@ def test_a_batch_caught_in_a_cluster_outage_is_given_back_and_done_once_the_clus
             ROOT,
         )
         # The executor's task reads the source: it waits on the lock, mid-batch.
-        with psycopg.connect(database_url, autocommit=True) as watch:  # a fresh view each time
+        with psycopg.connect(database_url, autocommit=True) as watch:
             wait_for(
                 "the batch's Spark task reading the source",
                 300,
-                lambda: watch.execute(WAITING_READS, (f"%{table}%",)).fetchone()[0] > 0,  # type: ignore[index]
+                lambda: reads_waiting(watch, table),
             )
         batch.refresh_from_db()
         assert (batch.state, batch.attempts) == ("running", 1)

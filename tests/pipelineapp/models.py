@@ -81,3 +81,35 @@ class LongResultRow(models.Model):
 
     def __str__(self) -> str:
         return f"{self.row_id}.{self.rule}"
+
+
+class StrictResultRow(models.Model):
+    """A sink whose columns are NOT NULL, as Django makes them by default."""
+
+    id = models.BigIntegerField(primary_key=True)
+    tenant = models.CharField(max_length=50)
+    band = models.CharField(max_length=20, blank=True, default="")
+    total = models.FloatField(default=-1.0)
+    due = models.DateField()
+    stamp = models.TextField(blank=True, default="")
+
+    class Meta:
+        db_table = "pipelinetest_strict_result"
+
+    def __str__(self) -> str:
+        return f"{self.tenant} #{self.pk}"
+
+
+class PriceRow(models.Model):
+    """A lookup table: each tenant's prices by code."""
+
+    tenant = models.CharField(max_length=50)
+    code = models.TextField()
+    price = models.DecimalField(max_digits=10, decimal_places=2)
+    band = models.TextField()
+
+    class Meta:
+        db_table = "pipelinetest_price"
+
+    def __str__(self) -> str:
+        return f"{self.tenant} {self.code}"

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from django_fairqueue.contrib.pipeline import LongSink, Sink, Source, pipeline
-from tests.pipelineapp.models import DataRow, JsonResultRow, LongResultRow, ResultRow
+from django_fairqueue.contrib.pipeline import LongSink, Lookup, Sink, Source, pipeline
+from tests.pipelineapp.models import (
+    DataRow,
+    JsonResultRow,
+    LongResultRow,
+    PriceRow,
+    ResultRow,
+    StrictResultRow,
+)
 
 FORMULAS: dict[str, list[str]] = {
     "alice": [
@@ -67,3 +74,57 @@ JSON_FORMULAS: dict[str, list[str]] = {
 )
 def json_formulas(tenant: str) -> list[str]:
     return JSON_FORMULAS[tenant]
+
+
+#: The NOT NULL sink's rules (tests change them); its tenants' time zones.
+STRICT_FORMULAS: dict[str, list[str]] = {
+    "alice": [
+        'band = IF(price > 5, "big")',
+        "total = price / (qty - 3)",
+        "due = IF(qty > 3, DATE(2026, 1, 1))",
+        'stamp = TEXT(NOW(), "yyyy-mm-dd hh:mm") & " " & TODAY()',
+    ],
+}
+STRICT_ZONES = {"alice": "Pacific/Kiritimati"}  # UTC+14: its date is often not UTC's
+
+
+@pipeline(
+    name="test.strict",
+    source=Source(
+        DataRow, columns=["id", "tenant", "price", "qty", "discount"], tenant_column="tenant"
+    ),
+    sink=Sink(StrictResultRow, key=["id"], columns=["tenant", "band", "total", "due", "stamp"]),
+    tenants=lambda: sorted(STRICT_FORMULAS),
+    time_zone=STRICT_ZONES.get,
+    batch_size=50,
+)
+def strict_formulas(tenant: str) -> list[str]:
+    return STRICT_FORMULAS[tenant]
+
+
+#: The lookup pipeline's rules (tests change them).
+LOOKUP_FORMULAS: dict[str, list[str]] = {
+    "alice": [
+        'price_of = VLOOKUP(note, "prices", 2, FALSE)',
+        'band_of = XLOOKUP(note, "prices.code", "prices.band", "none")',
+        'code_of = VLOOKUP(UPPER(note), "prices", 1, FALSE)',
+        "total = qty * price_of",
+        'via = XLOOKUP(_key, "prices.code", "prices.price")',
+        '_key = LOWER(note) & ""',
+    ],
+    "bob": ['price_of = VLOOKUP(note, "prices", 2, FALSE)'],
+}
+
+
+@pipeline(
+    name="test.lookup",
+    source=Source(DataRow, columns=["id", "tenant", "qty", "note"], tenant_column="tenant"),
+    sink=Sink(JsonResultRow, key=["id"], columns=["tenant"], results="results"),
+    tenants=lambda: sorted(LOOKUP_FORMULAS),
+    lookups={
+        "prices": Lookup(PriceRow, key="code", columns=["price", "band"], tenant_column="tenant")
+    },
+    batch_size=50,
+)
+def lookup_formulas(tenant: str) -> list[str]:
+    return LOOKUP_FORMULAS[tenant]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 __all__ = [
     "FormulaError",
     "LongSink",
+    "Lookup",
     "Pipeline",
     "PipelineError",
     "PipelineRunner",
@@ -34,6 +35,7 @@ __all__ = [
 if TYPE_CHECKING:
     from django_fairqueue.contrib.pipeline.core import (
         LongSink,
+        Lookup,
         Pipeline,
         Sink,
         Source,
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
 
 _WHERE = {
     "LongSink": "core",
+    "Lookup": "core",
     "Pipeline": "core",
     "Sink": "core",
     "Source": "core",

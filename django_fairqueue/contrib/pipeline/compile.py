@@ -30,16 +30,23 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from django_fairqueue.contrib.pipeline import textformat
 from django_fairqueue.contrib.pipeline.formulas import (
     BLANK,
     BOOLEAN,
     DATE_T,
+    DATETIME,
     NUMBER,
+    NUMBER_START,
+    NUMBER_TEXT,
+    RANK_ASC,
     TEXT,
     FormulaError,
     FormulaSet,
     Node,
     constant_number,
+    has_wildcard,
+    wildcard_regex,
 )
 
 Expr = str  # a Spark SQL expression
@@ -58,7 +65,8 @@ class TooLong(Exception):
     """A rule's text passed :data:`MAX_EXPRESSION_CHARS` (``args[0]``: the length reached)."""
 
 
-SPARK_TYPES = {NUMBER: "double", TEXT: "string", BOOLEAN: "boolean", DATE_T: "date"}
+SPARK_TYPES = {NUMBER: "double", TEXT: "string", BOOLEAN: "boolean", DATE_T: "date",
+               DATETIME: "timestamp_ntz"}  # fmt: skip
 
 _TRUE, _FALSE, _NULL = "true", "false", "NULL"
 _ZERO = "0.0D"
@@ -97,6 +105,8 @@ def literal(value: Any) -> Expr:
         return f"({value!r}D)"
     if isinstance(value, str):
         return f"CAST(X'{value.encode().hex()}' AS STRING)"
+    if isinstance(value, dt.datetime):  # before date: a datetime is a date too
+        return f"TIMESTAMP_NTZ '{value.replace(tzinfo=None).isoformat(sep=' ')}'"
     if isinstance(value, dt.date):
         return f"DATE '{value.isoformat()}'"
     raise TypeError(f"no Spark SQL literal for {type(value).__name__}")
@@ -183,21 +193,61 @@ def _int(value: Expr) -> Expr:
     return when((f"(abs({value}) < {_INT_RANGE})", cast(call("floor", value), "int")))
 
 
+#: Numbers as text, as a spreadsheet's General format shows them: rounded to 15 significant
+#: digits, trailing zeros dropped, in plain notation from 1E-9 up to 15 integer digits, in
+#: scientific notation (``1.5E+20``, ``2E-10``) outside that range.
+_PLAIN_LOW, _PLAIN_HIGH = "1.0E-9D", "999999999999999.5D"  # the second rounds up to 1E+15
+
+
+def number_text(value: Expr) -> Expr:
+    """A (non-blank) number as text, as a spreadsheet shows it (see above).
+
+    Java's ``%.14E`` rounds to 15 significant digits (half up, from the shortest decimal that
+    reads back as the double, so 0.1 + 0.2 is 0.3); that text, read as a decimal of 23 places,
+    prints plainly; the zeros after the point are then dropped."""
+    return bind([value], _number_text)
+
+
+def _number_text(value: Expr) -> Expr:
+    digits = call("format_string", "'%.14E'", value)
+    plain = cast(cast(digits, "DECIMAL(38,23)"), "string")
+    plain = call("regexp_replace", call("regexp_replace", plain, "'0+$'", _EMPTY), "'[.]$'",
+                 _EMPTY)  # fmt: skip
+    scientific = call("regexp_replace", digits, "'[.]?0+E'", "'E'")
+    magnitude = call("abs", value)
+    shown_plainly = _and(f"({magnitude} >= {_PLAIN_LOW})", f"({magnitude} < {_PLAIN_HIGH})")
+    return when((_bin(value, "=", _ZERO), "'0'"), (shown_plainly, plain), otherwise=scientific)
+
+
+def text_number(text: Expr) -> Expr:
+    """Text as a number the way a spreadsheet reads it (``" 1,234.5 "``, ``"-12%"``,
+    ``"1e3"``), NULL for anything else (Java's ``"12d"``, ``"Infinity"``, ``"0x1F"``, "")."""
+    return bind([call("trim", text)], _text_number)
+
+
+def _text_number(trimmed: Expr) -> Expr:
+    accepted = _and(
+        call("regexp_like", trimmed, literal(NUMBER_TEXT)),
+        call("regexp_like", trimmed, literal(NUMBER_START)),
+    )
+    bare = call("regexp_replace", trimmed, "'[,%$]'", _EMPTY)
+    number = try_cast(bare, "double")
+    scaled = when((call("endswith", trimmed, "'%'"), f"({number} / 100.0D)"), otherwise=number)
+    return when((accepted, scaled))
+
+
 def _text(node: Node, value: Expr) -> Expr:
     """A value as text, blank as ""."""
     if node.type == TEXT:
         return coalesce(value, _EMPTY)
     if node.type == NUMBER:
-        # floor() gives a bigint: only asked of a number it fits (else ANSI mode fails the job)
-        whole = when((f"(abs({value}) < {_SAFE_INTEGER})", _bin(value, "=", call("floor", value))),
-                     otherwise=_FALSE)  # fmt: skip
-        as_text = when((whole, cast(try_cast(value, "bigint"), "string")),
-                       otherwise=cast(value, "string"))  # fmt: skip
-        return coalesce(as_text, _EMPTY)
+        return coalesce(number_text(value), _EMPTY)
     if node.type == BOOLEAN:
         return when((value, "'TRUE'"), (_not(value), "'FALSE'"), otherwise=_EMPTY)
     if node.type == DATE_T:
         return coalesce(call("date_format", value, "'yyyy-MM-dd'"), _EMPTY)
+    if node.type == DATETIME:
+        return coalesce(call("date_format", value, "'yyyy-MM-dd HH:mm:ss'"), _EMPTY)
     return _EMPTY
 
 
@@ -215,6 +265,8 @@ def _comparable(node: Node, value: Expr, other: str) -> Expr:
         return coalesce(value, _FALSE)
     if kind == DATE_T:
         return coalesce(value, literal(_BLANK_DATE))
+    if kind == DATETIME:
+        return coalesce(value, literal(dt.datetime.combine(_BLANK_DATE, dt.time())))
     return _ZERO
 
 
@@ -224,7 +276,9 @@ def _comparable(node: Node, value: Expr, other: str) -> Expr:
 
 @dataclass
 class Compiler:
-    """Compiles nodes with ``names``: an earlier rule or aggregate -> its (value, error)."""
+    """Compiles nodes with ``names``: a rule computed before, an aggregate or a lookup -> its
+    (value, error). ``today``: the job's date, or (a datetime) its planned moment, whose date
+    is TODAY() and which NOW() is."""
 
     today: dt.date
     names: Mapping[str, Pair]
@@ -264,6 +318,17 @@ class Compiler:
 
     def _op_agg(self, node: Node) -> Pair:
         return self.names[_AGG_PREFIX + node.key()]
+
+    def _op_lookup(self, node: Node) -> Pair:
+        table, column = node.value
+        found, missing_or_none = self.names[lookup_name(table, column, node.args[0])]
+        missing = missing_or_none or _FALSE
+        _, key_error = self(node.args[0])
+        if len(node.args) == 1:  # not found: an error (a spreadsheet's #N/A)
+            return found, or_errors(key_error, missing)
+        default, default_error = self(node.args[1])
+        error = when((missing, default_error), otherwise=_FALSE) if default_error else None
+        return when((missing, default), otherwise=found), or_errors(key_error, error)
 
     # arithmetic
     def _op_neg(self, node: Node) -> Pair:
@@ -394,8 +459,11 @@ class Compiler:
         return coalesce(*values), error
 
     def _op_NULLIF(self, node: Node) -> Pair:
+        left, right = node.args
         (a, b), error = self.values(node.args)
-        return when((_bin(a, "<=>", b), _NULL), otherwise=a), error
+        # Equal as ``=`` says (text without case, a blank as 0 or ""), not as Spark's <=>.
+        equal = _bin(_comparable(left, a, right.type), "=", _comparable(right, b, left.type))
+        return when((equal, _NULL), otherwise=a), error
 
     def _op_cast(self, node: Node) -> Pair:
         source = node.args[0]
@@ -404,7 +472,7 @@ class Compiler:
         if target == TEXT:
             return when((not_null(value), _text(source, value))), error
         if source.type == TEXT and target == NUMBER:
-            result = try_cast(call("trim", value), "double")
+            result = text_number(value)
         elif source.type == BOOLEAN and target == NUMBER:
             result = when((value, "1.0D"), (_not(value), _ZERO))
         elif source.type == target:
@@ -438,13 +506,6 @@ class Compiler:
 
     def _op_INT(self, node: Node) -> Pair:
         return self._unary_number(node, _whole)
-
-    _op_FLOOR = _op_INT
-
-    def _op_CEILING(self, node: Node) -> Pair:
-        return self._unary_number(node, lambda v: f"(- {_whole(f'(- {v})')})")
-
-    _op_CEIL = _op_CEILING
 
     def _op_MOD(self, node: Node) -> Pair:
         (a, b), error = self.values(node.args)
@@ -508,9 +569,10 @@ class Compiler:
         source = node.args[0]
         value, error = self(source)
         if source.type == NUMBER:
-            return value, error
-        result = try_cast(call("trim", _text(source, value)), "double")
-        return result, or_errors(error, lost(value, result))
+            return value, or_errors(error, is_null(value))
+        result = text_number(_text(source, value))
+        # A blank is an error too (a spreadsheet's #VALUE! for ""), as is "1e400".
+        return result, or_errors(error, f"({result} IS NULL OR {_bad_number(result)})")
 
     # text
     def _op_CONCAT(self, node: Node) -> Pair:
@@ -579,6 +641,10 @@ class Compiler:
 
     # dates
     def _op_DATE(self, node: Node) -> Pair:
+        constants = [constant_number(a) for a in node.args]
+        if all(c is not None for c in constants):  # DATE(2026, 1, 31): a date constant
+            folded = _constant_date(*(float(c or 0) for c in constants))
+            return (literal(folded), None) if folded is not None else (_NULL, _TRUE)
         (year, month, day), error = self.values(node.args)
         year, month, day = _number(year), _number(month), _number(day)
         valid = _and(f"({year} >= (1))", f"({year} < (10000))", f"(abs({month}) < (120000))",
@@ -613,21 +679,32 @@ class Compiler:
         return self._date_part(node, "dayofweek")
 
     def _op_TODAY(self, node: Node) -> Pair:
-        return literal(self.today), None
+        today = self.today.date() if isinstance(self.today, dt.datetime) else self.today
+        return literal(today), None
 
     _op_DAYS = _op_days
 
     def _op_DATEDIF(self, node: Node) -> Pair:
         (start, end), error = self.values(node.args[:2])
         unit = str(node.args[2].value).upper()
-        if unit == "D":
-            value = cast(call("datediff", end, start), "double")
-        else:
-            borrow = when((f"(dayofmonth({end}) < dayofmonth({start}))", "(1)"), otherwise="(0)")
-            years = f"((year({end}) - year({start})) * (12))"
-            months = f"((({years} + month({end})) - month({start})) - {borrow})"
-            value = cast(months if unit == "M" else f"floor({months} / (12))", "double")
-        return value, or_errors(error, f"({end} < {start})")
+        borrow = when((f"(dayofmonth({end}) < dayofmonth({start}))", "(1)"), otherwise="(0)")
+        years = f"((year({end}) - year({start})) * (12))"
+        months = f"((({years} + month({end})) - month({start})) - {borrow})"
+        whole_years = f"floor({months} / (12))"
+        match unit:
+            case "D":
+                value = call("datediff", end, start)
+            case "M":
+                value = months
+            case "Y":
+                value = whole_years
+            case "YM":
+                value = f"({months} % (12))"
+            case "MD":  # days since the last whole month
+                value = call("datediff", end, call("add_months", start, months))
+            case _:  # "YD": days since the last whole year
+                value = call("datediff", end, call("add_months", start, f"({whole_years} * 12)"))
+        return cast(value, "double"), or_errors(error, f"({end} < {start})")
 
     def _op_EDATE(self, node: Node) -> Pair:
         (date, months), error = self.values(node.args)
@@ -636,6 +713,370 @@ class Compiler:
     def _op_EOMONTH(self, node: Node) -> Pair:
         (date, months), error = self.values(node.args)
         return call("last_day", call("add_months", date, _int(_number(months)))), error
+
+    # Functions a spreadsheet user reaches for (numbers)
+    def _significance(self, node: Node, up: bool) -> Pair:
+        """CEILING/FLOOR(x, significance): the quotient rounded to 9 places first, so that
+        1.5 / 0.1 (15.000000000000002) is 15, as a spreadsheet's 15 digits see it."""
+        (x, significance), error = self.values(node.args)
+        x, significance = _number(x), _number(significance)
+        nonzero = when((_bin(significance, "<>", _ZERO), significance))
+        quotient = call("round", f"({x} / {nonzero})", "9")
+        whole = f"(- {_whole(f'(- {quotient})')})" if up else _whole(quotient)
+        value = coalesce(f"({whole} * {significance})", _ZERO)
+        bad = _and(f"({x} > {_ZERO})", f"({significance} < {_ZERO})")
+        if not up:  # FLOOR(x, 0) is a division by zero, CEILING(x, 0) is 0
+            bad = f"({bad} OR (({significance} = {_ZERO}) AND ({x} <> {_ZERO})))"
+        return value, or_errors(error, bad)
+
+    def _op_CEILING(self, node: Node) -> Pair:
+        if len(node.args) > 1:
+            return self._significance(node, up=True)
+        return self._unary_number(node, lambda v: f"(- {_whole(f'(- {v})')})")
+
+    _op_CEIL = _op_CEILING
+
+    def _op_FLOOR(self, node: Node) -> Pair:
+        if len(node.args) > 1:
+            return self._significance(node, up=False)
+        return self._op_INT(node)
+
+    def _toward(self, node: Node, up: bool) -> Pair:
+        """ROUNDUP (away from zero) and ROUNDDOWN/TRUNC (toward zero) to n digits; the scaled
+        value is rounded to 9 places first (4.35 * 100 is 434.99999999999994)."""
+        value, error = self(node.args[0])
+        value = _number(value)
+        digits = int(constant_number(node.args[1]) or 0) if len(node.args) > 1 else 0
+        factor = literal(float(10 ** abs(digits)))
+        grow, shrink = ("*", "/") if digits >= 0 else ("/", "*")
+        scaled = call("round", f"(abs({value}) {grow} {factor})", "9")
+        whole = f"(- {_whole(f'(- {scaled})')})" if up else _whole(scaled)
+        return f"(signum({value}) * ({whole} {shrink} {factor}))", error
+
+    def _op_ROUNDUP(self, node: Node) -> Pair:
+        return self._toward(node, up=True)
+
+    def _op_ROUNDDOWN(self, node: Node) -> Pair:
+        return self._toward(node, up=False)
+
+    _op_TRUNC = _op_ROUNDDOWN
+
+    def _op_MROUND(self, node: Node) -> Pair:
+        (x, multiple), error = self.values(node.args)
+        x, multiple = _number(x), _number(multiple)
+        nonzero = when((_bin(multiple, "<>", _ZERO), multiple))
+        quotient = call("round", call("round", f"({x} / {nonzero})", "9"), "0")
+        value = coalesce(f"({quotient} * {multiple})", _ZERO)
+        return value, or_errors(error, f"(({x} * {multiple}) < {_ZERO})")
+
+    def _op_LOG(self, node: Node) -> Pair:
+        if len(node.args) == 1:
+            return self._op_LOG10(node)
+        (x, base), error = self.values(node.args)
+        x, base = _number(x), _number(base)
+        valid = _and(f"({x} > {_ZERO})", f"({base} > {_ZERO})", f"({base} <> 1.0D)")
+        value = call("log", when((valid, base)), x)
+        return value, or_errors(error, _not(valid))
+
+    def _op_PI(self, node: Node) -> Pair:
+        return literal(math.pi), None
+
+    def _op_MEDIAN(self, node: Node) -> Pair:
+        values, error = self.values(node.args)
+        present = f"array_sort(filter(array({', '.join(values)}), fq_v -> fq_v IS NOT NULL))"
+        size = f"size({present})"
+        upper = f"element_at({present}, CAST(({size} DIV 2) + 1 AS INT))"
+        lower = f"element_at({present}, CAST(greatest({size} DIV 2, 1) AS INT))"
+        value = when((f"({size} = 0)", _NULL), (f"(({size} % 2) = 1)", upper),
+                     otherwise=f"(({lower} + {upper}) / 2.0D)")  # fmt: skip
+        return value, or_errors(error, f"({size} = 0)")
+
+    # logic
+    _op_IFNA = _op_IFERROR
+
+    def _is_type(self, node: Node, kind: str) -> Pair:
+        source = node.args[0]
+        if source.type != kind:
+            return _FALSE, None
+        value, error = self(source)
+        return (not_null(value) if error is None else _and(not_null(value), _not(error))), None
+
+    def _op_ISNUMBER(self, node: Node) -> Pair:
+        return self._is_type(node, NUMBER)
+
+    def _op_ISTEXT(self, node: Node) -> Pair:
+        return self._is_type(node, TEXT)
+
+    def _op_SWITCH(self, node: Node) -> Pair:
+        subject, *cases = node.args
+        default = cases.pop() if len(cases) % 2 else None
+        pairs = [(Node("=", BOOLEAN, (subject, value)), result)
+                 for value, result in zip(cases[0::2], cases[1::2], strict=True)]  # fmt: skip
+        return self._branches(pairs, default, fail=True)
+
+    def _op_CHOOSE(self, node: Node) -> Pair:
+        index, *choices = node.args
+        whole = Node("TRUNC", NUMBER, (index,))
+        pairs = [(Node("=", BOOLEAN, (whole, Node("const", NUMBER, (), float(k)))), choice)
+                 for k, choice in enumerate(choices, start=1)]  # fmt: skip
+        return self._branches(pairs, None, fail=True)
+
+    # text
+    def _op_WILDCARD(self, node: Node) -> Pair:
+        value, error = self(node.args[0])
+        return f"({coalesce(value, _EMPTY)} RLIKE {literal(node.value)})", error
+
+    def _position(self, node: Node, case: bool) -> Pair:
+        """FIND (with case) and SEARCH (without; wildcards in a constant pattern)."""
+        (find, find_error), (within, within_error) = (self._text_arg(a) for a in node.args[:2])
+        error = or_errors(find_error, within_error)
+        start, start_error = self._count_arg(node.args[2] if len(node.args) > 2 else None, 1)
+        valid = _and(f"({start} >= 1.0D)", f"({start} <= (length({within}) + 1))")
+        first = coalesce(when((valid, _int(start))), "(1)")
+        pattern = node.args[0]
+        if not case and pattern.op == "const" and isinstance(pattern.value, str) and (
+            has_wildcard(pattern.value)
+        ):  # fmt: skip
+            regex = literal("(?isu)" + wildcard_regex(pattern.value))
+            found = call("regexp_instr", call("substring", within, first), regex)
+            position = f"(CASE WHEN {found} > 0 THEN {found} + {first} - 1 ELSE 0 END)"
+        elif case:
+            position = call("locate", find, within, first)
+        else:
+            position = call("locate", call("lower", find), call("lower", within), first)
+        bad = f"({_not(valid)} OR ({position} = 0))"
+        return cast(position, "double"), or_errors(error, start_error, bad)
+
+    def _op_FIND(self, node: Node) -> Pair:
+        return self._position(node, case=True)
+
+    def _op_SEARCH(self, node: Node) -> Pair:
+        return self._position(node, case=False)
+
+    def _op_PROPER(self, node: Node) -> Pair:
+        text, error = self._text_arg(node.args[0])
+        letter = literal("\\p{L}")
+        char = f"substr({text}, fq_i, 1)"
+        after_letter = f"(fq_i > 1 AND substr({text}, fq_i - 1, 1) RLIKE {letter})"
+        each = f"CASE WHEN {after_letter} THEN lower({char}) ELSE upper({char}) END"
+        joined = f"array_join(transform(sequence(1, length({text})), fq_i -> {each}), '')"
+        return when((f"(length({text}) = 0)", _EMPTY), otherwise=joined), error
+
+    def _op_REPLACE(self, node: Node) -> Pair:
+        old, error = self._text_arg(node.args[0])
+        start, start_error = self._count_arg(node.args[1], 1)
+        count, count_error = self._count_arg(node.args[2], 0)
+        new, new_error = self._text_arg(node.args[3])
+        valid = _and(f"({start} >= 1.0D)", f"({count} >= {_ZERO})")
+        value = call("overlay", old, new, coalesce(when((valid, _int(start))), "(1)"),
+                     coalesce(when((valid, _int(count))), "(0)"))  # fmt: skip
+        return value, or_errors(error, start_error, count_error, new_error, _not(valid))
+
+    def _op_REPT(self, node: Node) -> Pair:
+        text, error = self._text_arg(node.args[0])
+        times, times_error = self._count_arg(node.args[1], 0)
+        valid = _and(f"({times} >= {_ZERO})", f"((length({text}) * {times}) <= {_MAX_TEXT})")
+        value = call("repeat", text, coalesce(when((valid, _int(times))), "(0)"))
+        return value, or_errors(error, times_error, _not(valid))
+
+    def _op_TEXTJOIN(self, node: Node) -> Pair:
+        delimiter, error = self._text_arg(node.args[0])
+        ignore, ignore_error = self(node.args[1])
+        pairs = [self._text_arg(a) for a in node.args[2:]]
+        texts = [p[0] for p in pairs]
+        skipping = call("concat_ws", delimiter, *(call("nullif", t, _EMPTY) for t in texts))
+        keeping = call("concat_ws", delimiter, *texts)
+        if node.args[1].op == "const":
+            value = skipping if node.args[1].value else keeping
+        else:
+            value = when((_condition(ignore), skipping), otherwise=keeping)
+        too_long = f"(length({value}) > {_MAX_TEXT})"
+        return when((_not(too_long), value)), or_errors(
+            error, ignore_error, *(p[1] for p in pairs), too_long
+        )
+
+    def _op_EXACT(self, node: Node) -> Pair:
+        (a, a_error), (b, b_error) = (self._text_arg(arg) for arg in node.args)
+        return _bin(a, "=", b), or_errors(a_error, b_error)
+
+    def _op_TEXT(self, node: Node) -> Pair:
+        source = node.args[0]
+        value, error = self(source)
+        spec = textformat.parse(str(node.args[1].value))
+        return formatted(source.type, value, spec), error
+
+    # dates
+    def _op_NOW(self, node: Node) -> Pair:
+        now = self.today
+        if not isinstance(now, dt.datetime):
+            now = dt.datetime.combine(now, dt.time())
+        return literal(now), None
+
+    def _op_WEEKNUM(self, node: Node) -> Pair:
+        value, error = self(node.args[0])
+        date = cast(value, "date")
+        kind = int(constant_number(node.args[1]) or 1) if len(node.args) > 1 else 1
+        if kind == 21:
+            return cast(call("weekofyear", date), "double"), error
+        first = {1: 1, 17: 1, 2: 2, 11: 2, 12: 3, 13: 4, 14: 5, 15: 6, 16: 7}[kind]
+        offset = f"((dayofweek(trunc({date}, 'YEAR')) - {first} + 7) % 7)"
+        week = f"((((dayofyear({date}) - 1) + {offset}) DIV 7) + 1)"
+        return cast(week, "double"), error
+
+    def _op_NETWORKDAYS(self, node: Node) -> Pair:
+        values, error = self.values(node.args)
+        return cast(bind(values, _network_days), "double"), error
+
+    def _op_YEARFRAC(self, node: Node) -> Pair:
+        (first, second), error = self.values(node.args[:2])
+        basis = int(constant_number(node.args[2]) or 0) if len(node.args) > 2 else 0
+
+        def fraction(first: Expr, second: Expr) -> Expr:
+            start, end = call("least", first, second), call("greatest", first, second)
+            return bind([start, end], lambda s, e: _year_fraction(s, e, basis))
+
+        return bind([first, second], fraction), error
+
+
+def _network_days(start: Expr, end: Expr, *holidays: Expr) -> Expr:
+    """NETWORKDAYS: whole weeks are 5 days each; the days left over start on a known weekday."""
+
+    def count(low: Expr, high: Expr, *holidays: Expr) -> Expr:
+        days = f"(datediff({high}, {low}) + 1)"
+        weekday = f"((dayofweek({low}) + 5) % 7)"  # Monday 0 ... Sunday 6
+        rest = f"({days} % 7)"
+        first_week = f"greatest(0, least({weekday} + {rest}, 5) - {weekday})"
+        second_week = f"greatest(0, least({weekday} + {rest}, 12) - greatest({weekday}, 7))"
+        extra = f"({first_week} + {second_week})"
+        total = f"((({days} DIV 7) * 5) + {extra})"
+        if not holidays:
+            return total
+        off = (f"size(array_distinct(filter(array({', '.join(holidays)}), fq_h -> "
+               f"fq_h BETWEEN {low} AND {high} AND dayofweek(fq_h) NOT IN (1, 7))))")  # fmt: skip
+        return f"({total} - {off})"
+
+    days = bind([call("least", start, end), call("greatest", start, end), *holidays], count)
+    return when((f"({end} < {start})", f"(- {days})"), otherwise=days)
+
+
+def _constant_date(year: float, month: float, day: float) -> dt.date | None:
+    """DATE of constants, months and days past the end rolling over (None: out of range)."""
+    if not (1 <= year < 10000 and abs(month) < 120000 and abs(day) < 4_000_000):
+        return None
+    months = int(year) * 12 + math.floor(month) - 1
+    if not 1 <= months // 12 <= 9999:
+        return None
+    first = dt.date(months // 12, months % 12 + 1, 1)
+    try:
+        return first + dt.timedelta(days=math.floor(day) - 1)
+    except OverflowError:
+        return None
+
+
+#: Texts up to this long are repeated where a function uses a value more than once; longer
+#: ones are bound once (:func:`bind`), so that nesting cannot multiply them.
+_SHORT = 80
+
+
+def bind(values: Sequence[Expr], body: Callable[..., Expr]) -> Expr:
+    """``body`` of ``values``, each written once: short ones (a column, a constant) inline,
+    else through a one-element ``transform`` whose lambda names them."""
+    if all(len(v) <= _SHORT for v in values):
+        return body(*values)
+    name = "fq_b"  # values hold any inner bind, outside this lambda: no name is shadowed
+    fields = ", ".join(f"'v{i}', {v}" for i, v in enumerate(values))
+    used = body(*(f"{name}.v{i}" for i in range(len(values))))
+    return f"transform(array(named_struct({fields})), {name} -> {used})[0]"
+
+
+def _year_fraction(start: Expr, end: Expr, basis: int) -> Expr:
+    """YEARFRAC by day-count basis, as a spreadsheet counts (start <= end)."""
+    days = f"CAST(datediff({end}, {start}) AS DOUBLE)"
+    if basis == 2:
+        return f"({days} / 360.0D)"
+    if basis == 3:
+        return f"({days} / 365.0D)"
+    y1, m1, d1 = f"year({start})", f"month({start})", f"dayofmonth({start})"
+    y2, m2, d2 = f"year({end})", f"month({end})", f"dayofmonth({end})"
+    if basis in (0, 4):
+        if basis == 4:  # European: the 31st is the 30th
+            day1 = when((f"({d1} = 31)", "30"), otherwise=d1)
+            day2 = when((f"({d2} = 31)", "30"), otherwise=d2)
+        else:  # US (NASD), with the last day of February as the 30th
+            feb_end1 = _and(f"({m1} = 2)", f"({start} = last_day({start}))")
+            feb_end2 = _and(f"({m2} = 2)", f"({end} = last_day({end}))")
+            day1 = when((f"(({d1} = 31) OR {feb_end1})", "30"), otherwise=d1)
+            day2 = when((_and(f"({d2} = 31)", f"({d1} >= 30)"), "30"),
+                        (_and(feb_end1, feb_end2), "30"), otherwise=d2)  # fmt: skip
+        total = f"(((({y2} - {y1}) * 360) + (({m2} - {m1}) * 30)) + ({day2} - {day1}))"
+        return f"(CAST({total} AS DOUBLE) / 360.0D)"
+
+    # basis 1, actual/actual: within a year, 366 days if a February 29 is inside; else the
+    # average length of the years the dates span.
+    def leap(year: Expr) -> Expr:
+        return f"((({year} % 4) = 0 AND ({year} % 100) <> 0) OR ({year} % 400) = 0)"
+
+    def feb29_inside(year: Expr) -> Expr:
+        feb29 = f"date_add(make_date({year}, 3, 1), -1)"
+        return _and(leap(year), f"({start} <= {feb29})", f"({end} >= {feb29})")
+
+    within_year = (f"(({y1} = {y2}) OR (({y2} = {y1} + 1) AND (({m1} > {m2}) OR "
+                   f"(({m1} = {m2}) AND ({d1} >= {d2})))))")  # fmt: skip
+    one_year = when((f"(({y1} = {y2}) AND {leap(y1)})", "366.0D"),
+                    (f"({feb29_inside(y1)} OR {feb29_inside(y2)})", "366.0D"),
+                    otherwise="365.0D")  # fmt: skip
+    span = f"CAST(datediff(make_date({y2} + 1, 1, 1), make_date({y1}, 1, 1)) AS DOUBLE)"
+    average = f"({span} / CAST(({y2} - {y1}) + 1 AS DOUBLE))"
+    return when((within_year, f"({days} / {one_year})"), otherwise=f"({days} / {average})")
+
+
+#: The longest text REPT and TEXTJOIN give (a spreadsheet cell's limit).
+_MAX_TEXT = "32767"
+
+
+def formatted(kind: str, value: Expr, spec: textformat.Format) -> Expr:
+    """TEXT(value, format): ``value`` of type ``kind`` shown as ``spec`` describes."""
+    if kind == TEXT or isinstance(spec, textformat.Text):
+        return coalesce(value, _EMPTY) if kind == TEXT else _text(Node("v", kind), value)
+    if kind == BOOLEAN:
+        return _text(Node("v", kind), value)
+    if isinstance(spec, textformat.DateFormat):
+        if kind == NUMBER:  # a spreadsheet's date serial number: days since 1899-12-30
+            value = call("date_add", literal(dt.date(1899, 12, 30)), _int(_number(value)))
+        return coalesce(call("date_format", value, literal(spec.pattern)), _EMPTY)
+    if kind in (DATE_T, DATETIME):  # a date as its serial number
+        value = cast(call("datediff", cast(value, "date"), literal(dt.date(1899, 12, 30))),
+                     "double")  # fmt: skip
+    value = _number(value)
+    if isinstance(spec, textformat.General):
+        return number_text(value)
+    return _number_format(value, spec)
+
+
+def _number_format(value: Expr, spec: textformat.NumberFormat) -> Expr:
+    """A number in a number format: Java's formatter rounds half up, as a spreadsheet does."""
+    if spec.percent:
+        value = f"({value} * 100.0D)"
+    if spec.scale:
+        value = f"({value} / {literal(float(1000**spec.scale))})"
+    places = spec.decimals + spec.optional_decimals
+    magnitude = call("abs", value)
+    if spec.scientific:
+        shown = call("format_string", literal(f"%.{places}E"), magnitude)
+    else:
+        width = spec.integer_zeros + (places + 1 if places else 0)
+        flags = ("," if spec.grouping else "") + ("0" if spec.integer_zeros > 1 else "")
+        pattern = f"%{flags}{width if spec.integer_zeros > 1 else ''}.{places}f"
+        shown = call("format_string", literal(pattern), magnitude)
+        if spec.integer_zeros == 0:  # "#.00": no 0 before the point
+            shown = call("regexp_replace", shown, literal("^0(?=[.]|$)"), _EMPTY)
+    if spec.optional_decimals:  # "#" places: their trailing zeros go
+        zeros = literal(f"0{{1,{spec.optional_decimals}}}(?=$|E)")
+        shown = call("regexp_replace", shown, zeros, _EMPTY)
+    if spec.point and not places:
+        shown = f"concat({shown}, '.')"
+    sign = when((f"({value} < {_ZERO})", "'-'"), otherwise=_EMPTY)
+    return call("concat", sign, literal(spec.prefix), shown, literal(spec.suffix))
 
 
 _OPERATORS = {
@@ -681,8 +1122,10 @@ def _aggregate_texts(node: Node, value: Expr, error: Expr | None) -> tuple[Expr,
             return coalesce(call("sum", clean), _ZERO), has_error
         case "AVERAGE":
             return call("avg", clean), f"({has_error} OR (count({clean}) = (0)))"
-        case "COUNT":
+        case "COUNT" | "RANK" | "RANK_ASC":  # a rank: its group's count, until ranked
             return cast(call("count", clean), "double"), has_error
+        case "MEDIAN":
+            return call("percentile", clean, "0.5D"), f"({has_error} OR (count({clean}) = (0)))"
         case "MIN":
             return call("min", clean), has_error
         case _:
@@ -736,8 +1179,33 @@ def compute_aggregates(
                 f"tenant {formulas.tenant!r}: an aggregate BY "
                 f"{', '.join(g.key() for g in groups)} has more than {max_groups:,} groups"
             )
-        results.append((groups, tuple(nodes), tuple(tuple(row) for row in rows)))
+        plain = [list(row) for row in rows]
+        for i, node in enumerate(nodes):
+            if node.value in ("RANK", RANK_ASC):
+                _rank_groups(plain, len(groups), i, ascending=node.value == RANK_ASC)
+        results.append((groups, tuple(nodes), tuple(tuple(row) for row in plain)))
     return AggregateValues(groups=tuple(results))
+
+
+def _rank_groups(rows: list[list[Any]], keys: int, index: int, *, ascending: bool) -> None:
+    """Turn aggregate ``index``'s counts into ranks: the ranked value is key 0, the other keys
+    (a RANK's BY groups) partition. A rank is 1 + the rows whose value ranks before; a blank
+    value has none (an error value)."""
+    column = keys + 2 * index
+    partitions: dict[tuple[Any, ...], list[list[Any]]] = {}
+    for row in rows:
+        partitions.setdefault(tuple(row[1:keys]), []).append(row)
+    for members in partitions.values():
+        ranked = sorted((r for r in members if r[0] is not None), key=lambda r: r[0],
+                        reverse=not ascending)  # fmt: skip
+        before = 0.0
+        for row in ranked:
+            count = row[column]
+            row[column] = before + 1
+            before += count
+        for row in members:
+            if row[0] is None:
+                row[column], row[column + 1] = None, True
 
 
 def join_aggregates(
@@ -780,6 +1248,97 @@ def join_aggregates(
                 coalesce(quoted(f"{prefix}e{i}"), _FALSE),
             )
     return df, names
+
+
+# --------------------------------------------------------------------------------------------
+# Lookup tables (VLOOKUP, XLOOKUP): joined to the rows before the formulas
+
+_LOOKUP_PREFIX = "__fq_lk_"
+
+
+def lookup_name(table: str, column: str, key: Node) -> str:
+    """The name under which a lookup's (value, not found) pair is known to the compiler."""
+    return f"{_LOOKUP_PREFIX}{table}|{column}|{key.key()}"
+
+
+def lookup_shapes(formulas: FormulaSet) -> list[tuple[str, Node, list[tuple[str, str]]]]:
+    """Each distinct (table, key expression): the columns (name, type) read through it."""
+    shapes: dict[tuple[str, str], tuple[str, Node, list[tuple[str, str]]]] = {}
+    for formula in formulas.formulas:
+        stack = [formula.tree]
+        while stack:
+            item = stack.pop()
+            stack.extend(item.args)
+            if item.op != "lookup":
+                continue
+            table, column = item.value
+            key = item.args[0]
+            found = shapes.setdefault((table, key.key()), (table, key, []))[2]
+            kind = item.type if len(item.args) == 1 else _returned_type(item)
+            if (column, kind) not in found:
+                found.append((column, kind))
+    return list(shapes.values())
+
+
+def _returned_type(node: Node) -> str:
+    """The type of a lookup's column when the lookup has a default (its result's type)."""
+    return node.type if node.type != BLANK else node.args[1].type
+
+
+def join_lookups(
+    spark: Any,
+    df: Any,
+    formulas: FormulaSet,
+    tables: Mapping[str, Sequence[tuple[Any, ...]]],
+    columns: Mapping[str, Sequence[str]],
+    *,
+    today: dt.date,
+) -> tuple[Any, dict[str, Pair]]:
+    """Add each lookup's columns to the rows: a broadcast left join per (table, key
+    expression) on the key (text without case). ``tables``: a table's rows, their columns
+    named by ``columns[table]`` (the key first)."""
+    from pyspark.sql import functions as F
+
+    rules = {f.target: f.tree for f in formulas.formulas}
+    compiler = Compiler(today=today, names={}, inline=rules)
+    names: dict[str, Pair] = {}
+    for index, (table, key, wanted) in enumerate(lookup_shapes(formulas)):
+        prefix = f"{_LOOKUP_PREFIX}{index}_"
+        order = list(columns[table])
+        kinds = {c: k for c, k in wanted}
+        key_type = SPARK_TYPES.get(key.type, "string")
+        fields = [f"k {key_type}", *(f"{quoted('c' + str(i))} {SPARK_TYPES[kinds[c]]}"
+                                      for i, c in enumerate(kinds))]  # fmt: skip
+        picked = [
+            [_lookup_value(row[0], key.type)]
+            + [_lookup_value(row[order.index(c)], kinds[c]) for c in kinds]
+            for row in tables[table]
+        ]
+        right = spark.createDataFrame(picked, ", ".join(fields))
+        found_key = "lower(k)" if key.type == TEXT else "k"
+        right = right.selectExpr(
+            f"{found_key} AS {quoted(prefix + 'key')}",
+            *(f"{quoted('c' + str(i))} AS {quoted(prefix + 'c' + str(i))}"
+              for i in range(len(kinds))),
+            f"true AS {quoted(prefix + 'found')}",
+        )  # fmt: skip
+        value = compiler(key)[0]
+        joined = call("lower", value) if key.type == TEXT else value
+        df = df.withColumn(prefix + "row", F.expr(joined))
+        condition = f"({quoted(prefix + 'row')} = {quoted(prefix + 'key')})"
+        df = df.join(F.broadcast(right), on=F.expr(condition), how="left")
+        missing = is_null(quoted(prefix + "found"))
+        for i, column in enumerate(kinds):
+            names[lookup_name(table, column, key)] = (quoted(f"{prefix}c{i}"), missing)
+    return df, names
+
+
+def _lookup_value(value: Any, kind: str) -> Any:
+    from decimal import Decimal
+
+    if isinstance(value, Decimal) or (kind == NUMBER and isinstance(value, int)):
+        return float(value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -897,6 +1456,9 @@ def check_compiles(formulas: FormulaSet, *, today: dt.date) -> None:
         for _groups, nodes, _keys, _columns in shapes
         for node in nodes
     }
+    for table, key, wanted in lookup_shapes(formulas):
+        for column, _kind in wanted:
+            placeholders[lookup_name(table, column, key)] = (quoted("found"), quoted("missing"))
     formula_levels(formulas, today=today, names=placeholders)
 
 

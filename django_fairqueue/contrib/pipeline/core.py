@@ -27,6 +27,7 @@ from typing import Any
 
 from django_fairqueue.contrib.pipeline.formulas import DEFAULT_FUNCTIONS
 
+_LOOKUP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _PIPELINE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}$")
 
 
@@ -193,6 +194,34 @@ class LongSink:
         return (self.id_column, self.rule_column, *self.value_columns, *self.columns)
 
 
+@dataclass(frozen=True)
+class Lookup:
+    """A lookup table a pipeline declares for ``VLOOKUP`` and ``XLOOKUP``: rows found by their
+    ``key`` column, giving ``columns`` (VLOOKUP's column 1 is the key, 2 the first of
+    ``columns``...). With ``tenant_column``, a tenant's formulas see only its own rows. A key
+    is matched exactly (text without case); read when each batch runs, at most
+    ``max_rows`` keys."""
+
+    table: Any
+    key: str
+    columns: Sequence[str]
+    tenant_column: str | None = None
+    max_rows: int = 200_000
+
+    def __post_init__(self) -> None:
+        columns = _names(self.columns, "Lookup.columns")
+        if not columns:
+            raise ValueError("Lookup.columns needs at least one column")
+        _names([self.key, *columns], "Lookup's key and columns")
+        if self.tenant_column is not None:
+            _names([self.tenant_column], "Lookup.tenant_column")
+        object.__setattr__(self, "columns", columns)
+
+    @property
+    def table_name(self) -> str:
+        return _table_name(self.table)
+
+
 #: The outputs a job may choose (``plan(..., output=...)``): the pipeline's ``sink``, or its
 #: ``long_sink``.
 OUTPUTS = ("sink", "long")
@@ -220,6 +249,11 @@ class Pipeline:
     database: str | None = None
     #: A second output a job may choose instead of ``sink``: one row per source row and rule.
     long_sink: LongSink | None = None
+    #: The time zone of TODAY() and NOW(): an IANA name, or tenant -> name (None: the
+    #: ``FAIRQUEUE_PIPELINE`` setting ``TIME_ZONE``, default UTC).
+    time_zone: str | Callable[[str], str | None] | None = None
+    #: Lookup tables by name, for VLOOKUP and XLOOKUP (``{"prices": Lookup(Price, ...)}``).
+    lookups: dict[str, Lookup] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         name: Any = self.name  # checked at run time: callers may pass anything
@@ -243,6 +277,12 @@ class Pipeline:
             raise ValueError(
                 f"pipeline {self.name!r}: sink key columns {missing} are not source columns"
             )
+        lookups: dict[Any, Any] = dict(self.lookups)  # checked at run time: callers pass anything
+        for lookup_name, lookup in lookups.items():
+            if not isinstance(lookup, Lookup) or not _LOOKUP_NAME.match(str(lookup_name)):
+                raise ValueError(
+                    f"pipeline {self.name!r}: lookups maps names (letters, digits, _) to Lookup"
+                )
         if self.long_sink is not None:
             if not isinstance(self.long_sink, LongSink):
                 raise ValueError(f"pipeline {self.name!r}: long_sink must be a LongSink")
@@ -264,6 +304,11 @@ class Pipeline:
 
     def job_name(self, tenant: str) -> str:
         return f"{self.name}:{tenant}"
+
+    def zone_of(self, tenant: str) -> str | None:
+        """The tenant's time zone name, if the pipeline declares one."""
+        zone = self.time_zone(tenant) if callable(self.time_zone) else self.time_zone
+        return None if zone is None else str(zone)
 
     def tenant_names(self) -> list[str]:
         tenants = self.tenants() if callable(self.tenants) else self.tenants
@@ -347,6 +392,8 @@ def pipeline(
     max_attempts: int = 3,
     database: str | None = None,
     long_sink: LongSink | None = None,
+    time_zone: str | Callable[[str], str | None] | None = None,
+    lookups: dict[str, Lookup] | None = None,
 ) -> Callable[[Callable[[str], Formulas]], Pipeline]:
     """Decorate a tenant -> formulas lookup to declare and register a pipeline."""
 
@@ -363,6 +410,8 @@ def pipeline(
                 max_attempts=max_attempts,
                 database=database,
                 long_sink=long_sink,
+                time_zone=time_zone,
+                lookups=dict(lookups or {}),
             )
         )
 

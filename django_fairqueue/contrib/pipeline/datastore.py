@@ -97,6 +97,7 @@ class ColumnType:
     precision: int | None = None
     scale: int | None = None
     max_length: int | None = None  # of varchar(n) and char(n)
+    not_null: bool = False
 
 
 def column_types(using: str, table: str) -> dict[str, ColumnType]:
@@ -794,3 +795,28 @@ def write_sink(spec: SinkWriteSpec, batches: Iterator[Any]) -> Iterator[Any]:
         if staged:
             conn.execute(spec.merge_task_staging)
     yield encoder.result()
+
+
+def lookup_rows(
+    using: str,
+    *,
+    table: str,
+    key: str,
+    columns: Sequence[str],
+    tenant_column: str | None,
+    tenant: str,
+    limit: int,
+) -> list[tuple[Any, ...]]:
+    """A lookup table's rows (key, then ``columns``), one per key, the tenant's only if
+    ``tenant_column``; at most ``limit``."""
+    parts: dict[str, sql.Composable] = {
+        "key": sql.Identifier(key),
+        "columns": _names([key, *columns]),
+        "table": table_identifier(table),
+    }
+    name = "lookup_rows"
+    if tenant_column is not None:
+        name = "lookup_rows_of_tenant"
+        parts["tenant"] = sql.Identifier(tenant_column)
+    with _cursor(using) as cur:
+        return cur.execute(compose(name, **parts), {"limit": limit, "tenant": tenant}).fetchall()

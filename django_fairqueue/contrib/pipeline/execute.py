@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
 import json
 import logging
 import re
@@ -33,6 +34,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from decimal import Decimal
 from functools import partial
 from typing import Any
 
@@ -49,6 +51,7 @@ from django_fairqueue.contrib.pipeline.formulas import (
     INT,
     STR,
     FormulaSet,
+    LookupTable,
     parse_formulas,
     split_formulas,
 )
@@ -88,6 +91,8 @@ class ColumnSpec:
     arrow: str
     spark: str
     max_length: int | None = None  # characters a varchar(n) or char(n) column holds
+    #: What a NOT NULL column gets instead of a blank or an error value (None: nullable).
+    fill: Any = None
 
 
 def column_spec(table: str, column: datastore.ColumnType) -> ColumnSpec:
@@ -98,7 +103,8 @@ def column_spec(table: str, column: datastore.ColumnType) -> ColumnSpec:
                 "it numeric(p,s) or double precision"
             )
         p, s = column.precision, column.scale or 0
-        return ColumnSpec(column.name, DECIMAL, f"decimal128({p},{s})", f"decimal({p},{s})")
+        return ColumnSpec(column.name, DECIMAL, f"decimal128({p},{s})", f"decimal({p},{s})",
+                          fill=_empty(DECIMAL) if column.not_null else None)  # fmt: skip
     try:
         kind, arrow, spark = _SIMPLE_TYPES[column.pg_type]
     except KeyError:
@@ -106,7 +112,55 @@ def column_spec(table: str, column: datastore.ColumnType) -> ColumnSpec:
             f"{table}.{column.name} has type {column.pg_type}, which the pipeline does not "
             f"read or write; supported: {SUPPORTED_TYPES}"
         ) from None
-    return ColumnSpec(column.name, kind, arrow, spark, column.max_length)
+    fill = _empty(kind) if column.not_null else None
+    return ColumnSpec(column.name, kind, arrow, spark, column.max_length, fill)
+
+
+#: What a NOT NULL sink column without a model default gets for a blank or an error value:
+#: the empty value of its type (a date's is 1899-12-31, what a blank date compares as).
+EMPTY_VALUES: dict[str, Any] = {INT: 0, FLOAT: 0.0, DECIMAL: 0, STR: "", BOOL: False,
+                                DATE: dt.date(1899, 12, 31), "json": "{}"}  # fmt: skip
+
+
+def _empty(kind: str) -> Any:
+    return EMPTY_VALUES[kind]
+
+
+def _model_defaults(table: Any, columns: list[ColumnSpec]) -> list[ColumnSpec]:
+    """NOT NULL columns of a model take its field's default (``default=`` or a constant
+    ``db_default=``) in place of the empty value."""
+    meta = getattr(table, "_meta", None)
+    if meta is None:
+        return columns
+    by_column = {f.column: f for f in meta.concrete_fields}
+    filled = []
+    for column in columns:
+        field = by_column.get(column.name)
+        if column.fill is not None and field is not None:
+            default = _field_default(field)
+            if default is not None:
+                column = dataclasses.replace(column, fill=default)
+        filled.append(column)
+    return filled
+
+
+def _field_default(field: Any) -> Any:
+    db_default = getattr(field, "db_default", None)
+    value = getattr(db_default, "value", None)  # a db_default=Value(...) or a constant
+    if value is not None:
+        return value
+    if field.has_default():
+        return field.get_default()
+    return None
+
+
+def not_null_fills(prepared: Prepared) -> dict[str, Any]:
+    """The typed sink's NOT NULL columns a rule writes, with what a blank or an error value
+    becomes there (what ``fairpipeline plan`` warns of)."""
+    if prepared.output != "sink" or prepared.formulas is None:
+        return {}
+    targets = {f.target for f in prepared.formulas.outputs()}
+    return {c.name: c.fill for c in prepared.sink if c.fill is not None and c.name in targets}
 
 
 def _columns(using: str, table: str, wanted: tuple[str, ...], role: str) -> list[ColumnSpec]:
@@ -134,6 +188,14 @@ class Prepared:
     output: str = "sink"
     #: Only rows whose ``Source.changed_column`` is above this (a recompute of changed rows).
     changed_since: Any = None
+    #: What NOW() is: when the job was planned, in the pipeline's time zone (no zone attached).
+    now: dt.datetime | None = None
+
+    @property
+    def moment(self) -> dt.datetime:
+        """TODAY()'s date at NOW()'s time of day: what the compiler is given as ``today``."""
+        time_of_day = self.now.time() if self.now is not None else dt.time()
+        return dt.datetime.combine(self.today, time_of_day)
 
     @property
     def target(self) -> Any:
@@ -154,8 +216,12 @@ def prepare(
     today: dt.date | None = None,
     output: str = "sink",
     changed_since: Any = None,
+    now: dt.datetime | None = None,
 ) -> Prepared:
     """Resolve the tables and parse the tenant's formulas; :class:`FormulaError` if invalid.
+
+    ``now``: the moment the job was planned (default: now), shown in the pipeline's time zone;
+    ``today`` defaults to its date there.
 
     ``formulas``: the pinned formula set of a planned job (default: the tenant's current one).
     ``output``: the sink the job writes (``"sink"`` or ``"long"``, see ``Pipeline.output``).
@@ -175,6 +241,8 @@ def prepare(
         targets: Any = None
     else:
         sink = _columns(alias, pipeline.sink.table_name, pipeline.sink.all_columns, "sink")
+        sink = [c if c.name not in pipeline.sink.key else dataclasses.replace(c, fill=None)
+                for c in _model_defaults(pipeline.sink.table, sink)]  # fmt: skip
         results = pipeline.sink.results
         for column in sink:
             if column.kind == "json" and column.name != results:
@@ -193,18 +261,76 @@ def prepare(
             columns={c.name: c.kind for c in source},
             targets=targets,
             functions=pipeline.functions,
+            lookups=_lookup_tables(pipeline),
         )
-        fc.check_compiles(parsed, today=today or dt.date.today())
-    return Prepared(
+    local = local_time(pipeline, tenant, now)
+    prepared = Prepared(
         pipeline,
         tenant,
         tuple(source),
         tuple(sink),
         parsed,
-        today or dt.date.today(),
+        today or local.date(),
         output=output,
         changed_since=changed_since,
+        now=local,
     )
+    if parsed is not None:
+        fc.check_compiles(parsed, today=prepared.moment)
+    return prepared
+
+
+def _lookup_tables(pipeline: Pipeline) -> dict[str, LookupTable]:
+    """The pipeline's lookup tables, their columns typed (checked as a sink's are)."""
+    tables = {}
+    for name, lookup in pipeline.lookups.items():
+        wanted = (lookup.key, *lookup.columns)
+        specs = _columns(pipeline.alias, lookup.table_name, wanted, f"lookup {name!r}")
+        if lookup.tenant_column is not None:
+            _columns(pipeline.alias, lookup.table_name, (lookup.tenant_column,), "lookup")
+        tables[name] = LookupTable(lookup.key, {c.name: c.kind for c in specs})
+    return tables
+
+
+def lookup_rows(prepared: Prepared) -> dict[str, list[tuple[Any, ...]]]:
+    """The rows of the lookup tables the formulas use (read when a batch runs): key first."""
+    if prepared.formulas is None:
+        return {}
+    pipeline = prepared.pipeline
+    tables = {}
+    for name in sorted({table for table, _key, _columns in fc.lookup_shapes(prepared.formulas)}):
+        lookup = pipeline.lookups[name]
+        rows = datastore.lookup_rows(
+            pipeline.alias,
+            table=lookup.table_name,
+            key=lookup.key,
+            columns=lookup.columns,
+            tenant_column=lookup.tenant_column,
+            tenant=prepared.tenant,
+            limit=lookup.max_rows + 1,
+        )
+        if len(rows) > lookup.max_rows:
+            raise PipelineError(
+                f"lookup {name!r} has more than {lookup.max_rows:,} keys for tenant "
+                f"{prepared.tenant!r} (Lookup.max_rows)"
+            )
+        tables[name] = rows
+    return tables
+
+
+def local_time(pipeline: Pipeline, tenant: str, moment: dt.datetime | None = None) -> dt.datetime:
+    """``moment`` (default: now) in the tenant's time zone (``Pipeline.time_zone``, else the
+    ``TIME_ZONE`` setting of ``FAIRQUEUE_PIPELINE``, else UTC), to the second, zone dropped."""
+    from django_fairqueue.contrib.pipeline import appconf
+
+    try:
+        zone = appconf.zone(pipeline.zone_of(tenant) or appconf.get()["TIME_ZONE"])
+    except ValueError as exc:
+        raise PipelineError(f"pipeline {pipeline.name!r}, tenant {tenant!r}: {exc}") from None
+    moment = moment or dt.datetime.now(dt.UTC)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=dt.UTC)
+    return moment.astimezone(zone).replace(tzinfo=None, microsecond=0)
 
 
 #: The types a changed column may have: a timestamp, or a number that grows.
@@ -272,7 +398,7 @@ def apply_transform(
     values: dict[str, str] = {}
     if prepared.formulas is not None:
         df, outputs = fc.apply_formulas(
-            df, prepared.formulas, today=prepared.today, names=dict(names or {})
+            df, prepared.formulas, today=prepared.moment, names=dict(names or {})
         )
         for output in outputs:
             values[output.name] = fc.quoted(output.name)
@@ -304,14 +430,26 @@ def apply_transform(
                 # A value the column cannot hold (out of range, not a date...) is an error.
                 bad = fc.lost(value, cast)
                 errors[column.name] = fc.either(errors.get(column.name), bad)
-            selected.append(f"{cast} AS {fc.quoted(column.name)}")
+            selected.append(f"{_filled(cast, column)} AS {fc.quoted(column.name)}")
         elif column.name in present:
-            selected.append(f"{fc.cast(fc.quoted(column.name), column.spark)} AS "
-                            f"{fc.quoted(column.name)}")  # fmt: skip
+            copied = fc.cast(fc.quoted(column.name), column.spark)
+            selected.append(f"{_filled(copied, column)} AS {fc.quoted(column.name)}")
         else:
-            selected.append(f"{fc.cast('NULL', column.spark)} AS {fc.quoted(column.name)}")
+            selected.append(f"{_filled(fc.cast('NULL', column.spark), column)} AS "
+                            f"{fc.quoted(column.name)}")  # fmt: skip
     counted = list(errors)
     return df.selectExpr(*selected, *_error_words(errors[n] for n in counted)), counted
+
+
+def _filled(value: str, column: ColumnSpec) -> str:
+    """A NOT NULL column's value: a blank (or an error value, blank by now) becomes its fill,
+    so that a batch never fails on the column's constraint."""
+    if column.fill is None:
+        return value
+    fill = column.fill
+    if isinstance(fill, Decimal):
+        fill = str(fill)
+    return fc.coalesce(value, fc.cast(fc.literal(fill), column.spark))
 
 
 def _fitting(text: str, length: int) -> str:
@@ -351,7 +489,7 @@ def _long_rows(
                 if prepared.formulas is not None:  # a number the column cannot hold: an error
                     bad = fc.lost(values[rule], cast)
                     errors[rule] = fc.either(errors.get(rule), bad)
-    texts = {rule: fc.cast(values[rule], "string") for rule in rules}
+    texts = {rule: _as_text(values[rule], types.get(rule)) for rule in rules}
     length = specs[sink.text_column].max_length if sink.text_column is not None else None
     if length is not None and prepared.formulas is not None:
         for rule in rules:  # text the column cannot hold: an error, as for numbers
@@ -389,6 +527,16 @@ def _long_rows(
     entries = fc.call("array", entry(None), *(entry(rule) for rule in rules))
     rows = df.selectExpr(fc.call("inline", entries)).where("fq_keep").drop("fq_keep")
     return rows, counted
+
+
+def _as_text(value: str, spark_type: Any) -> str:
+    """A long sink's text: a double as a spreadsheet shows it, not in Java's E notation
+    (integers and decimals print plainly as they are)."""
+    from pyspark.sql.types import DoubleType, FloatType
+
+    if isinstance(spark_type, (DoubleType, FloatType)):
+        return fc.when((fc.not_null(value), fc.number_text(fc.cast(value, "double"))))
+    return fc.cast(value, "string")
 
 
 @contextmanager
@@ -541,13 +689,16 @@ class _Plans:
         conninfo = executor_conninfo(pipeline.alias)
         if sink is not None:
             sink = dataclasses.replace(sink, batch_id=0, lease_token="")
+        tables = lookup_rows(prepared)
+        digest = hashlib.sha256(repr(sorted(tables.items())).encode()).hexdigest()
         key = (
+            digest,  # a lookup table edited since: a new plan
             id(spark),
             pipeline.name,
             id(pipeline),  # a Pipeline may hold lists (tenants=[...]): not hashable
             prepared.tenant,
             prepared.fingerprint,
-            prepared.today,
+            prepared.moment,
             prepared.source,
             prepared.sink,
             prepared.output,
@@ -561,7 +712,7 @@ class _Plans:
             found = self._plans.get(key)
         if found is not None and found.aggregates is aggregates and found.pipeline is pipeline:
             return found
-        built = self._build(spark, prepared, parts, aggregates, conninfo, sink)
+        built = self._build(spark, prepared, parts, aggregates, conninfo, sink, tables)
         with self._lock:
             if len(self._plans) >= self.size:
                 self._plans.pop(next(iter(self._plans)))
@@ -576,6 +727,7 @@ class _Plans:
         aggregates: Any,
         conninfo: str,
         sink: datastore.SinkWriteSpec | None,
+        tables: dict[str, list[tuple[Any, ...]]],
     ) -> _Plan:
         # The ids 0..0 are placeholders: tasks read the batch's range from the job property.
         rows = _source_frame(spark, prepared, 0, parts - 1, None)
@@ -583,8 +735,15 @@ class _Plans:
         if aggregates is not None:
             assert prepared.formulas is not None
             rows, names = fc.join_aggregates(
-                spark, rows, aggregates, today=prepared.today, formulas=prepared.formulas
+                spark, rows, aggregates, today=prepared.moment, formulas=prepared.formulas
             )
+        if tables:
+            assert prepared.formulas is not None
+            columns = {n: (lk.key, *lk.columns) for n, lk in prepared.pipeline.lookups.items()}
+            rows, found = fc.join_lookups(
+                spark, rows, prepared.formulas, tables, columns, today=prepared.moment
+            )
+            names.update(found)
         out, counted = apply_transform(rows, prepared, names)
         if sink is None:
             key_index = 0 if integer_key(prepared) else None
@@ -671,6 +830,7 @@ def prepare_batch(pipeline: Pipeline, tenant: str, job_name: str) -> Prepared:
         tenant,
         formulas=formulas,
         today=job.today,
+        now=job.created_at,
         output=job.output,
         changed_since=job.changed_since,
     )
@@ -712,7 +872,7 @@ class _AggregateCache:
             context.addJobTag(job_group)  # a stopping runner cancels this job too
         try:
             values = fc.compute_aggregates(
-                rows, prepared.formulas, today=prepared.today, max_groups=MAX_AGGREGATE_GROUPS
+                rows, prepared.formulas, today=prepared.moment, max_groups=MAX_AGGREGATE_GROUPS
             )
         except ValueError as exc:
             raise PipelineError(str(exc)) from None

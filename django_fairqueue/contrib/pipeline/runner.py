@@ -44,6 +44,7 @@ from django_fairqueue.contrib.pipeline.execute import (
     PipelineError,
     drop_orphaned_staging,
     execute_batch,
+    not_null_fills,
     prepare,
 )
 from django_fairqueue.contrib.pipeline.formulas import FormulaError
@@ -72,6 +73,8 @@ class PlanReport:
     planned: list[batches.PlanResult]
     refused: dict[str, Exception]
     versions: dict[str, str]  # tenant -> the formula version its job is pinned to
+    #: tenant -> what to know before the job runs (a NOT NULL column a rule may leave blank)
+    warnings: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
 
 def plan(
@@ -112,6 +115,9 @@ def plan(
             report.refused[tenant] = exc
             continue
         report.versions[tenant] = prepared.fingerprint
+        notes = not_null_warnings(prepared)
+        if notes:
+            report.warnings[tenant] = notes
         report.planned.append(
             batches.plan(
                 pipeline.job_name(tenant),
@@ -131,6 +137,16 @@ def plan(
 
 
 _UNFINISHED = (BatchState.PENDING, BatchState.RUNNING)
+
+
+def not_null_warnings(prepared: Any) -> list[str]:
+    """One line per NOT NULL sink column a rule writes: what a blank or error value becomes."""
+    return [
+        f"tenant {prepared.tenant!r}: sink column {column!r} is NOT NULL: where rule {column} "
+        f"is blank or an error, the column gets {fill!r} (the model field's default, else "
+        "the empty value of its type); make the column nullable to keep blanks"
+        for column, fill in not_null_fills(prepared).items()
+    ]
 
 
 def _output_of(pipeline: Pipeline, tenant: str) -> str:
@@ -560,8 +576,9 @@ class PipelineRunner:
         self._pause = 0.0
         self._strikes: dict[int, int] = {}
         self._pending: tuple[cluster.InfrastructureError, BaseException] | None = None
-        #: The outage the watchdog cancelled the running batch's Spark job for.
-        self._outage: cluster.InfrastructureError | None = None
+        #: The outage the watchdog cancelled the running batch's Spark job for (the watcher
+        #: thread appends it; at most one per batch).
+        self._outage: list[cluster.InfrastructureError] = []
         self._own_session = spark is None
 
     def stop(self) -> None:
@@ -754,7 +771,7 @@ class PipelineRunner:
         from django_fairqueue.contrib.pipeline.spark import spark_settings
 
         started = time.monotonic()
-        self._outage = None
+        self._outage.clear()
         with batches.Heartbeat(batch, lease=self.lease) as beat:
             watchdog = cluster.Watchdog(self.spark, spark_settings().executor_timeout)
             watcher = threading.Thread(
@@ -778,9 +795,9 @@ class PipelineRunner:
             except Exception as exc:
                 self._settle_error(batch, exc, lost=beat.lost.is_set())
             else:
-                if self._outage is not None:  # the job ended as the watchdog cancelled it
+                if self._outage:  # the job ended as the watchdog cancelled it
                     cluster.forget(self.spark)  # check the executors before the next claim
-                    self._outage = None
+                    self._outage.clear()
                 self._strikes.pop(batch.id, None)
                 self.stats.succeeded += 1
                 self.stats.rows += outcome.rows
@@ -819,7 +836,7 @@ class PipelineRunner:
                     cluster.SESSION_STOPPED, str(exc)[:500]
                 )
             if outage is not None:
-                self._outage = outage
+                self._outage.append(outage)
                 logger.error(
                     "batch %s (%s): %s; cancelling its Spark job", batch.id, batch.job_name, outage
                 )
@@ -836,8 +853,8 @@ class PipelineRunner:
                 self.stats.released += 1
                 logger.info("batch %s released (shutting down)", batch.id)
             return
-        outage, self._outage = self._outage, None
-        if outage is not None:  # the cluster's doing, whatever the cancelled job raised
+        if self._outage:  # the cluster's doing, whatever the cancelled job raised
+            outage = self._outage.pop()
             self._give_back(batch, outage)
             self._pending = (outage, exc)
             return

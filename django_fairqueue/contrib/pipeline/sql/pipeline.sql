@@ -10,7 +10,7 @@
 
 -- name: column_types
 -- The columns of a table, in order: name, PostgreSQL type name, precision and scale of numerics,
--- the length of varchar(n) and char(n).
+-- the length of varchar(n) and char(n), NOT NULL.
 SELECT a.attname::text,
        t.typname::text,
        CASE WHEN t.typname = 'numeric' AND a.atttypmod >= 4
@@ -18,7 +18,8 @@ SELECT a.attname::text,
        CASE WHEN t.typname = 'numeric' AND a.atttypmod >= 4
             THEN (a.atttypmod - 4) & 65535 END AS numeric_scale,
        CASE WHEN t.typname IN ('varchar', 'bpchar') AND a.atttypmod >= 4
-            THEN a.atttypmod - 4 END AS max_length
+            THEN a.atttypmod - 4 END AS max_length,
+       a.attnotnull
 FROM pg_attribute a
 JOIN pg_type t ON t.oid = a.atttypid
 WHERE a.attrelid = to_regclass(%(table)s) AND a.attnum > 0 AND NOT a.attisdropped
@@ -252,3 +253,18 @@ SELECT pg_backend_pid();
 -- Refresh the planner's statistics and the visibility map of a freshly filled table (so the
 -- planning walk is index-only, as on a settled table). Runs outside a transaction block.
 VACUUM (ANALYZE) {table};
+
+-- name: lookup_rows
+-- A lookup table's rows, one per key (of a key's rows, the one whose columns sort first), at
+-- most %(limit)s.
+SELECT DISTINCT ON ({key}) {columns} FROM {table}
+WHERE {key} IS NOT NULL
+ORDER BY {key}, {columns}
+LIMIT %(limit)s;
+
+-- name: lookup_rows_of_tenant
+-- The tenant's rows of a lookup table, one per key, at most %(limit)s.
+SELECT DISTINCT ON ({key}) {columns} FROM {table}
+WHERE {key} IS NOT NULL AND {tenant} = %(tenant)s
+ORDER BY {key}, {columns}
+LIMIT %(limit)s;

@@ -283,6 +283,9 @@ class Command(FairCommand):
                 f"{result.created} new batches ({result.rows_planned:,} rows), "
                 f"{result.batches_total} in all, {result.seconds:.1f} s"
             )
+        for notes in report.warnings.values():
+            for note in notes:
+                self.stderr.write(f"warning: {note}")
         for refusal in report.refused.values():
             self.stderr.write(f"not planned: {refusal}")
         if report.refused:
