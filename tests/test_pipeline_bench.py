@@ -159,6 +159,26 @@ def test_the_benchmark_agrees_with_sql_and_leaves_nothing_behind(
         assert cur.fetchone() == (None, None)
 
 
+@needs_spark
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_realistic_rules_agree_with_their_sql_twins(
+    spark: Any,  # noqa: F811
+    spark_settings: None,  # noqa: F811
+) -> None:
+    # 12 rules: every kind but the chains (blanks, division by zero, text, dates, aggregates)
+    result = bench.run(
+        400, using="default", tenants=2, rules=12, rules_kind="realistic", direct=False,
+        sql_connections=[1], say=lambda text: None,
+    )  # fmt: skip
+    assert result.results_match
+    assert result.rules_kind == "realistic"
+    assert bench.checked_results("realistic", 12) == ["r004", "r005", "r006", "r010", "r012"]
+    assert bench.checked_results("realistic", 250)[-1] == "r103"  # the first chain's end
+    assert bench.checked_results("simple", 250) == list(bench.CHECKED_RESULTS)
+
+
 COLUMNS = ["id", "tenant", "subtotal", "total", "band"]
 
 
