@@ -1783,17 +1783,22 @@ class ScheduleState:
 
 
 def select_due_schedules(
-    limit: int, *, skip_tasks: Sequence[str] = (), using: str | None = None
+    limit: int,
+    *,
+    skip_tasks: Sequence[str] = (),
+    skip_ids: Sequence[int] = (),
+    using: str | None = None,
 ) -> list[DueSchedule]:
-    rows = _run("select_due_schedules", {"limit": limit, "skip_tasks": list(skip_tasks)}, using)
-    return [DueSchedule(*row) for row in rows]
+    params = {"limit": limit, "skip_tasks": list(skip_tasks), "skip_ids": list(skip_ids)}
+    return [DueSchedule(*row) for row in _run("select_due_schedules", params, using)]
 
 
 def select_next_schedule_fire(
-    *, skip_tasks: Sequence[str] = (), using: str | None = None
+    *, skip_tasks: Sequence[str] = (), skip_ids: Sequence[int] = (), using: str | None = None
 ) -> float | None:
     """Seconds until a schedule is due (0: now), or None when no schedule is enabled."""
-    value = _run("select_next_schedule_fire", {"skip_tasks": list(skip_tasks)}, using)[0][0]
+    params = {"skip_tasks": list(skip_tasks), "skip_ids": list(skip_ids)}
+    value = _run("select_next_schedule_fire", params, using)[0][0]
     return None if value is None else float(value)
 
 
@@ -1872,3 +1877,18 @@ def prune_schedule_fires(before: datetime, *, limit: int = 10_000, using: str | 
             binary=True,
         )
         return cur.rowcount
+
+
+# --------------------------------------------------------------------------------------------
+# Waking counter deltas behind a large backlog (django_fairqueue.batches.claim)
+
+
+def select_waking_backlog(beyond: int, *, using: str | None = None) -> bool:
+    """Whether more than ``beyond`` waking counter deltas wait to be folded."""
+    return bool(_run("select_waking_backlog", {"beyond": beyond}, using)[0][0])
+
+
+def fold_waking_deltas(limit: int, *, using: str | None = None) -> int:
+    """Fold up to ``limit`` of the oldest waking counter deltas; returns how many."""
+    params = {"limit": limit, "by_time": _by_time(None)}
+    return int(_run("fold_waking_deltas", params, using)[0][0])
