@@ -123,6 +123,7 @@ def live_functions() -> dict[str, str]:
             cur.execute(f"DROP FUNCTION {signature} CASCADE")  # and the trigger using it
         cur.execute(store.functions_sql(1))
         cur.execute(store.functions_sql(1, part="batches"))
+        cur.execute(store.functions_sql(1, part="schedules"))
         functions = installed_functions()
         transaction.set_rollback(True)
     return functions
