@@ -784,6 +784,10 @@ class WorkerRecord(models.Model):
     running = models.IntegerField(default=0)
     handled = models.BigIntegerField(default=0)
     stopped_at = models.DateTimeField(null=True, blank=True)
+    #: a supervised worker's slot as its supervisor saw it when starting this process
+    #: (``runfairworker --processes``): {"slot", "restarts", "young_deaths", "crash_loop",
+    #: "exits": the last few, newest last}; NULL: not supervised
+    supervision = models.JSONField(null=True, blank=True, default=None)
 
     class Meta:
         db_table = "fairqueue_worker"

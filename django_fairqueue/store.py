@@ -1892,3 +1892,14 @@ def fold_waking_deltas(limit: int, *, using: str | None = None) -> int:
     """Fold up to ``limit`` of the oldest waking counter deltas; returns how many."""
     params = {"limit": limit, "by_time": _by_time(None)}
     return int(_run("fold_waking_deltas", params, using)[0][0])
+
+
+# --------------------------------------------------------------------------------------------
+# The worker registry: a supervised worker's slot (django_fairqueue.registry)
+
+
+def record_worker_supervision(
+    worker_id: str, supervision: dict[str, Any], *, using: str | None = None
+) -> None:
+    params = {"worker_id": worker_id, "supervision": Jsonb(supervision)}
+    _run("record_worker_supervision", params, using)

@@ -1,7 +1,9 @@
 """List the workers in the registry: alive, silent, dead or stopped, and what each runs.
 
 QUEUES is what the worker claims from: "all" (every queue, the default), or the queues it
-was started with (runfairworker --queues), in its order.
+was started with (runfairworker --queues), in its order. RESTARTS, for a worker started by a
+supervisor (runfairworker --processes): how often its slot was restarted before it, and
+"crash loop" when its predecessors kept dying soon after starting.
 
 A worker beats every FAIRQUEUE['WORKER_HEARTBEAT'] seconds; one silent for longer than
 WORKER_DEAD_AFTER is dead, and the maintenance loop of any live worker then requeues the
@@ -44,6 +46,7 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
         "HANDLED",
         "BEAT",
         "CLAIM",
+        "RESTARTS",
     )
     lines = [header]
     for v in views:
@@ -61,6 +64,7 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
                 f"{v.handled:,}",
                 f"{beat} ago",
                 f"{claim} ago" if claim else "-",
+                registry.restarts_text(v.restarts, v.crash_loop),
             )
         )
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
@@ -68,3 +72,10 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
         stdout.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     alive = registry.live(views)
     stdout.write(f"\n{len(alive)} live of {len(views)} registered.")
+    looping = [v for v in alive if v.crash_loop]
+    if looping:
+        names = ", ".join(printable(v.worker_id) for v in looping)
+        stdout.write(
+            f"WARNING: crash loop: {names} (its supervisor restarts it after a growing "
+            "backoff; its log says why it dies)"
+        )

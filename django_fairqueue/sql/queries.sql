@@ -1580,3 +1580,9 @@ SELECT EXISTS (
 -- Fold up to `limit` of the oldest waking counter deltas (those that can make a channel
 -- claimable: new work, freed slots, newly pending batches) into their channel rows.
 SELECT fairqueue_fold_deltas_v1(%(limit)s::integer, true, %(by_time)s::boolean) AS folded;
+
+-- name: record_worker_supervision
+-- What a supervisor knew of a worker's slot when it started the process (restarts, crash loop,
+-- last exits), recorded by the worker right after it registered.
+UPDATE fairqueue_worker SET supervision = %(supervision)s::jsonb
+WHERE worker_id = %(worker_id)s::text;

@@ -33,6 +33,7 @@ a per-slot backoff, recycling by message count, and a clean two-step stop of the
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -45,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from django_fairqueue._runtime import StopFlag, stop_signals
+from django_fairqueue._runtime import SUPERVISION_ENV, StopFlag, stop_signals
 from django_fairqueue.worker import extensions
 
 logger = logging.getLogger("django_fairqueue.supervisor")
@@ -92,6 +93,19 @@ class Slot:
     @property
     def crash_loop(self) -> bool:
         return self.young_exits >= CRASH_LOOP_AFTER
+
+    def supervision(self) -> dict[str, object]:
+        """What the next child records of its slot in the worker registry."""
+        return {
+            "slot": self.index,
+            "restarts": self.restarts,
+            "young_deaths": self.young_exits,
+            "crash_loop": self.crash_loop,
+            "exits": [
+                {"how": _how(e.code), "lived": round(e.lived, 1), "at": round(e.at, 1)}
+                for e in list(self.exits)[-CRASH_LOOP_AFTER:]
+            ],
+        }
 
     def exited(self, code: int, now: float) -> float:
         """Record the child's exit (``now``: time.monotonic()); returns the seconds to wait
@@ -167,9 +181,11 @@ class Supervisor:
         # A session of its own: Ctrl-C in a terminal signals the whole foreground group, and a
         # child that got it directly and again from us would take it as the second signal
         # (exit at once). The children hear signals from the supervisor only, and die with it.
+        env = dict(self.env if self.env is not None else os.environ)
+        env[SUPERVISION_ENV] = json.dumps(slot.supervision())
         slot.proc = subprocess.Popen(
             command,
-            env=self.env,
+            env=env,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=_die_with_parent,
@@ -207,32 +223,27 @@ class Supervisor:
             logger.info(
                 "supervisor: worker %s (pid %s) recycled; starting a fresh one", slot.index, pid
             )
-        elif slot.crash_loop:
-            recent = ", ".join(
-                f"{_how(e.code)} after {e.lived:.1f}s" for e in list(slot.exits)[-CRASH_LOOP_AFTER:]
-            )
-            logger.error(
-                "supervisor: worker %s (pid %s) died (%s) after %.1fs; restart %s in %.1fs; "
-                "crash loop: %d deaths in a row soon after starting (%s)",
-                slot.index,
-                pid,
-                _how(code),
-                lived,
-                slot.restarts,
-                delay,
-                slot.young_exits,
-                recent,
-                extra={"outcome": "crash_loop"},
-            )
         else:
-            logger.warning(
-                "supervisor: worker %s (pid %s) died (%s) after %.1fs; restart %s in %.1fs",
+            level, loop = logging.WARNING, ""
+            if slot.crash_loop:
+                level = logging.ERROR
+                recent = list(slot.exits)[-CRASH_LOOP_AFTER:]
+                loop = (
+                    f"; crash loop: {slot.young_exits} deaths in a row soon after starting ("
+                    + ", ".join(f"{_how(e.code)} after {e.lived:.1f}s" for e in recent)
+                    + ")"
+                )
+            logger.log(
+                level,
+                "supervisor: worker %s (pid %s) died (%s) after %.1fs; restart %s in %.1fs%s",
                 slot.index,
                 pid,
                 _how(code),
                 lived,
                 slot.restarts,
                 delay,
+                loop,
+                extra={"outcome": "crash_loop" if loop else "died"},
             )
         if delay == 0:
             self._start(slot)
