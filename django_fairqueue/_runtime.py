@@ -59,6 +59,12 @@ def after_database_error(exc: BaseException, alias: str | None = None) -> str:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+#: The environment variable through which a supervisor (``runfairworker --processes``) tells
+#: each worker it starts about its slot: a JSON object the worker records in the registry
+#: (``WorkerRecord.supervision``).
+SUPERVISION_ENV = "FAIRQUEUE_SUPERVISION"
+
+
 class StopFlag:
     """A one-way flag that threads can wait on, safe to set from a signal handler."""
 

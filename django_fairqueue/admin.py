@@ -1966,6 +1966,7 @@ class WorkerAdmin(adminlist.NulSafeAdmin, _WorkerAdminBase):
         "queues_display",
         "filters_display",
         "version",
+        "restarts_display",
     ]
     list_filter = [WorkerStateFilter, "host"]
     search_fields = ["worker_id", "host", "supervisor"]
@@ -2057,6 +2058,11 @@ class WorkerAdmin(adminlist.NulSafeAdmin, _WorkerAdminBase):
     @admin.display(description=_("queues"))
     def queues_display(self, obj: WorkerRecord) -> str:
         return str(_("all")) if obj.queues is None else ", ".join(obj.queues)
+
+    @admin.display(description=_("restarts"))
+    def restarts_display(self, obj: WorkerRecord) -> str:
+        # under a supervisor: its slot's restarts before this process, and a crash loop
+        return registry.restarts_text(*registry.supervised_restarts(obj.supervision))
 
     @admin.display(description=_("channels"))
     def filters_display(self, obj: WorkerRecord) -> str:

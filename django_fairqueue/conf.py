@@ -80,6 +80,10 @@ class FairQueueSettings:
     # Seconds a running task has, after its worker saw an abort request, to stop by itself;
     # then the worker settles it as aborted and abandons its thread, as at a time limit.
     ABORT_GRACE: float = 30.0
+    # Seconds a handler thread may stay in a task past its time limit (or its abort's grace
+    # period) before its worker recycles itself (a process exit is the only way to stop a
+    # thread). Until the thread returns, the attempt keeps its channel slot.
+    STUCK_TASK_LIMIT: float = 300.0
     # Prepare queue statements (named, per connection). Turn off behind a transaction-pooling
     # proxy that does not support prepared statements (PgBouncer < 1.21).
     PREPARED_STATEMENTS: bool = True

@@ -860,6 +860,10 @@ class WorkerRecord(models.Model):
     #: ``host:pid`` of the ``runfairworker --processes`` supervisor that started it ("" for a
     #: worker started on its own): the admin lists a supervisor's children together
     supervisor = models.CharField(max_length=300, blank=True, default="", db_default="")
+    #: a supervised worker's slot as its supervisor saw it when starting this process
+    #: (``runfairworker --processes``): {"slot", "restarts", "young_deaths", "crash_loop",
+    #: "exits": the last few, newest last}; NULL: not supervised
+    supervision = models.JSONField(null=True, blank=True, default=None)
 
     class Meta:
         db_table = "fairqueue_worker"

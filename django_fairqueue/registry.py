@@ -11,12 +11,18 @@ Registering also expires the leases still held under the same worker id: a proce
 not claimed yet holds none, so they belong to a previous process with that id (a supervised
 worker restarted in its slot, a container restarted with a fixed ``--worker-id``).
 
+A worker started by a supervisor (``runfairworker --processes``) also records what the
+supervisor knew of its slot when it started the process: how often the slot was restarted, and
+whether it is in a crash loop (``SUPERVISION_ENV``), so ``fairqueue workers`` and the admin
+show a crash loop next to the workers.
+
 The registry is written only through :mod:`django_fairqueue.db.worker_store`; the admin shows it
 read-only.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -25,7 +31,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from django_fairqueue import __version__, conf
-from django_fairqueue._runtime import CONNECTION_ERRORS, StopFlag, after_database_error
+from django_fairqueue._runtime import (
+    CONNECTION_ERRORS,
+    SUPERVISION_ENV,
+    StopFlag,
+    after_database_error,
+)
 from django_fairqueue.db import pg, worker_store
 
 logger = logging.getLogger("django_fairqueue.registry")
@@ -88,6 +99,9 @@ class Registration:
                 orphaned,
                 extra={"worker_id": self.worker_id},
             )
+        supervision = _supervision()
+        if supervision is not None:
+            worker_store.record_worker_supervision(self.worker_id, supervision)
         return orphaned
 
     def beat_until(self, stop: StopFlag, status: Callable[[], Beat]) -> None:
@@ -112,6 +126,21 @@ class Registration:
             worker_store.deregister_worker(self.worker_id, handled=now.handled)
         except CONNECTION_ERRORS as exc:  # it will look dead after WORKER_DEAD_AFTER instead
             logger.warning("worker registry: could not mark stopped: %s", after_database_error(exc))
+
+
+def _supervision() -> dict[str, object] | None:
+    """What this process's supervisor said of its slot, if it was started by one."""
+    text = os.environ.get(SUPERVISION_ENV)
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        logger.warning("%s is not a JSON object; not recorded: %r", SUPERVISION_ENV, text[:200])
+        return None
+    return value
 
 
 def wall_clock() -> datetime:
@@ -158,6 +187,10 @@ class WorkerView:
     wakeups: str = ""
     #: ``host:pid`` of the supervisor that started it ("" for none)
     supervisor: str = ""
+    #: under a supervisor: how often its slot was restarted before this process, and whether
+    #: the slot is in a crash loop (None: not supervised)
+    restarts: int | None = None
+    crash_loop: bool = False
 
     def as_dict(self) -> dict[str, object]:
         out = dict(self.__dict__)
@@ -204,10 +237,30 @@ def workers(now: datetime | None = None) -> list[WorkerView]:
                 list(w.queues) if w.queues is not None else None,
                 w.wakeups,
                 w.supervisor,
+                *supervised_restarts(w.supervision),
             )
         )
     order = {"alive": 0, "silent": 1, "dead": 2, "stopped": 3}
     return sorted(rows, key=lambda r: order.get(r.state, 4))
+
+
+def supervised_restarts(supervision: object) -> tuple[int | None, bool]:
+    """A registry row's supervision as (restarts, crash loop); (None, False): unsupervised."""
+    if not isinstance(supervision, dict):
+        return None, False
+    restarts = supervision.get("restarts")
+    return (
+        restarts if isinstance(restarts, int) else None,
+        supervision.get("crash_loop") is True,
+    )
+
+
+def restarts_text(restarts: int | None, crash_loop: bool) -> str:
+    """A supervised worker's restarts as operators read them: ``"3"``, ``"7, crash loop"``;
+    ``"-"`` for a worker no supervisor started."""
+    if restarts is None:
+        return "-"
+    return f"{restarts}, crash loop" if crash_loop else str(restarts)
 
 
 def queues_text(queues: Sequence[str] | None) -> str:

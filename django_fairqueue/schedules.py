@@ -286,23 +286,51 @@ class _Lost(Exception):
     """Another pass fired the schedule first, or it was edited meanwhile: roll back."""
 
 
+#: A schedule a pass could not move forward waits this long (seconds) before this process
+#: tries it again, doubled while it keeps failing: another transaction held its row, or
+#: another pass advanced it first (RETRY_SOON, at most SCHEDULE_INTERVAL); an error other
+#: than a full channel (from SCHEDULE_INTERVAL, at most RETRY_ERROR_CAP). A full channel is
+#: tried every SCHEDULE_INTERVAL: room comes when the channel's workers run.
+RETRY_SOON = 0.05
+RETRY_ERROR_CAP = 300.0
+
+
+@dataclass
+class _Hold:
+    """A schedule this process does not try again before ``until`` (``time.monotonic()``)."""
+
+    until: float
+    delay: float
+
+
 @dataclass
 class Firer:
     """Fires due schedules; keeps what this process could not fire, so it neither retries a
-    task it does not know on every pass nor logs the same failure every pass."""
+    task it does not know on every pass, nor a schedule that cannot fire faster than its own
+    pace (:data:`RETRY_SOON`, ``SCHEDULE_INTERVAL``, a backoff), nor logs the same failure
+    every pass."""
 
     limit: int = 100
     #: seconds; None: FAIRQUEUE['SCHEDULE_GRACE']
     grace: float | None = None
     unknown_tasks: set[str] = field(default_factory=set)
+    #: schedules that could not fire, by id: tried again when their hold ends
+    held: dict[int, _Hold] = field(default_factory=dict)
     _complained: dict[tuple[int, str], float] = field(default_factory=dict)
 
     def fire_due(self) -> int:
-        """One pass: fire every due schedule (at most ``limit``); returns the messages
-        enqueued."""
+        """One pass: fire every due schedule (at most ``limit``) not held back; returns the
+        messages enqueued."""
         seconds = self.grace if self.grace is not None else conf.get().SCHEDULE_GRACE
         grace = timedelta(seconds=seconds)
-        due = schedule_store.select_due_schedules(self.limit, skip_tasks=sorted(self.unknown_tasks))
+        now = time.monotonic()
+        ended = {i for i, hold in self.held.items() if hold.until <= now}
+        due = schedule_store.select_due_schedules(
+            self.limit, skip_tasks=sorted(self.unknown_tasks), skip_ids=self._holding()
+        )
+        # a hold that ended on a schedule no longer due (fired elsewhere, edited, deleted)
+        for schedule_id in ended - {schedule.id for schedule in due}:
+            del self.held[schedule_id]
         fired = 0
         quiet: list[tuple[schedule_store.DueSchedule, datetime | None]] = []
         for schedule in due:
@@ -316,11 +344,40 @@ class Firer:
         if quiet:
             # new, edited or resumed schedules (and slots skipped): only their next slot to
             # write, all in one statement, no enqueue, so no transaction each
-            schedule_store.advance_schedules_without_slots(quiet)
+            written = set(schedule_store.advance_schedules_without_slots(quiet))
+            for schedule, _next in quiet:
+                if schedule.id in written:
+                    self.held.pop(schedule.id, None)
+                else:  # another transaction held its row
+                    self._hold(schedule.id, RETRY_SOON, self._interval())
         return fired
 
     def seconds_to_next(self) -> float | None:
-        return schedule_store.select_next_schedule_fire(skip_tasks=sorted(self.unknown_tasks))
+        """Seconds until this process has a schedule to try: the next slot of one not held
+        back, or the end of a hold; None when there is neither."""
+        found = schedule_store.select_next_schedule_fire(
+            skip_tasks=sorted(self.unknown_tasks), skip_ids=self._holding()
+        )
+        if self.held:
+            hold_ends = min(hold.until for hold in self.held.values()) - time.monotonic()
+            found = hold_ends if found is None else min(found, hold_ends)
+        return found
+
+    def _holding(self) -> list[int]:
+        """The schedules held back now."""
+        now = time.monotonic()
+        return sorted(i for i, hold in self.held.items() if hold.until > now)
+
+    def _hold(self, schedule_id: int, first: float, cap: float) -> None:
+        """Hold a schedule back for ``first`` seconds, doubled while it stays held, at most
+        ``cap``."""
+        previous = self.held.get(schedule_id)
+        delay = first if previous is None else min(cap, max(first, previous.delay * 2))
+        self.held[schedule_id] = _Hold(time.monotonic() + delay, delay)
+
+    @staticmethod
+    def _interval() -> float:
+        return conf.get().SCHEDULE_INTERVAL
 
     def fire(self, schedule: schedule_store.DueSchedule, *, grace: timedelta) -> int:
         """Fire one schedule as read (in a transaction of its own); returns the messages
@@ -411,13 +468,18 @@ class Firer:
                 ):
                     raise _Lost
         except _Lost:
+            self._hold(schedule.id, RETRY_SOON, self._interval())
             return 0
         except (ChannelFull, DatabaseError) as exc:
             full = exc if isinstance(exc, ChannelFull) else ChannelFull.from_error(exc)
             if full is None:
+                # (a lost connection, say: the runner retries the pass after a backoff)
+                self._hold(schedule.id, self._interval(), RETRY_ERROR_CAP)
                 raise
             # nothing was stored: the slot stays due, and fires when the channel has room
-            # (as its missed policy says by then)
+            # (as its missed policy says by then); this process tries it every
+            # SCHEDULE_INTERVAL meanwhile
+            self._hold(schedule.id, self._interval(), self._interval())
             self._complain(
                 schedule,
                 f"full {step.slots[-1] if step.slots else ''}",
@@ -429,16 +491,19 @@ class Firer:
             )
             return 0
         except Exception as exc:
+            self._hold(schedule.id, self._interval(), RETRY_ERROR_CAP)
             self._complain(
                 schedule,
                 f"error {type(exc).__name__}: {exc}",
                 logging.ERROR,
-                "schedule %r of channel %r could not fire: %s",
+                "schedule %r of channel %r could not fire: %s; trying again in %.0fs",
                 schedule.name,
                 display_name(schedule.channel),
                 exc,
+                self.held[schedule.id].delay,
             )
             return 0
+        self.held.pop(schedule.id, None)
         return len(taken)
 
     @staticmethod
@@ -488,8 +553,9 @@ class Scheduler:
         if self._next_in is None:
             return base
         if self._next_in <= 0:
-            # more due than one pass took, or rows another transaction held: soon, not at once
-            return min(base, 0.05)
+            # more due than one pass took (a schedule that could not fire is held back by the
+            # firer, and not counted here): soon, not at once
+            return min(base, RETRY_SOON)
         # a few milliseconds past the slot: the database's clock must have reached it
         return min(base, self._next_in + 0.005)
 
@@ -513,6 +579,7 @@ class Scheduler:
                     "trying again at the next pass"
                 )
         self.firer.limit = self.limit
+        self._next_in = None  # a pass that raises is tried again at the interval
         fired = self.firer.fire_due()
         self._next_in = self.firer.seconds_to_next()
         return fired

@@ -239,6 +239,30 @@ def test_cap_paused_job_filter_and_run_at() -> None:
     assert batches.claim(worker_id="w", lease=LEASE, jobs=["other:1"]) is None
 
 
+@pytest.mark.django_db
+def test_a_claim_right_after_a_plan_folds_every_delta_it_must_first() -> None:
+    # Many enqueues (each a transaction of its own) leave their counter deltas unfolded when
+    # no worker ran the folder yet; the claim folds the oldest thousand waking ones itself, and
+    # the plan's delta that flags the channel's new batches waits behind the rest. Here:
+    # 200,000 waking deltas of another channel, a message enqueued then cancelled 100,000
+    # times (they sum to nothing, so the counters stay true).
+    noise = Channel.objects.create(name="noise")
+    with connection.cursor() as cur:
+        cur.execute(
+            "INSERT INTO fairqueue_channel_delta (channel_id, ready, wake) "
+            "SELECT %s, CASE WHEN i %% 2 = 0 THEN 1 ELSE -1 END, true "
+            "FROM generate_series(1, 200000) AS i",
+            [noise.pk],
+        )
+    plan_job("j", "a", 1)
+    b = batches.claim(worker_id="w", lease=LEASE)
+    assert b is not None and b.job_name == "j"
+    with connection.cursor() as cur:
+        cur.execute("SELECT count(*) FROM fairqueue_channel_delta")
+        assert cur.fetchone()[0] == 0
+    assert batches.claim(worker_id="w", lease=LEASE) is None  # nothing more, nothing to fold
+
+
 @pytest.mark.django_db(transaction=True)
 def test_concurrent_claimers_never_exceed_caps_nor_share_a_batch() -> None:
     try:

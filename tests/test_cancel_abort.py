@@ -259,21 +259,24 @@ def test_a_cooperative_task_stops_and_ends_aborted(tmp_path: Any, settings: Any)
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_task_that_ignores_the_abort_is_settled_at_the_grace_period(
+def test_a_task_that_ignores_the_abort_is_aborted_at_the_grace_period(
     tmp_path: Any, settings: Any
 ) -> None:
     settings.FAIRQUEUE = {**settings.FAIRQUEUE, "ABORT_GRACE": 0.5}
     marker = tmp_path / "started"
-    stubborn = fairtasks.ignores_abort.enqueue(str(marker), 4.0, channel="a")
+    stubborn = fairtasks.ignores_abort.enqueue(str(marker), 3.0, channel="a")
     worker = _worker(concurrency=1)
     thread = _run(worker)
     try:
         wait_until(marker.exists, what="the task started")
         abort([stubborn])
-        wait_until(lambda: state(stubborn) == "aborted", timeout=3, what="aborted at grace")
-        # its slot is free for the next message although the thread still sleeps
+        wait_until(lambda: worker.ledger.stuck == 1, timeout=3, what="aborted at grace")
+        # its thread was replaced: the next message runs while the stuck one still sleeps
         after = fairtasks.add.enqueue(1, 2, channel="a")
         wait_until(lambda: state(after) == "succeeded", timeout=5, what="the next message ran")
+        # written once its thread returned: its channel's cap counted it until then
+        assert state(stubborn) == "running"
+        wait_until(lambda: state(stubborn) == "aborted", timeout=5, what="its thread returned")
     finally:
         worker.stop()
         thread.join(30)

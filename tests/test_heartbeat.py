@@ -1,132 +1,118 @@
 """The heartbeat reports a lease lost only for a message it still holds: a message whose
 outcome the settler committed while the heartbeat's renewal ran (the renewal no longer finds
-it running) is settled, not lost.
+it running) is settled, not lost; nor is one claimed again under a new token (a retry).
 
-The interleaving is forced: the renewal statement is wrapped so that the settler's write
-commits just before it, as it does when the two threads meet on a busy worker."""
+The interleaving is forced: the renewal statement is wrapped so that the other write commits
+just before it, as it does when the two threads meet on a busy worker. The heartbeat runs
+through ``run_once`` in the test's thread."""
 
 from __future__ import annotations
 
 import logging
-import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import connections
 
 from django_fairqueue.db import message_store
-from django_fairqueue.worker import Outcome, Worker, WorkerConfig
+from django_fairqueue.worker.config import _lease_clock
+from django_fairqueue.worker.heartbeat import Heartbeat
+from django_fairqueue.worker.ledger import Ledger
 from tests import fairtasks
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-LEASE = timedelta(seconds=0.6)  # a renewal every 0.2 s
+LEASE = timedelta(seconds=30)
+WORKER = "beat-worker"
 
 
-def _claimed_worker(count: int) -> tuple[Worker, list[message_store.ClaimedMessage]]:
+def _claimed(count: int) -> tuple[Ledger, list[message_store.ClaimedMessage]]:
     for i in range(count):
         fairtasks.add.enqueue(i, 1, channel="beat")
-    worker = Worker(WorkerConfig(concurrency=count, lease=LEASE, maintenance=False))
-    claimed = message_store.claim_messages(count, lease=LEASE, worker_id=worker.worker_id)
+    ledger = Ledger(capacity=count, abort_grace=1.0)
+    claimed = message_store.claim_messages(count, lease=LEASE, worker_id=WORKER)
     assert len(claimed) == count
-    with worker._cond:
-        for m in claimed:  # as the claimer records them
-            worker._unsettled[m.id] = m
-    return worker, claimed
+    ledger.claimed_now(claimed, _lease_clock() + LEASE.total_seconds())  # as the claimer does
+    return ledger, claimed
 
 
-def _one_renewal(worker: Worker, monkeypatch: pytest.MonkeyPatch, before: Any) -> None:
-    """Run the heartbeat loop until its first renewal returned; ``before()`` runs just before
-    the renewal statement."""
+def _renew_once(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch, before: Callable[[], None]
+) -> list[str]:
+    """One heartbeat pass whose renewal statement runs right after ``before()``; returns the
+    "lost the lease" lines it logged."""
     real = message_store.heartbeat_messages
-    done = threading.Event()
 
     def renew(*args: Any, **kwargs: Any) -> dict[int, bool]:
         before()
-        try:
-            return real(*args, **kwargs)
-        finally:
-            done.set()
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(message_store, "heartbeat_messages", renew)
+    records: list[str] = []
 
-    def target() -> None:
-        try:
-            worker._heartbeat_loop()
-        finally:
-            connections.close_all()
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "lost the lease" in record.getMessage():
+                records.append(record.getMessage())
 
-    thread = threading.Thread(target=target)
-    thread.start()
+    catch = Catch(logging.WARNING)
+    logger = logging.getLogger("django_fairqueue.worker")
+    logger.addHandler(catch)
     try:
-        assert done.wait(10), "no renewal"
+        Heartbeat(ledger, lease=LEASE, worker_id=WORKER).run_once()
     finally:
-        worker._threads_stop.set()
-        thread.join(10)
-    assert not thread.is_alive()
+        logger.removeHandler(catch)
+    return records
 
 
 def test_a_message_settled_during_the_renewal_is_not_reported_lost(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    worker, (settled, running) = _claimed_worker(2)
-    deferred: list[tuple[Any, ...]] = []
-    real_after_write = worker._after_write
-    # the settler's write commits; its bookkeeping (dropping the message from the worker's
-    # unsettled ones) has not run yet when the heartbeat looks at the renewal's result
-    monkeypatch.setattr(worker, "_after_write", lambda *args: deferred.append(args))
+    ledger, (settled, running) = _claimed(2)
 
     def settler_commits_first() -> None:
-        if not deferred:
-            worker.settle([Outcome(settled, "succeeded", result=3)])
+        # the settler's write commits; its bookkeeping (the ledger forgetting the message)
+        # has not run yet when the heartbeat looks at the renewal's result
+        ledger.begin_write([settled.id])
+        message_store.complete_messages([(settled.id, settled.lease_token, 3)])
 
-    with caplog.at_level(logging.WARNING, logger="django_fairqueue.worker"):
-        _one_renewal(worker, monkeypatch, settler_commits_first)
-    ((verb, group, written),) = deferred
-    assert written == {settled.id: "succeeded"}
-    assert not [r for r in caplog.records if "lost the lease" in r.getMessage()]
-    assert worker._lost == set()
-    real_after_write(verb, group, written)  # the settler's bookkeeping completes as usual
-    assert set(worker._unsettled) == {running.id}
+    assert _renew_once(ledger, monkeypatch, settler_commits_first) == []
+    assert not ledger.lease_gone(settled) and not ledger.lease_gone(running)
+    ledger.forget([settled.id])  # the settler's bookkeeping completes as usual
+    ledger.end_write([settled.id])
+    assert ledger.unsettled_ids() == [running.id]
 
 
-def test_a_lease_really_lost_is_still_reported(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    worker, (lost, kept) = _claimed_worker(2)
+def test_a_lease_really_lost_is_still_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    ledger, (lost, kept) = _claimed(2)
 
     def rescued_elsewhere() -> None:
         # its lease expired and another worker's rescuer requeued it: the token is stale
         message_store.release_messages([(lost.id, lost.lease_token)])
 
-    with caplog.at_level(logging.WARNING, logger="django_fairqueue.worker"):
-        _one_renewal(worker, monkeypatch, rescued_elsewhere)
-    lines = [r.getMessage() for r in caplog.records if "lost the lease" in r.getMessage()]
+    lines = _renew_once(ledger, monkeypatch, rescued_elsewhere)
     assert len(lines) == 1 and f"[{lost.id}]" in lines[0]
-    assert worker._lost == {lost.id}
-    assert kept.id in worker._unsettled
+    assert ledger.lease_gone(lost) and not ledger.lease_gone(kept)
+    assert [i for i, _ in ledger.leases()] == [kept.id]  # a lost lease is not renewed again
 
 
 def test_a_message_claimed_again_under_a_new_token_is_not_marked_lost(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    worker, (first,) = _claimed_worker(1)
+    ledger, (first,) = _claimed(1)
     again: list[message_store.ClaimedMessage] = []
 
     def retried_and_claimed_again() -> None:
         # its attempt failed and was settled with an immediate retry, and this worker claimed
         # the retry (same id, new lease token) before the renewal of the old token ran
-        if again:
-            return
         message_store.fail_messages([(first.id, first.lease_token, {}, timedelta(0))])
-        (retry,) = message_store.claim_messages(1, lease=LEASE, worker_id=worker.worker_id)
+        ledger.forget([first.id])
+        (retry,) = message_store.claim_messages(1, lease=LEASE, worker_id=WORKER)
         assert retry.id == first.id and retry.lease_token != first.lease_token
-        with worker._cond:
-            worker._unsettled[retry.id] = retry
+        ledger.claimed_now([retry], _lease_clock() + LEASE.total_seconds())
         again.append(retry)
 
-    with caplog.at_level(logging.WARNING, logger="django_fairqueue.worker"):
-        _one_renewal(worker, monkeypatch, retried_and_claimed_again)
-    assert not [r for r in caplog.records if "lost the lease" in r.getMessage()]
-    assert worker._lost == set()  # the retry's handler would otherwise drop it unstarted
+    assert _renew_once(ledger, monkeypatch, retried_and_claimed_again) == []
+    (retry,) = again
+    assert not ledger.lease_gone(retry)  # its handler would otherwise drop it unstarted

@@ -118,3 +118,52 @@ def test_the_workers_admin_page_is_read_only(client: Client) -> None:
     assert change.status_code in (302, 403) or "readonly" in change.content.decode()
     assert WorkerRecord.objects.get(pk=pk).state == "running"
     assert client.get(reverse("admin:fairqueue_workerrecord_add")).status_code == 403
+
+
+def test_a_supervised_slots_crash_loop_shows_in_workers_and_the_admin(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from django_fairqueue._runtime import SUPERVISION_ENV
+    from django_fairqueue.worker import supervisor
+
+    slot = supervisor.Slot(0)
+    for _ in range(4):  # four children died a second after starting
+        slot.exited(1, slot.started + 1.0)
+        slot.restarts += 1
+    told = slot.supervision()
+    assert (told["restarts"], told["young_deaths"], told["crash_loop"]) == (4, 4, True)
+    assert [e["how"] for e in told["exits"]] == ["exit status 1"] * 3  # type: ignore[attr-defined]
+    monkeypatch.setenv(SUPERVISION_ENV, json.dumps(told))
+    registry.Registration("sup-0", concurrency=2).register()
+    monkeypatch.setenv(SUPERVISION_ENV, json.dumps(supervisor.Slot(1).supervision()))
+    registry.Registration("sup-1", concurrency=2).register()
+    monkeypatch.delenv(SUPERVISION_ENV)
+    registry.Registration("plain", concurrency=2).register()
+    views = {v.worker_id: v for v in registry.workers()}
+    assert (views["sup-0"].restarts, views["sup-0"].crash_loop) == (4, True)
+    assert (views["sup-1"].restarts, views["sup-1"].crash_loop) == (0, False)
+    assert (views["plain"].restarts, views["plain"].crash_loop) == (None, False)
+    assert WorkerRecord.objects.get(worker_id="sup-0").supervision == told
+    out = io.StringIO()
+    call_command("fairqueue", "workers", stdout=out)
+    lines = {line.split()[0]: line for line in out.getvalue().splitlines() if line.strip()}
+    assert lines["sup-0"].endswith("4, crash loop")
+    assert lines["sup-1"].rstrip().endswith(" 0") and lines["plain"].rstrip().endswith(" -")
+    assert "WARNING: crash loop: sup-0 (" in out.getvalue()
+    out = io.StringIO()
+    call_command("fairqueue", "workers", "--json", stdout=out)
+    rows = {r["worker_id"]: r for r in json.loads(out.getvalue())}
+    assert (rows["sup-0"]["restarts"], rows["sup-0"]["crash_loop"]) == (4, True)
+    viewer = User.objects.create_user("viewer", password="pw", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_workerrecord"))
+    client.force_login(viewer)
+    page = client.get(reverse("admin:fairqueue_workerrecord_changelist"))
+    assert "4, crash loop" in page.content.decode()
+
+
+def test_a_supervision_that_is_not_json_is_not_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from django_fairqueue._runtime import SUPERVISION_ENV
+
+    monkeypatch.setenv(SUPERVISION_ENV, "[1, 2")
+    registry.Registration("odd", concurrency=1).register()
+    assert WorkerRecord.objects.get(worker_id="odd").supervision is None

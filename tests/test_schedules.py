@@ -551,6 +551,48 @@ def test_pausing_fires_nothing_and_resuming_does_not_catch_up() -> None:
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("change", "undo"),
+    [
+        ({"enabled": False}, {"enabled": True}),  # paused, resumed
+        ({"cron": "*/7 * * * *"}, {"cron": "* * * * *"}),  # an edit, reverted
+        ({"timezone": BERLIN}, {"timezone": "UTC"}),
+    ],
+)
+def test_a_pause_or_an_edit_undone_while_no_pass_ran_fires_no_slot_of_it(
+    change: dict[str, Any], undo: dict[str, Any]
+) -> None:
+    # The fleet is down for maintenance: no firing pass runs between the change and its undo,
+    # so the spec is the one the state was computed for again. The change itself was recorded.
+    schedules.sync([spec("a", missed="catch_up", catch_up_max=50)])
+    (a,) = Schedule.objects.all()
+    schedules.fire_due()
+    Schedule.objects.filter(pk=a.pk).update(**change)
+    backdate(a, 20)  # twenty minutes pass
+    a.refresh_from_db()
+    for key, value in undo.items():
+        setattr(a, key, value)
+    a.save()  # undone by an admin save this time
+    assert not state(a).current
+    assert schedules.fire_due() == 0
+    assert not messages() and not ScheduleFire.objects.exists()
+    assert state(a).current
+    assert state(a).next_fire_at > pg.select_clock()  # type: ignore[operator]
+
+
+@pytest.mark.django_db
+def test_an_unchanged_save_is_not_an_edit() -> None:
+    schedules.sync([spec("a")])
+    (a,) = Schedule.objects.all()
+    schedules.fire_due()
+    Schedule.objects.filter(pk=a.pk).update(enabled=True, cron="* * * * *")  # as they were
+    a.save()
+    assert state(a).current
+    backdate(a, 0)
+    assert schedules.fire_due() == 1
+
+
+@pytest.mark.django_db
 def test_a_full_channel_keeps_its_slot_due_until_there_is_room() -> None:
     schedules.sync([spec("a", channel="small")])
     (a,) = Schedule.objects.all()
@@ -685,7 +727,7 @@ def test_the_firing_check_reads_two_indexes_not_the_schedules() -> None:
         for name in ("select_due_schedules", "select_next_schedule_fire"):
             cur.execute(
                 "EXPLAIN (ANALYZE, FORMAT JSON) " + schedule_store.queries()[name],
-                {"skip_tasks": [], "limit": 100},
+                {"skip_tasks": [], "skip_ids": [], "limit": 100},
             )
             (doc,) = cur.fetchone()[0]
             nodes = list(_plan_nodes(doc["Plan"]))
@@ -847,3 +889,97 @@ def test_upcoming_refuses_a_bad_expression_timezone_or_count(
     call = {"cron": "@daily", "timezone": "UTC", "after": datetime.now(UTC), **kwargs}
     with pytest.raises(error):
         schedules.upcoming(**call)
+
+
+# -- pacing: a schedule that cannot fire is tried at its own pace --------------------------------
+
+
+def transactions() -> tuple[int, int]:
+    """Commits and rollbacks of this database so far, as the statistics collector has them."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT pg_stat_clear_snapshot()")
+        cur.execute(
+            "SELECT xact_commit, xact_rollback FROM pg_stat_database "
+            "WHERE datname = current_database()"
+        )
+        commits, rollbacks = cur.fetchone()
+    return int(commits), int(rollbacks)
+
+
+def run_schedulers(count: int, stop: Any) -> list[Any]:
+    """``count`` workers' scheduler loops (each the maintenance runner of a worker, with only
+    the scheduler), each on its own connection, which flushes its statistics when it ends."""
+    import threading
+
+    from django.db import connections
+
+    from django_fairqueue.maintenance import MaintenanceRunner
+
+    def loop() -> None:
+        try:
+            # (synced: the schedule of this test is not declared in code)
+            MaintenanceRunner([schedules.Scheduler(synced=True)], stop=stop).run()
+            with connections["default"].cursor() as cur:
+                cur.execute("SELECT pg_stat_force_next_flush()")
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=loop) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_schedule_of_a_full_channel_is_tried_every_interval_not_in_a_tight_loop() -> None:
+    import time
+
+    from django_fairqueue._runtime import StopFlag
+
+    schedules.sync([spec("a", channel="small", missed="latest")])
+    (a,) = Schedule.objects.all()
+    Channel.objects.filter(name="small").update(max_backlog=1)
+    f.enqueue("small", 1)
+    schedules.fire_due()
+    backdate(a, 0)  # due, and its channel is full
+    stop = StopFlag()
+    settings = {"TASK_MODULES": ["tests.fairtasks"], "SCHEDULE_INTERVAL": 1.0}
+    with override_settings(FAIRQUEUE=settings):
+        commits, rollbacks = transactions()
+        threads = run_schedulers(2, stop)
+        time.sleep(3.0)
+        # room for one more: the slot fires at the next try, within the interval
+        Channel.objects.filter(name="small").update(max_backlog=2)
+        time.sleep(2.0)
+        stop.set()
+        for thread in threads:
+            thread.join()
+        fired = len(messages())
+    # the statistics of the ended sessions reach the collector shortly after they end
+    settled = None
+    for _ in range(20):
+        now = transactions()
+        if now == settled:
+            break
+        settled = now
+        time.sleep(0.2)
+    assert settled is not None
+    more_commits, more_rollbacks = settled[0] - commits, settled[1] - rollbacks
+    assert fired == 1
+    # Two workers for 5 s at one try a second each: a handful of rolled-back firings, not one
+    # every 50 ms (about 120 before the room came), and a few statements a pass (this session's
+    # own reads count too): about 90, against 600 when every pass came 50 ms after the last.
+    assert more_rollbacks <= 12, (more_commits, more_rollbacks)
+    assert more_commits <= 120, (more_commits, more_rollbacks)
+
+
+def test_a_held_schedule_waits_longer_while_its_error_lasts() -> None:
+    firer = schedules.Firer()
+    interval = conf.get().SCHEDULE_INTERVAL
+    delays = []
+    for _ in range(12):
+        firer._hold(7, interval, schedules.RETRY_ERROR_CAP)
+        delays.append(firer.held[7].delay)
+    assert delays[:3] == [interval, 2 * interval, 4 * interval]
+    assert max(delays) == delays[-1] == schedules.RETRY_ERROR_CAP
+    assert firer._holding() == [7]

@@ -5,7 +5,9 @@ was started with (runfairworker --queues), in its order. WAKEUPS is how it learn
 messages: "notify" (its listener saw a notification of its own arrive after LISTEN),
 "polling" (none arrived, behind a transaction pooler say: it polls every POLL_INTERVAL on
 purpose, and the line under the table says why), "-" (started with --no-listen, or not
-checked yet).
+checked yet). RESTARTS, for a worker started by a
+supervisor (runfairworker --processes): how often its slot was restarted before it, and
+"crash loop" when its predecessors kept dying soon after starting.
 
 A worker beats every FAIRQUEUE['WORKER_HEARTBEAT'] seconds; one silent for longer than
 WORKER_DEAD_AFTER is dead, and the maintenance loop of any live worker then requeues the
@@ -50,6 +52,7 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
         "BEAT",
         "CLAIM",
         "WAKEUPS",
+        "RESTARTS",
     )
     lines = [header]
     for v in views:
@@ -68,6 +71,7 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
                 f"{beat} ago",
                 f"{claim} ago" if claim else "-",
                 v.wakeups.split(":", 1)[0] or "-",
+                registry.restarts_text(v.restarts, v.crash_loop),
             )
         )
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
@@ -79,3 +83,10 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
         if v.wakeups.startswith("polling"):
             why = v.wakeups.split(":", 1)[1].strip()
             stdout.write(f"{printable(v.worker_id)} polls for new messages: {printable(why)}.")
+    looping = [v for v in alive if v.crash_loop]
+    if looping:
+        names = ", ".join(printable(v.worker_id) for v in looping)
+        stdout.write(
+            f"WARNING: crash loop: {names} (its supervisor restarts it after a growing "
+            "backoff; its log says why it dies)"
+        )

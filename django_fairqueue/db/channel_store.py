@@ -338,3 +338,14 @@ def select_channel_wait_state(
         r[14] if r[14] is not None else timedelta(0),
         r[15],
     )
+
+
+def select_waking_backlog(beyond: int, *, using: str | None = None) -> bool:
+    """Whether more than ``beyond`` waking counter deltas wait to be folded."""
+    return bool(_run("select_waking_backlog", {"beyond": beyond}, using)[0][0])
+
+
+def fold_waking_deltas(limit: int, *, using: str | None = None) -> int:
+    """Fold up to ``limit`` of the oldest waking counter deltas; returns how many."""
+    params = {"limit": limit, "by_time": fairness_by_time(None)}
+    return int(_run("fold_waking_deltas", params, using)[0][0])

@@ -49,17 +49,22 @@ class ScheduleState:
 
 
 def select_due_schedules(
-    limit: int, *, skip_tasks: Sequence[str] = (), using: str | None = None
+    limit: int,
+    *,
+    skip_tasks: Sequence[str] = (),
+    skip_ids: Sequence[int] = (),
+    using: str | None = None,
 ) -> list[DueSchedule]:
-    rows = _run("select_due_schedules", {"limit": limit, "skip_tasks": list(skip_tasks)}, using)
-    return [DueSchedule(*row) for row in rows]
+    params = {"limit": limit, "skip_tasks": list(skip_tasks), "skip_ids": list(skip_ids)}
+    return [DueSchedule(*row) for row in _run("select_due_schedules", params, using)]
 
 
 def select_next_schedule_fire(
-    *, skip_tasks: Sequence[str] = (), using: str | None = None
+    *, skip_tasks: Sequence[str] = (), skip_ids: Sequence[int] = (), using: str | None = None
 ) -> float | None:
     """Seconds until a schedule is due (0: now), or None when no schedule is enabled."""
-    value = _run("select_next_schedule_fire", {"skip_tasks": list(skip_tasks)}, using)[0][0]
+    params = {"skip_tasks": list(skip_tasks), "skip_ids": list(skip_ids)}
+    value = _run("select_next_schedule_fire", params, using)[0][0]
     return None if value is None else float(value)
 
 

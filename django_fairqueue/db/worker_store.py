@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from psycopg.types.json import Jsonb
 
@@ -90,3 +91,11 @@ def set_worker_wakeups(worker_id: str, wakeups: str, *, using: str | None = None
 
 def set_worker_supervisor(worker_id: str, supervisor: str, *, using: str | None = None) -> None:
     _run("set_worker_supervisor", {"worker_id": worker_id, "supervisor": supervisor}, using)
+
+
+def record_worker_supervision(
+    worker_id: str, supervision: dict[str, Any], *, using: str | None = None
+) -> None:
+    """Record what a supervisor knew of a worker's slot when it started the process."""
+    params = {"worker_id": worker_id, "supervision": Jsonb(supervision)}
+    _run("record_worker_supervision", params, using)

@@ -20,7 +20,7 @@ from django_fairqueue.migrations._sql import InstallFunctions
 
 
 class Migration(migrations.Migration):
-    dependencies = [("fairqueue", "0028_usage")]
+    dependencies = [("fairqueue", "0029_services")]
 
     operations = [
         migrations.AddIndex(

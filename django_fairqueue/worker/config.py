@@ -123,7 +123,8 @@ class WorkerConfig:
     #: Handler threads left stuck in tasks past their time limit (Python cannot stop a thread;
     #: each was replaced by a new one) at which the worker recycles itself: it claims nothing
     #: more, finishes the running messages and exits normally, for a process manager or
-    #: ``runfairworker --processes`` to start a fresh process.
+    #: ``runfairworker --processes`` to start a fresh process (one thread stuck longer than
+    #: ``FAIRQUEUE['STUCK_TASK_LIMIT']`` recycles it too).
     max_abandoned_threads: int = MAX_ABANDONED_THREADS
 
     def __post_init__(self) -> None:
@@ -199,9 +200,14 @@ class _Attempt:
     thread: threading.Thread
     timeout: float | None  # None: no time limit
     started: float  # time.monotonic()
-    #: Set by the timer (under the worker's lock) when the limit passed: the attempt was
-    #: settled as timed out, and its thread no longer belongs to the pool.
+    #: Set by the timer (under the worker's lock) when the limit passed: the attempt failed as
+    #: timed out, and its thread no longer belongs to the pool. Its outcome (``parked``) is
+    #: written only once the thread returns (``returned``): until then its lease is renewed
+    #: and its channel's cap counts it, so its retry never runs beside it.
     abandoned: bool = False
+    abandoned_at: float = 0.0  # time.monotonic()
+    parked: Outcome | None = None
+    returned: bool = False
     #: Set (under the worker's lock) when a heartbeat found an abort requested: the task's
     #: abort_requested() turns True, and the attempt ends aborted by ``abort_at`` at the latest.
     abort_seen: bool = False

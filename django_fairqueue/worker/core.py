@@ -1,42 +1,213 @@
-"""The worker: its parts put together, started and stopped (see the package docstring)."""
+"""The worker: its services put together, started and stopped (see the package docstring)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import queue
+import signal
 import threading
 import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
 
 from django.db import close_old_connections, connections
 
 from django_fairqueue import conf
-from django_fairqueue._runtime import (
-    stop_signals,
-)
-from django_fairqueue.maintenance import MaintenanceRunner, default_services
-from django_fairqueue.registry import Registration
+from django_fairqueue._runtime import stop_signals
+from django_fairqueue.db.message_store import ClaimedMessage
+from django_fairqueue.maintenance import MaintenanceRunner, Service, default_services
+from django_fairqueue.registry import Beat, Registration
 from django_fairqueue.stats import StatsRecorder
+from django_fairqueue.taskspec import registry
+from django_fairqueue.worker import service
 from django_fairqueue.worker.claimer import Claimer
-from django_fairqueue.worker.config import (
-    Outcome,
-    WorkerCrashed,
-)
-from django_fairqueue.worker.execution import (
-    _claim_observer,
-)
+from django_fairqueue.worker.config import Outcome, WorkerConfig, WorkerCrashed
+from django_fairqueue.worker.execution import _claim_observer
 from django_fairqueue.worker.heartbeat import Heartbeat
+from django_fairqueue.worker.ledger import Ledger
 from django_fairqueue.worker.listener import Listener
+from django_fairqueue.worker.pool import Pool
 from django_fairqueue.worker.settler import Settler
-from django_fairqueue.worker.timeouts import TimeLimits
+from django_fairqueue.worker.timer import Timer
 
 logger = logging.getLogger("django_fairqueue.worker")
 
 
-class Worker(Claimer, TimeLimits, Settler, Heartbeat, Listener):
-    """Claims messages fairly, runs them, and settles them. See the module docstring.
+class Maintenance(service.Service):
+    """The maintenance services (rescuer, pruner, delta folder, scheduler, ...) on their
+    intervals (:class:`~django_fairqueue.maintenance.MaintenanceRunner`); ``on_rescued()``
+    after the rescuer made messages ready again."""
+
+    name = "maintenance"
+
+    def __init__(self, services: Sequence[Service] | None, on_rescued: Callable[[], None]) -> None:
+        super().__init__()
+
+        def on_work(name: str, count: int) -> None:
+            if name == "rescuer":
+                on_rescued()
+
+        self.runner = MaintenanceRunner(
+            services if services is not None else default_services(),
+            stop=self.stopping,
+            on_work=on_work,
+        )
+
+    def run(self) -> None:
+        self.runner.run()
+
+    def run_once(self) -> dict[str, int]:
+        return self.runner.run_once()
+
+
+class RegistryBeat(service.Service):
+    """Keeps this worker's row of the registry beating (operators' eyes, dead-worker checks)."""
+
+    name = "registry"
+
+    def __init__(self, registration: Registration, status: Callable[[], Beat]) -> None:
+        super().__init__()
+        self.registration = registration
+        self.status = status
+
+    def run(self) -> None:
+        self.registration.beat_until(self.stopping, self.status)
+
+    def run_once(self) -> None:
+        self.registration.beat(self.status())
+
+
+class Worker:
+    """Claims messages fairly, runs them, and settles them. See the package docstring.
 
     :meth:`run` is the long-running, threaded loop (``runfairworker``); :meth:`run_once` is one
     synchronous claim -> run -> settle pass in the calling thread (tests, cron-like use).
     """
+
+    def __init__(
+        self, config: WorkerConfig | None = None, *, services: Sequence[Service] | None = None
+    ) -> None:
+        self.config = config = config or WorkerConfig()
+        cfg = conf.get()
+        self.worker_id = config.worker_id
+        self.lease: timedelta = config.lease or timedelta(seconds=cfg.LEASE_SECONDS)
+        self.poll_interval: float = config.poll_interval or cfg.POLL_INTERVAL
+        self.listen = config.listen and cfg.NOTIFY
+        self.ledger = Ledger(
+            capacity=config.concurrency + config.prefetch, abort_grace=cfg.ABORT_GRACE
+        )
+        work: queue.SimpleQueue[ClaimedMessage | None] = queue.SimpleQueue()
+        outcomes: queue.SimpleQueue[Outcome | None] = queue.SimpleQueue()
+        self.claimer = Claimer(
+            config, self.ledger, work, outcomes, lease=self.lease, poll_interval=self.poll_interval
+        )
+        self.pool = Pool(
+            self.ledger,
+            work,
+            outcomes,
+            concurrency=config.concurrency,
+            worker_id=self.worker_id,
+            on_free=self.claimer.slot_freed,
+        )
+        self.settler = Settler(
+            self.ledger, outcomes, worker_id=self.worker_id, on_settled=self.claimer.settled
+        )
+        self.timer = Timer(
+            self.ledger,
+            outcomes,
+            self.pool,
+            worker_id=self.worker_id,
+            max_stuck=config.max_abandoned_threads,
+            stuck_limit=cfg.STUCK_TASK_LIMIT,
+            on_recycle=self.recycle,
+        )
+        self.heartbeat = Heartbeat(self.ledger, lease=self.lease, worker_id=self.worker_id)
+        self.listener = Listener(worker_id=self.worker_id, on_wake=self.claimer.wake)
+        #: Set once the listener's LISTEN is in place (and again after each reconnect).
+        self.listening = self.listener.listening
+        self._services = services
+        self._signals = 0
+        self._recycling = False
+        self._fatal: BaseException | None = None
+        self._fatal_lock = threading.Lock()
+        self._discovered = False
+
+    @property
+    def handled(self) -> int:
+        """Messages this worker ran and settled (succeeded, retried or failed)."""
+        return self.ledger.handled
+
+    # -- control ---------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop gracefully: claim nothing more, let running messages finish within the grace
+        period, give back claimed messages that have not started. Safe from any thread and from
+        a signal handler."""
+        self.ledger.give_back_unstarted()
+        self.claimer.stop()
+
+    def wake(self) -> None:
+        """Claim as soon as a handler slot is free (work may be waiting)."""
+        self.claimer.wake()
+
+    def recycle(self, why: str) -> None:
+        """Stop claiming, let the other messages finish (or give them back), then exit for a
+        fresh process to take over: only the process's end stops a stuck thread. The stuck
+        attempts are not written: their leases expire once the process is gone, and the
+        rescuer settles them (a timeout, retried while attempts remain)."""
+        if self._recycling:
+            return
+        self._recycling = True
+        logger.warning(
+            "worker %s recycling: %s; claiming nothing more, finishing the running messages, "
+            "then exiting for a fresh process to take over",
+            self.worker_id,
+            why,
+            extra={"worker_id": self.worker_id, "outcome": "recycle"},
+        )
+        self.stop()
+
+    def _on_signal(self, signum: int) -> None:
+        self._signals += 1
+        name = signal.Signals(signum).name
+        if self._signals == 1:
+            logger.warning(
+                "%s received: claiming nothing more; waiting up to %ss for %d running messages "
+                "(send it again to exit at once)",
+                name,
+                self.config.shutdown_grace,
+                self.ledger.busy,
+            )
+            self.stop()
+        else:
+            logger.warning(
+                "%s received again: exiting now; the leases of %d unfinished messages will "
+                "expire and the rescuer will requeue them",
+                name,
+                len(self.ledger.unsettled_ids()),
+            )
+            os._exit(128 + signum)
+
+    def _crashed(self, name: str, exc: BaseException) -> None:
+        logger.critical("%s thread failed; stopping the worker", name, exc_info=exc)
+        with self._fatal_lock:
+            if self._fatal is None:
+                self._fatal = exc
+        self.stop()
+        with self.pool.finished:
+            self.pool.finished.notify_all()
+
+    def _discover(self) -> None:
+        # Import every task module once, before handler threads look tasks up concurrently.
+        if not self._discovered:
+            registry.autodiscover()
+            self._discovered = True
+
+    def _beat(self) -> Beat:
+        return Beat(self.ledger.busy, self.ledger.handled, self.claimer.last_claim_at)
+
+    # -- the synchronous pass --------------------------------------------------------------------
 
     def run_once(self) -> int:
         """One pass in the calling thread: claim up to ``min(concurrency, batch_size)``
@@ -48,27 +219,34 @@ class Worker(Claimer, TimeLimits, Settler, Heartbeat, Listener):
         whose database error would break the transaction fails alone.
         """
         self._discover()
-        limit = min(self.config.concurrency, self.config.batch_size, self._remaining())
+        limit = min(self.config.concurrency, self.config.batch_size, self.claimer.remaining())
         if limit <= 0:
             return 0
-        alias = conf.get().DATABASE
-        in_atomic = connections[alias].in_atomic_block
+        in_atomic = connections[conf.get().DATABASE].in_atomic_block
         if not in_atomic:
             close_old_connections()
-        messages = self._claim(limit)
+        messages, lease_deadline = self.claimer.claim(limit)
+        self.ledger.claimed_now(messages, lease_deadline, running=False)
         outcomes = []
         for message in messages:
-            if self._release_unstarted:
+            if self.ledger.release_unstarted:
                 outcomes.append(Outcome(message, "released"))
-            elif self._lease_gone(message):
-                self._drop(message)  # an earlier message of the pass outlasted the lease
+            elif self.ledger.lease_gone(message):
+                self.pool.drop(message)  # an earlier message of the pass outlasted the lease
             else:
-                outcomes.append(self.execute(message, savepoint=in_atomic))
-        handled = sum(o.kind != "released" for o in outcomes)
-        with self._cond:
-            self._claimed += handled
+                outcomes.append(self.pool.execute(message, savepoint=in_atomic))
+        ran = sum(o.kind != "released" for o in outcomes)
+        self.ledger.counted(ran)
         self.settle(outcomes, savepoint=in_atomic)
-        return handled
+        return ran
+
+    def execute(self, message: ClaimedMessage, *, savepoint: bool = False) -> Outcome:
+        """Run one claimed message's task here and now (see :meth:`Pool.execute`)."""
+        return self.pool.execute(message, savepoint=savepoint)
+
+    def settle(self, outcomes: list[Outcome], *, savepoint: bool = False) -> None:
+        """Write outcomes back (see :meth:`Settler.settle`)."""
+        self.settler.settle(outcomes, savepoint=savepoint)
 
     # -- the threaded loop -----------------------------------------------------------------------
 
@@ -80,8 +258,8 @@ class Worker(Claimer, TimeLimits, Settler, Heartbeat, Listener):
         once. Raises :class:`WorkerCrashed` if one of its threads failed unexpectedly.
         """
         self._discover()
-        self._stats = StatsRecorder()
-        self._observe_claim = _claim_observer()
+        self.settler.stats = self.claimer.stats = StatsRecorder()
+        self.claimer.observe_claim = _claim_observer()
         logger.info(
             "worker %s starting: %d threads, batch %d, lease %ss, poll %ss, listen %s%s",
             self.worker_id,
@@ -103,16 +281,23 @@ class Worker(Claimer, TimeLimits, Settler, Heartbeat, Listener):
             queues=self.config.queues,
         )
         registration.register()
+        background: list[service.Service] = [self.timer, RegistryBeat(registration, self._beat)]
+        if self.config.maintenance:
+            background.append(Maintenance(self._services, on_rescued=self.claimer.wake))
+        if self.listen:
+            background.append(self.listener)
         with stop_signals(self._on_signal):
-            threads = self._start_threads(registration)
+            self.pool.start(self._crashed)
+            for part in (self.settler, self.heartbeat, *background):
+                part.start(self._crashed)
             try:
-                self._claim_loop()
+                self.claimer.run()
             except BaseException as exc:
                 self._crashed("claimer", exc)
             finally:
-                self._shutdown(threads)
+                self._shutdown(background)
         if self._fatal is None:
-            registration.deregister(self._registry_beat())
+            registration.deregister(self._beat())
         if self._fatal is not None:
             raise WorkerCrashed(f"worker {self.worker_id} stopped: {self._fatal!r}") from (
                 self._fatal
@@ -120,85 +305,47 @@ class Worker(Claimer, TimeLimits, Settler, Heartbeat, Listener):
         logger.info(
             "worker %s stopped after %d messages",
             self.worker_id,
-            self._handled,
+            self.handled,
             extra={"worker_id": self.worker_id},
         )
-        return self._handled
+        return self.handled
 
-    def _start_threads(self, registration: Registration) -> dict[str, list[threading.Thread]]:
-        start = self._start_thread
-        with self._cond:
-            for _ in range(self.config.concurrency):
-                self._start_handler()
-        threads: dict[str, list[threading.Thread]] = {
-            "settler": [start("settler", self._settler_loop)],
-            "heartbeat": [start("heartbeat", self._heartbeat_loop)],
-            "timer": [start("timer", self._timer_loop)],
-            "background": [
-                start(
-                    "registry",
-                    lambda: registration.beat_until(self._threads_stop, self._registry_beat),
-                )
-            ],
-        }
-        if self.config.maintenance:
-            threads["background"].append(start("maintenance", self._maintenance_loop))
-        if self.listen:
-            threads["background"].append(start("listener", self._listener_loop))
-        return threads
-
-    def _maintenance_loop(self) -> None:
-        def on_work(name: str, count: int) -> None:
-            if name == "rescuer":
-                self.wake()  # rescued messages are ready again
-
-        MaintenanceRunner(
-            self._services if self._services is not None else default_services(),
-            stop=self._threads_stop,
-            on_work=on_work,
-        ).run()
-
-    def _shutdown(self, threads: dict[str, list[threading.Thread]]) -> None:
-        with self._cond:
-            self._stop_requested = True
-            graceful = self._release_unstarted
-            self._cond.notify_all()
+    def _shutdown(self, background: list[service.Service]) -> None:
+        self.claimer.stop()
         # A graceful stop gives running messages the grace period; burst and max_messages
         # endings wait for them (they were claimed to be run).
+        graceful = self.ledger.release_unstarted
         deadline = time.monotonic() + self.config.shutdown_grace if graceful else None
         if graceful:
-            self._release_queued()
-        with self._cond:
-            while self._busy > 0 and self._fatal is None:
-                timeout = None if deadline is None else deadline - time.monotonic()
-                if timeout is not None and timeout <= 0:
-                    break
-                self._cond.wait(timeout if timeout is not None else 1.0)
-            abandoned = self._busy
-        if abandoned:
+            self.pool.release_queued()
+        running = self.pool.wait_idle(deadline, give_up=lambda: self._fatal is not None)
+        if running:
             logger.warning(
                 "%d messages still running after the %ss grace period: leaving them to their "
                 "leases (the rescuer requeues them once they expire)",
-                abandoned,
+                running,
                 self.config.shutdown_grace,
             )
-        with self._cond:
-            self._handlers_closing = True  # no more replacements: the pool is final
-            handlers = list(self._handlers)
-        for _ in handlers:
-            self._work.put(None)
+        stuck = self.ledger.stuck_messages()
+        if stuck:
+            logger.warning(
+                "%d timed-out attempts still hold a handler thread: not written; their leases "
+                "expire once this process is gone and the rescuer settles them; ids %s",
+                len(stuck),
+                stuck[:20],
+                extra={"worker_id": self.worker_id, "outcome": "lease_lost"},
+            )
+        handlers = self.pool.stop()  # no more replacements: the pool is final
         # Write what is waiting, retrying through a database outage for at most the grace
         # period (at least a few seconds), then give up: the leases recover the rest.
-        self._settle_deadline = time.monotonic() + max(self.config.shutdown_grace, 5.0)
-        self._outcomes.put(None)
-        for thread in threads["settler"]:
-            thread.join()
+        self.settler.deadline = time.monotonic() + max(self.config.shutdown_grace, 5.0)
+        self.settler.stop()
+        self.settler.join()
         # Heartbeats run until everything is written, so no lease expires meanwhile.
-        self._threads_stop.set()
-        with self._timer_cond:
-            self._timer_cond.notify()
-        for thread in threads["heartbeat"] + threads["timer"] + threads["background"]:
-            thread.join(timeout=10)
-        if not abandoned:
+        for part in (self.heartbeat, *background):
+            part.stop()
+        for part in (self.heartbeat, *background):
+            part.join(timeout=10)
+        if not running:
             for thread in handlers:  # not those stuck past a time limit: they may never return
                 thread.join(timeout=5)

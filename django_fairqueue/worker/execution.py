@@ -1,4 +1,5 @@
-"""Running one message's task: arguments, signals, log fields, and the connections it leaves."""
+"""Running one message's task: arguments, signals, log fields, the connections it leaves, and
+the outcomes an attempt ends with."""
 
 from __future__ import annotations
 
@@ -7,21 +8,27 @@ import functools
 import inspect
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import close_old_connections, connections, transaction
 from django.db.backends.signals import connection_created
 
+from django_fairqueue import dbfaults
+from django_fairqueue.attempts import error_info, retry_delay
 from django_fairqueue.db.message_store import ClaimedMessage
-from django_fairqueue.exceptions import (
-    PayloadError,
-)
+from django_fairqueue.exceptions import PayloadError, TaskAborted
 from django_fairqueue.models import Message
+from django_fairqueue.signals import message_finished
 from django_fairqueue.taskspec import TaskSpec
+from django_fairqueue.worker.config import Outcome
 
 logger = logging.getLogger("django_fairqueue.worker")
+#: One line per cause of unavailability every few seconds, however many tasks it cut short.
+_given_back = dbfaults.RateLimitedWarnings(logger)
 
 
 def decode_payload(payload: Any) -> tuple[list[Any], dict[str, Any]]:
@@ -157,3 +164,114 @@ def _close_old_connections() -> None:
         close_old_connections()
     except Exception:  # closing a broken connection can fail; the next use reconnects
         logger.debug("closing an old connection failed", exc_info=True)
+
+
+# -- outcomes ------------------------------------------------------------------------------------
+
+
+def failed_outcome(
+    message: ClaimedMessage,
+    spec: TaskSpec,
+    exc: BaseException,
+    started: float,
+    *,
+    retry: bool,
+    worker_id: str,
+) -> Outcome:
+    """A failed attempt: retried with backoff while attempts remain (never an
+    ``at_most_once`` task's), else failed for good."""
+    error = error_info(exc, attempt=message.attempts, worker_id=worker_id)
+    cause = dbfaults.unavailable(exc)
+    if cause is not None:  # not the task's fault: given back, the attempt not counted
+        return Outcome(
+            message,
+            "released",
+            error={**error, "unavailable": cause},
+            retry_in=dbfaults.give_back_delay(),
+            duration=time.monotonic() - started,
+        )
+    # at_most_once messages have max_attempts 1; the check also covers a task switched to
+    # at_most_once after its messages were enqueued.
+    if (
+        retry
+        and message.attempts < message.max_attempts
+        and spec.effective_delivery != "at_most_once"
+    ):
+        return Outcome(
+            message,
+            "retry",
+            error=error,
+            retry_in=timedelta(seconds=retry_delay(message.attempts)),
+            duration=time.monotonic() - started,
+        )
+    return Outcome(message, "failed", error=error, duration=time.monotonic() - started)
+
+
+def aborted_outcome(
+    message: ClaimedMessage, how: str, duration: float, *, worker_id: str
+) -> Outcome:
+    """The outcome of an attempt whose abort was requested."""
+    exc = TaskAborted(f"message {message.id} aborted on request, {how}")
+    return Outcome(
+        message,
+        "aborted",
+        error=error_info(exc, attempt=message.attempts, worker_id=worker_id, with_traceback=False),
+        duration=duration,
+    )
+
+
+def finished(outcome: Outcome, *, worker_id: str) -> None:
+    """Log an attempt's end and send ``message_finished``."""
+    _log_finish(outcome)
+    _send_robust(
+        message_finished,
+        message=outcome.message,
+        worker_id=worker_id,
+        outcome=outcome.kind,
+        duration=outcome.duration,
+        error=outcome.error,
+    )
+
+
+def _log_finish(outcome: Outcome) -> None:
+    message = outcome.message
+    level = logging.INFO if outcome.kind == "succeeded" else logging.WARNING
+    if not logger.isEnabledFor(level):
+        return
+    if outcome.kind == "released":  # given back: the database was unavailable
+        error = outcome.error or {}
+        _given_back.warning(
+            str(error.get("unavailable")),
+            "gave back %s message %s channel %r without using an attempt: the database is "
+            "unavailable (%s: %s)",
+            message.task_name,
+            message.id,
+            message.channel,
+            error.get("type"),
+            error.get("message"),
+            extra=_log_extra(message, duration=outcome.duration, outcome="released"),
+        )
+        return
+    if outcome.kind == "succeeded":
+        what = "succeeded"
+    elif outcome.kind == "aborted":
+        what = "aborted"
+    else:
+        error = outcome.error or {}
+        cause = f"{error.get('type')}: {error.get('message')}"
+        if outcome.kind == "retry" and outcome.retry_in is not None:
+            what = f"failed ({cause}); retry in {outcome.retry_in.total_seconds():.1f}s"
+        else:
+            what = f"failed for good ({cause})"
+    logger.log(
+        level,
+        "%s %s message %s channel %r attempt %s/%s in %.3fs",
+        what,
+        message.task_name,
+        message.id,
+        message.channel,
+        message.attempts,
+        message.max_attempts,
+        outcome.duration,
+        extra=_log_extra(message, duration=outcome.duration, outcome=outcome.kind),
+    )

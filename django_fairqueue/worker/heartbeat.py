@@ -1,8 +1,9 @@
-"""The heartbeat: renews the leases of every claimed, unsettled message."""
+"""The heartbeat: renews the leases of every claimed, unsettled message, and finds aborts."""
 
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 from django_fairqueue._runtime import (
     CONNECTION_ERRORS,
@@ -11,46 +12,34 @@ from django_fairqueue._runtime import (
     drop_broken_connection,
 )
 from django_fairqueue.db import message_store
-from django_fairqueue.worker.base import WorkerBase
-from django_fairqueue.worker.config import (
-    HEARTBEAT_BATCH,
-    _lease_clock,
-)
+from django_fairqueue.worker.config import HEARTBEAT_BATCH, _lease_clock
+from django_fairqueue.worker.ledger import Ledger
+from django_fairqueue.worker.service import Service
 
 logger = logging.getLogger("django_fairqueue.worker")
 
 
-class Heartbeat(WorkerBase):
-    """The heartbeat: renews the leases of every claimed, unsettled message."""
+class Heartbeat(Service):
+    """Renews every lease the ledger holds three times per lease period (a lost or late
+    heartbeat never costs the lease), also while handlers are busy and while a timed-out
+    attempt's thread is stuck (its channel's cap counts it until the thread returns)."""
 
-    def _heartbeat_loop(self) -> None:
-        # Three renewals per lease period: one lost or late heartbeat never costs the lease.
+    name = "heartbeat"
+
+    def __init__(self, ledger: Ledger, *, lease: timedelta, worker_id: str) -> None:
+        super().__init__()
+        self.ledger = ledger
+        self.lease = lease
+        self.worker_id = worker_id
+
+    def run(self) -> None:
         interval = self.lease.total_seconds() / 3
         backoff = Backoff()
         wait = interval
-        while not self._threads_stop.wait(wait):
+        while not self.stopping.wait(wait):
             wait = interval
-            with self._cond:
-                leases = [
-                    (m.id, m.lease_token)
-                    for m in self._unsettled.values()
-                    if m.id not in self._lost
-                ]
-            if not leases:
-                continue
-            owned: set[int] = set()
             try:
-                for start in range(0, len(leases), HEARTBEAT_BATCH):
-                    chunk = leases[start : start + HEARTBEAT_BATCH]
-                    sent = _lease_clock()  # the renewal's database time is later than this
-                    renewed = message_store.heartbeat_messages(chunk, lease=self.lease)
-                    owned |= renewed.keys()
-                    deadline = sent + self.lease.total_seconds()
-                    with self._cond:
-                        for message_id in renewed:
-                            if message_id in self._lease_deadlines:
-                                self._lease_deadlines[message_id] = deadline
-                        self._note_aborts([i for i, asked in renewed.items() if asked])
+                self.run_once()
             except CONNECTION_ERRORS as exc:
                 what = after_database_error(exc)
                 wait = min(backoff.next(), interval)
@@ -58,42 +47,36 @@ class Heartbeat(WorkerBase):
                 continue
             backoff.reset()
             drop_broken_connection()
-            with self._cond:
-                # Not lost: one settled meanwhile (being written, or written and forgotten),
-                # or claimed again under a new token (a retry) since this renewal began.
-                lost = [
-                    i
-                    for i, token in leases
-                    if i not in owned
-                    and i not in self._settling
-                    and getattr(self._unsettled.get(i), "lease_token", None) == token
-                ]
-                self._lost.update(lost)
-            if lost:
-                logger.warning(
-                    "lost the lease of %d running messages (it expired, and another worker may "
-                    "be running them); their outcome will not be recorded; ids %s",
-                    len(lost),
-                    lost[:20],
-                    extra={"worker_id": self.worker_id, "outcome": "lease_lost"},
+
+    def run_once(self) -> int:
+        """Renew every lease once; returns how many were renewed. Connection errors
+        propagate."""
+        leases = self.ledger.leases()
+        if not leases:
+            return 0
+        owned: set[int] = set()
+        for start in range(0, len(leases), HEARTBEAT_BATCH):
+            chunk = leases[start : start + HEARTBEAT_BATCH]
+            sent = _lease_clock()  # the renewal's database time is later than this
+            renewed = message_store.heartbeat_messages(chunk, lease=self.lease)
+            owned |= renewed.keys()
+            self.ledger.renewed(renewed, sent + self.lease.total_seconds())
+            aborts = self.ledger.aborts_requested([i for i, asked in renewed.items() if asked])
+            if aborts:
+                # a running attempt's task sees abort_requested() turn True and has
+                # ABORT_GRACE seconds to stop; one not started yet is aborted unstarted
+                logger.info(
+                    "abort requested for running messages %s",
+                    aborts[:20],
+                    extra={"worker_id": self.worker_id, "outcome": "abort_requested"},
                 )
-
-    def _note_aborts(self, ids: list[int]) -> None:
-        """Abort requests found by a heartbeat (call with the lock held): a running attempt's
-        task sees abort_requested() turn True and has ABORT_GRACE seconds to stop; one not
-        started yet is settled as aborted without running."""
-        for message_id in ids:
-            if message_id in self._abort_pending or message_id not in self._unsettled:
-                continue
-            self._abort_pending.add(message_id)
-            attempt = self._attempts.get(message_id)
-            if attempt is not None:
-                self._start_abort(attempt)
-        if ids:
-            logger.info(
-                "abort requested for running messages %s",
-                ids[:20],
-                extra={"worker_id": self.worker_id, "outcome": "abort_requested"},
+        lost = self.ledger.lost((i, token) for i, token in leases if i not in owned)
+        if lost:
+            logger.warning(
+                "lost the lease of %d running messages (it expired, and another worker may "
+                "be running them); their outcome will not be recorded; ids %s",
+                len(lost),
+                lost[:20],
+                extra={"worker_id": self.worker_id, "outcome": "lease_lost"},
             )
-
-    # maintenance and wake-ups
+        return len(owned)

@@ -1,4 +1,11 @@
-"""The settler: writes outcomes back in batches, each fenced by its lease token."""
+"""The settler: writes outcomes back in batches, each fenced by its lease token.
+
+It takes outcomes from the queue the pool and the timer put them on: every completion waiting
+in one ``complete_messages``, every failure in one ``fail_messages``, releases and aborts
+likewise; a database error on a value PostgreSQL refuses is isolated by writing the group one
+by one. After a connection error it retries with backoff (the lease token fences a write that
+reached the database twice); at shutdown, for at most the grace period.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import contextlib
 import logging
 import queue
 import time
+from collections.abc import Callable
 
 from django.db import DatabaseError
 from django.utils import timezone
@@ -18,16 +26,16 @@ from django_fairqueue._runtime import (
 )
 from django_fairqueue.attempts import error_info
 from django_fairqueue.db import message_store
-from django_fairqueue.worker.base import WorkerBase
+from django_fairqueue.stats import StatsRecorder
 from django_fairqueue.worker.config import (
     _STATS_OUTCOME,
     SETTLE_BATCH,
     STATS_FLUSH_SECONDS,
     Outcome,
 )
-from django_fairqueue.worker.execution import (
-    _savepoints,
-)
+from django_fairqueue.worker.execution import _savepoints
+from django_fairqueue.worker.ledger import Ledger
+from django_fairqueue.worker.service import Service
 
 logger = logging.getLogger("django_fairqueue.worker")
 
@@ -39,65 +47,98 @@ def _run_seconds(group: list[Outcome]) -> list[float | None]:
     return [o.duration if o.duration > 0 else None for o in group]
 
 
-class Settler(WorkerBase):
-    """The settler: writes outcomes back in batches, each fenced by its lease token."""
+class Settler(Service):
+    """Writes the outcomes put on ``outcomes`` (None: write what is left, then stop).
 
-    def _settler_loop(self) -> None:
-        backlog: list[Outcome] = []
-        stopping = False
+    ``on_settled(freed)`` is called after each write; ``freed`` when completions or failures
+    were written: a freed slot can make a capped channel claimable again, and a retry without
+    backoff is ready now.
+    """
+
+    name = "settler"
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        outcomes: queue.SimpleQueue[Outcome | None],
+        *,
+        worker_id: str,
+        on_settled: Callable[[bool], None] = lambda freed: None,
+    ) -> None:
+        super().__init__()
+        self.ledger = ledger
+        self.outcomes = outcomes
+        self.worker_id = worker_id
+        self.on_settled = on_settled
+        #: per-channel statistics; only a running worker records them (a run_once pass's
+        #: tallies would never be flushed)
+        self.stats: StatsRecorder | None = None
+        #: at shutdown: give up retrying a failed write after this time (time.monotonic())
+        self.deadline: float | None = None
+        self._backlog: list[Outcome] = []
+        self._closed = False
+
+    def stop(self) -> None:
+        """Write what is waiting, then stop (retrying through a database outage until
+        :attr:`deadline`)."""
+        self.outcomes.put(None)
+
+    def run(self) -> None:
         backoff = Backoff()
         next_flush = time.monotonic() + STATS_FLUSH_SECONDS
-        while backlog or not stopping:
-            if not backlog:
-                try:
-                    item = self._outcomes.get(timeout=max(0.01, next_flush - time.monotonic()))
-                except queue.Empty:
-                    pass
-                else:
-                    if item is None:
-                        stopping = True
-                    else:
-                        backlog.append(item)
-            while not stopping and len(backlog) < SETTLE_BATCH:
-                try:
-                    item = self._outcomes.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stopping = True
-                else:
-                    backlog.append(item)
-            if backlog:
-                try:
-                    self.settle(backlog)
-                except CONNECTION_ERRORS as exc:
-                    what = after_database_error(exc)
-                    delay = backoff.next()
-                    deadline = self._settle_deadline
-                    if deadline is not None and time.monotonic() + delay > deadline:
-                        logger.error(
-                            "giving up writing %d outcomes at shutdown (%s); their leases "
-                            "will expire and the rescuer will requeue them",
-                            len(backlog),
-                            what,
-                        )
-                        return
-                    logger.warning(
-                        "writing %d outcomes failed: %s; retry in %.2fs",
-                        len(backlog),
+        while self._backlog or not self._closed:
+            try:
+                self.run_once(timeout=max(0.01, next_flush - time.monotonic()))
+            except CONNECTION_ERRORS as exc:
+                what = after_database_error(exc)
+                delay = backoff.next()
+                if self.deadline is not None and time.monotonic() + delay > self.deadline:
+                    logger.error(
+                        "giving up writing %d outcomes at shutdown (%s); their leases "
+                        "will expire and the rescuer will requeue them",
+                        len(self._backlog),
                         what,
-                        delay,
                     )
-                    time.sleep(delay)
-                    continue
-                backoff.reset()
-                drop_broken_connection()
-            if stopping or time.monotonic() >= next_flush:
+                    return
+                logger.warning(
+                    "writing %d outcomes failed: %s; retry in %.2fs",
+                    len(self._backlog),
+                    what,
+                    delay,
+                )
+                time.sleep(delay)
+                continue
+            backoff.reset()
+            drop_broken_connection()
+            if self._closed or time.monotonic() >= next_flush:
                 self._flush_stats()
                 next_flush = time.monotonic() + STATS_FLUSH_SECONDS
 
+    def run_once(self, timeout: float = 0.0) -> int:
+        """Take the waiting outcomes (up to a batch; waiting up to ``timeout`` seconds for the
+        first) and write them; returns how many were written. Connection errors propagate,
+        the outcomes kept for the next call."""
+        if not self._backlog and not self._closed and timeout > 0:
+            with contextlib.suppress(queue.Empty):
+                self._take(self.outcomes.get(timeout=timeout))
+        while not self._closed and len(self._backlog) < SETTLE_BATCH:
+            try:
+                self._take(self.outcomes.get_nowait())
+            except queue.Empty:
+                break
+        before = len(self._backlog)
+        if self._backlog:
+            self.settle(self._backlog)
+        return before - len(self._backlog)
+
+    def _take(self, item: Outcome | None) -> None:
+        if item is None:
+            self._closed = True
+        else:
+            self._backlog.append(item)
+
     def _flush_stats(self) -> None:
-        stats = self._stats
+        stats = self.stats
         if stats is None or not stats.pending():
             return
         try:
@@ -107,7 +148,7 @@ class Settler(WorkerBase):
             logger.warning("writing statistics failed: %s; kept for the next try", what)
         except DatabaseError:
             logger.exception("writing statistics failed; statistics are off for this worker")
-            self._stats = None
+            self.stats = None
 
     def settle(self, outcomes: list[Outcome], *, savepoint: bool = False) -> None:
         """Write outcomes back: completions, failures and releases, one statement each.
@@ -127,11 +168,13 @@ class Settler(WorkerBase):
             if not group:
                 continue
             ids = {o.message.id for o in group}
-            with self._cond:
-                self._settling |= ids
-            written = self._write(verb, group, savepoint)
-            outcomes[:] = [o for o in outcomes if o.message.id not in ids]
-            self._after_write(verb, group, written)
+            self.ledger.begin_write(ids)
+            try:
+                written = self._write(verb, group, savepoint)
+                outcomes[:] = [o for o in outcomes if o.message.id not in ids]
+                self._after_write(verb, group, written)
+            finally:
+                self.ledger.end_write(ids)
 
     def _write(self, verb: str, group: list[Outcome], savepoint: bool) -> dict[int, str]:
         """Write one kind of outcome; returns {id: new state} of the rows actually changed."""
@@ -188,7 +231,7 @@ class Settler(WorkerBase):
         return {i: "ready" for i in released}
 
     def _after_write(self, verb: str, group: list[Outcome], written: dict[int, str]) -> None:
-        stats = self._stats
+        stats = self.stats
         if stats is not None and verb not in ("release", "abort"):
             settled_at = timezone.now()  # one clock reading for the group
             for outcome in group:
@@ -200,24 +243,8 @@ class Settler(WorkerBase):
                         at=settled_at,
                         timed_out=outcome.timed_out,
                     )
-        with self._cond:
-            for outcome in group:
-                message_id = outcome.message.id
-                self._settling.discard(message_id)
-                if self._unsettled.get(message_id, outcome.message) is not outcome.message:
-                    continue  # its retry, claimed again already (a timed-out attempt's, say)
-                self._unsettled.pop(message_id, None)
-                self._lost.discard(message_id)
-                self._lease_deadlines.pop(message_id, None)
-                self._abort_pending.discard(message_id)
-            if verb != "release":
-                self._handled += len(group)
-            if written and verb != "release" and not self._more:
-                # A freed slot can make a capped channel claimable again, and a retry without
-                # backoff is ready now: neither sends a notification, so claim again (with a
-                # backlog known, the claimer claims as slots free anyway).
-                self._wake = True
-            self._cond.notify_all()
+        self.ledger.settled(group, count=verb != "release")
+        self.on_settled(bool(written) and verb != "release")
         ignored = [o.message.id for o in group if o.message.id not in written]
         if ignored:
             logger.warning(
@@ -229,22 +256,3 @@ class Settler(WorkerBase):
                 ignored[:20],
                 extra={"worker_id": self.worker_id, "outcome": "lease_lost"},
             )
-
-    # heartbeats
-
-    def _release_queued(self) -> None:
-        """Give back the claimed messages still waiting for a handler thread (prefetched), so a
-        stop does not wait for the threads to reach them."""
-        while True:
-            try:
-                message = self._work.get_nowait()
-            except queue.Empty:
-                return
-            if message is None:  # not put before the handlers are told to stop; keep it
-                self._work.put(None)
-                return
-            self._outcomes.put(Outcome(message, "released"))
-            with self._cond:
-                self._busy -= 1
-                self._claimed -= 1
-                self._cond.notify_all()

@@ -6,6 +6,16 @@ a supervisor, each worker is a child process: one that dies is started again (af
 that grows while it keeps dying young), so the rest of the fleet and the other tenants carry
 on, and the killer task reaches its last attempt and becomes a dead letter.
 
+* A child that dies (a non-zero exit status: a broken deployment or settings fail the
+  command too; or a signal) is started again after an exponential backoff with jitter:
+  ``RESTART_FIRST`` doubled per death in a row soon after the start, at most ``RESTART_CAP``,
+  each delay drawn from its upper half so slots dying together do not restart together. One
+  that lived ``STABLE_AFTER`` seconds starts its backoff over. A clean exit (0) is a recycle:
+  replaced at once.
+* ``CRASH_LOOP_AFTER`` young deaths in a row make a crash loop: logged as an error, with the
+  slot's last exits, at every restart until a child lives long enough. Each slot keeps its
+  last ``EXIT_HISTORY`` exits (code, lifetime, time), no more.
+
 * The supervisor touches no database and imports no task: it only starts, watches and stops
   children, each a ``runfairworker`` of its own (with the same options, less the supervisor's).
 * The first SIGTERM/SIGINT is forwarded to every child as a graceful stop (no more claims,
@@ -23,28 +33,45 @@ a per-slot backoff, recycling by message count, and a clean two-step stop of the
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from django_fairqueue._runtime import StopFlag, stop_signals
+from django_fairqueue._runtime import SUPERVISION_ENV, StopFlag, stop_signals
 from django_fairqueue.worker import extensions
 
 logger = logging.getLogger("django_fairqueue.supervisor")
 
-#: Restart backoff for a child that died: first, doubled while it keeps dying young, at most cap.
+#: Restart backoff for a child that died young: first, doubled while it keeps dying young, at
+#: most cap (each delay drawn between half of it and all of it).
 RESTART_FIRST = 1.0
-RESTART_CAP = 30.0
+RESTART_CAP = 60.0
 #: A child that ran this long before dying was not crash-looping: its backoff starts over.
 STABLE_AFTER = 60.0
+#: Young exits in a row that make a crash loop (logged as an error at every restart).
+CRASH_LOOP_AFTER = 3
+#: Exits each slot remembers.
+EXIT_HISTORY = 20
 #: How often the supervisor looks at its children.
 POLL = 0.2
+
+
+@dataclass(frozen=True)
+class Exit:
+    """One child's end: its exit code (negative: the signal), how long it ran, when it ended."""
+
+    code: int
+    lived: float
+    at: float  # time.time()
 
 
 @dataclass
@@ -58,7 +85,40 @@ class Slot:
     backoff: float = 0.0
     restarts: int = 0
     done: bool = False
-    exits: list[int] = field(default_factory=list)
+    #: the last EXIT_HISTORY exits, oldest first
+    exits: deque[Exit] = field(default_factory=lambda: deque(maxlen=EXIT_HISTORY))
+    #: deaths in a row soon after the start (see STABLE_AFTER)
+    young_exits: int = 0
+
+    @property
+    def crash_loop(self) -> bool:
+        return self.young_exits >= CRASH_LOOP_AFTER
+
+    def supervision(self) -> dict[str, object]:
+        """What the next child records of its slot in the worker registry."""
+        return {
+            "slot": self.index,
+            "restarts": self.restarts,
+            "young_deaths": self.young_exits,
+            "crash_loop": self.crash_loop,
+            "exits": [
+                {"how": _how(e.code), "lived": round(e.lived, 1), "at": round(e.at, 1)}
+                for e in list(self.exits)[-CRASH_LOOP_AFTER:]
+            ],
+        }
+
+    def exited(self, code: int, now: float) -> float:
+        """Record the child's exit (``now``: time.monotonic()); returns the seconds to wait
+        before starting the next one."""
+        lived = now - self.started
+        self.exits.append(Exit(code, lived, time.time()))
+        if code == 0 or lived >= STABLE_AFTER:
+            self.young_exits = 0
+            self.backoff = 0.0
+            return 0.0 if code == 0 else RESTART_FIRST  # a recycle, or a death after a while
+        self.young_exits += 1
+        self.backoff = RESTART_FIRST if self.backoff == 0 else min(RESTART_CAP, self.backoff * 2)
+        return self.backoff * random.uniform(0.5, 1.0)
 
 
 class Supervisor:
@@ -98,7 +158,7 @@ class Supervisor:
                 if all(slot.proc is None and (slot.done or self.stopping) for slot in self.slots):
                     break
                 self.stop.wait(POLL)
-        clean = all(code == 0 for slot in self.slots for code in slot.exits[-1:])
+        clean = all(slot.exits[-1].code == 0 for slot in self.slots if slot.exits)
         return 0 if clean or self.stopping else 1
 
     @property
@@ -121,9 +181,11 @@ class Supervisor:
         # A session of its own: Ctrl-C in a terminal signals the whole foreground group, and a
         # child that got it directly and again from us would take it as the second signal
         # (exit at once). The children hear signals from the supervisor only, and die with it.
+        env = dict(self.env if self.env is not None else os.environ)
+        env[SUPERVISION_ENV] = json.dumps(slot.supervision())
         slot.proc = subprocess.Popen(
             command,
-            env=self.env,
+            env=env,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=_die_with_parent,
@@ -142,40 +204,49 @@ class Supervisor:
             return
         pid = slot.proc.pid
         slot.proc = None
-        slot.exits.append(code)
         if self.stopping:
+            slot.exits.append(Exit(code, now - slot.started, time.time()))
             logger.info("supervisor: worker %s (pid %s) stopped (%s)", slot.index, pid, _how(code))
             return
+        if code == 0 and self.burst:
+            slot.exits.append(Exit(code, now - slot.started, time.time()))
+            slot.done = True
+            logger.info("supervisor: worker %s (pid %s) finished its burst", slot.index, pid)
+            return
+        lived = now - slot.started
+        delay = slot.exited(code, now)
+        slot.restarts += 1
+        slot.restart_at = now + delay
         if code == 0:
-            if self.burst:
-                slot.done = True
-                logger.info("supervisor: worker %s (pid %s) finished its burst", slot.index, pid)
-                return
-            # recycled (after --max-tasks-per-child messages, or with --max-abandoned-threads
-            # threads stuck in timed-out tasks): replace it at once
+            # recycled (after --max-tasks-per-child messages, or with threads stuck in
+            # timed-out tasks): replaced at once
             logger.info(
                 "supervisor: worker %s (pid %s) recycled; starting a fresh one", slot.index, pid
             )
-            slot.backoff = 0.0
+        else:
+            level, loop = logging.WARNING, ""
+            if slot.crash_loop:
+                level = logging.ERROR
+                recent = list(slot.exits)[-CRASH_LOOP_AFTER:]
+                loop = (
+                    f"; crash loop: {slot.young_exits} deaths in a row soon after starting ("
+                    + ", ".join(f"{_how(e.code)} after {e.lived:.1f}s" for e in recent)
+                    + ")"
+                )
+            logger.log(
+                level,
+                "supervisor: worker %s (pid %s) died (%s) after %.1fs; restart %s in %.1fs%s",
+                slot.index,
+                pid,
+                _how(code),
+                lived,
+                slot.restarts,
+                delay,
+                loop,
+                extra={"outcome": "crash_loop" if loop else "died"},
+            )
+        if delay == 0:
             self._start(slot)
-            return
-        lived = now - slot.started
-        slot.backoff = (
-            RESTART_FIRST
-            if lived >= STABLE_AFTER or slot.backoff == 0
-            else min(RESTART_CAP, slot.backoff * 2)
-        )
-        slot.restarts += 1
-        slot.restart_at = now + slot.backoff
-        logger.warning(
-            "supervisor: worker %s (pid %s) died (%s) after %.1fs; restart %s in %.1fs",
-            slot.index,
-            pid,
-            _how(code),
-            lived,
-            slot.restarts,
-            slot.backoff,
-        )
 
 
 def _die_with_parent() -> None:

@@ -28,6 +28,7 @@ FAMILIES = (
     "claim",
     "settle",
     "errors",
+    "schedules",
     "enqueue",
     "backlog",
     "verify_repair",

@@ -289,3 +289,16 @@ SELECT m.channel_id, count(*)
 FROM fairqueue_message m
 WHERE m.channel_id = ANY (%(ids)s::bigint[]) AND m.state = 'scheduled' AND m.attempts > 0
 GROUP BY m.channel_id;
+
+-- name: select_waking_backlog
+-- Whether more than `beyond` waking counter deltas wait: a walk of at most that many entries of
+-- fq_delta_wake_idx (a claim folds the oldest thousand itself; a work-batch claim that found
+-- nothing folds the rest when there are more, see fold_waking_deltas).
+SELECT EXISTS (
+    SELECT FROM fairqueue_channel_delta d WHERE d.wake ORDER BY d.id OFFSET %(beyond)s::integer
+);
+
+-- name: fold_waking_deltas
+-- Fold up to `limit` of the oldest waking counter deltas (those that can make a channel
+-- claimable: new work, freed slots, newly pending batches) into their channel rows.
+SELECT fairqueue_fold_deltas_v1(%(limit)s::integer, true, %(by_time)s::boolean) AS folded;

@@ -9,7 +9,9 @@
 -- name: select_due_schedules
 -- Schedules a firing pass handles now: enabled ones whose next slot is due (fq_schedule_next_idx)
 -- and any whose state was computed for another spec (`stale`, fq_schedule_stale_idx: new,
--- edited, paused or resumed), skipping the tasks this process does not know. Read without locks: the slot's
+-- edited, paused or resumed), skipping the tasks this process does not know and the schedules
+-- it holds back (they could not fire: a full channel, an error; retried at their own pace). Read
+-- without locks: the slot's
 -- unique key (claim_schedule_slots) and the check of what was read (advance_schedule) decide
 -- who fires. In random order, so workers looking at once start on different schedules.
 SELECT s.id, s.name, c.name, s.task_name, s.args, s.kwargs, s.cron, s.timezone, s.missed,
@@ -19,20 +21,24 @@ FROM fairqueue_schedule s
 JOIN fairqueue_channel c ON c.id = s.channel_id
 WHERE ((s.enabled AND s.next_fire_at <= now()) OR s.stale)
   AND s.task_name <> ALL(%(skip_tasks)s::text[])
+  AND s.id <> ALL(%(skip_ids)s::bigint[])
 ORDER BY random()
 LIMIT %(limit)s::integer;
 
 -- name: select_next_schedule_fire
 -- Seconds from now to the earliest next slot of an enabled schedule (fq_schedule_next_idx); 0
--- when a schedule waits for a fresh slot (fq_schedule_stale_idx); NULL when there is none.
+-- when a schedule waits for a fresh slot (fq_schedule_stale_idx); NULL when there is none. The
+-- schedules this process holds back (skip_ids) are left out: it knows when it retries them.
 SELECT CASE
     WHEN EXISTS (
         SELECT 1 FROM fairqueue_schedule s
         WHERE s.stale AND s.task_name <> ALL(%(skip_tasks)s::text[])
+          AND s.id <> ALL(%(skip_ids)s::bigint[])
     ) THEN 0::double precision
     ELSE extract(epoch FROM (
         SELECT min(s.next_fire_at) FROM fairqueue_schedule s
         WHERE s.enabled AND s.task_name <> ALL(%(skip_tasks)s::text[])
+          AND s.id <> ALL(%(skip_ids)s::bigint[])
     ) - now())::double precision
 END;
 

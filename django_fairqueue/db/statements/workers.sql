@@ -88,3 +88,9 @@ UPDATE fairqueue_worker w SET wakeups = %(wakeups)s::text WHERE w.worker_id = %(
 UPDATE fairqueue_worker w
 SET supervisor = %(supervisor)s::text
 WHERE w.worker_id = %(worker_id)s::text;
+
+-- name: record_worker_supervision
+-- What a supervisor knew of a worker's slot when it started the process (restarts, crash loop,
+-- last exits), recorded by the worker right after it registered.
+UPDATE fairqueue_worker SET supervision = %(supervision)s::jsonb
+WHERE worker_id = %(worker_id)s::text;

@@ -185,7 +185,8 @@ class Command(FairCommand):
             help="Recycle the worker once N handler threads are stuck in tasks past their time "
             "limit (each is replaced, since Python cannot stop a thread): claim nothing more, "
             "finish the running messages, exit 0 for a process manager or --processes to "
-            f"restart it (default {MAX_ABANDONED_THREADS}).",
+            "restart it; one thread stuck longer than FAIRQUEUE['STUCK_TASK_LIMIT'] does too "
+            f"(default {MAX_ABANDONED_THREADS}).",
         )
         parser.add_argument(
             "--no-listen",

@@ -1,0 +1,334 @@
+"""The pool: handler threads that run claimed messages' tasks and hand their outcomes on."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from asgiref.sync import async_to_sync
+
+from django_fairqueue import tracing
+from django_fairqueue.attempts import error_info
+from django_fairqueue.context import abort_flag, current_message, time_limit_passed
+from django_fairqueue.db.message_store import ClaimedMessage
+from django_fairqueue.exceptions import PayloadError, ResultNotStorable, UnknownTask
+from django_fairqueue.signals import message_started
+from django_fairqueue.taskspec import check_result, registry
+from django_fairqueue.worker.config import Outcome, _Attempt
+from django_fairqueue.worker.execution import (
+    _close_old_connections,
+    _connected_here,
+    _end_open_transactions,
+    _is_async,
+    _log_extra,
+    _savepoints,
+    _send_robust,
+    aborted_outcome,
+    check_arguments,
+    decode_payload,
+    failed_outcome,
+    finished,
+)
+from django_fairqueue.worker.ledger import Ledger
+from django_fairqueue.worker.service import CrashHandler, spawn
+
+logger = logging.getLogger("django_fairqueue.worker")
+
+
+class Pool:
+    """``concurrency`` handler threads taking claimed messages from ``work`` and putting their
+    outcomes on ``outcomes``; a thread stuck past a time limit is replaced (:meth:`replace`).
+
+    ``on_free(free)`` is called when a finished message freed a slot worth a claim.
+    """
+
+    name = "pool"
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        work: queue.SimpleQueue[ClaimedMessage | None],
+        outcomes: queue.SimpleQueue[Outcome | None],
+        *,
+        concurrency: int,
+        worker_id: str,
+        on_free: Callable[[int], None] = lambda free: None,
+    ) -> None:
+        self.ledger = ledger
+        self.work = work
+        self.outcomes = outcomes
+        self.concurrency = concurrency
+        self.worker_id = worker_id
+        self.on_free = on_free
+        self._lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+        self._started = 0  # for thread names
+        self._closing = False  # told to stop: no more replacements
+        self._on_crash: CrashHandler | None = None
+        #: notified whenever a handler finishes a message (a stop waits for the last)
+        self.finished = threading.Condition()
+
+    # -- threads ---------------------------------------------------------------------------------
+
+    def start(self, on_crash: CrashHandler) -> None:
+        self._on_crash = on_crash
+        for _ in range(self.concurrency):
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        with self._lock:
+            if self._closing or self._on_crash is None:  # stopped, or never started
+                return
+            self._started += 1
+            thread = spawn(f"handler-{self._started}", self._loop, self._on_crash)
+            self.threads.append(thread)
+
+    def replace(self, stuck: threading.Thread) -> None:
+        """Take a thread stuck in a timed-out attempt out of the pool and start another."""
+        with self._lock:
+            if stuck in self.threads:
+                self.threads.remove(stuck)
+        self._start_thread()
+
+    def stop(self) -> list[threading.Thread]:
+        """Let every handler thread end after its message; returns them (to join)."""
+        with self._lock:
+            self._closing = True
+            threads = list(self.threads)
+        for _ in threads:
+            self.work.put(None)
+        return threads
+
+    def wait_idle(self, deadline: float | None, give_up: Callable[[], bool]) -> int:
+        """Wait until no message runs (or ``deadline``, or ``give_up()``); returns how many
+        still run."""
+        with self.finished:
+            while self.ledger.busy > 0 and not give_up():
+                timeout = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                if timeout <= 0:
+                    break
+                self.finished.wait(timeout)
+        return self.ledger.busy
+
+    def release_queued(self) -> None:
+        """Give back the claimed messages still waiting for a thread (prefetched), so a stop
+        does not wait for the threads to reach them."""
+        while True:
+            try:
+                message = self.work.get_nowait()
+            except queue.Empty:
+                return
+            if message is None:  # not put before the handlers are told to stop; keep it
+                self.work.put(None)
+                return
+            self.outcomes.put(Outcome(message, "released"))
+            self.ledger.not_started(ran=False)
+
+    # -- the handler loop ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        # Whether this thread has opened a database connection (a task used the database).
+        # Until one has, the checks around each message have nothing to look at; they cost
+        # about as much as running a short task, so they are skipped.
+        has_connections = False
+        while True:
+            message = self.work.get()
+            if message is None:
+                return
+            ran, has_connections, stuck = self._handle(message, has_connections)
+            if stuck:
+                return  # another thread has taken this one's place
+            self._done(ran)
+
+    def run_once(self) -> bool:
+        """Run the next waiting message in the calling thread (no time limit: only a handler
+        thread can be left behind); False when none waits."""
+        try:
+            message = self.work.get_nowait()
+        except queue.Empty:
+            return False
+        if message is None:
+            self.work.put(None)
+            return False
+        ran, _, _ = self._handle(message, True, timed=False)
+        self._done(ran)
+        return True
+
+    def _done(self, ran: bool) -> None:
+        free = self.ledger.not_started(ran=ran)
+        with self.finished:
+            self.finished.notify_all()
+        self.on_free(free)
+
+    def _handle(
+        self, message: ClaimedMessage, has_connections: bool, *, timed: bool = True
+    ) -> tuple[bool, bool, bool]:
+        """Run or give back one message: (whether it ran, whether this thread has database
+        connections, whether its attempt timed out and this thread left the pool)."""
+        outcome: Outcome | None
+        if self.ledger.abort_pending(message.id):  # aborted while it waited for a thread
+            outcome = aborted_outcome(message, "before it started", 0.0, worker_id=self.worker_id)
+            finished(outcome, worker_id=self.worker_id)
+        elif self.ledger.release_unstarted:
+            outcome = Outcome(message, "released")
+        elif self.ledger.lease_gone(message):
+            self.drop(message)
+            return False, has_connections, False
+        else:
+            # Like a request: connections past CONN_MAX_AGE or broken are replaced.
+            if has_connections:
+                _close_old_connections()
+            try:
+                outcome = self._execute(message, timed=timed)
+            except BaseException as exc:  # a bug outside the task: never lose the slot
+                logger.exception("running message %s failed", message.id)
+                outcome = Outcome(
+                    message,
+                    "failed",
+                    error=error_info(exc, attempt=message.attempts, worker_id=self.worker_id),
+                )
+            finally:
+                if has_connections or _connected_here():
+                    has_connections = True
+                    _end_open_transactions(message)
+                    _close_old_connections()
+            if outcome is None:  # it ran past its time limit: its outcome was parked
+                return True, has_connections, True
+        self.outcomes.put(outcome)
+        return outcome.kind != "released", has_connections, False
+
+    def drop(self, message: ClaimedMessage) -> None:
+        """Forget a claimed message without running it or writing anything, as a worker that
+        died holding it would: the rescuer requeues it once its lease has expired (or did
+        already, and another worker may hold it now). Heartbeats stop renewing it."""
+        self.ledger.forget([message.id])
+        logger.warning(
+            "not starting message %s (%s, channel %r): its lease expired or was lost while it "
+            "waited for a handler thread; the rescuer requeues it",
+            message.id,
+            message.task_name,
+            message.channel,
+            extra=_log_extra(message, worker_id=self.worker_id, outcome="lease_lost"),
+        )
+
+    def execute(self, message: ClaimedMessage, *, savepoint: bool = False) -> Outcome:
+        """Run one claimed message's task here and now; returns what to write back.
+
+        Never raises for a task's error: a bad message (unknown task, unusable payload,
+        arguments that do not fit) fails at once without retries; a task that raises is retried
+        with backoff while attempts remain, then fails. The task's time limit is not enforced
+        here (only a handler thread can be left behind).
+        """
+        outcome = self._execute(message, savepoint=savepoint)
+        assert outcome is not None  # only a timed attempt is abandoned
+        return outcome
+
+    def _execute(
+        self, message: ClaimedMessage, *, savepoint: bool = False, timed: bool = False
+    ) -> Outcome | None:
+        """:meth:`execute`; with ``timed``, under the task's time limit: None when the limit
+        passed first (the timer failed the attempt, and its outcome is written now)."""
+        worker_id = self.worker_id
+        started = time.monotonic()
+        try:
+            spec = registry.get(message.task_name)
+            args, kwargs = decode_payload(message.payload)
+            check_arguments(spec, args, kwargs)
+        except (UnknownTask, PayloadError, TypeError) as exc:
+            outcome = Outcome(
+                message,
+                "failed",
+                error=error_info(
+                    exc, attempt=message.attempts, worker_id=worker_id, with_traceback=False
+                ),
+                duration=time.monotonic() - started,
+            )
+            finished(outcome, worker_id=worker_id)
+            return outcome
+        _send_robust(message_started, message=message, worker_id=worker_id)
+        if logger.isEnabledFor(logging.INFO):
+            logger.info(
+                "start %s message %s channel %r attempt %s/%s",
+                message.task_name,
+                message.id,
+                message.channel,
+                message.attempts,
+                message.max_attempts,
+                extra=_log_extra(message),
+            )
+        attempt = (
+            self.ledger.start_attempt(message, spec, spec.effective_timeout) if timed else None
+        )
+        token = current_message.set(message)
+        limit_token = time_limit_passed.set(attempt.passed) if attempt is not None else None
+        abort_token = abort_flag.set(attempt.aborting) if attempt is not None else None
+        try:
+            with (
+                tracing.run_span(message),
+                _savepoints() if savepoint else contextlib.nullcontext(),
+            ):
+                if _is_async(spec.func):
+                    result = async_to_sync(spec.func)(*args, **kwargs)
+                else:
+                    result = spec.func(*args, **kwargs)
+            if message.keep_result:
+                check_result(message.task_name, result)
+        except ResultNotStorable as exc:  # the task ran: running it again repeats its effects
+            outcome = failed_outcome(message, spec, exc, started, retry=False, worker_id=worker_id)
+        except (Exception, SystemExit) as exc:
+            outcome = failed_outcome(message, spec, exc, started, retry=True, worker_id=worker_id)
+        except BaseException:
+            if attempt is not None and not self._end_attempt(attempt):
+                return None  # failed as timed out already
+            raise
+        else:
+            outcome = Outcome(
+                message,
+                "succeeded",
+                result=result if message.keep_result else None,
+                duration=time.monotonic() - started,
+            )
+        finally:
+            current_message.reset(token)
+            if limit_token is not None:
+                time_limit_passed.reset(limit_token)
+            if abort_token is not None:
+                abort_flag.reset(abort_token)
+        if attempt is not None and attempt.abort_seen and self._end_attempt(attempt):
+            # Its abort was requested: it ends aborted, whatever it returned or raised.
+            outcome = aborted_outcome(
+                message, "and the task stopped", outcome.duration, worker_id=worker_id
+            )
+            finished(outcome, worker_id=worker_id)
+            return outcome
+        if attempt is not None and not self._end_attempt(attempt):
+            limit = attempt.deadline - attempt.started
+            what = "its abort's grace period" if attempt.abort_seen else "its time limit"
+            # A result that arrives after the limit is discarded: the attempt failed then.
+            logger.warning(
+                "message %s (%s, channel %r) returned %.1fs after %s (%gs): discarded its "
+                "outcome (%s); the attempt is settled as it was failed at the limit",
+                message.id,
+                message.task_name,
+                message.channel,
+                outcome.duration - limit,
+                what,
+                limit,
+                outcome.kind,
+                extra=_log_extra(message, worker_id=worker_id, outcome="discarded"),
+            )
+            return None
+        finished(outcome, worker_id=worker_id)
+        return outcome
+
+    def _end_attempt(self, attempt: _Attempt) -> bool:
+        """The attempt returned: whether its outcome is this thread's to write. When the timer
+        failed it first, the outcome it parked is written now (its slot held until now)."""
+        mine, parked = self.ledger.end_attempt(attempt)
+        if parked is not None:
+            self.outcomes.put(parked)
+        return mine

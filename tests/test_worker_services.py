@@ -1,0 +1,372 @@
+"""The worker's services one at a time: each driven through ``run_once`` in the test's own
+thread, with a ledger and queues of the test's making (no worker, no threads)."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from django_fairqueue.api import abort
+from django_fairqueue.db import channel_store
+from django_fairqueue.db.message_store import ClaimedMessage
+from django_fairqueue.maintenance import DeltaFolder
+from django_fairqueue.models import Message, MessageState
+from django_fairqueue.taskspec import registry
+from django_fairqueue.worker import Outcome, WorkerConfig
+from django_fairqueue.worker.claimer import Claimer
+from django_fairqueue.worker.config import _lease_clock
+from django_fairqueue.worker.core import Maintenance
+from django_fairqueue.worker.heartbeat import Heartbeat
+from django_fairqueue.worker.ledger import Ledger
+from django_fairqueue.worker.listener import Listener
+from django_fairqueue.worker.pool import Pool
+from django_fairqueue.worker.settler import Settler
+from django_fairqueue.worker.timer import Timer
+from tests import fairtasks
+
+LEASE = timedelta(seconds=30)
+
+
+class Parts:
+    """A ledger, the pool's queue of claimed messages and the settler's queue of outcomes."""
+
+    def __init__(self, capacity: int = 4, *, abort_grace: float = 5.0) -> None:
+        self.config = WorkerConfig(worker_id="svc", concurrency=capacity)
+        self.ledger = Ledger(capacity=capacity, abort_grace=abort_grace)
+        self.work: queue.SimpleQueue[ClaimedMessage | None] = queue.SimpleQueue()
+        self.outcomes: queue.SimpleQueue[Outcome | None] = queue.SimpleQueue()
+        self.freed: list[int] = []
+        self.settled: list[bool] = []
+        self.recycled: list[str] = []
+
+    def claimer(self) -> Claimer:
+        return Claimer(
+            self.config, self.ledger, self.work, self.outcomes, lease=LEASE, poll_interval=60
+        )
+
+    def pool(self) -> Pool:
+        return Pool(
+            self.ledger,
+            self.work,
+            self.outcomes,
+            concurrency=self.config.concurrency,
+            worker_id="svc",
+            on_free=self.freed.append,
+        )
+
+    def settler(self) -> Settler:
+        return Settler(self.ledger, self.outcomes, worker_id="svc", on_settled=self.settled.append)
+
+    def timer(self, pool: Pool, **options: Any) -> Timer:
+        return Timer(
+            self.ledger,
+            self.outcomes,
+            pool,
+            worker_id="svc",
+            max_stuck=options.get("max_stuck", 10),
+            stuck_limit=options.get("stuck_limit", 300.0),
+            on_recycle=self.recycled.append,
+        )
+
+    def drained(self) -> list[Any]:
+        items = []
+        while True:
+            try:
+                items.append(self.outcomes.get_nowait())
+            except queue.Empty:
+                return items
+
+
+def claimed(n: int, channel: str = "a") -> tuple[Parts, list[ClaimedMessage]]:
+    """Parts holding ``n`` claimed messages (on the pool's queue)."""
+    registry.autodiscover()
+    for i in range(n):
+        fairtasks.add.enqueue(i, 1, channel=channel)
+    parts = Parts()
+    assert parts.claimer().run_once() is False
+    messages = [parts.work.get_nowait() for _ in range(n)]
+    assert all(m is not None for m in messages)
+    return parts, [m for m in messages if m is not None]
+
+
+# -- the ledger ------------------------------------------------------------------------------------
+
+
+def message_stub(message_id: int) -> ClaimedMessage:
+    return ClaimedMessage(  # type: ignore[call-arg]
+        **{
+            name: (message_id if name == "id" else None)
+            for name in ClaimedMessage.__dataclass_fields__
+        }
+    )
+
+
+def test_the_ledger_counts_claims_and_forgets_settled_messages_but_not_their_retries() -> None:
+    ledger = Ledger(capacity=3, abort_grace=1.0)
+    first, second = message_stub(1), message_stub(2)
+    assert ledger.claimed_now([first, second], _lease_clock() + 30)
+    assert (ledger.free(), ledger.claimed, ledger.settling(), ledger.idle()) == (1, 2, 0, False)
+    assert ledger.not_started(ran=True) == 2
+    assert ledger.settling() == 1  # its outcome waits to be written
+    retry = message_stub(1)  # the same message, claimed again before the settlement came back
+    ledger.claimed_now([retry], _lease_clock() + 30)
+    ledger.settled([Outcome(first, "retry")], count=True)
+    assert ledger.unsettled_ids() == [1, 2] and ledger.handled == 1
+    ledger.settled([Outcome(retry, "succeeded"), Outcome(second, "succeeded")], count=True)
+    assert ledger.idle() and ledger.handled == 3
+
+
+def test_the_ledger_knows_a_lease_gone_by_its_clock_or_a_heartbeat() -> None:
+    ledger = Ledger(capacity=3, abort_grace=1.0)
+    late, lost, fine = message_stub(1), message_stub(2), message_stub(3)
+    ledger.claimed_now([late], _lease_clock() - 0.001)
+    ledger.claimed_now([lost, fine], _lease_clock() + 30)
+    assert ledger.lost([(2, lost.lease_token), (99, lost.lease_token)]) == [2]  # 99: not held
+    assert [ledger.lease_gone(m) for m in (late, lost, fine)] == [True, True, False]
+    assert [i for i, _ in ledger.leases()] == [1, 3]  # a lost lease is not renewed
+
+
+def test_a_stop_during_a_claim_gives_its_messages_back_uncounted() -> None:
+    ledger = Ledger(capacity=3, abort_grace=1.0)
+    ledger.give_back_unstarted()
+    assert not ledger.claimed_now([message_stub(1)], _lease_clock() + 30)
+    assert (ledger.busy, ledger.claimed, ledger.unsettled_ids()) == (0, 0, [1])
+
+
+# -- claimer, pool, settler ------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_the_claimer_claims_what_is_free_and_hands_it_to_the_pool() -> None:
+    registry.autodiscover()
+    for i in range(6):
+        fairtasks.add.enqueue(i, 1, channel="a")
+    parts = Parts(capacity=4)
+    claimer = parts.claimer()
+    assert claimer.run_once() is False
+    assert parts.ledger.busy == parts.ledger.claimed == 4 and parts.ledger.free() == 0
+    assert len(parts.ledger.unsettled_ids()) == 4
+    assert claimer.run_once() is False  # nothing free: no claim at all
+    assert len(parts.ledger.unsettled_ids()) == 4
+    parts.ledger.give_back_unstarted()  # a stop while the next claim is in flight
+    parts.ledger.not_started(ran=True)
+    claimer.run_once()
+    (released,) = parts.drained()
+    assert isinstance(released, Outcome) and released.kind == "released"
+
+
+# (transaction=True: a handler drops a connection a task left inside a transaction)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_pool_runs_a_message_and_the_settler_writes_its_outcome() -> None:
+    parts, (message,) = claimed(1)
+    parts.work.put(message)
+    pool = parts.pool()
+    assert pool.run_once() is True
+    assert pool.run_once() is False  # nothing more waits
+    assert parts.freed == [4] and parts.ledger.busy == 0
+    settler = parts.settler()
+    assert settler.run_once() == 1
+    assert parts.settled == [True] and parts.ledger.idle() and parts.ledger.handled == 1
+    row = Message.objects.get(pk=message.id)
+    assert (row.state, row.result) == (MessageState.SUCCEEDED, message.payload["args"][0] + 1)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_pool_drops_a_message_whose_lease_is_gone_without_running_it() -> None:
+    parts, (message,) = claimed(1)
+    parts.ledger.lost([(message.id, message.lease_token)])
+    parts.work.put(message)
+    assert parts.pool().run_once() is True
+    assert parts.drained() == [] and parts.ledger.idle()
+    assert parts.ledger.claimed == 0  # not run: max_messages does not count it
+
+
+# -- heartbeat -------------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_the_heartbeat_renews_leases_finds_lost_ones_and_abort_requests() -> None:
+    parts, (renewed, gone, aborted) = claimed(3)
+    before = Message.objects.get(pk=renewed.id).lease_expires_at
+    Message.objects.filter(pk=gone.id).update(lease_token=None, state=MessageState.READY)
+    assert abort([aborted.id]) == {aborted.id: "abort_requested"}
+    time.sleep(0.01)
+    heartbeat = Heartbeat(parts.ledger, lease=LEASE, worker_id="svc")
+    assert heartbeat.run_once() == 2
+    assert Message.objects.get(pk=renewed.id).lease_expires_at > before
+    assert parts.ledger.lease_gone(gone) and not parts.ledger.lease_gone(renewed)
+    assert parts.ledger.abort_pending(aborted.id)
+    assert [i for i, _ in parts.ledger.leases()] == [renewed.id, aborted.id]
+
+
+# -- timer -----------------------------------------------------------------------------------------
+
+
+def running_attempt(parts: Parts, message: ClaimedMessage, timeout: float | None) -> Any:
+    """An attempt of ``message`` running (in this thread) under a time limit."""
+    parts.ledger.claimed_now([message], _lease_clock() + 30)
+    return parts.ledger.start_attempt(message, registry.get(message.task_name), timeout)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("returns_first", [False, True])
+def test_the_timer_fails_an_attempt_at_its_limit_and_it_is_written_when_its_thread_returns(
+    returns_first: bool,
+) -> None:
+    parts, (message,) = claimed(1)
+    parts.ledger.not_started(ran=False)  # (taken off the claim's count: recorded again below)
+    attempt = running_attempt(parts, message, timeout=0.5)
+    timer = parts.timer(parts.pool())
+    assert timer.run_once(now=attempt.started + 0.4) == 0
+    if returns_first:  # the thread returns between the limit and the timer's outcome
+        parts.ledger.expire(attempt.started + 0.6)
+        assert parts.ledger.end_attempt(attempt) == (False, None)
+        assert parts.ledger.park(attempt, Outcome(message, "failed")) is True
+        return
+    assert timer.run_once(now=attempt.started + 0.6) == 1
+    # failed at the limit, but nothing to write yet: the message holds its slot
+    assert parts.drained() == [] and parts.ledger.stuck == 1 and not parts.ledger.idle()
+    assert attempt.passed()
+    mine, parked = parts.ledger.end_attempt(attempt)  # the stuck thread returns
+    assert not mine and parked is not None and parked.kind == "retry" and parked.timed_out
+    assert parked.error is not None and "exceeded its time limit of 0.5 s" in str(parked.error)
+    assert parts.ledger.stuck == 0
+
+
+@pytest.mark.django_db
+def test_the_timer_recycles_the_worker_when_a_stuck_thread_outlives_the_limit() -> None:
+    parts, (message, other) = claimed(2)
+    for _ in range(2):
+        parts.ledger.not_started(ran=False)
+    attempt = running_attempt(parts, message, timeout=0.1)
+    timer = parts.timer(parts.pool(), stuck_limit=60.0)
+    timer.run_once(now=attempt.started + 0.2)
+    timer.run_once(now=attempt.started + 30.0)
+    assert parts.recycled == []
+    timer.run_once(now=attempt.started + 61.0)
+    assert parts.recycled and "STUCK_TASK_LIMIT 60s" in parts.recycled[0]
+    # and when too many are stuck at once
+    second = running_attempt(parts, other, timeout=0.1)
+    many = parts.timer(parts.pool(), max_stuck=2)
+    many.run_once(now=second.started + 0.2)
+    assert "2 handler threads are stuck" in parts.recycled[-1]
+
+
+@pytest.mark.django_db
+def test_an_abort_not_heeded_within_its_grace_ends_aborted_when_its_thread_returns() -> None:
+    parts, (message,) = claimed(1)
+    parts.ledger.not_started(ran=False)
+    parts.ledger = Ledger(capacity=4, abort_grace=0.5)
+    attempt = running_attempt(parts, message, timeout=None)
+    assert parts.ledger.aborts_requested([message.id]) == [message.id]
+    assert attempt.aborting()
+    timer = parts.timer(parts.pool())
+    assert timer.run_once(now=time.monotonic() + 1.0) == 1
+    _, parked = parts.ledger.end_attempt(attempt)
+    assert parked is not None and parked.kind == "aborted"
+
+
+# -- listener and maintenance ----------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_listener_wakes_on_each_notification() -> None:
+    wakes: list[None] = []
+    listener = Listener(worker_id="svc", on_wake=lambda: wakes.append(None))
+    try:
+        assert listener.run_once(timeout=0.01) == 0
+        assert listener.listening.is_set() and len(wakes) == 1  # the catch-up after LISTEN
+        fairtasks.add.enqueue(1, 1, channel="listened")
+        deadline = time.monotonic() + 5
+        while len(wakes) < 2 and time.monotonic() < deadline:
+            listener.run_once(timeout=0.1)
+        assert len(wakes) == 2
+    finally:
+        listener.stop()
+        listener._close()
+    assert not listener.listening.is_set()
+
+
+@pytest.mark.django_db
+def test_the_maintenance_service_runs_each_of_its_services_once() -> None:
+    rescued: list[None] = []
+    service = Maintenance([DeltaFolder()], on_rescued=lambda: rescued.append(None))
+    fairtasks.add.enqueue(1, 1, channel="m")
+    assert service.run_once() == {"folder": 1}
+    assert channel_store.fold_channel_deltas() == 0
+
+
+def test_services_are_stopped_from_another_thread() -> None:
+    parts = Parts()
+    heartbeat = Heartbeat(parts.ledger, lease=timedelta(seconds=3600), worker_id="svc")
+    heartbeat.start(lambda name, exc: None)
+    heartbeat.stop()
+    heartbeat.join(5)
+    assert heartbeat.thread is not None and not heartbeat.thread.is_alive()
+
+
+# -- the supervisor's restarts ---------------------------------------------------------------------
+
+
+def test_a_slot_backs_off_exponentially_with_jitter_while_its_children_exit_young() -> None:
+    from django_fairqueue.worker import supervisor
+
+    slot = supervisor.Slot(0)
+    delays = []
+    for _ in range(8):
+        slot.started = 100.0
+        delays.append(slot.exited(1, 100.5))  # died half a second after starting
+    ceilings = [min(supervisor.RESTART_CAP, supervisor.RESTART_FIRST * 2**i) for i in range(8)]
+    assert all(c / 2 <= d <= c for d, c in zip(delays, ceilings, strict=True)), delays
+    assert slot.crash_loop and slot.young_exits == 8
+    # one that lived past STABLE_AFTER starts over; a clean exit (a recycle) restarts at once
+    slot.started = 300.0
+    assert slot.exited(1, 300.0 + supervisor.STABLE_AFTER) == supervisor.RESTART_FIRST
+    assert not slot.crash_loop and slot.backoff == 0
+    slot.exited(1, slot.started + 1)
+    slot.started = 400.0
+    assert slot.exited(0, 400.5) == 0.0 and slot.young_exits == 0
+    # the record is bounded
+    for _ in range(3 * supervisor.EXIT_HISTORY):
+        slot.exited(1, slot.started + 1)
+    assert len(slot.exits) == supervisor.EXIT_HISTORY
+
+
+def test_a_crash_loop_is_logged_and_restarts_slow_down(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from django_fairqueue._runtime import StopFlag
+    from django_fairqueue.worker import supervisor
+
+    monkeypatch.setattr(supervisor, "RESTART_FIRST", 0.2)
+    stop = StopFlag()
+    sup = supervisor.Supervisor(
+        lambda i: [sys.executable, "-c", "raise SystemExit(3)"], 1, stop=stop
+    )
+    runner = threading.Thread(target=sup.run)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 20
+        while sup.slots[0].young_exits < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        runner.join(10)
+    slot = sup.slots[0]
+    assert slot.young_exits >= 5 and {e.code for e in slot.exits} == {3}
+    starts = [e.at - e.lived for e in slot.exits]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert gaps[-1] > gaps[0], gaps  # each wait longer than the one before (with jitter)
+    loops = [r for r in caplog.records if "crash loop:" in r.getMessage()]
+    assert loops and loops[0].levelname == "ERROR"
+    assert "deaths in a row soon after starting (exit status 3 after" in loops[0].getMessage()
