@@ -7,10 +7,7 @@ public names are used: ``from X import _name`` and ``X._name`` fail here when ``
 module of the package (a private *module* such as ``_runtime`` may be imported: the underscore
 there keeps it out of the public API, not out of the package).
 
-One package is one object in several files: the worker's modules are the parts (mixins) of
-one ``Worker`` class and share its helpers. Their private names are shared among themselves
-(``SHARED_WITHIN``), never with the rest of the package; ``django_fairqueue.db`` is never
-such a package.
+No package is an exception: the worker's services meet through public names too.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ import django_fairqueue
 
 PACKAGE = Path(django_fairqueue.__file__).parent
 ROOT = PACKAGE.parent
-SHARED_WITHIN = {"django_fairqueue.worker"}
 CHECKED = sorted(
     [*PACKAGE.rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")],
 )
@@ -48,10 +44,8 @@ def private(name: str) -> bool:
 
 
 def shares_privates(user: str, owner: str) -> bool:
-    """Whether module ``user`` may use the private names of module ``owner``."""
-    return user == owner or any(
-        user.startswith(f"{p}.") and owner.startswith(f"{p}.") for p in SHARED_WITHIN
-    )
+    """Whether module ``user`` may use the private names of module ``owner``: its own only."""
+    return user == owner
 
 
 def resolve(node: ast.ImportFrom, here: str, is_package: bool) -> str:
@@ -122,13 +116,6 @@ def test_the_rule_catches_both_forms(tmp_path: Path, monkeypatch: pytest.MonkeyP
         "from django_fairqueue.db.pg import _new_cursor",
         "pg._KEPT_CURSORS",
     ]
-
-
-def test_only_the_worker_shares_private_names_among_its_modules() -> None:
-    assert shares_privates("django_fairqueue.worker.handlers", "django_fairqueue.worker.config")
-    assert not shares_privates("django_fairqueue.worker.timeouts", "django_fairqueue.attempts")
-    assert not shares_privates("django_fairqueue.db.message_store", "django_fairqueue.db.pg")
-    assert not shares_privates("django_fairqueue.contrib.bench.db", "django_fairqueue.db.pg")
 
 
 def test_the_rule_sees_the_db_package_and_the_benchmarks() -> None:

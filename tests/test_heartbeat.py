@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from django_fairqueue.db import message_store
-from django_fairqueue.worker.config import _lease_clock
+from django_fairqueue.worker.config import lease_clock
 from django_fairqueue.worker.heartbeat import Heartbeat
 from django_fairqueue.worker.ledger import Ledger
 from tests import fairtasks
@@ -33,7 +33,7 @@ def _claimed(count: int) -> tuple[Ledger, list[message_store.ClaimedMessage]]:
     ledger = Ledger(capacity=count, abort_grace=1.0)
     claimed = message_store.claim_messages(count, lease=LEASE, worker_id=WORKER)
     assert len(claimed) == count
-    ledger.claimed_now(claimed, _lease_clock() + LEASE.total_seconds())  # as the claimer does
+    ledger.claimed_now(claimed, lease_clock() + LEASE.total_seconds())  # as the claimer does
     return ledger, claimed
 
 
@@ -110,7 +110,7 @@ def test_a_message_claimed_again_under_a_new_token_is_not_marked_lost(
         ledger.forget([first.id])
         (retry,) = message_store.claim_messages(1, lease=LEASE, worker_id=WORKER)
         assert retry.id == first.id and retry.lease_token != first.lease_token
-        ledger.claimed_now([retry], _lease_clock() + LEASE.total_seconds())
+        ledger.claimed_now([retry], lease_clock() + LEASE.total_seconds())
         again.append(retry)
 
     assert _renew_once(ledger, monkeypatch, retried_and_claimed_again) == []

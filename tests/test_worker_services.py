@@ -20,7 +20,7 @@ from django_fairqueue.models import Message, MessageState
 from django_fairqueue.taskspec import registry
 from django_fairqueue.worker import Outcome, WorkerConfig
 from django_fairqueue.worker.claimer import Claimer
-from django_fairqueue.worker.config import _lease_clock
+from django_fairqueue.worker.config import lease_clock
 from django_fairqueue.worker.core import Maintenance
 from django_fairqueue.worker.heartbeat import Heartbeat
 from django_fairqueue.worker.ledger import Ledger
@@ -110,12 +110,12 @@ def message_stub(message_id: int) -> ClaimedMessage:
 def test_the_ledger_counts_claims_and_forgets_settled_messages_but_not_their_retries() -> None:
     ledger = Ledger(capacity=3, abort_grace=1.0)
     first, second = message_stub(1), message_stub(2)
-    assert ledger.claimed_now([first, second], _lease_clock() + 30)
+    assert ledger.claimed_now([first, second], lease_clock() + 30)
     assert (ledger.free(), ledger.claimed, ledger.settling(), ledger.idle()) == (1, 2, 0, False)
     assert ledger.not_started(ran=True) == 2
     assert ledger.settling() == 1  # its outcome waits to be written
     retry = message_stub(1)  # the same message, claimed again before the settlement came back
-    ledger.claimed_now([retry], _lease_clock() + 30)
+    ledger.claimed_now([retry], lease_clock() + 30)
     ledger.settled([Outcome(first, "retry")], count=True)
     assert ledger.unsettled_ids() == [1, 2] and ledger.handled == 1
     ledger.settled([Outcome(retry, "succeeded"), Outcome(second, "succeeded")], count=True)
@@ -125,8 +125,8 @@ def test_the_ledger_counts_claims_and_forgets_settled_messages_but_not_their_ret
 def test_the_ledger_knows_a_lease_gone_by_its_clock_or_a_heartbeat() -> None:
     ledger = Ledger(capacity=3, abort_grace=1.0)
     late, lost, fine = message_stub(1), message_stub(2), message_stub(3)
-    ledger.claimed_now([late], _lease_clock() - 0.001)
-    ledger.claimed_now([lost, fine], _lease_clock() + 30)
+    ledger.claimed_now([late], lease_clock() - 0.001)
+    ledger.claimed_now([lost, fine], lease_clock() + 30)
     assert ledger.lost([(2, lost.lease_token), (99, lost.lease_token)]) == [2]  # 99: not held
     assert [ledger.lease_gone(m) for m in (late, lost, fine)] == [True, True, False]
     assert [i for i, _ in ledger.leases()] == [1, 3]  # a lost lease is not renewed
@@ -135,7 +135,7 @@ def test_the_ledger_knows_a_lease_gone_by_its_clock_or_a_heartbeat() -> None:
 def test_a_stop_during_a_claim_gives_its_messages_back_uncounted() -> None:
     ledger = Ledger(capacity=3, abort_grace=1.0)
     ledger.give_back_unstarted()
-    assert not ledger.claimed_now([message_stub(1)], _lease_clock() + 30)
+    assert not ledger.claimed_now([message_stub(1)], lease_clock() + 30)
     assert (ledger.busy, ledger.claimed, ledger.unsettled_ids()) == (0, 0, [1])
 
 
@@ -212,7 +212,7 @@ def test_the_heartbeat_renews_leases_finds_lost_ones_and_abort_requests() -> Non
 
 def running_attempt(parts: Parts, message: ClaimedMessage, timeout: float | None) -> Any:
     """An attempt of ``message`` running (in this thread) under a time limit."""
-    parts.ledger.claimed_now([message], _lease_clock() + 30)
+    parts.ledger.claimed_now([message], lease_clock() + 30)
     return parts.ledger.start_attempt(message, registry.get(message.task_name), timeout)
 
 

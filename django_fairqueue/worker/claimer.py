@@ -34,7 +34,7 @@ from django_fairqueue.worker.config import (
     GATHER_SECONDS,
     Outcome,
     WorkerConfig,
-    _lease_clock,
+    lease_clock,
 )
 from django_fairqueue.worker.ledger import Ledger
 from django_fairqueue.worker.service import Service
@@ -289,12 +289,12 @@ class Claimer(Service):
 
     def claim(self, limit: int) -> tuple[list[ClaimedMessage], float]:
         """One claim honouring the channel filters, and when its leases expire at the latest
-        on :func:`_lease_clock` (recorded nowhere: see :meth:`run_once`)."""
+        on :func:`lease_clock` (recorded nowhere: see :meth:`run_once`)."""
         only, exclude = self._filters()
         if only == []:
             return [], 0.0  # none of the channels exists yet
         started = time.monotonic()
-        sent = _lease_clock()  # the claim's database time is later than this
+        sent = lease_clock()  # the claim's database time is later than this
         messages = message_store.claim_messages(
             limit,
             lease=self.lease,

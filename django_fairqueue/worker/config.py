@@ -55,14 +55,14 @@ MAX_CONCURRENCY = 1000
 #: machine that slept past a lease must see it expired). Never compared with the database's
 #: clock: a lease's local deadline is this clock when the statement that set the lease was
 #: sent, plus the lease (the database's expiry minus its time of that statement).
-_lease_clock: Callable[[], float] = (
+lease_clock: Callable[[], float] = (
     functools.partial(time.clock_gettime, time.CLOCK_BOOTTIME)
     if hasattr(time, "CLOCK_BOOTTIME")
     else time.monotonic
 )
 
 OutcomeKind = Literal["succeeded", "retry", "failed", "released", "aborted"]
-_STATS_OUTCOME: dict[str, Literal["succeeded", "failed", "retried"]] = {
+STATS_OUTCOME: dict[str, Literal["succeeded", "failed", "retried"]] = {
     "succeeded": "succeeded",
     "retry": "retried",
     "failed": "failed",
@@ -191,7 +191,7 @@ class Outcome:
 
 
 @dataclass(eq=False)
-class _Attempt:
+class Attempt:
     """A running attempt, under its time limit if it has one (compared by identity: a message
     id comes back with its retries)."""
 

@@ -23,7 +23,7 @@ from django_fairqueue.taskspec import registry
 from django_fairqueue.worker import service
 from django_fairqueue.worker.claimer import Claimer
 from django_fairqueue.worker.config import Outcome, WorkerConfig, WorkerCrashed
-from django_fairqueue.worker.execution import _claim_observer
+from django_fairqueue.worker.execution import claim_observer
 from django_fairqueue.worker.heartbeat import Heartbeat
 from django_fairqueue.worker.ledger import Ledger
 from django_fairqueue.worker.listener import Listener
@@ -259,7 +259,7 @@ class Worker:
         """
         self._discover()
         self.settler.stats = self.claimer.stats = StatsRecorder()
-        self.claimer.observe_claim = _claim_observer()
+        self.claimer.observe_claim = claim_observer()
         logger.info(
             "worker %s starting: %d threads, batch %d, lease %ss, poll %ss, listen %s%s",
             self.worker_id,

@@ -61,7 +61,7 @@ def _signature(func: Callable[..., Any]) -> inspect.Signature | None:
 
 
 @functools.cache
-def _is_async(func: Callable[..., Any]) -> bool:
+def is_async(func: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(func)
 
 
@@ -76,7 +76,7 @@ def check_arguments(spec: TaskSpec, args: list[Any], kwargs: dict[str, Any]) -> 
         raise TypeError(f"arguments do not fit {spec.name}{sig}: {exc}") from None
 
 
-def _claim_observer() -> Callable[[float], None] | None:
+def claim_observer() -> Callable[[float], None] | None:
     """``metrics.observe_claim`` when the prometheus extra is installed, else None."""
     try:
         from django_fairqueue import metrics
@@ -85,7 +85,7 @@ def _claim_observer() -> Callable[[float], None] | None:
     return metrics.observe_claim
 
 
-def _send_robust(sig: Any, **kwargs: Any) -> None:
+def send_robust(sig: Any, **kwargs: Any) -> None:
     """Send a django_fairqueue signal; a receiver's error is logged, never raised."""
     # `receivers` first: an empty list answers for the common case without has_listeners()
     # (about 2 us, twice per message)
@@ -96,7 +96,7 @@ def _send_robust(sig: Any, **kwargs: Any) -> None:
             logger.error("signal receiver %r failed", receiver, exc_info=response)
 
 
-def _log_extra(message: ClaimedMessage, **more: Any) -> dict[str, Any]:
+def log_extra(message: ClaimedMessage, **more: Any) -> dict[str, Any]:
     return {
         "channel": message.channel,
         "task": message.task_name,
@@ -120,13 +120,13 @@ def _note_connection(sender: Any, connection: Any, **kwargs: Any) -> None:
 connection_created.connect(_note_connection, dispatch_uid="django_fairqueue.worker")
 
 
-def _connected_here() -> bool:
+def connected_here() -> bool:
     """Whether the calling thread has ever opened a database connection."""
     return getattr(_connections_made, "any", False)
 
 
 @contextlib.contextmanager
-def _savepoints() -> Iterator[None]:
+def savepoints() -> Iterator[None]:
     """A savepoint on every connection of this thread that is inside ``atomic()``."""
     with contextlib.ExitStack() as stack:
         for wrapper in connections.all(initialized_only=True):
@@ -135,7 +135,7 @@ def _savepoints() -> Iterator[None]:
         yield
 
 
-def _end_open_transactions(message: ClaimedMessage) -> None:
+def end_open_transactions(message: ClaimedMessage) -> None:
     """Roll back and drop any connection a task left inside a transaction.
 
     A task that enters ``atomic()`` without leaving it, or turns autocommit off, would leave its
@@ -159,7 +159,7 @@ def _end_open_transactions(message: ClaimedMessage) -> None:
             del connections[wrapper.alias]
 
 
-def _close_old_connections() -> None:
+def close_stale_connections() -> None:
     try:
         close_old_connections()
     except Exception:  # closing a broken connection can fail; the next use reconnects
@@ -223,7 +223,7 @@ def aborted_outcome(
 def finished(outcome: Outcome, *, worker_id: str) -> None:
     """Log an attempt's end and send ``message_finished``."""
     _log_finish(outcome)
-    _send_robust(
+    send_robust(
         message_finished,
         message=outcome.message,
         worker_id=worker_id,
@@ -249,7 +249,7 @@ def _log_finish(outcome: Outcome) -> None:
             message.channel,
             error.get("type"),
             error.get("message"),
-            extra=_log_extra(message, duration=outcome.duration, outcome="released"),
+            extra=log_extra(message, duration=outcome.duration, outcome="released"),
         )
         return
     if outcome.kind == "succeeded":
@@ -273,5 +273,5 @@ def _log_finish(outcome: Outcome) -> None:
         message.attempts,
         message.max_attempts,
         outcome.duration,
-        extra=_log_extra(message, duration=outcome.duration, outcome=outcome.kind),
+        extra=log_extra(message, duration=outcome.duration, outcome=outcome.kind),
     )

@@ -12,7 +12,7 @@ from django_fairqueue._runtime import (
     drop_broken_connection,
 )
 from django_fairqueue.db import message_store
-from django_fairqueue.worker.config import HEARTBEAT_BATCH, _lease_clock
+from django_fairqueue.worker.config import HEARTBEAT_BATCH, lease_clock
 from django_fairqueue.worker.ledger import Ledger
 from django_fairqueue.worker.service import Service
 
@@ -57,7 +57,7 @@ class Heartbeat(Service):
         owned: set[int] = set()
         for start in range(0, len(leases), HEARTBEAT_BATCH):
             chunk = leases[start : start + HEARTBEAT_BATCH]
-            sent = _lease_clock()  # the renewal's database time is later than this
+            sent = lease_clock()  # the renewal's database time is later than this
             renewed = message_store.heartbeat_messages(chunk, lease=self.lease)
             owned |= renewed.keys()
             self.ledger.renewed(renewed, sent + self.lease.total_seconds())

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.taskspec import TaskSpec
-from django_fairqueue.worker.config import Outcome, _Attempt, _lease_clock
+from django_fairqueue.worker.config import Attempt, Outcome, lease_clock
 
 
 class Ledger:
@@ -36,12 +36,12 @@ class Ledger:
         # Outcomes the settler is writing: a renewal that no longer finds one running met its
         # settlement, not a lost lease (the settler reports a lease it finds lost).
         self._writing: set[int] = set()
-        # when each unsettled lease expires at the latest, on _lease_clock
+        # when each unsettled lease expires at the latest, on lease_clock
         self._lease_deadlines: dict[int, float] = {}
         self._abort_pending: set[int] = set()
-        self._attempts: dict[int, _Attempt] = {}  # running in a handler thread, by message id
-        self._timed: set[_Attempt] = set()  # running with a deadline
-        self._stuck: set[_Attempt] = set()  # timed out; its thread has not returned yet
+        self._attempts: dict[int, Attempt] = {}  # running in a handler thread, by message id
+        self._timed: set[Attempt] = set()  # running with a deadline
+        self._stuck: set[Attempt] = set()  # timed out; its thread has not returned yet
         self._busy = 0  # handed to handler threads (or waiting for one), not finished
         self._claimed = 0  # claimed and not given back (max_messages counts these)
         self._handled = 0  # settled: succeeded, retried or failed
@@ -99,7 +99,7 @@ class Ledger:
     def claimed_now(
         self, messages: Sequence[ClaimedMessage], lease_deadline: float, *, running: bool = True
     ) -> bool:
-        """Record a claim whose leases expire at ``lease_deadline`` (on ``_lease_clock``), its
+        """Record a claim whose leases expire at ``lease_deadline`` (on ``lease_clock``), its
         messages handed to the pool (``running``; else run by the caller, who counts them with
         :meth:`counted`). Returns False when a stop came meanwhile: give them back (they are
         recorded, not counted as running)."""
@@ -136,7 +136,7 @@ class Ledger:
         if message.id in self._lost:
             return True
         deadline = self._lease_deadlines.get(message.id)
-        return deadline is not None and _lease_clock() >= deadline
+        return deadline is not None and lease_clock() >= deadline
 
     def leases(self) -> list[tuple[int, uuid.UUID]]:
         """(id, lease token) of every unsettled message whose lease is not known lost."""
@@ -158,8 +158,9 @@ class Ledger:
             lost = [
                 i
                 for i, token in leases
-                if i not in self._writing
-                and getattr(self._unsettled.get(i), "lease_token", None) == token
+                if i in self._unsettled
+                and i not in self._writing
+                and self._unsettled[i].lease_token == token
             ]
             self._lost.update(lost)
             return lost
@@ -199,9 +200,9 @@ class Ledger:
 
     def start_attempt(
         self, message: ClaimedMessage, spec: TaskSpec, timeout: float | None
-    ) -> _Attempt:
+    ) -> Attempt:
         """Record a running attempt (abort requests find it), under its time limit if any."""
-        attempt = _Attempt(message, spec, threading.current_thread(), timeout, time.monotonic())
+        attempt = Attempt(message, spec, threading.current_thread(), timeout, time.monotonic())
         with self._lock:
             self._attempts[message.id] = attempt
             if message.id in self._abort_pending:  # requested between its claim and now
@@ -211,7 +212,7 @@ class Ledger:
                 self.deadlines.notify()  # it may be the next deadline
         return attempt
 
-    def end_attempt(self, attempt: _Attempt) -> tuple[bool, Outcome | None]:
+    def end_attempt(self, attempt: Attempt) -> tuple[bool, Outcome | None]:
         """The attempt returned: whether its outcome is this thread's to settle, and (when the
         timer failed it first) the outcome the timer parked, to write now. Idempotent."""
         with self._lock:
@@ -240,7 +241,7 @@ class Ledger:
                     self._start_abort(attempt)
         return seen
 
-    def _start_abort(self, attempt: _Attempt) -> None:
+    def _start_abort(self, attempt: Attempt) -> None:
         if attempt.abort_seen or attempt.abandoned:
             return
         attempt.abort_seen = True
@@ -254,7 +255,7 @@ class Ledger:
             wait = min((a.deadline for a in self._timed), default=now + most) - now
             self.deadlines.wait(min(max(wait, 0.001), most))
 
-    def expire(self, now: float) -> list[_Attempt]:
+    def expire(self, now: float) -> list[Attempt]:
         """Take the attempts past their deadline out of the pool's count: each is stuck until
         its thread returns; its message stays held (its lease renewed, its slot taken)."""
         with self._lock:
@@ -269,7 +270,7 @@ class Ledger:
                     del self._attempts[attempt.message.id]
             return expired
 
-    def park(self, attempt: _Attempt, outcome: Outcome) -> bool:
+    def park(self, attempt: Attempt, outcome: Outcome) -> bool:
         """Keep a timed-out attempt's outcome until its thread returns; True when it returned
         meanwhile (write the outcome now)."""
         with self._lock:

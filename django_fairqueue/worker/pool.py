@@ -18,20 +18,20 @@ from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.exceptions import PayloadError, ResultNotStorable, UnknownTask
 from django_fairqueue.signals import message_started
 from django_fairqueue.taskspec import check_result, registry
-from django_fairqueue.worker.config import Outcome, _Attempt
+from django_fairqueue.worker.config import Attempt, Outcome
 from django_fairqueue.worker.execution import (
-    _close_old_connections,
-    _connected_here,
-    _end_open_transactions,
-    _is_async,
-    _log_extra,
-    _savepoints,
-    _send_robust,
     aborted_outcome,
     check_arguments,
+    close_stale_connections,
+    connected_here,
     decode_payload,
+    end_open_transactions,
     failed_outcome,
     finished,
+    is_async,
+    log_extra,
+    savepoints,
+    send_robust,
 )
 from django_fairqueue.worker.ledger import Ledger
 from django_fairqueue.worker.service import CrashHandler, spawn
@@ -181,7 +181,7 @@ class Pool:
         else:
             # Like a request: connections past CONN_MAX_AGE or broken are replaced.
             if has_connections:
-                _close_old_connections()
+                close_stale_connections()
             try:
                 outcome = self._execute(message, timed=timed)
             except BaseException as exc:  # a bug outside the task: never lose the slot
@@ -192,10 +192,10 @@ class Pool:
                     error=error_info(exc, attempt=message.attempts, worker_id=self.worker_id),
                 )
             finally:
-                if has_connections or _connected_here():
+                if has_connections or connected_here():
                     has_connections = True
-                    _end_open_transactions(message)
-                    _close_old_connections()
+                    end_open_transactions(message)
+                    close_stale_connections()
             if outcome is None:  # it ran past its time limit: its outcome was parked
                 return True, has_connections, True
         self.outcomes.put(outcome)
@@ -212,7 +212,7 @@ class Pool:
             message.id,
             message.task_name,
             message.channel,
-            extra=_log_extra(message, worker_id=self.worker_id, outcome="lease_lost"),
+            extra=log_extra(message, worker_id=self.worker_id, outcome="lease_lost"),
         )
 
     def execute(self, message: ClaimedMessage, *, savepoint: bool = False) -> Outcome:
@@ -249,7 +249,7 @@ class Pool:
             )
             finished(outcome, worker_id=worker_id)
             return outcome
-        _send_robust(message_started, message=message, worker_id=worker_id)
+        send_robust(message_started, message=message, worker_id=worker_id)
         if logger.isEnabledFor(logging.INFO):
             logger.info(
                 "start %s message %s channel %r attempt %s/%s",
@@ -258,7 +258,7 @@ class Pool:
                 message.channel,
                 message.attempts,
                 message.max_attempts,
-                extra=_log_extra(message),
+                extra=log_extra(message),
             )
         attempt = (
             self.ledger.start_attempt(message, spec, spec.effective_timeout) if timed else None
@@ -269,9 +269,9 @@ class Pool:
         try:
             with (
                 tracing.run_span(message),
-                _savepoints() if savepoint else contextlib.nullcontext(),
+                savepoints() if savepoint else contextlib.nullcontext(),
             ):
-                if _is_async(spec.func):
+                if is_async(spec.func):
                     result = async_to_sync(spec.func)(*args, **kwargs)
                 else:
                     result = spec.func(*args, **kwargs)
@@ -319,13 +319,13 @@ class Pool:
                 what,
                 limit,
                 outcome.kind,
-                extra=_log_extra(message, worker_id=worker_id, outcome="discarded"),
+                extra=log_extra(message, worker_id=worker_id, outcome="discarded"),
             )
             return None
         finished(outcome, worker_id=worker_id)
         return outcome
 
-    def _end_attempt(self, attempt: _Attempt) -> bool:
+    def _end_attempt(self, attempt: Attempt) -> bool:
         """The attempt returned: whether its outcome is this thread's to write. When the timer
         failed it first, the outcome it parked is written now (its slot held until now)."""
         mine, parked = self.ledger.end_attempt(attempt)

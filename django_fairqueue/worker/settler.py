@@ -28,12 +28,12 @@ from django_fairqueue.attempts import error_info
 from django_fairqueue.db import message_store
 from django_fairqueue.stats import StatsRecorder
 from django_fairqueue.worker.config import (
-    _STATS_OUTCOME,
     SETTLE_BATCH,
     STATS_FLUSH_SECONDS,
+    STATS_OUTCOME,
     Outcome,
 )
-from django_fairqueue.worker.execution import _savepoints
+from django_fairqueue.worker.execution import savepoints
 from django_fairqueue.worker.ledger import Ledger
 from django_fairqueue.worker.service import Service
 
@@ -179,7 +179,7 @@ class Settler(Service):
     def _write(self, verb: str, group: list[Outcome], savepoint: bool) -> dict[int, str]:
         """Write one kind of outcome; returns {id: new state} of the rows actually changed."""
         try:
-            with _savepoints() if savepoint else contextlib.nullcontext():
+            with savepoints() if savepoint else contextlib.nullcontext():
                 return self._write_statement(verb, group)
         except CONNECTION_ERRORS:
             raise
@@ -235,10 +235,10 @@ class Settler(Service):
         if stats is not None and verb not in ("release", "abort"):
             settled_at = timezone.now()  # one clock reading for the group
             for outcome in group:
-                if outcome.message.id in written and outcome.kind in _STATS_OUTCOME:
+                if outcome.message.id in written and outcome.kind in STATS_OUTCOME:
                     stats.record_settled(
                         outcome.message.channel_id,
-                        _STATS_OUTCOME[outcome.kind],
+                        STATS_OUTCOME[outcome.kind],
                         outcome.duration * 1000.0,
                         at=settled_at,
                         timed_out=outcome.timed_out,

@@ -22,14 +22,14 @@ import time
 import traceback
 from collections.abc import Callable
 
-from django_fairqueue.attempts import MAX_TRACEBACK, _storable, error_info
+from django_fairqueue.attempts import MAX_TRACEBACK, error_info, storable
 from django_fairqueue.exceptions import TaskTimeout
-from django_fairqueue.worker.config import Outcome, _Attempt
+from django_fairqueue.worker.config import Attempt, Outcome
 from django_fairqueue.worker.execution import (
-    _log_extra,
     aborted_outcome,
     failed_outcome,
     finished,
+    log_extra,
 )
 from django_fairqueue.worker.ledger import Ledger
 from django_fairqueue.worker.pool import Pool
@@ -97,7 +97,7 @@ class Timer(Service):
             )
         return len(expired)
 
-    def _time_out(self, attempt: _Attempt, now: float) -> None:
+    def _time_out(self, attempt: Attempt, now: float) -> None:
         """Fail an attempt past its time limit (retried while attempts remain), or abort one
         past its abort's grace period; its outcome is written when its thread returns."""
         message = attempt.message
@@ -119,7 +119,7 @@ class Timer(Service):
                 message.channel,
                 self.ledger.abort_grace,
                 self.ledger.stuck,
-                extra=_log_extra(message, worker_id=worker_id, outcome="aborted"),
+                extra=log_extra(message, worker_id=worker_id, outcome="aborted"),
             )
             finished(outcome, worker_id=worker_id)
             return
@@ -131,7 +131,7 @@ class Timer(Service):
         frame = sys._current_frames().get(attempt.thread.ident or -1)
         if frame is not None:  # where the task was stuck, for the operator
             stack = "".join(traceback.format_stack(frame))
-            error["traceback"] = _storable(
+            error["traceback"] = storable(
                 "Stack of the handler thread at the time limit (most recent call last):\n"
                 f"{stack}{error['type']}: {error['message']}\n",
                 MAX_TRACEBACK,
@@ -153,10 +153,10 @@ class Timer(Service):
             message.attempts,
             message.max_attempts,
             self.ledger.stuck,
-            extra=_log_extra(message, worker_id=worker_id, outcome="timeout"),
+            extra=log_extra(message, worker_id=worker_id, outcome="timeout"),
         )
         finished(outcome, worker_id=worker_id)
 
-    def _park(self, attempt: _Attempt, outcome: Outcome) -> None:
+    def _park(self, attempt: Attempt, outcome: Outcome) -> None:
         if self.ledger.park(attempt, outcome):  # its thread returned meanwhile
             self.outcomes.put(outcome)
