@@ -87,4 +87,3 @@ def test_only_its_own_probe_counts(
         assert not wakeups.confirm(conn, CHANNEL, registered, wait=0.5)
         monkeypatch.setattr(message_store, "notify_probe", real)
         assert wakeups.confirm(conn, CHANNEL, registered, wait=5.0)
-
