@@ -1924,10 +1924,23 @@ def record_usage(stats: Sequence[ChannelMinuteStats], *, using: str | None = Non
     )
     if not hours:
         return
+    record_usage_hours(hours, using=using)
+    record_usage_totals(
+        _usage_sums((cid, figures) for (_, cid), figures in hours.items()), using=using
+    )
+
+
+def record_usage_hours(
+    hours: dict[tuple[datetime, int], list[int]], *, using: str | None = None
+) -> None:
+    """Add {(hour, channel id): figures (USAGE_FIGURES)} to the usage hours, in key order."""
     keys = sorted(hours)
     params = {"hours": [h for h, _ in keys], "channel_ids": [c for _, c in keys]}
     _run("record_usage_hours", {**params, **_usage_params(hours, keys)}, using)
-    totals = _usage_sums((cid, figures) for (_, cid), figures in hours.items())
+
+
+def record_usage_totals(totals: dict[int, list[int]], *, using: str | None = None) -> None:
+    """Add {channel id: figures (USAGE_FIGURES)} to the channels' totals, in id order."""
     ids = sorted(totals)
     _run("record_usage_totals", {"channel_ids": ids, **_usage_params(totals, ids)}, using)
 

@@ -299,6 +299,7 @@ def _load(bench: Bench, cell: AdminCell) -> dict[str, Any]:
     _write_stats(ids, using)
     bench.progress.update("loading usage")
     db.load_admin_usage(conf.get().USAGE_RETENTION.days, using=using)
+    db.analyze_admin_usage(using=using)
     bench.settle()
     bench.progress.update("VACUUM ANALYZE")
     db.vacuum_queue_tables(using=using)

@@ -233,8 +233,11 @@ def analyze_schedules(*, using: str | None = None) -> None:
 
 
 def load_admin_usage(days: int, *, using: str | None = None) -> None:
-    """Usage of every channel for every hour of ``days`` days, then VACUUM ANALYZE of it."""
+    """Usage of every channel for every hour of ``days`` days (then analyze_admin_usage)."""
     _run("load_admin_usage", {"days": days}, using)
+
+
+def analyze_admin_usage(*, using: str | None = None) -> None:
     _run("analyze_admin_usage", {}, using)
 
 
