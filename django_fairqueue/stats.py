@@ -387,9 +387,10 @@ def wait_summary(
 
 
 def wait_by_channel(
-    minutes: int, channel_ids: Sequence[int], *, now: datetime | None = None
+    minutes: int, channel_ids: Sequence[int] | None, *, now: datetime | None = None
 ) -> dict[int, WaitSummary]:
-    """{channel id: its waits in the window}, for the given channels that claimed any."""
+    """{channel id: its waits in the window}, for the given channels (None: all) that claimed
+    any."""
     rows = (
         _window(minutes, now, channel_ids)
         .values("channel_id")

@@ -226,8 +226,17 @@ def as_csv(rows: Sequence[UsageRow], *, start: datetime, end: datetime, by: str)
     writer.writerow(["from", "to", by, *CSV_COLUMNS[1:]])
     for r in rows:
         d = r.as_dict()
-        writer.writerow([start.isoformat(), end.isoformat(), *(d[c] for c in CSV_COLUMNS)])
+        writer.writerow([start.isoformat(), end.isoformat(), *(_cell(d[c]) for c in CSV_COLUMNS)])
     return out.getvalue()
+
+
+def _cell(value: Any) -> Any:
+    """A CSV cell a spreadsheet shows as text: a tenant's name starting with ``=``, ``+``,
+    ``-``, ``@`` (or a tab or carriage return) would be read as a formula, so it gets a
+    leading ``'`` (OWASP's advice on CSV injection). Numbers are left as they are."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
 
 
 def totals() -> dict[int, UsageTotal]:

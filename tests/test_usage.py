@@ -257,3 +257,10 @@ def test_a_claim_and_a_release_write_no_error_history() -> None:
     assert Message.objects.get(pk=mid).errors is None
     message_store.release_messages([(claimed.id, claimed.lease_token)])
     assert Message.objects.get(pk=mid).errors is None
+
+
+def test_a_tenant_name_read_as_a_formula_is_text_in_the_csv() -> None:
+    row = usage.UsageRow("=HYPERLINK(1)", "default", 1, 1, 0, 0, 1000, channel_id=1)
+    start, end = usage.day_range(*(usage.parse_day("yesterday"),) * 2)
+    line = usage.as_csv([row], start=start, end=end, by="channel").splitlines()[1]
+    assert line.split(",")[2] == "'=HYPERLINK(1)" and line.split(",")[5] == "1.0"

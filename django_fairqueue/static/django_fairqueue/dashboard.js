@@ -287,7 +287,11 @@
           a.textContent = t.name;
           td.appendChild(a);
           if (t.paused) {
-            td.appendChild(document.createTextNode(" (paused)"));
+            var badge = document.createElement("span");
+            badge.className = "fq-badge fq-paused";
+            badge.textContent = "paused";
+            td.appendChild(document.createTextNode(" "));
+            td.appendChild(badge);
           }
         } else if (i === 8) {
           if (t.failed > 0) {
