@@ -27,6 +27,7 @@ it that is the same in every process (a hash of the schedule and the slot).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -308,7 +309,7 @@ class Firer:
     """Fires due schedules; keeps what this process could not fire, so it neither retries a
     task it does not know on every pass, nor a schedule that cannot fire faster than its own
     pace (:data:`RETRY_SOON`, ``SCHEDULE_INTERVAL``, a backoff), nor logs the same failure
-    every pass."""
+    every pass. One firer may serve several threads: its holds are kept under a lock."""
 
     limit: int = 100
     #: seconds; None: FAIRQUEUE['SCHEDULE_GRACE']
@@ -316,6 +317,7 @@ class Firer:
     unknown_tasks: set[str] = field(default_factory=set)
     #: schedules that could not fire, by id: tried again when their hold ends
     held: dict[int, _Hold] = field(default_factory=dict)
+    _held_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _complained: dict[tuple[int, str], float] = field(default_factory=dict)
 
     def fire_due(self) -> int:
@@ -324,13 +326,14 @@ class Firer:
         seconds = self.grace if self.grace is not None else conf.get().SCHEDULE_GRACE
         grace = timedelta(seconds=seconds)
         now = time.monotonic()
-        ended = {i for i, hold in self.held.items() if hold.until <= now}
+        with self._held_lock:
+            ended = {i for i, hold in self.held.items() if hold.until <= now}
         due = schedule_store.select_due_schedules(
             self.limit, skip_tasks=sorted(self.unknown_tasks), skip_ids=self._holding()
         )
         # a hold that ended on a schedule no longer due (fired elsewhere, edited, deleted)
         for schedule_id in ended - {schedule.id for schedule in due}:
-            del self.held[schedule_id]
+            self._unhold(schedule_id)
         fired = 0
         quiet: list[tuple[schedule_store.DueSchedule, datetime | None]] = []
         for schedule in due:
@@ -347,7 +350,7 @@ class Firer:
             written = set(schedule_store.advance_schedules_without_slots(quiet))
             for schedule, _next in quiet:
                 if schedule.id in written:
-                    self.held.pop(schedule.id, None)
+                    self._unhold(schedule.id)
                 else:  # another transaction held its row
                     self._hold(schedule.id, RETRY_SOON, self._interval())
         return fired
@@ -358,22 +361,31 @@ class Firer:
         found = schedule_store.select_next_schedule_fire(
             skip_tasks=sorted(self.unknown_tasks), skip_ids=self._holding()
         )
-        if self.held:
-            hold_ends = min(hold.until for hold in self.held.values()) - time.monotonic()
+        with self._held_lock:
+            ends = [hold.until for hold in self.held.values()]
+        if ends:
+            hold_ends = min(ends) - time.monotonic()
             found = hold_ends if found is None else min(found, hold_ends)
         return found
 
     def _holding(self) -> list[int]:
         """The schedules held back now."""
         now = time.monotonic()
-        return sorted(i for i, hold in self.held.items() if hold.until > now)
+        with self._held_lock:
+            return sorted(i for i, hold in self.held.items() if hold.until > now)
 
-    def _hold(self, schedule_id: int, first: float, cap: float) -> None:
+    def _hold(self, schedule_id: int, first: float, cap: float) -> float:
         """Hold a schedule back for ``first`` seconds, doubled while it stays held, at most
-        ``cap``."""
-        previous = self.held.get(schedule_id)
-        delay = first if previous is None else min(cap, max(first, previous.delay * 2))
-        self.held[schedule_id] = _Hold(time.monotonic() + delay, delay)
+        ``cap``; returns the delay."""
+        with self._held_lock:
+            previous = self.held.get(schedule_id)
+            delay = first if previous is None else min(cap, max(first, previous.delay * 2))
+            self.held[schedule_id] = _Hold(time.monotonic() + delay, delay)
+        return delay
+
+    def _unhold(self, schedule_id: int) -> None:
+        with self._held_lock:
+            self.held.pop(schedule_id, None)
 
     @staticmethod
     def _interval() -> float:
@@ -491,7 +503,7 @@ class Firer:
             )
             return 0
         except Exception as exc:
-            self._hold(schedule.id, self._interval(), RETRY_ERROR_CAP)
+            delay = self._hold(schedule.id, self._interval(), RETRY_ERROR_CAP)
             self._complain(
                 schedule,
                 f"error {type(exc).__name__}: {exc}",
@@ -500,10 +512,10 @@ class Firer:
                 schedule.name,
                 display_name(schedule.channel),
                 exc,
-                self.held[schedule.id].delay,
+                delay,
             )
             return 0
-        self.held.pop(schedule.id, None)
+        self._unhold(schedule.id)
         return len(taken)
 
     @staticmethod
