@@ -407,7 +407,7 @@ def _fold_backlog(alias: str) -> int:
         return 0
     total = 0
     while True:
-        folded = channel_store.fold_waking_deltas(FOLD_CHUNK, using=alias)
+        folded = channel_store.fold_channel_deltas(FOLD_CHUNK, wake_only=True, using=alias)
         total += folded
         if folded < FOLD_CHUNK:
             return total

@@ -166,9 +166,15 @@ def fairness_by_time(fairness: str | None) -> bool:
 
 
 def fold_channel_deltas(
-    limit: int = 10_000, *, fairness: str | None = None, using: str | None = None
+    limit: int = 10_000,
+    *,
+    wake_only: bool = False,
+    fairness: str | None = None,
+    using: str | None = None,
 ) -> int:
-    params = {"limit": limit, "by_time": fairness_by_time(fairness)}
+    """Fold up to ``limit`` of the oldest counter deltas (with ``wake_only``, of those that can
+    make a channel claimable); returns how many."""
+    params = {"limit": limit, "wake_only": wake_only, "by_time": fairness_by_time(fairness)}
     return int(_run("fold_channel_deltas", params, using)[0][0])
 
 
@@ -343,9 +349,3 @@ def select_channel_wait_state(
 def select_waking_backlog(beyond: int, *, using: str | None = None) -> bool:
     """Whether more than ``beyond`` waking counter deltas wait to be folded."""
     return bool(_run("select_waking_backlog", {"beyond": beyond}, using)[0][0])
-
-
-def fold_waking_deltas(limit: int, *, using: str | None = None) -> int:
-    """Fold up to ``limit`` of the oldest waking counter deltas; returns how many."""
-    params = {"limit": limit, "by_time": fairness_by_time(None)}
-    return int(_run("fold_waking_deltas", params, using)[0][0])

@@ -26,8 +26,12 @@ ON CONFLICT (name) DO NOTHING;
 SELECT fairqueue_ensure_groups_v1(%(names)s::text[]);
 
 -- name: fold_channel_deltas
--- Fold every pending counter delta into its channel row (maintenance; claims fold what they need).
-SELECT fairqueue_fold_deltas_v1(%(limit)s::integer, false, %(by_time)s::boolean) AS folded;
+-- Fold up to `limit` of the oldest pending counter deltas into their channel rows: every kind
+-- (maintenance; claims fold what they need), or with `wake_only` those that can make a channel
+-- claimable (new work, freed slots, newly pending batches; see select_waking_backlog).
+SELECT fairqueue_fold_deltas_v1(
+    %(limit)s::integer, %(wake_only)s::boolean, %(by_time)s::boolean
+) AS folded;
 
 -- name: select_channel_counters
 -- Channel counters including deltas not yet folded: exact, and bounded by the delta backlog.
@@ -293,12 +297,7 @@ GROUP BY m.channel_id;
 -- name: select_waking_backlog
 -- Whether more than `beyond` waking counter deltas wait: a walk of at most that many entries of
 -- fq_delta_wake_idx (a claim folds the oldest thousand itself; a work-batch claim that found
--- nothing folds the rest when there are more, see fold_waking_deltas).
+-- nothing folds the rest when there are more, see fold_channel_deltas).
 SELECT EXISTS (
     SELECT FROM fairqueue_channel_delta d WHERE d.wake ORDER BY d.id OFFSET %(beyond)s::integer
 );
-
--- name: fold_waking_deltas
--- Fold up to `limit` of the oldest waking counter deltas (those that can make a channel
--- claimable: new work, freed slots, newly pending batches) into their channel rows.
-SELECT fairqueue_fold_deltas_v1(%(limit)s::integer, true, %(by_time)s::boolean) AS folded;
