@@ -38,7 +38,10 @@ def _claimed(count: int) -> tuple[Ledger, list[message_store.ClaimedMessage]]:
 
 
 def _renew_once(
-    ledger: Ledger, monkeypatch: pytest.MonkeyPatch, before: Callable[[], None]
+    ledger: Ledger,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    before: Callable[[], None],
 ) -> list[str]:
     """One heartbeat pass whose renewal statement runs right after ``before()``; returns the
     "lost the lease" lines it logged."""
@@ -49,25 +52,13 @@ def _renew_once(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(message_store, "heartbeat_messages", renew)
-    records: list[str] = []
-
-    class Catch(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "lost the lease" in record.getMessage():
-                records.append(record.getMessage())
-
-    catch = Catch(logging.WARNING)
-    logger = logging.getLogger("django_fairqueue.worker")
-    logger.addHandler(catch)
-    try:
+    with caplog.at_level(logging.WARNING, logger="django_fairqueue.worker"):
         Heartbeat(ledger, lease=LEASE, worker_id=WORKER).run_once()
-    finally:
-        logger.removeHandler(catch)
-    return records
+    return [r.getMessage() for r in caplog.records if "lost the lease" in r.getMessage()]
 
 
 def test_a_message_settled_during_the_renewal_is_not_reported_lost(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     ledger, (settled, running) = _claimed(2)
 
@@ -77,28 +68,30 @@ def test_a_message_settled_during_the_renewal_is_not_reported_lost(
         ledger.begin_write([settled.id])
         message_store.complete_messages([(settled.id, settled.lease_token, 3)])
 
-    assert _renew_once(ledger, monkeypatch, settler_commits_first) == []
+    assert _renew_once(ledger, monkeypatch, caplog, settler_commits_first) == []
     assert not ledger.lease_gone(settled) and not ledger.lease_gone(running)
     ledger.forget([settled.id])  # the settler's bookkeeping completes as usual
     ledger.end_write([settled.id])
     assert ledger.unsettled_ids() == [running.id]
 
 
-def test_a_lease_really_lost_is_still_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_lease_really_lost_is_still_reported(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     ledger, (lost, kept) = _claimed(2)
 
     def rescued_elsewhere() -> None:
         # its lease expired and another worker's rescuer requeued it: the token is stale
         message_store.release_messages([(lost.id, lost.lease_token)])
 
-    lines = _renew_once(ledger, monkeypatch, rescued_elsewhere)
+    lines = _renew_once(ledger, monkeypatch, caplog, rescued_elsewhere)
     assert len(lines) == 1 and f"[{lost.id}]" in lines[0]
     assert ledger.lease_gone(lost) and not ledger.lease_gone(kept)
     assert [i for i, _ in ledger.leases()] == [kept.id]  # a lost lease is not renewed again
 
 
 def test_a_message_claimed_again_under_a_new_token_is_not_marked_lost(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     ledger, (first,) = _claimed(1)
     again: list[message_store.ClaimedMessage] = []
@@ -113,6 +106,6 @@ def test_a_message_claimed_again_under_a_new_token_is_not_marked_lost(
         ledger.claimed_now([retry], lease_clock() + LEASE.total_seconds())
         again.append(retry)
 
-    assert _renew_once(ledger, monkeypatch, retried_and_claimed_again) == []
+    assert _renew_once(ledger, monkeypatch, caplog, retried_and_claimed_again) == []
     (retry,) = again
     assert not ledger.lease_gone(retry)  # its handler would otherwise drop it unstarted
