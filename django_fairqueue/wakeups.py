@@ -63,6 +63,8 @@ def confirm(
         "pooler between the worker and PostgreSQL, such as PgBouncer in transaction mode, "
         "does not deliver them)"
     )
+    # Recorded before it is logged: whoever reads the log line finds the registry saying so.
+    _record(worker_id, f"polling: {why}")
     logger.warning(
         "LISTEN does not work for this worker: %s; polling every %gs instead (connect the "
         "listener to PostgreSQL directly, or start the worker with --no-listen)",
@@ -70,7 +72,6 @@ def confirm(
         conf.get().POLL_INTERVAL,
         extra={"worker_id": worker_id, "outcome": "polling"},
     )
-    _record(worker_id, f"polling: {why}")
     return False
 
 
