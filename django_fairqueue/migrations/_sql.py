@@ -3,7 +3,7 @@
 The server functions live in ``django_fairqueue/db/functions/<family>.sql``, the files the code
 calls; a migration never carries a copy. To change a function, edit its family file and add a
 migration with ``InstallFunctions("<family>")``, preceded by a ``RunSQL`` that drops each
-signature the edit removed or changed (README.md, "Changing a server function").
+signature the edit removed or changed (docs/explanation/architecture.md, "Changing a server function").
 tests/test_migrations.py fails while a migrated database's functions differ from the live files,
 and when a migration holds function text of its own.
 
