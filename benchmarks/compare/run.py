@@ -951,7 +951,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also run django-fairqueue as it was at git REF in the enqueue rounds (before and "
         "after in the same rounds; the enqueue scenario only)",
     )
-    parser.add_argument("--json", help="default: docs/bench/compare-<date>.json")
+    parser.add_argument("--json", help="default: benchmarks/results/compare-<date>.json")
     parser.add_argument("--plots", metavar="DIR", help="write compare-*.png plots there")
     parser.add_argument("--keep", action="store_true", help="keep the databases")
     parser.add_argument(
@@ -1134,7 +1134,9 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"meta": meta, "systems": results}
     doc["goals"] = report.goals(doc)
     print(report.tables(doc))
-    path = Path(args.json or ROOT / "docs" / "bench" / f"compare-{datetime.now(UTC):%Y-%m-%d}.json")
+    path = Path(
+        args.json or ROOT / "benchmarks" / "results" / f"compare-{datetime.now(UTC):%Y-%m-%d}.json"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"\nresults written to {path}")
