@@ -459,6 +459,36 @@ def test_runners_sharing_a_session_run_every_batch_once(
 @needs_spark
 @pytest.mark.spark
 @pytest.mark.django_db(transaction=True)
+def test_a_tenants_plan_is_built_once_per_formula_version_not_per_batch_or_job(
+    spark: Any, spark_settings: None, formulas: dict[str, list[str]], monkeypatch: Any
+) -> None:
+    plans = execute._Plans()
+    monkeypatch.setattr(execute, "plans", plans)
+    make_rows(250)  # 3 batches per tenant, claimed in turns: alice, bob, alice...
+    plan(PIPELINE)
+    run_until_done(spark)
+    assert WorkBatch.objects.count() == 6
+    assert plans.builds == 2  # the fixed cost: once per tenant, not per batch
+
+    # The same formulas planned again from the start (a new job, planned at a new moment):
+    # their rules read no TODAY() or NOW(), so the plans are the same.
+    plan(PIPELINE, rerun=True)
+    run_until_done(spark)
+    assert plans.builds == 2
+
+    formulas["bob"] = [*formulas["bob"][:2], "band = lower(coalesce(note, 'n/a'))"]
+    plan(PIPELINE)  # bob's new version: a new plan for bob only
+    run_until_done(spark)
+    assert plans.builds == 3
+    expected_with_sql()
+    want = {k: (*row[:3], row[3].lower()) if row[0] == "bob" else row
+            for k, row in sink_rows(ExpectedRow).items()}  # fmt: skip
+    assert_same_rows(sink_rows(), want)
+
+
+@needs_spark
+@pytest.mark.spark
+@pytest.mark.django_db(transaction=True)
 def test_a_failed_batch_leaves_nothing_and_its_rerun_writes_each_row_once(
     spark: Any, spark_settings: None, formulas: dict[str, list[str]]
 ) -> None:

@@ -110,8 +110,10 @@ def test_realistic_rules_are_what_analysts_write_with_chains_twenty_deep() -> No
 
 
 def rules_in(level: fc.Level) -> set[str]:
-    """The rules a level computes (a rule that can have errors has an error column too)."""
-    return {name.removeprefix(fc.ERROR_PREFIX) for name in level.computed}
+    """The rules a level computes (a rule that can have errors has an error column too; in
+    the last level, a raw value and error, blanked in the level's ``finish``)."""
+    names = {name.removeprefix(fc.RAW_PREFIX) for name in (*level.computed, *level.finish)}
+    return {name.removeprefix(fc.ERROR_PREFIX) for name in names}
 
 
 def test_a_rule_used_goes_in_the_level_after_the_deepest_it_uses_the_others_last() -> None:

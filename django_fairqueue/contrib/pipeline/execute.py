@@ -663,18 +663,26 @@ class _Plan:
 
 
 class _Plans:
-    """The Spark plan of a job's batches, built once per process and formula version.
+    """The Spark plan of a tenant's batches, built once per process and formula version.
 
     A batch's own values (ids, staging table, lease) reach the tasks as a job property
-    (``datastore.BATCH_PROPERTY``), so every batch of a job runs the same DataFrame, analysed
-    and planned once: with hundreds of formulas that saves seconds per batch.
+    (``datastore.BATCH_PROPERTY``), so every batch of a tenant runs the same DataFrame,
+    analysed and planned once: with hundreds of formulas that saves seconds per batch. Jobs
+    of one formula version share it unless their rules read the job's moment (``TODAY()``,
+    ``NOW()``) or tenant aggregates (phase one's values are part of the plan).
+
+    The least recently used plan goes first when ``size`` are kept: a runner takes the
+    tenants' batches in turns, so fewer plans than tenants at work would build a plan for
+    every batch.
     """
 
-    size = 16
+    size = 32
 
     def __init__(self) -> None:
         self._plans: dict[tuple[Any, ...], _Plan] = {}
         self._lock = threading.Lock()
+        #: Plans built by this process (what a tenant's fixed cost is paid for).
+        self.builds = 0
 
     def get(
         self,
@@ -698,7 +706,7 @@ class _Plans:
             id(pipeline),  # a Pipeline may hold lists (tenants=[...]): not hashable
             prepared.tenant,
             prepared.fingerprint,
-            prepared.moment,
+            prepared.moment if prepared.formulas and fc.uses_moment(prepared.formulas) else None,
             prepared.source,
             prepared.sink,
             prepared.output,
@@ -709,12 +717,16 @@ class _Plans:
             id(aggregates),
         )
         with self._lock:
-            found = self._plans.get(key)
+            found = self._plans.pop(key, None)
+            if found is not None:
+                self._plans[key] = found  # the most recently used: kept longest
         if found is not None and found.aggregates is aggregates and found.pipeline is pipeline:
             return found
         built = self._build(spark, prepared, parts, aggregates, conninfo, sink, tables)
         with self._lock:
-            if len(self._plans) >= self.size:
+            self.builds += 1
+            self._plans.pop(key, None)
+            while len(self._plans) >= self.size:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[key] = built
         return built
