@@ -1277,10 +1277,7 @@ def lookup_shapes(formulas: FormulaSet) -> list[tuple[str, Node, list[tuple[str,
     """Each distinct (table, key expression): the columns (name, type) read through it."""
     shapes: dict[tuple[str, str], tuple[str, Node, list[tuple[str, str]]]] = {}
     for formula in formulas.formulas:
-        stack = [formula.tree]
-        while stack:
-            item = stack.pop()
-            stack.extend(item.args)
+        for item in formula.tree.walk():
             if item.op != "lookup":
                 continue
             table, column = item.value
@@ -1499,21 +1496,8 @@ def check_compiles(formulas: FormulaSet, *, today: dt.date) -> None:
 def uses_moment(formulas: FormulaSet) -> bool:
     """Whether any rule reads the job's moment (``TODAY()``, ``NOW()``): the only rules whose
     Spark text differs between two jobs of one formula version (aggregates aside)."""
-    stack = [f.tree for f in formulas.formulas]
-    while stack:
-        item = stack.pop()
-        if item.op in ("TODAY", "NOW"):
-            return True
-        stack.extend(item.args)
-    return False
+    return any(item.op in ("TODAY", "NOW") for f in formulas.formulas for item in f.tree.walk())
 
 
 def _references(tree: Node) -> set[str]:
-    found: set[str] = set()
-    stack = [tree]
-    while stack:
-        item = stack.pop()
-        if item.op == "ref":
-            found.add(item.value)
-        stack.extend(item.args)
-    return found
+    return {item.value for item in tree.walk() if item.op == "ref"}

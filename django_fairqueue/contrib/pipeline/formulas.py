@@ -22,7 +22,7 @@ import datetime as dt
 import hashlib
 import json
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -182,6 +182,15 @@ class Node:
     def key(self) -> str:
         """A canonical text of the tree (equal trees, equal keys)."""
         return json.dumps(_plain(self), separators=(",", ":"), default=str)
+
+    def walk(self) -> Iterator[Node]:
+        """This node and every node below it (depth first, without recursion: chains of rules
+        nest deep)."""
+        stack = [self]
+        while stack:
+            item = stack.pop()
+            stack.extend(item.args)
+            yield item
 
 
 def _plain(node: Node) -> Any:
@@ -1179,13 +1188,7 @@ def _plain_number(value: Any) -> str:
 
 
 def _has_aggregate(node: Node) -> bool:
-    stack = [node]
-    while stack:
-        item = stack.pop()
-        if item.op == "agg":
-            return True
-        stack.extend(item.args)
-    return False
+    return any(item.op == "agg" for item in node.walk())
 
 
 def parse_expression(
@@ -1359,13 +1362,10 @@ class Formula:
 
 
 def _uses_aggregate(node: Node, memo: dict[str, bool]) -> bool:
-    stack = [node]
-    while stack:
-        item = stack.pop()
-        if item.op == "agg" or (item.op == "ref" and memo.get(item.value, False)):
-            return True
-        stack.extend(item.args)
-    return False
+    return any(
+        item.op == "agg" or (item.op == "ref" and memo.get(item.value, False))
+        for item in node.walk()
+    )
 
 
 def split_formulas(raw: Any) -> list[tuple[str, str]]:
