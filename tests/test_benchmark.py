@@ -468,6 +468,124 @@ def test_enqueue_rounds_compare_systems_within_a_round() -> None:
     assert _ratio_row(text, "django-fairqueue")[:2] == ["x1", "0.65"]
 
 
+def _e2e(label: str, rate: float) -> dict[str, Any]:
+    processes, concurrency = (int(v) for v in label.split("x"))
+    return {
+        "label": label,
+        "processes": processes,
+        "concurrency": concurrency,
+        "prefetch": 0,
+        "rate": rate,
+        "drain_rate": rate,
+        "startup_s": 1.0,
+        "backlog": 3_000,
+        "best": False,
+    }
+
+
+def test_a_baseline_alternates_with_this_checkout_end_to_end_and_at_pickup() -> None:
+    """``--baseline REF`` with the end-to-end and pickup scenarios runs them in rounds, the
+    baseline and this checkout alternating: each configuration's rate is the median over the
+    rounds, its ratio to the baseline is taken within each round, and the pickup samples of
+    every round are pooled. ``--config`` names the sweep."""
+    from benchmarks.compare import report, run
+    from benchmarks.compare.common import WorkerConfig
+
+    args = run.parse_args(
+        ["--scenario", "e2e", "--scenario", "pickup", "--baseline", "58637c5"]
+        + ["--config", "1x1", "--config", "1x32+64", "--rounds", "3"]
+    )
+    assert args.configs == [WorkerConfig(1, 1), WorkerConfig(1, 32, prefetch=64)]
+    assert [c.label for c in args.configs] == ["1x1", "1x32+64"]  # what the child is told
+    for wrong in ("1x", "x4", "0x4", "1x4+", "2x4-1"):
+        with pytest.raises(SystemExit):
+            run.parse_args(["--config", wrong])
+
+    def rounds(rates: list[tuple[float, float]], pickups: list[list[float]]) -> list[Any]:
+        return [
+            {
+                "scenarios": ["e2e", "pickup"],
+                "enqueue": [],
+                "e2e": [_e2e("1x1", one), _e2e("1x4", four)],
+                "pickup": {"latencies_ms": latencies, "p99_ms": max(latencies)},
+            }
+            for (one, four), latencies in zip(rates, pickups, strict=True)
+        ]
+
+    # the third round ran on a machine twice as busy for both: the ratios hold
+    ours = rounds([(500, 1_500), (520, 1_400), (250, 800)], [[2.0, 3.0], [4.0], [1.0, 9.0]])
+    theirs = rounds([(400, 1_500), (400, 1_000), (200, 800)], [[5.0], [6.0, 7.0], [8.0]])
+    theirs[1] = None  # a round the baseline failed is left out of the ratios
+    systems = []
+    for name, found in (("django-fairqueue", ours), ("django-fairqueue-baseline", theirs)):
+        result = {"system": name, "version": name, "scenarios": [], "pickup": None}
+        result.update(concurrency_unit="threads", wakeup="LISTEN/NOTIFY")
+        run.merge_rounds(result, found)
+        systems.append(result)
+    us, before = systems
+    assert us["scenarios"] == ["e2e", "pickup"]
+    assert [(c["label"], c["rate"], c["rounds"], c["best"]) for c in us["e2e"]] == [
+        ("1x1", 500, 3, False),
+        ("1x4", 1_400, 3, True),
+    ]
+    assert [c["rate"] for c in before["e2e"]] == [300, 1_150]
+    assert report.e2e_ratios(us, before, "1x1") == [1.25, 1.25]
+    assert report.e2e_ratios(us, before, "1x4") == [1.0, 1.0]
+    assert us["pickup"]["samples"] == 5 and us["pickup"]["rounds"] == 3
+    assert us["pickup"]["max_ms"] == 9.0 and us["pickup"]["p50_ms"] == 3.0
+    assert before["pickup"]["samples"] == 2  # the failed round had none
+
+    text = report.tables({"systems": systems})
+    title = "End to end, django-fairqueue over django-fairqueue-baseline"
+    assert title in text
+    rows = [line.split() for line in text.split(title)[1].splitlines() if line.startswith("1x")]
+    assert rows == [["1x1", "500", "300", "1.25", "(1.25-1.25)", "3"], ["1x4", "1,400", "1,150",
+                    "1.00", "(1.00-1.00)", "3"]]
+    assert "Pickup, django-fairqueue and django-fairqueue-baseline" in text
+
+
+@pytest.mark.slow
+def test_a_baseline_from_before_the_database_layer_runs_end_to_end(
+    tmp_path: Path, database_url: str
+) -> None:
+    """``--baseline 58637c5`` (the claim before groups, queues and fairness by time: one store
+    module, the bench app under another name) drains a tiny backlog through its own workers
+    beside this checkout's, each importing only its own package."""
+    from benchmarks.compare import run
+
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", "58637c5^{commit}"],
+        capture_output=True,
+        check=False,
+    )
+    if commit.returncode != 0:
+        pytest.skip("not a git checkout with that commit")
+    path = tmp_path / "compare.json"
+    env = {**os.environ, "DATABASE_URL": database_url, "PYTHONPATH": str(ROOT)}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compare.run", "--sizes", "tiny", "--rounds", "2"]
+        + ["--system", "django-fairqueue", "--baseline", "58637c5", "--db-prefix", "cbase_"]
+        + ["--scenario", "e2e", "--scenario", "pickup", "--config", "1x2", "--json", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "failed" not in result.stderr, result.stderr
+    systems = {s["system"]: s for s in json.loads(path.read_text())["systems"]}
+    assert set(systems) == {"django-fairqueue", run.BASELINE}
+    for system in systems.values():
+        assert [len(cells or []) for cells in system["e2e_rounds"]] == [1, 1]
+        assert system["e2e"][0]["label"] == "1x2" and system["e2e"][0]["rate"] > 0
+        assert len(system["pickup_rounds"]) == 2 and system["pickup"]["samples"] > 0
+    assert systems[run.BASELINE]["version"].endswith("at 58637c5")
+    assert "End to end, django-fairqueue over django-fairqueue-baseline" in result.stdout
+
+
 @pytest.mark.django_db(transaction=True)
 def test_the_old_snapshot_holds_back_the_xmin_horizon_until_its_block_ends() -> None:
     with db.hold_old_snapshot() as pid:
@@ -515,6 +633,8 @@ def test_a_baseline_is_compared_with_but_is_no_peer() -> None:
     assert run.parse_args(["--scenario", "enqueue", "--baseline", "main"]).baseline == "main"
     with pytest.raises(SystemExit):
         run.parse_args(["--baseline", "main"])  # every scenario: refused
+    with pytest.raises(SystemExit):  # the fairness scenarios configure what REF may lack
+        run.parse_args(["--scenario", "e2e", "--scenario", "sybil", "--baseline", "main"])
     rounds = {
         "raw-sql": [_cells(4_000, 50_000), _cells(2_000, 40_000)],
         "django-fairqueue": [_cells(2_200, 60_000), _cells(1_300, 48_000)],

@@ -76,6 +76,18 @@ def enqueue_ratios(
     return ratios
 
 
+def e2e_ratios(system: dict[str, Any], base: dict[str, Any], label: str) -> list[float]:
+    """The system's end-to-end rate in configuration ``label`` over ``base``'s in the same
+    round, for every round both ran it (``--baseline``: the end-to-end cells in rounds)."""
+    ours = [_e2e_rate(cells, label) for cells in system.get("e2e_rounds") or []]
+    theirs = [_e2e_rate(cells, label) for cells in base.get("e2e_rounds") or []]
+    return [a / b for a, b in zip(ours, theirs, strict=False) if a and b]
+
+
+def _e2e_rate(cells: Sequence[dict[str, Any]] | None, label: str) -> float | None:
+    return next((float(c["rate"]) for c in cells or [] if c["label"] == label), None)
+
+
 def _ratios_text(ratios: Sequence[float]) -> str | None:
     """The median ratio; with several rounds also their range: ``0.62 (0.55-0.70)``."""
     if not ratios:
@@ -112,6 +124,7 @@ def tables(doc: dict[str, Any]) -> str:
         out += _e2e_tables(systems, floor)
     if any(s.get("pickup") for s in systems.values()):
         out.append(_pickup_table(systems))
+    out += _baseline_tables(systems)
     if any(s.get("fairness") for s in systems.values()):
         out.append(_fairness_table(systems))
     if any(s.get("sybil") for s in systems.values()):
@@ -234,6 +247,51 @@ def _e2e_tables(systems: dict[str, dict[str, Any]], floor: dict[str, Any] | None
             rows,
         )
     )
+    return out
+
+
+def _baseline_tables(systems: dict[str, dict[str, Any]]) -> list[str]:
+    """This checkout against ``--baseline``'s end to end (per configuration, the rates'
+    medians and the ratio round by round) and at pickup (every round's samples pooled)."""
+    us, before = systems.get(US), systems.get(BASELINE)
+    if not us or not before:
+        return []
+    out = []
+    rows = []
+    for cell in us.get("e2e") or []:
+        theirs = next((c for c in before.get("e2e") or [] if c["label"] == cell["label"]), None)
+        if theirs is None:
+            continue
+        rows.append(
+            [
+                cell["label"],
+                f"{cell['rate']:,.0f}",
+                f"{theirs['rate']:,.0f}",
+                _ratios_text(e2e_ratios(us, before, cell["label"])),
+                cell.get("rounds", 1),
+            ]
+        )
+    if rows:
+        out.append(
+            _table(
+                f"End to end, {US} over {BASELINE} ({before['version']}), same rounds "
+                "(jobs/s: medians; ratio: median of the rounds' (range))",
+                ["P x C", US, BASELINE, "ratio", "rounds"],
+                rows,
+            )
+        )
+    if us.get("pickup") and before.get("pickup"):
+        rows = [
+            [name, s["pickup"]["p50_ms"], s["pickup"]["p99_ms"], s["pickup"]["samples"]]
+            for name, s in ((US, us), (BASELINE, before))
+        ]
+        out.append(
+            _table(
+                f"Pickup, {US} and {BASELINE}, every round's samples pooled (ms)",
+                ["system", "p50", "p99", "samples"],
+                rows,
+            )
+        )
     return out
 
 

@@ -100,10 +100,17 @@ ROOT = Path(__file__).resolve().parents[2]
 BASELINE_REF_ENV = "COMPARE_BASELINE_REF"
 SYSTEMS = ("raw-sql", "django-fairqueue", "procrastinate", "pgqueuer", "django-tasks-db")
 #: ``--baseline REF``: django-fairqueue as it was at REF, run beside this checkout's in the
-#: enqueue rounds (a before/after measured in the same rounds).
+#: same rounds (a before/after measured under the same load).
 BASELINE = "django-fairqueue-baseline"
 #: What ``--scenario`` may name, in the order they run.
 SCENARIOS = ("enqueue", "e2e", "pickup", "fairness", "sybil", "timeshare", "weights", "bursts")
+#: The scenarios run in rounds (every system once per round, the order rotated; ratios taken
+#: within a round): the enqueue cells always, whose rate drifts within minutes on a shared
+#: machine; with ``--baseline`` the end-to-end and pickup cells too, so before and after
+#: alternate. ``--baseline`` measures these alone (an earlier commit may lack what the
+#: fairness scenarios configure: groups, weights, fairness by time).
+ROUND_SCENARIOS = ("enqueue",)
+BASELINE_SCENARIOS = ("enqueue", "e2e", "pickup")
 #: The fairness scenarios (``--fairness`` runs these alone).
 FAIRNESS_SCENARIOS = ("fairness", "sybil", "timeshare", "weights", "bursts")
 DJANGO_SYSTEMS = {
@@ -238,7 +245,21 @@ def setup_django(dsn: str, app: str = "fairqueue") -> None:
     django.setup()
 
 
+def baseline_imports_only_itself() -> None:
+    """In the baseline's process: its ``django_fairqueue`` comes first on the path, but an
+    editable install of this checkout adds an import finder that serves any submodule the
+    baseline lacks from this checkout, which would mix two versions in one process (the
+    harness asks for modules by their newer names and falls back to the older ones)."""
+    sys.meta_path[:] = [
+        finder
+        for finder in sys.meta_path
+        if not getattr(finder, "__module__", "").startswith("__editable___django_fairqueue")
+    ]
+
+
 def load_system(name: str, dsn: str) -> Any:
+    if name == BASELINE:
+        baseline_imports_only_itself()
     setup_django(dsn, DJANGO_SYSTEMS.get(name, "fairqueue"))
     if name in ("django-fairqueue", BASELINE):
         from benchmarks.compare.sys_fairqueue import Fairqueue
@@ -384,12 +405,18 @@ def pickup_cell(system: Any, samples: int) -> dict[str, Any]:
             bar("pickup", (i + 1) / (samples + 3))
             time.sleep(0.1 + jitter.uniform(0, 0.1))
     system.reset()
+    return _latency_figures(latencies)
+
+
+def _latency_figures(latencies: Sequence[float]) -> dict[str, Any]:
     return {
         "samples": len(latencies),
         "p50_ms": round(percentile(latencies, 50), 2),
         "p90_ms": round(percentile(latencies, 90), 2),
         "p99_ms": round(percentile(latencies, 99), 2),
         "max_ms": round(max(latencies), 2),
+        # every sample, so that rounds can be pooled (``--baseline``)
+        "latencies_ms": [round(v, 3) for v in latencies],
     }
 
 
@@ -698,7 +725,10 @@ class Watch:
     """CPU cores other processes used during a cell (django_fairqueue.contrib.bench.harness)."""
 
     def __init__(self, dbname: str) -> None:
-        from django_fairqueue.contrib.bench.harness import CpuWatch
+        try:
+            from django_fairqueue.contrib.bench.harness import CpuWatch
+        except ImportError:  # ``--baseline`` at a commit before the bench app had its name
+            from django_fairqueue.benchmark.harness import CpuWatch  # type: ignore[no-redef]
 
         self.watch = CpuWatch(dbname)
 
@@ -712,11 +742,16 @@ class Watch:
 
 
 def run_system(
-    name: str, dsn: str, sizes: Sizes, scenarios: Sequence[str] = SCENARIOS
+    name: str,
+    dsn: str,
+    sizes: Sizes,
+    scenarios: Sequence[str] = SCENARIOS,
+    configs: Sequence[WorkerConfig] = (),
 ) -> dict[str, Any]:
     """Run ``scenarios`` for one system. A scenario left out is an empty list (``pickup``:
-    None) in the result, which the report skips. Fairness runs on the best end-to-end
-    configuration, or on the system's ``fair_config`` when e2e was left out."""
+    None) in the result, which the report skips. The end-to-end sweep is ``configs`` (empty:
+    the system's own). Fairness runs on the best end-to-end configuration, or on the system's
+    ``fair_config`` when e2e was left out."""
     system = load_system(name, dsn)
     watch = Watch(str(dsn_fields(dsn)["dbname"]))
     say(f"== {name} ({system.version})")
@@ -747,9 +782,10 @@ def run_system(
                 cells.append(cell)
         result["enqueue"] = cells
 
-    configs = list(system.configs)
-    if sizes.e2e_configs:
-        configs = configs[: sizes.e2e_configs]
+    if not configs:
+        configs = list(system.configs)
+        if sizes.e2e_configs:
+            configs = configs[: sizes.e2e_configs]
     best_config = sizes.fair_workers or system.fair_config or configs[0]
     if "e2e" in scenarios:
         e2e = []
@@ -920,6 +956,19 @@ def describe(server: str) -> dict[str, Any]:
     }
 
 
+def worker_config(text: str) -> WorkerConfig:
+    """``PxC`` or ``PxC+F`` (``--config``): P processes of C, prefetch F."""
+    try:
+        sizes, plus, prefetch = text.partition("+")
+        processes, concurrency = (int(v) for v in sizes.split("x"))
+        config = WorkerConfig(processes, concurrency, int(prefetch) if plus else 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not PxC or PxC+F (e.g. 1x32+64)") from None
+    if processes < 1 or concurrency < 1 or config.prefetch < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: P and C from 1, F from 0")
+    return config
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; ``scenarios`` is the ``--scenario`` choices in running order."""
     parser = argparse.ArgumentParser(prog="compare", description=__doc__.split("\n")[0])
@@ -948,8 +997,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--baseline",
         metavar="REF",
-        help="also run django-fairqueue as it was at git REF in the enqueue rounds (before and "
-        "after in the same rounds; the enqueue scenario only)",
+        help="also run django-fairqueue as it was at git REF, alternating with this checkout "
+        "round by round (before and after under the same load); the enqueue, e2e and pickup "
+        "scenarios only",
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        type=worker_config,
+        metavar="PxC[+F]",
+        help="repeatable: the end-to-end sweep, for every system (default: each system's own); "
+        "+F is django-fairqueue's --prefetch",
     )
     parser.add_argument("--json", help="default: benchmarks/results/compare-<date>.json")
     parser.add_argument("--plots", metavar="DIR", help="write compare-*.png plots there")
@@ -967,8 +1025,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.scenarios = [s for s in SCENARIOS if s in (chosen or SCENARIOS)]
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    if args.baseline and args.scenarios != ["enqueue"]:
-        parser.error("--baseline measures the enqueue scenario only: add --scenario enqueue")
+    if args.baseline and not set(args.scenarios) <= set(BASELINE_SCENARIOS):
+        parser.error(
+            "--baseline measures the " + ", ".join(BASELINE_SCENARIOS) + " scenarios only: "
+            "name them with --scenario"
+        )
+    args.configs = args.config or []
     return args
 
 
@@ -1001,6 +1063,7 @@ def run_one_system(
     scenarios: Sequence[str],
     keep: bool,
     baseline: tuple[str, Path] | None = None,
+    configs: Sequence[WorkerConfig] = (),
 ) -> dict[str, Any] | None:
     """Run ``scenarios`` for system ``name`` in a process of its own, on a fresh database;
     None if it failed (said on stderr). The baseline runs from ``baseline``'s tree (its
@@ -1017,6 +1080,7 @@ def run_one_system(
                 "--sizes",
                 sizes,
                 *(a for s in scenarios for a in ("--scenario", s)),
+                *(a for c in configs for a in ("--config", c.label)),
                 "--one",
                 name,
                 "--dsn",
@@ -1039,28 +1103,75 @@ def run_one_system(
             drop_database(server, dbname)
 
 
-def enqueue_rounds(
+def system_rounds(
     server: str,
     names: Sequence[str],
     sizes: str,
+    scenarios: Sequence[str],
     rounds: int,
     keep: bool,
     baseline: tuple[str, Path] | None = None,
+    configs: Sequence[WorkerConfig] = (),
 ) -> dict[str, list[dict[str, Any] | None]]:
-    """The enqueue scenario ``rounds`` times, every system once per round, the order rotated
-    each round. A single enqueue is bound by the commit's flush, which on a shared machine
-    drifts by a factor of two within minutes: systems measured minutes apart are not
-    comparable, systems measured in the same round are. Per system: each round's result (None
-    for a round it failed)."""
+    """``scenarios`` ``rounds`` times, every system once per round, the order rotated each
+    round. A single enqueue is bound by the commit's flush, and a worker's rate by what else
+    the two cores run, both of which drift by a factor of two within minutes on a shared
+    machine: systems measured minutes apart are not comparable, systems measured in the same
+    round are. Per system: each round's result (None for a round it failed)."""
     found: dict[str, list[dict[str, Any] | None]] = {n: [] for n in names}
     order = list(names)
     for n in range(rounds):
-        say(f"compare: enqueue round {n + 1} of {rounds}")
+        say(f"compare: round {n + 1} of {rounds} ({', '.join(scenarios)})")
         for name in order:
-            result = run_one_system(server, name, sizes, ["enqueue"], keep, baseline)
+            result = run_one_system(server, name, sizes, scenarios, keep, baseline, configs)
             found[name].append(result)
         order = order[1:] + order[:1]
     return found
+
+
+def merge_rounds(result: dict[str, Any], rounds: Sequence[dict[str, Any] | None]) -> None:
+    """Put the rounds' cells into ``result``: each round's as ``<scenario>_rounds`` (None for
+    a round the system failed), and their median (pickup: the samples pooled) in its place."""
+    ran = [r for r in rounds if r is not None]
+    if any(r["enqueue"] for r in ran):
+        result["enqueue_rounds"] = [None if r is None else r["enqueue"] for r in rounds]
+        result["enqueue"] = median_cells(result["enqueue_rounds"])
+    if any(r["e2e"] for r in ran):
+        result["e2e_rounds"] = [None if r is None else r["e2e"] for r in rounds]
+        result["e2e"] = median_e2e(result["e2e_rounds"])
+    if any(r["pickup"] for r in ran):
+        result["pickup_rounds"] = [None if r is None else r["pickup"] for r in rounds]
+        result["pickup"] = pooled_pickup(result["pickup_rounds"])
+    result["scenarios"] = sorted(
+        {s for r in ran for s in r["scenarios"]} | set(result["scenarios"]), key=SCENARIOS.index
+    )
+
+
+def median_e2e(rounds: Sequence[list[dict[str, Any]] | None]) -> list[dict[str, Any]]:
+    """One end-to-end cell per configuration: the median of its rates over the rounds that
+    ran it (the rest of the cell from its first round), the best marked again."""
+    by_label: dict[str, list[dict[str, Any]]] = {}
+    for cells in rounds:
+        for c in cells or []:
+            by_label.setdefault(c["label"], []).append(c)
+    merged = []
+    for cells in by_label.values():
+        cell = dict(cells[0])
+        for key in ("rate", "drain_rate", "startup_s"):
+            cell[key] = round(statistics.median(c[key] for c in cells), 2)
+        cell["rounds"] = len(cells)
+        merged.append(cell)
+    best = max(merged, key=lambda c: c["rate"])
+    for cell in merged:
+        cell["best"] = cell is best
+    return merged
+
+
+def pooled_pickup(rounds: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
+    """The pickup latencies of every round as one sample."""
+    cells = [c for c in rounds if c is not None]
+    latencies = [v for c in cells for v in c["latencies_ms"]]
+    return {**_latency_figures(latencies), "rounds": len(cells)}
 
 
 def median_cells(rounds: Sequence[list[dict[str, Any]] | None]) -> list[dict[str, Any]]:
@@ -1086,7 +1197,7 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = args.scenarios
 
     if args.one:
-        result = run_system(args.one, args.dsn, sizes, scenarios)
+        result = run_system(args.one, args.dsn, sizes, scenarios, args.configs)
         Path(args.out).write_text(json.dumps(result, indent=1))
         return 0
 
@@ -1107,27 +1218,35 @@ def main(argv: list[str] | None = None) -> int:
         meta["baseline"] = args.baseline
         names.append(BASELINE)
     rounds: dict[str, list[dict[str, Any] | None]] = {}
-    rest = list(scenarios)
-    if "enqueue" in scenarios and (args.rounds > 1 or baseline):
+    in_rounds = [s for s in scenarios if s in (BASELINE_SCENARIOS if baseline else ROUND_SCENARIOS)]
+    rest = [s for s in scenarios if s not in in_rounds]
+    if in_rounds and (args.rounds > 1 or baseline):
         try:
-            rounds = enqueue_rounds(server, names, args.sizes, args.rounds, args.keep, baseline)
+            rounds = system_rounds(
+                server,
+                names,
+                args.sizes,
+                in_rounds,
+                args.rounds,
+                args.keep,
+                baseline,
+                args.configs,
+            )
         finally:
             if baseline:
                 shutil.rmtree(baseline[1], ignore_errors=True)
-        rest.remove("enqueue")
+    else:
+        rest = list(scenarios)
     for name in names:
         ran = [r for r in rounds.get(name, []) if r is not None]
         if rest:
-            result = run_one_system(server, name, args.sizes, rest, args.keep)
+            result = run_one_system(server, name, args.sizes, rest, args.keep, None, args.configs)
         else:
             result = ran[-1] if ran else None
         if result is None:
             continue
         if ran:
-            cells = [None if r is None else r["enqueue"] for r in rounds[name]]
-            result["enqueue_rounds"] = cells
-            result["enqueue"] = median_cells(cells)
-            result["scenarios"] = [s for s in scenarios if s in {"enqueue", *result["scenarios"]}]
+            merge_rounds(result, rounds[name])
         results.append(result)
     meta["wall_seconds"] = round(time.monotonic() - began, 1)
     meta["load_average_after"] = [round(x, 2) for x in os.getloadavg()]

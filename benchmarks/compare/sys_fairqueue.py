@@ -27,8 +27,14 @@ from benchmarks.compare.common import Backlog, WorkerConfig, timed_calls
 from benchmarks.compare.system import BATCH, DjangoSystem, python
 from benchmarks.compare.tasks_fairqueue import NAME
 from django_fairqueue import EnqueueRequest, conf, enqueue, enqueue_many
-from django_fairqueue.contrib.bench import db
-from django_fairqueue.db import channel_store
+
+try:
+    from django_fairqueue.contrib.bench import db
+    from django_fairqueue.db import channel_store
+except ImportError:  # ``--baseline`` at a commit whose one store module ran all the SQL
+    from django_fairqueue import store as db  # type: ignore[attr-defined,no-redef]
+
+    channel_store = db  # type: ignore[assignment]
 
 LOAD_CHUNK = 200_000
 
@@ -59,7 +65,8 @@ class Fairqueue(DjangoSystem):
 
     def reset(self) -> None:
         db.truncate_queue_tables()
-        channel_store.forget_groups()  # the channel groups went with the tables
+        if hasattr(channel_store, "forget_groups"):  # (a baseline before channel groups)
+            channel_store.forget_groups()  # the channel groups went with the tables
 
     def load(self, tenant: str, count: int, variant: str) -> None:
         done = 0
