@@ -60,6 +60,11 @@ class FairQueueSettings:
     # the only eligible channels (one hot tenant, several claimers); 0: never wait, come back
     # empty. See docs/explanation/fairness.md, "Several claimers, one channel".
     CLAIM_WAIT: float = 0.05
+    # The worker's claims and completions commit without waiting for their WAL flush
+    # (synchronous_commit = off for those transactions alone; a claim of an at-most-once message
+    # always waits). A database crash can then lose the last moments of them: those messages run
+    # again, as at-least-once delivery allows. See docs/howto/delivery-modes.md.
+    ASYNC_COMMIT: bool = True
     # What channels share fairly: "count", turns of messages (weight x quantum each), or
     # "time", the worker time their messages run (weights divide the charge). See
     # docs/explanation/fairness.md, "Fairness by time".
@@ -232,7 +237,7 @@ def load(raw: Any) -> FairQueueSettings:
             values[key] = value
         elif key in ("DEFAULT_MAX_ATTEMPTS", "MAX_PAYLOAD_BYTES"):
             values[key] = _number(value, f"FAIRQUEUE['{key}']", minimum=1, integer=True)
-        elif key in ("KEEP_RESULTS", "NOTIFY", "PREPARED_STATEMENTS", "TRACING"):
+        elif key in ("ASYNC_COMMIT", "KEEP_RESULTS", "NOTIFY", "PREPARED_STATEMENTS", "TRACING"):
             if not isinstance(value, bool):
                 raise ValueError(f"FAIRQUEUE['{key}'] must be True or False, got {value!r}")
             values[key] = value

@@ -147,6 +147,11 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._specs)
 
+    def at_most_once_names(self) -> list[str]:
+        """The registered tasks delivered at most once (whose claims must commit durably)."""
+        specs = list(self._specs.values())
+        return sorted(s.name for s in specs if s.effective_delivery == "at_most_once")
+
     def import_task_modules(self) -> list[tuple[str, Exception]]:
         """Import each of FAIRQUEUE['TASK_MODULES'] and return those that failed, with why
         (a module that does not exist, or one whose import raised)."""

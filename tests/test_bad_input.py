@@ -577,6 +577,7 @@ def test_a_stored_payload_of_the_wrong_shape_fails_without_running(
         ({"MAX_PAYLOAD_BYTES": "1MB"}, "MAX_PAYLOAD_BYTES'] must be an integer"),
         ({"KEEP_RESULTS": "yes"}, "KEEP_RESULTS'] must be True or False"),
         ({"NOTIFY": 1}, "NOTIFY'] must be True or False"),
+        ({"ASYNC_COMMIT": "off"}, "ASYNC_COMMIT'] must be True or False"),
         ({"NOTIFY_CHANNEL": 'x"; DROP TABLE y; --'}, "NOTIFY_CHANNEL'] must be a lower-case"),
         ({"NOTIFY_CHANNEL": "Upper"}, "NOTIFY_CHANNEL'] must be a lower-case"),
         ({"NOTIFY_CHANNEL": "x" * 64}, "NOTIFY_CHANNEL'] must be a lower-case"),

@@ -492,8 +492,10 @@ def test_a_baseline_alternates_with_this_checkout_end_to_end_and_at_pickup() -> 
     from benchmarks.compare.common import WorkerConfig
 
     args = run.parse_args(
-        ["--scenario", "e2e", "--scenario", "pickup", "--baseline", "58637c5"]
-        + ["--config", "1x1", "--config", "1x32+64", "--rounds", "3"]
+        [
+            *("--scenario", "e2e", "--scenario", "pickup", "--baseline", "58637c5"),
+            *("--config", "1x1", "--config", "1x32+64", "--rounds", "3"),
+        ]
     )
     assert args.configs == [WorkerConfig(1, 1), WorkerConfig(1, 32, prefetch=64)]
     assert [c.label for c in args.configs] == ["1x1", "1x32+64"]  # what the child is told
@@ -539,8 +541,10 @@ def test_a_baseline_alternates_with_this_checkout_end_to_end_and_at_pickup() -> 
     title = "End to end, django-fairqueue over django-fairqueue-baseline"
     assert title in text
     rows = [line.split() for line in text.split(title)[1].splitlines() if line.startswith("1x")]
-    assert rows == [["1x1", "500", "300", "1.25", "(1.25-1.25)", "3"], ["1x4", "1,400", "1,150",
-                    "1.00", "(1.00-1.00)", "3"]]
+    assert rows == [
+        ["1x1", "500", "300", "1.25", "(1.25-1.25)", "3"],
+        ["1x4", "1,400", "1,150", "1.00", "(1.00-1.00)", "3"],
+    ]
     assert "Pickup, django-fairqueue and django-fairqueue-baseline" in text
 
 
@@ -564,9 +568,11 @@ def test_a_baseline_from_before_the_database_layer_runs_end_to_end(
     env = {**os.environ, "DATABASE_URL": database_url, "PYTHONPATH": str(ROOT)}
     env.pop("DJANGO_SETTINGS_MODULE", None)
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.compare.run", "--sizes", "tiny", "--rounds", "2"]
-        + ["--system", "django-fairqueue", "--baseline", "58637c5", "--db-prefix", "cbase_"]
-        + ["--scenario", "e2e", "--scenario", "pickup", "--config", "1x2", "--json", str(path)],
+        [
+            *(sys.executable, "-m", "benchmarks.compare.run", "--sizes", "tiny", "--rounds", "2"),
+            *("--system", "django-fairqueue", "--baseline", "58637c5", "--db-prefix", "cbase_"),
+            *("--scenario", "e2e", "--scenario", "pickup", "--config", "1x2", "--json", str(path)),
+        ],
         capture_output=True,
         text=True,
         env=env,

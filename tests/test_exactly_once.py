@@ -274,6 +274,7 @@ def test_other_claimers_skip_the_claimed_channel_until_commit(
     params = {"limit": 10, "lease": timedelta(minutes=1), "worker": "other", "only": None}
     params |= {"exclude": None, "quantum": None, "maintain": True, "wait_ms": 50, "by_time": False}
     params["queues"] = None  # every queue, as a worker started without --queues
+    params["async_except"] = []  # a worker's claim, as the worker sends it
     with transaction.atomic(), exactly_once.batch(limit=1, channels=["alice"]) as batch:
         assert len(batch) == 1
         # A worker on another connection claims meanwhile: it does not wait for our lock,

@@ -295,6 +295,7 @@ def test_a_claim_that_may_wait_finds_nothing_to_wait_for_from_the_index(
     params = {"limit": LIMIT, "lease": LEASE, "worker": "explain", "only": None}
     params |= {"exclude": None, "quantum": None, "maintain": True, "wait_ms": 50, "by_time": False}
     params["queues"] = ["default"]  # (all queues: the same, after a probe per queue)
+    params["async_except"] = None
 
     assert (
         message_store.queries.run("claim_messages", params) == []

@@ -94,11 +94,11 @@ def test_0013_leaves_one_signature_each_and_old_calls_still_work() -> None:
     """Callers of the previous release (a rolling deploy) reach the new functions, which then
     behave as before: fairness by count, no run time recorded."""
     (claim,) = signatures("fairqueue_claim_v1")
-    assert claim.endswith("p_wait_ms integer, p_by_time boolean, p_queues text[]"), claim
+    assert claim.endswith("p_by_time boolean, p_queues text[], p_async_except text[]"), claim
     (fold,) = signatures("fairqueue_fold_deltas_v1")
     assert fold.endswith("p_by_time boolean"), fold
     (complete,) = signatures("fairqueue_complete_v1")
-    assert complete.endswith("p_runs double precision[]"), complete
+    assert complete.endswith("p_runs double precision[], p_async_commit boolean"), complete
     with connection.cursor() as cur:
         cur.execute(
             "SELECT count(*) FROM fairqueue_claim_v1(1, interval '1 minute', 'old-worker', "
@@ -109,6 +109,16 @@ def test_0013_leaves_one_signature_each_and_old_calls_still_work() -> None:
         assert cur.fetchone() == (0,)
         cur.execute("SELECT count(*) FROM fairqueue_complete_v1('{}', '{}', '{}')")
         assert cur.fetchone() == (0,)
+        # and those of the release before the commits without the WAL wait (0032)
+        cur.execute(
+            "SELECT count(*) FROM fairqueue_claim_v1(1, interval '1 minute', 'old-worker', "
+            "NULL, NULL, NULL, true, 0, false, NULL)"
+        )
+        assert cur.fetchone() == (0,)
+        cur.execute("SELECT count(*) FROM fairqueue_complete_v1('{}', '{}', '{}', '{}')")
+        assert cur.fetchone() == (0,)
+        cur.execute("SELECT current_setting('synchronous_commit')")
+        assert cur.fetchone() == ("on",)
 
 
 # --- Every path ends at the same schema and the live functions ----------------------------------

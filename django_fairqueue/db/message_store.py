@@ -121,6 +121,8 @@ def claim_messages(
     maintain: bool = True,
     fairness: str | None = None,
     queues: Sequence[str] | None = None,
+    async_commit: bool = False,
+    durable_tasks: Sequence[str] = (),
     using: str | None = None,
 ) -> list[ClaimedMessage]:
     """Claim up to ``limit`` messages fairly across channels, each under a fresh lease.
@@ -133,12 +135,19 @@ def claim_messages(
     ``FAIRNESS`` setting: which channel comes next, by turns of messages or by worker time.
     ``queues`` limits the claim to those queues (None: every queue); several are served in
     turn, the one whose first channel has waited longest first (docs/howto/queues.md).
+    ``async_commit``: a claim that is its own transaction commits without waiting for its WAL
+    flush, unless it hands out a message of one of ``durable_tasks`` (at-most-once tasks, whose
+    lost claim would run them twice); inside a caller's transaction it is ignored. See
+    ``FAIRQUEUE['ASYNC_COMMIT']``.
     """
     params = _claim_params(limit, lease, worker_id, only_channel_ids, exclude_channel_ids, quantum)
     params.update(
         maintain=maintain,
         by_time=channel_store.fairness_by_time(fairness),
         queues=None if queues is None else [validate_queue_name(q) for q in queues],
+        async_except=(
+            list(durable_tasks) if async_commit and pg.statement_is_transaction(using) else None
+        ),
     )
     rows = _run_claim("claim_messages", params, using)
     return [_claimed(row) for row in rows]
@@ -197,10 +206,8 @@ def _run_claim(name: str, params: dict[str, Any], using: str | None) -> list[tup
     the channel index), so running another would mostly double the load. Inside a caller's
     transaction it never waits.
     """
-    settings = conf.get()
-    wrapper = connections[using or settings.DATABASE]
-    wait_ms = math.ceil(settings.CLAIM_WAIT * 1000)
-    if not (wait_ms and wrapper.get_autocommit() and not wrapper.in_atomic_block):
+    wait_ms = math.ceil(conf.get().CLAIM_WAIT * 1000)
+    if not (wait_ms and pg.statement_is_transaction(using)):
         return _run(name, {**params, "wait_ms": 0}, using)
     try:
         return _run(name, {**params, "wait_ms": wait_ms}, using)
@@ -244,16 +251,22 @@ def complete_messages(
     done: Sequence[tuple[int, uuid.UUID, Any]],
     *,
     run_seconds: Sequence[float | None] | None = None,
+    async_commit: bool = False,
     using: str | None = None,
 ) -> set[int]:
     """Settle successes given as (id, lease_token, result); returns the ids actually settled.
 
     ``run_seconds``, parallel to ``done``: how long each ran (None: the time since its claim,
     on the database's clock), charged to its channel when fairness is by time.
+    ``async_commit``: a completion that is its own transaction commits without waiting for its
+    WAL flush (lost in a database crash, its message is rescued when its lease expires, as if
+    its worker had crashed); inside a caller's transaction it is ignored.
     """
     if not done:
         return set()
-    rows = _run("complete_messages", _completion_params(done, run_seconds), using)
+    params = _completion_params(done, run_seconds)
+    params["async_commit"] = async_commit and pg.statement_is_transaction(using)
+    rows = _run("complete_messages", params, using)
     return {r[0] for r in rows}
 
 

@@ -169,6 +169,14 @@ def run_statement(
         return cur.fetchall()
 
 
+def statement_is_transaction(using: str | None = None) -> bool:
+    """Whether a statement run now on ``using`` is a transaction of its own (autocommit, no
+    atomic block): what a claim that may wait, or a commit without the WAL flush, needs, since
+    either would otherwise apply to the caller's whole transaction."""
+    wrapper = connections[using or conf.get().DATABASE]
+    return wrapper.get_autocommit() and not wrapper.in_atomic_block
+
+
 def is_lock_timeout(exc: BaseException) -> bool:
     """Whether a database error is a lock wait that ran out (SQLSTATE 55P03)."""
     cause = exc.__cause__ if exc.__cause__ is not None else exc

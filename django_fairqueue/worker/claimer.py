@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
+from django_fairqueue import conf
 from django_fairqueue._runtime import (
     CONNECTION_ERRORS,
     Backoff,
@@ -28,6 +29,7 @@ from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.registry import wall_clock
 from django_fairqueue.stats import StatsRecorder
+from django_fairqueue.taskspec import registry
 from django_fairqueue.worker.config import (
     DUE_RETRY_FIRST,
     DUE_SLACK,
@@ -302,6 +304,8 @@ class Claimer(Service):
             only_channel_ids=only,
             exclude_channel_ids=exclude,
             queues=self.config.queues,
+            async_commit=conf.get().ASYNC_COMMIT,
+            durable_tasks=registry.at_most_once_names(),
         )
         if self.observe_claim is not None:
             self.observe_claim(time.monotonic() - started)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from django.db import DatabaseError
 from django.utils import timezone
 
+from django_fairqueue import conf
 from django_fairqueue._runtime import (
     CONNECTION_ERRORS,
     Backoff,
@@ -212,6 +213,7 @@ class Settler(Service):
             done = message_store.complete_messages(
                 [(o.message.id, o.message.lease_token, o.result) for o in group],
                 run_seconds=_run_seconds(group),
+                async_commit=conf.get().ASYNC_COMMIT,
             )
             return {i: "succeeded" for i in done}
         if verb == "fail":

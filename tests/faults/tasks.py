@@ -71,3 +71,10 @@ def durable(seconds: float = 0.0) -> None:
     """Like ``work``, its log written with synchronous commit: a run that finished before the
     server was killed is in the log of the standby promoted after it."""
     _logged(seconds, durable=True)
+
+
+@task(name="tests.faults.once", delivery="at_most_once")
+def once(seconds: float = 0.0) -> None:
+    """At most once, its log written with synchronous commit: every run it started is in the
+    log after a server crash, so a second run cannot hide."""
+    _logged(seconds, durable=True)

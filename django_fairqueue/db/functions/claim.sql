@@ -690,6 +690,10 @@ $$;
 -- tag first, passing over rate-limited channels not due yet (the tag index cannot bound
 -- them by time), and step 5 also charges each channel its mean run time per message claimed,
 -- divided by its weight. Shares, caps, rate limits and locks are as in turn order.
+--
+-- p_async_except (the worker's own claims, each its own transaction; NULL otherwise): the
+-- transaction commits without waiting for its WAL flush, unless it hands out a message of one
+-- of these tasks (the worker's at-most-once tasks): see fairqueue_relax_commit_v1.
 CREATE OR REPLACE FUNCTION fairqueue_claim_v1(
     p_limit integer,
     p_lease interval,
@@ -700,7 +704,8 @@ CREATE OR REPLACE FUNCTION fairqueue_claim_v1(
     p_maintain boolean DEFAULT true,
     p_wait_ms integer DEFAULT 0,
     p_by_time boolean DEFAULT false,
-    p_queues text[] DEFAULT NULL
+    p_queues text[] DEFAULT NULL,
+    p_async_except text[] DEFAULT NULL
 )
 RETURNS TABLE (
     id bigint,
@@ -795,6 +800,9 @@ BEGIN
     -- p_maintain = false skips this housekeeping: a claim inside a caller's long transaction
     -- (exactly-once) must not hold other channels' rows locked until that caller commits; it
     -- runs the same housekeeping in a short transaction of its own first.
+    IF p_async_except IS NOT NULL THEN
+        PERFORM fairqueue_relax_commit_v1();
+    END IF;
     IF p_maintain THEN
         PERFORM fairqueue_promote_due_v1(v_now, 1000);
         PERFORM fairqueue_fold_deltas_v1(1000, true, p_by_time);
@@ -908,7 +916,7 @@ BEGIN
             FOREACH v_queue IN ARRAY v_queues LOOP
                 RETURN QUERY SELECT * FROM fairqueue_claim_v1(
                     p_limit - v_got, p_lease, p_worker, p_only, p_exclude, v_quantum, false, 0,
-                    p_by_time, ARRAY[v_queue]);
+                    p_by_time, ARRAY[v_queue], p_async_except);
                 GET DIAGNOSTICS v_n = ROW_COUNT;
                 v_got := v_got + v_n;
                 EXIT WHEN v_got >= p_limit;
@@ -1273,7 +1281,9 @@ BEGIN
         WHERE m.id = ANY (ARRAY(SELECT cand.id FROM cand)) AND m.state = 'ready'
         RETURNING m.id, m.channel_id, m.task_name, m.payload, m.priority, m.attempts,
                   m.max_attempts, m.keep_result, m.lease_token, m.lease_expires_at,
-                  m.enqueued_at, m.run_at
+                  m.enqueued_at, m.run_at,
+                  -- an at-most-once message keeps this transaction's commit durable
+                  CASE WHEN m.task_name = ANY (p_async_except) THEN fairqueue_hold_commit_v1() END
     ), got AS MATERIALIZED (
         -- MATERIALIZED: inlined, this aggregate is recomputed once per channel row of the
         -- update below (the planner expects one row); materialized it is computed once.
@@ -1350,6 +1360,6 @@ BEGIN
     -- In the order a worker should start them (it may prefetch more than it runs at once).
     ORDER BY claimed.priority DESC, claimed.id;
     -- (`charged` and `gcharged` are not read: PostgreSQL runs every data-modifying CTE to
-    -- completion.)
+    -- completion, RETURNING lists included.)
 END;
 $$;

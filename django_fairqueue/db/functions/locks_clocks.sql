@@ -25,6 +25,42 @@
 -- own transaction doing so across statements, which the SKIP LOCKED waits above tolerate.
 
 
+-- Commits without the WAL flush. The worker's own claims and completions (each a transaction
+-- of its own) commit with synchronous_commit = off: the commit returns before its WAL reaches
+-- the disk (or a synchronous standby), which on most disks is most of a small transaction's
+-- time. A database crash can lose the last moments of them (at most about three times
+-- wal_writer_delay), as if their worker had crashed then: a lost claim never happened, so its
+-- messages run again (at-least-once delivery allows it); a lost completion leaves its message
+-- running until its lease expires, then retried or, out of attempts, dead-lettered. Anything
+-- committed durably later (an enqueue, say) flushes them too, so nothing that depends on them
+-- survives without them. A claim of an at-most-once message stays durable
+-- (fairqueue_hold_commit_v1, from the claim's RETURNING list): lost, it would run twice.
+-- Transaction-local settings only, so nothing outlives the transaction (or leaks to another
+-- client through a pooler). fairqueue.commit_was keeps the setting from before, for the hold.
+CREATE OR REPLACE FUNCTION fairqueue_relax_commit_v1() RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    IF current_setting('fairqueue.commit_held', true) IS DISTINCT FROM 'on' THEN
+        IF coalesce(current_setting('fairqueue.commit_was', true), '') = '' THEN
+            PERFORM set_config('fairqueue.commit_was', current_setting('synchronous_commit'), true);
+        END IF;
+        PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION fairqueue_hold_commit_v1() RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM set_config('fairqueue.commit_held', 'on', true);
+    IF coalesce(current_setting('fairqueue.commit_was', true), '') <> '' THEN
+        PERFORM set_config('synchronous_commit', current_setting('fairqueue.commit_was'), true);
+    END IF;
+    RETURN true;
+END;
+$$;
+
+
 -- Advisory-lock namespace of the bounded-backlog check at commit: ("fq" as int, channel id).
 CREATE OR REPLACE FUNCTION fairqueue_lock_key_v1() RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 26225 $$;

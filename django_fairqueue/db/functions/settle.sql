@@ -30,17 +30,23 @@ $$;
 -- time than the settlement itself for small batches.
 -- p_runs: each message's run time in seconds as its worker measured it (NULL: not measured),
 -- recorded in the delta for fairness by time (fairqueue_run_seconds_v1 bounds it).
+-- p_async_commit (the worker's own settlements, each its own transaction): the transaction
+-- commits without waiting for its WAL flush (fairqueue_relax_commit_v1).
 CREATE OR REPLACE FUNCTION fairqueue_complete_v1(
     p_ids bigint[],
     p_tokens uuid[],
     p_results jsonb[],
-    p_runs double precision[] DEFAULT NULL
+    p_runs double precision[] DEFAULT NULL,
+    p_async_commit boolean DEFAULT false
 )
 RETURNS SETOF bigint
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 AS $$
 BEGIN
+    IF p_async_commit THEN
+        PERFORM fairqueue_relax_commit_v1();
+    END IF;
     -- Lease tokens are random per claim, so "the row's current token is one the caller holds"
     -- is the (id, token) match without a join (a join to unnest() is planned as a nested loop).
     -- Nothing here says `state = 'running'`: a token exists exactly while a row runs (CHECK

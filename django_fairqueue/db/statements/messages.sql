@@ -19,7 +19,7 @@ SELECT id, channel_id, channel_name, task_name, payload, priority, attempts, max
 FROM fairqueue_claim_v1(
     %(limit)s::integer, %(lease)s::interval, %(worker)s::text, %(only)s::bigint[],
     %(exclude)s::bigint[], %(quantum)s::integer, %(maintain)s::boolean, %(wait_ms)s::integer,
-    %(by_time)s::boolean, %(queues)s::text[]
+    %(by_time)s::boolean, %(queues)s::text[], %(async_except)s::text[]
 );
 
 -- name: prepare_claims
@@ -48,7 +48,8 @@ RETURNING m.id, m.abort_requested_at IS NOT NULL;
 -- Settle successful messages: delete them, or keep them as succeeded with their result.
 -- The statement is in fairqueue_complete_v1 (planned once per session there).
 SELECT id FROM fairqueue_complete_v1(
-    %(ids)b::bigint[], %(tokens)b::uuid[], %(results)b::jsonb[], %(runs)b::float8[]
+    %(ids)b::bigint[], %(tokens)b::uuid[], %(results)b::jsonb[], %(runs)b::float8[],
+    %(async_commit)b::boolean
 ) AS id;
 
 -- name: fail_messages
