@@ -1,8 +1,9 @@
 """Claim + complete throughput: N claimer processes in a tight claim -> complete loop.
 
 Each cycle is claim_messages, then complete_messages: two round trips and two commits, as the
-worker's claimer and settler make them (``mode`` is always ``separate``; earlier records also
-have a ``combined`` mode, of a complete-and-claim call the worker never used, since removed).
+worker's claimer and settler make them, commit mode included (``ASYNC_COMMIT``). (``mode`` is
+always ``separate``; earlier records also have a ``combined`` mode, of a complete-and-claim call
+the worker never used, since removed.)
 
 Each cell starts from empty tables, pre-filled with enough ready messages that it should not
 run dry. The pre-fill is sized from a short single-claimer probe per (channels, batch) pair;
@@ -19,10 +20,14 @@ from datetime import timedelta
 from multiprocessing.synchronize import Barrier, Event
 from typing import Any
 
-from django_fairqueue.contrib.bench.harness import START_TIMEOUT, Bench, load1
+from django_fairqueue.contrib.bench.harness import (
+    START_TIMEOUT,
+    Bench,
+    claim_and_complete,
+    load1,
+)
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
-from django_fairqueue.db import message_store
 from django_fairqueue.figures import median
 
 LEASE = timedelta(minutes=10)
@@ -105,21 +110,19 @@ def _worker(
     worker_id = f"fairbench-{os.getpid()}"
     slack = batch * len(claimed)  # rows other claimers may hold right now
 
-    def claim_and_complete() -> int:
-        got = message_store.claim_messages(batch, lease=LEASE, worker_id=worker_id, using=using)
-        if got:
-            message_store.complete_messages([(m.id, m.lease_token, None) for m in got], using=using)
-            claimed[index] += len(got)
+    def cycle() -> int:
+        got = claim_and_complete(batch, LEASE, worker_id, using)
+        claimed[index] += len(got)
         return len(got)
 
     for _ in range(WARMUP_CLAIMS):
-        claim_and_complete()
+        cycle()
     start.wait(START_TIMEOUT)
     began = time.perf_counter()
     deadline = began + duration
     messages = claims = empty = 0
     while not dry.is_set() and time.perf_counter() < deadline:
-        got = claim_and_complete()
+        got = cycle()
         claims += 1
         messages += got
         if got == 0:

@@ -16,6 +16,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from multiprocessing.context import ForkContext, ForkProcess
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Barrier, Event
@@ -27,7 +28,8 @@ from django_fairqueue import conf, terminal
 from django_fairqueue.contrib.bench import db
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
-from django_fairqueue.db import channel_store
+from django_fairqueue.db import channel_store, message_store
+from django_fairqueue.taskspec import registry
 
 #: Rows per bulk-load statement: progress moves, and no single transaction writes a gigabyte.
 LOAD_CHUNK = 200_000
@@ -266,6 +268,29 @@ class ProcessGroup:
 
 # --------------------------------------------------------------------------------------------
 # Figures
+
+
+def claim_and_complete(
+    batch: int, lease: timedelta, worker_id: str, using: str
+) -> list[message_store.ClaimedMessage]:
+    """One claim of up to ``batch`` and the completion of what it got, two statements and two
+    commits, as a worker's claimer and settler make them (their commit mode included)."""
+    settings = conf.get()
+    got = message_store.claim_messages(
+        batch,
+        lease=lease,
+        worker_id=worker_id,
+        async_commit=settings.ASYNC_COMMIT,
+        durable_tasks=registry.at_most_once_names(),
+        using=using,
+    )
+    if got:
+        message_store.complete_messages(
+            [(m.id, m.lease_token, None) for m in got],
+            async_commit=settings.ASYNC_COMMIT,
+            using=using,
+        )
+    return got
 
 
 def backend_cpu(using: str) -> Callable[[], float] | None:
