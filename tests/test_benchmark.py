@@ -468,7 +468,7 @@ def test_enqueue_rounds_compare_systems_within_a_round() -> None:
     assert _ratio_row(text, "django-fairqueue")[:2] == ["x1", "0.65"]
 
 
-def _e2e(label: str, rate: float) -> dict[str, Any]:
+def _compare_e2e(label: str, rate: float) -> dict[str, Any]:
     processes, concurrency = (int(v) for v in label.split("x"))
     return {
         "label": label,
@@ -508,7 +508,7 @@ def test_a_baseline_alternates_with_this_checkout_end_to_end_and_at_pickup() -> 
             {
                 "scenarios": ["e2e", "pickup"],
                 "enqueue": [],
-                "e2e": [_e2e("1x1", one), _e2e("1x4", four)],
+                "e2e": [_compare_e2e("1x1", one), _compare_e2e("1x4", four)],
                 "pickup": {"latencies_ms": latencies, "p99_ms": max(latencies)},
             }
             for (one, four), latencies in zip(rates, pickups, strict=True)
