@@ -781,6 +781,9 @@ DECLARE
     v_grouped boolean := false;  -- a group of v_queue is claimable now
     v_nothing boolean := false;  -- no flow of any queue is claimable (p_queues NULL)
     v_got integer := 0;
+    v_probe boolean;  -- the housekeeping's probes to make: scheduled messages due, waking deltas
+    v_due boolean := false;
+    v_waking boolean := true;  -- (unknown without housekeeping: as if some were waking)
     i integer;
 BEGIN
     IF p_limit IS NULL OR p_limit < 1 THEN
@@ -795,10 +798,74 @@ BEGIN
     -- p_maintain = false skips this housekeeping: a claim inside a caller's long transaction
     -- (exactly-once) must not hold other channels' rows locked until that caller commits; it
     -- runs the same housekeeping in a short transaction of its own first.
-    IF p_maintain THEN
-        PERFORM fairqueue_promote_due_v1(v_now, 1000);
+    -- Housekeeping only when there is some, and the queues' probe (below) in the same
+    -- statement: one statement probes for due scheduled messages and waking deltas (the
+    -- probes each function starts with) and, claiming every queue, reads the queues of
+    -- claimable flows; a function is called only when its probe found work, and the queues
+    -- are read again after it (a fold can make channels claimable). Calling the functions to
+    -- find nothing cost more than the probes (each call sets its own plan_cache_mode, the
+    -- fold enable_seqscan too, and runs its probe as a statement of its own): an idle poll
+    -- was four statements and is one. A column whose CASE is not taken is not computed (its
+    -- subquery is an initplan, run when first read). v_waking also tells the idle path below
+    -- whether a fold may be in flight.
+    v_probe := p_maintain;
+    WHILE v_probe OR p_queues IS NULL LOOP
+        SELECT q.due, q.waking, q.lo,
+               -- the highest queues only when there is a lowest (an idle poll reads two
+               -- index entries, not four)
+               CASE WHEN q.lo IS NOT NULL THEN (
+                   SELECT c.queue::text FROM fairqueue_channel c
+                   WHERE c.ready_count > 0
+                     AND NOT c.paused
+                     AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                     AND c.group_id IS NULL
+                   ORDER BY c.queue DESC LIMIT 1) END,
+               q.glo,
+               CASE WHEN q.glo IS NOT NULL THEN (
+                   SELECT g.queue::text FROM fairqueue_channel_group g
+                   WHERE g.claimable > 0
+                     AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                   ORDER BY g.queue DESC LIMIT 1) END
+        INTO v_due, v_waking, v_lo, v_hi, v_glo, v_ghi
+        FROM (
+            -- The queues: the lowest (and above, the highest) queue of a claimable flow, the
+            -- first and last entries of the two turn indexes, without a lock (see below);
+            -- not when the housekeeping is to run first (they are read again after it).
+            SELECT x.due, x.waking,
+                   CASE WHEN p_queues IS NULL AND NOT (x.due OR x.waking AND v_probe) THEN (
+                       SELECT c.queue::text FROM fairqueue_channel c
+                       WHERE c.ready_count > 0
+                         AND NOT c.paused
+                         AND (c.max_concurrency IS NULL
+                              OR c.running_count < c.max_concurrency)
+                         AND c.group_id IS NULL
+                       ORDER BY c.queue LIMIT 1) END AS lo,
+                   CASE WHEN p_queues IS NULL AND NOT (x.due OR x.waking AND v_probe) THEN (
+                       SELECT g.queue::text FROM fairqueue_channel_group g
+                       WHERE g.claimable > 0
+                         AND (g.max_concurrency IS NULL
+                              OR g.running_count < g.max_concurrency)
+                       ORDER BY g.queue LIMIT 1) END AS glo
+            FROM (
+                SELECT CASE WHEN v_probe THEN EXISTS (
+                           SELECT FROM fairqueue_message m
+                           WHERE m.state = 'scheduled' AND m.run_at <= v_now)
+                            ELSE false END AS due,
+                       CASE WHEN v_probe THEN EXISTS (
+                           SELECT FROM fairqueue_channel_delta d WHERE d.wake)
+                            ELSE v_waking END AS waking
+                OFFSET 0
+            ) x
+            OFFSET 0  -- (each level computed once: the next one's tests read it)
+        ) q;
+        EXIT WHEN NOT v_probe OR NOT (v_due OR v_waking);
+        IF v_due THEN
+            PERFORM fairqueue_promote_due_v1(v_now, 1000);
+            v_waking := true;  -- (its deltas wake)
+        END IF;
         PERFORM fairqueue_fold_deltas_v1(1000, true, p_by_time);
-    END IF;
+        v_probe := false;  -- (and once more for the queues alone, when claiming every queue)
+    END LOOP;
 
     -- Queues (docs/howto/queues.md). A channel (and a group) belongs to one queue, and the
     -- walks below read one queue's entries only: the indexes they walk lead with `queue`, so
@@ -812,34 +879,12 @@ BEGIN
     IF cardinality(p_queues) = 1 THEN
         v_queue := p_queues[1];
     ELSIF p_queues IS NULL THEN
-        -- All queues. One statement reads the lowest and highest queue of a claimable flow
-        -- (the first and last entries of the two turn indexes, no lock). It stands in for
-        -- the group probe below, so a claim of every queue runs as many statements as a
-        -- claim of one: no claimable group at all, and that probe is skipped. When the
-        -- queues found agree, that is the one queue with work (a project with one queue,
-        -- always), or none has work, and nothing more is read; the comparisons are PL/pgSQL
-        -- expressions, not statements.
-        SELECT (SELECT c.queue::text FROM fairqueue_channel c
-                WHERE c.ready_count > 0
-                  AND NOT c.paused
-                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
-                  AND c.group_id IS NULL
-                ORDER BY c.queue LIMIT 1),
-               (SELECT c.queue::text FROM fairqueue_channel c
-                WHERE c.ready_count > 0
-                  AND NOT c.paused
-                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
-                  AND c.group_id IS NULL
-                ORDER BY c.queue DESC LIMIT 1),
-               (SELECT g.queue::text FROM fairqueue_channel_group g
-                WHERE g.claimable > 0
-                  AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
-                ORDER BY g.queue LIMIT 1),
-               (SELECT g.queue::text FROM fairqueue_channel_group g
-                WHERE g.claimable > 0
-                  AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
-                ORDER BY g.queue DESC LIMIT 1)
-        INTO v_lo, v_hi, v_glo, v_ghi;
+        -- All queues. The housekeeping's statement above read the lowest and highest queue
+        -- of a claimable flow. That stands in for the group probe below, so a claim of every
+        -- queue runs as many statements as a claim of one: no claimable group at all, and
+        -- that probe is skipped. When the queues found agree, that is the one queue with work
+        -- (a project with one queue, always), or none has work, and nothing more is read; the
+        -- comparisons are PL/pgSQL expressions, not statements.
         v_no_groups := v_glo IS NULL;
         v_nothing := v_lo IS NULL AND v_glo IS NULL;
         v_queue := coalesce(v_lo, v_glo, 'default');
@@ -924,7 +969,8 @@ BEGIN
     -- for it, then walk its queue once with a new snapshot, without waiting again. Nothing
     -- being folded: nothing to claim.
     IF v_nothing THEN
-        IF coalesce(p_wait_ms, 0) <= 0 THEN
+        -- (no waking delta at the housekeeping's probe a moment ago: none is being folded)
+        IF coalesce(p_wait_ms, 0) <= 0 OR NOT v_waking THEN
             RETURN;
         END IF;
         SELECT d.channel_id INTO v_folding
