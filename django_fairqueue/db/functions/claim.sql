@@ -191,9 +191,7 @@ BEGIN
                 SELECT x.kind, x.fid FROM (
                     (SELECT 0 AS kind, c.id AS fid, c.vtime AS k1
                      FROM fairqueue_channel c
-                     WHERE c.ready_count > 0
-                       AND NOT c.paused
-                       AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                     WHERE c.claimable
                        AND c.group_id IS NULL
                        AND c.queue = p_queue
                        AND (c.release_interval = interval '0' OR c.next_turn_at <= v_due)
@@ -215,9 +213,7 @@ BEGIN
                 SELECT x.kind, x.fid FROM (
                     (SELECT 0 AS kind, c.id AS fid, c.next_turn_at AS k1
                      FROM fairqueue_channel c
-                     WHERE c.ready_count > 0
-                       AND NOT c.paused
-                       AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                     WHERE c.claimable
                        AND c.group_id IS NULL
                        AND c.queue = p_queue
                        AND c.next_turn_at <= v_due
@@ -244,8 +240,7 @@ BEGIN
                     SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
                            c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
                     INTO r FROM fairqueue_channel c
-                    WHERE c.id = t.fid AND c.ready_count > 0 AND NOT c.paused
-                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                    WHERE c.id = t.fid AND c.claimable
                       AND c.group_id IS NULL
                       AND (c.release_interval = interval '0'
                            OR c.next_turn_at <= clock_timestamp())
@@ -254,8 +249,7 @@ BEGIN
                     SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
                            c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
                     INTO r FROM fairqueue_channel c
-                    WHERE c.id = t.fid AND c.ready_count > 0 AND NOT c.paused
-                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                    WHERE c.id = t.fid AND c.claimable
                       AND c.group_id IS NULL
                       AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
                     FOR UPDATE SKIP LOCKED;
@@ -337,9 +331,7 @@ BEGIN
                                c.running_count, c.mean_run, c.vtime
                         FROM fairqueue_channel c
                         WHERE c.group_id IS NOT NULL
-                          AND c.ready_count > 0
-                          AND NOT c.paused
-                          AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                          AND c.claimable
                           AND c.group_id = gr.id
                           AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
                           AND (p_only IS NULL OR c.id = ANY (p_only))
@@ -353,9 +345,7 @@ BEGIN
                                c.running_count, c.mean_run, c.vtime
                         FROM fairqueue_channel c
                         WHERE c.group_id IS NOT NULL
-                          AND c.ready_count > 0
-                          AND NOT c.paused
-                          AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                          AND c.claimable
                           AND c.group_id = gr.id
                           AND c.next_turn_at <= v_now
                           AND (p_only IS NULL OR c.id = ANY (p_only))
@@ -402,9 +392,7 @@ BEGIN
                     SELECT c.next_turn_at INTO v_park
                     FROM fairqueue_channel c
                     WHERE c.group_id IS NOT NULL
-                      AND c.ready_count > 0
-                      AND NOT c.paused
-                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                      AND c.claimable
                       AND c.group_id = gr.id
                     ORDER BY c.next_turn_at, c.id
                     LIMIT 1;
@@ -459,9 +447,7 @@ BEGIN
                            c.running_count, c.mean_run, c.vtime
                     FROM fairqueue_channel c
                     WHERE c.group_id IS NOT NULL
-                      AND c.ready_count > 0
-                      AND NOT c.paused
-                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                      AND c.claimable
                       AND c.group_id = v_gids[k]
                       AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
                       AND NOT (c.id = ANY (v_ids))
@@ -476,9 +462,7 @@ BEGIN
                            c.running_count, c.mean_run, c.vtime
                     FROM fairqueue_channel c
                     WHERE c.group_id IS NOT NULL
-                      AND c.ready_count > 0
-                      AND NOT c.paused
-                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                      AND c.claimable
                       AND c.group_id = v_gids[k]
                       AND c.next_turn_at <= v_now
                       AND NOT (c.id = ANY (v_ids))
@@ -815,9 +799,7 @@ BEGIN
                -- index entries, not four)
                CASE WHEN q.lo IS NOT NULL THEN (
                    SELECT c.queue::text FROM fairqueue_channel c
-                   WHERE c.ready_count > 0
-                     AND NOT c.paused
-                     AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                   WHERE c.claimable
                      AND c.group_id IS NULL
                    ORDER BY c.queue DESC LIMIT 1) END,
                q.glo,
@@ -834,10 +816,7 @@ BEGIN
             SELECT x.due, x.waking,
                    CASE WHEN p_queues IS NULL AND NOT (x.due OR x.waking AND v_probe) THEN (
                        SELECT c.queue::text FROM fairqueue_channel c
-                       WHERE c.ready_count > 0
-                         AND NOT c.paused
-                         AND (c.max_concurrency IS NULL
-                              OR c.running_count < c.max_concurrency)
+                       WHERE c.claimable
                          AND c.group_id IS NULL
                        ORDER BY c.queue LIMIT 1) END AS lo,
                    CASE WHEN p_queues IS NULL AND NOT (x.due OR x.waking AND v_probe) THEN (
@@ -905,18 +884,14 @@ BEGIN
             WITH RECURSIVE cq AS (
                 (SELECT c.queue::text AS q
                  FROM fairqueue_channel c
-                 WHERE c.ready_count > 0
-                   AND NOT c.paused
-                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                 WHERE c.claimable
                    AND c.group_id IS NULL
                  ORDER BY c.queue
                  LIMIT 1)
                 UNION ALL
                 SELECT (SELECT c.queue::text
                         FROM fairqueue_channel c
-                        WHERE c.ready_count > 0
-                          AND NOT c.paused
-                          AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                        WHERE c.claimable
                           AND c.group_id IS NULL
                           AND c.queue > cq.q
                         ORDER BY c.queue
@@ -1059,9 +1034,7 @@ BEGIN
                     SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
                            c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
                     FROM fairqueue_channel c
-                    WHERE c.ready_count > 0
-                      AND NOT c.paused
-                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                    WHERE c.claimable
                       AND c.group_id IS NULL
                       AND c.queue = v_queue
                       AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
@@ -1075,9 +1048,7 @@ BEGIN
                     SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
                            c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
                     FROM fairqueue_channel c
-                    WHERE c.ready_count > 0
-                      AND NOT c.paused
-                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                    WHERE c.claimable
                       AND c.group_id IS NULL
                       AND c.queue = v_queue
                       AND (c.release_interval = interval '0'
@@ -1093,9 +1064,7 @@ BEGIN
                     SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
                            c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
                     FROM fairqueue_channel c
-                    WHERE c.ready_count > 0
-                      AND NOT c.paused
-                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                    WHERE c.claimable
                       AND c.group_id IS NULL
                       AND c.queue = v_queue
                       AND c.next_turn_at <= v_now
@@ -1109,9 +1078,7 @@ BEGIN
                     SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
                            c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
                     FROM fairqueue_channel c
-                    WHERE c.ready_count > 0
-                      AND NOT c.paused
-                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                    WHERE c.claimable
                       AND c.group_id IS NULL
                       AND c.queue = v_queue
                       -- The first bound is the index condition (rate-limited channels due later
@@ -1195,9 +1162,7 @@ BEGIN
                                  / c.weight
                 INTO v_front
                 FROM fairqueue_channel c
-                WHERE c.ready_count > 0
-                  AND NOT c.paused
-                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                WHERE c.claimable
                   AND c.group_id IS NULL
                   AND c.queue = v_queue
                   AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)

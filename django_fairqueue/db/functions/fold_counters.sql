@@ -149,10 +149,13 @@ BEGIN
     --    took fq_delta_channel_idx and read every pending delta of those channels (the
     --    maintenance loop's non-waking ones included: 5,010 rows to delete 10; in steady
     --    traffic 6.4 of a claim of 100's 10.8 ms). tests/test_explain.py checks.
-    v_deltas := ARRAY(
-        SELECT x.id FROM unnest(v_deltas, v_delta_channels) AS x(id, channel_id)
-        WHERE x.channel_id = ANY (v_locked)
-    );
+    --    (Every channel locked, the usual case: they are step 1's deltas, no statement.)
+    IF cardinality(v_locked) < cardinality(v_wanted) THEN
+        v_deltas := ARRAY(
+            SELECT x.id FROM unnest(v_deltas, v_delta_channels) AS x(id, channel_id)
+            WHERE x.channel_id = ANY (v_locked)
+        );
+    END IF;
     WITH gone AS (
         DELETE FROM fairqueue_channel_delta d
         WHERE d.id = ANY (v_deltas)
@@ -223,8 +226,7 @@ BEGIN
             -- a grouped channel is lifted within its group
             CASE WHEN c.group_id IS NULL THEN v_vnow
                  ELSE fairqueue_group_virtual_time_v1(c.group_id, c.id) END,
-            c.ready_count > 0 AND NOT c.paused
-                AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency),
+            c.claimable,
             c.ready_count + v_ready[array_position(v_ids, c.id)] > 0 AND NOT c.paused
                 AND (c.max_concurrency IS NULL
                      OR c.running_count + v_running[array_position(v_ids, c.id)]
