@@ -12,8 +12,13 @@
   the counters in the predicates, every fold of an enqueue into a channel that was claimable
   already wrote a new entry into each of the channel's indexes. Now such a fold changes no
   indexed column (the table's fillfactor of 70 leaves room on its pages for such versions).
+* The fold of counter deltas deletes the deltas and adds their sums to the channels in one
+  statement, and leaves the probe for waking deltas to its callers (the claim probes them in
+  its first statement; the batch claim and the claim's housekeeping statement probe before
+  calling it).
 
-Installs only the families it changes: locks and clocks, fold and counters, queues, claim.
+Installs only the families it changes: locks and clocks, fold and counters, queues, claim,
+work batches.
 """
 
 from django.db import migrations
@@ -54,5 +59,5 @@ class Migration(migrations.Migration):
         # Backwards: the old indexes come back, and the column stays (the functions, which
         # unapplying leaves as they are, read it).
         migrations.RunSQL(ADD_COLUMN + _indexes("claimable"), _indexes(OLD)),
-        InstallFunctions("locks_clocks", "fold_counters", "queues", "claim"),
+        InstallFunctions("locks_clocks", "fold_counters", "queues", "claim", "batches"),
     ]
