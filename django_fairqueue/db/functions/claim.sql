@@ -828,12 +828,17 @@ BEGIN
                               OR g.running_count < g.max_concurrency)
                        ORDER BY g.queue LIMIT 1) END AS glo
             FROM (
+                -- (Each probe in its partial index's order, LIMIT 1: as a bare EXISTS, a
+                -- generic plan read the delta table sequentially whenever its statistics
+                -- said it was nearly empty, and then read every completion's delta.)
                 SELECT CASE WHEN v_probe THEN EXISTS (
                            SELECT FROM fairqueue_message m
-                           WHERE m.state = 'scheduled' AND m.run_at <= v_now)
+                           WHERE m.state = 'scheduled' AND m.run_at <= v_now
+                           ORDER BY m.run_at, m.id LIMIT 1)
                             ELSE false END AS due,
                        CASE WHEN v_probe THEN EXISTS (
-                           SELECT FROM fairqueue_channel_delta d WHERE d.wake)
+                           SELECT FROM fairqueue_channel_delta d WHERE d.wake
+                           ORDER BY d.id LIMIT 1)
                             ELSE v_waking END AS waking
                 OFFSET 0
             ) x
