@@ -197,7 +197,9 @@ class Channel(models.Model):
     ``succeeded_total``), the round-robin turn (``next_turn_at``, ``turn_used``,
     ``last_claimed_at``), the virtual tag of fairness by time (``vtime``, ``mean_run``) and the
     work-batch turn (``batch_turn_at``, ``batch_turn_used``, ``batch_pending``) are written only
-    by the queue's SQL functions and have database defaults. So the ORM never loads them and can
+    by the queue's SQL functions and have database defaults; ``claimable``, which the walk
+    indexes' predicates read, is a stored column PostgreSQL generates from the counters and
+    the limits. So the ORM never loads them and can
     never write them back: ``save()`` of an instance loaded an hour ago, ``QuerySet.update()``,
     ``bulk_update()``, admin edits and ``loaddata`` all write configuration columns only, and an
     UPDATE of those (under READ COMMITTED) re-reads the row a claim just changed instead of

@@ -11,9 +11,11 @@ AS $$
 DECLARE
     v_count integer;
 BEGIN
-    -- Every claim calls this, and almost always nothing is due. One probe of fq_message_due_idx
-    -- settles that for about a fifth of what the writing statement below costs even when it
-    -- writes nothing (measured with track_functions: 68 us of a 181 us empty claim).
+    -- Almost always nothing is due (the claim calls this only when its own probe found a due
+    -- message; the claim's housekeeping statement calls it every time). One probe of
+    -- fq_message_due_idx settles that for about a fifth of what the writing statement below
+    -- costs even when it writes nothing (measured with track_functions: 68 us of a 181 us
+    -- empty claim).
     IF NOT EXISTS (
         SELECT FROM fairqueue_message m WHERE m.state = 'scheduled' AND m.run_at <= p_now
     ) THEN
@@ -191,9 +193,7 @@ BEGIN
                 SELECT x.kind, x.fid FROM (
                     (SELECT 0 AS kind, c.id AS fid, c.vtime AS k1
                      FROM fairqueue_channel c
-                     WHERE c.ready_count > 0
-                       AND NOT c.paused
-                       AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                     WHERE c.claimable
                        AND c.group_id IS NULL
                        AND c.queue = p_queue
                        AND (c.release_interval = interval '0' OR c.next_turn_at <= v_due)
@@ -215,9 +215,7 @@ BEGIN
                 SELECT x.kind, x.fid FROM (
                     (SELECT 0 AS kind, c.id AS fid, c.next_turn_at AS k1
                      FROM fairqueue_channel c
-                     WHERE c.ready_count > 0
-                       AND NOT c.paused
-                       AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                     WHERE c.claimable
                        AND c.group_id IS NULL
                        AND c.queue = p_queue
                        AND c.next_turn_at <= v_due
@@ -244,8 +242,7 @@ BEGIN
                     SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
                            c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
                     INTO r FROM fairqueue_channel c
-                    WHERE c.id = t.fid AND c.ready_count > 0 AND NOT c.paused
-                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                    WHERE c.id = t.fid AND c.claimable
                       AND c.group_id IS NULL
                       AND (c.release_interval = interval '0'
                            OR c.next_turn_at <= clock_timestamp())
@@ -254,8 +251,7 @@ BEGIN
                     SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
                            c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
                     INTO r FROM fairqueue_channel c
-                    WHERE c.id = t.fid AND c.ready_count > 0 AND NOT c.paused
-                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                    WHERE c.id = t.fid AND c.claimable
                       AND c.group_id IS NULL
                       AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
                     FOR UPDATE SKIP LOCKED;
@@ -337,9 +333,7 @@ BEGIN
                                c.running_count, c.mean_run, c.vtime
                         FROM fairqueue_channel c
                         WHERE c.group_id IS NOT NULL
-                          AND c.ready_count > 0
-                          AND NOT c.paused
-                          AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                          AND c.claimable
                           AND c.group_id = gr.id
                           AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
                           AND (p_only IS NULL OR c.id = ANY (p_only))
@@ -353,9 +347,7 @@ BEGIN
                                c.running_count, c.mean_run, c.vtime
                         FROM fairqueue_channel c
                         WHERE c.group_id IS NOT NULL
-                          AND c.ready_count > 0
-                          AND NOT c.paused
-                          AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                          AND c.claimable
                           AND c.group_id = gr.id
                           AND c.next_turn_at <= v_now
                           AND (p_only IS NULL OR c.id = ANY (p_only))
@@ -402,9 +394,7 @@ BEGIN
                     SELECT c.next_turn_at INTO v_park
                     FROM fairqueue_channel c
                     WHERE c.group_id IS NOT NULL
-                      AND c.ready_count > 0
-                      AND NOT c.paused
-                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                      AND c.claimable
                       AND c.group_id = gr.id
                     ORDER BY c.next_turn_at, c.id
                     LIMIT 1;
@@ -459,9 +449,7 @@ BEGIN
                            c.running_count, c.mean_run, c.vtime
                     FROM fairqueue_channel c
                     WHERE c.group_id IS NOT NULL
-                      AND c.ready_count > 0
-                      AND NOT c.paused
-                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                      AND c.claimable
                       AND c.group_id = v_gids[k]
                       AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
                       AND NOT (c.id = ANY (v_ids))
@@ -476,9 +464,7 @@ BEGIN
                            c.running_count, c.mean_run, c.vtime
                     FROM fairqueue_channel c
                     WHERE c.group_id IS NOT NULL
-                      AND c.ready_count > 0
-                      AND NOT c.paused
-                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                      AND c.claimable
                       AND c.group_id = v_gids[k]
                       AND c.next_turn_at <= v_now
                       AND NOT (c.id = ANY (v_ids))
@@ -786,6 +772,9 @@ DECLARE
     v_grouped boolean := false;  -- a group of v_queue is claimable now
     v_nothing boolean := false;  -- no flow of any queue is claimable (p_queues NULL)
     v_got integer := 0;
+    v_probe boolean;  -- the housekeeping's probes to make: scheduled messages due, waking deltas
+    v_due boolean := false;
+    v_waking boolean := true;  -- (unknown without housekeeping: as if some were waking)
     i integer;
 BEGIN
     IF p_limit IS NULL OR p_limit < 1 THEN
@@ -803,10 +792,74 @@ BEGIN
     IF p_async_except IS NOT NULL THEN
         PERFORM fairqueue_relax_commit_v1();
     END IF;
-    IF p_maintain THEN
-        PERFORM fairqueue_promote_due_v1(v_now, 1000);
+    -- Housekeeping only when there is some, and the queues' probe (below) in the same
+    -- statement: one statement probes for due scheduled messages and waking deltas (the
+    -- probes each function starts with) and, claiming every queue, reads the queues of
+    -- claimable flows; a function is called only when its probe found work, and the queues
+    -- are read again after it (a fold can make channels claimable). Calling the functions to
+    -- find nothing cost more than the probes (each call sets its own plan_cache_mode, the
+    -- fold enable_seqscan too, and runs its probe as a statement of its own): an idle poll
+    -- was four statements and is one. A column whose CASE is not taken is not computed (its
+    -- subquery is an initplan, run when first read). v_waking also tells the idle path below
+    -- whether a fold may be in flight.
+    v_probe := p_maintain;
+    WHILE v_probe OR p_queues IS NULL LOOP
+        SELECT q.due, q.waking, q.lo,
+               -- the highest queues only when there is a lowest (an idle poll reads two
+               -- index entries, not four)
+               CASE WHEN q.lo IS NOT NULL THEN (
+                   SELECT c.queue::text FROM fairqueue_channel c
+                   WHERE c.claimable
+                     AND c.group_id IS NULL
+                   ORDER BY c.queue DESC LIMIT 1) END,
+               q.glo,
+               CASE WHEN q.glo IS NOT NULL THEN (
+                   SELECT g.queue::text FROM fairqueue_channel_group g
+                   WHERE g.claimable > 0
+                     AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                   ORDER BY g.queue DESC LIMIT 1) END
+        INTO v_due, v_waking, v_lo, v_hi, v_glo, v_ghi
+        FROM (
+            -- The queues: the lowest (and above, the highest) queue of a claimable flow, the
+            -- first and last entries of the two turn indexes, without a lock (see below);
+            -- not when the housekeeping is to run first (they are read again after it).
+            SELECT x.due, x.waking,
+                   CASE WHEN p_queues IS NULL AND NOT (x.due OR x.waking AND v_probe) THEN (
+                       SELECT c.queue::text FROM fairqueue_channel c
+                       WHERE c.claimable
+                         AND c.group_id IS NULL
+                       ORDER BY c.queue LIMIT 1) END AS lo,
+                   CASE WHEN p_queues IS NULL AND NOT (x.due OR x.waking AND v_probe) THEN (
+                       SELECT g.queue::text FROM fairqueue_channel_group g
+                       WHERE g.claimable > 0
+                         AND (g.max_concurrency IS NULL
+                              OR g.running_count < g.max_concurrency)
+                       ORDER BY g.queue LIMIT 1) END AS glo
+            FROM (
+                -- (Each probe in its partial index's order, LIMIT 1: as a bare EXISTS, a
+                -- generic plan read the delta table sequentially whenever its statistics
+                -- said it was nearly empty, and then read every completion's delta.)
+                SELECT CASE WHEN v_probe THEN EXISTS (
+                           SELECT FROM fairqueue_message m
+                           WHERE m.state = 'scheduled' AND m.run_at <= v_now
+                           ORDER BY m.run_at, m.id LIMIT 1)
+                            ELSE false END AS due,
+                       CASE WHEN v_probe THEN EXISTS (
+                           SELECT FROM fairqueue_channel_delta d WHERE d.wake
+                           ORDER BY d.id LIMIT 1)
+                            ELSE v_waking END AS waking
+                OFFSET 0
+            ) x
+            OFFSET 0  -- (each level computed once: the next one's tests read it)
+        ) q;
+        EXIT WHEN NOT v_probe OR NOT (v_due OR v_waking);
+        IF v_due THEN
+            PERFORM fairqueue_promote_due_v1(v_now, 1000);
+            v_waking := true;  -- (its deltas wake)
+        END IF;
         PERFORM fairqueue_fold_deltas_v1(1000, true, p_by_time);
-    END IF;
+        v_probe := false;  -- (and once more for the queues alone, when claiming every queue)
+    END LOOP;
 
     -- Queues (docs/howto/queues.md). A channel (and a group) belongs to one queue, and the
     -- walks below read one queue's entries only: the indexes they walk lead with `queue`, so
@@ -820,34 +873,12 @@ BEGIN
     IF cardinality(p_queues) = 1 THEN
         v_queue := p_queues[1];
     ELSIF p_queues IS NULL THEN
-        -- All queues. One statement reads the lowest and highest queue of a claimable flow
-        -- (the first and last entries of the two turn indexes, no lock). It stands in for
-        -- the group probe below, so a claim of every queue runs as many statements as a
-        -- claim of one: no claimable group at all, and that probe is skipped. When the
-        -- queues found agree, that is the one queue with work (a project with one queue,
-        -- always), or none has work, and nothing more is read; the comparisons are PL/pgSQL
-        -- expressions, not statements.
-        SELECT (SELECT c.queue::text FROM fairqueue_channel c
-                WHERE c.ready_count > 0
-                  AND NOT c.paused
-                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
-                  AND c.group_id IS NULL
-                ORDER BY c.queue LIMIT 1),
-               (SELECT c.queue::text FROM fairqueue_channel c
-                WHERE c.ready_count > 0
-                  AND NOT c.paused
-                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
-                  AND c.group_id IS NULL
-                ORDER BY c.queue DESC LIMIT 1),
-               (SELECT g.queue::text FROM fairqueue_channel_group g
-                WHERE g.claimable > 0
-                  AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
-                ORDER BY g.queue LIMIT 1),
-               (SELECT g.queue::text FROM fairqueue_channel_group g
-                WHERE g.claimable > 0
-                  AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
-                ORDER BY g.queue DESC LIMIT 1)
-        INTO v_lo, v_hi, v_glo, v_ghi;
+        -- All queues. The housekeeping's statement above read the lowest and highest queue
+        -- of a claimable flow. That stands in for the group probe below, so a claim of every
+        -- queue runs as many statements as a claim of one: no claimable group at all, and
+        -- that probe is skipped. When the queues found agree, that is the one queue with work
+        -- (a project with one queue, always), or none has work, and nothing more is read; the
+        -- comparisons are PL/pgSQL expressions, not statements.
         v_no_groups := v_glo IS NULL;
         v_nothing := v_lo IS NULL AND v_glo IS NULL;
         v_queue := coalesce(v_lo, v_glo, 'default');
@@ -868,18 +899,14 @@ BEGIN
             WITH RECURSIVE cq AS (
                 (SELECT c.queue::text AS q
                  FROM fairqueue_channel c
-                 WHERE c.ready_count > 0
-                   AND NOT c.paused
-                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                 WHERE c.claimable
                    AND c.group_id IS NULL
                  ORDER BY c.queue
                  LIMIT 1)
                 UNION ALL
                 SELECT (SELECT c.queue::text
                         FROM fairqueue_channel c
-                        WHERE c.ready_count > 0
-                          AND NOT c.paused
-                          AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                        WHERE c.claimable
                           AND c.group_id IS NULL
                           AND c.queue > cq.q
                         ORDER BY c.queue
@@ -932,7 +959,8 @@ BEGIN
     -- for it, then walk its queue once with a new snapshot, without waiting again. Nothing
     -- being folded: nothing to claim.
     IF v_nothing THEN
-        IF coalesce(p_wait_ms, 0) <= 0 THEN
+        -- (no waking delta at the housekeeping's probe a moment ago: none is being folded)
+        IF coalesce(p_wait_ms, 0) <= 0 OR NOT v_waking THEN
             RETURN;
         END IF;
         SELECT d.channel_id INTO v_folding
@@ -1021,9 +1049,7 @@ BEGIN
                     SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
                            c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
                     FROM fairqueue_channel c
-                    WHERE c.ready_count > 0
-                      AND NOT c.paused
-                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                    WHERE c.claimable
                       AND c.group_id IS NULL
                       AND c.queue = v_queue
                       AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
@@ -1037,9 +1063,7 @@ BEGIN
                     SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
                            c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
                     FROM fairqueue_channel c
-                    WHERE c.ready_count > 0
-                      AND NOT c.paused
-                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                    WHERE c.claimable
                       AND c.group_id IS NULL
                       AND c.queue = v_queue
                       AND (c.release_interval = interval '0'
@@ -1055,9 +1079,7 @@ BEGIN
                     SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
                            c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
                     FROM fairqueue_channel c
-                    WHERE c.ready_count > 0
-                      AND NOT c.paused
-                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                    WHERE c.claimable
                       AND c.group_id IS NULL
                       AND c.queue = v_queue
                       AND c.next_turn_at <= v_now
@@ -1071,9 +1093,7 @@ BEGIN
                     SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
                            c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime
                     FROM fairqueue_channel c
-                    WHERE c.ready_count > 0
-                      AND NOT c.paused
-                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                    WHERE c.claimable
                       AND c.group_id IS NULL
                       AND c.queue = v_queue
                       -- The first bound is the index condition (rate-limited channels due later
@@ -1157,9 +1177,7 @@ BEGIN
                                  / c.weight
                 INTO v_front
                 FROM fairqueue_channel c
-                WHERE c.ready_count > 0
-                  AND NOT c.paused
-                  AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                WHERE c.claimable
                   AND c.group_id IS NULL
                   AND c.queue = v_queue
                   AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)

@@ -67,27 +67,14 @@ DECLARE
     v_locked bigint[];
     v_groups bigint[];
     v_glocked bigint[];
-    v_ids bigint[];
-    v_ready bigint[];
-    v_scheduled bigint[];
-    v_running bigint[];
-    v_failed bigint[];
-    v_succeeded bigint[];
-    v_batches boolean[];
-    v_run double precision[];
-    v_runs bigint[];
-    v_ran bigint[];
     v_vnow double precision;
     v_count integer;
 BEGIN
     -- 1. Lock the oldest pending deltas. Two statements rather than `d.wake OR NOT
-    --    p_wake_only`, so the first can use the partial index fq_delta_wake_idx. Every claim
-    --    calls this and there is usually nothing to fold: a bare probe of the index answers
-    --    that for less than the locking aggregate.
+    --    p_wake_only`, so the first can use the partial index fq_delta_wake_idx. No probe of
+    --    that index first: the callers make it (the claim's first statement probes it with
+    --    the rest of its housekeeping), and call this only when it found a waking delta.
     IF p_wake_only THEN
-        IF NOT EXISTS (SELECT FROM fairqueue_channel_delta d WHERE d.wake) THEN
-            RETURN 0;
-        END IF;
         SELECT array_agg(x.id), array_agg(x.channel_id), array_agg(DISTINCT x.channel_id)
         INTO v_deltas, v_delta_channels, v_wanted FROM (
             SELECT d.id, d.channel_id FROM fairqueue_channel_delta d
@@ -143,22 +130,48 @@ BEGIN
         END IF;
     END IF;
 
-    -- 3. Delete the deltas of the locked channels and sum them per channel. Which deltas
-    --    those are is worked out from step 1's arrays, so the DELETE names rows by primary
-    --    key only: with `AND d.channel_id = ANY (v_locked)` in it, a generic plan sometimes
-    --    took fq_delta_channel_idx and read every pending delta of those channels (the
-    --    maintenance loop's non-waking ones included: 5,010 rows to delete 10; in steady
-    --    traffic 6.4 of a claim of 100's 10.8 ms). tests/test_explain.py checks.
-    v_deltas := ARRAY(
-        SELECT x.id FROM unnest(v_deltas, v_delta_channels) AS x(id, channel_id)
-        WHERE x.channel_id = ANY (v_locked)
-    );
+    -- The deltas of the locked channels, worked out from step 1's arrays, so the DELETE below
+    -- names rows by primary key only: with `AND d.channel_id = ANY (v_locked)` in it, a
+    -- generic plan sometimes took fq_delta_channel_idx and read every pending delta of those
+    -- channels (the maintenance loop's non-waking ones included: 5,010 rows to delete 10; in
+    -- steady traffic 6.4 of a claim of 100's 10.8 ms). tests/test_explain.py checks. (Every
+    -- channel locked, the usual case: they are step 1's deltas, no statement.)
+    IF cardinality(v_locked) < cardinality(v_wanted) THEN
+        v_deltas := ARRAY(
+            SELECT x.id FROM unnest(v_deltas, v_delta_channels) AS x(id, channel_id)
+            WHERE x.channel_id = ANY (v_locked)
+        );
+    END IF;
+    IF p_by_time THEN
+        v_vnow := fairqueue_virtual_time_v1();
+        -- 2c. The groups of grouped channels among them (locked in step 2b), by what really
+        --     ran, before step 3 moves the means their claims charged. A group that becomes
+        --     claimable in step 3 is then lifted from its corrected tag (its trigger).
+        IF v_groups IS NOT NULL THEN
+            PERFORM fairqueue_correct_groups_v1(s.ids, s.run, s.runs)
+            FROM (
+                SELECT array_agg(x.channel_id) AS ids, array_agg(x.run) AS run,
+                       array_agg(x.runs) AS runs
+                FROM (
+                    SELECT d.channel_id, sum(d.run_seconds)::double precision AS run,
+                           sum(d.run_count)::bigint AS runs
+                    FROM fairqueue_channel_delta d
+                    WHERE d.id = ANY (v_deltas)
+                    GROUP BY d.channel_id
+                ) x
+            ) s;
+        END IF;
+    END IF;
+
+    -- 3. Delete those deltas, sum them per channel and add the sums to the channels, in one
+    --    statement: primary-key lookups on both tables (enable_seqscan = off keeps the join of
+    --    the sums to the channels on the key at any size).
     WITH gone AS (
         DELETE FROM fairqueue_channel_delta d
         WHERE d.id = ANY (v_deltas)
         RETURNING d.channel_id, d.ready, d.scheduled, d.running, d.failed, d.succeeded,
                   d.batch_pending, d.run_seconds, d.run_count
-    ), g AS (
+    ), g AS MATERIALIZED (
         SELECT gone.channel_id, sum(gone.ready) AS ready, sum(gone.scheduled) AS scheduled,
                sum(gone.running) AS running, sum(gone.failed) AS failed,
                sum(gone.succeeded) AS succeeded, bool_or(gone.batch_pending) AS batches,
@@ -168,76 +181,52 @@ BEGIN
                count(*) AS n
         FROM gone
         GROUP BY gone.channel_id
+    ), added AS (
+        UPDATE fairqueue_channel c
+        SET ready_count = c.ready_count + g.ready,
+            scheduled_count = c.scheduled_count + g.scheduled,
+            running_count = c.running_count + g.running,
+            failed_count = c.failed_count + g.failed,
+            succeeded_total = c.succeeded_total + g.succeeded,
+            -- set by whatever made a work batch pending (plan, retry, failure, release,
+            -- rescue); cleared only by a batch claim holding the row that finds none pending
+            batch_pending = c.batch_pending OR g.batches,
+            -- A channel without a rate limit is never due later than now. Its turn can only be
+            -- in the future when the database clock stepped back (the turn was set by the old
+            -- clock) or an operator removed its rate limit: either would park it until the
+            -- clock caught up. Folding is what makes a channel claimable, so this is where it
+            -- is put right (at the front of the round: a one-off, not a way to jump the
+            -- queue). The start of the statement, not the clock now: the claim calling this
+            -- compares turns with the clock it read before.
+            next_turn_at = CASE
+                WHEN c.release_interval = interval '0' AND c.next_turn_at > statement_timestamp()
+                    THEN statement_timestamp()
+                ELSE c.next_turn_at
+            END,
+            -- The tag: the claim charged the mean run time per message; add what really ran
+            -- minus that (divided by the weight). A channel this fold makes claimable (it was
+            -- not: no ready message, or at its cap) is lifted to the system's virtual time.
+            vtime = CASE WHEN NOT p_by_time THEN c.vtime ELSE fairqueue_lift_v1(
+                c.vtime + (g.run - g.runs * coalesce(c.mean_run, fairqueue_default_run_v1()))
+                          / c.weight,
+                -- a grouped channel is lifted within its group
+                CASE WHEN c.group_id IS NULL THEN v_vnow
+                     ELSE fairqueue_group_virtual_time_v1(c.group_id, c.id) END,
+                c.claimable,
+                c.ready_count + g.ready > 0 AND NOT c.paused
+                    AND (c.max_concurrency IS NULL
+                         OR c.running_count + g.running < c.max_concurrency),
+                -- at most one message's charge ahead (its mean as this fold leaves it)
+                fairqueue_charge_v1(fairqueue_mean_run_v1(c.mean_run, g.run, g.ran), c.weight))
+            END,
+            mean_run = fairqueue_mean_run_v1(c.mean_run, g.run, g.ran)
+        FROM g
+        WHERE c.id = g.channel_id AND c.id = ANY (v_locked)
+        RETURNING c.id
     )
-    SELECT array_agg(g.channel_id ORDER BY g.channel_id), array_agg(g.ready ORDER BY g.channel_id),
-           array_agg(g.scheduled ORDER BY g.channel_id), array_agg(g.running ORDER BY g.channel_id),
-           array_agg(g.failed ORDER BY g.channel_id), array_agg(g.succeeded ORDER BY g.channel_id),
-           array_agg(g.batches ORDER BY g.channel_id), array_agg(g.run ORDER BY g.channel_id),
-           array_agg(g.runs ORDER BY g.channel_id), array_agg(g.ran ORDER BY g.channel_id),
-           sum(g.n)
-    INTO v_ids, v_ready, v_scheduled, v_running, v_failed, v_succeeded, v_batches, v_run,
-         v_runs, v_ran, v_count
-    FROM g;
-    IF v_ids IS NULL THEN
-        RETURN 0;
-    END IF;
-    IF p_by_time THEN
-        v_vnow := fairqueue_virtual_time_v1();
-        -- 3b. The groups of grouped channels among them (locked in step 2b), by what really
-        --     ran, before step 4 moves the means their claims charged. A group that becomes
-        --     claimable in step 4 is then lifted from its corrected tag (its trigger).
-        IF v_groups IS NOT NULL THEN
-            PERFORM fairqueue_correct_groups_v1(v_ids, v_run, v_runs);
-        END IF;
-    END IF;
-
-    -- 4. Add the sums: primary-key lookups, each row's sums found by its array position.
-    UPDATE fairqueue_channel c
-    SET ready_count = c.ready_count + v_ready[array_position(v_ids, c.id)],
-        scheduled_count = c.scheduled_count + v_scheduled[array_position(v_ids, c.id)],
-        running_count = c.running_count + v_running[array_position(v_ids, c.id)],
-        failed_count = c.failed_count + v_failed[array_position(v_ids, c.id)],
-        succeeded_total = c.succeeded_total + v_succeeded[array_position(v_ids, c.id)],
-        -- set by whatever made a work batch pending (plan, retry, failure, release, rescue);
-        -- cleared only by a batch claim holding the row that finds none pending
-        batch_pending = c.batch_pending OR v_batches[array_position(v_ids, c.id)],
-        -- A channel without a rate limit is never due later than now. Its turn can only be in
-        -- the future when the database clock stepped back (the turn was set by the old clock)
-        -- or an operator removed its rate limit: either would park it until the clock caught
-        -- up. Folding is what makes a channel claimable, so this is where it is put right
-        -- (at the front of the round: a one-off, not a way to jump the queue). The start of
-        -- the statement, not the clock now: the claim calling this compares turns with the
-        -- clock it read before.
-        next_turn_at = CASE
-            WHEN c.release_interval = interval '0' AND c.next_turn_at > statement_timestamp()
-                THEN statement_timestamp()
-            ELSE c.next_turn_at
-        END,
-        -- The tag: the claim charged the mean run time per message; add what really ran
-        -- minus that (divided by the weight). A channel this fold makes claimable (it was
-        -- not: no ready message, or at its cap) is lifted to the system's virtual time.
-        vtime = CASE WHEN NOT p_by_time THEN c.vtime ELSE fairqueue_lift_v1(
-            c.vtime + (v_run[array_position(v_ids, c.id)]
-                       - v_runs[array_position(v_ids, c.id)]
-                         * coalesce(c.mean_run, fairqueue_default_run_v1())) / c.weight,
-            -- a grouped channel is lifted within its group
-            CASE WHEN c.group_id IS NULL THEN v_vnow
-                 ELSE fairqueue_group_virtual_time_v1(c.group_id, c.id) END,
-            c.ready_count > 0 AND NOT c.paused
-                AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency),
-            c.ready_count + v_ready[array_position(v_ids, c.id)] > 0 AND NOT c.paused
-                AND (c.max_concurrency IS NULL
-                     OR c.running_count + v_running[array_position(v_ids, c.id)]
-                        < c.max_concurrency),
-            -- at most one message's charge ahead (its mean as this fold leaves it)
-            fairqueue_charge_v1(fairqueue_mean_run_v1(
-                c.mean_run, v_run[array_position(v_ids, c.id)],
-                v_ran[array_position(v_ids, c.id)]), c.weight))
-        END,
-        mean_run = fairqueue_mean_run_v1(
-            c.mean_run, v_run[array_position(v_ids, c.id)], v_ran[array_position(v_ids, c.id)])
-    WHERE c.id = ANY (v_ids);
-    RETURN v_count;
+    -- (`added` is not read: PostgreSQL runs every data-modifying CTE to completion.)
+    SELECT sum(g.n) INTO v_count FROM g;
+    RETURN coalesce(v_count, 0);
 END;
 $$;
 

@@ -104,9 +104,7 @@ LANGUAGE sql STABLE AS $$
             (WITH RECURSIVE q AS (
                 (SELECT c.queue::text AS queue, c.vtime
                  FROM fairqueue_channel c
-                 WHERE c.ready_count > 0
-                   AND NOT c.paused
-                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                 WHERE c.claimable
                    AND c.group_id IS NULL
                    AND c.id IS DISTINCT FROM p_exclude
                  ORDER BY c.queue, c.vtime, c.id
@@ -116,9 +114,7 @@ LANGUAGE sql STABLE AS $$
                 FROM q CROSS JOIN LATERAL (
                     SELECT c.queue::text AS queue, c.vtime
                     FROM fairqueue_channel c
-                    WHERE c.ready_count > 0
-                   AND NOT c.paused
-                   AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                    WHERE c.claimable
                    AND c.group_id IS NULL
                       AND c.queue > q.queue
                       AND c.id IS DISTINCT FROM p_exclude
@@ -180,9 +176,7 @@ LANGUAGE sql STABLE AS $$
     SELECT coalesce(
         (SELECT c.vtime FROM fairqueue_channel c
          WHERE c.group_id IS NOT NULL
-           AND c.ready_count > 0
-           AND NOT c.paused
-           AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+           AND c.claimable
            AND c.group_id = p_group
            AND c.id IS DISTINCT FROM p_exclude
          ORDER BY c.vtime, c.id

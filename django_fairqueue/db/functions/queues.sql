@@ -60,9 +60,7 @@ BEGIN
                least(
                    (SELECT c.next_turn_at
                     FROM fairqueue_channel c
-                    WHERE c.ready_count > 0
-                      AND NOT c.paused
-                      AND (c.max_concurrency IS NULL OR c.running_count < c.max_concurrency)
+                    WHERE c.claimable
                       AND c.group_id IS NULL
                       AND c.queue = n.q
                     ORDER BY c.next_turn_at, c.id

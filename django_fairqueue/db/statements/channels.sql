@@ -239,17 +239,13 @@ SELECT c.name::text, c.paused, c.max_concurrency, c.release_interval, c.next_tur
        CASE WHEN NOT %(by_time)s::boolean THEN
            (SELECT count(*)
             FROM fairqueue_channel o
-            WHERE o.ready_count > 0
-              AND NOT o.paused
-              AND (o.max_concurrency IS NULL OR o.running_count < o.max_concurrency)
+            WHERE o.claimable
               AND (o.next_turn_at, o.id) < (c.next_turn_at, c.id)
               AND o.next_turn_at <= clock_timestamp())
        ELSE  -- fairness by time: the claimable channels of smaller tags (fq_channel_vtime_idx)
            (SELECT count(*)
             FROM fairqueue_channel o
-            WHERE o.ready_count > 0
-              AND NOT o.paused
-              AND (o.max_concurrency IS NULL OR o.running_count < o.max_concurrency)
+            WHERE o.claimable
               AND (o.vtime, o.id) < (c.vtime, c.id)
               AND (o.release_interval = interval '0' OR o.next_turn_at <= clock_timestamp()))
        END AS ahead,
