@@ -136,7 +136,13 @@ def log_extra(message: ClaimedMessage, **more: Any) -> dict[str, Any]:
     }
 
 
-_connections_made = threading.local()
+class _ConnectionsMade(threading.local):
+    #: False until the thread connects (a class default: reading it never raises, where a
+    #: getattr() with a default raised and caught AttributeError once per message)
+    any = False
+
+
+_connections_made = _ConnectionsMade()
 
 
 def _note_connection(sender: Any, connection: Any, **kwargs: Any) -> None:
@@ -151,7 +157,7 @@ connection_created.connect(_note_connection, dispatch_uid="django_fairqueue.work
 
 def connected_here() -> bool:
     """Whether the calling thread has ever opened a database connection."""
-    return getattr(_connections_made, "any", False)
+    return _connections_made.any
 
 
 @contextlib.contextmanager
