@@ -150,15 +150,22 @@ class StatsRecorder:
         """Count messages one claim returned at ``claimed_at`` (an aware datetime), with their
         wait: ``claimed_at - max(enqueued_at, run_at)``."""
         minute = minute_of(claimed_at)
+        # Grouped by channel first: a tally is found once per channel of the claim, not once
+        # per message (its key hashes an aware datetime, which is not cheap).
+        waits: dict[int, list[float]] = {}
+        for message in messages:
+            ready_since = max(message.enqueued_at, message.run_at)
+            wait_ms = max((claimed_at - ready_since).total_seconds() * 1000.0, 0.0)
+            waits.setdefault(message.channel_id, []).append(wait_ms)
         with self._lock:
-            for message in messages:
-                ready_since = max(message.enqueued_at, message.run_at)
-                wait_ms = max((claimed_at - ready_since).total_seconds() * 1000.0, 0.0)
-                tally = self._tally(message.channel_id, minute)
-                tally.claimed += 1
-                tally.wait_ms_sum += round(wait_ms)
-                tally.wait_ms_max = max(tally.wait_ms_max, math.ceil(wait_ms))
-                tally.histogram[bucket_of(wait_ms)] += 1
+            for channel_id, channel_waits in waits.items():
+                tally = self._tally(channel_id, minute)
+                tally.claimed += len(channel_waits)
+                tally.wait_ms_sum += sum(round(wait_ms) for wait_ms in channel_waits)
+                tally.wait_ms_max = max(tally.wait_ms_max, math.ceil(max(channel_waits)))
+                histogram = tally.histogram
+                for wait_ms in channel_waits:
+                    histogram[bisect_left(BUCKETS, wait_ms)] += 1
 
     def record_settled(
         self,

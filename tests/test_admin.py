@@ -991,6 +991,26 @@ def test_recorder_tallies_waits_and_outcomes_per_minute() -> None:
     assert first.wait_histogram[WAIT_BUCKETS_MS.index(5)] == 2
 
 
+def test_recorder_counts_a_claim_of_several_channels_as_its_messages_one_by_one() -> None:
+    claimed_at = datetime(2030, 1, 1, 12, 30, 45, tzinfo=UTC)
+    ready = [(7, 3), (8, 1200), (7, 0.4), (9, -2), (8, 70_000), (7, 250)]  # ms before the claim
+    messages = [
+        claimed_message(
+            channel,
+            claimed_at - timedelta(milliseconds=ms),
+            claimed_at - timedelta(milliseconds=ms),
+        )
+        for channel, ms in ready
+    ]
+    whole, one_by_one = stats.StatsRecorder(), stats.StatsRecorder()
+    whole.record_claimed(messages, claimed_at)
+    for message in messages:
+        one_by_one.record_claimed([message], claimed_at)
+    assert whole._tallies == one_by_one._tallies
+    seven = whole._tallies[(7, stats.minute_of(claimed_at))]
+    assert (seven.claimed, seven.wait_ms_sum, seven.wait_ms_max) == (3, 253, 250)
+
+
 def test_recorder_counts_a_settled_batch_as_its_attempts_one_by_one() -> None:
     now = timezone.now()
     attempts: list[tuple[int, stats.Outcome, float, bool]] = [
