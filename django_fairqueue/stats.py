@@ -150,15 +150,22 @@ class StatsRecorder:
         """Count messages one claim returned at ``claimed_at`` (an aware datetime), with their
         wait: ``claimed_at - max(enqueued_at, run_at)``."""
         minute = minute_of(claimed_at)
+        # Grouped by channel first: a tally is found once per channel of the claim, not once
+        # per message (its key hashes an aware datetime, which is not cheap).
+        waits: dict[int, list[float]] = {}
+        for message in messages:
+            ready_since = max(message.enqueued_at, message.run_at)
+            wait_ms = max((claimed_at - ready_since).total_seconds() * 1000.0, 0.0)
+            waits.setdefault(message.channel_id, []).append(wait_ms)
         with self._lock:
-            for message in messages:
-                ready_since = max(message.enqueued_at, message.run_at)
-                wait_ms = max((claimed_at - ready_since).total_seconds() * 1000.0, 0.0)
-                tally = self._tally(message.channel_id, minute)
-                tally.claimed += 1
-                tally.wait_ms_sum += round(wait_ms)
-                tally.wait_ms_max = max(tally.wait_ms_max, math.ceil(wait_ms))
-                tally.histogram[bucket_of(wait_ms)] += 1
+            for channel_id, channel_waits in waits.items():
+                tally = self._tally(channel_id, minute)
+                tally.claimed += len(channel_waits)
+                tally.wait_ms_sum += sum(round(wait_ms) for wait_ms in channel_waits)
+                tally.wait_ms_max = max(tally.wait_ms_max, math.ceil(max(channel_waits)))
+                histogram = tally.histogram
+                for wait_ms in channel_waits:
+                    histogram[bisect_left(BUCKETS, wait_ms)] += 1
 
     def record_settled(
         self,
@@ -172,16 +179,35 @@ class StatsRecorder:
         """Count one finished attempt: ``succeeded``, ``failed`` (for good) or ``retried``
         (failed, will run again), which ran ``run_ms`` milliseconds. ``timed_out``: the failed
         attempt ran out of time (its time limit, or its lease expired) instead of raising."""
-        if outcome not in _OUTCOMES:
-            raise ValueError(f"outcome must be one of {_OUTCOMES}, got {outcome!r}")
-        if timed_out and outcome == "succeeded":
-            raise ValueError("a succeeded attempt did not time out")
+        self.record_settled_many([(channel_id, outcome, run_ms, timed_out)], at=at)
+
+    def record_settled_many(
+        self,
+        attempts: Iterable[tuple[int, Outcome, float, bool]],
+        *,
+        at: datetime | None = None,
+    ) -> None:
+        """Count finished attempts given as ``(channel_id, outcome, run_ms, timed_out)`` (see
+        :meth:`record_settled`), all at ``at``: one lock and one minute for the lot, as a
+        worker settles them."""
         minute = minute_of(at if at is not None else timezone.now())
+        rows = list(attempts)
+        for _channel_id, outcome, _run_ms, timed_out in rows:
+            if outcome not in _OUTCOMES:
+                raise ValueError(f"outcome must be one of {_OUTCOMES}, got {outcome!r}")
+            if timed_out and outcome == "succeeded":
+                raise ValueError("a succeeded attempt did not time out")
         with self._lock:
-            tally = self._tally(channel_id, minute)
-            setattr(tally, outcome, getattr(tally, outcome) + 1)
-            tally.timed_out += int(timed_out)
-            tally.run_ms_sum += max(round(run_ms), 0)
+            for channel_id, outcome, run_ms, timed_out in rows:
+                tally = self._tally(channel_id, minute)
+                if outcome == "succeeded":
+                    tally.succeeded += 1
+                elif outcome == "failed":
+                    tally.failed += 1
+                else:
+                    tally.retried += 1
+                tally.timed_out += timed_out
+                tally.run_ms_sum += max(round(run_ms), 0)
 
     def pending(self) -> int:
         """How many (channel, minute) rows the next flush would write."""

@@ -2,7 +2,8 @@
 
 Optional: it works when ``opentelemetry-api`` is installed (``pip install
 'django-fairqueue[otel]'``) and ``FAIRQUEUE['TRACING']`` is true (the default); without the
-package every function here is a no-op that costs one attribute lookup.
+package every function here is a no-op that costs one attribute lookup, and until the
+application sets a tracer provider a run makes no span (nothing would record it).
 
 * At enqueue, when a span is current (the request's, if the web server is instrumented), its
   context is injected with the globally configured propagator (W3C ``traceparent`` by default)
@@ -75,14 +76,43 @@ def _carried_link(payload: Any) -> list[Any]:
     return [trace.Link(span_context)] if span_context.is_valid else []
 
 
-@contextlib.contextmanager
-def run_span(message: ClaimedMessage) -> Iterator[None]:
-    """Run the block (one attempt of ``message``) inside its span; a no-op when tracing is off.
-    An exception leaving the block is recorded on the span, which then ends with ERROR."""
+#: What :func:`run_span` returns when no span is made: one reusable no-op block.
+_NO_SPAN: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+#: The tracer of the provider last seen, as (provider, tracer): a provider's ``get_tracer``
+#: builds a new tracer on every call.
+_tracer_of: tuple[Any, Any] = (None, None)
+
+
+def _tracer() -> Any:
+    """The tracer for a run's span, or None when no span would be recorded: tracing is off, or
+    no tracer provider is configured (the API's proxy with nothing behind it, or a no-op
+    provider), whose spans are never recorded nor exported. Asked for every run, so a provider
+    configured after the worker started gets the runs from then on."""
     if not enabled():
-        yield
-        return
-    tracer = trace.get_tracer("django_fairqueue")
+        return None
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider):
+        return None
+    global _tracer_of
+    seen, tracer = _tracer_of
+    if seen is not provider:
+        tracer = provider.get_tracer("django_fairqueue")
+        _tracer_of = (provider, tracer)
+    return tracer
+
+
+def run_span(message: ClaimedMessage) -> contextlib.AbstractContextManager[None]:
+    """Run the block (one attempt of ``message``) inside its span; a no-op when tracing is off
+    or no tracer provider is configured. An exception leaving the block is recorded on the
+    span, which then ends with ERROR."""
+    tracer = _tracer()
+    if tracer is None:
+        return _NO_SPAN
+    return _span(tracer, message)
+
+
+@contextlib.contextmanager
+def _span(tracer: Any, message: ClaimedMessage) -> Iterator[None]:
     with tracer.start_as_current_span(
         f"fairqueue run {message.task_name}",
         context=otel_context.Context(),  # a trace of its own (see the module's docstring)

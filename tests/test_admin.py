@@ -991,6 +991,49 @@ def test_recorder_tallies_waits_and_outcomes_per_minute() -> None:
     assert first.wait_histogram[WAIT_BUCKETS_MS.index(5)] == 2
 
 
+def test_recorder_counts_a_claim_of_several_channels_as_its_messages_one_by_one() -> None:
+    claimed_at = datetime(2030, 1, 1, 12, 30, 45, tzinfo=UTC)
+    ready = [(7, 3), (8, 1200), (7, 0.4), (9, -2), (8, 70_000), (7, 250)]  # ms before the claim
+    messages = [
+        claimed_message(
+            channel,
+            claimed_at - timedelta(milliseconds=ms),
+            claimed_at - timedelta(milliseconds=ms),
+        )
+        for channel, ms in ready
+    ]
+    whole, one_by_one = stats.StatsRecorder(), stats.StatsRecorder()
+    whole.record_claimed(messages, claimed_at)
+    for message in messages:
+        one_by_one.record_claimed([message], claimed_at)
+    assert whole._tallies == one_by_one._tallies
+    seven = whole._tallies[(7, stats.minute_of(claimed_at))]
+    assert (seven.claimed, seven.wait_ms_sum, seven.wait_ms_max) == (3, 253, 250)
+
+
+def test_recorder_counts_a_settled_batch_as_its_attempts_one_by_one() -> None:
+    now = timezone.now()
+    attempts: list[tuple[int, stats.Outcome, float, bool]] = [
+        (7, "succeeded", 12.4, False),
+        (7, "failed", 3.0, True),
+        (8, "retried", 0.4, False),
+        (7, "succeeded", -1.0, False),  # a clock step back: counts as 0 ms
+        (8, "failed", 2.6, False),
+    ]
+    one_by_one, batched = stats.StatsRecorder(), stats.StatsRecorder()
+    for channel, outcome, run_ms, timed_out in attempts:
+        one_by_one.record_settled(channel, outcome, run_ms, at=now, timed_out=timed_out)
+    batched.record_settled_many(attempts, at=now)
+    assert batched._tallies == one_by_one._tallies
+    seven = batched._tallies[(7, stats.minute_of(now))]
+    assert (seven.succeeded, seven.failed, seven.timed_out, seven.run_ms_sum) == (2, 1, 1, 15)
+    # a bad entry counts nothing of its batch
+    for bad in [(7, "released", 1.0, False), (7, "succeeded", 1.0, True)]:
+        with pytest.raises(ValueError):
+            batched.record_settled_many([(7, "succeeded", 1.0, False), bad], at=now)  # type: ignore[list-item]
+    assert batched._tallies == one_by_one._tallies
+
+
 def test_recorder_keeps_tallies_when_a_flush_fails() -> None:
     enqueue("s", 1)
     channel = cid("s")

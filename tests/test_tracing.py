@@ -133,3 +133,25 @@ def test_a_malformed_carrier_is_ignored(spans: Any) -> None:
     (run,) = _runs(spans)
     assert run.links == ()
     assert Message.objects.get(pk=message_id).result == 8
+
+
+def test_runs_make_no_span_until_a_tracer_provider_is_configured(
+    spans: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from django_fairqueue import tracing
+
+    configured = trace.get_tracer_provider()
+    # as in a process where nothing configured OpenTelemetry: the API's proxy, or a no-op
+    for unconfigured in (trace.ProxyTracerProvider(), trace.NoOpTracerProvider()):
+        monkeypatch.setattr(trace, "get_tracer_provider", lambda p=unconfigured: p)
+        enqueue(fairtasks.add, 1, 1, channel="acme")
+        assert drain() == 1
+        assert tracing._tracer() is None
+    assert _runs(spans) == []
+    # configured later: the next run has its span, and runs share one tracer
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: configured)
+    enqueue(fairtasks.add, 1, 2, channel="acme")
+    enqueue(fairtasks.add, 1, 3, channel="acme")
+    assert drain() == 2
+    assert len(_runs(spans)) == 2
+    assert tracing._tracer() is tracing._tracer() is not None

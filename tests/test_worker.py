@@ -217,6 +217,40 @@ def test_a_message_that_cannot_run_fails_at_once_without_retries(
     assert (c.ready, c.running, c.failed, c.succeeded) == (0, 0, 1, 1)
 
 
+def test_arguments_are_checked_as_signature_bind_checks_them() -> None:
+    """The worker's check of a message's arguments (a shortcut for the usual signature, where
+    every parameter may be given by position or by name) agrees with ``Signature.bind``."""
+    import inspect
+
+    from django_fairqueue.taskspec import TaskSpec
+    from django_fairqueue.worker.execution import check_arguments
+
+    def none() -> None: ...
+    def two(a: int, b: int) -> None: ...
+    def defaults(a: int, b: int = 2, c: int = 3) -> None: ...
+    def keyword_only(a: int, *, b: int) -> None: ...
+    def var(a: int, *args: int, b: int = 1, **kwargs: int) -> None: ...
+
+    names = ["a", "b", "c", "d"]
+    for func in (none, two, defaults, keyword_only, var):
+        spec = TaskSpec(name=f"tests.check.{func.__name__}", func=func)
+        sig = inspect.signature(func)
+        for given in range(5):
+            for n in range(len(names) + 1):
+                for keys in itertools.combinations(names, n):
+                    args, kwargs = list(range(given)), dict.fromkeys(keys, 0)
+                    try:
+                        sig.bind(*args, **kwargs)
+                        fits = True
+                    except TypeError:
+                        fits = False
+                    if fits:
+                        check_arguments(spec, args, kwargs)
+                    else:
+                        with pytest.raises(TypeError, match="do not fit"):
+                            check_arguments(spec, args, kwargs)
+
+
 @pytest.mark.django_db
 def test_a_raising_task_is_retried_with_backoff_then_dead_lettered(fq: Any) -> None:
     fq(RETRY_BACKOFF_BASE=100.0, RETRY_BACKOFF_MAX=1000.0)

@@ -65,10 +65,39 @@ def is_async(func: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(func)
 
 
+@functools.cache
+def _plain_parameters(func: Callable[..., Any]) -> tuple[tuple[str, ...], int] | None:
+    """(names, how many of them have no default) when every parameter of ``func`` may be
+    given by position or by name, as most tasks' are (those without a default come first);
+    None otherwise, or when any arguments fit."""
+    sig = _signature(func)
+    if sig is None:
+        return None
+    params = sig.parameters.values()
+    if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
+        return None
+    return tuple(p.name for p in params), sum(p.default is inspect.Parameter.empty for p in params)
+
+
+def _fit(plain: tuple[tuple[str, ...], int], args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether arguments fit parameters that all may be given by position or by name: what
+    ``Signature.bind`` decides for them, in a fraction of its time (it runs per message)."""
+    names, required = plain
+    given = len(args)
+    if given > len(names):
+        return False
+    if not kwargs:
+        return given >= required
+    return kwargs.keys() <= set(names[given:]) and all(n in kwargs for n in names[given:required])
+
+
 def check_arguments(spec: TaskSpec, args: list[Any], kwargs: dict[str, Any]) -> None:
     """Raise TypeError (without calling the task) if the arguments do not fit its signature."""
     sig = _signature(spec.func)
     if sig is None:
+        return
+    plain = _plain_parameters(spec.func)
+    if plain is not None and _fit(plain, args, kwargs):
         return
     try:
         sig.bind(*args, **kwargs)
@@ -107,7 +136,13 @@ def log_extra(message: ClaimedMessage, **more: Any) -> dict[str, Any]:
     }
 
 
-_connections_made = threading.local()
+class _ConnectionsMade(threading.local):
+    #: False until the thread connects (a class default: reading it never raises, where a
+    #: getattr() with a default raised and caught AttributeError once per message)
+    any = False
+
+
+_connections_made = _ConnectionsMade()
 
 
 def _note_connection(sender: Any, connection: Any, **kwargs: Any) -> None:
@@ -122,7 +157,7 @@ connection_created.connect(_note_connection, dispatch_uid="django_fairqueue.work
 
 def connected_here() -> bool:
     """Whether the calling thread has ever opened a database connection."""
-    return getattr(_connections_made, "any", False)
+    return _connections_made.any
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.exceptions import PayloadError, ResultNotStorable, UnknownTask
 from django_fairqueue.signals import message_started
 from django_fairqueue.taskspec import check_result, registry
-from django_fairqueue.worker.config import Attempt, Outcome
+from django_fairqueue.worker.config import Attempt, Outcome, new_outcome
 from django_fairqueue.worker.execution import (
     aborted_outcome,
     check_arguments,
@@ -37,6 +37,8 @@ from django_fairqueue.worker.ledger import Ledger
 from django_fairqueue.worker.service import CrashHandler, spawn
 
 logger = logging.getLogger("django_fairqueue.worker")
+#: a reusable no-op block, for an attempt outside a test's transaction
+_NO_SAVEPOINT: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 
 
 class Pool:
@@ -69,7 +71,7 @@ class Pool:
         self._started = 0  # for thread names
         self._closing = False  # told to stop: no more replacements
         self._on_crash: CrashHandler | None = None
-        #: notified whenever a handler finishes a message (a stop waits for the last)
+        #: notified when a handler finishes the last running message (a stop waits for it)
         self.finished = threading.Condition()
 
     # -- threads ---------------------------------------------------------------------------------
@@ -160,8 +162,11 @@ class Pool:
 
     def _done(self, ran: bool) -> None:
         free = self.ledger.not_started(ran=ran)
-        with self.finished:
-            self.finished.notify_all()
+        if free == self.ledger.capacity:
+            # Nothing runs now: what wait_idle() waits for. (The condition's lock makes this
+            # wait for a waiter that checked the count to be waiting.)
+            with self.finished:
+                self.finished.notify_all()
         self.on_free(free)
 
     def _handle(
@@ -269,7 +274,7 @@ class Pool:
         try:
             with (
                 tracing.run_span(message),
-                savepoints() if savepoint else contextlib.nullcontext(),
+                savepoints() if savepoint else _NO_SAVEPOINT,
             ):
                 if is_async(spec.func):
                     result = async_to_sync(spec.func)(*args, **kwargs)
@@ -286,7 +291,7 @@ class Pool:
                 return None  # failed as timed out already
             raise
         else:
-            outcome = Outcome(
+            outcome = new_outcome(
                 message,
                 "succeeded",
                 result=result if message.keep_result else None,

@@ -235,16 +235,19 @@ class Settler(Service):
     def _after_write(self, verb: str, group: list[Outcome], written: dict[int, str]) -> None:
         stats = self.stats
         if stats is not None and verb not in ("release", "abort"):
-            settled_at = timezone.now()  # one clock reading for the group
-            for outcome in group:
-                if outcome.message.id in written and outcome.kind in STATS_OUTCOME:
-                    stats.record_settled(
-                        outcome.message.channel_id,
-                        STATS_OUTCOME[outcome.kind],
-                        outcome.duration * 1000.0,
-                        at=settled_at,
-                        timed_out=outcome.timed_out,
+            stats.record_settled_many(
+                [
+                    (
+                        o.message.channel_id,
+                        STATS_OUTCOME[o.kind],
+                        o.duration * 1000.0,
+                        o.timed_out,
                     )
+                    for o in group
+                    if o.message.id in written and o.kind in STATS_OUTCOME
+                ],
+                at=timezone.now(),  # one clock reading for the group
+            )
         self.ledger.settled(group, count=verb != "release")
         self.on_settled(bool(written) and verb != "release")
         ignored = [o.message.id for o in group if o.message.id not in written]
