@@ -22,7 +22,7 @@ from django.db import DatabaseError, IntegrityError, connections, transaction
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from django_fairqueue import conf, frozen
+from django_fairqueue import conf
 from django_fairqueue.db import channel_store, pg
 from django_fairqueue.queues import (
     DEFAULT_QUEUE,
@@ -90,14 +90,10 @@ class ClaimedMessage:
     queue: str = DEFAULT_QUEUE
 
 
-#: ClaimedMessage(...) at a mutable dataclass's speed: one per claimed message
-_new_claimed = frozen.builder(ClaimedMessage)
-
-
 def _claimed(row: tuple[Any, ...]) -> ClaimedMessage:
     """A claimed row; a channel row of another queue than the default is named
     ``<queue>\\x1f<channel>``, which becomes ``queue`` and ``channel``."""
-    message = _new_claimed(*row)
+    message = ClaimedMessage(*row)
     if SEPARATOR in message.channel:
         queue, name = split_row_name(message.channel)
         return dataclasses.replace(message, channel=name, queue=queue)

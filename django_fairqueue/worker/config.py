@@ -19,7 +19,6 @@ from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.exceptions import (
     FairQueueError,
 )
-from django_fairqueue.frozen import builder
 from django_fairqueue.queues import validate_queue_name
 from django_fairqueue.taskspec import TaskSpec
 
@@ -189,10 +188,6 @@ class Outcome:
     duration: float = 0.0
     #: a failed attempt that ran past its time limit (counted as a timeout, not a failure)
     timed_out: bool = False
-
-
-#: Outcome(...) at a mutable dataclass's speed, for the one each message ends with
-new_outcome = builder(Outcome)
 
 
 @dataclass(eq=False)

@@ -18,7 +18,7 @@ from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.exceptions import PayloadError, ResultNotStorable, UnknownTask
 from django_fairqueue.signals import message_started
 from django_fairqueue.taskspec import check_result, registry
-from django_fairqueue.worker.config import Attempt, Outcome, new_outcome
+from django_fairqueue.worker.config import Attempt, Outcome
 from django_fairqueue.worker.execution import (
     aborted_outcome,
     check_arguments,
@@ -291,7 +291,7 @@ class Pool:
                 return None  # failed as timed out already
             raise
         else:
-            outcome = new_outcome(
+            outcome = Outcome(
                 message,
                 "succeeded",
                 result=result if message.keep_result else None,
