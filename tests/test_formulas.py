@@ -201,6 +201,8 @@ CASES: list[tuple[str, Any]] = [
     # arithmetic, blanks, errors
     ("n + b", 10.0), ("n * b", 0.0), ("n / z", ERROR), ("n / b", ERROR), ("-n ^ 2", 100.0),
     ("2 ^ 3 ^ 2", 64.0), ("n % 3", 1.0), ("n % z", ERROR), ("1e308 * 10", ERROR),
+    ("10 ^ 400", ERROR), ("(n / z) * 2", ERROR), ("(n / 2) * 3", 15.0),
+    ("IFERROR(n / z, 1e308) * 10", ERROR), ("IFERROR(n / z, 2) * 10", 20.0),
     ("IFERROR(n / z, -1)", -1.0), ("IFERROR(n / 2, -1)", 5.0), ("ISERROR(n / z)", True),
     ("ISERROR(n)", False), ("(n / z) + 1", ERROR), ("IF(n > 0, 1, n / z)", 1.0),
     ("IF(n < 0, 1, n / z)", ERROR), ("IF(n < 0, 1)", None), ("IF(b > 0, 1, 2)", 2.0),
