@@ -1451,6 +1451,7 @@ def formula_levels(
                 value, error = quoted(raw_value), quoted(raw_error) if error else None
             if formula.tree.type == NUMBER:
                 error = either(error, _bad_number(value))
+            assert error is not None  # only a number's own check was dropped, made again here
             settled = coalesce(error, _FALSE)
             (level.finish if last else level.computed)[error_name] = settled
             (level.finish if last else level.computed)[target] = when((_not(settled), value))
