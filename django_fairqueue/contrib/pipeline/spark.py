@@ -348,8 +348,9 @@ def _local_java_options(given: str) -> dict[str, str]:
     * The client compiler alone (``-XX:TieredStopAtLevel=1``): a tenant's plan is Spark
       parsing, analysing, optimising and generating code for hundreds of wide expressions,
       work the JVM's optimising compiler (C2) kept compiling for tenant after tenant, ~40%
-      of the JVM's CPU; without it a tenant's fixed CPU fell by about a fifth, more than
-      C1's slower code gave back (see the performance page).
+      of the JVM's CPU; without it a tenant's fixed CPU fell by about a fifth. The rows run
+      slower code in exchange (the performance page has both): a process that runs few
+      plans over many rows may want C2 back (``-XX:TieredStopAtLevel=4``).
     """
     chosen = []
     if not re.search(r"-XX:\+Use\w*GC\b", given):
