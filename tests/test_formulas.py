@@ -170,6 +170,21 @@ def test_names_and_constants_reach_the_spark_sql_text_as_data() -> None:
         fc.literal(object())
 
 
+def test_constants_are_folded_before_spark_sees_them() -> None:
+    from django_fairqueue.contrib.pipeline import compile as fc
+
+    formulas = check('a = LEFT(t, 2)', 'f = IF(t = "EMAIL", 1, 0)', 'c = "x-" & t',
+                     'g = LEFT(t, n)', 'e = t = "ÉTÉ"')  # fmt: skip
+    [level], outputs = fc.formula_levels(formulas, today=TODAY, names={})
+    # A constant count is never negative at run time: no error value, no error flag.
+    assert [o.name for o in outputs if o.error_column] == ["g"]
+    assert level.computed["a"] == "left(coalesce(`t`, ''), (2))"
+    assert "X'656d61696c'" in level.computed["f"]  # "email": lowered here, not by Spark
+    assert "coalesce(CAST(X'782d' AS STRING)" not in level.computed["c"]  # never blank
+    assert "lower(coalesce(CAST(X'" in level.computed["e"]  # beyond ASCII, Spark's lower()
+    assert "Infinity" not in " ".join(level.computed.values())
+
+
 def test_a_formula_whose_text_repeats_too_much_is_refused_without_spark() -> None:
     from django_fairqueue.contrib.pipeline import compile as fc
 
@@ -201,6 +216,8 @@ CASES: list[tuple[str, Any]] = [
     # arithmetic, blanks, errors
     ("n + b", 10.0), ("n * b", 0.0), ("n / z", ERROR), ("n / b", ERROR), ("-n ^ 2", 100.0),
     ("2 ^ 3 ^ 2", 64.0), ("n % 3", 1.0), ("n % z", ERROR), ("1e308 * 10", ERROR),
+    ("10 ^ 400", ERROR), ("(n / z) * 2", ERROR), ("(n / 2) * 3", 15.0),
+    ("IFERROR(n / z, 1e308) * 10", ERROR), ("IFERROR(n / z, 2) * 10", 20.0),
     ("IFERROR(n / z, -1)", -1.0), ("IFERROR(n / 2, -1)", 5.0), ("ISERROR(n / z)", True),
     ("ISERROR(n)", False), ("(n / z) + 1", ERROR), ("IF(n > 0, 1, n / z)", 1.0),
     ("IF(n < 0, 1, n / z)", ERROR), ("IF(n < 0, 1)", None), ("IF(b > 0, 1, 2)", 2.0),
@@ -241,6 +258,8 @@ CASES: list[tuple[str, Any]] = [
     ('d & ""', "2026-01-31"), ('CONCAT(t, "-", n)', "Hello World-10"),
     ("CONCATENATE(tb, 1)", "1"), ("LEFT(t, 5)", "Hello"), ("LEFT(t)", "H"), ("LEFT(t, -1)", ERROR),
     ("RIGHT(t, 5)", "World"), ("RIGHT(t, 50)", "Hello World"), ("MID(t, 7, 3)", "Wor"),
+    ("LEFT(t, 2.7)", "He"), ("LEFT(t, n / 5)", "He"),
+    ("RIGHT(t, -0.5)", ERROR), ('"ÉTÉ" = "été"', True), ('"Email" <> "EMAIL"', False),
     ("MID(t, 0, 3)", ERROR), ("MID(t, 20, 3)", ""), ("LEN(t)", 11.0), ("LENGTH(tb)", 0.0),
     ("UPPER(t)", "HELLO WORLD"), ("LOWER(t)", "hello world"),
     ('TRIM("  a   b  ")', "a b"), ('SUBSTITUTE(t, "o", "0")', "Hell0 W0rld"),

@@ -127,6 +127,24 @@ def test_a_rule_used_goes_in_the_level_after_the_deepest_it_uses_the_others_last
     assert [sorted(rules_in(level)) for level in levels] == [["a", "c", "e"], ["b"], ["d", "f"]]
 
 
+def test_a_last_level_number_is_checked_for_overflow_once_by_name() -> None:
+    formulas = parse_formulas(
+        "t",
+        ["a = IFERROR(price / qty, 2) * price", "b = (price / qty) * 2", "c = price / qty"],
+        columns=BENCH_COLUMNS,
+        targets=None,
+    )
+    [level], _ = fc.formula_levels(formulas, today=dt.date(2026, 11, 29), names={})
+    raw = {name.removeprefix(fc.RAW_PREFIX): text for name, text in level.computed.items()}
+    # A product's own check would repeat its value: the finish checks it, by name.
+    assert "Infinity" not in raw["a"] and fc.ERROR_PREFIX + "a" not in raw
+    assert raw[fc.ERROR_PREFIX + "b"] == "((coalesce(CAST(`qty` AS double), 0.0D) = (0)))"
+    assert "Infinity" not in raw[fc.ERROR_PREFIX + "c"]
+    for name in "abc":
+        checked = fc._bad_number(fc.quoted(fc.RAW_PREFIX + name))
+        assert checked in level.finish[fc.ERROR_PREFIX + name]
+
+
 @needs_spark
 @pytest.mark.spark
 @pytest.mark.slow

@@ -71,10 +71,9 @@ def test_outside_spark_submit_the_settings_master_is_used_with_sane_defaults() -
     assert default.options["spark.pyspark.python"] == "/venv/bin/python"
     assert default.options["spark.scheduler.mode"] == "FAIR"
     assert "spark.cores.max" not in default.options  # local mode has no cores to share
-    assert default.options["spark.driver.defaultJavaOptions"] == "-XX:+UseParallelGC"
-    # A collector chosen in the Java options wins: two would stop the JVM from starting.
-    chosen = SparkSettings(conf={"spark.driver.extraJavaOptions": "-Xss4m -XX:+UseSerialGC"})
-    assert "spark.driver.defaultJavaOptions" not in session_plan(chosen, environ={}).options
+    assert default.options["spark.driver.defaultJavaOptions"] == (
+        "-XX:+UseParallelGC -XX:TieredStopAtLevel=1"
+    )
 
     cluster_settings = SparkSettings(master="spark://m:7077", master_set=True)
     planned = session_plan(cluster_settings, environ={}, executable="/venv/bin/python")
@@ -86,6 +85,28 @@ def test_outside_spark_submit_the_settings_master_is_used_with_sane_defaults() -
     assert "spark.driver.host" not in planned.options
     assert "spark.driver.defaultJavaOptions" not in planned.options  # the tasks run elsewhere
     assert not planned.warnings
+
+
+def test_the_driver_s_java_options_chosen_by_the_user_win_over_the_local_defaults() -> None:
+    def java(conf: dict[str, str]) -> str | None:
+        return session_plan(SparkSettings(conf=conf), environ={}).options.get(
+            "spark.driver.defaultJavaOptions"
+        )
+
+    # A collector chosen in the Java options wins: two would stop the JVM from starting.
+    assert java({"spark.driver.extraJavaOptions": "-Xss4m -XX:+UseSerialGC"}) == (
+        "-XX:TieredStopAtLevel=1"
+    )
+    # So does a choice of JIT compilers, either way it is written.
+    assert java({"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=4"}) == (
+        "-XX:+UseParallelGC"
+    )
+    assert java({"spark.driver.extraJavaOptions": "-XX:-TieredCompilation"}) == (
+        "-XX:+UseParallelGC"
+    )
+    assert java({"spark.driver.extraJavaOptions": "-XX:+UseG1GC -XX:TieredStopAtLevel=4"}) is None
+    # The user's own default Java options replace ours whole.
+    assert java({"spark.driver.defaultJavaOptions": "-Xmx2g"}) == "-Xmx2g"
 
 
 def test_spark_submit_s_master_and_properties_win_and_a_disagreement_is_a_warning() -> None:

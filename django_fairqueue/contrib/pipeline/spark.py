@@ -306,13 +306,8 @@ def session_plan(
     if local:
         options["spark.driver.host"] = "127.0.0.1"
         options["spark.driver.bindAddress"] = "127.0.0.1"
-        # The driver's JVM runs the tasks: a batch job wants throughput, not short pauses.
-        # The parallel collector used ~8% less CPU than G1 (the default) for the same
-        # formulas and JSON. Java options that choose a collector themselves win (two
-        # collectors would stop the JVM from starting).
         java = " ".join(given.get(f"spark.driver.{k}JavaOptions", "") for k in ("extra", "default"))
-        if not re.search(r"-XX:\+Use\w*GC\b", java):
-            options["spark.driver.defaultJavaOptions"] = "-XX:+UseParallelGC"
+        options.update(_local_java_options(java))
     if master.startswith("spark://") and settings.cores_max is not None:
         options["spark.cores.max"] = str(settings.cores_max)
     if settings.pools:
@@ -341,6 +336,28 @@ def session_plan(
         submitted=submitted is not None,
         warnings=tuple(notes),
     )
+
+
+def _local_java_options(given: str) -> dict[str, str]:
+    """The driver's Java options in local mode, where its JVM plans and runs the tasks; a
+    choice the user's Java options (``given``) make themselves is left to them.
+
+    * The parallel collector: a batch job wants throughput, not short pauses; it used ~8%
+      less CPU than G1 (the default) for the same formulas and JSON. Two collectors would
+      stop the JVM from starting.
+    * The client compiler alone (``-XX:TieredStopAtLevel=1``): a tenant's plan is Spark
+      parsing, analysing, optimising and generating code for hundreds of wide expressions,
+      work the JVM's optimising compiler (C2) kept compiling for tenant after tenant, ~40%
+      of the JVM's CPU; without it a tenant's fixed CPU fell by about a fifth. The rows run
+      slower code in exchange (the performance page has both): a process that runs few
+      plans over many rows may want C2 back (``-XX:TieredStopAtLevel=4``).
+    """
+    chosen = []
+    if not re.search(r"-XX:\+Use\w*GC\b", given):
+        chosen.append("-XX:+UseParallelGC")
+    if not re.search(r"-XX:[-+]?Tiered(StopAtLevel|Compilation)\b", given):
+        chosen.append("-XX:TieredStopAtLevel=1")
+    return {"spark.driver.defaultJavaOptions": " ".join(chosen)} if chosen else {}
 
 
 def builder_options(settings: SparkSettings) -> dict[str, str]:
