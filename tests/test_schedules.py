@@ -967,10 +967,11 @@ def test_a_schedule_of_a_full_channel_is_tried_every_interval_not_in_a_tight_loo
     more_commits, more_rollbacks = settled[0] - commits, settled[1] - rollbacks
     assert fired == 1
     # Two workers for 5 s at one try a second each: a handful of rolled-back firings, not one
-    # every 50 ms (about 120 before the room came), and a few statements a pass (this session's
-    # own reads count too): about 90, against 600 when every pass came 50 ms after the last.
+    # every 50 ms (about 120 before the room came), and a few statements a pass: 90-250 commits
+    # database-wide (this session's own reads and whatever else the server does in the test
+    # database count too), against about 600 when every pass came 50 ms after the last.
     assert more_rollbacks <= 12, (more_commits, more_rollbacks)
-    assert more_commits <= 120, (more_commits, more_rollbacks)
+    assert more_commits <= 300, (more_commits, more_rollbacks)
 
 
 def test_a_held_schedule_waits_longer_while_its_error_lasts() -> None:
