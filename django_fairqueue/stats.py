@@ -165,7 +165,7 @@ class StatsRecorder:
                 tally.wait_ms_max = max(tally.wait_ms_max, math.ceil(max(channel_waits)))
                 histogram = tally.histogram
                 for wait_ms in channel_waits:
-                    histogram[bisect_left(BUCKETS, wait_ms)] += 1
+                    histogram[bucket_of(wait_ms)] += 1
 
     def record_settled(
         self,
