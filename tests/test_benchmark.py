@@ -100,14 +100,17 @@ def test_tiny_run_reports_every_scenario_as_json(tmp_path: Path) -> None:
         assert cell["first_pass_per_schedule_ms"] > 0
         assert (cell["per_fire_ms"] is None) == (cell["due"] == 0)
     function_cells = doc["scenarios"]["functions"]["cells"]
-    assert [(c["case"], c["batch"]) for c in function_cells] == [
-        ("empty", 1),
-        ("backlog", 1),
-        ("key-queued", 1),
-        ("key-active", 1),
-        ("backlog", 10),
-        ("key-queued", 10),
-        ("key-active", 10),
+    assert [(c["case"], c["batch"], c["by"]) for c in function_cells] == [
+        ("empty", 1, "count"),
+        ("empty", 1, "time"),
+        ("backlog", 1, "count"),
+        ("backlog", 1, "time"),
+        ("key-queued", 1, "count"),
+        ("key-active", 1, "count"),
+        ("backlog", 10, "count"),
+        ("backlog", 10, "time"),
+        ("key-queued", 10, "count"),
+        ("key-active", 10, "count"),
     ]
     cost_cells = doc["scenarios"]["enqueue_cost"]["cells"]
     assert [c["mode"] for c in cost_cells] == [

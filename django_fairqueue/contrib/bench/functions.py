@@ -10,7 +10,9 @@ for its own session) as differences over ``samples`` calls.
 Cells: ``empty`` (nothing to claim, nothing due, nothing to fold: the fixed cost every poll of an
 idle queue pays), and ``batch 1`` / ``batch 100`` over a standing backlog in 100 channels, each
 claim followed by its completion and by as many new messages to the same channels (so every
-claim also folds an enqueue delta, as in steady traffic). ``key-queued`` and ``key-active`` are
+claim also folds an enqueue delta, as in steady traffic). These two cases run twice in a row,
+claiming by count and then by time (``by``: the ``FAIRNESS`` modes), so the pair compares the
+two modes on the same machine a moment apart. ``key-queued`` and ``key-active`` are
 the backlog case with every message a unique job of that scope, refilled with new keys (the
 claim writes no unique-index entry for either: a claimed message leaves the index, and scope
 ``active`` keeps its key through a hold row written at enqueue). Where the server runs on
@@ -30,6 +32,7 @@ from datetime import timedelta
 from django.db import DatabaseError
 
 from django_fairqueue.api import EnqueueRequest, enqueue_many
+from django_fairqueue.conf import FAIRNESS_MODES
 from django_fairqueue.contrib.bench import db
 from django_fairqueue.contrib.bench.harness import Bench, BenchmarkError, backend_cpu, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
@@ -51,16 +54,19 @@ class FunctionsCell:
     #: "key-active" (the same, every message a unique job of that scope)
     case: str
     batch: int
+    #: the claim's fairness mode, "count" or "time" (FAIRQUEUE['FAIRNESS'])
+    by: str = "count"
 
     @property
     def label(self) -> str:
-        return f"function time  {self.case:<7}  batch {self.batch:>3}"
+        return f"function time  {self.case:<7}  batch {self.batch:>3}  by {self.by}"
 
 
 @dataclass(frozen=True)
 class FunctionsResult:
     case: str
     batch: int
+    by: str
     calls: int
     #: microseconds per claim call: all of it, and its own body (without the two below)
     claim_us: float
@@ -79,10 +85,15 @@ class FunctionsResult:
 
 
 def plan(sizes: Sizes) -> list[FunctionsCell]:
-    return [FunctionsCell("empty", 1)] + [
-        FunctionsCell(case, batch)
+    # by count and by time side by side for the idle poll and the backlog; unique jobs by count
+    return [FunctionsCell("empty", 1, by) for by in FAIRNESS_MODES] + [
+        cell
         for batch in sizes.functions_batches
-        for case in ("backlog", "key-queued", "key-active")
+        for cell in (
+            *(FunctionsCell("backlog", batch, by) for by in FAIRNESS_MODES),
+            FunctionsCell("key-queued", batch),
+            FunctionsCell("key-active", batch),
+        )
     ]
 
 
@@ -148,7 +159,7 @@ def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
     # Warm-up: plans cached, statements prepared.
     for _ in range(10):
         got = message_store.claim_messages(
-            cell.batch, lease=LEASE, worker_id=WORKER_ID, using=using
+            cell.batch, lease=LEASE, worker_id=WORKER_ID, fairness=cell.by, using=using
         )
         message_store.release_messages([(m.id, m.lease_token) for m in got], using=using)
     cpu = backend_cpu(using)
@@ -160,7 +171,7 @@ def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
         lsn = db.select_wal_position(using=using) if cell.case != "empty" else None
         started = cpu() if cpu is not None else 0.0
         got = message_store.claim_messages(
-            cell.batch, lease=LEASE, worker_id=WORKER_ID, using=using
+            cell.batch, lease=LEASE, worker_id=WORKER_ID, fairness=cell.by, using=using
         )
         claimed = cpu() if cpu is not None else 0.0
         claim_cpu += claimed - started
@@ -189,6 +200,7 @@ def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
     return FunctionsResult(
         case=cell.case,
         batch=cell.batch,
+        by=cell.by,
         calls=calls,
         claim_us=per_call(before, after, CLAIM, calls),
         claim_body_us=per_call(before, after, CLAIM, calls, own=True),
@@ -212,6 +224,7 @@ SCENARIO = Scenario(
     columns=(
         Column("case", "case"),
         Column("batch", "batch"),
+        Column("by", "by"),
         Column("claim µs", "claim_us", ".1f"),
         Column("its body", "claim_body_us", ".1f"),
         Column("promote", "promote_us", ".1f"),
@@ -223,7 +236,7 @@ SCENARIO = Scenario(
         Column("calls", "calls", ","),
     ),
     summary=lambda r: f"claim {r.claim_us:.1f} µs",
-    key=("case", "batch"),
+    key=("case", "batch", "by"),
     metric="claim_us",
     higher_is_better=False,
     unavailable=unavailable,
@@ -235,6 +248,8 @@ SCENARIO = Scenario(
         "empty: nothing to claim, promote or fold (an idle queue's poll). backlog: claims over "
         "100 channels, each completed and its messages enqueued again, untimed. key-queued, "
         "key-active: the same with every message a unique job of that scope.",
+        "by: the claim's fairness mode (FAIRQUEUE['FAIRNESS']); the idle poll and the backlog "
+        "run by count and then by time, a moment apart, to compare the two.",
         "CPU µs: the server backend's CPU time per call, from /proc (where the server runs on "
         "this host): it leaves out waits for a core, so it is the figure to compare on a busy "
         "machine.",
