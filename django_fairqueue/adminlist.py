@@ -9,7 +9,9 @@ that never list the whole table.
   (or before) the sort key of the previous page's last (or first) row, which an index range scan
   finds as fast on the ten-thousandth page as on the first. The sorts are the ones an index
   serves: by id (the primary key) and by channel then id (``fq_message_channel_idx``); a state
-  filter reads ``fq_message_state_idx`` (state, id) in the same order.
+  filter reads ``fq_message_state_idx`` (state, id) in the same order, or for running messages,
+  which that index leaves out (a claim would write an entry per message taken), the few rows of
+  ``fq_message_lease_idx``.
 * **Filters**: the channel is picked by name with the admin's autocomplete, not from a list of
   every channel; task names are the registered ones (no ``DISTINCT`` over the table).
 """

@@ -411,9 +411,16 @@ class Message(TrackedModel):
             # Every message in a state, newest or oldest first: the admin's state filter. The
             # partial indexes above order each state by something else (the claim's order, the
             # due time, the lease), and ids follow enqueue order, so without it a filter on an
-            # old state walks the primary key past every newer message. Written like the one
-            # above, on each enqueue and each state change.
-            models.Index(F("state"), F("id"), name="fq_message_state_idx"),
+            # old state walks the primary key past every newer message. Written on each enqueue
+            # and each state change, except into running: a claim would write an entry for
+            # every message it takes, and the running few (at most the fleet's slots) are read
+            # from fq_message_lease_idx.
+            models.Index(
+                F("state"),
+                F("id"),
+                name="fq_message_state_idx",
+                condition=~Q(state=MessageState.RUNNING),
+            ),
             # Pruning finished rows by age.
             models.Index(
                 F("finished_at"),
