@@ -340,3 +340,30 @@ def test_bench_on_another_master_than_the_running_session_is_refused(
     assert (result.master, result.executors, result.executors_measured) == ("local[1]", 0, 0)
     assert [t[0] for t in result.batch_timings] and sum(t[0] for t in result.batch_timings) == 40
     assert all(total >= spark_phase >= 0 for _, total, spark_phase, _ in result.batch_timings)
+    # One runner: each batch's Spark CPU (the JVM runs here), and the warm-up's before them.
+    assert len(result.batch_cpu_seconds) == len(result.batch_timings)
+    assert all(c is not None and c > 0 for c in result.batch_cpu_seconds)
+    assert result.warmup_cpu_seconds is not None and result.warmup_cpu_seconds > 0
+
+
+def test_the_report_shows_each_batchs_cpu_and_the_warm_up() -> None:
+    from django_fairqueue.contrib.pipeline.management.commands.fairpipeline import Command
+
+    result = bench.BenchResult(
+        rows=10_000, tenants=3, rules=250, rules_kind="realistic", interleaved=True, batches=3,
+        sql_serial_seconds=4.9, sql_parallel_seconds=None, sql_seconds=4.9, spark_seconds=30.0,
+        direct_seconds=None, sql_rows_per_second=2040, spark_rows_per_second=333,
+        direct_rows_per_second=None, ratio=6.12, direct_ratio=None, plan_seconds=0.8,
+        spark_phase_seconds=28.0, merge_seconds=0.3, sql_db_cpu_us_per_row=490.0,
+        spark_db_cpu_us_per_row=280.0, direct_db_cpu_us_per_row=None,
+        spark_cpu_us_per_row=2600.0, results_match=True, driver_peak_rss_mb=160,
+        jvm_peak_rss_mb=1000, python_workers_peak_rss_mb=90,
+        batch_cpu_seconds=[9.94, 7.67, 7.16], warmup_cpu_seconds=48.6,
+    )  # fmt: skip
+    report = Command._bench_report(result)
+    assert "CPU per batch, in run order: 9.9, 7.7, 7.2 s" in report
+    assert "the warm-up before: 48.6 s" in report
+    # Several runners overlap their batches: no per-batch line.
+    assert "per batch" not in Command._bench_report(
+        bench.BenchResult(**{**result.as_dict(), "batch_cpu_seconds": [], "runners": 2})
+    )

@@ -461,6 +461,13 @@ class BenchResult:
     executors_measured: int = 0
     #: Each batch of the atomic run: rows, seconds in all, Spark phase, merge (in run order).
     batch_timings: list[list[float]] = field(default_factory=list)
+    #: With one runner, the Spark and driver CPU (seconds) of each of those batches: with one
+    #: batch per tenant, a tenant's fixed cost (its plan) plus its rows. Empty with more
+    #: runners (their batches overlap). None where not measured.
+    batch_cpu_seconds: list[float | None] = field(default_factory=list)
+    #: The same CPU of the warm-up before the measured runs: what a process's first jobs cost
+    #: beyond a later tenant's (Spark's start, the JIT compiling Spark's own code).
+    warmup_cpu_seconds: float | None = None
     #: Runners (threads sharing the Spark session) of the pipeline runs.
     runners: int = 1
 
@@ -605,6 +612,11 @@ def _timing(outcome: Any) -> list[float]:
     ]
 
 
+def _spent(before: float | None, after: float | None) -> float | None:
+    """CPU seconds between two readings, None unless both were measured."""
+    return None if before is None or after is None else after - before
+
+
 def _per_row(seconds: float | None, rows: int) -> float | None:
     return None if seconds is None else round(seconds / rows * 1e6, 2)
 
@@ -701,19 +713,25 @@ def _run(
             _bench_pipeline(f"{name}-direct", size, using, by_tenant, atomic=False, kind=rules_kind)
         )
         try:
-            # Warm up: the first job of a session costs seconds more than later ones (3 rules:
-            # the session is warmed, not the measured jobs' own plans).
-            first = {names[0]: tenant_rules(0, 3)}
+            # Warm up: a process's first job costs seconds more than later ones (Spark's
+            # start, and the JIT compiling its analyser and code generator for the kinds of
+            # rules). The warm-up's rules are of the measured kind but no measured tenant's, so
+            # the JVM is warmed and no measured plan is built ahead (plans are per tenant).
+            first = {names[0]: rule_set(rules_kind, tenants, rules)}
+            warm_before = spark_cpu_seconds()
             for atomic in (True, False):
-                warm = registry.register(
-                    _bench_pipeline(f"{name}-warm{int(atomic)}", 5_000, using, first, atomic=atomic)
+                warmed = _bench_pipeline(
+                    f"{name}-warm{int(atomic)}", 5_000, using, first, atomic=atomic, kind=rules_kind
                 )
+                warm = registry.register(warmed)
                 plan(warm.name)
                 PipelineRunner(
                     worker_id=f"bench:{os.getpid()}", pipelines=[warm.name], burst=True,
                     max_batches=2, spark=spark,
                 ).run()  # fmt: skip
                 registry.unregister(warm.name)
+            warm_after = spark_cpu_seconds()
+            warm_cpu = _spent(warm_before, warm_after)
 
             statements = {
                 tenant: datastore.insert_with_sql_statement(
@@ -737,7 +755,7 @@ def _run(
                 before = cpu.seconds()
                 seconds = _baseline(using, statements, rows, connections)
                 after = cpu.seconds()
-                used = None if before is None or after is None else after - before
+                used = _spent(before, after)
                 timings[connections] = (seconds, used)
             expected = _checksums(using, checked)
             serial = timings[1][0] if 1 in timings else None
@@ -747,15 +765,26 @@ def _run(
             def run_spark(chosen: Pipeline) -> dict[str, Any]:
                 datastore.truncate(using, SINK)
                 outcomes: list[BatchOutcome] = []
+                batch_cpu: list[float | None] = []
                 before = cpu.seconds()
                 spark_before = spark_cpu_seconds()
+                last = [spark_before]
+
+                def finished(outcome: BatchOutcome) -> None:
+                    # One runner runs one batch at a time: the CPU since the last batch ended
+                    # (or the run began: planning included) is this batch's.
+                    outcomes.append(outcome)
+                    now = spark_cpu_seconds()
+                    batch_cpu.append(_spent(last[0], now))
+                    last[0] = now
+
                 started = time.monotonic()
                 planned = plan(chosen.name).planned
                 planning = time.monotonic() - started
                 say(f"{rows:,} rows: planned in {planning:.1f} s")
                 runner = RunnerGroup(
                     runners, worker_id=f"bench:{os.getpid()}", pipelines=[chosen.name],
-                    burst=True, spark=spark, on_batch=outcomes.append,
+                    burst=True, spark=spark, on_batch=finished,
                 )  # fmt: skip
                 stats = runner.run()
                 seconds = time.monotonic() - started
@@ -769,12 +798,11 @@ def _run(
                     "batches": sum(p.created for p in planned),
                     "spark": sum(o.spark_seconds for o in outcomes),
                     "merge": sum(o.merge_seconds for o in outcomes),
-                    "cpu": None if before is None or after is None else after - before,
-                    "spark_cpu": None
-                    if spark_before is None or spark_after is None
-                    else spark_after - spark_before,
+                    "cpu": _spent(before, after),
+                    "spark_cpu": _spent(spark_before, spark_after),
                     "match": _same(_checksums(using, checked), expected) and expected[0] == rows,
                     "timings": [_timing(o) for o in outcomes],
+                    "batch_cpu": batch_cpu if runners == 1 else [],
                 }
 
             say(f"{rows:,} rows: Spark pipeline, atomic sink (Spark, staging, fenced merge)")
@@ -821,6 +849,8 @@ def _run(
             executors=executor_count(),
             executors_measured=len(local_executor_pids()),
             batch_timings=atomic_run["timings"],
+            batch_cpu_seconds=[None if c is None else round(c, 2) for c in atomic_run["batch_cpu"]],
+            warmup_cpu_seconds=None if warm_cpu is None else round(warm_cpu, 2),
             runners=runners,
         )
     finally:

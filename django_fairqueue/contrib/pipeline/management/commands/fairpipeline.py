@@ -594,6 +594,15 @@ class Command(FairCommand):
             f"{cpu(r.spark_db_cpu_us_per_row)}, Spark and driver CPU "
             f"{cpu(r.spark_cpu_us_per_row)}",
         ]
+        if r.batch_cpu_seconds and None not in r.batch_cpu_seconds:
+            warm = r.warmup_cpu_seconds
+            shown = ", ".join(f"{c:.1f}" for c in r.batch_cpu_seconds[:20])
+            more = ", ..." if len(r.batch_cpu_seconds) > 20 else ""
+            lines.append(
+                f"  Spark and driver CPU per batch, in run order: {shown}{more} s (a tenant's "
+                f"first batch carries its plan); the warm-up before: "
+                + ("not measured" if warm is None else f"{warm:.1f} s")
+            )
         if r.direct_seconds is not None:
             lines.append(
                 f"  Spark atomic=False {r.direct_seconds:5.1f} s ({r.direct_rows_per_second:,.0f} "
