@@ -768,15 +768,16 @@ def _run(
                 batch_cpu: list[float | None] = []
                 before = cpu.seconds()
                 spark_before = spark_cpu_seconds()
-                last = [spark_before]
+                last = spark_before
 
                 def finished(outcome: BatchOutcome) -> None:
                     # One runner runs one batch at a time: the CPU since the last batch ended
                     # (or the run began: planning included) is this batch's.
+                    nonlocal last
                     outcomes.append(outcome)
                     now = spark_cpu_seconds()
-                    batch_cpu.append(_spent(last[0], now))
-                    last[0] = now
+                    batch_cpu.append(_spent(last, now))
+                    last = now
 
                 started = time.monotonic()
                 planned = plan(chosen.name).planned
