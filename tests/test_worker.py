@@ -1233,9 +1233,13 @@ def test_a_task_that_ignores_its_time_limit_never_runs_beside_its_retry_under_a_
     stuck = [overrun.enqueue(channel="capped") for _ in range(2)]
     worker = one_worker(concurrency=3, poll_interval=0.5)
     with running(worker):
-        wait_until(lambda: worker.ledger.stuck == 1, 10, "the first time limit")
-        # The stuck thread was replaced, and the message is still running (its lease renewed)
-        assert len(worker.pool.threads) == 3
+        # The stuck thread is replaced just after it is counted stuck: wait for both
+        wait_until(
+            lambda: worker.ledger.stuck == 1 and len(worker.pool.threads) == 3,
+            10,
+            "the first time limit and the stuck thread's replacement",
+        )
+        # the message is still running (its lease renewed)
         assert {message(m).state for m in stuck} == {MessageState.RUNNING, MessageState.READY}
         # other tenants' work goes on meanwhile: two at once on the other threads
         meeting = [meet.enqueue(channel=f"m{i}") for i in range(2)]
