@@ -394,8 +394,7 @@ def pickup_cell(system: Any, samples: int) -> dict[str, Any]:
     ) as fleet:
         # the first job waits for the worker to start; a few more warm it up
         for i in range(samples + 3):
-            system.burst("P", [i], system.variants[0])
-            committed = time.time()
+            committed = system.burst("P", [i], system.variants[0])
             got = fleet.stamps.wait_for([("P", i)], 60)
             fleet.check()
             if got is None:
@@ -461,8 +460,7 @@ def fairness_cell(
             if r and time.monotonic() - began > timeout:
                 break  # enough rounds for a slow system
             seqs = [r * sizes.fairness_burst + j for j in range(sizes.fairness_burst)]
-            system.burst("B", seqs, variant, key=b_key)
-            committed = time.time()
+            committed = system.burst("B", seqs, variant, key=b_key)
             got = fleet.stamps.wait_for([("B", s) for s in seqs], timeout)
             fleet.check()
             if got is None:
@@ -653,8 +651,7 @@ def bursts_cell(system: Any, variant: str, backlog: int, sizes: Sizes) -> dict[s
             delay = began + at - time.time()
             if delay > 0:
                 time.sleep(delay)
-            system.burst(name, list(range(size)), variant)
-            committed[name] = time.time()
+            committed[name] = system.burst(name, list(range(size)), variant)
             fleet.check()
             bar(f"bursts {variant} {backlog:,}", at / (0.6 * sizes.bursts_window))
         keys = [(name, s) for _, name, size, _ in plan for s in range(size)]

@@ -13,6 +13,7 @@ Runs with Django set up (``COMPARE_DJANGO_APP=django-tasks-db``).
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
@@ -107,10 +108,13 @@ class DjangoTasksDb(DjangoSystem):
         finally:
             connections.close_all()
 
-    def burst(self, tenant: str, seqs: Sequence[int], variant: str, key: str | None = None) -> None:
+    def burst(
+        self, tenant: str, seqs: Sequence[int], variant: str, key: str | None = None
+    ) -> float:
         with transaction.atomic():
             for s in seqs:
                 noop.enqueue(tenant, s)
+        return time.time()
 
     def worker_commands(self, config: WorkerConfig, variant: str) -> list[list[str]]:
         return [

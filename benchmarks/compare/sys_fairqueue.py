@@ -17,6 +17,7 @@ Runs with Django set up (``benchmarks.compare.django_settings``, ``COMPARE_DJANG
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
 
@@ -131,10 +132,13 @@ class Fairqueue(DjangoSystem):
         finally:
             connections.close_all()
 
-    def burst(self, tenant: str, seqs: Sequence[int], variant: str, key: str | None = None) -> None:
+    def burst(
+        self, tenant: str, seqs: Sequence[int], variant: str, key: str | None = None
+    ) -> float:
         with transaction.atomic():
             channel = key or tenant
             enqueue_many(EnqueueRequest(NAME, (tenant, s), channel=channel) for s in seqs)
+        return time.time()
 
     def worker_commands(self, config: WorkerConfig, variant: str) -> list[list[str]]:
         return [

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
 from typing import Any
@@ -164,8 +165,10 @@ class Pgqueuer(System):
         result: tuple[int, float, float] = asyncio.run(go())
         return result
 
-    def burst(self, tenant: str, seqs: Sequence[int], variant: str, key: str | None = None) -> None:
-        async def go() -> None:
+    def burst(
+        self, tenant: str, seqs: Sequence[int], variant: str, key: str | None = None
+    ) -> float:
+        async def go() -> float:
             conn, queries = await self._queries()
             try:
                 n = len(seqs)
@@ -174,10 +177,11 @@ class Pgqueuer(System):
                     [payload(tenant, s) for s in seqs],
                     [0] * n,
                 )
+                return time.time()  # committed; closing the connection and loop is not the wait
             finally:
                 await conn.close()
 
-        asyncio.run(go())
+        return asyncio.run(go())
 
     def worker_commands(self, config: WorkerConfig, variant: str) -> list[list[str]]:
         limit = max(1, config.processes * config.concurrency // 2)

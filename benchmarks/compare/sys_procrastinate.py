@@ -16,6 +16,7 @@ Bulk backlogs are inserted as ``procrastinate_defer_jobs_v1`` inserts them.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
 from typing import Any
@@ -144,12 +145,16 @@ class Procrastinate(System):
         result: tuple[int, float, float] = self._run(self._with_app(go))
         return result
 
-    def burst(self, tenant: str, seqs: Sequence[int], variant: str, key: str | None = None) -> None:
-        async def go(app: procrastinate.App) -> None:
+    def burst(
+        self, tenant: str, seqs: Sequence[int], variant: str, key: str | None = None
+    ) -> float:
+        async def go(app: procrastinate.App) -> float:
             task = app.tasks["noop"].configure(**_defer_args(key or tenant, variant))
             await task.batch_defer_async(*({"tenant": tenant, "seq": s} for s in seqs))
+            return time.time()  # committed; closing the app and the loop is not the wait
 
-        self._run(self._with_app(go))
+        committed: float = self._run(self._with_app(go))
+        return committed
 
     def worker_commands(self, config: WorkerConfig, variant: str) -> list[list[str]]:
         argv = python("-m", "benchmarks.compare.sys_procrastinate", str(config.concurrency))

@@ -10,6 +10,7 @@ queues' do.
 from __future__ import annotations
 
 import select
+import time
 from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
 
@@ -109,11 +110,15 @@ class Raw(System):
         finally:
             conn.close()
 
-    def burst(self, tenant: str, seqs: Sequence[int], variant: str, key: str | None = None) -> None:
-        with self._connect() as conn, conn.transaction():
-            payloads = [Jsonb({"tenant": tenant, "seq": s}) for s in seqs]
-            conn.execute(INSERT_MANY, ([tenant] * len(seqs), payloads))
-            conn.execute(NOTIFY)
+    def burst(
+        self, tenant: str, seqs: Sequence[int], variant: str, key: str | None = None
+    ) -> float:
+        with self._connect() as conn:
+            with conn.transaction():
+                payloads = [Jsonb({"tenant": tenant, "seq": s}) for s in seqs]
+                conn.execute(INSERT_MANY, ([tenant] * len(seqs), payloads))
+                conn.execute(NOTIFY)
+            return time.time()  # committed; the connection's close is not the jobs' wait
 
     def worker_commands(self, config: WorkerConfig, variant: str) -> list[list[str]]:
         argv = python("-m", "benchmarks.compare.sys_raw", str(config.concurrency))

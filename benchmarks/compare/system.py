@@ -84,9 +84,13 @@ class System:
         """
         raise NotImplementedError
 
-    def burst(self, tenant: str, seqs: Sequence[int], variant: str, key: str | None = None) -> None:
+    def burst(
+        self, tenant: str, seqs: Sequence[int], variant: str, key: str | None = None
+    ) -> float:
         """Enqueue one job per seq for ``tenant`` in one transaction (committed on return),
-        under ``key`` (default: the tenant's own key) where the variant uses keys."""
+        under ``key`` (default: the tenant's own key) where the variant uses keys. Returns
+        ``time.time()`` read as soon as the commit returned: waits run from it, so closing a
+        connection or an event loop afterwards is not counted as the job's wait."""
         raise NotImplementedError
 
     # -- workers ------------------------------------------------------------------------------
