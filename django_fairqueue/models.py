@@ -96,14 +96,14 @@ class ChannelGroup(models.Model):
         max_length=GROUP_NAME_MAX_LENGTH,
         help_text=_("Channels named <group>/<anything> belong to this group."),
     )
-    weight = models.PositiveSmallIntegerField(
+    weight = models.SmallIntegerField(
         default=1,
         help_text=_(
             "Share of the workers while backlogged, against other groups and ungrouped "
             "channels: weight 2 gets twice weight 1."
         ),
     )
-    max_concurrency = models.PositiveIntegerField(
+    max_concurrency = models.IntegerField(
         null=True,
         blank=True,
         help_text=_(
@@ -214,7 +214,10 @@ class Channel(models.Model):
     # maintain for nothing.
     name = models.CharField(max_length=CHANNEL_NAME_MAX_LENGTH)
     # -- limits, editable by operators; each takes effect on the next claim --
-    max_concurrency = models.PositiveIntegerField(
+    # (Plain integer fields: their ranges are Meta.constraints. A Positive*Field adds a weaker
+    # CHECK of its own, and PostgreSQL evaluates every CHECK of a row at each update of it,
+    # the claim's and the fold's counter updates included.)
+    max_concurrency = models.IntegerField(
         null=True,
         blank=True,
         help_text=_("Most messages of this channel running at once, fleet-wide. Empty: no limit."),
@@ -223,12 +226,12 @@ class Channel(models.Model):
         default=timedelta(0),
         help_text=_("Minimum time between two releases (rate limit). 0: no limit."),
     )
-    weight = models.PositiveSmallIntegerField(
+    weight = models.SmallIntegerField(
         default=1,
         help_text=_("Share of the workers while backlogged: weight 2 gets twice weight 1."),
     )
     paused = models.BooleanField(default=False)
-    max_backlog = models.PositiveIntegerField(
+    max_backlog = models.IntegerField(
         null=True,
         blank=True,
         help_text=_(
@@ -329,7 +332,7 @@ class Message(TrackedModel):
     run_at = models.DateTimeField(default=timezone.now)
     enqueued_at = models.DateTimeField(default=timezone.now)
     attempts = models.PositiveIntegerField(default=0)
-    max_attempts = models.PositiveIntegerField(default=1)
+    max_attempts = models.IntegerField(default=1)  # >= 1: fq_message_max_attempts_positive
     keep_result = models.BooleanField(default=False)
     # -- lease: set by the claim; every later write must present lease_token --
     lease_token = models.UUIDField(null=True, blank=True)

@@ -335,7 +335,7 @@ def test_change_form_saves_limits(admin_client: Client) -> None:
             "max_concurrency",
             "Max concurrency must be an integer >= 1, got 0",
         ),
-        ({"max_concurrency": -2}, "max_concurrency", "greater than or equal to 0"),
+        ({"max_concurrency": -2}, "max_concurrency", "must be an integer >= 1, got -2"),
         (
             {"max_concurrency": 2_000_000},
             "max_concurrency",

@@ -363,6 +363,26 @@ def test_claimed_row_carries_its_lease() -> None:
     assert got.task_name == f.NOOP
 
 
+@pytest.mark.django_db
+def test_the_messages_of_one_claim_share_its_fresh_lease_token() -> None:
+    f.enqueue("alice", 2)
+    f.enqueue("bob", 2)
+    first = claim(3)
+    assert len(first) == 3 and {m.channel for m in first} == {"alice", "bob"}
+    assert len({m.lease_token for m in first}) == 1
+    rows = Message.objects.filter(id__in=[m.id for m in first])
+    assert set(rows.values_list("lease_token", flat=True)) == {first[0].lease_token}
+    (second,) = claim(3)
+    assert second.lease_token != first[0].lease_token  # a token per claim, not per worker
+    # each message settles on its own under the shared token
+    assert complete(first[:1]) == {first[0].id}
+    assert message_store.release_messages([(m.id, m.lease_token) for m in first[1:]]) == {
+        m.id for m in first[1:]
+    }
+    assert complete([second]) == {second.id}
+    f.assert_counters_match_table()
+
+
 # ------------------------------------------------------------------------------------------------
 # Settling under lease tokens
 

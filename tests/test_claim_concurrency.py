@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from itertools import pairwise
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 from django.db import connection, transaction
@@ -223,6 +223,7 @@ def test_concurrent_claimers_claim_every_message_exactly_once() -> None:
     total = len(enqueued)
     lock = threading.Lock()
     claimed: list[list[int]] = [[] for _ in range(4)]
+    tokens: list[tuple[Any, ...]] = []  # each claim's token, with the ids it handed out
     deadline = time.monotonic() + DEADLINE
 
     def claimer(i: int) -> None:
@@ -235,6 +236,8 @@ def test_concurrent_claimers_claim_every_message_exactly_once() -> None:
             got = claim(rng.randint(1, 25), f"claimer-{i}")
             with lock:
                 claimed[i].extend(m.id for m in got)
+                if got:
+                    tokens.append((got[0].lease_token, {m.id for m in got}))
 
     run_threads(4, claimer)
 
@@ -243,9 +246,15 @@ def test_concurrent_claimers_claim_every_message_exactly_once() -> None:
     assert not duplicates, f"claimed twice: {duplicates[:10]}"
     assert set(every) == set(enqueued)
     assert all(claimed), "a claimer got nothing at all"
-    rows = Message.objects.values_list("state", "attempts", "lease_token")
-    assert {(state, attempts) for state, attempts, _ in rows} == {(MessageState.RUNNING, 1)}
-    assert len({token for *_, token in rows}) == total
+    rows = Message.objects.values_list("id", "state", "attempts", "lease_token")
+    assert {(state, attempts) for _, state, attempts, _ in rows} == {(MessageState.RUNNING, 1)}
+    # a fresh token per claim, shared by exactly the messages that claim handed out
+    by_claim = dict(tokens)
+    assert len(by_claim) == len(tokens)
+    by_row: dict[Any, set[int]] = {}
+    for mid, _, _, token in rows:
+        by_row.setdefault(token, set()).add(mid)
+    assert by_row == by_claim
     f.assert_counters_match_table()
 
 

@@ -1,5 +1,6 @@
 """The message table's CHECK constraints in their compact stored forms (migration
-0018_faster_enqueue) accept exactly the rows the forms Django generates from the model accept."""
+0018_faster_enqueue) accept exactly the rows the forms Django generates from the model accept;
+the tables every claim updates carry no CHECK another one implies."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import uuid
 import pytest
 from django.db import connection, transaction
 from django.db.utils import IntegrityError
+
+from tests import factories as f
 
 FASTER = importlib.import_module("django_fairqueue.migrations.0018_faster_enqueue")
 
@@ -96,3 +99,63 @@ def test_compact_checks_accept_exactly_what_djangos_forms_accept() -> None:
     assert (
         _violates("fairqueue_message", ("running", token, "2026-01-01", "t", "k", "active")) is None
     )
+
+
+@pytest.mark.django_db
+def test_the_tables_a_claim_updates_carry_no_check_another_implies() -> None:
+    # PostgreSQL parses and evaluates every CHECK of a table at each update of a row, whatever
+    # columns change: a positive integer field's ">= 0" beside a range constraint cost every
+    # claim, fold and settlement for nothing.
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT conrelid::regclass::text, conname FROM pg_constraint"
+            " WHERE contype = 'c' AND conrelid::regclass::text IN"
+            " ('fairqueue_channel', 'fairqueue_channel_group', 'fairqueue_message')"
+        )
+        checks = set(cur.fetchall())
+        cur.execute(
+            "SELECT pg_get_triggerdef(oid) FROM pg_trigger"
+            " WHERE tgname = 'fairqueue_group_counters'"
+        )
+        (counters_trigger,) = cur.fetchone()
+    assert checks == {
+        ("fairqueue_channel", "fq_channel_name_trimmed"),
+        ("fairqueue_channel", "fq_channel_max_concurrency_range"),
+        ("fairqueue_channel", "fq_channel_release_interval_range"),
+        ("fairqueue_channel", "fq_channel_weight_range"),
+        ("fairqueue_channel", "fq_channel_max_backlog_positive"),
+        ("fairqueue_channel", "fairqueue_channel_turn_used_check"),
+        ("fairqueue_channel", "fairqueue_channel_batch_turn_used_check"),
+        ("fairqueue_channel_group", "fq_group_name_valid"),
+        ("fairqueue_channel_group", "fq_group_max_concurrency_range"),
+        ("fairqueue_channel_group", "fq_group_release_interval_range"),
+        ("fairqueue_channel_group", "fq_group_weight_range"),
+        ("fairqueue_message", "fq_message_state_valid"),
+        ("fairqueue_message", "fq_message_max_attempts_positive"),
+        ("fairqueue_message", "fq_message_lease_iff_running"),
+        ("fairqueue_message", "fq_message_task_name"),
+        ("fairqueue_message", "fq_message_priority_range"),
+        ("fairqueue_message", "fq_message_unique_scope"),
+        ("fairqueue_message", "fairqueue_message_attempts_check"),
+    }, checks
+    # The group sums' trigger: its WHEN clause (parsed by each statement that updates a
+    # channel's counters) asks only whether the channel is grouped.
+    when = counters_trigger.split(" WHEN ", 1)[1].split(" EXECUTE ", 1)[0]
+    assert when == "(((old.group_id IS NOT NULL) OR (new.group_id IS NOT NULL)))", when
+
+
+@pytest.mark.django_db
+def test_a_range_constraint_still_refuses_what_the_dropped_check_refused() -> None:
+    f.enqueue("c", 1)
+    cases = {
+        "fairqueue_channel SET weight": "fq_channel_weight_range",
+        "fairqueue_channel SET max_concurrency": "fq_channel_max_concurrency_range",
+        "fairqueue_channel SET max_backlog": "fq_channel_max_backlog_positive",
+        "fairqueue_message SET max_attempts": "fq_message_max_attempts_positive",
+    }
+    with connection.cursor() as cur:
+        for update, constraint in cases.items():
+            with pytest.raises(IntegrityError) as raised, transaction.atomic():
+                cur.execute(f"UPDATE {update} = -1")
+            diag = raised.value.__cause__.diag  # type: ignore[union-attr]
+            assert diag.constraint_name == constraint

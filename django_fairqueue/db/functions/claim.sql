@@ -654,7 +654,8 @@ $$;
 
 -- The fair claim. Returns up to p_limit messages, spread over channels in round-robin order,
 -- each channel within its concurrency cap, rate limit and weight, highest priority first within
--- a channel. Every returned row carries a fresh lease_token that later writes must present.
+-- a channel. Every returned row carries the claim's fresh lease_token (one per claim), which
+-- later writes must present.
 --
 --   1. promote due scheduled messages and fold waking counter deltas (bounded, skip locks;
 --      skipped with p_maintain = false);
@@ -727,37 +728,43 @@ DECLARE
     v_quantum integer := coalesce(p_quantum, greatest(1, p_limit / 25));
     v_cur refcursor;
     r record;
-    v_ids bigint[] := '{}';
-    v_names text[] := '{}';
-    v_turn integer[] := '{}';
-    v_used integer[] := '{}';
-    v_room integer[] := '{}';
-    v_interval interval[] := '{}';
-    v_est double precision[] := '{}';  -- the tag's charge per message (by time)
-    v_tag double precision[] := '{}';  -- the channels' tags as the walk locked them (by time)
-    -- with groups (fairqueue_plan_grouped_v1; empty without: step 5 then charges no group)
-    v_mean double precision[] := '{}';  -- a channel's charge per message before weights
-    v_cg integer[] := '{}';  -- a channel's group (its index in v_gids), 0: none
-    v_gids bigint[] := '{}';
-    v_gused integer[] := '{}';
-    v_gturn integer[] := '{}';
-    v_ginterval interval[] := '{}';
-    v_glast integer[] := '{}';
-    v_gweight integer[] := '{}';
+    -- No initial values where the idle poll (which returns before the walk) does not need one:
+    -- each is an expression PL/pgSQL prepares again in every transaction, and an array's cast
+    -- and expansion besides; they made up a sixth of an idle poll's time in this function. The
+    -- walk fills the channel arrays from index 1 (assigning an element of a NULL array makes
+    -- it), or fairqueue_plan_grouped_v1 returns them; without groups the group arrays stay NULL,
+    -- which step 5 reads as no group.
+    v_ids bigint[];
+    v_names text[];
+    v_turn integer[];
+    v_used integer[];
+    v_room integer[];
+    v_interval interval[];
+    v_est double precision[];  -- the tag's charge per message (by time)
+    v_tag double precision[];  -- the channels' tags as the walk locked them (by time)
+    -- with groups (fairqueue_plan_grouped_v1; NULL without: step 5 then charges no group)
+    v_mean double precision[];  -- a channel's charge per message before weights
+    v_cg integer[];  -- a channel's group (its index in v_gids), 0: none
+    v_gids bigint[];
+    v_gused integer[];
+    v_gturn integer[];
+    v_ginterval interval[];
+    v_glast integer[];
+    v_gweight integer[];
     v_first_tag double precision;  -- the tag of the first channel the walk locked (by time)
     v_front double precision;  -- the smallest claimable tag plus one charge (by time)
-    v_skipped integer := 0;  -- channels locked by the walk and given nothing (by time)
+    v_skipped integer;  -- channels locked by the walk and given nothing (by time)
     v_kept_room integer[];
     v_alloc integer[];
     v_last integer[];  -- when each channel was last given messages in this claim (sequence)
-    v_seq integer := 0;
-    v_n integer := 0;
-    v_covered integer := 0;
+    v_seq integer;
+    v_n integer;
+    v_covered integer;
     v_left integer;
     v_give integer;
     v_progress boolean;
-    v_round integer := 0;
-    v_waited boolean := false;
+    v_round integer;
+    v_waited boolean;
     v_fold_waited boolean := false;
     v_folding bigint;
     v_wait_until timestamptz;
@@ -771,9 +778,10 @@ DECLARE
     v_no_groups boolean := false;  -- no group is claimable in any queue (p_queues NULL)
     v_grouped boolean := false;  -- a group of v_queue is claimable now
     v_nothing boolean := false;  -- no flow of any queue is claimable (p_queues NULL)
-    v_got integer := 0;
+    v_got integer;
     v_probe boolean;  -- the housekeeping's probes to make: scheduled messages due, waking deltas
     v_due boolean := false;
+    v_token uuid;  -- the lease token of every message this claim hands out
     v_waking boolean := true;  -- (unknown without housekeeping: as if some were waking)
     i integer;
 BEGIN
@@ -940,6 +948,7 @@ BEGIN
         IF coalesce(cardinality(v_queues), 0) <= 1 THEN
             v_queue := coalesce(v_queues[1], p_queues[1], 'default');
         ELSE
+            v_got := 0;
             FOREACH v_queue IN ARRAY v_queues LOOP
                 RETURN QUERY SELECT * FROM fairqueue_claim_v1(
                     p_limit - v_got, p_lease, p_worker, p_only, p_exclude, v_quantum, false, 0,
@@ -1040,6 +1049,12 @@ BEGIN
         -- its own may wait. No deadlock can last: this transaction's other locks were taken with SKIP
         -- LOCKED or are on its own leased messages, and lock_timeout, far below deadlock_timeout,
         -- ends a wait on a channel locked by another claim's counter fold.
+        v_n := 0;
+        v_covered := 0;
+        v_skipped := 0;
+        v_waited := false;
+        v_seq := 0;
+        v_round := 0;
         LOOP
             IF p_by_time AND NOT v_waited THEN
                 -- The same walk in tag order. The rate limit is a filter here, not an index
@@ -1269,7 +1284,12 @@ BEGIN
     -- claimed row; waiting could cost the whole fleet. The UPDATE re-checks state = 'ready'.
     -- Channels are charged with what was actually claimed (`got`), which may be less than
     -- their share, and so are the groups of grouped channels (none without groups: v_cg is
-    -- empty, and `ggot` with it).
+    -- NULL, and `ggot` empty with it).
+    -- One lease token for the messages of this claim: it fences a claim from every other
+    -- (docs/explanation/message-states.md), and a token per message cost a tenth of a claim of
+    -- 100's server CPU where PostgreSQL is built without OpenSSL (each gen_random_uuid() then
+    -- opens, reads and closes /dev/urandom).
+    v_token := gen_random_uuid();
     RETURN QUERY
     WITH alloc AS (
         SELECT a.cid, a.n FROM unnest(v_ids, v_alloc) AS a(cid, n)
@@ -1289,7 +1309,7 @@ BEGIN
         UPDATE fairqueue_message m
         SET state = 'running',
             attempts = m.attempts + 1,
-            lease_token = gen_random_uuid(),
+            lease_token = v_token,
             lease_expires_at = v_now + p_lease,
             claimed_at = v_now,
             worker_id = p_worker

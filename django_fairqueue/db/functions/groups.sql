@@ -130,6 +130,12 @@ DECLARE
     v_old boolean := false;
     v_new boolean := false;
 BEGIN
+    IF TG_OP = 'UPDATE'
+       AND (OLD.ready_count, OLD.running_count, OLD.paused, OLD.max_concurrency, OLD.group_id)
+           IS NOT DISTINCT FROM (NEW.ready_count, NEW.running_count, NEW.paused,
+                                 NEW.max_concurrency, NEW.group_id) THEN
+        RETURN NULL;  -- nothing the group's sums follow changed: its row is not touched
+    END IF;
     IF TG_OP <> 'INSERT' THEN
         v_old := OLD.ready_count > 0 AND NOT OLD.paused
                  AND (OLD.max_concurrency IS NULL OR OLD.running_count < OLD.max_concurrency);
@@ -185,11 +191,10 @@ CREATE TRIGGER fairqueue_group_counters
     AFTER UPDATE OF ready_count, running_count, paused, max_concurrency, group_id
     ON fairqueue_channel
     FOR EACH ROW
-    WHEN ((OLD.group_id IS NOT NULL OR NEW.group_id IS NOT NULL)
-          AND (OLD.ready_count, OLD.running_count, OLD.paused, OLD.max_concurrency,
-               OLD.group_id)
-              IS DISTINCT FROM (NEW.ready_count, NEW.running_count, NEW.paused,
-                                NEW.max_concurrency, NEW.group_id))
+    -- Grouped channels only. The WHEN clause is parsed again by every statement that updates
+    -- these columns (each claim, fold and settlement), so it stays this short: whether
+    -- anything changed is the function's first test.
+    WHEN (OLD.group_id IS NOT NULL OR NEW.group_id IS NOT NULL)
     EXECUTE FUNCTION fairqueue_group_counters_v1();
 
 DROP TRIGGER IF EXISTS fairqueue_group_counters_delete ON fairqueue_channel;
