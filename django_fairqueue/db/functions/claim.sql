@@ -1049,6 +1049,7 @@ BEGIN
         -- its own may wait. No deadlock can last: this transaction's other locks were taken with SKIP
         -- LOCKED or are on its own leased messages, and lock_timeout, far below deadlock_timeout,
         -- ends a wait on a channel locked by another claim's counter fold.
+        -- (The walk's counters start here, not in DECLARE: the idle poll never needs them.)
         v_n := 0;
         v_covered := 0;
         v_skipped := 0;
