@@ -1233,9 +1233,14 @@ def test_a_task_that_ignores_its_time_limit_never_runs_beside_its_retry_under_a_
     stuck = [overrun.enqueue(channel="capped") for _ in range(2)]
     worker = one_worker(concurrency=3, poll_interval=0.5)
     with running(worker):
-        # The stuck thread is replaced just after it is counted stuck: wait for both
+        # The stuck thread is replaced just after it is counted stuck: wait for both (the
+        # fourth handler thread started, and the pool has three again: the stuck one left it)
         wait_until(
-            lambda: worker.ledger.stuck == 1 and len(worker.pool.threads) == 3,
+            lambda: (
+                worker.ledger.stuck == 1
+                and len(worker.pool.threads) == 3
+                and "fairqueue-handler-4" in {t.name for t in worker.pool.threads}
+            ),
             10,
             "the first time limit and the stuck thread's replacement",
         )
