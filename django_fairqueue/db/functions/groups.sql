@@ -192,7 +192,7 @@ CREATE TRIGGER fairqueue_group_counters
     ON fairqueue_channel
     FOR EACH ROW
     -- Grouped channels only. The WHEN clause is parsed again by every statement that updates
-    -- these columns (each claim, fold and settlement), so it stays this short: whether
+    -- these columns (each claim's charge and each fold), so it stays this short: whether
     -- anything changed is the function's first test.
     WHEN (OLD.group_id IS NOT NULL OR NEW.group_id IS NOT NULL)
     EXECUTE FUNCTION fairqueue_group_counters_v1();
