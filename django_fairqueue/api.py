@@ -20,7 +20,7 @@ from django.conf import settings
 from django.db.models import Model
 from django.utils import timezone
 
-from django_fairqueue import bounds, conf, tracing
+from django_fairqueue import conf, limits
 from django_fairqueue.db import channel_store, enqueue_store, message_store
 from django_fairqueue.exceptions import InvalidChannel, PayloadError
 from django_fairqueue.limits import (
@@ -31,9 +31,10 @@ from django_fairqueue.limits import (
     UNIQUE_KEY_MAX_LENGTH,
 )
 from django_fairqueue.models import Message
+from django_fairqueue.observe import tracing
 from django_fairqueue.queues import DEFAULT_QUEUE, SEPARATOR, split_row_name, validate_queue_name
 from django_fairqueue.signals import message_enqueued
-from django_fairqueue.taskspec import TaskSpec, registry
+from django_fairqueue.tasks.spec import TaskSpec, registry
 
 if TYPE_CHECKING:
     from django_fairqueue.tasks import BoundTask, FairTask
@@ -230,7 +231,7 @@ def abort(
 
 
 def _ids(ids: Iterable[int]) -> list[int]:
-    return bounds.message_ids(ids)
+    return limits.message_ids(ids)
 
 
 def _selection(

@@ -44,7 +44,10 @@ from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from django_fairqueue import api, conf
-from django_fairqueue._tasks_compat import (
+from django_fairqueue.context import abort_requested, current_message, timed_out
+from django_fairqueue.exceptions import InvalidChannel, TaskAborted, UnknownTask
+from django_fairqueue.queues import validate_queue_name
+from django_fairqueue.tasks.django_compat import (
     BaseTaskBackend,
     InvalidTask,
     InvalidTaskBackend,
@@ -59,10 +62,7 @@ from django_fairqueue._tasks_compat import (
     task_finished,
     task_started,
 )
-from django_fairqueue.context import abort_requested, current_message, timed_out
-from django_fairqueue.exceptions import InvalidChannel, TaskAborted, UnknownTask
-from django_fairqueue.queues import validate_queue_name
-from django_fairqueue.taskspec import TaskSpec, check_result, registry, result_not_storable
+from django_fairqueue.tasks.spec import TaskSpec, check_result, registry, result_not_storable
 
 if TYPE_CHECKING:
     from django_fairqueue.db.message_store import ClaimedMessage

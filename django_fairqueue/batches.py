@@ -28,13 +28,17 @@ from typing import IO, Any
 from django.db import connections, models, transaction
 from django.utils import timezone
 
-from django_fairqueue import conf, terminal
+from django_fairqueue import conf
 from django_fairqueue.api import validate_channel_name
-from django_fairqueue.attempts import error_info, retry_delay  # messages' backoff and record
+from django_fairqueue.cli import terminal
 from django_fairqueue.db import batch_store, channel_store
 from django_fairqueue.db.batch_store import ClaimedBatch, RescuedBatch
 from django_fairqueue.exceptions import LeaseLost
 from django_fairqueue.models import Channel
+from django_fairqueue.runtime.attempts import (  # messages' backoff and record
+    error_info,
+    retry_delay,
+)
 
 __all__ = [
     "ClaimedBatch",

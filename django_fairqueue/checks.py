@@ -55,7 +55,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
 def _task_checks(cfg: conf.FairQueueSettings) -> list[Error]:
     """TASK_MODULES must import, and each of SCHEDULES must name a registered task: a worker
     would otherwise die at start (the modules) or never fire the schedule (the task)."""
-    from django_fairqueue.taskspec import registry
+    from django_fairqueue.tasks.spec import registry
 
     errors = [
         Error(

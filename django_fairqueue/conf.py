@@ -93,7 +93,7 @@ class FairQueueSettings:
     # proxy that does not support prepared statements (PgBouncer < 1.21).
     PREPARED_STATEMENTS: bool = True
     # With the `otel` extra installed: carry the enqueuing trace context in each message and
-    # run each attempt in a span (django_fairqueue.tracing). False turns both off.
+    # run each attempt in a span (django_fairqueue.observe.tracing). False turns both off.
     TRACING: bool = True
     TASK_MODULES: tuple[str, ...] = ()
     # Periodic schedules declared in settings, by name (docs/howto/periodic-tasks.md); checked

@@ -35,11 +35,11 @@ from typing import Any
 
 from django.db import connections, transaction
 
-from django_fairqueue import bounds, conf
+from django_fairqueue import conf, limits
 from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.exceptions import FairQueueError, LeaseLost
-from django_fairqueue.taskspec import check_result
+from django_fairqueue.tasks.spec import check_result
 
 __all__ = ["Batch", "TransactionRequired", "batch"]
 
@@ -161,7 +161,7 @@ def batch(
     transaction are skipped, and channel limits (concurrency, rate) apply as for workers.
     """
     try:
-        bounds.limit(limit)
+        limits.limit(limit)
     except TypeError as exc:  # callers may pass anything; a ValueError as before
         raise ValueError(str(exc)) from None
     alias = using or conf.get().DATABASE

@@ -22,7 +22,7 @@ from typing import Any
 
 from django.db.models import QuerySet
 
-from django_fairqueue import bounds, conf
+from django_fairqueue import conf, limits
 from django_fairqueue.db import message_store
 from django_fairqueue.models import Channel, Message, MessageState
 from django_fairqueue.queues import row_name, split_row_name, validate_queue_name
@@ -84,8 +84,8 @@ def list_failed(
     without a channel covers every queue. Pages by id: pass the last id you got as
     ``after_id`` for the next page.
     """
-    bounds.limit(limit)
-    bounds.integer(after_id, "after_id", minimum=0, maximum=bounds.MAX_ID)
+    limits.limit(limit)
+    limits.integer(after_id, "after_id", minimum=0, maximum=limits.MAX_ID)
     rows = _failed(channel, task, queue, after_id).values_list(
         "id",
         "channel__name",
@@ -197,7 +197,7 @@ def _in_batches(ids: Iterable[int], action: Callable[[Sequence[int]], list[int]]
 
 
 def _ids(ids: Iterable[int]) -> list[int]:
-    return sorted(set(bounds.message_ids(ids)))
+    return sorted(set(limits.message_ids(ids)))
 
 
 def _error_field(error: Any, key: str) -> str:

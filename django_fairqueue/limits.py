@@ -1,11 +1,18 @@
-"""Bounds of names and channel limits, shared by the models, the settings and the API.
+"""Bounds: of names and channel limits, and of the integers passed to PostgreSQL.
 
-A module of constants only (no Django import), so that settings validation (``conf``) and the
-task registry need not import the models.
+Shared by the models, the settings, the API and the commands. No Django import, so that
+settings validation (``conf``) and the task registry need not import the models.
+
+A message id is a ``bigint`` (1 to 2**63 - 1) and a row count an ``integer`` (at most
+2**31 - 1): a value past either would reach the server and come back as a raw ``DataError``
+(bigint out of range). :func:`integer` and its kin refuse it first, with a ValueError that
+names the argument, or, for a command's option, with a usage error.
 """
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 #: Longest channel name accepted (characters). Names are identifiers, not documents.
@@ -33,3 +40,56 @@ def priority_error(priority: object) -> str | None:
     if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
         return f"priority must be between {MIN_PRIORITY} and {MAX_PRIORITY}, got {priority}"
     return None
+
+
+#: Largest message id (PostgreSQL ``bigint``).
+MAX_ID = 2**63 - 1
+#: Largest limit or count (PostgreSQL ``integer``).
+MAX_LIMIT = 2**31 - 1
+
+
+def integer(value: object, name: str, *, minimum: int, maximum: int) -> int:
+    """``value`` if it is an int (not a bool) within ``minimum..maximum``; else a ValueError
+    (a TypeError for what is not an integer at all)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be {minimum} to {maximum}, got {value!r}")
+    return value
+
+
+def limit(value: object, name: str = "limit") -> int:
+    """A row limit: 1 to :data:`MAX_LIMIT`."""
+    return integer(value, name, minimum=1, maximum=MAX_LIMIT)
+
+
+def message_ids(ids: Iterable[object]) -> list[int]:
+    """Message ids, each 1 to :data:`MAX_ID`, in the order given. A string or a lone int is
+    a TypeError (a common slip: ``cancel(5)`` for ``cancel([5])``)."""
+    if isinstance(ids, int | str | bytes):
+        raise TypeError("ids must be a list of message ids")
+    return [integer(i, "a message id", minimum=1, maximum=MAX_ID) for i in ids]
+
+
+def option(minimum: int, maximum: int, what: str = "an integer") -> Callable[[str], int]:
+    """An argparse ``type`` accepting ``minimum..maximum``: anything else is a usage error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(
+                f"must be {what} from {minimum} to {maximum}, got {text!r}"
+            )
+        return value
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+#: argparse types: a message id, a row limit, an id cursor (0 or an id).
+message_id = option(1, MAX_ID, "a message id")
+limit_option = option(1, MAX_LIMIT, "an integer")
+after_id = option(0, MAX_ID, "an integer")

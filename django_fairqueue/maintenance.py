@@ -13,7 +13,7 @@
   whose message is gone or finished for good.
 * :class:`StatsPruner` deletes per-channel statistics older than a day
   (:func:`django_fairqueue.stats.prune`), and usage older than ``FAIRQUEUE['USAGE_RETENTION']``
-  (:mod:`django_fairqueue.usage`).
+  (:mod:`django_fairqueue.observe.usage`).
 * :class:`DeltaFolder` folds the channel counter deltas that completions leave behind into the
   channel rows (the claim folds only the deltas that can make a channel claimable).
 * :class:`~django_fairqueue.schedules.Scheduler` fires the periodic schedules that are due,
@@ -42,14 +42,7 @@ from typing import Protocol
 
 from django.utils import timezone
 
-from django_fairqueue import batches, conf, registry, schedules, stats
-from django_fairqueue._runtime import (
-    CONNECTION_ERRORS,
-    Backoff,
-    StopFlag,
-    after_database_error,
-    drop_broken_connection,
-)
+from django_fairqueue import batches, conf, schedules, stats
 from django_fairqueue.db import (
     channel_store,
     integrity_store,
@@ -59,6 +52,14 @@ from django_fairqueue.db import (
     worker_store,
 )
 from django_fairqueue.queues import display_name, split_row_name
+from django_fairqueue.runtime import (
+    CONNECTION_ERRORS,
+    Backoff,
+    StopFlag,
+    after_database_error,
+    drop_broken_connection,
+    worker_registry,
+)
 
 logger = logging.getLogger("django_fairqueue.maintenance")
 
@@ -89,7 +90,7 @@ class Rescuer:
         return self.every if self.every is not None else conf.get().RESCUE_INTERVAL
 
     def run_once(self) -> int:
-        registry.rescue_dead_workers()
+        worker_registry.rescue_dead_workers()
         total = 0
         # An expired lease is a timed-out attempt (its worker stopped renewing it): counted in
         # the per-minute statistics like the attempts workers settle, as a timeout, so

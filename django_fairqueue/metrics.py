@@ -50,10 +50,12 @@ except ImportError as exc:  # tests/test_admin.py hides the package to check thi
         "django_fairqueue.metrics needs prometheus-client: pip install django-fairqueue[prometheus]"
     ) from exc
 
-from django_fairqueue import horizon, overview, registry, stats, usage
+from django_fairqueue import stats
 from django_fairqueue.db import channel_store, message_store, pg
 from django_fairqueue.models import Channel
+from django_fairqueue.observe import horizon, overview, usage
 from django_fairqueue.queues import split_row_name
+from django_fairqueue.runtime import worker_registry
 
 __all__ = [
     "CLAIM_LATENCY",
@@ -129,7 +131,7 @@ class QueueCollector(Collector):
         yield from families.values()
         yield cap
         yield succeeded
-        views = registry.workers()
+        views = worker_registry.workers()
         workers = GaugeMetricFamily(
             "fairqueue_workers",
             "Workers in the registry by state: alive, silent (beat late), dead, stopped.",

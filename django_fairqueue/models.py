@@ -839,7 +839,7 @@ class WorkerState(models.TextChoices):
 
 
 class WorkerRecord(models.Model):
-    """A worker process in the registry (:mod:`django_fairqueue.registry`).
+    """A worker process in the registry (:mod:`django_fairqueue.runtime.worker_registry`).
 
     Written only by the registry's statements (:mod:`django_fairqueue.db.worker_store`): a worker
     registers before it claims, beats every ``WORKER_HEARTBEAT`` seconds and marks itself stopped on

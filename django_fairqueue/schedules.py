@@ -43,7 +43,7 @@ from django_fairqueue.db import channel_store, pg, schedule_store
 from django_fairqueue.exceptions import ChannelFull, InvalidChannel, InvalidSchedule, UnknownTask
 from django_fairqueue.limits import CHANNEL_NAME_MAX_LENGTH
 from django_fairqueue.queues import display_name, row_name, split_row_name
-from django_fairqueue.taskspec import TaskSpec, registry
+from django_fairqueue.tasks.spec import TaskSpec, registry
 
 logger = logging.getLogger("django_fairqueue.schedules")
 

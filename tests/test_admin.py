@@ -32,7 +32,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from django_fairqueue import overview, stats
+from django_fairqueue import stats
 from django_fairqueue.admin import ChannelAdmin
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.context import current_message
@@ -50,6 +50,7 @@ from django_fairqueue.models import (
     MinuteStat,
     WorkBatch,
 )
+from django_fairqueue.observe import overview
 from django_fairqueue.signals import message_enqueued
 from tests.factories import (
     NOOP,
@@ -1321,9 +1322,9 @@ def test_logging_filter_adapter_and_json_formatter() -> None:
 def test_channel_list_puts_starvation_and_failure_first_and_filters_by_them(
     admin_client: Client, queue: dict[str, Any]
 ) -> None:
-    from django_fairqueue import registry
+    from django_fairqueue.runtime import worker_registry
 
-    registry.Registration("live-worker", concurrency=4).register()  # its leases are renewed
+    worker_registry.Registration("live-worker", concurrency=4).register()  # its leases are renewed
     # beta runs 1 under a cap lowered to... 1 (at cap), then a second running one: over cap
     Channel.objects.filter(name="beta").update(max_concurrency=1)
     html = admin_client.get(CHANNELS).content.decode()

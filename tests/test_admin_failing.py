@@ -26,10 +26,11 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from django_fairqueue import overview, stats
+from django_fairqueue import stats
 from django_fairqueue.db import message_store, stats_store
 from django_fairqueue.maintenance import Rescuer
 from django_fairqueue.models import BatchState, Channel, Message, MessageState, WorkBatch
+from django_fairqueue.observe import overview
 from tests.factories import channel_ids, enqueue
 
 pytestmark = pytest.mark.django_db

@@ -23,8 +23,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
-from django_fairqueue import adminlist
-from django_fairqueue.admin import MessageAdmin
+from django_fairqueue.admin import MessageAdmin, lists
 from django_fairqueue.contrib.bench import admin_render
 from django_fairqueue.db import message_store, pg
 from django_fairqueue.models import Channel, Message, MessageState
@@ -109,14 +108,14 @@ def test_previous_and_last_pages(admin_client: Client, spread: list[int]) -> Non
 
 def test_a_deep_cursor_shows_the_rows_after_it(admin_client: Client, spread: list[int]) -> None:
     pivot = spread[180]
-    response = admin_client.get(MESSAGES, {adminlist.CURSOR_VAR: f"a{pivot}"})
+    response = admin_client.get(MESSAGES, {lists.CURSOR_VAR: f"a{pivot}"})
     assert shown(response) == sorted((i for i in spread if i < pivot), reverse=True)[:100]
     oldest_first = admin_client.get(
-        MESSAGES, {"o": str(column("id")), adminlist.CURSOR_VAR: f"a{pivot}"}
+        MESSAGES, {"o": str(column("id")), lists.CURSOR_VAR: f"a{pivot}"}
     )
     assert shown(oldest_first) == [i for i in spread if i > pivot][:100]
     # a cursor that is not one: the first page, not an error
-    assert shown(admin_client.get(MESSAGES, {adminlist.CURSOR_VAR: "x1"})) == shown(
+    assert shown(admin_client.get(MESSAGES, {lists.CURSOR_VAR: "x1"})) == shown(
         admin_client.get(MESSAGES)
     )
 
@@ -125,9 +124,7 @@ def test_a_deep_cursor_within_a_state(admin_client: Client, spread: list[int]) -
     cancelled = spread[::3]  # every third message, old and new alike
     message_store.cancel_messages(cancelled)
     pivot = spread[200]
-    response = admin_client.get(
-        MESSAGES, {"state__exact": "ready", adminlist.CURSOR_VAR: f"a{pivot}"}
-    )
+    response = admin_client.get(MESSAGES, {"state__exact": "ready", lists.CURSOR_VAR: f"a{pivot}"})
     ready = [i for i in spread if i not in cancelled]
     assert shown(response) == sorted((i for i in ready if i < pivot), reverse=True)[:100]
     back = admin_client.get(MESSAGES + str(links(response)["previous"]))
@@ -144,7 +141,7 @@ def test_sort_by_channel_pages_by_channel_then_id(admin_client: Client, spread: 
     assert "o=2" in str(links(first)["next"])  # the sort is kept, the cursor carries the key
     channel, pk = rows[150]
     deep = admin_client.get(
-        MESSAGES, {"o": f"-{column('channel_link')}", adminlist.CURSOR_VAR: f"a{channel}.{pk}"}
+        MESSAGES, {"o": f"-{column('channel_link')}", lists.CURSOR_VAR: f"a{channel}.{pk}"}
     )
     assert shown(deep) == order[:150][::-1][:100]
     # columns no index serves are not offered, and asking for them sorts newest first
@@ -155,7 +152,7 @@ def test_sort_by_channel_pages_by_channel_then_id(admin_client: Client, spread: 
 
 
 def test_filter_links_drop_the_cursor(admin_client: Client, spread: list[int]) -> None:
-    response = admin_client.get(MESSAGES, {adminlist.CURSOR_VAR: f"a{spread[100]}"})
+    response = admin_client.get(MESSAGES, {lists.CURSOR_VAR: f"a{spread[100]}"})
     html = response.content.decode()
     assert "?state__exact=ready" in html
     assert f"cursor=a{spread[100]}&amp;state" not in html
@@ -171,7 +168,7 @@ def test_small_counts_are_exact_and_large_ones_estimated(
 ) -> None:
     with connection.cursor() as cur:
         cur.execute("ANALYZE fairqueue_message")
-    monkeypatch.setattr(adminlist, "EXACT_COUNT_UP_TO", 200)
+    monkeypatch.setattr(lists, "EXACT_COUNT_UP_TO", 200)
     with CaptureQueriesContext(connection) as queries:
         estimated = admin_client.get(MESSAGES)
     count = estimated.context["cl"].count
@@ -181,15 +178,15 @@ def test_small_counts_are_exact_and_large_ones_estimated(
     # under the bound: counted exactly, with a LIMIT
     ids = channel_ids(["alpha", "gamma"])
     with CaptureQueriesContext(connection) as queries:
-        alpha = admin_client.get(MESSAGES, {adminlist.CHANNEL_VAR: ids["alpha"]})
-    assert alpha.context["cl"].count == adminlist.ResultCount(120, exact=True)
+        alpha = admin_client.get(MESSAGES, {lists.CHANNEL_VAR: ids["alpha"]})
+    assert alpha.context["cl"].count == lists.ResultCount(120, exact=True)
     assert "120 messages" in alpha.content.decode()
     counts = [q["sql"] for q in queries.captured_queries if "COUNT(" in q["sql"].upper()]
     assert len(counts) == 1 and "LIMIT 201" in counts[0]
     # a list that fits on its page is counted by the page itself
     with CaptureQueriesContext(connection) as queries:
-        gamma = admin_client.get(MESSAGES, {adminlist.CHANNEL_VAR: ids["gamma"]})
-    assert gamma.context["cl"].count == adminlist.ResultCount(50, exact=True)
+        gamma = admin_client.get(MESSAGES, {lists.CHANNEL_VAR: ids["gamma"]})
+    assert gamma.context["cl"].count == lists.ResultCount(50, exact=True)
     assert not any("COUNT(" in q["sql"].upper() for q in queries.captured_queries)
 
 
@@ -198,10 +195,10 @@ def test_a_low_estimate_says_at_least() -> None:
     with connection.cursor() as cur:
         cur.execute("ANALYZE fairqueue_message")
     enqueue("alpha", 30)  # the planner still thinks 30
-    count = adminlist.count_rows(Message.objects.all(), exact_up_to=40)
-    assert count == adminlist.ResultCount(41, exact=False)
-    assert str(adminlist.ResultCount(1_234_567, exact=False)) == "about 1,200,000"
-    assert str(adminlist.ResultCount(1_234, exact=True)) == "1,234"
+    count = lists.count_rows(Message.objects.all(), exact_up_to=40)
+    assert count == lists.ResultCount(41, exact=False)
+    assert str(lists.ResultCount(1_234_567, exact=False)) == "about 1,200,000"
+    assert str(lists.ResultCount(1_234, exact=True)) == "1,234"
 
 
 # ------------------------------------------------------------------------------------------
@@ -226,18 +223,16 @@ def test_filter_by_state_task_name_and_channel(admin_client: Client, spread: lis
     assert 'data-field-name="channel"' in html and "admin-autocomplete" in html
     assert "admin/js/autocomplete.js" in html and "django_fairqueue/channel_filter.js" in html
     assert "gamma" not in html.split('id="changelist-filter"')[1].split("</details>")[2]
-    alpha = admin_client.get(MESSAGES, {adminlist.CHANNEL_VAR: ids["alpha"]})
+    alpha = admin_client.get(MESSAGES, {lists.CHANNEL_VAR: ids["alpha"]})
     assert len(shown(alpha)) == 100
     assert set(
         Message.objects.filter(pk__in=shown(alpha)).values_list("channel_id", flat=True)
     ) == {ids["alpha"]}
     assert f'<option value="{ids["alpha"]}" selected>alpha</option>' in alpha.content.decode()
-    both = admin_client.get(
-        MESSAGES, {adminlist.CHANNEL_VAR: ids["beta"], "state__exact": "running"}
-    )
+    both = admin_client.get(MESSAGES, {lists.CHANNEL_VAR: ids["beta"], "state__exact": "running"})
     assert sorted(shown(both)) == sorted(m.id for m in claimed)
-    assert shown(admin_client.get(MESSAGES, {adminlist.CHANNEL_VAR: "nope"})) == []
-    assert shown(admin_client.get(MESSAGES, {adminlist.CHANNEL_VAR: 999_999})) == []
+    assert shown(admin_client.get(MESSAGES, {lists.CHANNEL_VAR: "nope"})) == []
+    assert shown(admin_client.get(MESSAGES, {lists.CHANNEL_VAR: 999_999})) == []
 
 
 def test_autocomplete_finds_channels_by_name(admin_client: Client) -> None:
@@ -317,7 +312,7 @@ def test_anonymous_users_are_sent_to_the_login(spread: list[int]) -> None:
     anonymous = Client()
     for url in (
         MESSAGES,
-        MESSAGES + f"?{adminlist.CURSOR_VAR}=a{spread[100]}",
+        MESSAGES + f"?{lists.CURSOR_VAR}=a{spread[100]}",
         reverse("admin:fairqueue_message_change", args=[spread[0]]),
     ):
         response = anonymous.get(url)

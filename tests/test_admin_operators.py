@@ -16,10 +16,11 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from django_fairqueue import registry, stats
+from django_fairqueue import stats
 from django_fairqueue.admin import ChannelAdmin
 from django_fairqueue.db import message_store, stats_store, worker_store
 from django_fairqueue.models import Channel, Message
+from django_fairqueue.runtime import worker_registry
 from tests.factories import channel_ids, enqueue
 
 pytestmark = pytest.mark.django_db
@@ -58,7 +59,7 @@ def running_cell(html: str, channel: str) -> str:
 def test_with_every_worker_stopped_running_counts_do_not_look_alive(
     admin_client: Client,
 ) -> None:
-    registry.Registration("w-1", concurrency=4).register()
+    worker_registry.Registration("w-1", concurrency=4).register()
     enqueue("capped", 3)
     Channel.objects.filter(name="capped").update(max_concurrency=2)
     assert len(message_store.claim_messages(5, lease=LEASE, worker_id="w-1")) == 2
@@ -79,7 +80,7 @@ def test_with_every_worker_stopped_running_counts_do_not_look_alive(
     assert "no live worker: nothing runs until one starts" in change.content.decode()
 
     # a live worker again, one lease expired and not rescued yet: said beside the count
-    registry.Registration("w-2", concurrency=4).register()
+    worker_registry.Registration("w-2", concurrency=4).register()
     first = Message.objects.filter(state="running").order_by("pk").first()
     assert first is not None
     Message.objects.filter(pk=first.pk).update(lease_expires_at=timezone.now() - LEASE)
@@ -270,11 +271,11 @@ def register(worker_id: str, supervisor: str = "", concurrency: int = 4) -> None
     import os
     from unittest import mock
 
-    env = {registry.SUPERVISOR_ENV: supervisor} if supervisor else {}
+    env = {worker_registry.SUPERVISOR_ENV: supervisor} if supervisor else {}
     with mock.patch.dict(os.environ, env, clear=False):
         if not supervisor:
-            os.environ.pop(registry.SUPERVISOR_ENV, None)
-        registry.Registration(worker_id, concurrency=concurrency).register()
+            os.environ.pop(worker_registry.SUPERVISOR_ENV, None)
+        worker_registry.Registration(worker_id, concurrency=concurrency).register()
 
 
 def beat_ago(worker_id: str, seconds: float) -> None:
@@ -299,7 +300,7 @@ def test_the_workers_page_filters_by_the_states_it_shows_to_the_second(
     beat_ago("silent-1", 20)  # 3 beats late (WORKER_HEARTBEAT 5 s)
     beat_ago("dead-1", 40)  # past WORKER_DEAD_AFTER, not marked yet
     beat_ago("gone-1", 40)
-    registry.rescue_dead_workers()  # marked dead by maintenance
+    worker_registry.rescue_dead_workers()  # marked dead by maintenance
     register("dead-1")
     beat_ago("dead-1", 40)
     worker_store.deregister_worker("stopped-1", handled=3)
@@ -325,7 +326,7 @@ def test_a_dead_workers_messages_are_one_click_away(admin_client: Client) -> Non
     held = message_store.claim_messages(2, lease=LEASE, worker_id="w-dead")
     assert len(held) == 2
     beat_ago("w-dead", 60)
-    registry.rescue_dead_workers()  # its leases expired: the rescuer takes them back
+    worker_registry.rescue_dead_workers()  # its leases expired: the rescuer takes them back
     message_store.rescue_expired_messages()
     html = admin_client.get(WORKERS).content.decode()
     link = re.search(r'<a href="([^"]+\?worker=w-dead)" class="fq-failed">ran or lost</a>', html)
@@ -344,14 +345,16 @@ def test_a_supervisors_processes_are_listed_together(admin_client: Client) -> No
     assert rows == ["solo", "sup-1", "zeta", "alpha"]  # unsupervised, then by supervisor
     html = admin_client.get(WORKERS).content.decode()
     assert '<span class="fq-child">└ zeta</span>' in html and "host-a:100" in html
-    assert registry.workers()[0].supervisor in ("", "host-a:100", "host-b:7")
+    assert worker_registry.workers()[0].supervisor in ("", "host-a:100", "host-b:7")
 
 
 def test_the_busy_page_shows_what_each_worker_runs_since_when(admin_client: Client) -> None:
     from django_fairqueue.worker import supervisor
 
     env = supervisor.environment()
-    assert env[registry.SUPERVISOR_ENV] == registry.supervisor_name()  # given to children
+    assert (
+        env[worker_registry.SUPERVISOR_ENV] == worker_registry.supervisor_name()
+    )  # given to children
     register("busy-1", supervisor="host-a:100")
     register("idle-1")
     enqueue("acme", 2)

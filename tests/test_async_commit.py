@@ -14,7 +14,7 @@ from django.test import override_settings
 
 from django_fairqueue import task
 from django_fairqueue.db import message_store, pg
-from django_fairqueue.taskspec import registry
+from django_fairqueue.tasks.spec import registry
 from tests import factories as f
 
 pytestmark = pytest.mark.django_db

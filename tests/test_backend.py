@@ -23,7 +23,14 @@ from django.db import connections, transaction
 from django.test import override_settings
 from django.utils import timezone
 
-from django_fairqueue._tasks_compat import (
+from django_fairqueue.backend import FairQueueBackend, FairQueueTask
+from django_fairqueue.context import current_message
+from django_fairqueue.db import message_store
+from django_fairqueue.exceptions import TaskTimeout
+from django_fairqueue.models import Message, MessageState
+from django_fairqueue.tasks import registry
+from django_fairqueue.tasks import task as fairqueue_task
+from django_fairqueue.tasks.django_compat import (
     InvalidTask,
     InvalidTaskBackend,
     TaskContext,
@@ -35,13 +42,6 @@ from django_fairqueue._tasks_compat import (
     task_finished,
     task_started,
 )
-from django_fairqueue.backend import FairQueueBackend, FairQueueTask
-from django_fairqueue.context import current_message
-from django_fairqueue.db import message_store
-from django_fairqueue.exceptions import TaskTimeout
-from django_fairqueue.models import Message, MessageState
-from django_fairqueue.tasks import registry
-from django_fairqueue.tasks import task as fairqueue_task
 from django_fairqueue.testing import drain
 from django_fairqueue.worker import Worker, WorkerConfig
 

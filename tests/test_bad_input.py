@@ -940,7 +940,7 @@ def test_task_options_every_enqueue_would_refuse_are_refused_at_decoration(
     options: dict[str, Any], error: type[Exception], words: str
 ) -> None:
     from django_fairqueue import task
-    from django_fairqueue.taskspec import registry
+    from django_fairqueue.tasks.spec import registry
 
     options.setdefault("name", "tests.bad_options")
 
@@ -953,7 +953,7 @@ def test_task_options_every_enqueue_would_refuse_are_refused_at_decoration(
 
 def test_task_options_at_their_bounds_are_taken() -> None:
     from django_fairqueue import task
-    from django_fairqueue.taskspec import registry
+    from django_fairqueue.tasks.spec import registry
 
     def func() -> None: ...
 

@@ -26,10 +26,10 @@ from django_fairqueue.contrib.bench.database import SCRATCH_COMMENT, scratch_nam
 from django_fairqueue.contrib.bench.e2e import E2EResult
 from django_fairqueue.contrib.bench.e2e import finish as e2e_finish
 from django_fairqueue.contrib.bench.fairness import FairnessResult
+from django_fairqueue.contrib.bench.figures import jain_index, percentile
 from django_fairqueue.contrib.bench.management.commands.fairbench import Command as FairbenchCommand
 from django_fairqueue.contrib.bench.scenarios import SCENARIOS
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
-from django_fairqueue.figures import jain_index, percentile
 from django_fairqueue.models import Message
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -37,7 +37,7 @@ from django.contrib.auth.models import User
 from django.db import connections
 from django.utils import timezone
 
-from django_fairqueue import registry, stats
+from django_fairqueue import stats
 from django_fairqueue.db import message_store, worker_store
 from django_fairqueue.models import (
     BatchState,
@@ -47,6 +47,7 @@ from django_fairqueue.models import (
     Schedule,
     WorkBatch,
 )
+from django_fairqueue.runtime import worker_registry
 from tests.factories import channel_ids, enqueue, fold_all
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -245,7 +246,7 @@ def load_demo_incident(ids: dict[str, int]) -> None:
             "UPDATE fairqueue_worker SET heartbeat_at = now() - interval '10 minutes' "
             "WHERE worker_id = 'batch-7:977'"
         )
-    registry.rescue_dead_workers()
+    worker_registry.rescue_dead_workers()
     message_store.rescue_expired_messages()
     # a supervisor's two processes (runfairworker --processes 2)
     for child in ("web-3:5101", "web-3:5102"):

@@ -324,7 +324,7 @@ def test_cli_cancel_and_abort() -> None:
 
 @pytest.mark.django_db
 def test_the_django_tasks_status_of_cancelled_and_aborted_messages() -> None:
-    from django_fairqueue._tasks_compat import TaskResultStatus
+    from django_fairqueue.tasks.django_compat import TaskResultStatus
     from tests.test_backend import add as backend_task  # a django.tasks task on this backend
 
     result = backend_task.enqueue(1, 1)

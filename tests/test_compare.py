@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from django_fairqueue.figures import fair_completion_times
+from django_fairqueue.contrib.bench.figures import fair_completion_times
 
 ROOT = Path(__file__).resolve().parent.parent
 

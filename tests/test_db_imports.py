@@ -4,8 +4,8 @@ The database layer (``django_fairqueue.db``) is one module per table family, eac
 private helpers; a caller, another family or an optional app (``contrib``, the benchmarks)
 that reached into them would make every helper a public promise. So across modules only
 public names are used: ``from X import _name`` and ``X._name`` fail here when ``X`` is another
-module of the package (a private *module* such as ``_runtime`` may be imported: the underscore
-there keeps it out of the public API, not out of the package).
+module of the package (a private *module* such as ``migrations._sql`` may be imported: the
+underscore there keeps it out of the public API, not out of the package).
 
 No package is an exception: the worker's services meet through public names too.
 """
@@ -103,10 +103,10 @@ def test_the_rule_catches_both_forms(tmp_path: Path, monkeypatch: pytest.MonkeyP
     source = (
         "from django_fairqueue.db import pg\n"
         "from django_fairqueue.db.pg import _new_cursor, kept_cursor\n"
-        "from django_fairqueue import _runtime\n"
+        "from django_fairqueue.migrations import _sql\n"
         "pg._KEPT_CURSORS\n"
         "pg.kept_cursor\n"
-        "_runtime.anything\n"
+        "_sql.anything\n"
     )
     monkeypatch.setattr(Path, "read_text", lambda self, encoding=None: source)
 

@@ -15,8 +15,8 @@ from django.db import DatabaseError, connections
 from django.db.utils import DatabaseErrorWrapper
 from django.utils import timezone
 
-from django_fairqueue import dbfaults
 from django_fairqueue.models import Message
+from django_fairqueue.runtime import dbfaults
 from django_fairqueue.tasks import task
 from django_fairqueue.worker import Worker, WorkerConfig
 from tests.factories import assert_counters_match_table

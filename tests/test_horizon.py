@@ -17,7 +17,7 @@ from django.core.management import call_command
 from django.test import Client, RequestFactory, override_settings
 from django.urls import reverse
 
-from django_fairqueue import horizon
+from django_fairqueue.observe import horizon
 
 pytestmark = pytest.mark.django_db
 

@@ -604,7 +604,7 @@ def test_verify_reports_and_repairs_drift(caplog: Any) -> None:
 
 
 def test_a_deadlock_is_reported_as_what_it_is() -> None:
-    from django_fairqueue._runtime import after_database_error, conflict
+    from django_fairqueue.runtime import after_database_error, conflict
 
     error = DatabaseError("deadlock detected")
     error.__cause__ = psycopg.errors.DeadlockDetected("deadlock detected")

@@ -19,10 +19,10 @@ from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
-from django_fairqueue import registry
 from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.models import Channel, ChannelGroup, WorkerRecord
 from django_fairqueue.queues import SEPARATOR, row_name
+from django_fairqueue.runtime import worker_registry
 from django_fairqueue.worker import Worker, WorkerConfig
 from tests import factories as f
 from tests.test_integrity import in_thread
@@ -135,8 +135,10 @@ def test_a_claim_of_every_queue_without_a_wait_folds_first_and_then_finds_nothin
 
 @pytest.mark.django_db
 def test_fairqueue_workers_shows_the_queues_each_worker_serves() -> None:
-    registry.Registration("w-reports", concurrency=2, queues=["reports", "exports"]).register()
-    registry.Registration("w-all", concurrency=2).register()
+    worker_registry.Registration(
+        "w-reports", concurrency=2, queues=["reports", "exports"]
+    ).register()
+    worker_registry.Registration("w-all", concurrency=2).register()
     out = io.StringIO()
     call_command("fairqueue", "workers", stdout=out)
     lines = {line.split()[0]: line for line in out.getvalue().splitlines() if line.startswith("w-")}
@@ -150,7 +152,7 @@ def test_fairqueue_workers_shows_the_queues_each_worker_serves() -> None:
     assert rows["w-reports"]["queues"] == ["reports", "exports"]
     assert rows["w-all"]["queues"] is None
     # registering again under the same id records the new process's queues
-    registry.Registration("w-reports", concurrency=2).register()
+    worker_registry.Registration("w-reports", concurrency=2).register()
     assert WorkerRecord.objects.get(worker_id="w-reports").queues is None
 
 
@@ -169,7 +171,7 @@ def test_a_worker_records_its_queues_in_the_registry() -> None:
 def test_status_counts_each_queues_live_workers_and_warns_of_a_queue_none_serves() -> None:
     f.enqueue_in_queue("reports", "acme", 2)
     f.enqueue("plain", 1)
-    registry.Registration("w-emails", concurrency=2, queues=["emails"]).register()
+    worker_registry.Registration("w-emails", concurrency=2, queues=["emails"]).register()
     out = io.StringIO()
     call_command("fairqueue", "status", "--json", stdout=out)
     queues = json.loads(out.getvalue())["queues"]
@@ -178,11 +180,13 @@ def test_status_counts_each_queues_live_workers_and_warns_of_a_queue_none_serves
     call_command("fairqueue", "status", stdout=out)
     assert "reports 1 channels, 2 ready, 0 running, 0 live workers" in out.getvalue()
     assert "WARNING: no live worker serves queues default, reports:" in out.getvalue()
-    registry.Registration("w-reports", concurrency=2, queues=["reports", "emails"]).register()
+    worker_registry.Registration(
+        "w-reports", concurrency=2, queues=["reports", "emails"]
+    ).register()
     out = io.StringIO()
     call_command("fairqueue", "status", stdout=out)
     assert "WARNING: no live worker serves queue default:" in out.getvalue()
-    registry.Registration("w-all", concurrency=2).register()
+    worker_registry.Registration("w-all", concurrency=2).register()
     out = io.StringIO()
     call_command("fairqueue", "status", "--json", stdout=out)
     queues = json.loads(out.getvalue())["queues"]
@@ -194,15 +198,15 @@ def test_status_counts_each_queues_live_workers_and_warns_of_a_queue_none_serves
 
 @pytest.mark.django_db
 def test_why_waiting_knows_which_queues_the_live_workers_serve() -> None:
-    from django_fairqueue import waiting
+    from django_fairqueue.observe import waiting
 
     f.enqueue_in_queue("reports", "acme", 1)
     reports_acme = Channel.objects.get(queue="reports").pk
-    registry.Registration("w-emails", concurrency=2, queues=["emails"]).register()
+    worker_registry.Registration("w-emails", concurrency=2, queues=["emails"]).register()
     why = waiting.channel(reports_acme)
     assert why.cause == "no_worker_for_channel" and "--queues" in why.text
     # a worker of "reports" limited to channel "acme" (the name within the queue) serves it
-    registry.Registration(
+    worker_registry.Registration(
         "w-reports", concurrency=2, queues=["reports"], channels=["acme"]
     ).register()
     assert waiting.channel(reports_acme).cause == "next"
@@ -210,8 +214,8 @@ def test_why_waiting_knows_which_queues_the_live_workers_serve() -> None:
 
 @pytest.mark.django_db
 def test_the_workers_admin_page_shows_each_workers_queues(admin_client: Client) -> None:
-    registry.Registration("w-reports", concurrency=2, queues=["reports"]).register()
-    registry.Registration("w-all", concurrency=2).register()
+    worker_registry.Registration("w-reports", concurrency=2, queues=["reports"]).register()
+    worker_registry.Registration("w-all", concurrency=2).register()
     page = admin_client.get(reverse("admin:fairqueue_workerrecord_changelist"))
     text = page.content.decode()
     assert "column-queues_display" in text

@@ -14,12 +14,12 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from django_fairqueue import registry
 from django_fairqueue.cli import status as status_cli
 from django_fairqueue.cli import workers as workers_cli
 from django_fairqueue.db import message_store
 from django_fairqueue.maintenance import Rescuer
 from django_fairqueue.models import Message, MessageState, WorkerRecord
+from django_fairqueue.runtime import worker_registry
 from tests import factories as f
 
 pytestmark = pytest.mark.django_db
@@ -32,7 +32,7 @@ def test_registering_expires_the_leases_a_previous_process_with_the_same_id_left
     claimed = message_store.claim_messages(2, lease=LEASE, worker_id="sup-0")
     assert len(claimed) == 2
     # the same slot's next process registers: nothing of its own can be running yet
-    assert registry.Registration("sup-0", concurrency=4).register() == 2
+    assert worker_registry.Registration("sup-0", concurrency=4).register() == 2
     assert Rescuer().run_once() == 2
     assert Message.objects.filter(state=MessageState.READY).count() == 3
     f.assert_counters_match_table()
@@ -41,17 +41,17 @@ def test_registering_expires_the_leases_a_previous_process_with_the_same_id_left
 def test_a_silent_worker_is_dead_and_its_leases_expire(settings: Any) -> None:
     settings.FAIRQUEUE = {**settings.FAIRQUEUE, "WORKER_DEAD_AFTER": 30.0}
     f.enqueue("x", 1)
-    registry.Registration("gone", concurrency=1).register()
+    worker_registry.Registration("gone", concurrency=1).register()
     (m,) = message_store.claim_messages(1, lease=LEASE, worker_id="gone")
     WorkerRecord.objects.filter(worker_id="gone").update(
         heartbeat_at=timezone.now() - timedelta(minutes=1)
     )
-    (dead,) = registry.rescue_dead_workers()
+    (dead,) = worker_registry.rescue_dead_workers()
     assert (dead.worker_id, dead.leases_expired) == ("gone", 1)
     assert dead.silent_seconds >= 59
     assert Rescuer().run_once() == 1
     assert Message.objects.get(pk=m.id).state == MessageState.READY
-    assert [v.state for v in registry.workers()] == ["dead"]
+    assert [v.state for v in worker_registry.workers()] == ["dead"]
 
 
 def test_beats_age_on_the_database_clock_not_the_web_servers(
@@ -61,7 +61,7 @@ def test_beats_age_on_the_database_clock_not_the_web_servers(
     just beat as alive, in the registry, ``status`` and ``workers``: the rescuer (on the
     database's clock) would not call it dead either. ``status`` ages a channel's oldest ready
     message on the database's clock too."""
-    registry.Registration("w-skew", concurrency=2).register()
+    worker_registry.Registration("w-skew", concurrency=2).register()
     f.enqueue("skewed", 1)
 
     class AheadClock(datetime):
@@ -69,11 +69,11 @@ def test_beats_age_on_the_database_clock_not_the_web_servers(
         def now(cls, tz: Any = None) -> Any:
             return datetime.now(tz) + timedelta(hours=1)
 
-    for module in (registry, status_cli, workers_cli):
+    for module in (worker_registry, status_cli, workers_cli):
         if hasattr(module, "datetime"):
             monkeypatch.setattr(module, "datetime", AheadClock)
     monkeypatch.setattr(timezone, "now", lambda: AheadClock.now(UTC))
-    assert [v.state for v in registry.workers()] == ["alive"]
+    assert [v.state for v in worker_registry.workers()] == ["alive"]
     out = io.StringIO()
     call_command("fairqueue", "workers", stdout=out)
     assert "1 live of 1 registered" in out.getvalue()
@@ -84,7 +84,7 @@ def test_beats_age_on_the_database_clock_not_the_web_servers(
     call_command("fairqueue", "status", "--json", stdout=out)
     (row,) = [c for c in json.loads(out.getvalue())["channels"] if c["name"] == "skewed"]
     assert row["oldest_ready_age_seconds"] < 60  # not the hour between the two clocks
-    assert registry.rescue_dead_workers() == []
+    assert worker_registry.rescue_dead_workers() == []
 
 
 def test_status_warns_when_no_worker_is_alive_and_workers_lists_them() -> None:
@@ -93,7 +93,7 @@ def test_status_warns_when_no_worker_is_alive_and_workers_lists_them() -> None:
     call_command("fairqueue", "status", stdout=out)
     assert "0 live workers" in out.getvalue()
     assert "WARNING: no live worker" in out.getvalue()
-    registry.Registration("w-1", concurrency=8, channels=["waiting"]).register()
+    worker_registry.Registration("w-1", concurrency=8, channels=["waiting"]).register()
     out = io.StringIO()
     call_command("fairqueue", "status", stdout=out)
     assert "1 live workers (8 threads, 0 running)" in out.getvalue()
@@ -105,7 +105,7 @@ def test_status_warns_when_no_worker_is_alive_and_workers_lists_them() -> None:
 
 
 def test_the_workers_admin_page_is_read_only(client: Client) -> None:
-    registry.Registration("w-admin", concurrency=2, exclude_channels=["noisy"]).register()
+    worker_registry.Registration("w-admin", concurrency=2, exclude_channels=["noisy"]).register()
     viewer = User.objects.create_user("viewer", password="pw", is_staff=True)
     viewer.user_permissions.add(Permission.objects.get(codename="view_workerrecord"))
     client.force_login(viewer)
@@ -123,7 +123,7 @@ def test_the_workers_admin_page_is_read_only(client: Client) -> None:
 def test_a_supervised_slots_crash_loop_shows_in_workers_and_the_admin(
     client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from django_fairqueue._runtime import SUPERVISION_ENV
+    from django_fairqueue.runtime import SUPERVISION_ENV
     from django_fairqueue.worker import supervisor
 
     slot = supervisor.Slot(0)
@@ -134,12 +134,12 @@ def test_a_supervised_slots_crash_loop_shows_in_workers_and_the_admin(
     assert (told["restarts"], told["young_deaths"], told["crash_loop"]) == (4, 4, True)
     assert [e["how"] for e in told["exits"]] == ["exit status 1"] * 3  # type: ignore[attr-defined]
     monkeypatch.setenv(SUPERVISION_ENV, json.dumps(told))
-    registry.Registration("sup-0", concurrency=2).register()
+    worker_registry.Registration("sup-0", concurrency=2).register()
     monkeypatch.setenv(SUPERVISION_ENV, json.dumps(supervisor.Slot(1).supervision()))
-    registry.Registration("sup-1", concurrency=2).register()
+    worker_registry.Registration("sup-1", concurrency=2).register()
     monkeypatch.delenv(SUPERVISION_ENV)
-    registry.Registration("plain", concurrency=2).register()
-    views = {v.worker_id: v for v in registry.workers()}
+    worker_registry.Registration("plain", concurrency=2).register()
+    views = {v.worker_id: v for v in worker_registry.workers()}
     assert (views["sup-0"].restarts, views["sup-0"].crash_loop) == (4, True)
     assert (views["sup-1"].restarts, views["sup-1"].crash_loop) == (0, False)
     assert (views["plain"].restarts, views["plain"].crash_loop) == (None, False)
@@ -162,8 +162,8 @@ def test_a_supervised_slots_crash_loop_shows_in_workers_and_the_admin(
 
 
 def test_a_supervision_that_is_not_json_is_not_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from django_fairqueue._runtime import SUPERVISION_ENV
+    from django_fairqueue.runtime import SUPERVISION_ENV
 
     monkeypatch.setenv(SUPERVISION_ENV, "[1, 2")
-    registry.Registration("odd", concurrency=1).register()
+    worker_registry.Registration("odd", concurrency=1).register()
     assert WorkerRecord.objects.get(worker_id="odd").supervision is None

@@ -934,7 +934,7 @@ def run_schedulers(count: int, stop: Any) -> list[Any]:
 def test_a_schedule_of_a_full_channel_is_tried_every_interval_not_in_a_tight_loop() -> None:
     import time
 
-    from django_fairqueue._runtime import StopFlag
+    from django_fairqueue.runtime import StopFlag
 
     schedules.sync([spec("a", channel="small", missed="latest")])
     (a,) = Schedule.objects.all()

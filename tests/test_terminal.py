@@ -1,4 +1,4 @@
-"""The progress lines the commands draw (django_fairqueue.terminal and its users)."""
+"""The progress lines the commands draw (django_fairqueue.cli.terminal and its users)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import logging
 import pytest
 from django.core.management import call_command
 
-from django_fairqueue import terminal
 from django_fairqueue.batches import ProgressBar
+from django_fairqueue.cli import terminal
 from django_fairqueue.contrib.bench.harness import Progress
 
 
@@ -119,8 +119,8 @@ def test_failures_list_escapes_channel_task_and_error() -> None:
 
 @pytest.mark.django_db
 def test_schedules_and_workers_escape_stored_names() -> None:
-    from django_fairqueue import registry
     from django_fairqueue.models import Channel, Schedule
+    from django_fairqueue.runtime import worker_registry
 
     channel = Channel.objects.create(name=EVIL)
     Schedule.objects.create(name=EVIL, channel=channel, task_name=EVIL, cron="@daily")
@@ -129,7 +129,7 @@ def test_schedules_and_workers_escape_stored_names() -> None:
     (row,) = [line for line in out.getvalue().splitlines() if "@daily" in line]
     assert row.count("\\x1b[31mEVIL\\x1b[0m\\rfake\\nrow") == 3
     _assert_safe(out.getvalue())
-    registry.Registration(EVIL, concurrency=1).register()  # a worker id from --worker-id
+    worker_registry.Registration(EVIL, concurrency=1).register()  # a worker id from --worker-id
     listed = io.StringIO()
     call_command("fairqueue", "workers", stdout=listed)
     _assert_safe(listed.getvalue())

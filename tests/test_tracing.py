@@ -138,7 +138,7 @@ def test_a_malformed_carrier_is_ignored(spans: Any) -> None:
 def test_runs_make_no_span_until_a_tracer_provider_is_configured(
     spans: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from django_fairqueue import tracing
+    from django_fairqueue.observe import tracing
 
     configured = trace.get_tracer_provider()
     # as in a process where nothing configured OpenTelemetry: the API's proxy, or a no-op

@@ -16,9 +16,10 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from django_fairqueue import maintenance, stats, usage
+from django_fairqueue import maintenance, stats
 from django_fairqueue.db import message_store, stats_store
 from django_fairqueue.models import ERROR_HISTORY, Channel, Message, UsageHour, UsageTotal
+from django_fairqueue.observe import usage
 from tests import factories as f
 
 pytestmark = pytest.mark.django_db

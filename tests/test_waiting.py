@@ -13,9 +13,10 @@ from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
-from django_fairqueue import registry, waiting
 from django_fairqueue.db import message_store, stats_store, worker_store
 from django_fairqueue.models import Channel, Message
+from django_fairqueue.observe import waiting
+from django_fairqueue.runtime import worker_registry
 from tests import factories as f
 
 pytestmark = pytest.mark.django_db
@@ -28,7 +29,7 @@ def cid(name: str) -> int:
 
 
 def alive(*, channels: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> None:
-    registry.Registration(
+    worker_registry.Registration(
         "w", concurrency=4, channels=channels, exclude_channels=exclude
     ).register()
 
@@ -107,9 +108,9 @@ def test_no_live_worker_at_all_or_none_for_this_channel() -> None:
     assert why("lonely").cause == "no_worker"
     alive(channels=("other",))
     assert why("lonely").cause == "no_worker_for_channel"
-    registry.Registration("w2", concurrency=1, exclude_channels=["lonely"]).register()
+    worker_registry.Registration("w2", concurrency=1, exclude_channels=["lonely"]).register()
     assert why("lonely").cause == "no_worker_for_channel"
-    registry.Registration("w3", concurrency=1).register()
+    worker_registry.Registration("w3", concurrency=1).register()
     assert why("lonely").cause == "next"
 
 

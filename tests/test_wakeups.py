@@ -12,8 +12,9 @@ import psycopg
 import pytest
 from django.core.management import call_command
 
-from django_fairqueue import registry, wakeups
 from django_fairqueue.db import message_store
+from django_fairqueue.runtime import worker_registry
+from django_fairqueue.worker import wakeups
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the probe comes from another connection
 
@@ -22,12 +23,12 @@ CHANNEL = "fairqueue_probe_test"
 
 @pytest.fixture
 def registered() -> str:
-    registry.Registration("checker", concurrency=1).register()
+    worker_registry.Registration("checker", concurrency=1).register()
     return "checker"
 
 
 def _wakeups(worker_id: str) -> str:
-    (view,) = [v for v in registry.workers() if v.worker_id == worker_id]
+    (view,) = [v for v in worker_registry.workers() if v.worker_id == worker_id]
     return view.wakeups
 
 

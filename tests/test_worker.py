@@ -222,7 +222,7 @@ def test_arguments_are_checked_as_signature_bind_checks_them() -> None:
     every parameter may be given by position or by name) agrees with ``Signature.bind``."""
     import inspect
 
-    from django_fairqueue.taskspec import TaskSpec
+    from django_fairqueue.tasks.spec import TaskSpec
     from django_fairqueue.worker.execution import check_arguments
 
     def none() -> None: ...

@@ -332,8 +332,8 @@ def test_a_supervisor_refuses_max_messages() -> None:
 def test_workers_register_beat_and_deregister_and_a_dead_ones_leases_are_rescued_at_once(
     workers: Workers, tmp_path: Path, settings: Any
 ) -> None:
-    from django_fairqueue import registry
     from django_fairqueue.models import WorkerRecord
+    from django_fairqueue.runtime import worker_registry
 
     fast = {"WORKER_HEARTBEAT": 0.2, "WORKER_DEAD_AFTER": 3.0, "LEASE_SECONDS": 60.0}
     settings.FAIRQUEUE = {**settings.FAIRQUEUE, **fast}
@@ -347,7 +347,9 @@ def test_workers_register_beat_and_deregister_and_a_dead_ones_leases_are_rescued
     )
     assert (rec.pid, rec.concurrency, rec.channels, rec.state) == (a.pid, 2, ["d"], "running")
     both = {"reg-a": "alive", "reg-b": "alive"}
-    wait_until(lambda: {v.worker_id: v.state for v in registry.workers()} == both, 30, "both")
+    wait_until(
+        lambda: {v.worker_id: v.state for v in worker_registry.workers()} == both, 30, "both"
+    )
 
     # reg-a dies holding the slow message under a 60 s lease; reg-b's maintenance loop (its
     # rescuer runs every 0.3 s here) finds it silent past WORKER_DEAD_AFTER and requeues the

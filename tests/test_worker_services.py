@@ -17,7 +17,7 @@ from django_fairqueue.db import channel_store
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.maintenance import DeltaFolder
 from django_fairqueue.models import Message, MessageState
-from django_fairqueue.taskspec import registry
+from django_fairqueue.tasks.spec import registry
 from django_fairqueue.worker import Outcome, WorkerConfig
 from django_fairqueue.worker.claimer import Claimer
 from django_fairqueue.worker.config import lease_clock
@@ -345,7 +345,7 @@ def test_a_crash_loop_is_logged_and_restarts_slow_down(
 ) -> None:
     import sys
 
-    from django_fairqueue._runtime import StopFlag
+    from django_fairqueue.runtime import StopFlag
     from django_fairqueue.worker import supervisor
 
     monkeypatch.setattr(supervisor, "RESTART_FIRST", 0.2)

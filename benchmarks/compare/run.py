@@ -45,7 +45,8 @@ firing), so a million-job cell loads in seconds:
   random moments in the first 9 s (a fixed seed: the same plan for every system), each with 1
   to 40 jobs of 5-50 ms queued in one transaction. Each tenant's completion time (its last job's
   start plus its duration, minus its commit) over its completion time under the ideal fair
-  schedule (:func:`django_fairqueue.figures.fair_completion_times`: processor sharing, the 8
+  schedule
+  (:func:`django_fairqueue.contrib.bench.figures.fair_completion_times`: processor sharing, the 8
   workers split equally among the tenants with work, A always among them, none given more
   workers than it has jobs, what one cannot use going to the others); the mean and the worst,
   Jain's index over ideal / actual, the tenants' waits and the longest starvation.
@@ -93,7 +94,7 @@ from benchmarks.compare.common import (
     dsn_with,
 )
 from django_fairqueue import terminal  # no Django import: safe before settings
-from django_fairqueue.figures import jain_index, percentile
+from django_fairqueue.contrib.bench.figures import jain_index, percentile
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The baseline's git ref, for its version label (set for its process).
@@ -625,7 +626,8 @@ def bursts_cell(system: Any, variant: str, backlog: int, sizes: Sizes) -> dict[s
     """A's backlog of 20 ms jobs keeps every worker busy; the tenants of :func:`bursts_plan`
     arrive meanwhile, each queueing its jobs in one transaction. Each tenant's completion time
     (its last job's start plus its duration, minus its commit) over its completion time under
-    the ideal fair schedule (:func:`django_fairqueue.figures.fair_completion_times`: the
+    the ideal fair schedule
+    (:func:`django_fairqueue.contrib.bench.figures.fair_completion_times`: the
     workers split equally among the tenants with work, A always among them)."""
     system.reset()
     load_began = time.monotonic()
@@ -682,7 +684,7 @@ def bursts_cell(system: Any, variant: str, backlog: int, sizes: Sizes) -> dict[s
             starved[name] = _starvation(got, committed[name], got[-1])
     # Imported here, not at the top: `--baseline REF` runs this harness on the package of an
     # earlier REF, which may not have it (its enqueue cells never come here).
-    from django_fairqueue.figures import fair_completion_times
+    from django_fairqueue.contrib.bench.figures import fair_completion_times
 
     ideal = fair_completion_times(
         TIMESHARE_CONFIG.processes * TIMESHARE_CONFIG.concurrency, jobs, background=True

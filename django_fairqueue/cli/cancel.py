@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 from django.core.management.base import CommandError
 
-from django_fairqueue import api, bounds
+from django_fairqueue import api, limits
 from django_fairqueue.cli import channel_name
 from django_fairqueue.exceptions import InvalidChannel
 
@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_selection(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("ids", nargs="*", type=bounds.message_id, metavar="ID", help="Message ids.")
+    parser.add_argument("ids", nargs="*", type=limits.message_id, metavar="ID", help="Message ids.")
     parser.add_argument(
         "--channel", type=channel_name, help="Every message of this channel (with --task: of both)."
     )

@@ -22,9 +22,9 @@ from typing import Any, TextIO
 
 from django.core.management.base import CommandError
 
-from django_fairqueue import bounds, failures
+from django_fairqueue import failures, limits
 from django_fairqueue.cli import channel_name, queue_name
-from django_fairqueue.terminal import printable
+from django_fairqueue.cli.terminal import printable
 
 #: Longest error message shown in the text listing; --json has it whole.
 _ERROR_WIDTH = 80
@@ -40,13 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_filters(listing)
     listing.add_argument(
         "--limit",
-        type=bounds.limit_option,
+        type=limits.limit_option,
         default=100,
         help="Most messages to show (default: 100).",
     )
     listing.add_argument(
         "--after",
-        type=bounds.after_id,
+        type=limits.after_id,
         default=0,
         metavar="ID",
         help="Show messages with an id above ID (the next page).",
@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"{verb} failed messages by id, or all of them with --all (idempotent).",
         )
         sub.add_argument(
-            "ids", nargs="*", type=bounds.message_id, metavar="ID", help="Message ids."
+            "ids", nargs="*", type=limits.message_id, metavar="ID", help="Message ids."
         )
         sub.add_argument(
             "--all",

@@ -14,8 +14,8 @@ from typing import Any
 
 from django.core.management.base import OutputWrapper
 
-from django_fairqueue._runtime import StopFlag, configure_logging, stop_signals
 from django_fairqueue.maintenance import MaintenanceRunner
+from django_fairqueue.runtime import StopFlag, configure_logging, stop_signals
 
 logger = logging.getLogger("django_fairqueue.maintenance")
 

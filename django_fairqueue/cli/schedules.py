@@ -18,13 +18,14 @@ from typing import Any
 
 from django.core.management.base import CommandError, OutputWrapper
 
-from django_fairqueue import cron, overview, schedules
+from django_fairqueue import cron, schedules
 from django_fairqueue.cli import channel_name, queue_name
+from django_fairqueue.cli.terminal import printable
 from django_fairqueue.db import pg
 from django_fairqueue.exceptions import InvalidSchedule
 from django_fairqueue.models import Schedule
+from django_fairqueue.observe import overview
 from django_fairqueue.queues import DEFAULT_QUEUE, row_name, split_row_name
-from django_fairqueue.terminal import printable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

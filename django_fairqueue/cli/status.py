@@ -33,11 +33,13 @@ from django.core.management.base import CommandError
 from django.db import connections
 from django.utils import timezone
 
-from django_fairqueue import bounds, conf, horizon, overview, registry, stats, waiting
+from django_fairqueue import conf, limits, stats
 from django_fairqueue.cli import channel_name
+from django_fairqueue.cli.terminal import printable
 from django_fairqueue.db import channel_store, pg
+from django_fairqueue.observe import horizon, overview, waiting
 from django_fairqueue.queues import split_row_name, validate_queue_name
-from django_fairqueue.terminal import printable
+from django_fairqueue.runtime import worker_registry
 
 #: Longest channel name printed in the table (the JSON has it whole).
 _NAME_WIDTH = 40
@@ -82,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "by name, most running, most failed.",
     )
     parser.add_argument(
-        "--limit", type=bounds.limit_option, default=20, help="Most channels to list (default: 20)."
+        "--limit", type=limits.limit_option, default=20, help="Most channels to list (default: 20)."
     )
     parser.add_argument("--json", action="store_true", help="Print JSON.")
     parser.add_argument(
@@ -130,12 +132,12 @@ def snapshot(
     With ``queue``, the channels, groups and totals are that queue's only (the workers are
     every worker's)."""
     now = now or pg.select_clock()
-    views = registry.workers()  # beats age on the database's clock, which stamped them
+    views = worker_registry.workers()  # beats age on the database's clock, which stamped them
     counts = overview.all_counts()
     if queue is not None:
         counts = {k: c for k, c in counts.items() if split_row_name(c.name)[0] == queue}
     ids = overview.ranked_ids(sort, limit, counts=counts)
-    alive = registry.live(views)
+    alive = worker_registry.live(views)
     retrying = channel_store.select_channel_retrying(
         [c.id for c in counts.values() if c.scheduled > 0]
     )
@@ -174,7 +176,7 @@ def _in_queue(row: dict[str, Any]) -> dict[str, Any]:
     return {**row, "name": name, "queue": queue}
 
 
-def _queues(counts: Any, alive: list[registry.WorkerView]) -> dict[str, dict[str, int]]:
+def _queues(counts: Any, alive: list[worker_registry.WorkerView]) -> dict[str, dict[str, int]]:
     """Per queue: its channels, their ready and running messages, and the live workers that
     serve it (those of every queue, and those started with --queues naming it)."""
     out: dict[str, dict[str, int]] = {}

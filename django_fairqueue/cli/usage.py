@@ -19,9 +19,10 @@ from typing import Any
 
 from django.core.management.base import CommandError, OutputWrapper
 
-from django_fairqueue import bounds, usage
+from django_fairqueue import limits
 from django_fairqueue.cli import queue_name
-from django_fairqueue.terminal import printable
+from django_fairqueue.cli.terminal import printable
+from django_fairqueue.observe import usage
 
 
 def _day(text: str) -> Any:
@@ -51,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sort", type=_sort, default=None, metavar="FIELD", help="Default: worker_seconds."
     )
     parser.add_argument(
-        "--limit", type=bounds.limit_option, default=None, help="Most rows to show."
+        "--limit", type=limits.limit_option, default=None, help="Most rows to show."
     )
     out = parser.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="Print JSON.")

@@ -22,9 +22,10 @@ from typing import Any
 
 from django.core.management.base import OutputWrapper
 
-from django_fairqueue import overview, registry
+from django_fairqueue.cli.terminal import printable
 from django_fairqueue.db import pg
-from django_fairqueue.terminal import printable
+from django_fairqueue.observe import overview
+from django_fairqueue.runtime import worker_registry
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
     now = pg.select_clock()  # the clock that stamped the beats
-    views = registry.workers(now)
+    views = worker_registry.workers(now)
     if options["json"]:
         stdout.write(json.dumps([v.as_dict() for v in views]))
         return
@@ -65,19 +66,19 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
                 printable(v.host),
                 str(v.pid),
                 printable(v.version),
-                printable(registry.queues_text(v.queues)),
+                printable(worker_registry.queues_text(v.queues)),
                 f"{v.running}/{v.concurrency}",
                 f"{v.handled:,}",
                 f"{beat} ago",
                 f"{claim} ago" if claim else "-",
                 v.wakeups.split(":", 1)[0] or "-",
-                registry.restarts_text(v.restarts, v.crash_loop),
+                worker_registry.restarts_text(v.restarts, v.crash_loop),
             )
         )
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     for row in lines:
         stdout.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-    alive = registry.live(views)
+    alive = worker_registry.live(views)
     stdout.write(f"\n{len(alive)} live of {len(views)} registered.")
     for v in alive:
         if v.wakeups.startswith("polling"):

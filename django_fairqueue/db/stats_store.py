@@ -146,7 +146,7 @@ def prune_channel_stats(before: datetime, *, using: str | None = None) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Per-tenant usage (django_fairqueue.usage): per channel and hour, and per channel in all
+# Per-tenant usage (django_fairqueue.observe.usage): per channel and hour, and per channel in all
 
 
 def hour_of(moment: datetime) -> datetime:

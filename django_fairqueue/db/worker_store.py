@@ -1,4 +1,4 @@
-"""The worker registry (``django_fairqueue.registry``): workers record themselves,
+"""The worker registry (``django_fairqueue.runtime.worker_registry``): workers record themselves,
 beat, deregister; a silent one is marked dead and its leases expired.
 """
 

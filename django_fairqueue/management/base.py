@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand
 
-from django_fairqueue.terminal import exit_quietly_on_closed_pipe
+from django_fairqueue.cli.terminal import exit_quietly_on_closed_pipe
 
 
 class FairCommand(BaseCommand):

@@ -40,13 +40,14 @@ Every write after the claim presents the claim's lease token, so a worker that l
 ``service`` has what the services share (``start``, ``stop``, a crash stops the worker),
 ``config`` the settings and constants, ``execution`` what running one task takes and the
 outcomes an attempt ends with, and ``supervisor`` the process supervisor of ``runfairworker
---processes``. The registry is :mod:`django_fairqueue.registry`, the retry policy and error
-record :mod:`django_fairqueue.attempts` (shared with work batches).
+--processes``. The worker registry is :mod:`django_fairqueue.runtime.worker_registry`, the
+retry policy and error record :mod:`django_fairqueue.runtime.attempts` (shared with work
+batches); the check that wake-ups arrive is ``wakeups``.
 """
 
 from __future__ import annotations
 
-from django_fairqueue.attempts import error_info, retry_delay
+from django_fairqueue.runtime.attempts import error_info, retry_delay
 from django_fairqueue.worker.config import (
     Outcome,
     WorkerConfig,

@@ -19,17 +19,17 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from django_fairqueue import conf
-from django_fairqueue._runtime import (
+from django_fairqueue.db import channel_store, message_store
+from django_fairqueue.db.message_store import ClaimedMessage
+from django_fairqueue.runtime import (
     CONNECTION_ERRORS,
     Backoff,
     after_database_error,
     drop_broken_connection,
 )
-from django_fairqueue.db import channel_store, message_store
-from django_fairqueue.db.message_store import ClaimedMessage
-from django_fairqueue.registry import wall_clock
+from django_fairqueue.runtime.worker_registry import wall_clock
 from django_fairqueue.stats import StatsRecorder
-from django_fairqueue.taskspec import registry
+from django_fairqueue.tasks.spec import registry
 from django_fairqueue.worker.config import (
     DUE_RETRY_FIRST,
     DUE_SLACK,

@@ -20,7 +20,7 @@ from django_fairqueue.exceptions import (
     FairQueueError,
 )
 from django_fairqueue.queues import validate_queue_name
-from django_fairqueue.taskspec import TaskSpec
+from django_fairqueue.tasks.spec import TaskSpec
 
 logger = logging.getLogger("django_fairqueue.worker")
 

@@ -14,12 +14,12 @@ from datetime import timedelta
 from django.db import close_old_connections, connections
 
 from django_fairqueue import conf
-from django_fairqueue._runtime import stop_signals
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.maintenance import MaintenanceRunner, Service, default_services
-from django_fairqueue.registry import Beat, Registration
+from django_fairqueue.runtime import stop_signals
+from django_fairqueue.runtime.worker_registry import Beat, Registration
 from django_fairqueue.stats import StatsRecorder
-from django_fairqueue.taskspec import registry
+from django_fairqueue.tasks.spec import registry
 from django_fairqueue.worker import service
 from django_fairqueue.worker.claimer import Claimer
 from django_fairqueue.worker.config import Outcome, WorkerConfig, WorkerCrashed

@@ -17,13 +17,13 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import close_old_connections, connections, transaction
 from django.db.backends.signals import connection_created
 
-from django_fairqueue import dbfaults
-from django_fairqueue.attempts import error_info, retry_delay
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.exceptions import PayloadError, TaskAborted
 from django_fairqueue.models import Message
+from django_fairqueue.runtime import dbfaults
+from django_fairqueue.runtime.attempts import error_info, retry_delay
 from django_fairqueue.signals import message_finished
-from django_fairqueue.taskspec import TaskSpec
+from django_fairqueue.tasks.spec import TaskSpec
 from django_fairqueue.worker.config import Outcome
 
 logger = logging.getLogger("django_fairqueue.worker")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from django_fairqueue._runtime import (
+from django_fairqueue.db import message_store
+from django_fairqueue.runtime import (
     CONNECTION_ERRORS,
     Backoff,
     after_database_error,
     drop_broken_connection,
 )
-from django_fairqueue.db import message_store
 from django_fairqueue.worker.config import HEARTBEAT_BATCH, lease_clock
 from django_fairqueue.worker.ledger import Ledger
 from django_fairqueue.worker.service import Service

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 
 from django_fairqueue.db.message_store import ClaimedMessage
-from django_fairqueue.taskspec import TaskSpec
+from django_fairqueue.tasks.spec import TaskSpec
 from django_fairqueue.worker.config import Attempt, Outcome, lease_clock
 
 

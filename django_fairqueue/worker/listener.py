@@ -10,9 +10,10 @@ from typing import Any
 import psycopg
 from django.db import connections
 
-from django_fairqueue import conf, wakeups
-from django_fairqueue._runtime import Backoff
+from django_fairqueue import conf
 from django_fairqueue.db import message_store
+from django_fairqueue.runtime import Backoff
+from django_fairqueue.worker import wakeups
 from django_fairqueue.worker.service import Service
 
 logger = logging.getLogger("django_fairqueue.worker")

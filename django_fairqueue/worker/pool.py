@@ -11,13 +11,13 @@ from collections.abc import Callable
 
 from asgiref.sync import async_to_sync
 
-from django_fairqueue import tracing
-from django_fairqueue.attempts import error_info
 from django_fairqueue.context import abort_flag, current_message, time_limit_passed
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.exceptions import PayloadError, ResultNotStorable, UnknownTask
+from django_fairqueue.observe import tracing
+from django_fairqueue.runtime.attempts import error_info
 from django_fairqueue.signals import message_started
-from django_fairqueue.taskspec import check_result, registry
+from django_fairqueue.tasks.spec import check_result, registry
 from django_fairqueue.worker.config import Attempt, Outcome
 from django_fairqueue.worker.execution import (
     aborted_outcome,

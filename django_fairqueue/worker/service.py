@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from django.db import connections
 
-from django_fairqueue._runtime import StopFlag
+from django_fairqueue.runtime import StopFlag
 
 logger = logging.getLogger("django_fairqueue.worker")
 

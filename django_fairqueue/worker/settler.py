@@ -19,14 +19,14 @@ from django.db import DatabaseError
 from django.utils import timezone
 
 from django_fairqueue import conf
-from django_fairqueue._runtime import (
+from django_fairqueue.db import message_store
+from django_fairqueue.runtime import (
     CONNECTION_ERRORS,
     Backoff,
     after_database_error,
     drop_broken_connection,
 )
-from django_fairqueue.attempts import error_info
-from django_fairqueue.db import message_store
+from django_fairqueue.runtime.attempts import error_info
 from django_fairqueue.stats import StatsRecorder
 from django_fairqueue.worker.config import (
     SETTLE_BATCH,

@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from django_fairqueue._runtime import SUPERVISION_ENV, StopFlag, stop_signals
+from django_fairqueue.runtime import SUPERVISION_ENV, StopFlag, stop_signals
 from django_fairqueue.worker import extensions
 
 logger = logging.getLogger("django_fairqueue.supervisor")
@@ -95,7 +95,7 @@ class Slot:
         return self.young_exits >= CRASH_LOOP_AFTER
 
     def supervision(self) -> dict[str, object]:
-        """What the next child records of its slot in the worker registry."""
+        """What the next child records of its slot in the worker worker_registry."""
         return {
             "slot": self.index,
             "restarts": self.restarts,
@@ -275,11 +275,11 @@ def environment() -> dict[str, str]:
     this supervisor's name (``host:pid``)."""
     from django.conf import settings
 
-    from django_fairqueue import registry
+    from django_fairqueue.runtime import worker_registry
 
     env = dict(os.environ)
     # each child records this process as its supervisor (the admin groups them)
-    env[registry.SUPERVISOR_ENV] = registry.supervisor_name()
+    env[worker_registry.SUPERVISOR_ENV] = worker_registry.supervisor_name()
     module = getattr(settings, "SETTINGS_MODULE", None)
     if module and "DJANGO_SETTINGS_MODULE" not in env:
         env["DJANGO_SETTINGS_MODULE"] = module

@@ -22,8 +22,8 @@ import time
 import traceback
 from collections.abc import Callable
 
-from django_fairqueue.attempts import MAX_TRACEBACK, error_info, storable
 from django_fairqueue.exceptions import TaskTimeout
+from django_fairqueue.runtime.attempts import MAX_TRACEBACK, error_info, storable
 from django_fairqueue.worker.config import Attempt, Outcome
 from django_fairqueue.worker.execution import (
     aborted_outcome,

@@ -42,11 +42,11 @@ from django.utils import timezone
 
 from django_fairqueue import conf, stats
 from django_fairqueue.contrib.bench import db
+from django_fairqueue.contrib.bench.figures import median, percentile
 from django_fairqueue.contrib.bench.harness import Bench, BenchmarkError, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.db import stats_store
-from django_fairqueue.figures import median, percentile
 from django_fairqueue.models import Channel
 
 #: The bound for every page (median of the samples).
@@ -144,7 +144,7 @@ def pages() -> list[Page]:
     """Every page the scenario times, in order."""
     from django.contrib import admin
 
-    from django_fairqueue.adminlist import CURSOR_VAR
+    from django_fairqueue.admin.lists import CURSOR_VAR
     from django_fairqueue.models import Message
 
     channel_admin = admin.site._registry[Channel]

@@ -20,6 +20,7 @@ from datetime import timedelta
 from multiprocessing.synchronize import Barrier, Event
 from typing import Any
 
+from django_fairqueue.contrib.bench.figures import median
 from django_fairqueue.contrib.bench.harness import (
     START_TIMEOUT,
     Bench,
@@ -28,7 +29,6 @@ from django_fairqueue.contrib.bench.harness import (
 )
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
-from django_fairqueue.figures import median
 
 LEASE = timedelta(minutes=10)
 #: Claims each process makes before the start line (connection, prepared statements, the

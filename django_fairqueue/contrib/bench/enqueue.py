@@ -9,11 +9,11 @@ from multiprocessing.synchronize import Barrier
 from typing import Any
 
 from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many
+from django_fairqueue.contrib.bench.figures import median
 from django_fairqueue.contrib.bench.harness import START_TIMEOUT, Bench, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
-from django_fairqueue.figures import median
 
 BATCH = 100
 #: mode -> (messages per call, channels one call writes to)

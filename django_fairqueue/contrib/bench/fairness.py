@@ -16,6 +16,7 @@ from multiprocessing.synchronize import Barrier, Event
 from typing import Any
 
 from django_fairqueue.api import EnqueueRequest, enqueue_many
+from django_fairqueue.contrib.bench.figures import jain_index, median, percentile
 from django_fairqueue.contrib.bench.harness import (
     START_TIMEOUT,
     Bench,
@@ -26,7 +27,6 @@ from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
 from django_fairqueue.db import message_store
-from django_fairqueue.figures import jain_index, median, percentile
 
 LEASE = timedelta(minutes=10)
 A = "tenant-a"

@@ -24,12 +24,13 @@ from typing import Any, TextIO
 
 from django.db import connections
 
-from django_fairqueue import conf, terminal
+from django_fairqueue import conf
+from django_fairqueue.cli import terminal
 from django_fairqueue.contrib.bench import db
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
 from django_fairqueue.db import channel_store, message_store
-from django_fairqueue.taskspec import registry
+from django_fairqueue.tasks.spec import registry
 
 #: Rows per bulk-load statement: progress moves, and no single transaction writes a gigabyte.
 LOAD_CHUNK = 200_000

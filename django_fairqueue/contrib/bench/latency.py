@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from django_fairqueue.api import EnqueueRequest, enqueue_many
+from django_fairqueue.contrib.bench.figures import median, percentile
 from django_fairqueue.contrib.bench.harness import Bench, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario, relative_to_first
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
 from django_fairqueue.db import message_store
-from django_fairqueue.figures import median, percentile
 
 LEASE = timedelta(minutes=10)
 WORKER_ID = "fairbench-latency"

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from django_fairqueue.api import enqueue
+from django_fairqueue.contrib.bench.figures import median, percentile
 from django_fairqueue.contrib.bench.harness import (
     START_TIMEOUT,
     Bench,
@@ -27,7 +28,6 @@ from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import STAMP_TASK_NAME
 from django_fairqueue.contrib.bench.workerproc import Fleet
-from django_fairqueue.figures import median, percentile
 from django_fairqueue.models import Message, MessageState
 
 CHANNEL = "fairbench-pickup"

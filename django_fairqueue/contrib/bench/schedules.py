@@ -21,12 +21,12 @@ from django.db import transaction
 from django_fairqueue import cron, schedules
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.contrib.bench import db
+from django_fairqueue.contrib.bench.figures import median, percentile
 from django_fairqueue.contrib.bench.harness import Bench, BenchmarkError, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
 from django_fairqueue.db import pg
-from django_fairqueue.figures import median, percentile
 from django_fairqueue.models import Channel, Schedule
 
 CRON = "0 3 * * *"

@@ -17,7 +17,8 @@ enqueue) to the return of the claim that took it.
   worker time should be 3:1.
 * ``bursts``: bob's backlog (20 ms tasks) and 50 tenants arriving at random moments with
   random numbers of 5-50 ms tasks: each tenant's completion time against the ideal fair
-  schedule (:func:`django_fairqueue.figures.fair_completion_times`: processor sharing, the
+  schedule (:func:`~django_fairqueue.contrib.bench.figures.fair_completion_times`: processor
+  sharing, the
   workers split equally among the tenants with work, bob always among them, none given more
   workers than it has messages).
 """
@@ -35,12 +36,12 @@ from multiprocessing.synchronize import Barrier, Event
 from django.db import connections
 
 from django_fairqueue.api import EnqueueRequest, enqueue_many
+from django_fairqueue.contrib.bench.figures import fair_completion_times, jain_index, percentile
 from django_fairqueue.contrib.bench.harness import START_TIMEOUT, Bench, BenchmarkError, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
 from django_fairqueue.db import channel_store, message_store
-from django_fairqueue.figures import fair_completion_times, jain_index, percentile
 
 LEASE = timedelta(minutes=10)
 WORKLOADS = ("flood", "sybil", "heavy", "weights", "bursts")

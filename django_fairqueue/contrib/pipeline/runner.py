@@ -30,7 +30,6 @@ from django.db import connections, transaction
 from django.utils import timezone
 
 from django_fairqueue import batches, conf
-from django_fairqueue._runtime import StopFlag
 from django_fairqueue.contrib.pipeline import cluster, datastore
 from django_fairqueue.contrib.pipeline.core import (
     Pipeline,
@@ -52,6 +51,7 @@ from django_fairqueue.contrib.pipeline.models import PipelineJob
 from django_fairqueue.exceptions import LeaseLost
 from django_fairqueue.maintenance import DeltaFolder
 from django_fairqueue.models import BatchState, WorkBatch
+from django_fairqueue.runtime import StopFlag
 
 logger = logging.getLogger("django_fairqueue.pipeline")
 

@@ -1,4 +1,4 @@
--- django-fairqueue: the worker registry (django_fairqueue.registry).
+-- django-fairqueue: the worker registry (django_fairqueue.runtime.worker_registry).
 --
 -- Each statement starts with `-- name: verb_noun` and a one-line description;
 -- django_fairqueue/db/worker_store.py loads this file once and has exactly one function per name

@@ -7,14 +7,14 @@ from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 
-from django_fairqueue import bounds, conf
-from django_fairqueue._runtime import configure_logging, stop_signals
+from django_fairqueue import conf, limits
 from django_fairqueue.api import validate_channel_name
+from django_fairqueue.cli.terminal import printable
 from django_fairqueue.exceptions import InvalidChannel
 from django_fairqueue.management.base import FairCommand
 from django_fairqueue.queues import parse_queue_list
-from django_fairqueue.taskspec import registry
-from django_fairqueue.terminal import printable
+from django_fairqueue.runtime import configure_logging, stop_signals
+from django_fairqueue.tasks.spec import registry
 from django_fairqueue.worker import (
     Worker,
     WorkerConfig,
@@ -279,8 +279,8 @@ class Command(FairCommand):
         batch_size = _count(options, "batch_size", 1, MAX_BATCH)
         prefetch = _count(options, "prefetch", 0, MAX_BATCH)
         _count(options, "processes", 1, MAX_PROCESSES)
-        max_messages = _count(options, "max_messages", 1, bounds.MAX_ID)
-        _count(options, "max_tasks_per_child", 1, bounds.MAX_ID)
+        max_messages = _count(options, "max_messages", 1, limits.MAX_ID)
+        _count(options, "max_tasks_per_child", 1, limits.MAX_ID)
         abandoned = _count(options, "max_abandoned_threads", 1, MAX_CONCURRENCY)
         poll = _seconds(options, "poll_interval", 0, 3600.0, above=True)
         grace = _seconds(options, "shutdown_grace", 0, MAX_SECONDS)

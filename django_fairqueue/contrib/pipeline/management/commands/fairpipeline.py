@@ -16,9 +16,9 @@ from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 
-from django_fairqueue._runtime import configure_logging
 from django_fairqueue.contrib.pipeline.runner import MAX_RUNNERS
 from django_fairqueue.management.base import FairCommand
+from django_fairqueue.runtime import configure_logging
 
 
 def _spark_conf(options: dict[str, Any]) -> dict[str, str]:

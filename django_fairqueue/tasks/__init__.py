@@ -1,6 +1,6 @@
 """``@task``: register a function as a task, and the task objects it returns.
 
-The registry and task specifications live in :mod:`django_fairqueue.taskspec` (re-exported
+The registry and task specifications live in :mod:`django_fairqueue.tasks.spec` (re-exported
 here). A task object's ``enqueue()`` calls :func:`django_fairqueue.api.enqueue`; the API itself
 knows task objects only by their ``spec`` (it imports nothing from this module).
 """
@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 from django_fairqueue import conf
-from django_fairqueue.taskspec import (
+from django_fairqueue.tasks.spec import (
     Registry,
     TaskSpec,
     check_result,

@@ -165,7 +165,7 @@ def configure_logging(verbosity: int) -> None:
     if package.handlers or logging.getLogger().handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
-    from django_fairqueue.terminal import PrintableFormatter  # names and errors escaped
+    from django_fairqueue.cli.terminal import PrintableFormatter  # names and errors escaped
 
     handler.setFormatter(
         PrintableFormatter("%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s")

@@ -35,7 +35,7 @@ from django.utils.translation import gettext_lazy as _
 
 from django_fairqueue.models import Channel, Message
 from django_fairqueue.queues import DEFAULT_QUEUE
-from django_fairqueue.taskspec import registry
+from django_fairqueue.tasks.spec import registry
 
 #: The query parameter of a page: ``a<key>`` (rows after key), ``b<key>`` (rows before it) or
 #: ``last``; a key is ``<id>`` or, sorted by channel, ``<channel id>.<id>``.

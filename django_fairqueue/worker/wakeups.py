@@ -24,8 +24,8 @@ import psycopg
 from django.db import connections
 
 from django_fairqueue import conf
-from django_fairqueue._runtime import CONNECTION_ERRORS, after_database_error
 from django_fairqueue.db import message_store, worker_store
+from django_fairqueue.runtime import CONNECTION_ERRORS, after_database_error
 
 logger = logging.getLogger("django_fairqueue.worker")
 

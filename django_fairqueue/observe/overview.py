@@ -39,10 +39,11 @@ from django.db.models.expressions import RawSQL
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from django_fairqueue import conf, registry, stats
+from django_fairqueue import conf, stats
 from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.models import Channel, ChannelDelta
 from django_fairqueue.queues import split_row_name
+from django_fairqueue.runtime import worker_registry
 
 __all__ = [
     "SORTS",
@@ -505,11 +506,11 @@ def fleet() -> dict[str, Any]:
     """The workers as the dashboard shows them: how many are live (alive or silent) and in
     each state, and the running messages whose lease expired. With no live worker, nothing
     that counts as running runs: the dashboard says so beside the running count."""
-    views = registry.workers()
+    views = worker_registry.workers()
     states = ("alive", "silent", "dead", "stopped")
     return {
         "workers": {
-            "live": len(registry.live(views)),
+            "live": len(worker_registry.live(views)),
             **{state: sum(1 for v in views if v.state == state) for state in states},
         },
         "expired_leases": message_store.select_stale_lease_count(using=_db()),

@@ -31,15 +31,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from django_fairqueue import __version__, conf
-from django_fairqueue._runtime import (
+from django_fairqueue.db import pg, worker_store
+from django_fairqueue.runtime import (
     CONNECTION_ERRORS,
     SUPERVISION_ENV,
     StopFlag,
     after_database_error,
 )
-from django_fairqueue.db import pg, worker_store
 
-logger = logging.getLogger("django_fairqueue.registry")
+logger = logging.getLogger("django_fairqueue.runtime.worker_registry")
 
 #: The environment variable a ``runfairworker --processes`` supervisor gives its children:
 #: its ``host:pid``, which each child records in its registry row.

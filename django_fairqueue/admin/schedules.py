@@ -33,11 +33,13 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from django_fairqueue import adminlist, conf, cron, overview
+from django_fairqueue import conf, cron
+from django_fairqueue.admin import lists
 from django_fairqueue.db import pg, schedule_store
 from django_fairqueue.exceptions import InvalidSchedule, PayloadError, UnknownTask
 from django_fairqueue.models import Schedule, ScheduleSource
-from django_fairqueue.taskspec import registry
+from django_fairqueue.observe import overview
+from django_fairqueue.tasks.spec import registry
 
 if TYPE_CHECKING:
     _ScheduleAdminBase = admin.ModelAdmin[Schedule]
@@ -216,7 +218,7 @@ class _StateColumns:
 
 
 @admin.register(Schedule)
-class ScheduleAdmin(_StateColumns, adminlist.NulSafeAdmin, _ScheduleAdminBase):
+class ScheduleAdmin(_StateColumns, lists.NulSafeAdmin, _ScheduleAdminBase):
     form = ScheduleForm
     list_display = [
         "name",

@@ -1,6 +1,6 @@
 """The admin's usage page (registered by :mod:`django_fairqueue.admin`): per-tenant worker time,
 attempts and failures over a range of days, per channel or per group, sortable by any column,
-with a CSV export of what it shows (:mod:`django_fairqueue.usage`).
+with a CSV export of what it shows (:mod:`django_fairqueue.observe.usage`).
 
 ``<admin>/fairqueue/usagehour/?from=2026-11-28&to=2026-11-28&by=channel&o=-worker_seconds``;
 ``&format=csv`` downloads the same report. The range defaults to yesterday. Viewing needs the
@@ -19,8 +19,9 @@ from django.template.response import TemplateResponse
 from django.utils.http import urlencode
 from django.utils.translation import gettext_lazy as _
 
-from django_fairqueue import adminlist, usage
+from django_fairqueue.admin import lists
 from django_fairqueue.models import UsageHour
+from django_fairqueue.observe import usage
 
 if TYPE_CHECKING:
     _UsageAdminBase = admin.ModelAdmin[UsageHour]
@@ -150,7 +151,7 @@ class UsageAdmin(_UsageAdminBase):
             "total_time": f"{usage.summed(rows).worker_seconds:,.1f} s",
             "csv_url": "?" + urlencode({**base, "o": params["order"], "format": "csv"}),
             "by_choices": usage.BY,
-            "queues": adminlist.QueueFilter.known_queues(params["queue"]),
+            "queues": lists.QueueFilter.known_queues(params["queue"]),
             "media": self.media,
             **(extra_context or {}),
         }

@@ -25,10 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django_fairqueue import conf, overview, registry
+from django_fairqueue import conf
 from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.models import Message, MessageState
+from django_fairqueue.observe import overview
 from django_fairqueue.queues import display_name, split_row_name
+from django_fairqueue.runtime import worker_registry
 
 #: The window of claims the estimate is based on (the statistics hold one row per minute).
 RATE_MINUTES = 5
@@ -49,7 +51,7 @@ def _when(moment: datetime, now: datetime) -> str:
     return overview.format_since(moment, now)
 
 
-def channel(channel_id: int, *, views: list[registry.WorkerView] | None = None) -> Why:
+def channel(channel_id: int, *, views: list[worker_registry.WorkerView] | None = None) -> Why:
     """Why the ready messages of a channel wait (or that nothing does)."""
     state = channel_store.select_channel_wait_state(channel_id)
     if state is None:
@@ -62,7 +64,7 @@ def channel(channel_id: int, *, views: list[registry.WorkerView] | None = None) 
 def _channel_cause(
     channel_id: int,
     state: channel_store.ChannelWaitState,
-    views: list[registry.WorkerView] | None,
+    views: list[worker_registry.WorkerView] | None,
 ) -> Why:
     now = state.now
     if state.paused:
@@ -70,8 +72,8 @@ def _channel_cause(
     # Before the limits: with no worker to claim, a cap or a rate limit holds nothing back
     # (and "the next starts when one finishes" would promise what cannot happen: the running
     # messages of a dead worker only end when a live worker's rescuer takes them back).
-    views = registry.workers(now) if views is None else views
-    alive = registry.live(views)
+    views = worker_registry.workers(now) if views is None else views
+    alive = worker_registry.live(views)
     if not alive:
         return Why("no_worker", "no live worker: nothing runs until one starts")
     if not any(_serves(v, state.name) for v in alive):
@@ -127,7 +129,7 @@ def _channel_cause(
     )
 
 
-def _serves(view: registry.WorkerView, row: str) -> bool:
+def _serves(view: worker_registry.WorkerView, row: str) -> bool:
     """Whether the worker of ``view`` claims from the channel row named ``row``: its queue is
     one the worker serves, and its name (within the queue) passes the channel filters."""
     queue, name = split_row_name(row)
@@ -138,7 +140,7 @@ def _serves(view: registry.WorkerView, row: str) -> bool:
     return name not in view.exclude_channels
 
 
-def message(msg: Message, *, views: list[registry.WorkerView] | None = None) -> Why:
+def message(msg: Message, *, views: list[worker_registry.WorkerView] | None = None) -> Why:
     """Why this message has not run yet (or what it is doing instead)."""
     if msg.state in (MessageState.SUCCEEDED, MessageState.FAILED, MessageState.CANCELLED):
         done = overview.format_time(msg.finished_at) if msg.finished_at else "?"

@@ -17,10 +17,10 @@ from __future__ import annotations
 from datetime import timedelta
 
 from django_fairqueue import conf
+from django_fairqueue.cli.terminal import printable
 from django_fairqueue.db import pg
 from django_fairqueue.db.pg import XminHolder
-from django_fairqueue.overview import format_age
-from django_fairqueue.terminal import printable
+from django_fairqueue.observe.overview import format_age
 
 #: Longest start of a holder's query shown on one line (the JSON keeps the 200 read).
 QUERY_SHOWN = 80
