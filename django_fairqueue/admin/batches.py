@@ -25,10 +25,7 @@ from django_fairqueue.admin.common import (
     log_changes,
 )
 from django_fairqueue.db import batch_store
-from django_fairqueue.models import (
-    BatchState,
-    WorkBatch,
-)
+from django_fairqueue.models import BatchState, WorkBatch
 from django_fairqueue.observe import overview
 
 

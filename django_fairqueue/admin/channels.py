@@ -41,10 +41,7 @@ from django_fairqueue.api import validate_channel_name
 from django_fairqueue.db import channel_store, message_store, pg
 from django_fairqueue.exceptions import InvalidChannel, InvalidQueue
 from django_fairqueue.limits import CHANNEL_NAME_MAX_LENGTH
-from django_fairqueue.models import (
-    Channel,
-    Message,
-)
+from django_fairqueue.models import Channel, Message
 from django_fairqueue.observe import horizon, overview, waiting
 from django_fairqueue.queues import DEFAULT_QUEUE, row_name, validate_queue_name
 from django_fairqueue.runtime import worker_registry

@@ -15,13 +15,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.html import format_html
 
-from django_fairqueue.models import (
-    Channel,
-    ChannelGroup,
-    Message,
-    WorkBatch,
-    WorkerRecord,
-)
+from django_fairqueue.models import Channel, ChannelGroup, Message, WorkBatch, WorkerRecord
 from django_fairqueue.observe import overview
 
 if TYPE_CHECKING:

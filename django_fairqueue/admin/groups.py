@@ -27,9 +27,7 @@ from django_fairqueue.admin.common import (
 from django_fairqueue.api import validate_group_name
 from django_fairqueue.db import channel_store
 from django_fairqueue.exceptions import InvalidChannel
-from django_fairqueue.models import (
-    ChannelGroup,
-)
+from django_fairqueue.models import ChannelGroup
 
 GROUP_LIMITS = ("weight", "max_concurrency", "release_interval")
 

@@ -34,10 +34,7 @@ from django_fairqueue.admin.common import (
     timestamp,
 )
 from django_fairqueue.db import message_store, pg
-from django_fairqueue.models import (
-    Message,
-    MessageState,
-)
+from django_fairqueue.models import Message, MessageState
 from django_fairqueue.observe import overview, waiting
 
 

@@ -19,15 +19,9 @@ from django.utils.translation import gettext_lazy as _
 
 from django_fairqueue import conf
 from django_fairqueue.admin import lists
-from django_fairqueue.admin.common import (
-    WorkerAdminBase,
-)
+from django_fairqueue.admin.common import WorkerAdminBase
 from django_fairqueue.db import pg
-from django_fairqueue.models import (
-    Message,
-    MessageState,
-    WorkerRecord,
-)
+from django_fairqueue.models import Message, MessageState, WorkerRecord
 from django_fairqueue.observe import overview
 from django_fairqueue.runtime import worker_registry
 

@@ -21,12 +21,7 @@ from multiprocessing.synchronize import Barrier, Event
 from typing import Any
 
 from django_fairqueue.contrib.bench.figures import median
-from django_fairqueue.contrib.bench.harness import (
-    START_TIMEOUT,
-    Bench,
-    claim_and_complete,
-    load1,
-)
+from django_fairqueue.contrib.bench.harness import START_TIMEOUT, Bench, claim_and_complete, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 

@@ -17,12 +17,7 @@ from typing import Any
 
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.contrib.bench.figures import jain_index, median, percentile
-from django_fairqueue.contrib.bench.harness import (
-    START_TIMEOUT,
-    Bench,
-    BenchmarkError,
-    load1,
-)
+from django_fairqueue.contrib.bench.harness import START_TIMEOUT, Bench, BenchmarkError, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME

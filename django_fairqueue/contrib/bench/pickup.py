@@ -18,12 +18,7 @@ from dataclasses import dataclass
 
 from django_fairqueue.api import enqueue
 from django_fairqueue.contrib.bench.figures import median, percentile
-from django_fairqueue.contrib.bench.harness import (
-    START_TIMEOUT,
-    Bench,
-    BenchmarkError,
-    load1,
-)
+from django_fairqueue.contrib.bench.harness import START_TIMEOUT, Bench, BenchmarkError, load1
 from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import STAMP_TASK_NAME
