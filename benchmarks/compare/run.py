@@ -93,8 +93,15 @@ from benchmarks.compare.common import (
     dsn_url,
     dsn_with,
 )
-from django_fairqueue import terminal  # no Django import: safe before settings
-from django_fairqueue.contrib.bench.figures import jain_index, percentile
+
+# No Django import in either: safe before settings. `--baseline REF` runs this harness on the
+# package of an earlier REF, which had them at the top level.
+try:
+    from django_fairqueue.cli import terminal
+    from django_fairqueue.contrib.bench.figures import jain_index, percentile
+except ImportError:
+    from django_fairqueue import terminal  # type: ignore[attr-defined,no-redef]
+    from django_fairqueue.figures import jain_index, percentile  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The baseline's git ref, for its version label (set for its process).
