@@ -1,5 +1,7 @@
-"""Runtime helpers shared by the worker and ``fairqueue maintain``: stop flags, signals,
-reconnecting after database errors.
+"""What the worker and ``fairqueue maintain`` run on. Here: stop flags, signals, backoff and
+reconnecting after database errors. Beside it: the retry policy and error record
+(:mod:`.attempts`), the worker registry (:mod:`.worker_registry`) and the errors that mean the
+database is unavailable (:mod:`.dbfaults`).
 
 Signal handlers run in the main thread between two bytecodes, possibly while that thread is
 inside ``threading.Event.wait()`` holding the event's (non-reentrant) lock: an ``Event.set()``
