@@ -29,6 +29,7 @@ from django_fairqueue.db import channel_store
 from django_fairqueue.exceptions import InvalidChannel
 from django_fairqueue.models import ChannelGroup
 
+#: The limits an operator edits on a group (a change saves only these columns).
 GROUP_LIMITS = ("weight", "max_concurrency", "release_interval")
 
 
