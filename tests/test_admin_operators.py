@@ -352,9 +352,8 @@ def test_the_busy_page_shows_what_each_worker_runs_since_when(admin_client: Clie
     from django_fairqueue.worker import supervisor
 
     env = supervisor.environment()
-    assert (
-        env[worker_registry.SUPERVISOR_ENV] == worker_registry.supervisor_name()
-    )  # given to children
+    # given to children
+    assert env[worker_registry.SUPERVISOR_ENV] == worker_registry.supervisor_name()
     register("busy-1", supervisor="host-a:100")
     register("idle-1")
     enqueue("acme", 2)
