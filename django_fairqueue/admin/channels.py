@@ -32,6 +32,7 @@ from django_fairqueue.admin.common import (
     ChannelAdminBase,
     ChannelFormBase,
     as_typed,
+    check_limits,
     duration,
     log_changes,
     timestamp,
@@ -115,21 +116,9 @@ class ChannelForm(ChannelFormBase):
                 )
             else:
                 data["name"] = row
-        defaults = {"max_concurrency": None, "release_interval": timedelta(0), "weight": 1}
-        # One limit at a time, so each message lands under its own field.
-        for name in ("max_concurrency", "release_interval", "weight", "max_backlog"):
-            if name not in data or name in self.errors:
-                continue
-            value = data[name]
-            if value is None and name in ("release_interval", "weight"):
-                value = defaults[name]
-            try:
-                conf.validate_channel_limits(**{name: value}, where="channel")
-            except ValueError as exc:
-                # "channel max_concurrency must be ..." -> "Max concurrency must be ..."
-                text = str(exc).removeprefix("channel ")
-                label = name.replace("_", " ")
-                self.add_error(name, label.capitalize() + text.removeprefix(name))
+        check_limits(
+            self, data, ("max_concurrency", "release_interval", "weight", "max_backlog"), "channel"
+        )
         return data
 
 

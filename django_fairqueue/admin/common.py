@@ -15,6 +15,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.html import format_html
 
+from django_fairqueue import conf
 from django_fairqueue.models import Channel, ChannelGroup, Message, WorkBatch, WorkerRecord
 from django_fairqueue.observe import overview
 
@@ -53,6 +54,29 @@ def as_typed(form: forms.BaseForm, field: str) -> Any:
     cleaned = form.cleaned_data[field]
     raw = form.data.get(form.add_prefix(field))
     return raw if isinstance(raw, str) else cleaned
+
+
+def check_limits(
+    form: forms.BaseForm, data: dict[str, Any], names: Sequence[str], where: str
+) -> None:
+    """Check each of ``names`` in a channel's or group's cleaned form data as the settings and
+    enqueue check them (``where``: ``"channel"`` or ``"group"``), one limit at a time, so each
+    message lands under its own field: "channel max_concurrency must be ..." becomes "Max
+    concurrency must be ...". An empty rate limit is none, an empty weight 1."""
+    for name in names:
+        if name not in data or name in form.errors:
+            continue
+        value = data[name]
+        if value is None and name == "release_interval":
+            value = timedelta(0)
+        if value is None and name == "weight":
+            value = 1
+        try:
+            conf.validate_channel_limits(**{name: value}, where=where)
+        except ValueError as exc:
+            text = str(exc).removeprefix(f"{where} ")
+            label = name.replace("_", " ")
+            form.add_error(name, label.capitalize() + text.removeprefix(name))
 
 
 def chunks(ids: Sequence[int], size: int = ACTION_CHUNK) -> Iterator[list[int]]:

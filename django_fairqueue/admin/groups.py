@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 from django.contrib import admin
@@ -21,6 +20,7 @@ from django_fairqueue.admin.common import (
     GroupAdminBase,
     GroupFormBase,
     as_typed,
+    check_limits,
     duration,
     timestamp,
 )
@@ -48,20 +48,7 @@ class ChannelGroupForm(GroupFormBase):
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
-        for name in GROUP_LIMITS:
-            if name not in data or name in self.errors:
-                continue
-            value = data[name]
-            if value is None and name == "release_interval":
-                value = timedelta(0)
-            if value is None and name == "weight":
-                value = 1
-            try:
-                conf.validate_channel_limits(**{name: value}, where="group")
-            except ValueError as exc:
-                text = str(exc).removeprefix("group ")
-                label = name.replace("_", " ")
-                self.add_error(name, label.capitalize() + text.removeprefix(name))
+        check_limits(self, data, GROUP_LIMITS, "group")
         return data
 
 
