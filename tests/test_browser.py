@@ -28,7 +28,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
+from datetime import date, datetime, time, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -211,7 +211,7 @@ def load_demo_data() -> None:
 def load_demo_incident(ids: dict[str, int]) -> None:
     """What a support engineer meets in an incident: a tenant starving under its backlog,
     one over its cap, a dead worker whose messages were taken back, a supervisor's processes,
-    and yesterday's usage."""
+    and the usage of a past day."""
     enqueue("soylent", 30)
     soylent = channel_ids(["soylent"])["soylent"]
     since = timezone.now() - timedelta(minutes=20)
@@ -260,9 +260,9 @@ def load_demo_incident(ids: dict[str, int]) -> None:
             exclude_channels=[],
         )
         worker_store.set_worker_supervisor(child, "web-3:5100")
-    # yesterday's usage: worker time, attempts and failures per tenant
+    # a past day's usage: worker time, attempts and failures per tenant
     recorder = stats.StatsRecorder()
-    noon = timezone.now().replace(hour=12, minute=0) - timedelta(days=1)
+    noon = timezone.make_aware(datetime.combine(usage_day(), time(12)))
     for name, (attempts, failed, run_ms) in {
         "acme-corp": (4200, 3, 2_100.0),
         "umbrella": (2600, 140, 3_100.0),
@@ -273,6 +273,12 @@ def load_demo_incident(ids: dict[str, int]) -> None:
             outcome = "retried" if i < failed else "succeeded"
             recorder.record_settled(ids[name], outcome, run_ms, at=noon)  # type: ignore[arg-type]
     recorder.flush()
+
+
+def usage_day() -> date:
+    """The day the demo's usage was recorded on: the day before yesterday, so that the last
+    half hour's statistics, which are yesterday's shortly after midnight, never mix in."""
+    return timezone.localdate() - timedelta(days=2)
 
 
 def load_demo_batches_and_workers() -> None:
@@ -530,7 +536,7 @@ PAGES = {
     "message": ("/admin/fairqueue/message/{message}/change/", "#content-main .fq-error"),
     "workers": ("/admin/fairqueue/workerrecord/", "#result_list"),
     "busy": ("/admin/fairqueue/workerrecord/busy/", ".fq-busy"),
-    "usage": ("/admin/fairqueue/usagehour/", "#fq-usage"),
+    "usage": ("/admin/fairqueue/usagehour/?from={usage_day}", "#fq-usage"),
     "work-batches": ("/admin/fairqueue/workbatch/", "#fq-jobs"),
     "work-batch": ("/admin/fairqueue/workbatch/{batch}/change/", "#content-main"),
     "schedules": ("/admin/fairqueue/schedule/", "#result_list"),
@@ -542,7 +548,7 @@ PAGES = {
 ALIVE = ("web-1:4242", "web-2:311", "web-3:5101", "web-3:5102")
 
 
-def visit(page: Any, base: str, name: str, ids: dict[str, int]) -> None:
+def visit(page: Any, base: str, name: str, ids: dict[str, Any]) -> None:
     path, ready = PAGES[name]
     if name == "purge":  # the action's confirmation page: select two channels, ask to purge
         page.goto(f"{base}/admin/fairqueue/channel/")
@@ -558,14 +564,20 @@ def visit(page: Any, base: str, name: str, ids: dict[str, int]) -> None:
 def test_every_admin_page_looks_right_light_and_dark(
     demo: int, live_server: Any, browser: Any, tmp_path: Path
 ) -> None:
-    def demo_ids() -> dict[str, int]:
+    def demo_ids() -> dict[str, Any]:
         message = Message.objects.filter(state=MessageState.FAILED).order_by("pk").first()
         batch = WorkBatch.objects.filter(state=BatchState.FAILED).order_by("pk").first()
         assert message is not None and batch is not None
         for worker in ALIVE:  # alive: a fresh beat
             worker_store.beat_worker(worker, running=3, handled=1200, last_claim_at=timezone.now())
         schedule = Schedule.objects.get(name="weekly report")
-        return {"acme": demo, "message": message.pk, "batch": batch.pk, "schedule": schedule.pk}
+        return {
+            "acme": demo,
+            "message": message.pk,
+            "batch": batch.pk,
+            "schedule": schedule.pk,
+            "usage_day": usage_day(),
+        }
 
     ids = off_loop(demo_ids)
     page = browser.new_page()
@@ -730,8 +742,8 @@ def test_a_support_engineer_answers_each_question_from_the_admin(
     weekly = page.locator("#result_list tr", has_text="weekly report").inner_text()
     assert "CET (in " in weekly or "CEST (in " in weekly
 
-    # 7. Who used how much worker time yesterday? Most first; the CSV says the same.
-    page.goto(f"{base}/admin/fairqueue/usagehour/")
+    # 7. Who used how much worker time that day? Most first; the CSV says the same.
+    page.goto(f"{base}/admin/fairqueue/usagehour/?from={usage_day()}")
     first = page.locator("#fq-usage tbody tr").first.inner_text()
     assert first.startswith("acme-corp") and "8,820.0 s" in first, first
     href = page.locator("#fq-usage-csv").get_attribute("href")
