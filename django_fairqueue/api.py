@@ -34,7 +34,7 @@ from django_fairqueue.models import Message
 from django_fairqueue.observe import tracing
 from django_fairqueue.queues import DEFAULT_QUEUE, SEPARATOR, split_row_name, validate_queue_name
 from django_fairqueue.signals import message_enqueued
-from django_fairqueue.tasks.spec import TaskSpec, registry
+from django_fairqueue.tasks.spec import TaskSpec, check_arguments, registry
 
 if TYPE_CHECKING:
     from django_fairqueue.tasks import BoundTask, FairTask
@@ -320,6 +320,10 @@ def _prepare_batch(
         kwargs = dict(kwargs)
         if kwargs and not all(type(key) is str for key in kwargs):
             _check_call_arguments(position, spec.name, args, kwargs)
+        try:
+            check_arguments(spec, args, kwargs)
+        except TypeError as exc:
+            raise TypeError(f"enqueue_many request {position}: {exc}") from None
         channel = request.channel
         if channel is None:
             if spec.channel_from is not None:
@@ -422,6 +426,7 @@ def _prepare_one(
 ) -> enqueue_store.NewMessage:
     """One message, checked and serialised as :func:`_prepare_batch` does it for each request
     (for :func:`enqueue`: no batch columns to build for a single message)."""
+    check_arguments(spec, args, kwargs)
     if channel is None:
         if spec.channel_from is not None:
             channel = spec.channel_from(*args, **kwargs)

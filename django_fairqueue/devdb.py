@@ -131,7 +131,9 @@ def _announce(server: EmbeddedPostgres, version: str, started_in: float | None) 
     started = f"; started it in {started_in:.1f}s" if started_in is not None else ""
     message = (
         f"fairqueue: DATABASE_URL not set; using {where} {version}{source} at {HOST}:{server.port}"
-        f" (data in {_display(server.datadir)}{started})"
+        # the full path: the default data directory follows the working directory, and a command
+        # run from another one starts another, empty, server (a different path says so)
+        f" (data in {server.datadir}{started})"
     )
     announcement = message
     logger.info(message)
@@ -586,13 +588,6 @@ def _pick_port(datadir: Path) -> int:
         return int(sock.getsockname()[1])
 
 
-def _display(path: Path) -> str:
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m django_fairqueue.devdb",
@@ -605,7 +600,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop.add_argument("--mode", choices=["smart", "fast", "immediate"], default="fast")
     commands.add_parser("restart", help="stop and start the server")
     commands.add_parser("status", help="say whether the server runs; exit 3 if it does not")
-    url = commands.add_parser("url", help="print the database URL settings would use")
+    url = commands.add_parser(
+        "url", help="print the URL of database DBNAME (default fairqueue), creating it if missing"
+    )
     url.add_argument("dbname", nargs="?", default="fairqueue")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")

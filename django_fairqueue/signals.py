@@ -31,7 +31,8 @@ can be connected with ``sender=Message``) and keyword arguments only:
     * ``outcome`` (``str``): ``"succeeded"``; ``"retry"`` (it raised and will run again);
       ``"failed"`` (it raised with no attempt left, or could not run at all); ``"released"``
       (it raised because the database was unavailable: given back to run again shortly,
-      the attempt not counted; ``error["unavailable"]`` names the cause);
+      the attempt not counted; ``error["unavailable"]`` names the cause); ``"aborted"`` (its
+      abort was requested: it stopped, or had not started; see docs/howto/cancel-abort.md);
     * ``duration`` (``float``): seconds the attempt took;
     * ``error`` (``dict | None``): the stored error (``type``, ``message``, ``traceback``) when
       the outcome is not ``"succeeded"``.

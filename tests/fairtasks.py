@@ -41,6 +41,12 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+@task(name="tests.fair.takes_channel")
+def takes_channel(channel: str) -> str:
+    """A task whose own argument is named like a queue option (``using()`` is for it)."""
+    return channel
+
+
 @task(name="tests.fair.sleep", keep_result=True, max_attempts=5)
 def sleep(
     seconds: float, marker: str | None = None, first_attempt_only: bool = False

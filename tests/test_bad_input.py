@@ -32,6 +32,7 @@ from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.exceptions import InvalidChannel, InvalidQueue, PayloadError, UnknownTask
 from django_fairqueue.models import Channel, Message, MessageState
 from django_fairqueue.worker import Worker, WorkerConfig
+from tests import fairtasks
 from tests.factories import NOOP, assert_counters_match_table
 from tests.test_store_sql import all_statements
 from tests.workerkit import enqueue_raw
@@ -529,6 +530,40 @@ def test_a_task_that_is_neither_a_name_nor_a_task_fails(task: Any) -> None:
         enqueue(task, channel="t")
 
 
+def test_an_empty_task_name_is_refused_at_registration() -> None:
+    with pytest.raises(ValueError, match="task name must be a non-empty string"):
+
+        @django_fairqueue.task(name="")
+        def unnamed() -> None: ...
+
+
+def test_arguments_that_do_not_fit_the_task_are_refused_at_enqueue(tables_intact: None) -> None:
+    with pytest.raises(TypeError, match=r"do not fit tests.fair.add\(a.*missing .* 'b'"):
+        fairtasks.add.enqueue(1, channel="t")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        enqueue(fairtasks.add, 1, 2, bogus=3, channel="t")
+    with pytest.raises(TypeError, match="enqueue_many request 1: arguments do not fit"):
+        enqueue_many(
+            [EnqueueRequest(fairtasks.add, (1, 2)), EnqueueRequest(fairtasks.add, (1, 2, 3))]
+        )
+    assert message_count() == 0
+
+
+def test_queue_options_after_using_are_the_tasks_own_and_refused_when_they_do_not_fit(
+    tables_intact: None,
+) -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"'channel' \(after \.using\(\), enqueue\(\) passes every keyword to the task: "
+        r"give channel to \.using\(\)\)",
+    ):
+        fairtasks.add.using(queue="exports").enqueue(1, 2, channel="acme")
+    assert message_count() == 0
+    # a task whose own argument is named like an option: what using() is for
+    mid = fairtasks.takes_channel.using(channel="acme").enqueue(channel="its own")
+    assert Message.objects.get(pk=mid).payload["kwargs"] == {"channel": "its own"}
+
+
 def test_a_stored_message_naming_an_unknown_task_fails_without_running(
     tables_intact: None,
 ) -> None:
@@ -985,3 +1020,14 @@ def test_an_orm_save_of_a_message_refuses_a_priority_out_of_range(priority: int)
     with pytest.raises(ValueError, match="priority must be between"):
         message.save(update_fields=["priority"])
     assert Message.objects.get().priority == 100
+
+
+def test_a_command_on_a_database_without_the_queue_tables_says_to_migrate() -> None:
+    with connection.cursor() as cursor:  # (rolled back with the test's transaction)
+        cursor.execute("DROP TABLE fairqueue_worker CASCADE")
+    with pytest.raises(
+        CommandError,
+        match=r'"fairqueue_worker" does not exist: the queue\'s tables are not in this database; '
+        r"run `manage.py migrate`",
+    ):
+        call_command("fairqueue", "workers", stdout=io.StringIO())

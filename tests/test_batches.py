@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import re
 import threading
 import time
 from collections import Counter
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -528,3 +531,20 @@ def test_worker_maintenance_rescues_and_prunes_batches(settings: Any) -> None:
     with batches.fenced(again) as fence:
         fence.rows_processed = 10
     assert BatchPruner().run_once() == 2
+
+
+def test_the_api_reference_gives_each_batch_function_its_real_signature() -> None:
+    """Each ``name(...)`` in the reference's work-batch table takes its arguments as the
+    function does: the same positional ones, then after ``*`` keyword-only ones it has."""
+    reference = (Path(__file__).parents[1] / "docs" / "reference" / "api.md").read_text()
+    section = reference.split("## Work batches")[1].split("\n## ")[0]
+    calls = re.findall(r"`([a-z_]+)\(([^`]*)\)`", section)
+    assert len(calls) >= 12
+    for name, given in calls:
+        params = inspect.signature(getattr(batches, name)).parameters.values()
+        positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+        keyword = {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+        names = [a.split("=")[0].strip() for a in given.split(",") if a.strip()]
+        star = names.index("*") if "*" in names else len(names)
+        assert names[:star] == positional[:star], (name, given)
+        assert set(names[star + 1 :]) <= keyword, (name, given)

@@ -222,8 +222,7 @@ def test_arguments_are_checked_as_signature_bind_checks_them() -> None:
     every parameter may be given by position or by name) agrees with ``Signature.bind``."""
     import inspect
 
-    from django_fairqueue.tasks.spec import TaskSpec
-    from django_fairqueue.worker.execution import check_arguments
+    from django_fairqueue.tasks.spec import TaskSpec, check_arguments
 
     def none() -> None: ...
     def two(a: int, b: int) -> None: ...
@@ -1381,3 +1380,31 @@ def test_supervised_workers_get_every_option_of_the_command_but_the_supervisors(
     ):  # fmt: skip
         assert child[key] == options[key], key
     assert (child["processes"], child["max_tasks_per_child"]) == (1, None)
+
+
+def test_every_outcome_of_message_finished_is_documented() -> None:
+    """The signal's docstring and the observability how-to name each outcome a worker sends."""
+    from pathlib import Path
+    from typing import get_args
+
+    import django_fairqueue.signals
+    from django_fairqueue.worker.config import OutcomeKind
+
+    howto = (Path(__file__).parents[1] / "docs" / "howto" / "observability.md").read_text()
+    (row,) = [line for line in howto.splitlines() if line.startswith("| `message_finished`")]
+    docstring = django_fairqueue.signals.__doc__ or ""
+    for kind in get_args(OutcomeKind):
+        assert f'`"{kind}"`' in row, kind
+        assert f'``"{kind}"``' in docstring, kind
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_that_stops_before_its_first_beat_records_its_last_claim() -> None:
+    from django_fairqueue.models import WorkerRecord, WorkerState
+
+    fairtasks.add.enqueue(1, 2, channel="alice")
+    config = WorkerConfig(worker_id="brief", burst=True, listen=False, maintenance=False)
+    assert Worker(config).run() == 1
+    record = WorkerRecord.objects.get(worker_id="brief")
+    assert (record.state, record.handled) == (WorkerState.STOPPED, 1)
+    assert record.last_claim_at is not None and record.last_claim_at <= timezone.now()

@@ -70,8 +70,15 @@ def beat_worker(
     _run("beat_worker", params, using)
 
 
-def deregister_worker(worker_id: str, *, handled: int, using: str | None = None) -> None:
-    _run("deregister_worker", {"worker_id": worker_id, "handled": handled}, using)
+def deregister_worker(
+    worker_id: str,
+    *,
+    handled: int,
+    last_claim_at: datetime | None = None,
+    using: str | None = None,
+) -> None:
+    params = {"worker_id": worker_id, "handled": handled, "last_claim_at": last_claim_at}
+    _run("deregister_worker", params, using)
 
 
 def expire_dead_workers(dead_after: float, *, using: str | None = None) -> list[DeadWorker]:

@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+from django.db.utils import ProgrammingError
 
 from django_fairqueue.cli.terminal import exit_quietly_on_closed_pipe
 
 
 class FairCommand(BaseCommand):
     """A management command that exits quietly when the reader of its output goes away
-    (``manage.py fairqueue failures list | head``): status 141, no traceback."""
+    (``manage.py fairqueue failures list | head``): status 141, no traceback; and that says
+    what to do, not a traceback, when the queue's tables are missing."""
+
+    def execute(self, *args: Any, **options: Any) -> str | None:
+        try:
+            return super().execute(*args, **options)
+        except ProgrammingError as exc:
+            cause = getattr(exc.__cause__, "sqlstate", None)
+            if cause != "42P01" or "fairqueue_" not in str(exc):  # undefined_table
+                raise
+            raise CommandError(
+                f"{str(exc).splitlines()[0]}: the queue's tables are not in this database; run "
+                "`manage.py migrate` (and `migrate --database ALIAS` when FAIRQUEUE['DATABASE'] "
+                "names another). With the embedded development server, run commands from the "
+                "directory you migrated from: another directory has a server of its own."
+            ) from exc
 
     def run_from_argv(self, argv: list[str]) -> None:
         exit_quietly_on_closed_pipe(super().run_from_argv, argv)

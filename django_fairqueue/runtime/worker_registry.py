@@ -123,7 +123,9 @@ class Registration:
 
     def deregister(self, now: Beat) -> None:
         try:
-            worker_store.deregister_worker(self.worker_id, handled=now.handled)
+            worker_store.deregister_worker(
+                self.worker_id, handled=now.handled, last_claim_at=now.last_claim_at
+            )
         except CONNECTION_ERRORS as exc:  # it will look dead after WORKER_DEAD_AFTER instead
             logger.warning("worker registry: could not mark stopped: %s", after_database_error(exc))
 

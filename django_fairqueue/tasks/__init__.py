@@ -8,7 +8,7 @@ knows task objects only by their ``spec`` (it imports nothing from this module).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
@@ -111,7 +111,21 @@ class BoundTask:
             on_conflict=self.on_conflict,
             queue=self.queue,
         )
-        return enqueue_many([request])[0]
+        try:
+            return enqueue_many([request])[0]
+        except TypeError as exc:
+            options = sorted(kwargs.keys() & _QUEUE_OPTIONS)
+            if not options:
+                raise
+            # task.using(...).enqueue(channel=...): after using(), every keyword is the task's
+            raise TypeError(
+                f"{exc} (after .using(), enqueue() passes every keyword to the task: give "
+                f"{', '.join(options)} to .using())"
+            ) from None
+
+
+#: The options ``using()`` fixes, which ``FairTask.enqueue()`` also takes as keywords.
+_QUEUE_OPTIONS = frozenset(f.name for f in fields(BoundTask)) - {"task"}
 
 
 @overload
@@ -161,7 +175,8 @@ def task(
     def wrap(f: Callable[P, R]) -> FairTask[P, R]:
         from django_fairqueue.api import check_priority, validate_channel_name
 
-        task_name = name or qualname(f)
+        # (an empty name is refused with the other bad names below, not replaced by the default)
+        task_name = qualname(f) if name is None else name
         # the checks every enqueue of the task would make, made once here
         where = f"task {task_name!r}"
         try:

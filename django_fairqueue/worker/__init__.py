@@ -55,14 +55,13 @@ from django_fairqueue.worker.config import (
     default_worker_id,
 )
 from django_fairqueue.worker.core import Worker
-from django_fairqueue.worker.execution import check_arguments, decode_payload
+from django_fairqueue.worker.execution import decode_payload
 
 __all__ = [
     "Outcome",
     "Worker",
     "WorkerConfig",
     "WorkerCrashed",
-    "check_arguments",
     "decode_payload",
     "default_worker_id",
     "error_info",

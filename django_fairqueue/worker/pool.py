@@ -17,11 +17,10 @@ from django_fairqueue.exceptions import PayloadError, ResultNotStorable, Unknown
 from django_fairqueue.observe import tracing
 from django_fairqueue.runtime.attempts import error_info
 from django_fairqueue.signals import message_started
-from django_fairqueue.tasks.spec import check_result, registry
+from django_fairqueue.tasks.spec import check_arguments, check_result, registry
 from django_fairqueue.worker.config import Attempt, Outcome
 from django_fairqueue.worker.execution import (
     aborted_outcome,
-    check_arguments,
     close_stale_connections,
     connected_here,
     decode_payload,

@@ -46,9 +46,11 @@ SET heartbeat_at = clock_timestamp(), state = 'running', running = %(running)s::
 WHERE w.worker_id = %(worker_id)s::text;
 
 -- name: deregister_worker
--- A worker stopped gracefully (its leases are settled or released).
+-- A worker stopped gracefully (its leases are settled or released), with its last counts: a
+-- worker that stops before its first beat has reported nothing else.
 UPDATE fairqueue_worker w
-SET state = 'stopped', stopped_at = clock_timestamp(), running = 0, handled = %(handled)s::bigint
+SET state = 'stopped', stopped_at = clock_timestamp(), running = 0, handled = %(handled)s::bigint,
+    last_claim_at = coalesce(%(last_claim_at)s::timestamptz, w.last_claim_at)
 WHERE w.worker_id = %(worker_id)s::text;
 
 -- name: expire_dead_workers
