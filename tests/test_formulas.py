@@ -12,9 +12,8 @@ import pytest
 from django.core.management import call_command
 
 from django_fairqueue import batches
+from django_fairqueue.contrib.pipeline.formula_catalog import CRITERIA_AGGREGATES, FUNCTIONS
 from django_fairqueue.contrib.pipeline.formulas import (
-    CRITERIA_AGGREGATES,
-    FUNCTIONS,
     MAX_DEPTH,
     FormulaError,
     LookupTable,
@@ -155,27 +154,27 @@ def test_every_function_is_documented_in_the_how_to() -> None:
 
 
 def test_names_and_constants_reach_the_spark_sql_text_as_data() -> None:
-    from django_fairqueue.contrib.pipeline import compile as fc
+    from django_fairqueue.contrib.pipeline.sqlexpr import literal, quoted
 
-    assert fc.quoted("a`b") == "`a``b`"
+    assert quoted("a`b") == "`a``b`"
     text = "it's \\ `x` -- /* */ \n é ${x}"
-    rendered = fc.literal(text)
+    rendered = literal(text)
     hex_digits = rendered.removeprefix("CAST(X'").removesuffix("' AS STRING)")
     assert bytes.fromhex(hex_digits).decode() == text  # nothing but hexadecimal digits
-    assert fc.literal(1e20) == "(1e+20D)" and fc.literal(-2.5) == "(-2.5D)"
-    assert fc.literal(3) == "(3)" and fc.literal(2**40) == "(1099511627776L)"
-    assert (fc.literal(True), fc.literal(None)) == ("true", "NULL")
-    assert fc.literal(dt.date(2026, 1, 2)) == "DATE '2026-01-02'"
+    assert literal(1e20) == "(1e+20D)" and literal(-2.5) == "(-2.5D)"
+    assert literal(3) == "(3)" and literal(2**40) == "(1099511627776L)"
+    assert (literal(True), literal(None)) == ("true", "NULL")
+    assert literal(dt.date(2026, 1, 2)) == "DATE '2026-01-02'"
     with pytest.raises(TypeError):
-        fc.literal(object())
+        literal(object())
 
 
 def test_constants_are_folded_before_spark_sees_them() -> None:
-    from django_fairqueue.contrib.pipeline import compile as fc
+    from django_fairqueue.contrib.pipeline.compile_levels import formula_levels
 
     formulas = check('a = LEFT(t, 2)', 'f = IF(t = "EMAIL", 1, 0)', 'c = "x-" & t',
                      'g = LEFT(t, n)', 'e = t = "ÉTÉ"')  # fmt: skip
-    [level], outputs = fc.formula_levels(formulas, today=TODAY, names={})
+    [level], outputs = formula_levels(formulas, today=TODAY, names={})
     # A constant count is never negative at run time: no error value, no error flag.
     assert [o.name for o in outputs if o.error_column] == ["g"]
     assert level.computed["a"] == "left(coalesce(`t`, ''), (2))"
@@ -186,15 +185,15 @@ def test_constants_are_folded_before_spark_sees_them() -> None:
 
 
 def test_a_formula_whose_text_repeats_too_much_is_refused_without_spark() -> None:
-    from django_fairqueue.contrib.pipeline import compile as fc
+    from django_fairqueue.contrib.pipeline.compile_levels import check_compiles
 
     # INT uses its argument three times: 40 nested would be 3^40 copies of n.
     formulas = check("ok = INT(INT(n))", "x = " + "INT(" * 40 + "n" + ")" * 40)
     with pytest.raises(FormulaError, match="more than 200,000 characters of Spark SQL") as caught:
-        fc.check_compiles(formulas, today=TODAY)
+        check_compiles(formulas, today=TODAY)
     assert "tenant 'acme'" in str(caught.value) and "x = INT(INT(" in str(caught.value)
     # Named intermediate rules keep each rule's text short.
-    fc.check_compiles(
+    check_compiles(
         check(*(f"_i{k} = INT({'_i' + str(k - 1) if k else 'n'})" for k in range(40)), "x = _i39"),
         today=TODAY,
     )
@@ -388,18 +387,18 @@ def test_every_function_has_a_meaning_case() -> None:
 @needs_spark
 @pytest.mark.spark
 def test_each_function_means_what_the_reference_says(spark: Any) -> None:  # noqa: F811
-    from django_fairqueue.contrib.pipeline import compile as fc
+    from django_fairqueue.contrib.pipeline.compile_levels import ERROR_PREFIX, apply_formulas
 
     formulas = check(*(f"c{i} = {case[0]}" for i, case in enumerate(CASES)))
     schema = "n double, z int, b double, t string, tb string, d date, db date, flag boolean"
     df = spark.createDataFrame([tuple(ROW.values())], schema)
-    out, outputs = fc.apply_formulas(df, formulas, today=NOW, names={})
+    out, outputs = apply_formulas(df, formulas, today=NOW, names={})
     errors = [o.error_column for o in outputs if o.error_column]
     row = out.select(*[o.name for o in outputs], *errors).collect()[0].asDict()
 
     wrong = []
     for i, (expression, want) in enumerate(CASES):
-        error = row.get(f"{fc.ERROR_PREFIX}c{i}", False)
+        error = row.get(f"{ERROR_PREFIX}c{i}", False)
         got = ERROR if error else row[f"c{i}"]
         if want is ERROR or got is ERROR:
             ok = want is got
@@ -421,15 +420,15 @@ def test_error_flags_packed_in_spark_are_counted_per_rule_by_the_write_task(
 ) -> None:
     import pyarrow as pa
 
-    from django_fairqueue.contrib.pipeline import compile as fc
     from django_fairqueue.contrib.pipeline import datastore
+    from django_fairqueue.contrib.pipeline.compile_levels import packed_flags
 
     rules = 130  # three words of flags
     rows = [[None if (r + k) % 11 == 0 else (r * 7 + k) % 3 == 0 for k in range(rules)]
             for r in range(40)]  # fmt: skip
     schema = ", ".join(f"f{k} boolean" for k in range(rules))
     df = spark.createDataFrame([tuple(row) for row in rows], schema)
-    words = fc.packed_flags([f"f{k}" for k in range(rules)], datastore.ERROR_BITS)
+    words = packed_flags([f"f{k}" for k in range(rules)], datastore.ERROR_BITS)
     assert len(words) == datastore.error_words(rules) == 3
     packed = [list(r) for r in df.selectExpr(*words).collect()]
 
@@ -444,7 +443,8 @@ def test_error_flags_packed_in_spark_are_counted_per_rule_by_the_write_task(
 @needs_spark
 @pytest.mark.spark
 def test_aggregates_over_the_tenant_grouped_and_not(spark: Any) -> None:  # noqa: F811
-    from django_fairqueue.contrib.pipeline import compile as fc
+    from django_fairqueue.contrib.pipeline.compile_joins import compute_aggregates, join_aggregates
+    from django_fairqueue.contrib.pipeline.compile_levels import ERROR_PREFIX, apply_formulas
 
     rows = [(1, 10.0, "n"), (2, 30.0, "n"), (3, None, "s"), (4, 5.0, None), (5, 0.0, "z")]
     df = spark.createDataFrame(rows, "id long, x double, g string")
@@ -462,30 +462,31 @@ def test_aggregates_over_the_tenant_grouped_and_not(spark: Any) -> None:  # noqa
         columns={"id": "int", "x": "float", "g": "str"},
         targets=None,
     )
-    values = fc.compute_aggregates(df, formulas, today=TODAY, max_groups=100)
-    joined, names = fc.join_aggregates(spark, df, values, today=TODAY, formulas=formulas)
-    out, _ = fc.apply_formulas(joined, formulas, today=TODAY, names=names)
+    values = compute_aggregates(df, formulas, today=TODAY, max_groups=100)
+    joined, names = join_aggregates(spark, df, values, today=TODAY, formulas=formulas)
+    out, _ = apply_formulas(joined, formulas, today=TODAY, names=names)
     got = {r["id"]: r.asDict() for r in out.collect()}
 
     assert got[1]["share"] == 0.25 and got[2]["share"] == 0.75
     assert got[4]["share"] == 1.0  # a blank group is a group
-    assert got[3]["share"] is None and got[3][f"{fc.ERROR_PREFIX}share"]  # 0 / 0 in group s
+    assert got[3]["share"] is None and got[3][f"{ERROR_PREFIX}share"]  # 0 / 0 in group s
     assert {r["total"] for r in got.values()} == {45.0}
-    assert got[3]["mean"] is None and got[3][f"{fc.ERROR_PREFIX}mean"]  # no value in group s
+    assert got[3]["mean"] is None and got[3][f"{ERROR_PREFIX}mean"]  # no value in group s
     assert got[1]["mean"] == 20.0
     assert {r["n"] for r in got.values()} == {4.0}  # blanks are not counted
     assert {r["lo"] for r in got.values()} == {0.0}
     assert got[2]["hi"] == 30.0
     assert [got[i]["rank"] for i in (1, 2, 5)] == ["low", "top", "low"]
     with pytest.raises(ValueError, match="more than 2 groups"):
-        fc.compute_aggregates(df, formulas, today=TODAY, max_groups=2)
+        compute_aggregates(df, formulas, today=TODAY, max_groups=2)
 
 
 def _tenant_values(spark: Any, rows: list[tuple[Any, ...]], schema: str,  # noqa: F811
                    rules: list[str]) -> dict[str, Any]:  # fmt: skip
     """Each rule's value on the first row, its aggregates over all of ``rows`` (ERROR: an
     error value)."""
-    from django_fairqueue.contrib.pipeline import compile as fc
+    from django_fairqueue.contrib.pipeline.compile_joins import compute_aggregates, join_aggregates
+    from django_fairqueue.contrib.pipeline.compile_levels import ERROR_PREFIX, apply_formulas
 
     columns = {name: kind for name, kind in (f.split() for f in schema.split(", "))}
     kinds = {"double": "float", "string": "str", "long": "int"}
@@ -493,11 +494,11 @@ def _tenant_values(spark: Any, rows: list[tuple[Any, ...]], schema: str,  # noqa
         "acme", rules, columns={n: kinds[k] for n, k in columns.items()}, targets=None
     )
     df = spark.createDataFrame(rows, schema)
-    values = fc.compute_aggregates(df, formulas, today=TODAY, max_groups=10)
-    joined, names = fc.join_aggregates(spark, df, values, today=TODAY, formulas=formulas)
-    out, outputs = fc.apply_formulas(joined, formulas, today=TODAY, names=names)
+    values = compute_aggregates(df, formulas, today=TODAY, max_groups=10)
+    joined, names = join_aggregates(spark, df, values, today=TODAY, formulas=formulas)
+    out, outputs = apply_formulas(joined, formulas, today=TODAY, names=names)
     row = out.collect()[0].asDict()
-    return {o.name: ERROR if row.get(f"{fc.ERROR_PREFIX}{o.name}") else row[o.name]
+    return {o.name: ERROR if row.get(f"{ERROR_PREFIX}{o.name}") else row[o.name]
             for o in outputs}  # fmt: skip
 
 

@@ -10,10 +10,17 @@ from typing import Any
 import pytest
 
 from django_fairqueue.contrib.pipeline import bench, datastore
-from django_fairqueue.contrib.pipeline import compile as fc
+from django_fairqueue.contrib.pipeline.compile import AGG_PREFIX
+from django_fairqueue.contrib.pipeline.compile_levels import (
+    ERROR_PREFIX,
+    RAW_PREFIX,
+    Level,
+    formula_levels,
+)
 from django_fairqueue.contrib.pipeline.execute import DATE, FLOAT, INT, STR
 from django_fairqueue.contrib.pipeline.formulas import parse_formulas
 from django_fairqueue.contrib.pipeline.models import PipelineJob
+from django_fairqueue.contrib.pipeline.sqlexpr import bad_number, quoted
 from django_fairqueue.models import Channel, WorkBatch
 from tests.test_pipeline import needs_spark, spark, spark_settings  # noqa: F401 (fixtures)
 
@@ -91,8 +98,8 @@ def test_realistic_rules_are_what_analysts_write_with_chains_twenty_deep() -> No
 
     formulas = parse_formulas("t", [r.formula for r in rules], columns=BENCH_COLUMNS, targets=None)
     assert len(formulas.aggregates) == 2  # SUM(spend) and AVERAGE(spend BY channel), shared
-    levels, outputs = fc.formula_levels(formulas, today=dt.date(2026, 11, 29), names={
-        fc._AGG_PREFIX + node.key(): ("1.0D", None) for node in formulas.aggregates
+    levels, outputs = formula_levels(formulas, today=dt.date(2026, 11, 29), names={
+        AGG_PREFIX + node.key(): ("1.0D", None) for node in formulas.aggregates
     })  # fmt: skip
     assert len(outputs) == 250
     # Two chains of 20 rules each using the one before (r084..r103, r184..r203): as many
@@ -109,11 +116,11 @@ def test_realistic_rules_are_what_analysts_write_with_chains_twenty_deep() -> No
     }
 
 
-def rules_in(level: fc.Level) -> set[str]:
+def rules_in(level: Level) -> set[str]:
     """The rules a level computes (a rule that can have errors has an error column too; in
     the last level, a raw value and error, blanked in the level's ``finish``)."""
-    names = {name.removeprefix(fc.RAW_PREFIX) for name in (*level.computed, *level.finish)}
-    return {name.removeprefix(fc.ERROR_PREFIX) for name in names}
+    names = {name.removeprefix(RAW_PREFIX) for name in (*level.computed, *level.finish)}
+    return {name.removeprefix(ERROR_PREFIX) for name in names}
 
 
 def test_a_rule_used_goes_in_the_level_after_the_deepest_it_uses_the_others_last() -> None:
@@ -123,7 +130,7 @@ def test_a_rule_used_goes_in_the_level_after_the_deepest_it_uses_the_others_last
         columns=BENCH_COLUMNS,
         targets=None,
     )
-    levels, _ = fc.formula_levels(formulas, today=dt.date(2026, 11, 29), names={})
+    levels, _ = formula_levels(formulas, today=dt.date(2026, 11, 29), names={})
     assert [sorted(rules_in(level)) for level in levels] == [["a", "c", "e"], ["b"], ["d", "f"]]
 
 
@@ -134,15 +141,15 @@ def test_a_last_level_number_is_checked_for_overflow_once_by_name() -> None:
         columns=BENCH_COLUMNS,
         targets=None,
     )
-    [level], _ = fc.formula_levels(formulas, today=dt.date(2026, 11, 29), names={})
-    raw = {name.removeprefix(fc.RAW_PREFIX): text for name, text in level.computed.items()}
+    [level], _ = formula_levels(formulas, today=dt.date(2026, 11, 29), names={})
+    raw = {name.removeprefix(RAW_PREFIX): text for name, text in level.computed.items()}
     # A product's own check would repeat its value: the finish checks it, by name.
-    assert "Infinity" not in raw["a"] and fc.ERROR_PREFIX + "a" not in raw
-    assert raw[fc.ERROR_PREFIX + "b"] == "((coalesce(CAST(`qty` AS double), 0.0D) = (0)))"
-    assert "Infinity" not in raw[fc.ERROR_PREFIX + "c"]
+    assert "Infinity" not in raw["a"] and ERROR_PREFIX + "a" not in raw
+    assert raw[ERROR_PREFIX + "b"] == "((coalesce(CAST(`qty` AS double), 0.0D) = (0)))"
+    assert "Infinity" not in raw[ERROR_PREFIX + "c"]
     for name in "abc":
-        checked = fc._bad_number(fc.quoted(fc.RAW_PREFIX + name))
-        assert checked in level.finish[fc.ERROR_PREFIX + name]
+        checked = bad_number(quoted(RAW_PREFIX + name))
+        assert checked in level.finish[ERROR_PREFIX + name]
 
 
 @needs_spark

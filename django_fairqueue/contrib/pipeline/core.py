@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from django_fairqueue.contrib.pipeline.formulas import DEFAULT_FUNCTIONS
+from django_fairqueue.contrib.pipeline.formula_catalog import DEFAULT_FUNCTIONS
 
 _LOOKUP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _PIPELINE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}$")

@@ -40,16 +40,10 @@ from typing import Any
 
 from django.db import transaction
 
-from django_fairqueue.contrib.pipeline import compile as fc
-from django_fairqueue.contrib.pipeline import datastore
+from django_fairqueue.contrib.pipeline import compile_joins, compile_levels, datastore, sqlexpr
 from django_fairqueue.contrib.pipeline.core import LongSink, Pipeline, parse_job_name, registry
+from django_fairqueue.contrib.pipeline.formula_tree import BOOL, DATE, DECIMAL, FLOAT, INT, STR
 from django_fairqueue.contrib.pipeline.formulas import (
-    BOOL,
-    DATE,
-    DECIMAL,
-    FLOAT,
-    INT,
-    STR,
     FormulaSet,
     LookupTable,
     parse_formulas,
@@ -276,7 +270,7 @@ def prepare(
         now=local,
     )
     if parsed is not None:
-        fc.check_compiles(parsed, today=prepared.moment)
+        compile_levels.check_compiles(parsed, today=prepared.moment)
     return prepared
 
 
@@ -298,7 +292,9 @@ def lookup_rows(prepared: Prepared) -> dict[str, list[tuple[Any, ...]]]:
         return {}
     pipeline = prepared.pipeline
     tables = {}
-    for name in sorted({table for table, _key, _columns in fc.lookup_shapes(prepared.formulas)}):
+    for name in sorted(
+        {table for table, _key, _columns in compile_joins.lookup_shapes(prepared.formulas)}
+    ):
         lookup = pipeline.lookups[name]
         rows = datastore.lookup_rows(
             pipeline.alias,
@@ -397,19 +393,19 @@ def apply_transform(
     errors: dict[str, str] = {}
     values: dict[str, str] = {}
     if prepared.formulas is not None:
-        df, outputs = fc.apply_formulas(
+        df, outputs = compile_levels.apply_formulas(
             df, prepared.formulas, today=prepared.moment, names=dict(names or {})
         )
         for output in outputs:
-            values[output.name] = fc.quoted(output.name)
+            values[output.name] = sqlexpr.quoted(output.name)
             if output.error_column is not None:
-                errors[output.name] = fc.quoted(output.error_column)
+                errors[output.name] = sqlexpr.quoted(output.error_column)
         present = {c.name for c in prepared.source}
     else:
         assert prepared.pipeline.transform is not None
         df = prepared.pipeline.transform(df, prepared.tenant)
         present = set(df.columns)
-        values = {name: fc.quoted(name) for name in present}
+        values = {name: sqlexpr.quoted(name) for name in present}
     if prepared.output == "long":
         return _long_rows(df, prepared, values, errors)
     selected = []
@@ -417,26 +413,26 @@ def apply_transform(
     typed = {c.name for c in prepared.sink}
     for column in prepared.sink:
         if column.name == results:
-            fields = [f"{values[n]} AS {fc.quoted(n)}" for n in values if n not in typed]
-            json = fc.call("to_json", fc.call("struct", *fields)) if fields else "'{}'"
-            selected.append(f"{json} AS {fc.quoted(column.name)}")
+            fields = [f"{values[n]} AS {sqlexpr.quoted(n)}" for n in values if n not in typed]
+            json = sqlexpr.call("to_json", sqlexpr.call("struct", *fields)) if fields else "'{}'"
+            selected.append(f"{json} AS {sqlexpr.quoted(column.name)}")
             continue
         if column.name in values:
             value = values[column.name]
-            cast = fc.try_cast(value, column.spark)
+            cast = sqlexpr.try_cast(value, column.spark)
             if prepared.formulas is not None and column.max_length is not None:
                 cast = _fitting(cast, column.max_length)
             if prepared.formulas is not None:
                 # A value the column cannot hold (out of range, not a date...) is an error.
-                bad = fc.lost(value, cast)
-                errors[column.name] = fc.either(errors.get(column.name), bad)
-            selected.append(f"{_filled(cast, column)} AS {fc.quoted(column.name)}")
+                bad = sqlexpr.lost(value, cast)
+                errors[column.name] = sqlexpr.either(errors.get(column.name), bad)
+            selected.append(f"{_filled(cast, column)} AS {sqlexpr.quoted(column.name)}")
         elif column.name in present:
-            copied = fc.cast(fc.quoted(column.name), column.spark)
-            selected.append(f"{_filled(copied, column)} AS {fc.quoted(column.name)}")
+            copied = sqlexpr.cast(sqlexpr.quoted(column.name), column.spark)
+            selected.append(f"{_filled(copied, column)} AS {sqlexpr.quoted(column.name)}")
         else:
-            selected.append(f"{_filled(fc.cast('NULL', column.spark), column)} AS "
-                            f"{fc.quoted(column.name)}")  # fmt: skip
+            selected.append(f"{_filled(sqlexpr.cast('NULL', column.spark), column)} AS "
+                            f"{sqlexpr.quoted(column.name)}")  # fmt: skip
     counted = list(errors)
     return df.selectExpr(*selected, *_error_words(errors[n] for n in counted)), counted
 
@@ -449,18 +445,21 @@ def _filled(value: str, column: ColumnSpec) -> str:
     fill = column.fill
     if isinstance(fill, Decimal):
         fill = str(fill)
-    return fc.coalesce(value, fc.cast(fc.literal(fill), column.spark))
+    return sqlexpr.coalesce(value, sqlexpr.cast(sqlexpr.literal(fill), column.spark))
 
 
 def _fitting(text: str, length: int) -> str:
     """Text a varchar(length) column holds, else NULL (counted as an error by the caller)."""
-    return fc.when((f"(char_length({text}) <= {int(length)})", text))
+    return sqlexpr.when((f"(char_length({text}) <= {int(length)})", text))
 
 
 def _error_words(flags: Iterable[str]) -> list[str]:
     """The trailing columns a write task counts errors from (``datastore.ERROR_BITS``)."""
-    words = fc.packed_flags(list(flags), datastore.ERROR_BITS)
-    return [f"{word} AS {fc.quoted(f'{fc.ERROR_PREFIX}{j}')}" for j, word in enumerate(words)]
+    words = compile_levels.packed_flags(list(flags), datastore.ERROR_BITS)
+    return [
+        f"{word} AS {sqlexpr.quoted(f'{compile_levels.ERROR_PREFIX}{j}')}"
+        for j, word in enumerate(words)
+    ]
 
 
 def _long_rows(
@@ -484,18 +483,18 @@ def _long_rows(
         spark_type = specs[sink.number_column].spark
         for rule in rules:
             if isinstance(types.get(rule), NumericType):
-                cast = fc.try_cast(values[rule], spark_type)
+                cast = sqlexpr.try_cast(values[rule], spark_type)
                 numbers[rule] = cast
                 if prepared.formulas is not None:  # a number the column cannot hold: an error
-                    bad = fc.lost(values[rule], cast)
-                    errors[rule] = fc.either(errors.get(rule), bad)
+                    bad = sqlexpr.lost(values[rule], cast)
+                    errors[rule] = sqlexpr.either(errors.get(rule), bad)
     texts = {rule: _as_text(values[rule], types.get(rule)) for rule in rules}
     length = specs[sink.text_column].max_length if sink.text_column is not None else None
     if length is not None and prepared.formulas is not None:
         for rule in rules:  # text the column cannot hold: an error, as for numbers
             fitting = _fitting(texts[rule], length)
-            bad = fc.lost(texts[rule], fitting)
-            errors[rule] = fc.either(errors.get(rule), bad)
+            bad = sqlexpr.lost(texts[rule], fitting)
+            errors[rule] = sqlexpr.either(errors.get(rule), bad)
             texts[rule] = fitting
     counted = list(errors)
 
@@ -504,28 +503,30 @@ def _long_rows(
         for column in prepared.sink:
             name = column.name
             if name == sink.id_column:
-                value = fc.cast(fc.quoted(prepared.pipeline.source.id_column), column.spark)
+                value = sqlexpr.cast(
+                    sqlexpr.quoted(prepared.pipeline.source.id_column), column.spark
+                )
             elif name == sink.rule_column:
-                value = fc.cast(fc.literal(rule), "string")
+                value = sqlexpr.cast(sqlexpr.literal(rule), "string")
             elif name not in sink.value_columns:  # copied from the source row
-                value = fc.cast(fc.quoted(name), column.spark)
+                value = sqlexpr.cast(sqlexpr.quoted(name), column.spark)
             elif rule is None:
-                value = fc.cast("NULL", column.spark)
+                value = sqlexpr.cast("NULL", column.spark)
             elif name == sink.value_column:
-                listed = fc.call("to_json", fc.call("array", values[rule]))
+                listed = sqlexpr.call("to_json", sqlexpr.call("array", values[rule]))
                 value = f"substr({listed}, 2, (length({listed}) - 2))"  # the JSON scalar in [..]
             elif name == sink.number_column:
-                value = numbers.get(rule, fc.cast("NULL", column.spark))
+                value = numbers.get(rule, sqlexpr.cast("NULL", column.spark))
             else:
                 value = texts[rule]
-            fields.append(f"{value} AS {fc.quoted(name)}")
+            fields.append(f"{value} AS {sqlexpr.quoted(name)}")
         # The marker row carries the source row's error flags; the rules' rows carry none.
         fields += _error_words((errors[n] if rule is None else "false") for n in counted)
-        keep = "true" if rule is None else fc.not_null(values[rule])
-        return fc.call("struct", *fields, f"{keep} AS fq_keep")
+        keep = "true" if rule is None else sqlexpr.not_null(values[rule])
+        return sqlexpr.call("struct", *fields, f"{keep} AS fq_keep")
 
-    entries = fc.call("array", entry(None), *(entry(rule) for rule in rules))
-    rows = df.selectExpr(fc.call("inline", entries)).where("fq_keep").drop("fq_keep")
+    entries = sqlexpr.call("array", entry(None), *(entry(rule) for rule in rules))
+    rows = df.selectExpr(sqlexpr.call("inline", entries)).where("fq_keep").drop("fq_keep")
     return rows, counted
 
 
@@ -535,8 +536,10 @@ def _as_text(value: str, spark_type: Any) -> str:
     from pyspark.sql.types import DoubleType, FloatType
 
     if isinstance(spark_type, (DoubleType, FloatType)):
-        return fc.when((fc.not_null(value), fc.number_text(fc.cast(value, "double"))))
-    return fc.cast(value, "string")
+        return sqlexpr.when(
+            (sqlexpr.not_null(value), sqlexpr.number_text(sqlexpr.cast(value, "double")))
+        )
+    return sqlexpr.cast(value, "string")
 
 
 @contextmanager
@@ -706,7 +709,9 @@ class _Plans:
             id(pipeline),  # a Pipeline may hold lists (tenants=[...]): not hashable
             prepared.tenant,
             prepared.fingerprint,
-            prepared.moment if prepared.formulas and fc.uses_moment(prepared.formulas) else None,
+            prepared.moment
+            if prepared.formulas and compile_levels.uses_moment(prepared.formulas)
+            else None,
             prepared.source,
             prepared.sink,
             prepared.output,
@@ -746,13 +751,13 @@ class _Plans:
         names: dict[str, Any] = {}
         if aggregates is not None:
             assert prepared.formulas is not None
-            rows, names = fc.join_aggregates(
+            rows, names = compile_joins.join_aggregates(
                 spark, rows, aggregates, today=prepared.moment, formulas=prepared.formulas
             )
         if tables:
             assert prepared.formulas is not None
             columns = {n: (lk.key, *lk.columns) for n, lk in prepared.pipeline.lookups.items()}
-            rows, found = fc.join_lookups(
+            rows, found = compile_joins.join_lookups(
                 spark, rows, prepared.formulas, tables, columns, today=prepared.moment
             )
             names.update(found)
@@ -883,7 +888,7 @@ class _AggregateCache:
         if job_group is not None:
             context.addJobTag(job_group)  # a stopping runner cancels this job too
         try:
-            values = fc.compute_aggregates(
+            values = compile_joins.compute_aggregates(
                 rows, prepared.formulas, today=prepared.moment, max_groups=MAX_AGGREGATE_GROUPS
             )
         except ValueError as exc:
@@ -906,7 +911,7 @@ def _json_value(value: Any) -> Any:
 
 
 def _typed_value(value: Any, value_type: str) -> Any:
-    from django_fairqueue.contrib.pipeline.formulas import DATE_T
+    from django_fairqueue.contrib.pipeline.formula_tree import DATE_T
 
     if value is None:
         return None
@@ -918,7 +923,7 @@ def _typed_value(value: Any, value_type: str) -> Any:
 def _decode_aggregates(prepared: Prepared, stored: Any) -> Any:
     """Phase one's values from their JSON form (None if they do not fit the formulas)."""
     assert prepared.formulas is not None
-    shapes = fc.aggregate_shapes(prepared.formulas)
+    shapes = compile_joins.aggregate_shapes(prepared.formulas)
     if not isinstance(stored, list) or len(stored) != len(shapes):
         return None
     groups = []
@@ -930,7 +935,7 @@ def _decode_aggregates(prepared: Prepared, stored: Any) -> Any:
             tuple(_typed_value(v, t) for v, t in zip(row, types, strict=True)) for row in rows
         )
         groups.append((keys, tuple(nodes), decoded))
-    return fc.AggregateValues(groups=tuple(groups))
+    return compile_joins.AggregateValues(groups=tuple(groups))
 
 
 def _stored_aggregates(prepared: Prepared, job_name: str, lo: int, hi: int) -> Any:

@@ -1,7 +1,7 @@
 """Spreadsheet format codes (the second argument of ``TEXT``), read into a small description.
 
-Pure Python: :mod:`.formulas` refuses a code this module cannot read when a formula is
-checked, and :mod:`.compile` turns the description into Spark SQL. The subset (the how-to's
+Pure Python: :mod:`.formula_catalog` refuses a code this module cannot read when a formula is
+checked, and :mod:`.sqlexpr` turns the description into Spark SQL. The subset (the how-to's
 TEXT table lists it): ``General``; ``@``; number codes made of ``0`` (a digit, shown even if
 zero), ``#`` (a digit, left out if an unneeded zero), ``,`` (thousands separators, or, after
 the last digit, a thousandth), ``.``, ``%`` (a hundredth, shown), ``E+00`` (scientific); date
@@ -23,7 +23,7 @@ _UNSUPPORTED = ((";", "sections (;)"), ("[", "colours and conditions ([...])"),
 
 @dataclass(frozen=True)
 class General:
-    """``General``: a number as :func:`.compile.number_text` shows it."""
+    """``General``: a number as :func:`.sqlexpr.number_text` shows it."""
 
 
 @dataclass(frozen=True)
