@@ -661,6 +661,14 @@ def _trace_suffix() -> str | None:
     return f',"{tracing.CARRIER_KEY}":{json.dumps(headers, separators=(",", ":"))}}}'
 
 
+def check_call(spec: TaskSpec, args: list[Any], kwargs: dict[str, Any], max_bytes: int) -> None:
+    """Raise :class:`TypeError` (:class:`PayloadError` for what JSON cannot carry) unless an
+    enqueue would take this call of the task: for what stores a call to enqueue later (a
+    schedule), so that it is refused when it is written, not at each firing."""
+    check_arguments(spec, args, kwargs)
+    encode_payload(spec.name, args, kwargs, max_bytes)
+
+
 def encode_payload(
     task_name: str, args: list[Any], kwargs: dict[str, Any], max_bytes: int
 ) -> _Payload:

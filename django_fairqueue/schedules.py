@@ -43,7 +43,7 @@ from django_fairqueue.db import channel_store, pg, schedule_store
 from django_fairqueue.exceptions import ChannelFull, InvalidChannel, InvalidSchedule, UnknownTask
 from django_fairqueue.limits import CHANNEL_NAME_MAX_LENGTH
 from django_fairqueue.queues import display_name, row_name, split_row_name
-from django_fairqueue.tasks.spec import TaskSpec, registry
+from django_fairqueue.tasks.spec import TaskSpec, check_arguments, registry
 
 logger = logging.getLogger("django_fairqueue.schedules")
 
@@ -105,6 +105,10 @@ def periodic(
         }
         where = f"@periodic {schedule_name!r}"
         built = ScheduleSpec.build(schedule_name, options, where)
+        try:  # arguments the task cannot take would fail at each firing
+            check_arguments(spec, built.args, built.kwargs)
+        except TypeError as exc:
+            raise InvalidSchedule(f"{where}: {exc}") from None
         if built.channel is not None:
             from django_fairqueue.api import validate_channel_name
 
@@ -168,7 +172,7 @@ def sync(specs: Sequence[ScheduleSpec] | None = None) -> SyncResult:
     turns. Raises :class:`InvalidSchedule` for a schedule naming an unregistered task or
     arguments the queue refuses, before anything is written.
     """
-    from django_fairqueue.api import encode_payload, validate_channel_name
+    from django_fairqueue.api import check_call, validate_channel_name
     from django_fairqueue.models import Schedule, ScheduleSource
 
     if specs is None:
@@ -183,6 +187,10 @@ def sync(specs: Sequence[ScheduleSpec] | None = None) -> SyncResult:
             raise InvalidSchedule(
                 f"{where} names task {spec.task!r}, which is not registered"
             ) from None
+        try:  # (before channel_from, which takes the same arguments)
+            check_call(task, spec.args, spec.kwargs, cfg.MAX_PAYLOAD_BYTES)
+        except (ValueError, TypeError) as exc:  # PayloadError is a TypeError
+            raise InvalidSchedule(f"{where}: {exc}") from None
         channel = spec.channel
         if channel is None and task.channel_from is not None:
             channel = task.channel_from(*spec.args, **spec.kwargs)
@@ -199,10 +207,6 @@ def sync(specs: Sequence[ScheduleSpec] | None = None) -> SyncResult:
                 f"{task.queue!r}: queue and channel names together take {len(channel)} of the "
                 f"{CHANNEL_NAME_MAX_LENGTH} characters a channel row's name may have"
             )
-        try:
-            encode_payload(task.name, spec.args, spec.kwargs, cfg.MAX_PAYLOAD_BYTES)
-        except (ValueError, TypeError) as exc:  # PayloadError is a TypeError
-            raise InvalidSchedule(f"{where}: {exc}") from None
         rows[spec.name] = (
             channel,
             {

@@ -16,7 +16,7 @@ from django_fairqueue.cron import ScheduleSpec
 from django_fairqueue.models import Channel, Message, Schedule
 
 from .test_admin import action, client_for, user_with
-from .test_schedules import TASK
+from .test_schedules import TASK, report
 
 pytestmark = pytest.mark.django_db
 
@@ -105,6 +105,18 @@ def test_a_bad_schedule_gets_a_clear_error_and_nothing_is_saved(
     assert response.status_code == 200
     assert message in error_text(response)
     assert not Schedule.objects.exists()
+
+
+def test_arguments_that_do_not_fit_the_task_are_refused_by_the_form(
+    admin_client: Client, acme: Channel
+) -> None:
+    bad = form(acme, task_name=report.name, args="[1, 2]")
+    response = admin_client.post(reverse(ADD), bad)
+    assert response.status_code == 200
+    assert "arguments do not fit tests.schedules.report(tenant" in error_text(response)
+    assert not Schedule.objects.exists()
+    good = form(acme, task_name=report.name, args="[]", kwargs='{"tenant": "acme"}')
+    assert admin_client.post(reverse(ADD), good).status_code == 302
 
 
 def fired_once(schedule: Schedule) -> None:

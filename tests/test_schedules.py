@@ -419,6 +419,25 @@ def test_sync_refuses_an_unregistered_task_before_writing_anything() -> None:
     assert not Schedule.objects.exists()
 
 
+@task(name="tests.schedules.report")
+def report(tenant: str) -> None:
+    """A task with a signature: the arguments of its schedules must fit it."""
+
+
+@pytest.mark.django_db
+def test_arguments_that_do_not_fit_the_task_are_refused_before_any_firing() -> None:
+    words = "arguments do not fit tests.schedules.report(tenant"
+    with pytest.raises(InvalidSchedule, match=re.escape(words)):
+        schedules.periodic("@daily", name="tests.unfit", kwargs={"bogus": 1})(report)
+    assert "tests.unfit" not in {s.name for s in schedules.declared()}
+    # from settings, or another way into sync: refused before anything is written, and before
+    # the task's channel_from could be called with them
+    bad = ScheduleSpec.build("x", {"task": report.name, "cron": "@daily", "args": [1, 2]}, "x")
+    with pytest.raises(InvalidSchedule, match=re.escape("schedule 'x': " + words)):
+        schedules.sync([spec("a"), bad])
+    assert not Schedule.objects.exists()
+
+
 @pytest.mark.django_db
 def test_the_first_pass_sets_the_next_slot_and_fires_nothing() -> None:
     schedules.sync([spec("a")])

@@ -253,7 +253,9 @@ def test_deleting_channels_and_editing_schedules_while_firing_never_deadlocks(
         # (not save(): a stale instance's save() after its channel was deleted would insert
         # the row again, as for any Django model)
         for pk in Schedule.objects.values_list("pk", flat=True):
-            Schedule.objects.filter(pk=pk).update(priority=pk % 50, kwargs={"edited": pk})
+            Schedule.objects.filter(pk=pk).update(
+                priority=pk % 50, kwargs={"label": f"edited {pk}"}
+            )
 
     threads = [threading.Thread(target=guarded(t)) for t in (fire, fire, rewind, edit)]
     for thread in threads:

@@ -207,7 +207,8 @@ def test_a_stalled_worker_past_its_lease_changes_nothing_when_it_wakes_up(
 def test_poison_messages_end_failed_while_the_rest_finish(workers: Workers) -> None:
     unknown = only_here.enqueue(channel="p")
     bad_payload = enqueue_raw("p", "tests.fair.add", "[1, 2]")
-    bad_args = fairtasks.add.enqueue(1, 2, 3, channel="p")
+    # (arguments that no longer fit: as an older deploy queued them; enqueue refuses them now)
+    bad_args = enqueue_raw("p", "tests.fair.add", '{"args": [1, 2, 3], "kwargs": {}}')
     raising = fairtasks.boom.enqueue("kaboom", channel="p")
     good = [fairtasks.record.enqueue(str(i), channel=f"g{i % 2}") for i in range(6)]
     rest = [unknown, bad_payload, bad_args, raising, *good]

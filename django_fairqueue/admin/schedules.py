@@ -154,12 +154,12 @@ class ScheduleForm(_ScheduleFormBase):
                     raise PayloadError('args must be a JSON list, e.g. [1, "x"]')
                 if not isinstance(kwargs, dict):
                     raise PayloadError('kwargs must be a JSON object, e.g. {"report": "daily"}')
-                from django_fairqueue.api import encode_payload
+                from django_fairqueue.api import check_call
 
-                encode_payload(spec.name, args, kwargs, max_bytes)
+                check_call(spec, args, kwargs, max_bytes)
             except UnknownTask:
                 pass  # reported on the task field
-            except PayloadError as exc:
+            except TypeError as exc:  # (PayloadError is one) what each firing would fail on
                 self.add_error("args", str(exc))
         if data.get("missed") and data.get("catch_up_max") is not None:
             try:
