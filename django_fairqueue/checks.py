@@ -5,25 +5,27 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import Error, Tags, Warning, register
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import connections
 
 from django_fairqueue import conf
 
 
 @register(Tags.compatibility)
-def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
-    errors: list[Error] = []
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    errors: list[CheckMessage] = []
     raw = getattr(settings, "FAIRQUEUE", {})
     try:
         cfg = conf.load(raw)
     except (ValueError, TypeError) as exc:
+        problems = exc.problems if isinstance(exc, conf.SettingsError) else [str(exc)]
         return [
             Error(
-                f"Invalid FAIRQUEUE setting: {exc}",
+                f"Invalid FAIRQUEUE setting: {problem}",
                 hint="See docs/reference/settings.md for every key and its type.",
                 id="fairqueue.E001",
             )
+            for problem in problems
         ]
     if cfg.DATABASE not in settings.DATABASES:
         errors.append(
@@ -40,7 +42,10 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
                 id="fairqueue.E003",
             )
         )
+    else:
+        errors.extend(_routing_checks(cfg))
     errors.extend(_task_checks(cfg))
+    errors.extend(_lease_warnings(cfg))
     if len(cfg.DEFAULT_CHANNEL) > 200 or cfg.DEFAULT_CHANNEL.strip() != cfg.DEFAULT_CHANNEL:
         errors.append(
             Error(
@@ -50,6 +55,45 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
             )
         )
     return errors
+
+
+def _routing_checks(cfg: conf.FairQueueSettings) -> list[Error]:
+    """The ORM must reach the queue's tables where its statements do: with the queue in another
+    database and no router, the admin and the model API would read (empty) copies in
+    ``default`` while enqueue and the workers use the queue's database."""
+    from django.db import router
+
+    from django_fairqueue.models import Channel
+
+    read, write = router.db_for_read(Channel), router.db_for_write(Channel)
+    if read == cfg.DATABASE and write == cfg.DATABASE:
+        return []
+    return [
+        Error(
+            f"FAIRQUEUE['DATABASE'] is {cfg.DATABASE!r}, but Django's database routers send "
+            f"django-fairqueue's models to {read!r} (reads) and {write!r} (writes).",
+            hint="Add 'django_fairqueue.routers.QueueRouter' to DATABASE_ROUTERS, then run "
+            f"`manage.py migrate --database {cfg.DATABASE}`.",
+            id="fairqueue.E007",
+        )
+    ]
+
+
+def _lease_warnings(cfg: conf.FairQueueSettings) -> list[Warning]:
+    """The shortest lease `runfairworker --lease` takes, for the setting too."""
+    from django_fairqueue.limits import MIN_LEASE
+
+    if cfg.LEASE_SECONDS >= MIN_LEASE:
+        return []
+    return [
+        Warning(
+            f"FAIRQUEUE['LEASE_SECONDS'] is {cfg.LEASE_SECONDS:g} s, shorter than the "
+            f"{MIN_LEASE:g} s `runfairworker --lease` accepts: under load a claimed message may "
+            "not reach its thread and its first renewal in time, and each one that does not "
+            "costs an attempt.",
+            id="fairqueue.W002",
+        )
+    ]
 
 
 def _task_checks(cfg: conf.FairQueueSettings) -> list[Error]:

@@ -203,70 +203,100 @@ def load(raw: Any) -> FairQueueSettings:
             "FAIRQUEUE['SPARK'] is now FAIRQUEUE_PIPELINE['SPARK']: the Spark pipeline is an "
             "app of its own, with its own setting (docs/howto/spark-pipeline.md)"
         )
+    # Every bad entry is reported, not only the first: a fix, then another check run, then the
+    # next fix would otherwise be the way to find them.
+    problems: list[str] = []
     if unknown:
-        raise ValueError(f"FAIRQUEUE has unknown keys {unknown}; known keys: {sorted(known)}")
+        problems.append(f"FAIRQUEUE has unknown keys {unknown}; known keys: {sorted(known)}")
     values: dict[str, Any] = {}
     for key, value in raw.items():
-        if key == "CHANNEL_DEFAULTS":
-            if not isinstance(value, dict):
-                raise ValueError("FAIRQUEUE['CHANNEL_DEFAULTS'] must be a dict")
-            extra = sorted(set(value) - {f.name for f in dataclasses.fields(ChannelDefaults)})
-            if extra:
-                raise ValueError(f"FAIRQUEUE['CHANNEL_DEFAULTS'] has unknown keys {extra}")
-            values[key] = validate_channel_limits(**value, where="FAIRQUEUE['CHANNEL_DEFAULTS']")
-        elif key in ("DATABASE", "DEFAULT_CHANNEL"):
-            if not isinstance(value, str) or not value.strip():
-                raise ValueError(f"FAIRQUEUE['{key}'] must be a non-empty string")
-            values[key] = value
-        elif key == "NOTIFY_CHANNEL":
-            if not isinstance(value, str) or not _IDENT.match(value):
-                raise ValueError(
-                    "FAIRQUEUE['NOTIFY_CHANNEL'] must be a lower-case identifier "
-                    f"(letters, digits, _; at most 63), got {value!r}"
-                )
-            values[key] = value
-        elif key == "FAIRNESS":
-            if value not in FAIRNESS_MODES:
-                raise ValueError(
-                    f"FAIRQUEUE['FAIRNESS'] must be one of {FAIRNESS_MODES}, got {value!r}"
-                )
-            values[key] = value
-        elif key == "DEFAULT_DELIVERY":
-            if value not in DELIVERY_MODES:
-                raise ValueError(f"FAIRQUEUE['DEFAULT_DELIVERY'] must be one of {DELIVERY_MODES}")
-            values[key] = value
-        elif key in ("DEFAULT_MAX_ATTEMPTS", "MAX_PAYLOAD_BYTES"):
-            values[key] = _number(value, f"FAIRQUEUE['{key}']", minimum=1, integer=True)
-        elif key in ("ASYNC_COMMIT", "KEEP_RESULTS", "NOTIFY", "PREPARED_STATEMENTS", "TRACING"):
-            if not isinstance(value, bool):
-                raise ValueError(f"FAIRQUEUE['{key}'] must be True or False, got {value!r}")
-            values[key] = value
-        elif key in ("RESULT_RETENTION", "BATCH_RETENTION", "USAGE_RETENTION"):
-            retention = _duration(value, f"FAIRQUEUE['{key}']")
-            if retention < timedelta(0):  # a row cannot be pruned before it finished
-                raise ValueError(f"FAIRQUEUE['{key}'] must be 0 or more, got {value!r}")
-            values[key] = retention
-        elif key == "CLAIM_WAIT":
-            wait = float(_number(value, "FAIRQUEUE['CLAIM_WAIT']", minimum=0.0))
-            if wait > MAX_CLAIM_WAIT:
-                raise ValueError(
-                    f"FAIRQUEUE['CLAIM_WAIT'] must be at most {MAX_CLAIM_WAIT:g} seconds (a claim "
-                    f"holding its caller that long is a stall, not a queue), got {value!r}"
-                )
-            values[key] = wait
-        elif key == "TASK_TIMEOUT":
-            timeout = validate_timeout(value, "FAIRQUEUE['TASK_TIMEOUT']")
-            values[key] = timeout or None  # 0: no limit, as None
-        elif key == "SCHEDULES":
-            values[key] = _schedules(value)
-        elif key == "TASK_MODULES":
-            if not isinstance(value, list | tuple) or not all(isinstance(m, str) for m in value):
-                raise ValueError("FAIRQUEUE['TASK_MODULES'] must be a list of module names")
-            values[key] = tuple(value)
-        else:  # the float-valued intervals
-            minimum = 0.001 if key != "RETRY_BACKOFF_BASE" else 0.0
-            values[key] = float(_number(value, f"FAIRQUEUE['{key}']", minimum=minimum))
+        if key in known:
+            try:
+                values[key] = _value(key, value)
+            except (ValueError, TypeError) as exc:
+                problems.append(str(exc))
+    beat = values.get("WORKER_HEARTBEAT", FairQueueSettings.WORKER_HEARTBEAT)
+    dead = values.get("WORKER_DEAD_AFTER", FairQueueSettings.WORKER_DEAD_AFTER)
+    if dead < 3 * beat:
+        problems.append(
+            f"FAIRQUEUE['WORKER_DEAD_AFTER'] ({dead:g} s) must be at least three times "
+            f"FAIRQUEUE['WORKER_HEARTBEAT'] ({beat:g} s): a live worker that missed a beat "
+            "would be declared dead, and the messages it runs would run again elsewhere"
+        )
+    if problems:
+        raise SettingsError(problems)
     return FairQueueSettings(**values)
+
+
+class SettingsError(ValueError):
+    """Every bad entry of ``FAIRQUEUE``, one problem a line (``problems``)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def _value(key: str, value: Any) -> Any:
+    """One ``FAIRQUEUE`` entry checked and converted; ``ValueError`` when it is bad."""
+    if key == "CHANNEL_DEFAULTS":
+        if not isinstance(value, dict):
+            raise ValueError("FAIRQUEUE['CHANNEL_DEFAULTS'] must be a dict")
+        extra = sorted(set(value) - {f.name for f in dataclasses.fields(ChannelDefaults)})
+        if extra:
+            raise ValueError(f"FAIRQUEUE['CHANNEL_DEFAULTS'] has unknown keys {extra}")
+        return validate_channel_limits(**value, where="FAIRQUEUE['CHANNEL_DEFAULTS']")
+    elif key in ("DATABASE", "DEFAULT_CHANNEL"):
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"FAIRQUEUE['{key}'] must be a non-empty string")
+        return value
+    elif key == "NOTIFY_CHANNEL":
+        if not isinstance(value, str) or not _IDENT.match(value):
+            raise ValueError(
+                "FAIRQUEUE['NOTIFY_CHANNEL'] must be a lower-case identifier "
+                f"(letters, digits, _; at most 63), got {value!r}"
+            )
+        return value
+    elif key == "FAIRNESS":
+        if value not in FAIRNESS_MODES:
+            raise ValueError(
+                f"FAIRQUEUE['FAIRNESS'] must be one of {FAIRNESS_MODES}, got {value!r}"
+            )
+        return value
+    elif key == "DEFAULT_DELIVERY":
+        if value not in DELIVERY_MODES:
+            raise ValueError(f"FAIRQUEUE['DEFAULT_DELIVERY'] must be one of {DELIVERY_MODES}")
+        return value
+    elif key in ("DEFAULT_MAX_ATTEMPTS", "MAX_PAYLOAD_BYTES"):
+        return _number(value, f"FAIRQUEUE['{key}']", minimum=1, integer=True)
+    elif key in ("ASYNC_COMMIT", "KEEP_RESULTS", "NOTIFY", "PREPARED_STATEMENTS", "TRACING"):
+        if not isinstance(value, bool):
+            raise ValueError(f"FAIRQUEUE['{key}'] must be True or False, got {value!r}")
+        return value
+    elif key in ("RESULT_RETENTION", "BATCH_RETENTION", "USAGE_RETENTION"):
+        retention = _duration(value, f"FAIRQUEUE['{key}']")
+        if retention < timedelta(0):  # a row cannot be pruned before it finished
+            raise ValueError(f"FAIRQUEUE['{key}'] must be 0 or more, got {value!r}")
+        return retention
+    elif key == "CLAIM_WAIT":
+        wait = float(_number(value, "FAIRQUEUE['CLAIM_WAIT']", minimum=0.0))
+        if wait > MAX_CLAIM_WAIT:
+            raise ValueError(
+                f"FAIRQUEUE['CLAIM_WAIT'] must be at most {MAX_CLAIM_WAIT:g} seconds (a claim "
+                f"holding its caller that long is a stall, not a queue), got {value!r}"
+            )
+        return wait
+    elif key == "TASK_TIMEOUT":
+        timeout = validate_timeout(value, "FAIRQUEUE['TASK_TIMEOUT']")
+        return timeout or None  # 0: no limit, as None
+    elif key == "SCHEDULES":
+        return _schedules(value)
+    elif key == "TASK_MODULES":
+        if not isinstance(value, list | tuple) or not all(isinstance(m, str) for m in value):
+            raise ValueError("FAIRQUEUE['TASK_MODULES'] must be a list of module names")
+        return tuple(value)
+    else:  # the float-valued intervals
+        minimum = 0.001 if key != "RETRY_BACKOFF_BASE" else 0.0
+        return float(_number(value, f"FAIRQUEUE['{key}']", minimum=minimum))
 
 
 def _schedules(value: Any) -> tuple[Any, ...]:

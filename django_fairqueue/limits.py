@@ -42,6 +42,11 @@ def priority_error(priority: object) -> str | None:
     return None
 
 
+#: Shortest lease `runfairworker --lease` accepts (the setting only warns, fairqueue.W002): the
+#: heartbeat renews leases every third of it, and a claimed message must reach its thread and
+#: its first renewal well inside it (a lease that expires first loses every message it claims,
+#: each at the cost of an attempt).
+MIN_LEASE = 5.0
 #: Largest message id (PostgreSQL ``bigint``).
 MAX_ID = 2**63 - 1
 #: Largest limit or count (PostgreSQL ``integer``).

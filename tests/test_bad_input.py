@@ -641,6 +641,61 @@ def test_settings_naming_a_missing_database_are_check_e002() -> None:
         assert [e.id for e in checks.check_settings()] == ["fairqueue.E002"]
 
 
+def test_every_bad_setting_is_its_own_e001() -> None:
+    raw = {"LEASE_SECONDS": "x", "POLL_INTERVAL": -1, "FOO": 1}
+    with override_settings(FAIRQUEUE=raw):
+        errors = checks.check_settings()
+    assert [e.id for e in errors] == ["fairqueue.E001"] * 3, errors
+    assert ["FOO" in errors[0].msg, "LEASE_SECONDS" in errors[1].msg] == [True, True]
+    assert "POLL_INTERVAL'] must be a number >= 0.001" in errors[2].msg
+    with pytest.raises(conf.SettingsError) as info:
+        conf.load(raw)
+    assert len(info.value.problems) == 3
+
+
+@pytest.mark.parametrize(
+    ("raw", "ok"),
+    [
+        ({"WORKER_DEAD_AFTER": 1}, False),  # the default beat is 5 s
+        ({"WORKER_HEARTBEAT": 20}, False),  # the default dead-after is 30 s
+        ({"WORKER_HEARTBEAT": 1, "WORKER_DEAD_AFTER": 2.5}, False),
+        ({"WORKER_HEARTBEAT": 1, "WORKER_DEAD_AFTER": 3}, True),
+    ],
+)
+def test_workers_are_declared_dead_only_after_three_missed_beats(
+    raw: dict[str, float], ok: bool
+) -> None:
+    with override_settings(FAIRQUEUE=raw):
+        errors = checks.check_settings()
+    if ok:
+        assert errors == []
+    else:
+        (error,) = errors
+        assert error.id == "fairqueue.E001"
+        assert "must be at least three times FAIRQUEUE['WORKER_HEARTBEAT']" in error.msg
+
+
+def test_a_lease_shorter_than_the_worker_accepts_is_warning_w002() -> None:
+    with override_settings(FAIRQUEUE={"LEASE_SECONDS": 1}):
+        (warning,) = checks.check_settings()
+    assert warning.id == "fairqueue.W002"
+    assert "shorter than the 5 s `runfairworker --lease` accepts" in warning.msg
+
+
+def test_a_queue_database_without_the_router_is_check_e007() -> None:
+    # ("pooled" is a second alias of the test database)
+    with override_settings(FAIRQUEUE={"DATABASE": "pooled"}):
+        (error,) = checks.check_settings()
+    assert error.id == "fairqueue.E007"
+    assert "routers send django-fairqueue's models to 'default'" in error.msg
+    assert "django_fairqueue.routers.QueueRouter" in (error.hint or "")
+    with override_settings(
+        FAIRQUEUE={"DATABASE": "pooled"},
+        DATABASE_ROUTERS=["django_fairqueue.routers.QueueRouter"],
+    ):
+        assert checks.check_settings() == []
+
+
 def test_a_default_channel_the_queue_would_refuse_is_check_e004() -> None:
     for name in ("x" * 201, " padded "):
         with override_settings(FAIRQUEUE={"DEFAULT_CHANNEL": name}):
@@ -674,7 +729,8 @@ def test_any_settings_dict_is_valid_or_check_e001_never_a_crash(raw: dict[str, A
         else:
             conf.load(raw)  # accepted: the settings load the same way at first use
             # E005: a TASK_MODULES entry that does not import
-            assert ids <= {"fairqueue.E002", "fairqueue.E004", "fairqueue.E005"}
+            # W002: a lease shorter than runfairworker --lease accepts
+            assert ids <= {"fairqueue.E002", "fairqueue.E004", "fairqueue.E005", "fairqueue.W002"}
 
 
 @pytest.mark.parametrize("value", [None, 3])

@@ -32,10 +32,7 @@ from django_fairqueue.worker.config import (
 #: Most worker processes under one supervisor, and most messages one claim takes.
 MAX_PROCESSES = 256
 MAX_BATCH = 10_000
-#: Shortest --lease: the heartbeat renews leases every third of it, and a claimed message must
-#: reach its thread and its first renewal well inside it (a lease that expires first loses
-#: every message it claims, each at the cost of an attempt). Longest: a day, like the others.
-MIN_LEASE = 5.0
+#: Longest --lease (limits.MIN_LEASE the shortest), and of the other durations: a day.
 MAX_SECONDS = 86_400.0
 
 
@@ -285,7 +282,7 @@ class Command(FairCommand):
         poll = _seconds(options, "poll_interval", 0, 3600.0, above=True)
         grace = _seconds(options, "shutdown_grace", 0, MAX_SECONDS)
         horizon = _seconds(options, "burst_horizon", 0, MAX_BURST_HORIZON)
-        lease = _seconds(options, "lease", MIN_LEASE, MAX_SECONDS)
+        lease = _seconds(options, "lease", limits.MIN_LEASE, MAX_SECONDS)
         assert concurrency is not None and batch_size is not None and prefetch is not None
         assert abandoned is not None and grace is not None and horizon is not None
         worker_id = options["worker_id"]
