@@ -318,6 +318,30 @@ def test_a_supervisor_restarts_workers_a_task_kills_and_stops_them_all(workers: 
     assert alive == [], f"children outlived their supervisor: {alive}"
 
 
+def test_a_slot_started_again_takes_back_its_dead_childs_messages_at_once(
+    workers: Workers,
+) -> None:
+    from django_fairqueue.models import WorkerRecord
+
+    killer = fairtasks.exit_process.enqueue(3, channel="k")
+    # no --worker-id; a lease and a dead-after far longer than the test
+    sup = workers.start(
+        "", "--processes", "2", "--concurrency", "1", overrides={"LEASE_SECONDS": 120.0}
+    )
+    # the child dies with the message; the next child of the slot has the same id, and
+    # registering expires the leases its dead predecessor left (the message: max_attempts=1)
+    try:
+        wait_until(lambda: all_final(killer), 20, "the killer dead-lettered by the next child")
+    except AssertionError:
+        raise AssertionError(sup.output) from None
+    assert row(killer).last_error["type"] == "LeaseExpired"
+    assert "died (exit status 3)" in sup.output
+    slots = sorted(WorkerRecord.objects.values_list("worker_id", flat=True))
+    assert [slot[-2:] for slot in slots] == ["-0", "-1"], slots  # two slots, two records
+    sup.signal(signal.SIGTERM)
+    assert sup.wait(30) == 0
+
+
 def test_a_supervisor_refuses_max_messages() -> None:
     from django.core.management import call_command
     from django.core.management.base import CommandError

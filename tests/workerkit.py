@@ -70,8 +70,8 @@ class WorkerProcess:
                 "runfairworker",
                 "--settings",
                 "tests.settings",
-                "--worker-id",
-                worker_id,
+                # ("": the worker's own default id)
+                *(["--worker-id", worker_id] if worker_id else []),
                 *args,
             ],
             cwd=ROOT,

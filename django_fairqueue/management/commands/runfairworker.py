@@ -258,10 +258,13 @@ class Command(FairCommand):
             )
         prefix = supervisor.invocation()
         flags = supervisor.child_flags(options)
-        base_id = options["worker_id"]
+        # Each slot keeps its id across restarts: a child started again in a slot whose child
+        # was killed expires the dead one's leases as it registers, instead of leaving its
+        # messages until the dead worker is noticed (WORKER_DEAD_AFTER). Unique per supervisor.
+        base_id = options["worker_id"] or default_worker_id()
 
         def command_for(index: int) -> list[str]:
-            own = ["--worker-id", f"{base_id}-{index}"] if base_id else []
+            own = ["--worker-id", f"{base_id}-{index}"]
             more = ["--max-messages", str(recycle)] if recycle is not None else []
             return [*prefix, *flags, *own, *more]
 
