@@ -20,7 +20,7 @@ import psycopg
 import pytest
 from django.core.exceptions import ValidationError
 from django.core.management import CommandError, call_command
-from django.db import IntegrityError, connection, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.test import override_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -1083,7 +1083,18 @@ def test_a_command_on_a_database_without_the_queue_tables_says_to_migrate() -> N
         cursor.execute("DROP TABLE fairqueue_worker CASCADE")
     with pytest.raises(
         CommandError,
-        match=r'"fairqueue_worker" does not exist: the queue\'s tables are not in this database; '
-        r"run `manage.py migrate`",
+        match=r'"fairqueue_worker" does not exist.*: the queue\'s tables or functions are not in '
+        r"this database; run `manage.py migrate`",
     ):
         call_command("fairqueue", "workers", stdout=io.StringIO())
+
+
+def test_an_enqueue_into_a_database_without_the_queue_says_to_migrate() -> None:
+    with connection.cursor() as cursor:  # (the test's transaction: none of the queue's objects)
+        cursor.execute("CREATE SCHEMA fq_empty; SET LOCAL search_path = fq_empty")
+    with pytest.raises(
+        DatabaseError,
+        match=r"fairqueue_\w+\(.*\) does not exist in database 'default': the queue's tables or "
+        r"functions are not in this database; run `manage.py migrate`",
+    ):
+        enqueue(NOOP, channel="t")

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from django.core.management import get_commands
 
 import django_fairqueue
@@ -196,3 +197,22 @@ def test_the_installed_optional_apps_bring_their_commands() -> None:
     # tests/settings.py installs both.
     assert get_commands()["fairbench"] == "django_fairqueue.contrib.bench"
     assert get_commands()["fairpipeline"] == "django_fairqueue.contrib.pipeline"
+
+
+@pytest.mark.django_db
+def test_the_pipeline_job_table_is_created_again_when_a_project_dropped_it() -> None:
+    """The how-to lets a project that never used the pipeline drop the table the queue's
+    migrations left; installing the app later must still migrate."""
+    from importlib import import_module
+
+    from django.db import connection
+    from django.db.migrations.loader import MigrationLoader
+
+    initial = import_module("django_fairqueue.contrib.pipeline.migrations.0001_initial")
+    state = MigrationLoader(connection).project_state(("fairqueue_pipeline", "0001_initial"))
+    with connection.cursor() as cursor:  # (the test's transaction)
+        cursor.execute("DROP TABLE fairqueue_pipeline_job CASCADE")
+    for _ in range(2):  # created, then left as it is
+        with connection.schema_editor() as editor:
+            initial.create_table_if_missing(state.apps, editor)
+        assert "fairqueue_pipeline_job" in connection.introspection.table_names()

@@ -370,3 +370,26 @@ def test_a_crash_loop_is_logged_and_restarts_slow_down(
     loops = [r for r in caplog.records if "crash loop:" in r.getMessage()]
     assert loops and loops[0].levelname == "ERROR"
     assert "deaths in a row soon after starting (exit status 3 after" in loops[0].getMessage()
+
+
+def test_a_second_signal_ends_the_supervisor_with_128_plus_its_number() -> None:
+    import signal
+    import sys
+
+    from django_fairqueue.runtime import StopFlag
+    from django_fairqueue.worker import supervisor
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    for signals, code in ((1, 0), (2, 128 + signal.SIGTERM)):
+        stop = StopFlag()
+        sup = supervisor.Supervisor(lambda i: sleeper, 2, stop=stop)
+        result: list[int] = []
+        runner = threading.Thread(target=lambda: result.append(sup.run()))  # noqa: B023
+        runner.start()
+        deadline = time.monotonic() + 20
+        while not all(s.proc is not None for s in sup.slots) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for _ in range(signals):  # (as the signal handler would be called)
+            sup._on_signal(signal.SIGTERM)
+        runner.join(20)
+        assert result == [code], (signals, result)

@@ -26,6 +26,7 @@ from typing import Any
 import psycopg
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.utils import ProgrammingError
 from psycopg import pq
 from psycopg.types.json import JsonbBinaryLoader
 
@@ -97,36 +98,59 @@ def kept_cursor(
     if wrapper is None:
         wrapper = connections[alias]
     wrapper.validate_no_broken_transaction()
-    with wrapper.wrap_database_errors:
-        wrapper.ensure_connection()
-        raw = wrapper.connection
-        prepare = conf.get().PREPARED_STATEMENTS
-        if prepare and raw.prepare_threshold is None:
-            # Django turns psycopg's statement preparation off (threshold None), and then
-            # psycopg ignores execute(prepare=True) too. A threshold no query reaches keeps
-            # Django's own queries unprepared and lets ours be prepared explicitly: planning
-            # a settle statement costs ~1 ms, about what executing it costs.
-            raw.prepare_threshold = _NEVER
-        # One cursor per connection and kind, kept for the next statement: a cursor's
-        # transformer learns which dumper each parameter's type takes, and a new cursor per
-        # statement learnt it again every time (about 25 us of a single enqueue's client CPU).
-        # A statement run while the kept cursor is in use (a function of the db package called
-        # inside another's block) gets a cursor of its own, closed after it.
-        kept: dict[bool, _KeptCursor] = wrapper.__dict__.setdefault(_KEPT_CURSORS, {})
-        entry = kept.get(values)
-        if entry is None or entry.connection is not raw or entry.cursor.closed:
-            entry = kept[values] = _KeptCursor(raw, _new_cursor(raw, values))
-        elif entry.busy:
-            entry = None
-        if entry is None:
-            with _new_cursor(raw, values) as cur:
-                yield cur
-            return
-        entry.busy = True
-        try:
-            yield entry.cursor
-        finally:
-            entry.busy = False
+    try:
+        with wrapper.wrap_database_errors:
+            wrapper.ensure_connection()
+            raw = wrapper.connection
+            prepare = conf.get().PREPARED_STATEMENTS
+            if prepare and raw.prepare_threshold is None:
+                # Django turns psycopg's statement preparation off (threshold None), and then
+                # psycopg ignores execute(prepare=True) too. A threshold no query reaches keeps
+                # Django's own queries unprepared and lets ours be prepared explicitly: planning
+                # a settle statement costs ~1 ms, about what executing it costs.
+                raw.prepare_threshold = _NEVER
+            # One cursor per connection and kind, kept for the next statement: a cursor's
+            # transformer learns which dumper each parameter's type takes, and a new cursor per
+            # statement learnt it again every time (about 25 us of a single enqueue's client CPU).
+            # A statement run while the kept cursor is in use (a function of the db package called
+            # inside another's block) gets a cursor of its own, closed after it.
+            kept: dict[bool, _KeptCursor] = wrapper.__dict__.setdefault(_KEPT_CURSORS, {})
+            entry = kept.get(values)
+            if entry is None or entry.connection is not raw or entry.cursor.closed:
+                entry = kept[values] = _KeptCursor(raw, _new_cursor(raw, values))
+            elif entry.busy:
+                entry = None
+            if entry is None:
+                with _new_cursor(raw, values) as cur:
+                    yield cur
+                return
+            entry.busy = True
+            try:
+                yield entry.cursor
+            finally:
+                entry.busy = False
+    except ProgrammingError as exc:
+        hint = missing_schema(exc)
+        if hint is None:
+            raise
+        raise ProgrammingError(f"{str(exc).splitlines()[0]} in database {alias!r}: {hint}") from exc
+
+
+def missing_schema(exc: BaseException) -> str | None:
+    """What to do when ``exc`` says a table or function of the queue does not exist (the
+    database was never migrated, or is another one than the one migrated); None otherwise."""
+    cause: BaseException | None = exc
+    while cause is not None and getattr(cause, "sqlstate", None) is None:
+        cause = cause.__cause__  # (Django's error wraps psycopg's, which has the state)
+    state = getattr(cause, "sqlstate", None)
+    if state not in ("42P01", "42883") or "fairqueue_" not in str(exc):
+        return None  # (42P01: undefined table, 42883: undefined function)
+    return (
+        "the queue's tables or functions are not in this database; run `manage.py migrate` "
+        "(and `migrate --database ALIAS` when FAIRQUEUE['DATABASE'] names another). With the "
+        "embedded development server, run commands from the directory you migrated from: "
+        "another directory has a server of its own."
+    )
 
 
 #: The attribute of a Django connection wrapper that holds its kept cursors (see kept_cursor).

@@ -8,6 +8,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db.utils import ProgrammingError
 
 from django_fairqueue.cli.terminal import exit_quietly_on_closed_pipe
+from django_fairqueue.db import pg
 
 
 class FairCommand(BaseCommand):
@@ -19,15 +20,11 @@ class FairCommand(BaseCommand):
         try:
             return super().execute(*args, **options)
         except ProgrammingError as exc:
-            cause = getattr(exc.__cause__, "sqlstate", None)
-            if cause != "42P01" or "fairqueue_" not in str(exc):  # undefined_table
+            hint = pg.missing_schema(exc)
+            if hint is None:
                 raise
-            raise CommandError(
-                f"{str(exc).splitlines()[0]}: the queue's tables are not in this database; run "
-                "`manage.py migrate` (and `migrate --database ALIAS` when FAIRQUEUE['DATABASE'] "
-                "names another). With the embedded development server, run commands from the "
-                "directory you migrated from: another directory has a server of its own."
-            ) from exc
+            first = str(exc).splitlines()[0]
+            raise CommandError(first if hint in first else f"{first}: {hint}") from exc
 
     def run_from_argv(self, argv: list[str]) -> None:
         exit_quietly_on_closed_pipe(super().run_from_argv, argv)

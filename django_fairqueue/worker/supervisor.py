@@ -141,12 +141,14 @@ class Supervisor:
         self.env = env
         self.stop = stop or StopFlag()
         self.signals = 0
+        self.last_signal = 0
 
     def run(self) -> int:
         """Supervise until stopped (or, with burst, until every child is done).
 
-        Returns 0 after a clean stop, 1 if a child still had to be killed or a burst child
-        never finished cleanly.
+        Returns 0 after a clean stop, 128 + the signal's number after a second signal (the
+        children were told to exit at once, as a worker alone exits), 1 if a child still had
+        to be killed or a burst child never finished cleanly.
         """
         with stop_signals(self._on_signal):
             for slot in self.slots:
@@ -158,6 +160,8 @@ class Supervisor:
                 if all(slot.proc is None and (slot.done or self.stopping) for slot in self.slots):
                     break
                 self.stop.wait(POLL)
+        if self.signals >= 2:
+            return 128 + self.last_signal
         clean = all(slot.exits[-1].code == 0 for slot in self.slots if slot.exits)
         return 0 if clean or self.stopping else 1
 
@@ -167,6 +171,7 @@ class Supervisor:
 
     def _on_signal(self, signum: int) -> None:
         self.signals += 1
+        self.last_signal = signum
         self.stop.set()
         for slot in self.slots:
             if slot.proc is not None and slot.proc.poll() is None:

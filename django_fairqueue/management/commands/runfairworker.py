@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -271,6 +272,8 @@ class Command(FairCommand):
         code = supervisor.Supervisor(
             command_for, processes, burst=options["burst"], env=supervisor.environment()
         ).run()
+        if code > 128:  # a second signal: every process told to exit at once
+            sys.exit(code)
         if code:
             raise CommandError("a worker process did not stop cleanly", returncode=code)
 

@@ -31,6 +31,14 @@ def move_content_type(apps: Any, schema_editor: Any) -> None:
         )
 
 
+def create_table_if_missing(apps: Any, schema_editor: Any) -> None:
+    """A project that never used the pipeline may have dropped the empty table the queue's
+    migrations left (as the how-to allows) before installing this app: create it again."""
+    tables = schema_editor.connection.introspection.table_names()
+    if "fairqueue_pipeline_job" not in tables:
+        schema_editor.create_model(apps.get_model("fairqueue_pipeline", "PipelineJob"))
+
+
 def restore_content_type(apps: Any, schema_editor: Any) -> None:
     if not CONTENTTYPES:
         return
@@ -78,5 +86,7 @@ class Migration(migrations.Migration):
             ],
             database_operations=[],
         ),
+        # (unapplied: the table stays, as the queue's migrations it came from expect)
+        migrations.RunPython(create_table_if_missing, migrations.RunPython.noop),
         migrations.RunPython(move_content_type, restore_content_type),
     ]
