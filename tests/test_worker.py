@@ -1408,3 +1408,42 @@ def test_a_worker_that_stops_before_its_first_beat_records_its_last_claim() -> N
     record = WorkerRecord.objects.get(worker_id="brief")
     assert (record.state, record.handled) == (WorkerState.STOPPED, 1)
     assert record.last_claim_at is not None and record.last_claim_at <= timezone.now()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stop_past_its_grace_expires_the_leases_it_leaves_for_the_rescuer() -> None:
+    from django_fairqueue.models import WorkerRecord, WorkerState
+
+    started, release = threading.Event(), threading.Event()
+    mid = fairtasks.sleep.enqueue(0.0, channel="alice")
+    config = WorkerConfig(
+        worker_id="leaving", concurrency=1, shutdown_grace=0.2, listen=False, maintenance=False
+    )
+    w = Worker(config)
+
+    def hold(**kwargs: Any) -> None:
+        started.set()
+        release.wait(10)  # still running when the grace period ends
+
+    def run() -> None:
+        try:
+            w.run()
+        finally:
+            connections.close_all()
+
+    message_started.connect(hold, weak=False)
+    runner = threading.Thread(target=run)
+    try:
+        runner.start()
+        assert started.wait(10)
+        w.stop()
+        runner.join(20)
+        assert not runner.is_alive()
+        left = Message.objects.get(pk=mid)
+        assert left.state == MessageState.RUNNING and left.lease_expires_at <= timezone.now()
+        assert WorkerRecord.objects.get(worker_id="leaving").state == WorkerState.STOPPED
+        assert message_store.rescue_expired_messages()  # requeued at the next pass
+    finally:
+        release.set()
+        message_started.disconnect(hold)
+        time.sleep(0.2)  # (the held thread ends its task; its outcome is not written)

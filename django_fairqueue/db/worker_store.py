@@ -76,9 +76,10 @@ def deregister_worker(
     handled: int,
     last_claim_at: datetime | None = None,
     using: str | None = None,
-) -> None:
+) -> int:
+    """Mark the worker stopped; returns how many messages it still ran (their leases expired)."""
     params = {"worker_id": worker_id, "handled": handled, "last_claim_at": last_claim_at}
-    _run("deregister_worker", params, using)
+    return int(_run("deregister_worker", params, using)[0][0])
 
 
 def expire_dead_workers(dead_after: float, *, using: str | None = None) -> list[DeadWorker]:

@@ -123,11 +123,19 @@ class Registration:
 
     def deregister(self, now: Beat) -> None:
         try:
-            worker_store.deregister_worker(
+            left = worker_store.deregister_worker(
                 self.worker_id, handled=now.handled, last_claim_at=now.last_claim_at
             )
         except CONNECTION_ERRORS as exc:  # it will look dead after WORKER_DEAD_AFTER instead
             logger.warning("worker registry: could not mark stopped: %s", after_database_error(exc))
+            return
+        if left:
+            logger.warning(
+                "worker %s stopped with %d messages still running: their leases expired now, "
+                "and the rescuer requeues them at its next pass",
+                self.worker_id,
+                left,
+            )
 
 
 def _supervision() -> dict[str, object] | None:

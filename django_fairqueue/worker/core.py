@@ -172,12 +172,17 @@ class Worker:
         self._signals += 1
         name = signal.Signals(signum).name
         if self._signals == 1:
+            running = self.ledger.running
             logger.warning(
-                "%s received: claiming nothing more; waiting up to %ss for %d running messages "
-                "(send it again to exit at once)",
+                "%s received: claiming nothing more; waiting up to %ss for %d running messages"
+                "%s (send it again to exit at once)",
                 name,
                 self.config.shutdown_grace,
-                self.ledger.busy,
+                running,
+                # prefetched, waiting for a thread: given back at once
+                f"; giving back {self.ledger.busy - running} not started"
+                if self.ledger.busy > running
+                else "",
             )
             self.stop()
         else:
@@ -321,8 +326,8 @@ class Worker:
         running = self.pool.wait_idle(deadline, give_up=lambda: self._fatal is not None)
         if running:
             logger.warning(
-                "%d messages still running after the %ss grace period: leaving them to their "
-                "leases (the rescuer requeues them once they expire)",
+                "%d messages still running after the %ss grace period: left behind (their "
+                "leases expire as the worker stops, and the rescuer requeues them)",
                 running,
                 self.config.shutdown_grace,
             )

@@ -62,6 +62,11 @@ class Ledger:
         return self._busy
 
     @property
+    def running(self) -> int:
+        """Messages running in a handler thread now (``busy`` counts those waiting for one)."""
+        return len(self._attempts)
+
+    @property
     def stuck(self) -> int:
         """Timed-out attempts whose thread has not returned yet."""
         return len(self._stuck)

@@ -46,12 +46,23 @@ SET heartbeat_at = clock_timestamp(), state = 'running', running = %(running)s::
 WHERE w.worker_id = %(worker_id)s::text;
 
 -- name: deregister_worker
--- A worker stopped gracefully (its leases are settled or released), with its last counts: a
--- worker that stops before its first beat has reported nothing else.
-UPDATE fairqueue_worker w
-SET state = 'stopped', stopped_at = clock_timestamp(), running = 0, handled = %(handled)s::bigint,
-    last_claim_at = coalesce(%(last_claim_at)s::timestamptz, w.last_claim_at)
-WHERE w.worker_id = %(worker_id)s::text;
+-- A worker stopped, with its last counts (a worker that stops before its first beat has reported nothing else); returns how many leases it left.
+-- Messages it still runs (past the grace period) are left by a process that is exiting: their
+-- leases expire now, so the rescuer's next pass requeues them instead of waiting out the lease.
+WITH stopped AS (
+    UPDATE fairqueue_worker w
+    SET state = 'stopped', stopped_at = clock_timestamp(), running = 0,
+        handled = %(handled)s::bigint,
+        last_claim_at = coalesce(%(last_claim_at)s::timestamptz, w.last_claim_at)
+    WHERE w.worker_id = %(worker_id)s::text
+), left_behind AS (
+    UPDATE fairqueue_message m
+    SET lease_expires_at = clock_timestamp()
+    WHERE m.state = 'running' AND m.worker_id = %(worker_id)s::text
+      AND m.lease_expires_at > clock_timestamp()
+    RETURNING m.id
+)
+SELECT count(*) FROM left_behind;
 
 -- name: expire_dead_workers
 -- Mark workers silent for longer than `dead_after` dead and expire the leases of the messages they ran; returns each with how many.
