@@ -288,6 +288,7 @@ def _prepare_batch(
     # kept in the value so its id cannot be reused by another object during the call.
     specs: dict[int, tuple[object, TaskSpec, int, bool, str]] = {}
     checked: set[str] = set()
+    fitted: set[tuple[int, int, tuple[str, ...]]] = set()  # (id(spec), positional, names)
     groups: set[str] = set()  # of channels given as (group, channel), as group row names
     queues: dict[str | None, str] = {None: DEFAULT_QUEUE}  # given -> checked
     max_bytes = cfg.MAX_PAYLOAD_BYTES
@@ -320,10 +321,15 @@ def _prepare_batch(
         kwargs = dict(kwargs)
         if kwargs and not all(type(key) is str for key in kwargs):
             _check_call_arguments(position, spec.name, args, kwargs)
-        try:
-            check_arguments(spec, args, kwargs)
-        except TypeError as exc:
-            raise TypeError(f"enqueue_many request {position}: {exc}") from None
+        # Whether arguments fit a signature depends only on how many are positional and which
+        # names the others have: checked once per such shape and task in a batch.
+        shape = (id(spec), len(args), tuple(kwargs) if kwargs else ())
+        if shape not in fitted:
+            try:
+                check_arguments(spec, args, kwargs)
+            except TypeError as exc:
+                raise TypeError(f"enqueue_many request {position}: {exc}") from None
+            fitted.add(shape)
         channel = request.channel
         if channel is None:
             if spec.channel_from is not None:
