@@ -38,7 +38,7 @@ abort_flag: ContextVar[Callable[[], bool] | None] = ContextVar("fairqueue_abort_
 
 def abort_requested() -> bool:
     """Whether an abort of the running message was requested (``django_fairqueue.abort()``,
-    the admin, ``fairqueue cancel --abort-running``). False outside a worker.
+    the admin, ``manage.py fairqueue abort``). False outside a worker.
 
     A long task checks it now and then and stops when it is True: return, or raise
     :class:`~django_fairqueue.exceptions.TaskAborted` (:func:`raise_if_abort_requested`). The

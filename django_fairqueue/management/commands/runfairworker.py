@@ -211,8 +211,8 @@ class Command(FairCommand):
         parser.add_argument(
             "--no-maintenance",
             action="store_true",
-            help="Do not run the rescuer, pruner and delta folder here "
-            "(run `manage.py fairqueue maintain` somewhere instead).",
+            help="Do not run the maintenance services here (rescuer, pruners, delta folder, "
+            "counter verifier, scheduler): run `manage.py fairqueue maintain` somewhere instead.",
         )
         for extension in extensions.registered():  # options of installed apps' companions
             extension.add_arguments(parser)
