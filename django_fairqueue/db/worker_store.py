@@ -50,7 +50,8 @@ def register_worker(
         "exclude_channels": Jsonb(list(exclude_channels)),
         "queues": None if queues is None else Jsonb(list(queues)),
     }
-    return int(_run("register_worker", params, using)[0][0])
+    _run("register_worker", params, using)
+    return expire_worker_leases(worker_id, using=using)
 
 
 def beat_worker(
@@ -79,7 +80,14 @@ def deregister_worker(
 ) -> int:
     """Mark the worker stopped; returns how many messages it still ran (their leases expired)."""
     params = {"worker_id": worker_id, "handled": handled, "last_claim_at": last_claim_at}
-    return int(_run("deregister_worker", params, using)[0][0])
+    _run("deregister_worker", params, using)
+    return expire_worker_leases(worker_id, using=using)
+
+
+def expire_worker_leases(worker_id: str, *, using: str | None = None) -> int:
+    """Expire the leases of the messages running under ``worker_id`` (no live process holds
+    it: it registers again, or stops); returns how many."""
+    return int(_run("expire_worker_leases", {"worker_id": worker_id}, using)[0][0])
 
 
 def expire_dead_workers(dead_after: float, *, using: str | None = None) -> list[DeadWorker]:

@@ -6,34 +6,23 @@
 -- Parameters are psycopg named placeholders %(name)s, always bound, never formatted in.
 
 -- name: register_worker
--- Record a worker process as running (upsert by worker id); expire the leases a previous process with the same id left behind.
--- The registering process has claimed nothing yet, so every running message under its id is an
--- orphan of a predecessor (a supervised slot restarted, a fixed --worker-id reused): its lease
--- is made to expire now, and the rescuer requeues it. Returns how many leases were expired.
-WITH registered AS (
-    INSERT INTO fairqueue_worker AS w (
-        worker_id, host, pid, version, concurrency, channels, exclude_channels, queues, state,
-        started_at, heartbeat_at, last_claim_at, running, handled, stopped_at
-    )
-    VALUES (%(worker_id)s::text, %(host)s::text, %(pid)s::integer, %(version)s::text,
-            %(concurrency)s::integer, %(channels)s::jsonb, %(exclude_channels)s::jsonb,
-            %(queues)s::jsonb, 'running', clock_timestamp(), clock_timestamp(), NULL, 0, 0, NULL)
-    ON CONFLICT (worker_id) DO UPDATE
-    SET host = EXCLUDED.host, pid = EXCLUDED.pid, version = EXCLUDED.version,
-        concurrency = EXCLUDED.concurrency, channels = EXCLUDED.channels,
-        exclude_channels = EXCLUDED.exclude_channels, queues = EXCLUDED.queues,
-        state = 'running',
-        started_at = EXCLUDED.started_at, heartbeat_at = EXCLUDED.heartbeat_at,
-        last_claim_at = NULL, running = 0, handled = 0, stopped_at = NULL, wakeups = ''
-    RETURNING w.worker_id
-), orphaned AS (
-    UPDATE fairqueue_message m
-    SET lease_expires_at = clock_timestamp()
-    WHERE m.state = 'running' AND m.worker_id = %(worker_id)s::text
-      AND m.lease_expires_at > clock_timestamp()
-    RETURNING m.id
+-- Record a worker process as running (upsert by worker id).
+-- (worker_store.register_worker then expires the leases a previous process with the same id
+-- left behind: expire_worker_leases.)
+INSERT INTO fairqueue_worker AS w (
+    worker_id, host, pid, version, concurrency, channels, exclude_channels, queues, state,
+    started_at, heartbeat_at, last_claim_at, running, handled, stopped_at
 )
-SELECT (SELECT count(*) FROM orphaned) AS expired, (SELECT count(*) FROM registered) AS n;
+VALUES (%(worker_id)s::text, %(host)s::text, %(pid)s::integer, %(version)s::text,
+        %(concurrency)s::integer, %(channels)s::jsonb, %(exclude_channels)s::jsonb,
+        %(queues)s::jsonb, 'running', clock_timestamp(), clock_timestamp(), NULL, 0, 0, NULL)
+ON CONFLICT (worker_id) DO UPDATE
+SET host = EXCLUDED.host, pid = EXCLUDED.pid, version = EXCLUDED.version,
+    concurrency = EXCLUDED.concurrency, channels = EXCLUDED.channels,
+    exclude_channels = EXCLUDED.exclude_channels, queues = EXCLUDED.queues,
+    state = 'running',
+    started_at = EXCLUDED.started_at, heartbeat_at = EXCLUDED.heartbeat_at,
+    last_claim_at = NULL, running = 0, handled = 0, stopped_at = NULL, wakeups = '';
 
 -- name: beat_worker
 -- A registered worker's beat: it is alive, runs `running` messages, handled `handled`, claimed last at `last_claim_at`.
@@ -46,23 +35,26 @@ SET heartbeat_at = clock_timestamp(), state = 'running', running = %(running)s::
 WHERE w.worker_id = %(worker_id)s::text;
 
 -- name: deregister_worker
--- A worker stopped, with its last counts (a worker that stops before its first beat has reported nothing else); returns how many leases it left.
--- Messages it still runs (past the grace period) are left by a process that is exiting: their
--- leases expire now, so the rescuer's next pass requeues them instead of waiting out the lease.
-WITH stopped AS (
-    UPDATE fairqueue_worker w
-    SET state = 'stopped', stopped_at = clock_timestamp(), running = 0,
-        handled = %(handled)s::bigint,
-        last_claim_at = coalesce(%(last_claim_at)s::timestamptz, w.last_claim_at)
-    WHERE w.worker_id = %(worker_id)s::text
-), left_behind AS (
+-- A worker stopped, with its last counts (a worker that stops before its first beat has reported nothing else).
+UPDATE fairqueue_worker w
+SET state = 'stopped', stopped_at = clock_timestamp(), running = 0, handled = %(handled)s::bigint,
+    last_claim_at = coalesce(%(last_claim_at)s::timestamptz, w.last_claim_at)
+WHERE w.worker_id = %(worker_id)s::text;
+
+-- name: expire_worker_leases
+-- Expire now the leases of the messages running under a worker id that no live process holds; returns how many.
+-- A registering process has claimed nothing yet, so every running message under its id is an
+-- orphan of a predecessor (a supervised slot restarted, a fixed --worker-id reused); a stopping
+-- one leaves the messages still running past its grace period. The rescuer's next pass
+-- requeues them instead of waiting out their leases.
+WITH expired AS (
     UPDATE fairqueue_message m
     SET lease_expires_at = clock_timestamp()
     WHERE m.state = 'running' AND m.worker_id = %(worker_id)s::text
       AND m.lease_expires_at > clock_timestamp()
     RETURNING m.id
 )
-SELECT count(*) FROM left_behind;
+SELECT count(*) FROM expired;
 
 -- name: expire_dead_workers
 -- Mark workers silent for longer than `dead_after` dead and expire the leases of the messages they ran; returns each with how many.
