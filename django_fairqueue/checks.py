@@ -57,26 +57,40 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     return errors
 
 
-def _routing_checks(cfg: conf.FairQueueSettings) -> list[Error]:
+def _routing_checks(cfg: conf.FairQueueSettings) -> list[CheckMessage]:
     """The ORM must reach the queue's tables where its statements do: with the queue in another
-    database and no router, the admin and the model API would read (empty) copies in
-    ``default`` while enqueue and the workers use the queue's database."""
+    database and no router, the admin and the model API would read and change (empty) copies
+    in ``default`` while enqueue and the workers use the queue's database. Reads routed
+    elsewhere (a replica for the admin's lists) are allowed, and said."""
     from django.db import router
 
     from django_fairqueue.models import Channel
 
     read, write = router.db_for_read(Channel), router.db_for_write(Channel)
-    if read == cfg.DATABASE and write == cfg.DATABASE:
-        return []
-    return [
-        Error(
-            f"FAIRQUEUE['DATABASE'] is {cfg.DATABASE!r}, but Django's database routers send "
-            f"django-fairqueue's models to {read!r} (reads) and {write!r} (writes).",
-            hint="Add 'django_fairqueue.routers.QueueRouter' to DATABASE_ROUTERS, then run "
-            f"`manage.py migrate --database {cfg.DATABASE}`.",
-            id="fairqueue.E007",
-        )
-    ]
+    fix = (
+        "Add 'django_fairqueue.routers.QueueRouter' to DATABASE_ROUTERS, then run "
+        f"`manage.py migrate --database {cfg.DATABASE}`."
+    )
+    if write != cfg.DATABASE:
+        return [
+            Error(
+                f"FAIRQUEUE['DATABASE'] is {cfg.DATABASE!r}, but Django's database routers send "
+                f"django-fairqueue's models to {write!r} for writes (and {read!r} for reads).",
+                hint=fix,
+                id="fairqueue.E007",
+            )
+        ]
+    if read != cfg.DATABASE:
+        return [
+            Warning(
+                f"Django's database routers send reads of django-fairqueue's models to "
+                f"{read!r}, not to FAIRQUEUE['DATABASE'] ({cfg.DATABASE!r}): the admin's lists "
+                "show that database's rows (a replica's lag behind).",
+                hint=f"Intended for a replica; otherwise: {fix}",
+                id="fairqueue.W003",
+            )
+        ]
+    return []
 
 
 def _lease_warnings(cfg: conf.FairQueueSettings) -> list[Warning]:

@@ -687,13 +687,24 @@ def test_a_queue_database_without_the_router_is_check_e007() -> None:
     with override_settings(FAIRQUEUE={"DATABASE": "pooled"}):
         (error,) = checks.check_settings()
     assert error.id == "fairqueue.E007"
-    assert "routers send django-fairqueue's models to 'default'" in error.msg
+    assert "routers send django-fairqueue's models to 'default' for writes" in error.msg
     assert "django_fairqueue.routers.QueueRouter" in (error.hint or "")
     with override_settings(
         FAIRQUEUE={"DATABASE": "pooled"},
         DATABASE_ROUTERS=["django_fairqueue.routers.QueueRouter"],
     ):
         assert checks.check_settings() == []
+    # reads sent elsewhere (a replica for the admin's lists): allowed, and said
+    with override_settings(DATABASE_ROUTERS=["tests.test_bad_input.ReadsElsewhere"]):
+        (warning,) = checks.check_settings()
+    assert warning.id == "fairqueue.W003" and "reads of django-fairqueue's models" in warning.msg
+
+
+class ReadsElsewhere:
+    """A router that reads the queue's models from another alias (as from a replica)."""
+
+    def db_for_read(self, model: Any, **hints: Any) -> str | None:
+        return "pooled"
 
 
 def test_a_default_channel_the_queue_would_refuse_is_check_e004() -> None:
