@@ -16,6 +16,7 @@ from django_fairqueue import conf
 from django_fairqueue.tasks.spec import (
     Registry,
     TaskSpec,
+    check_arguments,
     check_result,
     qualname,
     registry,
@@ -111,17 +112,17 @@ class BoundTask:
             on_conflict=self.on_conflict,
             queue=self.queue,
         )
-        try:
-            return enqueue_many([request])[0]
-        except TypeError as exc:
-            options = sorted(kwargs.keys() & _QUEUE_OPTIONS)
-            if not options:
-                raise
-            # task.using(...).enqueue(channel=...): after using(), every keyword is the task's
-            raise TypeError(
-                f"{exc} (after .using(), enqueue() passes every keyword to the task: give "
-                f"{', '.join(options)} to .using())"
-            ) from None
+        options = sorted(kwargs.keys() & _QUEUE_OPTIONS)
+        # task.using(...).enqueue(channel=...): after using(), every keyword is the task's own
+        if options:
+            try:
+                check_arguments(self.task.spec, list(args), kwargs)
+            except TypeError as exc:
+                raise TypeError(
+                    f"{exc} (after .using(), enqueue() passes every keyword to the task: give "
+                    f"{', '.join(options)} to .using())"
+                ) from None
+        return enqueue_many([request])[0]
 
 
 #: The options ``using()`` fixes, which ``FairTask.enqueue()`` also takes as keywords.
