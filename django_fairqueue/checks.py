@@ -9,6 +9,7 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import connections
 
 from django_fairqueue import conf
+from django_fairqueue.limits import MIN_LEASE
 
 
 @register(Tags.compatibility)
@@ -95,8 +96,6 @@ def _routing_checks(cfg: conf.FairQueueSettings) -> list[CheckMessage]:
 
 def _lease_warnings(cfg: conf.FairQueueSettings) -> list[Warning]:
     """The shortest lease `runfairworker --lease` takes, for the setting too."""
-    from django_fairqueue.limits import MIN_LEASE
-
     if cfg.LEASE_SECONDS >= MIN_LEASE:
         return []
     return [
