@@ -28,7 +28,7 @@ from typing import IO, Any
 from django.db import connections, models, transaction
 from django.utils import timezone
 
-from django_fairqueue import conf
+from django_fairqueue import conf, limits
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.cli import terminal
 from django_fairqueue.db import batch_store, channel_store
@@ -367,11 +367,7 @@ def claim(
     renewed (:func:`heartbeat`, :class:`Heartbeat`) until the batch is settled.
     """
     # as a worker's message claims (WorkerConfig): the name an operator finds the claim by
-    given: object = worker_id  # callers may pass anything
-    if not isinstance(given, str) or not given.strip():
-        raise ValueError(f"worker_id must be a non-empty string, got {worker_id!r}")
-    if len(worker_id) > 200:
-        raise ValueError("worker_id must be at most 200 characters")
+    limits.worker_id(worker_id)
     alias = using or conf.get().DATABASE
     exact, prefixes = _split_jobs(jobs)
 

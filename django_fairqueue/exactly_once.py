@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -39,6 +40,8 @@ from django_fairqueue import conf, limits
 from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.exceptions import FairQueueError, LeaseLost
+from django_fairqueue.queues import validate_queue_name
+from django_fairqueue.stats import StatsRecorder
 from django_fairqueue.tasks.spec import check_result
 
 __all__ = ["Batch", "TransactionRequired", "batch"]
@@ -59,6 +62,7 @@ class Batch:
 
     def __init__(self, messages: Sequence[ClaimedMessage]) -> None:
         self.messages: tuple[ClaimedMessage, ...] = tuple(messages)
+        self._claimed = time.monotonic()
         self._by_id = {m.id: m for m in self.messages}
         self._results: dict[int, Any] = {}
         self._failed: dict[int, tuple[dict[str, Any], timedelta | None]] = {}
@@ -96,6 +100,11 @@ class Batch:
         """
         if not isinstance(error, BaseException):
             raise TypeError(f"error must be an exception, got {type(error).__name__}")
+        if retry_in is not None:
+            if not isinstance(retry_in, timedelta):
+                raise TypeError(f"retry_in must be a timedelta or None, got {retry_in!r}")
+            if retry_in < timedelta(0):
+                raise ValueError(f"retry_in must not be negative, got {retry_in!r}")
         self._decide(message)
         self._failed[message.id] = (_error(error), retry_in)
 
@@ -130,7 +139,8 @@ class Batch:
             if m.id not in self._released and m.id not in self._failed
         ]
         settled = len(message_store.release_messages(released, using=using))
-        settled += len(message_store.fail_messages(failed, using=using))
+        failed_states = message_store.fail_messages(failed, using=using)
+        settled += len(failed_states)
         settled += len(message_store.complete_messages(done, using=using))
         # This transaction holds the rows since the claim, so nobody can have taken them.
         # If it happens anyway, raising rolls the block back rather than commit half of it.
@@ -138,6 +148,31 @@ class Batch:
             raise LeaseLost(
                 f"settled {settled} of the {len(self.messages)} messages this batch claimed"
             )
+        self._record_stats(using, done, failed_states)
+
+    def _record_stats(
+        self, using: str, done: Sequence[tuple[int, Any, Any]], failed_states: dict[int, str]
+    ) -> None:
+        """Count the claim and its outcomes in the statistics, as a worker's are, once the
+        caller's transaction commits (a rollback undoes them, so nothing is counted). Written
+        after the commit, in a statement of its own: the statistics rows of a minute are
+        shared with the workers, whose writes must not wait for this transaction. A released
+        message is counted as claimed only, as a worker's is. Each message is charged an equal
+        share of the block's time (its run time is not measured)."""
+        if not self.messages:
+            return
+        recorder = StatsRecorder(using=using)
+        recorder.record_claimed(self.messages, self.messages[0].lease_expires_at - _lease())
+        run_ms = 1000.0 * (time.monotonic() - self._claimed) / len(self.messages)
+        channel = {m.id: m.channel_id for m in self.messages}
+        recorder.record_settled_many(
+            [(channel[d[0]], "succeeded", run_ms, False) for d in done]
+            + [
+                (channel[i], "failed" if state == "failed" else "retried", run_ms, False)
+                for i, state in failed_states.items()
+            ]
+        )
+        transaction.on_commit(recorder.flush, using=using, robust=True)
 
 
 @contextmanager
@@ -146,14 +181,17 @@ def batch(
     *,
     channels: Sequence[str] | None = None,
     exclude_channels: Sequence[str] | None = None,
+    queues: Sequence[str] | None = None,
     worker_id: str | None = None,
     using: str | None = None,
 ) -> Iterator[Batch]:
     """Claim up to ``limit`` messages, fairly across channels, inside the open transaction.
 
     Must run inside ``transaction.atomic()`` (on ``FAIRQUEUE['DATABASE']``, or ``using``);
-    raises :class:`TransactionRequired` otherwise. ``channels`` limits the claim to those
-    channels (unknown names match nothing), ``exclude_channels`` skips some. The block is a
+    raises :class:`TransactionRequired` otherwise. ``queues`` limits the claim to those queues
+    (None: every queue), as ``runfairworker --queues`` does. ``channels`` limits it to the
+    channels of those names in those queues (unknown names match nothing),
+    ``exclude_channels`` skips some. The block is a
     savepoint: an exception inside it rolls back the claim and your writes in it, even if you
     catch the exception outside the block. On normal exit every message is settled.
 
@@ -170,12 +208,16 @@ def batch(
             "exactly_once.batch() must run inside transaction.atomic(): the claim, your writes "
             "and the completion have to commit together (or roll back together)"
         )
-    for names in (channels, exclude_channels):
+    for names in (channels, exclude_channels, queues):
         if isinstance(names, str):  # a str is a Sequence[str] too: catch batch(channels="a")
-            raise TypeError("channels and exclude_channels are lists of channel names")
+            raise TypeError("channels, exclude_channels and queues are lists of names")
+    if queues is not None:
+        queues = [validate_queue_name(q) for q in queues]
+    if worker_id is not None:
+        limits.worker_id(worker_id)
     with transaction.atomic(using=alias):
-        only = _channel_ids(channels, alias) if channels is not None else None
-        exclude = _channel_ids(exclude_channels, alias) if exclude_channels else None
+        only = _channel_ids(channels, queues, alias) if channels is not None else None
+        exclude = _channel_ids(exclude_channels, queues, alias) if exclude_channels else None
         if only == []:
             messages: list[ClaimedMessage] = []  # none of the channels exists: nothing to claim
         else:
@@ -185,10 +227,11 @@ def batch(
             message_store.prepare_claims(using=alias)
             messages = message_store.claim_messages(
                 limit,
-                lease=timedelta(seconds=conf.get().LEASE_SECONDS),
+                lease=_lease(),
                 worker_id=worker_id or _default_worker_id(),
                 only_channel_ids=only,
                 exclude_channel_ids=exclude,
+                queues=queues,
                 maintain=False,
                 using=alias,
             )
@@ -201,8 +244,14 @@ def batch(
         claimed._settle(alias)
 
 
-def _channel_ids(names: Sequence[str], alias: str) -> list[int]:
-    return sorted(channel_store.select_channel_ids(list(names), using=alias).values())
+def _channel_ids(names: Sequence[str], queues: Sequence[str] | None, alias: str) -> list[int]:
+    """The ids of the channels of ``names`` in ``queues`` (None: in every queue)."""
+    rows = channel_store.select_channel_ids_in_queues(list(names), queues, using=alias)
+    return sorted(cid for cid, _queue, _name in rows)
+
+
+def _lease() -> timedelta:
+    return timedelta(seconds=conf.get().LEASE_SECONDS)
 
 
 def _default_worker_id() -> str:

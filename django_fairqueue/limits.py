@@ -28,6 +28,8 @@ MAX_RELEASE_INTERVAL = timedelta(days=1)
 TASK_NAME_MAX_LENGTH = 200
 #: Longest unique key accepted (characters), as channel names.
 UNIQUE_KEY_MAX_LENGTH = 200
+#: Longest worker id accepted (characters): the registry's and a message's column.
+WORKER_ID_MAX_LENGTH = 200
 #: A message's priority range: django.tasks' own, so a task moves between backends unchanged.
 MIN_PRIORITY = -100
 MAX_PRIORITY = 100
@@ -60,6 +62,16 @@ def integer(value: object, name: str, *, minimum: int, maximum: int) -> int:
         raise TypeError(f"{name} must be an integer, got {value!r}")
     if not minimum <= value <= maximum:
         raise ValueError(f"{name} must be {minimum} to {maximum}, got {value!r}")
+    return value
+
+
+def worker_id(value: object) -> str:
+    """A worker id: a string that is not blank, of at most :data:`WORKER_ID_MAX_LENGTH`
+    characters (a worker's, a work batch claimer's, an exactly-once batch's)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"worker_id must be a non-empty string, got {value!r}")
+    if len(value) > WORKER_ID_MAX_LENGTH:
+        raise ValueError(f"worker_id must be at most {WORKER_ID_MAX_LENGTH} characters")
     return value
 
 

@@ -16,12 +16,13 @@ import psycopg
 import pytest
 from django.contrib.auth.models import Group
 from django.db import transaction
+from django.db.models import Sum
 
 from django_fairqueue import exactly_once
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.exceptions import ResultNotStorable
-from django_fairqueue.models import Message, MessageState
+from django_fairqueue.models import ChannelStat, Message, MessageState
 from django_fairqueue.tasks import task
 
 TASK = "tests.exactly_once.record"
@@ -95,10 +96,78 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="limit"), exactly_once.batch(limit=0):
         pass
     with (
-        pytest.raises(TypeError, match="lists of channel names"),
+        pytest.raises(TypeError, match="lists of names"),
         exactly_once.batch(channels="alice"),
     ):
         pass
+    with pytest.raises(TypeError, match="lists of names"), exactly_once.batch(queues="emails"):
+        pass
+    for worker_id in ("w" * 201, "  ", 5):
+        with (
+            pytest.raises(ValueError, match="worker_id must be"),
+            exactly_once.batch(worker_id=worker_id),  # type: ignore[arg-type]
+        ):
+            pass
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_bad_retry_in_is_refused_by_fail_at_once_and_the_message_can_still_fail() -> None:
+    enqueue("gina", 1)
+    with transaction.atomic(), exactly_once.batch(limit=1) as batch:
+        (message,) = batch
+        with pytest.raises(TypeError, match="retry_in must be a timedelta"):
+            batch.fail(message, ValueError("x"), retry_in=5)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="must not be negative"):
+            batch.fail(message, ValueError("x"), retry_in=timedelta(seconds=-1))
+        batch.fail(message, ValueError("x"), retry_in=timedelta(0))  # still undecided
+    assert counters("gina") == (1, 0, 0, 0, 0)  # retried at once: ready again
+
+
+@pytest.mark.django_db(transaction=True)
+def test_channels_are_found_in_the_named_queues_or_in_every_queue() -> None:
+    (emailed,) = enqueue_many([EnqueueRequest(TASK, [1], channel="acme", queue="emails")])
+    (default,) = enqueue("acme", 1)
+    with transaction.atomic(), exactly_once.batch(channels=["acme"], queues=["emails"]) as b:
+        assert [m.id for m in b] == [emailed]
+        assert b.messages[0].queue == "emails"
+        b.release(b.messages[0])
+    with transaction.atomic(), exactly_once.batch(queues=["default"]) as b:
+        assert [m.id for m in b] == [default]
+        b.release(b.messages[0])
+    with transaction.atomic(), exactly_once.batch(channels=["acme"]) as b:
+        assert sorted(m.id for m in b) == sorted([emailed, default])  # every queue
+        for m in b:
+            b.release(m)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_claims_and_outcomes_are_counted_in_the_statistics_once_committed() -> None:
+    enqueue("hana", 4)
+    with pytest.raises(RuntimeError, match="undo"), transaction.atomic():
+        with exactly_once.batch(limit=3, channels=["hana"]) as batch:
+            for message in batch:
+                batch.fail(message, ValueError("retry"), retry_in=timedelta(hours=1))
+        raise RuntimeError("undo")
+    assert not ChannelStat.objects.exists()  # rolled back: nothing counted
+    with transaction.atomic(), exactly_once.batch(limit=3, channels=["hana"]) as batch:
+        first, second, _third = batch
+        batch.fail(first, ValueError("dead"))
+        batch.release(second)
+        assert not ChannelStat.objects.exists()  # not before the commit
+    totals = ChannelStat.objects.aggregate(
+        claimed=Sum("claimed"),
+        succeeded=Sum("succeeded"),
+        failed=Sum("failed"),
+        retried=Sum("retried"),
+        run_ms=Sum("run_ms_sum"),
+    )
+    assert (totals["claimed"], totals["succeeded"], totals["failed"], totals["retried"]) == (
+        3,
+        1,
+        1,
+        0,
+    )
+    assert totals["run_ms"] >= 0
 
 
 # -- commit ----------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
+from django_fairqueue import limits
 from django_fairqueue.api import validate_channel_name
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.exceptions import (
@@ -149,10 +150,7 @@ class WorkerConfig:
             )
         if not self.shutdown_grace >= 0:
             raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace!r}")
-        if not self.worker_id.strip():
-            raise ValueError("worker_id must be a non-empty string")
-        if len(self.worker_id) > 200:
-            raise ValueError("worker_id must be at most 200 characters")
+        limits.worker_id(self.worker_id)
         for attr in ("channels", "exclude_channels"):
             names = getattr(self, attr)
             if isinstance(names, str):
