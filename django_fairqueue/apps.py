@@ -1,4 +1,5 @@
 from django.apps import AppConfig
+from django.conf import settings
 from django.utils.translation import gettext_lazy as _
 
 
@@ -15,6 +16,17 @@ class FairQueueConfig(AppConfig):
         )
 
         integrity.connect()
+
+        # Django registers its task checks (each backend's check(): fairqueue.E102, bad
+        # OPTIONS) when its tasks framework is first imported, which a project's task modules
+        # may not be before `manage.py check` runs: import it here when the backend is used.
+        tasks = getattr(settings, "TASKS", None)
+        if isinstance(tasks, dict) and any(
+            str(entry.get("BACKEND", "")).startswith("django_fairqueue.")
+            for entry in tasks.values()
+            if isinstance(entry, dict)
+        ):
+            import django_fairqueue.tasks.django_compat  # noqa: F401
 
         from django.db.models.signals import post_delete
 

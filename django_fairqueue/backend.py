@@ -33,6 +33,7 @@ import builtins
 import dataclasses
 import inspect
 import logging
+import sys
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -43,9 +44,10 @@ from django.core import checks
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from django_fairqueue import api, conf
+from django_fairqueue import conf
 from django_fairqueue.context import abort_requested, current_message, timed_out
-from django_fairqueue.exceptions import InvalidChannel, TaskAborted, UnknownTask
+from django_fairqueue.exceptions import InvalidChannel, PayloadError, TaskAborted, UnknownTask
+from django_fairqueue.limits import MAX_LIMIT
 from django_fairqueue.queues import validate_queue_name
 from django_fairqueue.tasks.django_compat import (
     BaseTaskBackend,
@@ -65,6 +67,8 @@ from django_fairqueue.tasks.django_compat import (
 from django_fairqueue.tasks.spec import TaskSpec, check_result, registry, result_not_storable
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from django_fairqueue.db.message_store import ClaimedMessage
     from django_fairqueue.models import Message
 
@@ -299,9 +303,9 @@ class FairQueueBackend(BaseTaskBackend):
                 f"{where} has unknown keys {unknown}; known keys: {list(OPTION_NAMES)}"
             )
         self.default_channel: str | None = None
-        if options.get("DEFAULT_CHANNEL") is not None:
+        if options.get("DEFAULT_CHANNEL") is not None and _app_installed():
             try:
-                self.default_channel = api.validate_channel_name(options["DEFAULT_CHANNEL"])
+                self.default_channel = _api().validate_channel_name(options["DEFAULT_CHANNEL"])
             except InvalidChannel as exc:
                 raise InvalidTaskBackend(f"{where}['DEFAULT_CHANNEL']: {exc}") from exc
         channel_from = options.get("CHANNEL_FROM")
@@ -322,9 +326,14 @@ class FairQueueBackend(BaseTaskBackend):
         self.delivery: str | None = delivery
         attempts = options.get("MAX_ATTEMPTS")
         if attempts is not None and (
-            isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1
+            isinstance(attempts, bool)
+            or not isinstance(attempts, int)
+            or not 1 <= attempts <= MAX_LIMIT
         ):
-            raise InvalidTaskBackend(f"{where}['MAX_ATTEMPTS'] must be an integer >= 1")
+            raise InvalidTaskBackend(
+                f"{where}['MAX_ATTEMPTS'] must be an integer from 1 to {MAX_LIMIT}, "
+                f"got {attempts!r}"
+            )
         self.max_attempts: int | None = attempts
         try:
             self.task_timeout = conf.validate_timeout(
@@ -345,19 +354,28 @@ class FairQueueBackend(BaseTaskBackend):
             raise InvalidTask(str(exc)) from exc
         channel = getattr(task, "channel", None)
         try:
-            if channel is not None:
-                api.validate_channel_name(channel)
+            if channel is not None and _app_installed():
+                _api().validate_channel_name(channel)
             validate_queue_name(task.queue_name)
         except InvalidChannel as exc:
             raise InvalidTask(str(exc)) from exc
+        self._refuse_moved(task)
         self._register(task)
 
     def enqueue(
         self, task: Task[P, R], args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> TaskResult[P, R]:
         """Queue one call; part of the caller's transaction, visible to workers at commit."""
+        api = _api()
         self.validate_task(task)
         spec = registry.get(task.module_path)
+        # As Django's TaskResult has them: JSON, tuples made lists (a call that works on
+        # Django's own backends works here).
+        try:
+            args = cast(list[Any], normalize_json(args))
+            kwargs = cast(dict[str, Any], normalize_json(kwargs))
+        except (TypeError, ValueError) as exc:
+            raise PayloadError(f"arguments of task {task.module_path} are not JSON: {exc}") from exc
         request = api.EnqueueRequest(
             spec,
             args,
@@ -388,6 +406,7 @@ class FairQueueBackend(BaseTaskBackend):
 
     def get_result(self, result_id: str) -> TaskResult[..., Any]:
         """The task result of message ``result_id``, from its row (one query)."""
+        _require_app()
         from django_fairqueue.models import Message
 
         try:
@@ -488,6 +507,23 @@ class FairQueueBackend(BaseTaskBackend):
             return_value=row.result if state == "succeeded" else None,
         )
 
+    def _refuse_moved(self, task: Task[..., Any]) -> None:
+        """Refuse a task declared for another kind of backend and moved here with
+        ``.using(backend=...)``: workers import the task modules, where it belongs to that
+        backend, so none of them would know it, and the message would fail there for good."""
+        if not (task.func.__module__ in sys.modules and task.func.__qualname__.isidentifier()):
+            return  # (a nested function: not found by name in its module, as a worker would)
+        declared = getattr(sys.modules[task.func.__module__], task.func.__qualname__, None)
+        if not isinstance(declared, Task) or declared.func is not task.func:
+            return  # being declared right now, or not found by that name
+        if isinstance(declared.get_backend(), FairQueueBackend):
+            return
+        raise InvalidTask(
+            f"task {task.module_path} is declared for backend {declared.backend!r}, which is "
+            "not a FairQueueBackend: fairqueue workers import it as that backend's and could "
+            f"not run it. Declare it with @task(backend={self.alias!r}) instead."
+        )
+
     def _runner(self, task_name: str, message_id: int) -> _TaskRunner:
         try:
             func = registry.get(task_name).func
@@ -532,6 +568,30 @@ class FairQueueBackend(BaseTaskBackend):
                 raise InvalidTaskBackend(f"{where} = {path!r} is not callable")
             self._channel_from = func
         return self._channel_from
+
+
+def _app_installed() -> bool:
+    """Whether django_fairqueue is installed (while the app registry is still loading, as if
+    it were: its ``INSTALLED_APPS`` cannot be asked yet)."""
+    return not apps.apps_ready or apps.is_installed("django_fairqueue")
+
+
+def _api() -> ModuleType:
+    """``django_fairqueue.api``, imported on first use: it imports the queue's models, which
+    only an installed app has. The backend itself loads without them, so that a project that
+    configured it but forgot the app gets this error (and ``fairqueue.E101``), not a failing
+    import of every tasks module."""
+    _require_app()
+    from django_fairqueue import api
+
+    return api
+
+
+def _require_app() -> None:
+    if not _app_installed():
+        raise InvalidTaskBackend(
+            "FairQueueBackend needs django_fairqueue in INSTALLED_APPS (then run migrate)"
+        )
 
 
 # -- TaskResult construction -------------------------------------------------------------------

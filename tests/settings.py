@@ -91,8 +91,12 @@ _overrides = json.loads(os.environ.get("FAIRQUEUE_TEST_OVERRIDES", "{}"))
 FAIRQUEUE_PIPELINE: dict[str, object] = _overrides.pop("FAIRQUEUE_PIPELINE", {})
 FAIRQUEUE.update(_overrides)
 
-# Django's tasks framework on fairqueue (tests/test_backend.py). Django 5.2 has it as the
-# django-tasks backport, an app of its own.
-TASKS = {"default": {"BACKEND": "django_fairqueue.backend.FairQueueBackend"}}
+# Django's tasks framework on fairqueue (tests/test_backend.py), and one of Django's own
+# backends beside it. Django 5.2 has it as the django-tasks backport, an app of its own.
+_TASKS_PACKAGE = "django.tasks" if django.VERSION >= (6, 0) else "django_tasks"
+TASKS = {
+    "default": {"BACKEND": "django_fairqueue.backend.FairQueueBackend"},
+    "immediate": {"BACKEND": f"{_TASKS_PACKAGE}.backends.immediate.ImmediateBackend"},
+}
 if django.VERSION < (6, 0):
     INSTALLED_APPS.append("django_tasks")

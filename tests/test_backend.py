@@ -7,7 +7,10 @@ tasks below are module-level, as Django requires; tests/settings.py makes FairQu
 
 from __future__ import annotations
 
+import pathlib
 import pickle
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +29,7 @@ from django.utils import timezone
 from django_fairqueue.backend import FairQueueBackend, FairQueueTask
 from django_fairqueue.context import current_message
 from django_fairqueue.db import message_store
-from django_fairqueue.exceptions import TaskTimeout
+from django_fairqueue.exceptions import PayloadError, TaskTimeout
 from django_fairqueue.models import Message, MessageState
 from django_fairqueue.tasks import registry
 from django_fairqueue.tasks import task as fairqueue_task
@@ -694,3 +697,112 @@ def test_a_task_timeout_of_its_own_wins_over_the_option(tasks_options: Any) -> N
         registry.unregister(declared.module_path)
     with pytest.raises(InvalidTask, match="timeout must be a number of seconds"):
         task(timeout="soon")(stuck_briefly)
+
+
+# -- set-up mistakes, seen from a project of their own -----------------------------------------
+
+_PROJECT_SETTINGS = """
+import django
+SECRET_KEY = "x"
+USE_TZ = True
+INSTALLED_APPS = ["django.contrib.contenttypes", "django.contrib.auth", *{apps}]
+if django.VERSION < (6, 0):
+    INSTALLED_APPS.append("django_tasks")
+DATABASES = {{"default": {{"ENGINE": "django.db.backends.postgresql", "NAME": "x",
+                           "HOST": "127.0.0.1", "PORT": 9}}}}
+TASKS = {{"default": {{"BACKEND": "{backend}", "OPTIONS": {options}}}}}
+"""
+
+
+def _project(tmp_path: Any, *, apps: list[str], options: dict[str, Any]) -> dict[str, str]:
+    """A settings module (no database needed: `check` connects to none) and its environment."""
+    import os
+
+    (tmp_path / "proj_settings.py").write_text(
+        _PROJECT_SETTINGS.format(apps=apps, backend=FAIRQUEUE_BACKEND, options=options)
+    )
+    (tmp_path / "proj_tasks.py").write_text(
+        "from django_fairqueue.tasks.django_compat import task\n\n"
+        "@task\ndef hello(name):\n    return name\n"
+    )
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), root, *sys.path[1:]]),
+        "DJANGO_SETTINGS_MODULE": "proj_settings",
+    }
+
+
+def test_check_reports_the_backends_options_without_a_tasks_module_imported(
+    tmp_path: Any,
+) -> None:
+    """Django registers its task checks when its tasks framework is first imported; the app
+    imports it when TASKS uses this backend, so `check` sees a bad CHANNEL_FROM (on Django 6
+    nothing else did before a task module was imported)."""
+    env = _project(tmp_path, apps=["django_fairqueue"], options={"CHANNEL_FROM": "nowhere.x"})
+    out = subprocess.run(
+        [sys.executable, "-m", "django", "check"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "fairqueue.E102" in out.stderr and "nowhere.x" in out.stderr
+
+
+def test_without_the_app_task_modules_import_and_the_first_use_says_what_is_missing(
+    tmp_path: Any,
+) -> None:
+    env = _project(tmp_path, apps=[], options={"DEFAULT_CHANNEL": "acme"})
+    script = (
+        "import django; django.setup()\n"
+        "import proj_tasks\n"  # the decorator validates the task: no import of the models
+        "from django.core.management import call_command\n"
+        "try:\n"
+        "    proj_tasks.hello.enqueue('x')\n"
+        "except Exception as exc:\n"
+        "    print('ENQUEUE', type(exc).__name__, exc)\n"
+        "call_command('check')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert "ENQUEUE InvalidTaskBackend" in out.stdout, out.stdout + out.stderr
+    assert "INSTALLED_APPS" in out.stdout
+    assert "fairqueue.E101" in out.stderr
+
+
+@pytest.mark.django_db
+def test_tuple_arguments_are_normalised_as_djangos_own_backends_do() -> None:
+    result = greet.enqueue(("a", "b"), tenant=None)  # type: ignore[arg-type]
+    assert result.args == [["a", "b"]]
+    assert Message.objects.get(pk=result.id).payload["args"] == [["a", "b"]]
+    with pytest.raises(PayloadError, match="not JSON"):
+        greet.enqueue({1, 2})  # type: ignore[arg-type]
+
+
+def test_max_attempts_past_what_the_database_holds_is_refused_by_the_backend() -> None:
+    with pytest.raises(InvalidTaskBackend, match="MAX_ATTEMPTS"):
+        FairQueueBackend("bad", {"OPTIONS": {"MAX_ATTEMPTS": 2**40}})
+
+
+@task(backend="immediate")
+def declared_elsewhere(x: int) -> int:
+    return x + 1
+
+
+def test_a_task_of_another_kind_of_backend_is_refused_when_moved_here() -> None:
+    """Workers import the module, where the task belongs to the other backend: they could not
+    run it, so moving it here is refused, not queued to fail later."""
+    with pytest.raises(InvalidTask, match="declared for backend 'immediate'"):
+        declared_elsewhere.using(backend="default")
+    assert add.using(backend="default").backend == "default"  # one of ours moves freely
