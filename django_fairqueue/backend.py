@@ -516,7 +516,10 @@ class FairQueueBackend(BaseTaskBackend):
         declared = getattr(sys.modules[task.func.__module__], task.func.__qualname__, None)
         if not isinstance(declared, Task) or declared.func is not task.func:
             return  # being declared right now, or not found by that name
-        if isinstance(declared.get_backend(), FairQueueBackend):
+        try:
+            if isinstance(declared.get_backend(), FairQueueBackend):
+                return
+        except InvalidTaskBackend:  # its alias is gone from TASKS: nothing to tell from it
             return
         raise InvalidTask(
             f"task {task.module_path} is declared for backend {declared.backend!r}, which is "
