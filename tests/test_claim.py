@@ -18,7 +18,7 @@ from django.db import DataError, connection, transaction
 from django.utils import timezone
 
 from django_fairqueue.db import channel_store, message_store
-from django_fairqueue.models import Message, MessageState
+from django_fairqueue.models import Channel, Message, MessageState
 from tests import factories as f
 
 LEASE = timedelta(minutes=5)
@@ -282,6 +282,33 @@ def test_rate_limited_channel_releases_one_message_per_interval() -> None:
             "UPDATE fairqueue_channel SET next_turn_at = now() WHERE name = %s", ["metered"]
         )
     assert [m.channel for m in claim(20)] == ["metered"]
+
+
+@pytest.mark.django_db
+def test_a_rate_limit_removed_or_shortened_takes_effect_at_once_however_it_is_written() -> None:
+    """Through update(), save() or SQL: the channel waiting for its next release is due when
+    the new interval says (counted from its last release), not when the old one said."""
+    f.enqueue_spread({"metered": 10})
+    f.set_limits(["metered"], release_interval=timedelta(hours=6))
+    assert len(claim(5)) == 1 and claim(5) == []
+    Channel.objects.filter(name="metered").update(release_interval=timedelta(hours=1))
+    assert claim(5) == []  # an hour from its last release, not six
+    with connection.cursor() as cur:
+        cur.execute("SELECT next_turn_at - now() FROM fairqueue_channel WHERE name = 'metered'")
+        (due,) = cur.fetchone()
+    assert timedelta(minutes=59) < due < timedelta(minutes=61)  # (now(): the test's start)
+    channel = Channel.objects.get(name="metered")
+    channel.release_interval = timedelta(0)
+    channel.save()
+    assert [m.channel for m in claim(5)] == ["metered"] * 5  # no limit: one turn, at once
+    f.set_limits(["metered"], release_interval=timedelta(hours=1))  # raised: nothing moves
+    assert len(claim(5)) == 1 and claim(5) == []
+    with connection.cursor() as cur:
+        cur.execute(
+            "UPDATE fairqueue_channel SET release_interval = interval '0' WHERE name = %s",
+            ["metered"],
+        )
+    assert len(claim(5)) == 3
 
 
 @pytest.mark.django_db

@@ -249,6 +249,16 @@ def test_group_rate_limit_releases_one_message_per_interval(fairness: str) -> No
     assert len(claim(100)) == 1
 
 
+@pytest.mark.django_db
+def test_a_group_rate_limit_removed_through_the_orm_takes_effect_at_once(fairness: str) -> None:
+    spread("metered", 5, 4)
+    ChannelGroup.objects.filter(name="metered").update(release_interval=timedelta(hours=1))
+    f.fold_all()
+    assert len(claim(100)) == 1 and claim(100) == []
+    ChannelGroup.objects.filter(name="metered").update(release_interval=timedelta(0))
+    assert len(claim(100)) == 4 * 5 - 1
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_group_whose_channels_are_all_rate_limited_is_parked_then_served(
     fairness: str,

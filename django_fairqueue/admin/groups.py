@@ -6,7 +6,6 @@ from typing import Any
 
 from django.contrib import admin
 from django.core.exceptions import ValidationError
-from django.db import transaction
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.urls import reverse
@@ -14,7 +13,6 @@ from django.utils.html import format_html
 from django.utils.http import urlencode
 from django.utils.translation import gettext_lazy as _
 
-from django_fairqueue import conf
 from django_fairqueue.admin import lists
 from django_fairqueue.admin.common import (
     GroupAdminBase,
@@ -107,10 +105,8 @@ class ChannelGroupAdmin(lists.NulSafeAdmin, GroupAdminBase):
             return
         fields = [name for name in GROUP_LIMITS if name in form.changed_data]
         if fields:
-            with transaction.atomic(using=conf.get().DATABASE):
-                obj.save(update_fields=fields)
-                # a rate limit removed or shortened must not leave the group due later
-                channel_store.rearm_group(obj.pk)
+            # (a rate limit removed or shortened is due at once: fairqueue_rearm_v1)
+            obj.save(update_fields=fields)
 
     def delete_model(self, request: HttpRequest, obj: ChannelGroup) -> None:
         super().delete_model(request, obj)

@@ -115,12 +115,6 @@ def ensure_groups(names: Sequence[str], *, using: str | None = None, verify: boo
         _known_groups[(alias, n)] = now
 
 
-def rearm_group(group_id: int, *, using: str | None = None) -> None:
-    """After an operator edits a group's limits: a group waiting out a rate limit that was
-    removed or shortened is due when the new limit says."""
-    _run("rearm_group", {"group_id": group_id}, using)
-
-
 def forget_groups() -> None:
     """Forget which channel groups exist (after one was deleted in this process)."""
     _known_groups.clear()

@@ -203,3 +203,32 @@ CREATE TRIGGER fairqueue_group_counters_delete
     FOR EACH ROW
     WHEN (OLD.group_id IS NOT NULL)
     EXECUTE FUNCTION fairqueue_group_counters_v1();
+
+
+-- A rate limit removed or shortened takes effect at once, however the row is written (the
+-- admin, the ORM's save() or update(), SQL): a channel or group waiting for its next release
+-- is due when the new interval says, counted from its last release, and never later than it
+-- was. Only an update that names release_interval fires it: a claim's or a fold's does not.
+CREATE OR REPLACE FUNCTION fairqueue_rearm_v1() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.next_turn_at := least(NEW.next_turn_at, greatest(
+        statement_timestamp(),
+        coalesce(NEW.last_claimed_at + NEW.release_interval, '-infinity'::timestamptz)));
+    RETURN NEW;
+END;
+$$;
+
+DROP TRIGGER IF EXISTS fairqueue_channel_rearm ON fairqueue_channel;
+CREATE TRIGGER fairqueue_channel_rearm
+    BEFORE UPDATE OF release_interval ON fairqueue_channel
+    FOR EACH ROW
+    WHEN (NEW.release_interval < OLD.release_interval)
+    EXECUTE FUNCTION fairqueue_rearm_v1();
+
+DROP TRIGGER IF EXISTS fairqueue_group_rearm ON fairqueue_channel_group;
+CREATE TRIGGER fairqueue_group_rearm
+    BEFORE UPDATE OF release_interval ON fairqueue_channel_group
+    FOR EACH ROW
+    WHEN (NEW.release_interval < OLD.release_interval)
+    EXECUTE FUNCTION fairqueue_rearm_v1();

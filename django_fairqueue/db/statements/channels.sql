@@ -51,15 +51,6 @@ LEFT JOIN LATERAL (
 WHERE c.id = ANY (%(ids)s::bigint[])
 ORDER BY c.id;
 
--- name: rearm_group
--- After an operator edits a channel group's limits: a group waiting for a rate limit removed or
--- shortened is due when the new limit says (never later than now).
-UPDATE fairqueue_channel_group g
-SET next_turn_at = least(g.next_turn_at, greatest(
-        statement_timestamp(),
-        coalesce(g.last_claimed_at + g.release_interval, '-infinity'::timestamptz)))
-WHERE g.id = %(group_id)s::bigint;
-
 -- name: select_group_state
 -- Channel groups (of `ids`, or all) with their scheduler state, for operators (status, the
 -- admin): ready, running and claimable summed over their channels with the counter changes not
