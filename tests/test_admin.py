@@ -384,6 +384,18 @@ def test_saving_limits_never_writes_the_counters() -> None:
     assert_counters_match_table()
 
 
+def test_the_add_form_starts_from_the_channel_defaults(
+    admin_client: Client, settings: Any
+) -> None:
+    settings.FAIRQUEUE = {
+        **settings.FAIRQUEUE,
+        "CHANNEL_DEFAULTS": {"max_concurrency": 4, "weight": 2},
+    }
+    form = admin_client.get(reverse("admin:fairqueue_channel_add")).context["adminform"].form
+    assert (form["max_concurrency"].value(), form["weight"].value()) == (4, 2)
+    assert form["max_backlog"].value() is None
+
+
 def test_adding_a_channel(admin_client: Client) -> None:
     add = reverse("admin:fairqueue_channel_add")
     response = admin_client.post(add, {"name": "fresh", **limits(weight=3, max_concurrency=2)})
@@ -595,7 +607,7 @@ def test_message_actions_go_through_the_store(admin_client: Client, queue: dict[
     assert Message.objects.get(pk=alpha[3]).state == MessageState.CANCELLED
     aborting = Message.objects.get(pk=running)
     assert aborting.state == MessageState.RUNNING and aborting.abort_requested_at is not None
-    assert log_messages(CHANGE).count("Aborted (admin action).") == 2
+    assert log_messages(CHANGE).count("Aborted (cancelled if it was waiting) (admin action).") == 2
     assert_counters_match_table()
 
 

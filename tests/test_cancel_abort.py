@@ -316,10 +316,11 @@ def test_cli_cancel_and_abort() -> None:
     out = StringIO()
     call_command("fairqueue", "abort", str(c), "--json", stdout=out)
     assert json.loads(out.getvalue())["abort_requested"] == [c]
-    with pytest.raises(CommandError, match="not both"):
+    with pytest.raises(CommandError, match="not both") as both:
         call_command("fairqueue", "cancel", "1", "--channel", "a")
-    with pytest.raises(CommandError, match="give message ids"):
+    with pytest.raises(CommandError, match="give message ids") as neither:
         call_command("fairqueue", "abort")
+    assert both.value.returncode == neither.value.returncode == 2  # usage errors
 
 
 @pytest.mark.django_db

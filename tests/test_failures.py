@@ -285,8 +285,9 @@ def test_cli_bulk_with_all() -> None:
     ],
 )
 def test_cli_usage_errors(argv: tuple[str, ...], message: str) -> None:
-    with pytest.raises(CommandError, match=message):
+    with pytest.raises(CommandError, match=message) as raised:
         cli(*argv)
+    assert raised.value.returncode == 2  # a usage error, as argparse's
 
 
 def test_cli_rejects_bad_numbers() -> None:

@@ -299,7 +299,7 @@ def test_status_shows_each_channels_queue_and_the_queues_totals() -> None:
     rows = {tuple(line.split()[:3]) for line in text.splitlines()}
     assert ("acme", "reports", "3") in rows and ("acme", "default", "2") in rows
     assert (
-        "Queues: default 1 channels, 2 ready, 0 running, 0 live workers; reports 2 channels, "
+        "Queues: default 1 channel, 2 ready, 0 running, 0 live workers; reports 2 channels, "
         "4 ready, 0 running, 0 live workers." in text
     )
     out = io.StringIO()

@@ -178,7 +178,7 @@ def test_status_counts_each_queues_live_workers_and_warns_of_a_queue_none_serves
     assert queues["reports"]["live_workers"] == queues["default"]["live_workers"] == 0
     out = io.StringIO()
     call_command("fairqueue", "status", stdout=out)
-    assert "reports 1 channels, 2 ready, 0 running, 0 live workers" in out.getvalue()
+    assert "reports 1 channel, 2 ready, 0 running, 0 live workers" in out.getvalue()
     assert "WARNING: no live worker serves queues default, reports:" in out.getvalue()
     worker_registry.Registration(
         "w-reports", concurrency=2, queues=["reports", "emails"]

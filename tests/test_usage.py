@@ -129,6 +129,8 @@ def test_the_report_sums_a_range_of_days_per_channel_or_group_in_any_order() -> 
     lines = list(csv.reader(io.StringIO(usage.as_csv(rows, start=start, end=end, by="channel"))))
     assert lines[0][:4] == ["from", "to", "channel", "queue"] and len(lines) == 4
     assert lines[1][2:4] == ["acme/us", "default"] and lines[1][5] == "9.0"
+    by_group = usage.as_csv(groups, start=start, end=end, by="group").splitlines()
+    assert by_group[0].split(",")[2:5] == ["group", "queue", "worker_seconds"]  # once
     with pytest.raises(ValueError, match="order must be one of"):
         usage.report(start, end, order="bogus")
     with pytest.raises(ValueError, match="before the first"):

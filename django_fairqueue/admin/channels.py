@@ -3,6 +3,7 @@ actions (pause, resume, retry failed, purge), and the dashboard."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -490,6 +491,12 @@ class ChannelAdmin(lists.NulSafeAdmin, ChannelAdminBase):
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return ChannelChangeList
 
+    def get_changeform_initial_data(self, request: HttpRequest) -> dict[str, Any]:
+        """A channel added here starts with FAIRQUEUE['CHANNEL_DEFAULTS'], as a channel that
+        enqueue creates does (the form shows them; the operator may change them)."""
+        defaults = dataclasses.asdict(conf.get().CHANNEL_DEFAULTS)
+        return {**defaults, **super().get_changeform_initial_data(request)}
+
     def get_readonly_fields(self, request: HttpRequest, obj: Channel | None = None) -> list[str]:
         fields = ["counters_display", "failures_display", "timeouts_display"]
         fields += ["retrying_display", "failed_display"]
@@ -791,11 +798,11 @@ class ChannelAdmin(lists.NulSafeAdmin, ChannelAdminBase):
         self.message_user(
             request,
             ngettext(
-                "Retried %(n)d failed message of %(c)d channels.",
-                "Retried %(n)d failed messages of %(c)d channels.",
+                "Retried %(n)d failed message of %(channels)s.",
+                "Retried %(n)d failed messages of %(channels)s.",
                 total,
             )
-            % {"n": total, "c": len(acted)},
+            % {"n": total, "channels": _channels(len(acted))},
             messages.SUCCESS,
         )
 
@@ -818,11 +825,11 @@ class ChannelAdmin(lists.NulSafeAdmin, ChannelAdminBase):
             self.message_user(
                 request,
                 ngettext(
-                    "Deleted %(n)d waiting message from %(c)d channels.",
-                    "Deleted %(n)d waiting messages from %(c)d channels.",
+                    "Deleted %(n)d waiting message from %(channels)s.",
+                    "Deleted %(n)d waiting messages from %(channels)s.",
                     total,
                 )
-                % {"n": total, "c": len(channels)},
+                % {"n": total, "channels": _channels(len(channels))},
                 messages.SUCCESS,
             )
             return None
@@ -924,3 +931,7 @@ def _int_param(request: HttpRequest, name: str, default: int, low: int, high: in
     except ValueError:
         return default
     return min(max(value, low), high)
+
+
+def _channels(n: int) -> str:
+    return ngettext("%(n)d channel", "%(n)d channels", n) % {"n": n}

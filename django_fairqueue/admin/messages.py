@@ -296,9 +296,18 @@ class MessageAdmin(lists.NulSafeAdmin, MessageAdminBase):
             log_changes(request, [obj], f"{verb.capitalize()} (admin button).")
             self.message_user(request, text, messages.SUCCESS)
         else:
+            now = Message.objects.filter(pk=obj.pk).values_list("state", flat=True).first()
             self.message_user(
                 request,
-                _("Nothing done: the message is no longer %(state)s.") % {"state": obj.state},
+                _(
+                    "Nothing done: %(verb)s needs a message that is %(needed)s; "
+                    "this one is %(state)s."
+                )
+                % {
+                    "verb": verb,
+                    "needed": " or ".join(str(s) for s in self.BUTTONS[verb][1]),
+                    "state": now or _("deleted"),
+                },
                 messages.WARNING,
             )
         return HttpResponseRedirect(
@@ -505,7 +514,10 @@ class MessageAdmin(lists.NulSafeAdmin, MessageAdminBase):
     )
     def abort_messages(self, request: HttpRequest, queryset: QuerySet[Message]) -> None:
         self._act(
-            request, queryset, lambda ids: sorted(message_store.abort_messages(ids)), "Aborted"
+            request,
+            queryset,
+            lambda ids: sorted(message_store.abort_messages(ids)),
+            "Aborted (cancelled if it was waiting)",
         )
         self.message_user(
             request,

@@ -52,10 +52,11 @@ def selection(options: dict[str, Any], verb: str) -> dict[str, Any]:
     channel, task, queue = options["channel"], options["task"], options.get("queue")
     if ids and (channel is not None or task is not None or queue is not None):
         raise CommandError(
-            f"{verb}: give message ids, or --channel, --task and/or --queue, not both"
+            f"{verb}: give message ids, or --channel, --task and/or --queue, not both",
+            returncode=2,  # a usage error, as argparse's
         )
     if not ids and channel is None and task is None and queue is None:
-        raise CommandError(f"{verb}: give message ids, --channel, --task or --queue")
+        raise CommandError(f"{verb}: give message ids, --channel, --task or --queue", returncode=2)
     if ids:
         return {"ids": ids}
     return {"channel": channel, "task": task, "queue": queue}

@@ -77,11 +77,15 @@ def handle(options: dict[str, Any], stdout: TextIO) -> None:
     ids: list[int] = options["ids"]
     channel, task, queue = options["channel"], options["task"], options["queue"]
     if options["all"] and ids:
-        raise CommandError(f"failures {action}: give message ids or --all, not both")
+        raise CommandError(f"failures {action}: give message ids or --all, not both", returncode=2)
     if not options["all"] and not ids:
-        raise CommandError(f"failures {action}: give message ids, or --all for every one")
+        raise CommandError(
+            f"failures {action}: give message ids, or --all for every one", returncode=2
+        )
     if not options["all"] and (channel is not None or task is not None or queue is not None):
-        raise CommandError(f"failures {action}: --channel, --task and --queue only narrow --all")
+        raise CommandError(
+            f"failures {action}: --channel, --task and --queue only narrow --all", returncode=2
+        )
     if options["all"]:
         bulk = failures.retry_all if action == "retry" else failures.delete_all
         count = bulk(channel=channel, task=task, queue=queue)

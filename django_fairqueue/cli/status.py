@@ -310,7 +310,8 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
         out = ["No channels."]
     out.append("")
     out.append(
-        f"{t['channels']:,} channels ({shown:,} shown, sorted by {data['sort']}; "
+        f"{t['channels']:,} channel{'' if t['channels'] == 1 else 's'} "
+        f"({shown:,} shown, sorted by {data['sort']}; "
         f"{t['backlogged']:,} with ready messages, {t['paused']:,} paused): "
         f"{t['ready']:,} ready, {t['scheduled'] - t['retrying']:,} delayed, "
         f"{t['retrying']:,} retrying, {t['running']:,} running, {t['failed']:,} dead letters; "
@@ -322,7 +323,8 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
         out.append(
             "Queues: "
             + "; ".join(
-                f"{name} {q['channels']:,} channels, {q['ready']:,} ready, "
+                f"{name} {q['channels']:,} channel{'' if q['channels'] == 1 else 's'}, "
+                f"{q['ready']:,} ready, "
                 f"{q['running']:,} running, {q['live_workers']:,} live workers"
                 for name, q in data["queues"].items()
             )
@@ -367,7 +369,8 @@ def _horizon_lines(holders: list[dict[str, Any]]) -> list[str]:
     after = overview.format_age(conf.get().HORIZON_WARN_AFTER)
     return [
         f"WARNING: {len(holders)} old transaction{'s' if len(holders) > 1 else ''} or slot"
-        f"{'s' if len(holders) > 1 else ''} (over {after}) hold the xmin horizon: VACUUM keeps "
+        f"{'s' if len(holders) > 1 else ''} (over {after}) "
+        f"hold{'' if len(holders) > 1 else 's'} the xmin horizon: VACUUM keeps "
         "every row version the queue writes, and claims slow down until they end "
         '(docs/reliability.md, "A long transaction"):',
         *(f"  {h['text']}" for h in holders),

@@ -223,10 +223,12 @@ def as_csv(rows: Sequence[UsageRow], *, start: datetime, end: datetime, by: str)
     files of several ranges can be concatenated)."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["from", "to", by, *CSV_COLUMNS[1:]])
+    # by group, the name is the group's: no column of its own repeats it
+    columns = [c for c in CSV_COLUMNS if not (by == "group" and c == "group")]
+    writer.writerow(["from", "to", by, *columns[1:]])
     for r in rows:
         d = r.as_dict()
-        writer.writerow([start.isoformat(), end.isoformat(), *(_cell(d[c]) for c in CSV_COLUMNS)])
+        writer.writerow([start.isoformat(), end.isoformat(), *(_cell(d[c]) for c in columns)])
     return out.getvalue()
 
 
