@@ -47,7 +47,7 @@ from django.utils.module_loading import import_string
 from django_fairqueue import conf
 from django_fairqueue.context import abort_requested, current_message, timed_out
 from django_fairqueue.exceptions import InvalidChannel, PayloadError, TaskAborted, UnknownTask
-from django_fairqueue.limits import MAX_LIMIT
+from django_fairqueue.limits import MAX_LIMIT, integer
 from django_fairqueue.queues import validate_queue_name
 from django_fairqueue.tasks.django_compat import (
     BaseTaskBackend,
@@ -325,15 +325,11 @@ class FairQueueBackend(BaseTaskBackend):
             )
         self.delivery: str | None = delivery
         attempts = options.get("MAX_ATTEMPTS")
-        if attempts is not None and (
-            isinstance(attempts, bool)
-            or not isinstance(attempts, int)
-            or not 1 <= attempts <= MAX_LIMIT
-        ):
-            raise InvalidTaskBackend(
-                f"{where}['MAX_ATTEMPTS'] must be an integer from 1 to {MAX_LIMIT}, "
-                f"got {attempts!r}"
-            )
+        if attempts is not None:
+            try:
+                integer(attempts, f"{where}['MAX_ATTEMPTS']", minimum=1, maximum=MAX_LIMIT)
+            except (TypeError, ValueError) as exc:
+                raise InvalidTaskBackend(str(exc)) from exc
         self.max_attempts: int | None = attempts
         try:
             self.task_timeout = conf.validate_timeout(

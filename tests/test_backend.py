@@ -714,8 +714,11 @@ TASKS = {{"default": {{"BACKEND": "{backend}", "OPTIONS": {options}}}}}
 """
 
 
-def _project(tmp_path: Any, *, apps: list[str], options: dict[str, Any]) -> dict[str, str]:
-    """A settings module (no database needed: `check` connects to none) and its environment."""
+def _in_project(
+    tmp_path: Any, argv: list[str], *, apps: list[str], options: dict[str, Any]
+) -> subprocess.CompletedProcess[str]:
+    """Run Python with ``argv`` in a project of its own: a settings module (no database
+    needed: `check` connects to none) and a tasks module."""
     import os
 
     (tmp_path / "proj_settings.py").write_text(
@@ -726,11 +729,20 @@ def _project(tmp_path: Any, *, apps: list[str], options: dict[str, Any]) -> dict
         "@task\ndef hello(name):\n    return name\n"
     )
     root = str(pathlib.Path(__file__).resolve().parent.parent)
-    return {
+    env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(tmp_path), root, *sys.path[1:]]),
         "DJANGO_SETTINGS_MODULE": "proj_settings",
     }
+    return subprocess.run(
+        [sys.executable, *argv],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_check_reports_the_backends_options_without_a_tasks_module_imported(
@@ -739,15 +751,11 @@ def test_check_reports_the_backends_options_without_a_tasks_module_imported(
     """Django registers its task checks when its tasks framework is first imported; the app
     imports it when TASKS uses this backend, so `check` sees a bad CHANNEL_FROM (on Django 6
     nothing else did before a task module was imported)."""
-    env = _project(tmp_path, apps=["django_fairqueue"], options={"CHANNEL_FROM": "nowhere.x"})
-    out = subprocess.run(
-        [sys.executable, "-m", "django", "check"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    out = _in_project(
+        tmp_path,
+        ["-m", "django", "check"],
+        apps=["django_fairqueue"],
+        options={"CHANNEL_FROM": "nowhere.x"},
     )
     assert out.returncode == 1, out.stdout + out.stderr
     assert "fairqueue.E102" in out.stderr and "nowhere.x" in out.stderr
@@ -756,7 +764,6 @@ def test_check_reports_the_backends_options_without_a_tasks_module_imported(
 def test_without_the_app_task_modules_import_and_the_first_use_says_what_is_missing(
     tmp_path: Any,
 ) -> None:
-    env = _project(tmp_path, apps=[], options={"DEFAULT_CHANNEL": "acme"})
     script = (
         "import django; django.setup()\n"
         "import proj_tasks\n"  # the decorator validates the task: no import of the models
@@ -767,15 +774,7 @@ def test_without_the_app_task_modules_import_and_the_first_use_says_what_is_miss
         "    print('ENQUEUE', type(exc).__name__, exc)\n"
         "call_command('check')\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    out = _in_project(tmp_path, ["-c", script], apps=[], options={"DEFAULT_CHANNEL": "acme"})
     assert "ENQUEUE InvalidTaskBackend" in out.stdout, out.stdout + out.stderr
     assert "INSTALLED_APPS" in out.stdout
     assert "fairqueue.E101" in out.stderr
