@@ -21,6 +21,7 @@ from django.db import connection
 
 from django_fairqueue.maintenance import Rescuer
 from django_fairqueue.models import Channel, Message, MessageState
+from django_fairqueue.runtime import SAME_STOP_SECONDS
 from django_fairqueue.tasks import task
 from tests import fairtasks
 from tests.workerkit import WorkerProcess, counters, enqueue_raw, wait_until
@@ -146,6 +147,9 @@ def test_a_second_signal_exits_at_once_and_the_lease_recovers_the_message(
 
     w.signal(signal.SIGTERM)
     w.wait_for("SIGTERM received")
+    w.signal(signal.SIGTERM)  # at once: the same stop (a service manager's and a supervisor's)
+    w.wait_for("SIGTERM received again within")
+    time.sleep(SAME_STOP_SECONDS)
     w.signal(signal.SIGTERM)
 
     assert w.wait(10) == 128 + signal.SIGTERM
@@ -340,6 +344,35 @@ def test_a_slot_started_again_takes_back_its_dead_childs_messages_at_once(
     assert [slot[-2:] for slot in slots] == ["-0", "-1"], slots  # two slots, two records
     sup.signal(signal.SIGTERM)
     assert sup.wait(30) == 0
+
+
+def test_a_stop_signal_to_the_supervisor_and_its_children_at_once_is_one_graceful_stop(
+    workers: Workers, tmp_path: Path
+) -> None:
+    """systemd's default KillMode signals every process of the service: each child hears the
+    stop directly and again through the supervisor, and finishes its running message."""
+    markers = [tmp_path / "s0", tmp_path / "s1"]
+    slow = [fairtasks.sleep.enqueue(2, str(m), channel=f"g{i}") for i, m in enumerate(markers)]
+    sup = workers.start("cgroup", "--processes", "2", "--concurrency", "1")
+    wait_until(lambda: all(m.exists() for m in markers), 30, "both slow messages starting")
+    children = Path(f"/proc/{sup.pid}/task/{sup.pid}/children").read_text().split()
+    for pid in [sup.pid, *map(int, children)]:
+        os.kill(pid, signal.SIGTERM)
+    assert sup.wait(30) == 0, sup.output
+    assert {row(mid).state for mid in slow} == {MessageState.SUCCEEDED}
+    assert "received again within" in sup.output
+
+
+def test_a_burst_with_recycled_children_runs_the_queue_down(workers: Workers) -> None:
+    """A child replaced after its --max-tasks-per-child messages is a recycle, not the end of
+    the burst: the supervisor starts a fresh one until the queue is empty."""
+    ids = [fairtasks.record.enqueue(str(i), channel=f"b{i % 3}") for i in range(7)]
+    sup = workers.start(
+        "burst", "--processes", "1", "--concurrency", "2", "--max-tasks-per-child", "3", "--burst"
+    )
+    assert sup.wait(60) == 0, sup.output
+    assert {row(mid).state for mid in ids} == {MessageState.SUCCEEDED}
+    assert "recycled; starting a fresh one" in sup.output
 
 
 def test_a_supervisor_refuses_max_messages() -> None:

@@ -372,14 +372,16 @@ def test_a_crash_loop_is_logged_and_restarts_slow_down(
     assert "deaths in a row soon after starting (exit status 3 after" in loops[0].getMessage()
 
 
-def test_a_second_signal_ends_the_supervisor_with_128_plus_its_number() -> None:
+def test_a_second_signal_ends_the_supervisor_with_128_plus_its_number(tmp_path: Any) -> None:
     import signal
     import sys
 
     from django_fairqueue.runtime import StopFlag
     from django_fairqueue.worker import supervisor
 
-    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    # a child that stops cleanly on SIGTERM, as a worker does
+    graceful = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))"
+    sleeper = [sys.executable, "-c", f"{graceful}; time.sleep(30)"]
     for signals, code in ((1, 0), (2, 128 + signal.SIGTERM)):
         stop = StopFlag()
         sup = supervisor.Supervisor(lambda i: sleeper, 2, stop=stop)
@@ -393,3 +395,19 @@ def test_a_second_signal_ends_the_supervisor_with_128_plus_its_number() -> None:
             sup._on_signal(signal.SIGTERM)
         runner.join(20)
         assert result == [code], (signals, result)
+    # a child that did not stop cleanly (it exited at once): status 1
+    ready = tmp_path / "handler installed"
+    at_once = (
+        "import os, signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: os._exit(143)); "
+        "open(sys.argv[1], 'w').close(); time.sleep(30)"
+    )
+    killed = supervisor.Supervisor(lambda i: [sys.executable, "-c", at_once, str(ready)], 1)
+    result = []
+    runner = threading.Thread(target=lambda: result.append(killed.run()))
+    runner.start()
+    deadline = time.monotonic() + 20
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    killed._on_signal(signal.SIGTERM)
+    runner.join(20)
+    assert result == [1]

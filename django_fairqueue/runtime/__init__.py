@@ -59,6 +59,13 @@ def after_database_error(exc: BaseException, alias: str | None = None) -> str:
 
 #: The signals that ask a worker to stop: the first one gracefully, the second one at once.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: A second stop signal this soon after the first is the same stop, not a second one: a
+#: service manager that signals every process of a service (systemd's default KillMode) reaches
+#: a supervised worker once itself and once through its supervisor, milliseconds apart.
+SAME_STOP_SECONDS = 1.0
+#: The exit status of a supervised worker that handled its ``--max-messages`` and asks to be
+#: replaced (a recycle): a burst worker's 0 means its burst is done.
+RECYCLE_EXIT = 75
 
 
 #: The environment variable through which a supervisor (``runfairworker --processes``) tells

@@ -16,7 +16,7 @@ from django.db import close_old_connections, connections
 from django_fairqueue import conf
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.maintenance import MaintenanceRunner, Service, default_services
-from django_fairqueue.runtime import stop_signals
+from django_fairqueue.runtime import SAME_STOP_SECONDS, stop_signals
 from django_fairqueue.runtime.worker_registry import Beat, Registration
 from django_fairqueue.stats import StatsRecorder
 from django_fairqueue.tasks.spec import registry
@@ -128,6 +128,7 @@ class Worker:
         self.listening = self.listener.listening
         self._services = services
         self._signals = 0
+        self._first_signal_at = 0.0
         self._recycling = False
         self._fatal: BaseException | None = None
         self._fatal_lock = threading.Lock()
@@ -137,6 +138,13 @@ class Worker:
     def handled(self) -> int:
         """Messages this worker ran and settled (succeeded, retried or failed)."""
         return self.ledger.handled
+
+    @property
+    def wants_replacing(self) -> bool:
+        """Whether it stopped to be replaced by a fresh process: recycled (threads stuck in
+        timed-out tasks), or ``max_messages`` claimed. Not a burst that ran the queue down."""
+        limit = self.config.max_messages
+        return self._recycling or (limit is not None and self.claimer.remaining() <= 0)
 
     # -- control ---------------------------------------------------------------------------------
 
@@ -169,9 +177,14 @@ class Worker:
         self.stop()
 
     def _on_signal(self, signum: int) -> None:
-        self._signals += 1
         name = signal.Signals(signum).name
+        now = time.monotonic()
+        if self._signals and now - self._first_signal_at < SAME_STOP_SECONDS:
+            logger.info("%s received again within %gs: the same stop", name, SAME_STOP_SECONDS)
+            return
+        self._signals += 1
         if self._signals == 1:
+            self._first_signal_at = now
             running = self.ledger.running
             logger.warning(
                 "%s received: claiming nothing more; waiting up to %ss for %d running messages"

@@ -22,9 +22,13 @@ on, and the killer task reaches its last attempt and becomes a dead letter.
   running messages finish within ``--shutdown-grace``) and nothing is restarted any more; a
   second one is forwarded too, and the children exit at once.
 * ``--max-tasks-per-child N`` recycles a child after N messages (a worker whose memory grows
-  with every task): it exits 0 after its N-th message and a fresh one takes its place at once.
+  with every task): it exits ``RECYCLE_EXIT`` after its N-th message and a fresh one takes its
+  place at once, in burst mode too.
 * With ``--burst`` a child that exits 0 is done (nothing was left to run); one that died is
   started again, since its work is not.
+* A child ignores a stop signal repeated within ``SAME_STOP_SECONDS`` of the first: a service
+  manager that signals every process of the service (systemd's default ``KillMode``) reaches
+  it directly and through this supervisor, and that is one stop, not two.
 
 Why not a process manager (systemd, supervisord, Kubernetes)? Use one for the supervisor
 itself; this loop only adds what they lack here: restarting each worker slot on its own with
@@ -46,7 +50,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from django_fairqueue.runtime import SUPERVISION_ENV, StopFlag, stop_signals
+from django_fairqueue.runtime import (
+    RECYCLE_EXIT,
+    STOP_SIGNALS,
+    SUPERVISION_ENV,
+    StopFlag,
+    stop_signals,
+)
 from django_fairqueue.worker import extensions
 
 logger = logging.getLogger("django_fairqueue.supervisor")
@@ -142,6 +152,8 @@ class Supervisor:
         self.stop = stop or StopFlag()
         self.signals = 0
         self.last_signal = 0
+        #: a child exited otherwise than 0 while stopping (it had to exit at once, or died)
+        self.unclean_stop = False
 
     def run(self) -> int:
         """Supervise until stopped (or, with burst, until every child is done).
@@ -162,8 +174,10 @@ class Supervisor:
                 self.stop.wait(POLL)
         if self.signals >= 2:
             return 128 + self.last_signal
+        if self.stopping:  # clean if every child that was running stopped cleanly
+            return 1 if self.unclean_stop else 0
         clean = all(slot.exits[-1].code == 0 for slot in self.slots if slot.exits)
-        return 0 if clean or self.stopping else 1
+        return 0 if clean else 1
 
     @property
     def stopping(self) -> bool:
@@ -211,9 +225,14 @@ class Supervisor:
         slot.proc = None
         if self.stopping:
             slot.exits.append(Exit(code, now - slot.started, time.time()))
+            # (killed by the stop signal itself: a child still starting, before its handlers)
+            clean = code in (0, RECYCLE_EXIT) or -code in STOP_SIGNALS
+            self.unclean_stop = self.unclean_stop or not clean
             logger.info("supervisor: worker %s (pid %s) stopped (%s)", slot.index, pid, _how(code))
             return
-        if code == 0 and self.burst:
+        if code == RECYCLE_EXIT:
+            code = 0  # replaced at once, burst or not (a burst child's 0 is its burst done)
+        elif code == 0 and self.burst:
             slot.exits.append(Exit(code, now - slot.started, time.time()))
             slot.done = True
             logger.info("supervisor: worker %s (pid %s) finished its burst", slot.index, pid)

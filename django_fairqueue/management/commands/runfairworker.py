@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from datetime import timedelta
 from typing import Any
@@ -14,7 +15,12 @@ from django_fairqueue.cli.terminal import printable
 from django_fairqueue.exceptions import InvalidChannel
 from django_fairqueue.management.base import FairCommand
 from django_fairqueue.queues import parse_queue_list
-from django_fairqueue.runtime import configure_logging, stop_signals
+from django_fairqueue.runtime import (
+    RECYCLE_EXIT,
+    SUPERVISION_ENV,
+    configure_logging,
+    stop_signals,
+)
 from django_fairqueue.tasks.spec import registry
 from django_fairqueue.worker import (
     Worker,
@@ -232,8 +238,9 @@ class Command(FairCommand):
             self._supervise(options)
             return
         companions = self._start_companions(options, config)
+        worker = Worker(config)
         try:
-            handled = Worker(config).run()
+            handled = worker.run()
             if config.burst:  # the companions' work is part of the burst: let them finish
                 with stop_signals(lambda signum: _stop(companions)):
                     for companion in companions:
@@ -244,6 +251,9 @@ class Command(FairCommand):
             _stop(companions)
         if options["verbosity"] >= 1:
             self.stderr.write(f"worker {printable(config.worker_id)}: {handled} messages handled")
+        if worker.wants_replacing and SUPERVISION_ENV in os.environ:
+            # to a supervisor, 0 from a burst worker means its burst is done: say "replace me"
+            sys.exit(RECYCLE_EXIT)
 
     def _supervise(self, options: dict[str, Any]) -> None:
         from django_fairqueue.worker import supervisor
