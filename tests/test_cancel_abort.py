@@ -260,7 +260,7 @@ def test_a_cooperative_task_stops_and_ends_aborted(tmp_path: Any, settings: Any)
 
 @pytest.mark.django_db(transaction=True)
 def test_a_task_that_ignores_the_abort_is_aborted_at_the_grace_period(
-    tmp_path: Any, settings: Any
+    tmp_path: Any, settings: Any, caplog: Any
 ) -> None:
     settings.FAIRQUEUE = {**settings.FAIRQUEUE, "ABORT_GRACE": 0.5}
     marker = tmp_path / "started"
@@ -283,6 +283,10 @@ def test_a_task_that_ignores_the_abort_is_aborted_at_the_grace_period(
     row = Message.objects.get(pk=stubborn)
     assert "ABORT_GRACE" in row.last_error["message"]
     assert row.result is None  # its late return ("finished") was discarded
+    assert "after its abort's grace period ran out: discarded its outcome (succeeded); " in (
+        caplog.text
+    )
+    assert "the attempt is settled as it was aborted then" in caplog.text
     assert_counters_match_table()
 
 

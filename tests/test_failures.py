@@ -261,6 +261,7 @@ def test_cli_retry_and_delete_by_id() -> None:
     report = json.loads(cli("retry", str(ids[0]), str(ids[2]), "--json"))
     assert report == {"action": "retry", "count": 1, "ids": [ids[2]], "skipped": [ids[0]]}
     assert "Skipped (not failed): " + str(ids[0]) in cli("delete", str(ids[0]))
+    assert "another message holds its unique key): " + str(ids[0]) in cli("retry", str(ids[0]))
     assert states(ids) == {i: MessageState.READY for i in ids}
 
 

@@ -1315,7 +1315,10 @@ def test_the_late_return_of_a_timed_out_attempt_changes_nothing(
         message_finished.disconnect(on_finished)
     assert finished == [(1, "retry"), (2, "succeeded")]  # nothing for the late return
     assert f"message {mid} (tests.worker.hang_once, channel 'alice') returned" in caplog.text
-    assert "discarded its outcome (succeeded)" in caplog.text
+    assert "after its time limit (" in caplog.text
+    assert "discarded its outcome (succeeded); the attempt is settled as it was failed" in (
+        caplog.text
+    )
     assert counters("alice").running == 0
     assert worker.handled == 2
 

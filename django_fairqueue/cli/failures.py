@@ -98,7 +98,12 @@ def handle(options: dict[str, Any], stdout: TextIO) -> None:
         report = {"action": action, "count": len(done), "ids": done, "skipped": skipped}
         text = f"{_past(action)} {_messages(len(done))}."
         if skipped:
-            text += f"\nSkipped (not failed): {', '.join(map(str, skipped))}."
+            why = (
+                "not failed"
+                if action == "delete"
+                else "not failed, or another message holds its unique key"
+            )
+            text += f"\nSkipped ({why}): {', '.join(map(str, skipped))}."
     if options["json"]:
         _write(stdout, json.dumps(report))
     else:

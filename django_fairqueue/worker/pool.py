@@ -311,18 +311,21 @@ class Pool:
             return outcome
         if attempt is not None and not self._end_attempt(attempt):
             limit = attempt.deadline - attempt.started
-            what = "its abort's grace period" if attempt.abort_seen else "its time limit"
-            # A result that arrives after the limit is discarded: the attempt failed then.
+            if attempt.abort_seen:
+                what, settled = "its abort's grace period ran out", "aborted"
+            else:
+                what, settled = f"its time limit ({limit:g}s)", "failed"
+            # A result that arrives after the limit is discarded: the attempt ended then.
             logger.warning(
-                "message %s (%s, channel %r) returned %.1fs after %s (%gs): discarded its "
-                "outcome (%s); the attempt is settled as it was failed at the limit",
+                "message %s (%s, channel %r) returned %.1fs after %s: discarded its outcome "
+                "(%s); the attempt is settled as it was %s then",
                 message.id,
                 message.task_name,
                 message.channel,
                 outcome.duration - limit,
                 what,
-                limit,
                 outcome.kind,
+                settled,
                 extra=log_extra(message, worker_id=worker_id, outcome="discarded"),
             )
             return None
