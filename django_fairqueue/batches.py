@@ -19,13 +19,13 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import IO, Any
 
-from django.db import connections, models, transaction
+from django.db import DataError, ProgrammingError, connections, models, transaction
 from django.utils import timezone
 
 from django_fairqueue import conf, limits
@@ -120,8 +120,23 @@ def _source(
     return found, column
 
 
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def _id_span(
+    source: batch_store.SourceColumn, column: str, filters: dict[str, Any], alias: str
+) -> tuple[int | None, int | None]:
+    """The lowest and highest id of the rows matching ``filters``: the first statement to
+    compare the filter values with their columns, so a value of the wrong type is a
+    ValueError here, before anything is written."""
+    if not filters:
+        return batch_store.select_id_span(source, column, filters=filters, using=alias)
+    try:
+        # a savepoint when the caller has a transaction open: it stays usable after the refusal
+        with transaction.atomic(using=alias):
+            return batch_store.select_id_span(source, column, filters=filters, using=alias)
+    except (DataError, ProgrammingError) as exc:
+        reason = str(exc).strip().splitlines()[0]
+        raise ValueError(
+            f"filters {filters!r} do not fit the columns of {source.table!r}: {reason}"
+        ) from None
 
 
 def plan(
@@ -152,9 +167,10 @@ def plan(
     alias = using or conf.get().DATABASE
     job_name = _validate_job_name(job_name)
     channel = validate_channel_name(channel)
-    for name, value in (("batch_size", batch_size), ("max_attempts", max_attempts)):
-        if not _positive_int(value):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    # up to what the batch table's columns hold (bigint, integer): checked before anything
+    # is written
+    limits.integer(batch_size, "batch_size", minimum=1, maximum=limits.MAX_ID)
+    limits.integer(max_attempts, "max_attempts", minimum=1, maximum=limits.MAX_LIMIT)
     filters = dict(filters or {})
     source, column = _source(table, id_column, alias)
     for name in filters:
@@ -164,10 +180,10 @@ def plan(
         ):
             raise ValueError(f"filter column {name!r} is not a column of {source.table!r}")
 
+    low, high = _id_span(source, column, filters, alias)
     channel_id = channel_store.ensure_channel(
         channel, defaults=conf.get().CHANNEL_DEFAULTS, using=alias
     )
-    low, high = batch_store.select_id_span(source, column, filters=filters, using=alias)
     report = _progress_reporter(progress, job_name)
     # Windows walked per transaction: about two million index entries, so a step takes well
     # under a second (the bar moves, other planners of the job get their turn) yet plans many
@@ -242,30 +258,16 @@ def plan_ranges(
     """Plan one batch per given id range ``(first id, last id, rows)``, for a job that chooses
     its rows itself (say, only the rows changed since a date) instead of walking a table.
 
-    Ranges are in id order, do not overlap, and start after the job's last planned batch (a
-    range the job already has is skipped). Like :func:`plan`, concurrent planners of one job
-    take turns (the same advisory lock), and a job stays on one channel.
+    Ranges are in id order, do not overlap, and start after the job's last planned batch: a
+    range at or below it is a ValueError and nothing is planned. Like :func:`plan`, concurrent
+    planners of one job take turns (the same advisory lock), and a job stays on one channel.
     """
     started = time.monotonic()
     alias = using or conf.get().DATABASE
     job_name = _validate_job_name(job_name)
     channel = validate_channel_name(channel)
-    if not _positive_int(max_attempts):
-        raise ValueError(f"max_attempts must be a positive integer, got {max_attempts!r}")
-    checked: list[tuple[int, int, int]] = []
-    given: Any = ranges  # checked at run time: callers may pass anything
-    for first, last, rows in given:
-        if not (isinstance(first, int) and isinstance(last, int) and first <= last):
-            raise ValueError(
-                f"a range is (first id, last id, rows) with first <= last: {first, last}"
-            )
-        if checked and first <= checked[-1][1]:
-            raise ValueError(
-                f"ranges must be in id order without overlap: {checked[-1]}, {first, last}"
-            )
-        if not isinstance(rows, int) or rows < 0:
-            raise ValueError(f"rows of a range must be 0 or more, got {rows!r}")
-        checked.append((first, last, rows))
+    limits.integer(max_attempts, "max_attempts", minimum=1, maximum=limits.MAX_LIMIT)
+    checked = _checked_ranges(ranges)
     channel_id = channel_store.ensure_channel(
         channel, defaults=conf.get().CHANNEL_DEFAULTS, using=alias
     )
@@ -296,6 +298,36 @@ def plan_ranges(
         rows_planned=rows_planned,
         seconds=time.monotonic() - started,
     )
+
+
+def _checked_ranges(ranges: Any) -> list[tuple[int, int, int]]:
+    """``plan_ranges``'s ranges as checked tuples: each ``(first id, last id, rows)`` of
+    integers the batch table holds (bigint), first <= last, in id order without overlap."""
+    if isinstance(ranges, str | bytes) or not isinstance(ranges, Iterable):
+        raise TypeError(f"ranges must be a list of (first id, last id, rows), got {ranges!r}")
+    checked: list[tuple[int, int, int]] = []
+    for i, given in enumerate(ranges):
+        if not isinstance(given, Sequence) or isinstance(given, str | bytes) or len(given) != 3:
+            raise TypeError(f"ranges[{i}] must be (first id, last id, rows), got {given!r}")
+        first, last, rows = given
+        first = limits.integer(
+            first, f"ranges[{i}]: the first id", minimum=_BIGINT_MIN, maximum=limits.MAX_ID
+        )
+        last = limits.integer(
+            last, f"ranges[{i}]: the last id", minimum=_BIGINT_MIN, maximum=limits.MAX_ID
+        )
+        rows = limits.integer(rows, f"ranges[{i}]: the rows", minimum=0, maximum=limits.MAX_ID)
+        if first > last:
+            raise ValueError(
+                f"ranges[{i}]: a range is (first id, last id, rows) with first <= last, "
+                f"got {given!r}"
+            )
+        if checked and first <= checked[-1][1]:
+            raise ValueError(
+                f"ranges must be in id order without overlap: {checked[-1]}, {given!r}"
+            )
+        checked.append((first, last, rows))
+    return checked
 
 
 def _progress_reporter(progress: bool | ProgressCallback, label: str) -> ProgressCallback | None:
@@ -333,6 +365,20 @@ class ProgressBar:
 # Claiming and settling
 
 
+def _lease(lease: timedelta | None) -> timedelta:
+    """The lease to take or renew: ``FAIRQUEUE['LEASE_SECONDS']`` for None. One shorter than
+    ``limits.MIN_LEASE`` is refused, as ``runfairworker --lease`` refuses it: it would expire
+    before the first heartbeat renews it, each claim costing an attempt."""
+    if lease is None:
+        return _default_lease()
+    given: Any = lease  # checked at run time: callers may pass anything
+    if not isinstance(given, timedelta) or given.total_seconds() < limits.MIN_LEASE:
+        raise ValueError(
+            f"lease must be a timedelta of at least {limits.MIN_LEASE:g} seconds, got {lease!r}"
+        )
+    return lease
+
+
 def _split_jobs(jobs: Sequence[str] | None) -> tuple[list[str] | None, list[str] | None]:
     if jobs is None:
         return None, None
@@ -363,18 +409,20 @@ def claim(
     Channels take turns (least recently served first; a channel of weight w keeps its turn for w
     batches), a paused channel waits, and a channel never runs more batches at once than its
     ``max_concurrency``. ``jobs`` limits the claim to these job names; a name ending in ``*`` is
-    a prefix (``"enrich:*"``). The lease (default ``FAIRQUEUE['LEASE_SECONDS']``) must be
-    renewed (:func:`heartbeat`, :class:`Heartbeat`) until the batch is settled.
+    a prefix (``"enrich:*"``). The lease (default ``FAIRQUEUE['LEASE_SECONDS']``, at least
+    ``limits.MIN_LEASE`` seconds) must be renewed (:func:`heartbeat`, :class:`Heartbeat`) until
+    the batch is settled.
     """
     # as a worker's message claims (WorkerConfig): the name an operator finds the claim by
     limits.worker_id(worker_id)
+    taken = _lease(lease)
     alias = using or conf.get().DATABASE
     exact, prefixes = _split_jobs(jobs)
 
     def look() -> ClaimedBatch | None:
         return batch_store.claim_work_batch(
             worker=worker_id,
-            lease=lease if lease is not None else _default_lease(),
+            lease=taken,
             jobs=exact,
             job_prefixes=prefixes,
             only=_channel_ids(channels, alias),
@@ -423,7 +471,7 @@ def heartbeat(
     """Renew the batch's lease; False means it was lost (stop working on it: its writes would be
     refused)."""
     expires = batch_store.heartbeat_work_batch(
-        batch.id, batch.lease_token, lease=lease or _default_lease(), using=using
+        batch.id, batch.lease_token, lease=_lease(lease), using=using
     )
     return expires is not None
 
@@ -477,7 +525,7 @@ class Heartbeat:
         using: str | None = None,
     ) -> None:
         self.batch = batch
-        self.lease = lease or _default_lease()
+        self.lease = _lease(lease)
         self.interval = interval if interval is not None else self.lease.total_seconds() / 3
         self.alias = using or conf.get().DATABASE
         self.lost = threading.Event()
@@ -559,13 +607,16 @@ def fenced(batch: ClaimedBatch, *, using: str | None = None) -> Iterator[Fence]:
         raise
 
 
-def _error_dict(error: BaseException | str, batch: ClaimedBatch, worker_id: str) -> dict[str, Any]:
+def _error_dict(error: BaseException | str, batch: ClaimedBatch) -> dict[str, Any]:
     """The ``last_error`` of a failed attempt, shaped (and made storable) like a message's."""
     if isinstance(error, BaseException):
-        return error_info(error, attempt=batch.attempts, worker_id=worker_id)
+        return error_info(error, attempt=batch.attempts, worker_id=batch.worker_id)
     # A plain message: the same truncation and NUL escaping, no traceback.
     info = error_info(
-        RuntimeError(error), attempt=batch.attempts, worker_id=worker_id, with_traceback=False
+        RuntimeError(error),
+        attempt=batch.attempts,
+        worker_id=batch.worker_id,
+        with_traceback=False,
     )
     return {**info, "type": "Error"}
 
@@ -576,11 +627,11 @@ def fail(
     *,
     retry_delay_seconds: float | None = None,
     final: bool = False,
-    worker_id: str = "",
     using: str | None = None,
 ) -> str | None:
     """Record a failed attempt: back to ``pending`` after a backoff, or ``failed`` (a dead
-    letter keeping the error) when its attempts are used up or ``final`` is set.
+    letter keeping the error, with the worker that claimed the batch) when its attempts are
+    used up or ``final`` is set.
 
     Returns the new state, or None if the lease was already lost (nothing changes).
     """
@@ -592,7 +643,7 @@ def fail(
         state = batch_store.fail_work_batch(
             batch.id,
             batch.lease_token,
-            error=_error_dict(error, batch, worker_id),
+            error=_error_dict(error, batch),
             retry_in=timedelta(seconds=delay),
             final=final,
             using=using,

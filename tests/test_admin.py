@@ -384,9 +384,7 @@ def test_saving_limits_never_writes_the_counters() -> None:
     assert_counters_match_table()
 
 
-def test_the_add_form_starts_from_the_channel_defaults(
-    admin_client: Client, settings: Any
-) -> None:
+def test_the_add_form_starts_from_the_channel_defaults(admin_client: Client, settings: Any) -> None:
     settings.FAIRQUEUE = {
         **settings.FAIRQUEUE,
         "CHANNEL_DEFAULTS": {"max_concurrency": 4, "weight": 2},

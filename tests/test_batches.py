@@ -16,7 +16,7 @@ import pytest
 from django.db import connection, connections, transaction
 from django.utils import timezone
 
-from django_fairqueue import batches
+from django_fairqueue import batches, conf
 from django_fairqueue.exceptions import InvalidChannel, LeaseLost
 from django_fairqueue.models import BatchState, Channel, WorkBatch
 
@@ -50,6 +50,13 @@ def make_source(ids: list[int], *, tenant_of: Any = None) -> None:
             f"INSERT INTO {SOURCE} (id, tenant) SELECT * FROM unnest(%s::bigint[], %s::int[])",
             [ids, tenants],
         )
+
+
+def expire(batch: batches.ClaimedBatch) -> None:
+    """Let the batch's lease run out now (a claim takes no lease shorter than the minimum)."""
+    WorkBatch.objects.filter(pk=batch.id).update(
+        lease_expires_at=timezone.now() - timedelta(seconds=1)
+    )
 
 
 def drop_source() -> None:
@@ -146,7 +153,7 @@ def test_plan_rejects_bad_input_clearly() -> None:
         batches.plan("x", channel="a", table=SOURCE, id_column="label")
     with pytest.raises(ValueError, match="filter column 'tenant_id'"):
         batches.plan("x", channel="a", table=SOURCE, filters={"tenant_id": 1})
-    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+    with pytest.raises(ValueError, match="batch_size must be 1 to"):
         batches.plan("x", channel="a", table=SOURCE, batch_size=0)
     with pytest.raises(ValueError, match="job name"):
         batches.plan(" x", channel="a", table=SOURCE)
@@ -162,6 +169,34 @@ def test_plan_rejects_bad_input_clearly() -> None:
     with pytest.raises(ValueError, match="planned on channel 'a', not 'b'"):
         batches.plan("x", channel="b", table=SOURCE)
     assert not WorkBatch.objects.filter(job_name="x").exclude(channel__name="a").exists()
+
+
+@pytest.mark.django_db
+def test_bad_filters_and_ranges_are_refused_naming_the_argument_and_write_nothing() -> None:
+    make_source([1, 2, 3])
+    with transaction.atomic():  # the caller's transaction stays usable after each refusal
+        with pytest.raises(ValueError, match=r"filters \{'tenant': 'abc'\} do not fit .*integer"):
+            batches.plan("bad", channel="bad", table=SOURCE, filters={"tenant": "abc"})
+        shape = r"must be \(first id, last id, rows\), got"
+        refused: list[tuple[Any, type[Exception], str]] = [
+            ([(True, 10, 1)], TypeError, r"ranges\[0\]: the first id must be an integer"),
+            ([(1, 2**70, 1)], ValueError, rf"ranges\[0\]: the last id must be .* got {2**70}"),
+            ([(1, 10, 1), (20, 30, -1)], ValueError, r"ranges\[1\]: the rows must be 0 to"),
+            ([(1, 10)], TypeError, rf"ranges\[0\] {shape} \(1, 10\)"),
+            ([5], TypeError, rf"ranges\[0\] {shape} 5"),
+            (7, TypeError, "ranges must be a list of"),
+        ]
+        for ranges, error, message in refused:
+            with pytest.raises(error, match=message):
+                batches.plan_ranges("bad", channel="bad", ranges=ranges)
+        with pytest.raises(ValueError, match="max_attempts must be 1 to 2147483647"):
+            batches.plan_ranges("bad", channel="bad", ranges=[(1, 2, 1)], max_attempts=2**40)
+        with pytest.raises(ValueError, match="batch_size must be 1 to 9223372036854775807"):
+            batches.plan("bad", channel="bad", table=SOURCE, batch_size=2**70)
+        assert not Channel.objects.filter(name="bad").exists()
+        assert not WorkBatch.objects.filter(job_name="bad").exists()
+        # the right values plan
+        assert batches.plan("bad", channel="bad", table=SOURCE, filters={"tenant": 1}).created == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,10 +394,11 @@ def test_fail_retries_with_backoff_then_dead_letters(settings: Any) -> None:
     WorkBatch.objects.filter(job_name="flaky").update(max_attempts=2)
     b = batches.claim(worker_id="w", lease=LEASE)
     assert b is not None
-    assert batches.fail(b, ValueError("bad row 7"), worker_id="w") == "pending"
+    assert batches.fail(b, ValueError("bad row 7")) == "pending"
     row = WorkBatch.objects.get(pk=b.id)
     assert row.run_at > row.created_at and row.lease_token is None
     assert row.last_error["type"] == "ValueError" and "bad row 7" in row.last_error["message"]
+    assert row.last_error["worker"] == "w"  # the worker that claimed it
     assert batches.claim(worker_id="w", lease=LEASE) is None  # waiting for its backoff
     WorkBatch.objects.filter(pk=b.id).update(run_at=row.created_at)
     again = batches.claim(worker_id="w", lease=LEASE)
@@ -382,6 +418,37 @@ def test_fail_retries_with_backoff_then_dead_letters(settings: Any) -> None:
 
 
 @pytest.mark.django_db
+def test_a_lease_shorter_than_the_minimum_is_refused_and_nothing_is_claimed() -> None:
+    plan_job("short", "alice", 1)
+    for lease in (timedelta(seconds=-5), timedelta(0), timedelta(seconds=4.9), 30):
+        with pytest.raises(ValueError, match="lease must be a timedelta of at least 5 seconds"):
+            batches.claim(worker_id="w", lease=lease)  # type: ignore[arg-type]
+    assert WorkBatch.objects.get(job_name="short").attempts == 0
+    b = batches.claim(worker_id="w", lease=timedelta(seconds=5))
+    assert b is not None
+    for lease in (timedelta(0), timedelta(seconds=1)):  # not the default, as 0 used to be
+        with pytest.raises(ValueError, match="lease must be a timedelta of at least 5 seconds"):
+            batches.Heartbeat(b, lease=lease)
+        with pytest.raises(ValueError, match="lease must be a timedelta of at least 5 seconds"):
+            batches.heartbeat(b, lease=lease)
+    assert batches.Heartbeat(b).lease == timedelta(seconds=conf.get().LEASE_SECONDS)  # None
+    assert batches.heartbeat(b)
+
+
+@pytest.mark.django_db
+def test_a_failure_records_the_worker_that_claimed_the_batch() -> None:
+    plan_job("who", "alice", 1)
+    b = batches.claim(worker_id="host:42", lease=LEASE)
+    assert b is not None and b.worker_id == "host:42"
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as exc:
+        assert batches.fail(b, exc) == "pending"
+    error = WorkBatch.objects.get(pk=b.id).last_error
+    assert (error["type"], error["worker"], error["attempt"]) == ("RuntimeError", "host:42", 1)
+
+
+@pytest.mark.django_db
 def test_release_keeps_the_attempt_budget() -> None:
     plan_job("rel", "alice", 1)
     b = batches.claim(worker_id="w", lease=LEASE)
@@ -395,9 +462,9 @@ def test_expired_lease_is_rescued_and_the_stale_worker_is_fenced_out(settings: A
     settings.FAIRQUEUE = {**settings.FAIRQUEUE, "RETRY_BACKOFF_BASE": 0}
     try:
         plan_job("lease", "alice", 1)
-        stale = batches.claim(worker_id="dead", lease=timedelta(milliseconds=50))
+        stale = batches.claim(worker_id="dead", lease=LEASE)
         assert stale is not None
-        time.sleep(0.1)
+        expire(stale)
         rescued = batches.rescue_expired()
         assert [(r.id, r.state, r.worker_id) for r in rescued] == [(stale.id, "pending", "dead")]
         row = WorkBatch.objects.get(pk=stale.id)
@@ -414,9 +481,9 @@ def test_expired_lease_is_rescued_and_the_stale_worker_is_fenced_out(settings: A
         assert WorkBatch.objects.get(pk=stale.id).worker_id == "alive"
         # out of attempts: a rescued batch becomes a dead letter
         WorkBatch.objects.filter(pk=stale.id).update(state="pending", max_attempts=1, attempts=0)
-        doomed = batches.claim(worker_id="dead", lease=timedelta(milliseconds=10))
+        doomed = batches.claim(worker_id="dead", lease=LEASE)
         assert doomed is not None
-        time.sleep(0.05)
+        expire(doomed)
         assert [r.state for r in batches.rescue_expired()] == ["failed"]
     finally:
         drop_source()
@@ -426,12 +493,13 @@ def test_expired_lease_is_rescued_and_the_stale_worker_is_fenced_out(settings: A
 def test_heartbeat_thread_keeps_the_lease_and_reports_a_lost_one() -> None:
     try:
         plan_job("hb", "alice", 2)
-        b = batches.claim(worker_id="w", lease=timedelta(milliseconds=300))
+        b = batches.claim(worker_id="w", lease=LEASE)
         assert b is not None
-        with batches.Heartbeat(b, lease=timedelta(milliseconds=300)) as beat:
-            time.sleep(0.8)  # well past one lease period
+        with batches.Heartbeat(b, lease=LEASE, interval=0.1) as beat:
+            time.sleep(0.5)
             assert batches.rescue_expired() == [] and not beat.lost.is_set()
             assert beat.beats >= 3
+            assert WorkBatch.objects.get(pk=b.id).lease_expires_at > b.lease_expires_at
             WorkBatch.objects.filter(pk=b.id).update(state="pending", lease_token=None)
             assert beat.lost.wait(2.0)
     finally:
@@ -499,8 +567,9 @@ def test_channels_leave_the_claim_walk_when_drained_and_return_with_new_pending_
     b = batches.claim(worker_id="w", lease=LEASE)
     assert b is not None and batches.claim(worker_id="w", lease=LEASE) is None
     assert batches.release(b) and batch_pending("alice")
-    b = batches.claim(worker_id="w", lease=timedelta(microseconds=1))
+    b = batches.claim(worker_id="w", lease=LEASE)
     assert b is not None and batches.claim(worker_id="w", lease=LEASE) is None
+    expire(b)
     assert [r.state for r in batches.rescue_expired()] == ["pending"]
     assert batch_pending("alice")
     WorkBatch.objects.filter(pk=b.id).update(run_at=timezone.now() - timedelta(seconds=1))
@@ -518,9 +587,10 @@ def test_worker_maintenance_rescues_and_prunes_batches(settings: Any) -> None:
 
     settings.FAIRQUEUE = {**settings.FAIRQUEUE, "BATCH_RETENTION": 0}
     plan_job("maint", "alice", 2)
-    gone = batches.claim(worker_id="gone", lease=timedelta(microseconds=1))
+    gone = batches.claim(worker_id="gone", lease=LEASE)
     done = batches.claim(worker_id="w", lease=LEASE)
     assert gone and done
+    expire(gone)
     with batches.fenced(done) as fence:
         fence.rows_processed = 10
     assert BatchRescuer().run_once() == 1

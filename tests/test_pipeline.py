@@ -8,11 +8,14 @@ with a clear reason without PySpark or Java. Data is small: the point is correct
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import importlib
+import json
 import math
 import os
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from decimal import ROUND_HALF_UP, Decimal
@@ -25,6 +28,8 @@ from django_fairqueue import batches
 from django_fairqueue.contrib.pipeline import datastore, execute
 from django_fairqueue.contrib.pipeline.core import Pipeline, Sink, registry
 from django_fairqueue.contrib.pipeline.formulas import FormulaError, parse_formulas
+from django_fairqueue.contrib.pipeline.management.commands.fairpipeline import Command
+from django_fairqueue.contrib.pipeline.models import PipelineJob
 from django_fairqueue.contrib.pipeline.runner import PipelineRunner, plan
 from django_fairqueue.exceptions import LeaseLost
 from django_fairqueue.models import WorkBatch
@@ -255,7 +260,7 @@ def test_status_shows_progress_per_job(
     # Why a batch failed shows under its job, until the batch succeeds.
     claimed = batches.claim(worker_id="t", jobs=["test.enrich:alice"])
     assert claimed is not None
-    batches.fail(claimed, ValueError("the sink refused a row\nmore detail"), worker_id="t")
+    batches.fail(claimed, ValueError("the sink refused a row\nmore detail"))
     call_command("fairpipeline", "status", PIPELINE)
     out = capsys.readouterr().out
     assert (f"  last error (batch {claimed.id}, pending, attempt 1): ValueError: the sink "
@@ -274,6 +279,87 @@ def test_status_shows_progress_per_job(
     call_command("fairpipeline", "status", "--json")
     jobs = {job["job"]: job for job in json.loads(capsys.readouterr().out)}
     assert jobs["test.enrich:bob"]["cancelled"] and jobs["test.enrich:bob"]["batches_total"] == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pruned_job_is_still_listed_and_planned_again_as_a_new_run(
+    formulas: dict[str, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_rows(5)
+    plan(PIPELINE, tenants=["alice"])
+    job_name = f"{PIPELINE}:alice"
+    # what the run computed with and counted: its aggregates, its TODAY(), its error values
+    PipelineJob.objects.filter(job_name=job_name).update(
+        errors={"total": 2}, aggregates=[{"rows": 5}], today=dt.date(2020, 1, 1)
+    )
+    while (batch := batches.claim(worker_id="t", jobs=[job_name])) is not None:
+        with batches.fenced(batch) as fence:
+            fence.rows_processed = batch.row_count
+    assert batches.prune(older_than=timedelta(0)) == 1
+
+    call_command("fairpipeline", "status")
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(job_name))
+    assert line.split()[1:3] == ["succeeded", "0/0"]  # its batches are gone, not the job
+    call_command("fairpipeline", "status", PIPELINE, "--json")
+    (shown,) = json.loads(capsys.readouterr().out)
+    assert (shown["job"], shown["batches_total"], shown["errors"]) == (job_name, 0, {"total": 2})
+
+    (planned,) = plan(PIPELINE, tenants=["alice"]).planned
+    assert (planned.created, planned.rows_planned) == (1, 5)  # every row, from the first id
+    job = PipelineJob.objects.get(job_name=job_name)
+    assert (job.errors, job.aggregates) == ({}, None)
+    assert job.today == execute.prepare(registry.get(PIPELINE), "alice").today
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_plan_that_planned_no_tenant_says_so(formulas: dict[str, list[str]]) -> None:
+    formulas["nosuch"] = []  # a tenant without formulas: refused
+    with pytest.raises(CommandError) as caught:
+        call_command("fairpipeline", "plan", PIPELINE, "--tenant", "nosuch")
+    assert str(caught.value) == "tenant 'nosuch' was not planned (above)"
+    formulas["other"] = []
+    with pytest.raises(CommandError) as caught:
+        call_command("fairpipeline", "plan", PIPELINE, "--tenant", "nosuch", "--tenant", "other")
+    assert str(caught.value) == "none of the 2 tenants was planned (above)"
+    with pytest.raises(CommandError) as caught:
+        call_command("fairpipeline", "recompute", PIPELINE, "--tenant", "nosuch")
+    assert str(caught.value) == "tenant 'nosuch' was not recomputed (above)"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_djangos_common_options_may_follow_the_action(
+    formulas: dict[str, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_rows(5)
+    call_command("fairpipeline", "plan", PIPELINE, "--tenant", "bob", "-v", "0", "--traceback")
+    assert "test.enrich:bob (formulas " in capsys.readouterr().out
+    for common in (["-v", "0"], ["--verbosity=2", "--no-color"], ["--force-color"]):
+        call_command("fairpipeline", "status", "--json", *common)
+        assert json.loads(capsys.readouterr().out)[0]["job"] == "test.enrich:bob"
+    with pytest.raises(CommandError, match="--runners must be from 1 to 16"):  # parsed first
+        call_command("fairpipeline", "run", "--tenant", "x", "--burst", "-v", "0", "--runners", "0")
+    parser = Command().create_parser("manage.py", "fairpipeline")
+    given = ["run", "--burst", "-v", "0", "--settings", "s", "--pythonpath", "p", "--skip-checks"]
+    options = vars(parser.parse_args(given))
+    assert {k: options[k] for k in ("verbosity", "settings", "pythonpath", "skip_checks")} == {
+        "verbosity": 0,
+        "settings": "s",
+        "pythonpath": "p",
+        "skip_checks": True,
+    }
+    # one given before the action is kept: the action's parser does not reset it
+    assert parser.parse_args(["-v", "2", "run"]).verbosity == 2
+    with pytest.raises(CommandError, match=r"--lease must be 5 to 86400 seconds, got 1\.0"):
+        call_command("fairpipeline", "run", "--lease", "1")
+
+
+def test_without_pyspark_the_error_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from django_fairqueue.contrib.pipeline.spark import SparkUnavailable, require_pyspark
+
+    for module in ("pyspark", "pyarrow"):
+        monkeypatch.setitem(sys.modules, module, None)  # import -> ImportError
+    with pytest.raises(SparkUnavailable, match=r"\(not installed: pyspark, pyarrow\): pip"):
+        require_pyspark()
 
 
 def test_without_pyspark_the_commands_say_how_to_install(
@@ -427,6 +513,64 @@ def test_text_longer_than_a_varchar_column_is_an_error_value_not_a_failed_batch(
         assert got[key][3] == (None if key in too_long else row[3])
     counted = sum(job.errors.get("band", 0) for job in PipelineJob.objects.all())
     assert counted == len(too_long)
+
+
+@needs_spark
+@pytest.mark.spark
+@pytest.mark.django_db(transaction=True)
+def test_the_last_batch_of_a_run_records_it_as_the_last_successful_run(
+    spark: Any,
+    spark_settings: None,
+    formulas: dict[str, list[str]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    make_rows(150)
+    plan(PIPELINE, tenants=["alice"])  # two batches
+
+    def run(**options: Any) -> None:
+        PipelineRunner(worker_id="t", pipelines=[PIPELINE], burst=True, spark=spark,
+                       **options).run()  # fmt: skip
+
+    def job() -> PipelineJob:
+        return PipelineJob.objects.get(job_name=f"{PIPELINE}:alice")
+
+    run(max_batches=1)
+    assert job().succeeded_at is None  # one batch of two: the run is not complete
+    run()
+    done = job()
+    assert done.succeeded_at is not None
+    assert (done.succeeded_version, done.succeeded_output) == (done.version, "sink")
+    call_command("fairpipeline", "status", PIPELINE, "--json")
+    (shown,) = json.loads(capsys.readouterr().out)
+    assert shown["last_success"]["version"] == done.version
+
+
+@needs_spark
+@pytest.mark.spark
+@pytest.mark.django_db(transaction=True)
+def test_a_stop_before_the_batch_s_spark_job_starts_gives_the_batch_back(
+    spark: Any,
+    spark_settings: None,
+    formulas: dict[str, list[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    make_rows(5)
+    plan(PIPELINE, tenants=["alice"])
+    runner = PipelineRunner(worker_id="t", pipelines=[PIPELINE], spark=spark, poll_interval=0.1)
+    prepare_batch = execute.prepare_batch
+
+    def stopped_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        runner.stop()  # SIGTERM while the driver prepares the batch, before its Spark job
+        time.sleep(0.6)  # the watcher saw the stop, and no Spark job yet to cancel
+        return prepare_batch(*args, **kwargs)
+
+    monkeypatch.setattr(execute, "prepare_batch", stopped_meanwhile)
+    stats = runner.run()
+
+    assert (stats.succeeded, stats.failed, stats.released) == (0, 0, 1)
+    (row,) = WorkBatch.objects.filter(job_name=f"{PIPELINE}:alice")
+    assert (row.state, row.attempts) == ("pending", 0)  # given back, no attempt used
+    assert not ResultRow.objects.exists()
 
 
 @needs_spark

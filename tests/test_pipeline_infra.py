@@ -533,6 +533,26 @@ class _FakeSession:
         )
 
 
+def test_after_a_stop_the_watcher_also_cancels_a_spark_job_the_batch_starts_later() -> None:
+    """The stop may come while the driver still plans the batch's job: the watcher cancels
+    the runner's jobs at every look until the batch ends, not once."""
+    cancelled: list[str] = []
+    session = SimpleNamespace(sparkContext=SimpleNamespace(cancelJobsWithTag=cancelled.append))
+    runner = PipelineRunner(worker_id="w", spark=session)
+    runner.stop()
+    watchdog = SimpleNamespace(look=lambda: None)
+    batch = SimpleNamespace(id=1, job_name="j")
+    watcher = threading.Thread(target=runner._watch, args=(batch, threading.Event(), watchdog))
+    watcher.start()
+    try:
+        wait_until(lambda: len(cancelled) >= 3, timeout=10, what="a cancel at every look")
+    finally:
+        runner._finished.set()  # the batch ended
+        watcher.join(10)
+    assert not watcher.is_alive()
+    assert set(cancelled) == {runner._tag}
+
+
 def test_the_watchdog_sees_an_application_without_executors_and_a_master_gone() -> None:
     now = [0.0]
     listener = socket.create_server(("127.0.0.1", 0))

@@ -323,6 +323,24 @@ def test_cancelling_a_finished_job_keeps_its_run_as_the_last_successful_one(
     assert (decided.scope, decided.reason) == ("none", "no row changed since 0")
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_dry_run_recompute_decides_as_a_recompute_and_writes_nothing(
+    json_formulas: dict[str, list[str]],
+) -> None:
+    rows(20)
+    recompute(NAME, tenants=["bob"])
+    complete_without_spark(f"{NAME}:bob")  # finished, not yet recorded as the last success
+    job = PipelineJob.objects.filter(job_name=f"{NAME}:bob")
+    before = job.values().get()
+
+    (decided,) = recompute(NAME, tenants=["bob"], dry_run=True).tenants
+
+    # what a recompute decides, as if the finished run were recorded: it is not
+    assert (decided.scope, decided.reason) == ("none", "no row changed since 0")
+    assert job.values().get() == before
+    assert before["succeeded_at"] is None
+
+
 def test_recompute_needs_a_known_pipeline() -> None:
     with pytest.raises(CommandError, match="no pipeline named 'nope'"):
         call_command("fairpipeline", "recompute", "nope")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -30,7 +30,8 @@ def retry_failed_work_batches(ids: Sequence[int], *, using: str | None = None) -
 
 @dataclass(frozen=True, slots=True)
 class ClaimedBatch:
-    """A work batch claimed under a lease. ``attempts`` counts this attempt (1-based)."""
+    """A work batch claimed under a lease by ``worker_id``. ``attempts`` counts this attempt
+    (1-based)."""
 
     id: int
     channel_id: int
@@ -43,6 +44,8 @@ class ClaimedBatch:
     max_attempts: int
     lease_token: uuid.UUID
     lease_expires_at: datetime
+    #: the worker it was claimed for (what a failure records)
+    worker_id: str = field(default="", kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +211,7 @@ def claim_work_batch(
         "exclude": list(exclude) if exclude is not None else None,
     }
     rows = _run("claim_work_batch", params, using)
-    return ClaimedBatch(*rows[0]) if rows else None
+    return ClaimedBatch(*rows[0], worker_id=worker) if rows else None
 
 
 def heartbeat_work_batch(

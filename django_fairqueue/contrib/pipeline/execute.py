@@ -610,12 +610,14 @@ def run_range(
     sink: datastore.SinkWriteSpec | None = None,
     job_group: str | None = None,
     aggregates: Any = None,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> Written:
     """One Spark job: read ids start..end in sub-ranges, transform, write.
 
     With ``staging``, each task COPYs its rows into the staging table (the atomic path); with
     ``sink`` (a :class:`~django_fairqueue.contrib.pipeline.datastore.SinkWriteSpec`), each task
     upserts them into the sink in its own transaction, fenced on the batch's lease.
+    :class:`RunnerStopping` if ``stopping()`` says so before the job starts.
     """
     if (staging is None) == (sink is None):
         raise ValueError("run_range writes to staging or to the sink: give one of them")
@@ -638,6 +640,10 @@ def run_range(
             # pyspark 4 warns about pandas 3 on every mapInArrow; the Arrow path uses no pandas.
             warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas")
             job = plans.get(spark, prepared, parts, aggregates, sink=sink)
+            # Last look before the job starts: a stop requested while the driver planned it
+            # found no job to cancel.
+            if stopping():
+                raise RunnerStopping("the runner is stopping: the batch's Spark job not started")
             results = job.frame.collect()
     finally:
         context.setLocalProperty(datastore.BATCH_PROPERTY, None)
@@ -825,6 +831,11 @@ class BatchOutcome:
 
 class JobCancelled(RuntimeError):
     """The batch's job was cancelled (``fairpipeline cancel``): nothing is written."""
+
+
+class RunnerStopping(RuntimeError):
+    """The runner is stopping: the batch's Spark job was not started (the runner gives the
+    batch back)."""
 
 
 def pinned(job_name: str, using: str) -> Any:
@@ -1016,11 +1027,13 @@ def execute_batch(
     *,
     job_group: str | None = None,
     lease_lost: Callable[[], bool] = lambda: False,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> BatchOutcome:
     """Run a claimed work batch (``batches.ClaimedBatch``) end to end; see the module doc.
 
     Raises ``LeaseLost`` if the lease was lost (nothing written by this run after the loss),
-    :class:`FormulaError` for a bad formula, :class:`JobCancelled` for a cancelled job, or
+    :class:`FormulaError` for a bad formula, :class:`JobCancelled` for a cancelled job,
+    :class:`RunnerStopping` when ``stopping()`` before the batch's Spark job starts, or
     whatever Spark or the database raised; the staging table (atomic sinks) is dropped in
     every case.
     """
@@ -1033,9 +1046,11 @@ def execute_batch(
     if prepared.formulas is not None and prepared.formulas.aggregates:
         aggregates = aggregate_cache.get(spark, prepared, batch.job_name, job_group)
     if prepared.output == "long" or pipeline.sink.atomic:  # a long sink is always atomic
-        rows, spark_done = _run_atomic(spark, batch, prepared, job_group, lease_lost, aggregates)
+        rows, spark_done = _run_atomic(
+            spark, batch, prepared, job_group, lease_lost, aggregates, stopping
+        )
     else:
-        rows, spark_done = _run_direct(spark, batch, prepared, job_group, aggregates)
+        rows, spark_done = _run_direct(spark, batch, prepared, job_group, aggregates, stopping)
     finished = time.monotonic()
     return BatchOutcome(
         batch_id=batch.id,
@@ -1046,10 +1061,13 @@ def execute_batch(
     )
 
 
-def _settle_job(alias: str, job_name: str, errors: dict[str, int]) -> None:
-    """Inside the batch's fence: refuse if the job was cancelled, add the error counts."""
+def _settle_job(alias: str, batch: Any, errors: dict[str, int]) -> None:
+    """Inside the batch's fence: refuse if the job was cancelled, add the error counts, and
+    record the run as the job's last successful one when this batch is its last to succeed."""
     from django_fairqueue.contrib.pipeline.models import PipelineJob
+    from django_fairqueue.models import WorkBatch
 
+    job_name = batch.job_name
     job = PipelineJob.objects.using(alias).select_for_update().filter(job_name=job_name).first()
     if job is None:
         return
@@ -1061,6 +1079,10 @@ def _settle_job(alias: str, job_name: str, errors: dict[str, int]) -> None:
             merged[rule] = int(merged.get(rule, 0)) + count
         job.errors = merged
         job.save(update_fields=["errors"])
+    # This batch completes when the fence commits. The job's row lock orders the batches that
+    # settle at once: the last of them sees the others succeeded.
+    others = WorkBatch.objects.using(alias).filter(job_name=job_name).exclude(pk=batch.id)
+    job.record_success(others)
 
 
 def _run_atomic(
@@ -1070,6 +1092,7 @@ def _run_atomic(
     job_group: str | None,
     lease_lost: Callable[[], bool],
     aggregates: Any = None,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> tuple[int, float]:
     """Spark tasks stage the rows; the driver merges them under the fence (all or nothing)."""
     from django_fairqueue import batches
@@ -1091,13 +1114,14 @@ def _run_atomic(
             staging=statements,
             job_group=job_group,
             aggregates=aggregates,
+            stopping=stopping,
         )
         spark_done = time.monotonic()
         if lease_lost():
             raise LeaseLost(f"work batch {batch.id}: lease lost while Spark ran; not written")
         rows = written.rows
         with batches.fenced(batch, using=alias) as fence:
-            _settle_job(alias, batch.job_name, written.errors)
+            _settle_job(alias, batch, written.errors)
             if isinstance(target, LongSink):
                 rows = datastore.merge_long_staging(
                     alias,
@@ -1124,7 +1148,12 @@ def _run_atomic(
 
 
 def _run_direct(
-    spark: Any, batch: Any, prepared: Prepared, job_group: str | None, aggregates: Any = None
+    spark: Any,
+    batch: Any,
+    prepared: Prepared,
+    job_group: str | None,
+    aggregates: Any = None,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> tuple[int, float]:
     """``atomic=False``: Spark tasks upsert into the sink, each in its own transaction fenced on
     the lease; the driver then completes the batch (no writes of its own)."""
@@ -1152,6 +1181,7 @@ def _run_direct(
             sink=spec,
             job_group=job_group,
             aggregates=aggregates,
+            stopping=stopping,
         )
     except Exception as exc:
         if datastore.LeaseLostInTask.MARKER in str(exc):
@@ -1161,7 +1191,7 @@ def _run_direct(
         raise
     spark_done = time.monotonic()
     with batches.fenced(batch, using=alias) as fence:
-        _settle_job(alias, batch.job_name, written.errors)
+        _settle_job(alias, batch, written.errors)
         fence.rows_processed = written.rows
     return written.rows, spark_done
 

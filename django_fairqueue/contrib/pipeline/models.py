@@ -6,9 +6,13 @@ pipeline became an app of its own; this app took the model over without moving t
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.db import models
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
+
+from django_fairqueue.models import BatchState
 
 
 class PipelineJob(models.Model):
@@ -77,3 +81,29 @@ class PipelineJob(models.Model):
 
     def __str__(self) -> str:
         return f"{self.job_name} @ {self.version}"
+
+    def record_success(self, batches: Any, *, save: bool = True) -> None:
+        """Make the job's run its last successful run if the run is complete: the job is not
+        cancelled and every batch of ``batches`` (a queryset of the run's work batches, or of
+        those still to succeed) succeeded. Call with the job's row locked. ``save=False`` sets
+        the fields without writing them (what a dry run decides with)."""
+        # the states other than succeeded by name: each is a probe of the (job, state) index
+        unsettled = [state for state in BatchState.values if state != BatchState.SUCCEEDED]
+        if self.cancelled_at is not None or batches.filter(state__in=unsettled).exists():
+            return
+        seen = (self.succeeded_version, self.succeeded_output, self.succeeded_watermark)
+        if self.succeeded_at is not None and seen == (self.version, self.output, self.watermark):
+            return
+        self.succeeded_version = self.version
+        self.succeeded_output = self.output
+        self.succeeded_watermark = self.watermark
+        self.succeeded_at = timezone.now()
+        if save:
+            self.save(
+                update_fields=[
+                    "succeeded_version",
+                    "succeeded_output",
+                    "succeeded_watermark",
+                    "succeeded_at",
+                ]
+            )

@@ -93,10 +93,10 @@ def plan(
     blocks only that tenant. No Spark session is needed.
 
     A job is pinned to the formula set it was planned with (its content hash, the version):
-    planning again with the same formulas adds batches for rows appended since; with edited
-    formulas, a finished (or cancelled) job is planned anew from the start under the new
-    version, while an unfinished one is refused (cancel it, or wait). ``rerun``: plan a
-    finished job again from the start.
+    planning again with the same formulas adds batches for rows appended since (a job whose
+    batches were pruned is planned anew from the start); with edited formulas, a finished (or
+    cancelled) job is planned anew from the start under the new version, while an unfinished
+    one is refused (cancel it, or wait). ``rerun``: plan a finished job again from the start.
 
     ``output``: where the jobs write, ``"sink"`` or ``"long"`` (the pipeline's ``long_sink``);
     default: the job's current output (``"sink"`` for a new job). Changing it plans the job
@@ -174,28 +174,6 @@ def _watermark(pipeline: Pipeline, tenant: str) -> str | None:
     )
 
 
-def _promote(job: PipelineJob, job_batches: Any) -> None:
-    """If the job's run is complete (every batch succeeded, not cancelled), record it as the
-    last successful run. Call with the job row locked."""
-    if job.cancelled_at is not None or job_batches.exclude(state=BatchState.SUCCEEDED).exists():
-        return
-    seen = (job.succeeded_version, job.succeeded_output, job.succeeded_watermark)
-    if job.succeeded_at is not None and seen == (job.version, job.output, job.watermark):
-        return
-    job.succeeded_version = job.version
-    job.succeeded_output = job.output
-    job.succeeded_watermark = job.watermark
-    job.succeeded_at = timezone.now()
-    job.save(
-        update_fields=[
-            "succeeded_version",
-            "succeeded_output",
-            "succeeded_watermark",
-            "succeeded_at",
-        ]
-    )
-
-
 def _pin(pipeline: Pipeline, tenant: str, prepared: Any, *, rerun: bool) -> None:
     """Record (or keep) the job's pinned formula set; clear a finished job to plan it anew."""
     alias = pipeline.alias
@@ -218,9 +196,12 @@ def _pin(pipeline: Pipeline, tenant: str, prepared: Any, *, rerun: bool) -> None
                 watermark=_watermark(pipeline, tenant),
             )
             return
-        _promote(job, job_batches)
+        job.record_success(job_batches)
         changed = job.version != prepared.fingerprint or job.output != prepared.output
-        if not changed and not rerun:
+        # A job without batches (pruned once finished) is planned from its first id again:
+        # that is a new run, which must not inherit the last one's aggregates, TODAY() and
+        # error counts.
+        if not changed and not rerun and job_batches.exists():
             if job.cancelled_at is not None:
                 job.cancelled_at = None
                 job.save(update_fields=["cancelled_at"])
@@ -332,7 +313,8 @@ def _recompute_tenant(
     formulas = prepared.formulas.pairs() if prepared.formulas is not None else None
     source = pipeline.source
     with transaction.atomic(using=alias):
-        job = PipelineJob.objects.using(alias).select_for_update().filter(job_name=job_name).first()
+        jobs = PipelineJob.objects.using(alias).filter(job_name=job_name)
+        job = (jobs if dry_run else jobs.select_for_update()).first()
         job_batches = WorkBatch.objects.using(alias).filter(job_name=job_name)
         if job is not None:
             unfinished = job_batches.filter(state__in=_UNFINISHED).count()
@@ -342,7 +324,8 @@ def _recompute_tenant(
                     f"batches: wait for it or cancel it (fairpipeline cancel {pipeline.name} "
                     f"--tenant {tenant}), then recompute"
                 )
-            _promote(job, job_batches)
+            # a dry run decides as the recompute would, writing nothing
+            job.record_success(job_batches, save=not dry_run)
         # Read before anything is planned: a row changed later is above it, so the next
         # recompute finds it.
         watermark = _watermark(pipeline, tenant)
@@ -470,7 +453,7 @@ def cancel(name: str, *, tenants: Sequence[str] | None = None) -> dict[str, int]
         with transaction.atomic(using=alias):
             locked = PipelineJob.objects.using(alias).select_for_update().get(pk=job.pk)
             # A run that already finished stays the last successful one (recompute reads it).
-            _promote(locked, WorkBatch.objects.using(alias).filter(job_name=job.job_name))
+            locked.record_success(WorkBatch.objects.using(alias).filter(job_name=job.job_name))
             locked.cancelled_at = timezone.now()
             locked.save(update_fields=["cancelled_at"])
             count, _ = (
@@ -556,7 +539,8 @@ class PipelineRunner:
         self.worker_id = worker_id
         self.pipelines = list(pipelines) if pipelines else None
         self.channels = list(channels) if channels else None
-        self.lease = lease or timedelta(seconds=cfg.LEASE_SECONDS)
+        #: None: ``FAIRQUEUE['LEASE_SECONDS']`` (the claim and the heartbeat read it)
+        self.lease = lease
         self.poll_interval = poll_interval if poll_interval is not None else cfg.POLL_INTERVAL
         self.burst = burst
         self.quota = quota if quota is not None else _Quota(max_batches)
@@ -787,7 +771,11 @@ class PipelineRunner:
                 if pool is not None:
                     self.spark.sparkContext.setLocalProperty(cluster.POOL_PROPERTY, pool)
                 outcome = execute_batch(
-                    self.spark, batch, job_group=self._tag, lease_lost=beat.lost.is_set
+                    self.spark,
+                    batch,
+                    job_group=self._tag,
+                    lease_lost=beat.lost.is_set,
+                    stopping=self.stopping.is_set,
                 )
             except LeaseLost as exc:
                 self.stats.lost += 1
@@ -827,8 +815,11 @@ class PipelineRunner:
         an outage (the job would wait for executors for ever)."""
         while not self._finished.wait(0.25):
             if lost.is_set() or self.stopping.is_set():
+                # At every tick until the batch ends: a job the batch starts after the first
+                # cancel (the driver was still planning it, or reading aggregates) is
+                # cancelled too.
                 self._cancel()
-                return
+                continue
             try:
                 outage = watchdog.look()
             except Exception as exc:  # the driver's JVM itself went away
@@ -875,7 +866,7 @@ class PipelineRunner:
             self._strikes.pop(batch.id, None)
         # A bad formula or declaration fails the same way on every attempt: dead-letter it.
         final = isinstance(exc, FormulaError | PipelineError | UnknownPipeline | JobCancelled)
-        state = batches.fail(batch, exc, final=final, worker_id=self.worker_id)
+        state = batches.fail(batch, exc, final=final)
         self.stats.failed += 1
         logger.error("batch %s (%s) failed, now %s: %s", batch.id, batch.job_name, state, exc)
 

@@ -44,6 +44,7 @@ process builds one on first use and keeps it: never one per batch.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 import re
@@ -191,14 +192,17 @@ def spark_settings() -> SparkSettings:
 
 def require_pyspark() -> None:
     """Raise :class:`SparkUnavailable` (with how to install) unless PySpark and pyarrow import."""
-    try:
-        import pyarrow  # noqa: F401
-        import pyspark  # noqa: F401
-    except ImportError as exc:
+    missing = []
+    for module in ("pyspark", "pyarrow"):  # each tried: the message names all that are missing
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            missing.append(exc.name or module)  # a module of theirs may be what is missing
+    if missing:
         raise SparkUnavailable(
-            f"the Spark pipeline needs PySpark and pyarrow ({exc.name} is not installed): "
-            f"{INSTALL_HINT}"
-        ) from None
+            f"the Spark pipeline needs PySpark and pyarrow (not installed: "
+            f"{', '.join(missing)}): {INSTALL_HINT}"
+        )
 
 
 def require_java() -> None:

@@ -8,6 +8,7 @@ only read and update jobs and work batches. Guide: docs/howto/spark-pipeline.md.
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import sys
@@ -16,8 +17,10 @@ from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 
+from django_fairqueue import limits
 from django_fairqueue.contrib.pipeline.runner import MAX_RUNNERS
 from django_fairqueue.management.base import FairCommand
+from django_fairqueue.management.commands.runfairworker import MAX_SECONDS
 from django_fairqueue.runtime import configure_logging
 
 
@@ -51,7 +54,8 @@ def _last_errors(job_names: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def _no_batches(job_name: str, tenant: str) -> Any:
-    """The progress of a job that has no batches (cancelled before any ran)."""
+    """The progress of a job that has no batches: cancelled before any ran, or pruned once
+    every batch had succeeded (``FAIRQUEUE['BATCH_RETENTION']``)."""
     from django_fairqueue.batches import JobProgress
 
     return JobProgress(
@@ -69,6 +73,17 @@ def _no_batches(job_name: str, tenant: str) -> Any:
     )
 
 
+def _refused(refused: dict[str, Exception], done: int, what: str) -> CommandError:
+    """The error ``plan`` or ``recompute`` ends with when tenants were refused (each said why
+    above); ``done``: how many tenants were planned or recomputed."""
+    total = len(refused) + done
+    if done:
+        return CommandError(f"{len(refused)} of {total} tenants not {what} (above); the others are")
+    if total == 1:
+        return CommandError(f"tenant {next(iter(refused))!r} was not {what} (above)")
+    return CommandError(f"none of the {total} tenants was {what} (above)")
+
+
 def _eta(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -82,6 +97,28 @@ class Command(FairCommand):
         "The Spark data pipeline: plan jobs (one per tenant), run their work batches, show "
         "progress, retry failed batches, or benchmark against the same formulas in SQL."
     )
+
+    def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
+        self._base_arguments: list[tuple[tuple[str, ...], dict[str, Any]]] = []
+        return super().create_parser(prog_name, subcommand, **kwargs)
+
+    def add_base_argument(self, parser: Any, *args: Any, **kwargs: Any) -> None:
+        super().add_base_argument(parser, *args, **kwargs)
+        self._base_arguments.append((args, kwargs))  # each action's parser takes them too
+
+    def _add_base_arguments(self, action: CommandParser) -> None:
+        """Django's common options (``-v``, ``--settings``, ``--traceback``, ...) on an action's
+        parser too: the command's own parser takes them only before the action. Their default
+        is SUPPRESS, so that one given before the action is not reset by the action's."""
+        for args, kwargs in self._base_arguments:
+            super().add_base_argument(action, *args, **{**kwargs, "default": argparse.SUPPRESS})
+        if self.requires_system_checks:
+            action.add_argument(
+                "--skip-checks",
+                action="store_true",
+                default=argparse.SUPPRESS,
+                help="Skip system checks.",
+            )
 
     def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -213,6 +250,8 @@ class Command(FairCommand):
             "`fairpipeline run --runners N` does (default 1).",
         )
         bench.add_argument("--json", action="store_true", help="Print JSON.")
+        for action in sub.choices.values():
+            self._add_base_arguments(action)
 
     def handle(self, *args: Any, **options: Any) -> None:
         configure_logging(options["verbosity"])
@@ -289,10 +328,7 @@ class Command(FairCommand):
         for refusal in report.refused.values():
             self.stderr.write(f"not planned: {refusal}")
         if report.refused:
-            raise CommandError(
-                f"{len(report.refused)} of {len(report.refused) + len(report.planned)} tenants "
-                "not planned (above); the others are"
-            )
+            raise _refused(report.refused, len(report.planned), "planned")
 
     # ---- recompute
 
@@ -329,10 +365,7 @@ class Command(FairCommand):
         for refusal in report.refused.values():
             self.stderr.write(f"not recomputed: {refusal}")
         if report.refused:
-            raise CommandError(
-                f"{len(report.refused)} of {len(report.refused) + len(report.tenants)} tenants "
-                "not recomputed (above); the others are"
-            )
+            raise _refused(report.refused, len(report.tenants), "recomputed")
 
     # ---- cancel
 
@@ -356,9 +389,14 @@ class Command(FairCommand):
         from django_fairqueue.contrib.pipeline.runner import RunnerGroup
         from django_fairqueue.worker import default_worker_id
 
-        for name in ("lease", "poll_interval"):
-            if options[name] is not None and not options[name] > 0:
-                raise CommandError(f"--{name.replace('_', '-')} must be a positive number")
+        lease = options["lease"]
+        # a worker's --lease bounds: the shortest lease a batch claim takes
+        if lease is not None and not limits.MIN_LEASE <= lease <= MAX_SECONDS:
+            raise CommandError(
+                f"--lease must be {limits.MIN_LEASE:g} to {MAX_SECONDS:g} seconds, got {lease}"
+            )
+        if options["poll_interval"] is not None and not options["poll_interval"] > 0:
+            raise CommandError("--poll-interval must be a positive number")
         if options["max_batches"] is not None and options["max_batches"] < 1:
             raise CommandError("--max-batches must be at least 1")
         try:
@@ -410,12 +448,12 @@ class Command(FairCommand):
         name = options["pipeline"]
         prefix = f"{name}:" if name else None
         jobs = batches.jobs(prefix=prefix)
-        # A job cancelled before any batch ran has no batches left: listed all the same.
+        # A job cancelled before any batch ran, or pruned, has no batches: listed all the same.
         listed = {job.job_name for job in jobs}
-        cancelled = PipelineJob.objects.filter(cancelled_at__isnull=False)
+        pinned_jobs = PipelineJob.objects.values_list("job_name", "tenant")
         if name:
-            cancelled = cancelled.filter(pipeline=name)
-        jobs += [_no_batches(p.job_name, p.tenant) for p in cancelled if p.job_name not in listed]
+            pinned_jobs = pinned_jobs.filter(pipeline=name)
+        jobs += [_no_batches(job, tenant) for job, tenant in pinned_jobs if job not in listed]
         jobs.sort(key=lambda job: job.job_name)
         if name and not jobs:
             try:  # a name neither registered nor in the jobs is a typo, as for the others
