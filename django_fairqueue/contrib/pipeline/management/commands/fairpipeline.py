@@ -264,6 +264,8 @@ class Command(FairCommand):
         # host, say) checks formulas and plans what a Spark host runs.
         if action == "bench":
             self._check_bench(options)  # before Spark is looked for
+        if action == "run":
+            self._check_run(options)  # before Spark is looked for
         if action in ("run", "bench"):
             self._require_spark()
         getattr(self, f"_{action}")(options)
@@ -385,10 +387,7 @@ class Command(FairCommand):
 
     # ---- run
 
-    def _run(self, options: dict[str, Any]) -> None:
-        from django_fairqueue.contrib.pipeline.runner import RunnerGroup
-        from django_fairqueue.worker import default_worker_id
-
+    def _check_run(self, options: dict[str, Any]) -> None:
         lease = options["lease"]
         # a worker's --lease bounds: the shortest lease a batch claim takes
         if lease is not None and not limits.MIN_LEASE <= lease <= MAX_SECONDS:
@@ -399,6 +398,11 @@ class Command(FairCommand):
             raise CommandError("--poll-interval must be a positive number")
         if options["max_batches"] is not None and options["max_batches"] < 1:
             raise CommandError("--max-batches must be at least 1")
+
+    def _run(self, options: dict[str, Any]) -> None:
+        from django_fairqueue.contrib.pipeline.runner import RunnerGroup
+        from django_fairqueue.worker import default_worker_id
+
         try:
             runner = RunnerGroup(
                 options["runners"],
