@@ -159,8 +159,8 @@ class Supervisor:
         """Supervise until stopped (or, with burst, until every child is done).
 
         Returns 0 after a clean stop, 128 + the signal's number after a second signal (the
-        children were told to exit at once, as a worker alone exits), 1 if a child still had
-        to be killed or a burst child never finished cleanly.
+        children were told to exit at once, as a worker alone exits), 1 if a child did not
+        stop cleanly (it exited at once, or died) or a burst child never finished cleanly.
         """
         with stop_signals(self._on_signal):
             for slot in self.slots:
