@@ -370,7 +370,7 @@ def _lease(lease: timedelta | None) -> timedelta:
     ``limits.MIN_LEASE`` is refused, as ``runfairworker --lease`` refuses it: it would expire
     before the first heartbeat renews it, each claim costing an attempt."""
     if lease is None:
-        return _default_lease()
+        return conf.get().lease
     given: Any = lease  # checked at run time: callers may pass anything
     if not isinstance(given, timedelta) or given.total_seconds() < limits.MIN_LEASE:
         raise ValueError(
@@ -459,10 +459,6 @@ def _fold_backlog(alias: str) -> int:
         total += folded
         if folded < FOLD_CHUNK:
             return total
-
-
-def _default_lease() -> timedelta:
-    return timedelta(seconds=conf.get().LEASE_SECONDS)
 
 
 def heartbeat(

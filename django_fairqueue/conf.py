@@ -111,6 +111,11 @@ class FairQueueSettings:
     # open, VACUUM keeps every row version the queue writes, and claims slow down.
     HORIZON_WARN_AFTER: float = 300.0
 
+    @property
+    def lease(self) -> timedelta:
+        """``LEASE_SECONDS`` as the lease a claim takes when it is given none."""
+        return timedelta(seconds=self.LEASE_SECONDS)
+
 
 def _duration(value: Any, name: str) -> timedelta:
     if isinstance(value, timedelta):

@@ -60,8 +60,9 @@ class Batch:
     :meth:`complete` sets the result a ``keep_result`` message stores.
     """
 
-    def __init__(self, messages: Sequence[ClaimedMessage]) -> None:
+    def __init__(self, messages: Sequence[ClaimedMessage], lease: timedelta) -> None:
         self.messages: tuple[ClaimedMessage, ...] = tuple(messages)
+        self._lease = lease
         self._claimed = time.monotonic()
         self._by_id = {m.id: m for m in self.messages}
         self._results: dict[int, Any] = {}
@@ -162,7 +163,7 @@ class Batch:
         if not self.messages:
             return
         recorder = StatsRecorder(using=using)
-        recorder.record_claimed(self.messages, self.messages[0].lease_expires_at - _lease())
+        recorder.record_claimed(self.messages, self.messages[0].lease_expires_at - self._lease)
         run_ms = 1000.0 * (time.monotonic() - self._claimed) / len(self.messages)
         channel = {m.id: m.channel_id for m in self.messages}
         recorder.record_settled_many(
@@ -215,6 +216,7 @@ def batch(
         queues = [validate_queue_name(q) for q in queues]
     if worker_id is not None:
         limits.worker_id(worker_id)
+    lease = conf.get().lease
     with transaction.atomic(using=alias):
         only = _channel_ids(channels, queues, alias) if channels is not None else None
         exclude = _channel_ids(exclude_channels, queues, alias) if exclude_channels else None
@@ -227,7 +229,7 @@ def batch(
             message_store.prepare_claims(using=alias)
             messages = message_store.claim_messages(
                 limit,
-                lease=_lease(),
+                lease=lease,
                 worker_id=worker_id or _default_worker_id(),
                 only_channel_ids=only,
                 exclude_channel_ids=exclude,
@@ -235,7 +237,7 @@ def batch(
                 maintain=False,
                 using=alias,
             )
-        claimed = Batch(messages)
+        claimed = Batch(messages, lease)
         try:
             yield claimed
         except BaseException:
@@ -248,10 +250,6 @@ def _channel_ids(names: Sequence[str], queues: Sequence[str] | None, alias: str)
     """The ids of the channels of ``names`` in ``queues`` (None: in every queue)."""
     rows = channel_store.select_channel_ids_in_queues(list(names), queues, using=alias)
     return sorted(cid for cid, _queue, _name in rows)
-
-
-def _lease() -> timedelta:
-    return timedelta(seconds=conf.get().LEASE_SECONDS)
 
 
 def _default_worker_id() -> str:

@@ -91,7 +91,7 @@ class Worker:
         self.config = config = config or WorkerConfig()
         cfg = conf.get()
         self.worker_id = config.worker_id
-        self.lease: timedelta = config.lease or timedelta(seconds=cfg.LEASE_SECONDS)
+        self.lease: timedelta = config.lease or cfg.lease
         self.poll_interval: float = config.poll_interval or cfg.POLL_INTERVAL
         self.listen = config.listen and cfg.NOTIFY
         self.ledger = Ledger(
