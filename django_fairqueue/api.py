@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from django_fairqueue import conf, limits
 from django_fairqueue.db import channel_store, enqueue_store, message_store
-from django_fairqueue.exceptions import InvalidChannel, PayloadError
+from django_fairqueue.exceptions import DuplicateJob, InvalidChannel, PayloadError
 from django_fairqueue.limits import (
     CHANNEL_NAME_MAX_LENGTH,
     GROUP_NAME_MAX_LENGTH,
@@ -291,6 +291,7 @@ def _prepare_batch(
     fitted: set[tuple[int, int, tuple[str, ...]]] = set()  # (id(spec), positional, names)
     groups: set[str] = set()  # of channels given as (group, channel), as group row names
     queues: dict[str | None, str] = {None: DEFAULT_QUEUE}  # given -> checked
+    keyed: dict[tuple[str, str], int] = {}  # (channel row, unique key) -> first position
     max_bytes = cfg.MAX_PAYLOAD_BYTES
     # A timedelta run_after travels as a delay and is added to the database's clock, the clock
     # the claim compares run_at with (an application server's clock may be off). The column
@@ -377,6 +378,11 @@ def _prepare_batch(
             or request.on_conflict is not None
         ):
             unique = _unique_options(request.unique_key, request.unique_scope, request.on_conflict)
+            held_at = keyed.setdefault((channel, unique["unique_key"]), position)
+            if held_at != position and unique["on_conflict"] == "raise":
+                # The database would find the earlier request's row as the holder and name
+                # its id, which the refusal itself rolls back.
+                raise DuplicateJob(channel, unique["unique_key"], None, None, in_batch=held_at)
             if batch.unique_keys is None:
                 batch.unique_keys = [None] * len(channels)
                 batch.unique_scopes = ["queued"] * len(channels)

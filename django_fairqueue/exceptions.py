@@ -96,18 +96,37 @@ class LeaseLost(FairQueueError):
 
 class DuplicateJob(FairQueueError):
     """Enqueue with ``unique_key=...`` and ``on_conflict="raise"`` met a message of the same
-    channel that holds the key. Nothing of the batch was stored."""
+    channel that holds the key, or an earlier request of the same ``enqueue_many`` batch that
+    carries it (``in_batch``: that request's position; ``message_id`` and ``state`` are then
+    None). Nothing of the batch was stored."""
 
-    def __init__(self, channel: str, unique_key: str, message_id: int, state: str) -> None:
+    def __init__(
+        self,
+        channel: str,
+        unique_key: str,
+        message_id: int | None,
+        state: str | None,
+        *,
+        in_batch: int | None = None,
+    ) -> None:
         self.channel = channel
         self.unique_key = unique_key
         #: the message holding the key, and its state then
         self.message_id = message_id
         self.state = state
-        super().__init__(
-            f"channel {channel!r} already has message {message_id} ({state}) with unique key "
-            f"{unique_key!r}"
-        )
+        #: the position of the batch's earlier request that carries the key
+        self.in_batch = in_batch
+        if in_batch is not None:
+            text = (
+                f"channel {channel!r} gets unique key {unique_key!r} twice in one batch "
+                f"(request {in_batch} carries it first); nothing of the batch was stored"
+            )
+        else:
+            text = (
+                f"channel {channel!r} already has message {message_id} ({state}) with unique "
+                f"key {unique_key!r}"
+            )
+        super().__init__(text)
 
     @classmethod
     def from_error(cls, exc: BaseException) -> DuplicateJob | None:

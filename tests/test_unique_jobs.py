@@ -7,6 +7,7 @@ run several connections at once: duplicate keys must be impossible whatever the 
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from typing import Any
 
@@ -125,6 +126,29 @@ def test_raise_names_the_holder_and_stores_nothing_of_the_batch() -> None:
     )
     assert caught.value.channel == "acme"
     assert Message.objects.count() == before
+
+
+@pytest.mark.django_db
+def test_a_key_twice_in_a_batch_raises_naming_the_earlier_request_not_a_rolled_back_id() -> None:
+    before = Message.objects.count()
+    requests = [
+        EnqueueRequest(fairtasks.add, (1, 2), channel="acme", unique_key="k"),
+        EnqueueRequest(fairtasks.add, (1, 2), channel="bob", unique_key="k", on_conflict="raise"),
+        EnqueueRequest(fairtasks.add, (3, 4), channel="acme", unique_key="k", on_conflict="raise"),
+    ]
+    with pytest.raises(DuplicateJob) as caught:
+        enqueue_many(requests)
+    duplicate = caught.value
+    assert (duplicate.channel, duplicate.unique_key, duplicate.in_batch) == ("acme", "k", 0)
+    assert (caught.value.message_id, caught.value.state) == (None, None)
+    assert "twice in one batch (request 0 carries it first)" in str(caught.value)
+    assert Message.objects.count() == before
+    # a later request that keeps (the default) gets the earlier one's id, as documented
+    kept = enqueue_many([requests[0], dataclasses.replace(requests[2], on_conflict="keep")])
+    assert kept[0] == kept[1] and Message.objects.count() == before + 1
+    # in another queue the same channel name is another channel
+    other = dataclasses.replace(requests[2], queue="reports")
+    assert len(set(enqueue_many([requests[0], other]))) == 2
 
 
 @pytest.mark.django_db
