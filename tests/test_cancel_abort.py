@@ -8,7 +8,6 @@ ways in (CLI, admin) and the django.tasks status. Races run on several connectio
 from __future__ import annotations
 
 import json
-import threading
 import time
 from datetime import timedelta
 from io import StringIO
@@ -16,7 +15,6 @@ from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import connections
 
 from django_fairqueue import abort, abort_requested, cancel
 from django_fairqueue.db import message_store
@@ -25,7 +23,7 @@ from django_fairqueue.worker import Worker, WorkerConfig
 from tests import fairtasks
 from tests.factories import assert_counters_match_table
 from tests.test_claim_concurrency import run_threads
-from tests.workerkit import wait_until
+from tests.workerkit import run_in_thread, wait_until
 
 LEASE = timedelta(minutes=5)
 
@@ -224,25 +222,13 @@ def _worker(**config: Any) -> Worker:
     return Worker(WorkerConfig(**config))
 
 
-def _run(worker: Worker) -> threading.Thread:
-    def target() -> None:
-        try:
-            worker.run()
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    return thread
-
-
 @pytest.mark.django_db(transaction=True)
 def test_a_cooperative_task_stops_and_ends_aborted(tmp_path: Any, settings: Any) -> None:
     settings.FAIRQUEUE = {**settings.FAIRQUEUE, "ABORT_GRACE": 30}
     marker = tmp_path / "started"
     mid = fairtasks.until_aborted.enqueue(str(marker), 30.0, channel="a")
     worker = _worker(concurrency=2)
-    thread = _run(worker)
+    thread = run_in_thread(worker)
     try:
         wait_until(marker.exists, what="the task started")
         started = time.monotonic()
@@ -266,7 +252,7 @@ def test_a_task_that_ignores_the_abort_is_aborted_at_the_grace_period(
     marker = tmp_path / "started"
     stubborn = fairtasks.ignores_abort.enqueue(str(marker), 3.0, channel="a")
     worker = _worker(concurrency=1)
-    thread = _run(worker)
+    thread = run_in_thread(worker)
     try:
         wait_until(marker.exists, what="the task started")
         abort([stubborn])

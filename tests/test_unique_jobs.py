@@ -18,9 +18,11 @@ from django_fairqueue import DuplicateJob, enqueue, enqueue_many
 from django_fairqueue.api import EnqueueRequest
 from django_fairqueue.db import message_store
 from django_fairqueue.models import Message
+from django_fairqueue.worker import Worker, WorkerConfig
 from tests import fairtasks
 from tests.factories import assert_counters_match_table
 from tests.test_claim_concurrency import run_threads
+from tests.workerkit import run_in_thread, wait_until
 
 LEASE = timedelta(minutes=5)
 
@@ -211,6 +213,31 @@ def test_a_returning_message_whose_key_was_taken_meanwhile_is_superseded(how: st
     assert (row.state, row.lease_token) == ("cancelled", None)
     assert Message.objects.get(pk=newer).state == "ready"
     assert_counters_match_table()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_worker_logs_that_a_superseded_failure_is_not_retried(
+    tmp_path: Any, caplog: Any
+) -> None:
+    marker = tmp_path / "started"
+    first = fairtasks.fail_first.using(channel="acme", unique_key="k").enqueue(1.0, str(marker))
+    worker = Worker(WorkerConfig(concurrency=1, poll_interval=0.05, listen=False))
+    thread = run_in_thread(worker)
+    try:
+        wait_until(marker.exists, what="the first attempt started")
+        bound = fairtasks.fail_first.using(
+            channel="acme", unique_key="k", run_after=timedelta(hours=1)
+        )
+        newer = bound.enqueue(0.0, None)  # scheduled: it holds the key, no worker takes it
+        assert newer != first  # scope 'queued': a running message does not hold its key
+        wait_until(lambda: Message.objects.get(pk=first).state == "cancelled", what="superseded")
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert (
+        f"did not retry tests.fair.fail_first message {first} channel 'acme': another message "
+        "took its unique key while it ran, so it ends cancelled (superseded by that message)"
+    ) in caplog.text
 
 
 @pytest.mark.django_db(transaction=True)

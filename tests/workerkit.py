@@ -49,6 +49,22 @@ def wait_until(predicate: Callable[[], T], timeout: float = 20.0, what: str = ""
         time.sleep(0.02)
 
 
+def run_in_thread(worker: Any) -> threading.Thread:
+    """Start ``worker.run()`` in a thread that closes its database connections at the end
+    (a test database cannot be dropped while one is open)."""
+    from django.db import connections
+
+    def target() -> None:
+        try:
+            worker.run()
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread
+
+
 class WorkerProcess:
     """``manage.py runfairworker`` in a subprocess, its stderr collected line by line."""
 

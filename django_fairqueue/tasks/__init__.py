@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 from django_fairqueue import conf
@@ -61,7 +61,7 @@ class FairTask(Generic[P, R]):
         self,
         *,
         channel: str | None = None,
-        run_after: datetime | None = None,
+        run_after: datetime | timedelta | None = None,
         priority: int | None = None,
         unique_key: str | None = None,
         unique_scope: str | None = None,
@@ -90,7 +90,7 @@ class BoundTask:
 
     task: FairTask[Any, Any]
     channel: str | None = None
-    run_after: datetime | None = None
+    run_after: datetime | timedelta | None = None
     priority: int | None = None
     unique_key: str | None = None
     unique_scope: str | None = None

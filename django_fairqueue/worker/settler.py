@@ -34,7 +34,7 @@ from django_fairqueue.worker.config import (
     STATS_OUTCOME,
     Outcome,
 )
-from django_fairqueue.worker.execution import savepoints
+from django_fairqueue.worker.execution import log_extra, savepoints
 from django_fairqueue.worker.ledger import Ledger
 from django_fairqueue.worker.service import Service
 
@@ -250,6 +250,8 @@ class Settler(Service):
             )
         self.ledger.settled(group, count=verb != "release")
         self.on_settled(bool(written) and verb != "release")
+        if verb == "fail":
+            _log_not_retried(group, written)
         ignored = [o.message.id for o in group if o.message.id not in written]
         if ignored:
             logger.warning(
@@ -260,4 +262,27 @@ class Settler(Service):
                 len(ignored),
                 ignored[:20],
                 extra={"worker_id": self.worker_id, "outcome": "lease_lost"},
+            )
+
+
+#: why the database ended a failed attempt otherwise than the worker's log line said ("retry in")
+_NOT_RETRIED = {
+    "cancelled": "another message took its unique key while it ran, so it ends cancelled "
+    "(superseded by that message)",
+    "aborted": "an abort was requested while it ran, so it ends aborted",
+}
+
+
+def _log_not_retried(group: list[Outcome], written: dict[int, str]) -> None:
+    for outcome in group:
+        why = _NOT_RETRIED.get(written.get(outcome.message.id, ""))
+        if outcome.kind == "retry" and why is not None:
+            message = outcome.message
+            logger.warning(
+                "did not retry %s message %s channel %r: %s",
+                message.task_name,
+                message.id,
+                message.channel,
+                why,
+                extra=log_extra(message, outcome=written[message.id]),
             )
