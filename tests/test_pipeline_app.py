@@ -14,11 +14,13 @@ from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 from django.db.migrations.loader import MigrationLoader
 from django.test import Client
+from django.utils import timezone
 
 from django_fairqueue import conf
 from django_fairqueue.contrib.pipeline import appconf
 from django_fairqueue.contrib.pipeline.models import PipelineJob
 from django_fairqueue.contrib.pipeline.spark import spark_settings
+from django_fairqueue.models import WorkBatch
 from tests.test_migrations import replaced_chain
 
 APP = "fairqueue_pipeline"
@@ -149,6 +151,23 @@ def test_the_admin_lists_jobs_under_the_app(admin_client: Client) -> None:
     assert response.status_code == 200
     assert b"p:acme" in response.content
     assert admin_client.get("/admin/fairqueue/pipelinejob/").status_code == 404
+
+
+@pytest.mark.django_db
+def test_each_complete_run_is_recorded_as_the_last_success_even_of_the_same_version() -> None:
+    job = PipelineJob.objects.create(
+        job_name="p:acme", pipeline="p", tenant="acme", version="v1", today=dt.date(2026, 1, 1)
+    )
+    no_batches = WorkBatch.objects.none()  # nothing left to succeed: the run is complete
+    job.record_success(no_batches)
+    first = PipelineJob.objects.get(pk=job.pk).succeeded_at
+    assert first is not None and first >= job.created_at
+    job.record_success(no_batches)  # the same run again: nothing written
+    assert PipelineJob.objects.get(pk=job.pk).succeeded_at == first
+    job.created_at = timezone.now()  # a new run of the same version, output and watermark
+    job.save(update_fields=["created_at"])
+    job.record_success(no_batches)
+    assert PipelineJob.objects.get(pk=job.pk).succeeded_at >= job.created_at > first
 
 
 def test_today_and_now_are_read_in_the_pipelines_zone_per_tenant(settings: Any) -> None:

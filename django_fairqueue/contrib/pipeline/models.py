@@ -92,7 +92,11 @@ class PipelineJob(models.Model):
         if self.cancelled_at is not None or batches.filter(state__in=unsettled).exists():
             return
         seen = (self.succeeded_version, self.succeeded_output, self.succeeded_watermark)
-        if self.succeeded_at is not None and seen == (self.version, self.output, self.watermark):
+        if (
+            self.succeeded_at is not None
+            and self.succeeded_at >= self.created_at  # recorded for this run already
+            and seen == (self.version, self.output, self.watermark)
+        ):
             return
         self.succeeded_version = self.version
         self.succeeded_output = self.output
