@@ -726,7 +726,7 @@ def test_a_cancelled_job_drops_pending_batches_and_a_running_one_writes_nothing(
 ) -> None:
     from datetime import timedelta
 
-    from django_fairqueue.contrib.pipeline import execute
+    from django_fairqueue.contrib.pipeline import batch_run
 
     json_rows(150)  # 3 batches per tenant
     plan("test.json", tenants=["alice"])
@@ -735,8 +735,8 @@ def test_a_cancelled_job_drops_pending_batches_and_a_running_one_writes_nothing(
 
     assert cancel("test.json") == {"alice": 2}
     assert not WorkBatch.objects.filter(job_name="test.json:alice", state="pending").exists()
-    with pytest.raises(execute.JobCancelled):
-        execute.execute_batch(spark, running)
+    with pytest.raises(batch_run.JobCancelled):
+        batch_run.execute_batch(spark, running)
     assert not JsonResultRow.objects.exists()
     assert PipelineJob.objects.get(job_name="test.json:alice").cancelled_at is not None
 
@@ -749,7 +749,7 @@ def test_every_batch_of_a_job_uses_the_aggregates_stored_with_the_job(
     spark_settings: None,  # noqa: F811
     json_formulas: dict[str, list[str]],
 ) -> None:
-    from django_fairqueue.contrib.pipeline import execute
+    from django_fairqueue.contrib.pipeline import batch_run
 
     json_rows(100)  # 2 batches
     json_formulas["alice"] = ["share = price / SUM(price)"]
@@ -766,7 +766,7 @@ def test_every_batch_of_a_job_uses_the_aggregates_stored_with_the_job(
     # job's batches cannot disagree even if the rows changed meanwhile.
     job.aggregates["groups"] = [[[total * 2, False]]]
     job.save()
-    execute.aggregate_cache._values.clear()
+    batch_run.aggregate_cache._values.clear()
     DataRow.objects.filter(tenant="alice").update(price=1000.0)
     run_all(spark)
 

@@ -25,7 +25,7 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from django_fairqueue import batches
-from django_fairqueue.contrib.pipeline import datastore, execute
+from django_fairqueue.contrib.pipeline import batch_run, datastore, execute
 from django_fairqueue.contrib.pipeline.core import Pipeline, Sink, registry
 from django_fairqueue.contrib.pipeline.formulas import FormulaError, parse_formulas
 from django_fairqueue.contrib.pipeline.management.commands.fairpipeline import Command
@@ -557,14 +557,14 @@ def test_a_stop_before_the_batch_s_spark_job_starts_gives_the_batch_back(
     make_rows(5)
     plan(PIPELINE, tenants=["alice"])
     runner = PipelineRunner(worker_id="t", pipelines=[PIPELINE], spark=spark, poll_interval=0.1)
-    prepare_batch = execute.prepare_batch
+    prepare_batch = batch_run.prepare_batch
 
     def stopped_meanwhile(*args: Any, **kwargs: Any) -> Any:
         runner.stop()  # SIGTERM while the driver prepares the batch, before its Spark job
         time.sleep(0.6)  # the watcher saw the stop, and no Spark job yet to cancel
         return prepare_batch(*args, **kwargs)
 
-    monkeypatch.setattr(execute, "prepare_batch", stopped_meanwhile)
+    monkeypatch.setattr(batch_run, "prepare_batch", stopped_meanwhile)
     stats = runner.run()
 
     assert (stats.succeeded, stats.failed, stats.released) == (0, 0, 1)
@@ -684,7 +684,7 @@ def test_a_failed_batch_leaves_nothing_and_its_rerun_writes_each_row_once(
     assert changed == 0
     assert sink_rows() == first
     # A staging table whose batch is not running is an orphan: the runner's cleanup drops it.
-    assert execute.drop_orphaned_staging("default") == [staging]
+    assert batch_run.drop_orphaned_staging("default") == [staging]
 
 
 @needs_spark
@@ -816,7 +816,7 @@ def test_a_non_atomic_batch_whose_lease_was_lost_writes_nothing(
     with pytest.raises(Exception, match=datastore.LeaseLostInTask.MARKER):
         execute.run_range(spark, prepared, batch.start_id, batch.end_id, sink=spec)
     with pytest.raises(LeaseLost):
-        execute.execute_batch(spark, batch)
+        batch_run.execute_batch(spark, batch)
 
     assert not ResultRow.objects.exists()
     row = WorkBatch.objects.get(pk=batch.id)

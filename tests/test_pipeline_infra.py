@@ -24,7 +24,7 @@ from django.core.management import CommandError, call_command
 from django.db import connections
 
 from django_fairqueue import batches
-from django_fairqueue.contrib.pipeline import cluster, execute
+from django_fairqueue.contrib.pipeline import batch_run, cluster, execute
 from django_fairqueue.contrib.pipeline import spark as spark_module
 from django_fairqueue.contrib.pipeline.core import Pipeline, registry
 from django_fairqueue.contrib.pipeline.runner import PipelineRunner, plan
@@ -864,7 +864,7 @@ def record_pools(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str | None]
     from pyspark import cloudpickle
 
     seen: list[tuple[str, str | None]] = []
-    real = execute.execute_batch
+    real = batch_run.execute_batch
 
     def recording(session: Any, batch: Any, **kwargs: Any) -> Any:
         cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -21,7 +21,7 @@ from django.db.models import F
 from django.test import Client
 
 from django_fairqueue import batches
-from django_fairqueue.contrib.pipeline import datastore, execute
+from django_fairqueue.contrib.pipeline import batch_run, datastore, execute
 from django_fairqueue.contrib.pipeline.core import LongSink, Pipeline, Sink, Source, registry
 from django_fairqueue.contrib.pipeline.models import PipelineJob
 from django_fairqueue.contrib.pipeline.runner import PipelineRunner, cancel, plan, recompute
@@ -205,7 +205,7 @@ def test_the_long_sink_is_exactly_once_and_drops_rules_no_longer_computed(
     # Re-running a finished batch's range (a retry after a crash, a lost lease) changes nothing.
     batch = WorkBatch.objects.filter(job_name=f"{NAME}:bob").order_by("start_id").first()
     assert batch is not None
-    prepared = execute.prepare_batch(registry.get(NAME), "bob", f"{NAME}:bob")
+    prepared = batch_run.prepare_batch(registry.get(NAME), "bob", f"{NAME}:bob")
     target = prepared.target
     staging = "fq_stage_1_" + "0" * 32
     statements = datastore.create_staging(

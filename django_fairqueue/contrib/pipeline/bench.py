@@ -681,7 +681,7 @@ def _run(
     say: Callable[[str], None],
     runners: int = 1,
 ) -> BenchResult:
-    from django_fairqueue.contrib.pipeline.execute import BatchOutcome
+    from django_fairqueue.contrib.pipeline.batch_run import BatchOutcome
     from django_fairqueue.contrib.pipeline.runner import PipelineRunner, RunnerGroup, plan
 
     spark = get_session()

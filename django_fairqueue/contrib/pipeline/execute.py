@@ -1,4 +1,5 @@
-"""Running one work batch of a pipeline on Spark, idempotently.
+"""A work batch's Spark job, idempotently (:mod:`~django_fairqueue.contrib.pipeline.batch_run`
+runs a claimed batch end to end with it).
 
 1. Spark tasks read the batch's id range in sub-ranges (one per partition) with psycopg
    ``COPY ... TO STDOUT`` parsed by Arrow's CSV reader (``mapInArrow``; no JDBC jar).
@@ -26,10 +27,7 @@ import datetime as dt
 import hashlib
 import json
 import logging
-import re
 import threading
-import time
-import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -38,10 +36,8 @@ from decimal import Decimal
 from functools import partial
 from typing import Any
 
-from django.db import transaction
-
 from django_fairqueue.contrib.pipeline import compile_joins, compile_levels, datastore, sqlexpr
-from django_fairqueue.contrib.pipeline.core import LongSink, Pipeline, parse_job_name, registry
+from django_fairqueue.contrib.pipeline.core import LongSink, Pipeline
 from django_fairqueue.contrib.pipeline.formula_tree import BOOL, DATE, DECIMAL, FLOAT, INT, STR
 from django_fairqueue.contrib.pipeline.formulas import (
     FormulaSet,
@@ -70,12 +66,15 @@ _SIMPLE_TYPES: dict[str, tuple[str, str, str]] = {
 SUPPORTED_TYPES = "smallint, integer, bigint, real, double precision, numeric(p,s), boolean, " \
     "text, varchar, char, date, jsonb (a results column)"  # fmt: skip
 #: Groups one tenant aggregate ``BY`` list may have (their values come back to the driver).
-MAX_AGGREGATE_GROUPS = 200_000
-_STAGING_NAME = re.compile(r"^fq_stage_(\d+)_([0-9a-f]{32})$")
 
 
 class PipelineError(RuntimeError):
     """A pipeline cannot run as declared (missing table or column, unsupported type)."""
+
+
+class RunnerStopping(RuntimeError):
+    """The runner is stopping: the batch's Spark job was not started (the runner gives the
+    batch back)."""
 
 
 @dataclass(frozen=True)
@@ -578,10 +577,6 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0][:500]
 
 
-def staging_name(batch_id: int, lease_token: uuid.UUID) -> str:
-    return f"{datastore.STAGING_PREFIX}{batch_id}_{lease_token.hex}"
-
-
 @dataclass(frozen=True)
 class Written:
     """What a Spark job wrote: rows, the smallest and largest key if it is one integer, and
@@ -753,7 +748,7 @@ class _Plans:
         tables: dict[str, list[tuple[Any, ...]]],
     ) -> _Plan:
         # The ids 0..0 are placeholders: tasks read the batch's range from the job property.
-        rows = _source_frame(spark, prepared, 0, parts - 1, None)
+        rows = source_frame(spark, prepared, 0, parts - 1, None)
         names: dict[str, Any] = {}
         if aggregates is not None:
             assert prepared.formulas is not None
@@ -796,203 +791,7 @@ def executor_conninfo(alias: str) -> str:
     return spark.executor_conninfo(alias)
 
 
-# --------------------------------------------------------------------------------------------
-# A claimed batch
-
-
-class _Checked:
-    """Formula sets Spark has already accepted in this process, by fingerprint."""
-
-    def __init__(self) -> None:
-        self._seen: set[tuple[str, str, str]] = set()
-        self._lock = threading.Lock()
-
-    def ensure(self, spark: Any, prepared: Prepared) -> None:
-        key = (prepared.pipeline.name, prepared.tenant, prepared.fingerprint)
-        with self._lock:
-            if key in self._seen:
-                return
-        check_with_spark(spark, prepared)
-        with self._lock:
-            self._seen.add(key)
-
-
-checked = _Checked()
-
-
-@dataclass(frozen=True)
-class BatchOutcome:
-    batch_id: int
-    rows: int
-    seconds: float
-    spark_seconds: float
-    merge_seconds: float
-
-
-class JobCancelled(RuntimeError):
-    """The batch's job was cancelled (``fairpipeline cancel``): nothing is written."""
-
-
-class RunnerStopping(RuntimeError):
-    """The runner is stopping: the batch's Spark job was not started (the runner gives the
-    batch back)."""
-
-
-def pinned(job_name: str, using: str) -> Any:
-    """The job's :class:`~django_fairqueue.models.PipelineJob` (its pinned formulas), or None."""
-    from django_fairqueue.contrib.pipeline.models import PipelineJob
-
-    return PipelineJob.objects.using(using).filter(job_name=job_name).first()
-
-
-def prepare_batch(pipeline: Pipeline, tenant: str, job_name: str) -> Prepared:
-    """:func:`prepare` with the formula set and date the job was planned with."""
-    job = pinned(job_name, pipeline.alias)
-    if job is None:  # planned by batches.plan() directly: today's formulas
-        return prepare(pipeline, tenant)
-    if job.cancelled_at is not None:
-        raise JobCancelled(f"job {job_name} was cancelled at {job.cancelled_at:%Y-%m-%d %H:%M}")
-    formulas = [tuple(pair) for pair in job.formulas] if job.formulas is not None else None
-    return prepare(
-        pipeline,
-        tenant,
-        formulas=formulas,
-        today=job.today,
-        now=job.created_at,
-        output=job.output,
-        changed_since=job.changed_since,
-    )
-
-
-class _AggregateCache:
-    """Phase one's results per job, version and id range: computed by the first batch that
-    needs them, stored with the job (``PipelineJob.aggregates``) so that every batch and every
-    worker of the job uses the same values, and kept by the process."""
-
-    def __init__(self) -> None:
-        self._values: dict[tuple[str, str, int, int], Any] = {}
-        self._lock = threading.Lock()
-
-    def get(self, spark: Any, prepared: Prepared, job_name: str, job_group: str | None) -> Any:
-        from django.db.models import Max, Min
-
-        from django_fairqueue.models import WorkBatch
-
-        assert prepared.formulas is not None
-        bounds = (
-            WorkBatch.objects.using(prepared.pipeline.alias)
-            .filter(job_name=job_name)
-            .aggregate(lo=Min("start_id"), hi=Max("end_id"))
-        )
-        lo, hi = int(bounds["lo"]), int(bounds["hi"])
-        key = (job_name, prepared.formulas.version, lo, hi)
-        with self._lock:
-            if key in self._values:
-                return self._values[key]
-        stored = _stored_aggregates(prepared, job_name, lo, hi)
-        if stored is not None:
-            with self._lock:
-                self._values[key] = stored
-            return stored
-        rows = _source_frame(spark, prepared, lo, hi, job_group)
-        context = spark.sparkContext
-        if job_group is not None:
-            context.addJobTag(job_group)  # a stopping runner cancels this job too
-        try:
-            values = compile_joins.compute_aggregates(
-                rows, prepared.formulas, today=prepared.moment, max_groups=MAX_AGGREGATE_GROUPS
-            )
-        except ValueError as exc:
-            raise PipelineError(str(exc)) from None
-        finally:
-            if job_group is not None:
-                context.removeJobTag(job_group)
-        values = _store_aggregates(prepared, job_name, lo, hi, values)
-        with self._lock:
-            self._values = {k: v for k, v in self._values.items() if k[0] != job_name}
-            self._values[key] = values
-        return values
-
-
-aggregate_cache = _AggregateCache()
-
-
-def _json_value(value: Any) -> Any:
-    return value.isoformat() if isinstance(value, dt.date) else value
-
-
-def _typed_value(value: Any, value_type: str) -> Any:
-    from django_fairqueue.contrib.pipeline.formula_tree import DATE_T
-
-    if value is None:
-        return None
-    if value_type == DATE_T:
-        return dt.date.fromisoformat(value)
-    return value
-
-
-def _decode_aggregates(prepared: Prepared, stored: Any) -> Any:
-    """Phase one's values from their JSON form (None if they do not fit the formulas)."""
-    assert prepared.formulas is not None
-    shapes = compile_joins.aggregate_shapes(prepared.formulas)
-    if not isinstance(stored, list) or len(stored) != len(shapes):
-        return None
-    groups = []
-    for (keys, nodes), rows in zip(shapes, stored, strict=True):
-        types = [k.type for k in keys]
-        for node in nodes:
-            types += [node.type, "boolean"]
-        decoded = tuple(
-            tuple(_typed_value(v, t) for v, t in zip(row, types, strict=True)) for row in rows
-        )
-        groups.append((keys, tuple(nodes), decoded))
-    return compile_joins.AggregateValues(groups=tuple(groups))
-
-
-def _stored_aggregates(prepared: Prepared, job_name: str, lo: int, hi: int) -> Any:
-    from django_fairqueue.contrib.pipeline.models import PipelineJob
-
-    assert prepared.formulas is not None
-    job = PipelineJob.objects.using(prepared.pipeline.alias).filter(job_name=job_name).first()
-    if job is None or not job.aggregates:
-        return None
-    saved = job.aggregates
-    if saved.get("version") != prepared.formulas.version or saved.get("range") != [lo, hi]:
-        return None
-    return _decode_aggregates(prepared, saved.get("groups"))
-
-
-def _store_aggregates(prepared: Prepared, job_name: str, lo: int, hi: int, values: Any) -> Any:
-    """Store phase one's values with the job unless another worker stored them first; return
-    the stored ones (so that every worker computes with the same)."""
-    from django_fairqueue.contrib.pipeline.models import PipelineJob
-
-    assert prepared.formulas is not None
-    payload = {
-        "version": prepared.formulas.version,
-        "range": [lo, hi],
-        "groups": [[[_json_value(v) for v in row] for row in rows] for _, _, rows in values.groups],
-    }
-    alias = prepared.pipeline.alias
-    with transaction.atomic(using=alias):
-        job = (
-            PipelineJob.objects.using(alias)
-            .select_for_update()
-            .filter(job_name=job_name, version=prepared.formulas.version)
-            .first()
-        )
-        if job is None:  # planned without pinning: keep them in the process only
-            return values
-        saved = job.aggregates or {}
-        if saved.get("version") == payload["version"] and saved.get("range") == [lo, hi]:
-            stored = _decode_aggregates(prepared, saved.get("groups"))
-            return stored if stored is not None else values
-        job.aggregates = payload
-        job.save(update_fields=["aggregates"])
-    return values
-
-
-def _source_frame(spark: Any, prepared: Prepared, lo: int, hi: int, job_group: str | None) -> Any:
+def source_frame(spark: Any, prepared: Prepared, lo: int, hi: int, job_group: str | None) -> Any:
     """A DataFrame over the tenant's source rows with ids lo..hi (read by Spark tasks)."""
     pipeline = prepared.pipeline
     settings = spark_settings()
@@ -1019,207 +818,3 @@ def _source_frame(spark: Any, prepared: Prepared, lo: int, hi: int, job_group: s
     return spark.range(0, parts, 1, parts).mapInArrow(
         partial(datastore.read_sub_ranges, read), _spark_schema(prepared.source)
     )
-
-
-def execute_batch(
-    spark: Any,
-    batch: Any,
-    *,
-    job_group: str | None = None,
-    lease_lost: Callable[[], bool] = lambda: False,
-    stopping: Callable[[], bool] = lambda: False,
-) -> BatchOutcome:
-    """Run a claimed work batch (``batches.ClaimedBatch``) end to end; see the module doc.
-
-    Raises ``LeaseLost`` if the lease was lost (nothing written by this run after the loss),
-    :class:`FormulaError` for a bad formula, :class:`JobCancelled` for a cancelled job,
-    :class:`RunnerStopping` when ``stopping()`` before the batch's Spark job starts, or
-    whatever Spark or the database raised; the staging table (atomic sinks) is dropped in
-    every case.
-    """
-    started = time.monotonic()
-    name, tenant = parse_job_name(batch.job_name)
-    pipeline = registry.get(name)
-    prepared = prepare_batch(pipeline, tenant, batch.job_name)
-    checked.ensure(spark, prepared)
-    aggregates = None
-    if prepared.formulas is not None and prepared.formulas.aggregates:
-        aggregates = aggregate_cache.get(spark, prepared, batch.job_name, job_group)
-    if prepared.output == "long" or pipeline.sink.atomic:  # a long sink is always atomic
-        rows, spark_done = _run_atomic(
-            spark, batch, prepared, job_group, lease_lost, aggregates, stopping
-        )
-    else:
-        rows, spark_done = _run_direct(spark, batch, prepared, job_group, aggregates, stopping)
-    finished = time.monotonic()
-    return BatchOutcome(
-        batch_id=batch.id,
-        rows=rows,
-        seconds=finished - started,
-        spark_seconds=spark_done - started,
-        merge_seconds=finished - spark_done,
-    )
-
-
-def _settle_job(alias: str, batch: Any, errors: dict[str, int]) -> None:
-    """Inside the batch's fence: refuse if the job was cancelled, add the error counts, and
-    record the run as the job's last successful one when this batch is its last to succeed."""
-    from django_fairqueue.contrib.pipeline.models import PipelineJob
-    from django_fairqueue.models import WorkBatch
-
-    job_name = batch.job_name
-    job = PipelineJob.objects.using(alias).select_for_update().filter(job_name=job_name).first()
-    if job is None:
-        return
-    if job.cancelled_at is not None:
-        raise JobCancelled(f"job {job_name} was cancelled while the batch ran; not written")
-    if errors:
-        merged = dict(job.errors or {})
-        for rule, count in errors.items():
-            merged[rule] = int(merged.get(rule, 0)) + count
-        job.errors = merged
-        job.save(update_fields=["errors"])
-    # This batch completes when the fence commits. The job's row lock orders the batches that
-    # settle at once: the last of them sees the others succeeded.
-    others = WorkBatch.objects.using(alias).filter(job_name=job_name).exclude(pk=batch.id)
-    job.record_success(others)
-
-
-def _run_atomic(
-    spark: Any,
-    batch: Any,
-    prepared: Prepared,
-    job_group: str | None,
-    lease_lost: Callable[[], bool],
-    aggregates: Any = None,
-    stopping: Callable[[], bool] = lambda: False,
-) -> tuple[int, float]:
-    """Spark tasks stage the rows; the driver merges them under the fence (all or nothing)."""
-    from django_fairqueue import batches
-    from django_fairqueue.exceptions import LeaseLost
-
-    pipeline = prepared.pipeline
-    alias = pipeline.alias
-    target = prepared.target
-    staging = staging_name(batch.id, batch.lease_token)
-    statements = datastore.create_staging(
-        alias, staging=staging, sink=target.table_name, columns=target.all_columns
-    )
-    try:
-        written = run_range(
-            spark,
-            prepared,
-            batch.start_id,
-            batch.end_id,
-            staging=statements,
-            job_group=job_group,
-            aggregates=aggregates,
-            stopping=stopping,
-        )
-        spark_done = time.monotonic()
-        if lease_lost():
-            raise LeaseLost(f"work batch {batch.id}: lease lost while Spark ran; not written")
-        rows = written.rows
-        with batches.fenced(batch, using=alias) as fence:
-            _settle_job(alias, batch, written.errors)
-            if isinstance(target, LongSink):
-                rows = datastore.merge_long_staging(
-                    alias,
-                    staging=staging,
-                    sink=target.table_name,
-                    id_column=target.id_column,
-                    rule_column=target.rule_column,
-                    columns=target.all_columns,
-                )
-            elif written.rows:
-                datastore.merge_staging(
-                    alias,
-                    staging=staging,
-                    sink=pipeline.sink.table_name,
-                    key=pipeline.sink.key,
-                    columns=pipeline.sink.all_columns,
-                    key_range=written.key_range,
-                )
-            datastore.drop_staging(alias, staging)
-            fence.rows_processed = rows
-    finally:
-        _drop_quietly(alias, staging)
-    return rows, spark_done
-
-
-def _run_direct(
-    spark: Any,
-    batch: Any,
-    prepared: Prepared,
-    job_group: str | None,
-    aggregates: Any = None,
-    stopping: Callable[[], bool] = lambda: False,
-) -> tuple[int, float]:
-    """``atomic=False``: Spark tasks upsert into the sink, each in its own transaction fenced on
-    the lease; the driver then completes the batch (no writes of its own)."""
-    from django_fairqueue import batches
-    from django_fairqueue.exceptions import LeaseLost
-
-    pipeline = prepared.pipeline
-    alias = pipeline.alias
-    spec = datastore.sink_write_spec(
-        alias,
-        conninfo=executor_conninfo(alias),
-        batch_id=batch.id,
-        lease_token=str(batch.lease_token),
-        sink=pipeline.sink.table_name,
-        key=pipeline.sink.key,
-        columns=pipeline.sink.all_columns,
-        integer_key=integer_key(prepared),
-    )
-    try:
-        written = run_range(
-            spark,
-            prepared,
-            batch.start_id,
-            batch.end_id,
-            sink=spec,
-            job_group=job_group,
-            aggregates=aggregates,
-            stopping=stopping,
-        )
-    except Exception as exc:
-        if datastore.LeaseLostInTask.MARKER in str(exc):
-            raise LeaseLost(
-                f"work batch {batch.id}: lease lost; its Spark tasks refused to write"
-            ) from None
-        raise
-    spark_done = time.monotonic()
-    with batches.fenced(batch, using=alias) as fence:
-        _settle_job(alias, batch, written.errors)
-        fence.rows_processed = written.rows
-    return written.rows, spark_done
-
-
-def _drop_quietly(alias: str, staging: str) -> None:
-    try:
-        datastore.drop_staging(alias, staging)
-    except Exception as exc:  # the orphan cleanup will get it
-        logger.warning("could not drop staging table %s: %s", staging, exc)
-
-
-def drop_orphaned_staging(using: str) -> list[str]:
-    """Drop staging tables whose batch is no longer running under the lease that made them
-    (their worker crashed or lost its lease). Returns the tables dropped."""
-    from django_fairqueue.models import BatchState, WorkBatch
-
-    dropped = []
-    for table in datastore.staging_tables(using):
-        match = _STAGING_NAME.match(table)
-        if match is None:
-            continue
-        batch_id, token = int(match.group(1)), uuid.UUID(match.group(2))
-        alive = (
-            WorkBatch.objects.using(using)
-            .filter(pk=batch_id, state=BatchState.RUNNING, lease_token=token)
-            .exists()
-        )
-        if not alive:
-            datastore.drop_staging(using, table)
-            dropped.append(table)
-    return dropped

@@ -31,21 +31,19 @@ from django.utils import timezone
 
 from django_fairqueue import batches, conf
 from django_fairqueue.contrib.pipeline import cluster, datastore
+from django_fairqueue.contrib.pipeline.batch_run import (
+    BatchOutcome,
+    JobCancelled,
+    drop_orphaned_staging,
+    execute_batch,
+)
 from django_fairqueue.contrib.pipeline.core import (
     Pipeline,
     UnknownPipeline,
     parse_job_name,
     registry,
 )
-from django_fairqueue.contrib.pipeline.execute import (
-    BatchOutcome,
-    JobCancelled,
-    PipelineError,
-    drop_orphaned_staging,
-    execute_batch,
-    not_null_fills,
-    prepare,
-)
+from django_fairqueue.contrib.pipeline.execute import PipelineError, not_null_fills, prepare
 from django_fairqueue.contrib.pipeline.formulas import FormulaError
 from django_fairqueue.contrib.pipeline.models import PipelineJob
 from django_fairqueue.exceptions import LeaseLost
