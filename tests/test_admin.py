@@ -18,6 +18,7 @@ import re
 import sys
 import uuid
 from datetime import UTC, datetime, timedelta
+from html.parser import HTMLParser
 from typing import Any
 from unittest import mock
 
@@ -301,6 +302,43 @@ def change_url(name: str) -> str:
     return reverse("admin:fairqueue_channel_change", args=[cid(name)])
 
 
+def form_as_shown(html: str) -> dict[str, str]:
+    """What a browser posts back from a change page left as it is: every named input (checked
+    boxes only), select and textarea of the page's form, with the values it shows."""
+    values: dict[str, str] = {}
+
+    class Reader(HTMLParser):
+        select: str | None = None
+        textarea: str | None = None
+
+        def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+            a = {k: v or "" for k, v in attrs}
+            name = a.get("name")
+            if tag == "input" and name and a.get("type") not in ("submit", "button"):
+                if a.get("type") != "checkbox" or "checked" in a:
+                    values[name] = a.get("value", "on" if a.get("type") == "checkbox" else "")
+            elif tag == "select" and name:
+                self.select = name
+            elif tag == "option" and self.select and "selected" in a:
+                values[self.select] = a.get("value", "")
+            elif tag == "textarea" and name:
+                self.textarea = name
+                values[name] = ""
+
+        def handle_endtag(self, tag: str) -> None:
+            if tag == "select":
+                self.select = None
+            elif tag == "textarea":
+                self.textarea = None
+
+        def handle_data(self, data: str) -> None:
+            if self.textarea:
+                values[self.textarea] += data.removeprefix("\n")
+
+    Reader().feed(html)
+    return values
+
+
 def limits(**values: Any) -> dict[str, Any]:
     data = {
         "max_concurrency": "",
@@ -382,6 +420,49 @@ def test_saving_limits_never_writes_the_counters() -> None:
     state = channel_state("racy")
     assert (state["ready_count"], state["running_count"]) == (1, 3)
     assert_counters_match_table()
+
+
+def test_a_change_page_saves_only_what_was_changed_on_it_not_what_changed_meanwhile(
+    admin_client: Client,
+) -> None:
+    enqueue("steered", 2)
+    page = admin_client.get(change_url("steered"))
+    assert b'name="initial-paused"' in page.content  # the values shown travel with the form
+    shown = form_as_shown(page.content.decode())
+    # meanwhile another operator (or an action, or code) caps, rate-limits and pauses it
+    Channel.objects.filter(name="steered").update(
+        max_concurrency=5, release_interval=timedelta(seconds=2), paused=True
+    )
+    response = admin_client.post(change_url("steered"), {**shown, "weight": "2"})
+    assert response.status_code == 302
+    row = Channel.objects.values("max_concurrency", "release_interval", "paused", "weight").get(
+        name="steered"
+    )
+    assert row == {
+        "max_concurrency": 5,
+        "release_interval": timedelta(seconds=2),
+        "paused": True,
+        "weight": 2,
+    }
+    # a limit changed on the page is written, even back to the value the page was loaded with
+    page = admin_client.get(change_url("steered"))
+    Channel.objects.filter(name="steered").update(weight=9)
+    response = admin_client.post(change_url("steered"), {**form_as_shown(page.content.decode()),
+                                                         "max_concurrency": "1"})  # fmt: skip
+    assert response.status_code == 302
+    assert Channel.objects.values_list("max_concurrency", "weight").get(name="steered") == (1, 9)
+
+
+def test_a_group_change_page_saves_only_what_was_changed_on_it(admin_client: Client) -> None:
+    group = ChannelGroup.objects.create(name="acme", weight=1, max_concurrency=3)
+    url = reverse("admin:fairqueue_channelgroup_change", args=[group.pk])
+    shown = form_as_shown(admin_client.get(url).content.decode())
+    ChannelGroup.objects.filter(pk=group.pk).update(max_concurrency=10)
+    assert admin_client.post(url, {**shown, "weight": "2"}).status_code == 302
+    assert ChannelGroup.objects.values_list("max_concurrency", "weight").get(pk=group.pk) == (
+        10,
+        2,
+    )
 
 
 def test_the_add_form_starts_from_the_channel_defaults(admin_client: Client, settings: Any) -> None:

@@ -33,6 +33,7 @@ from django_fairqueue.admin.common import (
     ChannelAdminBase,
     ChannelFormBase,
     as_typed,
+    carry_initial,
     check_limits,
     duration,
     log_changes,
@@ -85,6 +86,7 @@ class ChannelForm(ChannelFormBase):
         super().__init__(*args, **kwargs)
         if self.instance.pk is not None:  # a channel's queue is part of its identity
             self.fields.pop("queue_name", None)
+        carry_initial(self, EDITABLE_LIMITS)
 
     def clean_name(self) -> str:
         try:
@@ -539,9 +541,9 @@ class ChannelAdmin(lists.NulSafeAdmin, ChannelAdminBase):
         if not change:
             obj.save()
             return
-        # Only the limits that changed: another operator's edit of another limit, made since
-        # this form was loaded, stays. (The scheduler's state is no model field: no save can
-        # write it back.)
+        # Only the limits changed on the page (the form carries the values it showed): a
+        # limit changed elsewhere since the page was loaded stays. (The scheduler's state is
+        # no model field: no save can write it back.)
         fields = [name for name in EDITABLE_LIMITS if name in form.changed_data]
         if fields:
             with transaction.atomic(using=conf.get().DATABASE):

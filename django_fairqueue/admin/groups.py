@@ -18,6 +18,7 @@ from django_fairqueue.admin.common import (
     GroupAdminBase,
     GroupFormBase,
     as_typed,
+    carry_initial,
     check_limits,
     duration,
     timestamp,
@@ -37,6 +38,10 @@ class ChannelGroupForm(GroupFormBase):
     class Meta:
         model = ChannelGroup
         fields = ["name", *GROUP_LIMITS]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        carry_initial(self, GROUP_LIMITS)
 
     def clean_name(self) -> str:
         try:
