@@ -9,16 +9,27 @@ class FairQueueError(Exception):
     """Base class of every django-fairqueue error."""
 
 
+def _channel_of(row: str) -> tuple[str, str, str]:
+    """(channel, queue, how to name it in a message) of a channel row's name: the row of
+    channel ``acme`` in queue ``reports`` is named ``reports<U+001F>acme``."""
+    from django_fairqueue.queues import DEFAULT_QUEUE, split_row_name  # (it imports this module)
+
+    queue, channel = split_row_name(row)
+    where = f"channel {channel!r}" + (f" of queue {queue!r}" if queue != DEFAULT_QUEUE else "")
+    return channel, queue, where
+
+
 class ChannelFull(FairQueueError):
-    """Enqueue would take a channel past its ``max_backlog``. Nothing of the batch was stored."""
+    """Enqueue would take a channel past its ``max_backlog``. Nothing of the batch was stored.
+    ``channel`` is the name within its ``queue``."""
 
     def __init__(self, channel: str, backlog: int, max_backlog: int, batch: int) -> None:
-        self.channel = channel
+        self.channel, self.queue, where = _channel_of(channel)
         self.backlog = backlog
         self.max_backlog = max_backlog
         self.batch = batch
         super().__init__(
-            f"channel {channel!r} is full: {backlog} waiting, max_backlog {max_backlog}, "
+            f"{where} is full: {backlog} waiting, max_backlog {max_backlog}, "
             f"refused a batch of {batch}"
         )
 
@@ -98,7 +109,7 @@ class DuplicateJob(FairQueueError):
     """Enqueue with ``unique_key=...`` and ``on_conflict="raise"`` met a message of the same
     channel that holds the key, or an earlier request of the same ``enqueue_many`` batch that
     carries it (``in_batch``: that request's position; ``message_id`` and ``state`` are then
-    None). Nothing of the batch was stored."""
+    None). ``channel`` is the name within its ``queue``. Nothing of the batch was stored."""
 
     def __init__(
         self,
@@ -109,7 +120,7 @@ class DuplicateJob(FairQueueError):
         *,
         in_batch: int | None = None,
     ) -> None:
-        self.channel = channel
+        self.channel, self.queue, where = _channel_of(channel)
         self.unique_key = unique_key
         #: the message holding the key, and its state then
         self.message_id = message_id
@@ -118,13 +129,12 @@ class DuplicateJob(FairQueueError):
         self.in_batch = in_batch
         if in_batch is not None:
             text = (
-                f"channel {channel!r} gets unique key {unique_key!r} twice in one batch "
+                f"{where} gets unique key {unique_key!r} twice in one batch "
                 f"(request {in_batch} carries it first); nothing of the batch was stored"
             )
         else:
             text = (
-                f"channel {channel!r} already has message {message_id} ({state}) with unique "
-                f"key {unique_key!r}"
+                f"{where} already has message {message_id} ({state}) with unique key {unique_key!r}"
             )
         super().__init__(text)
 

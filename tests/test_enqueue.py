@@ -342,6 +342,22 @@ def test_full_channel_raises_with_the_numbers_and_stores_nothing_of_the_batch() 
 
 
 @pytest.mark.django_db
+def test_a_full_channel_of_another_queue_is_named_as_the_api_names_it() -> None:
+    with override_settings(FAIRQUEUE={"CHANNEL_DEFAULTS": {"max_backlog": 1}}):
+        enqueue(f.NOOP, channel="acme", queue="reports")
+        with pytest.raises(ChannelFull) as caught, transaction.atomic():
+            enqueue(f.NOOP, channel="acme", queue="reports")
+        full = caught.value
+        assert (full.channel, full.queue) == ("acme", "reports")
+        assert str(full).startswith("channel 'acme' of queue 'reports' is full: 1 waiting")
+        enqueue(f.NOOP, channel="acme")  # the default queue's acme is another channel
+        with pytest.raises(ChannelFull) as caught, transaction.atomic():
+            enqueue(f.NOOP, channel="acme")
+        assert (caught.value.channel, caught.value.queue) == ("acme", "default")
+        assert str(caught.value).startswith("channel 'acme' is full")
+
+
+@pytest.mark.django_db
 def test_a_batch_larger_than_max_backlog_is_refused_whole() -> None:
     with override_settings(FAIRQUEUE={"CHANNEL_DEFAULTS": {"max_backlog": 5}}):
         with pytest.raises(ChannelFull) as caught, transaction.atomic():

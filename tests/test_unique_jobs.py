@@ -148,9 +148,13 @@ def test_a_key_twice_in_a_batch_raises_naming_the_earlier_request_not_a_rolled_b
     # a later request that keeps (the default) gets the earlier one's id, as documented
     kept = enqueue_many([requests[0], dataclasses.replace(requests[2], on_conflict="keep")])
     assert kept[0] == kept[1] and Message.objects.count() == before + 1
-    # in another queue the same channel name is another channel
+    # in another queue the same channel name is another channel, and is named as the API does
     other = dataclasses.replace(requests[2], queue="reports")
     assert len(set(enqueue_many([requests[0], other]))) == 2
+    with pytest.raises(DuplicateJob) as caught:
+        enqueue_many([other])
+    assert (caught.value.channel, caught.value.queue) == ("acme", "reports")
+    assert str(caught.value).startswith("channel 'acme' of queue 'reports' already has message")
 
 
 @pytest.mark.django_db
