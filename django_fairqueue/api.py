@@ -22,7 +22,12 @@ from django.utils import timezone
 
 from django_fairqueue import conf, limits
 from django_fairqueue.db import channel_store, enqueue_store, message_store
-from django_fairqueue.exceptions import DuplicateJob, InvalidChannel, PayloadError
+from django_fairqueue.exceptions import (
+    DuplicateJob,
+    FairQueueError,
+    InvalidChannel,
+    PayloadError,
+)
 from django_fairqueue.limits import (
     CHANNEL_NAME_MAX_LENGTH,
     GROUP_NAME_MAX_LENGTH,
@@ -298,109 +303,116 @@ def _prepare_batch(
     # exists only once some message has a delay.
     delays: list[timedelta | None] | None = None
     traced = _trace_suffix()
-    for position, request in enumerate(requests):
-        task = request.task
-        known = specs.get(id(task))
-        if known is None:
-            spec = resolve_task(task)
-            known = (
-                task,
-                spec,
-                spec.effective_max_attempts,
-                spec.effective_keep_result,
-                spec.channel or cfg.DEFAULT_CHANNEL,
-            )
-            specs[id(task)] = known
-        spec = known[1]
-        args = request.args
-        kwargs = request.kwargs
-        # a cheap type check: list() or dict() would turn a string, set, mapping, bytes or
-        # generator into something else without a word
-        if (type(args) is not tuple and type(args) is not list) or type(kwargs) is not dict:
-            _check_call_arguments(position, spec.name, args, kwargs)
-        args = list(args)
-        kwargs = dict(kwargs)
-        if kwargs and not all(type(key) is str for key in kwargs):
-            _check_call_arguments(position, spec.name, args, kwargs)
-        # Whether arguments fit a signature depends only on how many are positional and which
-        # names the others have: checked once per such shape and task in a batch.
-        shape = (id(spec), len(args), tuple(kwargs) if kwargs else ())
-        if shape not in fitted:
-            try:
+    # A batch of one is named by its call alone (django.tasks enqueues through here).
+    requests = requests if type(requests) is list else list(requests)
+    position = 0
+    try:
+        for position, request in enumerate(requests):
+            task = request.task
+            known = specs.get(id(task))
+            if known is None:
+                spec = resolve_task(task)
+                known = (
+                    task,
+                    spec,
+                    spec.effective_max_attempts,
+                    spec.effective_keep_result,
+                    spec.channel or cfg.DEFAULT_CHANNEL,
+                )
+                specs[id(task)] = known
+            spec = known[1]
+            args = request.args
+            kwargs = request.kwargs
+            # a cheap type check: list() or dict() would turn a string, set, mapping, bytes or
+            # generator into something else without a word
+            if (type(args) is not tuple and type(args) is not list) or type(kwargs) is not dict:
+                _check_call_arguments(spec.name, args, kwargs)
+            args = list(args)
+            kwargs = dict(kwargs)
+            if kwargs and not all(type(key) is str for key in kwargs):
+                _check_call_arguments(spec.name, args, kwargs)
+            # Whether arguments fit a signature depends only on how many are positional and which
+            # names the others have: checked once per such shape and task in a batch.
+            shape = (id(spec), len(args), tuple(kwargs) if kwargs else ())
+            if shape not in fitted:
                 check_arguments(spec, args, kwargs)
-            except TypeError as exc:
-                raise TypeError(f"enqueue_many request {position}: {exc}") from None
-            fitted.add(shape)
-        channel = request.channel
-        if channel is None:
-            if spec.channel_from is not None:
-                channel = spec.channel_from(*args, **kwargs)
+                fitted.add(shape)
+            channel = request.channel
             if channel is None:
-                channel = known[4]
-        queue = request.queue
-        if queue is None:
-            queue = spec.queue
-        if queue not in queues:
-            queues[queue] = validate_queue_name(queue)
-        queue = queues[queue]
-        if queue != DEFAULT_QUEUE:
-            group = _group_part(channel) if type(channel) is tuple else None
-            channel = _queue_row(queue, validate_channel_name(channel), group, groups)
-        elif type(channel) is not str or channel not in checked:  # (unhashable: not a str)
-            if type(channel) is tuple:
-                groups.add(_group_part(channel))
-            channel = validate_channel_name(channel)
-            checked.add(channel)
-        payload = encode_payload(spec.name, args, kwargs, max_bytes)
-        if traced:
-            payload = _Payload(payload[:-1] + traced)
-        priority = request.priority
-        if priority is None:
-            priority = spec.priority
-        if type(priority) is not int or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
-            priority = check_priority(priority)  # raises unless an int subclass in range
-        run_after = request.run_after
-        run_at = delay = None
-        if isinstance(run_after, timedelta):
-            delay = run_after
-            if delay > _LONGEST_DELAY:
-                # what adding it to any date from now on would say
-                raise OverflowError(f"run_after {delay} is past the last representable date")
-            if delays is None:
-                delays = [None] * len(channels)
-        elif run_after is not None:
-            run_at = _run_at(run_after)
-        if delays is not None:
-            delays.append(delay)
-        if (
-            request.unique_key is not None
-            or request.unique_scope is not None
-            or request.on_conflict is not None
-        ):
-            unique = _unique_options(request.unique_key, request.unique_scope, request.on_conflict)
-            held_at = keyed.setdefault((channel, unique["unique_key"]), position)
-            if held_at != position and unique["on_conflict"] == "raise":
-                # The database would find the earlier request's row as the holder and name
-                # its id, which the refusal itself rolls back.
-                raise DuplicateJob(channel, unique["unique_key"], None, None, in_batch=held_at)
-            if batch.unique_keys is None:
-                batch.unique_keys = [None] * len(channels)
-                batch.unique_scopes = ["queued"] * len(channels)
-                batch.on_conflict = ["keep"] * len(channels)
-            batch.unique_keys.append(unique["unique_key"])
-            batch.unique_scopes.append(unique["unique_scope"])  # type: ignore[union-attr]
-            batch.on_conflict.append(unique["on_conflict"])  # type: ignore[union-attr]
-        elif batch.unique_keys is not None:
-            batch.unique_keys.append(None)
-            batch.unique_scopes.append("queued")  # type: ignore[union-attr]
-            batch.on_conflict.append("keep")  # type: ignore[union-attr]
-        channels.append(channel)
-        tasks.append(spec.name)
-        payloads.append(payload)
-        priorities.append(priority)
-        run_ats.append(run_at)
-        attempts.append(known[2])
-        keep.append(known[3])
+                if spec.channel_from is not None:
+                    channel = spec.channel_from(*args, **kwargs)
+                if channel is None:
+                    channel = known[4]
+            queue = request.queue
+            if queue is None:
+                queue = spec.queue
+            if queue not in queues:
+                queues[queue] = validate_queue_name(queue)
+            queue = queues[queue]
+            if queue != DEFAULT_QUEUE:
+                group = _group_part(channel) if type(channel) is tuple else None
+                channel = _queue_row(queue, validate_channel_name(channel), group, groups)
+            elif type(channel) is not str or channel not in checked:  # (unhashable: not a str)
+                if type(channel) is tuple:
+                    groups.add(_group_part(channel))
+                channel = validate_channel_name(channel)
+                checked.add(channel)
+            payload = encode_payload(spec.name, args, kwargs, max_bytes)
+            if traced:
+                payload = _Payload(payload[:-1] + traced)
+            priority = request.priority
+            if priority is None:
+                priority = spec.priority
+            if type(priority) is not int or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+                priority = check_priority(priority)  # raises unless an int subclass in range
+            run_after = request.run_after
+            run_at = delay = None
+            if isinstance(run_after, timedelta):
+                delay = run_after
+                if delay > _LONGEST_DELAY:
+                    # what adding it to any date from now on would say
+                    raise OverflowError(f"run_after {delay} is past the last representable date")
+                if delays is None:
+                    delays = [None] * len(channels)
+            elif run_after is not None:
+                run_at = _run_at(run_after)
+            if delays is not None:
+                delays.append(delay)
+            if (
+                request.unique_key is not None
+                or request.unique_scope is not None
+                or request.on_conflict is not None
+            ):
+                unique = _unique_options(
+                    request.unique_key, request.unique_scope, request.on_conflict
+                )
+                held_at = keyed.setdefault((channel, unique["unique_key"]), position)
+                if held_at != position and unique["on_conflict"] == "raise":
+                    # The database would find the earlier request's row as the holder and name
+                    # its id, which the refusal itself rolls back.
+                    raise DuplicateJob(channel, unique["unique_key"], None, None, in_batch=held_at)
+                if batch.unique_keys is None:
+                    batch.unique_keys = [None] * len(channels)
+                    batch.unique_scopes = ["queued"] * len(channels)
+                    batch.on_conflict = ["keep"] * len(channels)
+                batch.unique_keys.append(unique["unique_key"])
+                batch.unique_scopes.append(unique["unique_scope"])  # type: ignore[union-attr]
+                batch.on_conflict.append(unique["on_conflict"])  # type: ignore[union-attr]
+            elif batch.unique_keys is not None:
+                batch.unique_keys.append(None)
+                batch.unique_scopes.append("queued")  # type: ignore[union-attr]
+                batch.on_conflict.append("keep")  # type: ignore[union-attr]
+            channels.append(channel)
+            tasks.append(spec.name)
+            payloads.append(payload)
+            priorities.append(priority)
+            run_ats.append(run_at)
+            attempts.append(known[2])
+            keep.append(known[3])
+    except (FairQueueError, ValueError, TypeError, LookupError, OverflowError) as exc:
+        if len(requests) > 1:
+            _name_request(exc, position)
+        raise
     batch.delays = delays
     if groups:
         batch.groups = sorted(groups)
@@ -408,10 +420,20 @@ def _prepare_batch(
     return batch
 
 
-def _check_call_arguments(position: int, task_name: str, args: Any, kwargs: Any) -> None:
+def _name_request(exc: BaseException, position: int) -> None:
+    """Say which request of an ``enqueue_many`` batch ``exc`` is about: its message starts with
+    the position (in a note if the exception does not print its message as given)."""
+    text = f"enqueue_many request {position}: {exc}"
+    if len(exc.args) == 1 and str(exc) == str(exc.args[0]):
+        exc.args = (text,)
+    else:
+        exc.add_note(text)
+
+
+def _check_call_arguments(task_name: str, args: Any, kwargs: Any) -> None:
     """Raise :class:`PayloadError` unless a request's ``args`` is a list or tuple and its
-    ``kwargs`` a mapping with string keys (``enqueue_many``: naming the request's position)."""
-    where = f"enqueue_many request {position} (task {task_name!r})"
+    ``kwargs`` a mapping with string keys."""
+    where = f"task {task_name!r}"
     if not isinstance(args, (list, tuple)):
         raise PayloadError(
             f"{where}: args must be a list or tuple of arguments, got {type(args).__name__} "

@@ -7,6 +7,7 @@ Property-based with hypothesis, plus the explicit cases the issue lists.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import re
@@ -994,10 +995,36 @@ def test_enqueue_many_refuses_args_it_would_have_to_change(
 ) -> None:
     good = EnqueueRequest(NOOP, [1], {"a": 2}, channel="p")
     bad = EnqueueRequest(NOOP, args, kwargs, channel="p")
-    with pytest.raises(PayloadError, match=re.escape(f"enqueue_many request 1 (task {NOOP!r}): ")):
+    with pytest.raises(PayloadError, match=re.escape(f"enqueue_many request 1: task {NOOP!r}: ")):
         enqueue_many([good, bad])
     with pytest.raises(PayloadError, match=re.escape(error)):
         enqueue_many([bad])
+    assert message_count() == 0
+
+
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        (dict(args=({1, 2},)), PayloadError),
+        (dict(channel=" mix"), InvalidChannel),
+        (dict(priority=500), ValueError),
+        (dict(queue="no way"), InvalidQueue),
+        (dict(task="no.such.task"), UnknownTask),
+        (dict(run_after=datetime(2030, 1, 1)), ValueError),  # naive
+        (dict(unique_key="k", on_conflict="sometimes"), ValueError),
+    ],
+)
+def test_every_refusal_in_a_batch_names_the_request(
+    bad: dict[str, Any], error: type[Exception], tables_intact: None
+) -> None:
+    good = EnqueueRequest(NOOP, [1], channel="p")
+    wrong = dataclasses.replace(good, **bad)
+    with pytest.raises(error, match=r"^enqueue_many request 2: ") as caught:
+        enqueue_many([good, good, wrong, good])
+    alone = str(caught.value).removeprefix("enqueue_many request 2: ")
+    with pytest.raises(error) as caught:  # a batch of one: its call names it
+        enqueue_many([wrong])
+    assert str(caught.value) == alone
     assert message_count() == 0
 
 
