@@ -184,6 +184,16 @@ def fold_all() -> None:
         pass
 
 
+def measured(seconds: float = 0.01) -> None:
+    """Give every channel without one a measured run time (the default estimate's 10 ms).
+    By time, a channel with none is slow-starting, one message at a time until its first
+    settlement folds: for tests of something else that claim several from new channels."""
+    with connection.cursor() as cur:
+        cur.execute(
+            "UPDATE fairqueue_channel SET mean_run = %s WHERE mean_run IS NULL", [seconds]
+        )
+
+
 def table_counts() -> dict[int, Counter[str]]:
     """Messages per channel and state, counted in the table."""
     counts: dict[int, Counter[str]] = {}

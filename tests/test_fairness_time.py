@@ -226,6 +226,7 @@ def test_a_channel_waking_behind_an_over_charged_one_is_served_within_one_claim(
     at a charge of microseconds per message, that was millions of the other's messages (a
     flooded queue starved the newcomer's next burst)."""
     f.enqueue("bob", 400)
+    f.measured()  # (not slow-starting: bob has run before)
     running = [m for _ in range(10) for m in claim(10)]
     assert len(running) == 100  # charged 10 ms each, nothing settled yet: bob at 1 s
     f.enqueue("alice", 1)  # lifted to bob's tag, served by the next claim
@@ -245,16 +246,56 @@ def test_a_channel_waking_behind_an_over_charged_one_is_served_within_one_claim(
 @pytest.mark.django_db(transaction=True)
 def test_a_new_channel_is_charged_its_own_run_time_from_its_second_claim() -> None:
     """A channel's first settlements wake the claim, which folds them: the default estimate
-    (10 ms) is charged for its first claim only, not until the maintenance loop folds."""
+    (10 ms) is charged for its first message only (slow start), not until the maintenance
+    loop folds."""
     f.enqueue("quick", 50)
-    got = claim(5, quantum=5)
-    backdate([m.id for m in got], 0.001)
-    message_store.complete_messages(
-        [(m.id, m.lease_token, None) for m in got], run_seconds=[0.001] * 5
-    )
+    (first,) = claim(5, quantum=5)  # slow start: one message until its first settlement folds
+    assert claim(5, quantum=5) == []  # while it runs, nothing more of it
+    backdate([first.id], 0.001)
+    message_store.complete_messages([(first.id, first.lease_token, None)], run_seconds=[0.001])
     before = vtime("quick")
-    claim(1)  # folds the settlements first (a woken fold), then charges about 1 ms
-    assert vtime("quick") == pytest.approx(before - 5 * (0.01 - 0.001) + 0.001, abs=2e-4)
+    assert len(claim(5, quantum=5)) == 5  # folds the settlement first (a woken fold)
+    # charged 1 ms a message: the default's 10 ms given back for the first, 5 x 1 ms for these
+    assert vtime("quick") == pytest.approx(before - (0.01 - 0.001) + 5 * 0.001, abs=2e-4)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_new_tenant_of_long_tasks_gets_one_worker_until_its_first_result(grouped: bool) -> None:
+    """Slow start: a channel with no run time measured yet is charged the default estimate
+    (10 ms), so a claim for eight free workers gave a new tenant of 3 s tasks most of them and
+    every other tenant waited 3 s. Until its first settlement folds it gets one at a time."""
+    f.enqueue("fast", 200)
+    run({"fast": 0.02}, 3, limit=4)  # fast has a measured run time (20 ms)
+    enqueue_many([EnqueueRequest(f.NOOP, channel=("acme", "slow") if grouped else "slow")] * 20)
+    name = "acme/slow" if grouped else "slow"
+
+    def claims(n: int) -> list[list[str]]:
+        """``n`` claims of 8 for free workers; fast's messages run 20 ms and settle at once."""
+        seen = []
+        for _ in range(n):
+            got = claim(8, quantum=8)
+            assert len(got) == 8  # nobody waits for the slow tenant's first result
+            done = [m for m in got if m.channel == "fast"]
+            backdate([m.id for m in done], 0.02)
+            message_store.complete_messages(
+                [(m.id, m.lease_token, None) for m in done], run_seconds=[0.02] * len(done)
+            )
+            seen.append([m.channel for m in got])
+            running.extend(m for m in got if m.channel == name)
+        return seen
+
+    running: list[message_store.ClaimedMessage] = []
+    assert all(c.count(name) <= 1 for c in claims(6))
+    assert len(running) == 1  # one message at a time, over six claims
+    (started,) = running
+    backdate([started.id], 3.0)  # it ran 3 s
+    message_store.complete_messages([(started.id, started.lease_token, None)], run_seconds=[3.0])
+    # its settlement woke the claim, which folded it first: charged 3 s a message from now on,
+    # it waits while fast catches up
+    assert all(name not in c for c in claims(3))
+    assert len(running) == 1
+    f.assert_counters_match_table()
 
 
 @pytest.mark.django_db(transaction=True)
@@ -393,6 +434,7 @@ def delta_runs(name: str) -> tuple[float, int]:
 def test_a_failure_charges_its_reported_time_but_never_more_than_the_database_saw() -> None:
     f.enqueue("a", 2)
     f.fold_all()
+    f.measured()
     first, second = claim(2, quantum=2)
     backdate([first.id, second.id], 2.0)
     # a timed-out attempt reports its time limit (1.5 s); a worker whose clock jumped reports
@@ -413,6 +455,7 @@ def test_a_failure_charges_its_reported_time_but_never_more_than_the_database_sa
 def test_an_unreported_run_time_is_the_time_since_the_claim_and_never_negative() -> None:
     f.enqueue("a", 2)
     f.fold_all()
+    f.measured()
     first, second = claim(2, quantum=2)
     backdate([first.id], 0.3)
     backdate([second.id], -60)  # the database's clock stepped back since the claim

@@ -196,6 +196,7 @@ def test_batch_claims_share_by_group_weight(fairness: str) -> None:
     spread("small", 1, 600)
     ChannelGroup.objects.filter(name="big").update(weight=3)
     f.fold_all()
+    f.measured()  # (by time: not slow-starting)
     served: Counter[str] = Counter()
     for _ in range(8):
         got = claim(100)
@@ -210,6 +211,7 @@ def test_batch_claims_share_by_group_weight(fairness: str) -> None:
 def test_a_single_group_fills_the_whole_batch_from_its_channels(fairness: str) -> None:
     spread("solo", 30, 10)
     f.fold_all()
+    f.measured()  # (by time: not slow-starting)
     got = claim(100)
     assert len(got) == 100
     assert len({m.channel for m in got}) >= 25  # spread over its channels by turns
@@ -228,6 +230,7 @@ def test_group_cap_holds_across_its_channels_and_a_completion_frees_one_slot(
     ChannelGroup.objects.filter(name="capped").update(max_concurrency=3)
     f.enqueue("free", 5)
     f.fold_all()
+    f.measured()  # (by time: not slow-starting)
     got = claim(100)
     in_group = [m for m in got if group_of(m) == "capped"]
     assert len(in_group) == 3 and len(got) == 8
@@ -254,6 +257,7 @@ def test_a_group_rate_limit_removed_through_the_orm_takes_effect_at_once(fairnes
     spread("metered", 5, 4)
     ChannelGroup.objects.filter(name="metered").update(release_interval=timedelta(hours=1))
     f.fold_all()
+    f.measured()  # (by time: not slow-starting)
     assert len(claim(100)) == 1 and claim(100) == []
     ChannelGroup.objects.filter(name="metered").update(release_interval=timedelta(0))
     assert len(claim(100)) == 4 * 5 - 1
@@ -266,6 +270,7 @@ def test_a_group_whose_channels_are_all_rate_limited_is_parked_then_served(
     spread("slow", 3, 3)
     Channel.objects.filter(group__name="slow").update(release_interval=timedelta(seconds=0.3))
     f.fold_all()
+    f.measured()  # (by time: not slow-starting)
     assert len(claim(100)) == 3  # one per channel
     assert claim(100) == []
     with connection.cursor() as cur:

@@ -197,6 +197,7 @@ BEGIN
                        AND c.group_id IS NULL
                        AND c.queue = p_queue
                        AND (c.release_interval = interval '0' OR c.next_turn_at <= v_due)
+                       AND (c.mean_run IS NOT NULL OR c.running_count = 0)  -- not slow-starting
                        AND (p_only IS NULL OR c.id = ANY (p_only))
                        AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
                      ORDER BY c.vtime, c.id)
@@ -246,6 +247,7 @@ BEGIN
                       AND c.group_id IS NULL
                       AND (c.release_interval = interval '0'
                            OR c.next_turn_at <= clock_timestamp())
+                      AND (NOT p_by_time OR c.mean_run IS NOT NULL OR c.running_count = 0)
                     FOR UPDATE;
                 ELSE
                     SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
@@ -254,6 +256,7 @@ BEGIN
                     WHERE c.id = t.fid AND c.claimable
                       AND c.group_id IS NULL
                       AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
+                      AND (NOT p_by_time OR c.mean_run IS NOT NULL OR c.running_count = 0)
                     FOR UPDATE SKIP LOCKED;
                 END IF;
                 IF NOT FOUND THEN
@@ -269,7 +272,10 @@ BEGIN
                 v_room[v_n] := LEAST(
                     r.ready_count,
                     coalesce(r.max_concurrency - r.running_count, p_limit),
-                    CASE WHEN r.release_interval > interval '0' THEN 1 ELSE p_limit END);
+                    CASE WHEN r.release_interval > interval '0' THEN 1
+                         -- by time, slow start (see fairqueue_claim_v1)
+                         WHEN p_by_time AND r.mean_run IS NULL THEN 1
+                         ELSE p_limit END);
                 v_interval[v_n] := r.release_interval;
                 v_mean[v_n] := greatest(coalesce(r.mean_run, fairqueue_default_run_v1()), 1e-6);
                 v_est[v_n] := v_mean[v_n] / r.weight;
@@ -336,6 +342,7 @@ BEGIN
                           AND c.claimable
                           AND c.group_id = gr.id
                           AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
+                          AND (c.mean_run IS NOT NULL OR c.running_count = 0)  -- not slow-starting
                           AND (p_only IS NULL OR c.id = ANY (p_only))
                           AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
                         ORDER BY c.vtime, c.id
@@ -366,7 +373,10 @@ BEGIN
                     v_room[v_n] := LEAST(
                         r.ready_count,
                         coalesce(r.max_concurrency - r.running_count, p_limit),
-                        CASE WHEN r.release_interval > interval '0' THEN 1 ELSE p_limit END);
+                        CASE WHEN r.release_interval > interval '0' THEN 1
+                             -- by time, slow start (see fairqueue_claim_v1)
+                             WHEN p_by_time AND r.mean_run IS NULL THEN 1
+                             ELSE p_limit END);
                     v_interval[v_n] := r.release_interval;
                     v_mean[v_n] := greatest(coalesce(r.mean_run, fairqueue_default_run_v1()),
                                             1e-6);
@@ -452,6 +462,7 @@ BEGIN
                       AND c.claimable
                       AND c.group_id = v_gids[k]
                       AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
+                      AND (c.mean_run IS NOT NULL OR c.running_count = 0)  -- not slow-starting
                       AND NOT (c.id = ANY (v_ids))
                       AND (p_only IS NULL OR c.id = ANY (p_only))
                       AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
@@ -485,7 +496,10 @@ BEGIN
                 v_room[v_n] := LEAST(
                     r.ready_count,
                     coalesce(r.max_concurrency - r.running_count, p_limit),
-                    CASE WHEN r.release_interval > interval '0' THEN 1 ELSE p_limit END);
+                    CASE WHEN r.release_interval > interval '0' THEN 1
+                         -- by time, slow start (see fairqueue_claim_v1)
+                         WHEN p_by_time AND r.mean_run IS NULL THEN 1
+                         ELSE p_limit END);
                 v_interval[v_n] := r.release_interval;
                 v_mean[v_n] := greatest(coalesce(r.mean_run, fairqueue_default_run_v1()), 1e-6);
                 v_est[v_n] := v_mean[v_n] / r.weight;
@@ -676,7 +690,11 @@ $$;
 -- p_by_time (fairness by time): step 2 walks fq_channel_vtime_idx instead, smallest virtual
 -- tag first, passing over rate-limited channels not due yet (the tag index cannot bound
 -- them by time), and step 5 also charges each channel its mean run time per message claimed,
--- divided by its weight. Shares, caps, rate limits and locks are as in turn order.
+-- divided by its weight. Shares, caps, rate limits and locks are as in turn order. Slow start:
+-- a channel with no run time measured yet (a new tenant: mean_run NULL) gets one message at a
+-- time until its first settlement folds (its first settlements wake the claim, which folds
+-- them), so a tenant of long tasks charged the default estimate cannot take every worker at
+-- once; while its first message runs, the walks pass over it (as they do a capped channel).
 --
 -- p_async_except (the worker's own claims, each its own transaction; NULL otherwise): the
 -- transaction commits without waiting for its WAL flush, unless it hands out a message of one
@@ -1069,6 +1087,7 @@ BEGIN
                       AND c.group_id IS NULL
                       AND c.queue = v_queue
                       AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
+                      AND (c.mean_run IS NOT NULL OR c.running_count = 0)  -- not slow-starting
                       AND (p_only IS NULL OR c.id = ANY (p_only))
                       AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
                     ORDER BY c.vtime, c.id
@@ -1085,6 +1104,7 @@ BEGIN
                       AND (c.release_interval = interval '0'
                            OR (c.next_turn_at <= v_wait_until
                                AND c.next_turn_at <= clock_timestamp()))
+                      AND (c.mean_run IS NOT NULL OR c.running_count = 0)  -- not slow-starting
                       AND (p_only IS NULL OR c.id = ANY (p_only))
                       AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
                     ORDER BY c.vtime, c.id
@@ -1135,7 +1155,10 @@ BEGIN
                 v_room[v_n] := LEAST(
                     r.ready_count,
                     coalesce(r.max_concurrency - r.running_count, p_limit),
-                    CASE WHEN r.release_interval > interval '0' THEN 1 ELSE p_limit END);
+                    CASE WHEN r.release_interval > interval '0' THEN 1
+                         -- by time, slow start (see fairqueue_claim_v1)
+                         WHEN p_by_time AND r.mean_run IS NULL THEN 1
+                         ELSE p_limit END);
                 v_interval[v_n] := r.release_interval;
                 IF p_by_time THEN  -- (not computed by count: a function call per channel)
                     v_tag[v_n] := r.vtime;
@@ -1197,6 +1220,7 @@ BEGIN
                   AND c.group_id IS NULL
                   AND c.queue = v_queue
                   AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
+                  AND (c.mean_run IS NOT NULL OR c.running_count = 0)  -- not slow-starting
                   AND (p_only IS NULL OR c.id = ANY (p_only))
                   AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
                 ORDER BY c.vtime, c.id
