@@ -56,12 +56,12 @@ def as_typed(form: forms.BaseForm, field: str) -> Any:
     return raw if isinstance(raw, str) else cleaned
 
 
-def carry_initial(form: forms.BaseForm, names: Sequence[str]) -> None:
+def carry_initial(form: forms.BaseModelForm[Any], names: Sequence[str]) -> None:
     """On an existing row's change form, send each of ``names`` back with the value the page
     showed (Django's hidden initial), so that ``changed_data`` names only what the operator
     changed on the page: a limit changed meanwhile elsewhere (another operator, an action, the
     ORM) is neither counted as changed nor written back."""
-    if getattr(form, "instance", None) is None or form.instance.pk is None:
+    if form.instance.pk is None:
         return
     for name in names:
         if name in form.fields:
