@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
 from django_fairqueue import conf
@@ -28,23 +29,10 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             )
             for problem in problems
         ]
-    if cfg.DATABASE not in settings.DATABASES:
-        errors.append(
-            Error(
-                f"FAIRQUEUE['DATABASE'] is {cfg.DATABASE!r}, which is not in DATABASES.",
-                id="fairqueue.E002",
-            )
-        )
-    elif connections[cfg.DATABASE].vendor != "postgresql":
-        errors.append(
-            Error(
-                f"django-fairqueue needs PostgreSQL; database {cfg.DATABASE!r} is "
-                f"{connections[cfg.DATABASE].vendor}.",
-                id="fairqueue.E003",
-            )
-        )
-    else:
-        errors.extend(_routing_checks(cfg))
+    for problem in database_problems(cfg):
+        kind = Error if problem.error else Warning
+        errors.append(kind(problem.message, hint=problem.hint, id=problem.id))
+    errors.extend(_metrics_checks())
     errors.extend(_task_checks(cfg))
     errors.extend(_lease_warnings(cfg))
     if len(cfg.DEFAULT_CHANNEL) > 200 or cfg.DEFAULT_CHANNEL.strip() != cfg.DEFAULT_CHANNEL:
@@ -58,7 +46,29 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     return errors
 
 
-def _routing_checks(cfg: conf.FairQueueSettings) -> list[CheckMessage]:
+class Problem(NamedTuple):
+    """One finding about the queue's database: an error stops start-up (and first use)."""
+
+    id: str
+    message: str
+    hint: str | None = None
+    error: bool = True
+
+
+def database_problems(cfg: conf.FairQueueSettings) -> list[Problem]:
+    """fairqueue.E002, E003, E007 and W003: for the system checks, and for the settings' first
+    use (:func:`django_fairqueue.conf.get`), which raises the errors in the same words."""
+    if cfg.DATABASE not in settings.DATABASES:
+        message = f"FAIRQUEUE['DATABASE'] is {cfg.DATABASE!r}, which is not in DATABASES."
+        return [Problem("fairqueue.E002", message)]
+    vendor = connections[cfg.DATABASE].vendor
+    if vendor != "postgresql":
+        message = f"django-fairqueue needs PostgreSQL; database {cfg.DATABASE!r} is {vendor}."
+        return [Problem("fairqueue.E003", message)]
+    return _routing_problems(cfg)
+
+
+def _routing_problems(cfg: conf.FairQueueSettings) -> list[Problem]:
     """The ORM must reach the queue's tables where its statements do: with the queue in another
     database and no router, the admin and the model API would read and change (empty) copies
     in ``default`` while enqueue and the workers use the queue's database. Reads routed
@@ -68,27 +78,57 @@ def _routing_checks(cfg: conf.FairQueueSettings) -> list[CheckMessage]:
     from django_fairqueue.models import Channel
 
     read, write = router.db_for_read(Channel), router.db_for_write(Channel)
-    fix = (
-        "Add 'django_fairqueue.routers.QueueRouter' to DATABASE_ROUTERS, then run "
-        f"`manage.py migrate --database {cfg.DATABASE}`."
-    )
     if write != cfg.DATABASE:
+        message = (
+            f"FAIRQUEUE['DATABASE'] is {cfg.DATABASE!r}, but Django's database routers send "
+            f"django-fairqueue's models to {write!r} for writes (and {read!r} for reads)."
+        )
+        return [Problem("fairqueue.E007", message, _routing_fix(cfg, "db_for_write"))]
+    if read != cfg.DATABASE:
+        message = (
+            f"Django's database routers send reads of django-fairqueue's models to {read!r}, "
+            f"not to FAIRQUEUE['DATABASE'] ({cfg.DATABASE!r}): the admin's lists show that "
+            "database's rows (a replica's lag behind)."
+        )
+        hint = f"Intended for a replica; otherwise: {_routing_fix(cfg, 'db_for_read')}"
+        return [Problem("fairqueue.W003", message, hint, error=False)]
+    return []
+
+
+def _routing_fix(cfg: conf.FairQueueSettings, action: str) -> str:
+    """How to route the queue's models to its database: add QueueRouter, or, when it is listed
+    but a router before it answers ``action`` first, move it before that one."""
+    from django.db import router
+
+    from django_fairqueue.models import Channel
+    from django_fairqueue.routers import QueueRouter
+
+    path = "django_fairqueue.routers.QueueRouter"
+    migrate = f"then run `manage.py migrate --database {cfg.DATABASE}`."
+    for found in router.routers:
+        if isinstance(found, QueueRouter):
+            break
+        method = getattr(found, action, None)
+        if method is not None and method(Channel) is not None:
+            name = f"{type(found).__module__}.{type(found).__qualname__}"
+            if any(isinstance(r, QueueRouter) for r in router.routers):
+                return (
+                    f"Move {path!r} before {name!r} in DATABASE_ROUTERS ({name!r} answers first "
+                    f"for django-fairqueue's models), {migrate}"
+                )
+            break
+    return f"Add {path!r} to DATABASE_ROUTERS, {migrate}"
+
+
+def _metrics_checks() -> list[Error]:
+    try:
+        conf.metrics_max_channels()
+    except ImproperlyConfigured as exc:
         return [
             Error(
-                f"FAIRQUEUE['DATABASE'] is {cfg.DATABASE!r}, but Django's database routers send "
-                f"django-fairqueue's models to {write!r} for writes (and {read!r} for reads).",
-                hint=fix,
-                id="fairqueue.E007",
-            )
-        ]
-    if read != cfg.DATABASE:
-        return [
-            Warning(
-                f"Django's database routers send reads of django-fairqueue's models to "
-                f"{read!r}, not to FAIRQUEUE['DATABASE'] ({cfg.DATABASE!r}): the admin's lists "
-                "show that database's rows (a replica's lag behind).",
-                hint=f"Intended for a replica; otherwise: {fix}",
-                id="fairqueue.W003",
+                f"Invalid FAIRQUEUE_METRICS_MAX_CHANNELS setting: {exc}",
+                hint="See docs/howto/observability.md for the metrics' settings.",
+                id="fairqueue.E001",
             )
         ]
     return []
@@ -110,8 +150,9 @@ def _lease_warnings(cfg: conf.FairQueueSettings) -> list[Warning]:
 
 
 def _task_checks(cfg: conf.FairQueueSettings) -> list[Error]:
-    """TASK_MODULES must import, and each of SCHEDULES must name a registered task: a worker
-    would otherwise die at start (the modules) or never fire the schedule (the task)."""
+    """TASK_MODULES must import, and each of SCHEDULES must name a registered task and give
+    arguments it takes: a worker would otherwise die at start (the modules) or never sync and
+    fire the schedule (the task, its arguments)."""
     from django_fairqueue.tasks.spec import registry
 
     errors = [
@@ -126,15 +167,30 @@ def _task_checks(cfg: conf.FairQueueSettings) -> list[Error]:
     ]
     if errors or not cfg.SCHEDULES:
         return errors
+    from django_fairqueue.exceptions import InvalidSchedule
+    from django_fairqueue.schedules import schedule_row
+
     registry.autodiscover()
     for spec in cfg.SCHEDULES:
+        where = f"FAIRQUEUE['SCHEDULES'][{spec.name!r}]"
         if spec.task not in registry:
             errors.append(
                 Error(
-                    f"FAIRQUEUE['SCHEDULES'][{spec.name!r}] names task {spec.task!r}, which is "
-                    "not registered.",
+                    f"{where} names task {spec.task!r}, which is not registered.",
                     hint="Use the name of a @task (its module must be an installed app's "
                     "tasks module or in FAIRQUEUE['TASK_MODULES']).",
+                    id="fairqueue.E006",
+                )
+            )
+            continue
+        try:  # what the workers' sync would refuse: arguments, channel (their own words)
+            schedule_row(spec, cfg, where)
+        except InvalidSchedule as exc:
+            errors.append(
+                Error(
+                    str(exc),
+                    hint="Give the arguments and channel an enqueue of the task would take; "
+                    "workers skip this schedule (and sync the others) until then.",
                     id="fairqueue.E006",
                 )
             )

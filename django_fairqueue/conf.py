@@ -1,7 +1,8 @@
 """Settings: one ``FAIRQUEUE = {...}`` dict, read into a frozen dataclass.
 
 Validation happens in :func:`load` so both the system checks (``fairqueue.E0xx``, at start-up)
-and the first use raise the same clear message.
+and the first use raise the same clear message; :func:`get` also refuses, at first use, a
+``DATABASE`` that cannot hold the queue, with the message of its check (E002, E003, E007).
 """
 
 from __future__ import annotations
@@ -14,14 +15,28 @@ from datetime import timedelta
 from functools import lru_cache
 from typing import Any
 
+from django.apps import apps
 from django.conf import settings as django_settings
+from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-from django_fairqueue.limits import MAX_CONCURRENCY_LIMIT, MAX_RELEASE_INTERVAL, MAX_WEIGHT
+from django_fairqueue.limits import (
+    MAX_CONCURRENCY_LIMIT,
+    MAX_LIMIT,
+    MAX_RELEASE_INTERVAL,
+    MAX_RETENTION,
+    MAX_RETRY_DELAY,
+    MAX_WEIGHT,
+    integer,
+    number_text,
+    seconds_text,
+)
 
 DELIVERY_MODES = ("at_most_once", "at_least_once")
 FAIRNESS_MODES = ("count", "time")
+#: What ``FAIRQUEUE_METRICS_MAX_CHANNELS`` (a Django setting of its own) is when unset.
+METRICS_MAX_CHANNELS_DEFAULT = 10_000
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 MAX_CLAIM_WAIT = 10.0
 
@@ -132,15 +147,14 @@ def _duration(value: Any, name: str) -> timedelta:
 
 def _number(value: Any, name: str, *, minimum: float, integer: bool = False) -> Any:
     kinds = (int,) if integer else (int, float)
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise ValueError(f"{name} must be {kind} >= {minimum}, got {value!r}")
     # NaN compares false with everything, so it would pass `value < minimum`; infinity makes
     # no sense for any of these (a sleep, a lease, a wait).
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, kinds)
-        or not math.isfinite(value)
-        or value < minimum
-    ):
-        kind = "an integer" if integer else "a number"
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be {kind} >= {minimum} (a finite one), got {value!r}")
+    if value < minimum:
         raise ValueError(f"{name} must be {kind} >= {minimum}, got {value!r}")
     return value
 
@@ -183,7 +197,8 @@ def validate_channel_limits(
     interval = _duration(release_interval, f"{where} release_interval")
     if interval < timedelta(0) or interval > MAX_RELEASE_INTERVAL:
         raise ValueError(
-            f"{where} release_interval must be between 0 and {MAX_RELEASE_INTERVAL}, got {interval}"
+            f"{where} release_interval must be from 0 to {seconds_text(MAX_RELEASE_INTERVAL)}, "
+            f"got {number_text(interval.total_seconds())} seconds"
         )
     _number(weight, f"{where} weight", minimum=1, integer=True)
     if weight > MAX_WEIGHT:
@@ -218,6 +233,8 @@ def load(raw: Any) -> FairQueueSettings:
         if key in known:
             try:
                 values[key] = _value(key, value)
+            except SettingsError as exc:
+                problems.extend(exc.problems)
             except (ValueError, TypeError) as exc:
                 problems.append(str(exc))
     beat = values.get("WORKER_HEARTBEAT", FairQueueSettings.WORKER_HEARTBEAT)
@@ -241,15 +258,36 @@ class SettingsError(ValueError):
         self.problems = problems
 
 
+class DatabaseSettingError(SettingsError, ImproperlyConfigured):
+    """``FAIRQUEUE['DATABASE']`` cannot hold the queue (fairqueue.E002, E003, E007), raised at
+    first use with the system check's message. Still a ValueError, as every bad setting is,
+    for the commands that turn those into a usage error."""
+
+
+def _channel_defaults(value: Any) -> ChannelDefaults:
+    """``CHANNEL_DEFAULTS`` checked key by key, every bad one reported (SettingsError)."""
+    where = "FAIRQUEUE['CHANNEL_DEFAULTS']"
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a dict")
+    known = {f.name for f in dataclasses.fields(ChannelDefaults)}
+    problems = []
+    extra = sorted(set(value) - known)
+    if extra:
+        problems.append(f"{where} has unknown keys {extra}")
+    for key in sorted(set(value) & known):
+        try:
+            validate_channel_limits(**{key: value[key]}, where=where)
+        except (ValueError, TypeError) as exc:
+            problems.append(str(exc))
+    if problems:
+        raise SettingsError(problems)
+    return validate_channel_limits(**value, where=where)
+
+
 def _value(key: str, value: Any) -> Any:
     """One ``FAIRQUEUE`` entry checked and converted; ``ValueError`` when it is bad."""
     if key == "CHANNEL_DEFAULTS":
-        if not isinstance(value, dict):
-            raise ValueError("FAIRQUEUE['CHANNEL_DEFAULTS'] must be a dict")
-        extra = sorted(set(value) - {f.name for f in dataclasses.fields(ChannelDefaults)})
-        if extra:
-            raise ValueError(f"FAIRQUEUE['CHANNEL_DEFAULTS'] has unknown keys {extra}")
-        return validate_channel_limits(**value, where="FAIRQUEUE['CHANNEL_DEFAULTS']")
+        return _channel_defaults(value)
     elif key in ("DATABASE", "DEFAULT_CHANNEL"):
         if not isinstance(value, str) or not value.strip():
             raise ValueError(f"FAIRQUEUE['{key}'] must be a non-empty string")
@@ -257,8 +295,8 @@ def _value(key: str, value: Any) -> Any:
     elif key == "NOTIFY_CHANNEL":
         if not isinstance(value, str) or not _IDENT.match(value):
             raise ValueError(
-                "FAIRQUEUE['NOTIFY_CHANNEL'] must be a lower-case identifier "
-                f"(letters, digits, _; at most 63), got {value!r}"
+                "FAIRQUEUE['NOTIFY_CHANNEL'] must be a lower-case identifier: a letter or _ "
+                f"first, then letters, digits or _, at most 63 in all; got {value!r}"
             )
         return value
     elif key == "FAIRNESS":
@@ -271,7 +309,15 @@ def _value(key: str, value: Any) -> Any:
         if value not in DELIVERY_MODES:
             raise ValueError(f"FAIRQUEUE['DEFAULT_DELIVERY'] must be one of {DELIVERY_MODES}")
         return value
-    elif key in ("DEFAULT_MAX_ATTEMPTS", "MAX_PAYLOAD_BYTES"):
+    elif key == "DEFAULT_MAX_ATTEMPTS":
+        attempts = _number(value, "FAIRQUEUE['DEFAULT_MAX_ATTEMPTS']", minimum=1, integer=True)
+        if attempts > MAX_LIMIT:  # as a task's own max_attempts
+            raise ValueError(
+                f"FAIRQUEUE['DEFAULT_MAX_ATTEMPTS'] must be at most {MAX_LIMIT} (the messages' "
+                f"max_attempts column is a 32-bit integer), got {value!r}"
+            )
+        return attempts
+    elif key == "MAX_PAYLOAD_BYTES":
         return _number(value, f"FAIRQUEUE['{key}']", minimum=1, integer=True)
     elif key in ("ASYNC_COMMIT", "KEEP_RESULTS", "NOTIFY", "PREPARED_STATEMENTS", "TRACING"):
         if not isinstance(value, bool):
@@ -279,8 +325,13 @@ def _value(key: str, value: Any) -> Any:
         return value
     elif key in ("RESULT_RETENTION", "BATCH_RETENTION", "USAGE_RETENTION"):
         retention = _duration(value, f"FAIRQUEUE['{key}']")
-        if retention < timedelta(0):  # a row cannot be pruned before it finished
-            raise ValueError(f"FAIRQUEUE['{key}'] must be 0 or more, got {value!r}")
+        # (not below 0: a row cannot be pruned before it finished)
+        if not timedelta(0) <= retention <= MAX_RETENTION:
+            raise ValueError(
+                f"FAIRQUEUE['{key}'] must be from 0 to {seconds_text(MAX_RETENTION)}: the "
+                "most keeps rows for ever in practice; got "
+                f"{number_text(retention.total_seconds())} seconds"
+            )
         return retention
     elif key == "CLAIM_WAIT":
         wait = float(_number(value, "FAIRQUEUE['CLAIM_WAIT']", minimum=0.0))
@@ -299,9 +350,16 @@ def _value(key: str, value: Any) -> Any:
         if not isinstance(value, list | tuple) or not all(isinstance(m, str) for m in value):
             raise ValueError("FAIRQUEUE['TASK_MODULES'] must be a list of module names")
         return tuple(value)
+    elif key in ("RETRY_BACKOFF_BASE", "RETRY_BACKOFF_MAX"):
+        minimum = 0.001 if key == "RETRY_BACKOFF_MAX" else 0.0
+        delay = float(_number(value, f"FAIRQUEUE['{key}']", minimum=minimum))
+        if delay > MAX_RETRY_DELAY.total_seconds():
+            raise ValueError(
+                f"FAIRQUEUE['{key}'] must be at most {seconds_text(MAX_RETRY_DELAY)}, got {value!r}"
+            )
+        return delay
     else:  # the float-valued intervals
-        minimum = 0.001 if key != "RETRY_BACKOFF_BASE" else 0.0
-        return float(_number(value, f"FAIRQUEUE['{key}']", minimum=minimum))
+        return float(_number(value, f"FAIRQUEUE['{key}']", minimum=0.001))
 
 
 def _schedules(value: Any) -> tuple[Any, ...]:
@@ -321,13 +379,54 @@ def _schedules(value: Any) -> tuple[Any, ...]:
     return tuple(specs)
 
 
+def metrics_max_channels() -> int:
+    """The Django setting ``FAIRQUEUE_METRICS_MAX_CHANNELS`` (docs/howto/observability.md),
+    checked: an integer from 1 to :data:`~django_fairqueue.limits.MAX_LIMIT`; raises
+    ``ImproperlyConfigured`` with fairqueue.E001's message otherwise."""
+    value = getattr(django_settings, "FAIRQUEUE_METRICS_MAX_CHANNELS", METRICS_MAX_CHANNELS_DEFAULT)
+    try:
+        return integer(value, "FAIRQUEUE_METRICS_MAX_CHANNELS", minimum=1, maximum=MAX_LIMIT)
+    except (ValueError, TypeError) as exc:
+        raise ImproperlyConfigured(str(exc)) from None
+
+
 @lru_cache(maxsize=1)
-def get() -> FairQueueSettings:
-    """The current settings (cached; the cache is cleared when a test overrides FAIRQUEUE)."""
+def values() -> FairQueueSettings:
+    """The ``FAIRQUEUE`` dict, checked, without looking at its database: for what :func:`get`'s
+    look at the database consults (the router), and what must work whatever that database is
+    (the system checks' import of ``TASK_MODULES``)."""
     return load(getattr(django_settings, "FAIRQUEUE", {}))
+
+
+def get() -> FairQueueSettings:
+    """The current settings, checked with the database they name (cached; the cache is cleared
+    when a test overrides FAIRQUEUE, DATABASES or DATABASE_ROUTERS).
+
+    A ``DATABASE`` that cannot hold the queue raises :class:`DatabaseSettingError` with the
+    message of its system check. Before the app registry is ready (the routers' check needs
+    the models) only the dict is checked.
+    """
+    return _checked() if apps.ready else values()
+
+
+@lru_cache(maxsize=1)
+def _checked() -> FairQueueSettings:
+    from django_fairqueue.checks import database_problems
+
+    cfg = values()
+    problems = [
+        f"{problem.message} {problem.hint or ''}".strip()
+        for problem in database_problems(cfg)
+        if problem.error
+    ]
+    if problems:
+        raise DatabaseSettingError(problems)
+    return cfg
 
 
 @receiver(setting_changed)
 def _reset(*, setting: str, **kwargs: Any) -> None:
     if setting == "FAIRQUEUE":
-        get.cache_clear()
+        values.cache_clear()
+    if setting in ("FAIRQUEUE", "DATABASES", "DATABASE_ROUTERS"):
+        _checked.cache_clear()

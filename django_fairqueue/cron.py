@@ -29,6 +29,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 from cronsim import CronSim, CronSimError
 
 from django_fairqueue.exceptions import InvalidSchedule
+from django_fairqueue.limits import number_text, seconds_text
 
 #: What to do with the slots that passed while nothing fired (no worker ran, a channel was
 #: full): fire only the latest; fire none of them; fire each, up to ``catch_up_max``.
@@ -135,9 +136,14 @@ def validate_jitter(value: object, where: str = "schedule") -> timedelta:
         with contextlib.suppress(OverflowError, ValueError):
             value = timedelta(seconds=value)
     if not isinstance(value, timedelta) or not timedelta(0) <= value <= MAX_JITTER:
+        got = (
+            f"{number_text(value.total_seconds())} seconds"
+            if isinstance(value, timedelta)
+            else repr(value)
+        )
         raise InvalidSchedule(
             f"{where}: jitter must be a number of seconds or a timedelta from 0 to "
-            f"{MAX_JITTER}, got {value!r}"
+            f"{seconds_text(MAX_JITTER)}, got {got}"
         )
     return value
 

@@ -25,6 +25,14 @@ GROUP_NAME_MAX_LENGTH = 100
 MAX_WEIGHT = 1000
 MAX_CONCURRENCY_LIMIT = 1_000_000
 MAX_RELEASE_INTERVAL = timedelta(days=1)
+#: Longest retry delay, for ``RETRY_BACKOFF_BASE`` and ``RETRY_BACKOFF_MAX`` (seconds). A retry
+#: is written for now + the delay and read back into a Python datetime, which ends with year
+#: 9999: a year is far longer than any retry policy and far inside what both can hold.
+MAX_RETRY_DELAY = timedelta(days=365)
+#: Longest retention of finished rows and usage: the pruners delete what is older than now
+#: minus it, a date Python and PostgreSQL must still hold. A century keeps rows for ever in
+#: practice.
+MAX_RETENTION = timedelta(days=36_500)
 TASK_NAME_MAX_LENGTH = 200
 #: Longest unique key accepted (characters), as channel names.
 UNIQUE_KEY_MAX_LENGTH = 200
@@ -53,6 +61,23 @@ MIN_LEASE = 5.0
 MAX_ID = 2**63 - 1
 #: Largest limit or count (PostgreSQL ``integer``).
 MAX_LIMIT = 2**31 - 1
+
+
+def seconds_text(value: timedelta) -> str:
+    """A duration in a message: seconds, with days or hours when it has whole ones
+    ("86400 seconds (1 day)"), so that a negative one does not read as "-1 day, 23:59:59"."""
+    total = value.total_seconds()
+    text = f"{number_text(total)} seconds"
+    for unit, size in (("day", 86400), ("hour", 3600)):
+        if total and total % size == 0:
+            count = int(total // size)
+            return f"{text} ({count} {unit}{'' if abs(count) == 1 else 's'})"
+    return text
+
+
+def number_text(value: float) -> str:
+    """A number as written, without a float's ".0" or an exponent for whole ones."""
+    return str(int(value)) if value.is_integer() else f"{value:g}"
 
 
 def integer(value: object, name: str, *, minimum: int, maximum: int) -> int:

@@ -50,7 +50,7 @@ except ImportError as exc:  # tests/test_admin.py hides the package to check thi
         "django_fairqueue.metrics needs prometheus-client: pip install django-fairqueue[prometheus]"
     ) from exc
 
-from django_fairqueue import stats
+from django_fairqueue import conf, stats
 from django_fairqueue.db import channel_store, message_store, pg
 from django_fairqueue.models import Channel
 from django_fairqueue.observe import horizon, overview, usage
@@ -72,13 +72,13 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: The setting holding the bearer token that grants access to :func:`metrics_view`.
 TOKEN_SETTING = "FAIRQUEUE_METRICS_TOKEN"
 #: The setting bounding the per-channel series of the alerting families (oldest ready age,
-#: wait, paused, retrying, failures, usage): at most this many channels, the first by queue
-#: and name, so the set of series does not change from one scrape to the next while the
-#: channels do not (a rule with ``for: 5m`` needs its series to stay). Beyond it the
+#: wait, paused, retrying, failures, usage), read and checked by
+#: :func:`django_fairqueue.conf.metrics_max_channels`: at most this many channels, the first
+#: by queue and name, so the set of series does not change from one scrape to the next while
+#: the channels do not (a rule with ``for: 5m`` needs its series to stay). Beyond it the
 #: aggregate over all (``channel="(all)"``, ``queue="(all)"``; no queue can be named so)
 #: still covers every channel.
 MAX_SETTING = "FAIRQUEUE_METRICS_MAX_CHANNELS"
-MAX_DEFAULT = 10_000
 #: The window of the wait, retry and failure figures (the per-minute statistics).
 WINDOW_MINUTES = 5
 ALL = "(all)"
@@ -151,7 +151,7 @@ class QueueCollector(Collector):
         vanishes while its channel exists. Cardinality: one series per channel and family (the
         wait two, p50 and p95), like the counts above.
         """
-        limit = int(getattr(settings, MAX_SETTING, MAX_DEFAULT))
+        limit = conf.metrics_max_channels()
         now = pg.select_clock()
         since = channel_store.select_backlogged_oldest_ready()
         chosen = sorted(counts.values(), key=lambda c: _labels(c.name)[::-1])[:limit]

@@ -28,7 +28,8 @@ class QueueRouter:
     everything else is left to the next router (or ``default``)."""
 
     def _route(self, model: Any) -> str | None:
-        return conf.get().DATABASE if model._meta.app_label in QUEUE_APPS else None
+        # conf.values(), not conf.get(): get() asks the routers where the models go
+        return conf.values().DATABASE if model._meta.app_label in QUEUE_APPS else None
 
     def db_for_read(self, model: Any, **hints: Any) -> str | None:
         return self._route(model)
@@ -44,5 +45,5 @@ class QueueRouter:
 
     def allow_migrate(self, db: str, app_label: str, **hints: Any) -> bool | None:
         if app_label in QUEUE_APPS:
-            return db == conf.get().DATABASE
+            return db == conf.values().DATABASE
         return None

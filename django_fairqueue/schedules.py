@@ -160,68 +160,84 @@ class SyncResult:
     created: list[str] = field(default_factory=list)
     updated: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
+    #: schedules left as they were (not created, changed or deleted), each with why
+    skipped: dict[str, str] = field(default_factory=dict)
 
 
-def sync(specs: Sequence[ScheduleSpec] | None = None) -> SyncResult:
+def schedule_row(
+    spec: ScheduleSpec, cfg: conf.FairQueueSettings, where: str
+) -> tuple[str, dict[str, Any]]:
+    """The channel row name and the column values of a code schedule, or
+    :class:`InvalidSchedule` naming ``where`` when the queue would refuse its messages (an
+    unregistered task, arguments that do not fit it, a bad channel). Writes nothing: the
+    system check (fairqueue.E006) asks it too."""
+    from django_fairqueue.api import check_call, validate_channel_name
+
+    try:
+        task = registry.get(spec.task)
+    except UnknownTask:
+        message = f"{where} names task {spec.task!r}, which is not registered"
+        raise InvalidSchedule(message) from None
+    try:  # (before channel_from, which takes the same arguments)
+        check_call(task, spec.args, spec.kwargs, cfg.MAX_PAYLOAD_BYTES)
+    except (ValueError, TypeError) as exc:  # PayloadError is a TypeError
+        raise InvalidSchedule(f"{where}: {exc}") from None
+    channel = spec.channel
+    if channel is None and task.channel_from is not None:
+        channel = task.channel_from(*spec.args, **spec.kwargs)
+    try:
+        channel = validate_channel_name(channel or task.channel or cfg.DEFAULT_CHANNEL)
+    except InvalidChannel as exc:
+        raise InvalidSchedule(f"{where}: {exc}") from None
+    # The channel's row in the task's queue, which its messages go to (and where the
+    # schedule is listed): "acme" of a task of queue "reports" is the row "reports\x1facme".
+    channel = row_name(task.queue, channel)
+    if len(channel) > CHANNEL_NAME_MAX_LENGTH:
+        raise InvalidSchedule(
+            f"{where}: channel {split_row_name(channel)[1]!r} is too long for queue "
+            f"{task.queue!r}: queue and channel names together take {len(channel)} of the "
+            f"{CHANNEL_NAME_MAX_LENGTH} characters a channel row's name may have"
+        )
+    return channel, {
+        "task_name": spec.task,
+        "args": spec.args,
+        "kwargs": spec.kwargs,
+        "cron": spec.cron,
+        "timezone": spec.timezone,
+        "missed": spec.missed,
+        "catch_up_max": spec.catch_up_max,
+        "jitter": spec.jitter,
+        "priority": spec.priority,
+    }
+
+
+def sync(specs: Sequence[ScheduleSpec] | None = None, *, skip_invalid: bool = False) -> SyncResult:
     """Make the code schedules of the table match ``specs`` (default: :func:`declared`).
 
     Creates the missing ones, updates the configuration of changed ones (never their
     ``enabled`` flag once created: pausing is the operator's) and deletes code schedules no
     longer declared. The firing state is not touched: an edit that changes the slots makes the
     next firing pass compute them afresh. Concurrent syncs (workers starting together) take
-    turns. Raises :class:`InvalidSchedule` for a schedule naming an unregistered task or
-    arguments the queue refuses, before anything is written.
+    turns. A schedule the queue would refuse (:func:`schedule_row`) raises
+    :class:`InvalidSchedule` before anything is written; with ``skip_invalid`` (a worker's
+    sync) it is logged as an error and left as it is in the table, and the others are synced.
     """
-    from django_fairqueue.api import check_call, validate_channel_name
     from django_fairqueue.models import Schedule, ScheduleSource
 
     if specs is None:
         specs = declared()
     cfg = conf.get()
+    result = SyncResult()
     rows: dict[str, tuple[str, dict[str, Any]]] = {}
     for spec in specs:
-        where = f"schedule {spec.name!r}"
         try:
-            task = registry.get(spec.task)
-        except UnknownTask:
-            raise InvalidSchedule(
-                f"{where} names task {spec.task!r}, which is not registered"
-            ) from None
-        try:  # (before channel_from, which takes the same arguments)
-            check_call(task, spec.args, spec.kwargs, cfg.MAX_PAYLOAD_BYTES)
-        except (ValueError, TypeError) as exc:  # PayloadError is a TypeError
-            raise InvalidSchedule(f"{where}: {exc}") from None
-        channel = spec.channel
-        if channel is None and task.channel_from is not None:
-            channel = task.channel_from(*spec.args, **spec.kwargs)
-        try:
-            channel = validate_channel_name(channel or task.channel or cfg.DEFAULT_CHANNEL)
-        except InvalidChannel as exc:
-            raise InvalidSchedule(f"{where}: {exc}") from None
-        # The channel's row in the task's queue, which its messages go to (and where the
-        # schedule is listed): "acme" of a task of queue "reports" is the row "reports\x1facme".
-        channel = row_name(task.queue, channel)
-        if len(channel) > CHANNEL_NAME_MAX_LENGTH:
-            raise InvalidSchedule(
-                f"{where}: channel {split_row_name(channel)[1]!r} is too long for queue "
-                f"{task.queue!r}: queue and channel names together take {len(channel)} of the "
-                f"{CHANNEL_NAME_MAX_LENGTH} characters a channel row's name may have"
-            )
-        rows[spec.name] = (
-            channel,
-            {
-                "task_name": spec.task,
-                "args": spec.args,
-                "kwargs": spec.kwargs,
-                "cron": spec.cron,
-                "timezone": spec.timezone,
-                "missed": spec.missed,
-                "catch_up_max": spec.catch_up_max,
-                "jitter": spec.jitter,
-                "priority": spec.priority,
-            },
-        )
-    result = SyncResult()
+            rows[spec.name] = schedule_row(spec, cfg, f"schedule {spec.name!r}")
+        except InvalidSchedule as exc:
+            if not skip_invalid:
+                raise
+            # One bad declaration must not keep every other code schedule out of the table.
+            logger.error("code schedule %r not synced (the others are): %s", spec.name, exc)
+            result.skipped[spec.name] = str(exc)
     alias = cfg.DATABASE
     with transaction.atomic(using=alias):
         # Lock order: the sync's own advisory lock, then channel rows (created if missing),
@@ -244,7 +260,7 @@ def sync(specs: Sequence[ScheduleSpec] | None = None) -> SyncResult:
             elif any(getattr(row, key) != value for key, value in values.items()):
                 Schedule.objects.using(alias).filter(pk=row.pk).update(**values)
                 result.updated.append(name)
-        gone = sorted(set(existing) - set(rows))
+        gone = sorted(set(existing) - set(rows) - set(result.skipped))
         if gone:
             Schedule.objects.using(alias).filter(source="code", name__in=gone).delete()
             result.deleted.extend(gone)
@@ -578,11 +594,12 @@ class Scheduler:
     def run_once(self) -> int:
         if not self.synced:
             try:
-                sync()
+                sync(skip_invalid=True)
                 self.synced = True
             except InvalidSchedule as exc:
-                # A declaration this release gets wrong must not stop the schedules already in
-                # the table (the admin's, the code's as last synced): say so, and fire them.
+                # Declarations this release gets wrong as a whole (a name declared twice) must
+                # not stop the schedules already in the table (the admin's, the code's as last
+                # synced): say so, and fire them.
                 logger.error("code schedules not synced: %s", exc)
                 self.synced = True
             except OperationalError as exc:

@@ -775,14 +775,48 @@ def test_a_bad_declaration_is_logged_and_the_table_still_fires(
     backdate(a, 0)
     bad = {
         "TASK_MODULES": ["tests.fairtasks"],
-        "SCHEDULES": {"x": {"task": "no.such", "cron": "@daily"}},
+        "SCHEDULES": {
+            "a": {"task": TASK, "cron": "* * * * *", "channel": "acme"},
+            "x": {"task": "no.such", "cron": "@daily"},
+        },
     }
     runner = MaintenanceRunner([schedules.Scheduler()], stop=None)  # type: ignore[arg-type]
     with override_settings(FAIRQUEUE=bad):
         assert runner.run_once() == {"scheduler": 1}
-    assert "code schedules not synced: schedule 'x' names task 'no.such'" in caplog.text
+    assert (
+        "code schedule 'x' not synced (the others are): schedule 'x' names task 'no.such'"
+        in caplog.text
+    )
     assert Schedule.objects.filter(name="a").exists()  # nothing was deleted either
     assert drain(channels="acme") == 1  # a worker runs the slot's message
+
+
+@pytest.mark.django_db
+def test_a_worker_skips_a_schedule_whose_arguments_do_not_fit_and_syncs_the_others(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # "unfit" was synced by an earlier release, when its arguments still fitted
+    schedules.sync([spec("unfit", channel="acme"), spec("gone")])
+    declared = {
+        "TASK_MODULES": ["tests.fairtasks"],
+        "SCHEDULES": {
+            "unfit": {"task": report.name, "cron": "@daily", "args": [1, 2]},
+            "good": {"task": report.name, "cron": "@daily", "args": ["acme"]},
+        },
+    }
+    with override_settings(FAIRQUEUE=declared):
+        schedules.Scheduler().run_once()  # what --skip-checks lets a worker meet
+        with pytest.raises(InvalidSchedule, match="schedule 'unfit': arguments do not fit"):
+            schedules.sync()  # asked for alone (`fairqueue schedules --sync`): refused whole
+    rows = dict(Schedule.objects.filter(source="code").values_list("name", "task_name"))
+    assert {name: rows.get(name) for name in ("unfit", "good", "gone")} == {
+        "unfit": TASK,  # left as it was: neither changed nor deleted
+        "good": report.name,
+        "gone": None,  # no longer declared
+    }
+    (record,) = [r for r in caplog.records if "'unfit' not synced" in r.getMessage()]
+    assert record.levelname == "ERROR"
+    assert "schedule 'unfit': arguments do not fit tests.schedules.report(" in record.getMessage()
 
 
 def test_the_scheduler_wakes_at_the_next_slot_unjittered() -> None:

@@ -160,7 +160,8 @@ class Registry:
         from importlib import import_module
 
         failed: list[tuple[str, Exception]] = []
-        for module in conf.get().TASK_MODULES:
+        # conf.values(): the system checks import them whatever the queue's database is
+        for module in conf.values().TASK_MODULES:
             try:
                 import_module(module)
             except Exception as exc:
@@ -174,7 +175,7 @@ class Registry:
         from django.utils.module_loading import autodiscover_modules
 
         autodiscover_modules("tasks")
-        for module in conf.get().TASK_MODULES:
+        for module in conf.values().TASK_MODULES:
             import_module(module)
         self._discovered = True
 
