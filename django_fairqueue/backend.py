@@ -293,7 +293,25 @@ class FairQueueBackend(BaseTaskBackend):
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
-        where = f"TASKS[{alias!r}]['OPTIONS']"
+        self.default_channel: str | None = None
+        self._channel_from_path: str | None = None
+        # Imported on first use, not here: the backend is built while a tasks module is being
+        # imported (by its @task decorators), and the callable may live in that very module.
+        self._channel_from: ChannelFrom | None = None
+        self.delivery: str | None = None
+        self.max_attempts: int | None = None
+        self.task_timeout: float | None = None
+        #: What is wrong with OPTIONS, if anything. Not raised here: Django's `check` builds
+        #: every backend to ask for its checks, and a raise would end it in a traceback instead
+        #: of a report. check() reports it (fairqueue.E103); enqueue and get_result raise it.
+        self.options_error: str | None = None
+        try:
+            self._read_options()
+        except InvalidTaskBackend as exc:
+            self.options_error = str(exc)
+
+    def _read_options(self) -> None:
+        where = f"TASKS[{self.alias!r}]['OPTIONS']"
         options = self.options
         if not isinstance(options, dict):
             raise InvalidTaskBackend(f"{where} must be a dict")
@@ -302,7 +320,6 @@ class FairQueueBackend(BaseTaskBackend):
             raise InvalidTaskBackend(
                 f"{where} has unknown keys {unknown}; known keys: {list(OPTION_NAMES)}"
             )
-        self.default_channel: str | None = None
         if options.get("DEFAULT_CHANNEL") is not None and _app_installed():
             try:
                 self.default_channel = _api().validate_channel_name(options["DEFAULT_CHANNEL"])
@@ -314,29 +331,31 @@ class FairQueueBackend(BaseTaskBackend):
                 f"{where}['CHANNEL_FROM'] must be the dotted path of a callable "
                 f"(task, args, kwargs) -> channel, got {channel_from!r}"
             )
-        self._channel_from_path: str | None = channel_from
-        # Imported on first use, not here: the backend is built while a tasks module is being
-        # imported (by its @task decorators), and the callable may live in that very module.
-        self._channel_from: ChannelFrom | None = None
+        self._channel_from_path = channel_from
         delivery = options.get("DELIVERY")
         if delivery is not None and delivery not in conf.DELIVERY_MODES:
             raise InvalidTaskBackend(
                 f"{where}['DELIVERY'] must be one of {conf.DELIVERY_MODES}, got {delivery!r}"
             )
-        self.delivery: str | None = delivery
+        self.delivery = delivery
         attempts = options.get("MAX_ATTEMPTS")
         if attempts is not None:
             try:
                 integer(attempts, f"{where}['MAX_ATTEMPTS']", minimum=1, maximum=MAX_LIMIT)
             except (TypeError, ValueError) as exc:
                 raise InvalidTaskBackend(str(exc)) from exc
-        self.max_attempts: int | None = attempts
+        self.max_attempts = attempts
         try:
             self.task_timeout = conf.validate_timeout(
                 options.get("TASK_TIMEOUT"), f"{where}['TASK_TIMEOUT']"
             )
         except ValueError as exc:
             raise InvalidTaskBackend(str(exc)) from exc
+
+    def _require_options(self) -> None:
+        """Raise what is wrong with OPTIONS, in the words check() reports it."""
+        if self.options_error is not None:
+            raise InvalidTaskBackend(self.options_error)
 
     # -- Django's backend API ------------------------------------------------------------------
 
@@ -356,12 +375,17 @@ class FairQueueBackend(BaseTaskBackend):
         except InvalidChannel as exc:
             raise InvalidTask(str(exc)) from exc
         self._refuse_moved(task)
-        self._register(task)
+        # With bad OPTIONS the task is declared (its module imports, so `check`, which may
+        # import it through the URLconf, gets to report them) but not registered: nothing runs
+        # it with options other than those written, and its enqueue raises.
+        if self.options_error is None:
+            self._register(task)
 
     def enqueue(
         self, task: Task[P, R], args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> TaskResult[P, R]:
         """Queue one call; part of the caller's transaction, visible to workers at commit."""
+        self._require_options()
         api = _api()
         self.validate_task(task)
         spec = registry.get(task.module_path)
@@ -372,11 +396,12 @@ class FairQueueBackend(BaseTaskBackend):
             kwargs = cast(dict[str, Any], normalize_json(kwargs))
         except (TypeError, ValueError) as exc:
             raise PayloadError(f"arguments of task {task.module_path} are not JSON: {exc}") from exc
+        channel = self.channel_for(task, args, kwargs)
         request = api.EnqueueRequest(
             spec,
             args,
             kwargs,
-            channel=self.channel_for(task, args, kwargs),
+            channel=channel,
             run_after=task.run_after,
             priority=task.priority,
             unique_key=getattr(task, "unique_key", None),
@@ -386,7 +411,15 @@ class FairQueueBackend(BaseTaskBackend):
         )
         (message_id,) = api.enqueue_many([request])
         result = _make_result(
-            task,
+            # the task as queued: whichever rule placed the call, its channel is the one used
+            _bound_task(
+                task,
+                backend=task.backend,
+                priority=task.priority,
+                channel=channel,
+                queue_name=task.queue_name,
+                run_after=task.run_after,
+            ),
             id=str(message_id),
             status=TaskResultStatus.READY,
             # The row's enqueued_at is the database clock a moment earlier; get_result has it.
@@ -402,6 +435,7 @@ class FairQueueBackend(BaseTaskBackend):
 
     def get_result(self, result_id: str) -> TaskResult[..., Any]:
         """The task result of message ``result_id``, from its row (one query)."""
+        self._require_options()
         _require_app()
         from django_fairqueue.models import Message
 
@@ -430,7 +464,9 @@ class FairQueueBackend(BaseTaskBackend):
                     id="fairqueue.E101",
                 )
             )
-        if self._channel_from_path is not None:
+        if self.options_error is not None:
+            errors.append(checks.Error(self.options_error, id="fairqueue.E103"))
+        elif self._channel_from_path is not None:
             try:
                 self._load_channel_from()
             except InvalidTaskBackend as exc:
@@ -442,13 +478,25 @@ class FairQueueBackend(BaseTaskBackend):
     def channel_for(
         self, task: Task[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> str:
-        """The channel a call of ``task`` goes to (the first rule that gives one wins)."""
+        """The channel a call of ``task`` goes to (the first rule that gives one wins), as
+        enqueue names it (a model instance or a ``(group, channel)`` pair made a name)."""
+        self._require_options()
         channel = getattr(task, "channel", None)
         if channel is None and self._channel_from_path is not None:
             channel = self._load_channel_from()(task, args, kwargs)
+            if channel is not None:
+                # A bad name is the call's fault, as a bad .using(channel=...) is: InvalidTask.
+                try:
+                    return cast(str, _api().validate_channel_name(channel))
+                except InvalidChannel as exc:
+                    raise InvalidTask(
+                        f"TASKS[{self.alias!r}]['OPTIONS']['CHANNEL_FROM'] "
+                        f"({self._channel_from_path}) gave task {task.module_path} the channel "
+                        f"{channel!r}: {exc}"
+                    ) from exc
         if channel is None:
             channel = self.default_channel or conf.get().DEFAULT_CHANNEL
-        return channel
+        return cast(str, _api().validate_channel_name(channel))
 
     def result_from_row(self, row: Message) -> TaskResult[..., Any]:
         """Map a message row to Django's ``TaskResult``: the one place that does it.

@@ -7,8 +7,10 @@ tasks below are module-level, as Django requires; tests/settings.py makes FairQu
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -192,7 +194,8 @@ def test_enqueue_returns_a_ready_result_and_queues_a_message() -> None:
     before = timezone.now()
     result = add.enqueue(2, b=3)
     assert result.status == TaskResultStatus.READY
-    assert result.task is add
+    # the task as queued: add, with the channel the call went to
+    assert result.task == dataclasses.replace(add, channel="default")
     assert (result.args, result.kwargs) == ([2], {"b": 3})
     assert result.backend == "default"
     assert result.enqueued_at is not None and result.enqueued_at >= before
@@ -305,6 +308,37 @@ def test_default_channel_option_then_fairqueue_setting(tasks_options: Any) -> No
 
 
 @pytest.mark.django_db
+def test_the_enqueued_result_carries_the_channel_every_rule_gave(tasks_options: Any) -> None:
+    """The result enqueue() returns names the channel the message went to, as get_result()
+    of the same id does, whichever rule chose it."""
+    tasks_options(
+        OPTIONS={"CHANNEL_FROM": "tests.test_backend.tenant_channel", "DEFAULT_CHANNEL": "misc"}
+    )
+    for result, channel in (
+        (greet.enqueue("ann", tenant="acme"), "acme"),  # CHANNEL_FROM
+        (greet.enqueue("bea"), "misc"),  # OPTIONS['DEFAULT_CHANNEL']
+        (greet.using(channel="vip").enqueue("cy", tenant="acme"), "vip"),  # using()
+    ):
+        assert result.task.channel == channel
+        assert greet.get_result(result.id).task.channel == channel
+    tasks_options()
+    assert add.enqueue(1, 1).task.channel == "default"  # FAIRQUEUE['DEFAULT_CHANNEL']
+
+
+def blank_channel(task: Any, args: Any, kwargs: dict[str, Any]) -> str:
+    """OPTIONS['CHANNEL_FROM'] for the tests: a name no channel can have."""
+    return ""
+
+
+@pytest.mark.django_db
+def test_a_channel_from_giving_an_invalid_name_raises_invalid_task(tasks_options: Any) -> None:
+    tasks_options(OPTIONS={"CHANNEL_FROM": "tests.test_backend.blank_channel"})
+    with pytest.raises(InvalidTask, match=r"CHANNEL_FROM.*blank_channel.*''"):
+        add.enqueue(1, 2)
+    assert not Message.objects.exists()
+
+
+@pytest.mark.django_db
 def test_queue_name_is_the_queue_not_the_channel(tasks_options: Any) -> None:
     tasks_options(QUEUES=[])  # any queue name is valid
     emails = row(add.using(queue_name="emails").enqueue(1, 1).id).channel
@@ -363,11 +397,26 @@ def test_a_queue_name_that_is_not_a_fairqueue_queue_is_refused(tasks_options: An
         ({"DELIVERY": "exactly_once"}, "DELIVERY"),
         ({"MAX_ATTEMPTS": 0}, "MAX_ATTEMPTS"),
         ({"TASK_TIMEOUT": -1}, r"TASK_TIMEOUT'\] must be a number of seconds"),
+        ({"MAX_ATTEMPTS": 2**40}, "MAX_ATTEMPTS"),
     ],
 )
-def test_bad_options_are_refused(options: dict[str, Any], message: str) -> None:
-    with pytest.raises(InvalidTaskBackend, match=message):
-        FairQueueBackend("bad", {"OPTIONS": options})
+def test_bad_options_are_reported_by_check_and_refused_at_every_use(
+    options: dict[str, Any], message: str
+) -> None:
+    """Django's `check` builds every backend to ask for its checks: building one with bad
+    OPTIONS reports them (fairqueue.E103), and every use raises the same words."""
+    backend = FairQueueBackend("bad", {"OPTIONS": options})
+    [error] = backend.check()
+    assert error.id == "fairqueue.E103"
+    assert re.search(message, error.msg), error.msg
+    for use in (
+        lambda: backend.enqueue(add, [1, 2], {}),
+        lambda: backend.get_result("1"),
+        lambda: backend.channel_for(add, [], {}),
+    ):
+        with pytest.raises(InvalidTaskBackend) as raised:
+            use()
+        assert str(raised.value) == error.msg
 
 
 @pytest.mark.django_db
@@ -761,6 +810,38 @@ def test_check_reports_the_backends_options_without_a_tasks_module_imported(
     assert "fairqueue.E102" in out.stderr and "nowhere.x" in out.stderr
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"MAX_ATTEMPTS": 0}, {"DELIVERY": "exactly_once"}, {"CHANEL_FROM": "x.y"}],
+)
+def test_check_reports_bad_options_as_an_error_not_a_traceback(
+    tmp_path: Any, options: dict[str, Any]
+) -> None:
+    out = _in_project(
+        tmp_path, ["-m", "django", "check"], apps=["django_fairqueue"], options=options
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "fairqueue.E103" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    # The task module imports (`check` may import it through the URLconf: that must not end
+    # it in a traceback either), and the first enqueue raises the same words.
+    used = _in_project(
+        tmp_path,
+        [
+            "-c",
+            "import django; django.setup()\nimport proj_tasks\nprint('imported')\n"
+            "proj_tasks.hello.enqueue('x')",
+        ],
+        apps=["django_fairqueue"],
+        options=options,
+    )
+    assert used.stdout == "imported\n", used.stdout + used.stderr
+    last = used.stderr.strip().splitlines()[-1]
+    assert last.startswith("django") and "InvalidTaskBackend" in last, used.stderr
+    message = last.split(": ", 1)[1]
+    assert message in out.stderr
+
+
 def test_without_the_app_task_modules_import_and_the_first_use_says_what_is_missing(
     tmp_path: Any,
 ) -> None:
@@ -787,11 +868,6 @@ def test_tuple_arguments_are_normalised_as_djangos_own_backends_do() -> None:
     assert Message.objects.get(pk=result.id).payload["args"] == [["a", "b"]]
     with pytest.raises(PayloadError, match="not JSON"):
         greet.enqueue({1, 2})  # type: ignore[arg-type]
-
-
-def test_max_attempts_past_what_the_database_holds_is_refused_by_the_backend() -> None:
-    with pytest.raises(InvalidTaskBackend, match="MAX_ATTEMPTS"):
-        FairQueueBackend("bad", {"OPTIONS": {"MAX_ATTEMPTS": 2**40}})
 
 
 @task(backend="immediate")

@@ -9,6 +9,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import time
@@ -340,6 +341,130 @@ def with_password(url: str, password: str) -> str:
     credentials, host = rest.split("@", 1) if "@" in rest else ("postgres", rest)
     user = credentials.split(":", 1)[0]
     return f"{scheme}://{user}:{password}@{host}"
+
+
+def _free_ports(count: int) -> int:
+    """The first of ``count`` consecutive TCP ports free on 127.0.0.1 right now."""
+    import socket
+
+    while True:
+        sockets = [socket.socket()]
+        try:
+            sockets[0].bind(("127.0.0.1", 0))
+            first = sockets[0].getsockname()[1]
+            for port in range(first + 1, first + count):
+                sockets.append(socket.socket())
+                sockets[-1].bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+
+
+def _scrape(port: int) -> str | None:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+            return str(response.read().decode())
+    except OSError:
+        return None
+
+
+def _claims(port: int) -> float:
+    """How many claims the worker serving ``port`` timed (0: none, or nothing answers)."""
+    found = re.search(
+        r"^fairqueue_claim_duration_seconds_count (\S+)$", _scrape(port) or "", re.MULTILINE
+    )
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_each_worker_process_serves_its_claim_metrics_on_its_own_port(database_url: str) -> None:
+    """`runfairworker --processes 2 --metrics-port P`: worker i answers on P+i with the claim
+    latency it measured; the supervisor, which claims nothing, serves none."""
+    pytest.importorskip("prometheus_client")
+    port = _free_ports(3)
+    worker = WorkerProcess(
+        database_url,
+        "metrics",
+        "--processes",
+        "2",
+        "--metrics-port",
+        str(port),
+        overrides={"POLL_INTERVAL": 0.2},
+    )
+    try:
+        for own in (port, port + 1):
+            wait_until(lambda own=own: _claims(own) >= 1, 30, f"claim metrics on port {own}")
+        assert _scrape(port + 2) is None
+        worker.signal(signal.SIGTERM)
+        assert worker.wait(30) == 0, worker.output
+    finally:
+        worker.close()
+    assert _scrape(port) is None and _scrape(port + 1) is None  # gone with their workers
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--metrics-port", "0"], "--metrics-port must be at least 1"),
+        (["--metrics-port", "65535", "--processes", "2"], "port 65536, past 65535"),
+        (["--metrics-addr", "0.0.0.0"], "--metrics-addr needs --metrics-port"),
+    ],
+)
+def test_metrics_port_values_are_checked_before_the_worker_starts(
+    options: list[str], message: str
+) -> None:
+    from django.core.management import CommandError, call_command
+
+    with pytest.raises(CommandError, match=re.escape(message)):
+        call_command("runfairworker", "--burst", *options)
+
+
+def test_a_metrics_port_in_use_stops_the_worker_naming_the_address() -> None:
+    import socket
+
+    from django.core.management import CommandError, call_command
+
+    pytest.importorskip("prometheus_client")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(CommandError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            call_command("runfairworker", "--burst", "--metrics-port", str(port))
+
+
+def test_metrics_port_without_prometheus_client_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import builtins
+    import sys
+
+    from django.core.management import CommandError, call_command
+
+    real_import = builtins.__import__
+
+    def hiding(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "prometheus_client" or name.startswith("prometheus_client."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    # as if never imported (restored afterwards), so the command imports it afresh
+    monkeypatch.delitem(sys.modules, "django_fairqueue.metrics", raising=False)
+    monkeypatch.delattr(django_fairqueue, "metrics", raising=False)
+    monkeypatch.setattr(builtins, "__import__", hiding)
+    with pytest.raises(
+        CommandError,
+        match=re.escape(
+            "--metrics-port: django_fairqueue.metrics needs prometheus-client: "
+            "pip install django-fairqueue[prometheus]"
+        ),
+    ):
+        call_command("runfairworker", "--burst", "--metrics-port", "9100")
 
 
 @pytest.mark.slow

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import sys
 from datetime import timedelta
+from types import ModuleType
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError, CommandParser
 
 from django_fairqueue import conf, limits
@@ -41,6 +43,10 @@ MAX_PROCESSES = 256
 MAX_BATCH = 10_000
 #: Longest --lease (limits.MIN_LEASE the shortest), and of the other durations: a day.
 MAX_SECONDS = 86_400.0
+#: Highest TCP port, and the address --metrics-port binds by default (as
+#: metrics.start_http_server does: that endpoint has no access control of its own).
+MAX_PORT = 65_535
+METRICS_ADDR = "127.0.0.1"
 
 
 def _names(value: str | None, option: str) -> tuple[str, ...]:
@@ -220,11 +226,27 @@ class Command(FairCommand):
             help="Do not run the maintenance services here (rescuer, pruners, delta folder, "
             "counter verifier, scheduler): run `manage.py fairqueue maintain` somewhere instead.",
         )
+        parser.add_argument(
+            "--metrics-port",
+            type=int,
+            metavar="PORT",
+            help="Serve this worker process's own metrics (the claim latency histogram) to "
+            "Prometheus on PORT; with --processes N, worker i serves PORT+i. Needs the "
+            "prometheus extra (pip install django-fairqueue[prometheus]). No access control: "
+            "keep it private.",
+        )
+        parser.add_argument(
+            "--metrics-addr",
+            metavar="ADDRESS",
+            help=f"Address the --metrics-port server binds (default {METRICS_ADDR}; 0.0.0.0 "
+            "for a scraper on another host).",
+        )
         for extension in extensions.registered():  # options of installed apps' companions
             extension.add_arguments(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
         config = self._config(options)
+        metrics_at = _metrics_endpoint(options)
         for module, exc in registry.import_task_modules():
             missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
             if missing is None or not (module == missing or module.startswith(missing + ".")):
@@ -235,11 +257,14 @@ class Command(FairCommand):
             ) from None
         configure_logging(options["verbosity"])
         if options["processes"] > 1 or options["max_tasks_per_child"] is not None:
-            self._supervise(options)
+            self._supervise(options, metrics_at)
             return
-        companions = self._start_companions(options, config)
-        worker = Worker(config)
+        # the supervisor above claims nothing: only a worker process serves claim metrics
+        metrics_server = _serve_metrics(*metrics_at) if metrics_at is not None else None
+        companions: list[extensions.Companion] = []
         try:
+            companions = self._start_companions(options, config)
+            worker = Worker(config)
             handled = worker.run()
             if config.burst:  # the companions' work is part of the burst: let them finish
                 with stop_signals(lambda signum: _stop(companions)):
@@ -249,13 +274,14 @@ class Command(FairCommand):
             raise CommandError(str(exc)) from exc
         finally:
             _stop(companions)
+            _stop_serving(metrics_server)
         if options["verbosity"] >= 1:
             self.stderr.write(f"worker {printable(config.worker_id)}: {handled} messages handled")
         if worker.wants_replacing and SUPERVISION_ENV in os.environ:
             # to a supervisor, 0 from a burst worker means its burst is done: say "replace me"
             sys.exit(RECYCLE_EXIT)
 
-    def _supervise(self, options: dict[str, Any]) -> None:
+    def _supervise(self, options: dict[str, Any], metrics_at: tuple[str, int] | None) -> None:
         from django_fairqueue.worker import supervisor
 
         processes = options["processes"]
@@ -277,6 +303,9 @@ class Command(FairCommand):
         def command_for(index: int) -> list[str]:
             own = ["--worker-id", f"{base_id}-{index}"]
             more = ["--max-messages", str(recycle)] if recycle is not None else []
+            if metrics_at is not None:  # a port per slot, kept across restarts
+                addr, port = metrics_at
+                more += ["--metrics-addr", addr, "--metrics-port", str(port + index)]
             return [*prefix, *flags, *own, *more]
 
         code = supervisor.Supervisor(
@@ -354,6 +383,53 @@ class Command(FairCommand):
             _stop(started)
             raise
         return started
+
+
+def _metrics_endpoint(options: dict[str, Any]) -> tuple[str, int] | None:
+    """``(address, port)`` of ``--metrics-port`` (the first worker's, under a supervisor), or
+    None. The metrics module is imported here, so that a missing prometheus extra stops the
+    command before anything starts."""
+    addr = options.get("metrics_addr")
+    port = _count(options, "metrics_port", 1, MAX_PORT)
+    if port is None:
+        if addr is not None:
+            raise CommandError("--metrics-addr needs --metrics-port")
+        return None
+    processes = options["processes"]
+    if port + processes - 1 > MAX_PORT:
+        raise CommandError(
+            f"--metrics-port {port} with --processes {processes}: the last worker would serve "
+            f"port {port + processes - 1}, past {MAX_PORT}"
+        )
+    if addr is not None and not addr.strip():
+        raise CommandError("--metrics-addr must be an address, such as 127.0.0.1 or 0.0.0.0")
+    _metrics()
+    return (addr or METRICS_ADDR, port)
+
+
+def _metrics() -> ModuleType:
+    try:
+        from django_fairqueue import metrics
+    except ImproperlyConfigured as exc:  # without the prometheus extra: its install line
+        raise CommandError(f"--metrics-port: {exc}") from None
+    return metrics
+
+
+def _serve_metrics(addr: str, port: int) -> Any:
+    """Start serving this process's metrics; returns the server, for :func:`_stop_serving`."""
+    try:
+        server, _thread = _metrics().start_http_server(port, addr=addr)
+    except OSError as exc:  # the port is taken, the address is not this host's
+        raise CommandError(
+            f"--metrics-port: cannot serve metrics on {addr}:{port}: {exc.strerror or exc}"
+        ) from None
+    return server
+
+
+def _stop_serving(server: Any) -> None:
+    if server is not None:
+        server.shutdown()
+        server.server_close()
 
 
 def _stop(companions: list[extensions.Companion]) -> None:
