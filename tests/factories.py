@@ -189,9 +189,7 @@ def measured(seconds: float = 0.01) -> None:
     By time, a channel with none is slow-starting, one message at a time until its first
     settlement folds: for tests of something else that claim several from new channels."""
     with connection.cursor() as cur:
-        cur.execute(
-            "UPDATE fairqueue_channel SET mean_run = %s WHERE mean_run IS NULL", [seconds]
-        )
+        cur.execute("UPDATE fairqueue_channel SET mean_run = %s WHERE mean_run IS NULL", [seconds])
 
 
 def table_counts() -> dict[int, Counter[str]]:
