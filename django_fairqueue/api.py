@@ -28,6 +28,7 @@ from django_fairqueue.exceptions import (
     InvalidChannel,
     PayloadError,
 )
+from django_fairqueue.jsontext import keep_big_floats
 from django_fairqueue.limits import (
     CHANNEL_NAME_MAX_LENGTH,
     GROUP_NAME_MAX_LENGTH,
@@ -665,23 +666,6 @@ _encode = c_make_encoder(
 )
 
 
-# A JSON string, or a number written with a positive exponent (Python writes 1e+20 for the
-# float 1e20). jsonb keeps numbers as numeric and prints that one as 100000000000000000000,
-# which reads back as an int; written as 100000000000000000000.0 it keeps its scale and reads
-# back as the same float.
-_STRING_OR_BIG_FLOAT = re.compile(r'"(?:[^"\\]|\\.)*"|(-?\d+(?:\.\d+)?e\+\d+)')
-
-
-def _keep_big_floats(text: str) -> str:
-    def fix(match: re.Match[str]) -> str:
-        number = match.group(1)
-        if number is None:
-            return match.group(0)  # a string: left as it is
-        return f"{int(float(number))}.0"  # exact: such a float is a whole number
-
-    return _STRING_OR_BIG_FLOAT.sub(fix, text)
-
-
 class _Payload(str):
     """JSON text already checked; the enqueue statement takes it as is, without re-encoding."""
 
@@ -711,7 +695,7 @@ def encode_payload(
     try:
         text = "".join(_encode(payload, 0))
         if "e+" in text:
-            text = _keep_big_floats(text)
+            text = keep_big_floats(text)
         # ASCII text has one byte per character; other text is measured (and a lone
         # surrogate, which PostgreSQL cannot store, raises here)
         size = len(text) if text.isascii() else len(text.encode())

@@ -149,6 +149,16 @@ def test_run_once_runs_a_message_and_keeps_its_result() -> None:
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("value", [1e17, 2.5e20, 1e308, -1e22, 12345678901234567890.0, 1.0])
+def test_a_kept_float_result_comes_back_a_float(value: float) -> None:
+    # jsonb prints 1e+17 back as 100000000000000000, an int to json.loads
+    mid = fairtasks.add.enqueue(value, 0.0, channel="alice")
+    assert one_worker(concurrency=1).run_once() == 1
+    result = message(mid).result
+    assert type(result) is float and result == value
+
+
+@pytest.mark.django_db
 def test_run_once_takes_at_most_concurrency_and_batch_size() -> None:
     for i in range(5):
         fairtasks.add.enqueue(i, i, channel="alice")

@@ -22,7 +22,7 @@ from django.db import DatabaseError, IntegrityError, connections, transaction
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from django_fairqueue import conf
+from django_fairqueue import conf, jsontext
 from django_fairqueue.db import channel_store, pg
 from django_fairqueue.queues import (
     DEFAULT_QUEUE,
@@ -189,7 +189,8 @@ def _completion_params(
     return {
         "ids": [d[0] for d in done],
         "tokens": [d[1] for d in done],
-        "results": Jsonb([d[2] for d in done]),  # one JSON array (see the statement)
+        # one JSON array (see the statement); big floats written to come back as floats
+        "results": Jsonb([d[2] for d in done], dumps=jsontext.dumps),
         "runs": _run_times(run_seconds, len(done)),
     }
 
