@@ -33,7 +33,9 @@ def noop(n: int) -> None:
 def pooled() -> Iterator[str]:
     """Route the queue through the "pooled" alias (tests/settings.py: a pool on the test DB)."""
     try:
-        with override_settings(FAIRQUEUE={"DATABASE": ALIAS}):
+        with override_settings(
+            FAIRQUEUE={"DATABASE": ALIAS}, DATABASE_ROUTERS=["django_fairqueue.routers.QueueRouter"]
+        ):
             yield ALIAS
     finally:
         connections[ALIAS].close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -19,8 +20,9 @@ from django_fairqueue.cli import workers as workers_cli
 from django_fairqueue.db import message_store
 from django_fairqueue.maintenance import Rescuer
 from django_fairqueue.models import Message, MessageState, WorkerRecord
-from django_fairqueue.runtime import worker_registry
+from django_fairqueue.runtime import StopFlag, worker_registry
 from tests import factories as f
+from tests.workerkit import wait_until
 
 pytestmark = pytest.mark.django_db
 
@@ -52,6 +54,72 @@ def test_a_silent_worker_is_dead_and_its_leases_expire(settings: Any) -> None:
     assert Rescuer().run_once() == 1
     assert Message.objects.get(pk=m.id).state == MessageState.READY
     assert [v.state for v in worker_registry.workers()] == ["dead"]
+
+
+def test_a_worker_held_up_past_dead_after_beats_instead_of_finding_itself_dead(
+    settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A task holding the GIL stops its worker's beat thread as well as its maintenance thread.
+    When both run again, the worker's own rescuer pass finds its row silent: it beats instead
+    of marking itself dead and expiring its own leases. A worker of another process, silent as
+    long, is dead."""
+    settings.FAIRQUEUE = {
+        **settings.FAIRQUEUE,
+        "WORKER_HEARTBEAT": 60.0,
+        "WORKER_DEAD_AFTER": 180.0,
+    }
+    f.enqueue("held", 2)
+    here = worker_registry.Registration("held-up", concurrency=1)
+    here.register()
+    worker_registry.Registration("gone", concurrency=1).register()
+    (mine,) = message_store.claim_messages(1, lease=LEASE, worker_id="held-up")
+    message_store.claim_messages(1, lease=LEASE, worker_id="gone")
+    stop = StopFlag()
+    # (its first beat of its own is a minute away: this thread never touches the database)
+    beats = threading.Thread(
+        target=here.beat_until, args=(stop, lambda: worker_registry.Beat(1, 0, None))
+    )
+    beats.start()
+    silent = timezone.now() - timedelta(minutes=5)
+    try:
+        wait_until(lambda: "held-up" in worker_registry._beating, 10, "the beat loop starting")
+        WorkerRecord.objects.update(heartbeat_at=silent)
+        here._beat_sent -= 300  # its last beat, as the process remembers it: as long ago
+        (dead,) = worker_registry.rescue_dead_workers()
+        assert (dead.worker_id, dead.leases_expired) == ("gone", 1)
+        row = WorkerRecord.objects.get(worker_id="held-up")
+        assert row.state == "running" and row.heartbeat_at > timezone.now() - timedelta(minutes=1)
+        assert Message.objects.get(pk=mine.id).lease_expires_at > timezone.now()
+        assert "worker held-up: its registry beat is late (300s since" in caplog.text
+        # Its row silent again while its beat looks recent to it (the process was held up
+        # between the two): still alive to its own pass, in the same statement.
+        WorkerRecord.objects.filter(worker_id="held-up").update(heartbeat_at=silent)
+        assert worker_registry.rescue_dead_workers() == []
+        assert WorkerRecord.objects.get(worker_id="held-up").state == "running"
+    finally:
+        stop.set()
+        beats.join(10)
+    # stopped beating: its row ages like any other
+    assert "held-up" not in worker_registry._beating
+    (dead,) = worker_registry.rescue_dead_workers()
+    assert dead.worker_id == "held-up"
+
+
+def test_a_worker_stopping_with_messages_running_says_what_the_rescuer_does_with_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    f.enqueue("left", 1)
+    stopping = worker_registry.Registration("w-stop", concurrency=1)
+    stopping.register()
+    (left,) = message_store.claim_messages(1, lease=LEASE, worker_id="w-stop")
+    stopping.deregister(worker_registry.Beat(1, 0, None))
+    assert (
+        "worker w-stop stopped with 1 messages still running: their leases expired now, and "
+        "the rescuer takes them back at its next pass (requeued, or failed (LeaseExpired) if "
+        "at-most-once or out of attempts)"
+    ) in caplog.text
+    assert Rescuer().run_once() == 1
+    assert Message.objects.get(pk=left.id).state == MessageState.READY
 
 
 def test_beats_age_on_the_database_clock_not_the_web_servers(

@@ -37,6 +37,8 @@ OVERRIDES = {
 }
 
 FINAL = {MessageState.SUCCEEDED, MessageState.FAILED}
+#: what the rescuer does with a message whose lease expired, as the workers' logs say it
+TAKEN_BACK = "requeued, or failed (LeaseExpired) if at-most-once or out of attempts"
 
 
 @task(name="tests.only_in_the_test_process")
@@ -153,7 +155,10 @@ def test_a_second_signal_exits_at_once_and_the_lease_recovers_the_message(
     w.signal(signal.SIGTERM)
 
     assert w.wait(10) == 128 + signal.SIGTERM
-    assert "SIGTERM received again: exiting now" in w.output
+    assert (
+        "SIGTERM received again: exiting now; the leases of 1 unfinished messages will expire "
+        f"and the rescuer will take them back ({TAKEN_BACK})"
+    ) in w.output
     assert row(slow).state == MessageState.RUNNING
     # once the lease (1.5 s) expires, any rescuer puts it back
     wait_until(lambda: Rescuer().run_once(), 15, "the lease expiring")
@@ -171,7 +176,10 @@ def test_after_the_grace_period_running_messages_are_left_to_their_leases(
     w.signal(signal.SIGTERM)
 
     assert w.wait(20) == 0
-    assert "1 messages still running after the 0.5s grace period" in w.output
+    assert (
+        "1 messages still running after the 0.5s grace period: left behind (their leases "
+        f"expire as the worker stops, and the rescuer takes them back: {TAKEN_BACK})"
+    ) in w.output
     assert row(slow).state == MessageState.RUNNING
 
 
@@ -201,6 +209,13 @@ def test_a_stalled_worker_past_its_lease_changes_nothing_when_it_wakes_up(
     # its handlers finish (one returns, one raises) and it tries to record both
     stale.wait_for("complete of 1 messages changed nothing")
     stale.wait_for("fail of 1 messages changed nothing")
+    # nor does its log say the success it could not record stands
+    assert re.search(
+        rf"succeeded tests\.fair\.sleep message {completes} .* after its lease had expired: "
+        r"recorded only if the lease still held",
+        stale.output,
+    )
+    assert f"rescuer took them back: {TAKEN_BACK}" in stale.output
 
     after = {mid: [getattr(row(mid), f) for f in fields] for mid in (completes, fails)}
     assert after == before  # no complete, fail or heartbeat of the stale worker landed

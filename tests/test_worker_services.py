@@ -3,10 +3,14 @@ thread, with a ledger and queues of the test's making (no worker, no threads).""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import logging
 import queue
+import signal
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -17,6 +21,9 @@ from django_fairqueue.db import channel_store
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.maintenance import DeltaFolder
 from django_fairqueue.models import Message, MessageState
+from django_fairqueue.observe import tracing
+from django_fairqueue.runtime.attempts import describe, error_info
+from django_fairqueue.tasks import task
 from django_fairqueue.tasks.spec import registry
 from django_fairqueue.worker import Outcome, WorkerConfig
 from django_fairqueue.worker.claimer import Claimer
@@ -25,7 +32,7 @@ from django_fairqueue.worker.core import Maintenance
 from django_fairqueue.worker.heartbeat import Heartbeat
 from django_fairqueue.worker.ledger import Ledger
 from django_fairqueue.worker.listener import Listener
-from django_fairqueue.worker.pool import Pool
+from django_fairqueue.worker.pool import Pool, operator_interrupt
 from django_fairqueue.worker.settler import Settler
 from django_fairqueue.worker.timer import Timer
 from tests import fairtasks
@@ -187,6 +194,213 @@ def test_the_pool_drops_a_message_whose_lease_is_gone_without_running_it() -> No
     assert parts.pool().run_once() is True
     assert parts.drained() == [] and parts.ledger.idle()
     assert parts.ledger.claimed == 0  # not run: max_messages does not count it
+
+
+# -- what a task raises ----------------------------------------------------------------------------
+
+
+class StrFailsError(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("str of this exception fails")
+
+
+@task(name="tests.services.str_fails", max_attempts=3, timeout=30)
+def str_fails() -> None:
+    raise StrFailsError()
+
+
+RAISED: dict[str, Callable[[], BaseException]] = {
+    "KeyboardInterrupt": KeyboardInterrupt,
+    "SystemExit": lambda: SystemExit(3),
+    "GeneratorExit": GeneratorExit,
+    "asyncio.exceptions.CancelledError": asyncio.CancelledError,
+}
+
+
+@task(name="tests.services.raises", max_attempts=2)
+def raises(name: str) -> None:
+    raise RAISED[name]()
+
+
+def claim_one(queued: Any, *args: Any) -> tuple[Parts, ClaimedMessage]:
+    """Parts holding one claimed message of the task ``queued`` (taken off the pool's
+    queue)."""
+    registry.autodiscover()
+    queued.enqueue(*args, channel="raised")
+    parts = Parts()
+    assert parts.claimer().run_once() is False
+    message = parts.work.get_nowait()
+    assert message is not None
+    return parts, message
+
+
+def in_handler_thread(parts: Parts, pool: Pool, message: ClaimedMessage) -> Outcome:
+    """Run ``message`` in one of the pool's own handler threads (under its time limit, as a
+    worker runs it); its outcome."""
+    crashed: list[BaseException] = []
+    pool.start(lambda name, exc: crashed.append(exc))
+    parts.work.put(message)
+    outcome = parts.outcomes.get(timeout=30)
+    for thread in pool.stop():
+        thread.join(10)
+    assert crashed == [] and isinstance(outcome, Outcome)
+    return outcome
+
+
+def test_an_exception_is_described_even_when_its_str_raises() -> None:
+    class ReprFailsToo(StrFailsError):
+        def __repr__(self) -> str:
+            raise ValueError("nor repr")
+
+    assert describe(ValueError("plain")) == "plain"
+    assert (
+        describe(StrFailsError()) == "StrFailsError() (str() of the exception failed: RuntimeError)"
+    )
+    assert describe(ReprFailsToo()) == (
+        "tests.test_worker_services.test_an_exception_is_described_even_when_its_str_raises."
+        "<locals>.ReprFailsToo (str() of the exception failed: RuntimeError)"
+    )
+    try:
+        registry.get("tests.services.str_fails").func()
+    except StrFailsError as exc:
+        error = error_info(exc, attempt=1, worker_id="svc")
+    assert error["type"] == "tests.test_worker_services.StrFailsError"
+    assert "raise StrFailsError()" in error["traceback"]
+
+
+@pytest.mark.django_db
+def test_a_task_exception_whose_str_raises_is_retried_and_ends_its_attempt() -> None:
+    """The attempt is an ordinary failure of the task, and it ends when its thread returns:
+    the timer never fails it again at its time limit (nor takes its slot out of the count a
+    second time, which left the worker's running count at -1)."""
+    parts, message = claim_one(str_fails)
+    pool = parts.pool()
+    outcome = in_handler_thread(parts, pool, message)
+    assert outcome.kind == "retry" and outcome.error is not None
+    assert outcome.error["type"] == "tests.test_worker_services.StrFailsError"
+    assert outcome.error["message"] == (
+        "StrFailsError() (str() of the exception failed: RuntimeError)"
+    )
+    assert (parts.ledger.busy, parts.ledger.running, parts.ledger.stuck) == (0, 0, 0)
+    timer = parts.timer(pool, stuck_limit=1.0)
+    assert timer.run_once(now=time.monotonic() + 60) == 0  # no phantom timeout
+    assert timer.run_once(now=time.monotonic() + 120) == 0
+    assert parts.recycled == [] and parts.drained() == []
+    assert (parts.ledger.busy, parts.ledger.stuck) == (0, 0)
+
+
+@pytest.mark.django_db
+def test_with_tracing_on_such_an_exception_is_still_recorded_as_the_tasks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sdk = pytest.importorskip("opentelemetry.sdk.trace")
+    tracer = sdk.TracerProvider().get_tracer("tests")
+    monkeypatch.setattr(tracing, "run_span", lambda message: tracer.start_as_current_span("run"))
+    parts, message = claim_one(str_fails)
+    outcome = in_handler_thread(parts, parts.pool(), message)
+    assert outcome.kind == "retry" and outcome.error is not None
+    assert outcome.error["type"] == "tests.test_worker_services.StrFailsError"
+
+
+@pytest.mark.django_db
+def test_an_error_outside_the_task_still_ends_its_attempt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug while building an attempt's outcome fails the message (logged), and the attempt
+    ends with it: no timeout of a thread that returned long ago, no slot freed twice."""
+
+    def broken(*args: Any, **kwargs: Any) -> Outcome:
+        raise RuntimeError("a bug while building the outcome")
+
+    monkeypatch.setattr("django_fairqueue.worker.pool.failed_outcome", broken)
+    parts, message = claim_one(str_fails)
+    pool = parts.pool()
+    outcome = in_handler_thread(parts, pool, message)
+    assert outcome.kind == "failed" and outcome.error is not None
+    assert outcome.error["message"] == "a bug while building the outcome"
+    timer = parts.timer(pool)
+    assert timer.run_once(now=time.monotonic() + 60) == 0
+    assert (parts.ledger.busy, parts.ledger.running, parts.ledger.stuck) == (0, 0, 0)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("name", list(RAISED))
+def test_whatever_a_task_raises_in_a_handler_thread_is_a_failure_retried_as_any(
+    name: str,
+) -> None:
+    """A KeyboardInterrupt a task raises in a handler thread is not the operator's Ctrl-C
+    (that one reaches the main thread, as a signal): retried like SystemExit and the rest,
+    and the handler thread goes on."""
+    parts, message = claim_one(raises, name)
+    pool = parts.pool()
+    outcome = in_handler_thread(parts, pool, message)
+    assert outcome.kind == "retry" and outcome.error is not None
+    assert outcome.error["type"] == name
+    assert parts.ledger.busy == 0
+
+
+def test_only_a_keyboard_interrupt_in_the_main_thread_may_be_the_operators() -> None:
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert operator_interrupt(KeyboardInterrupt())
+        assert not operator_interrupt(SystemExit(1))
+        elsewhere: list[bool] = []
+        thread = threading.Thread(
+            target=lambda: elsewhere.append(operator_interrupt(KeyboardInterrupt()))
+        )
+        thread.start()
+        thread.join()
+        assert elsewhere == [False]
+        # a worker's own handlers installed: Ctrl-C stops it through them, never by raising
+        signal.signal(signal.SIGINT, lambda signum, frame: None)
+        assert not operator_interrupt(KeyboardInterrupt())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# -- an outcome after the lease expired ---------------------------------------------------------
+
+#: what the rescuer did with a message whose lease expired, in either delivery mode
+TAKEN_BACK = "requeued, or failed (LeaseExpired) if at-most-once or out of attempts"
+
+
+@pytest.mark.django_db(transaction=True)  # (the pool runs it in this thread)
+def test_an_attempt_that_ends_after_its_lease_says_its_outcome_may_not_stand(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker held up past the lease (frozen, a task holding the GIL) does not log a plain
+    "succeeded" for a message the rescuer may have dead-lettered meanwhile (at-most-once), nor
+    say the rescuer requeued what it failed."""
+    caplog.set_level(logging.INFO, "django_fairqueue.worker")
+    parts, message = claim_one(fairtasks.sleep, 0.3)
+    parts.ledger.renewed([message.id], lease_clock() + 0.1)  # expires while the task runs
+    parts.work.put(message)
+    assert parts.pool().run_once() is True
+    (line,) = [r for r in caplog.records if r.getMessage().startswith("succeeded")]
+    assert line.levelname == "WARNING"
+    assert line.getMessage().endswith(
+        ", after its lease had expired: recorded only if the lease still held, else the "
+        f"rescuer took the message back ({TAKEN_BACK})"
+    )
+    Message.objects.filter(pk=message.id).update(lease_token=None, state=MessageState.FAILED)
+    assert parts.settler().run_once() == 1
+    assert (
+        "complete of 1 messages changed nothing: their lease was lost (it expired and the "
+        f"rescuer took them back: {TAKEN_BACK}; or an operator cancelled or deleted them, or "
+        f"their channel was deleted); ids [{message.id}]"
+    ) in caplog.text
+
+
+@pytest.mark.django_db(transaction=True)  # (the pool runs it in this thread)
+def test_a_message_that_ends_within_its_lease_logs_a_plain_success(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "django_fairqueue.worker")
+    parts, message = claim_one(fairtasks.sleep, 0.0)
+    parts.work.put(message)
+    assert parts.pool().run_once() is True
+    (line,) = [r for r in caplog.records if r.getMessage().startswith("succeeded")]
+    assert line.levelname == "INFO" and "lease" not in line.getMessage()
 
 
 # -- heartbeat -------------------------------------------------------------------------------------

@@ -90,9 +90,13 @@ def expire_worker_leases(worker_id: str, *, using: str | None = None) -> int:
     return int(_run("expire_worker_leases", {"worker_id": worker_id}, using)[0][0])
 
 
-def expire_dead_workers(dead_after: float, *, using: str | None = None) -> list[DeadWorker]:
-    """Mark workers silent for ``dead_after`` seconds dead and expire their leases."""
-    rows = _run("expire_dead_workers", {"dead_after": timedelta(seconds=dead_after)}, using)
+def expire_dead_workers(
+    dead_after: float, *, alive: Sequence[str] = (), using: str | None = None
+) -> list[DeadWorker]:
+    """Mark workers silent for ``dead_after`` seconds dead and expire their leases; never
+    those of ``alive`` (the caller's own)."""
+    params = {"dead_after": timedelta(seconds=dead_after), "alive": list(alive)}
+    rows = _run("expire_dead_workers", params, using)
     return [DeadWorker(r[0], r[1], int(r[2]), float(r[3]), int(r[4])) for r in rows]
 
 

@@ -13,6 +13,10 @@ from django_fairqueue import conf
 MAX_ERROR_MESSAGE = 8_000
 MAX_TRACEBACK = 32_000
 
+#: What the rescuer does with a message whose lease expired, as log lines tell it: an
+#: at-least-once message with attempts left goes back to the queue, any other is dead-lettered.
+RESCUED = "requeued, or failed (LeaseExpired) if at-most-once or out of attempts"
+
 
 def retry_delay(attempt: int) -> float:
     """Seconds before retrying after failed attempt ``attempt`` (1-based).
@@ -38,14 +42,31 @@ def storable(text: str, limit: int, *, keep_end: bool = False) -> str:
     return text
 
 
+def describe(exc: BaseException) -> str:
+    """``str(exc)``, never failing: a task's exception class may define a ``__str__`` that
+    raises, and the attempt must still be recorded (and retried) as the task's failure. When
+    ``str()`` fails: the exception's ``repr()``, else its class name, noting that it failed."""
+    try:
+        return str(exc)
+    except BaseException as failure:  # anything: this only describes, it must not fail
+        why = _qualified_name(type(failure))
+    try:
+        text = repr(exc)
+    except BaseException:
+        text = _qualified_name(type(exc))
+    return f"{text} (str() of the exception failed: {why})"
+
+
 def error_info(
     exc: BaseException, *, attempt: int, worker_id: str, with_traceback: bool = True
 ) -> dict[str, Any]:
-    """The ``last_error`` of a failed attempt."""
+    """The ``last_error`` of a failed attempt (never raises for an odd exception)."""
+    # (format_exception already survives a failing __str__: it writes "<exception str()
+    # failed>" in the traceback's last line)
     tb = "".join(traceback.format_exception(exc)) if with_traceback else None
     return {
         "type": _qualified_name(type(exc)),
-        "message": storable(str(exc), MAX_ERROR_MESSAGE),
+        "message": storable(describe(exc), MAX_ERROR_MESSAGE),
         "traceback": storable(tb, MAX_TRACEBACK, keep_end=True) if tb is not None else None,
         "attempt": attempt,
         "worker": worker_id,

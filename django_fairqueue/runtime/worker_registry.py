@@ -4,7 +4,7 @@ Every worker registers in ``fairqueue_worker`` before it claims anything, beats 
 ``FAIRQUEUE['WORKER_HEARTBEAT']`` seconds (running count, last claim), and marks itself
 stopped on a graceful stop. A worker whose beat is older than ``WORKER_DEAD_AFTER`` is dead:
 the maintenance loop of any live worker (or ``fairqueue maintain``) marks it so and expires the
-leases of the messages it was running, which the rescuer then requeues in the same pass, so a
+leases of the messages it was running, which the rescuer then takes back in the same pass, so a
 killed worker's tenants resume after ``WORKER_DEAD_AFTER`` rather than after the full lease.
 
 Registering also expires the leases still held under the same worker id: a process that has
@@ -26,6 +26,8 @@ import json
 import logging
 import os
 import socket
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -38,12 +40,18 @@ from django_fairqueue.runtime import (
     StopFlag,
     after_database_error,
 )
+from django_fairqueue.runtime.attempts import RESCUED
 
 logger = logging.getLogger("django_fairqueue.runtime.worker_registry")
 
 #: The environment variable a ``runfairworker --processes`` supervisor gives its children:
 #: its ``host:pid``, which each child records in its registry row.
 SUPERVISOR_ENV = "FAIRQUEUE_SUPERVISOR"
+
+
+#: The registrations beating in this process (their beat_until() runs), by worker id.
+_beating: dict[str, Registration] = {}
+_beating_lock = threading.Lock()
 
 
 def supervisor_name() -> str:
@@ -77,10 +85,14 @@ class Registration:
         self.channels = channels
         self.exclude_channels = exclude_channels
         self.queues = queues  # None: every queue
+        self._status: Callable[[], Beat] | None = None  # while beat_until() runs
+        #: when the last beat that landed was sent (time.monotonic()); registering beats
+        self._beat_sent = 0.0
 
     def register(self) -> int:
         """Record this worker as running; returns how many leases of a previous process with
-        the same worker id it expired (the rescuer requeues those messages)."""
+        the same worker id it expired (the rescuer takes those messages back)."""
+        self._beat_sent = time.monotonic()  # (the row is stamped now)
         orphaned = worker_store.register_worker(
             self.worker_id,
             host=socket.gethostname(),
@@ -106,11 +118,23 @@ class Registration:
 
     def beat_until(self, stop: StopFlag, status: Callable[[], Beat]) -> None:
         """Beat every WORKER_HEARTBEAT seconds until ``stop`` is set; a failed beat is logged
-        and retried at the next one (missing a few does not make a worker dead)."""
-        while not stop.wait(conf.get().WORKER_HEARTBEAT):
-            self.beat(status())
+        and retried at the next one (missing a few does not make a worker dead).
+
+        Meanwhile the worker is alive to this process's own maintenance passes, whatever its
+        row says (:func:`rescue_dead_workers`)."""
+        self._status = status
+        with _beating_lock:
+            _beating[self.worker_id] = self
+        try:
+            while not stop.wait(conf.get().WORKER_HEARTBEAT):
+                self.beat(status())
+        finally:
+            with _beating_lock:
+                if _beating.get(self.worker_id) is self:
+                    del _beating[self.worker_id]
 
     def beat(self, now: Beat) -> None:
+        sent = time.monotonic()
         try:
             worker_store.beat_worker(
                 self.worker_id,
@@ -120,6 +144,27 @@ class Registration:
             )
         except CONNECTION_ERRORS as exc:
             logger.warning("worker registry beat failed: %s", after_database_error(exc))
+            return
+        self._beat_sent = sent
+
+    def beat_if_late(self) -> bool:
+        """Beat now if the beat thread missed a beat (the last one that landed was sent two
+        WORKER_HEARTBEAT periods ago or more); returns whether it beat. It misses one when
+        something held up the whole process (a task holding the GIL, a pause): the row looks
+        dead to other workers although the worker runs again."""
+        status = self._status
+        late = time.monotonic() - self._beat_sent
+        if status is None or late < 2 * conf.get().WORKER_HEARTBEAT:
+            return False
+        logger.warning(
+            "worker %s: its registry beat is late (%.0fs since the last one: the whole process "
+            "was held up); beating now",
+            self.worker_id,
+            late,
+            extra={"worker_id": self.worker_id},
+        )
+        self.beat(status())
+        return True
 
     def deregister(self, now: Beat) -> None:
         try:
@@ -132,9 +177,10 @@ class Registration:
         if left:
             logger.warning(
                 "worker %s stopped with %d messages still running: their leases expired now, "
-                "and the rescuer requeues them at its next pass",
+                "and the rescuer takes them back at its next pass (%s)",
                 self.worker_id,
                 left,
+                RESCUED,
             )
 
 
@@ -159,8 +205,18 @@ def wall_clock() -> datetime:
 
 
 def rescue_dead_workers() -> list[worker_store.DeadWorker]:
-    """Mark workers whose beat is older than WORKER_DEAD_AFTER dead and expire their leases."""
-    dead = worker_store.expire_dead_workers(conf.get().WORKER_DEAD_AFTER)
+    """Mark workers whose beat is older than WORKER_DEAD_AFTER dead and expire their leases.
+
+    Never a worker of this process that still beats: its maintenance pass running proves it
+    alive, however old its row (a task that held the GIL stopped its beat thread as well as
+    this pass). A late one beats now instead, so other workers see it alive again."""
+    with _beating_lock:
+        here = list(_beating.values())
+    for registration in here:
+        registration.beat_if_late()
+    dead = worker_store.expire_dead_workers(
+        conf.get().WORKER_DEAD_AFTER, alive=[r.worker_id for r in here]
+    )
     for worker in dead:
         logger.warning(
             "worker %s (%s pid %s) is dead: no beat for %.0fs; expired its %d leases",

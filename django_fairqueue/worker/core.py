@@ -17,6 +17,7 @@ from django_fairqueue import conf
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.maintenance import MaintenanceRunner, Service, default_services
 from django_fairqueue.runtime import SAME_STOP_SECONDS, stop_signals
+from django_fairqueue.runtime.attempts import RESCUED
 from django_fairqueue.runtime.worker_registry import Beat, Registration
 from django_fairqueue.stats import StatsRecorder
 from django_fairqueue.tasks.spec import registry
@@ -201,9 +202,10 @@ class Worker:
         else:
             logger.warning(
                 "%s received again: exiting now; the leases of %d unfinished messages will "
-                "expire and the rescuer will requeue them",
+                "expire and the rescuer will take them back (%s)",
                 name,
                 len(self.ledger.unsettled_ids()),
+                RESCUED,
             )
             os._exit(128 + signum)
 
@@ -340,9 +342,10 @@ class Worker:
         if running:
             logger.warning(
                 "%d messages still running after the %ss grace period: left behind (their "
-                "leases expire as the worker stops, and the rescuer requeues them)",
+                "leases expire as the worker stops, and the rescuer takes them back: %s)",
                 running,
                 self.config.shutdown_grace,
+                RESCUED,
             )
         stuck = self.ledger.stuck_messages()
         if stuck:

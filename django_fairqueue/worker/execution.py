@@ -21,7 +21,7 @@ from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.exceptions import PayloadError, TaskAborted
 from django_fairqueue.models import Message
 from django_fairqueue.runtime import dbfaults
-from django_fairqueue.runtime.attempts import error_info, retry_delay
+from django_fairqueue.runtime.attempts import RESCUED, error_info, retry_delay
 from django_fairqueue.signals import message_finished
 from django_fairqueue.tasks.spec import TaskSpec
 from django_fairqueue.worker.config import Outcome
@@ -201,9 +201,10 @@ def aborted_outcome(
     )
 
 
-def finished(outcome: Outcome, *, worker_id: str) -> None:
-    """Log an attempt's end and send ``message_finished``."""
-    _log_finish(outcome)
+def finished(outcome: Outcome, *, worker_id: str, lease_expired: bool = False) -> None:
+    """Log an attempt's end and send ``message_finished``. ``lease_expired``: the lease had
+    expired by the worker's clock when the attempt ended (its outcome may not be recorded)."""
+    _log_finish(outcome, lease_expired)
     send_robust(
         message_finished,
         message=outcome.message,
@@ -214,9 +215,9 @@ def finished(outcome: Outcome, *, worker_id: str) -> None:
     )
 
 
-def _log_finish(outcome: Outcome) -> None:
+def _log_finish(outcome: Outcome, lease_expired: bool = False) -> None:
     message = outcome.message
-    level = logging.INFO if outcome.kind == "succeeded" else logging.WARNING
+    level = logging.INFO if outcome.kind == "succeeded" and not lease_expired else logging.WARNING
     if not logger.isEnabledFor(level):
         return
     if outcome.kind == "released":  # given back: the database was unavailable
@@ -244,9 +245,17 @@ def _log_finish(outcome: Outcome) -> None:
             what = f"failed ({cause}); retry in {outcome.retry_in.total_seconds():.1f}s"
         else:
             what = f"failed for good ({cause})"
+    # Its worker was held up past the lease (frozen, or a task held the GIL): the rescuer may
+    # have settled the message otherwise already, which this line must not contradict.
+    late = (
+        ", after its lease had expired: recorded only if the lease still held, else the "
+        f"rescuer took the message back ({RESCUED})"
+        if lease_expired
+        else ""
+    )
     logger.log(
         level,
-        "%s %s message %s channel %r attempt %s/%s in %.3fs",
+        "%s %s message %s channel %r attempt %s/%s in %.3fs%s",
         what,
         message.task_name,
         message.id,
@@ -254,5 +263,6 @@ def _log_finish(outcome: Outcome) -> None:
         message.attempts,
         message.max_attempts,
         outcome.duration,
+        late,
         extra=log_extra(message, duration=outcome.duration, outcome=outcome.kind),
     )

@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from asgiref.sync import async_to_sync
 
@@ -15,9 +17,9 @@ from django_fairqueue.context import abort_flag, current_message, time_limit_pas
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.exceptions import PayloadError, ResultNotStorable, UnknownTask
 from django_fairqueue.observe import tracing
-from django_fairqueue.runtime.attempts import error_info
+from django_fairqueue.runtime.attempts import RESCUED, error_info
 from django_fairqueue.signals import message_started
-from django_fairqueue.tasks.spec import check_arguments, check_result, registry
+from django_fairqueue.tasks.spec import TaskSpec, check_arguments, check_result, registry
 from django_fairqueue.worker.config import Attempt, Outcome
 from django_fairqueue.worker.execution import (
     aborted_outcome,
@@ -38,6 +40,18 @@ from django_fairqueue.worker.service import CrashHandler, spawn
 logger = logging.getLogger("django_fairqueue.worker")
 #: a reusable no-op block, for an attempt outside a test's transaction
 _NO_SAVEPOINT: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+
+
+def operator_interrupt(exc: BaseException) -> bool:
+    """Whether ``exc`` may be the operator's Ctrl-C rather than the task's own exception: a
+    KeyboardInterrupt in the main thread while SIGINT has Python's default handler (the only
+    place Python raises it for a signal). A handler thread's, or one raised while a worker's
+    own signal handlers are installed, is the task's."""
+    return (
+        isinstance(exc, KeyboardInterrupt)
+        and threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )
 
 
 class Pool:
@@ -207,15 +221,16 @@ class Pool:
 
     def drop(self, message: ClaimedMessage) -> None:
         """Forget a claimed message without running it or writing anything, as a worker that
-        died holding it would: the rescuer requeues it once its lease has expired (or did
+        died holding it would: the rescuer takes it back once its lease has expired (or did
         already, and another worker may hold it now). Heartbeats stop renewing it."""
         self.ledger.forget([message.id])
         logger.warning(
             "not starting message %s (%s, channel %r): its lease expired or was lost while it "
-            "waited for a handler thread; the rescuer requeues it",
+            "waited for a handler thread; the rescuer takes it back (%s)",
             message.id,
             message.task_name,
             message.channel,
+            RESCUED,
             extra=log_extra(message, worker_id=self.worker_id, outcome="lease_lost"),
         )
 
@@ -271,31 +286,14 @@ class Pool:
         limit_token = time_limit_passed.set(attempt.passed) if attempt is not None else None
         abort_token = abort_flag.set(attempt.aborting) if attempt is not None else None
         try:
-            with (
-                tracing.run_span(message),
-                savepoints() if savepoint else _NO_SAVEPOINT,
-            ):
-                if is_async(spec.func):
-                    result = async_to_sync(spec.func)(*args, **kwargs)
-                else:
-                    result = spec.func(*args, **kwargs)
-            if message.keep_result:
-                check_result(message.task_name, result)
-        except ResultNotStorable as exc:  # the task ran: running it again repeats its effects
-            outcome = failed_outcome(message, spec, exc, started, retry=False, worker_id=worker_id)
-        except (Exception, SystemExit) as exc:
-            outcome = failed_outcome(message, spec, exc, started, retry=True, worker_id=worker_id)
+            outcome = self._run(message, spec, args, kwargs, started, savepoint)
         except BaseException:
+            # Not an outcome: the operator's Ctrl-C in a synchronous pass, or a bug here. The
+            # attempt ends all the same: left recorded as running, the timer would fail it at
+            # its time limit and take its slot out of the pool's count a second time.
             if attempt is not None and not self._end_attempt(attempt):
                 return None  # failed as timed out already
             raise
-        else:
-            outcome = Outcome(
-                message,
-                "succeeded",
-                result=result if message.keep_result else None,
-                duration=time.monotonic() - started,
-            )
         finally:
             current_message.reset(token)
             if limit_token is not None:
@@ -329,8 +327,56 @@ class Pool:
                 extra=log_extra(message, worker_id=worker_id, outcome="discarded"),
             )
             return None
-        finished(outcome, worker_id=worker_id)
+        finished(outcome, worker_id=worker_id, lease_expired=self.ledger.lease_gone(message))
         return outcome
+
+    def _run(
+        self,
+        message: ClaimedMessage,
+        spec: TaskSpec,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        started: float,
+        savepoint: bool,
+    ) -> Outcome:
+        """Call the task: the outcome of whatever it returns or raises."""
+        raised: BaseException | None = None
+        try:
+            with (
+                tracing.run_span(message),
+                savepoints() if savepoint else _NO_SAVEPOINT,
+            ):
+                try:
+                    if is_async(spec.func):
+                        result = async_to_sync(spec.func)(*args, **kwargs)
+                    else:
+                        result = spec.func(*args, **kwargs)
+                except BaseException as exc:
+                    raised = exc
+                    raise
+            if message.keep_result:
+                check_result(message.task_name, result)
+        except ResultNotStorable as exc:  # the task ran: running it again repeats its effects
+            return failed_outcome(
+                message, spec, exc, started, retry=False, worker_id=self.worker_id
+            )
+        except BaseException as exc:
+            if operator_interrupt(exc):
+                raise
+            # The task's own exception, even when leaving the span replaced it: OpenTelemetry
+            # records an exception with str(), which fails for an exception whose __str__ raises.
+            exc = raised if raised is not None else exc
+            # Whatever the task raised (SystemExit, KeyboardInterrupt, GeneratorExit, a
+            # CancelledError included) is its failure, retried while attempts remain: no
+            # exception stops the worker from inside a task. (Time limits and aborts never
+            # raise in the task's thread: the timer ends those attempts from outside.)
+            return failed_outcome(message, spec, exc, started, retry=True, worker_id=self.worker_id)
+        return Outcome(
+            message,
+            "succeeded",
+            result=result if message.keep_result else None,
+            duration=time.monotonic() - started,
+        )
 
     def _end_attempt(self, attempt: Attempt) -> bool:
         """The attempt returned: whether its outcome is this thread's to write. When the timer

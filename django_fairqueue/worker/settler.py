@@ -26,7 +26,7 @@ from django_fairqueue.runtime import (
     after_database_error,
     drop_broken_connection,
 )
-from django_fairqueue.runtime.attempts import error_info
+from django_fairqueue.runtime.attempts import RESCUED, error_info
 from django_fairqueue.stats import StatsRecorder
 from django_fairqueue.worker.config import (
     SETTLE_BATCH,
@@ -96,9 +96,10 @@ class Settler(Service):
                 if self.deadline is not None and time.monotonic() + delay > self.deadline:
                     logger.error(
                         "giving up writing %d outcomes at shutdown (%s); their leases "
-                        "will expire and the rescuer will requeue them",
+                        "will expire and the rescuer will take them back (%s)",
                         len(self._backlog),
                         what,
+                        RESCUED,
                     )
                     return
                 logger.warning(
@@ -256,10 +257,11 @@ class Settler(Service):
         if ignored:
             logger.warning(
                 "%s of %d messages changed nothing: their lease was lost (it expired and the "
-                "rescuer requeued them, an operator cancelled or deleted them, or their channel "
-                "was deleted); ids %s",
+                "rescuer took them back: %s; or an operator cancelled or deleted them, or "
+                "their channel was deleted); ids %s",
                 verb,
                 len(ignored),
+                RESCUED,
                 ignored[:20],
                 extra={"worker_id": self.worker_id, "outcome": "lease_lost"},
             )

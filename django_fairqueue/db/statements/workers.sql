@@ -59,11 +59,13 @@ SELECT count(*) FROM expired;
 -- name: expire_dead_workers
 -- Mark workers silent for longer than `dead_after` dead and expire the leases of the messages they ran; returns each with how many.
 -- The rescuer requeues (or dead-letters) those messages in the same maintenance pass.
+-- `alive`: the workers of the calling process, alive whatever their row says (never dead by their own pass).
 WITH dead AS (
     UPDATE fairqueue_worker w
     SET state = 'dead', running = 0
     WHERE w.state = 'running'
       AND w.heartbeat_at < clock_timestamp() - %(dead_after)s::interval
+      AND w.worker_id <> ALL (%(alive)s::text[])
     RETURNING w.worker_id, w.host, w.pid,
               extract(epoch FROM clock_timestamp() - w.heartbeat_at)::float8 AS silent
 ), expired AS (
