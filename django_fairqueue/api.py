@@ -309,6 +309,8 @@ def _prepare_batch(
     position = 0
     try:
         for position, request in enumerate(requests):
+            if type(request) is not EnqueueRequest and not isinstance(request, EnqueueRequest):
+                raise TypeError(f"expected an EnqueueRequest, got {type(request).__name__}")
             task = request.task
             known = specs.get(id(task))
             if known is None:

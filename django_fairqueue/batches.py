@@ -371,12 +371,7 @@ def _lease(lease: timedelta | None) -> timedelta:
     before the first heartbeat renews it, each claim costing an attempt."""
     if lease is None:
         return conf.get().lease
-    given: Any = lease  # checked at run time: callers may pass anything
-    if not isinstance(given, timedelta) or given.total_seconds() < limits.MIN_LEASE:
-        raise ValueError(
-            f"lease must be a timedelta of at least {limits.MIN_LEASE:g} seconds, got {lease!r}"
-        )
-    return lease
+    return limits.lease(lease)
 
 
 def _split_jobs(jobs: Sequence[str] | None) -> tuple[list[str] | None, list[str] | None]:

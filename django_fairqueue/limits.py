@@ -57,6 +57,8 @@ def priority_error(priority: object) -> str | None:
 #: its first renewal well inside it (a lease that expires first loses every message it claims,
 #: each at the cost of an attempt).
 MIN_LEASE = 5.0
+#: Longest lease (a day): a dead worker's messages wait at most that long to run again.
+MAX_LEASE = 86_400.0
 #: Largest message id (PostgreSQL ``bigint``).
 MAX_ID = 2**63 - 1
 #: Largest limit or count (PostgreSQL ``integer``).
@@ -135,3 +137,28 @@ def option(minimum: int, maximum: int, what: str = "an integer") -> Callable[[st
 message_id = option(1, MAX_ID, "a message id")
 limit_option = option(1, MAX_LIMIT, "an integer")
 after_id = option(0, MAX_ID, "an integer")
+
+
+def lease(value: object, name: str = "lease", *, minimum: float = MIN_LEASE) -> timedelta:
+    """A lease given in code: a ``timedelta`` from ``minimum`` (:data:`MIN_LEASE`, as
+    ``runfairworker --lease`` takes it in seconds) to :data:`MAX_LEASE` seconds. Returns it."""
+    if not isinstance(value, timedelta):
+        raise TypeError(
+            f"{name} must be a timedelta (e.g. timedelta(seconds=60)), got {type(value).__name__}"
+        )
+    if not minimum <= value.total_seconds() <= MAX_LEASE:
+        raise ValueError(
+            f"{name} must be {minimum:g} to {MAX_LEASE:g} seconds, got "
+            f"{number_text(value.total_seconds())}"
+        )
+    return value
+
+
+def seconds(value: object, name: str, *, minimum: float, maximum: float) -> float:
+    """A duration given in code as a number of seconds (int or float, not bool), finite, from
+    ``minimum`` to ``maximum``. Returns it as a float."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} is a number of seconds, got {type(value).__name__}")
+    if not minimum <= value <= maximum:  # (NaN fails this too)
+        raise ValueError(f"{name} must be {minimum:g} to {maximum:g} seconds, got {value!r}")
+    return float(value)

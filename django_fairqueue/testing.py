@@ -32,8 +32,9 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
 from django_fairqueue import conf
+from django_fairqueue.api import validate_channel_name
 from django_fairqueue.models import Message, MessageState
-from django_fairqueue.queues import DEFAULT_QUEUE, row_name
+from django_fairqueue.queues import DEFAULT_QUEUE, row_name, validate_queue_name
 from django_fairqueue.tasks import BoundTask, FairTask, TaskSpec
 from django_fairqueue.worker import Worker, WorkerConfig
 
@@ -99,8 +100,13 @@ def enqueued(
     messages = Message.objects.filter(state__in=[MessageState.READY, MessageState.SCHEDULED])
     if task is not None:
         messages = messages.filter(task_name=_task_name(task))
+    # Checked as enqueue checks them: a name no message can have would find nothing, and the
+    # test would assert on an empty list.
+    if queue is not None:
+        queue = validate_queue_name(queue)
     if channel is not None:
-        messages = messages.filter(channel__name=row_name(queue or DEFAULT_QUEUE, channel))
+        name = validate_channel_name(channel)
+        messages = messages.filter(channel__name=row_name(queue or DEFAULT_QUEUE, name))
     elif queue is not None:
         messages = messages.filter(channel__queue=queue)
     return list(messages.select_related("channel").order_by("id"))

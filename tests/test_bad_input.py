@@ -443,10 +443,12 @@ def test_a_bad_max_backlog_through_the_orm_raises_invalid_channel() -> None:
         ({"concurrency": -4}, "concurrency must be an integer >= 1"),
         ({"batch_size": 0}, "batch_size must be an integer >= 1"),
         ({"max_messages": 0}, "max_messages must be an integer >= 1"),
-        ({"poll_interval": 0}, "poll_interval must be > 0"),
-        ({"poll_interval": -1.0}, "poll_interval must be > 0"),
-        ({"lease": timedelta(0)}, "lease must be positive"),
-        ({"shutdown_grace": -1}, "shutdown_grace must be >= 0"),
+        ({"poll_interval": 0}, "poll_interval must be 0.001 to 3600 seconds, got 0"),
+        ({"poll_interval": -1.0}, "poll_interval must be 0.001 to 3600 seconds"),
+        ({"lease": timedelta(0)}, "lease must be 0.001 to 86400 seconds, got 0"),
+        ({"lease": timedelta(days=2)}, "lease must be 0.001 to 86400 seconds, got 172800"),
+        ({"shutdown_grace": -1}, "shutdown_grace must be 0 to 86400 seconds"),
+        ({"burst_horizon": float("nan")}, "burst_horizon must be 0 to 86400 seconds"),
         ({"channels": "tenant-1"}, "not a string"),
         ({"channels": ["a"], "exclude_channels": ["a"]}, "both included and excluded"),
         ({"worker_id": "  "}, "worker_id must be a non-empty string"),
@@ -454,6 +456,21 @@ def test_a_bad_max_backlog_through_the_orm_raises_invalid_channel() -> None:
 )
 def test_bad_worker_options_are_refused(kwargs: dict[str, Any], error: str) -> None:
     with pytest.raises(ValueError, match=re.escape(error)):
+        WorkerConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"lease": 30}, "lease must be a timedelta (e.g. timedelta(seconds=60)), got int"),
+        ({"poll_interval": timedelta(seconds=1)}, "poll_interval is a number of seconds"),
+        ({"shutdown_grace": "10"}, "shutdown_grace is a number of seconds, got str"),
+    ],
+)
+def test_worker_options_of_the_wrong_kind_say_what_they_take(
+    kwargs: dict[str, Any], error: str
+) -> None:
+    with pytest.raises(TypeError, match=re.escape(error)):
         WorkerConfig(**kwargs)
 
 
@@ -1025,6 +1042,13 @@ def test_every_refusal_in_a_batch_names_the_request(
     with pytest.raises(error) as caught:  # a batch of one: its call names it
         enqueue_many([wrong])
     assert str(caught.value) == alone
+    assert message_count() == 0
+
+
+def test_a_batch_item_that_is_no_request_is_refused_by_position(tables_intact: None) -> None:
+    good = EnqueueRequest(NOOP, [1], channel="p")
+    with pytest.raises(TypeError, match=r"^enqueue_many request 1: expected an EnqueueRequest, "):
+        enqueue_many([good, (NOOP, [1])])  # type: ignore[list-item]
     assert message_count() == 0
 
 

@@ -4,7 +4,9 @@ and run_worker(), a real worker process on the test's database."""
 from __future__ import annotations
 
 import pytest
+from django.contrib.auth.models import User
 
+from django_fairqueue.exceptions import InvalidChannel, InvalidQueue
 from django_fairqueue.models import Message, MessageState
 from django_fairqueue.tasks.django_compat import task
 from django_fairqueue.testing import enqueued, run_worker
@@ -39,6 +41,21 @@ def test_enqueued_refuses_what_names_no_task_of_this_queue() -> None:
         enqueued(task=run_in_process)
     with pytest.raises(TypeError, match=r"task must be a task name, .* got function"):
         enqueued(task=fairtasks.add.__wrapped__)
+
+
+@pytest.mark.django_db
+def test_enqueued_refuses_a_channel_or_queue_no_message_can_have() -> None:
+    fairtasks.add.enqueue(1, 2, channel="acme")
+    with pytest.raises(InvalidChannel, match="must not start or end with blanks"):
+        enqueued(channel=" acme")  # found nothing before: a test asserting none passed
+    with pytest.raises(InvalidChannel, match="must not be empty"):
+        enqueued(channel="")
+    with pytest.raises(InvalidQueue):
+        enqueued(queue="a b")
+    assert len(enqueued(channel="acme")) == 1
+    user = User.objects.create(username="acme")  # a model instance names its channel
+    fairtasks.add.enqueue(3, 4, channel=user)
+    assert [m.payload["args"] for m in enqueued(channel=user)] == [[3, 4]]
 
 
 @pytest.mark.django_db(transaction=True)

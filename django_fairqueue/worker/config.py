@@ -139,17 +139,16 @@ class WorkerConfig:
         _positive_int(self.max_abandoned_threads, "max_abandoned_threads")
         if self.max_messages is not None:
             _positive_int(self.max_messages, "max_messages")
-        if self.poll_interval is not None and not self.poll_interval > 0:
-            raise ValueError(f"poll_interval must be > 0 seconds, got {self.poll_interval!r}")
-        if self.lease is not None and self.lease <= timedelta(0):
-            raise ValueError(f"lease must be positive, got {self.lease}")
-        if not 0 <= self.burst_horizon <= MAX_BURST_HORIZON:
-            raise ValueError(
-                f"burst_horizon must be 0 to {MAX_BURST_HORIZON:g} seconds, "
-                f"got {self.burst_horizon!r}"
-            )
-        if not self.shutdown_grace >= 0:
-            raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace!r}")
+        # Durations as runfairworker takes them (--poll-interval, --lease, --burst-horizon,
+        # --shutdown-grace), in seconds except the lease, a timedelta.
+        if self.poll_interval is not None:
+            limits.seconds(self.poll_interval, "poll_interval", minimum=0.001, maximum=3600)
+        if self.lease is not None:
+            # (shorter than the command's 5 s floor allowed, as the setting allows it with a
+            # warning: tests of leases run on short ones)
+            limits.lease(self.lease, minimum=0.001)
+        limits.seconds(self.burst_horizon, "burst_horizon", minimum=0, maximum=MAX_BURST_HORIZON)
+        limits.seconds(self.shutdown_grace, "shutdown_grace", minimum=0, maximum=limits.MAX_LEASE)
         limits.worker_id(self.worker_id)
         for attr in ("channels", "exclude_channels"):
             names = getattr(self, attr)
