@@ -239,7 +239,7 @@ def load(raw: Any) -> FairQueueSettings:
                 problems.append(str(exc))
     beat = values.get("WORKER_HEARTBEAT", FairQueueSettings.WORKER_HEARTBEAT)
     dead = values.get("WORKER_DEAD_AFTER", FairQueueSettings.WORKER_DEAD_AFTER)
-    if dead < 3 * beat:
+    if dead < 3 * beat and not math.isclose(dead, 3 * beat):  # (3 * 0.2 is 0.6000000000000001)
         problems.append(
             f"FAIRQUEUE['WORKER_DEAD_AFTER'] ({dead:g} s) must be at least three times "
             f"FAIRQUEUE['WORKER_HEARTBEAT'] ({beat:g} s): a live worker that missed a beat "

@@ -678,6 +678,7 @@ def test_every_bad_setting_is_its_own_e001() -> None:
         ({"WORKER_HEARTBEAT": 20}, False),  # the default dead-after is 30 s
         ({"WORKER_HEARTBEAT": 1, "WORKER_DEAD_AFTER": 2.5}, False),
         ({"WORKER_HEARTBEAT": 1, "WORKER_DEAD_AFTER": 3}, True),
+        ({"WORKER_HEARTBEAT": 0.2, "WORKER_DEAD_AFTER": 0.6}, True),  # 3 * 0.2 > 0.6 in floats
     ],
 )
 def test_workers_are_declared_dead_only_after_three_missed_beats(
