@@ -665,7 +665,9 @@ def release(batch: ClaimedBatch, *, using: str | None = None) -> bool:
 
 
 def rescue_expired(*, limit: int = 1000, using: str | None = None) -> list[RescuedBatch]:
-    """Batches whose lease expired go back to pending (after a backoff) or to failed."""
+    """Batches whose lease expired go back to pending (after a backoff) or to failed: at most
+    ``limit`` (1 to ``limits.MAX_LIMIT``) of them."""
+    limits.limit(limit)
     cfg = conf.get()
     return batch_store.rescue_expired_work_batches(
         backoff_base=timedelta(seconds=cfg.RETRY_BACKOFF_BASE),
@@ -689,12 +691,12 @@ def retry_failed(
     budget. Idempotent. Returns the ids retried."""
     if ids is None:
         ids = batch_store.select_failed_work_batch_ids(job_name, using=using)
-    return batch_store.retry_failed_work_batches(list(ids), using=using)
+    return batch_store.retry_failed_work_batches(limits.row_ids(ids, "batch"), using=using)
 
 
 def delete_failed(ids: Sequence[int], *, using: str | None = None) -> list[int]:
     """Delete failed batches (dead letters); other states are never deleted."""
-    return batch_store.delete_failed_work_batches(list(ids), using=using)
+    return batch_store.delete_failed_work_batches(limits.row_ids(ids, "batch"), using=using)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -108,11 +108,17 @@ def limit(value: object, name: str = "limit") -> int:
 
 
 def message_ids(ids: Iterable[object]) -> list[int]:
-    """Message ids, each 1 to :data:`MAX_ID`, in the order given. A string or a lone int is
-    a TypeError (a common slip: ``cancel(5)`` for ``cancel([5])``)."""
-    if isinstance(ids, int | str | bytes):
-        raise TypeError("ids must be a list of message ids")
-    return [integer(i, "a message id", minimum=1, maximum=MAX_ID) for i in ids]
+    """Message ids, each 1 to :data:`MAX_ID`, in the order given (:func:`row_ids`)."""
+    return row_ids(ids, "message")
+
+
+def row_ids(ids: Iterable[object], what: str) -> list[int]:
+    """Ids of ``what`` rows ("message", "batch", "schedule": ``bigint`` keys), each 1 to
+    :data:`MAX_ID`, in the order given. A string, a lone int or None is a TypeError (a common
+    slip: ``cancel(5)`` for ``cancel([5])``)."""
+    if isinstance(ids, int | str | bytes) or not isinstance(ids, Iterable):
+        raise TypeError(f"ids must be a list of {what} ids")
+    return [integer(i, f"a {what} id", minimum=1, maximum=MAX_ID) for i in ids]
 
 
 def option(minimum: int, maximum: int, what: str = "an integer") -> Callable[[str], int]:

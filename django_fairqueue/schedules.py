@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
@@ -37,7 +37,7 @@ from zoneinfo import ZoneInfo
 
 from django.db import DatabaseError, OperationalError, transaction
 
-from django_fairqueue import conf, cron
+from django_fairqueue import conf, cron, limits
 from django_fairqueue.cron import ScheduleSpec, slots_after, validate_cron, validate_timezone
 from django_fairqueue.db import channel_store, pg, schedule_store
 from django_fairqueue.exceptions import ChannelFull, InvalidChannel, InvalidSchedule, UnknownTask
@@ -224,8 +224,7 @@ def sync(specs: Sequence[ScheduleSpec] | None = None, *, skip_invalid: bool = Fa
     """
     from django_fairqueue.models import Schedule, ScheduleSource
 
-    if specs is None:
-        specs = declared()
+    specs = declared() if specs is None else _specs(specs)
     cfg = conf.get()
     result = SyncResult()
     rows: dict[str, tuple[str, dict[str, Any]]] = {}
@@ -270,6 +269,19 @@ def sync(specs: Sequence[ScheduleSpec] | None = None, *, skip_invalid: bool = Fa
     if result.deleted:
         logger.info("code schedules no longer declared, deleted: %s", ", ".join(result.deleted))
     return result
+
+
+def _specs(specs: object) -> list[ScheduleSpec]:
+    """``specs`` as a list, if it is a collection of :class:`ScheduleSpec`; else a TypeError,
+    before :func:`sync` deletes the code schedules missing from it."""
+    what = "ScheduleSpec (django_fairqueue.cron.ScheduleSpec, as declared() returns them)"
+    if isinstance(specs, str | bytes | ScheduleSpec) or not isinstance(specs, Iterable):
+        raise TypeError(f"specs must be a list of {what}, got {specs!r}")
+    found = list(specs)
+    for i, spec in enumerate(found):
+        if not isinstance(spec, ScheduleSpec):
+            raise TypeError(f"specs[{i}] must be a {what}, got {spec!r}")
+    return found
 
 
 # -- firing -------------------------------------------------------------------------------------
@@ -560,8 +572,9 @@ class Firer:
 
 
 def fire_due(limit: int = 100) -> int:
-    """Fire every due schedule (at most ``limit``) once; returns the messages enqueued."""
-    return Firer(limit=limit).fire_due()
+    """Fire every due schedule (at most ``limit``, 1 to ``limits.MAX_LIMIT``) once; returns
+    the messages enqueued."""
+    return Firer(limit=limits.limit(limit)).fire_due()
 
 
 @dataclass
@@ -623,7 +636,8 @@ class Scheduler:
 
 def states(ids: Sequence[int]) -> dict[int, schedule_store.ScheduleState]:
     """The firing state of schedules by id (next slot, last slot, last fired, last message)."""
-    return schedule_store.select_schedule_states(ids) if ids else {}
+    checked = limits.row_ids(ids, "schedule")
+    return schedule_store.select_schedule_states(checked) if checked else {}
 
 
 #: Most slots one :func:`upcoming` call previews.

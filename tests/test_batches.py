@@ -199,6 +199,30 @@ def test_bad_filters_and_ranges_are_refused_naming_the_argument_and_write_nothin
         assert batches.plan("bad", channel="bad", table=SOURCE, filters={"tenant": 1}).created == 1
 
 
+@pytest.mark.django_db
+def test_bad_ids_and_limits_are_refused_before_anything_runs() -> None:
+    """A wrong type or a value PostgreSQL cannot hold is a TypeError or ValueError naming the
+    argument, never a DataError from the server."""
+    refused: list[tuple[Any, type[Exception], str]] = [
+        (lambda: batches.delete_failed(["x"]), TypeError, "a batch id must be an integer"),
+        (lambda: batches.delete_failed([0]), ValueError, "a batch id must be 1 to 9223"),
+        (lambda: batches.delete_failed([2**63]), ValueError, "a batch id must be 1 to 9223"),
+        (lambda: batches.delete_failed(7), TypeError, "ids must be a list of batch ids"),
+        (lambda: batches.retry_failed(ids=["x"]), TypeError, "a batch id must be an integer"),
+        (lambda: batches.retry_failed(ids="12"), TypeError, "ids must be a list of batch ids"),
+        (lambda: batches.rescue_expired(limit=-1), ValueError, "limit must be 1 to 2147483647"),
+        (lambda: batches.rescue_expired(limit=2**40), ValueError, "limit must be 1 to"),
+        (lambda: batches.rescue_expired(limit=1.5), TypeError, "limit must be an integer"),
+    ]
+    with transaction.atomic():  # the caller's transaction stays usable after each refusal
+        for call, error, message in refused:
+            with pytest.raises(error, match=message):
+                call()
+        assert batches.delete_failed([]) == []
+        assert batches.retry_failed(ids=[1]) == []
+        assert batches.rescue_expired(limit=1) == []
+
+
 # ---------------------------------------------------------------------------------------------
 # Claiming
 

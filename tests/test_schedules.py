@@ -412,6 +412,38 @@ def test_sync_creates_updates_and_deletes_code_schedules() -> None:
 
 
 @pytest.mark.django_db
+def test_bad_arguments_are_refused_before_anything_runs() -> None:
+    """A wrong type or a value PostgreSQL cannot hold is a TypeError or ValueError naming the
+    argument, never a DataError or an AttributeError from inside."""
+    schedules.sync([spec("a")])
+    refused: list[tuple[Any, type[Exception], str]] = [
+        (lambda: schedules.fire_due(limit=-1), ValueError, "limit must be 1 to 2147483647"),
+        (lambda: schedules.fire_due(limit=2**31), ValueError, "limit must be 1 to"),
+        (lambda: schedules.fire_due(limit="x"), TypeError, "limit must be an integer"),
+        (lambda: schedules.states(["x"]), TypeError, "a schedule id must be an integer"),
+        (lambda: schedules.states([2**70]), ValueError, "a schedule id must be 1 to 9223"),
+        (lambda: schedules.states(5), TypeError, "ids must be a list of schedule ids"),
+        (lambda: schedules.states(None), TypeError, "ids must be a list of schedule ids"),
+        (lambda: schedules.sync("abc"), TypeError, "specs must be a list of ScheduleSpec"),
+        (lambda: schedules.sync(spec("b")), TypeError, "specs must be a list of ScheduleSpec"),
+        (lambda: schedules.sync([spec("b"), "x"]), TypeError, r"specs\[1\] must be a Schedule"),
+        (
+            lambda: schedules.sync([{"task": TASK, "cron": "@daily"}]),
+            TypeError,
+            r"specs\[0\] must be a ScheduleSpec \(django_fairqueue.cron.ScheduleSpec",
+        ),
+    ]
+    for call, error, message in refused:
+        with pytest.raises(error, match=message):
+            call()
+    # nothing was synced, deleted or fired
+    assert list(Schedule.objects.values_list("name", flat=True)) == ["a"]
+    assert not ScheduleFire.objects.exists()
+    assert schedules.states([]) == {}
+    assert schedules.fire_due(limit=1) == 0
+
+
+@pytest.mark.django_db
 def test_sync_refuses_an_unregistered_task_before_writing_anything() -> None:
     bad = ScheduleSpec.build("x", {"task": "no.such.task", "cron": "@daily"}, "x")
     with pytest.raises(InvalidSchedule, match=r"'no\.such\.task', which is not registered"):

@@ -80,6 +80,30 @@ def test_printable_escapes_control_characters_like_repr_and_keeps_the_rest() -> 
     assert terminal.printable(7) == "7"
 
 
+def test_columns_are_padded_and_cut_by_display_width() -> None:
+    assert terminal.width("abc") == 3
+    assert terminal.width("東京") == 4 and terminal.width("🎉") == 2
+    assert terminal.width("e\u0301") == 1  # a combining accent takes no column
+    assert terminal.aligned([("東京", "1"), ("abcde", "22")], right={1}) == [
+        "東京    1",
+        "abcde  22",
+    ]
+    assert terminal.cut("東京東京東京", 8) == "東京..."
+    assert terminal.cut("東京", 4) == "東京"
+    assert terminal.width(terminal.cut("a東京東京東京", 8)) <= 8
+
+
+def test_command_json_writes_times_in_iso_8601() -> None:
+    from datetime import UTC, date, datetime
+
+    at = datetime(2026, 12, 1, 3, 0, tzinfo=UTC)
+    assert terminal.json_text({"at": at, "day": date(2026, 12, 1)}) == (
+        '{"at": "2026-12-01T03:00:00+00:00", "day": "2026-12-01"}'
+    )
+    with pytest.raises(TypeError, match="set is not JSON"):
+        terminal.json_text({1})
+
+
 def _assert_safe(output: str) -> None:
     assert not any(ch in output for ch in "\x1b\r\x00")
     rows = [line for line in output.splitlines() if "EVIL" in line]
@@ -133,6 +157,113 @@ def test_schedules_and_workers_escape_stored_names() -> None:
     listed = io.StringIO()
     call_command("fairqueue", "workers", stdout=listed)
     _assert_safe(listed.getvalue())
+
+
+@pytest.mark.django_db
+def test_usage_csv_has_names_as_stored_and_stays_valid_csv() -> None:
+    """CSV is for spreadsheets and scripts: names as stored (control characters and all), and
+    a field with a line break quoted, so every reader finds each row whole."""
+    import csv
+
+    from tests.test_usage import flush, yesterday_at
+
+    names = [EVIL, "cr\ronly", "plain"]
+    for name in names:
+        enqueue_noop(name)
+        flush(name, yesterday_at(9), ok=1, run_ms=1000)
+    out = io.StringIO()
+    call_command("fairqueue", "usage", "--csv", "--sort", "name", stdout=out)
+    header, *rows = csv.reader(io.StringIO(out.getvalue(), newline=""))
+    assert header[2] == "channel" and all(len(row) == len(header) for row in rows), rows
+    assert [row[2] for row in rows] == sorted(names)
+
+
+def enqueue_noop(channel: str, queue: str | None = None) -> None:
+    from tests import factories
+
+    if queue is None:
+        factories.enqueue(channel)
+    else:
+        factories.enqueue_in_queue(queue, channel)
+
+
+@pytest.mark.django_db
+def test_status_sorts_by_the_name_shown_then_the_queue() -> None:
+    import json
+
+    # by the rows' own names, "reports\x1f..." would put queue reports' channels in a block
+    # between acme and sierra
+    shown = [
+        ["acme", "default"],
+        ["acme", "reports"],
+        ["bravo", "reports"],
+        ["sierra", "default"],
+        ["zulu", "reports"],
+    ]
+    for channel, queue in reversed(shown):
+        enqueue_noop(channel, queue)
+    out = io.StringIO()
+    call_command("fairqueue", "status", "--sort", "name", "--json", stdout=out)
+    listed = [[c["name"], c["queue"]] for c in json.loads(out.getvalue())["channels"]]
+    assert listed == shown
+    table = io.StringIO()
+    call_command("fairqueue", "status", "--sort", "name", stdout=table)
+    assert [line.split()[:2] for line in table.getvalue().splitlines()[1:6]] == shown
+
+
+@pytest.mark.django_db
+def test_tables_keep_their_columns_with_wide_characters() -> None:
+    from django_fairqueue.models import Channel, Schedule
+
+    names = ["東京テナント", "🎉party", "plain", "x" * 60, "東" * 30]
+    for name in names:
+        enqueue_noop(name)
+    out = io.StringIO()
+    call_command("fairqueue", "status", "--sort", "name", stdout=out)
+    header, *rows = out.getvalue().splitlines()[: 1 + len(names)]
+    # the QUEUE column (right-aligned) ends at the same terminal column in every line
+    end = terminal.width(header[: header.index("QUEUE") + len("QUEUE")])
+    for row in rows:
+        assert terminal.width(row[: row.index("default") + len("default")]) == end, rows
+    assert "東" * 18 + "..." in out.getvalue()  # a long name is cut to 40 columns
+    for name in ("東京テナント", "plain"):
+        channel = Channel.objects.get(name=name)
+        Schedule.objects.create(name=name, channel=channel, task_name="t", cron="@daily")
+    listed = io.StringIO()
+    call_command("fairqueue", "schedules", stdout=listed)
+    header, *rows = listed.getvalue().splitlines()[:3]
+    start = terminal.width(header[: header.index("QUEUE")])  # (left-aligned)
+    for row in rows:
+        assert terminal.width(row[: row.index("default")]) == start, rows
+
+
+@pytest.mark.django_db
+def test_every_json_output_writes_times_the_same_way() -> None:
+    """schedules, status, workers: ISO 8601 with a "T", as datetime.isoformat() writes."""
+    import json
+    import re
+
+    from django_fairqueue.models import Channel, Schedule
+    from django_fairqueue.runtime import worker_registry
+
+    iso = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?[+-]\d\d:\d\d$")
+    channel = Channel.objects.create(name="timed")
+    Schedule.objects.create(name="nightly", channel=channel, task_name="t", cron="@daily")
+    worker_registry.Registration("timed-worker", concurrency=1).register()
+    out = io.StringIO()
+    call_command("fairqueue", "schedules", "--json", stdout=out)
+    (schedule,) = json.loads(out.getvalue())
+    status = io.StringIO()
+    call_command("fairqueue", "status", "--json", stdout=status)
+    workers = io.StringIO()
+    call_command("fairqueue", "workers", "--json", stdout=workers)
+    (worker,) = json.loads(workers.getvalue())
+    for stamp in (
+        schedule["next_fire_at"],
+        json.loads(status.getvalue())["generated_at"],
+        worker["heartbeat_at"],
+    ):
+        assert iso.match(stamp), stamp
 
 
 def test_the_commands_log_lines_escape_names_and_errors_but_keep_traceback_lines() -> None:
@@ -200,3 +331,60 @@ def test_a_command_whose_reader_closed_the_pipe_exits_quietly(
         os.close(write_end)
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode == 141, proc.stderr
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("unbuffered", [True, False], ids=["unbuffered", "buffered"])
+def test_a_long_output_whose_reader_stops_early_exits_141(
+    database_url: str, unbuffered: bool
+) -> None:
+    """``fairqueue status | head -1`` over many channels: the reader goes away in the middle
+    of one long write. Unbuffered (PYTHONUNBUFFERED=1, python -u), Python's own stream would
+    drop the rest without an error and exit 0; every command and output form exits 141."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from django_fairqueue.models import Channel, MessageState
+    from tests.factories import MessageFactory, bulk_load_ready
+
+    # well past a pipe's 64 KiB in each form: 700 table lines, long names in the JSON, and
+    # failed messages with long errors
+    bulk_load_ready(700, 1, prefix="p" * 150)
+    MessageFactory.create_batch(
+        150,
+        channel=Channel.objects.get(name=f"{'p' * 150}-00000"),
+        state=MessageState.FAILED,
+        last_error={"type": "RuntimeError", "message": "e" * 2000, "traceback": None},
+    )
+    env = {**os.environ, "DATABASE_URL": database_url, "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    env.pop("PYTHONUNBUFFERED", None)
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    for argv in (
+        ["status", "--limit", "5000"],
+        ["status", "--limit", "5000", "--json"],
+        ["failures", "list", "--json"],
+        ["failures", "list"],
+    ):
+        read_end, write_end = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "django", "fairqueue", *argv],
+                cwd=Path(__file__).resolve().parent.parent,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=write_end,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        finally:
+            os.close(write_end)  # the command's copy is the pipe's only writer
+        try:
+            assert os.read(read_end, 100)  # the first bytes: the command is writing
+        finally:
+            os.close(read_end)  # the reader stops early
+        _, stderr = proc.communicate(timeout=60)
+        assert "Traceback" not in stderr, (argv, stderr)
+        assert proc.returncode == 141, (argv, proc.returncode, stderr)

@@ -15,13 +15,13 @@ seconds if it does not.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any, TextIO
 
 from django.core.management.base import CommandError
 
 from django_fairqueue import api
 from django_fairqueue.cli.cancel import add_selection, selection, write
+from django_fairqueue.cli.terminal import json_text
 from django_fairqueue.exceptions import InvalidChannel
 
 
@@ -48,4 +48,4 @@ def handle(options: dict[str, Any], stdout: TextIO) -> None:
         report["skipped"] = skipped
         if skipped:
             text += f"\nSkipped (finished or unknown): {', '.join(map(str, skipped))}."
-    write(stdout, json.dumps(report) if options["json"] else text)
+    write(stdout, json_text(report) if options["json"] else text)

@@ -16,13 +16,13 @@ a worker is claiming at that very moment runs.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any, TextIO
 
 from django.core.management.base import CommandError
 
 from django_fairqueue import api, limits
 from django_fairqueue.cli import channel_name
+from django_fairqueue.cli.terminal import json_text
 from django_fairqueue.exceptions import InvalidChannel
 
 
@@ -78,7 +78,7 @@ def handle(options: dict[str, Any], stdout: TextIO) -> None:
                 f"\nSkipped (not waiting: running, finished, unknown, or being claimed): "
                 f"{', '.join(map(str, skipped))}."
             )
-    write(stdout, json.dumps(report) if options["json"] else text)
+    write(stdout, json_text(report) if options["json"] else text)
 
 
 def write(stdout: TextIO, line: str) -> None:

@@ -17,14 +17,13 @@ are idempotent: ids of messages that are not failed (any more) are left alone.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any, TextIO
 
 from django.core.management.base import CommandError
 
 from django_fairqueue import failures, limits
 from django_fairqueue.cli import channel_name, queue_name
-from django_fairqueue.cli.terminal import printable
+from django_fairqueue.cli.terminal import aligned, cut, json_text, printable
 
 #: Longest error message shown in the text listing; --json has it whole.
 _ERROR_WIDTH = 80
@@ -105,7 +104,7 @@ def handle(options: dict[str, Any], stdout: TextIO) -> None:
             )
             text += f"\nSkipped ({why}): {', '.join(map(str, skipped))}."
     if options["json"]:
-        _write(stdout, json.dumps(report))
+        _write(stdout, json_text(report))
     else:
         _write(stdout, text)
 
@@ -123,7 +122,7 @@ def _list(options: dict[str, Any], stdout: TextIO) -> None:
     next_after = found[-1].id if len(found) == limit else None
     if options["json"]:
         report = {"failed": [m.as_dict() for m in found], "next_after": next_after}
-        _write(stdout, json.dumps(report))
+        _write(stdout, json_text(report))
         return
     if not found:
         _write(stdout, "No failed messages.")
@@ -131,9 +130,7 @@ def _list(options: dict[str, Any], stdout: TextIO) -> None:
     rows = [("ID", "CHANNEL", "QUEUE", "TASK", "ATTEMPTS", "FINISHED", "ERROR")]
     for m in found:
         error = f"{m.error_type}: {m.error_message}" if m.error_message else m.error_type
-        error = printable(" ".join(error.split()))  # one line per message, no escapes
-        if len(error) > _ERROR_WIDTH:
-            error = error[: _ERROR_WIDTH - 3] + "..."
+        error = cut(printable(" ".join(error.split())), _ERROR_WIDTH)  # one line each
         finished = m.finished_at.strftime("%Y-%m-%d %H:%M:%S") if m.finished_at else "-"
         rows.append(
             (
@@ -146,10 +143,8 @@ def _list(options: dict[str, Any], stdout: TextIO) -> None:
                 error,
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    for row in rows:
-        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
-        _write(stdout, "  ".join([*cells, row[-1]]).rstrip())
+    for line in aligned(rows):
+        _write(stdout, line)
     if next_after is not None:
         _write(stdout, f"(more may follow: --after {next_after})")
 

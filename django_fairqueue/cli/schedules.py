@@ -13,14 +13,13 @@ fires once, whoever else fires at the same time.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from django.core.management.base import CommandError, OutputWrapper
 
 from django_fairqueue import cron, schedules
 from django_fairqueue.cli import channel_name, queue_name
-from django_fairqueue.cli.terminal import printable
+from django_fairqueue.cli.terminal import aligned, json_text, printable
 from django_fairqueue.db import pg
 from django_fairqueue.exceptions import InvalidSchedule
 from django_fairqueue.models import Schedule
@@ -92,7 +91,7 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
             }
         )
     if options["json"]:
-        stdout.write(json.dumps(views, default=str))
+        stdout.write(json_text(views))
         return
     if not views:
         stdout.write("No schedules (declare them with @periodic or add them in the admin).")
@@ -127,8 +126,7 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
                 "" if v["source"] == "admin" else "(code)",
             )
         )
-    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
-    for row in lines:
-        stdout.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    for line in aligned(lines):
+        stdout.write(line)
     enabled = sum(1 for v in views if v["enabled"])
     stdout.write(f"\n{enabled} enabled of {len(views)}.")

@@ -24,7 +24,6 @@ queue (docs/howto/observability.md).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from datetime import datetime
 from typing import Any, TextIO
@@ -35,7 +34,7 @@ from django.utils import timezone
 
 from django_fairqueue import conf, limits, stats
 from django_fairqueue.cli import channel_name
-from django_fairqueue.cli.terminal import printable
+from django_fairqueue.cli.terminal import aligned, cut, json_text, printable
 from django_fairqueue.db import channel_store, pg
 from django_fairqueue.observe import horizon, overview, waiting
 from django_fairqueue.queues import split_row_name, validate_queue_name
@@ -47,8 +46,7 @@ _NAME_WIDTH = 40
 
 def _short_name(name: str) -> str:
     """A channel or group name, control characters escaped, cut to the table's name column."""
-    name = printable(name)
-    return name if len(name) <= _NAME_WIDTH else name[: _NAME_WIDTH - 3] + "..."
+    return cut(printable(name), _NAME_WIDTH)
 
 
 def _cap(max_concurrency: int | None) -> str:
@@ -197,7 +195,7 @@ def _groups(limit: int, queue: str | None = None) -> dict[str, Any]:
     groups = channel_store.select_group_state()
     if queue is not None:
         groups = [g for g in groups if split_row_name(g.name)[0] == queue]
-    groups.sort(key=lambda g: (-g.ready, -g.running, g.name))
+    groups.sort(key=lambda g: (-g.ready, -g.running, split_row_name(g.name)[::-1]))
     return {
         "groups_total": len(groups),
         "groups": [
@@ -224,7 +222,7 @@ def _render(options: dict[str, Any]) -> str:
         return _render_channel(options["channel"], options["json"], now, queue)
     data = snapshot(options["sort"], options["limit"], now, options.get("queue"))
     if options["json"]:
-        return json.dumps(data)
+        return json_text(data)
     return table(data)
 
 
@@ -236,7 +234,7 @@ def _render_channel(name: str, as_json: bool, now: datetime, queue: str) -> str:
     (row,) = overview.rows([cid])
     why = waiting.channel(cid)
     if as_json:
-        return json.dumps(
+        return json_text(
             {**_in_queue(row.as_dict(now)), "why_waiting": why.text, "cause": why.cause}
         )
     single = {
@@ -291,14 +289,7 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
                 "yes" if c["paused"] else "",
             )
         )
-    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
-    out = []
-    for row in lines:
-        cells = [
-            cell.ljust(width) if i == 0 else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
-        ]
-        out.append("  ".join(cells).rstrip())
+    out = aligned(lines, right=range(1, len(header)))
     if not summary:
         return "\n".join(out)
     if data.get("groups"):
@@ -395,14 +386,7 @@ def _group_table(groups: list[dict[str, Any]]) -> list[str]:
                 f"{interval:g}s" if interval else "-",
             )
         )
-    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
-    return [
-        "  ".join(
-            cell.ljust(width) if i == 0 else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
-        ).rstrip()
-        for row in lines
-    ]
+    return aligned(lines, right=range(1, len(header)))
 
 
 def _isatty(stream: TextIO) -> bool:

@@ -14,14 +14,13 @@ Usage is kept FAIRQUEUE['USAGE_RETENTION'] (31 days by default); an older day re
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from django.core.management.base import CommandError, OutputWrapper
 
 from django_fairqueue import limits
 from django_fairqueue.cli import queue_name
-from django_fairqueue.cli.terminal import printable
+from django_fairqueue.cli.terminal import aligned_row, column_widths, json_text, printable
 from django_fairqueue.observe import usage
 
 
@@ -56,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     out = parser.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="Print JSON.")
-    out.add_argument("--csv", action="store_true", help="Print CSV.")
+    out.add_argument("--csv", action="store_true", help="Print CSV (names as stored).")
 
 
 def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
@@ -82,7 +81,7 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
             "rows": [r.as_dict() for r in rows],
             "total": usage.summed(rows).as_dict(),
         }
-        stdout.write(json.dumps(payload))
+        stdout.write(json_text(payload))
         return
     span = f"{first}" if first == last else f"{first} to {last}"
     if not rows:
@@ -101,13 +100,9 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
                 f"{r.timeouts:,}",
             )
         )
-    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    widths = column_widths(lines)
     stdout.write(f"Usage for {span} ({start.tzinfo}), by {options['by']}:")
     for i, row in enumerate(lines):
         if i == len(lines) - 1:
             stdout.write("  ".join("-" * w for w in widths))
-        cells = [
-            c.ljust(w) if j < 2 else c.rjust(w)
-            for j, (c, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        stdout.write("  ".join(cells).rstrip())
+        stdout.write(aligned_row(row, widths, right=range(2, len(header))))

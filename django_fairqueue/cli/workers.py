@@ -17,12 +17,11 @@ messages it was running. Stopped and dead workers stay listed for a day.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from django.core.management.base import OutputWrapper
 
-from django_fairqueue.cli.terminal import printable
+from django_fairqueue.cli.terminal import aligned, json_text, printable
 from django_fairqueue.db import pg
 from django_fairqueue.observe import overview
 from django_fairqueue.runtime import worker_registry
@@ -36,7 +35,7 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
     now = pg.select_clock()  # the clock that stamped the beats
     views = worker_registry.workers(now)
     if options["json"]:
-        stdout.write(json.dumps([v.as_dict() for v in views]))
+        stdout.write(json_text([v.as_dict() for v in views]))
         return
     if not views:
         stdout.write("No workers have registered (start one with manage.py runfairworker).")
@@ -75,9 +74,8 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
                 worker_registry.restarts_text(v.restarts, v.crash_loop),
             )
         )
-    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
-    for row in lines:
-        stdout.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    for line in aligned(lines):
+        stdout.write(line)
     alive = worker_registry.live(views)
     stdout.write(f"\n{len(alive)} live of {len(views)} registered.")
     for v in alive:

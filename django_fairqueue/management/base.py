@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, OutputWrapper
 from django.db.utils import ProgrammingError
 
 from django_fairqueue import conf
-from django_fairqueue.cli.terminal import exit_quietly_on_closed_pipe
+from django_fairqueue.cli.terminal import exit_quietly_on_closed_pipe, whole_stdout
 from django_fairqueue.db import pg
 
 
@@ -30,4 +30,5 @@ class FairCommand(BaseCommand):
             raise CommandError(first if hint in first else f"{first}: {hint}") from exc
 
     def run_from_argv(self, argv: list[str]) -> None:
+        self.stdout = OutputWrapper(whole_stdout())
         exit_quietly_on_closed_pipe(super().run_from_argv, argv)

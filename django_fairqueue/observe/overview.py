@@ -315,9 +315,10 @@ def ranked_ids(
 ) -> list[int]:
     """Channel ids in the order ``sort`` (one of :data:`SORTS`), at most ``limit``.
 
-    ``among`` restricts the ranking to these channels. Ties break by name. ``age`` puts the
-    channels with nothing ready last (by name); it probes the oldest ready message of every
-    channel with a backlog, so it costs one index probe (per priority level) per such channel.
+    ``among`` restricts the ranking to these channels. ``name`` and ties go by the name
+    shown (the name within its queue), then the queue. ``age`` puts the channels with nothing
+    ready last (by name); it probes the oldest ready message of every channel with a backlog,
+    so it costs one index probe (per priority level) per such channel.
     """
     if sort not in SORTS:
         raise ValueError(f"sort must be one of {SORTS}, got {sort!r}")
@@ -327,15 +328,18 @@ def ranked_ids(
     if among is not None:
         wanted = set(among)
         pool = [c for c in pool if c.id in wanted]
+    # the name a listing shows, then the queue: by the row's own name ("<queue>\x1f<name>"),
+    # another queue's channels would come as a block among the default queue's
+    shown = {c.id: split_row_name(c.name)[::-1] for c in pool}
     if sort == "age":
         since = channel_store.select_backlogged_oldest_ready(using=_db())
         far = timezone.now() + timedelta(days=36500)
-        pool.sort(key=lambda c: (since.get(c.id, far), c.name))
+        pool.sort(key=lambda c: (since.get(c.id, far), shown[c.id]))
     elif sort == "name":
-        pool.sort(key=lambda c: c.name)
+        pool.sort(key=lambda c: shown[c.id])
     else:
         attr = {"backlog": "ready", "running": "running", "failed": "failed"}[sort]
-        pool.sort(key=lambda c: (-getattr(c, attr), c.name))
+        pool.sort(key=lambda c: (-getattr(c, attr), shown[c.id]))
     ordered = [c.id for c in pool]
     return ordered if limit is None else ordered[:limit]
 

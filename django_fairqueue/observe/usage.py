@@ -223,12 +223,17 @@ def as_csv(rows: Sequence[UsageRow], *, start: datetime, end: datetime, by: str)
     files of several ranges can be concatenated)."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
+    # Before Python 3.13 the csv module leaves a carriage return in a field unquoted, and it
+    # would end the row for every reader: a row with one has each of its fields quoted.
+    quoted = csv.writer(out, lineterminator="\n", quoting=csv.QUOTE_ALL)
     # by group, the name is the group's: no column of its own repeats it
     columns = [c for c in CSV_COLUMNS if not (by == "group" and c == "group")]
     writer.writerow(["from", "to", by, *columns[1:]])
     for r in rows:
         d = r.as_dict()
-        writer.writerow([start.isoformat(), end.isoformat(), *(_cell(d[c]) for c in columns)])
+        cells = [start.isoformat(), end.isoformat(), *(_cell(d[c]) for c in columns)]
+        breaks = any(isinstance(c, str) and "\r" in c for c in cells)
+        (quoted if breaks else writer).writerow(cells)
     return out.getvalue()
 
 

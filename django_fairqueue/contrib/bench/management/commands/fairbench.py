@@ -89,9 +89,11 @@ class Command(FairCommand):
         parser.add_argument(
             "--plots",
             metavar="DIR",
-            help="also draw PNG plots into DIR (needs matplotlib, the `plots` extra): "
-            f"{plots.E2E_FILE} (e2e throughput vs processes x threads) and "
-            f"{plots.FAIRNESS_FILE} (B's wait vs A's backlog), e.g. --plots docs/img",
+            help="also draw PNG plots of the scenarios run into DIR (needs matplotlib, the "
+            f"`plots` extra): {plots.E2E_FILE} (e2e throughput vs processes x threads), "
+            f"{plots.FAIRNESS_FILE} (B's wait vs A's backlog) and {plots.TIMESHARE_FILE} "
+            "(timeshare: Jain's index by count and by time, small tenants' p99 wait), "
+            "e.g. --plots docs/img",
         )
         parser.add_argument(
             "--baseline",
