@@ -22,13 +22,13 @@ from django.utils import timezone
 
 from django_fairqueue import conf, limits
 from django_fairqueue.db import channel_store, enqueue_store, message_store
+from django_fairqueue.db.jsontext import keep_big_floats
 from django_fairqueue.exceptions import (
     DuplicateJob,
     FairQueueError,
     InvalidChannel,
     PayloadError,
 )
-from django_fairqueue.jsontext import keep_big_floats
 from django_fairqueue.limits import (
     CHANNEL_NAME_MAX_LENGTH,
     GROUP_NAME_MAX_LENGTH,

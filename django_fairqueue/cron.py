@@ -28,7 +28,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 from cronsim import CronSim, CronSimError
 
-from django_fairqueue.exceptions import InvalidSchedule
+from django_fairqueue.exceptions import InvalidChannel, InvalidSchedule
 from django_fairqueue.limits import number_text, seconds_text
 
 #: What to do with the slots that passed while nothing fired (no worker ran, a channel was
@@ -274,14 +274,16 @@ class ScheduleSpec:
         tz = validate_timezone(options.get("timezone", "UTC"), f"{where}: timezone")
         args, kwargs = _check_payload(options.get("args", []), options.get("kwargs"), where)
         channel = options.get("channel")
-        if channel is not None and (not isinstance(channel, str) or not channel.strip()):
-            raise InvalidSchedule(f"{where}: channel must be a channel name, got {channel!r}")
-        if channel is not None and (channel != channel.strip() or "\x00" in channel):
-            # enqueue() refuses these too; caught here, at import, naming the schedule
-            raise InvalidSchedule(
-                f"{where}: channel must not start or end with blanks or contain NUL, "
-                f"got {channel!r}"
-            )
+        if channel is not None:
+            if not isinstance(channel, str):
+                raise InvalidSchedule(f"{where}: channel must be a channel name, got {channel!r}")
+            # enqueue's own check, here at import, naming the schedule
+            from django_fairqueue.api import validate_channel_name  # (the API imports this)
+
+            try:
+                validate_channel_name(channel)
+            except InvalidChannel as exc:
+                raise InvalidSchedule(f"{where}: {exc}") from None
         missed = options.get("missed", "latest")
         catch_up_max = options.get("catch_up_max", 10)
         validate_missed(missed, catch_up_max, where)

@@ -22,8 +22,8 @@ from django.db import DatabaseError, IntegrityError, connections, transaction
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from django_fairqueue import conf, jsontext
-from django_fairqueue.db import channel_store, pg
+from django_fairqueue import conf
+from django_fairqueue.db import channel_store, jsontext, pg
 from django_fairqueue.queues import (
     DEFAULT_QUEUE,
     SEPARATOR,
