@@ -1,6 +1,7 @@
 """Per channel and minute statistics: what workers claimed and settled, and how long it waited.
 
-Workers tally in memory with a :class:`StatsRecorder` and flush every few seconds: one upsert
+Workers tally in memory with a :class:`StatsRecorder` and flush every few seconds (a
+synchronous pass, ``Worker.run_once()`` or ``testing.drain()``, at its end): one upsert
 of one row per (channel, minute) into ``fairqueue_channel_stat``
 (:func:`django_fairqueue.db.stats_store.record_channel_stats`), so the claim itself writes nothing
 extra. The same flush adds the sums of its rows per minute, all channels together, to
@@ -82,8 +83,8 @@ __all__ = [
 BUCKETS: tuple[int, ...] = tuple(WAIT_BUCKETS_MS)
 N_BUCKETS = len(BUCKETS) + 1
 
-Outcome = Literal["succeeded", "failed", "retried"]
-_OUTCOMES = ("succeeded", "failed", "retried")
+Outcome = Literal["succeeded", "failed", "retried", "aborted"]
+_OUTCOMES = ("succeeded", "failed", "retried", "aborted")
 
 
 def bucket_of(wait_ms: float) -> int:
@@ -178,7 +179,10 @@ class StatsRecorder:
     ) -> None:
         """Count one finished attempt: ``succeeded``, ``failed`` (for good) or ``retried``
         (failed, will run again), which ran ``run_ms`` milliseconds. ``timed_out``: the failed
-        attempt ran out of time (its time limit, or its lease expired) instead of raising."""
+        attempt ran out of time (its time limit, or its lease expired) instead of raising.
+
+        ``aborted`` (stopped on an abort request) adds its worker time only: it neither
+        succeeded nor failed, yet a worker ran it, and usage bills worker time."""
         self.record_settled_many([(channel_id, outcome, run_ms, timed_out)], at=at)
 
     def record_settled_many(
@@ -204,7 +208,7 @@ class StatsRecorder:
                     tally.succeeded += 1
                 elif outcome == "failed":
                     tally.failed += 1
-                else:
+                elif outcome == "retried":
                     tally.retried += 1
                 tally.timed_out += timed_out
                 tally.run_ms_sum += max(round(run_ms), 0)

@@ -61,9 +61,10 @@ def drain(channels: str | Sequence[str] | None = None, max_messages: int | None 
     """Run ready messages until none is ready (or ``max_messages`` ran); returns how many ran.
 
     Messages run one at a time, in the fair order workers would claim them, in the calling
-    thread. A failing task is retried as a worker would: a retry whose backoff has not passed is
-    not ready, so ``drain()`` stops before it (set ``FAIRQUEUE['RETRY_BACKOFF_BASE'] = 0`` to run
-    every attempt at once). Inside a transaction each task runs in a savepoint.
+    thread, and count in the statistics and usage as a worker's do. A failing task is retried
+    as a worker would: a retry whose backoff has not passed is not ready, so ``drain()`` stops
+    before it (set ``FAIRQUEUE['RETRY_BACKOFF_BASE'] = 0`` to run every attempt at once).
+    Inside a transaction each task runs in a savepoint.
     """
     if isinstance(channels, str):
         channels = [channels]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import threading
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -235,3 +236,141 @@ def test_a_supervision_that_is_not_json_is_not_recorded(monkeypatch: pytest.Monk
     monkeypatch.setenv(SUPERVISION_ENV, "[1, 2")
     worker_registry.Registration("odd", concurrency=1).register()
     assert WorkerRecord.objects.get(worker_id="odd").supervision is None
+
+
+# ------------------------------------------------------------------------------------------------
+# One worker id, one live process
+
+
+def hold(worker_id: str, *, host: str, pid: int) -> None:
+    """Register ``worker_id`` as a process ``pid`` on ``host`` does (fresh beat)."""
+    from django_fairqueue.db import worker_store
+
+    registered = worker_store.register_worker(
+        worker_id,
+        host=host,
+        pid=pid,
+        version="test",
+        concurrency=1,
+        channels=[],
+        exclude_channels=[],
+        dead_after=30.0,
+    )
+    assert registered is not None
+
+
+def a_gone_pid() -> int:
+    """The pid of a process of this host that ran and was reaped."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "pass"], check=True)
+    assert done.returncode == 0
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_live_holder_of_the_id_keeps_it_and_its_running_messages(settings: Any) -> None:
+    settings.FAIRQUEUE = {**settings.FAIRQUEUE, "WORKER_DEAD_AFTER": 30.0}
+    f.enqueue("busy", 1)
+    hold("shared", host="other-host", pid=4242)
+    (m,) = message_store.claim_messages(1, lease=LEASE, worker_id="shared")
+    with pytest.raises(worker_registry.WorkerIdInUse) as refused:
+        worker_registry.Registration("shared", concurrency=1).register()
+    assert str(refused.value).startswith(
+        "worker id shared is in use by a live worker on host other-host pid 4242, last beat 0s "
+        "ago; give each process its own --worker-id"
+    )
+    # nothing was written: its row, and the lease of the message it runs, are untouched
+    record = WorkerRecord.objects.get(worker_id="shared")
+    assert (record.host, record.pid, record.state) == ("other-host", 4242, "running")
+    assert Message.objects.get(pk=m.id).lease_expires_at > timezone.now() + timedelta(minutes=5)
+    # once silent for WORKER_DEAD_AFTER it is dead: the id is free, its leases expire
+    WorkerRecord.objects.filter(worker_id="shared").update(
+        heartbeat_at=timezone.now() - timedelta(seconds=31)
+    )
+    assert worker_registry.Registration("shared", concurrency=1).register() == 1
+    assert WorkerRecord.objects.get(worker_id="shared").pid == os.getpid()
+
+
+def test_a_holder_on_this_host_is_taken_over_at_once_only_when_its_process_is_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import socket
+
+    from django_fairqueue.runtime import SUPERVISION_ENV
+
+    monkeypatch.delenv(SUPERVISION_ENV, raising=False)
+    here = socket.gethostname()
+    f.enqueue("slot", 2)
+    # its process was killed (no process has its pid now): its leases expire at once
+    hold("restarted", host=here, pid=a_gone_pid())
+    message_store.claim_messages(1, lease=LEASE, worker_id="restarted")
+    assert worker_registry.Registration("restarted", concurrency=1).register() == 1
+    # a process of this host that runs (the test runner's parent) holds its id
+    hold("running", host=here, pid=os.getppid())
+    with pytest.raises(worker_registry.WorkerIdInUse, match=f"pid {os.getppid()}, last beat"):
+        worker_registry.Registration("running", concurrency=1).register()
+    # ... unless a supervisor says it reaped that very process (its pid went to another since)
+    told = {"slot": 0, "restarts": 1, worker_registry.PREDECESSOR_PID: os.getppid()}
+    monkeypatch.setenv(SUPERVISION_ENV, json.dumps(told))
+    assert worker_registry.Registration("running", concurrency=1).register() == 0
+    # this process: free once its worker's beat stopped, held while it beats
+    stop = StopFlag()
+    mine = worker_registry.Registration("mine", concurrency=1)
+    mine.register()
+    beating = threading.Thread(target=mine.beat_until, args=(stop, lambda: None))
+    beating.start()
+    try:
+        wait_until(lambda: "mine" in worker_registry._beating, 5, "the beat running")
+        with pytest.raises(worker_registry.WorkerIdInUse, match=f"pid {os.getpid()},"):
+            worker_registry.Registration("mine", concurrency=1).register()
+    finally:
+        stop.set()
+        beating.join(5)
+    assert worker_registry.Registration("mine", concurrency=1).register() == 0
+
+
+def register_at_once(worker_id: str, pids: list[int]) -> list[int]:
+    """Register ``worker_id`` from one thread (one connection) per pid, all at once; returns
+    the pids that got it."""
+    from django.db import connections
+
+    from django_fairqueue.db import worker_store
+
+    barrier = threading.Barrier(len(pids))
+    won: list[int] = []
+
+    def register(pid: int) -> None:
+        try:
+            barrier.wait(5)
+            got = worker_store.register_worker(
+                worker_id,
+                host=f"host-{pid}",
+                pid=pid,
+                version="test",
+                concurrency=1,
+                channels=[],
+                exclude_channels=[],
+                dead_after=30.0,
+            )
+            if got is not None:
+                won.append(pid)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=register, args=(pid,)) for pid in pids]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    return won
+
+
+@pytest.mark.django_db(transaction=True)
+def test_of_processes_registering_one_id_at_once_exactly_one_gets_it() -> None:
+    for round_ in range(10):
+        won = register_at_once(f"race-{round_}", [1, 2, 3, 4])
+        assert len(won) == 1, won
+        assert WorkerRecord.objects.get(worker_id=f"race-{round_}").pid == won[0]

@@ -7,7 +7,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+import time
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from django.contrib.auth.models import Permission, User
@@ -16,11 +18,15 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from django_fairqueue import maintenance, stats
+from django_fairqueue import abort, maintenance, stats
 from django_fairqueue.db import message_store, stats_store
 from django_fairqueue.models import ERROR_HISTORY, Channel, Message, UsageHour, UsageTotal
 from django_fairqueue.observe import usage
+from django_fairqueue.testing import drain
+from django_fairqueue.worker import Worker, WorkerConfig
 from tests import factories as f
+from tests import fairtasks
+from tests.workerkit import run_in_thread, wait_until
 
 pytestmark = pytest.mark.django_db
 
@@ -87,6 +93,57 @@ def test_claims_alone_write_no_usage_and_a_deleted_channel_none() -> None:
     Channel.objects.filter(pk=cid).delete()
     recorder.flush()
     assert not UsageHour.objects.exists() and not UsageTotal.objects.exists()
+
+
+def test_drained_messages_count_in_the_statistics_and_usage_as_a_workers_do(
+    settings: Any,
+) -> None:
+    settings.FAIRQUEUE = {**settings.FAIRQUEUE, "RETRY_BACKOFF_BASE": 0}
+    fairtasks.add.enqueue(1, 2, channel="paid")
+    fairtasks.add.enqueue(3, 4, channel="paid")
+    fairtasks.boom.enqueue(channel="flaky")  # two attempts: retried, then failed for good
+    assert drain() == 4
+    ids = f.channel_ids(["paid", "flaky"])
+    paid, flaky = ids["paid"], ids["flaky"]
+    # what `fairqueue status` shows (claimed, finished) and what `fairqueue usage` reports
+    assert stats.served_counts() == {paid: 2, flaky: 2}
+    assert stats.finished_counts() == {paid: 2, flaky: 1}
+    assert stats.failing_counts()[flaky].failures == 2
+    rows = {u.channel_id: u for u in UsageHour.objects.all()}
+    assert (rows[paid].attempts, rows[paid].succeeded, rows[paid].failures) == (2, 2, 0)
+    assert (rows[flaky].attempts, rows[flaky].succeeded, rows[flaky].failures) == (2, 0, 2)
+    assert UsageTotal.objects.get(channel_id=paid).attempts == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_aborted_attempt_is_billed_its_worker_time_but_is_no_attempt(tmp_path: Any) -> None:
+    marker = tmp_path / "started"
+    mid = fairtasks.until_aborted.enqueue(str(marker), 30.0, channel="stopped")
+    worker = Worker(
+        WorkerConfig(
+            worker_id="usage-abort",
+            concurrency=1,
+            listen=False,
+            maintenance=False,
+            lease=timedelta(seconds=0.6),  # a heartbeat (which sees the abort) every 0.2 s
+        )
+    )
+    thread = run_in_thread(worker)
+    try:
+        wait_until(marker.exists, what="the task started")
+        time.sleep(0.3)
+        assert abort([mid]) == {mid: "abort_requested"}
+        wait_until(lambda: Message.objects.get(pk=mid).state == "aborted", what="aborted")
+    finally:
+        worker.stop()
+        thread.join(30)
+    cid = f.channel_ids(["stopped"])["stopped"]
+    hour = UsageHour.objects.get(channel_id=cid)
+    assert hour.worker_ms >= 300  # it ran until the abort was seen
+    assert (hour.attempts, hour.succeeded, hour.failures, hour.timeouts) == (0, 0, 0, 0)
+    assert UsageTotal.objects.get(channel_id=cid).worker_ms == hour.worker_ms
+    # nor does it count as finished or failing in the per-minute statistics
+    assert stats.finished_counts() == {} and stats.failing_counts() == {}
 
 
 def test_the_report_sums_a_range_of_days_per_channel_or_group_in_any_order() -> None:

@@ -445,6 +445,80 @@ def test_workers_register_beat_and_deregister_and_a_dead_ones_leases_are_rescued
     assert WorkerRecord.objects.get(worker_id="reg-b").state == "stopped"
 
 
+def test_a_second_live_worker_with_the_same_id_refuses_to_start_and_takes_nothing_over(
+    workers: Workers, tmp_path: Path
+) -> None:
+    from django_fairqueue.models import WorkerRecord
+
+    # a lease and a dead-after far longer than the test: only the pid check frees the id
+    long = {"LEASE_SECONDS": 120.0, "WORKER_DEAD_AFTER": 120.0}
+    marker = tmp_path / "started"
+    slow = fairtasks.sleep.enqueue(4, str(marker), channel="dup")
+    a = workers.start("same-id", "--concurrency", "1", overrides=long)
+    wait_until(marker.exists, 30, "the slow message starting")
+    b = workers.start("same-id", "--concurrency", "1", overrides=long)
+    assert b.wait(30) == 1
+    refusal = b.wait_for("worker id same-id is in use by a live worker on host")
+    assert f" pid {a.pid}, last beat " in refusal
+    assert "give each process its own --worker-id" in refusal
+    # the first one's message ran once, in the first one, and its row is still its own
+    wait_until(lambda: all_final(slow), 30, "the slow message finishing")
+    done = row(slow)
+    assert (done.state, done.attempts, done.result["pid"]) == ("succeeded", 1, a.pid)
+    assert "lease was lost" not in a.output
+    assert WorkerRecord.objects.get(worker_id="same-id").pid == a.pid
+
+    # killed, the first one's process is gone: a worker started again with its id takes its
+    # message back at once (not after the 120 s lease, nor the 120 s dead-after)
+    marker.unlink()
+    again = fairtasks.sleep.enqueue(60, str(marker), True, channel="dup")
+    wait_until(marker.exists, 30, "the next slow message starting")
+    a.signal(signal.SIGKILL)
+    assert a.wait() == -signal.SIGKILL
+    c = workers.start("same-id", "--concurrency", "1", overrides=long)
+    wait_until(lambda: all_final(again), 30, "the killed worker's message rerun")
+    rerun = row(again)
+    assert (rerun.state, rerun.attempts, rerun.result["pid"]) == ("succeeded", 2, c.pid)
+    c.wait_for("expired 1 leases a previous process with this id left behind")
+    c.signal(signal.SIGTERM)
+    assert c.wait(30) == 0
+
+
+def test_a_supervisor_tells_a_slots_next_child_the_pid_of_the_one_it_reaped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+    import sys
+    import threading
+
+    from django_fairqueue.runtime import SUPERVISION_ENV, StopFlag, worker_registry
+    from django_fairqueue.worker import supervisor
+
+    monkeypatch.setattr(supervisor, "RESTART_FIRST", 0.1)
+    told = tmp_path / "told"
+    # each child writes its pid and what its supervisor told it, then dies
+    child = (
+        "import os, sys; "
+        "open(sys.argv[1], 'a').write(str(os.getpid()) + ' ' + os.environ[sys.argv[2]] + '\\n'); "
+        "sys.exit(3)"
+    )
+    stop = StopFlag()
+    sup = supervisor.Supervisor(
+        lambda i: [sys.executable, "-c", child, str(told), SUPERVISION_ENV], 1, stop=stop
+    )
+    runner = threading.Thread(target=sup.run)
+    runner.start()
+    try:
+        wait_until(lambda: told.exists() and len(told.read_text().splitlines()) >= 3, 20, "3")
+    finally:
+        stop.set()
+        runner.join(10)
+    lines = [line.split(" ", 1) for line in told.read_text().splitlines()]
+    pids = [int(pid) for pid, _ in lines]
+    before = [json.loads(text)[worker_registry.PREDECESSOR_PID] for _, text in lines]
+    assert before[:3] == [None, pids[0], pids[1]]
+
+
 def test_a_worker_replaces_threads_stuck_past_a_time_limit_then_recycles_itself(
     workers: Workers, tmp_path: Path
 ) -> None:

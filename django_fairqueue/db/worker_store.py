@@ -26,6 +26,26 @@ class DeadWorker:
     leases_expired: int
 
 
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """The live process a worker id is registered to."""
+
+    host: str
+    pid: int
+    #: since its last beat, on the database's clock
+    silent_seconds: float
+
+
+def select_worker_holder(
+    worker_id: str, dead_after: float, *, using: str | None = None
+) -> Holder | None:
+    """The process registered under ``worker_id`` if its row runs and beat within
+    ``dead_after`` seconds; None if no process holds the id."""
+    params = {"worker_id": worker_id, "dead_after": timedelta(seconds=dead_after)}
+    rows = _run("select_worker_holder", params, using)
+    return Holder(rows[0][0], int(rows[0][1]), float(rows[0][2])) if rows else None
+
+
 def register_worker(
     worker_id: str,
     *,
@@ -36,10 +56,15 @@ def register_worker(
     channels: Sequence[str],
     exclude_channels: Sequence[str],
     queues: Sequence[str] | None = None,
+    dead_after: float,
+    dead: Holder | None = None,
     using: str | None = None,
-) -> int:
+) -> int | None:
     """Record a worker as running; returns the leases of a predecessor with its id it expired.
-    ``queues``: the queues it serves, None for every queue."""
+    ``queues``: the queues it serves, None for every queue.
+
+    None, and nothing written, when a live process holds the id: its row runs and beat
+    within ``dead_after`` seconds, and it is not ``dead`` (a holder the caller proved gone)."""
     params = {
         "worker_id": worker_id,
         "host": host,
@@ -49,8 +74,12 @@ def register_worker(
         "channels": Jsonb(list(channels)),
         "exclude_channels": Jsonb(list(exclude_channels)),
         "queues": None if queues is None else Jsonb(list(queues)),
+        "dead_after": timedelta(seconds=dead_after),
+        "dead_host": dead.host if dead is not None else None,
+        "dead_pid": dead.pid if dead is not None else None,
     }
-    _run("register_worker", params, using)
+    if not _run("register_worker", params, using):
+        return None
     return expire_worker_leases(worker_id, using=using)
 
 

@@ -11,6 +11,26 @@ Registering also expires the leases still held under the same worker id: a proce
 not claimed yet holds none, so they belong to a previous process with that id (a supervised
 worker restarted in its slot, a container restarted with a fixed ``--worker-id``).
 
+That takeover is only safe when the previous process is gone: two live processes under one id
+would each take the other's running messages back (the task runs twice at once) and mix their
+rows. So a worker registers under an id only when the id's row is free: stopped or marked dead,
+silent for ``WORKER_DEAD_AFTER`` (what the maintenance loop would declare dead anyway), or held
+by a process proved gone, which is what keeps the restart of a killed worker immediate:
+
+* its supervisor (``runfairworker --processes``) reaped it, and tells the slot's next child
+  that pid (``SUPERVISION_ENV``, ``predecessor_pid``);
+* it ran on this host under a pid no process has now (``os.kill(pid, 0)``; a pid taken since
+  by another process only delays the takeover until the row is silent long enough);
+* it ran on this host under this very pid, and no worker of this process beats under the id
+  (a container restarted with its hostname, whose worker has pid 1 again; an embedding
+  process that runs a new worker after the last one stopped).
+
+Anything else, a worker on another host above all (its pid means nothing here), is live, and
+the new process refuses to start (:class:`WorkerIdInUse`), naming it. The check and the write
+are one conditional upsert (``register_worker``): of two processes registering one id at once,
+the second finds the first's fresh row and is refused too. Hosts are told apart by hostname:
+containers that share one and a pid namespace each would not be (give them distinct ids).
+
 A worker started by a supervisor (``runfairworker --processes``) also records what the
 supervisor knew of its slot when it started the process: how often the slot was restarted, and
 whether it is in a crash loop (``SUPERVISION_ENV``), so ``fairqueue workers`` and the admin
@@ -53,6 +73,28 @@ SUPERVISOR_ENV = "FAIRQUEUE_SUPERVISOR"
 _beating: dict[str, Registration] = {}
 _beating_lock = threading.Lock()
 
+#: What SUPERVISION_ENV says of the child a supervisor reaped before starting this process.
+PREDECESSOR_PID = "predecessor_pid"
+
+
+class WorkerIdInUse(Exception):
+    """A live process holds the worker id a worker was to register under."""
+
+    def __init__(self, worker_id: str, holder: worker_store.Holder | None) -> None:
+        self.worker_id = worker_id
+        self.holder = holder  # None: other processes kept registering under it meanwhile
+        by = (
+            "other processes registering under it at the same time"
+            if holder is None
+            else f"a live worker on host {holder.host} pid {holder.pid}, last beat "
+            f"{holder.silent_seconds:.0f}s ago"
+        )
+        super().__init__(
+            f"worker id {worker_id} is in use by {by}; give each process its own --worker-id "
+            f"(a worker silent for FAIRQUEUE['WORKER_DEAD_AFTER'] = "
+            f"{conf.get().WORKER_DEAD_AFTER:g}s counts as dead, and its id is free again)"
+        )
+
 
 def supervisor_name() -> str:
     """How this process names itself as its children's supervisor: ``host:pid``."""
@@ -91,18 +133,37 @@ class Registration:
 
     def register(self) -> int:
         """Record this worker as running; returns how many leases of a previous process with
-        the same worker id it expired (the rescuer takes those messages back)."""
-        self._beat_sent = time.monotonic()  # (the row is stamped now)
-        orphaned = worker_store.register_worker(
-            self.worker_id,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            version=__version__,
-            concurrency=self.concurrency,
-            channels=list(self.channels),
-            exclude_channels=list(self.exclude_channels),
-            queues=None if self.queues is None else list(self.queues),
-        )
+        the same worker id it expired (the rescuer takes those messages back).
+
+        Raises :class:`WorkerIdInUse`, having written nothing, if a live process holds the id
+        (see the module docstring)."""
+        dead_after = conf.get().WORKER_DEAD_AFTER
+        holder = worker_store.select_worker_holder(self.worker_id, dead_after)
+        orphaned = None
+        # A refusal re-reads the holder: one that stopped meanwhile frees the id, one that
+        # registered meanwhile is named. Three rounds: the id cannot keep changing hands.
+        for _round in range(3):
+            gone = holder is not None and _gone(self.worker_id, holder)
+            if holder is not None and not gone:
+                raise WorkerIdInUse(self.worker_id, holder)
+            self._beat_sent = time.monotonic()  # (the row is stamped now)
+            orphaned = worker_store.register_worker(
+                self.worker_id,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                version=__version__,
+                concurrency=self.concurrency,
+                channels=list(self.channels),
+                exclude_channels=list(self.exclude_channels),
+                queues=None if self.queues is None else list(self.queues),
+                dead_after=dead_after,
+                dead=holder if gone else None,
+            )
+            if orphaned is not None:
+                break
+            holder = worker_store.select_worker_holder(self.worker_id, dead_after)
+        if orphaned is None:
+            raise WorkerIdInUse(self.worker_id, holder)
         worker_store.set_worker_supervisor(self.worker_id, os.environ.get(SUPERVISOR_ENV, ""))
         if orphaned:
             logger.warning(
@@ -182,6 +243,32 @@ class Registration:
                 left,
                 RESCUED,
             )
+
+
+def _gone(worker_id: str, holder: worker_store.Holder) -> bool:
+    """Whether the process a live-looking row of ``worker_id`` names is proved gone (see the
+    module docstring): only a process on this host can be."""
+    if holder.host != socket.gethostname():
+        return False
+    if holder.pid == (_supervision() or {}).get(PREDECESSOR_PID):
+        return True  # the supervisor reaped it
+    if holder.pid == os.getpid():
+        with _beating_lock:
+            return worker_id not in _beating
+    return not _pid_exists(holder.pid)
+
+
+def _pid_exists(pid: int) -> bool:
+    """Whether a process of this pid exists on this host (True when that cannot be told)."""
+    if os.name != "posix" or pid <= 0:
+        return True  # (elsewhere os.kill would end the process instead of probing it)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, another user's
+        return True
+    return True
 
 
 def _supervision() -> dict[str, object] | None:

@@ -81,7 +81,7 @@ class Claimer(Service):
         self._settle_cap = 2 * max(config.batch_size, capacity)
         #: when this worker last claimed something (for the registry: operators' eyes only)
         self.last_claim_at: datetime | None = None
-        #: statistics and claim latency: a running worker's only
+        #: statistics (set by the worker); claim latency: a running worker's only
         self.stats: StatsRecorder | None = None
         self.observe_claim: Callable[[float], None] | None = None
         # channel filters, resolved from names to ids (channels may appear later)
@@ -166,9 +166,6 @@ class Claimer(Service):
         drained = not messages and self._after_empty_claim()
         if messages:
             self.last_claim_at = wall_clock()
-            if self.stats is not None:
-                # the database's claim time: the lease runs from it
-                self.stats.record_claimed(messages, messages[0].lease_expires_at - self.lease)
         self._dispatch(messages, limit, lease_deadline)
         return drained
 
@@ -317,6 +314,9 @@ class Claimer(Service):
                 message_store.release_messages([(m.id, m.lease_token) for m in wrong])
                 self._filters_resolved_at = -float("inf")
                 messages = [m for m in messages if self._channel_allowed(m.channel)]
+        if messages and self.stats is not None:  # the threaded loop's claims and run_once's
+            # the database's claim time: the lease runs from it
+            self.stats.record_claimed(messages, messages[0].lease_expires_at - self.lease)
         return messages, sent + self.lease.total_seconds()
 
     def _channel_allowed(self, name: str) -> bool:

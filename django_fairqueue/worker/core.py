@@ -114,6 +114,9 @@ class Worker:
         self.settler = Settler(
             self.ledger, outcomes, worker_id=self.worker_id, on_settled=self.claimer.settled
         )
+        # Per-channel statistics and usage, from the threaded loop and the synchronous passes
+        # alike: a message drained in a test or run by a cron-like pass counts as any other.
+        self.settler.stats = self.claimer.stats = StatsRecorder()
         self.timer = Timer(
             self.ledger,
             outcomes,
@@ -231,8 +234,8 @@ class Worker:
 
     def run_once(self) -> int:
         """One pass in the calling thread: claim up to ``min(concurrency, batch_size)``
-        messages, run them one after the other, settle them. Returns how many were handled
-        (0 when nothing was ready).
+        messages, run them one after the other, settle them and write their statistics and
+        usage. Returns how many were handled (0 when nothing was ready).
 
         No heartbeats run: a pass must finish within the lease. Connection errors propagate.
         Inside ``transaction.atomic()`` (a test case), each task runs in a savepoint, so a task
@@ -258,6 +261,7 @@ class Worker:
         ran = sum(o.kind != "released" for o in outcomes)
         self.ledger.counted(ran)
         self.settle(outcomes, savepoint=in_atomic)
+        self.settler.flush_stats()  # no flushing thread runs: the pass writes its own
         return ran
 
     def execute(self, message: ClaimedMessage, *, savepoint: bool = False) -> Outcome:
@@ -278,7 +282,6 @@ class Worker:
         once. Raises :class:`WorkerCrashed` if one of its threads failed unexpectedly.
         """
         self._discover()
-        self.settler.stats = self.claimer.stats = StatsRecorder()
         self.claimer.observe_claim = claim_observer()
         logger.info(
             "worker %s starting: %d threads, batch %d, lease %ss, poll %ss, listen %s%s",

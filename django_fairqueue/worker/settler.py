@@ -71,8 +71,8 @@ class Settler(Service):
         self.outcomes = outcomes
         self.worker_id = worker_id
         self.on_settled = on_settled
-        #: per-channel statistics; only a running worker records them (a run_once pass's
-        #: tallies would never be flushed)
+        #: per-channel statistics and usage, written by :meth:`flush_stats` (every few
+        #: seconds while the worker runs, and at the end of each synchronous pass)
         self.stats: StatsRecorder | None = None
         #: at shutdown: give up retrying a failed write after this time (time.monotonic())
         self.deadline: float | None = None
@@ -113,7 +113,7 @@ class Settler(Service):
             backoff.reset()
             drop_broken_connection()
             if self._closed or time.monotonic() >= next_flush:
-                self._flush_stats()
+                self.flush_stats()
                 next_flush = time.monotonic() + STATS_FLUSH_SECONDS
 
     def run_once(self, timeout: float = 0.0) -> int:
@@ -139,7 +139,9 @@ class Settler(Service):
         else:
             self._backlog.append(item)
 
-    def _flush_stats(self) -> None:
+    def flush_stats(self) -> None:
+        """Write the statistics tallied so far; a connection error keeps them for the next
+        flush, another database error turns statistics off for this worker."""
         stats = self.stats
         if stats is None or not stats.pending():
             return
@@ -235,17 +237,18 @@ class Settler(Service):
 
     def _after_write(self, verb: str, group: list[Outcome], written: dict[int, str]) -> None:
         stats = self.stats
-        if stats is not None and verb not in ("release", "abort"):
+        if stats is not None and verb != "release":  # a release gives back an attempt not run
             stats.record_settled_many(
                 [
                     (
                         o.message.channel_id,
-                        STATS_OUTCOME[o.kind],
+                        # an aborted attempt counts for the worker time it used
+                        "aborted" if o.kind == "aborted" else STATS_OUTCOME[o.kind],
                         o.duration * 1000.0,
                         o.timed_out,
                     )
                     for o in group
-                    if o.message.id in written and o.kind in STATS_OUTCOME
+                    if o.message.id in written and (o.kind in STATS_OUTCOME or o.kind == "aborted")
                 ],
                 at=timezone.now(),  # one clock reading for the group
             )

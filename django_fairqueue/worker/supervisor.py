@@ -99,18 +99,25 @@ class Slot:
     exits: deque[Exit] = field(default_factory=lambda: deque(maxlen=EXIT_HISTORY))
     #: deaths in a row soon after the start (see STABLE_AFTER)
     young_exits: int = 0
+    #: the pid of the slot's last child, reaped: proved gone, so the next child may take its
+    #: worker id over at once although its registry row still looks alive
+    predecessor_pid: int | None = None
 
     @property
     def crash_loop(self) -> bool:
         return self.young_exits >= CRASH_LOOP_AFTER
 
     def supervision(self) -> dict[str, object]:
-        """What the next child records of its slot in the worker worker_registry."""
+        """What the next child records of its slot in the worker registry, and the pid of the
+        child before it, whose worker id it takes over."""
+        from django_fairqueue.runtime import worker_registry
+
         return {
             "slot": self.index,
             "restarts": self.restarts,
             "young_deaths": self.young_exits,
             "crash_loop": self.crash_loop,
+            worker_registry.PREDECESSOR_PID: self.predecessor_pid,
             "exits": [
                 {"how": _how(e.code), "lived": round(e.lived, 1), "at": round(e.at, 1)}
                 for e in list(self.exits)[-CRASH_LOOP_AFTER:]
@@ -223,6 +230,7 @@ class Supervisor:
             return
         pid = slot.proc.pid
         slot.proc = None
+        slot.predecessor_pid = pid  # poll() returned its status: reaped
         if self.stopping:
             slot.exits.append(Exit(code, now - slot.started, time.time()))
             # (killed by the stop signal itself: a child still starting, before its handlers)

@@ -5,8 +5,19 @@
 -- (tests/test_store_sql.py checks both ways).
 -- Parameters are psycopg named placeholders %(name)s, always bound, never formatted in.
 
+-- name: select_worker_holder
+-- The process a worker id is registered to, if its row says it runs and it beat within `dead_after`: host, pid, seconds since that beat (on this clock); no row otherwise.
+SELECT w.host, w.pid, extract(epoch FROM clock_timestamp() - w.heartbeat_at)::float8
+FROM fairqueue_worker w
+WHERE w.worker_id = %(worker_id)s::text AND w.state = 'running'
+  AND w.heartbeat_at >= clock_timestamp() - %(dead_after)s::interval;
+
 -- name: register_worker
--- Record a worker process as running (upsert by worker id).
+-- Record a worker process as running (upsert by worker id), unless a live process holds the id; returns a row when it did.
+-- The row may be taken over when it is stopped or dead, silent for `dead_after`, or held by
+-- the process `dead_host`/`dead_pid`, which the caller proved gone (select_worker_holder read
+-- it). The condition is judged on the row as it is when this statement writes (two processes
+-- registering one id at once: the second sees the first's row, fresh, and is refused).
 -- (worker_store.register_worker then expires the leases a previous process with the same id
 -- left behind: expire_worker_leases.)
 INSERT INTO fairqueue_worker AS w (
@@ -22,7 +33,11 @@ SET host = EXCLUDED.host, pid = EXCLUDED.pid, version = EXCLUDED.version,
     exclude_channels = EXCLUDED.exclude_channels, queues = EXCLUDED.queues,
     state = 'running',
     started_at = EXCLUDED.started_at, heartbeat_at = EXCLUDED.heartbeat_at,
-    last_claim_at = NULL, running = 0, handled = 0, stopped_at = NULL, wakeups = '';
+    last_claim_at = NULL, running = 0, handled = 0, stopped_at = NULL, wakeups = ''
+WHERE w.state <> 'running'
+   OR w.heartbeat_at < clock_timestamp() - %(dead_after)s::interval
+   OR (w.host = %(dead_host)s::text AND w.pid = %(dead_pid)s::integer)
+RETURNING w.worker_id;
 
 -- name: beat_worker
 -- A registered worker's beat: it is alive, runs `running` messages, handled `handled`, claimed last at `last_claim_at`.

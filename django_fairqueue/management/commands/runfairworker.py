@@ -23,6 +23,7 @@ from django_fairqueue.runtime import (
     configure_logging,
     stop_signals,
 )
+from django_fairqueue.runtime.worker_registry import WorkerIdInUse
 from django_fairqueue.tasks.spec import registry
 from django_fairqueue.worker import (
     Worker,
@@ -270,7 +271,7 @@ class Command(FairCommand):
                 with stop_signals(lambda signum: _stop(companions)):
                     for companion in companions:
                         companion.finish()
-        except WorkerCrashed as exc:
+        except (WorkerCrashed, WorkerIdInUse) as exc:
             raise CommandError(str(exc)) from exc
         finally:
             _stop(companions)
