@@ -232,6 +232,7 @@ def load_demo_incident(ids: dict[str, int]) -> None:
         concurrency=4,
         channels=[],
         exclude_channels=[],
+        dead_after=30.0,
     )
     held = message_store.claim_messages(
         2,
@@ -258,6 +259,7 @@ def load_demo_incident(ids: dict[str, int]) -> None:
             concurrency=4,
             channels=[],
             exclude_channels=[],
+            dead_after=30.0,
         )
         worker_store.set_worker_supervisor(child, "web-3:5100")
     # a past day's usage: worker time, attempts and failures per tenant
@@ -340,6 +342,7 @@ def load_demo_batches_and_workers() -> None:
             concurrency=8,
             channels=channels,
             exclude_channels=[],
+            dead_after=30.0,
         )
 
 

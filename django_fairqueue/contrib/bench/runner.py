@@ -138,7 +138,13 @@ def queue_database(using: str) -> Iterator[None]:
         return
     from django.test import override_settings  # the documented way to swap a setting
 
-    with override_settings(FAIRQUEUE={**getattr(settings, "FAIRQUEUE", {}), "DATABASE": using}):
+    # The queue's models follow it there (its router first), as a queue in a database of its
+    # own is set up: the queue refuses a DATABASE its models are not routed to.
+    routers = ["django_fairqueue.routers.QueueRouter", *getattr(settings, "DATABASE_ROUTERS", [])]
+    with override_settings(
+        FAIRQUEUE={**getattr(settings, "FAIRQUEUE", {}), "DATABASE": using},
+        DATABASE_ROUTERS=routers,
+    ):
         yield
 
 
