@@ -59,6 +59,8 @@ def priority_error(priority: object) -> str | None:
 MIN_LEASE = 5.0
 #: Longest lease (a day): a dead worker's messages wait at most that long to run again.
 MAX_LEASE = 86_400.0
+#: Longest poll interval, seconds between claims when no wake-up arrives (an hour).
+MAX_POLL_INTERVAL = 3600.0
 #: Largest message id (PostgreSQL ``bigint``).
 MAX_ID = 2**63 - 1
 #: Largest limit or count (PostgreSQL ``integer``).

@@ -142,7 +142,9 @@ class WorkerConfig:
         # Durations as runfairworker takes them (--poll-interval, --lease, --burst-horizon,
         # --shutdown-grace), in seconds except the lease, a timedelta.
         if self.poll_interval is not None:
-            limits.seconds(self.poll_interval, "poll_interval", minimum=0.001, maximum=3600)
+            limits.seconds(
+                self.poll_interval, "poll_interval", minimum=0.001, maximum=limits.MAX_POLL_INTERVAL
+            )
         if self.lease is not None:
             # (shorter than the command's 5 s floor allowed, as the setting allows it with a
             # warning: tests of leases run on short ones)

@@ -43,7 +43,7 @@ from django_fairqueue.worker.config import (
 MAX_PROCESSES = 256
 MAX_BATCH = 10_000
 #: Longest --lease (limits.MIN_LEASE the shortest), and of the other durations: a day.
-MAX_SECONDS = 86_400.0
+MAX_SECONDS = limits.MAX_LEASE
 #: Highest TCP port, and the address --metrics-port binds by default (as
 #: metrics.start_http_server does: that endpoint has no access control of its own).
 MAX_PORT = 65_535
@@ -325,7 +325,7 @@ class Command(FairCommand):
         max_messages = _count(options, "max_messages", 1, limits.MAX_ID)
         _count(options, "max_tasks_per_child", 1, limits.MAX_ID)
         abandoned = _count(options, "max_abandoned_threads", 1, MAX_CONCURRENCY)
-        poll = _seconds(options, "poll_interval", 0, 3600.0, above=True)
+        poll = _seconds(options, "poll_interval", 0, limits.MAX_POLL_INTERVAL, above=True)
         grace = _seconds(options, "shutdown_grace", 0, MAX_SECONDS)
         horizon = _seconds(options, "burst_horizon", 0, MAX_BURST_HORIZON)
         lease = _seconds(options, "lease", limits.MIN_LEASE, MAX_SECONDS)
