@@ -242,11 +242,12 @@ def test_a_supervision_that_is_not_json_is_not_recorded(monkeypatch: pytest.Monk
 # One worker id, one live process
 
 
-def hold(worker_id: str, *, host: str, pid: int) -> None:
-    """Register ``worker_id`` as a process ``pid`` on ``host`` does (fresh beat)."""
+def register_as(worker_id: str, *, host: str, pid: int) -> int | None:
+    """Register ``worker_id`` as a process ``pid`` on ``host`` does (fresh beat); None when a
+    live holder keeps the id."""
     from django_fairqueue.db import worker_store
 
-    registered = worker_store.register_worker(
+    return worker_store.register_worker(
         worker_id,
         host=host,
         pid=pid,
@@ -256,7 +257,10 @@ def hold(worker_id: str, *, host: str, pid: int) -> None:
         exclude_channels=[],
         dead_after=30.0,
     )
-    assert registered is not None
+
+
+def hold(worker_id: str, *, host: str, pid: int) -> None:
+    assert register_as(worker_id, host=host, pid=pid) is not None
 
 
 def a_gone_pid() -> int:
@@ -337,25 +341,13 @@ def register_at_once(worker_id: str, pids: list[int]) -> list[int]:
     the pids that got it."""
     from django.db import connections
 
-    from django_fairqueue.db import worker_store
-
     barrier = threading.Barrier(len(pids))
     won: list[int] = []
 
     def register(pid: int) -> None:
         try:
             barrier.wait(5)
-            got = worker_store.register_worker(
-                worker_id,
-                host=f"host-{pid}",
-                pid=pid,
-                version="test",
-                concurrency=1,
-                channels=[],
-                exclude_channels=[],
-                dead_after=30.0,
-            )
-            if got is not None:
+            if register_as(worker_id, host=f"host-{pid}", pid=pid) is not None:
                 won.append(pid)
         finally:
             connections.close_all()
