@@ -3,10 +3,15 @@ statements, never shared by two statements at once, and replaced when the connec
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from django.db import connection
+from psycopg import errors
+from psycopg.types.json import Jsonb
 
 from django_fairqueue.db import pg
+from django_fairqueue.db.jsontext import JsonbLoader
 
 
 @pytest.mark.django_db
@@ -57,3 +62,34 @@ def test_a_failed_statement_leaves_the_kept_cursor_usable() -> None:
         assert again is cur
         again.execute("SELECT 7")
         assert again.fetchone() == (7,)
+
+
+JSONB_VALUES = [
+    {"args": ["A", 0], "kwargs": {}},
+    [1, 2.5, -0.0, None, True, False, "", "\u00e9\u2603\U0001f600", 'a\\b"c\n\t\u0001'],
+    "text",
+    0,
+    -(2**70),
+    1.5e-300,
+    {"nested": {"deep": [[[[{"x": [1]}]]]]}, "empty": [], "obj": {}},
+    None,
+]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("value", JSONB_VALUES, ids=range(len(JSONB_VALUES)))
+def test_jsonb_comes_back_as_json_loads_reads_postgresqls_text(value: object) -> None:
+    """The kept cursor's jsonb loader (the json scanner on the binary format's text) reads
+    every JSON value as json.loads reads the text PostgreSQL writes for it."""
+    with pg.kept_cursor() as cur:
+        cur.execute("SELECT %s::jsonb, %s::jsonb::text", [Jsonb(value), Jsonb(value)], binary=True)
+        loaded, text = cur.fetchone()
+    assert loaded == json.loads(text)
+    assert type(loaded) is type(json.loads(text))
+
+
+def test_the_jsonb_loader_refuses_a_binary_format_it_does_not_know() -> None:
+    loader = JsonbLoader(0)
+    assert loader.load(memoryview(b'\x01{"a": [1]}')) == {"a": [1]}
+    with pytest.raises(errors.DataError, match="unknown jsonb binary format: 2"):
+        loader.load(b'\x02{"a": 1}')

@@ -28,9 +28,9 @@ from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import ProgrammingError
 from psycopg import pq
-from psycopg.types.json import JsonbBinaryLoader
 
 from django_fairqueue import conf
+from django_fairqueue.db.jsontext import JsonbLoader
 
 _NEVER = 2**31
 _NAME_RE = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
@@ -170,7 +170,7 @@ def _new_cursor(raw: psycopg.Connection[Any], values: bool) -> psycopg.Cursor[An
     # connection registers Python text loaders (timestamptz) that cost ~1.5 ms per 100
     # claimed rows. Django keeps jsonb as text for its JSONField; here we want values.
     if values:
-        cur.adapters.register_loader("jsonb", JsonbBinaryLoader)
+        cur.adapters.register_loader("jsonb", JsonbLoader)
     return cur
 
 
