@@ -309,6 +309,70 @@ def test_payload_round_trips_through_the_claim() -> None:
     assert got.payload == {"args": list(args), "kwargs": kwargs}
 
 
+def advisory_locks_held() -> dict[int, int]:
+    """How many advisory locks this session holds, by namespace (the first key)."""
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT classid::integer, count(*) FROM pg_locks "
+            "WHERE locktype = 'advisory' AND pid = pg_backend_pid() GROUP BY 1"
+        )
+        return dict(cur.fetchall())
+
+
+CHANNEL_NAMES, CHANNEL_STRIPES, BACKLOG_STRIPES = 26227, 26228, 26225
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("channels", "locks"), [(100, {CHANNEL_NAMES: 100}), (2000, None)])
+def test_a_batch_holds_at_most_128_advisory_locks_however_many_channels_it_names(
+    channels: int, locks: dict[int, int] | None
+) -> None:
+    """PostgreSQL's lock table is one pool for every session: a lock per channel filled it."""
+    requests = [EnqueueRequest(f.NOOP, (i,), channel=f"many-{i}") for i in range(channels)]
+    with transaction.atomic():
+        enqueue_many(requests)
+        held = advisory_locks_held()
+    if locks is not None:  # a few names: each its own lock
+        assert held == locks
+    else:  # many names: their stripes
+        assert set(held) == {CHANNEL_STRIPES}
+        assert 120 <= held[CHANNEL_STRIPES] <= 128
+    assert Channel.objects.filter(name__startswith="many-").count() == channels
+
+
+@pytest.mark.django_db
+def test_the_bounded_backlog_check_holds_at_most_128_advisory_locks() -> None:
+    names = [f"bounded-{i}" for i in range(1000)]
+    with override_settings(FAIRQUEUE={"CHANNEL_DEFAULTS": {"max_backlog": 5}}):
+        with transaction.atomic():
+            enqueue_many(EnqueueRequest(f.NOOP, (i,), channel=n) for i, n in enumerate(names))
+            with connection.cursor() as cur:
+                cur.execute("SET CONSTRAINTS ALL IMMEDIATE")  # the check at commit, now
+            held = advisory_locks_held()
+        assert 120 <= held[BACKLOG_STRIPES] <= 128
+        # the bound still holds, checked under the stripes
+        with pytest.raises(ChannelFull), transaction.atomic():
+            enqueue_many([EnqueueRequest(f.NOOP, (i,), channel="bounded-7") for i in range(5)])
+    assert Message.objects.filter(channel__name="bounded-7").count() == 1
+
+
+@pytest.mark.django_db
+def test_a_batch_to_more_channels_than_the_lock_table_holds_is_stored() -> None:
+    """Four times as many new channels in one batch as the lock table's entries (it borrows
+    some spare memory besides): one lock per channel overflowed it, "out of shared memory"."""
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT current_setting('max_locks_per_transaction')::integer"
+            " * (current_setting('max_connections')::integer"
+            "    + current_setting('max_prepared_transactions')::integer)"
+        )
+        (slots,) = cur.fetchone()
+    channels = slots * 4
+    ids = enqueue_many(EnqueueRequest(f.NOOP, (i,), channel=f"wide-{i}") for i in range(channels))
+    assert len(ids) == channels
+    assert Channel.objects.filter(name__startswith="wide-").count() == channels
+
+
 # ------------------------------------------------------------------------------------------------
 # Overflow
 

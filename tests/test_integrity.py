@@ -23,7 +23,7 @@ from django.core.management.base import CommandError
 from django.db import DatabaseError, connection, connections, transaction
 from django.utils import timezone
 
-from django_fairqueue import ChannelFull, batches
+from django_fairqueue import ChannelFull, EnqueueRequest, batches, enqueue_many
 from django_fairqueue.db import channel_store, integrity_store, message_store, stats_store
 from django_fairqueue.exceptions import IsolationLevelError
 from django_fairqueue.maintenance import CounterVerifier, verify
@@ -253,14 +253,20 @@ def test_the_admin_and_verify_see_no_drift_after_a_limit_edit() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_deleting_a_channel_waits_for_enqueues_in_flight_and_leaves_no_orphans() -> None:
+@pytest.mark.parametrize("others", [0, 200], ids=["its-name-lock", "a-batch-of-many-names"])
+def test_deleting_a_channel_waits_for_enqueues_in_flight_and_leaves_no_orphans(
+    others: int,
+) -> None:
+    """Whether the enqueue holds the channel's name lock or, naming many channels at once,
+    the stripe of its name."""
     f.enqueue("doomed", 2)
     entered = threading.Event()
     release = threading.Event()
 
     def enqueue_in_a_transaction() -> None:
         with transaction.atomic():
-            f.enqueue("doomed", 3)
+            names = ["doomed"] * 3 + [f"bystander-{i}" for i in range(others)]
+            enqueue_many(EnqueueRequest(f.NOOP, (i,), channel=n) for i, n in enumerate(names))
             entered.set()
             release.wait(10)
 

@@ -45,11 +45,13 @@ $$;
 
 -- The bound of max_backlog, checked when the enqueuing transaction commits (a deferred
 -- constraint trigger on the delta rows enqueue marks with backlog_check). An enqueue inside a
--- transaction holds no lock for the bound; at commit, the transaction takes one advisory lock
--- per bounded channel it enqueued to, all at once and in channel id order, checks every one of
--- them with a fresh snapshot (which sees what earlier holders committed), and keeps the locks
--- for the moment of its commit only. Two transactions touching the same channels in opposite
--- orders can therefore not deadlock, however many enqueue() calls each made.
+-- transaction holds no lock for the bound; at commit, the transaction takes the advisory lock
+-- of each bounded channel it enqueued to (its id's stripe, fairqueue_lock_stripe_v1: at most
+-- 128 locks of the lock table every session shares), all at once and in stripe order, checks
+-- every channel with a fresh snapshot (which sees what earlier holders committed), and keeps
+-- the locks for the moment of its commit only. Two transactions touching the same channels in
+-- opposite orders can therefore not deadlock, however many enqueue() calls each made; two of
+-- different channels wait for each other only when a stripe is shared, for a commit's time.
 -- The channels to check, with how many messages the transaction enqueued to each, travel in
 -- the transaction-local setting fairqueue.bounded as "id:n,id:n" (a savepoint rolled back takes
 -- its part of the list with it, as it takes its deltas).
@@ -58,7 +60,6 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_ids bigint[];
     v_batch bigint[];
-    v_id bigint;
 BEGIN
     SELECT array_agg(x.id ORDER BY x.id), array_agg(x.n ORDER BY x.id) INTO v_ids, v_batch
     FROM (
@@ -71,9 +72,9 @@ BEGIN
         RETURN NULL;  -- an earlier row's trigger of this transaction checked them all
     END IF;
     PERFORM set_config('fairqueue.bounded', '', true);
-    FOREACH v_id IN ARRAY v_ids LOOP
-        PERFORM pg_advisory_xact_lock(fairqueue_lock_key_v1(), (v_id % 2147483647)::integer);
-    END LOOP;
+    PERFORM pg_advisory_xact_lock(fairqueue_lock_key_v1(), s.stripe)
+    FROM (SELECT DISTINCT fairqueue_lock_stripe_v1(x.id) AS stripe
+          FROM unnest(v_ids) AS x(id) ORDER BY 1) s;
     PERFORM fairqueue_check_backlog_v1(v_ids, v_batch, true);
     RETURN NULL;
 END;

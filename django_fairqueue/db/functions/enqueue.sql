@@ -411,9 +411,16 @@ BEGIN
         FROM (SELECT DISTINCT n FROM unnest(p_channels) AS n) x;
     END IF;
     -- Hold the names against deletion (see fairqueue_channel_lock_key_v1) before resolving
-    -- them, so the statements below see any deletion that committed first.
-    PERFORM pg_advisory_xact_lock_shared(fairqueue_channel_lock_key_v1(), hashtext(n))
-    FROM unnest(v_names) AS n;
+    -- them, so the statements below see any deletion that committed first; many names by
+    -- their stripes (fairqueue_lock_stripe_v1: the lock table is shared by every session).
+    IF cardinality(v_names) <= 128 THEN
+        PERFORM pg_advisory_xact_lock_shared(fairqueue_channel_lock_key_v1(), hashtext(n))
+        FROM unnest(v_names) AS n;
+    ELSE
+        PERFORM pg_advisory_xact_lock_shared(fairqueue_channel_stripe_key_v1(), s.stripe)
+        FROM (SELECT DISTINCT fairqueue_lock_stripe_v1(hashtext(n)) AS stripe
+              FROM unnest(v_names) AS n ORDER BY 1) s;
+    END IF;
 
     -- (v_cid: the channel of a uniform batch, which has one)
     SELECT count(*), array_agg(c.id ORDER BY c.id) FILTER (WHERE c.max_backlog IS NOT NULL),

@@ -61,7 +61,8 @@ END;
 $$;
 
 
--- Advisory-lock namespace of the bounded-backlog check at commit: ("fq" as int, channel id).
+-- Advisory-lock namespace of the bounded-backlog check at commit: ("fq" as int, the stripe of
+-- the channel id).
 CREATE OR REPLACE FUNCTION fairqueue_lock_key_v1() RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 26225 $$;
 
@@ -72,8 +73,26 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 26225 $$;
 -- their messages too), and an enqueue that comes after it finds the name gone and creates the
 -- channel anew: no message is ever left behind with a channel id that no longer exists.
 -- Shared locks never conflict with each other, so enqueues cannot deadlock on them.
+-- A batch of more than 128 names holds their stripes instead (below): at most 128 locks.
 CREATE OR REPLACE FUNCTION fairqueue_channel_lock_key_v1() RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 26227 $$;
+
+
+-- Lock stripes: a key's stripe, one of 128. PostgreSQL's lock table is one pool for every
+-- session (max_locks_per_transaction x max_connections entries, 6,400 by default): a batch
+-- that held one advisory lock per channel filled it with a few thousand channels, and every
+-- session's next lock (another tenant's enqueue) then failed with "out of shared memory".
+-- A transaction takes at most 128 stripe locks per namespace, whatever its batches hold.
+CREATE OR REPLACE FUNCTION fairqueue_lock_stripe_v1(p_key bigint) RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT (p_key & 127)::integer $$;
+
+
+-- Channel-name stripes (key fairqueue_lock_stripe_v1(hashtext(name))): held, shared, by an
+-- enqueue of more than 128 names in place of the names' own locks. Deleting a channel takes
+-- its name's lock and then its stripe's, so it waits for either kind of enqueue; a deletion
+-- never blocks enqueues of other channels that take the names' own locks, as most do.
+CREATE OR REPLACE FUNCTION fairqueue_channel_stripe_key_v1() RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 26228 $$;
 
 
 -- Fairness by time (FAIRQUEUE['FAIRNESS'] = 'time'; docs/explanation/fairness.md, "Fairness by

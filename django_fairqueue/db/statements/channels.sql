@@ -107,10 +107,15 @@ LEFT JOIN (
 SELECT fairqueue_fold_channel_v1(%(channel_id)s::bigint) AS folded;
 
 -- name: lock_channel_names
--- Hold a channel name against enqueues until the transaction ends (deleting the channel).
-SELECT pg_advisory_xact_lock(fairqueue_channel_lock_key_v1(), hashtext(n))
-FROM unnest(%(names)s::text[]) AS n
-ORDER BY n;
+-- Hold channel names against enqueues until the transaction ends (deleting the channels): the
+-- names' locks in name order, then their stripes' in stripe order (an enqueue of many names
+-- holds those instead; see fairqueue_channel_stripe_key_v1).
+SELECT pg_advisory_xact_lock(fairqueue_channel_lock_key_v1(), x.key)
+FROM (SELECT hashtext(n) AS key FROM unnest(%(names)s::text[]) AS n ORDER BY n) x
+UNION ALL
+SELECT pg_advisory_xact_lock(fairqueue_channel_stripe_key_v1(), s.stripe)
+FROM (SELECT DISTINCT fairqueue_lock_stripe_v1(hashtext(n)) AS stripe
+      FROM unnest(%(names)s::text[]) AS n ORDER BY 1) s;
 
 -- name: share_channel_name
 -- Take a channel name's lock as an enqueue does (shared, to the end of the transaction), before
