@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -22,7 +21,7 @@ from django.utils import timezone
 
 from django_fairqueue import conf, limits
 from django_fairqueue.db import channel_store, enqueue_store, message_store
-from django_fairqueue.db.jsontext import keep_big_floats
+from django_fairqueue.db.jsontext import has_nul, keep_big_floats
 from django_fairqueue.exceptions import (
     DuplicateJob,
     FairQueueError,
@@ -642,11 +641,6 @@ def validate_channel_name(name: Any) -> str:
     return name
 
 
-# JSON's escape of U+0000: `\u0000` after an even number of backslashes (an odd number means
-# the backslash itself is escaped and the text is a literal backslash followed by "u0000").
-_ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
-
-
 def _refuse(value: Any) -> Any:
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
@@ -714,7 +708,7 @@ def encode_payload(
             f"arguments of task {task_name!r} take {size} bytes as JSON; "
             f"FAIRQUEUE['MAX_PAYLOAD_BYTES'] is {max_bytes}"
         )
-    if "\\u0000" in text and _ESCAPED_NUL.search(text):  # jsonb cannot store U+0000
+    if has_nul(text):
         raise PayloadError(f"arguments of task {task_name!r} contain a NUL character")
     # Scalars come back from JSON exactly as they went in (NaN was refused above), so the
     # round trip is only needed for containers, where tuples or int dict keys would change.

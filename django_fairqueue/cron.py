@@ -19,7 +19,6 @@ import contextlib
 import functools
 import hashlib
 import json
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime, timedelta
@@ -28,6 +27,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 from cronsim import CronSim, CronSimError
 
+from django_fairqueue.db.jsontext import has_nul
 from django_fairqueue.exceptions import InvalidChannel, InvalidSchedule
 from django_fairqueue.limits import number_text, seconds_text
 
@@ -193,10 +193,6 @@ def jitter_offset(schedule_id: int, slot: datetime, jitter: timedelta) -> timede
     return timedelta(milliseconds=int(jitter / timedelta(milliseconds=1) * fraction))
 
 
-# JSON's escape of U+0000 (not a backslash followed by "u0000"), as the enqueue path finds it.
-_ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
-
-
 def _check_payload(args: object, kwargs: object, where: str) -> tuple[list[Any], dict[str, Any]]:
     """Arguments as JSON keeps them: a list and a dict with string keys that survive a round
     trip unchanged (the enqueue path checks them again, with the size limit)."""
@@ -220,7 +216,7 @@ def _check_payload(args: object, kwargs: object, where: str) -> tuple[list[Any],
         raise InvalidSchedule(f"{where}: args and kwargs must be JSON: {exc}") from None
     except RecursionError:
         raise InvalidSchedule(f"{where}: args and kwargs are nested too deeply") from None
-    if "\\u0000" in text and _ESCAPED_NUL.search(text):  # jsonb cannot store U+0000
+    if has_nul(text):
         raise InvalidSchedule(f"{where}: args and kwargs contain a NUL character")
     if not same:
         raise InvalidSchedule(

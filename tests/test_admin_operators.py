@@ -143,6 +143,22 @@ def test_served_nothing_while_backlogged_finds_the_starving_not_every_old_backlo
     assert by_served[:3] == ["paused", "starved", "served"]
 
 
+@pytest.mark.parametrize("parameter", ["starving", "unserved"])
+def test_a_wait_filter_past_the_calendar_or_not_a_number_lists_none(
+    admin_client: Client, parameter: str
+) -> None:
+    for name in ("old", "new"):
+        enqueue(name, 1)
+    age_backlog("old", 10)
+    for value in ("10000000000", "2147483647", "99999999999999999999", "1e300", "inf", "nan"):
+        # a wait longer than the calendar goes back: nobody waited that long
+        assert names(admin_client.get(CHANNELS, {parameter: value})) == [], value
+    # a negative wait is none at all: every channel with a message ready
+    for value in ("-inf", "-1e300", "-5"):
+        assert set(names(admin_client.get(CHANNELS, {parameter: value}))) == {"old", "new"}, value
+    assert set(names(admin_client.get(CHANNELS, {parameter: "5"}))) == {"old"}
+
+
 def test_wait_served_and_finished_of_the_last_minutes_are_sortable(admin_client: Client) -> None:
     for name in ("a", "b", "c"):
         enqueue(name, 1)

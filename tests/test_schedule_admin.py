@@ -3,6 +3,7 @@ pause, stale forms that cannot move the firing state, and permissions."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -117,6 +118,30 @@ def test_arguments_that_do_not_fit_the_task_are_refused_by_the_form(
     assert not Schedule.objects.exists()
     good = form(acme, task_name=report.name, args="[]", kwargs='{"tenant": "acme"}')
     assert admin_client.post(reverse(ADD), good).status_code == 302
+
+
+def channel_select(page: Any) -> str:
+    found = re.search(r'<select name="channel".*?</select>', page.content.decode(), re.S)
+    assert found is not None
+    return found.group(0)
+
+
+@pytest.mark.parametrize("channel", ["abc", "\x00", "1.5", "99999999999999999999", "-1"])
+def test_a_channel_that_is_no_id_leaves_the_form_without_one(
+    admin_client: Client, acme: Channel, channel: str
+) -> None:
+    page = admin_client.get(reverse(ADD), {"channel": channel})
+    assert page.status_code == 200
+    assert "<option" not in channel_select(page)
+    response = admin_client.post(reverse(ADD), {**form(acme), "channel": channel})
+    assert response.status_code == 200
+    (why,) = response.context["adminform"].form.errors["channel"]  # the field's own error
+    assert why.startswith("Null characters" if channel == "\x00" else "Select a valid choice.")
+    assert "<option" not in channel_select(response)
+    assert not Schedule.objects.exists()
+    # an id is filled in, as the channel page's link does
+    page = admin_client.get(reverse(ADD), {"channel": acme.pk})
+    assert f'<option value="{acme.pk}" selected>acme</option>' in channel_select(page)
 
 
 def fired_once(schedule: Schedule) -> None:

@@ -146,6 +146,18 @@ def test_objects_cannot_be_enqueued_and_object_looking_json_stays_data() -> None
     assert call == (tuple(hostile), {})  # plain dicts and a string, nothing rebuilt
 
 
+@pytest.mark.django_db
+def test_an_int_past_pythons_text_limit_is_refused_and_nothing_stored() -> None:
+    # Python turns ints of at most 4,300 digits into text (sys.get_int_max_str_digits())
+    CAPTURED.clear()
+    enqueue(capture, 10**4299, channel="p")  # 4,300 digits: stored, and comes back equal
+    assert Worker(WorkerConfig(worker_id="json")).run_once() == 1
+    assert CAPTURED == [((10**4299,), {})]
+    with pytest.raises(PayloadError, match="not JSON serialisable: Exceeds the limit"):
+        enqueue(capture, 10**4300, channel="p")
+    assert Worker(WorkerConfig(worker_id="json")).run_once() == 0
+
+
 # ------------------------------------------------------------------------------------------
 # Admin: staff status and model permissions
 

@@ -257,6 +257,17 @@ def test_the_admin_usage_page_sorts_filters_by_dates_and_exports_csv(
     assert lines[0].split(",")[2] == "group" and lines[1].split(",")[2] == "(no group)"
 
 
+@pytest.mark.parametrize("form", [{}, {"format": "csv"}])
+def test_a_nul_in_the_usage_page_filter_is_a_clear_400(
+    admin_client: Client, form: dict[str, str]
+) -> None:
+    response = admin_client.get(USAGE, {"queue": "\x00", **form})
+    assert response.status_code == 400
+    assert response.content.decode() == (
+        "The filter 'queue' contains a NUL character, which no stored value has."
+    )
+
+
 def test_the_usage_page_needs_its_view_permission(client: Client) -> None:
     user = User.objects.create_user("support", password="pw", is_staff=True)
     client.force_login(user)

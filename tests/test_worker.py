@@ -8,6 +8,7 @@ Tests whose worker threads open their own connections need committed data:
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import re
 import threading
@@ -28,6 +29,7 @@ from django.utils import timezone
 from django_fairqueue import conf, stats
 from django_fairqueue.context import current_message
 from django_fairqueue.db import channel_store, message_store
+from django_fairqueue.logging import JsonFormatter
 from django_fairqueue.maintenance import DeltaFolder, Pruner, Rescuer
 from django_fairqueue.models import Channel, ChannelStat, Message, MessageState, MinuteStat
 from django_fairqueue.signals import message_finished, message_started
@@ -62,12 +64,29 @@ def unstorable(kind: str) -> Any:
         loop: list[Any] = []
         loop.append(loop)
         return loop
-    return {"set": {1, 2}, "nan": float("nan"), "nul": "a\x00b"}[kind]
+    values = {
+        "set": {1, 2},
+        "nan": float("nan"),
+        "nul": "a\x00b",
+        "backslash_nul": "a\\\x00",
+        "long_int": 10**4300,  # past Python's int-to-text limit of 4,300 digits
+    }
+    return values[kind]
+
+
+@task(name="tests.worker.kept", keep_result=True)
+def kept(value: Any) -> Any:
+    return value
 
 
 @task(name="tests.worker.nul_error")
 def nul_error() -> None:
     raise ValueError("bad \x00 byte and a lone \udc80 surrogate")
+
+
+@task(name="tests.worker.forger", max_attempts=1)
+def forger() -> None:
+    raise RuntimeError("a\x1b]0;x\x07b\r\nFORGED")
 
 
 @task(name="tests.worker.leaky")
@@ -340,6 +359,8 @@ def test_at_most_once_fails_without_retry_and_a_lost_lease_dead_letters_it() -> 
         ("set", "(set) cannot be stored as JSON: Object of type set is not JSON serializable"),
         ("nan", "(float) cannot be stored as JSON: Out of range float values are not JSON"),
         ("nul", "(str) cannot be stored as JSON: it contains a NUL character"),
+        ("backslash_nul", "(str) cannot be stored as JSON: it contains a NUL character"),
+        ("long_int", "(int) cannot be stored as JSON: Exceeds the limit (4300 digits)"),
         ("deep", "(list) cannot be stored as JSON: it is nested too deeply"),
         ("circular", "(list) cannot be stored as JSON: Circular reference detected"),
     ],
@@ -358,12 +379,48 @@ def test_a_result_that_cannot_be_stored_fails_the_message_without_retry(
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("value", [r"x\u0000y", {r"k\u0000": [r"\\u0000", "\\"]}])
+def test_a_result_with_a_backslash_before_u0000_is_kept(value: Any) -> None:
+    # a backslash followed by "u0000" is text, not the NUL character jsonb refuses
+    mid = kept.enqueue(value, channel="alice")
+    assert drain() == 1
+    row = message(mid)
+    assert (row.state, row.result) == (MessageState.SUCCEEDED, value)
+
+
+@pytest.mark.django_db
 def test_error_text_postgres_would_refuse_is_stored_escaped() -> None:
     mid = nul_error.enqueue(channel="alice")
     assert drain() == 1
     row = message(mid)
     assert row.state == MessageState.SCHEDULED
     assert row.last_error["message"] == "bad \\x00 byte and a lone \\udc80 surrogate"
+
+
+@pytest.mark.django_db
+def test_a_tasks_error_is_escaped_in_the_worker_log_line_whatever_the_handler(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    forger.enqueue(channel="alice")
+    # caplog's handler formats as a project's plain LOGGING handler does
+    with caplog.at_level(logging.INFO, logger="django_fairqueue.worker"):
+        assert drain() == 1
+    (line,) = [r.getMessage() for r in caplog.records if "failed for good" in r.getMessage()]
+    assert line.startswith("failed for good (RuntimeError: a\\x1b]0;x\\x07b\\r\\nFORGED) ")
+    assert line.isprintable()
+    assert "\x1b" not in caplog.text and "\nFORGED" not in caplog.text
+    # a JSON log writes the line escaped once, as the plain one reads
+    (record,) = [r for r in caplog.records if r.getMessage() == line]
+    assert json.loads(JsonFormatter().format(record))["message"] == line
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_worker_id_is_escaped_in_the_starting_line(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="django_fairqueue.worker"):
+        one_worker(worker_id="w\x1b]0;x\x07\nFORGED", burst=True).run()
+    (line,) = [r.getMessage() for r in caplog.records if "starting:" in r.getMessage()]
+    assert line.startswith("worker w\\x1b]0;x\\x07\\nFORGED starting: ")
+    assert line.isprintable()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django import forms
@@ -205,6 +205,17 @@ class CapFilter(admin.SimpleListFilter):
         return queryset
 
 
+def _waited_since(value: str, unit: timedelta) -> datetime | None:
+    """The database's clock less a wait of ``value`` units, given in a filter's URL (a
+    negative wait counts as none); None when ``value`` is not a number or the wait reaches
+    back before year 1, past the calendar: no channel has waited that long."""
+    try:
+        wait = max(float(value), 0.0) * unit  # NaN: ValueError; past timedelta: OverflowError
+        return pg.select_clock() - wait  # before year 1: OverflowError
+    except (ValueError, OverflowError):
+        return None
+
+
 class StarvingFilter(admin.SimpleListFilter):
     """Channels whose longest-waiting ready message has waited longer than N seconds
     (``?starving=60``): one index probe (per priority level) per channel with a backlog, the
@@ -220,12 +231,10 @@ class StarvingFilter(admin.SimpleListFilter):
         value = self.value()
         if value is None:
             return queryset
-        try:
-            seconds = float(value)
-        except ValueError:
+        cutoff = _waited_since(value, timedelta(seconds=1))
+        if cutoff is None:
             return queryset.none()
         since = channel_store.select_backlogged_oldest_ready(using=conf.get().DATABASE)
-        cutoff = pg.select_clock() - timedelta(seconds=seconds)
         return _among(queryset, [cid for cid, t in since.items() if t < cutoff])
 
 
@@ -245,11 +254,9 @@ class UnservedFilter(admin.SimpleListFilter):
         value = self.value()
         if value is None:
             return queryset
-        try:
-            minutes = float(value)
-        except ValueError:
+        cutoff = _waited_since(value, timedelta(minutes=1))
+        if cutoff is None:
             return queryset.none()
-        cutoff = pg.select_clock() - timedelta(minutes=minutes)
         since = channel_store.select_backlogged_oldest_ready(using=conf.get().DATABASE)
         waiting = _among(queryset, [cid for cid, t in since.items() if t < cutoff])
         # last_claimed_at: annotated by overview.annotate_counters (the scheduler's column)

@@ -6,7 +6,8 @@
   page links to the form with its channel filled in), with its timezone, arguments (JSON,
   checked as enqueue checks them), missed-slot policy and jitter. Code schedules
   (``@periodic``, ``FAIRQUEUE['SCHEDULES']``) are read-only but for ``enabled``: the code
-  owns the rest and workers sync it. ``?channel=<id>`` on the add form fills in the channel.
+  owns the rest and workers sync it. ``?channel=<id>`` on the add form fills in the channel
+  (a value that is no id is ignored).
 * **The channel page** lists its schedules (read-only, each linked to its form).
 
 Saving a schedule writes only what the form edits: the firing state is no model field
@@ -17,15 +18,18 @@ everything and changes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.widgets import AutocompleteSelect
 from django.core.exceptions import ValidationError
-from django.db.models import BooleanField, DateTimeField, QuerySet
+from django.db.models import BooleanField, DateTimeField, ForeignKey, QuerySet
 from django.db.models.expressions import RawSQL
+from django.forms import ModelChoiceField
 from django.http import HttpRequest
 from django.urls import reverse
 from django.utils.html import format_html
@@ -85,6 +89,25 @@ class _JSONField(forms.JSONField):
             return super().bound_data(data, initial)
         except RecursionError:
             return forms.fields.InvalidJSONInput(data)  # shown back as typed
+
+
+class _ChannelSelect(AutocompleteSelect):
+    """The channel's autocomplete. Django looks up the selected channel by its id to show its
+    name, and a value that is no id (``?channel=abc`` on the add form, or posted) would fail
+    the page in that lookup: it selects nothing instead (posted, the field says it is not a
+    valid choice)."""
+
+    def optgroups(
+        self, name: str, value: Sequence[str], attr: dict[str, Any] | None = None
+    ) -> list[tuple[str | None, list[dict[str, Any]], int | None]]:
+        return super().optgroups(name, [v for v in value if self._is_id(v)], attr)
+
+    def _is_id(self, value: str) -> bool:
+        try:
+            self.field.target_field.get_prep_value(value)  # what the lookup converts it with
+        except (TypeError, ValueError):
+            return False
+        return True
 
 
 class ScheduleForm(_ScheduleFormBase):
@@ -260,6 +283,13 @@ class ScheduleAdmin(_StateColumns, lists.NulSafeAdmin, _ScheduleAdminBase):
     def get_queryset(self, request: HttpRequest) -> QuerySet[Schedule]:
         self._now = None
         return super().get_queryset(request).annotate(**_STATE)
+
+    def formfield_for_foreignkey(
+        self, db_field: ForeignKey[Any, Any], request: HttpRequest, **kwargs: Any
+    ) -> ModelChoiceField[Any] | None:
+        if db_field.name == "channel":
+            kwargs["widget"] = _ChannelSelect(db_field, self.admin_site, using=kwargs.get("using"))
+        return super().formfield_for_foreignkey(db_field, request, **kwargs)
 
     def get_fieldsets(self, request: HttpRequest, obj: Schedule | None = None) -> Any:
         if obj is None:

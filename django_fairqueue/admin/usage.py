@@ -43,9 +43,9 @@ COLUMNS = (
 )
 
 
-@admin.register(UsageHour)
-class UsageAdmin(_UsageAdminBase):
-    """Usage per tenant, read-only: the page is a report, not a list of rows."""
+class _UsageReport(_UsageAdminBase):
+    """Usage per tenant, read-only: the page is a report, not a list of rows. Its view replaces
+    the change list's, so :class:`UsageAdmin` puts the lists' NUL check in front of it."""
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -157,3 +157,9 @@ class UsageAdmin(_UsageAdminBase):
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(request, "admin/fairqueue/usage/report.html", context)
+
+
+@admin.register(UsageHour)
+class UsageAdmin(lists.NulSafeAdmin, _UsageReport):
+    """The usage report; a NUL in its filter (a queue's name, looked up in the database, which
+    cannot hold one) is refused with a 400 as in every list."""

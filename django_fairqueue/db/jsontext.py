@@ -64,3 +64,14 @@ class JsonbLoader(Loader):
         if data[0] != 1:
             raise errors.DataError(f"unknown jsonb binary format: {data[0]}")
         return _scan(str(data[1:], "utf-8"), 0)[0]
+
+
+# JSON's escape of U+0000: `\u0000` after an even number of backslashes (an odd number means
+# the backslash itself is escaped and the text is a literal backslash followed by "u0000").
+_ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def has_nul(text: str) -> bool:
+    """Whether ``text`` (JSON) holds the character U+0000, which jsonb cannot store; a
+    backslash followed by "u0000" in a string is text, not that character."""
+    return "\\u0000" in text and _ESCAPED_NUL.search(text) is not None

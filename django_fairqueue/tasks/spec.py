@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django_fairqueue import conf
+from django_fairqueue.db.jsontext import has_nul
 from django_fairqueue.exceptions import InvalidQueue, ResultNotStorable, UnknownTask
 from django_fairqueue.limits import TASK_NAME_MAX_LENGTH
 from django_fairqueue.queues import validate_queue_name
@@ -76,7 +77,7 @@ def check_result(task_name: str, value: Any) -> None:
     deeper than the encoder recurses."""
     try:
         text = json.dumps(value, allow_nan=False, ensure_ascii=False)
-        if "\\u0000" in text:
+        if has_nul(text):
             raise ValueError("it contains a NUL character")
         text.encode("utf-8")  # lone surrogates: UnicodeEncodeError (a ValueError)
     except (TypeError, ValueError, RecursionError) as exc:

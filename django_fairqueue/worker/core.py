@@ -14,6 +14,7 @@ from datetime import timedelta
 from django.db import close_old_connections, connections
 
 from django_fairqueue import conf
+from django_fairqueue.cli.terminal import printable
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.maintenance import MaintenanceRunner, Service, default_services
 from django_fairqueue.runtime import SAME_STOP_SECONDS, stop_signals
@@ -285,7 +286,7 @@ class Worker:
         self.claimer.observe_claim = claim_observer()
         logger.info(
             "worker %s starting: %d threads, batch %d, lease %ss, poll %ss, listen %s%s",
-            self.worker_id,
+            printable(self.worker_id),  # (anyone's to choose: escaped for any handler)
             self.config.concurrency,
             self.config.batch_size,
             self.lease.total_seconds(),

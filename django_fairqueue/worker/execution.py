@@ -17,6 +17,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import close_old_connections, connections, transaction
 from django.db.backends.signals import connection_created
 
+from django_fairqueue.cli.terminal import printable
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.exceptions import PayloadError, TaskAborted
 from django_fairqueue.models import Message
@@ -230,7 +231,7 @@ def _log_finish(outcome: Outcome, lease_expired: bool = False) -> None:
             message.id,
             message.channel,
             error.get("type"),
-            error.get("message"),
+            printable(error.get("message")),
             extra=log_extra(message, duration=outcome.duration, outcome="released"),
         )
         return
@@ -240,7 +241,9 @@ def _log_finish(outcome: Outcome, lease_expired: bool = False) -> None:
         what = "aborted"
     else:
         error = outcome.error or {}
-        cause = f"{error.get('type')}: {error.get('message')}"
+        # a task's error text is the tenant's: escaped here, not only by the commands' own
+        # formatter, so that a project's handler cannot be made to print a forged line
+        cause = printable(f"{error.get('type')}: {error.get('message')}")
         if outcome.kind == "retry" and outcome.retry_in is not None:
             what = f"failed ({cause}); retry in {outcome.retry_in.total_seconds():.1f}s"
         else:
