@@ -77,6 +77,7 @@ CONFLICT_POLICIES = ("keep", "replace", "raise")
 
 def enqueue(
     task: TaskRef | BoundTask,
+    /,
     *args: Any,
     channel: ChannelRef | None = None,
     run_after: datetime | timedelta | None = None,

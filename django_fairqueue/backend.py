@@ -30,6 +30,7 @@ Functions decorated with Django's ``@task`` enqueue as fairqueue messages and ru
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -360,6 +361,9 @@ class FairQueueBackend(BaseTaskBackend):
     # -- Django's backend API ------------------------------------------------------------------
 
     def validate_task(self, task: Task[..., Any]) -> None:
+        # Django's range check takes True for 1; the queue refuses a bool priority at enqueue.
+        if isinstance(task.priority, bool):
+            raise InvalidTask(f"priority must be an integer, got {task.priority!r}")
         super().validate_task(task)
         try:
             conf.validate_timeout(
@@ -396,6 +400,10 @@ class FairQueueBackend(BaseTaskBackend):
             kwargs = cast(dict[str, Any], normalize_json(kwargs))
         except (TypeError, ValueError) as exc:
             raise PayloadError(f"arguments of task {task.module_path} are not JSON: {exc}") from exc
+        except RecursionError as exc:  # (a self-containing argument recurses until this, too)
+            raise PayloadError(
+                f"arguments of task {task.module_path} are nested too deeply"
+            ) from exc
         channel = self.channel_for(task, args, kwargs)
         request = api.EnqueueRequest(
             spec,
@@ -428,6 +436,13 @@ class FairQueueBackend(BaseTaskBackend):
             kwargs=kwargs,
             backend=self.alias,
         )
+        if request.unique_key is not None:
+            # The id may name the message that already held the key (kept, or running under
+            # "replace"), not this call: describe the message it names, as get_result does.
+            # (Unless that is no django.tasks task registered here, or gone since: then the
+            # call's own description is all there is.)
+            with contextlib.suppress(TaskResultDoesNotExist):
+                result = cast("TaskResult[P, R]", self.get_result(result.id))
         # Sent now, like every backend: if the surrounding transaction rolls back, the result
         # id names a message that never existed (get_result raises TaskResultDoesNotExist).
         task_enqueued.send(type(self), task_result=result)

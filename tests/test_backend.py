@@ -32,7 +32,7 @@ from django_fairqueue.backend import FairQueueBackend, FairQueueTask
 from django_fairqueue.context import current_message
 from django_fairqueue.db import message_store
 from django_fairqueue.exceptions import PayloadError, TaskTimeout
-from django_fairqueue.models import Message, MessageState
+from django_fairqueue.models import Channel, Message, MessageState
 from django_fairqueue.tasks import registry
 from django_fairqueue.tasks import task as fairqueue_task
 from django_fairqueue.tasks.django_compat import (
@@ -681,6 +681,19 @@ def test_rolled_back_enqueue_leaves_nothing(database_url: str) -> None:
     assert message_store.claim_messages(10, lease=timedelta(minutes=1), worker_id="w") == []
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_rolled_back_enqueue_leaves_the_channel_it_created_empty() -> None:
+    """Inside a transaction a new channel is created and committed on a connection of its own
+    (docs/explanation/fairness.md, lock order): the rollback takes the message, not the
+    channel row."""
+    with pytest.raises(RuntimeError), transaction.atomic():
+        add.using(channel="rolled-back").enqueue(1, 2)
+        raise RuntimeError("the view failed")
+    assert not Message.objects.exists()
+    channel = Channel.objects.get(name="rolled-back")
+    assert not channel.messages.exists()
+
+
 # -- time limits -----------------------------------------------------------------------------------
 
 
@@ -881,3 +894,50 @@ def test_a_task_of_another_kind_of_backend_is_refused_when_moved_here() -> None:
     with pytest.raises(InvalidTask, match="declared for backend 'immediate'"):
         declared_elsewhere.using(backend="default")
     assert add.using(backend="default").backend == "default"  # one of ours moves freely
+
+
+@pytest.mark.django_db
+def test_arguments_nested_too_deeply_raise_payload_error_and_store_nothing() -> None:
+    deep: Any = 1
+    for _ in range(1000):
+        deep = [deep]
+    with pytest.raises(PayloadError, match="nested too deeply"):
+        add.enqueue(deep, 1)
+    circular: list[Any] = []
+    circular.append(circular)
+    with pytest.raises(PayloadError, match="nested too deeply"):
+        add.enqueue(1, b=circular)
+    assert not Message.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_kept_unique_enqueue_returns_the_result_of_the_message_it_names() -> None:
+    later = timezone.now() + timedelta(hours=1)
+    held = add.using(unique_key="k", priority=5, run_after=later).enqueue(1, 2)
+    kept = add.using(unique_key="k").enqueue(3, b=4)
+    assert kept.id == held.id
+    assert (kept.args, kept.kwargs, kept.status) == ([1, 2], {}, TaskResultStatus.READY)
+    assert (kept.task.priority, kept.task.run_after) == (5, later)
+    # a running holder of scope "active" is kept, not replaced: the result says so
+    active = {"unique_key": "r", "unique_scope": "active"}
+    running = add.using(**active).enqueue(1, 1)
+    message_store.claim_messages(1, lease=timedelta(minutes=1), worker_id="w-1")
+    answer = add.using(**active, on_conflict="replace", priority=9).enqueue(7, 7)
+    assert answer.id == running.id
+    assert (answer.args, answer.status, answer.task.priority) == (
+        [1, 1],
+        TaskResultStatus.RUNNING,
+        0,
+    )
+    # a waiting holder replaced in place: the call's arguments, the holder's id
+    replaced = add.using(unique_key="k", on_conflict="replace").enqueue(8, 8)
+    assert (replaced.id, replaced.args, replaced.task.priority) == (held.id, [8, 8], 0)
+    # what get_result says of that id (refresh() does not correct args, kwargs or the task)
+    assert answer == add.get_result(running.id)
+    assert replaced == add.get_result(held.id)
+
+
+@pytest.mark.parametrize("priority", [True, False])
+def test_a_bool_priority_is_refused_by_validation(priority: bool) -> None:
+    with pytest.raises(InvalidTask, match=f"priority must be an integer, got {priority}"):
+        add.using(priority=priority)

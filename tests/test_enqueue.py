@@ -26,7 +26,8 @@ from django_fairqueue.api import (
     validate_channel_name,
 )
 from django_fairqueue.db import channel_store, message_store
-from django_fairqueue.models import Channel, Message, MessageState
+from django_fairqueue.models import Channel, ChannelGroup, Message, MessageState
+from django_fairqueue.tasks import task
 from tests import factories as f
 
 LEASE = timedelta(minutes=5)
@@ -708,3 +709,32 @@ def test_a_model_instance_names_its_channel_by_label_and_primary_key() -> None:
     assert Message.objects.get(pk=other).channel_id == Message.objects.get(pk=mid).channel_id
     with pytest.raises(InvalidChannel, match="unsaved Group"):
         enqueue(f.NOOP, channel=Group(name="draft"))
+
+
+@task(name="tests.enqueue.self_and_task")
+def self_and_task(self: int = 0, task: int = 0) -> list[int]:
+    """A task whose parameters share their names with the task object's methods' own."""
+    return [self, task]
+
+
+@pytest.mark.django_db
+def test_task_parameters_named_self_or_task_reach_the_task() -> None:
+    assert self_and_task(self=1, task=2) == [1, 2]
+    for mid, kwargs in (
+        (self_and_task.enqueue(task=1), {"task": 1}),
+        (self_and_task.enqueue(self=1, channel="alice"), {"self": 1}),
+        (self_and_task.using(channel="alice").enqueue(self=1, task=2), {"self": 1, "task": 2}),
+    ):
+        assert Message.objects.get(pk=mid).payload == {"args": [], "kwargs": kwargs}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rolled_back_enqueue_leaves_no_message_but_the_channel_and_group_it_created() -> None:
+    """Inside a transaction new channels and groups are committed on a connection of their own
+    (docs/explanation/fairness.md, lock order): the rollback takes the message only."""
+    with pytest.raises(RuntimeError), transaction.atomic():
+        enqueue(f.NOOP, 1, channel=("acme", "alice"))
+        raise RuntimeError("the view failed")
+    assert not Message.objects.exists()
+    assert ChannelGroup.objects.filter(name="acme").exists()
+    assert not Channel.objects.get(name="acme/alice").messages.exists()

@@ -16,13 +16,14 @@ from django.core.management import CommandError, call_command
 from django.core.management.base import CommandParser
 
 from django_fairqueue import failures
-from django_fairqueue.api import EnqueueRequest, enqueue_many
+from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many
 from django_fairqueue.cli import failures as failures_cli
 from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.exceptions import InvalidQueue
 from django_fairqueue.models import Message, MessageState
 from django_fairqueue.queues import row_name
 from django_fairqueue.tasks import task
+from django_fairqueue.testing import drain
 
 pytestmark = pytest.mark.django_db
 
@@ -308,3 +309,24 @@ def test_the_fairqueue_command_dispatches_to_failures() -> None:
     assert out.getvalue() == "Retried 2 failed messages.\n"
     with pytest.raises(CommandError, match="give message ids"):
         call_command("fairqueue", "failures", "delete")
+
+
+@task(name="tests.failures.long_error", max_attempts=1)
+def long_error() -> None:
+    """Fails with a 20,000-character message, chained to another: a traceback over 40,000."""
+    try:
+        raise RuntimeError("c" * 20_000)
+    except RuntimeError as cause:
+        raise ValueError("m" * 20_000) from cause
+
+
+def test_a_long_error_is_stored_within_the_documented_limits() -> None:
+    """docs/howto/delivery-modes.md: the message at most 8,000 characters, the traceback its
+    last 32,000, the mark of the cut included."""
+    mid = enqueue(long_error, channel="alice")
+    assert drain() == 1
+    error = Message.objects.get(pk=mid).last_error
+    assert (len(error["message"]), len(error["traceback"])) == (8_000, 32_000)
+    assert error["message"] == "m" * 7_995 + "[...]"
+    assert error["traceback"].startswith("[...]")
+    assert error["traceback"].endswith("ValueError: " + "m" * 20_000 + "\n")

@@ -34,11 +34,17 @@ def _qualified_name(cls: type) -> str:
     return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
 
+#: Marks where :func:`storable` cut a text (counted within its limit).
+CUT = "[...]"
+
+
 def storable(text: str, limit: int, *, keep_end: bool = False) -> str:
-    """Text jsonb accepts (no NUL, no lone surrogates), at most ``limit`` characters."""
+    """Text jsonb accepts (no NUL, no lone surrogates), at most ``limit`` characters, the
+    marker of a cut included."""
     text = text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
     if len(text) > limit:
-        text = "[...]" + text[-limit:] if keep_end else text[:limit] + "[...]"
+        kept = limit - len(CUT)
+        text = CUT + text[-kept:] if keep_end else text[:kept] + CUT
     return text
 
 

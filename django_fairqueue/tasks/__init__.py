@@ -47,10 +47,11 @@ class FairTask(Generic[P, R]):
         self.__wrapped__ = spec.func
         self.__doc__ = spec.func.__doc__
 
-    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+    # `self, /` here and in enqueue(): the task's own parameters may be named self or task.
+    def __call__(self, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return self.spec.func(*args, **kwargs)  # type: ignore[no-any-return]
 
-    def enqueue(self, *args: Any, **kwargs: Any) -> int:
+    def enqueue(self, /, *args: Any, **kwargs: Any) -> int:
         """Queue a call; ``channel=``, ``run_after=``, ``priority=``, ``unique_key=``,
         ``unique_scope=`` and ``on_conflict=`` are queue options."""
         from django_fairqueue.api import enqueue
@@ -97,7 +98,7 @@ class BoundTask:
     on_conflict: str | None = None
     queue: str | None = None
 
-    def enqueue(self, *args: Any, **kwargs: Any) -> int:
+    def enqueue(self, /, *args: Any, **kwargs: Any) -> int:
         from django_fairqueue.api import EnqueueRequest, enqueue_many
 
         request = EnqueueRequest(
