@@ -8,7 +8,7 @@
   running the handler while another worker runs it again; its late writes are fenced by the
   lease token and change nothing, but the handler's own side effects happen twice. Make
   at-least-once handlers idempotent.
-* :class:`Pruner` deletes ``succeeded`` and ``cancelled`` rows older than
+* :class:`Pruner` deletes ``succeeded``, ``cancelled`` and ``aborted`` rows older than
   ``FAIRQUEUE['RESULT_RETENTION']``, in bounded batches, and the hold rows of unique keys
   whose message is gone or finished for good.
 * :class:`StatsPruner` deletes per-channel statistics older than a day
@@ -24,10 +24,12 @@
   jobs whose every batch succeeded are deleted after ``FAIRQUEUE['BATCH_RETENTION']``.
 
 Each service has an interval and a ``run_once()`` that does one bounded pass and returns how
-many rows it handled. Every worker runs them in its maintenance thread
-(:class:`MaintenanceRunner`); ``manage.py fairqueue maintain`` runs them alone. Any number of
-copies may run at once: the statements skip or wait out rows another copy holds, and each row
-is moved once.
+many rows it handled; a service whose pass ended on a full batch sets ``more``, and runs again
+as soon as the others due have had their turn, so the rescuer and the pruner keep up with any
+rate of work instead of one pass per interval. Every worker runs them in its maintenance
+thread (:class:`MaintenanceRunner`); ``manage.py fairqueue maintain`` runs them alone. Any
+number of copies may run at once: the statements skip or wait out rows another copy holds, and
+each row is moved once.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ logger = logging.getLogger("django_fairqueue.maintenance")
 
 
 class Service(Protocol):
-    """A maintenance task run every ``interval`` seconds."""
+    """A maintenance task run every ``interval`` seconds (and, optionally, again at once while
+    its attribute ``more`` says its last pass left work behind)."""
 
     name: str
 
@@ -73,6 +76,19 @@ class Service(Protocol):
     def interval(self) -> float: ...
 
     def run_once(self) -> int: ...
+
+
+def in_batches(step: Callable[[int], int], batch_size: int, max_batches: int) -> tuple[int, bool]:
+    """Run ``step(batch_size)``, which handles at most that many rows and returns how many it
+    did, until a batch comes back short or ``max_batches`` ran. Returns the rows handled and
+    whether the pass ended on a full batch (rows may be left)."""
+    total = 0
+    for _ in range(max_batches):
+        handled = step(batch_size)
+        total += handled
+        if handled < batch_size:
+            return total, False
+    return total, True
 
 
 @dataclass
@@ -84,6 +100,7 @@ class Rescuer:
     max_batches: int = 10  # a pass handles at most batch_size * max_batches messages
     every: float | None = None  # seconds; None: FAIRQUEUE['RESCUE_INTERVAL']
     name: str = "rescuer"
+    more: bool = False  # the last pass ended on a full batch
 
     @property
     def interval(self) -> float:
@@ -91,14 +108,14 @@ class Rescuer:
 
     def run_once(self) -> int:
         worker_registry.rescue_dead_workers()
-        total = 0
         # An expired lease is a timed-out attempt (its worker stopped renewing it): counted in
         # the per-minute statistics like the attempts workers settle, as a timeout, so
         # "timeouts in the last minutes" (the admin, status, metrics) include it. Its run time
         # is unknown: 0.
         recorder = stats.StatsRecorder()
-        for _ in range(self.max_batches):
-            rescued = message_store.rescue_expired_messages(self.batch_size)
+
+        def rescue(limit: int) -> int:
+            rescued = message_store.rescue_expired_messages(limit)
             for message in rescued:
                 recorder.record_settled(
                     message.channel_id,
@@ -120,22 +137,23 @@ class Rescuer:
                         "outcome": message.state,
                     },
                 )
-            total += len(rescued)
-            if len(rescued) < self.batch_size:
-                break
+            return len(rescued)
+
+        total, self.more = in_batches(rescue, self.batch_size, self.max_batches)
         recorder.flush()
         return total
 
 
 @dataclass
 class Pruner:
-    """Delete succeeded and cancelled messages older than RESULT_RETENTION, and the hold rows
-    of unique keys whose message is gone or finished for good."""
+    """Delete succeeded, cancelled and aborted messages older than RESULT_RETENTION, and the
+    hold rows of unique keys whose message is gone or finished for good."""
 
     batch_size: int = 5000
     max_batches: int = 20
     every: float | None = None  # seconds; None: FAIRQUEUE['PRUNE_INTERVAL']
     name: str = "pruner"
+    more: bool = False  # the last pass ended on a full batch
 
     @property
     def interval(self) -> float:
@@ -143,17 +161,19 @@ class Pruner:
 
     def run_once(self) -> int:
         before = timezone.now() - conf.get().RESULT_RETENTION
-        total = 0
-        for _ in range(self.max_batches):
-            pruned = message_store.prune_finished_messages(before, limit=self.batch_size)
-            total += pruned
-            if pruned < self.batch_size:
-                break
+        total, more_messages = in_batches(
+            lambda limit: message_store.prune_finished_messages(before, limit=limit),
+            self.batch_size,
+            self.max_batches,
+        )
         # the hold rows of unique keys whose message finished or is gone (not counted: they
         # are bookkeeping, not messages)
-        for _ in range(self.max_batches):
-            if message_store.prune_unique_holds(limit=self.batch_size) < self.batch_size:
-                break
+        _, more_holds = in_batches(
+            lambda limit: message_store.prune_unique_holds(limit=limit),
+            self.batch_size,
+            self.max_batches,
+        )
+        self.more = more_messages or more_holds
         if total:
             logger.info("pruned %s finished messages", total, extra={"pruned": total})
         return total
@@ -174,12 +194,11 @@ class DeltaFolder:
         return self.every
 
     def run_once(self) -> int:
-        total = 0
-        for _ in range(self.max_batches):
-            folded = channel_store.fold_channel_deltas(self.batch_size, using=self.using)
-            total += folded
-            if folded < self.batch_size:
-                break
+        total, _ = in_batches(
+            lambda limit: channel_store.fold_channel_deltas(limit, using=self.using),
+            self.batch_size,
+            self.max_batches,
+        )
         return total
 
 
@@ -385,6 +404,8 @@ class MaintenanceRunner:
         self._backoff.reset()
         if count and self.on_work is not None:
             self.on_work(service.name, count)
+        if getattr(service, "more", False):
+            return 0.0  # its pass was cut short: again after the others due
         if getattr(service, "precise", False):
             return service.interval  # it knows when its next work is due
         return service.interval * random.uniform(0.9, 1.1)

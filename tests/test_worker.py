@@ -30,8 +30,15 @@ from django_fairqueue import conf, stats
 from django_fairqueue.context import current_message
 from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.logging import JsonFormatter
-from django_fairqueue.maintenance import DeltaFolder, Pruner, Rescuer
+from django_fairqueue.maintenance import (
+    DeltaFolder,
+    MaintenanceRunner,
+    Pruner,
+    Rescuer,
+    in_batches,
+)
 from django_fairqueue.models import Channel, ChannelStat, Message, MessageState, MinuteStat
+from django_fairqueue.runtime import StopFlag
 from django_fairqueue.signals import message_finished, message_started
 from django_fairqueue.tasks import registry, task
 from django_fairqueue.testing import drain, enqueued
@@ -817,6 +824,48 @@ def test_maintenance_services_rescue_prune_and_fold(fq: Any) -> None:
     assert Pruner().run_once() == Rescuer().run_once() == 0
     alice = channel_state("alice")
     assert (alice["ready_count"], alice["running_count"]) == (1, 0)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pass_cut_short_by_its_batch_limit_runs_again_at_once_not_an_interval_later(
+    fq: Any,
+) -> None:
+    """Pruning at the rate messages finish: one pass per interval, capped, fell behind."""
+    fq(RESULT_RETENTION=0)
+    for i in range(25):
+        fairtasks.add.enqueue(i, i, channel="pruned")
+    assert drain(channels="pruned") == 25
+    time.sleep(0.01)
+    pruner = Pruner(batch_size=5, max_batches=2, every=3600)  # a pass prunes at most 10
+    stop = StopFlag()
+
+    def maintain() -> None:
+        try:
+            MaintenanceRunner([pruner], stop=stop).run()
+        finally:
+            connections.close_all()  # (this thread's)
+
+    runner = threading.Thread(target=maintain)
+    runner.start()
+    try:
+        wait_until(lambda: not Message.objects.exists(), timeout=10, what="all pruned")
+    finally:
+        stop.set()
+        runner.join(10)
+    assert not pruner.more  # its last pass found the end
+
+
+def test_in_batches_says_whether_a_full_batch_ended_the_pass() -> None:
+    left = [12]
+
+    def step(limit: int) -> int:
+        handled = min(limit, left[0])
+        left[0] -= handled
+        return handled
+
+    assert in_batches(step, 5, 2) == (10, True)
+    assert in_batches(step, 5, 2) == (2, False)
+    assert in_batches(step, 5, 2) == (0, False)
 
 
 # ------------------------------------------------------------------------------------------------
