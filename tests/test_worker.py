@@ -7,6 +7,7 @@ Tests whose worker threads open their own connections need committed data:
 
 from __future__ import annotations
 
+import decimal
 import itertools
 import json
 import logging
@@ -77,6 +78,7 @@ def unstorable(kind: str) -> Any:
         "nul": "a\x00b",
         "backslash_nul": "a\\\x00",
         "long_int": 10**4300,  # past Python's int-to-text limit of 4,300 digits
+        "decimal": decimal.Decimal("1.5"),
     }
     return values[kind]
 
@@ -368,6 +370,7 @@ def test_at_most_once_fails_without_retry_and_a_lost_lease_dead_letters_it() -> 
         ("nul", "(str) cannot be stored as JSON: it contains a NUL character"),
         ("backslash_nul", "(str) cannot be stored as JSON: it contains a NUL character"),
         ("long_int", "(int) cannot be stored as JSON: Exceeds the limit (4300 digits)"),
+        ("decimal", "(decimal.Decimal) cannot be stored as JSON: Object of type Decimal is not"),
         ("deep", "(list) cannot be stored as JSON: it is nested too deeply"),
         ("circular", "(list) cannot be stored as JSON: Circular reference detected"),
     ],

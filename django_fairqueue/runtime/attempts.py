@@ -29,7 +29,8 @@ def retry_delay(attempt: int) -> float:
     return step * random.uniform(0.5, 1.0)
 
 
-def _qualified_name(cls: type) -> str:
+def qualified_name(cls: type) -> str:
+    """A class's name as errors show it: ``module.QualName``, builtins by their name alone."""
     module = cls.__module__
     return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
@@ -55,11 +56,11 @@ def describe(exc: BaseException) -> str:
     try:
         return str(exc)
     except BaseException as failure:  # anything: this only describes, it must not fail
-        why = _qualified_name(type(failure))
+        why = qualified_name(type(failure))
     try:
         text = repr(exc)
     except BaseException:
-        text = _qualified_name(type(exc))
+        text = qualified_name(type(exc))
     return f"{text} (str() of the exception failed: {why})"
 
 
@@ -71,7 +72,7 @@ def error_info(
     # failed>" in the traceback's last line)
     tb = "".join(traceback.format_exception(exc)) if with_traceback else None
     return {
-        "type": _qualified_name(type(exc)),
+        "type": qualified_name(type(exc)),
         "message": storable(describe(exc), MAX_ERROR_MESSAGE),
         "traceback": storable(tb, MAX_TRACEBACK, keep_end=True) if tb is not None else None,
         "attempt": attempt,

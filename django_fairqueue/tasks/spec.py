@@ -22,6 +22,7 @@ from django_fairqueue.db.jsontext import has_nul
 from django_fairqueue.exceptions import InvalidQueue, ResultNotStorable, UnknownTask
 from django_fairqueue.limits import TASK_NAME_MAX_LENGTH
 from django_fairqueue.queues import validate_queue_name
+from django_fairqueue.runtime.attempts import qualified_name
 
 #: The most attempts a task may have: the messages' max_attempts column is a 32-bit integer.
 MAX_ATTEMPTS_LIMIT = 2_147_483_647
@@ -86,8 +87,7 @@ def check_result(task_name: str, value: Any) -> None:
 
 def result_not_storable(task_name: str, value: Any, exc: BaseException) -> ResultNotStorable:
     """The error of a return value that JSON cannot hold: the value's type, and why."""
-    kind = type(value)
-    name = kind.__qualname__ if kind.__module__ == "builtins" else str(kind)
+    name = qualified_name(type(value))
     why = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
     return ResultNotStorable(
         f"the return value of {task_name} ({name}) cannot be stored as JSON: {why}; "
