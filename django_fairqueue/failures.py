@@ -31,6 +31,7 @@ __all__ = [
     "FailedMessage",
     "delete",
     "delete_all",
+    "key_held",
     "list_failed",
     "retry",
     "retry_all",
@@ -115,9 +116,19 @@ def retry(ids: Iterable[int]) -> list[int]:
     """Make these failed messages ready again, with a fresh attempt budget.
 
     Returns the ids retried now; ids that are not failed (already retried, deleted, never
-    failed) are skipped.
+    failed) are skipped, and so is a unique job whose key another message holds (it stays
+    failed: :func:`key_held` tells which).
     """
     return _in_batches(ids, message_store.retry_failed_messages)
+
+
+def key_held(skipped: Iterable[int]) -> list[int]:
+    """Of ids :func:`retry` just skipped, those it left failed because another message holds
+    their unique key (that message does the work); the others were not failed (any more).
+
+    Retry skips a failed message for that reason alone, so these are the skipped ones still
+    failed: what an operator is told, without a second look at the key."""
+    return _in_batches(skipped, _failed_with_key)
 
 
 def retry_all(
@@ -194,6 +205,13 @@ def _in_batches(ids: Iterable[int], action: Callable[[Sequence[int]], list[int]]
     while chunk := list(islice(it, BATCH_SIZE)):
         done.extend(action(chunk))
     return sorted(done)
+
+
+def _failed_with_key(ids: Sequence[int]) -> list[int]:
+    rows = Message.objects.using(conf.get().DATABASE).filter(
+        id__in=ids, state=MessageState.FAILED, unique_key__isnull=False
+    )
+    return list(rows.values_list("id", flat=True))
 
 
 def _ids(ids: Iterable[int]) -> list[int]:

@@ -20,6 +20,7 @@ from typing import Any
 import django
 import pytest
 from django.contrib.auth.models import Permission, User
+from django.contrib.messages import get_messages
 from django.core.management import call_command
 from django.db import connection
 from django.test import Client
@@ -32,6 +33,7 @@ from django_fairqueue.maintenance import Rescuer
 from django_fairqueue.models import BatchState, Channel, Message, MessageState, WorkBatch
 from django_fairqueue.observe import overview
 from tests.factories import channel_ids, enqueue
+from tests.test_failures import make_held
 
 pytestmark = pytest.mark.django_db
 
@@ -427,3 +429,17 @@ def test_metrics_export_the_retrying_total_and_timeouts(flaky: dict[str, Any]) -
     assert samples["fairqueue_retried_last_5m"] == 3
     assert samples["fairqueue_failed_last_5m"] == 2
     assert samples["fairqueue_timed_out_last_5m"] == 1  # of those 5 failed attempts
+
+
+def test_retrying_a_channels_failed_unique_job_whose_key_another_holds_says_so(
+    admin_client: Client,
+) -> None:
+    failed, _ = make_held("flaky", "job-1")
+    response = admin_client.post(
+        CHANNELS, {"action": "retry_failed", "_selected_action": [str(cid("flaky"))]}
+    )
+    assert [str(m) for m in get_messages(response.wsgi_request)] == [
+        "Retried 0 failed messages of 0 channels.",
+        "1 failed message stays failed: another message holds its unique key and does its work.",
+    ]
+    assert Message.objects.get(pk=failed).state == MessageState.FAILED

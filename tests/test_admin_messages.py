@@ -17,6 +17,7 @@ from unittest import mock
 
 import pytest
 from django.contrib.auth.models import Permission, User
+from django.contrib.messages import get_messages
 from django.core.management import call_command
 from django.db import connection
 from django.test import Client
@@ -28,6 +29,7 @@ from django_fairqueue.contrib.bench import admin_render
 from django_fairqueue.db import message_store, pg
 from django_fairqueue.models import Channel, Message, MessageState
 from tests.factories import NOOP, channel_ids, enqueue, enqueue_spread
+from tests.test_failures import make_held
 
 pytestmark = pytest.mark.django_db
 
@@ -477,6 +479,29 @@ def test_a_message_page_has_retry_cancel_and_abort_buttons_for_its_state(
     )
     assert admin_client.get(act(waiting, "cancel")).status_code == 405  # POST only
     assert admin_client.post(act(waiting, "explode")).status_code == 404
+
+
+def said(response: Any) -> list[str]:
+    """What the page a followed redirect landed on told the user (and consumed)."""
+    return [str(m) for m in get_messages(response.wsgi_request)]
+
+
+def test_retrying_a_failed_unique_job_whose_key_another_holds_says_so(
+    admin_client: Client,
+) -> None:
+    failed, holder = make_held("alpha", "job-1")
+    button = reverse("admin:fairqueue_message_act", args=[failed, "retry"])
+    assert said(admin_client.post(button, follow=True)) == [
+        "Nothing done: another message holds this one's unique key and does its work; "
+        "this one stays failed."
+    ]
+    bulk = {"action": "retry_messages", "_selected_action": [str(failed), str(holder)]}
+    assert said(admin_client.post(MESSAGES, bulk, follow=True)) == [
+        "Retried 0 messages.",
+        "Only failed messages are retried.",
+        "1 failed message stays failed: another message holds its unique key and does its work.",
+    ]
+    assert Message.objects.get(pk=failed).state == MessageState.FAILED
 
 
 def test_the_buttons_need_change_message(spread: list[int]) -> None:

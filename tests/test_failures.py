@@ -47,20 +47,35 @@ def make_failed(
     name: str = PARSE,
     error: str = "bad input",
     queue: str = "default",
+    error_type: str = "builtins.ValueError",
+    unique_key: str | None = None,
 ) -> list[int]:
     """``n`` dead letters of ``channel`` (of ``queue``), failed like a worker fails an
     exhausted message."""
-    ids = enqueue_many(EnqueueRequest(name, [i], channel=channel, queue=queue) for i in range(n))
+    ids = enqueue_many(
+        EnqueueRequest(name, [i], channel=channel, queue=queue, unique_key=unique_key)
+        for i in range(n)
+    )
     row = row_name(queue, channel)
     channel_id = channel_store.select_channel_ids([row])[row]
     claimed = message_store.claim_messages(
         n, lease=timedelta(minutes=1), worker_id="w", only_channel_ids=[channel_id], quantum=n
     )
     assert sorted(m.id for m in claimed) == ids
-    failure = {"type": "builtins.ValueError", "message": error, "traceback": "Traceback ..."}
+    failure = {"type": error_type, "message": error, "traceback": "Traceback ..."}
     states = message_store.fail_messages([(m.id, m.lease_token, failure, None) for m in claimed])
     assert set(states.values()) == {"failed"}
     return ids
+
+
+def make_held(channel: str, key: str) -> tuple[int, int]:
+    """A failed unique job of ``channel`` and the message that took its ``key`` after it
+    failed (due in an hour): their ids."""
+    (failed,) = make_failed(channel, 1, unique_key=key)
+    (holder,) = enqueue_many(
+        [EnqueueRequest(PARSE, [1], channel=channel, unique_key=key, run_after=timedelta(hours=1))]
+    )
+    return failed, holder
 
 
 def failed_count(channel: str) -> int:
@@ -154,6 +169,18 @@ def test_retry_makes_them_ready_with_a_fresh_budget_and_is_idempotent() -> None:
     # and a worker can claim them again
     claimed = message_store.claim_messages(10, lease=timedelta(minutes=1), worker_id="w")
     assert {m.id for m in claimed} == {ids[0], ids[1], ready_id}
+
+
+def test_key_held_names_the_failed_jobs_a_retry_left_to_the_holder_of_their_key() -> None:
+    failed, holder = make_held("alice", "job-1")
+    plain = make_failed("alice", 1)
+    assert failures.retry([failed, holder, *plain]) == plain
+    # the holder (delayed) and the retried one were skipped or done for other reasons
+    assert failures.key_held([failed, holder, *plain]) == [failed]
+    assert states([failed, holder]) == {failed: MessageState.FAILED, holder: "scheduled"}
+    message_store.cancel_messages([holder])  # the key is free: the retry goes through
+    assert failures.retry([failed]) == [failed]
+    assert failures.key_held([failed]) == []
 
 
 def test_retry_rejects_non_integer_ids() -> None:

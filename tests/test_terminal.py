@@ -142,6 +142,17 @@ def test_failures_list_escapes_channel_task_and_error() -> None:
 
 
 @pytest.mark.django_db
+def test_failures_list_escapes_a_newline_in_an_error_rather_than_folding_it() -> None:
+    from tests.test_failures import make_failed
+
+    make_failed("alice", 1, error="line1\nline2  x", error_type="Err\x1b[31m")
+    out = io.StringIO()
+    call_command("fairqueue", "failures", "list", stdout=out)
+    (row,) = out.getvalue().splitlines()[1:]  # still one line
+    assert row.endswith("  Err\\x1b[31m: line1\\nline2  x")  # as repr writes them, spaces kept
+
+
+@pytest.mark.django_db
 def test_schedules_and_workers_escape_stored_names() -> None:
     from django_fairqueue.models import Channel, Schedule
     from django_fairqueue.runtime import worker_registry

@@ -26,7 +26,7 @@ from django.utils.text import format_lazy
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from django_fairqueue import conf, stats
+from django_fairqueue import conf, failures, stats
 from django_fairqueue.admin import lists
 from django_fairqueue.admin.common import (
     ACTION_CHUNK,
@@ -790,7 +790,7 @@ class ChannelAdmin(lists.NulSafeAdmin, ChannelAdminBase):
         description=_("Retry failed messages of selected channels"), permissions=["change"]
     )
     def retry_failed(self, request: HttpRequest, queryset: QuerySet[Channel]) -> None:
-        total = 0
+        total = held = 0
         acted: list[Channel] = []
         for channel in queryset.order_by("pk"):
             n = 0
@@ -798,7 +798,9 @@ class ChannelAdmin(lists.NulSafeAdmin, ChannelAdminBase):
             while ids := message_store.select_failed_message_ids(
                 channel_id=channel.pk, after_id=after, limit=ACTION_CHUNK
             ):
-                n += len(message_store.retry_failed_messages(ids))
+                retried = message_store.retry_failed_messages(ids)
+                n += len(retried)
+                held += len(failures.key_held(set(ids).difference(retried)))
                 after = ids[-1]
             if n:
                 acted.append(channel)
@@ -814,6 +816,8 @@ class ChannelAdmin(lists.NulSafeAdmin, ChannelAdminBase):
             % {"n": total, "channels": _channels(len(acted))},
             messages.SUCCESS,
         )
+        if held:
+            self.message_user(request, key_held_note(held), messages.WARNING)
 
     @admin.action(description=_("Purge backlog of selected channels…"), permissions=["purge"])
     def purge_backlog(
@@ -944,3 +948,15 @@ def _int_param(request: HttpRequest, name: str, default: int, low: int, high: in
 
 def _channels(n: int) -> str:
     return ngettext("%(n)d channel", "%(n)d channels", n) % {"n": n}
+
+
+def key_held_note(n: int) -> str:
+    """What a retry action says of the ``n`` failed messages it left failed because another
+    message holds their unique key (``failures.key_held``); the message admin's says it too."""
+    return ngettext(
+        "%(n)d failed message stays failed: another message holds its unique key and does "
+        "its work.",
+        "%(n)d failed messages stay failed: other messages hold their unique keys and do "
+        "their work.",
+        n,
+    ) % {"n": n}

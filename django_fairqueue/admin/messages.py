@@ -22,7 +22,7 @@ from django.views.decorators.http import require_POST
 
 from django_fairqueue import api, failures
 from django_fairqueue.admin import lists
-from django_fairqueue.admin.channels import ChannelAdmin
+from django_fairqueue.admin.channels import ChannelAdmin, key_held_note
 from django_fairqueue.admin.common import (
     MessageAdminBase,
     error_html,
@@ -296,23 +296,29 @@ class MessageAdmin(lists.NulSafeAdmin, MessageAdminBase):
             log_changes(request, [obj], f"{verb.capitalize()} (admin button).")
             self.message_user(request, text, messages.SUCCESS)
         else:
-            now = Message.objects.filter(pk=obj.pk).values_list("state", flat=True).first()
-            self.message_user(
-                request,
-                _(
-                    "Nothing done: %(verb)s needs a message that is %(needed)s; "
-                    "this one is %(state)s."
-                )
-                % {
-                    "verb": verb,
-                    "needed": " or ".join(str(s) for s in self.BUTTONS[verb][1]),
-                    "state": now or _("deleted"),
-                },
-                messages.WARNING,
-            )
+            self.message_user(request, self._nothing_done(obj.pk, verb), messages.WARNING)
         return HttpResponseRedirect(
             reverse(f"{self.admin_site.name}:fairqueue_message_change", args=[obj.pk])
         )
+
+    def _nothing_done(self, pk: int, verb: str) -> str:
+        """Why a button did nothing: the message's state moved on, or (a retry) another message
+        holds its unique key, which leaves it failed."""
+        if verb == "retry" and failures.key_held([pk]):
+            return str(
+                _(
+                    "Nothing done: another message holds this one's unique key and does its "
+                    "work; this one stays failed."
+                )
+            )
+        now = Message.objects.filter(pk=pk).values_list("state", flat=True).first()
+        return _(
+            "Nothing done: %(verb)s needs a message that is %(needed)s; this one is %(state)s."
+        ) % {
+            "verb": verb,
+            "needed": " or ".join(str(s) for s in self.BUTTONS[verb][1]),
+            "state": now or _("deleted"),
+        }
 
     # -- columns ---------------------------------------------------------------------------
 
@@ -498,8 +504,17 @@ class MessageAdmin(lists.NulSafeAdmin, MessageAdminBase):
 
     @admin.action(description=_("Retry selected failed messages"), permissions=["act"])
     def retry_messages(self, request: HttpRequest, queryset: QuerySet[Message]) -> None:
-        self._act(request, queryset, message_store.retry_failed_messages, "Retried")
+        held: list[int] = []
+
+        def retry(ids: Sequence[int]) -> list[int]:
+            retried = message_store.retry_failed_messages(ids)
+            held.extend(failures.key_held(set(ids).difference(retried)))
+            return retried
+
+        self._act(request, queryset, retry, "Retried")
         self.message_user(request, _("Only failed messages are retried."), messages.INFO)
+        if held:
+            self.message_user(request, key_held_note(len(held)), messages.WARNING)
 
     @admin.action(description=_("Cancel selected waiting messages"), permissions=["act"])
     def cancel_messages(self, request: HttpRequest, queryset: QuerySet[Message]) -> None:

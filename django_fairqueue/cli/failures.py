@@ -130,7 +130,8 @@ def _list(options: dict[str, Any], stdout: TextIO) -> None:
     rows = [("ID", "CHANNEL", "QUEUE", "TASK", "ATTEMPTS", "FINISHED", "ERROR")]
     for m in found:
         error = f"{m.error_type}: {m.error_message}" if m.error_message else m.error_type
-        error = cut(printable(" ".join(error.split())), _ERROR_WIDTH)  # one line each
+        # escaped, as every table's text: one line each (an escaped \n breaks none)
+        error = cut(printable(error), _ERROR_WIDTH)
         finished = m.finished_at.strftime("%Y-%m-%d %H:%M:%S") if m.finished_at else "-"
         rows.append(
             (
