@@ -7,11 +7,16 @@ import json
 
 import pytest
 from django.db import connection
+from django.test import SimpleTestCase
+from django.test.testcases import DatabaseOperationForbidden
 from psycopg import errors
 from psycopg.types.json import Jsonb
 
+from django_fairqueue.api import enqueue
 from django_fairqueue.db import pg
 from django_fairqueue.db.jsontext import JsonbLoader
+from django_fairqueue.models import Message
+from tests import factories as f
 
 
 @pytest.mark.django_db
@@ -93,3 +98,22 @@ def test_the_jsonb_loader_refuses_a_binary_format_it_does_not_know() -> None:
     assert loader.load(memoryview(b'\x01{"a": [1]}')) == {"a": [1]}
     with pytest.raises(errors.DataError, match="unknown jsonb binary format: 2"):
         loader.load(b'\x02{"a": 1}')
+
+
+@pytest.mark.django_db
+def test_a_test_that_did_not_declare_the_queues_database_cannot_reach_it() -> None:
+    """Django's test cases forbid a database a test does not declare by putting a failing
+    cursor on its connection; an open connection (an earlier test's) must not let the queue's
+    statements pass by it and commit where no rollback reaches."""
+    connection.ensure_connection()
+
+    class Undeclared(SimpleTestCase):  # declares no database
+        pass
+
+    Undeclared._add_databases_failures()
+    try:
+        with pytest.raises(DatabaseOperationForbidden):
+            enqueue(f.NOOP, channel="undeclared")
+    finally:
+        Undeclared._remove_databases_failures()
+    assert not Message.objects.filter(channel__name="undeclared").exists()
