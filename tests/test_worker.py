@@ -875,6 +875,25 @@ def test_in_batches_says_whether_a_full_batch_ended_the_pass() -> None:
 # the command
 
 
+@pytest.mark.django_db
+def test_a_worker_refuses_to_start_on_a_database_missing_its_migrations() -> None:
+    """Deployed before `migrate` ran: it says what to do instead of failing on a column."""
+    with connection.cursor() as cur:
+        cur.execute(
+            "DELETE FROM django_migrations WHERE app = 'fairqueue' AND name = ("
+            "SELECT max(name) FROM django_migrations WHERE app = 'fairqueue') RETURNING name"
+        )
+        (latest,) = cur.fetchone()
+    with pytest.raises(
+        CommandError,
+        match=rf"lacks 1 of django-fairqueue's migrations "
+        rf"\(the first: {latest}\): run `manage.py migrate`",
+    ):
+        call_command("runfairworker", "--burst", "--no-listen")
+    with pytest.raises(CommandError, match="lacks 1 of"):  # a supervisor: before any child
+        call_command("runfairworker", "--burst", "--processes", "2")
+
+
 @pytest.mark.parametrize(
     ("args", "error"),
     [

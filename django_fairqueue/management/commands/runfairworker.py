@@ -248,6 +248,7 @@ class Command(FairCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         config = self._config(options)
         metrics_at = _metrics_endpoint(options)
+        _require_migrated()
         for module, exc in registry.import_task_modules():
             missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
             if missing is None or not (module == missing or module.startswith(missing + ".")):
@@ -437,3 +438,29 @@ def _stop(companions: list[extensions.Companion]) -> None:
     """Stop the companions, last started first."""
     for companion in reversed(companions):
         companion.stop()
+
+
+def _require_migrated() -> None:
+    """Refuse to start on a queue database that lacks some of this release's migrations
+    (deployed before ``migrate`` ran): its statements would fail on columns and functions the
+    database does not have yet, and the worker (each child of a supervisor, again and again)
+    would stop with a database error instead of saying what to do."""
+    from django.db import connections
+    from django.db.migrations.executor import MigrationExecutor
+
+    alias = conf.get().DATABASE
+    executor = MigrationExecutor(connections[alias])
+    missing = [
+        migration.name
+        for migration, _backwards in executor.migration_plan(
+            executor.loader.graph.leaf_nodes("fairqueue")
+        )
+        if migration.app_label == "fairqueue"
+    ]
+    if missing:
+        database = "" if alias == "default" else f" --database {alias}"
+        raise CommandError(
+            f"the queue's database ({alias!r}) lacks {len(missing)} of django-fairqueue's "
+            f"migrations (the first: {missing[0]}): run `manage.py migrate{database}` before "
+            'starting workers of this release (docs/howto/deploy-workers.md, "Upgrading")'
+        )
