@@ -542,6 +542,18 @@ def _group_part(channel: tuple[Any, ...]) -> str:
     return validate_group_name(channel[0])
 
 
+def validate_channel_in_queue(channel: ChannelRef, queue: str) -> str:
+    """The name of ``channel`` (a name, a saved model instance, a ``(group, channel)`` pair),
+    checked as enqueue checks it in ``queue``: outside the default queue the queue's name is
+    part of the channel's (and its group's) row name, which must fit too. Raises
+    :class:`InvalidChannel` (:class:`InvalidQueue` for a bad queue name)."""
+    name = validate_channel_name(channel)
+    if validate_queue_name(queue) != DEFAULT_QUEUE:
+        group = channel[0] if type(channel) is tuple else None  # (checked with the pair)
+        _queue_row(queue, name, group, set())
+    return name
+
+
 def _queue_row(queue: str, channel: str, group: str | None, groups: set[str]) -> str:
     """The row name of checked ``channel`` in ``queue`` (not the default one); adds the row
     name of its ``group``, if any, to ``groups``."""

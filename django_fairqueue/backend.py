@@ -20,7 +20,8 @@ Functions decorated with Django's ``@task`` enqueue as fairqueue messages and ru
 * Enqueue is fairqueue's enqueue: SQL on Django's connection, so inside ``transaction.atomic()``
   it commits or rolls back with the caller's writes.
 * Channel: ``task.using(channel=...)``, else ``OPTIONS['CHANNEL_FROM']``, else
-  ``OPTIONS['DEFAULT_CHANNEL']``, else ``FAIRQUEUE['DEFAULT_CHANNEL']``.
+  ``OPTIONS['DEFAULT_CHANNEL']``, else ``FAIRQUEUE['DEFAULT_CHANNEL']``: anything enqueue's
+  ``channel=`` takes (a ``(group, channel)`` pair too), checked with the task's queue.
 * Queue: the task's ``queue_name`` is its fairqueue queue (Django's ``"default"`` is the
   default queue): ``runfairworker --queues`` serves only the queues named.
 * Results: every Django task keeps its row after success (``keep_result``), so ``get_result``
@@ -32,10 +33,12 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dataclasses
+import importlib.util
 import inspect
 import logging
 import sys
 import traceback
+import types
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
@@ -70,14 +73,15 @@ from django_fairqueue.tasks.spec import TaskSpec, check_result, registry, result
 if TYPE_CHECKING:
     from types import ModuleType
 
+    from django_fairqueue.api import ChannelRef
     from django_fairqueue.db.message_store import ClaimedMessage
     from django_fairqueue.models import Message
 
     _TaskBase = Task[..., Any]
 
-    #: ``OPTIONS['CHANNEL_FROM']``: ``(task, args, kwargs) -> channel name``, or ``None`` to
-    #: fall through to the next rule.
-    ChannelFrom = Callable[[Task[..., Any], Sequence[Any], Mapping[str, Any]], str | None]
+    #: ``OPTIONS['CHANNEL_FROM']``: ``(task, args, kwargs) -> channel`` (a name, a saved model
+    #: instance, a ``(group, channel)`` pair), or ``None`` to fall through to the next rule.
+    ChannelFrom = Callable[[Task[..., Any], Sequence[Any], Mapping[str, Any]], "ChannelRef | None"]
 else:
     _TaskBase = Task
 
@@ -124,7 +128,9 @@ class FairQueueTask(_TaskBase):
     not change it.
     """
 
-    channel: str | None = None
+    #: as enqueue's ``channel=`` takes it (a ``(group, channel)`` pair is kept as a pair, so
+    #: that enqueue creates the group); a result's task has the channel's name instead
+    channel: ChannelRef | None = None
     timeout: float | None = None
     #: unique jobs (``django_fairqueue.enqueue``'s options of the same names)
     unique_key: str | None = None
@@ -134,7 +140,7 @@ class FairQueueTask(_TaskBase):
     def using(
         self,
         *,
-        channel: str | None = None,
+        channel: ChannelRef | None = None,
         unique_key: str | None = None,
         unique_scope: str | None = None,
         on_conflict: str | None = None,
@@ -145,7 +151,12 @@ class FairQueueTask(_TaskBase):
         ``on_conflict``."""
         # Django's own using() for its options, so options a later Django adds keep working.
         # Task.using() copies with dataclasses.replace(), which keeps the class.
-        task = cast(FairQueueTask, Task.using(self, **changes)) if changes else self
+        task = self
+        if changes and channel is not None:
+            # Every copy is validated, and a channel is checked with the queue: change the
+            # queue without the old channel, which might not fit the new queue.
+            task = dataclasses.replace(self, channel=None)
+        task = cast(FairQueueTask, Task.using(task, **changes)) if changes else task
         ours: dict[str, Any] = {
             name: value
             for name, value in (
@@ -374,9 +385,9 @@ class FairQueueBackend(BaseTaskBackend):
         channel = getattr(task, "channel", None)
         try:
             if channel is not None and _app_installed():
-                _api().validate_channel_name(channel)
+                _checked_channel(channel, task.queue_name)
             validate_queue_name(task.queue_name)
-        except InvalidChannel as exc:
+        except InvalidChannel as exc:  # (InvalidQueue is one)
             raise InvalidTask(str(exc)) from exc
         self._refuse_moved(task)
         # With bad OPTIONS the task is declared (its module imports, so `check`, which may
@@ -424,7 +435,7 @@ class FairQueueBackend(BaseTaskBackend):
                 task,
                 backend=task.backend,
                 priority=task.priority,
-                channel=channel,
+                channel=api.validate_channel_name(channel),  # its name, as get_result has it
                 queue_name=task.queue_name,
                 run_after=task.run_after,
             ),
@@ -492,9 +503,10 @@ class FairQueueBackend(BaseTaskBackend):
 
     def channel_for(
         self, task: Task[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
-    ) -> str:
+    ) -> ChannelRef:
         """The channel a call of ``task`` goes to (the first rule that gives one wins), as
-        enqueue names it (a model instance or a ``(group, channel)`` pair made a name)."""
+        enqueue's ``channel=`` takes it: a ``(group, channel)`` pair stays a pair, so that
+        enqueue creates the group. Checked as enqueue checks it, in the task's queue."""
         self._require_options()
         channel = getattr(task, "channel", None)
         if channel is None and self._channel_from_path is not None:
@@ -502,16 +514,18 @@ class FairQueueBackend(BaseTaskBackend):
             if channel is not None:
                 # A bad name is the call's fault, as a bad .using(channel=...) is: InvalidTask.
                 try:
-                    return cast(str, _api().validate_channel_name(channel))
+                    _checked_channel(channel, task.queue_name)
                 except InvalidChannel as exc:
                     raise InvalidTask(
                         f"TASKS[{self.alias!r}]['OPTIONS']['CHANNEL_FROM'] "
                         f"({self._channel_from_path}) gave task {task.module_path} the channel "
                         f"{channel!r}: {exc}"
                     ) from exc
+                return channel
         if channel is None:
             channel = self.default_channel or conf.get().DEFAULT_CHANNEL
-        return cast(str, _api().validate_channel_name(channel))
+        _checked_channel(channel, task.queue_name)
+        return cast("ChannelRef", channel)
 
     def result_from_row(self, row: Message) -> TaskResult[..., Any]:
         """Map a message row to Django's ``TaskResult``: the one place that does it.
@@ -625,11 +639,36 @@ class FairQueueBackend(BaseTaskBackend):
             try:
                 func = import_string(str(path))
             except ImportError as exc:
+                # import_string() takes the last part for an attribute of its module: a
+                # submodule the package does not import reads as a missing attribute.
+                if _names_a_module(str(path)):
+                    raise InvalidTaskBackend(_not_a_function(where, path)) from exc
                 raise InvalidTaskBackend(f"{where} = {path!r} cannot be imported: {exc}") from exc
+            if isinstance(func, types.ModuleType):
+                raise InvalidTaskBackend(_not_a_function(where, path))
             if not callable(func):
                 raise InvalidTaskBackend(f"{where} = {path!r} is not callable")
             self._channel_from = func
         return self._channel_from
+
+
+def _names_a_module(path: str) -> bool:
+    try:
+        return importlib.util.find_spec(path) is not None
+    except (ImportError, ValueError):  # (its package is missing; not a module name)
+        return False
+
+
+def _not_a_function(where: str, path: Any) -> str:
+    return (
+        f"{where} = {path!r} is a module, not a callable: give the dotted path of a "
+        f"function (task, args, kwargs) -> channel in it ('{path}.<function>')"
+    )
+
+
+def _checked_channel(channel: ChannelRef, queue: str) -> str:
+    """``api.validate_channel_in_queue`` (the api module is imported on first use)."""
+    return cast(str, _api().validate_channel_in_queue(channel, queue))
 
 
 def _app_installed() -> bool:

@@ -338,6 +338,65 @@ def test_a_channel_from_giving_an_invalid_name_raises_invalid_task(tasks_options
     assert not Message.objects.exists()
 
 
+def grouped_channel(task: Any, args: Any, kwargs: dict[str, Any]) -> tuple[str, str] | None:
+    """OPTIONS['CHANNEL_FROM'] for the tests: channel ``name`` of group ``tenant``, if given."""
+    return (kwargs["tenant"], args[0]) if "tenant" in kwargs else None
+
+
+@pytest.mark.django_db
+def test_a_group_channel_pair_creates_the_group_with_the_channel_in_it(
+    tasks_options: Any,
+) -> None:
+    """A (group, channel) pair, from .using() or CHANNEL_FROM, is enqueue's: the group is
+    created (in the task's queue) and the channel is in it; results name the channel."""
+    tasks_options(QUEUES=[], OPTIONS={"CHANNEL_FROM": "tests.test_backend.grouped_channel"})
+    bound = add.using(channel=("newgrp", "alice"))
+    assert bound.channel == ("newgrp", "alice")
+    backend = task_backends["default"]
+    for result, group, channel, queue in (
+        (bound.enqueue(1, 2), "newgrp", "newgrp/alice", "default"),
+        (greet.enqueue("bob", tenant="acme"), "acme", "acme/bob", "default"),
+        (
+            greet.using(queue_name="emails").enqueue("cy", tenant="acme"),
+            "acme",
+            "acme/cy",
+            "emails",
+        ),
+    ):
+        row_channel = row(result.id).channel
+        assert (row_channel.queue, row_channel.short_name) == (queue, channel)
+        assert row_channel.group is not None
+        assert (row_channel.group.queue, row_channel.group.short_name) == (queue, group)
+        assert result.task.channel == channel
+        assert backend.get_result(result.id).task.channel == channel
+
+
+@pytest.mark.django_db
+def test_a_channel_too_long_for_the_tasks_queue_raises_invalid_task(tasks_options: Any) -> None:
+    """Outside the default queue the queue's name is part of the channel's (and its group's):
+    a name that fits alone but not with the queue is refused when the task is made, or, from
+    CHANNEL_FROM, at that enqueue naming the function, as enqueue() would refuse it."""
+    tasks_options(QUEUES=[], OPTIONS={"CHANNEL_FROM": "tests.test_backend.grouped_channel"})
+    long_name, long_group = "k" * 195, ("h" * 95, "u")
+    for channel, words in (
+        (long_name, "together take 202"),
+        (long_group, "together they take 102"),
+    ):
+        add.using(channel=channel)  # fits the default queue
+        with pytest.raises(InvalidTask, match=words):
+            add.using(queue_name="emails").using(channel=channel)
+        with pytest.raises(InvalidTask, match=words):
+            add.using(channel=channel).using(queue_name="emails")
+    with pytest.raises(InvalidTask, match=r"CHANNEL_FROM.*grouped_channel.*together they take 102"):
+        greet.using(queue_name="emails").enqueue("u", tenant="h" * 95)
+    assert not Message.objects.exists()
+    # a task changing queue and channel at once is checked with both new ones
+    short = add.using(channel=long_name).using(channel="acme", queue_name="emails")
+    assert row(short.enqueue(1, 1).id).channel.short_name == "acme"
+    moved = add.using(queue_name="emails").using(channel=long_name, queue_name="default")
+    assert row(moved.enqueue(1, 1).id).channel.name == long_name
+
+
 @pytest.mark.django_db
 def test_queue_name_is_the_queue_not_the_channel(tasks_options: Any) -> None:
     tasks_options(QUEUES=[])  # any queue name is valid
@@ -426,6 +485,31 @@ def test_channel_from_that_cannot_be_imported_fails_check_and_enqueue(tasks_opti
     assert [e.id for e in errors] == ["fairqueue.E102"]
     with pytest.raises(InvalidTaskBackend, match="cannot be imported"):
         add.enqueue(1, 2)
+
+
+def test_channel_from_naming_a_module_is_reported_as_one(tmp_path: Any, monkeypatch: Any) -> None:
+    """A module is not a callable: E102 says so, whether its package imports it or not."""
+    package = tmp_path / "fq_shop"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "channels.py").write_text("def tenant(task, args, kwargs):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def errors(path: str) -> list[str]:
+        backend = FairQueueBackend("shop", {"OPTIONS": {"CHANNEL_FROM": path}})
+        return [f"{e.id}: {e.msg}" for e in backend.check()]
+
+    try:
+        module = re.escape("'fq_shop.channels' is a module, not a callable")
+        [error] = errors("fq_shop.channels")  # not an attribute of its package yet
+        assert re.match(rf"fairqueue.E102: .*{module}", error), error
+        __import__("fq_shop.channels")
+        [error] = errors("fq_shop.channels")  # now it is
+        assert re.match(rf"fairqueue.E102: .*{module}", error), error
+        assert errors("fq_shop.channels.tenant") == []
+    finally:
+        for name in ("fq_shop.channels", "fq_shop"):
+            sys.modules.pop(name, None)
 
 
 def test_check_requires_the_app() -> None:
