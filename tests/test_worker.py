@@ -23,13 +23,13 @@ from typing import Any
 import psycopg
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import connection, connections, transaction
+from django.db import OperationalError, connection, connections, transaction
 from django.db.models import Sum
 from django.utils import timezone
 
 from django_fairqueue import conf, stats
 from django_fairqueue.context import current_message
-from django_fairqueue.db import channel_store, message_store
+from django_fairqueue.db import channel_store, message_store, worker_store
 from django_fairqueue.logging import JsonFormatter
 from django_fairqueue.maintenance import (
     DeltaFolder,
@@ -873,6 +873,26 @@ def test_in_batches_says_whether_a_full_batch_ended_the_pass() -> None:
 
 # ------------------------------------------------------------------------------------------------
 # the command
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_waits_out_a_database_unavailable_as_it_starts(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Workers and database started together: the first registrations are refused."""
+    real = worker_store.register_worker
+    refusals = [OperationalError("the database system is starting up")] * 2
+
+    def register_worker(*args: Any, **kwargs: Any) -> Any:
+        if refusals:
+            raise refusals.pop()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(worker_store, "register_worker", register_worker)
+    fairtasks.add.enqueue(1, 1, channel="alice")
+    with caplog.at_level(logging.WARNING, logger="django_fairqueue.worker"):
+        assert one_worker(burst=True).run() == 1
+    assert sum("registering failed" in r.getMessage() for r in caplog.records) == 2
 
 
 @pytest.mark.django_db

@@ -17,7 +17,13 @@ from django_fairqueue import conf
 from django_fairqueue.cli.terminal import printable
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.maintenance import MaintenanceRunner, Service, default_services
-from django_fairqueue.runtime import SAME_STOP_SECONDS, stop_signals
+from django_fairqueue.runtime import (
+    CONNECTION_ERRORS,
+    SAME_STOP_SECONDS,
+    Backoff,
+    after_database_error,
+    stop_signals,
+)
 from django_fairqueue.runtime.attempts import RESCUED
 from django_fairqueue.runtime.worker_registry import Beat, Registration
 from django_fairqueue.stats import StatsRecorder
@@ -275,6 +281,24 @@ class Worker:
 
     # -- the threaded loop -----------------------------------------------------------------------
 
+    def _register(self, registration: Registration) -> None:
+        """Register, waiting out a database that is unavailable (starting, restarting, failing
+        over: workers and database started together) as the claim would, instead of stopping."""
+        backoff = Backoff(cap=5.0)
+        while True:
+            try:
+                registration.register()
+                return
+            except CONNECTION_ERRORS as exc:
+                delay = backoff.next()
+                logger.warning(
+                    "worker %s: registering failed: %s; retry in %.2fs",
+                    printable(self.worker_id),
+                    after_database_error(exc),
+                    delay,
+                )
+                time.sleep(delay)
+
     def run(self) -> int:
         """Run until stopped; returns how many messages were handled.
 
@@ -304,7 +328,7 @@ class Worker:
             exclude_channels=self.config.exclude_channels,
             queues=self.config.queues,
         )
-        registration.register()
+        self._register(registration)
         background: list[service.Service] = [self.timer, RegistryBeat(registration, self._beat)]
         if self.config.maintenance:
             background.append(Maintenance(self._services, on_rescued=self.claimer.wake))

@@ -18,6 +18,7 @@ from django_fairqueue.exceptions import InvalidChannel
 from django_fairqueue.management.base import FairCommand
 from django_fairqueue.queues import parse_queue_list
 from django_fairqueue.runtime import (
+    CONNECTION_ERRORS,
     RECYCLE_EXIT,
     SUPERVISION_ENV,
     configure_logging,
@@ -449,14 +450,12 @@ def _require_migrated() -> None:
     from django.db.migrations.executor import MigrationExecutor
 
     alias = conf.get().DATABASE
-    executor = MigrationExecutor(connections[alias])
-    missing = [
-        migration.name
-        for migration, _backwards in executor.migration_plan(
-            executor.loader.graph.leaf_nodes("fairqueue")
-        )
-        if migration.app_label == "fairqueue"
-    ]
+    try:
+        executor = MigrationExecutor(connections[alias])
+        plan = executor.migration_plan(executor.loader.graph.leaf_nodes("fairqueue"))
+    except CONNECTION_ERRORS:
+        return  # unavailable now: the worker waits for it as it registers, unchecked
+    missing = [m.name for m, _backwards in plan if m.app_label == "fairqueue"]
     if missing:
         database = "" if alias == "default" else f" --database {alias}"
         raise CommandError(
