@@ -7,8 +7,10 @@ docs/performance.md.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,16 +18,18 @@ from io import StringIO
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from django.core.management import CommandError, call_command
 from django.db import connection
+from psycopg import sql
 
 from django_fairqueue import enqueue
-from django_fairqueue.contrib.bench import db, plots, sizes
+from django_fairqueue.contrib.bench import db, pickup, plots, runner, sizes
 from django_fairqueue.contrib.bench.database import SCRATCH_COMMENT, scratch_name
 from django_fairqueue.contrib.bench.e2e import E2EResult
 from django_fairqueue.contrib.bench.e2e import finish as e2e_finish
-from django_fairqueue.contrib.bench.fairness import FairnessResult
+from django_fairqueue.contrib.bench.fairness import FairnessResult, burst_figures
 from django_fairqueue.contrib.bench.figures import jain_index, percentile
 from django_fairqueue.contrib.bench.management.commands.fairbench import Command as FairbenchCommand
 from django_fairqueue.contrib.bench.scenarios import SCENARIOS
@@ -209,6 +213,55 @@ def test_scratch_runs_elsewhere_and_leaves_the_data_alone(
     assert db.select_database_comment(scratch) == (False, None)
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        if entry.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_scratch_run_cleans_up_and_says_so(database_url: str, sig: int) -> None:
+    """SIGTERM (as a process manager or `timeout` sends) stops a --scratch run as Ctrl-C does:
+    its worker stopped, its scratch database dropped, one line, status 128 + the signal."""
+    scratch = scratch_name(connection.settings_dict["NAME"])
+    env = {**os.environ, "DATABASE_URL": database_url, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "django", "fairbench", "--settings", "tests.settings"]
+    proc = subprocess.Popen(
+        [*command, "--sizes", "tiny", "--scratch", "--scenario", "pickup"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (workers := _children(proc.pid)):  # its runfairworker, in the scratch database
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        assert db.select_database_comment(scratch) == (True, SCRATCH_COMMENT)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # our own child, by its pid
+            proc.wait()
+    assert proc.returncode == 128 + sig, err
+    assert "Traceback" not in err, err
+    assert err.splitlines()[-1] == f"fairbench: run stopped by {signal.Signals(sig).name}"
+    assert db.select_database_comment(scratch) == (False, None)
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+
+
 @pytest.mark.django_db(transaction=True)
 def test_scratch_never_drops_a_database_it_did_not_create() -> None:
     scratch = scratch_name(connection.settings_dict["NAME"])
@@ -219,6 +272,24 @@ def test_scratch_never_drops_a_database_it_did_not_create() -> None:
         assert db.select_database_comment(scratch) == (True, "somebody's data")
     finally:
         db.drop_scratch_database(scratch)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_scratch_run_keeps_out_another_scratch_run_only() -> None:
+    """A --scratch run locks its scratch database, not the one it was started on: a plain run
+    there goes ahead, another --scratch run is refused with the database in use."""
+    name = connection.settings_dict["NAME"]
+    scratch = scratch_name(name)
+    in_use = "another fairbench run is using database"
+    with db.lock_benchmark(scratch=True) as held:  # as a --scratch run holds it
+        assert held
+        with pytest.raises(CommandError, match=f"{in_use} '{scratch}'"):
+            fairbench("--scratch", "--scenario", "latency")
+        assert "Claim latency" in fairbench("--scenario", "latency", "--where", "channels=2")
+    with db.lock_benchmark() as held:  # as a plain run holds it
+        assert held
+        with pytest.raises(CommandError, match=f"{in_use} '{name}'"):
+            fairbench("--scenario", "latency")
 
 
 @pytest.mark.parametrize(
@@ -264,6 +335,74 @@ def test_jain_index() -> None:
     assert jain_index([1, 0]) == 0.5
     assert jain_index([10_000, 10]) == pytest.approx(0.501, abs=1e-3)
     assert jain_index([0, 0]) == 1.0
+
+
+def test_fairness_jain_runs_over_the_claims_the_other_columns_count() -> None:
+    """One claimer taking 10 at a time, B's burst of 10: a claim that started before the client
+    read its commit's time (a busy client) took 5 of A and 5 of B, the next the same, then A
+    alone. A before B 10 in 2 claims, so the first 20 messages were 10 and 10: Jain 1.0."""
+    committed = 100.0
+    records = [
+        (99.0, 99.5, 10, []),  # before B's commit: in no column
+        (99.9, 100.01, 5, [(i, 99.95, 100.01) for i in range(1, 6)]),
+        (100.02, 100.03, 5, [(i, 99.95, 100.03) for i in range(6, 11)]),
+        (100.04, 100.05, 10, []),
+    ]
+    figures = burst_figures(records, list(range(1, 11)), committed)
+    assert (figures.a_before, figures.claims, figures.jain) == (10, 2, 1.0)
+    assert figures.waits_ms == pytest.approx([60.0] * 5 + [80.0] * 5)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_fairness_row_agrees_with_itself() -> None:
+    """The tiny run of one claimer, batch and burst of 10 (as the quick run's first row): when
+    no burst waited for more A messages than its own size, its window held all of B and at
+    most as many of A, so the first 2 x burst messages split evenly: Jain 1.0."""
+    tiny = dataclasses.replace(
+        sizes.TINY,
+        fairness_backlogs=(3_000,),
+        fairness_processes=(1,),
+        fairness_burst=10,
+        fairness_rounds=4,
+    )
+    report = runner.run([SCENARIOS["fairness"]], tiny, using=connection.alias)
+    (cell,) = report.scenarios["fairness"].results
+    assert cell.a_left > 0  # A had ready messages throughout
+    assert cell.a_before_b_max <= cell.burst, cell
+    assert cell.jain_min == 1.0, cell
+
+
+@pytest.mark.django_db(transaction=True)
+def test_pickup_reads_its_clock_before_the_enqueue_commits(database_url: str) -> None:
+    """The pickup stamp is read before the COMMIT is sent: no worker can see the message then,
+    so no handler starts before the stamp and a latency cannot be negative."""
+    seen: list[int] = []
+    count = sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(Message._meta.db_table))
+    with psycopg.connect(database_url, autocommit=True) as other:  # where a worker looks
+
+        def clock() -> float:
+            seen.append(other.execute(count).fetchone()[0])  # type: ignore[index]
+            return time.time()
+
+        before = time.time()
+        message_id, stamp = pickup.enqueue_stamped(connection.alias, clock)
+        assert seen == [0]  # not committed when the clock was read
+    assert before <= stamp <= time.time()
+    assert Message.objects.filter(pk=message_id).exists()  # committed since
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_json_says_why_it_has_no_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run from a source archive or an installed package: no commit, and why."""
+    if (ROOT / ".git").exists():
+        assert set(runner.describe(connection.alias, sizes.TINY)["git"]) == {"commit", "dirty"}
+    source = tmp_path / "source"
+    source.mkdir()
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # git looks no higher
+    monkeypatch.setattr(runner, "PACKAGE_ROOT", source)
+    assert runner.describe(connection.alias, sizes.TINY)["git"] == {"error": "not a git checkout"}
 
 
 def _e2e(channels: int, processes: int, threads: int, rate: float) -> E2EResult:

@@ -249,3 +249,42 @@ def test_a_pickup_runs_from_the_commit_not_from_the_enqueuers_clean_up(
     figures = run.pickup_cell(system, samples=5)
     assert figures["samples"] == 5
     assert all(1.9 <= ms <= 2.1 for ms in figures["latencies_ms"]), figures
+
+
+def _not_a_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A directory outside any git checkout (git does not look above ``tmp_path``)."""
+    source = tmp_path / "source"
+    source.mkdir()
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    return source
+
+
+def test_a_baseline_outside_a_git_checkout_is_one_line_and_status_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Run from a source archive (no .git), ``--baseline main`` says what it needs and exits 2,
+    before it touches the server; a ref this checkout does not have, the same way."""
+    from benchmarks.compare import run
+
+    source = _not_a_checkout(tmp_path, monkeypatch)
+    monkeypatch.setattr(run, "ROOT", source)
+    assert run.main(["--scenario", "enqueue", "--baseline", "main"]) == 2
+    assert capsys.readouterr().err == (
+        f"compare: --baseline needs a git checkout: {source} is not one\n"
+    )
+    monkeypatch.setattr(run, "ROOT", ROOT)
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    assert run.main(["--scenario", "enqueue", "--baseline", "no-such-ref"]) == 2
+    assert capsys.readouterr().err == f"compare: --baseline no-such-ref: not a commit of {ROOT}\n"
+
+
+def test_the_run_records_why_it_has_no_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, database_url: str
+) -> None:
+    from benchmarks.compare import run
+
+    if (ROOT / ".git").exists():
+        assert set(run.describe(database_url)["git"]) == {"commit", "dirty"}
+    monkeypatch.setattr(run, "ROOT", _not_a_checkout(tmp_path, monkeypatch))
+    assert run.describe(database_url)["git"] == {"error": "not a git checkout"}

@@ -940,12 +940,8 @@ def describe(server: str) -> dict[str, Any]:
             s: str(conn.execute(f"SHOW {s}").fetchone()[0])  # type: ignore[index]
             for s in SERVER_SETTINGS
         }
-    git = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout.strip()
+    from django_fairqueue.contrib.bench.runner import git_checkout  # Django is set up
+
     return {
         "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python -m benchmarks.compare.run", *sys.argv[1:]]),
@@ -958,7 +954,7 @@ def describe(server: str) -> dict[str, Any]:
         "server": settings,
         "server_host": dsn_fields(server).get("host", ""),
         "load_average_before": [round(x, 2) for x in os.getloadavg()],
-        "git": git,
+        "git": git_checkout(ROOT),
     }
 
 
@@ -1040,20 +1036,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def baseline_tree(ref: str) -> Path:
-    """A directory to run the baseline from: ``django_fairqueue`` as it was at git ``ref`` and
-    this checkout's ``benchmarks`` (a link), so the harness is the same for both."""
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--verify", f"{ref}^{{commit}}"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if commit.returncode != 0:
+def baseline_commit(ref: str) -> str:
+    """The commit git ``ref`` names in this checkout, or BenchError saying why there is none."""
+    try:
+        found = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--verify", f"{ref}^{{commit}}"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except OSError as exc:
+        raise BenchError(f"--baseline needs git: {exc}") from None
+    if "not a git repository" in found.stderr:
+        raise BenchError(f"--baseline needs a git checkout: {ROOT} is not one")
+    if found.returncode != 0:
         raise BenchError(f"--baseline {ref}: not a commit of {ROOT}")
+    return found.stdout.strip()
+
+
+def baseline_tree(commit: str) -> Path:
+    """A directory to run the baseline from: ``django_fairqueue`` as it was at ``commit`` and
+    this checkout's ``benchmarks`` (a link), so the harness is the same for both."""
     tree = Path(tempfile.mkdtemp(prefix="compare-baseline-"))
     archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", commit.stdout.strip(), "django_fairqueue"],
+        ["git", "-C", str(ROOT), "archive", commit, "django_fairqueue"],
         capture_output=True,
         check=True,
     ).stdout
@@ -1196,8 +1202,20 @@ def median_cells(rounds: Sequence[list[dict[str, Any]] | None]) -> list[dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the comparison; a BenchError (a run that cannot go on) ends it with one line on
+    stderr and status 2, not a traceback."""
+    try:
+        return _main(argv)
+    except BenchError as exc:
+        say(f"compare: {exc}")
+        return 2
+
+
+def _main(argv: list[str] | None) -> int:
     global DB_PREFIX
     args = parse_args(argv)
+    # Before the server and minutes of work: a --baseline that cannot run.
+    commit = baseline_commit(args.baseline) if args.baseline else ""
     sizes = PRESETS[args.sizes]
     DB_PREFIX = args.db_prefix
     scenarios = args.scenarios
@@ -1220,7 +1238,7 @@ def main(argv: list[str] | None = None) -> int:
     names = list(args.system or SYSTEMS)
     baseline = None
     if args.baseline:
-        baseline = (args.baseline, baseline_tree(args.baseline))
+        baseline = (args.baseline, baseline_tree(commit))
         meta["baseline"] = args.baseline
         names.append(BASELINE)
     rounds: dict[str, list[dict[str, Any] | None]] = {}

@@ -20,9 +20,9 @@ from datetime import timedelta
 from multiprocessing.synchronize import Barrier, Event
 from typing import Any
 
-from django_fairqueue.contrib.bench.figures import median
+from django_fairqueue.contrib.bench.figures import median, spread_pct
 from django_fairqueue.contrib.bench.harness import START_TIMEOUT, Bench, claim_and_complete, load1
-from django_fairqueue.contrib.bench.scenario import Column, Scenario
+from django_fairqueue.contrib.bench.scenario import SPREAD_NOTE, Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 
 LEASE = timedelta(minutes=10)
@@ -71,10 +71,7 @@ class ClaimResult:
 
     @property
     def spread_pct(self) -> float | None:
-        """(slowest - fastest run) / median, in %; None after a single run."""
-        if len(self.rates) < 2 or not self.rate:
-            return None
-        return 100 * (max(self.rates) - min(self.rates)) / self.rate
+        return spread_pct(self.rates, self.rate)
 
 
 def plan(sizes: Sizes) -> list[ClaimCell]:
@@ -252,5 +249,6 @@ SCENARIO = Scenario(
         "empty %: claims that returned nothing while ready messages remained (locked by a "
         "concurrent claim, or the channels' turns were taken).",
         "ran dry: the queue drained early; the rate is over the time the cell ran.",
+        SPREAD_NOTE,
     ),
 )

@@ -56,11 +56,12 @@ def benchmark_database(
 ) -> Iterator[str]:
     """Yield the alias to benchmark on: ``alias`` itself, or a fresh scratch database's."""
     dbname = str(connections[alias].settings_dict["NAME"])
-    # The lock lives in the configured database, so it also guards the scratch database
+    # The locks live in the configured database, one for it and one for the scratch database
     # derived from it: a second run cannot drop or truncate the database the first one uses.
-    with db.lock_benchmark(using=alias) as acquired:
+    target = scratch_name(dbname) if scratch else dbname
+    with db.lock_benchmark(scratch=scratch, using=alias) as acquired:
         if not acquired:
-            raise BenchmarkError(f"another fairbench run is using database {dbname!r}")
+            raise BenchmarkError(f"another fairbench run is using database {target!r}")
         if not scratch:
             used = tables_in_use(alias)
             if used:

@@ -25,17 +25,19 @@ _run = queries.run
 
 
 @contextmanager
-def lock_benchmark(*, using: str | None = None) -> Iterator[bool]:
+def lock_benchmark(*, scratch: bool = False, using: str | None = None) -> Iterator[bool]:
     """Hold fairbench's session lock on a dedicated connection; yields False if another run has it.
 
-    A connection of its own, outside Django's handler, so ``connections.close_all()`` (before
-    the benchmark forks) does not end the session and with it the lock.
+    One lock for runs in the database of ``using``, another (``scratch``) for runs in its
+    scratch database: a run in one does not keep a run out of the other. A connection of its
+    own, outside Django's handler, so ``connections.close_all()`` (before the benchmark forks)
+    does not end the session and with it the lock.
     """
     with pg.own_connection(using) as wrapper:  # closing it ends the session and the lock
         with wrapper.wrap_database_errors:
             wrapper.ensure_connection()
             with psycopg.Cursor(wrapper.connection) as cur:
-                cur.execute(queries()["lock_benchmark"], {})
+                cur.execute(queries()["lock_benchmark"], {"slot": -2 if scratch else -1})
                 row = cur.fetchone()
         yield bool(row and row[0])
 

@@ -9,9 +9,9 @@ from multiprocessing.synchronize import Barrier
 from typing import Any
 
 from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many
-from django_fairqueue.contrib.bench.figures import median
+from django_fairqueue.contrib.bench.figures import median, spread_pct
 from django_fairqueue.contrib.bench.harness import START_TIMEOUT, Bench, load1
-from django_fairqueue.contrib.bench.scenario import Column, Scenario
+from django_fairqueue.contrib.bench.scenario import SPREAD_NOTE, Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.contrib.bench.tasks import NOOP_TASK_NAME
 
@@ -57,10 +57,7 @@ class EnqueueResult:
 
     @property
     def spread_pct(self) -> float | None:
-        """(slowest - fastest run) / median, in %; None after a single run."""
-        if len(self.rates) < 2 or not self.rate:
-            return None
-        return 100 * (max(self.rates) - min(self.rates)) / self.rate
+        return spread_pct(self.rates, self.rate)
 
 
 def plan(sizes: Sizes) -> list[EnqueueCell]:
@@ -182,5 +179,6 @@ SCENARIO = Scenario(
         "Each call is its own transaction (autocommit), through the public API: payload "
         "validation and JSON encoding in Python included. Processes use channels in turn over "
         "the configured number of channels, created on first use.",
+        SPREAD_NOTE,
     ),
 )

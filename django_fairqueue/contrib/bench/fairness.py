@@ -50,15 +50,13 @@ class FairnessResult:
     b_wait_p50_ms: float
     b_wait_p99_ms: float
     b_wait_max_ms: float
-    #: the most A messages claimed while a burst waited: by claims that started after its
-    #: commit and returned by the claim of its last message
+    #: the most A messages claimed while a burst waited: by the claims made after its commit
+    #: (:func:`burst_figures`) that returned by the claim of its last message
     a_before_b_max: int
-    #: the most non-empty claim calls (all processes) a burst waited for: those claims, plus
-    #: the ones that took B's messages
+    #: the most non-empty claim calls (all processes) among those claims
     claims_before_b_max: int
-    #: Jain's fairness index over the first 2 x burst messages claimed by claims started after
-    #: B's commit
-    #: (1.0: equal shares; 0.5: one tenant took everything), the lowest of the rounds
+    #: Jain's fairness index over the first 2 x burst messages of the claims made after B's
+    #: commit (1.0: equal shares; 0.5: one tenant took everything), the lowest of the rounds
     jain_min: float
     #: A's throughput over the cell (messages/s)
     a_rate: float
@@ -95,29 +93,55 @@ def _worker(
     return records
 
 
-def _jain_after(records: list[Record], committed: float, burst: int) -> float:
-    """Jain's index over the first 2 x ``burst`` messages claimed after B's commit.
+def _after_commit(record: Record, committed: float, ids: set[int]) -> bool:
+    """Whether a claim counts as made after B's commit: it started once the commit had returned
+    (``committed``, read just after), or it took some of B's messages ``ids`` (so it ran after
+    the commit, though it started before that reading). One definition for every column."""
+    return record[0] >= committed or any(bid in ids for bid, _, _ in record[3])
 
-    Both tenants had ready messages then, so a fair queue gives B about half of them (all of
-    B's burst); first in, first out gives A all of them. Only claims that started after the
-    commit count (one in flight at the commit could not see B), in the order they returned; the
-    last one counts in part, A's messages after B's within it.
+
+@dataclass(frozen=True)
+class BurstFigures:
+    """One burst's figures, all over the claims made after its commit."""
+
+    #: per message of the burst: enqueued_at -> the return of the claim that took it
+    waits_ms: list[float]
+    #: A messages, and non-empty claims, from B's commit to the claim of its last message
+    a_before: int
+    claims: int
+    #: Jain's index over the first 2 x burst messages those claims took
+    jain: float
+
+
+def burst_figures(records: list[Record], ids: list[int], committed: float) -> BurstFigures:
+    """The figures of the burst ``ids`` whose commit returned at ``committed``.
+
+    The claims after the commit, in the order they returned: those up to the one that took B's
+    last message are what B waited for; Jain's index runs over the same claims, continued
+    until 2 x burst messages (both tenants had ready messages, so a fair queue gives B about
+    half, all of its burst; first in, first out gives A all of them). A claim counts B's
+    messages before A's: the last one counts in part, A's messages after B's within it.
     """
-    wanted = 2 * burst
+    wanted = set(ids)
+    after = sorted((r for r in records if _after_commit(r, committed, wanted)), key=lambda r: r[1])
+    taken = {bid: (enq, ret) for r in after for bid, enq, ret in r[3] if bid in wanted}
+    last = max(ret for _, ret in taken.values())
+    window = [r for r in after if r[1] <= last]
     a = b = 0
-    for record in sorted((r for r in records if r[0] >= committed), key=lambda r: r[1]):
-        room = wanted - a - b
+    for record in after:
+        room = 2 * len(ids) - a - b
         if room <= 0:
             break
         took_b = min(len(record[3]), room)
         b += took_b
         a += min(record[2], room - took_b)
-    return jain_index([a, b])
-
-
-def _took(record: Record, ids: list[int]) -> bool:
-    wanted = set(ids)
-    return any(bid in wanted for bid, _, _ in record[3])
+    return BurstFigures(
+        waits_ms=[1000 * (taken[i][1] - taken[i][0]) for i in ids],
+        a_before=sum(r[2] for r in window),
+        # Empty claims (a peer held the channels) served nobody: they do not count.
+        claims=sum(1 for r in window if r[2] or r[3]),
+        jain=jain_index([a, b]),
+    )
 
 
 def run(bench: Bench, cell: FairnessCell) -> FairnessResult:
@@ -156,21 +180,8 @@ def run(bench: Bench, cell: FairnessCell) -> FairnessResult:
         records = [rec for out in group.collect(timeout=START_TIMEOUT) for rec in out]
     ended = max((rec[1] for rec in records), default=time.time())
 
-    b_claims = {bid: (enq, ret) for *_, bs in records for bid, enq, ret in bs}
-    waits_ms: list[float] = []
-    a_before: list[int] = []
-    claims_before: list[int] = []
-    jains: list[float] = []
-    for ids, committed in bursts:
-        waits_ms += [1000 * (b_claims[i][1] - b_claims[i][0]) for i in ids]
-        # The claims B had to wait for: those that started once B was committed (claimable)
-        # and returned by the time B's last message was claimed, plus any that took B.
-        last = max(b_claims[i][1] for i in ids)
-        window = [r for r in records if r[1] <= last and (r[0] >= committed or _took(r, ids))]
-        a_before.append(sum(r[2] for r in window))
-        jains.append(_jain_after(records, committed, len(ids)))
-        # Empty claims (a peer held the channels) served nobody: they do not count.
-        claims_before.append(sum(1 for r in window if r[2] or r[3]))
+    figures = [burst_figures(records, ids, committed) for ids, committed in bursts]
+    waits_ms = [w for f in figures for w in f.waits_ms]
     a_claimed = sum(rec[2] for rec in records)
     bench.reset()
     return FairnessResult(
@@ -182,9 +193,9 @@ def run(bench: Bench, cell: FairnessCell) -> FairnessResult:
         b_wait_p50_ms=round(median(waits_ms), 2),
         b_wait_p99_ms=round(percentile(waits_ms, 99), 2),
         b_wait_max_ms=round(max(waits_ms), 2),
-        a_before_b_max=max(a_before),
-        claims_before_b_max=max(claims_before),
-        jain_min=round(min(jains), 3),
+        a_before_b_max=max(f.a_before for f in figures),
+        claims_before_b_max=max(f.claims for f in figures),
+        jain_min=round(min(f.jain for f in figures), 3),
         a_rate=round(a_claimed / (ended - began), 1) if ended > began else 0.0,
         a_left=cell.a_backlog - a_claimed,
         load1=round(load, 2),
@@ -219,11 +230,12 @@ SCENARIO = Scenario(
         "Claimer processes loop claim_messages(batch) -> complete on A's backlog; B then "
         "enqueues its burst in one transaction, once per round. B's wait: enqueued_at -> the "
         "return of the claim that took it.",
-        "A before B / claims: over the rounds, the most A messages (non-empty claim calls) a "
-        "burst waited for: claims that started after its commit and returned by the claim of its "
-        "last message, plus the claims that took it.",
-        "Jain: Jain's index over the first 2 x burst messages taken by claims that started "
-        "after B's commit (both tenants had work then), (a + b)^2 / (2 (a^2 + b^2)); 1 is an "
+        "Claims after B's commit: those that started once its commit had returned, and those "
+        "that took its messages. A before B / claims: over the rounds, the most A messages "
+        "(non-empty claim calls) a burst waited for: the claims after its commit that returned "
+        "by the claim of its last message.",
+        "Jain: Jain's index over the first 2 x burst messages taken by the same claims, in the "
+        "order they returned (both tenants had work then), (a + b)^2 / (2 (a^2 + b^2)); 1 is an "
         "equal split, 0.5 one tenant served alone; the worst round.",
         "A left: A's messages still queued at the end (0 would mean B was measured on an "
         "idle queue).",

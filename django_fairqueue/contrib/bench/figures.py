@@ -26,6 +26,14 @@ def median(values: Sequence[float]) -> float:
     return percentile(values, 50)
 
 
+def spread_pct(runs: Sequence[float], middle: float) -> float | None:
+    """(the largest - the smallest of ``runs``) / ``middle`` (their median), in %: how far
+    repeated runs of one cell (``--repeat``) fell apart; None after a single run."""
+    if len(runs) < 2 or not middle:
+        return None
+    return 100 * (max(runs) - min(runs)) / middle
+
+
 def jain_index(shares: Sequence[float]) -> float:
     """Jain's fairness index of ``shares``: (sum x)^2 / (n * sum x^2), from 1/n to 1; 1.0 when
     nothing was shared out."""

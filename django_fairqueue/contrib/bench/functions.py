@@ -19,8 +19,9 @@ claim writes no unique-index entry for either: a claimed message leaves the inde
 this host, the backend's CPU time per claim and per completion is read from ``/proc`` too:
 unlike time inside the server, it does not count waits for a core, so it is the figure to
 compare on a busy machine. The WAL each claim writes is read too (the median): what the claim
-writes, which the machine's load does not move. Needs PostgreSQL 15+ and a role allowed to set
-``track_functions`` (a superuser, or one granted it).
+writes, which the machine's CPU load does not move; checkpoints do (the first change to a page
+after one writes the whole page, with ``full_page_writes`` on). Needs PostgreSQL 15+ and a role
+allowed to set ``track_functions`` (a superuser, or one granted it).
 """
 
 from __future__ import annotations
@@ -254,6 +255,8 @@ SCENARIO = Scenario(
         "this host): it leaves out waits for a core, so it is the figure to compare on a busy "
         "machine.",
         "claim WAL B: bytes of WAL one claim writes (median; read before and after each claim, "
-        "outside the timed window): it does not move with the machine's load.",
+        "outside the timed window): CPU load does not move it, checkpoints do (the first change "
+        "to a page after one writes the whole page: full_page_writes), so a server that "
+        "checkpoints often reads higher.",
     ),
 )

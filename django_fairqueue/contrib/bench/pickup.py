@@ -1,20 +1,24 @@
-"""Pickup latency at low load: enqueue commit to handler start, through one idle worker.
+"""Pickup latency at low load: sending the enqueue's COMMIT to handler start, one idle worker.
 
 One ``runfairworker --concurrency 1`` process waits on an empty queue. The benchmark enqueues
-one message at a time (``enqueue``, committed), notes ``time.time()`` as soon as the enqueue
-returns, waits for the message to succeed, pauses, and enqueues the next. The pause (random,
-at least ``pickup_pause``) outlasts the worker's quick re-claims after a message, so each message
-finds it idle. The task returns
-``time.time()`` when its handler starts (kept as the message's result), so the latency is the
-difference of two readings of the same machine's clock. With LISTEN the commit's NOTIFY wakes
-the worker; with ``--no-listen`` it finds the message at its next poll.
+one message at a time in a transaction of its own, reads ``time.time()`` just before sending the
+COMMIT (:func:`enqueue_stamped`), waits for the message to succeed, pauses, and enqueues the
+next. The pause (random, at least ``pickup_pause``) outlasts the worker's quick re-claims after a
+message, so each message finds it idle. The task returns ``time.time()`` when its handler starts
+(kept as the message's result), so the latency is the difference of two readings of the same
+machine's clock: it includes the commit, and it cannot be negative (no worker sees the message
+before its commit), however late a busy client gets back from it. With LISTEN the commit's
+NOTIFY wakes the worker; with ``--no-listen`` it finds the message at its next poll.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from django.db import transaction
 
 from django_fairqueue.api import enqueue
 from django_fairqueue.contrib.bench.figures import median, percentile
@@ -69,20 +73,32 @@ def _started_at(using: str, message_id: int) -> float | None:
     return float(row) if row is not None else None
 
 
+def enqueue_stamped(using: str, clock: Callable[[], float] = time.time) -> tuple[int, float]:
+    """Enqueue one message in a transaction of its own: its id, and ``clock()`` read just
+    before the COMMIT is sent.
+
+    Read after the commit returned, the stamp could come after the handler's start (a busy
+    client gets the CPU back late) and the latency would read negative.
+    """
+    with transaction.atomic(using=using):
+        message_id = enqueue(STAMP_TASK_NAME, channel=CHANNEL)
+        committing = clock()
+    return message_id, committing
+
+
 def _one(using: str, timeout: float) -> float:
     """Enqueue one message and wait until it has run; the latency in seconds.
 
     The first look is after ``FIRST_LOOK``: reading the result sooner would only take CPU the
     worker needs (the handler stamps its own start, whenever the benchmark looks).
     """
-    message_id = enqueue(STAMP_TASK_NAME, channel=CHANNEL)
-    committed = time.time()
+    message_id, committing = enqueue_stamped(using)
     time.sleep(FIRST_LOOK)
     deadline = time.monotonic() + timeout
     while True:
         started = _started_at(using, message_id)
         if started is not None:
-            return started - committed
+            return started - committing
         if time.monotonic() > deadline:
             raise BenchmarkError(f"message {message_id} did not run within {timeout:.0f}s")
         time.sleep(POLL)
@@ -130,7 +146,7 @@ def run(bench: Bench, cell: PickupCell) -> PickupResult:
 
 SCENARIO = Scenario(
     name="pickup",
-    title="Pickup latency at low load: enqueue commit to handler start (ms)",
+    title="Pickup latency at low load: enqueue's COMMIT sent to handler start (ms)",
     plan=plan,
     run=run,
     columns=(
@@ -152,8 +168,9 @@ SCENARIO = Scenario(
         "(the next once the previous has run, after a random pause of 0.1-0.2 s, or 0.1 s plus "
         "up to the poll interval when polling: past the worker's quick re-claims after a "
         "message, so it is idle). Latency: the handler's "
-        "time.time() at start minus the benchmark's time.time() right after enqueue() "
-        "returned (committed); same machine, same clock.",
+        "time.time() at start minus the benchmark's time.time() just before it sent the COMMIT "
+        "of the enqueue's transaction: the commit included, never negative; same machine, "
+        "same clock.",
         "listen: the commit's NOTIFY wakes the worker. poll: `--no-listen`, the worker claims "
         "every poll interval (jittered +-20%), so the latency is spread over 0 to the interval "
         "(about half on average).",

@@ -55,6 +55,11 @@ SERVER_SETTINGS = (
     "io_method",
 )
 
+#: Where the package runs from: a git checkout's root, or site-packages.
+PACKAGE_ROOT = Path(django_fairqueue.__file__).resolve().parent.parent
+#: ``git_checkout``'s error outside a git checkout.
+NOT_A_CHECKOUT = "not a git checkout"
+
 _FUNCTION_RE = re.compile(
     r"CREATE OR REPLACE FUNCTION (\w+)\(.*?\bAS \$\$(.*?)\$\$", re.DOTALL | re.IGNORECASE
 )
@@ -188,7 +193,7 @@ def describe(using: str, sizes: Sizes) -> dict[str, Any]:
                 k: str(v) for k, v in asdict(conf.get()).items() if k != "TASK_MODULES"
             },
         },
-        "git": _git(),
+        "git": git_checkout(PACKAGE_ROOT),
         "warnings": warnings,
     }
 
@@ -202,26 +207,24 @@ def _stale_functions(installed: dict[str, str]) -> list[str]:
     return sorted(name for name, digest in wanted.items() if installed.get(name) != digest)
 
 
-def _git() -> dict[str, Any]:
-    """Commit and dirty files of the checkout the package runs from, if it is one."""
-    root = Path(django_fairqueue.__file__).resolve().parent.parent
+def git_checkout(root: Path) -> dict[str, Any]:
+    """The commit of the git checkout at ``root`` and its changed files under
+    ``django_fairqueue/``; outside one (a source archive, an installed package), why there is
+    no commit: ``{"error": "not a git checkout"}``."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=5, check=True
+        ).stdout
+
     try:
-        commit = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--", "django_fairqueue"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        ).stdout.split("\n")
-    except (OSError, subprocess.SubprocessError):
-        return {}
+        commit = git("rev-parse", "--short", "HEAD").strip()
+        dirty = git("status", "--porcelain", "--", "django_fairqueue").split("\n")
+    except subprocess.CalledProcessError as exc:
+        said = exc.stderr.strip().splitlines() or [f"git exited with {exc.returncode}"]
+        return {"error": NOT_A_CHECKOUT if "not a git repository" in exc.stderr else said[0]}
+    except (OSError, subprocess.SubprocessError) as exc:  # no git, or it hung
+        return {"error": f"git: {exc}"}
     return {"commit": commit, "dirty": sorted(line[3:] for line in dirty if line.strip())}
 
 

@@ -16,6 +16,12 @@ from typing import Any
 from django_fairqueue.contrib.bench.harness import Bench
 from django_fairqueue.contrib.bench.sizes import Sizes
 
+#: The note under a table with a ``spread %`` column (figures.spread_pct).
+SPREAD_NOTE = (
+    "spread %: with --repeat N, (the fastest run's rate - the slowest's) / the median rate, "
+    "in %: how far the runs fell apart; - after a single run."
+)
+
 
 @dataclass(frozen=True)
 class Column:
