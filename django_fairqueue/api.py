@@ -594,7 +594,7 @@ def validate_group_name(name: Any) -> str:
         raise InvalidChannel(
             f"channel group name is {len(name)} characters; the most is {GROUP_NAME_MAX_LENGTH}"
         )
-    validate_channel_name(name)  # NUL, Unicode
+    _check_text(name, "channel group name")
     return name
 
 
@@ -637,11 +637,18 @@ def validate_channel_name(name: Any) -> str:
         raise InvalidChannel(
             f"channel name is {len(name)} characters; the most is {CHANNEL_NAME_MAX_LENGTH}"
         )
+    _check_text(name, "channel name")
+    return name
+
+
+def _check_text(name: str, what: str) -> None:
+    """Refuse a channel's or group's name (``what``) that PostgreSQL cannot store, or whose
+    unit separator would pass for a queue's."""
     if "\x00" in name:
-        raise InvalidChannel("channel name must not contain NUL characters")
+        raise InvalidChannel(f"{what} must not contain NUL characters")
     if SEPARATOR in name:
         raise InvalidChannel(
-            "channel name must not contain the unit separator U+001F (it separates a queue "
+            f"{what} must not contain the unit separator U+001F (it separates a queue "
             f"from the channel in a channel row's name): {name!r}"
         )
     if not name.isascii():
@@ -649,9 +656,8 @@ def validate_channel_name(name: Any) -> str:
             name.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate: not text PostgreSQL can store
             raise InvalidChannel(
-                f"channel name is not valid Unicode (a lone surrogate): {name!r}"
+                f"{what} is not valid Unicode (a lone surrogate): {name!r}"
             ) from None
-    return name
 
 
 def _refuse(value: Any) -> Any:

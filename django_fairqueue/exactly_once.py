@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
-from django.db import connections, transaction
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
 from django_fairqueue import conf, limits
 from django_fairqueue.db import channel_store, message_store
@@ -205,10 +205,7 @@ def batch(
         raise ValueError(str(exc)) from None
     alias = using or conf.get().DATABASE
     if not connections[alias].in_atomic_block:
-        raise TransactionRequired(
-            "exactly_once.batch() must run inside transaction.atomic(): the claim, your writes "
-            "and the completion have to commit together (or roll back together)"
-        )
+        raise TransactionRequired(_outside_atomic(alias))
     for names in (channels, exclude_channels, queues):
         if isinstance(names, str):  # a str is a Sequence[str] too: catch batch(channels="a")
             raise TypeError("channels, exclude_channels and queues are lists of names")
@@ -244,6 +241,23 @@ def batch(
             claimed._open = False  # rolled back: nothing of it is to be settled any more
             raise
         claimed._settle(alias)
+
+
+_WHY_ATOMIC = (
+    "the claim, your writes and the completion have to commit together (or roll back together)"
+)
+
+
+def _outside_atomic(alias: str) -> str:
+    """What batch() says outside a transaction of ``alias``: with the queue in a database of its
+    own, an atomic() on ``default`` is not the queue's, so the message names the one to open."""
+    if alias == DEFAULT_DB_ALIAS:
+        return f"exactly_once.batch() must run inside transaction.atomic(): {_WHY_ATOMIC}"
+    return (
+        f"exactly_once.batch() must run inside transaction.atomic(using={alias!r}): "
+        f"{_WHY_ATOMIC}; the queue is in database {alias!r}, so only your writes to that "
+        "database are in its transaction"
+    )
 
 
 def _channel_ids(names: Sequence[str], queues: Sequence[str] | None, alias: str) -> list[int]:

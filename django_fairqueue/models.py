@@ -23,10 +23,11 @@ How the pieces fit (see docs/explanation/fairness.md):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
-from django.core.exceptions import ValidationError
+from django.core.exceptions import FieldError, ValidationError
 from django.db import models
 from django.db.models import F, Q
 from django.utils import timezone
@@ -189,6 +190,39 @@ def _check_limits(obj: Channel | ChannelGroup, where: str) -> None:
     obj.release_interval = checked.release_interval
 
 
+#: A channel's columns the database derives from its name: its group ("<group>/<rest>" once that
+#: group exists) and its queue. Writing them would move the channel's running and waiting
+#: messages out of its group's cap, or say a queue the row is not in.
+_FOLLOWS_FROM_NAME = frozenset({"group", "group_id", "queue"})
+
+
+def _refuse_derived(fields: Iterable[str]) -> None:
+    """Raise :class:`~django.core.exceptions.FieldError` if an ORM write names a column of
+    ``_FOLLOWS_FROM_NAME``."""
+    named = sorted(_FOLLOWS_FROM_NAME.intersection(fields))
+    if named:
+        raise FieldError(
+            f"a channel's {named[0].removesuffix('_id')} cannot be written: it follows from its "
+            "name (a channel named '<group>/<rest>' is in that group once the group exists, and "
+            "in the queue it was enqueued to). To move a tenant's work, enqueue to a channel of "
+            "the new name."
+        )
+
+
+class ChannelQuerySet(models.QuerySet["Channel"]):
+    """``Channel.objects``: bulk writes of the limits; one naming a column that follows from the
+    name is refused. (Django's own ``SET_NULL`` when a group is deleted goes through the plain
+    base manager, so it still ungroups the group's channels.)"""
+
+    def update(self, **kwargs: Any) -> int:
+        _refuse_derived(kwargs)
+        return super().update(**kwargs)
+
+    def bulk_update(self, objs: Iterable[Channel], fields: Any, batch_size: Any = None) -> int:
+        _refuse_derived(fields)
+        return super().bulk_update(objs, fields, batch_size=batch_size)
+
+
 class Channel(models.Model):
     """A tenant's virtual queue: its name and the limits operators edit.
 
@@ -207,6 +241,9 @@ class Channel(models.Model):
     :func:`django_fairqueue.db.channel_store.select_channel_counters` or the admin. The two
     partial indexes the claims walk are created by migrations, not declared here, for the
     same reason (and the two of ``vtime``). See docs/explanation/fairness.md, "Lock order".
+
+    ``group`` and ``queue`` are mapped to be read: the database sets them from the name, and no
+    ORM write changes them on an existing row (see :class:`ChannelQuerySet` and ``_do_update``).
     """
 
     # Unique through Meta.constraints, not unique=True: that would also create a
@@ -261,6 +298,8 @@ class Channel(models.Model):
         editable=False,
     )
 
+    objects = ChannelQuerySet.as_manager()
+
     class Meta:
         db_table = "fairqueue_channel"
         ordering = ["name"]
@@ -295,7 +334,16 @@ class Channel(models.Model):
 
     def save(self, *args: Any, **kwargs: Any) -> None:
         _check_limits(self, f"channel {self.name!r}")
+        if kwargs.get("update_fields") is not None:
+            _refuse_derived(kwargs["update_fields"])
         super().save(*args, **kwargs)
+
+    def _do_update(self, base_qs: Any, using: Any, pk_val: Any, values: Any, *args: Any) -> Any:
+        # The UPDATE of a save() leaves out the group and the queue, which an INSERT still
+        # writes: the instance's may be stale (loaded before its group was created, that took
+        # the channel in), and writing them back would take the channel out of its group.
+        values = [v for v in values if v[0].name not in _FOLLOWS_FROM_NAME]
+        return super()._do_update(base_qs, using, pk_val, values, *args)
 
     @property
     def short_name(self) -> str:

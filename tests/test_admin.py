@@ -499,6 +499,14 @@ def test_adding_a_channel(admin_client: Client) -> None:
     assert not ChannelGroup.objects.filter(name="team").exists()
 
 
+def test_a_group_name_refused_for_a_unit_separator_says_group_name(admin_client: Client) -> None:
+    group_add = reverse("admin:fairqueue_channelgroup_add")
+    refused = admin_client.post(group_add, {"name": "te\x1fam", "weight": 1})
+    (error,) = refused.context["adminform"].form.errors["name"]
+    assert error.startswith("channel group name must not contain the unit separator"), error
+    assert not ChannelGroup.objects.exists()
+
+
 def test_a_new_cap_counts_completions_not_folded_yet(admin_client: Client) -> None:
     enqueue("busy", 6)
     fold_all()

@@ -92,6 +92,37 @@ def test_outside_atomic_it_refuses_to_claim() -> None:
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("how", ["setting", "using"])
+def test_with_the_queue_in_another_database_the_error_names_the_atomic_to_open(
+    settings: Any, how: str
+) -> None:
+    """With the queue in a database of its own, ``transaction.atomic()`` on ``default`` is not
+    the queue's transaction: the error says which one to open."""
+    if how == "setting":
+        settings.FAIRQUEUE = {**settings.FAIRQUEUE, "DATABASE": "pooled"}
+        settings.DATABASE_ROUTERS = ["django_fairqueue.routers.QueueRouter"]
+    using = "pooled" if how == "using" else None
+    with (
+        transaction.atomic(),
+        pytest.raises(
+            exactly_once.TransactionRequired,
+            match=r"inside transaction\.atomic\(using='pooled'\): the claim",
+        ),
+        exactly_once.batch(limit=1, using=using),
+    ):
+        pass
+
+
+@pytest.mark.django_db(transaction=True)
+def test_on_the_default_database_the_error_names_plain_atomic() -> None:
+    with (
+        pytest.raises(exactly_once.TransactionRequired, match=r"inside transaction\.atomic\(\):"),
+        exactly_once.batch(limit=1),
+    ):
+        pass
+
+
+@pytest.mark.django_db
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="limit"), exactly_once.batch(limit=0):
         pass

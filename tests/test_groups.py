@@ -10,12 +10,13 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import psycopg
 import pytest
+from django.core.exceptions import FieldError
 from django.db import connection, transaction
 
 from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many
@@ -676,3 +677,57 @@ def test_a_new_channel_of_a_group_another_process_deleted_lands_in_the_group_aga
 def assert_group_sums_exact_after_fold() -> None:
     f.fold_all()
     assert_group_sums_exact()
+
+
+# ------------------------------------------------------------------------------------------------
+# A channel's group and queue follow from its name
+
+
+@pytest.mark.django_db(transaction=True)
+def test_no_orm_write_moves_a_channel_to_another_group_or_queue() -> None:
+    """A channel's group and queue are its name's: an ORM write that names them is refused
+    with what to do instead, and a full save() writes neither, so a channel's running and
+    waiting messages never leave its group's cap."""
+    enqueue(f.NOOP, channel=("src", "a"))
+    enqueue(f.NOOP, channel=("dst", "b"))
+    src = ChannelGroup.objects.get(name="src")
+    dst = ChannelGroup.objects.get(name="dst")
+    channel = Channel.objects.get(name="src/a")
+    writes: list[Callable[[], Any]] = [
+        lambda: Channel.objects.filter(name="src/a").update(group=dst),
+        lambda: Channel.objects.filter(name="src/a").update(group_id=dst.pk),
+        lambda: Channel.objects.filter(name="src/a").update(group=None),
+        lambda: Channel.objects.filter(name="src/a").update(queue="exports"),
+        lambda: Channel.objects.bulk_update([Channel(pk=channel.pk)], ["group"]),
+        lambda: Channel.objects.bulk_update([Channel(pk=channel.pk)], ["queue"]),
+        lambda: channel.save(update_fields=["weight", "group"]),
+        lambda: src.channels.update(weight=2, group=dst),
+    ]
+    for write in writes:
+        with pytest.raises(FieldError, match=r"follows from its name.*channel of the new name"):
+            write()
+    channel.group, channel.queue, channel.weight = dst, "exports", 2
+    channel.save()
+    assert Channel.objects.filter(name="src/a").values_list("group", "queue", "weight").get() == (
+        src.pk,
+        "default",
+        2,
+    )
+    # the limits still go through update() and bulk_update()
+    assert Channel.objects.filter(name="src/a").update(weight=3) == 1
+    channel.weight = 4
+    assert Channel.objects.bulk_update([channel], ["weight"]) == 1
+    assert_group_sums_exact_after_fold()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_saving_a_channel_loaded_before_its_group_existed_keeps_it_in_the_group() -> None:
+    f.enqueue("acme/x", 2)
+    stale = Channel.objects.get(name="acme/x")
+    assert stale.group_id is None
+    group = ChannelGroup.objects.create(name="acme")  # takes the channel in
+    stale.max_concurrency = 1
+    stale.save()
+    saved = Channel.objects.get(name="acme/x")
+    assert (saved.group_id, saved.max_concurrency) == (group.pk, 1)
+    assert_group_sums_exact_after_fold()

@@ -223,6 +223,20 @@ def test_status_sorts_by_the_name_shown_then_the_queue() -> None:
 
 
 @pytest.mark.django_db
+def test_status_cuts_a_long_queue_name_as_it_cuts_a_channel_name() -> None:
+    long_queue = "q" * 64  # the longest a queue name may be
+    enqueue_noop("plain", long_queue)
+    enqueue_noop(("acme", "alice"), long_queue)
+    out = io.StringIO()
+    call_command("fairqueue", "status", stdout=out)
+    shown = "q" * 37 + "..."  # 40 columns, as a channel name
+    channel_row = next(line for line in out.getvalue().splitlines() if line.startswith("plain"))
+    group_row = next(line for line in out.getvalue().splitlines() if line.startswith("acme "))
+    for row in (channel_row, group_row):
+        assert shown in row and long_queue not in row, row
+
+
+@pytest.mark.django_db
 def test_tables_keep_their_columns_with_wide_characters() -> None:
     from django_fairqueue.models import Channel, Schedule
 

@@ -45,7 +45,8 @@ _NAME_WIDTH = 40
 
 
 def _short_name(name: str) -> str:
-    """A channel or group name, control characters escaped, cut to the table's name column."""
+    """A channel, group or queue name, control characters escaped, cut to the table's name
+    column."""
     return cut(printable(name), _NAME_WIDTH)
 
 
@@ -274,7 +275,7 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
         lines.append(
             (
                 name,
-                c.get("queue", "default"),
+                _short_name(c.get("queue", "default")),
                 f"{c['ready']:,}",
                 f"{c['delayed']:,}",
                 f"{c['retrying']:,}",
@@ -378,7 +379,7 @@ def _group_table(groups: list[dict[str, Any]]) -> list[str]:
         lines.append(
             (
                 name,
-                g.get("queue", "default"),
+                _short_name(g.get("queue", "default")),
                 f"{g['channels']:,}",
                 f"{g['ready']:,}",
                 f"{g['running']:,}/{cap}",
