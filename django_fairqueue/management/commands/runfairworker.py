@@ -249,7 +249,6 @@ class Command(FairCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         config = self._config(options)
         metrics_at = _metrics_endpoint(options)
-        _require_migrated()
         for module, exc in registry.import_task_modules():
             missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
             if missing is None or not (module == missing or module.startswith(missing + ".")):
@@ -267,6 +266,7 @@ class Command(FairCommand):
         companions: list[extensions.Companion] = []
         try:
             companions = self._start_companions(options, config)
+            _require_migrated()
             worker = Worker(config)
             handled = worker.run()
             if config.burst:  # the companions' work is part of the burst: let them finish
@@ -296,6 +296,7 @@ class Command(FairCommand):
                 "--max-messages with a supervisor: use --max-tasks-per-child (each process "
                 "is replaced after that many messages)"
             )
+        _require_migrated()  # (before any child: each would stop on it, again and again)
         prefix = supervisor.invocation()
         flags = supervisor.child_flags(options)
         # Each slot keeps its id across restarts: a child started again in a slot whose child
