@@ -9,6 +9,7 @@ import importlib
 import json
 import logging
 import os
+import pkgutil
 import re
 import signal
 import subprocess
@@ -26,18 +27,8 @@ from django.test import Client, RequestFactory
 from django.urls import reverse
 
 import django_fairqueue
-from django_fairqueue import enqueue, task
-from django_fairqueue.db import (
-    batch_store,
-    channel_store,
-    enqueue_store,
-    integrity_store,
-    message_store,
-    pg,
-    schedule_store,
-    stats_store,
-    worker_store,
-)
+from django_fairqueue import db, enqueue, task
+from django_fairqueue.db import pg
 from django_fairqueue.exceptions import PayloadError
 from django_fairqueue.models import Channel, Message, MessageState, WorkBatch
 from django_fairqueue.worker import Worker, WorkerConfig
@@ -82,18 +73,10 @@ def test_a_row_naming_an_import_path_fails_and_nothing_is_imported_or_called(
     worker._discover()  # the configured task modules, imported before the message is seen
     # The statement files, read on first use through importlib (which the test forbids below):
     # read now, so that the test passes alone as in a full run.
-    for store in (
-        batch_store,
-        channel_store,
-        enqueue_store,
-        integrity_store,
-        message_store,
-        pg,
-        schedule_store,
-        stats_store,
-        worker_store,
-    ):
-        store.queries()
+    for module in pkgutil.iter_modules(db.__path__):
+        queries = getattr(importlib.import_module(f"{db.__name__}.{module.name}"), "queries", None)
+        if isinstance(queries, pg.StatementFile):
+            queries()
     with (
         mock.patch.object(os, "system", side_effect=AssertionError("called")) as system,
         mock.patch.object(subprocess, "call", side_effect=AssertionError("called")) as call,
