@@ -375,10 +375,12 @@ def test_a_long_output_whose_reader_stops_early_exits_141(
     from tests.factories import MessageFactory, bulk_load_ready
 
     # well past a pipe's 64 KiB in each form: 700 table lines, long names in the JSON, and
-    # failed messages with long errors
+    # failed messages with long errors (in the table each is one line cut to its columns,
+    # about 300 characters: 500 of them, or the whole table fits in the pipe and the command
+    # can finish writing before the reader stops)
     bulk_load_ready(700, 1, prefix="p" * 150)
     MessageFactory.create_batch(
-        150,
+        500,
         channel=Channel.objects.get(name=f"{'p' * 150}-00000"),
         state=MessageState.FAILED,
         last_error={"type": "RuntimeError", "message": "e" * 2000, "traceback": None},
