@@ -469,16 +469,9 @@ def _prepare_one(
             channel = spec.channel_from(*args, **kwargs)
         if channel is None:
             channel = spec.channel or cfg.DEFAULT_CHANNEL
-    group = None
-    if type(channel) is tuple:
-        group = _group_part(channel)
-    channel = validate_channel_name(channel)
     if queue is None:
         queue = spec.queue
-    if queue != DEFAULT_QUEUE:
-        rows: set[str] = set()
-        channel = _queue_row(validate_queue_name(queue), channel, group, rows)
-        group = rows.pop() if rows else None
+    channel, group = _channel_row(channel, queue)
     payload = encode_payload(spec.name, args, kwargs, cfg.MAX_PAYLOAD_BYTES)
     traced = _trace_suffix()
     if traced:
@@ -542,16 +535,25 @@ def _group_part(channel: tuple[Any, ...]) -> str:
     return validate_group_name(channel[0])
 
 
-def validate_channel_in_queue(channel: ChannelRef, queue: str) -> str:
-    """The name of ``channel`` (a name, a saved model instance, a ``(group, channel)`` pair),
-    checked as enqueue checks it in ``queue``: outside the default queue the queue's name is
-    part of the channel's (and its group's) row name, which must fit too. Raises
-    :class:`InvalidChannel` (:class:`InvalidQueue` for a bad queue name)."""
+def check_channel_in_queue(channel: ChannelRef, queue: str) -> None:
+    """Check ``channel`` (a name, a saved model instance, a ``(group, channel)`` pair) as enqueue
+    checks it in ``queue``: outside the default queue the queue's name is part of the channel's
+    (and its group's) row name, which must fit too. Raises :class:`InvalidChannel`
+    (:class:`InvalidQueue` for a bad queue name)."""
+    _channel_row(channel, validate_queue_name(queue))
+
+
+def _channel_row(channel: ChannelRef, queue: str) -> tuple[str, str | None]:
+    """``channel`` checked as enqueue checks it in ``queue`` (checked here unless the default
+    one): the channel row's name and its group row's (None: no group). Outside the default
+    queue a row's name is ``<queue>\x1f<name>``."""
+    group = _group_part(channel) if type(channel) is tuple else None
     name = validate_channel_name(channel)
-    if validate_queue_name(queue) != DEFAULT_QUEUE:
-        group = channel[0] if type(channel) is tuple else None  # (checked with the pair)
-        _queue_row(queue, name, group, set())
-    return name
+    if queue == DEFAULT_QUEUE:
+        return name, group
+    rows: set[str] = set()
+    row = _queue_row(validate_queue_name(queue), name, group, rows)
+    return row, rows.pop() if rows else None
 
 
 def _queue_row(queue: str, channel: str, group: str | None, groups: set[str]) -> str:

@@ -385,7 +385,7 @@ class FairQueueBackend(BaseTaskBackend):
         channel = getattr(task, "channel", None)
         try:
             if channel is not None and _app_installed():
-                _checked_channel(channel, task.queue_name)
+                _check_channel(channel, task.queue_name)
             validate_queue_name(task.queue_name)
         except InvalidChannel as exc:  # (InvalidQueue is one)
             raise InvalidTask(str(exc)) from exc
@@ -506,7 +506,9 @@ class FairQueueBackend(BaseTaskBackend):
     ) -> ChannelRef:
         """The channel a call of ``task`` goes to (the first rule that gives one wins), as
         enqueue's ``channel=`` takes it: a ``(group, channel)`` pair stays a pair, so that
-        enqueue creates the group. Checked as enqueue checks it, in the task's queue."""
+        enqueue creates the group. What ``CHANNEL_FROM`` returns is checked here (its fault is
+        the call's: InvalidTask); a task's own channel was checked when the task was made, and
+        the enqueue checks the one it is given."""
         self._require_options()
         channel = getattr(task, "channel", None)
         if channel is None and self._channel_from_path is not None:
@@ -514,7 +516,7 @@ class FairQueueBackend(BaseTaskBackend):
             if channel is not None:
                 # A bad name is the call's fault, as a bad .using(channel=...) is: InvalidTask.
                 try:
-                    _checked_channel(channel, task.queue_name)
+                    _check_channel(channel, task.queue_name)
                 except InvalidChannel as exc:
                     raise InvalidTask(
                         f"TASKS[{self.alias!r}]['OPTIONS']['CHANNEL_FROM'] "
@@ -524,7 +526,6 @@ class FairQueueBackend(BaseTaskBackend):
                 return channel
         if channel is None:
             channel = self.default_channel or conf.get().DEFAULT_CHANNEL
-        _checked_channel(channel, task.queue_name)
         return cast("ChannelRef", channel)
 
     def result_from_row(self, row: Message) -> TaskResult[..., Any]:
@@ -666,9 +667,9 @@ def _not_a_function(where: str, path: Any) -> str:
     )
 
 
-def _checked_channel(channel: ChannelRef, queue: str) -> str:
-    """``api.validate_channel_in_queue`` (the api module is imported on first use)."""
-    return cast(str, _api().validate_channel_in_queue(channel, queue))
+def _check_channel(channel: ChannelRef, queue: str) -> None:
+    """``api.check_channel_in_queue`` (the api module is imported on first use)."""
+    _api().check_channel_in_queue(channel, queue)
 
 
 def _app_installed() -> bool:
