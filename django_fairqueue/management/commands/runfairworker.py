@@ -266,7 +266,8 @@ class Command(FairCommand):
         companions: list[extensions.Companion] = []
         try:
             companions = self._start_companions(options, config)
-            _require_migrated()
+            if SUPERVISION_ENV not in os.environ:  # (a supervisor checked before its children)
+                _require_migrated()
             worker = Worker(config)
             handled = worker.run()
             if config.burst:  # the companions' work is part of the burst: let them finish
