@@ -9,8 +9,9 @@
 -- name: lock_benchmark
 -- Session lock held for a whole fairbench run, so two runs never share (and truncate) one database.
 -- 26225 is fairqueue_lock_key_v1()'s namespace, spelled out: with --scratch the configured
--- database need not be migrated. Enqueue locks channel ids (>= 0) in it; the slot is -1 for a
--- run in this database, -2 for one in its scratch database: never a channel id.
+-- database need not be migrated. The bounded-backlog check locks stripes of channel ids (0-127)
+-- in it; the slot is -1 for a run in this database, -2 for one in its scratch database: never
+-- a stripe.
 SELECT pg_try_advisory_lock(26225, %(slot)s) AS acquired;
 
 -- name: hold_old_snapshot
