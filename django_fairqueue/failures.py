@@ -35,6 +35,7 @@ __all__ = [
     "list_failed",
     "retry",
     "retry_all",
+    "retry_reporting_held",
 ]
 
 #: Ids per statement for the bulk operations: one statement's locks and WAL stay bounded.
@@ -129,6 +130,13 @@ def key_held(skipped: Iterable[int]) -> list[int]:
     Retry skips a failed message for that reason alone, so these are the skipped ones still
     failed: what an operator is told, without a second look at the key."""
     return _in_batches(skipped, _failed_with_key)
+
+
+def retry_reporting_held(ids: Sequence[int]) -> tuple[list[int], list[int]]:
+    """:func:`retry`, and of the ids it skipped those :func:`key_held` names: ``(retried,
+    held)``, what a retry tells its operator."""
+    retried = retry(ids)
+    return retried, key_held(set(ids).difference(retried))
 
 
 def retry_all(

@@ -287,10 +287,37 @@ def test_cli_retry_and_delete_by_id() -> None:
     out = cli("retry", str(ids[0]), str(ids[1]))
     assert out == "Retried 2 failed messages.\n"
     report = json.loads(cli("retry", str(ids[0]), str(ids[2]), "--json"))
-    assert report == {"action": "retry", "count": 1, "ids": [ids[2]], "skipped": [ids[0]]}
+    assert report == {
+        "action": "retry",
+        "count": 1,
+        "ids": [ids[2]],
+        "skipped": [ids[0]],
+        "key_held": [],
+    }
     assert "Skipped (not failed): " + str(ids[0]) in cli("delete", str(ids[0]))
-    assert "another message holds its unique key): " + str(ids[0]) in cli("retry", str(ids[0]))
+    assert (
+        cli("retry", str(ids[0]))
+        == f"Retried 0 failed messages.\nSkipped (not failed): {ids[0]}.\n"
+    )
     assert states(ids) == {i: MessageState.READY for i in ids}
+
+
+def test_cli_retry_tells_a_message_not_failed_from_one_whose_key_another_holds() -> None:
+    failed, holder = make_held("alice", "job-1")
+    (plain,) = make_failed("alice", 1)
+    argv = [str(failed), str(holder), str(plain)]
+    assert cli("retry", *argv) == (
+        "Retried 1 failed message.\n"
+        f"Skipped (not failed): {holder}.\n"
+        f"Left failed (another message holds its unique key and does its work): {failed}.\n"
+    )
+    assert json.loads(cli("retry", *argv, "--json")) == {
+        "action": "retry",
+        "count": 0,
+        "ids": [],
+        "skipped": sorted([failed, holder, plain]),
+        "key_held": [failed],
+    }
 
 
 def test_cli_bulk_with_all() -> None:

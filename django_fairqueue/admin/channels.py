@@ -798,9 +798,9 @@ class ChannelAdmin(lists.NulSafeAdmin, ChannelAdminBase):
             while ids := message_store.select_failed_message_ids(
                 channel_id=channel.pk, after_id=after, limit=ACTION_CHUNK
             ):
-                retried = message_store.retry_failed_messages(ids)
+                retried, kept = failures.retry_reporting_held(ids)
                 n += len(retried)
-                held += len(failures.key_held(set(ids).difference(retried)))
+                held += len(kept)
                 after = ids[-1]
             if n:
                 acted.append(channel)

@@ -507,8 +507,8 @@ class MessageAdmin(lists.NulSafeAdmin, MessageAdminBase):
         held: list[int] = []
 
         def retry(ids: Sequence[int]) -> list[int]:
-            retried = message_store.retry_failed_messages(ids)
-            held.extend(failures.key_held(set(ids).difference(retried)))
+            retried, kept = failures.retry_reporting_held(ids)
+            held.extend(kept)
             return retried
 
         self._act(request, queryset, retry, "Retried")

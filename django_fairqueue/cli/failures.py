@@ -91,18 +91,22 @@ def handle(options: dict[str, Any], stdout: TextIO) -> None:
         report: dict[str, Any] = {"action": action, "count": count}
         text = f"{_past(action)} {_messages(count)}."
     else:
-        one = failures.retry if action == "retry" else failures.delete
-        done = one(ids)
-        skipped = sorted(set(ids) - set(done))
+        if action == "retry":
+            done, held = failures.retry_reporting_held(ids)
+        else:
+            done, held = failures.delete(ids), []
+        skipped = sorted(set(ids).difference(done))
         report = {"action": action, "count": len(done), "ids": done, "skipped": skipped}
+        if action == "retry":
+            report["key_held"] = held  # of the skipped, those left to their key's holder
         text = f"{_past(action)} {_messages(len(done))}."
-        if skipped:
-            why = (
-                "not failed"
-                if action == "delete"
-                else "not failed, or another message holds its unique key"
+        if not_failed := [i for i in skipped if i not in held]:
+            text += f"\nSkipped (not failed): {_ids(not_failed)}."
+        if held:
+            text += (
+                "\nLeft failed (another message holds its unique key and does its work): "
+                f"{_ids(held)}."
             )
-            text += f"\nSkipped ({why}): {', '.join(map(str, skipped))}."
     if options["json"]:
         _write(stdout, json_text(report))
     else:
@@ -175,3 +179,7 @@ def _past(action: str) -> str:
 
 def _messages(count: int) -> str:
     return f"{count} failed message" + ("" if count == 1 else "s")
+
+
+def _ids(ids: list[int]) -> str:
+    return ", ".join(map(str, ids))
