@@ -211,8 +211,7 @@ def _refuse_derived(fields: Iterable[str]) -> None:
 
 class ChannelQuerySet(models.QuerySet["Channel"]):
     """``Channel.objects``: bulk writes of the limits; one naming a column that follows from the
-    name is refused. (Django's own ``SET_NULL`` when a group is deleted goes through the plain
-    base manager, so it still ungroups the group's channels.)"""
+    name is refused."""
 
     def update(self, **kwargs: Any) -> int:
         _refuse_derived(kwargs)
@@ -221,6 +220,16 @@ class ChannelQuerySet(models.QuerySet["Channel"]):
     def bulk_update(self, objs: Iterable[Channel], fields: Any, batch_size: Any = None) -> int:
         _refuse_derived(fields)
         return super().bulk_update(objs, fields, batch_size=batch_size)
+
+
+class _BaseChannelQuerySet(models.QuerySet["Channel"]):
+    """The base manager's, which Django's own code writes through: ``group.channels.add()``
+    sets a group there, refused as above; ``SET_NULL`` when a group is deleted clears one, which
+    stays allowed (the group is gone, so its channels are in none)."""
+
+    def update(self, **kwargs: Any) -> int:
+        _refuse_derived(key for key, value in kwargs.items() if value is not None)
+        return super().update(**kwargs)
 
 
 class Channel(models.Model):
@@ -299,9 +308,11 @@ class Channel(models.Model):
     )
 
     objects = ChannelQuerySet.as_manager()
+    base_objects = _BaseChannelQuerySet.as_manager()
 
     class Meta:
         db_table = "fairqueue_channel"
+        base_manager_name = "base_objects"
         ordering = ["name"]
         constraints = [
             models.UniqueConstraint(fields=["name"], name="fq_channel_name_uniq"),

@@ -702,6 +702,12 @@ def test_no_orm_write_moves_a_channel_to_another_group_or_queue() -> None:
         lambda: Channel.objects.bulk_update([Channel(pk=channel.pk)], ["queue"]),
         lambda: channel.save(update_fields=["weight", "group"]),
         lambda: src.channels.update(weight=2, group=dst),
+        # the related managers: add() writes through the base manager, the rest through these
+        # (each is given the channel afresh: add() sets its group on the instance first)
+        lambda: dst.channels.add(Channel.objects.get(name="src/a")),
+        lambda: dst.channels.set([Channel.objects.get(name="src/a")]),
+        lambda: src.channels.remove(Channel.objects.get(name="src/a")),
+        lambda: src.channels.clear(),
     ]
     for write in writes:
         with pytest.raises(FieldError, match=r"follows from its name.*channel of the new name"):
