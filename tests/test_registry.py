@@ -16,6 +16,7 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
+import django_fairqueue
 from django_fairqueue.cli import status as status_cli
 from django_fairqueue.cli import workers as workers_cli
 from django_fairqueue.db import message_store
@@ -171,6 +172,20 @@ def test_status_warns_when_no_worker_is_alive_and_workers_lists_them() -> None:
     call_command("fairqueue", "workers", stdout=out)
     assert "w-1" in out.getvalue() and "alive" in out.getvalue()
     assert "1 live of 1 registered." in out.getvalue()
+
+
+def test_a_worker_shows_its_release_and_the_last_migration_its_code_needs() -> None:
+    """Old and new workers of one release tell apart across an upgrade that migrates."""
+    from django.db import connection
+    from django.db.migrations.loader import MigrationLoader
+
+    (leaf,) = MigrationLoader(connection).graph.leaf_nodes("fairqueue")
+    worker_registry.Registration("w-v", concurrency=1).register()
+    expected = f"{django_fairqueue.__version__} ({leaf[1][:4]})"
+    assert WorkerRecord.objects.get(worker_id="w-v").version == expected
+    out = io.StringIO()
+    call_command("fairqueue", "workers", stdout=out)
+    assert expected in out.getvalue()
 
 
 def test_the_workers_admin_page_is_read_only(client: Client) -> None:

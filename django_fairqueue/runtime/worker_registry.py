@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pkgutil
 import socket
 import threading
 import time
@@ -52,7 +53,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from django_fairqueue import __version__, conf
+from django_fairqueue import __version__, conf, migrations
 from django_fairqueue.db import pg, worker_store
 from django_fairqueue.runtime import (
     CONNECTION_ERRORS,
@@ -63,6 +64,12 @@ from django_fairqueue.runtime import (
 from django_fairqueue.runtime.attempts import RESCUED
 
 logger = logging.getLogger("django_fairqueue.runtime.worker_registry")
+
+#: The version a worker registers, shown by ``fairqueue workers``: the release and the number of
+#: the last migration its code needs ("0.1.0 (0038)"), which tells the workers of two commits of
+#: one release apart during an upgrade.
+_NEEDS = max(m.name[:4] for m in pkgutil.iter_modules(migrations.__path__) if m.name[:4].isdigit())
+CODE_VERSION = f"{__version__} ({_NEEDS})"
 
 #: The environment variable a ``runfairworker --processes`` supervisor gives its children:
 #: its ``host:pid``, which each child records in its registry row.
@@ -151,7 +158,7 @@ class Registration:
                 self.worker_id,
                 host=socket.gethostname(),
                 pid=os.getpid(),
-                version=__version__,
+                version=CODE_VERSION,
                 concurrency=self.concurrency,
                 channels=list(self.channels),
                 exclude_channels=list(self.exclude_channels),
