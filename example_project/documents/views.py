@@ -7,7 +7,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_http_methods
 
-from django_fairqueue import ChannelFull, EnqueueRequest, enqueue_many
+from django_fairqueue import ChannelFull, EnqueueRequest, InvalidChannel, enqueue_many
 from documents.forms import UploadForm
 from documents.models import Document
 
@@ -62,6 +62,8 @@ def upload(request: HttpRequest) -> HttpResponse:
                 )
         except ChannelFull:
             messages.error(request, f"{tenant} has too much work queued already; try again later.")
+        except InvalidChannel as exc:  # a name the queue refuses (say, a control character)
+            form.add_error("tenant", str(exc))
         else:
             messages.success(request, f"Queued {len(documents)} document(s) for {tenant}.")
             return redirect("documents:list")
