@@ -20,7 +20,8 @@ fairness, caps, rate limit and backlog bound apply.
 Slots missed while nothing fired (no worker ran, the channel was full) follow the schedule's
 ``missed`` policy: ``latest`` fires the latest of them once, ``skip`` fires none (a slot within
 ``FAIRQUEUE['SCHEDULE_GRACE']`` of its time is on time, not missed), ``catch_up`` fires each,
-at most ``catch_up_max`` (the newest). ``jitter`` delays each slot's message by a fraction of
+at most ``catch_up_max`` (the newest). A channel with room for fewer of them gets the newest
+that fit, and the others are dropped. ``jitter`` delays each slot's message by a fraction of
 it that is the same in every process (a hash of the schedule and the slot).
 """
 
@@ -30,7 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 from zoneinfo import ZoneInfo
@@ -466,88 +467,125 @@ class Firer:
         return step
 
     def _fire(self, schedule: schedule_store.DueSchedule, step: Plan) -> int:
-        """Fire the slots of ``step`` in one transaction; returns the messages enqueued."""
+        """Fire the slots of ``step``; returns the messages enqueued.
+
+        A channel with room for some but not all of the slots gets the newest that fit, and
+        the schedule moves on past the others: a catch-up larger than the channel's
+        ``max_backlog`` would otherwise never fit, and the schedule never fire again."""
+        fitting = step
+        while True:
+            try:
+                fired = self._fire_slots(schedule, fitting)
+                break
+            except _Lost:
+                self._hold(schedule.id, RETRY_SOON, self._interval())
+                return 0
+            except (ChannelFull, DatabaseError) as exc:
+                full = exc if isinstance(exc, ChannelFull) else ChannelFull.from_error(exc)
+                if full is None:
+                    # (a lost connection, say: the runner retries the pass after a backoff)
+                    self._hold(schedule.id, self._interval(), RETRY_ERROR_CAP)
+                    raise
+                room = full.max_backlog - full.backlog
+                if 0 < room < len(fitting.slots):
+                    # (the room the refusal reports; should it shrink meanwhile, the next
+                    # refusal reports less: each try has fewer slots)
+                    fitting = replace(fitting, slots=fitting.slots[-room:])
+                    continue
+                return self._full(schedule, step)
+            except Exception as exc:
+                delay = self._hold(schedule.id, self._interval(), RETRY_ERROR_CAP)
+                self._complain(
+                    schedule,
+                    f"error {type(exc).__name__}: {exc}",
+                    logging.ERROR,
+                    "schedule %r of channel %r could not fire: %s; trying again in %.0fs",
+                    schedule.name,
+                    display_name(schedule.channel),
+                    exc,
+                    delay,
+                )
+                return 0
+        if len(fitting.slots) < len(step.slots):
+            logger.warning(
+                "schedule %r of channel %r: the channel has room for only %d of the %d missed "
+                "slots to fire: fired the newest %d (%s to %s), dropped the other %d",
+                schedule.name,
+                display_name(schedule.channel),
+                len(fitting.slots),
+                len(step.slots),
+                fired,
+                fitting.slots[0],
+                fitting.slots[-1],
+                len(step.slots) - len(fitting.slots),
+                extra={"schedule": schedule.name},
+            )
+        self._unhold(schedule.id)
+        return fired
+
+    def _full(self, schedule: schedule_store.DueSchedule, step: Plan) -> int:
+        """A channel with no room: nothing was stored, the slot stays due, and fires when the
+        channel has room (as its missed policy says by then); this process tries it every
+        SCHEDULE_INTERVAL meanwhile."""
+        self._hold(schedule.id, self._interval(), self._interval())
+        self._complain(
+            schedule,
+            f"full {step.slots[-1] if step.slots else ''}",
+            logging.WARNING,
+            "schedule %r: channel %r is full; its slot %s fires when there is room",
+            schedule.name,
+            display_name(schedule.channel),
+            step.slots[-1] if step.slots else "-",
+        )
+        return 0
+
+    def _fire_slots(self, schedule: schedule_store.DueSchedule, step: Plan) -> int:
+        """Enqueue a message for each slot of ``step`` not taken yet and move the schedule
+        on, in one transaction; returns the messages enqueued. Raises :class:`_Lost` when the
+        row changed meanwhile, :class:`ChannelFull` (or a database error standing for it, at
+        commit) when the channel has no room for them all: nothing is stored then."""
         from django_fairqueue.api import EnqueueRequest, enqueue_many
         from django_fairqueue.queues import DEFAULT_QUEUE, split_row_name
 
-        alias = conf.get().DATABASE
-        try:
-            with transaction.atomic(using=alias):
-                message_ids: list[int] = []
-                taken: list[datetime] = []
-                if step.slots:
-                    # The channel's name lock before the slot rows: inserting a slot locks
-                    # the schedule row (its foreign key), which deleting the channel deletes
-                    # after taking that name lock, so the enqueue below must not be the first
-                    # to take it (a deadlock with a deletion in between).
-                    channel_store.share_channel_name(schedule.channel)
-                    # A slot already taken is another pass's (committed: its message exists;
-                    # in flight: this waited for it). A pass with the same view then changed
-                    # the row too, and the advance below finds that out; a rewound state (a
-                    # restore) just moves on without the slots fired before.
-                    got = set(schedule_store.claim_schedule_slots(schedule.id, step.slots))
-                    taken = [slot for slot in step.slots if slot in got]
-                    # A schedule of a channel row of another queue than the default enqueues
-                    # into that queue; of the default queue's, into the task's own queue.
-                    queue, channel = split_row_name(schedule.channel)
-                    requests = [
-                        EnqueueRequest(
-                            schedule.task_name,
-                            list(schedule.args),
-                            dict(schedule.kwargs),
-                            channel=channel,
-                            queue=None if queue == DEFAULT_QUEUE else queue,
-                            run_after=self._run_after(schedule, slot),
-                            priority=schedule.priority,
-                        )
-                        for slot in taken
-                    ]
-                    message_ids = enqueue_many(requests)
-                if not schedule_store.advance_schedule(
-                    schedule,
-                    slots=taken,
-                    message_ids=message_ids,
-                    last_slot=step.slots[-1] if step.slots else None,
-                    next_fire_at=step.next_fire_at,
-                ):
-                    raise _Lost
-        except _Lost:
-            self._hold(schedule.id, RETRY_SOON, self._interval())
-            return 0
-        except (ChannelFull, DatabaseError) as exc:
-            full = exc if isinstance(exc, ChannelFull) else ChannelFull.from_error(exc)
-            if full is None:
-                # (a lost connection, say: the runner retries the pass after a backoff)
-                self._hold(schedule.id, self._interval(), RETRY_ERROR_CAP)
-                raise
-            # nothing was stored: the slot stays due, and fires when the channel has room
-            # (as its missed policy says by then); this process tries it every
-            # SCHEDULE_INTERVAL meanwhile
-            self._hold(schedule.id, self._interval(), self._interval())
-            self._complain(
+        with transaction.atomic(using=conf.get().DATABASE):
+            message_ids: list[int] = []
+            taken: list[datetime] = []
+            if step.slots:
+                # The channel's name lock before the slot rows: inserting a slot locks
+                # the schedule row (its foreign key), which deleting the channel deletes
+                # after taking that name lock, so the enqueue below must not be the first
+                # to take it (a deadlock with a deletion in between).
+                channel_store.share_channel_name(schedule.channel)
+                # A slot already taken is another pass's (committed: its message exists;
+                # in flight: this waited for it). A pass with the same view then changed
+                # the row too, and the advance below finds that out; a rewound state (a
+                # restore) just moves on without the slots fired before.
+                got = set(schedule_store.claim_schedule_slots(schedule.id, step.slots))
+                taken = [slot for slot in step.slots if slot in got]
+                # A schedule of a channel row of another queue than the default enqueues
+                # into that queue; of the default queue's, into the task's own queue.
+                queue, channel = split_row_name(schedule.channel)
+                requests = [
+                    EnqueueRequest(
+                        schedule.task_name,
+                        list(schedule.args),
+                        dict(schedule.kwargs),
+                        channel=channel,
+                        queue=None if queue == DEFAULT_QUEUE else queue,
+                        run_after=self._run_after(schedule, slot),
+                        priority=schedule.priority,
+                    )
+                    for slot in taken
+                ]
+                message_ids = enqueue_many(requests)
+            if not schedule_store.advance_schedule(
                 schedule,
-                f"full {step.slots[-1] if step.slots else ''}",
-                logging.WARNING,
-                "schedule %r: channel %r is full; its slot %s fires when there is room",
-                schedule.name,
-                display_name(schedule.channel),
-                step.slots[-1] if step.slots else "-",
-            )
-            return 0
-        except Exception as exc:
-            delay = self._hold(schedule.id, self._interval(), RETRY_ERROR_CAP)
-            self._complain(
-                schedule,
-                f"error {type(exc).__name__}: {exc}",
-                logging.ERROR,
-                "schedule %r of channel %r could not fire: %s; trying again in %.0fs",
-                schedule.name,
-                display_name(schedule.channel),
-                exc,
-                delay,
-            )
-            return 0
-        self._unhold(schedule.id)
+                slots=taken,
+                message_ids=message_ids,
+                last_slot=step.slots[-1] if step.slots else None,
+                next_fire_at=step.next_fire_at,
+            ):
+                raise _Lost
         return len(taken)
 
     @staticmethod

@@ -4,6 +4,7 @@ pause, stale forms that cannot move the firing state, and permissions."""
 from __future__ import annotations
 
 import re
+from html import escape
 from typing import Any
 
 import pytest
@@ -106,6 +107,32 @@ def test_a_bad_schedule_gets_a_clear_error_and_nothing_is_saved(
     assert response.status_code == 200
     assert message in error_text(response)
     assert not Schedule.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("typed", "field"),
+    [
+        ({"kwargs": '{"tenant": "\\ud800"}'}, "kwargs"),
+        ({"args": '["\\udfff"]', "kwargs": "{}"}, "args"),
+    ],
+)
+def test_arguments_with_a_lone_surrogate_come_back_as_typed_with_the_error(
+    admin_client: Client, acme: Channel, typed: dict[str, str], field: str
+) -> None:
+    # JSON decodes the escape to a lone surrogate, which the page could not encode as UTF-8
+    bad = {**form(acme, task_name=report.name, args="[]", kwargs='{"tenant": "acme"}'), **typed}
+    schedule = Schedule.objects.create(
+        name="s", channel=acme, task_name=report.name, kwargs={"tenant": "acme"}, cron="@daily"
+    )
+    for url in (reverse(ADD), change_url(schedule)):
+        response = admin_client.post(url, bad)
+        assert response.status_code == 200
+        (why,) = response.context["adminform"].form.errors["args"]  # where the firing fails
+        assert "are not valid Unicode" in why
+        shown = response.context["adminform"].form[field].value()
+        assert shown == typed[field] and escape(shown) in response.content.decode()
+    schedule.refresh_from_db()
+    assert (Schedule.objects.count(), schedule.kwargs) == (1, {"tenant": "acme"})
 
 
 def test_arguments_that_do_not_fit_the_task_are_refused_by_the_form(

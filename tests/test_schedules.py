@@ -659,6 +659,39 @@ def test_a_full_channel_keeps_its_slot_due_until_there_is_room() -> None:
     assert len(messages()) == 1
 
 
+@pytest.mark.django_db(transaction=True)  # committed, as a worker's passes are
+def test_catch_up_into_a_channel_with_room_for_fewer_slots_fires_the_newest_that_fit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from django_fairqueue import cancel
+
+    schedules.sync([spec("a", channel="small", missed="catch_up", catch_up_max=3)])
+    (a,) = Schedule.objects.all()
+    Channel.objects.filter(name="small").update(max_backlog=2)
+    f.enqueue("small", 2)  # full: room for none
+    schedules.fire_due()
+    backdate(a, 5)  # 6 slots passed: catch_up_max makes the newest 3 due
+    due = state(a).next_fire_at
+    assert schedules.fire_due() == 0  # no room: nothing stored, the slot stays due
+    assert not ScheduleFire.objects.exists() and state(a).next_fire_at == due
+    assert "channel 'small' is full" in caplog.text
+    cancel(channel="small")  # empty now, with room for 2 of the 3
+    caplog.clear()
+    assert schedules.fire_due() == 2
+    fired = sorted(ScheduleFire.objects.values_list("slot_at", flat=True))
+    assert len(fired) == len(messages()) == 2  # one fire row and one message per slot
+    assert fired == [state(a).last_slot_at - timedelta(minutes=1), state(a).last_slot_at]
+    assert (
+        "schedule 'a' of channel 'small': the channel has room for only 2 of the 3 missed "
+        "slots to fire: fired the newest 2 (" in caplog.text
+    )
+    assert "dropped the other 1" in caplog.text and "is full" not in caplog.text
+    # the schedule moved on: nothing more is due, and the dropped slot never fires
+    assert schedules.fire_due() == 0
+    assert state(a).next_fire_at > pg.select_clock()  # type: ignore[operator]
+    assert ScheduleFire.objects.count() == 2
+
+
 @pytest.mark.django_db
 def test_a_task_this_process_does_not_know_is_left_to_workers_that_do(
     caplog: pytest.LogCaptureFixture,

@@ -73,8 +73,8 @@ CODE_EDITABLE = ("enabled",)
 
 
 class _JSONField(forms.JSONField):
-    """A JSON form field whose input nested deeper than the parser recurses is a form error,
-    not a server error."""
+    """A JSON form field whose input nested deeper than the parser recurses, or that decodes
+    to a lone surrogate, is a form error, not a server error."""
 
     def to_python(self, value: Any) -> Any:
         try:
@@ -86,9 +86,13 @@ class _JSONField(forms.JSONField):
 
     def bound_data(self, data: Any, initial: Any) -> Any:
         try:
-            return super().bound_data(data, initial)
-        except RecursionError:
+            value = super().bound_data(data, initial)
+            # "\ud800" decodes to a lone surrogate (the form refuses it), and the page that
+            # redisplays the value could not encode it as UTF-8
+            self.prepare_value(value).encode()
+        except (RecursionError, UnicodeEncodeError):
             return forms.fields.InvalidJSONInput(data)  # shown back as typed
+        return value
 
 
 class _ChannelSelect(AutocompleteSelect):
