@@ -738,7 +738,7 @@ def test_the_scheduler_service_syncs_once_then_wakes_at_the_next_slot() -> None:
 
 
 @pytest.mark.django_db
-def test_the_schedules_command_lists_syncs_and_fires() -> None:
+def test_the_schedules_command_lists_syncs_and_fires(capsys: pytest.CaptureFixture[str]) -> None:
     import io
     import json as jsonlib
 
@@ -765,6 +765,12 @@ def test_the_schedules_command_lists_syncs_and_fires() -> None:
     call_command("fairqueue", "schedules", "--json", "--channel", "acme", stdout=out)
     (row,) = jsonlib.loads(out.getvalue())
     assert row["next_fire_at"].endswith("03:00:00+00:00") and row["enabled"]
+    # with --json, what --sync and --fire did goes to stderr: stdout stays JSON
+    out = io.StringIO()
+    call_command("fairqueue", "schedules", "--sync", "--fire", "--json", stdout=out)
+    assert [r["name"] for r in jsonlib.loads(out.getvalue())] == []  # (the sync deleted it)
+    err = capsys.readouterr().err
+    assert "deleted: nightly" in err and "fired 0 message(s)" in err
     with (
         override_settings(
             FAIRQUEUE={

@@ -13,7 +13,8 @@ fires once, whoever else fires at the same time.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import sys
+from typing import Any, TextIO
 
 from django.core.management.base import CommandError, OutputWrapper
 
@@ -45,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
+    # With --json, what --sync and --fire did goes to stderr: stdout stays one JSON document.
+    notes: TextIO | OutputWrapper = sys.stderr if options["json"] else stdout
     if options["sync"]:
         try:
             result = schedules.sync()
@@ -56,9 +59,9 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
             ("deleted", result.deleted),
         ):
             if names:
-                stdout.write(f"{what}: {', '.join(map(printable, names))}")
+                notes.write(f"{what}: {', '.join(map(printable, names))}\n")
     if options["fire"]:
-        stdout.write(f"fired {schedules.fire_due()} message(s)")
+        notes.write(f"fired {schedules.fire_due()} message(s)\n")
     rows = Schedule.objects.select_related("channel").order_by("channel__name", "name")
     queue = options.get("queue")
     if options["channel"] is not None:
