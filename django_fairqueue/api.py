@@ -16,6 +16,7 @@ from json.encoder import c_make_encoder, encode_basestring  # type: ignore[attr-
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.db.models import Model
 from django.utils import timezone
 
@@ -43,9 +44,13 @@ from django_fairqueue.tasks.spec import TaskSpec, check_arguments, registry
 
 if TYPE_CHECKING:
     from django_fairqueue.tasks import BoundTask, FairTask
+    from django_fairqueue.tasks.django_compat import Task
 
 
 TaskRef: TypeAlias = "str | FairTask[Any, Any] | TaskSpec"
+#: A task whose messages to select (:func:`cancel`, :func:`abort`, ``testing.enqueued``): also a
+#: copy made with ``.using(...)``, or a ``django.tasks`` task of a ``FairQueueBackend``.
+TaskSelector: TypeAlias = "TaskRef | BoundTask | Task[Any, Any]"
 #: A channel: its name, a saved model instance, or ``(group, channel)`` for a channel of a
 #: channel group (the channel named ``"<group>/<channel>"``, its group created if missing).
 ChannelRef: TypeAlias = "str | Model | tuple[str, str | Model]"
@@ -142,10 +147,7 @@ def enqueue(
         notify_channel=cfg.NOTIFY_CHANNEL if cfg.NOTIFY else None,
     )
     if message_enqueued.has_listeners(Message):
-        queue, channel = split_row_name(message.channel)
-        message_enqueued.send(
-            sender=Message, message_ids=[message_id], channels=[channel], queues=[queue]
-        )
+        _send_enqueued([message_id], [message.channel])
     return message_id
 
 
@@ -162,21 +164,31 @@ def enqueue_many(requests: Iterable[EnqueueRequest]) -> list[int]:
         notify_channel=cfg.NOTIFY_CHANNEL if cfg.NOTIFY else None,
     )
     if ids and message_enqueued.has_listeners(Message):
-        named = [split_row_name(c) for c in batch.channels]
-        message_enqueued.send(
-            sender=Message,
-            message_ids=ids,
-            channels=[channel for _, channel in named],
-            queues=[queue for queue, _ in named],
-        )
+        _send_enqueued(ids, batch.channels)
     return ids
+
+
+def _send_enqueued(ids: Sequence[int], rows: Sequence[str]) -> None:
+    """Send ``message_enqueued`` for the messages of ids ``ids`` (of channel rows ``rows``),
+    each once: a later request of the call that met an earlier one's unique key got that
+    message's id back, and a message stored once is counted once."""
+    sent: dict[int, str] = {}
+    for message_id, row in zip(ids, rows, strict=True):
+        sent.setdefault(message_id, row)
+    named = [split_row_name(row) for row in sent.values()]
+    message_enqueued.send(
+        sender=Message,
+        message_ids=list(sent),
+        channels=[channel for _, channel in named],
+        queues=[queue for queue, _ in named],
+    )
 
 
 def cancel(
     ids: Iterable[int] | None = None,
     *,
     channel: str | Model | None = None,
-    task: TaskRef | None = None,
+    task: TaskSelector | None = None,
     queue: str | None = None,
 ) -> list[int]:
     """Cancel waiting (ready or scheduled) messages; returns the ids cancelled.
@@ -208,7 +220,7 @@ def abort(
     ids: Iterable[int] | None = None,
     *,
     channel: str | Model | None = None,
-    task: TaskRef | None = None,
+    task: TaskSelector | None = None,
     queue: str | None = None,
 ) -> dict[int, str]:
     """Stop messages wherever they are; returns ``{id: "cancelled" or "abort_requested"}``.
@@ -241,7 +253,7 @@ def _ids(ids: Iterable[int]) -> list[int]:
 
 
 def _selection(
-    channel: str | Model | None, task: TaskRef | None, verb: str, queue: str | None
+    channel: str | Model | None, task: TaskSelector | None, verb: str, queue: str | None
 ) -> tuple[int | None, str | None, str | None]:
     """(channel id, task name, queue) of a selection by channel, task and/or queue; channel id
     -1 when the channel does not exist (nothing to select). The queue is returned only when it
@@ -256,10 +268,40 @@ def _selection(
         if queue is not None and queue != DEFAULT_QUEUE:
             name = f"{queue}{SEPARATOR}{name}"
         channel_id = channel_store.select_channel_ids([name]).get(name, -1)
-    task_name: str | None = None
-    if task is not None:
-        task_name = task if isinstance(task, str) else resolve_task(task).name
+    task_name = None if task is None else name_of_task(task)
     return channel_id, task_name, (queue if channel is None else None)
+
+
+def name_of_task(task: TaskSelector) -> str:
+    """The name the messages of ``task`` carry, to select them by: a task name, a task object
+    (``@task``, ``.using(...)``) or a ``django.tasks`` task of a ``FairQueueBackend``. Anything
+    else is refused, since a selection by it would find nothing."""
+    if isinstance(task, str):
+        return task
+    if isinstance(task, TaskSpec):
+        return task.name
+    # a task object (@task), or a copy of one made with .using(...): the API imports neither
+    for candidate in (task, getattr(task, "task", None)):
+        spec = getattr(candidate, "spec", None)
+        if isinstance(spec, TaskSpec):
+            return spec.name
+    try:
+        from django_fairqueue.backend import FairQueueBackend
+        from django_fairqueue.tasks.django_compat import Task
+    except ImproperlyConfigured:  # no tasks framework here: ``task`` cannot be one of its tasks
+        pass
+    else:
+        if isinstance(task, Task):
+            if not isinstance(task.get_backend(), FairQueueBackend):
+                raise ValueError(
+                    f"task {task.module_path} is a task of backend {task.backend!r}, which is "
+                    "not a FairQueueBackend: its calls are never queued here"
+                )
+            return task.module_path  # the name the backend registers it under
+    raise TypeError(
+        "task must be a task name, a fairqueue task or a django.tasks task, "
+        f"got {type(task).__name__}: {task!r}"
+    )
 
 
 def resolve_task(task: TaskRef) -> TaskSpec:

@@ -53,6 +53,7 @@ from django_fairqueue.db import (
     stats_store,
     worker_store,
 )
+from django_fairqueue.models import Channel
 from django_fairqueue.queues import display_name, split_row_name
 from django_fairqueue.runtime import (
     CONNECTION_ERRORS,
@@ -64,6 +65,9 @@ from django_fairqueue.runtime import (
 )
 
 logger = logging.getLogger("django_fairqueue.maintenance")
+#: Failed attempts are records of this logger whoever settles them, the rescuer included
+#: (docs/howto/observability.md, "Task errors in Sentry").
+_attempt_logger = logging.getLogger("django_fairqueue.worker")
 
 
 class Service(Protocol):
@@ -123,25 +127,46 @@ class Rescuer:
                     0.0,
                     timed_out=True,
                 )
-                logger.warning(
-                    "lease expired: message %s (%s) of worker %s, attempt %s -> %s",
-                    message.id,
-                    message.task_name,
-                    message.worker_id or "?",
-                    message.attempts,
-                    message.state,
-                    extra={
-                        "message_id": message.id,
-                        "task": message.task_name,
-                        "attempt": message.attempts,
-                        "outcome": message.state,
-                    },
-                )
+            if rescued:
+                _log_rescued(rescued)
             return len(rescued)
 
         total, self.more = in_batches(rescue, self.batch_size, self.max_batches)
         recorder.flush()
         return total
+
+
+def _log_rescued(rescued: Sequence[message_store.RescuedMessage]) -> None:
+    """Log each rescued attempt as the worker logs a failed one: the same logger and fields,
+    ``channel`` named as the API names it (within its queue), ``outcome`` ``"retry"`` when it
+    runs again, else the state it ended in, so that what a project does with failed attempts
+    (an error reporter, a filter on the outcome) also sees those whose worker died."""
+    rows = dict(
+        Channel.objects.using(conf.get().DATABASE)
+        .filter(pk__in={m.channel_id for m in rescued})
+        .values_list("id", "name")
+    )
+    for message in rescued:
+        # no row: the channel was deleted since, and its messages with it
+        queue, channel = split_row_name(rows.get(message.channel_id, ""))
+        outcome = "retry" if message.state == "ready" else message.state
+        _attempt_logger.warning(
+            "lease expired: %s message %s channel %r of worker %s, attempt %s -> %s",
+            message.task_name,
+            message.id,
+            channel,
+            message.worker_id or "?",
+            message.attempts,
+            outcome,
+            extra={
+                "channel": channel,
+                "queue": queue,
+                "task": message.task_name,
+                "message_id": message.id,
+                "attempt": message.attempts,
+                "outcome": outcome,
+            },
+        )
 
 
 @dataclass

@@ -10,7 +10,10 @@ can be connected with ``sender=Message``) and keyword arguments only:
     on committed messages wraps its work in ``transaction.on_commit``. Only sent when a receiver
     is connected (building the arguments costs nothing otherwise).
 
-    * ``message_ids`` (``list[int]``): the new messages' ids, in the order they were enqueued;
+    * ``message_ids`` (``list[int]``): the messages' ids, in the order they were enqueued, each
+      once (requests of one call sharing a unique key stored one message). An enqueue that met
+      a key a message held before the call (kept or replaced) reports that message's id like a
+      new one. One that raises sends nothing;
     * ``channels`` (``list[str]``): each message's channel name (within its queue, as enqueue
       was given it), parallel to ``message_ids``;
     * ``queues`` (``list[str]``): each message's queue, parallel to ``message_ids``.

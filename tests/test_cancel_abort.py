@@ -350,3 +350,21 @@ def test_django_tasks_take_unique_keys_through_using() -> None:
     replaced = keyed.using(on_conflict="replace").enqueue(3, 3)
     assert replaced.id == first.id
     assert Message.objects.get(pk=int(first.id)).payload["args"] == [3, 3]
+
+
+@pytest.mark.django_db
+def test_cancel_and_abort_select_by_a_django_tasks_task_as_enqueued_does() -> None:
+    from django_fairqueue.testing import enqueued
+    from tests.test_backend import add as backend_task  # a django.tasks task on this backend
+    from tests.test_testing import run_in_process  # one of another backend
+
+    running = [int(backend_task.using(channel="cx").enqueue(i, i).id) for i in range(2)]
+    claim()
+    waiting = [int(backend_task.using(channel="cx").enqueue(i, i).id) for i in range(2)]
+    other = fairtasks.add.enqueue(1, 1, channel="cx")
+    assert [m.id for m in enqueued(task=backend_task, channel="cx")] == waiting
+    assert sorted(cancel(task=backend_task, channel="cx")) == waiting
+    assert abort(task=backend_task.using(priority=5)) == dict.fromkeys(running, "abort_requested")
+    assert state(other) == "ready"
+    with pytest.raises(ValueError, match="backend 'immediate', which is not a FairQueueBackend"):
+        cancel(task=run_in_process)
