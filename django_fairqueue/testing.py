@@ -19,23 +19,21 @@ should see must be committed (``TransactionTestCase``, ``django_db(transaction=T
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from django.conf import settings
-from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
 from django_fairqueue import conf
-from django_fairqueue.api import validate_channel_name
+from django_fairqueue.api import TaskSelector, name_of_task, validate_channel_name
 from django_fairqueue.models import Message, MessageState
 from django_fairqueue.queues import DEFAULT_QUEUE, row_name, validate_queue_name
-from django_fairqueue.tasks import BoundTask, FairTask, TaskSpec
 from django_fairqueue.worker import Worker, WorkerConfig
 
 #: What the worker process runs: Django set up with the test's settings module, each
@@ -90,7 +88,7 @@ def drain(channels: str | Sequence[str] | None = None, max_messages: int | None 
 
 
 def enqueued(
-    task: str | FairTask[Any, Any] | BoundTask | TaskSpec | Any | None = None,
+    task: TaskSelector | None = None,
     channel: str | None = None,
     queue: str | None = None,
 ) -> list[Message]:
@@ -100,7 +98,7 @@ def enqueued(
     without one), and ``queue`` alone selects every channel of that queue."""
     messages = Message.objects.filter(state__in=[MessageState.READY, MessageState.SCHEDULED])
     if task is not None:
-        messages = messages.filter(task_name=_task_name(task))
+        messages = messages.filter(task_name=name_of_task(task))
     # Checked as enqueue checks them: a name no message can have would find nothing, and the
     # test would assert on an empty list.
     if queue is not None:
@@ -111,34 +109,6 @@ def enqueued(
     elif queue is not None:
         messages = messages.filter(channel__queue=queue)
     return list(messages.select_related("channel").order_by("id"))
-
-
-def _task_name(task: Any) -> str:
-    """The name the messages of ``task`` carry; anything that names no task is refused, since
-    filtering on it would find nothing and the test would assert on an empty list."""
-    if isinstance(task, str):
-        return task
-    if isinstance(task, BoundTask):
-        task = task.task
-    if isinstance(task, (FairTask, TaskSpec)):
-        return task.name
-    try:
-        from django_fairqueue.backend import FairQueueBackend
-        from django_fairqueue.tasks.django_compat import Task
-    except ImproperlyConfigured:  # no tasks framework here: ``task`` cannot be one of its tasks
-        pass
-    else:
-        if isinstance(task, Task):
-            if not isinstance(task.get_backend(), FairQueueBackend):
-                raise ValueError(
-                    f"task {task.module_path} is a task of backend {task.backend!r}, which is "
-                    "not a FairQueueBackend: its calls are never queued here"
-                )
-            return task.module_path  # the name the backend registers it under
-    raise TypeError(
-        "task must be a task name, a fairqueue task or a django.tasks task, "
-        f"got {type(task).__name__}: {task!r}"
-    )
 
 
 def run_worker(
@@ -192,12 +162,12 @@ def run_worker(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,  # its own process group: a timeout kills --processes' children
+        start_new_session=True,  # its own process group, which a timeout kills
     ) as process:
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            _kill_tree(process.pid)
             stdout, stderr = process.communicate()
             raise RuntimeError(
                 f"runfairworker --burst {' '.join(options)} still ran after {timeout:g} s and "
@@ -210,3 +180,38 @@ def run_worker(
             f"its output:\n{stdout}{stderr}"
         )
     return done
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill the process group of ``pid`` and those of every process below it: a supervisor
+    (``--processes``) starts each child in a session of its own, and a child outliving its
+    supervisor only gets SIGTERM, which lets it finish its running tasks. The supervisor is
+    stopped first, so that it starts no child while the tree is read. Below ``pid`` is read
+    from ``/proc`` (Linux); elsewhere only its own group is killed."""
+    os.killpg(pid, signal.SIGSTOP)
+    groups = [pid, *_descendants(pid)]
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    # "pid (command) state ppid ...": the command may hold spaces and parentheses
+                    ppid = int(stat.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+            children.setdefault(ppid, []).append(int(entry))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found.extend(below)
+        todo.extend(below)
+    return found

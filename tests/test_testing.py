@@ -3,6 +3,8 @@ and run_worker(), a real worker process on the test's database."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from django.contrib.auth.models import User
 
@@ -73,6 +75,16 @@ def test_run_worker_gives_the_test_database_to_each_of_several_processes() -> No
     run_worker("--processes", "2", "--burst-horizon", "0")
     states = set(Message.objects.filter(pk__in=ids).values_list("state", flat=True))
     assert states == {MessageState.SUCCEEDED}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_run_worker_past_its_timeout_kills_the_supervisor_and_its_children() -> None:
+    """A supervised child is in a session of its own and outlives its supervisor's group."""
+    fairtasks.sleep.enqueue(120, channel="slow")
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"still ran after 3 s and was killed"):
+        run_worker("--processes", "2", "--burst-horizon", "0", timeout=3)
+    assert time.monotonic() - began < 15  # not the child's grace period (30 s), nor the task
 
 
 @pytest.mark.django_db
