@@ -35,15 +35,20 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     errors.extend(_metrics_checks())
     errors.extend(_task_checks(cfg))
     errors.extend(_lease_warnings(cfg))
-    if len(cfg.DEFAULT_CHANNEL) > 200 or cfg.DEFAULT_CHANNEL.strip() != cfg.DEFAULT_CHANNEL:
-        errors.append(
-            Error(
-                "FAIRQUEUE['DEFAULT_CHANNEL'] must be at most 200 characters without "
-                "surrounding blanks.",
-                id="fairqueue.E004",
-            )
-        )
+    errors.extend(_default_channel_checks(cfg))
     return errors
+
+
+def _default_channel_checks(cfg: conf.FairQueueSettings) -> list[CheckMessage]:
+    """fairqueue.E004: the default channel is one every enqueue without a channel takes."""
+    from django_fairqueue.api import validate_channel_name
+    from django_fairqueue.exceptions import InvalidChannel
+
+    try:
+        validate_channel_name(cfg.DEFAULT_CHANNEL)
+    except InvalidChannel as exc:
+        return [Error(f"FAIRQUEUE['DEFAULT_CHANNEL']: {exc}", id="fairqueue.E004")]
+    return []
 
 
 class Problem(NamedTuple):

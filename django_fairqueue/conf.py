@@ -23,7 +23,9 @@ from django.dispatch import receiver
 
 from django_fairqueue.limits import (
     MAX_CONCURRENCY_LIMIT,
+    MAX_LEASE,
     MAX_LIMIT,
+    MAX_POLL_INTERVAL,
     MAX_RELEASE_INTERVAL,
     MAX_RETENTION,
     MAX_RETRY_DELAY,
@@ -359,7 +361,19 @@ def _value(key: str, value: Any) -> Any:
             )
         return delay
     else:  # the float-valued intervals
-        return float(_number(value, f"FAIRQUEUE['{key}']", minimum=0.001))
+        seconds = float(_number(value, f"FAIRQUEUE['{key}']", minimum=0.001))
+        # As --lease and --poll-interval take them; every other interval within a year, so
+        # that a sleep, a lease's end or a timestamp built from it stays one Python and
+        # PostgreSQL hold (a worker crashed on 1e14).
+        most = {"LEASE_SECONDS": MAX_LEASE, "POLL_INTERVAL": MAX_POLL_INTERVAL}.get(
+            key, MAX_RETRY_DELAY.total_seconds()
+        )
+        if seconds > most:
+            raise ValueError(
+                f"FAIRQUEUE['{key}'] must be at most {seconds_text(timedelta(seconds=most))}, "
+                f"got {value!r}"
+            )
+        return seconds
 
 
 def _schedules(value: Any) -> tuple[Any, ...]:
@@ -375,7 +389,7 @@ def _schedules(value: Any) -> tuple[Any, ...]:
         where = f"FAIRQUEUE['SCHEDULES'][{name!r}]"
         if not isinstance(options, dict):
             raise ValueError(f"{where} must be a dict of options, got {type(options).__name__}")
-        specs.append(ScheduleSpec.build(name, options, where))
+        specs.append(ScheduleSpec.build(name, options, where, check_channel=False))
     return tuple(specs)
 
 

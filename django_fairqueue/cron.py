@@ -248,8 +248,12 @@ class ScheduleSpec:
     enabled: bool = True
 
     @classmethod
-    def build(cls, name: object, options: dict[str, Any], where: str) -> ScheduleSpec:
-        """Check every option (raising :class:`InvalidSchedule` naming ``where``)."""
+    def build(
+        cls, name: object, options: dict[str, Any], where: str, *, check_channel: bool = True
+    ) -> ScheduleSpec:
+        """Check every option (raising :class:`InvalidSchedule` naming ``where``); the
+        channel's name too unless ``check_channel`` is false (the settings' schedules, whose
+        channel the system check ``fairqueue.E006`` judges, each schedule on its own)."""
         if not isinstance(name, str) or not name.strip() or name != name.strip():
             raise InvalidSchedule(f"{where}: the name must be non-empty text, got {name!r}")
         if "\x00" in name:
@@ -270,9 +274,9 @@ class ScheduleSpec:
         tz = validate_timezone(options.get("timezone", "UTC"), f"{where}: timezone")
         args, kwargs = _check_payload(options.get("args", []), options.get("kwargs"), where)
         channel = options.get("channel")
-        if channel is not None:
-            if not isinstance(channel, str):
-                raise InvalidSchedule(f"{where}: channel must be a channel name, got {channel!r}")
+        if channel is not None and not isinstance(channel, str):
+            raise InvalidSchedule(f"{where}: channel must be a channel name, got {channel!r}")
+        if channel is not None and check_channel:
             # enqueue's own check, here at import, naming the schedule
             from django_fairqueue.api import validate_channel_name  # (the API imports this)
 

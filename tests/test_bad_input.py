@@ -625,6 +625,12 @@ def test_a_stored_payload_of_the_wrong_shape_fails_without_running(
         ({"CLAIM_WAIT": "50ms"}, "CLAIM_WAIT'] must be a number"),
         ({"CLAIM_WAIT": math.nan}, "CLAIM_WAIT'] must be a number"),
         ({"POLL_INTERVAL": math.inf}, "POLL_INTERVAL'] must be a number"),
+        # within what --lease and --poll-interval take, every other interval within a year
+        ({"LEASE_SECONDS": 86401}, "LEASE_SECONDS'] must be at most 86400 seconds (1 day)"),
+        ({"POLL_INTERVAL": 3601}, "POLL_INTERVAL'] must be at most 3600 seconds (1 hour)"),
+        ({"POLL_INTERVAL": 1e14}, "POLL_INTERVAL'] must be at most 3600 seconds"),
+        ({"WORKER_HEARTBEAT": 1e14}, "HEARTBEAT'] must be at most"),
+        ({"STUCK_TASK_LIMIT": 1e9}, "STUCK_TASK_LIMIT'] must be at most 31536000 seconds"),
         ({"DEFAULT_MAX_ATTEMPTS": 0}, "DEFAULT_MAX_ATTEMPTS'] must be an integer >= 1"),
         ({"DEFAULT_MAX_ATTEMPTS": 2.5}, "DEFAULT_MAX_ATTEMPTS'] must be an integer"),
         ({"MAX_PAYLOAD_BYTES": "1MB"}, "MAX_PAYLOAD_BYTES'] must be an integer"),
@@ -727,7 +733,7 @@ class ReadsElsewhere:
 
 
 def test_a_default_channel_the_queue_would_refuse_is_check_e004() -> None:
-    for name in ("x" * 201, " padded "):
+    for name in ("x" * 201, " padded ", "acme\x1fx", "acme\x00"):
         with override_settings(FAIRQUEUE={"DEFAULT_CHANNEL": name}):
             assert [e.id for e in checks.check_settings()] == ["fairqueue.E004"]
 

@@ -246,6 +246,24 @@ def test_a_bad_metrics_channel_bound_is_e001_and_refused_at_first_use(
 # -- code schedules whose arguments do not fit their task -----------------------------------------
 
 
+def test_a_schedule_of_a_channel_no_enqueue_takes_is_e006_and_the_others_stand() -> None:
+    add = fairtasks.add.name
+    raw = {
+        "TASK_MODULES": ["tests.fairtasks"],
+        "SCHEDULES": {
+            "blanks": {"task": add, "cron": "@daily", "args": [1, 2], "channel": " x"},
+            "separator": {"task": add, "cron": "@daily", "args": [1, 2], "channel": "a\x1fb"},
+            "good": {"task": add, "cron": "@daily", "args": [1, 2], "channel": "acme"},
+        },
+    }
+    with override_settings(FAIRQUEUE=raw):
+        errors = checks.check_settings()
+        assert conf.get().SCHEDULES  # the settings themselves load
+    assert [e.id for e in errors] == ["fairqueue.E006"] * 2
+    assert "['blanks']" in errors[0].msg and "blanks" in errors[0].msg.split(":", 1)[1]
+    assert "['separator']" in errors[1].msg and "U+001F" in errors[1].msg
+
+
 def test_each_schedule_whose_arguments_do_not_fit_its_task_is_e006() -> None:
     add = fairtasks.add.name
     raw = {
