@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -37,10 +36,11 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
 from django_fairqueue import conf, limits
-from django_fairqueue.db import channel_store, message_store
+from django_fairqueue.db import channel_store, message_store, pg
 from django_fairqueue.db.message_store import ClaimedMessage
-from django_fairqueue.exceptions import FairQueueError, LeaseLost
+from django_fairqueue.exceptions import FairQueueError, IsolationLevelError, LeaseLost
 from django_fairqueue.queues import validate_queue_name
+from django_fairqueue.runtime.attempts import error_info
 from django_fairqueue.stats import StatsRecorder
 from django_fairqueue.tasks.spec import check_result
 
@@ -60,9 +60,12 @@ class Batch:
     :meth:`complete` sets the result a ``keep_result`` message stores.
     """
 
-    def __init__(self, messages: Sequence[ClaimedMessage], lease: timedelta) -> None:
+    def __init__(
+        self, messages: Sequence[ClaimedMessage], lease: timedelta, worker_id: str
+    ) -> None:
         self.messages: tuple[ClaimedMessage, ...] = tuple(messages)
         self._lease = lease
+        self._worker_id = worker_id
         self._claimed = time.monotonic()
         self._by_id = {m.id: m for m in self.messages}
         self._results: dict[int, Any] = {}
@@ -107,7 +110,10 @@ class Batch:
             if retry_in < timedelta(0):
                 raise ValueError(f"retry_in must not be negative, got {retry_in!r}")
         self._decide(message)
-        self._failed[message.id] = (_error(error), retry_in)
+        # Recorded as a worker records a failed attempt, so that failures list and retry
+        # treat both alike (and an exception whose __str__ raises cannot fail the batch).
+        recorded = error_info(error, attempt=message.attempts, worker_id=self._worker_id)
+        self._failed[message.id] = (recorded, retry_in)
 
     def release(self, message: ClaimedMessage) -> None:
         """Give ``message`` back unprocessed: ready again, the attempt not counted."""
@@ -189,7 +195,9 @@ def batch(
     """Claim up to ``limit`` messages, fairly across channels, inside the open transaction.
 
     Must run inside ``transaction.atomic()`` (on ``FAIRQUEUE['DATABASE']``, or ``using``);
-    raises :class:`TransactionRequired` otherwise. ``queues`` limits the claim to those queues
+    raises :class:`TransactionRequired` otherwise, and
+    :class:`~django_fairqueue.exceptions.IsolationLevelError` if that transaction is not at
+    READ COMMITTED. ``queues`` limits the claim to those queues
     (None: every queue), as ``runfairworker --queues`` does. ``channels`` limits it to the
     channels of those names in those queues (unknown names match nothing),
     ``exclude_channels`` skips some. The block is a
@@ -213,6 +221,8 @@ def batch(
         queues = [validate_queue_name(q) for q in queues]
     if worker_id is not None:
         limits.worker_id(worker_id)
+    worker_id = worker_id or _default_worker_id()
+    _require_read_committed(alias)
     lease = conf.get().lease
     with transaction.atomic(using=alias):
         only = _channel_ids(channels, queues, alias) if channels is not None else None
@@ -227,14 +237,14 @@ def batch(
             messages = message_store.claim_messages(
                 limit,
                 lease=lease,
-                worker_id=worker_id or _default_worker_id(),
+                worker_id=worker_id,
                 only_channel_ids=only,
                 exclude_channel_ids=exclude,
                 queues=queues,
                 maintain=False,
                 using=alias,
             )
-        claimed = Batch(messages, lease)
+        claimed = Batch(messages, lease, worker_id)
         try:
             yield claimed
         except BaseException:
@@ -260,6 +270,18 @@ def _outside_atomic(alias: str) -> str:
     )
 
 
+def _require_read_committed(alias: str) -> None:
+    """Refuse a transaction at another isolation level than READ COMMITTED: its snapshot
+    cannot see what other claimers committed meanwhile, so the claim would come back empty
+    or fail with a serialization error even with no other claimer about."""
+    level = pg.select_isolation_level(using=alias)
+    if level != "read committed":
+        raise IsolationLevelError(
+            f"exactly_once.batch() claims only in READ COMMITTED transactions; this one is "
+            f"{level.upper()}: open it at READ COMMITTED (PostgreSQL's default)"
+        )
+
+
 def _channel_ids(names: Sequence[str], queues: Sequence[str] | None, alias: str) -> list[int]:
     """The ids of the channels of ``names`` in ``queues`` (None: in every queue)."""
     rows = channel_store.select_channel_ids_in_queues(list(names), queues, using=alias)
@@ -268,12 +290,3 @@ def _channel_ids(names: Sequence[str], queues: Sequence[str] | None, alias: str)
 
 def _default_worker_id() -> str:
     return f"exactly-once@{socket.gethostname()}:{os.getpid()}"[:200]
-
-
-def _error(exc: BaseException) -> dict[str, Any]:
-    kind = type(exc)
-    return {
-        "type": f"{kind.__module__}.{kind.__qualname__}",
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
-    }

@@ -59,10 +59,11 @@ class ChannelFull(FairQueueError):
 
 
 class IsolationLevelError(FairQueueError):
-    """Enqueue to a channel with ``max_backlog`` inside a REPEATABLE READ or SERIALIZABLE
-    transaction: its snapshot cannot see the enqueues committed meanwhile, so the bound cannot
-    be checked. Nothing was stored. Enqueue outside that transaction (the queue expects READ
-    COMMITTED, PostgreSQL's default)."""
+    """Enqueue to a channel with ``max_backlog``, or ``exactly_once.batch()``, inside a
+    REPEATABLE READ or SERIALIZABLE transaction: its snapshot cannot see what others committed
+    meanwhile, so the bound cannot be checked, nor a claim see the messages it should take.
+    Nothing was stored or claimed. Use READ COMMITTED (PostgreSQL's default), which the queue
+    expects."""
 
 
 class InvalidChannel(FairQueueError, ValueError):

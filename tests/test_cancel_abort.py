@@ -368,3 +368,29 @@ def test_cancel_and_abort_select_by_a_django_tasks_task_as_enqueued_does() -> No
     assert state(other) == "ready"
     with pytest.raises(ValueError, match="backend 'immediate', which is not a FairQueueBackend"):
         cancel(task=run_in_process)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_prefetched_message_whose_abort_a_heartbeat_saw_ends_aborted_without_running(
+    tmp_path: Any,
+) -> None:
+    """The guarantee for prefetched messages: once a heartbeat brought the request back, the
+    message is not started (one that starts before that heartbeat runs, as documented)."""
+    running, prefetched = tmp_path / "running", tmp_path / "prefetched"
+    first = fairtasks.until_aborted.enqueue(str(running), 30.0, channel="a")
+    worker = _worker(concurrency=1, prefetch=1)
+    thread = run_in_thread(worker)
+    try:
+        wait_until(running.exists, what="the first task started")
+        second = fairtasks.sleep.enqueue(0.0, str(prefetched), channel="b")
+        wait_until(lambda: state(second) == "running", what="the second message prefetched")
+        assert abort([second]) == {second: "abort_requested"}
+        wait_until(lambda: worker.ledger.abort_pending(second), what="a heartbeat saw it")
+        abort([first])  # frees the handler thread the second message waits for
+        wait_until(lambda: state(second) == "aborted", timeout=10, what="aborted")
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert not prefetched.exists()  # never started
+    assert "before it started" in Message.objects.get(pk=second).last_error["message"]
+    assert_counters_match_table()

@@ -8,25 +8,29 @@ committed data only: that is what "commit together" means.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import psycopg
 import pytest
 from django.contrib.auth.models import Group
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Sum
 
 from django_fairqueue import exactly_once
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.db import channel_store, message_store
-from django_fairqueue.exceptions import ResultNotStorable
+from django_fairqueue.exceptions import IsolationLevelError, ResultNotStorable
 from django_fairqueue.models import ChannelStat, Message, MessageState
 from django_fairqueue.tasks import task
+from django_fairqueue.testing import drain
 
 TASK = "tests.exactly_once.record"
 KEPT = "tests.exactly_once.kept"
+RAISING = "tests.exactly_once.raising"
+#: The worker id drain() runs under: a batch claiming with it records errors equal to its own.
+DRAIN_WORKER_ID = "django_fairqueue.testing.drain"
 
 
 @task(name=TASK)
@@ -37,6 +41,25 @@ def record(n: int) -> None:
 @task(name=KEPT, keep_result=True)
 def kept(n: int) -> None:
     """Like ``record``, but its row (and result) is kept after completion."""
+
+
+class BadStr(Exception):
+    """An exception whose ``str()`` raises."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("nope")
+
+
+#: What ``raising`` raises, by name (a task's arguments are JSON): a new exception each time.
+ERRORS: dict[str, Callable[[], BaseException]] = {
+    "long": lambda: ValueError("x" * 20_000),
+    "bad_str": lambda: BadStr("boom"),
+}
+
+
+@task(name=RAISING, max_attempts=1)
+def raising(which: str) -> None:
+    raise ERRORS[which]()
 
 
 def enqueue(channel: str, n: int, name: str = TASK) -> list[int]:
@@ -236,13 +259,65 @@ def test_fail_release_and_complete_with_a_result() -> None:
         batch.fail(by_id[fourth], RuntimeError("later"), retry_in=timedelta(hours=1))
     failed, released, done, retried = Message.objects.order_by("pk")
     assert failed.state == MessageState.FAILED
-    assert failed.last_error["type"] == "builtins.ValueError"
+    assert failed.last_error["type"] == "ValueError"
     assert failed.last_error["message"] == "bad invoice"
     assert "ValueError: bad invoice" in failed.last_error["traceback"]
     assert (released.state, released.attempts) == (MessageState.READY, 0)
     assert (done.state, done.result) == (MessageState.SUCCEEDED, {"invoice": 7})
     assert (retried.state, retried.attempts) == (MessageState.SCHEDULED, 1)
     assert counters("carol") == (1, 1, 0, 1, 1)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_fail_records_the_error_exactly_as_a_worker_records_it() -> None:
+    """A long message is cut and an exception whose ``__str__`` raises is recorded (not
+    raised out of ``fail()``, which would roll the whole batch back), as by a worker."""
+    which = list(ERRORS)
+    for name in which:
+        enqueue_many([EnqueueRequest(RAISING, [name], channel="by-worker")])
+    assert drain(["by-worker"]) == len(which)
+    by_worker = [
+        m.last_error for m in Message.objects.filter(channel__name="by-worker").order_by("pk")
+    ]
+    ids = [enqueue_many([EnqueueRequest(RAISING, [n], channel="by-batch")])[0] for n in which]
+    with (
+        transaction.atomic(),
+        exactly_once.batch(channels=["by-batch"], worker_id=DRAIN_WORKER_ID) as batch,
+    ):
+        by_id = {m.id: m for m in batch}
+        for message_id, name in zip(ids, which, strict=True):
+            batch.fail(by_id[message_id], ERRORS[name]())
+    by_batch = [Message.objects.get(pk=i).last_error for i in ids]
+    assert by_batch[0]["type"] == "ValueError" and len(by_batch[0]["message"]) == 8_000
+    # The same record, but for the traceback's frames: a worker's exception was raised.
+    for worker_error, batch_error in zip(by_worker, by_batch, strict=True):
+        assert {**batch_error, "traceback": None} == {**worker_error, "traceback": None}
+        last_line = batch_error["traceback"].splitlines()[-1]
+        assert worker_error["traceback"].splitlines()[-1] == last_line
+
+
+def set_isolation_level(level: str) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(f"SET TRANSACTION ISOLATION LEVEL {level}")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("level", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_only_a_read_committed_transaction_may_claim(level: str) -> None:
+    """At the other levels the snapshot hides what other claimers committed: the claim would
+    come back empty, or fail with a serialization error, with no other claimer about."""
+    (message_id,) = enqueue("hank", 1)
+    with transaction.atomic():
+        set_isolation_level(level)
+        with (
+            pytest.raises(IsolationLevelError, match=f"this one is {level}: open it at READ C"),
+            exactly_once.batch(channels=["hank"]),
+        ):
+            pass
+    with transaction.atomic():
+        set_isolation_level("READ COMMITTED")
+        with exactly_once.batch(channels=["hank"]) as batch:
+            assert [m.id for m in batch] == [message_id]
 
 
 @pytest.mark.django_db(transaction=True)

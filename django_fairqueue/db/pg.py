@@ -234,6 +234,11 @@ def select_clock(*, using: str | None = None) -> datetime:
     return _run("select_clock", {}, using)[0][0]  # type: ignore[no-any-return]
 
 
+def select_isolation_level(*, using: str | None = None) -> str:
+    """The isolation level of the transaction open on ``using`` ("read committed", ...)."""
+    return _run("select_isolation_level", {}, using)[0][0]  # type: ignore[no-any-return]
+
+
 @dataclass(frozen=True, slots=True)
 class XminHolder:
     """A session, prepared transaction or replication slot holding the xmin horizon back."""

@@ -9,6 +9,10 @@
 -- The database's clock, for figures computed against its timestamps.
 SELECT clock_timestamp();
 
+-- name: select_isolation_level
+-- The isolation level of the transaction open on this connection ("read committed", ...).
+SELECT current_setting('transaction_isolation');
+
 -- name: select_xmin_holders
 -- What holds this database's xmin horizon back, oldest snapshot first: sessions whose transaction began more than `min_age` ago and holds a snapshot or an xid, prepared transactions older than that, and replication slots holding an xmin with no consumer connected.
 -- VACUUM keeps every row version such a holder may still see, so under one the queue's hot
