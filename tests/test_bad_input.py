@@ -439,10 +439,13 @@ def test_a_bad_max_backlog_through_the_orm_raises_invalid_channel() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [
-        ({"concurrency": 0}, "concurrency must be an integer >= 1"),
-        ({"concurrency": -4}, "concurrency must be an integer >= 1"),
-        ({"batch_size": 0}, "batch_size must be an integer >= 1"),
-        ({"max_messages": 0}, "max_messages must be an integer >= 1"),
+        ({"concurrency": 0}, "concurrency must be 1 to 1000, got 0"),
+        ({"concurrency": -4}, "concurrency must be 1 to 1000"),
+        ({"concurrency": 1001}, "concurrency must be 1 to 1000, got 1001"),
+        ({"batch_size": 0}, "batch_size must be 1 to 10000"),
+        ({"batch_size": 10_001}, "batch_size must be 1 to 10000, got 10001"),
+        ({"prefetch": 10**9}, "prefetch must be 0 to 10000"),
+        ({"max_messages": 0}, "max_messages must be 1 to 2147483647"),
         ({"poll_interval": 0}, "poll_interval must be 0.001 to 3600 seconds, got 0"),
         ({"poll_interval": -1.0}, "poll_interval must be 0.001 to 3600 seconds"),
         ({"lease": timedelta(0)}, "lease must be 0.001 to 86400 seconds, got 0"),
@@ -465,6 +468,11 @@ def test_bad_worker_options_are_refused(kwargs: dict[str, Any], error: str) -> N
         ({"lease": 30}, "lease must be a timedelta (e.g. timedelta(seconds=60)), got int"),
         ({"poll_interval": timedelta(seconds=1)}, "poll_interval is a number of seconds"),
         ({"shutdown_grace": "10"}, "shutdown_grace is a number of seconds, got str"),
+        ({"concurrency": "4"}, "concurrency must be an integer, got '4'"),
+        ({"max_messages": "3"}, "max_messages must be an integer, got '3'"),
+        ({"maintenance": "no"}, "maintenance must be True or False, got 'no'"),
+        ({"listen": 0}, "listen must be True or False, got 0"),
+        ({"burst": "no"}, "burst must be True or False"),
     ],
 )
 def test_worker_options_of_the_wrong_kind_say_what_they_take(

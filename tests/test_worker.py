@@ -955,13 +955,13 @@ def test_runfairworker_refuses_bad_options_readably(args: list[str], error: str)
 
 
 def test_worker_config_validates() -> None:
-    with pytest.raises(ValueError, match="concurrency must be an integer >= 1"):
+    with pytest.raises(ValueError, match="concurrency must be 1 to 1000, got 0"):
         WorkerConfig(concurrency=0)
     with pytest.raises(ValueError, match="burst_horizon must be 0 to 86400 seconds"):
         WorkerConfig(burst_horizon=-0.5)
     with pytest.raises(ValueError, match="not a string"):
         WorkerConfig(channels="abc")
-    with pytest.raises(ValueError, match="concurrency must be at most 1,000 threads"):
+    with pytest.raises(ValueError, match="concurrency must be 1 to 1000, got 1001"):
         WorkerConfig(concurrency=1001)
     with pytest.raises(ValueError, match="both included and excluded"):
         WorkerConfig(channels=["a"], exclude_channels=["a"])
@@ -1514,7 +1514,7 @@ def test_time_limits_are_validated(fq: Any) -> None:
         task(name="tests.worker.bad_timeout", timeout=-1)(plain)
     assert task(name="tests.worker.no_limit", timeout=0)(plain).spec.effective_timeout is None
     registry.unregister("tests.worker.no_limit")
-    with pytest.raises(ValueError, match="max_abandoned_threads must be an integer >= 1"):
+    with pytest.raises(ValueError, match="max_abandoned_threads must be 1 to 1000"):
         WorkerConfig(max_abandoned_threads=0)
     with pytest.raises(CommandError, match="--max-abandoned-threads must be at least 1"):
         call_command("runfairworker", "--max-abandoned-threads", "0")

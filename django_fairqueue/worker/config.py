@@ -48,6 +48,8 @@ BURST_HORIZON = 5.0
 MAX_BURST_HORIZON = 86_400.0
 #: Stuck handler threads (tasks past their time limit) after which a worker recycles itself.
 MAX_ABANDONED_THREADS = 10
+#: Most messages one claim takes (``batch_size``), and most prefetched.
+MAX_BATCH = 10_000
 #: Most handler threads one worker process runs: past a few hundred, threads add contention,
 #: not throughput (run more processes), and the system refuses to start millions of them.
 MAX_CONCURRENCY = 1000
@@ -129,16 +131,19 @@ class WorkerConfig:
     max_abandoned_threads: int = MAX_ABANDONED_THREADS
 
     def __post_init__(self) -> None:
-        _positive_int(self.concurrency, "concurrency")
-        if self.concurrency > MAX_CONCURRENCY:
-            raise ValueError(
-                f"concurrency must be at most {MAX_CONCURRENCY:,} threads, got {self.concurrency:,}"
-            )
-        _positive_int(self.batch_size, "batch_size")
-        _positive_int(self.prefetch, "prefetch", minimum=0)
-        _positive_int(self.max_abandoned_threads, "max_abandoned_threads")
+        # Within the command's ranges (--concurrency, --batch-size, ...); TypeError for what is
+        # not an int, or not a bool for the switches.
+        limits.integer(self.concurrency, "concurrency", minimum=1, maximum=MAX_CONCURRENCY)
+        limits.integer(self.batch_size, "batch_size", minimum=1, maximum=MAX_BATCH)
+        limits.integer(self.prefetch, "prefetch", minimum=0, maximum=MAX_BATCH)
+        limits.integer(
+            self.max_abandoned_threads, "max_abandoned_threads", minimum=1, maximum=MAX_CONCURRENCY
+        )
         if self.max_messages is not None:
-            _positive_int(self.max_messages, "max_messages")
+            limits.integer(self.max_messages, "max_messages", minimum=1, maximum=limits.MAX_LIMIT)
+        for switch in ("burst", "listen", "maintenance"):
+            if not isinstance(getattr(self, switch), bool):
+                raise TypeError(f"{switch} must be True or False, got {getattr(self, switch)!r}")
         # Durations as runfairworker takes them (--poll-interval, --lease, --burst-horizon,
         # --shutdown-grace), in seconds except the lease, a timedelta.
         if self.poll_interval is not None:
@@ -167,11 +172,6 @@ class WorkerConfig:
             if not queues:
                 raise ValueError("queues must name at least one queue (None: every queue)")
             object.__setattr__(self, "queues", queues)
-
-
-def _positive_int(value: Any, name: str, *, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,13 +36,13 @@ from django_fairqueue.worker import (
 from django_fairqueue.worker.config import (
     BURST_HORIZON,
     MAX_ABANDONED_THREADS,
+    MAX_BATCH,
     MAX_BURST_HORIZON,
     MAX_CONCURRENCY,
 )
 
-#: Most worker processes under one supervisor, and most messages one claim takes.
+#: Most worker processes under one supervisor.
 MAX_PROCESSES = 256
-MAX_BATCH = 10_000
 #: Longest --lease (limits.MIN_LEASE the shortest), and of the other durations: a day.
 MAX_SECONDS = limits.MAX_LEASE
 #: Highest TCP port, and the address --metrics-port binds by default (as
