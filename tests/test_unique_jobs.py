@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from django.db import connection, transaction
 
-from django_fairqueue import DuplicateJob, enqueue, enqueue_many
+from django_fairqueue import ChannelFull, DuplicateJob, enqueue, enqueue_many
 from django_fairqueue.api import EnqueueRequest
 from django_fairqueue.db import message_store
-from django_fairqueue.models import Message
+from django_fairqueue.models import Channel, Message
 from django_fairqueue.worker import Worker, WorkerConfig
 from tests import fairtasks
 from tests.factories import assert_counters_match_table
@@ -219,6 +219,49 @@ def test_a_returning_message_whose_key_was_taken_meanwhile_is_superseded(how: st
     assert_counters_match_table()
 
 
+@pytest.mark.django_db
+@pytest.mark.parametrize("how", ["fail", "release", "rescue"])
+def test_a_returning_message_is_superseded_by_a_newer_one_already_running(how: str) -> None:
+    """A free thread claims the newer message before the holder's failure is settled: the
+    newer one is running (scope queued, so it holds nothing), and still stands for the job."""
+    first = fairtasks.add.enqueue(1, 1, channel="acme", unique_key="k")
+    (m,) = claim()
+    newer = fairtasks.add.enqueue(2, 2, channel="acme", unique_key="k")
+    (n,) = claim()
+    assert (n.id, newer != first) == (newer, True)
+    if how == "fail":
+        out = message_store.fail_messages([(m.id, m.lease_token, {"type": "E"}, timedelta(0))])
+        assert out == {first: "cancelled"}
+    elif how == "release":
+        assert message_store.release_messages([(m.id, m.lease_token)]) == {first}
+    else:
+        Message.objects.filter(pk=first).update(lease_expires_at="2000-01-01T00:00:00Z")
+        assert [r.state for r in message_store.rescue_expired_messages()] == ["cancelled"]
+    assert Message.objects.get(pk=first).state == "cancelled"
+    assert Message.objects.get(pk=newer).state == "running"
+    assert_counters_match_table()
+
+
+@pytest.mark.django_db
+def test_an_older_running_or_a_finished_newer_message_does_not_supersede_a_retry() -> None:
+    """Only a newer message stands for the job: an older one started before its request, and
+    a newer one that finished may be gone without a trace (no kept result), so the retry runs."""
+    older = fairtasks.add.enqueue(1, 1, channel="acme", unique_key="k")
+    (o,) = claim()
+    mid = fairtasks.add.enqueue(2, 2, channel="acme", unique_key="k")
+    (m,) = claim()
+    out = message_store.fail_messages([(m.id, m.lease_token, {"type": "E"}, timedelta(0))])
+    assert out == {mid: "ready"}  # the older one still runs: not a newer one
+    message_store.complete_messages([(o.id, o.lease_token, None)])
+    (m,) = claim()
+    newest = fairtasks.add.enqueue(3, 3, channel="acme", unique_key="k")
+    (n,) = claim()
+    message_store.complete_messages([(n.id, n.lease_token, None)])  # newer, finished
+    out = message_store.fail_messages([(m.id, m.lease_token, {"type": "E"}, timedelta(0))])
+    assert (out, newest != mid, older != mid) == ({mid: "ready"}, True, True)
+    assert_counters_match_table()
+
+
 @pytest.mark.django_db(transaction=True)
 def test_the_worker_logs_that_a_superseded_failure_is_not_retried(
     tmp_path: Any, caplog: Any
@@ -290,6 +333,49 @@ def test_retrying_a_failed_unique_job_leaves_it_failed_while_another_holds_the_k
     assert message_store.retry_failed_messages([first]) == []
     message_store.cancel_messages([newer])
     assert message_store.retry_failed_messages([first]) == [first]
+    assert_counters_match_table()
+
+
+def check_backlog_at_commit() -> None:
+    """Run the bounded-backlog check that waits for the commit now (a deferred trigger)."""
+    with connection.cursor() as cur:
+        cur.execute("SET CONSTRAINTS ALL IMMEDIATE")
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("policy", ["keep", "replace", "raise"])
+def test_a_held_key_on_a_full_channel_is_kept_replaced_or_raised_not_refused(policy: str) -> None:
+    """A keep or replace adds no waiting message, so max_backlog does not refuse it."""
+    holder = fairtasks.add.enqueue(1, 1, channel="acme", unique_key="k")
+    Channel.objects.filter(name="acme").update(max_backlog=1)
+    options = {"channel": "acme", "unique_key": "k", "on_conflict": policy}
+    if policy == "raise":
+        with pytest.raises(DuplicateJob) as caught, transaction.atomic():
+            enqueue(fairtasks.add, 2, 2, **options)
+        assert caught.value.message_id == holder
+    else:
+        assert enqueue(fairtasks.add, 2, 2, **options) == holder
+        check_backlog_at_commit()
+    args = [2, 2] if policy == "replace" else [1, 1]
+    assert Message.objects.get().payload["args"] == args
+    with pytest.raises(ChannelFull), transaction.atomic():  # a free key adds one: full
+        enqueue(fairtasks.add, 3, 3, channel="acme", unique_key="free")
+    assert_counters_match_table()
+
+
+@pytest.mark.django_db
+def test_a_batch_counts_only_the_messages_it_adds_against_max_backlog() -> None:
+    holder = fairtasks.add.enqueue(1, 1, channel="acme", unique_key="k")
+    Channel.objects.filter(name="acme").update(max_backlog=2)  # room for exactly one
+    kept = EnqueueRequest(fairtasks.add, (2, 2), channel="acme", unique_key="k")
+    new = EnqueueRequest(fairtasks.add, (3, 3), channel="acme")
+    with pytest.raises(ChannelFull) as caught, transaction.atomic():
+        enqueue_many([kept, new, new])
+    assert (caught.value.backlog, caught.value.batch) == (1, 2)
+    ids = enqueue_many([kept, new])
+    check_backlog_at_commit()
+    assert ids[0] == holder and ids[1] != holder
+    assert Message.objects.count() == 2
     assert_counters_match_table()
 
 

@@ -43,6 +43,27 @@ END;
 $$;
 
 
+-- An enqueue's bound of max_backlog: p_batch[i] more waiting messages for each bounded channel
+-- of p_ids (p_included: as fairqueue_check_backlog_v1's), checked at once, lock-free (a channel
+-- already full refuses without waiting for the commit), and recorded in fairqueue.bounded for
+-- the exact check at commit (fairqueue_backlog_check_v1).
+CREATE OR REPLACE FUNCTION fairqueue_bound_backlog_v1(
+    p_ids bigint[], p_batch bigint[], p_included boolean
+)
+RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM fairqueue_check_backlog_v1(p_ids, p_batch, p_included);
+    PERFORM set_config(
+        'fairqueue.bounded',
+        concat_ws(',', nullif(current_setting('fairqueue.bounded', true), ''),
+                  (SELECT string_agg(x.id || ':' || x.n, ',')
+                   FROM unnest(p_ids, p_batch) AS x(id, n))),
+        true);
+END;
+$$;
+
+
 -- The bound of max_backlog, checked when the enqueuing transaction commits (a deferred
 -- constraint trigger on the delta rows enqueue marks with backlog_check). An enqueue inside a
 -- transaction holds no lock for the bound; at commit, the transaction takes the advisory lock

@@ -28,6 +28,8 @@
 -- locks nothing else, so an enqueue in a long transaction never holds up a worker. Keys are
 -- inserted, hold rows written and held keys handled in (channel, key) order, so concurrent
 -- batches cannot deadlock over them (separate calls in one transaction are the caller's order).
+-- The bound of p_bounded channels' max_backlog comes last, on the messages inserted, and locks
+-- nothing (the check at commit takes its stripes then, as for any enqueue).
 -- Returns the ids in input order (a kept or replaced message's id is its holder's).
 CREATE OR REPLACE FUNCTION fairqueue_enqueue_unique_v1(
     p_channels text[],
@@ -58,6 +60,8 @@ DECLARE
     v_kch bigint[];
     v_kkey text[];
     v_kscope text[];
+    v_bid bigint[];
+    v_bn bigint[];
     v_out bigint[];
     v_id bigint;
     v_state text;
@@ -143,13 +147,18 @@ BEGIN
                        coalesce(inserted.channel_id = ANY (p_bounded), false)
                 FROM inserted
                 GROUP BY inserted.channel_id
+                RETURNING channel_id, ready + scheduled AS n, backlog_check
             )
             SELECT array_agg(inserted.id ORDER BY inserted.id) FILTER (WHERE inserted.unique_key IS NULL),
                    array_agg(inserted.id) FILTER (WHERE inserted.unique_key IS NOT NULL),
                    array_agg(inserted.channel_id) FILTER (WHERE inserted.unique_key IS NOT NULL),
                    array_agg(inserted.unique_key) FILTER (WHERE inserted.unique_key IS NOT NULL),
-                   array_agg(inserted.unique_scope) FILTER (WHERE inserted.unique_key IS NOT NULL)
-            INTO v_plain, v_kid, v_kch, v_kkey, v_kscope
+                   array_agg(inserted.unique_scope) FILTER (WHERE inserted.unique_key IS NOT NULL),
+                   -- what the batch adds to each bounded channel, for the bound below
+                   (SELECT array_agg(d.channel_id ORDER BY d.channel_id) FROM delta d
+                    WHERE d.backlog_check),
+                   (SELECT array_agg(d.n ORDER BY d.channel_id) FROM delta d WHERE d.backlog_check)
+            INTO v_plain, v_kid, v_kch, v_kkey, v_kscope, v_bid, v_bn
             FROM inserted;
 
             -- The inserted keys, checked again now that their index entries are in place (a
@@ -303,6 +312,12 @@ BEGIN
                     RAISE EXCEPTION USING ERRCODE = 'FQ004';
                 END LOOP;
             END LOOP;
+            -- The bound of max_backlog, on the messages the batch inserted only: a kept or
+            -- replaced one adds no waiting message, so a full channel does not refuse it, and a
+            -- raise has raised DuplicateJob above. (After the held keys: their policies first.)
+            IF v_bid IS NOT NULL THEN
+                PERFORM fairqueue_bound_backlog_v1(v_bid, v_bn, true);
+            END IF;
             RETURN QUERY SELECT x FROM unnest(v_out) AS x;
             RETURN;
         EXCEPTION WHEN SQLSTATE 'FQ004' THEN
@@ -324,9 +339,11 @@ $$;
 -- transactions creating channels in opposite orders would deadlock.)
 -- Bounded channels (max_backlog set) are checked at once against what is committed, and
 -- again, exactly, when the transaction commits (fairqueue_backlog_check_v1); a full channel
--- raises SQLSTATE FQ001 and nothing of the batch is stored. The bound needs READ COMMITTED
--- (a REPEATABLE READ snapshot cannot see the enqueues committed meanwhile): at any other
--- isolation level a batch for a bounded channel raises SQLSTATE FQ002.
+-- raises SQLSTATE FQ001 and nothing of the batch is stored. Only messages the batch adds
+-- count: a unique job whose held key is kept or replaced adds none (with "raise", SQLSTATE
+-- FQ003 comes first). The bound needs READ COMMITTED (a REPEATABLE READ snapshot cannot see
+-- the enqueues committed meanwhile): at any other isolation level a batch for a bounded
+-- channel raises SQLSTATE FQ002.
 -- Returns the new message ids in input order.
 -- One message per element of p_payloads; every other per-message array may instead have one
 -- element, which then holds for every message (a batch of one channel and one task sends its
@@ -460,23 +477,22 @@ BEGIN
                       HINT = 'Enqueue outside the REPEATABLE READ / SERIALIZABLE transaction, '
                              'or clear the channel''s max_backlog.';
         END IF;
-        IF v_uniform THEN  -- (p_channels has its one element: all messages are its)
-            v_want := ARRAY[v_n];
-        ELSE
-            SELECT array_agg(coalesce(w.n, 0) ORDER BY b.id) INTO v_want
-            FROM unnest(v_bounded) AS b(id)
-            JOIN fairqueue_channel c ON c.id = b.id
-            LEFT JOIN (SELECT n AS name, count(*) AS n FROM unnest(p_channels) AS n GROUP BY n) w
-              ON w.name = c.name;
+        -- Every message of a batch without unique keys adds one, so it is bounded before
+        -- its insert. A batch with keys is bounded after its insert, on what it inserted
+        -- (fairqueue_enqueue_unique_v1): a held key's keep or replace adds nothing.
+        IF p_unique_keys IS NULL THEN
+            IF v_uniform THEN  -- (p_channels has its one element: all messages are its)
+                v_want := ARRAY[v_n];
+            ELSE
+                SELECT array_agg(coalesce(w.n, 0) ORDER BY b.id) INTO v_want
+                FROM unnest(v_bounded) AS b(id)
+                JOIN fairqueue_channel c ON c.id = b.id
+                LEFT JOIN (
+                    SELECT n AS name, count(*) AS n FROM unnest(p_channels) AS n GROUP BY n
+                ) w ON w.name = c.name;
+            END IF;
+            PERFORM fairqueue_bound_backlog_v1(v_bounded, v_want, false);
         END IF;
-        -- At once, lock-free: a channel already full refuses without waiting for the commit.
-        PERFORM fairqueue_check_backlog_v1(v_bounded, v_want, false);
-        PERFORM set_config(
-            'fairqueue.bounded',
-            concat_ws(',', nullif(current_setting('fairqueue.bounded', true), ''),
-                      (SELECT string_agg(x.id || ':' || x.n, ',')
-                       FROM unnest(v_bounded, v_want) AS x(id, n))),
-            true);
     END IF;
 
     IF v_uniform THEN

@@ -64,8 +64,9 @@ SELECT id FROM fairqueue_complete_v1(
 -- Settle failed attempts: retry after `retry_in` (NULL: no retry) while attempts remain, else dead-letter.
 -- Retry times are the database clock plus the delay, the clock the claim compares them with.
 -- A message with an abort requested is not retried: it ends aborted. A retry of a unique job
--- (scope 'queued') whose key another message took while it ran is superseded by that message:
--- it ends cancelled rather than queue twice (a unique key is held by one queued message).
+-- (scope 'queued') whose key another message took while it ran is superseded by that message
+-- (waiting, or already running: fairqueue_unique_superseded_v1): it ends cancelled rather than
+-- run the job twice.
 -- `runs`: each attempt's run time as its worker measured it (a timed-out attempt: its time
 -- limit), recorded in the delta for fairness by time.
 WITH t AS MATERIALIZED (
@@ -76,7 +77,7 @@ WITH t AS MATERIALIZED (
            m.attempts >= m.max_attempts AS exhausted,
            m.abort_requested_at IS NOT NULL AS aborted,
            (m.unique_key IS NOT NULL AND m.unique_scope = 'queued'
-            AND fairqueue_unique_key_held_v1(m.channel_id, m.unique_key)) AS superseded,
+            AND fairqueue_unique_superseded_v1(m.channel_id, m.unique_key, m.id)) AS superseded,
            fairqueue_run_seconds_v1(
                (%(runs)s::float8[])[array_position(%(ids)s::bigint[], m.id)], m.claimed_at) AS run
     FROM fairqueue_message m
@@ -136,7 +137,7 @@ WITH t AS MATERIALIZED (
            + (%(delays)s::interval[])[array_position(%(ids)s::bigint[], m.id)] AS run_at,
            m.abort_requested_at IS NOT NULL AS aborted,
            (m.unique_key IS NOT NULL AND m.unique_scope = 'queued'
-            AND fairqueue_unique_key_held_v1(m.channel_id, m.unique_key)) AS superseded
+            AND fairqueue_unique_superseded_v1(m.channel_id, m.unique_key, m.id)) AS superseded
     FROM fairqueue_message m
     WHERE m.id = ANY (%(ids)s::bigint[])
       AND m.lease_token = ANY (%(tokens)s::uuid[])
@@ -184,14 +185,16 @@ WITH expired AS (
             WHEN m.abort_requested_at IS NOT NULL THEN 'aborted'
             WHEN m.attempts >= m.max_attempts THEN 'failed'
             WHEN m.unique_key IS NOT NULL AND m.unique_scope = 'queued'
-                 AND fairqueue_unique_key_held_v1(m.channel_id, m.unique_key) THEN 'cancelled'
+                 AND fairqueue_unique_superseded_v1(m.channel_id, m.unique_key, m.id)
+                THEN 'cancelled'
             ELSE 'ready'
         END,
         finished_at = CASE
             WHEN m.abort_requested_at IS NOT NULL OR m.attempts >= m.max_attempts
                 THEN clock_timestamp()
             WHEN m.unique_key IS NOT NULL AND m.unique_scope = 'queued'
-                 AND fairqueue_unique_key_held_v1(m.channel_id, m.unique_key) THEN clock_timestamp()
+                 AND fairqueue_unique_superseded_v1(m.channel_id, m.unique_key, m.id)
+                THEN clock_timestamp()
         END,
         last_error = jsonb_build_object(
             'type', 'LeaseExpired',
