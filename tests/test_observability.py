@@ -83,51 +83,6 @@ def test_a_unique_enqueue_that_raises_sends_nothing(sent: list[dict[str, Any]]) 
     assert ids_sent(sent) == [[holder]]
 
 
-# The enqueue store returns a kept or replaced holder's id as it returns a new message's: until
-# it says which ids it stored, an enqueue that met a key held before the call reports the holder.
-_STORE_TELLS_NO_KEPT_ID = pytest.mark.xfail(
-    strict=True, reason="the enqueue store does not say which ids it stored"
-)
-
-
-@_STORE_TELLS_NO_KEPT_ID
-@pytest.mark.django_db
-@pytest.mark.parametrize("on_conflict", ["keep", "replace"])
-def test_a_unique_enqueue_that_stores_nothing_sends_nothing(
-    sent: list[dict[str, Any]], on_conflict: str
-) -> None:
-    holder = enqueue(fairtasks.add, 1, 1, channel="sig", unique_key="rebuild")
-    for i in range(4):
-        again = enqueue(
-            fairtasks.add, i, i, channel="sig", unique_key="rebuild", on_conflict=on_conflict
-        )
-        assert again == holder
-    assert ids_sent(sent) == [[holder]]
-
-
-@_STORE_TELLS_NO_KEPT_ID
-@pytest.mark.django_db
-def test_a_batch_mixing_new_and_held_keys_reports_the_new_messages(
-    sent: list[dict[str, Any]],
-) -> None:
-    holder = enqueue(fairtasks.add, 1, 1, channel="sig", unique_key="held")
-    kept, new, replaced = enqueue_many(
-        [
-            EnqueueRequest(fairtasks.add, (2, 2), channel="sig", unique_key="held"),
-            EnqueueRequest(fairtasks.add, (3, 3), channel="sig", unique_key="new"),
-            EnqueueRequest(
-                fairtasks.add, (4, 4), channel="sig", unique_key="held", on_conflict="replace"
-            ),
-        ]
-    )
-    assert kept == replaced == holder != new
-    assert ids_sent(sent) == [[holder], [new]]
-
-
-# ------------------------------------------------------------------------------------------------
-# the rescuer's record of an expired lease
-
-
 @pytest.mark.django_db
 def test_an_expired_lease_is_logged_as_the_worker_logs_a_failed_attempt(
     caplog: pytest.LogCaptureFixture,
