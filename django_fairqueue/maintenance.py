@@ -63,6 +63,7 @@ from django_fairqueue.runtime import (
     drop_broken_connection,
     worker_registry,
 )
+from django_fairqueue.tasks.spec import registry
 
 logger = logging.getLogger("django_fairqueue.maintenance")
 #: Failed attempts are records of this logger whoever settles them, the rescuer included
@@ -119,7 +120,9 @@ class Rescuer:
         recorder = stats.StatsRecorder()
 
         def rescue(limit: int) -> int:
-            rescued = message_store.rescue_expired_messages(limit)
+            rescued = message_store.rescue_expired_messages(
+                limit, at_most_once=registry.at_most_once_names()
+            )
             for message in rescued:
                 recorder.record_settled(
                     message.channel_id,

@@ -360,6 +360,17 @@ def test_at_most_once_fails_without_retry_and_a_lost_lease_dead_letters_it() -> 
     )
     assert drain() == 0
 
+    # ... and so does it for one enqueued while the task was at-least-once (attempts to spare)
+    switched = enqueue_raw("carol", once_raises.name, '{"args": [], "kwargs": {}}', 5)
+    (claimed,) = message_store.claim_messages(
+        1, lease=timedelta(milliseconds=1), worker_id="doomed"
+    )
+    assert claimed.id == switched
+    time.sleep(0.01)
+    assert Rescuer().run_once() == 1
+    row = message(switched)
+    assert (row.state, row.attempts, row.max_attempts) == (MessageState.FAILED, 1, 5)
+
 
 @pytest.mark.django_db
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from django.core.management.base import OutputWrapper
 
 from django_fairqueue.maintenance import MaintenanceRunner
 from django_fairqueue.runtime import StopFlag, configure_logging, stop_signals
+from django_fairqueue.tasks.spec import registry
 
 logger = logging.getLogger("django_fairqueue.maintenance")
 
@@ -29,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
+    # The tasks, as a worker imports them: the rescuer dead-letters the expired messages of
+    # tasks delivered at most once now, and the scheduler fires schedules of registered tasks.
+    registry.autodiscover()
     stop = StopFlag()
     runner = MaintenanceRunner(stop=stop)
     if options["once"]:

@@ -317,13 +317,20 @@ def release_messages(
     return {r[0] for r in rows}
 
 
-def rescue_expired_messages(limit: int = 1000, *, using: str | None = None) -> list[RescuedMessage]:
+def rescue_expired_messages(
+    limit: int = 1000, *, at_most_once: Sequence[str] = (), using: str | None = None
+) -> list[RescuedMessage]:
     """Requeue (or dead-letter) messages whose lease expired.
 
     For fairness by time each is charged the time since its claim, at most one lease
-    (``LEASE_SECONDS``).
+    (``LEASE_SECONDS``). A message of a task named in ``at_most_once`` is dead-lettered
+    whatever attempts its row allows (the task's delivery now, not at its enqueue).
     """
-    params = {"limit": limit, "max_charge": conf.get().LEASE_SECONDS}
+    params = {
+        "limit": limit,
+        "max_charge": conf.get().LEASE_SECONDS,
+        "at_most_once": list(at_most_once),
+    }
     rows = _run_back_to_queue("rescue_expired_messages", params, using)
     return [RescuedMessage(*r) for r in rows]
 

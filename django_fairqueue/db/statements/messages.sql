@@ -169,7 +169,9 @@ SELECT id FROM released;
 -- name: rescue_expired_messages
 -- Return messages whose lease expired (worker died or stalled) to ready, or dead-letter them when out of attempts.
 -- For fairness by time each is charged the time since its claim, at most `max_charge` seconds
--- (one lease): its worker cannot say how long it ran.
+-- (one lease): its worker cannot say how long it ran. A message of a task in `at_most_once`
+-- (the tasks declared so now) is dead-lettered whatever attempts its row allows: enqueued while
+-- the task was at-least-once, it must not run twice once the task is at-most-once.
 WITH expired AS (
     SELECT m.id
     FROM fairqueue_message m
@@ -183,7 +185,8 @@ WITH expired AS (
     UPDATE fairqueue_message m
     SET state = CASE
             WHEN m.abort_requested_at IS NOT NULL THEN 'aborted'
-            WHEN m.attempts >= m.max_attempts THEN 'failed'
+            WHEN m.attempts >= m.max_attempts
+                 OR m.task_name = ANY (%(at_most_once)s::text[]) THEN 'failed'
             WHEN m.unique_key IS NOT NULL AND m.unique_scope = 'queued'
                  AND fairqueue_unique_superseded_v1(m.channel_id, m.unique_key, m.id)
                 THEN 'cancelled'
@@ -191,6 +194,7 @@ WITH expired AS (
         END,
         finished_at = CASE
             WHEN m.abort_requested_at IS NOT NULL OR m.attempts >= m.max_attempts
+                 OR m.task_name = ANY (%(at_most_once)s::text[])
                 THEN clock_timestamp()
             WHEN m.unique_key IS NOT NULL AND m.unique_scope = 'queued'
                  AND fairqueue_unique_superseded_v1(m.channel_id, m.unique_key, m.id)
