@@ -203,16 +203,16 @@ class _TaskRunner:
                     f"task {task.module_path} takes a context, which only a fairqueue worker "
                     "can provide (no message is running in this thread)"
                 )
-            return normalize_json(task.call(*args, **kwargs))
+            return normalize_json(_call(task, *args, **kwargs))
         sender = type(task.get_backend())
         started = timezone.now()
         running = _result_from_message(task, message, args, kwargs, started)
         task_started.send(sender=sender, task_result=running)
         try:
             if task.takes_context:
-                value = task.call(TaskContext(task_result=running), *args, **kwargs)
+                value = _call(task, TaskContext(task_result=running), *args, **kwargs)
             else:
-                value = task.call(*args, **kwargs)
+                value = _call(task, *args, **kwargs)
             value = _normalized(task, value)
             if abort_requested():  # the attempt ends aborted, whatever the task returned
                 raise TaskAborted(f"task {task.module_path}: abort requested")
@@ -240,6 +240,15 @@ class _TaskRunner:
 
     def __repr__(self) -> str:
         return f"<django.tasks runner for {self.task.module_path}>"
+
+
+def _call(task: Task[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``Task.call()`` as the worker calls a native task: a coroutine the function returns
+    runs to completion on a daemon thread's loop (Django's ``async_to_sync`` would hold up the
+    process's exit), and so does one returned by a plain wrapper of an ``async def``."""
+    from django_fairqueue.worker.execution import call_task  # (it needs the models loaded)
+
+    return call_task(task.func, *args, **kwargs)
 
 
 def _normalized(task: Task[..., Any], value: Any) -> Any:
@@ -297,8 +306,8 @@ class FairQueueBackend(BaseTaskBackend):
     task_class = FairQueueTask
 
     supports_defer = True  # run_after becomes the message's run_at
-    # The runner calls Task.call(), which runs a coroutine function to completion with
-    # async_to_sync on the worker thread.
+    # The runner runs a coroutine function to completion from the worker thread, its
+    # thread-sensitive sync_to_async calls on that thread, as Task.call() would.
     supports_async_task = True
     supports_get_result = True  # rows are kept after success until pruned
     supports_priority = True  # -100..100, higher first within a channel, as fairqueue's own

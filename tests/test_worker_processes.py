@@ -107,7 +107,10 @@ def test_kill_9_mid_message_runs_it_again_after_its_lease_and_frees_the_slot_onc
     rerun, later = row(slow), row(after)
     assert (rerun.state, rerun.attempts, rerun.result["pid"]) == ("succeeded", 2, b.pid)
     assert (later.state, later.attempts, later.result["pid"]) == ("succeeded", 1, b.pid)
-    b.wait_for(f"lease expired: message {slow} (tests.fair.sleep) of worker kill-a, attempt 1")
+    b.wait_for(
+        f"lease expired: tests.fair.sleep message {slow} channel 'k' of worker kill-a, "
+        "attempt 1 -> retry"
+    )
     # The rescue freed the dead worker's slot exactly once: a second release would leave
     # running at -1 (and let two messages of this channel run at once).
     c = counters("k")

@@ -3,16 +3,23 @@ the outcomes an attempt ends with."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import inspect
 import logging
+import os
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+import traceback
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import timedelta
+from types import FrameType
 from typing import Any
 
+from asgiref.sync import SyncToAsync, async_to_sync
 from django.core.exceptions import ImproperlyConfigured
 from django.db import close_old_connections, connections, transaction
 from django.db.backends.signals import connection_created
@@ -50,6 +57,112 @@ def decode_payload(payload: Any) -> tuple[list[Any], dict[str, Any]]:
 @functools.cache
 def is_async(func: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(func)
+
+
+def call_task(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call a task's function; what it returns, a coroutine run to completion first.
+
+    The returned value decides, not the function: an ``async def`` behind a decorator that is
+    not async-aware (a plain ``functools.wraps`` wrapper) looks synchronous, and its coroutine,
+    left unawaited, would never run while the attempt counted as a success.
+    """
+    result = func(*args, **kwargs)
+    if inspect.iscoroutine(result) or is_async(func):
+        return run_coroutine(result)
+    return result
+
+
+#: The coroutine each thread waits for in run_coroutine(), by thread id (for stack_of()).
+_awaiting: dict[int, Awaitable[Any]] = {}
+
+
+def run_coroutine(awaitable: Awaitable[Any]) -> Any:
+    """Run ``awaitable`` to completion from this synchronous thread, as ``async_to_sync``
+    does (its thread-sensitive ``sync_to_async`` calls, the ORM's, run in this thread, on this
+    thread's connections), but on an event loop in a daemon thread.
+
+    Left to itself, ``async_to_sync`` runs the loop in a ``ThreadPoolExecutor`` thread, which
+    the interpreter waits for at exit: a worker that leaves a coroutine behind (a stop's grace
+    period over, a recycle for a stuck thread) would not exit while it runs, and the message it
+    handed back would run twice at once. Given a running loop as the thread's "main" loop
+    (what a ``sync_to_async`` thread has), ``async_to_sync`` runs the coroutine there instead.
+    """
+    loop, close = _loop_in_daemon_thread()
+    local = SyncToAsync.threadlocal
+    outer = (getattr(local, "main_event_loop", None), getattr(local, "main_event_loop_pid", None))
+    local.main_event_loop, local.main_event_loop_pid = loop, os.getpid()
+    ident = threading.get_ident()
+    waited = _awaiting.get(ident)
+    _awaiting[ident] = awaitable
+    try:
+        return async_to_sync(_await)(awaitable)
+    finally:
+        local.main_event_loop, local.main_event_loop_pid = outer
+        if waited is None:
+            del _awaiting[ident]
+        else:
+            _awaiting[ident] = waited
+        close()
+
+
+async def _await(awaitable: Awaitable[Any]) -> Any:
+    return await awaitable
+
+
+def _loop_in_daemon_thread() -> tuple[asyncio.AbstractEventLoop, Callable[[], None]]:
+    """An event loop running in a new daemon thread, and the function that ends it as
+    ``asyncio.run`` ends a loop (the tasks left cancelled) and waits for the thread."""
+    started: concurrent.futures.Future[tuple[asyncio.AbstractEventLoop, asyncio.Event]]
+    started = concurrent.futures.Future()
+
+    async def serve() -> None:
+        done = asyncio.Event()
+        started.set_result((asyncio.get_running_loop(), done))
+        await done.wait()
+
+    thread = threading.Thread(
+        target=asyncio.run, args=(serve(),), name="fairqueue-event-loop", daemon=True
+    )
+    thread.start()
+    loop, done = started.result()
+
+    def close() -> None:
+        loop.call_soon_threadsafe(done.set)
+        thread.join()
+
+    return loop, close
+
+
+def stack_of(thread: threading.Thread) -> str | None:
+    """The stack of ``thread``, most recent call last (None once it has ended), to show where
+    a task hangs. A thread waiting in run_coroutine() shows, in place of that wait, the frames
+    of the coroutine it waits for: the task's own code, down to the ``await`` it is stuck in."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    if frame is None:
+        return None
+    frames = [f for f, _ in traceback.walk_stack(frame)][::-1]  # outermost first
+    awaiting = _awaiting.get(thread.ident or -1)
+    waits = [i for i, f in enumerate(frames) if f.f_code is run_coroutine.__code__]
+    if awaiting is not None and waits:
+        frames = frames[: waits[-1] + 1] + _coroutine_frames(awaiting)
+    summary = traceback.StackSummary.extract((f, f.f_lineno) for f in frames)
+    return "".join(summary.format())
+
+
+def _coroutine_frames(awaitable: Any) -> list[FrameType]:
+    """The frames of a suspended coroutine and of what it awaits, outermost first (following
+    ``cr_await``, generator-based awaitables and awaited asyncio tasks)."""
+    frames = []
+    while awaitable is not None:
+        if isinstance(awaitable, asyncio.Task):
+            awaitable = awaitable.get_coro()
+            continue
+        frame = getattr(awaitable, "cr_frame", None) or getattr(awaitable, "gi_frame", None)
+        if frame is None:  # a future, or done
+            break
+        frames.append(frame)
+        awaitable = getattr(awaitable, "cr_await", None) or getattr(awaitable, "gi_yieldfrom", None)
+    return frames
 
 
 def claim_observer() -> Callable[[float], None] | None:

@@ -11,8 +11,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from asgiref.sync import async_to_sync
-
 from django_fairqueue.context import abort_flag, current_message, time_limit_passed
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.exceptions import PayloadError, ResultNotStorable, UnknownTask
@@ -23,13 +21,13 @@ from django_fairqueue.tasks.spec import TaskSpec, check_arguments, check_result,
 from django_fairqueue.worker.config import Attempt, Outcome
 from django_fairqueue.worker.execution import (
     aborted_outcome,
+    call_task,
     close_stale_connections,
     connected_here,
     decode_payload,
     end_open_transactions,
     failed_outcome,
     finished,
-    is_async,
     log_extra,
     savepoints,
     send_robust,
@@ -347,10 +345,7 @@ class Pool:
                 savepoints() if savepoint else _NO_SAVEPOINT,
             ):
                 try:
-                    if is_async(spec.func):
-                        result = async_to_sync(spec.func)(*args, **kwargs)
-                    else:
-                        result = spec.func(*args, **kwargs)
+                    result = call_task(spec.func, *args, **kwargs)
                 except BaseException as exc:
                     raised = exc
                     raise

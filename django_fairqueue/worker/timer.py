@@ -17,9 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
-import sys
 import time
-import traceback
 from collections.abc import Callable
 
 from django_fairqueue.exceptions import TaskTimeout
@@ -30,6 +28,7 @@ from django_fairqueue.worker.execution import (
     failed_outcome,
     finished,
     log_extra,
+    stack_of,
 )
 from django_fairqueue.worker.ledger import Ledger
 from django_fairqueue.worker.pool import Pool
@@ -128,9 +127,8 @@ class Timer(Service):
             f"(attempt {message.attempts} of {message.max_attempts})"
         )
         error = error_info(exc, attempt=message.attempts, worker_id=worker_id)
-        frame = sys._current_frames().get(attempt.thread.ident or -1)
-        if frame is not None:  # where the task was stuck, for the operator
-            stack = "".join(traceback.format_stack(frame))
+        stack = stack_of(attempt.thread)
+        if stack is not None:  # where the task was stuck, for the operator
             error["traceback"] = storable(
                 "Stack of the handler thread at the time limit (most recent call last):\n"
                 f"{stack}{error['type']}: {error['message']}\n",
