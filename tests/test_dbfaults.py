@@ -37,6 +37,11 @@ def refused() -> None:
     _refuse()
 
 
+@task(name="tests.dbfaults.refused_once", delivery="at_most_once")
+def refused_at_most_once() -> None:
+    _refuse()
+
+
 @task(name="tests.dbfaults.bug", max_attempts=2)
 def bug() -> None:
     raise ValueError("a bug in the task")
@@ -118,6 +123,17 @@ def test_a_task_cut_short_by_an_outage_is_given_back_without_an_attempt(
     lines = [r.getMessage() for r in caplog.records if "gave back" in r.getMessage()]
     assert len(lines) == 1, lines
     assert "the database is unavailable" in lines[0] and "Connection refused" in lines[0]
+
+
+@pytest.mark.django_db
+def test_an_at_most_once_task_cut_short_by_an_outage_fails_and_never_runs_again() -> None:
+    """It may have done its work (sent the mail) before the database went away."""
+    mid = refused_at_most_once.enqueue(channel="outage")
+    assert Worker(WorkerConfig(concurrency=1, maintenance=False)).run_once() == 1
+    row = Message.objects.get(pk=mid)
+    assert (row.state, row.attempts) == ("failed", 1)
+    assert "Connection refused" in row.last_error["message"]
+    assert_counters_match_table()
 
 
 def test_warnings_are_rate_limited_per_cause(caplog: pytest.LogCaptureFixture) -> None:

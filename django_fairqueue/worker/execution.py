@@ -276,8 +276,11 @@ def failed_outcome(
     """A failed attempt: retried with backoff while attempts remain (never an
     ``at_most_once`` task's), else failed for good."""
     error = error_info(exc, attempt=message.attempts, worker_id=worker_id)
+    at_most_once = spec.effective_delivery == "at_most_once"
     cause = dbfaults.unavailable(exc)
-    if cause is not None:  # not the task's fault: given back, the attempt not counted
+    # Not the task's fault: given back, the attempt not counted; but never an at-most-once
+    # task's, which may have done its work before the database went away (it would run twice).
+    if cause is not None and not at_most_once:
         return Outcome(
             message,
             "released",
@@ -287,11 +290,7 @@ def failed_outcome(
         )
     # at_most_once messages have max_attempts 1; the check also covers a task switched to
     # at_most_once after its messages were enqueued.
-    if (
-        retry
-        and message.attempts < message.max_attempts
-        and spec.effective_delivery != "at_most_once"
-    ):
+    if retry and message.attempts < message.max_attempts and not at_most_once:
         return Outcome(
             message,
             "retry",
