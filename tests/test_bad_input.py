@@ -454,6 +454,8 @@ def test_a_bad_max_backlog_through_the_orm_raises_invalid_channel() -> None:
         ({"burst_horizon": float("nan")}, "burst_horizon must be 0 to 86400 seconds"),
         ({"channels": "tenant-1"}, "not a string"),
         ({"channels": ["a"], "exclude_channels": ["a"]}, "both included and excluded"),
+        # a name too long for the rows of every queue served: no enqueue can create it
+        ({"channels": ["x" * 195], "queues": ["reports"]}, "cannot be in any of the queues"),
         ({"worker_id": "  "}, "worker_id must be a non-empty string"),
     ],
 )

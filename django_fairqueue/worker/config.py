@@ -15,11 +15,9 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from django_fairqueue import limits
-from django_fairqueue.api import validate_channel_name
+from django_fairqueue.api import check_channel_in_queue, validate_channel_name
 from django_fairqueue.db.message_store import ClaimedMessage
-from django_fairqueue.exceptions import (
-    FairQueueError,
-)
+from django_fairqueue.exceptions import FairQueueError, InvalidChannel
 from django_fairqueue.queues import validate_queue_name
 from django_fairqueue.tasks.spec import TaskSpec
 
@@ -172,6 +170,23 @@ class WorkerConfig:
             if not queues:
                 raise ValueError("queues must name at least one queue (None: every queue)")
             object.__setattr__(self, "queues", queues)
+            for name in self.channels:
+                _in_some_queue(name, queues)
+
+
+def _in_some_queue(name: str, queues: Sequence[str]) -> None:
+    """Refuse a channel no enqueue can create in any of ``queues`` (a queue's name is part of
+    its channels' row names, which must fit): the worker would wait for it for ever."""
+    refusals = []
+    for queue in queues:
+        try:
+            check_channel_in_queue(name, queue)
+            return
+        except InvalidChannel as exc:
+            refusals.append(f"{queue}: {exc}")
+    raise InvalidChannel(
+        f"channel {name!r} cannot be in any of the queues served ({'; '.join(refusals)})"
+    )
 
 
 @dataclass(frozen=True, slots=True)
