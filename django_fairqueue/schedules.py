@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
@@ -273,10 +273,11 @@ def sync(specs: Sequence[ScheduleSpec] | None = None, *, skip_invalid: bool = Fa
 
 
 def _specs(specs: object) -> list[ScheduleSpec]:
-    """``specs`` as a list, if it is a collection of :class:`ScheduleSpec`; else a TypeError,
-    before :func:`sync` deletes the code schedules missing from it."""
+    """``specs`` as a list, if it is a list or tuple of :class:`ScheduleSpec`; else a
+    TypeError, before :func:`sync` deletes the code schedules missing from it. Nothing else
+    is taken: an empty dict or set (a mistake, not a declaration) would delete them all."""
     what = "ScheduleSpec (django_fairqueue.cron.ScheduleSpec, as declared() returns them)"
-    if isinstance(specs, str | bytes | ScheduleSpec) or not isinstance(specs, Iterable):
+    if not isinstance(specs, list | tuple):
         raise TypeError(f"specs must be a list of {what}, got {specs!r}")
     found = list(specs)
     for i, spec in enumerate(found):

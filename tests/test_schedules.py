@@ -427,6 +427,10 @@ def test_bad_arguments_are_refused_before_anything_runs() -> None:
         (lambda: schedules.states(None), TypeError, "ids must be a list of schedule ids"),
         (lambda: schedules.sync("abc"), TypeError, "specs must be a list of ScheduleSpec"),
         (lambda: schedules.sync(spec("b")), TypeError, "specs must be a list of ScheduleSpec"),
+        # empty, these would have deleted every code schedule
+        (lambda: schedules.sync({}), TypeError, "specs must be a list of ScheduleSpec"),
+        (lambda: schedules.sync(set()), TypeError, "specs must be a list of ScheduleSpec"),
+        (lambda: schedules.sync(range(0)), TypeError, "specs must be a list of ScheduleSpec"),
         (lambda: schedules.sync([spec("b"), "x"]), TypeError, r"specs\[1\] must be a Schedule"),
         (
             lambda: schedules.sync([{"task": TASK, "cron": "@daily"}]),
