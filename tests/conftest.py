@@ -1,9 +1,13 @@
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.workerkit import WorkerProcess
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -37,3 +41,16 @@ def database_url(django_db_setup: None, django_db_blocker: Any) -> str:
         host = f"[{host}]"
     port = f":{settings['PORT']}" if settings["PORT"] else ""
     return f"postgres://{credentials}{host}{port}/{quote(settings['NAME'], safe='')}"
+
+
+@pytest.fixture
+def started(database_url: str) -> Iterator[list[WorkerProcess]]:
+    """The worker processes a test starts (tests.workerkit), each closed after it, its log
+    printed (pytest shows it when the test failed)."""
+    workers: list[WorkerProcess] = []
+    try:
+        yield workers
+    finally:
+        for worker in workers:
+            worker.close()
+            print(f"--- log of worker {worker.worker_id} ---\n{worker.output}")  # on failure

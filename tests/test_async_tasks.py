@@ -11,7 +11,7 @@ import functools
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,17 +105,6 @@ async def async_stuck() -> None:
 
 
 # -- a worker that leaves a coroutine behind exits ----------------------------------------------
-
-
-@pytest.fixture
-def started(database_url: str) -> Iterator[list[WorkerProcess]]:
-    workers: list[WorkerProcess] = []
-    try:
-        yield workers
-    finally:
-        for worker in workers:
-            worker.close()
-            print(f"--- log of worker {worker.worker_id} ---\n{worker.output}")  # on failure
 
 
 def start(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -43,17 +42,6 @@ def str_fails() -> None:
 @task(name="tests.held_up.interrupts", max_attempts=2)
 def interrupts() -> None:
     raise KeyboardInterrupt()
-
-
-@pytest.fixture
-def started(database_url: str) -> Iterator[list[WorkerProcess]]:
-    workers: list[WorkerProcess] = []
-    try:
-        yield workers
-    finally:
-        for worker in workers:
-            worker.close()
-            print(f"--- log of worker {worker.worker_id} ---\n{worker.output}")  # on failure
 
 
 def start(
