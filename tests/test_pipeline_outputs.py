@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +33,7 @@ from django_fairqueue.models import WorkBatch
 from tests.pipelineapp import pipelines
 from tests.pipelineapp.models import DataRow, JsonResultRow, LongResultRow
 from tests.test_pipeline import needs_spark, spark, spark_settings  # noqa: F401  (fixtures)
+from tests.workerkit import wait_until
 
 NAME = "test.json"
 
@@ -341,6 +346,25 @@ def test_a_dry_run_recompute_decides_as_a_recompute_and_writes_nothing(
     assert before["succeeded_at"] is None
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_dry_run_recompute_with_a_refused_tenant_says_the_others_were_not_planned(
+    json_formulas: dict[str, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows(10)
+    plan(NAME, tenants=["bob"])  # bob's job is unfinished: refused; alice has none yet
+
+    with pytest.raises(CommandError) as caught:
+        call_command("fairpipeline", "recompute", NAME, "--dry-run")
+
+    assert str(caught.value) == (
+        "1 of 2 tenants not recomputed (above); the others would be (dry run)"
+    )
+    assert "every row: no successful run yet (dry run: nothing planned)" in capsys.readouterr().out
+    assert not WorkBatch.objects.filter(job_name=f"{NAME}:alice").exists()
+    with pytest.raises(CommandError, match=r"not recomputed \(above\); the others are$"):
+        call_command("fairpipeline", "recompute", NAME)
+
+
 def test_recompute_needs_a_known_pipeline() -> None:
     with pytest.raises(CommandError, match="no pipeline named 'nope'"):
         call_command("fairpipeline", "recompute", "nope")
@@ -387,6 +411,84 @@ def test_a_recompute_of_changed_rows_writes_only_them(
     assert {i for i in ids if after[i] != before[i]} == set(changed)
     assert all(after[i] == {"double": 2000.0} for i in changed)
     assert PipelineJob.objects.get(job_name=f"{NAME}:bob").changed_since == "0"
+
+
+@contextmanager
+def core_taken(spark: Any, release: Path) -> Iterator[None]:  # noqa: F811
+    """The tests' one Spark core held by another job until the block ends: a job started
+    meanwhile waits, active, for the core (so it can be cancelled at a known moment)."""
+
+    def hold(batches: Iterator[Any]) -> Iterator[Any]:  # runs in a Spark Python worker
+        import os
+        import time
+
+        deadline = time.monotonic() + 120
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        yield from batches
+
+    tracker = spark.sparkContext.statusTracker()
+    holder = threading.Thread(
+        target=lambda: spark.range(0, 1, 1, 1).mapInArrow(hold, "id long").collect()
+    )
+    holder.start()
+    wait_until(lambda: tracker.getActiveJobsIds(), what="the core taken")
+    try:
+        yield
+    finally:
+        release.touch()
+        holder.join()
+
+
+@needs_spark
+@pytest.mark.spark
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("name", ["test.json", "test.lookup"])  # aggregates, lookups
+def test_a_batch_cancelled_in_its_broadcast_leaves_no_broken_plan_to_the_next(
+    spark: Any,  # noqa: F811
+    spark_settings: None,  # noqa: F811
+    json_formulas: dict[str, list[str]],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    name: str,
+) -> None:
+    """A lost lease cancels the batch's Spark job by its tag; cancelled while it broadcast
+    the tenant aggregates (or lookup rows) to the join, the job's DataFrame fails every later
+    run the same way. The next batches of the job, in the same process, must still run."""
+    from tests.pipelineapp.models import PriceRow
+
+    plans = execute._Plans()
+    monkeypatch.setattr(execute, "plans", plans)
+    rows(100)  # alice's job: 2 batches
+    PriceRow.objects.create(tenant="alice", code="g0", price=Decimal("1.50"), band="low")
+    plan(name, tenants=["alice"])
+    job_name = f"{name}:alice"
+    prepared = batch_run.prepare_batch(registry.get(name), "alice", job_name)
+    if prepared.formulas is not None and prepared.formulas.aggregates:
+        batch_run.aggregate_cache.get(spark, prepared, job_name, None)  # phase one, done
+    batch = batches.claim(worker_id="stalled", jobs=[job_name], lease=timedelta(minutes=5))
+    assert batch is not None
+    tag = "fairqueue-test-lost-lease"
+    tracker = spark.sparkContext.statusTracker()
+
+    def cancel_the_waiting_broadcast() -> None:
+        # The batch's first Spark job is its broadcast's: cancel it as a lost lease does.
+        wait_until(lambda: len(tracker.getActiveJobsIds()) > 1, what="the broadcast's job")
+        spark.sparkContext.cancelJobsWithTag(tag)
+
+    canceller = threading.Thread(target=cancel_the_waiting_broadcast)
+    with core_taken(spark, tmp_path / "release"):
+        canceller.start()
+        with pytest.raises(Exception, match="SPARK_JOB_CANCELLED"):
+            batch_run.execute_batch(spark, batch, job_group=tag)
+        canceller.join()
+    assert batches.release(batch)  # what the rescuer does once the lease expired
+
+    stats = PipelineRunner(worker_id="t", pipelines=[name], burst=True, spark=spark).run()
+
+    assert (stats.succeeded, stats.failed) == (2, 0)
+    assert JsonResultRow.objects.filter(tenant="alice").count() == 100
+    assert plans.builds == 2  # the cancelled run's plan was built anew
 
 
 # --------------------------------------------------------------------------------------------

@@ -639,7 +639,13 @@ def run_range(
             # found no job to cancel.
             if stopping():
                 raise RunnerStopping("the runner is stopping: the batch's Spark job not started")
-            results = job.frame.collect()
+            try:
+                results = job.frame.collect()
+            except BaseException:
+                # The DataFrame keeps what its run left: a broadcast (of the tenant aggregates,
+                # of lookup rows) that failed or was cancelled fails every later run of it.
+                plans.discard(job)
+                raise
     finally:
         context.setLocalProperty(datastore.BATCH_PROPERTY, None)
         if job_group is not None:
@@ -677,7 +683,7 @@ class _Plans:
 
     The least recently used plan goes first when ``size`` are kept: a runner takes the
     tenants' batches in turns, so fewer plans than tenants at work would build a plan for
-    every batch.
+    every batch. A plan whose run failed is dropped (:meth:`discard`).
     """
 
     size = 32
@@ -736,6 +742,11 @@ class _Plans:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[key] = built
         return built
+
+    def discard(self, plan: _Plan) -> None:
+        """Forget ``plan`` (its run failed): the tenant's next batch builds its plan anew."""
+        with self._lock:
+            self._plans = {k: v for k, v in self._plans.items() if v is not plan}
 
     def _build(
         self,

@@ -73,12 +73,15 @@ def _no_batches(job_name: str, tenant: str) -> Any:
     )
 
 
-def _refused(refused: dict[str, Exception], done: int, what: str) -> CommandError:
+def _refused(
+    refused: dict[str, Exception], done: int, what: str, *, dry_run: bool = False
+) -> CommandError:
     """The error ``plan`` or ``recompute`` ends with when tenants were refused (each said why
-    above); ``done``: how many tenants were planned or recomputed."""
+    above); ``done``: how many tenants were planned or recomputed (``dry_run``: would be)."""
     total = len(refused) + done
     if done:
-        return CommandError(f"{len(refused)} of {total} tenants not {what} (above); the others are")
+        others = "the others would be (dry run)" if dry_run else "the others are"
+        return CommandError(f"{len(refused)} of {total} tenants not {what} (above); {others}")
     if total == 1:
         return CommandError(f"tenant {next(iter(refused))!r} was not {what} (above)")
     return CommandError(f"none of the {total} tenants was {what} (above)")
@@ -367,7 +370,9 @@ class Command(FairCommand):
         for refusal in report.refused.values():
             self.stderr.write(f"not recomputed: {refusal}")
         if report.refused:
-            raise _refused(report.refused, len(report.tenants), "recomputed")
+            raise _refused(
+                report.refused, len(report.tenants), "recomputed", dry_run=options["dry_run"]
+            )
 
     # ---- cancel
 
