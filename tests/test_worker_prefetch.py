@@ -39,8 +39,10 @@ def recording_claims(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
 
 
 def test_prefetch_must_be_a_non_negative_integer() -> None:
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="prefetch"):
+    with pytest.raises(ValueError, match="prefetch must be 0 to 10000, got -1"):
+        WorkerConfig(prefetch=-1)
+    for bad in (1.5, True):
+        with pytest.raises(TypeError, match="prefetch must be an integer"):
             WorkerConfig(prefetch=bad)
 
 
