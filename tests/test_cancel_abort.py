@@ -394,3 +394,29 @@ def test_a_prefetched_message_whose_abort_a_heartbeat_saw_ends_aborted_without_r
     assert not prefetched.exists()  # never started
     assert "before it started" in Message.objects.get(pk=second).last_error["message"]
     assert_counters_match_table()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_abort_reaches_a_listening_worker_at_once_and_its_prefetched_message_never_starts(
+    tmp_path: Any,
+) -> None:
+    """Told by a notification, the holding worker's heartbeat reads the request at once, not
+    one interval (here 20 s) later: the prefetched message ends aborted without running."""
+    running, prefetched = tmp_path / "running", tmp_path / "prefetched"
+    first = fairtasks.sleep.enqueue(1.0, str(running), channel="a")
+    worker = _worker(concurrency=1, prefetch=1, listen=True, lease=timedelta(seconds=60))
+    thread = run_in_thread(worker)
+    try:
+        wait_until(worker.listening.is_set, what="the worker listening")
+        wait_until(running.exists, what="the first task started")
+        second = fairtasks.sleep.enqueue(0.0, str(prefetched), channel="b")
+        wait_until(lambda: state(second) == "running", what="the second message prefetched")
+        assert abort([second]) == {second: "abort_requested"}
+        wait_until(lambda: state(first) != "running", timeout=10, what="the first finishing")
+        wait_until(lambda: state(second) == "aborted", timeout=10, what="aborted")
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert not prefetched.exists()  # never started: its thread freed a second later
+    assert "before it started" in Message.objects.get(pk=second).last_error["message"]
+    assert_counters_match_table()

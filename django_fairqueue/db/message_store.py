@@ -405,10 +405,19 @@ def select_running_message_ids(
 
 def abort_messages(ids: Sequence[int], *, using: str | None = None) -> dict[int, str]:
     """Cancel the waiting messages of ``ids`` and request an abort of the running ones;
-    returns {id: "cancelled" or "abort_requested"} (finished or unknown ids are left out)."""
+    returns {id: "cancelled" or "abort_requested"} (finished or unknown ids are left out).
+    With ``NOTIFY`` on, the workers holding the running ones are told at commit
+    (:data:`ABORT_NOTICE` and the worker id), for their heartbeats to read the request."""
     if not ids:
         return {}
-    return {r[0]: r[1] for r in _run("abort_messages", {"ids": sorted(set(ids))}, using)}
+    cfg = conf.get()
+    channel = cfg.NOTIFY_CHANNEL if cfg.NOTIFY else None
+    params = {"ids": sorted(set(ids)), "channel": channel}
+    return {r[0]: r[1] for r in _run("abort_messages", params, using)}
+
+
+#: What starts the payload of an abort's notification; the worker id follows.
+ABORT_NOTICE = "fairqueue abort "
 
 
 def settle_aborted_messages(

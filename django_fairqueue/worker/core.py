@@ -134,7 +134,9 @@ class Worker:
             on_recycle=self.recycle,
         )
         self.heartbeat = Heartbeat(self.ledger, lease=self.lease, worker_id=self.worker_id)
-        self.listener = Listener(worker_id=self.worker_id, on_wake=self.claimer.wake)
+        self.listener = Listener(
+            worker_id=self.worker_id, on_wake=self.claimer.wake, on_abort=self.heartbeat.poke
+        )
         #: Set once the listener's LISTEN is in place (and again after each reconnect).
         self.listening = self.listener.listening
         self._services = services

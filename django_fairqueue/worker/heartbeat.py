@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from datetime import timedelta
 
 from django_fairqueue.db import message_store
@@ -31,12 +32,26 @@ class Heartbeat(Service):
         self.ledger = ledger
         self.lease = lease
         self.worker_id = worker_id
+        self._poked = threading.Event()
+
+    def poke(self) -> None:
+        """Beat now, not at the next interval: an abort of one of this worker's messages was
+        requested (a prefetched one must not start)."""
+        self._poked.set()
+
+    def stop(self) -> None:
+        super().stop()
+        self._poked.set()
 
     def run(self) -> None:
         interval = self.lease.total_seconds() / 3
         backoff = Backoff()
         wait = interval
-        while not self.stopping.wait(wait):
+        while True:
+            self._poked.wait(wait)
+            self._poked.clear()
+            if self.stopping.is_set():
+                return
             wait = interval
             try:
                 self.run_once()

@@ -22,15 +22,24 @@ logger = logging.getLogger("django_fairqueue.worker")
 class Listener(Service):
     """LISTENs on ``NOTIFY_CHANNEL`` with a psycopg connection of its own (not Django's) and
     calls ``on_wake()`` for each notification, and once after each (re)connection to catch up
-    on what was enqueued meanwhile. A lost connection is retried with backoff; polling goes on
-    meanwhile."""
+    on what was enqueued meanwhile; ``on_abort()`` instead for an abort requested of one of
+    this worker's messages (another worker's is no wake-up). A lost connection is retried with
+    backoff; polling goes on meanwhile."""
 
     name = "listener"
 
-    def __init__(self, *, worker_id: str, on_wake: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        *,
+        worker_id: str,
+        on_wake: Callable[[], None],
+        on_abort: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__()
         self.worker_id = worker_id
         self.on_wake = on_wake
+        self.on_abort = on_abort
+        self._abort_notice = message_store.ABORT_NOTICE + worker_id
         #: Set once the LISTEN is in place (and again after each reconnect).
         self.listening = threading.Event()
         self._conn: psycopg.Connection[Any] | None = None
@@ -69,9 +78,12 @@ class Listener(Service):
             if self._conn is None:  # notifications do not arrive: polling only, on purpose
                 return 0
         count = 0
-        for _ in self._conn.notifies(timeout=timeout):
+        for notice in self._conn.notifies(timeout=timeout):
             count += 1
-            self.on_wake()
+            if not notice.payload.startswith(message_store.ABORT_NOTICE):
+                self.on_wake()
+            elif notice.payload == self._abort_notice and self.on_abort is not None:
+                self.on_abort()
         return count
 
     def _connect(self) -> None:

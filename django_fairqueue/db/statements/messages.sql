@@ -333,6 +333,9 @@ ORDER BY m.id;
 -- Waits for a row another transaction holds (a claim taking it, a settlement), then acts on
 -- its newest version (FOR UPDATE re-checks it): a message claimed meanwhile gets the request,
 -- one settled meanwhile is left alone. Rows are locked in id order, as settlements lock them.
+-- With `channel`, each worker holding a running one is told on it ('fairqueue abort <id>',
+-- at commit; PostgreSQL sends identical notifications of a transaction once), so that its
+-- heartbeat reads the request at once: a prefetched message is then aborted before it starts.
 WITH t AS MATERIALIZED (
     SELECT o.id, o.state AS old_state
     FROM fairqueue_message o
@@ -350,7 +353,7 @@ WITH t AS MATERIALIZED (
     -- branch to a row that a concurrent settlement or release has just moved on (the row
     -- is then left alone and reported skipped, as any message that stopped meanwhile)
     WHERE m.id = t.id AND m.state = t.old_state
-    RETURNING m.id, m.channel_id, t.old_state
+    RETURNING m.id, m.channel_id, t.old_state, m.worker_id
 ), delta AS (
     INSERT INTO fairqueue_channel_delta (channel_id, ready, scheduled, running, failed, succeeded)
     SELECT channel_id,
@@ -359,7 +362,9 @@ WITH t AS MATERIALIZED (
            0, 0, 0
     FROM stopped WHERE old_state <> 'running' GROUP BY channel_id
 )
-SELECT id, CASE WHEN old_state = 'running' THEN 'abort_requested' ELSE 'cancelled' END
+SELECT id, CASE WHEN old_state = 'running' THEN 'abort_requested' ELSE 'cancelled' END,
+       CASE WHEN old_state = 'running' AND %(channel)s::text IS NOT NULL
+            THEN pg_notify(%(channel)s::text, 'fairqueue abort ' || worker_id) END
 FROM stopped ORDER BY id;
 
 -- name: settle_aborted_messages
