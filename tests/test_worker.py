@@ -346,12 +346,7 @@ def test_at_most_once_fails_without_retry_and_a_lost_lease_dead_letters_it() -> 
 
     # A worker that dies mid-handler: the rescuer dead-letters the message, never reruns it.
     crashed = fairtasks.at_most_once.enqueue(channel="bob")
-    (claimed,) = message_store.claim_messages(
-        1, lease=timedelta(milliseconds=1), worker_id="doomed"
-    )
-    assert claimed.id == crashed
-    time.sleep(0.01)
-    assert Rescuer().run_once() == 1
+    _rescued_after_its_worker_died(crashed)
     row = message(crashed)
     assert (row.state, row.attempts, row.last_error["type"]) == (
         MessageState.FAILED,
@@ -362,14 +357,20 @@ def test_at_most_once_fails_without_retry_and_a_lost_lease_dead_letters_it() -> 
 
     # ... and so does it for one enqueued while the task was at-least-once (attempts to spare)
     switched = enqueue_raw("carol", once_raises.name, '{"args": [], "kwargs": {}}', 5)
+    _rescued_after_its_worker_died(switched)
+    row = message(switched)
+    assert (row.state, row.attempts, row.max_attempts) == (MessageState.FAILED, 1, 5)
+
+
+def _rescued_after_its_worker_died(expected: int) -> None:
+    """Claim ``expected`` under a lease that expires at once, as a worker that died, and let
+    the rescuer take it back."""
     (claimed,) = message_store.claim_messages(
         1, lease=timedelta(milliseconds=1), worker_id="doomed"
     )
-    assert claimed.id == switched
+    assert claimed.id == expected
     time.sleep(0.01)
     assert Rescuer().run_once() == 1
-    row = message(switched)
-    assert (row.state, row.attempts, row.max_attempts) == (MessageState.FAILED, 1, 5)
 
 
 @pytest.mark.django_db
