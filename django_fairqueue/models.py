@@ -159,6 +159,8 @@ class ChannelGroup(models.Model):
         return display_name(self.name)
 
     def save(self, *args: Any, **kwargs: Any) -> None:
+        if self._state.adding:
+            _check_new_name(self.name, group=True)
         _check_limits(self, f"channel group {self.name!r}")
         super().save(*args, **kwargs)
 
@@ -194,6 +196,17 @@ def _check_limits(obj: Channel | ChannelGroup, where: str) -> None:
 #: group exists) and its queue. Writing them would move the channel's running and waiting
 #: messages out of its group's cap, or say a queue the row is not in.
 _FOLLOWS_FROM_NAME = frozenset({"group", "group_id", "queue"})
+
+
+def _check_new_name(row: str, *, group: bool) -> None:
+    """A new channel's or group's row name as an enqueue checks it: a bad one raises
+    :class:`~django_fairqueue.exceptions.InvalidChannel` naming what is wrong, rather than the
+    database's IntegrityError or DataError. ``row`` holds the queue outside the default one."""
+    from django_fairqueue.api import check_channel_in_queue  # (the API imports the models)
+
+    queue, name = split_row_name(row)
+    # a group is checked as the group part of a channel of it, with its row in the queue
+    check_channel_in_queue((name, "-") if group else name, queue)
 
 
 def _refuse_derived(fields: Iterable[str]) -> None:
@@ -344,6 +357,8 @@ class Channel(models.Model):
         return display_name(self.name)
 
     def save(self, *args: Any, **kwargs: Any) -> None:
+        if self._state.adding:
+            _check_new_name(self.name, group=False)
         _check_limits(self, f"channel {self.name!r}")
         if kwargs.get("update_fields") is not None:
             _refuse_derived(kwargs["update_fields"])

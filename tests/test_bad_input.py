@@ -31,7 +31,7 @@ from django_fairqueue import checks, conf, enqueue, exactly_once, failures
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.exceptions import InvalidChannel, InvalidQueue, PayloadError, UnknownTask
-from django_fairqueue.models import Channel, Message, MessageState
+from django_fairqueue.models import Channel, ChannelGroup, Message, MessageState
 from django_fairqueue.worker import Worker, WorkerConfig
 from tests import fairtasks
 from tests.factories import NOOP, assert_counters_match_table
@@ -434,6 +434,29 @@ def test_a_release_interval_in_seconds_is_saved_as_that_duration() -> None:
 def test_a_bad_max_backlog_through_the_orm_raises_invalid_channel() -> None:
     with pytest.raises(InvalidChannel, match="max_backlog must be an integer >= 1, got 0"):
         Channel(name="limits", max_backlog=0).save()
+
+
+@pytest.mark.parametrize(
+    ("model", "name", "words"),
+    [
+        (ChannelGroup, "a/b", "must not contain '/'"),
+        (ChannelGroup, "g" * 101, "the most is 100"),
+        (ChannelGroup, " g", "must not start or end with blanks"),
+        (ChannelGroup, f"reports\x1f{'g' * 95}", "too long for queue 'reports'"),
+        (Channel, " bad", "must not start or end with blanks"),
+        (Channel, "x" * 201, "201"),
+        (Channel, f"reports\x1f{'x' * 195}", "too long for queue 'reports'"),
+    ],
+)
+def test_a_bad_name_through_the_orm_raises_invalid_channel_and_stores_nothing(
+    model: type[Channel | ChannelGroup], name: str, words: str
+) -> None:
+    """As an enqueue would refuse it, not with the database's IntegrityError or DataError."""
+    with pytest.raises(InvalidChannel, match=re.escape(words)):
+        model.objects.create(name=name)
+    assert not model.objects.exists()
+    # rows of another queue, named as the queue names them, are saved
+    model.objects.create(name="reports\x1facme")
 
 
 @pytest.mark.parametrize(

@@ -682,8 +682,8 @@ def test_validate_channel_limits_accepts_the_edges() -> None:
 def test_database_rejects_absurd_channel_settings(change: dict[str, Any]) -> None:
     f.enqueue("alice")
     with pytest.raises(IntegrityError), transaction.atomic():
-        if "name" in change:  # (a name never changes: a new channel's)
-            Channel.objects.create(**change)
+        if "name" in change:  # (a name never changes: a new channel's; save() refuses it)
+            Channel.objects.bulk_create([Channel(**change)])
         else:
             Channel.objects.filter(name="alice").update(**change)
     assert list(Channel.objects.values_list("name", flat=True)) == ["alice"]
