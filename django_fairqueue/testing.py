@@ -34,6 +34,7 @@ from django_fairqueue import conf
 from django_fairqueue.api import TaskSelector, name_of_task, validate_channel_name
 from django_fairqueue.models import Message, MessageState
 from django_fairqueue.queues import DEFAULT_QUEUE, row_name, validate_queue_name
+from django_fairqueue.runtime import proctree
 from django_fairqueue.worker import Worker, WorkerConfig
 
 #: What the worker process runs: Django set up with the test's settings module, each
@@ -189,29 +190,7 @@ def _kill_tree(pid: int) -> None:
     stopped first, so that it starts no child while the tree is read. Below ``pid`` is read
     from ``/proc`` (Linux); elsewhere only its own group is killed."""
     os.killpg(pid, signal.SIGSTOP)
-    groups = [pid, *_descendants(pid)]
+    groups = [pid, *proctree.descendants(pid, proctree.read() or {})]
     for group in groups:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(group, signal.SIGKILL)
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    with contextlib.suppress(OSError):
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    # "pid (command) state ppid ...": the command may hold spaces and parentheses
-                    ppid = int(stat.read().rpartition(")")[2].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue  # gone meanwhile
-            children.setdefault(ppid, []).append(int(entry))
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found.extend(below)
-        todo.extend(below)
-    return found

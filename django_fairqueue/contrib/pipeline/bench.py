@@ -42,6 +42,7 @@ from typing import Any
 from django_fairqueue.contrib.pipeline import datastore
 from django_fairqueue.contrib.pipeline.core import Pipeline, Sink, Source, registry
 from django_fairqueue.contrib.pipeline.spark import get_session, jvm_peak_rss_bytes
+from django_fairqueue.runtime import proctree
 
 SOURCE = "fq_bench_pipeline_source"
 SINK = "fq_bench_pipeline_sink"
@@ -271,40 +272,20 @@ def baseline_expressions(rules: Sequence[Rule]) -> dict[str, Any]:
     }
 
 
-def _stat(pid: int) -> list[str]:
-    """Fields of /proc/PID/stat after the command name (state is [0], ppid [1])."""
-    with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
-        return stat.read().rsplit(")", 1)[1].split()
-
-
 def tree_cpu_seconds(root: int) -> float | None:
     """CPU seconds (user + system) of process ``root`` and all its descendants, exited ones
     included (a process's children's times count in its own once they exited and were waited
     for). None if ``root`` is gone or ``/proc`` cannot be read."""
-    tick = os.sysconf("SC_CLK_TCK")
-    children: dict[int, list[int]] = {}
-    ticks: dict[int, int] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
+    tree = proctree.read()
+    if tree is None or root not in tree:
         return None
-    for entry in entries:
-        if not entry.isdigit():
-            continue
+    ticks = 0
+    for pid in (root, *proctree.descendants(root, tree)):
         try:
-            fields = _stat(int(entry))
-            children.setdefault(int(fields[1]), []).append(int(entry))
-            ticks[int(entry)] = sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
-        except (OSError, ValueError, IndexError):
+            ticks += sum(int(v) for v in tree[pid][11:15])  # utime stime cutime cstime
+        except (ValueError, IndexError):
             continue
-    if root not in ticks:
-        return None
-    total, stack = 0, [root]
-    while stack:
-        pid = stack.pop()
-        total += ticks.get(pid, 0)
-        stack.extend(children.get(pid, ()))
-    return total / tick
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 class DatabaseCpu:
@@ -315,7 +296,7 @@ class DatabaseCpu:
         backend = datastore.backend_pid(using)
         self.postmaster: int | None = None
         try:
-            postmaster = int(_stat(backend)[1])
+            postmaster = int(proctree.stat(backend)[1])
             with open(f"/proc/{postmaster}/comm", encoding="ascii") as comm:
                 if "postgres" in comm.read():
                     self.postmaster = postmaster
