@@ -816,3 +816,22 @@ def test_a_baseline_is_compared_with_but_is_no_peer() -> None:
     assert _ratio_row(text, "django-fairqueue-baseline")[5:7] == ["1.05", "(1.04-1.05)"]
     after = [line.split() for line in text.splitlines() if line.startswith("x1 ")]
     assert after == [["x1", "1.04", "(1.04-1.05)", "1.09", "(1.09-1.09)"]]
+
+
+def test_the_sybil_target_judges_the_grouped_cells_only() -> None:
+    from django_fairqueue.contrib.bench import groups
+    from django_fairqueue.contrib.bench.report import Report, ScenarioReport, check_targets
+
+    def cell(grouped: bool, p99: float) -> groups.SybilResult:
+        return groups.SybilResult(10_000, grouped, 20, 5.0, p99, p99, 10.0, 0.1)
+
+    def verdict(*cells: groups.SybilResult) -> list[tuple[str, bool]]:
+        report = Report(meta={}, scenarios={"sybil": ScenarioReport(groups.SYBIL, list(cells))})
+        return [(c.measured, c.met) for c in check_targets(report)]
+
+    # as 101 channels bob gets 100 turns to alice's one: only the grouped cells are judged
+    assert verdict(cell(True, 12.5), cell(False, 240.0)) == [
+        ("12.5 ms (bob's backlog 10,000 in 100 channels)", True)
+    ]
+    assert verdict(cell(True, 50.1)) == [("50.1 ms (bob's backlog 10,000 in 100 channels)", False)]
+    assert verdict(cell(False, 1.0)) == []

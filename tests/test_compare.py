@@ -288,3 +288,14 @@ def test_the_run_records_why_it_has_no_commit(
         assert set(run.describe(database_url)["git"]) == {"commit", "dirty"}
     monkeypatch.setattr(run, "ROOT", _not_a_checkout(tmp_path, monkeypatch))
     assert run.describe(database_url)["git"] == {"error": "not a git checkout"}
+
+
+def test_plots_of_a_run_with_nothing_to_draw_say_so(tmp_path: Path) -> None:
+    from benchmarks.compare import run
+
+    doc = {"systems": [{"system": "django-fairqueue", "pickup": [{"p50_ms": 2.0}]}]}
+    assert run.plot_lines(doc, tmp_path) == [
+        f"no plot written to {tmp_path}: plots are drawn of the e2e, fairness, sybil, "
+        "timeshare and weights scenarios only"
+    ]
+    assert list(tmp_path.iterdir()) == []

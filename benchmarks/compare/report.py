@@ -607,6 +607,10 @@ def _enqueue_goals(
     return found
 
 
+#: what --plots draws, said when a run has none of it
+PLOTTED = "plots are drawn of the e2e, fairness, sybil, timeshare and weights scenarios only"
+
+
 def plots(doc: dict[str, Any], directory: Path) -> list[Path]:
     systems = _by_name(doc)
     written: list[Path] = []

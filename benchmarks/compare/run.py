@@ -1284,9 +1284,18 @@ def _main(argv: list[str] | None) -> int:
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"\nresults written to {path}")
     if args.plots:
-        for written in report.plots(doc, Path(args.plots)):
-            print(f"plot written to {written}")
+        print("\n".join(plot_lines(doc, Path(args.plots))))
     return 0
+
+
+def plot_lines(doc: dict[str, Any], directory: Path) -> list[str]:
+    """Draw the run's plots into ``directory``; a line for each, or one saying none was."""
+    from benchmarks.compare import report  # after setup_django, as main's import
+
+    drawn = report.plots(doc, directory)
+    if not drawn:
+        return [f"no plot written to {directory}: {report.PLOTTED}"]
+    return [f"plot written to {written}" for written in drawn]
 
 
 if __name__ == "__main__":

@@ -301,6 +301,21 @@ def _admin(report: Report) -> TargetCheck | None:
     )
 
 
+def _sybil(report: Report) -> TargetCheck | None:
+    # the target holds for tenants as channel groups; as 101 channels bob gets 100 turns
+    # to alice's one, by design (the notes of the scenario's table say so)
+    cells = [c for c in _cells(report, "sybil") if c.grouped]
+    if not cells:
+        return None
+    worst = max(cells, key=lambda c: c.wait_p99_ms)
+    return TargetCheck(
+        "alice's p99 behind a sybil bob, grouped",
+        "<= 50 ms",
+        f"{worst.wait_p99_ms:.1f} ms (bob's backlog {worst.backlog:,} in 100 channels)",
+        worst.wait_p99_ms <= 50,
+    )
+
+
 _RULES: list[Callable[[Report], TargetCheck | None]] = [
     _enqueue_batch,
     _claim_rule(True, 100, 15_000, "claim+complete, batch 100, many channels"),
@@ -314,5 +329,6 @@ _RULES: list[Callable[[Report], TargetCheck | None]] = [
     _fairness_p99,
     _e2e,
     _pickup,
+    _sybil,
     _admin,
 ]
