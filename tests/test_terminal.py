@@ -415,3 +415,24 @@ def test_a_long_output_whose_reader_stops_early_exits_141(
         _, stderr = proc.communicate(timeout=60)
         assert "Traceback" not in stderr, (argv, stderr)
         assert proc.returncode == 141, (argv, proc.returncode, stderr)
+
+
+def test_djangos_common_options_may_follow_a_subcommand_of_fairqueue() -> None:
+    from django_fairqueue.management.commands.fairqueue import Command
+
+    parser = Command().create_parser("manage.py", "fairqueue")
+    # after a subcommand, and after an action of a subcommand that has actions
+    for given in (
+        ["status", "--json", "-v", "0", "--settings", "s", "--traceback", "--skip-checks"],
+        ["failures", "list", "-v", "0", "--settings", "s", "--traceback", "--skip-checks"],
+    ):
+        options = vars(parser.parse_args(given))
+        assert {k: options[k] for k in ("verbosity", "settings", "traceback", "skip_checks")} == {
+            "verbosity": 0,
+            "settings": "s",
+            "traceback": True,
+            "skip_checks": True,
+        }
+    # one given before the subcommand is kept: the subcommand's parser does not reset it
+    assert parser.parse_args(["-v", "2", "status"]).verbosity == 2
+    assert parser.parse_args(["status"]).verbosity == 1

@@ -8,7 +8,6 @@ only read and update jobs and work batches. Guide: docs/howto/spark-pipeline.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import sys
@@ -100,28 +99,6 @@ class Command(FairCommand):
         "The Spark data pipeline: plan jobs (one per tenant), run their work batches, show "
         "progress, retry failed batches, or benchmark against the same formulas in SQL."
     )
-
-    def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
-        self._base_arguments: list[tuple[tuple[str, ...], dict[str, Any]]] = []
-        return super().create_parser(prog_name, subcommand, **kwargs)
-
-    def add_base_argument(self, parser: Any, *args: Any, **kwargs: Any) -> None:
-        super().add_base_argument(parser, *args, **kwargs)
-        self._base_arguments.append((args, kwargs))  # each action's parser takes them too
-
-    def _add_base_arguments(self, action: CommandParser) -> None:
-        """Django's common options (``-v``, ``--settings``, ``--traceback``, ...) on an action's
-        parser too: the command's own parser takes them only before the action. Their default
-        is SUPPRESS, so that one given before the action is not reset by the action's."""
-        for args, kwargs in self._base_arguments:
-            super().add_base_argument(action, *args, **{**kwargs, "default": argparse.SUPPRESS})
-        if self.requires_system_checks:
-            action.add_argument(
-                "--skip-checks",
-                action="store_true",
-                default=argparse.SUPPRESS,
-                help="Skip system checks.",
-            )
 
     def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -253,8 +230,6 @@ class Command(FairCommand):
             "`fairpipeline run --runners N` does (default 1).",
         )
         bench.add_argument("--json", action="store_true", help="Print JSON.")
-        for action in sub.choices.values():
-            self._add_base_arguments(action)
 
     def handle(self, *args: Any, **options: Any) -> None:
         configure_logging(options["verbosity"])
