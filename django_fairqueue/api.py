@@ -605,16 +605,16 @@ def _queue_row(queue: str, channel: str, group: str | None, groups: set[str]) ->
     if len(row) > CHANNEL_NAME_MAX_LENGTH:
         raise InvalidChannel(
             f"channel name {channel!r} is too long for queue {queue!r}: queue and channel "
-            f"names together take {len(row)} of the {CHANNEL_NAME_MAX_LENGTH} characters a "
-            "channel row's name may have"
+            f"names and the one character between them take {len(row)} of the "
+            f"{CHANNEL_NAME_MAX_LENGTH} characters a channel row's name may have"
         )
     if group is not None:
         group_row = f"{queue}{SEPARATOR}{group}"
         if len(group_row) > GROUP_NAME_MAX_LENGTH:
             raise InvalidChannel(
-                f"channel group name {group!r} is too long for queue {queue!r}: together they "
-                f"take {len(group_row)} of the {GROUP_NAME_MAX_LENGTH} characters a group "
-                "row's name may have"
+                f"channel group name {group!r} is too long for queue {queue!r}: with the one "
+                f"character between them they take {len(group_row)} of the "
+                f"{GROUP_NAME_MAX_LENGTH} characters a group row's name may have"
             )
         groups.add(group_row)
     return row

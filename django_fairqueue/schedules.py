@@ -196,7 +196,8 @@ def schedule_row(
     if len(channel) > CHANNEL_NAME_MAX_LENGTH:
         raise InvalidSchedule(
             f"{where}: channel {split_row_name(channel)[1]!r} is too long for queue "
-            f"{task.queue!r}: queue and channel names together take {len(channel)} of the "
+            f"{task.queue!r}: queue and channel names and the one character between them take "
+            f"{len(channel)} of the "
             f"{CHANNEL_NAME_MAX_LENGTH} characters a channel row's name may have"
         )
     return channel, {

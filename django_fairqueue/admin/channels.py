@@ -114,8 +114,8 @@ class ChannelForm(ChannelFormBase):
                 self.add_error(
                     "name",
                     f"Channel name is too long for queue {queue!r}: queue and channel names "
-                    f"together take {len(row)} of the {CHANNEL_NAME_MAX_LENGTH} characters a "
-                    "channel row's name may have",
+                    f"and the one character between them take {len(row)} of the "
+                    f"{CHANNEL_NAME_MAX_LENGTH} characters a channel row's name may have",
                 )
             else:
                 data["name"] = row
