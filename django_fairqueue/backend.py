@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import copy
 import dataclasses
 import importlib.util
 import inspect
@@ -49,11 +50,17 @@ from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from django_fairqueue import conf
-from django_fairqueue.context import abort_requested, current_message, timed_out
+from django_fairqueue.context import (
+    abort_requested,
+    current_message,
+    operator_interrupt,
+    timed_out,
+)
 from django_fairqueue.exceptions import InvalidChannel, PayloadError, TaskAborted, UnknownTask
 from django_fairqueue.limits import MAX_LIMIT, integer
 from django_fairqueue.queues import validate_queue_name
 from django_fairqueue.tasks.django_compat import (
+    DEFAULT_TASK_QUEUE_NAME,
     BaseTaskBackend,
     InvalidTask,
     InvalidTaskBackend,
@@ -64,6 +71,7 @@ from django_fairqueue.tasks.django_compat import (
     TaskResultDoesNotExist,
     TaskResultStatus,
     normalize_json,
+    task_backends,
     task_enqueued,
     task_finished,
     task_started,
@@ -216,7 +224,11 @@ class _TaskRunner:
             value = _normalized(task, value)
             if abort_requested():  # the attempt ends aborted, whatever the task returned
                 raise TaskAborted(f"task {task.module_path}: abort requested")
-        except (Exception, SystemExit) as exc:  # what the worker counts as a failed attempt
+        except BaseException as exc:
+            # What the worker counts as a failed attempt (KeyboardInterrupt, GeneratorExit and
+            # CancelledError too), but the operator's Ctrl-C, which stops it instead.
+            if operator_interrupt(exc):
+                raise
             failed = _replace_result(
                 running,
                 status=TaskResultStatus.FAILED,
@@ -344,6 +356,10 @@ class FairQueueBackend(BaseTaskBackend):
         if options.get("DEFAULT_CHANNEL") is not None and _app_installed():
             try:
                 self.default_channel = _api().validate_channel_name(options["DEFAULT_CHANNEL"])
+                # it must fit each queue its tasks may name (QUEUES empty: any, so the
+                # default queue; a longer queue's enqueue says then what is too long)
+                for queue in sorted(self.queues) or [DEFAULT_TASK_QUEUE_NAME]:
+                    _check_channel(self.default_channel, queue)
             except InvalidChannel as exc:
                 raise InvalidTaskBackend(f"{where}['DEFAULT_CHANNEL']: {exc}") from exc
         channel_from = options.get("CHANNEL_FROM")
@@ -431,7 +447,8 @@ class FairQueueBackend(BaseTaskBackend):
             kwargs,
             channel=channel,
             run_after=task.run_after,
-            priority=task.priority,
+            # Django takes any whole number (5.0, Decimal("5")); the queue stores an integer
+            priority=int(task.priority),
             unique_key=getattr(task, "unique_key", None),
             unique_scope=getattr(task, "unique_scope", None),
             on_conflict=getattr(task, "on_conflict", None),
@@ -810,7 +827,13 @@ def _bound_task(
 ) -> Task[P, R]:
     """``task`` as a message ran it: its backend, priority, run_after, queue (the queue the
     message was in, whatever the task declares) and (when it has the field) channel, the name
-    within that queue. One copy at most, since every copy is validated again."""
+    within that queue. One copy at most, since every copy is validated again.
+
+    A task moves freely between this backend's aliases, so its message may be in a queue that
+    ``backend``'s QUEUES do not list: the copy then names an alias of this backend whose QUEUES
+    do. With none (QUEUES changed since the enqueue), the copy is made without Django's
+    validation, which would refuse the queue the message is in: a result says what was."""
+    backend = _alias_for(queue_name, backend)
     changes: dict[str, Any] = {}
     if task.backend != backend:
         changes["backend"] = backend
@@ -822,4 +845,27 @@ def _bound_task(
         changes["run_after"] = run_after
     if isinstance(task, FairQueueTask) and task.channel != channel:
         changes["channel"] = channel
-    return dataclasses.replace(task, **changes) if changes else task
+    if not changes:
+        return task
+    if not _admits(backend, queue_name):
+        unchecked = copy.copy(task)
+        for name, value in changes.items():
+            object.__setattr__(unchecked, name, value)
+        return unchecked
+    return dataclasses.replace(task, **changes)
+
+
+def _admits(alias: str, queue_name: str) -> bool:
+    """Whether backend ``alias`` is this backend and its QUEUES take ``queue_name``."""
+    backend = task_backends[alias]
+    return isinstance(backend, FairQueueBackend) and (
+        not backend.queues or queue_name in backend.queues
+    )
+
+
+def _alias_for(queue_name: str, preferred: str) -> str:
+    """``preferred`` when it takes ``queue_name``, else the first alias of this backend that
+    does; ``preferred`` again when none does."""
+    if _admits(preferred, queue_name):
+        return preferred
+    return next((a for a in task_backends.settings if _admits(a, queue_name)), preferred)

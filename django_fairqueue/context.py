@@ -6,6 +6,8 @@ A context variable, so each worker thread sees its own message.
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
@@ -58,3 +60,15 @@ def raise_if_abort_requested() -> None:
 
         message = current_message.get()
         raise TaskAborted(f"abort of message {message.id if message else '?'} requested")
+
+
+def operator_interrupt(exc: BaseException) -> bool:
+    """Whether ``exc`` may be the operator's Ctrl-C rather than the task's own exception: a
+    KeyboardInterrupt in the main thread while SIGINT has Python's default handler (the only
+    place Python raises it for a signal). A handler thread's, or one raised while a worker's
+    own signal handlers are installed, is the task's."""
+    return (
+        isinstance(exc, KeyboardInterrupt)
+        and threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )

@@ -7,6 +7,7 @@ tasks below are module-level, as Django requires; tests/settings.py makes FairQu
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import pathlib
 import pickle
@@ -17,6 +18,8 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from decimal import Decimal
+from fractions import Fraction
 from typing import Any
 from unittest import mock
 
@@ -102,6 +105,18 @@ def returns_a_set() -> set[int]:
 def returns_nan() -> float:
     UNSTORABLE_RUNS["nan"] = UNSTORABLE_RUNS.get("nan", 0) + 1
     return float("nan")
+
+
+@task
+def cancels_itself() -> None:
+    raise asyncio.CancelledError("stop")
+
+
+@task
+def returns_int_keys() -> dict[Any, str]:
+    UNSTORABLE_RUNS["keys"] = UNSTORABLE_RUNS.get("keys", 0) + 1
+    # as JSON both keys are "1": one of the two would be lost
+    return {"ok": "x", "nested": [{1: "int key", "1": "str key"}]}  # type: ignore[dict-item]
 
 
 def reports() -> str:
@@ -217,6 +232,15 @@ def test_priority_and_run_after_map_onto_the_message() -> None:
     fetched = add.get_result(result.id)
     assert fetched.status == TaskResultStatus.READY  # Django has no "scheduled"
     assert (fetched.task.priority, fetched.task.run_after) == (42, later)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("whole", [5.0, Decimal("5"), Fraction(5, 1)], ids=repr)
+def test_a_whole_priority_that_is_not_an_int_is_stored_as_one(whole: Any) -> None:
+    # Django's validation takes any whole number, as its own backends run it
+    result = add.using(priority=whole).enqueue(1, 1)
+    assert row(result.id).priority == 5
+    assert add.get_result(result.id).task.priority == 5
 
 
 def test_priority_out_of_range_is_refused_by_django_validation() -> None:
@@ -379,15 +403,17 @@ def test_a_channel_too_long_for_the_tasks_queue_raises_invalid_task(tasks_option
     tasks_options(QUEUES=[], OPTIONS={"CHANNEL_FROM": "tests.test_backend.grouped_channel"})
     long_name, long_group = "k" * 195, ("h" * 95, "u")
     for channel, words in (
-        (long_name, "together take 202"),
-        (long_group, "together they take 102"),
+        (long_name, "between them take 202"),
+        (long_group, "between them they take 102"),
     ):
         add.using(channel=channel)  # fits the default queue
         with pytest.raises(InvalidTask, match=words):
             add.using(queue_name="emails").using(channel=channel)
         with pytest.raises(InvalidTask, match=words):
             add.using(channel=channel).using(queue_name="emails")
-    with pytest.raises(InvalidTask, match=r"CHANNEL_FROM.*grouped_channel.*together they take 102"):
+    with pytest.raises(
+        InvalidTask, match=r"CHANNEL_FROM.*grouped_channel.*between them they take 102"
+    ):
         greet.using(queue_name="emails").enqueue("u", tenant="h" * 95)
     assert not Message.objects.exists()
     # a task changing queue and channel at once is checked with both new ones
@@ -409,6 +435,49 @@ def test_queue_name_is_the_queue_not_the_channel(tasks_options: Any) -> None:
     assert message_store.claim_messages(10, lease=lease, worker_id="w", queues=["reports"]) == []
     (got,) = message_store.claim_messages(10, lease=lease, worker_id="w", queues=["emails"])
     assert (got.queue, got.channel, got.id) == ("emails", "default", int(emails.messages.get().id))
+
+
+@pytest.mark.django_db
+def test_a_task_moved_to_another_alias_of_this_backend_runs_and_reads_back_from_any(
+    tasks_options: Any,
+) -> None:
+    # "default" takes only the default queue, "reports" only its own: the task is declared
+    # for "default" and moved, so its message sits in a queue its own alias does not list
+    tasks_options(QUEUES=["default"])
+    finished = []
+
+    def receiver(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        finished.append(task_result)
+
+    with override_settings(
+        TASKS={
+            "default": {"BACKEND": FAIRQUEUE_BACKEND, "QUEUES": ["default"]},
+            "reports": {"BACKEND": FAIRQUEUE_BACKEND, "QUEUES": ["reports"]},
+        }
+    ):
+        moved = add.using(backend="reports", queue_name="reports").enqueue(2, 3)
+        task_finished.connect(receiver)
+        try:
+            assert drain() == 1
+        finally:
+            task_finished.disconnect(receiver)
+        assert [(r.status, r.task.backend, r.task.queue_name) for r in finished] == [
+            (TaskResultStatus.SUCCESSFUL, "reports", "reports")
+        ]
+        for read in (
+            task_backends["reports"].get_result(moved.id),
+            task_backends["default"].get_result(moved.id),
+            add.get_result(moved.id),
+        ):
+            assert (read.status, read.return_value) == (TaskResultStatus.SUCCESSFUL, 5)
+            assert (read.task.backend, read.task.queue_name) == ("reports", "reports")
+    # with no alias listing its queue any more, the row still reads back as it is
+    read = task_backends["default"].get_result(moved.id)
+    assert (read.status, read.task.backend, read.task.queue_name) == (
+        TaskResultStatus.SUCCESSFUL,
+        "default",
+        "reports",
+    )
 
 
 @pytest.mark.django_db
@@ -476,6 +545,18 @@ def test_bad_options_are_reported_by_check_and_refused_at_every_use(
         with pytest.raises(InvalidTaskBackend) as raised:
             use()
         assert str(raised.value) == error.msg
+
+
+def test_a_default_channel_too_long_for_one_of_the_queues_is_check_e103() -> None:
+    # 196 characters fit the default queue alone, not "emails" (the queue's name is added)
+    options = {"DEFAULT_CHANNEL": "d" * 196}
+    assert FairQueueBackend("ok", {"QUEUES": ["default"], "OPTIONS": options}).check() == []
+    backend = FairQueueBackend("bad", {"QUEUES": ["default", "emails"], "OPTIONS": options})
+    [error] = backend.check()
+    assert error.id == "fairqueue.E103"
+    assert "DEFAULT_CHANNEL" in error.msg and "too long for queue 'emails'" in error.msg
+    with pytest.raises(InvalidTaskBackend, match="too long for queue 'emails'"):
+        backend.enqueue(add, [1, 2], {})
 
 
 @pytest.mark.django_db
@@ -644,6 +725,11 @@ def test_return_value_is_normalised_json() -> None:
     [
         ("set", returns_a_set, "(set) cannot be stored as JSON: Unsupported type: <class 'set'>"),
         ("nan", returns_nan, "(float) cannot be stored as JSON: Out of range float values"),
+        (
+            "keys",
+            returns_int_keys,
+            "(dict) cannot be stored as JSON: it has a dict key that is not a string (1)",
+        ),
     ],
 )
 def test_a_return_value_that_is_not_json_fails_after_one_run_without_retries(
@@ -671,6 +757,26 @@ def test_a_return_value_that_is_not_json_fails_after_one_run_without_retries(
     # readable: which task, the value's type, and why JSON cannot hold it
     assert f"the return value of {returning.module_path} {why}" in error.traceback
     assert "not retried" in error.traceback
+
+
+@pytest.mark.django_db
+def test_a_task_that_raises_a_base_exception_sends_task_finished_for_each_attempt() -> None:
+    # the worker counts CancelledError (and KeyboardInterrupt, GeneratorExit) as a failed
+    # attempt, retried while attempts remain: each attempt ends with its task_finished
+    finished = []
+
+    def receiver(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        finished.append((task_result.status, task_result.errors[-1].exception_class_path))
+
+    task_finished.connect(receiver)
+    try:
+        with override_settings(FAIRQUEUE={"DEFAULT_MAX_ATTEMPTS": 2, "RETRY_BACKOFF_BASE": 0}):
+            result = cancels_itself.enqueue()
+            assert drain() == 2
+    finally:
+        task_finished.disconnect(receiver)
+    assert finished == [(TaskResultStatus.FAILED, "asyncio.exceptions.CancelledError")] * 2
+    assert cancels_itself.get_result(result.id).status == TaskResultStatus.FAILED
 
 
 @pytest.mark.django_db

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from django_fairqueue.api import abort
+from django_fairqueue.context import operator_interrupt
 from django_fairqueue.db import channel_store
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.maintenance import DeltaFolder
@@ -32,7 +33,7 @@ from django_fairqueue.worker.core import Maintenance
 from django_fairqueue.worker.heartbeat import Heartbeat
 from django_fairqueue.worker.ledger import Ledger
 from django_fairqueue.worker.listener import Listener
-from django_fairqueue.worker.pool import Pool, operator_interrupt
+from django_fairqueue.worker.pool import Pool
 from django_fairqueue.worker.settler import Settler
 from django_fairqueue.worker.timer import Timer
 from tests import fairtasks

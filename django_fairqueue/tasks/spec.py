@@ -74,15 +74,38 @@ class TaskSpec:
 
 def check_result(task_name: str, value: Any) -> None:
     """Raise :class:`ResultNotStorable` unless ``value`` can be stored as a message's result
-    (jsonb): JSON without NaN or infinities, NUL characters or lone surrogates, not nested
-    deeper than the encoder recurses."""
+    (jsonb): JSON without NaN or infinities, NUL characters or lone surrogates, dict keys that
+    are strings, not nested deeper than the encoder recurses. (Tuples are stored as lists.)"""
     try:
         text = json.dumps(value, allow_nan=False, ensure_ascii=False)
         if has_nul(text):
             raise ValueError("it contains a NUL character")
         text.encode("utf-8")  # lone surrogates: UnicodeEncodeError (a ValueError)
+        # json.dumps writes a key 1 as "1", silently, and {1: .., "1": ..} keeps one of the
+        # two: a result read back would not be the one returned. The walk runs only for a
+        # value that did not come back equal (tuples, or such keys).
+        if isinstance(value, (dict, list, tuple)) and json.loads(text) != value:
+            keys = _non_string_keys(value)
+            if keys:
+                raise ValueError(f"it has a dict key that is not a string ({keys[0]!r})")
     except (TypeError, ValueError, RecursionError) as exc:
         raise result_not_storable(task_name, value, exc) from exc
+
+
+def _non_string_keys(value: Any) -> list[Any]:
+    """The first dict key in ``value`` (nested in dicts, lists and tuples) that is not a
+    string, in a list; an empty list when every key is one."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for key, inner in item.items():
+                if not isinstance(key, str):
+                    return [key]
+                stack.append(inner)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return []
 
 
 def result_not_storable(task_name: str, value: Any, exc: BaseException) -> ResultNotStorable:

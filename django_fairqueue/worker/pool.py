@@ -5,13 +5,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from django_fairqueue.context import abort_flag, current_message, time_limit_passed
+from django_fairqueue.context import (
+    abort_flag,
+    current_message,
+    operator_interrupt,
+    time_limit_passed,
+)
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.exceptions import PayloadError, ResultNotStorable, UnknownTask
 from django_fairqueue.observe import tracing
@@ -38,18 +42,6 @@ from django_fairqueue.worker.service import CrashHandler, spawn
 logger = logging.getLogger("django_fairqueue.worker")
 #: a reusable no-op block, for an attempt outside a test's transaction
 _NO_SAVEPOINT: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-
-
-def operator_interrupt(exc: BaseException) -> bool:
-    """Whether ``exc`` may be the operator's Ctrl-C rather than the task's own exception: a
-    KeyboardInterrupt in the main thread while SIGINT has Python's default handler (the only
-    place Python raises it for a signal). A handler thread's, or one raised while a worker's
-    own signal handlers are installed, is the task's."""
-    return (
-        isinstance(exc, KeyboardInterrupt)
-        and threading.current_thread() is threading.main_thread()
-        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    )
 
 
 class Pool:
