@@ -1001,6 +1001,24 @@ def test_runfairworker_burst_runs_what_is_ready_and_exits() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_burst_run_takes_back_and_runs_a_dead_workers_expired_leases() -> None:
+    # A worker died holding two messages (claimed here, never settled) and their leases ran
+    # out: the burst worker's first claim finds nothing ready, and its rescuer's first pass
+    # makes them ready a moment later. The burst is not done before they ran.
+    ids = [fairtasks.add.enqueue(i, 1, channel="orphans") for i in range(2)]
+    taken = message_store.claim_messages(2, lease=timedelta(milliseconds=50), worker_id="dead")
+    assert sorted(m.id for m in taken) == sorted(ids)
+    time.sleep(0.1)
+    err = StringIO()
+    call_command("runfairworker", "--burst", "--no-listen", "--worker-id", "cmd", stderr=err)
+    assert "worker cmd: 2 messages handled" in err.getvalue()
+    rows = Message.objects.filter(pk__in=ids)
+    assert {(r.state, r.attempts, r.worker_id) for r in rows} == {
+        (MessageState.SUCCEEDED, 2, "cmd")
+    }
+
+
+@pytest.mark.django_db(transaction=True)
 def test_runfairworker_burst_waits_for_a_rate_limited_channel_and_work_due_soon() -> None:
     # A channel releasing one message per 0.2 s has ready messages whose turn is a moment
     # away, and a message delayed by 0.5 s is due within the burst horizon (a few seconds by
@@ -1193,6 +1211,24 @@ def test_select_next_due_tells_a_drained_queue_from_a_busy_one() -> None:
     assert (due() or 1) <= 0  # due, promoted by the next claim
     fairtasks.add.enqueue(3, 3, channel="c", run_after=timedelta(seconds=2))
     assert 1 < (due(exclude_channel_ids=[channel_store.select_channel_ids(["b"])["b"]]) or 0) <= 2
+
+
+@pytest.mark.django_db
+def test_select_next_due_counts_an_expired_lease_for_a_worker_that_rescues() -> None:
+    def due(**filters: Any) -> float | None:
+        return message_store.select_next_due(timedelta(seconds=5), **filters)
+
+    fairtasks.add.enqueue(1, 1, channel="a")
+    a = channel_store.select_channel_ids(["a"])["a"]
+    message_store.claim_messages(1, lease=timedelta(minutes=5), worker_id="alive")
+    assert due(rescuing=True) is None  # a live lease is its worker's to renew
+    Message.objects.filter(channel_id=a).update(lease_expires_at=timezone.now())
+    assert due() is None  # a worker without the rescuer waits for nobody's
+    assert (due(rescuing=True) or 1) <= 0
+    assert due(rescuing=True, exclude_channel_ids=[a]) is None
+    assert due(rescuing=True, queues=["elsewhere"]) is None
+    Channel.objects.filter(pk=a).update(paused=True)
+    assert due(rescuing=True) is None
 
 
 @pytest.mark.django_db(transaction=True)

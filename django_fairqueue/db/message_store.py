@@ -491,13 +491,16 @@ def select_next_due(
     only_channel_ids: Sequence[int] | None = None,
     exclude_channel_ids: Sequence[int] | None = None,
     queues: Sequence[str] | None = None,
+    rescuing: bool = False,
     using: str | None = None,
 ) -> float | None:
     """Seconds until a claim with these channel filters could take a message that none can take
-    now (a rate-limited channel's next turn, a scheduled message's run_at), if within
+    now (a rate-limited channel's next turn, a scheduled message's run_at; ``rescuing``: a
+    running message whose lease expired, which the caller's rescuer takes back), if within
     ``horizon``; None if nothing is due by then. Negative when it is due already. No locks."""
     params = {
         "horizon": horizon,
+        "rescuing": rescuing,
         "only": list(only_channel_ids) if only_channel_ids is not None else None,
         "exclude": list(exclude_channel_ids) if exclude_channel_ids is not None else None,
         "queues": list(queues) if queues is not None else None,

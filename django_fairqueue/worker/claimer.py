@@ -180,6 +180,9 @@ class Claimer(Service):
           again after a short backoff, doubling up to the poll interval;
         * work due later (a rate-limited channel's next turn, a delayed message, a retry's
           backoff): claim when it is due;
+        * a running message whose lease expired, when this worker runs the rescuer (its first
+          pass runs beside the first claims): claim again after a short backoff, as above,
+          until the rescuer has taken it back;
         * nothing within the horizon (the poll interval; ``burst_horizon`` in burst mode): wait
           for a wake-up or the poll. A burst worker is then done, once its own running
           messages are settled (they may retry, and their settlement wakes it).
@@ -201,6 +204,9 @@ class Claimer(Service):
                 only_channel_ids=only,
                 exclude_channel_ids=exclude,
                 queues=self.config.queues,
+                # a dead worker's expired lease: this worker's rescuer makes it ready (or a
+                # dead letter) in a moment, so a burst worker waits for it
+                rescuing=self.config.maintenance,
             )
         if due_in is None:
             self.due_misses = 0

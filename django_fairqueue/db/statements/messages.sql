@@ -517,10 +517,13 @@ LISTEN {channel};
 -- again: the next turn of a rate-limited channel that has ready messages and a free slot (for
 -- a channel in a group, the later of its own turn and its group's, and only while the group
 -- too has a free slot), or the run_at of the next scheduled message (a retry, a delayed
--- message) of a channel not paused. It agrees with fairqueue_claim_v1 on what a claim can
--- take, counting the counter changes not folded yet (the claim folds them first), so a burst
--- worker never waits for work that only other workers' running messages keep from it.
--- Differences of the database's own clock, never compared with the caller's.
+-- message) of a channel not paused; with %(rescuing)s (the asking worker runs the rescuer), the
+-- expired lease of a running message (its worker died or stalled: the rescuer takes it back,
+-- ready again or dead-lettered, and a burst worker must not exit before). It agrees with
+-- fairqueue_claim_v1 on what a claim can take, counting the counter changes not folded yet
+-- (the claim folds them first), so a burst worker never waits for work that only other
+-- workers' running messages keep from it. Differences of the database's own clock, never
+-- compared with the caller's.
 WITH horizon AS (
     SELECT clock_timestamp() AS now, clock_timestamp() + %(horizon)s::interval AS until
 ), group_freed AS (
@@ -577,9 +580,25 @@ WITH horizon AS (
       AND (%(queues)s::text[] IS NULL OR c.queue = ANY (%(queues)s::text[]))
     ORDER BY m.run_at
     LIMIT 1
+), expired_lease AS (
+    -- fq_message_lease_idx in lease order: only an expired one (a live worker renews its own)
+    SELECT m.lease_expires_at AS at
+    FROM fairqueue_message m
+    JOIN fairqueue_channel c ON c.id = m.channel_id
+    CROSS JOIN horizon h
+    WHERE %(rescuing)s::boolean
+      AND m.state = 'running'
+      AND m.lease_expires_at < h.now
+      AND NOT c.paused
+      AND (%(only)s::bigint[] IS NULL OR m.channel_id = ANY (%(only)s::bigint[]))
+      AND (%(exclude)s::bigint[] IS NULL OR NOT (m.channel_id = ANY (%(exclude)s::bigint[])))
+      AND (%(queues)s::text[] IS NULL OR c.queue = ANY (%(queues)s::text[]))
+    ORDER BY m.lease_expires_at
+    LIMIT 1
 )
 SELECT extract(epoch FROM least(
-           (SELECT at FROM next_turn), (SELECT at FROM next_scheduled)
+           (SELECT at FROM next_turn), (SELECT at FROM next_scheduled),
+           (SELECT at FROM expired_lease)
        ) - (SELECT now FROM horizon))::float8 AS due_in;
 
 -- name: select_messages_ahead
