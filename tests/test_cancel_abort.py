@@ -8,9 +8,11 @@ ways in (CLI, admin) and the django.tasks status. Races run on several connectio
 from __future__ import annotations
 
 import json
+import threading
 import time
 from datetime import timedelta
 from io import StringIO
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +21,7 @@ from django.core.management import CommandError, call_command
 from django_fairqueue import abort, abort_requested, cancel
 from django_fairqueue.db import message_store
 from django_fairqueue.models import Message, MessageState
+from django_fairqueue.tasks import task
 from django_fairqueue.worker import Worker, WorkerConfig
 from tests import fairtasks
 from tests.factories import assert_counters_match_table
@@ -419,4 +422,55 @@ def test_an_abort_reaches_a_listening_worker_at_once_and_its_prefetched_message_
         thread.join(30)
     assert not prefetched.exists()  # never started: its thread freed a second later
     assert "before it started" in Message.objects.get(pk=second).last_error["message"]
+    assert_counters_match_table()
+
+
+#: set by the test to end the task below
+_release = threading.Event()
+
+
+@task(name="tests.abort.held", keep_result=True)
+def held(marker: str) -> str:
+    """Hold its handler thread until the test releases it (at most 30 s)."""
+    Path(marker).touch()
+    return "released" if _release.wait(30) else "ran out"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_prefetched_messages_end_aborted_at_once_while_the_handler_thread_stays_busy(
+    tmp_path: Any,
+) -> None:
+    """A heartbeat that reads the abort of messages no handler thread has taken settles them
+    then, not once a thread is free: the only one runs another message meanwhile, whose
+    outcome and the worker's counts are those of an abort settled by a thread."""
+    _release.clear()
+    marker = tmp_path / "held"
+    first = held.enqueue(str(marker), channel="a")
+    worker = _worker(concurrency=1, prefetch=2)
+    thread = run_in_thread(worker)
+    markers = [tmp_path / f"prefetched{i}" for i in range(2)]
+    try:
+        wait_until(marker.exists, what="the first task started")
+        prefetched = [fairtasks.sleep.enqueue(0.0, str(m), channel="a") for m in markers]
+        wait_until(lambda: all(state(m) == "running" for m in prefetched), what="prefetched")
+        assert abort(prefetched) == dict.fromkeys(prefetched, "abort_requested")
+        wait_until(
+            lambda: all(state(m) == "aborted" for m in prefetched),
+            timeout=2,
+            what="aborted while the handler thread is busy",
+        )
+        assert state(first) == "running"
+        _release.set()
+        wait_until(lambda: state(first) == "succeeded", what="the first finishing")
+        wait_until(lambda: worker.ledger.busy == 0 and worker.handled == 3, what="slots freed")
+        assert worker.ledger.claimed == 3  # max_messages counts them, as before
+    finally:
+        _release.set()
+        worker.stop()
+        thread.join(30)
+    assert not any(m.exists() for m in markers)  # never started
+    for mid in prefetched:
+        assert "before it started" in Message.objects.get(pk=mid).last_error["message"]
+    row = Message.objects.get(pk=first)
+    assert (row.result, row.attempts) == ("released", 1)
     assert_counters_match_table()

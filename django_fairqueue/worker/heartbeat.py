@@ -79,7 +79,8 @@ class Heartbeat(Service):
             aborts = self.ledger.aborts_requested([i for i, asked in renewed.items() if asked])
             if aborts:
                 # a running attempt's task sees abort_requested() turn True and has
-                # ABORT_GRACE seconds to stop; one not started yet is aborted unstarted
+                # ABORT_GRACE seconds to stop; one no handler thread had taken yet was
+                # settled aborted just now ("before it started": its outcome is queued)
                 logger.info(
                     "abort requested for running messages %s",
                     aborts[:20],

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from django_fairqueue.db.message_store import ClaimedMessage
 from django_fairqueue.tasks.spec import TaskSpec
@@ -39,6 +39,12 @@ class Ledger:
         # when each unsettled lease expires at the latest, on lease_clock
         self._lease_deadlines: dict[int, float] = {}
         self._abort_pending: set[int] = set()
+        # handed to the pool and not taken by a handler thread yet (prefetched), by id; and
+        # those of them an abort settled, until a thread takes them off the pool's queue
+        self._waiting: dict[int, ClaimedMessage] = {}
+        self._aborted_waiting: dict[int, ClaimedMessage] = {}
+        #: settles the messages an abort took before a handler thread did (set by the pool)
+        self.abort_unstarted: Callable[[list[ClaimedMessage]], None] | None = None
         self._attempts: dict[int, Attempt] = {}  # running in a handler thread, by message id
         self._timed: set[Attempt] = set()  # running with a deadline
         self._stuck: set[Attempt] = set()  # timed out; its thread has not returned yet
@@ -114,6 +120,7 @@ class Ledger:
                 self._lease_deadlines[message.id] = lease_deadline
             if self._release_unstarted or not running:
                 return False
+            self._waiting.update((message.id, message) for message in messages)
             self._busy += len(messages)
             self._claimed += len(messages)
             return True
@@ -122,6 +129,17 @@ class Ledger:
         """A synchronous pass ran ``handled`` messages (max_messages counts them)."""
         with self._lock:
             self._claimed += handled
+
+    def take(self, message: ClaimedMessage) -> bool:
+        """A handler thread takes ``message`` off the pool's queue: False when an abort took
+        it first (settled aborted already: only its slot is left to free)."""
+        with self._lock:
+            if self._aborted_waiting.get(message.id) is message:
+                del self._aborted_waiting[message.id]
+                return False
+            if self._waiting.get(message.id) is message:
+                del self._waiting[message.id]
+            return True
 
     def not_started(self, *, ran: bool) -> int:
         """A message handed to the pool left it (``ran``: it ran); returns the free slots."""
@@ -232,9 +250,12 @@ class Ledger:
             return False, parked
 
     def aborts_requested(self, ids: Iterable[int]) -> list[int]:
-        """Abort requests a heartbeat found: a running attempt gets its grace period, one not
-        started yet is aborted when a thread takes it. Returns the ids newly seen."""
+        """Abort requests a heartbeat found: a running attempt gets its grace period; one no
+        handler thread has taken yet is settled aborted now (:attr:`abort_unstarted`), one
+        taken but not started yet when it starts. Returns the ids newly seen."""
         seen = []
+        unstarted = []
+        settle = self.abort_unstarted
         with self._lock:
             for message_id in ids:
                 if message_id in self._abort_pending or message_id not in self._unsettled:
@@ -244,6 +265,15 @@ class Ledger:
                 attempt = self._attempts.get(message_id)
                 if attempt is not None:
                     self._start_abort(attempt)
+                elif settle is not None and message_id in self._waiting:
+                    # Taken from the handler threads under the lock :meth:`take` holds: either
+                    # a thread took it first (it sees the pending abort before it starts the
+                    # task, or at start_attempt) or it is settled here and the thread that
+                    # takes it later only frees its slot. Never both, never neither.
+                    message = self._aborted_waiting[message_id] = self._waiting.pop(message_id)
+                    unstarted.append(message)
+        if settle is not None and unstarted:
+            settle(unstarted)  # outside the lock: it logs and queues their outcomes
         return seen
 
     def _start_abort(self, attempt: Attempt) -> None:

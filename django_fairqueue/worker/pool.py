@@ -76,6 +76,9 @@ class Pool:
         self._on_crash: CrashHandler | None = None
         #: notified when a handler finishes the last running message (a stop waits for it)
         self.finished = threading.Condition()
+        # A prefetched message whose abort a heartbeat reads is settled then, not once a
+        # handler thread is free to take it (:meth:`Ledger.aborts_requested`).
+        ledger.abort_unstarted = self.abort_unstarted
 
     # -- threads ---------------------------------------------------------------------------------
 
@@ -130,6 +133,9 @@ class Pool:
             if message is None:  # not put before the handlers are told to stop; keep it
                 self.work.put(None)
                 return
+            if not self.ledger.take(message):  # settled aborted while it waited
+                self.ledger.not_started(ran=True)
+                continue
             self.outcomes.put(Outcome(message, "released"))
             self.ledger.not_started(ran=False)
 
@@ -178,10 +184,14 @@ class Pool:
         """Run or give back one message: (whether it ran, whether this thread has database
         connections, whether its attempt timed out and this thread left the pool)."""
         outcome: Outcome | None
-        if self.ledger.abort_pending(message.id):  # aborted while it waited for a thread
-            outcome = aborted_outcome(message, "before it started", 0.0, worker_id=self.worker_id)
-            finished(outcome, worker_id=self.worker_id)
-        elif self.ledger.release_unstarted:
+        if not self.ledger.take(message):
+            # Settled aborted while it waited: only its slot is left to free. It counts as the
+            # abort below does (max_messages counts it), as when a thread settled it.
+            return True, has_connections, False
+        if self.ledger.abort_pending(message.id):  # aborted as this thread took it
+            self.abort_unstarted([message])
+            return True, has_connections, False
+        if self.ledger.release_unstarted:
             outcome = Outcome(message, "released")
         elif self.ledger.lease_gone(message):
             self.drop(message)
@@ -208,6 +218,14 @@ class Pool:
                 return True, has_connections, True
         self.outcomes.put(outcome)
         return outcome.kind != "released", has_connections, False
+
+    def abort_unstarted(self, messages: list[ClaimedMessage]) -> None:
+        """Settle aborted messages no task ran for (from a handler thread, or the heartbeat's
+        when no thread had taken them yet)."""
+        for message in messages:
+            outcome = aborted_outcome(message, "before it started", 0.0, worker_id=self.worker_id)
+            finished(outcome, worker_id=self.worker_id)
+            self.outcomes.put(outcome)
 
     def drop(self, message: ClaimedMessage) -> None:
         """Forget a claimed message without running it or writing anything, as a worker that
