@@ -416,6 +416,30 @@ def test_a_nul_character_in_a_filter_or_search_is_no_server_error(
         assert "contains a NUL character" in response.content.decode()
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/admin/fairqueue/message/?q=a%00",
+        "/admin/fairqueue/message/?q=%00",
+        "/admin/fairqueue/channel/?q=acme%00",
+        "/admin/fairqueue/channelgroup/?q=%00",
+    ],
+)
+def test_a_search_with_a_nul_character_lists_no_row(admin_client: Client, url: str) -> None:
+    # Django's list refuses a NUL in ?q= (its banner) and then searches for "": every row.
+    from django_fairqueue.models import ChannelGroup
+
+    ChannelGroup.objects.create(name="acme", weight=1)
+    enqueue("acme", 2)
+    response = admin_client.get(url)
+    assert response.status_code == 200
+    cl = response.context["cl"]
+    assert list(cl.result_list) == [] and cl.result_count == 0
+    assert "Null characters are not allowed." in response.content.decode()
+    # without the NUL, the same list has rows: the search is what empties it
+    assert list(admin_client.get(url.split("?")[0]).context["cl"].result_list)
+
+
 # ------------------------------------------------------------------------------------------
 # one message's page: its own clock, its buttons, every attempt's error
 
