@@ -787,6 +787,59 @@ def test_the_schedules_command_lists_syncs_and_fires(capsys: pytest.CaptureFixtu
         call_command("fairqueue", "schedules", "--sync", stdout=io.StringIO())
 
 
+@pytest.mark.django_db
+def test_the_schedules_command_names_the_code_schedules_not_synced_yet(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, settings: Any, capsys: Any
+) -> None:
+    import io
+    import json as jsonlib
+    import sys
+
+    from django.core.management import call_command
+
+    from django_fairqueue.tasks.spec import registry
+
+    # A fresh deploy: a @periodic in a task module this process has not imported, no worker
+    # started yet. "Declare them with @periodic" would tell the user to do what they did.
+    (tmp_path / "fq_unsynced_tasks.py").write_text(
+        "from django_fairqueue import periodic, task\n\n\n"
+        '@periodic(cron="*/5 * * * *", name="sync.inventory")\n'
+        '@task(name="sync.pull_inventory")\n'
+        "def pull_inventory() -> None: ...\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    settings.FAIRQUEUE = {**settings.FAIRQUEUE, "TASK_MODULES": ["fq_unsynced_tasks"]}
+
+    def listing(*options: str) -> str:
+        out = io.StringIO()
+        call_command("fairqueue", "schedules", *options, stdout=out)
+        return out.getvalue()
+
+    note = "1 code schedule(s) declared but not synced yet: sync.inventory."
+    try:
+        text = listing()
+        assert text.startswith("No schedules in the table yet. " + note)
+        assert "--sync" in text and "declare them" not in text
+        # --json: stdout stays the list of the table's rows, the note goes to stderr
+        assert jsonlib.loads(listing("--json")) == []
+        assert note in capsys.readouterr().err
+        assert "created: sync.inventory" in listing("--sync")
+        text = listing()
+        assert "sync.inventory" in text and "not synced" not in text
+        # one declared after the sync: listed below the table's rows, alone
+        schedules.periodic("@daily", name="tests.later")(tick)
+        text = listing()
+        assert "sync.inventory" in text.splitlines()[1]
+        assert text.splitlines()[-1].startswith(
+            "1 code schedule(s) declared but not synced yet: tests.later."
+        )
+    finally:
+        schedules.undeclare("sync.inventory")
+        schedules.undeclare("tests.later")
+        registry.unregister("sync.pull_inventory")
+        sys.modules.pop("fq_unsynced_tasks", None)
+
+
 def _plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
     stack = [plan]
     while stack:

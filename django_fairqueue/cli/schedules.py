@@ -5,7 +5,8 @@ schedules of tenant acme's channel in queue reports; --queue alone, every schedu
 --channel alone, the default queue's channel).
 
 Code schedules (@periodic, FAIRQUEUE['SCHEDULES']) reach the table when a worker starts;
---sync writes them now (after a deploy, before any worker runs) and says what changed.
+--sync writes them now (after a deploy, before any worker runs) and says what changed; until
+then the listing names those not in the table yet (on stderr with --json: stdout stays a list).
 --fire runs one firing pass here, as every worker's maintenance loop does: each due slot
 fires once, whoever else fires at the same time.
 """
@@ -93,11 +94,17 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
                 "last_message_id": st.last_message_id if st is not None else None,
             }
         )
+    unsynced = _unsynced()
     if options["json"]:
-        stdout.write(json_text(views))
+        stdout.write(json_text(views))  # the table's rows only: a note is no row
+        if unsynced:
+            notes.write(f"{_unsynced_note(unsynced)}\n")
         return
     if not views:
-        stdout.write("No schedules (declare them with @periodic or add them in the admin).")
+        if unsynced:
+            stdout.write(f"No schedules in the table yet. {_unsynced_note(unsynced)}")
+        else:
+            stdout.write("No schedules (declare them with @periodic or add them in the admin).")
         return
     header = (
         "CHANNEL",
@@ -133,3 +140,27 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
         stdout.write(line)
     enabled = sum(1 for v in views if v["enabled"])
     stdout.write(f"\n{enabled} enabled of {len(views)}.")
+    if unsynced:
+        stdout.write(_unsynced_note(unsynced))
+
+
+def _unsynced() -> list[str]:
+    """The names of the code schedules declared but not in the table yet (after a deploy,
+    before any worker started). The @periodic ones are known only once the task modules are
+    imported, as a worker and --sync import them: declared() does."""
+    try:
+        declared = [spec.name for spec in schedules.declared()]
+    except InvalidSchedule as exc:
+        raise CommandError(str(exc)) from None
+    synced = set(
+        Schedule.objects.filter(source="code", name__in=declared).values_list("name", flat=True)
+    )
+    return [name for name in declared if name not in synced]
+
+
+def _unsynced_note(names: list[str]) -> str:
+    return (
+        f"{len(names)} code schedule(s) declared but not synced yet: "
+        f"{', '.join(map(printable, names))}. A worker syncs them when it starts; "
+        "'fairqueue schedules --sync' syncs them now."
+    )
