@@ -9,14 +9,17 @@ import threading
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import psycopg
 import pytest
 from django.contrib.auth.models import Permission, User
 from django.core.management import call_command
+from django.db import connections
 from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
 import django_fairqueue
+from django_fairqueue import conf
 from django_fairqueue.cli import status as status_cli
 from django_fairqueue.cli import workers as workers_cli
 from django_fairqueue.db import message_store
@@ -107,6 +110,43 @@ def test_a_worker_held_up_past_dead_after_beats_instead_of_finding_itself_dead(
     assert dead.worker_id == "held-up"
 
 
+@pytest.mark.django_db(transaction=True)  # (the test's own session is cut)
+def test_beats_that_failed_for_the_database_are_not_taken_for_a_held_up_process(
+    settings: Any, caplog: pytest.LogCaptureFixture, database_url: str
+) -> None:
+    """Beats tried while the database was unreachable failed, each logged as it failed: when
+    the worker's own pass finds its beat late, it beats without saying the process was held
+    up (only a process that did not even try was)."""
+    settings.FAIRQUEUE = {
+        **settings.FAIRQUEUE,
+        "WORKER_HEARTBEAT": 60.0,
+        "WORKER_DEAD_AFTER": 180.0,
+    }
+    here = worker_registry.Registration("cut-off", concurrency=1)
+    here.register()
+    stop = StopFlag()
+    beats = threading.Thread(
+        target=here.beat_until, args=(stop, lambda: worker_registry.Beat(0, 0, None))
+    )
+    beats.start()
+    try:
+        wait_until(lambda: "cut-off" in worker_registry._beating, 10, "the beat loop starting")
+        here._beat_sent -= 300  # no beat landed for five minutes
+        session = connections[conf.get().DATABASE]
+        session.ensure_connection()
+        with psycopg.connect(database_url, autocommit=True) as admin:  # the database goes away
+            admin.execute("SELECT pg_terminate_backend(%s)", [session.connection.info.backend_pid])
+        here.beat(worker_registry.Beat(0, 0, None))  # the beat thread's try, during the outage
+        assert "worker registry beat failed: database unavailable" in caplog.text
+        assert worker_registry.rescue_dead_workers() == []  # back: the pass beats
+        row = WorkerRecord.objects.get(worker_id="cut-off")
+        assert row.state == "running" and row.heartbeat_at > timezone.now() - timedelta(minutes=1)
+        assert "its registry beat is late" not in caplog.text
+    finally:
+        stop.set()
+        beats.join(10)
+
+
 def test_a_worker_stopping_with_messages_running_says_what_the_rescuer_does_with_them(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -166,7 +206,7 @@ def test_status_warns_when_no_worker_is_alive_and_workers_lists_them() -> None:
     worker_registry.Registration("w-1", concurrency=8, channels=["waiting"]).register()
     out = io.StringIO()
     call_command("fairqueue", "status", stdout=out)
-    assert "1 live workers (8 threads, 0 running)" in out.getvalue()
+    assert "1 live worker (8 threads, 0 running)" in out.getvalue()
     assert "WARNING" not in out.getvalue()
     out = io.StringIO()
     call_command("fairqueue", "workers", stdout=out)

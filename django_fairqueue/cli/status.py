@@ -302,7 +302,7 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
         out = ["No channels."]
     out.append("")
     out.append(
-        f"{t['channels']:,} channel{'' if t['channels'] == 1 else 's'} "
+        f"{_count(t['channels'], 'channel')} "
         f"({shown:,} shown, sorted by {data['sort']}; "
         f"{t['backlogged']:,} with ready messages, {t['paused']:,} paused): "
         f"{t['ready']:,} ready, {t['scheduled'] - t['retrying']:,} delayed, "
@@ -315,21 +315,22 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
         out.append(
             "Queues: "
             + "; ".join(
-                f"{name} {q['channels']:,} channel{'' if q['channels'] == 1 else 's'}, "
+                f"{name} {_count(q['channels'], 'channel')}, "
                 f"{q['ready']:,} ready, "
-                f"{q['running']:,} running, {q['live_workers']:,} live workers"
+                f"{q['running']:,} running, {_count(q['live_workers'], 'live worker')}"
                 for name, q in data["queues"].items()
             )
             + "."
         )
     if data.get("groups_total"):
         out.append(
-            f"{data['groups_total']:,} channel groups ({len(data['groups']):,} shown, most "
+            f"{_count(data['groups_total'], 'channel group')} ({len(data['groups']):,} shown, most "
             "ready first); a group's channels are named <group>/<channel>."
         )
     w = data["workers"]
     out.append(
-        f"{w['live']:,} live workers ({w['threads']:,} threads, {w['running']:,} running)"
+        f"{_count(w['live'], 'live worker')} ({_count(w['threads'], 'thread')}, "
+        f"{w['running']:,} running)"
         + (f", {w['dead']:,} dead" if w["dead"] else "")
         + " (manage.py fairqueue workers lists them)."
     )
@@ -418,3 +419,8 @@ def _queue(text: str) -> str:
         return validate_queue_name(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: "1 live worker", "2 live workers"."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
