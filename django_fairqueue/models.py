@@ -222,13 +222,46 @@ def _refuse_derived(fields: Iterable[str]) -> None:
         )
 
 
+#: The limits whose change can make a channel claimable again or served sooner (resumed, its
+#: cap raised, its rate limit removed, its weight raised).
+_LIFTING_LIMITS = frozenset({"paused", "max_concurrency", "release_interval", "weight"})
+
+
+def _lifts(fields: Iterable[str], *, pauses: bool) -> bool:
+    """Whether a write of the limits ``fields`` must lift the channels it writes
+    (:func:`_lift`): by time only (by count the tags are unused), and not when it pauses them
+    (they are lifted when resumed)."""
+    from django_fairqueue.db.channel_store import fairness_by_time
+
+    return bool(_LIFTING_LIMITS.intersection(fields)) and not pauses and fairness_by_time(None)
+
+
+def _lift(ids: Iterable[int], using: str | None) -> None:
+    """Lift the channels of ``ids`` to the others' virtual time after a write of their limits,
+    as the admin does: a channel just resumed, or freed from its cap or rate limit, kept the
+    low tag it had while held back, and would take every start until it caught up. The
+    workers' fold cannot lift it: the write made it claimable before any fold runs."""
+    from django_fairqueue.db.channel_store import fold_deltas_of_channel
+
+    for pk in sorted(ids):  # channel rows in id order (fairness.md, "Lock order")
+        fold_deltas_of_channel(pk, using=using)
+
+
 class ChannelQuerySet(models.QuerySet["Channel"]):
     """``Channel.objects``: bulk writes of the limits; one naming a column that follows from the
-    name is refused."""
+    name is refused. A write that can release channels lifts them (:func:`_lift`);
+    ``bulk_update()`` writes through ``update()``."""
 
     def update(self, **kwargs: Any) -> int:
         _refuse_derived(kwargs)
-        return super().update(**kwargs)
+        if not _lifts(kwargs, pauses=kwargs.get("paused") is True):
+            return super().update(**kwargs)
+        # the ids first: the write may take its rows out of the filter
+        # (``filter(paused=True).update(paused=False)``)
+        ids = list(self.order_by().values_list("pk", flat=True))
+        updated = super().update(**kwargs)
+        _lift(ids, self.db)
+        return updated
 
     def bulk_update(self, objs: Iterable[Channel], fields: Any, batch_size: Any = None) -> int:
         _refuse_derived(fields)
@@ -357,12 +390,17 @@ class Channel(models.Model):
         return display_name(self.name)
 
     def save(self, *args: Any, **kwargs: Any) -> None:
-        if self._state.adding:
+        adding = self._state.adding
+        if adding:
             _check_new_name(self.name, group=False)
         _check_limits(self, f"channel {self.name!r}")
-        if kwargs.get("update_fields") is not None:
-            _refuse_derived(kwargs["update_fields"])
+        fields = kwargs.get("update_fields")
+        if fields is not None:
+            _refuse_derived(fields)
         super().save(*args, **kwargs)
+        written = _LIFTING_LIMITS if fields is None else frozenset(fields)
+        if not adding and _lifts(written, pauses="paused" in written and self.paused is True):
+            _lift([self.pk], self._state.db)
 
     def _do_update(self, base_qs: Any, using: Any, pk_val: Any, values: Any, *args: Any) -> Any:
         # The UPDATE of a save() leaves out the group and the queue, which an INSERT still

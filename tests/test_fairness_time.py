@@ -18,12 +18,15 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.contrib import admin
 from django.db import connection
+from django.test import RequestFactory
 from django.test.utils import override_settings
 
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.conf import load
 from django_fairqueue.db import channel_store, integrity_store, message_store
+from django_fairqueue.models import Channel
 from tests import factories as f
 
 LEASE = timedelta(minutes=5)
@@ -56,13 +59,15 @@ def backdate(ids: list[int], seconds: float) -> None:
         )
 
 
-def run(durations: dict[str, float], claims: int, *, limit: int = 1) -> tuple[Counter, Counter]:
-    """``claims`` claims, each settled at once with its channel's duration; returns the
-    worker time and the count per channel."""
+def run(
+    durations: dict[str, float], claims: int, *, limit: int = 1, **filters: Any
+) -> tuple[Counter, Counter]:
+    """``claims`` claims (with ``claim_messages``'s ``filters``), each settled at once with its
+    channel's duration; returns the worker time and the count per channel."""
     spent: Counter[str] = Counter()
     counts: Counter[str] = Counter()
     for _ in range(claims):
-        got = claim(limit)
+        got = claim(limit, **filters)
         assert got, "a claim came back empty while every channel had work"
         for m in got:
             backdate([m.id], durations[m.channel])
@@ -202,6 +207,43 @@ def test_a_channel_idle_while_others_ran_comes_back_level_not_ahead() -> None:
     # Back level: alice gets her third, not the 10 s she "missed".
     _spent, counts = run({"alice": 0.1, "bob": 0.1, "carol": 0.1}, 30)
     assert 8 <= counts["alice"] <= 12, counts
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("held_low_by", ["a rate limit", "slow start", "another queue"])
+def test_a_flow_the_claim_cannot_serve_now_does_not_hold_the_virtual_time_down(
+    held_low_by: str,
+) -> None:
+    """A claimable channel whose tag stays low for a reason that is not banked service (rate
+    limited, in slow start, in a queue nobody serves) was the smallest tag, and a new channel
+    was lifted to it: it came back far ahead of the backlogged ones and took every claim."""
+    f.enqueue_spread({"bob": 400, "carol": 400})
+    run({"bob": 0.01, "carol": 0.01}, 2)  # both measured
+    if held_low_by == "another queue":
+        enqueue_many([EnqueueRequest(f.NOOP, channel="low", queue="reports")] * 5)
+    else:
+        f.enqueue("low", 5)
+    if held_low_by == "a rate limit":
+        Channel.objects.filter(name="low").update(release_interval=timedelta(hours=1))
+        run({"low": 0.01, "bob": 0.01, "carol": 0.01}, 3)  # low's one release, then an hour
+    elif held_low_by == "slow start":
+        low_id = channel_store.select_channel_ids(["low"])["low"]
+        (first,) = claim(3, only_channel_ids=[low_id])  # one, until it settles
+    run({"bob": 0.1, "carol": 0.1}, 100, queues=["default"])  # 10 s while low stays put
+    low = Channel.objects.get(name__endswith="low").name  # (in "reports": its row's name)
+    assert vtime(low) < 1 < min(vtime("bob"), vtime("carol"))
+    f.enqueue("alice", 100)
+    f.fold_all()
+    assert vtime("alice") >= min(vtime("bob"), vtime("carol")) - 1e-9
+    # level: alice gets her third of the next claims, not all of them
+    _spent, counts = run({"alice": 0.1, "bob": 0.1, "carol": 0.1}, 30, queues=["default"])
+    assert 8 <= counts["alice"] <= 12, counts
+    if held_low_by == "slow start":
+        # and low itself, once its first run time folds, comes back level too
+        backdate([first.id], 0.01)
+        message_store.complete_messages([(first.id, first.lease_token, None)], run_seconds=[0.01])
+        f.fold_all()
+        assert vtime(low) >= min(vtime("bob"), vtime("carol"), vtime("alice")) - 1e-9
 
 
 def claims_until(name: str, limit: int, most: int) -> int:
@@ -350,6 +392,102 @@ def test_a_resumed_channel_does_not_bring_the_time_it_was_paused() -> None:
     channel_store.fold_deltas_of_channel(f.channel_ids(["alice"])["alice"])
     _spent, counts = run({"alice": 0.1, "bob": 0.1}, 20)
     assert abs(counts["alice"] - counts["bob"]) <= 2, counts
+
+
+def hold_back(name: str, how: str) -> None:
+    """Keep channel ``name`` from being served while the others run: paused, rate-limited
+    (served once more, then not for an hour) or at its cap (one message of it left running)."""
+    f.set_limits([name], **{how: HOLDS[how]})
+    while how != "paused":
+        (m,) = claim(1)
+        if m.channel == name and how == "max_concurrency":
+            return
+        message_store.complete_messages([(m.id, m.lease_token, None)], run_seconds=[0.1])
+        f.fold_all()
+        if m.channel == name:
+            return
+
+
+#: How a channel is held back, and what releases it.
+HOLDS: dict[str, Any] = {
+    "paused": True,
+    "release_interval": timedelta(hours=1),
+    "max_concurrency": 1,
+}
+
+
+RELEASES: dict[str, Any] = {
+    "paused": False,
+    "release_interval": timedelta(0),
+    "max_concurrency": None,
+}
+
+
+def release(name: str, how: str, path: str) -> None:
+    """Release channel ``name`` held back by ``how``, written through ``path``: the admin's
+    change page (the reference), or ``save()``, ``save(update_fields=...)``, ``update()`` or
+    ``bulk_update()`` of the model."""
+    value = RELEASES[how]
+    if path == "update":
+        f.set_limits([name], **{how: value})
+        return
+    channel = Channel.objects.get(name=name)
+    setattr(channel, how, value)
+    if path == "admin":
+
+        class Form:
+            changed_data = [how]
+
+        admin.site._registry[Channel].save_model(RequestFactory().post("/"), channel, Form(), True)
+    elif path == "save":
+        channel.save()
+    elif path == "save(update_fields)":
+        channel.save(update_fields=[how])
+    else:
+        assert Channel.objects.bulk_update([channel], [how]) == 1
+
+
+@pytest.mark.parametrize("how", list(RELEASES))
+@pytest.mark.parametrize("path", ["admin", "save", "save(update_fields)", "update", "bulk_update"])
+@pytest.mark.django_db(transaction=True)
+def test_a_channel_released_through_the_model_is_lifted_as_the_admin_lifts_it(
+    how: str, path: str
+) -> None:
+    """Resumed, its rate limit removed or its cap lifted, however the row is written, a channel
+    comes back level with the others' tag, not with the credit of the time it was held back
+    (which would give it every start until it caught up)."""
+    f.enqueue_spread({"alice": 200, "bob": 200})
+    run({"alice": 0.1, "bob": 0.1}, 4)
+    hold_back("alice", how)
+    run({"bob": 0.1}, 50)
+    assert vtime("alice") < vtime("bob") - 4  # 5 s of bob's time while alice was held
+    release("alice", how, path)
+    # the admin's lift: to the virtual time of the others (bob's tag), at most one charge ahead
+    assert vtime("bob") - 1e-9 <= vtime("alice") <= vtime("bob") + 0.1 + 1e-9
+    _spent, counts = run({"alice": 0.1, "bob": 0.1}, 20)
+    assert abs(counts["alice"] - counts["bob"]) <= 2, counts
+
+
+@pytest.mark.django_db(transaction=True)
+def test_by_count_a_write_of_the_limits_leaves_the_tags_and_the_deltas() -> None:
+    """Count mode does not read the tags: a model write of the limits does not fold for them."""
+    f.enqueue_spread({"alice": 10, "bob": 10})
+    with connection.cursor() as cur:
+        cur.execute("UPDATE fairqueue_channel SET vtime = 7 WHERE name = 'bob'")
+    with override_settings(FAIRQUEUE={**_base(), "FAIRNESS": "count"}):
+        f.set_limits(["alice"], paused=True)
+        f.set_limits(["alice"], paused=False, weight=2)
+        channel = Channel.objects.get(name="alice")
+        channel.max_concurrency = 3
+        channel.save()
+    assert vtime("alice") == 0.0
+    with connection.cursor() as cur:  # alice's enqueue still waits for a fold
+        cur.execute(
+            "SELECT count(*) FROM fairqueue_channel_delta WHERE channel_id = %s",
+            [f.channel_ids(["alice"])["alice"]],
+        )
+        (pending,) = cur.fetchone()
+    assert pending > 0
 
 
 # ------------------------------------------------------------------------------------------------

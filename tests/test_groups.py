@@ -384,7 +384,7 @@ def test_status_shows_groups_beside_channels() -> None:
     assert "acme/c000" in text and "plain" in text
     group_line = next(line for line in text.splitlines() if line.startswith("acme "))
     assert group_line.split() == ["acme", "default", "3", "6", "0/5", "2", "-"]
-    assert "1 channel groups" in text
+    assert "1 channel group " in text
     out = io.StringIO()
     call_command("fairqueue", "status", "--json", stdout=out)
     data = json.loads(out.getvalue())

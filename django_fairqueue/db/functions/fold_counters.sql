@@ -50,8 +50,8 @@ $$;
 -- Every fold adds the run time settlements recorded to the channel's mean (`mean_run`). With
 -- p_by_time (fairness by time) it also corrects the tags, the channel's and its group's (the
 -- claim charged the mean; the delta says what really ran), and lifts each channel it makes
--- claimable to the system's virtual time (fairqueue_virtual_time_v1, read once per call,
--- before the update).
+-- servable to its queue's virtual time (fairqueue_queue_virtual_time_v1, read once per queue
+-- per call, before the update).
 CREATE OR REPLACE FUNCTION fairqueue_fold_deltas_v1(
     p_limit integer, p_wake_only boolean, p_by_time boolean DEFAULT false
 )
@@ -67,7 +67,8 @@ DECLARE
     v_locked bigint[];
     v_groups bigint[];
     v_glocked bigint[];
-    v_vnow double precision;
+    v_vqueues text[];
+    v_vnows double precision[];
     v_count integer;
 BEGIN
     -- 1. Lock the oldest pending deltas. Two statements rather than `d.wake OR NOT
@@ -143,7 +144,13 @@ BEGIN
         );
     END IF;
     IF p_by_time THEN
-        v_vnow := fairqueue_virtual_time_v1();
+        -- the virtual time of each queue of the ungrouped channels among them (one, usually)
+        SELECT array_agg(q.queue), array_agg(fairqueue_queue_virtual_time_v1(q.queue, NULL, NULL))
+        INTO v_vqueues, v_vnows
+        FROM (
+            SELECT DISTINCT c.queue::text AS queue FROM fairqueue_channel c
+            WHERE c.id = ANY (v_locked) AND c.group_id IS NULL
+        ) q;
         -- 2c. The groups of grouped channels among them (locked in step 2b), by what really
         --     ran, before step 3 moves the means their claims charged. A group that becomes
         --     claimable in step 3 is then lifted from its corrected tag (its trigger).
@@ -204,18 +211,22 @@ BEGIN
                 ELSE c.next_turn_at
             END,
             -- The tag: the claim charged the mean run time per message; add what really ran
-            -- minus that (divided by the weight). A channel this fold makes claimable (it was
-            -- not: no ready message, or at its cap) is lifted to the system's virtual time.
+            -- minus that (divided by the weight). A channel this fold makes servable (it was
+            -- not: no ready message, at its cap, or in slow start, its first message running
+            -- with no run time known) is lifted to its queue's virtual time.
             vtime = CASE WHEN NOT p_by_time THEN c.vtime ELSE fairqueue_lift_v1(
                 c.vtime + (g.run - g.runs * coalesce(c.mean_run, fairqueue_default_run_v1()))
                           / c.weight,
                 -- a grouped channel is lifted within its group
-                CASE WHEN c.group_id IS NULL THEN v_vnow
+                CASE WHEN c.group_id IS NULL
+                     THEN v_vnows[array_position(v_vqueues, c.queue::text)]
                      ELSE fairqueue_group_virtual_time_v1(c.group_id, c.id) END,
-                c.claimable,
+                c.claimable AND (c.mean_run IS NOT NULL OR c.running_count = 0),
                 c.ready_count + g.ready > 0 AND NOT c.paused
                     AND (c.max_concurrency IS NULL
-                         OR c.running_count + g.running < c.max_concurrency),
+                         OR c.running_count + g.running < c.max_concurrency)
+                    AND (g.ran > 0 OR c.mean_run IS NOT NULL
+                         OR c.running_count + g.running = 0),
                 -- at most one message's charge ahead (its mean as this fold leaves it)
                 fairqueue_charge_v1(fairqueue_mean_run_v1(c.mean_run, g.run, g.ran), c.weight))
             END,
@@ -246,15 +257,17 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_vnow double precision;
     v_group bigint;
+    v_queue text;
     s record;
 BEGIN
     -- The channel, then its group (the lock order: channel rows, then group rows).
-    SELECT c.group_id INTO v_group FROM fairqueue_channel c WHERE c.id = p_channel_id FOR UPDATE;
+    SELECT c.group_id, c.queue::text INTO v_group, v_queue
+    FROM fairqueue_channel c WHERE c.id = p_channel_id FOR UPDATE;
     IF v_group IS NOT NULL THEN
         PERFORM FROM fairqueue_channel_group g WHERE g.id = v_group FOR UPDATE;
     END IF;
     IF v_group IS NULL THEN
-        v_vnow := fairqueue_virtual_time_v1(p_channel_id);
+        v_vnow := fairqueue_queue_virtual_time_v1(v_queue, p_channel_id, NULL);
     ELSE
         v_vnow := fairqueue_group_virtual_time_v1(v_group, p_channel_id);
         -- the channel's new limits may make it due sooner than the group was parked for

@@ -154,7 +154,7 @@ BEGIN
                 coalesce(g.last_claimed_at + g.release_interval, '-infinity'::timestamptz)))
                 ELSE g.next_turn_at END,
             vtime = CASE WHEN v_new AND NOT v_old AND g.claimable = 0
-                THEN fairqueue_lift_v1(g.vtime, fairqueue_top_virtual_time_v1(NULL, g.id), false,
+                THEN fairqueue_lift_v1(g.vtime, fairqueue_queue_virtual_time_v1(g.queue::text, NULL, g.id), false,
                                        true, fairqueue_charge_v1(NEW.mean_run, g.weight))
                 ELSE g.vtime END
         WHERE g.id = NEW.group_id;
@@ -177,7 +177,7 @@ BEGIN
                 coalesce(g.last_claimed_at + g.release_interval, '-infinity'::timestamptz)))
                 ELSE g.next_turn_at END,
             vtime = CASE WHEN v_new AND g.claimable = 0
-                THEN fairqueue_lift_v1(g.vtime, fairqueue_top_virtual_time_v1(NULL, g.id), false,
+                THEN fairqueue_lift_v1(g.vtime, fairqueue_queue_virtual_time_v1(g.queue::text, NULL, g.id), false,
                                        true, fairqueue_charge_v1(NEW.mean_run, g.weight))
                 ELSE g.vtime END
         WHERE g.id = NEW.group_id;

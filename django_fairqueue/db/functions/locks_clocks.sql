@@ -101,111 +101,132 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 26228 $$;
 -- tag (index fq_channel_vtime_idx) and charges it the channel's mean run time per message
 -- (`mean_run`, FAIRQUEUE_DEFAULT_RUN when unknown); the settlement's delta carries the time
 -- the messages really ran, and the fold puts the difference right. A channel that becomes
--- claimable (new work after being idle, a freed slot, unpaused) is lifted to the system's
--- virtual time, so it cannot bank credit while it was away.
+-- claimable (new work after being idle, a freed slot, unpaused, its first run time known) is
+-- lifted to its queue's virtual time, so it cannot bank credit while it was away.
 
 -- The estimate charged per message of a channel with no recorded run time yet (seconds).
 CREATE OR REPLACE FUNCTION fairqueue_default_run_v1() RETURNS double precision
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 0.01::double precision $$;
 
 
--- The top-level virtual time (fairqueue_virtual_time_v1, below), other than channel p_exclude
--- and group p_exclude_group.
-CREATE OR REPLACE FUNCTION fairqueue_top_virtual_time_v1(
-    p_exclude bigint, p_exclude_group bigint
-)
-RETURNS double precision
-LANGUAGE sql STABLE AS $$
-    -- The tag indexes lead with the queue (docs/howto/queues.md): the smallest tag is the
-    -- smallest of each queue's first entry, found queue after queue (one probe per queue).
-    SELECT coalesce(
-        least(
-            (WITH RECURSIVE q AS (
-                (SELECT c.queue::text AS queue, c.vtime
-                 FROM fairqueue_channel c
-                 WHERE c.claimable
-                   AND c.group_id IS NULL
-                   AND c.id IS DISTINCT FROM p_exclude
-                 ORDER BY c.queue, c.vtime, c.id
-                 LIMIT 1)
-                UNION ALL
-                SELECT n.queue, n.vtime
-                FROM q CROSS JOIN LATERAL (
-                    SELECT c.queue::text AS queue, c.vtime
-                    FROM fairqueue_channel c
-                    WHERE c.claimable
-                   AND c.group_id IS NULL
-                      AND c.queue > q.queue
-                      AND c.id IS DISTINCT FROM p_exclude
-                    ORDER BY c.queue, c.vtime, c.id
-                    LIMIT 1) n)
-             SELECT min(q.vtime) FROM q),
-            (WITH RECURSIVE q AS (
-                (SELECT g.queue::text AS queue, g.vtime
-                 FROM fairqueue_channel_group g
-                 WHERE g.claimable > 0
-                   AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
-                   AND g.id IS DISTINCT FROM p_exclude_group
-                 ORDER BY g.queue, g.vtime, g.id
-                 LIMIT 1)
-                UNION ALL
-                SELECT n.queue, n.vtime
-                FROM q CROSS JOIN LATERAL (
-                    SELECT g.queue::text AS queue, g.vtime
-                    FROM fairqueue_channel_group g
-                    WHERE g.claimable > 0
-                      AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
-                      AND g.queue > q.queue
-                      AND g.id IS DISTINCT FROM p_exclude_group
-                    ORDER BY g.queue, g.vtime, g.id
-                    LIMIT 1) n)
-             SELECT min(q.vtime) FROM q)),
-        nullif(greatest(
-            (SELECT max(c.vtime) FROM fairqueue_channel c
-             WHERE c.vtime > 0 AND c.group_id IS NULL AND c.id IS DISTINCT FROM p_exclude),
-            (SELECT max(g.vtime) FROM fairqueue_channel_group g
-             WHERE g.vtime > 0 AND g.id IS DISTINCT FROM p_exclude_group)), 0),
-        0)
-$$;
-
-
--- The system virtual time: the smallest tag of a claimable top-level flow, other than
--- p_exclude: an ungrouped channel (the first entry of fq_channel_vtime_idx, its predicate
--- repeated word for word) or a channel group (fq_group_vtime_idx). When nothing is claimable,
--- the largest tag of any of them (fq_channel_vtime_max_idx, fq_group_vtime_max_idx): after
--- the queue went idle every flow starts level with the most served one, so a channel that was
--- idle longest cannot come back ahead of one that ran recently. Index probes, no lock.
+-- The virtual time of queue p_queue, other than channel p_exclude and group p_exclude_group:
+-- the smallest tag of a top-level flow the claim can serve as soon as its turn comes, an
+-- ungrouped channel (fq_channel_vtime_idx, its predicate repeated word for word) or a channel
+-- group (fq_group_vtime_idx). Tags are compared only within a queue (each claim serves one),
+-- so a queue served by fewer workers, or by none, never holds another's virtual time back.
+-- Left out, because their tags stay low for reasons that are not banked service, and a
+-- channel lifted to them would come back far ahead of the backlogged ones: a rate-limited
+-- flow (it takes one message an interval, whatever its tag), and a channel in slow start
+-- (no run time known yet and one message running: the claim takes no more of it until that
+-- one settles). Only the first 32 entries of each index are read: when none of them is such a
+-- flow's, the largest tag below stands in (a channel lifted there starts behind the backlogged
+-- flows, never ahead of them). NULL (lift nobody) when every claimable flow is left out: no
+-- flow is served now that a lifted one could overtake. When no flow of the queue is
+-- claimable, the largest tag of any flow (fq_channel_vtime_max_idx, fq_group_vtime_max_idx):
+-- after the queue went idle every flow starts level with the most served one, so a channel
+-- that was idle longest cannot come back ahead of one that ran recently. Index probes, no lock.
 -- (Those indexes hold only tags above 0: by count no tag moves, so claims and folds by count
 -- add nothing to them; a largest tag of 0 is the same as none.)
 -- Channels of a group have tags of their own, compared only within their group
 -- (fairqueue_group_virtual_time_v1).
-CREATE OR REPLACE FUNCTION fairqueue_virtual_time_v1(p_exclude bigint DEFAULT NULL)
+CREATE OR REPLACE FUNCTION fairqueue_queue_virtual_time_v1(
+    p_queue text, p_exclude bigint, p_exclude_group bigint
+)
 RETURNS double precision
 LANGUAGE sql STABLE AS $$
-    SELECT fairqueue_top_virtual_time_v1(p_exclude, NULL)
+    -- (Each part reads its index only as far as its first such flow: the outer LIMIT 1 takes
+    -- the inner rows in their index order, as they come.)
+    SELECT CASE
+        WHEN least(x.c, x.g) IS NOT NULL THEN least(x.c, x.g)
+        WHEN EXISTS (SELECT FROM fairqueue_channel c
+                     WHERE c.claimable
+                       AND c.group_id IS NULL
+                       AND c.queue = p_queue
+                       AND c.id IS DISTINCT FROM p_exclude)
+          OR EXISTS (SELECT FROM fairqueue_channel_group g
+                     WHERE g.claimable > 0
+                       AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                       AND g.queue = p_queue
+                       AND g.id IS DISTINCT FROM p_exclude_group)
+            THEN NULL
+        ELSE coalesce(nullif(greatest(
+            (SELECT max(c.vtime) FROM fairqueue_channel c
+             WHERE c.vtime > 0 AND c.group_id IS NULL AND c.id IS DISTINCT FROM p_exclude),
+            (SELECT max(g.vtime) FROM fairqueue_channel_group g
+             WHERE g.vtime > 0 AND g.id IS DISTINCT FROM p_exclude_group)), 0), 0)
+    END
+    FROM (SELECT
+        (SELECT w.vtime FROM (
+            SELECT c.vtime, c.id, c.release_interval = interval '0'
+                                  AND (c.mean_run IS NOT NULL OR c.running_count = 0) AS eligible,
+                   row_number() OVER (ORDER BY c.vtime, c.id) AS n
+            FROM fairqueue_channel c
+            WHERE c.claimable
+              AND c.group_id IS NULL
+              AND c.queue = p_queue
+              AND c.id IS DISTINCT FROM p_exclude
+            ORDER BY c.vtime, c.id
+            LIMIT 32) w
+         WHERE w.eligible OR w.n = 32
+         ORDER BY w.vtime, w.id
+         LIMIT 1) AS c,
+        (SELECT w.vtime FROM (
+            SELECT g.vtime, g.id, g.release_interval = interval '0' AS eligible,
+                   row_number() OVER (ORDER BY g.vtime, g.id) AS n
+            FROM fairqueue_channel_group g
+            WHERE g.claimable > 0
+              AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+              AND g.queue = p_queue
+              AND g.id IS DISTINCT FROM p_exclude_group
+            ORDER BY g.vtime, g.id
+            LIMIT 32) w
+         WHERE w.eligible OR w.n = 32
+         ORDER BY w.vtime, w.id
+         LIMIT 1) AS g
+        OFFSET 0  -- (computed once: the CASE reads them twice)
+    ) x
 $$;
 
 
 -- The virtual time inside group p_group, other than channel p_exclude: the smallest tag of a
--- claimable channel of the group (fq_channel_in_group_vtime_idx), else the largest tag of any
--- of its channels (fq_channel_group_idx). Index probes, no lock.
+-- claimable channel of the group the claim can serve as soon as its turn comes (not rate
+-- limited, not in slow start: as fairqueue_queue_virtual_time_v1, the first 32 entries of
+-- fq_channel_in_group_vtime_idx; NULL when every claimable one is left out), else the largest
+-- tag of any of its channels (fq_channel_group_idx). Index probes, no lock.
 CREATE OR REPLACE FUNCTION fairqueue_group_virtual_time_v1(p_group bigint, p_exclude bigint)
 RETURNS double precision
 LANGUAGE sql STABLE AS $$
-    SELECT coalesce(
-        (SELECT c.vtime FROM fairqueue_channel c
-         WHERE c.group_id IS NOT NULL
-           AND c.claimable
-           AND c.group_id = p_group
-           AND c.id IS DISTINCT FROM p_exclude
-         ORDER BY c.vtime, c.id
-         LIMIT 1),
-        (SELECT c.vtime FROM fairqueue_channel c
-         WHERE c.group_id IS NOT NULL AND c.group_id = p_group
-           AND c.id IS DISTINCT FROM p_exclude
-         ORDER BY c.vtime DESC
-         LIMIT 1),
-        0)
+    SELECT CASE
+        WHEN x.v IS NOT NULL THEN x.v
+        WHEN EXISTS (SELECT FROM fairqueue_channel c
+                     WHERE c.group_id IS NOT NULL
+                       AND c.claimable
+                       AND c.group_id = p_group
+                       AND c.id IS DISTINCT FROM p_exclude)
+            THEN NULL
+        ELSE coalesce((SELECT c.vtime FROM fairqueue_channel c
+                       WHERE c.group_id IS NOT NULL AND c.group_id = p_group
+                         AND c.id IS DISTINCT FROM p_exclude
+                       ORDER BY c.vtime DESC
+                       LIMIT 1), 0)
+    END
+    FROM (SELECT
+        (SELECT w.vtime FROM (
+            SELECT c.vtime, c.id, c.release_interval = interval '0'
+                                  AND (c.mean_run IS NOT NULL OR c.running_count = 0) AS eligible,
+                   row_number() OVER (ORDER BY c.vtime, c.id) AS n
+            FROM fairqueue_channel c
+            WHERE c.group_id IS NOT NULL
+              AND c.claimable
+              AND c.group_id = p_group
+              AND c.id IS DISTINCT FROM p_exclude
+            ORDER BY c.vtime, c.id
+            LIMIT 32) w
+         WHERE w.eligible OR w.n = 32
+         ORDER BY w.vtime, w.id
+         LIMIT 1) AS v
+        OFFSET 0  -- (computed once: the CASE reads it twice)
+    ) x
 $$;
 
 
