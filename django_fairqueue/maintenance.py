@@ -379,8 +379,8 @@ def default_services() -> list[Service]:
 class MaintenanceRunner:
     """Run services on their intervals until ``stop`` is set.
 
-    Every service runs once at start (a restarted worker rescues what it left behind), then
-    every ``interval`` seconds, jittered by ±10% so a fleet started together spreads out.
+    Every service runs once at start (a restarted worker rescues what it left behind; one with
+    ``at_start`` set even when the worker stops at once), then every ``interval`` seconds, jittered by ±10% so a fleet started together spreads out.
     Connection errors are logged and retried with backoff on a fresh connection; any other
     error is logged with its traceback and the service tries again at its next interval.
     ``on_work(name, count)`` is called after a pass that handled rows.
@@ -407,6 +407,12 @@ class MaintenanceRunner:
             return
         now = time.monotonic()
         due = {service.name: now for service in self.services}
+        # A first pass promised at start (the scheduler's sync of the code schedules) runs even
+        # when the worker is stopping already: a --burst worker with nothing to do ends within
+        # milliseconds, before the loop below reaches it.
+        for service in self.services:
+            if getattr(service, "at_start", False):
+                due[service.name] = time.monotonic() + self._pass(service)
         while not self.stop.is_set():
             wait = min(due.values()) - time.monotonic()
             if wait > 0 and self.stop.wait(wait):

@@ -628,6 +628,9 @@ class Scheduler:
     name: str = "scheduler"
     #: the maintenance runner wakes it at its interval exactly (no ±10% spread)
     precise: bool = True
+    #: its first pass (the sync) runs even in a worker that stops at once (a burst with
+    #: nothing to do): every worker syncs the code schedules when it starts
+    at_start: bool = True
     synced: bool = False
     firer: Firer = field(default_factory=Firer)
     _next_in: float | None = None

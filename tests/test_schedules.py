@@ -741,6 +741,21 @@ def test_the_scheduler_service_syncs_once_then_wakes_at_the_next_slot() -> None:
     assert Schedule.objects.count() == 1
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_burst_worker_with_nothing_to_do_still_syncs_the_code_schedules() -> None:
+    # It ends within milliseconds: before, its maintenance pass never reached the scheduler
+    from django.core.management import call_command
+
+    with override_settings(
+        FAIRQUEUE={
+            "TASK_MODULES": ["tests.fairtasks"],
+            "SCHEDULES": {"nightly": {"task": TASK, "cron": "0 3 * * *"}},
+        }
+    ):
+        call_command("runfairworker", "--burst", "--queues", "nothing", "--no-listen")
+    assert list(Schedule.objects.values_list("name", "cron")) == [("nightly", "0 3 * * *")]
+
+
 @pytest.mark.django_db
 def test_the_schedules_command_lists_syncs_and_fires(capsys: pytest.CaptureFixture[str]) -> None:
     import io
