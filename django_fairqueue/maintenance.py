@@ -380,10 +380,11 @@ class MaintenanceRunner:
     """Run services on their intervals until ``stop`` is set.
 
     Every service runs once at start (a restarted worker rescues what it left behind; one with
-    ``at_start`` set even when the worker stops at once), then every ``interval`` seconds, jittered by ±10% so a fleet started together spreads out.
-    Connection errors are logged and retried with backoff on a fresh connection; any other
-    error is logged with its traceback and the service tries again at its next interval.
-    ``on_work(name, count)`` is called after a pass that handled rows.
+    ``at_start`` set even when the worker stops at once), then every ``interval`` seconds,
+    jittered by ±10% so a fleet started together spreads out. Connection errors are logged and
+    retried with backoff on a fresh connection; any other error is logged with its traceback
+    and the service tries again at its next interval. ``on_work(name, count)`` is called after
+    a pass that handled rows.
     """
 
     def __init__(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import queue
 import signal
 import threading
@@ -15,7 +16,9 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.db import connections
 
+from django_fairqueue import conf
 from django_fairqueue.api import abort
 from django_fairqueue.context import operator_interrupt
 from django_fairqueue.db import channel_store
@@ -27,6 +30,7 @@ from django_fairqueue.runtime.attempts import describe, error_info
 from django_fairqueue.tasks import task
 from django_fairqueue.tasks.spec import registry
 from django_fairqueue.worker import Outcome, WorkerConfig
+from django_fairqueue.worker import settler as settler_module
 from django_fairqueue.worker.claimer import Claimer
 from django_fairqueue.worker.config import lease_clock
 from django_fairqueue.worker.core import Maintenance
@@ -185,6 +189,76 @@ def test_the_pool_runs_a_message_and_the_settler_writes_its_outcome() -> None:
     assert parts.settled == [True] and parts.ledger.idle() and parts.ledger.handled == 1
     row = Message.objects.get(pk=message.id)
     assert (row.state, row.result) == (MessageState.SUCCEEDED, message.payload["args"][0] + 1)
+
+
+class Outage:
+    """The queue database unreachable from this process, from :meth:`begin` to :meth:`end`:
+    its connections go to a port that refuses them."""
+
+    def __init__(self) -> None:
+        self.session = connections[conf.get().DATABASE]
+        self.port = self.session.settings_dict["PORT"]
+
+    def begin(self) -> None:
+        self.session.close()
+        self.session.settings_dict["PORT"] = "9"  # (discard: refused at once)
+
+    def end(self) -> None:
+        self.session.settings_dict["PORT"] = self.port
+
+
+class Clock:
+    """The settler's ``time`` in a test: a sleep passes at once; the database is back (the
+    outage ends) once ``back_at`` is reached."""
+
+    def __init__(self, outage: Outage, back_at: float) -> None:
+        self.now = 1000.0
+        self.outage = outage
+        self.back_at = back_at
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        if self.now >= self.back_at:
+            self.outage.end()
+
+
+@pytest.mark.django_db(transaction=True)  # (the outage ends the test's session)
+@pytest.mark.parametrize("back", [True, False], ids=["back-at-the-deadline", "gone-for-good"])
+def test_at_shutdown_the_settler_retries_through_an_outage_until_its_deadline_itself(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, back: bool
+) -> None:
+    """A stopped settler whose writes fail for the database tries again until its deadline,
+    its last try at the deadline itself (not a backoff step before it): a database back by then
+    gets the outcomes; one gone for good has them counted as unwritten, and said so."""
+    parts, messages = claimed(2)
+    pool = parts.pool()
+    for message in messages:
+        parts.work.put(message)
+        assert pool.run_once() is True
+    outage = Outage()
+    deadline = 1005.0
+    clock = Clock(outage, back_at=deadline if back else math.inf)
+    monkeypatch.setattr(settler_module, "time", clock)
+    settler = parts.settler()
+    settler.stop(deadline)
+    outage.begin()
+    try:
+        settler.run()
+    finally:
+        outage.end()
+    assert clock.now == pytest.approx(deadline, abs=1e-6)
+    assert "writing 2 outcomes failed: database unavailable" in caplog.text
+    rows = Message.objects.filter(pk__in=[m.id for m in messages])
+    if back:
+        assert (settler.unwritten, parts.ledger.handled) == (0, 2)
+        assert {r.state for r in rows} == {MessageState.SUCCEEDED}
+    else:
+        assert (settler.unwritten, parts.ledger.handled) == (2, 0)
+        assert {r.state for r in rows} == {MessageState.RUNNING}  # for their leases to recover
+        assert "giving up writing 2 outcomes at shutdown: the grace period ended" in caplog.text
 
 
 @pytest.mark.django_db(transaction=True)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import pkgutil
 import socket
@@ -137,6 +138,9 @@ class Registration:
         self._status: Callable[[], Beat] | None = None  # while beat_until() runs
         #: when the last beat that landed was sent (time.monotonic()); registering beats
         self._beat_sent = 0.0
+        #: when the last beat was tried, and when the last try ended, landed or not: a beat
+        #: that failed for the database was still tried (the process was not held up)
+        self._beat_started = self._beat_ended = -math.inf
 
     def register(self) -> int:
         """Record this worker as running; returns how many leases of a previous process with
@@ -202,7 +206,7 @@ class Registration:
                     del _beating[self.worker_id]
 
     def beat(self, now: Beat) -> None:
-        sent = time.monotonic()
+        sent = self._beat_started = time.monotonic()
         try:
             worker_store.beat_worker(
                 self.worker_id,
@@ -213,24 +217,33 @@ class Registration:
         except CONNECTION_ERRORS as exc:
             logger.warning("worker registry beat failed: %s", after_database_error(exc))
             return
+        finally:
+            self._beat_ended = time.monotonic()
         self._beat_sent = sent
 
     def beat_if_late(self) -> bool:
-        """Beat now if the beat thread missed a beat (the last one that landed was sent two
-        WORKER_HEARTBEAT periods ago or more); returns whether it beat. It misses one when
-        something held up the whole process (a task holding the GIL, a pause): the row looks
-        dead to other workers although the worker runs again."""
+        """Beat now if no beat landed for two WORKER_HEARTBEAT periods or more; returns whether
+        it beat. The row then looks dead to other workers although the worker runs again.
+
+        That happens when something held up the whole process (a task holding the GIL, a
+        pause): no beat was even tried, and that is logged. Beats that were tried and failed
+        for the database were logged as they failed: nothing more is said of them."""
         status = self._status
-        late = time.monotonic() - self._beat_sent
-        if status is None or late < 2 * conf.get().WORKER_HEARTBEAT:
+        now = time.monotonic()
+        period = conf.get().WORKER_HEARTBEAT
+        late = now - self._beat_sent
+        if status is None or late < 2 * period:
             return False
-        logger.warning(
-            "worker %s: its registry beat is late (%.0fs since the last one: the whole process "
-            "was held up); beating now",
-            self.worker_id,
-            late,
-            extra={"worker_id": self.worker_id},
-        )
+        # (a try under way, e.g. a connect waiting on an unreachable server, is a try too)
+        trying = self._beat_started > self._beat_ended
+        if not trying and now - self._beat_ended >= 2 * period:
+            logger.warning(
+                "worker %s: its registry beat is late (%.0fs since the last one: the whole "
+                "process was held up); beating now",
+                self.worker_id,
+                late,
+                extra={"worker_id": self.worker_id},
+            )
         self.beat(status())
         return True
 

@@ -141,6 +141,8 @@ class Worker:
         self.listening = self.listener.listening
         self._services = services
         self._signals = 0
+        #: when the first stop was asked (time.monotonic()); None: not asked
+        self._stop_asked: float | None = None
         self._first_signal_at = 0.0
         self._recycling = False
         self._fatal: BaseException | None = None
@@ -151,6 +153,13 @@ class Worker:
     def handled(self) -> int:
         """Messages this worker ran and settled (succeeded, retried or failed)."""
         return self.ledger.handled
+
+    @property
+    def unwritten(self) -> int:
+        """Outcomes of messages it ran that it gave up writing at its stop (the database was
+        unavailable until the grace period ended): the stop was not clean, and the rescuer takes
+        those messages back once their leases expire."""
+        return self.settler.unwritten
 
     @property
     def wants_replacing(self) -> bool:
@@ -165,6 +174,8 @@ class Worker:
         """Stop gracefully: claim nothing more, let running messages finish within the grace
         period, give back claimed messages that have not started. Safe from any thread and from
         a signal handler."""
+        if self._stop_asked is None:
+            self._stop_asked = time.monotonic()  # the grace period counts from here
         self.ledger.give_back_unstarted()
         self.claimer.stop()
 
@@ -306,7 +317,8 @@ class Worker:
 
         Stops on :meth:`stop` or the first SIGTERM/SIGINT (graceful), when ``burst`` finds
         nothing more to do, or after ``max_messages``. A second signal exits the process at
-        once. Raises :class:`WorkerCrashed` if one of its threads failed unexpectedly.
+        once. Raises :class:`WorkerCrashed` if one of its threads failed unexpectedly. Outcomes
+        it could not write by the end of the grace period are counted in :attr:`unwritten`.
         """
         self._discover()
         self.claimer.observe_claim = claim_observer()
@@ -352,6 +364,18 @@ class Worker:
             raise WorkerCrashed(f"worker {self.worker_id} stopped: {self._fatal!r}") from (
                 self._fatal
             )
+        if self.unwritten:
+            logger.error(
+                "worker %s stopped after %d messages; %d more ran but their outcomes were not "
+                "written (the database was unavailable until the grace period ended): the "
+                "rescuer takes them back once their leases expire (%s)",
+                self.worker_id,
+                self.handled,
+                self.unwritten,
+                RESCUED,
+                extra={"worker_id": self.worker_id, "outcome": "unwritten"},
+            )
+            return self.handled
         logger.info(
             "worker %s stopped after %d messages",
             self.worker_id,
@@ -362,11 +386,11 @@ class Worker:
 
     def _shutdown(self, background: list[service.Service]) -> None:
         self.claimer.stop()
-        # A graceful stop gives running messages the grace period; burst and max_messages
-        # endings wait for them (they were claimed to be run).
-        graceful = self.ledger.release_unstarted
-        deadline = time.monotonic() + self.config.shutdown_grace if graceful else None
-        if graceful:
+        # A graceful stop gives running messages the grace period from the stop signal; burst
+        # and max_messages endings wait for them (they were claimed to be run).
+        asked = self._stop_asked
+        deadline = asked + self.config.shutdown_grace if asked is not None else None
+        if asked is not None:
             self.pool.release_queued()
         running = self.pool.wait_idle(deadline, give_up=lambda: self._fatal is not None)
         if running:
@@ -387,10 +411,16 @@ class Worker:
                 extra={"worker_id": self.worker_id, "outcome": "lease_lost"},
             )
         handlers = self.pool.stop()  # no more replacements: the pool is final
-        # Write what is waiting, retrying through a database outage for at most the grace
-        # period (at least a few seconds), then give up: the leases recover the rest.
-        self.settler.deadline = time.monotonic() + max(self.config.shutdown_grace, 5.0)
-        self.settler.stop()
+        # Write what is waiting, retrying through a database outage until the grace period
+        # ends, then give up (the leases recover the rest; the exit status says so). A graceful
+        # stop counts it from the stop signal, for the running messages and their outcomes
+        # together: it is the budget the operator gives the whole stop, the process manager's
+        # stop timeout set just above it, and a worker that waited the grace for its messages
+        # and then as long again for the database would be killed mid-retry, saying nothing.
+        # An ending of its own (burst, max_messages) has no such budget: from now.
+        if deadline is None:
+            deadline = time.monotonic() + self.config.shutdown_grace
+        self.settler.stop(deadline)
         self.settler.join()
         # Heartbeats run until everything is written, so no lease expires meanwhile.
         for part in (self.heartbeat, *background):

@@ -4,7 +4,8 @@ It takes outcomes from the queue the pool and the timer put them on: every compl
 in one ``complete_messages``, every failure in one ``fail_messages``, releases and aborts
 likewise; a database error on a value PostgreSQL refuses is isolated by writing the group one
 by one. After a connection error it retries with backoff (the lease token fences a write that
-reached the database twice); at shutdown, for at most the grace period.
+reached the database twice); at shutdown, until its deadline (the end of the grace period), its
+last try at the deadline itself; what is still unwritten then is counted in ``unwritten``.
 """
 
 from __future__ import annotations
@@ -74,14 +75,19 @@ class Settler(Service):
         #: per-channel statistics and usage, written by :meth:`flush_stats` (every few
         #: seconds while the worker runs, and at the end of each synchronous pass)
         self.stats: StatsRecorder | None = None
-        #: at shutdown: give up retrying a failed write after this time (time.monotonic())
+        #: once stopped: retry a write that fails for the database until this time
+        #: (time.monotonic()), then give up; None: until it succeeds
         self.deadline: float | None = None
+        #: outcomes given up at the deadline (never written: their leases recover them)
+        self.unwritten = 0
         self._backlog: list[Outcome] = []
         self._closed = False
 
-    def stop(self) -> None:
-        """Write what is waiting, then stop (retrying through a database outage until
-        :attr:`deadline`)."""
+    def stop(self, deadline: float | None = None) -> None:
+        """Write what is waiting, then stop, retrying through a database outage until
+        ``deadline`` (time.monotonic(); None: until written)."""
+        self.deadline = deadline
+        self.stopping.set()  # (wakes a retry's sleep: from now on the deadline bounds it)
         self.outcomes.put(None)
 
     def run(self) -> None:
@@ -92,15 +98,9 @@ class Settler(Service):
                 self.run_once(timeout=max(0.01, next_flush - time.monotonic()))
             except CONNECTION_ERRORS as exc:
                 what = after_database_error(exc)
-                delay = backoff.next()
-                if self.deadline is not None and time.monotonic() + delay > self.deadline:
-                    logger.error(
-                        "giving up writing %d outcomes at shutdown (%s); their leases "
-                        "will expire and the rescuer will take them back (%s)",
-                        len(self._backlog),
-                        what,
-                        RESCUED,
-                    )
+                delay = self._retry_in(backoff)
+                if delay is None:
+                    self._give_up(what)
                     return
                 logger.warning(
                     "writing %d outcomes failed: %s; retry in %.2fs",
@@ -108,13 +108,42 @@ class Settler(Service):
                     what,
                     delay,
                 )
-                time.sleep(delay)
+                if self.stopping.is_set():
+                    time.sleep(delay)
+                else:
+                    self.stopping.wait(delay)
                 continue
             backoff.reset()
             drop_broken_connection()
             if self._closed or time.monotonic() >= next_flush:
                 self.flush_stats()
                 next_flush = time.monotonic() + STATS_FLUSH_SECONDS
+
+    def _retry_in(self, backoff: Backoff) -> float | None:
+        """Seconds until the next try of a write that failed; None once stopped and past the
+        deadline. The last sleep ends at the deadline itself, so a database back within the
+        grace period still gets the outcomes."""
+        delay = backoff.next()
+        if not self.stopping.is_set() or self.deadline is None:
+            return delay
+        left = self.deadline - time.monotonic()
+        return min(delay, left) if left > 0 else None
+
+    def _give_up(self, what: str) -> None:
+        """Count what is left (the backlog and what still waits on the queue), log it, drop it."""
+        with contextlib.suppress(queue.Empty):
+            while not self._closed:
+                self._take(self.outcomes.get_nowait())
+        self.unwritten += len(self._backlog)
+        logger.error(
+            "giving up writing %d outcomes at shutdown: the grace period ended (%s); their "
+            "leases will expire and the rescuer will take them back (%s)",
+            len(self._backlog),
+            what,
+            RESCUED,
+            extra={"worker_id": self.worker_id, "outcome": "unwritten"},
+        )
+        self._backlog.clear()
 
     def run_once(self, timeout: float = 0.0) -> int:
         """Take the waiting outcomes (up to a batch; waiting up to ``timeout`` seconds for the

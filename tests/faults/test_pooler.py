@@ -1,6 +1,8 @@
 """Behind PgBouncer in transaction mode (as docs/howto/deploy-workers.md sets it up): workers
 run every message once, their listeners find that notifications do not arrive and poll on
-purpose (saying so in the log and the registry), and the admin's pages answer.
+purpose (saying so in the log and the registry), and the admin's pages answer. A worker stopped
+while PgBouncer is down writes its outcomes if it is back within the grace period, and exits 1
+naming those it could not write if not.
 
 PgBouncer is started for the test in front of the test PostgreSQL (tests/poolerkit.py); the
 test skips, saying why, where it is not installed.
@@ -11,16 +13,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
-from tests import poolerkit
+from django_fairqueue.models import Message, MessageState
+from tests import fairtasks, poolerkit
 from tests.faults import harness
 from tests.faults.harness import Db, Fleet, pick
-from tests.workerkit import ROOT
+from tests.workerkit import ROOT, WorkerProcess, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults, pytest.mark.django_db(transaction=True)]
 
@@ -91,3 +97,53 @@ def test_workers_and_admin_behind_pgbouncer_in_transaction_mode(
     statuses = json.loads(pages.stdout.strip().splitlines()[-1])
     assert set(statuses.values()) == {200}, statuses
     fleet.stop()
+
+
+@pytest.mark.parametrize("back", [True, False], ids=["back-within-the-grace", "gone-for-good"])
+def test_a_worker_stopped_during_an_outage_writes_its_outcomes_until_the_grace_ends(
+    pgbouncer: poolerkit.PgBouncer, started: list[WorkerProcess], tmp_path: Path, back: bool
+) -> None:
+    """PgBouncer is killed while four messages run, their outcomes fail to be written, then
+    SIGTERM. Back a second before the grace period (counted from the signal) ends: the
+    worker writes the outcomes and exits 0, nothing to run again. Gone for good: it tries until
+    the grace period ends, then exits 1 saying the four outcomes were not written; the messages
+    stay running for their leases to recover."""
+    grace = 5.0 if back else 2.0
+    markers = [tmp_path / f"m{i}" for i in range(4)]
+    ids = [fairtasks.sleep.enqueue(1.5, str(m), channel="outage") for m in markers]
+    worker = WorkerProcess(
+        pgbouncer.url(),
+        "outage",
+        *("--concurrency", "4", "--no-listen", "--shutdown-grace", str(grace)),
+        overrides={"PREPARED_STATEMENTS": False, "POLL_INTERVAL": 0.5},
+    )
+    started.append(worker)
+    wait_until(lambda: all(m.exists() for m in markers), 30, "the four messages running")
+    assert pgbouncer.proc is not None
+    pgbouncer.proc.kill()  # the database unreachable, as for a crashed pooler
+    pgbouncer.proc.wait(10)
+    worker.wait_for("writing 4 outcomes failed: database unavailable", timeout=30)
+    worker.signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    if back:
+        time.sleep(max(0.0, signalled + grace - 1.0 - time.monotonic()))
+        program = poolerkit.binary()
+        assert program is not None
+        pgbouncer.start(program)
+    code = worker.wait(grace + 20)
+    stopped_after = time.monotonic() - signalled
+    rows = {r.id: r for r in Message.objects.filter(pk__in=ids)}
+    if back:
+        assert code == 0, worker.output
+        assert "worker outage: 4 messages handled" in worker.output
+        assert {(r.state, r.attempts, r.result["pid"]) for r in rows.values()} == {
+            (MessageState.SUCCEEDED, 1, worker.pid)
+        }
+    else:
+        assert code == 1, worker.output
+        assert stopped_after >= grace  # it kept trying until the grace period ended
+        assert "giving up writing 4 outcomes at shutdown: the grace period ended" in worker.output
+        assert (
+            "worker outage did not stop cleanly: 4 messages ran but their outcomes were not written"
+        ) in worker.output
+        assert {(r.state, r.attempts) for r in rows.values()} == {(MessageState.RUNNING, 1)}

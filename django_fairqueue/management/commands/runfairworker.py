@@ -24,6 +24,7 @@ from django_fairqueue.runtime import (
     configure_logging,
     stop_signals,
 )
+from django_fairqueue.runtime.attempts import RESCUED
 from django_fairqueue.runtime.worker_registry import WorkerIdInUse
 from django_fairqueue.tasks.spec import registry
 from django_fairqueue.worker import (
@@ -181,7 +182,8 @@ class Command(FairCommand):
             type=float,
             default=30.0,
             metavar="SECONDS",
-            help="On SIGTERM, how long running messages may take to finish (default 30).",
+            help="On SIGTERM, how long the stop may take: running messages finishing, and "
+            "their outcomes written through a database outage (default 30).",
         )
         parser.add_argument(
             "--lease",
@@ -281,6 +283,13 @@ class Command(FairCommand):
             _stop_serving(metrics_server)
         if options["verbosity"] >= 1:
             self.stderr.write(f"worker {printable(config.worker_id)}: {handled} messages handled")
+        if worker.unwritten:  # exit 1: a supervisor counts the stop as unclean, or restarts it
+            raise CommandError(
+                f"worker {printable(config.worker_id)} did not stop cleanly: {worker.unwritten} "
+                "messages ran but their outcomes were not written (the database was unavailable "
+                "until the grace period ended); the rescuer takes them back once their leases "
+                f"expire ({RESCUED})"
+            )
         if worker.wants_replacing and SUPERVISION_ENV in os.environ:
             # to a supervisor, 0 from a burst worker means its burst is done: say "replace me"
             sys.exit(RECYCLE_EXIT)
