@@ -59,6 +59,7 @@ from tests.factories import (
     channel_ids,
     channel_state,
     enqueue,
+    enqueue_in_queue,
     fold_all,
 )
 
@@ -602,6 +603,19 @@ def test_purge_backlog_asks_first_then_deletes_waiting_messages(
     assert_counters_match_table()
 
 
+def test_the_purge_page_names_each_channel_within_its_queue_beside_its_queue(
+    admin_client: Client,
+) -> None:
+    enqueue("c0005", 1)
+    enqueue_in_queue("reports", "c0005", 2)
+    ids = [cid("c0005"), cid("reports\x1fc0005")]
+    html = action(admin_client, CHANNELS, "purge_backlog", ids).content.decode()
+    table = html.split('<table class="fq-purge-lines">', 1)[1].split("</table>", 1)[0]
+    rows = re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td>", table)
+    assert rows == [("c0005", "default", "1"), ("c0005", "reports", "2")]
+    assert "\x1f" not in table
+
+
 def test_channel_actions_need_change_permission(queue: dict[str, Any]) -> None:
     viewer = client_for(user_with("fairqueue.view_channel"))
     response = viewer.get(CHANNELS)
@@ -807,6 +821,21 @@ def test_work_batch_retry_needs_change_permission(batches: Any) -> None:
     assert WorkBatch.objects.filter(state=BatchState.FAILED).count() == 3
 
 
+def test_retrying_a_job_with_a_nul_in_its_name_is_a_clear_400_and_an_unknown_one_retries_none(
+    admin_client: Client, batches: Any
+) -> None:
+    url = reverse("admin:fairqueue_workbatch_retry_job")
+    refused = admin_client.post(url, {"job": "re\x00index"})
+    assert refused.status_code == 400
+    assert refused.content.decode() == (
+        "The job name contains a NUL character, which no stored value has."
+    )
+    unknown = admin_client.post(url, {"job": "nosuch"}, follow=True)
+    assert "Retried 0 failed batches of job nosuch." in unknown.content.decode()
+    assert WorkBatch.objects.filter(state=BatchState.FAILED).count() == 3  # nothing changed
+    assert not LogEntry.objects.exists()
+
+
 # ------------------------------------------------------------------------------------------
 # dashboard
 
@@ -853,6 +882,30 @@ def test_dashboard_page_and_json(admin_client: Client, queue: dict[str, Any]) ->
     assert data["fairness"]["index"] == 0.8
     assert len(data["series"]) == 30
     assert data["series"][-1]["claimed"] == 8
+
+
+def test_the_dashboards_first_render_formats_ages_and_waits_as_its_refresh_does(
+    admin_client: Client,
+) -> None:
+    enqueue("old", 1)
+    enqueue("unserved", 1)
+    now = timezone.now()
+    Message.objects.filter(channel_id=cid("old")).update(
+        enqueued_at=now - timedelta(minutes=90), run_at=now - timedelta(minutes=90)
+    )
+    record_minute("old", now, 2, [700.0, 800.0])
+    page = admin_client.get(DASHBOARD)
+    (old,) = [t for t in page.context["data"]["tenants"] if t["name"] == "old"]
+    tbody = page.content.decode().split('<table id="fq-table"', 1)[1].split("</tbody>", 1)[0]
+
+    def cells(name: str) -> list[str]:
+        row = tbody.split(f"<tr><td>{name}</td>", 1)[1].split("</tr>", 1)[0]
+        return re.findall(r"<td>(.*?)</td>", row)[-4:-1]  # wait p50, wait p95, oldest ready
+
+    # as dashboard.js's fmtMs and fmtAge, and the channel list's ages
+    waits = [overview.format_ms(old["wait"]["p50_ms"]), overview.format_ms(old["wait"]["p95_ms"])]
+    assert waits[0].endswith(" ms") and cells("old") == [*waits, "1h 30m"]
+    assert cells("unserved")[:2] == ["-", "-"] and re.fullmatch(r"\d+s", cells("unserved")[2])
 
 
 def test_dashboard_needs_view_permission(queue: dict[str, Any]) -> None:

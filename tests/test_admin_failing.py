@@ -375,7 +375,7 @@ def test_purge_page_tells_delayed_from_retrying(
     )
     html = response.content.decode()
     assert "6 waiting messages will be deleted." in html  # 1 ready, 2 delayed, 3 retrying
-    assert "<tr><td>flaky</td><td>1</td><td>2</td><td>3</td></tr>" in html
+    assert "<tr><td>flaky</td><td>default</td><td>1</td><td>2</td><td>3</td></tr>" in html
 
 
 def test_jobs_table_headers_use_the_admins_header_markup(admin_client: Client) -> None:

@@ -192,6 +192,28 @@ def test_small_counts_are_exact_and_large_ones_estimated(
     assert not any("COUNT(" in q["sql"].upper() for q in queries.captured_queries)
 
 
+def test_select_all_offers_about_the_paginators_figure_when_the_count_is_an_estimate(
+    admin_client: Client, spread: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    enqueue("alpha", 7)  # 257 rows: the estimate rounds to 260
+    with connection.cursor() as cur:
+        cur.execute("ANALYZE fairqueue_message")
+    monkeypatch.setattr(lists, "EXACT_COUNT_UP_TO", 200)
+    response = admin_client.get(MESSAGES)
+    count = response.context["cl"].count
+    assert (count.value, count.exact) == (257, False)
+    html = response.content.decode()
+    assert '<span class="fq-result-count">about 260 messages</span>' in html  # the paginator
+    assert ">Select all about 260 messages</a>" in html
+    assert '<span class="all hidden">All about 260 selected</span>' in html
+    assert "257" not in html.split('<div class="actions">', 1)[1].split("</div>", 1)[0]
+    # an exact count: Django's own bar
+    exact = admin_client.get(MESSAGES, {lists.CHANNEL_VAR: channel_ids(["alpha"])["alpha"]})
+    assert exact.context["cl"].count == lists.ResultCount(127, exact=True)
+    assert ">Select all 127 messages</a>" in exact.content.decode()
+    assert '<span class="all hidden">All 127 selected</span>' in exact.content.decode()
+
+
 def test_a_low_estimate_says_at_least() -> None:
     enqueue("alpha", 30)
     with connection.cursor() as cur:

@@ -192,6 +192,25 @@ def test_wait_served_and_finished_of_the_last_minutes_are_sortable(admin_client:
     assert order("finished_display") == ["c", "a", "b", "idle"]
 
 
+def test_the_admin_guide_lists_the_channel_lists_columns_in_their_order() -> None:
+    """docs/howto/admin.md, "The channel list": one table row per column, in the list's order
+    ("The columns come in that order")."""
+    from pathlib import Path
+
+    from django.contrib import admin
+    from django.contrib.admin.utils import label_for_field
+
+    channel_admin = admin.site._registry[Channel]
+    headers = [
+        str(label_for_field(name, Channel, channel_admin)).lower()
+        for name in ChannelAdmin.list_display
+    ]
+    doc = (Path(__file__).parents[1] / "docs/howto/admin.md").read_text()
+    section = doc.split("## The channel list", 1)[1].split("\n## ", 1)[0]
+    table = section.split("| column | meaning |\n| --- | --- |\n", 1)[1].split("\n\n", 1)[0]
+    assert [line.split("|")[1].strip() for line in table.splitlines()] == headers
+
+
 # ------------------------------------------------------------------------------------------
 # metrics
 

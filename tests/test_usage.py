@@ -7,13 +7,14 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from django.contrib.auth.models import Permission, User
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
@@ -255,6 +256,31 @@ def test_the_admin_usage_page_sorts_filters_by_dates_and_exports_csv(
     assert "attachment" in response["Content-Disposition"]
     lines = response.content.decode().splitlines()
     assert lines[0].split(",")[2] == "group" and lines[1].split(",")[2] == "(no group)"
+
+
+def test_the_last_day_a_report_reaches_is_9999_12_30_and_a_later_one_is_a_bad_day(
+    admin_client: Client,
+) -> None:
+    # a report runs to the midnight after its last day: 9999-12-31 has none a datetime holds
+    f.enqueue("big", 1)
+    flush("big", yesterday_at(9), ok=1, run_ms=60_000)
+    refused = "a day is YYYY-MM-DD up to 9999-12-30, 'today' or 'yesterday', got '9999-12-31'"
+    page = admin_client.get(USAGE, {"from": "9999-12-31", "to": "9999-12-31"})
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert refused.replace("'", "&#x27;") in html and ">big<" in html  # the default range
+    csv_file = admin_client.get(USAGE, {"from": "9999-12-31", "format": "csv"})
+    assert csv_file.status_code == 200 and "big" in csv_file.content.decode()
+    one_day = admin_client.get(USAGE, {"from": "2026-11-30", "to": "9999-12-31"})
+    assert one_day.status_code == 200 and refused.replace("'", "&#x27;") in one_day.content.decode()
+    assert one_day.context["params"]["last"].isoformat() == "2026-11-30"
+    last = admin_client.get(USAGE, {"from": "9999-12-30", "to": "9999-12-30", "format": "csv"})
+    assert last.content.decode().splitlines()[1:] == []  # a report of that day: empty
+    with pytest.raises(CommandError, match=re.escape(refused)):
+        call_command("fairqueue", "usage", "--from", "9999-12-31")
+    out = io.StringIO()
+    call_command("fairqueue", "usage", "--from", "9999-12-30", stdout=out)
+    assert out.getvalue().strip() == "No usage recorded for 9999-12-30."
 
 
 @pytest.mark.parametrize("form", [{}, {"format": "csv"}])

@@ -173,10 +173,12 @@ class WorkBatchAdmin(lists.NulSafeAdmin, WorkBatchAdminBase):
             *super().get_urls(),
         ]
 
-    def retry_job_view(self, request: HttpRequest) -> HttpResponseRedirect:
+    def retry_job_view(self, request: HttpRequest) -> HttpResponse:
         if not self.has_act_permission(request):
             raise PermissionDenied
         job = request.POST.get("job", "")
+        if "\x00" in job:  # a 400, as the lists answer a NUL in a filter
+            return lists.nul_refused("The job name")
         ids = list(
             WorkBatch.objects.filter(job_name=job, state=BatchState.FAILED)
             .order_by("pk")

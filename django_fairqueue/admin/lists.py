@@ -283,6 +283,15 @@ class _Admin(Protocol[_M]):
     def get_queryset(self, request: HttpRequest) -> QuerySet[_M]: ...
 
 
+def nul_refused(what: str) -> HttpResponseBadRequest:
+    """The 400 for a NUL character in ``what`` (a filter, a POSTed name): no stored value can
+    hold one, and PostgreSQL refuses to look one up."""
+    return HttpResponseBadRequest(
+        f"{what} contains a NUL character, which no stored value has.",
+        content_type="text/plain; charset=utf-8",
+    )
+
+
 class NulSafeAdmin:
     """A text PostgreSQL cannot store (a NUL character) in a list's filter parameters is a
     clear 400, and in a search (the list's search box, the autocomplete of a channel) matches
@@ -291,10 +300,7 @@ class NulSafeAdmin:
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
         for key, values in request.GET.lists():
             if key != SEARCH_VAR and any("\x00" in v for v in values):
-                return HttpResponseBadRequest(
-                    f"The filter {key!r} contains a NUL character, which no stored value has.",
-                    content_type="text/plain; charset=utf-8",
-                )
+                return nul_refused(f"The filter {key!r}")
         response: HttpResponse = super().changelist_view(  # type: ignore[misc]
             request, extra_context
         )

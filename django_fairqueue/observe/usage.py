@@ -36,6 +36,7 @@ from django_fairqueue.queues import DEFAULT_QUEUE, SEPARATOR, split_row_name
 
 __all__ = [
     "BY",
+    "LAST_DAY",
     "SORTS",
     "UsageRow",
     "as_csv",
@@ -105,17 +106,28 @@ class UsageRow:
         }
 
 
+#: The last day a report can cover: a report runs to the midnight after its last day, and
+#: 9999-12-31 has none a ``datetime`` can hold.
+LAST_DAY = date.max - timedelta(days=1)
+
+
 def parse_day(text: str) -> date:
-    """A day as ``YYYY-MM-DD``, or ``today`` / ``yesterday``; ValueError otherwise."""
+    """A day as ``YYYY-MM-DD`` (up to :data:`LAST_DAY`), or ``today`` / ``yesterday``;
+    ValueError otherwise."""
     today = timezone.localdate()
     if text == "today":
         return today
     if text == "yesterday":
         return today - timedelta(days=1)
     try:
-        return date.fromisoformat(text)
+        day = date.fromisoformat(text)
     except ValueError:
-        raise ValueError(f"a day is YYYY-MM-DD, 'today' or 'yesterday', got {text!r}") from None
+        day = None
+    if day is None or day > LAST_DAY:
+        raise ValueError(
+            f"a day is YYYY-MM-DD up to {LAST_DAY}, 'today' or 'yesterday', got {text!r}"
+        )
+    return day
 
 
 def day_range(first: date, last: date) -> tuple[datetime, datetime]:

@@ -9,6 +9,8 @@ from django import template
 from django.urls import reverse
 from django.utils.text import capfirst
 
+from django_fairqueue.observe import overview
+
 register = template.Library()
 
 #: Django 6 renders breadcrumbs as ``<ol class="breadcrumbs">`` of ``<li>`` (and styles only
@@ -22,6 +24,18 @@ def thousands(value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, int):
         return "" if value is None else str(value)
     return f"{value:,}"
+
+
+@register.filter
+def age(seconds: float | None) -> str:
+    """A duration as the channel list shows ages (``29m 52s``; ``-`` for None)."""
+    return overview.format_age(seconds)
+
+
+@register.filter
+def wait_ms(ms: float | None) -> str:
+    """A wait as the dashboard shows it (``850 ms``, ``2.02 s``; ``-`` for None)."""
+    return overview.format_ms(ms)
 
 
 @register.inclusion_tag("admin/fairqueue/includes/breadcrumbs.html", takes_context=True)
