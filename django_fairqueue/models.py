@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from django.core.exceptions import FieldError, ValidationError
 from django.db import models
@@ -48,6 +48,8 @@ from django_fairqueue.limits import (
     priority_error,
 )
 from django_fairqueue.queues import DEFAULT_QUEUE, display_name, split_row_name
+
+_M = TypeVar("_M", bound=models.Model)
 
 
 class MessageState(models.TextChoices):
@@ -77,6 +79,25 @@ class BatchState(models.TextChoices):
     RUNNING = "running", _("running")
     SUCCEEDED = "succeeded", _("succeeded")
     FAILED = "failed", _("failed")
+
+
+class _LiftingQuerySet(models.QuerySet[_M]):
+    """A queryset whose ``update()`` lifts the rows it writes when it can release them
+    (:func:`_lifts`, :func:`_lift`); ``bulk_update()`` writes through ``update()``."""
+
+    def update(self, **kwargs: Any) -> int:
+        if not _lifts(kwargs, pauses=kwargs.get("paused") is True, limits=_limits_of(self.model)):
+            return super().update(**kwargs)
+        # the ids first: the write may take its rows out of the filter
+        # (``filter(paused=True).update(paused=False)``)
+        ids = list(self.order_by().values_list("pk", flat=True))
+        updated = super().update(**kwargs)
+        _lift(self.model, ids, self.db)
+        return updated
+
+
+class ChannelGroupQuerySet(_LiftingQuerySet["ChannelGroup"]):
+    """``ChannelGroup.objects``: a bulk write that can release groups lifts them."""
 
 
 class ChannelGroup(models.Model):
@@ -129,6 +150,8 @@ class ChannelGroup(models.Model):
         editable=False,
     )
 
+    objects = ChannelGroupQuerySet.as_manager()
+
     class Meta:
         db_table = "fairqueue_channel_group"
         ordering = ["name"]
@@ -159,10 +182,13 @@ class ChannelGroup(models.Model):
         return display_name(self.name)
 
     def save(self, *args: Any, **kwargs: Any) -> None:
-        if self._state.adding:
+        adding = self._state.adding
+        if adding:
             _check_new_name(self.name, group=True)
         _check_limits(self, f"channel group {self.name!r}")
         super().save(*args, **kwargs)
+        if not adding:
+            _lift_saved(self, kwargs.get("update_fields"), paused=False)
 
     @property
     def short_name(self) -> str:
@@ -223,45 +249,55 @@ def _refuse_derived(fields: Iterable[str]) -> None:
 
 
 #: The limits whose change can make a channel claimable again or served sooner (resumed, its
-#: cap raised, its rate limit removed, its weight raised).
+#: cap raised, its rate limit removed, its weight raised); a group's are the same but the
+#: pause, which a group has not.
 _LIFTING_LIMITS = frozenset({"paused", "max_concurrency", "release_interval", "weight"})
+_GROUP_LIFTING_LIMITS = _LIFTING_LIMITS - {"paused"}
 
 
-def _lifts(fields: Iterable[str], *, pauses: bool) -> bool:
-    """Whether a write of the limits ``fields`` must lift the channels it writes
-    (:func:`_lift`): by time only (by count the tags are unused), and not when it pauses them
-    (they are lifted when resumed)."""
+def _limits_of(model: type[models.Model]) -> frozenset[str]:
+    """The lifting limits of ``model``'s rows (a channel's or a group's)."""
+    return _GROUP_LIFTING_LIMITS if issubclass(model, ChannelGroup) else _LIFTING_LIMITS
+
+
+def _lifts(fields: Iterable[str], *, pauses: bool, limits: frozenset[str]) -> bool:
+    """Whether a write of the columns ``fields`` must lift the rows it writes (:func:`_lift`):
+    when it writes one of ``limits``, by time only (by count the tags are unused), and not when
+    it pauses them (they are lifted when resumed)."""
     from django_fairqueue.db.channel_store import fairness_by_time
 
-    return bool(_LIFTING_LIMITS.intersection(fields)) and not pauses and fairness_by_time(None)
+    return bool(limits.intersection(fields)) and not pauses and fairness_by_time(None)
 
 
-def _lift(ids: Iterable[int], using: str | None) -> None:
-    """Lift the channels of ``ids`` to the others' virtual time after a write of their limits,
-    as the admin does: a channel just resumed, or freed from its cap or rate limit, kept the
-    low tag it had while held back, and would take every start until it caught up. The
-    workers' fold cannot lift it: the write made it claimable before any fold runs."""
-    from django_fairqueue.db.channel_store import fold_deltas_of_channel
+def _lift(model: type[models.Model], ids: Iterable[int], using: str | None) -> None:
+    """Lift the channels (or channel groups, by ``model``) of ``ids`` to the others' virtual
+    time after a write of their limits, as the admin does: one just resumed, or freed from its
+    cap or rate limit, kept the low tag it had while held back, and would take every start
+    until it caught up. The workers' fold cannot lift it: the write made it claimable before
+    any fold runs."""
+    from django_fairqueue.db.channel_store import fold_deltas_of_channel, lift_group
 
-    for pk in sorted(ids):  # channel rows in id order (fairness.md, "Lock order")
-        fold_deltas_of_channel(pk, using=using)
+    lift = lift_group if issubclass(model, ChannelGroup) else fold_deltas_of_channel
+    for pk in sorted(ids):  # rows in id order (fairness.md, "Lock order")
+        lift(pk, using=using)
 
 
-class ChannelQuerySet(models.QuerySet["Channel"]):
+def _lift_saved(obj: Channel | ChannelGroup, fields: Iterable[str] | None, *, paused: bool) -> None:
+    """Lift ``obj`` after its ``save()`` wrote its existing row (``fields``: the save's
+    ``update_fields``, None for all) if that can release it (``paused``: the row's pause)."""
+    limits = _limits_of(type(obj))
+    written = limits if fields is None else frozenset(fields)
+    if _lifts(written, pauses="paused" in written and paused, limits=limits):
+        _lift(type(obj), [obj.pk], obj._state.db)
+
+
+class ChannelQuerySet(_LiftingQuerySet["Channel"]):
     """``Channel.objects``: bulk writes of the limits; one naming a column that follows from the
-    name is refused. A write that can release channels lifts them (:func:`_lift`);
-    ``bulk_update()`` writes through ``update()``."""
+    name is refused. A write that can release channels lifts them (:class:`_LiftingQuerySet`)."""
 
     def update(self, **kwargs: Any) -> int:
         _refuse_derived(kwargs)
-        if not _lifts(kwargs, pauses=kwargs.get("paused") is True):
-            return super().update(**kwargs)
-        # the ids first: the write may take its rows out of the filter
-        # (``filter(paused=True).update(paused=False)``)
-        ids = list(self.order_by().values_list("pk", flat=True))
-        updated = super().update(**kwargs)
-        _lift(ids, self.db)
-        return updated
+        return super().update(**kwargs)
 
     def bulk_update(self, objs: Iterable[Channel], fields: Any, batch_size: Any = None) -> int:
         _refuse_derived(fields)
@@ -398,9 +434,8 @@ class Channel(models.Model):
         if fields is not None:
             _refuse_derived(fields)
         super().save(*args, **kwargs)
-        written = _LIFTING_LIMITS if fields is None else frozenset(fields)
-        if not adding and _lifts(written, pauses="paused" in written and self.paused is True):
-            _lift([self.pk], self._state.db)
+        if not adding:
+            _lift_saved(self, fields, paused=self.paused is True)
 
     def _do_update(self, base_qs: Any, using: Any, pk_val: Any, values: Any, *args: Any) -> Any:
         # The UPDATE of a save() leaves out the group and the queue, which an INSERT still

@@ -26,7 +26,7 @@ from django.test.utils import override_settings
 from django_fairqueue.api import EnqueueRequest, enqueue_many
 from django_fairqueue.conf import load
 from django_fairqueue.db import channel_store, integrity_store, message_store
-from django_fairqueue.models import Channel
+from django_fairqueue.models import Channel, ChannelGroup
 from tests import factories as f
 
 LEASE = timedelta(minutes=5)
@@ -707,3 +707,77 @@ def test_a_claim_of_several_goes_by_tags_not_one_turn_each() -> None:
     assert vtime("light") + 4 * 0.005 < vtime("heavy")
     got = claim(4, quantum=1)
     assert [m.channel for m in got] == ["light"] * 4
+
+
+# ------------------------------------------------------------------------------------------------
+# A group whose limits are eased is lifted as a channel is
+
+
+#: How group g1 is held back (a group has no pause), and what releases it.
+GROUP_HOLDS: dict[str, Any] = {"release_interval": timedelta(hours=1), "max_concurrency": 1}
+GROUP_RELEASES: dict[str, Any] = {"release_interval": timedelta(0), "max_concurrency": None}
+
+
+def release_group(how: str, path: str) -> None:
+    """Release group g1 held back by ``how``, written through ``path``: the admin's change
+    page, or ``save()``, ``update()`` or ``bulk_update()`` of the model."""
+    value = GROUP_RELEASES[how]
+    if path == "update":
+        assert ChannelGroup.objects.filter(name="g1").update(**{how: value}) == 1
+        return
+    group = ChannelGroup.objects.get(name="g1")
+    setattr(group, how, value)
+    if path == "admin":
+
+        class Form:
+            changed_data = [how]
+
+        group_admin = admin.site._registry[ChannelGroup]
+        group_admin.save_model(RequestFactory().post("/"), group, Form(), True)
+    elif path == "save":
+        group.save()
+    else:
+        assert ChannelGroup.objects.bulk_update([group], [how]) == 1
+
+
+@pytest.mark.parametrize("how", list(GROUP_RELEASES))
+@pytest.mark.parametrize("path", ["admin", "save", "update", "bulk_update"])
+@pytest.mark.django_db(transaction=True)
+def test_a_group_released_through_the_model_is_lifted_as_a_channel_is(how: str, path: str) -> None:
+    """Its rate limit removed or its cap raised, however the row is written, a group comes back
+    level with the other's tag, not with the credit of the time it was held back (which gave
+    it every start until it caught up)."""
+    ChannelGroup.objects.create(name="g1")
+    ChannelGroup.objects.create(name="g2")
+    f.enqueue_spread({"g1/a": 200, "g2/a": 200})
+    durations = {"g1/a": 0.1, "g2/a": 0.1}
+    run(durations, 4)  # both measured
+    ChannelGroup.objects.filter(name="g1").update(**{how: GROUP_HOLDS[how]})
+    (m,) = claim(1, only_channel_ids=list(f.channel_ids(["g1/a"]).values()))
+    if how == "release_interval":  # served once more, then not for an hour
+        message_store.complete_messages([(m.id, m.lease_token, None)], run_seconds=[0.1])
+        f.fold_all()
+    # (else its one message stays running: g1 is at its cap)
+    run({"g2/a": 0.1}, 50)
+    assert group_vtime("g1") < group_vtime("g2") - 4  # 5 s of g2's time while g1 was held
+    release_group(how, path)
+    assert group_vtime("g2") - 1e-9 <= group_vtime("g1") <= group_vtime("g2") + 0.1 + 1e-9
+    _spent, counts = run(durations, 20)
+    assert abs(counts["g1/a"] - counts["g2/a"]) <= 2, counts
+
+
+@pytest.mark.django_db(transaction=True)
+def test_by_count_a_write_of_a_groups_limits_leaves_the_tags() -> None:
+    """Count mode does not read the tags: a model write of a group's limits does not lift it."""
+    ChannelGroup.objects.create(name="g1", max_concurrency=1)
+    ChannelGroup.objects.create(name="g2")
+    f.enqueue_spread({"g1/a": 10, "g2/a": 10})
+    f.fold_all()
+    with connection.cursor() as cur:
+        cur.execute("UPDATE fairqueue_channel_group SET vtime = 7 WHERE name = 'g2'")
+    with override_settings(FAIRQUEUE={**_base(), "FAIRNESS": "count"}):
+        ChannelGroup.objects.filter(name="g1").update(max_concurrency=5)
+        group = ChannelGroup.objects.get(name="g1")
+        group.weight = 2
+        group.save()
+    assert group_vtime("g1") == 0.0

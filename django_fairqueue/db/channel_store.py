@@ -217,6 +217,17 @@ def fold_deltas_of_channel(channel_id: int, *, using: str | None = None) -> int:
     return int(rows[0][0]) if rows else 0
 
 
+def lift_group(group_id: int, *, using: str | None = None) -> None:
+    """Lift one channel group's tag to its queue's virtual time now (fairness by time).
+
+    Waits for a claim holding the group row (claims are short). Call it after raising a
+    group's cap or weight or removing its rate limit: held back, the group kept the low tag it
+    had, and would take every start until it caught up; the edit made it servable at once, so
+    no fold lifts it. A rate limit removed or shortened also brings its next turn forward.
+    """
+    _run("lift_group", {"group_id": group_id}, using)
+
+
 def lock_channel_names(names: Sequence[str], *, using: str | None = None) -> None:
     """Hold channel names against enqueues until the current transaction ends: deleting a
     channel takes this first, so an enqueue in flight finishes (and its messages are deleted

@@ -1,6 +1,7 @@
 -- django-fairqueue server functions: channel groups. The triggers that keep a channel row in
--- the group its name declares and its name unchanged, the creation of missing groups, and
--- the trigger that keeps a group's counters the sums of its channels'.
+-- the group its name declares and its name unchanged, the creation of missing groups, the
+-- trigger that keeps a group's counters the sums of its channels', and the lift of a group
+-- whose limits an operator eased.
 
 -- Channel groups (docs/explanation/fairness.md, "Groups of channels"). A channel may belong to
 -- a group (fairqueue_channel.group_id); the claim is fair across the top-level flows first
@@ -232,3 +233,41 @@ CREATE TRIGGER fairqueue_group_rearm
     FOR EACH ROW
     WHEN (NEW.release_interval < OLD.release_interval)
     EXECUTE FUNCTION fairqueue_rearm_v1();
+
+
+-- Lift group p_group after an operator raised its cap or weight or removed or shortened its
+-- rate limit (models.ChannelGroup: save(), update(), bulk_update(), and so the admin), as
+-- fairqueue_group_counters_v1 lifts a group that wakes: held back, it kept the low tag it had,
+-- and the edit made it servable at once, so no wake lifts it and it would take every start
+-- until it caught up. Lifted whether it is claimable or not, as fairqueue_fold_channel_v1 lifts
+-- a channel: to the virtual time of the other flows (a group that is the smallest tag of all
+-- loses at most its lead over the next one, bounded by one charge); a group with no work is
+-- lifted again when a channel wakes it. Harmless by count (tags unused), but the model calls
+-- this by time only. Its next turn comes forward when its rate limit was removed or shortened,
+-- as fairqueue_fold_channel_v1 does for a channel's group. Lock order: the group's row only
+-- (rank 3), nothing held before it.
+CREATE OR REPLACE FUNCTION fairqueue_lift_group_v1(p_group bigint)
+RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    -- locked first, so the virtual time below is read after any claim holding it committed
+    PERFORM FROM fairqueue_channel_group g WHERE g.id = p_group FOR UPDATE;
+    UPDATE fairqueue_channel_group g
+    SET next_turn_at = least(g.next_turn_at, greatest(
+            statement_timestamp(),
+            coalesce(g.last_claimed_at + g.release_interval, '-infinity'::timestamptz))),
+        -- At most one message's charge ahead: the charge of the group's next message, the
+        -- mean run time of its claimable channel of the smallest tag (the walk's first within
+        -- the group, fq_channel_in_group_vtime_idx; the default with none) over the group's
+        -- weight. The trigger charges the channel that wakes the group, which is that one: the
+        -- group's only claimable channel.
+        vtime = fairqueue_lift_v1(
+            g.vtime, fairqueue_queue_virtual_time_v1(g.queue::text, NULL, g.id), false, true,
+            fairqueue_charge_v1((SELECT c.mean_run FROM fairqueue_channel c
+                                 WHERE c.group_id IS NOT NULL AND c.claimable
+                                   AND c.group_id = g.id
+                                 ORDER BY c.vtime, c.id
+                                 LIMIT 1), g.weight))
+    WHERE g.id = p_group;
+END;
+$$;

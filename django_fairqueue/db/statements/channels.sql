@@ -106,6 +106,10 @@ LEFT JOIN (
 -- Fold one channel's pending deltas now (after an operator changes its limits, so a new cap sees exact counts).
 SELECT fairqueue_fold_channel_v1(%(channel_id)s::bigint) AS folded;
 
+-- name: lift_group
+-- Lift one channel group to its queue's virtual time now (after an operator eases its limits, so it does not take every start).
+SELECT fairqueue_lift_group_v1(%(group_id)s::bigint);
+
 -- name: lock_channel_names
 -- Hold channel names against enqueues until the transaction ends (deleting the channels): the
 -- names' locks in name order, then their stripes' in stripe order (an enqueue of many names
