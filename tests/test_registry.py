@@ -147,6 +147,24 @@ def test_beats_that_failed_for_the_database_are_not_taken_for_a_held_up_process(
         beats.join(10)
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_whose_connection_an_ended_outage_broke_still_marks_itself_stopped(
+    caplog: pytest.LogCaptureFixture, database_url: str
+) -> None:
+    """The outage broke the connection of the thread that deregisters (its last use was
+    before the database came back): one more try on a fresh connection marks it stopped."""
+    here = worker_registry.Registration("after-outage", concurrency=1)
+    here.register()
+    session = connections[conf.get().DATABASE]
+    session.ensure_connection()
+    with psycopg.connect(database_url, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [session.connection.info.backend_pid])
+    here.deregister(worker_registry.Beat(0, 4, None))
+    row = WorkerRecord.objects.get(worker_id="after-outage")
+    assert (row.state, row.handled) == ("stopped", 4)
+    assert "could not mark stopped" not in caplog.text
+
+
 def test_a_worker_stopping_with_messages_running_says_what_the_rescuer_does_with_them(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

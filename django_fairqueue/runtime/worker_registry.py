@@ -61,6 +61,7 @@ from django_fairqueue.runtime import (
     SUPERVISION_ENV,
     StopFlag,
     after_database_error,
+    reset_connection,
 )
 from django_fairqueue.runtime.attempts import RESCUED
 
@@ -248,13 +249,21 @@ class Registration:
         return True
 
     def deregister(self, now: Beat) -> None:
-        try:
-            left = worker_store.deregister_worker(
-                self.worker_id, handled=now.handled, last_claim_at=now.last_claim_at
-            )
-        except CONNECTION_ERRORS as exc:  # it will look dead after WORKER_DEAD_AFTER instead
-            logger.warning("worker registry: could not mark stopped: %s", after_database_error(exc))
-            return
+        # Twice at most: an outage that ended during the stop left this thread's connection
+        # broken (its last use failed), and the database is back for a fresh one.
+        for last in (False, True):
+            try:
+                left = worker_store.deregister_worker(
+                    self.worker_id, handled=now.handled, last_claim_at=now.last_claim_at
+                )
+                break
+            except CONNECTION_ERRORS as exc:  # it will look dead after WORKER_DEAD_AFTER instead
+                if not last:
+                    reset_connection()
+                    continue
+                what = after_database_error(exc)
+                logger.warning("worker registry: could not mark stopped: %s", what)
+                return
         if left:
             logger.warning(
                 "worker %s stopped with %d messages still running: their leases expired now, "
