@@ -38,7 +38,14 @@ from django_fairqueue.maintenance import (
     Rescuer,
     in_batches,
 )
-from django_fairqueue.models import Channel, ChannelStat, Message, MessageState, MinuteStat
+from django_fairqueue.models import (
+    Channel,
+    ChannelStat,
+    Message,
+    MessageState,
+    MinuteStat,
+    WorkerRecord,
+)
 from django_fairqueue.runtime import StopFlag
 from django_fairqueue.signals import message_finished, message_started
 from django_fairqueue.tasks import registry, task
@@ -924,6 +931,61 @@ def test_a_worker_refuses_to_start_on_a_database_missing_its_migrations() -> Non
         call_command("runfairworker", "--burst", "--no-listen")
     with pytest.raises(CommandError, match="lacks 1 of"):  # a supervisor: before any child
         call_command("runfairworker", "--burst", "--processes", "2")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_started_while_the_database_is_unavailable_checks_its_migrations_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unchecked at start (no answer), the check runs once the database answers, before the
+    worker registers: it refuses to start all the same."""
+    from django_fairqueue.management.commands import runfairworker
+
+    real = runfairworker._require_migrated_now
+    refusals = [OperationalError("connection refused")] * 2
+
+    def check() -> None:
+        if refusals:
+            raise refusals.pop()
+        real()
+
+    monkeypatch.setattr(runfairworker, "_require_migrated_now", check)
+    with connection.cursor() as cur:
+        cur.execute(
+            "DELETE FROM django_migrations WHERE app = 'fairqueue' AND name = ("
+            "SELECT max(name) FROM django_migrations WHERE app = 'fairqueue') RETURNING name"
+        )
+        (latest,) = cur.fetchone()
+    try:
+        with pytest.raises(CommandError, match=rf"the first: {latest}"):
+            call_command("runfairworker", "--burst", "--no-listen", "--worker-id", "unchecked")
+        assert refusals == []  # the command's check, then the worker's first try, refused
+        assert not WorkerRecord.objects.filter(worker_id="unchecked").exists()
+    finally:
+        with connection.cursor() as cur:
+            cur.execute(
+                "INSERT INTO django_migrations (app, name, applied) "
+                "VALUES ('fairqueue', %s, now())",
+                [latest],
+            )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stop_while_a_worker_waits_for_the_database_at_start_is_graceful(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr(worker_store, "register_worker", refused)
+    worker = one_worker()
+    done: list[int] = []
+    thread = threading.Thread(target=lambda: done.append(worker.run()))
+    thread.start()
+    time.sleep(0.3)  # waiting out the refusals
+    worker.stop()
+    thread.join(5)
+    assert not thread.is_alive() and done == [0]
 
 
 @pytest.mark.parametrize(

@@ -94,9 +94,19 @@ class Worker:
     """
 
     def __init__(
-        self, config: WorkerConfig | None = None, *, services: Sequence[Service] | None = None
+        self,
+        config: WorkerConfig | None = None,
+        *,
+        services: Sequence[Service] | None = None,
+        before_register: Callable[[], None] | None = None,
     ) -> None:
+        """``before_register``: a check of the database run once it answers, before the worker
+        registers (``runfairworker``'s check that the migrations are applied, when the database
+        was unavailable as it started); a connection error is waited out as registering's is."""
         self.config = config = config or WorkerConfig()
+        self._before_register = before_register
+        #: set by the first stop: ends a wait for the database at start-up
+        self._stop_event = threading.Event()
         cfg = conf.get()
         self.worker_id = config.worker_id
         self.lease: timedelta = config.lease or cfg.lease
@@ -176,6 +186,7 @@ class Worker:
         a signal handler."""
         if self._stop_asked is None:
             self._stop_asked = time.monotonic()  # the grace period counts from here
+        self._stop_event.set()
         self.ledger.give_back_unstarted()
         self.claimer.stop()
 
@@ -294,14 +305,18 @@ class Worker:
 
     # -- the threaded loop -----------------------------------------------------------------------
 
-    def _register(self, registration: Registration) -> None:
-        """Register, waiting out a database that is unavailable (starting, restarting, failing
-        over: workers and database started together) as the claim would, instead of stopping."""
+    def _register(self, registration: Registration) -> bool:
+        """Register (after the ``before_register`` check), waiting out a database that is
+        unavailable (starting, restarting, failing over: workers and database started together)
+        as the claim would, instead of stopping. False when a stop came first."""
         backoff = Backoff(cap=5.0)
-        while True:
+        while not self._stop_event.is_set():
             try:
+                if self._before_register is not None:
+                    self._before_register()
+                    self._before_register = None  # passed: not again when registering fails
                 registration.register()
-                return
+                return True
             except CONNECTION_ERRORS as exc:
                 delay = backoff.next()
                 logger.warning(
@@ -310,7 +325,8 @@ class Worker:
                     after_database_error(exc),
                     delay,
                 )
-                time.sleep(delay)
+                self._stop_event.wait(delay)
+        return False
 
     def run(self) -> int:
         """Run until stopped; returns how many messages were handled.
@@ -342,13 +358,24 @@ class Worker:
             exclude_channels=self.config.exclude_channels,
             queues=self.config.queues,
         )
-        self._register(registration)
-        background: list[service.Service] = [self.timer, RegistryBeat(registration, self._beat)]
-        if self.config.maintenance:
-            background.append(Maintenance(self._services, on_rescued=self.claimer.wake))
-        if self.listen:
-            background.append(self.listener)
+        # (under the stop signals: a SIGTERM while the database is unavailable is a graceful
+        # stop of a worker that claimed nothing)
         with stop_signals(self._on_signal):
+            if not self._register(registration):
+                logger.info(
+                    "worker %s stopped before it could register (the database was unavailable)",
+                    printable(self.worker_id),
+                    extra={"worker_id": self.worker_id},
+                )
+                return 0
+            background: list[service.Service] = [
+                self.timer,
+                RegistryBeat(registration, self._beat),
+            ]
+            if self.config.maintenance:
+                background.append(Maintenance(self._services, on_rescued=self.claimer.wake))
+            if self.listen:
+                background.append(self.listener)
             self.pool.start(self._crashed)
             for part in (self.settler, self.heartbeat, *background):
                 part.start(self._crashed)

@@ -268,9 +268,10 @@ class Command(FairCommand):
         companions: list[extensions.Companion] = []
         try:
             companions = self._start_companions(options, config)
-            if SUPERVISION_ENV not in os.environ:  # (a supervisor checked before its children)
-                _require_migrated()
-            worker = Worker(config)
+            # (a supervisor checked before its children, unless the database was unavailable)
+            checked = os.environ.get(MIGRATIONS_CHECKED_ENV) == "1" or _require_migrated()
+            # unchecked: the worker checks once the database answers, before it registers
+            worker = Worker(config, before_register=None if checked else _require_migrated_now)
             handled = worker.run()
             if config.burst:  # the companions' work is part of the burst: let them finish
                 with stop_signals(lambda signum: _stop(companions)):
@@ -306,7 +307,9 @@ class Command(FairCommand):
                 "--max-messages with a supervisor: use --max-tasks-per-child (each process "
                 "is replaced after that many messages)"
             )
-        _require_migrated()  # (before any child: each would stop on it, again and again)
+        # before any child (each would stop on it, again and again); with the database
+        # unavailable now, each child checks once it answers
+        checked = _require_migrated()
         prefix = supervisor.invocation()
         flags = supervisor.child_flags(options)
         # Each slot keeps its id across restarts: a child started again in a slot whose child
@@ -322,9 +325,10 @@ class Command(FairCommand):
                 more += ["--metrics-addr", addr, "--metrics-port", str(port + index)]
             return [*prefix, *flags, *own, *more]
 
-        code = supervisor.Supervisor(
-            command_for, processes, burst=options["burst"], env=supervisor.environment()
-        ).run()
+        env = supervisor.environment()
+        if checked:
+            env[MIGRATIONS_CHECKED_ENV] = "1"
+        code = supervisor.Supervisor(command_for, processes, burst=options["burst"], env=env).run()
         if code > 128:  # a second signal: every process told to exit at once
             sys.exit(code)
         if code:
@@ -452,20 +456,33 @@ def _stop(companions: list[extensions.Companion]) -> None:
         companion.stop()
 
 
-def _require_migrated() -> None:
+#: Set for a supervisor's children when it found the queue's migrations all applied.
+MIGRATIONS_CHECKED_ENV = "FAIRQUEUE_MIGRATIONS_CHECKED"
+
+
+def _require_migrated() -> bool:
     """Refuse to start on a queue database that lacks some of this release's migrations
     (deployed before ``migrate`` ran): its statements would fail on columns and functions the
     database does not have yet, and the worker (each child of a supervisor, again and again)
-    would stop with a database error instead of saying what to do."""
+    would stop with a database error instead of saying what to do. Returns False, unchecked,
+    when the database cannot be reached now (:func:`_require_migrated_now` is then run once
+    it answers)."""
+    try:
+        _require_migrated_now()
+    except CONNECTION_ERRORS:
+        return False
+    return True
+
+
+def _require_migrated_now() -> None:
+    """:func:`_require_migrated`, a connection error raised (the worker retries it as it
+    retries registering)."""
     from django.db import connections
     from django.db.migrations.executor import MigrationExecutor
 
     alias = conf.get().DATABASE
-    try:
-        executor = MigrationExecutor(connections[alias])
-        plan = executor.migration_plan(executor.loader.graph.leaf_nodes("fairqueue"))
-    except CONNECTION_ERRORS:
-        return  # unavailable now: the worker waits for it as it registers, unchecked
+    executor = MigrationExecutor(connections[alias])
+    plan = executor.migration_plan(executor.loader.graph.leaf_nodes("fairqueue"))
     missing = [m.name for m, _backwards in plan if m.app_label == "fairqueue"]
     if missing:
         database = "" if alias == "default" else f" --database {alias}"
