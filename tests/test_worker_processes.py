@@ -559,3 +559,49 @@ def test_a_worker_replaces_threads_stuck_past_a_time_limit_then_recycles_itself(
         c = counters(name)
         assert (c.ready, c.running, c.failed) == (0, 0, 1)
     w.wait_for(f"worker recycle stopped after {len(quick) + len(more)} messages")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("flags", "most"),
+    [((), 6), (("--no-listen",), 5), (("--no-listen", "--no-maintenance"), 4)],
+    ids=["listening", "no-listen", "no-listen-no-maintenance"],
+)
+def test_a_worker_opens_the_connections_the_deploy_page_counts(
+    database_url: str, tmp_path: Path, flags: tuple[str, ...], most: int
+) -> None:
+    """deploy-workers.md, "Connections per worker process": with tasks that never touch the
+    database, 6 (5 with --no-listen, 4 with --no-maintenance too): the claimer, settler,
+    heartbeat, registry beat, maintenance and listener, each its own."""
+    name = f"conncount-{len(flags)}"
+    worker = WorkerProcess(
+        f"{database_url}?application_name={name}",
+        name,
+        "--concurrency",
+        "2",
+        *flags,
+        overrides={**OVERRIDES, "LEASE_SECONDS": 6},
+    )
+    try:
+        markers = [tmp_path / f"m{i}" for i in range(2)]
+        for marker in markers:
+            fairtasks.sleep.enqueue(20.0, str(marker), channel=f"c{marker.name}")
+        wait_until(lambda: all(m.exists() for m in markers), 30, "both tasks running")
+
+        def connections_now() -> int:
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", [name]
+                )
+                (count,) = cursor.fetchone()
+            return int(count)
+
+        # the heartbeat connects at its first beat with messages in flight (every lease / 3)
+        wait_until(lambda: connections_now() == most, 30, f"{most} connections")
+        seen = []
+        for _ in range(5):  # and no more a moment later
+            time.sleep(0.2)
+            seen.append(connections_now())
+        assert max(seen) == most, seen
+    finally:
+        worker.close()
