@@ -75,8 +75,8 @@ class AutoExplain:
         return plans
 
 
-@pytest.fixture
-def auto_explain() -> Iterator[AutoExplain]:
+def start_auto_explain() -> AutoExplain:
+    """From now on, collect the plan of every statement this connection's session runs."""
     collector = AutoExplain()
     with connection.cursor() as cur:
         try:
@@ -97,6 +97,12 @@ def auto_explain() -> Iterator[AutoExplain]:
         ):
             cur.execute(f"SET {setting}")
     collector.take()
+    return collector
+
+
+@pytest.fixture
+def auto_explain() -> Iterator[AutoExplain]:
+    collector = start_auto_explain()
     try:
         yield collector
     finally:

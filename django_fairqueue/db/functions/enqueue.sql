@@ -51,6 +51,9 @@ LANGUAGE plpgsql
 -- Plan each statement once per session (see fairqueue_claim_v1): its parameters are arrays,
 -- which PL/pgSQL would otherwise re-plan on every call.
 SET plan_cache_mode = force_generic_plan
+-- Never a sequential scan (see fairqueue_claim_v1): a plan made while the channel table was
+-- small read the whole table on every enqueue once it had grown.
+SET enable_seqscan = off
 AS $$
 DECLARE
     v_n integer := cardinality(p_payloads);
@@ -368,7 +371,11 @@ CREATE OR REPLACE FUNCTION fairqueue_enqueue_v1(
     p_on_conflict text[] DEFAULT NULL
 )
 RETURNS SETOF bigint
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+-- Never a sequential scan (see fairqueue_claim_v1): a plan made while the channel table was
+-- small read the whole table on every enqueue once it had grown.
+SET enable_seqscan = off
+AS $$
 DECLARE
     v_now timestamptz := clock_timestamp();
     v_names text[];
@@ -440,8 +447,7 @@ BEGIN
     END IF;
 
     -- (v_cid: the channel of a uniform batch, which has one)
-    SELECT count(*), array_agg(c.id ORDER BY c.id) FILTER (WHERE c.max_backlog IS NOT NULL),
-           min(c.id)
+    SELECT count(*), array_agg(c.id) FILTER (WHERE c.max_backlog IS NOT NULL), min(c.id)
     INTO v_found, v_bounded, v_cid
     FROM fairqueue_channel c WHERE c.name = ANY (v_names);
     IF v_found < cardinality(v_names) THEN
@@ -462,13 +468,15 @@ BEGIN
         FROM unnest(v_names) AS n
         ORDER BY n
         ON CONFLICT (name) DO NOTHING;
-        SELECT array_agg(c.id ORDER BY c.id) FILTER (WHERE c.max_backlog IS NOT NULL),
-               min(c.id)
+        SELECT array_agg(c.id) FILTER (WHERE c.max_backlog IS NOT NULL), min(c.id)
         INTO v_bounded, v_cid
         FROM fairqueue_channel c WHERE c.name = ANY (v_names);
     END IF;
 
     IF v_bounded IS NOT NULL THEN
+        -- In id order, the order they are locked in. Sorted here, not in the aggregates above:
+        -- for an ORDER BY there a plan read every channel by primary key to get that order.
+        v_bounded := ARRAY(SELECT b.id FROM unnest(v_bounded) AS b(id) ORDER BY b.id);
         IF current_setting('transaction_isolation') <> 'read committed' THEN
             RAISE EXCEPTION 'fairqueue: a channel with max_backlog accepts messages only in '
                             'READ COMMITTED transactions; this one is %',
@@ -664,7 +672,11 @@ CREATE OR REPLACE FUNCTION fairqueue_enqueue_one_v1(
     p_on_conflict text DEFAULT NULL
 )
 RETURNS bigint
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+-- Never a sequential scan (see fairqueue_claim_v1): a plan made while the channel table was
+-- small read the whole table on every enqueue once it had grown.
+SET enable_seqscan = off
+AS $$
 DECLARE
     v_now timestamptz := clock_timestamp();
     v_run_at timestamptz := coalesce(p_run_at, v_now + p_delay, v_now);

@@ -1,0 +1,15 @@
+"""The claim and the completion plan no sequential scan, and the claim updates the rows it
+locked by their tuple ids. A generic plan made while a table looked small read every pending
+delta in the claim's probe for waking channels, and the whole channel table once per settled
+channel. Installs the claim and settle families.
+"""
+
+from django.db import migrations
+
+from django_fairqueue.migrations._sql import InstallFunctions
+
+
+class Migration(migrations.Migration):
+    dependencies = [("fairqueue", "0041_virtual_time_per_queue")]
+
+    operations = [InstallFunctions("claim", "settle", "enqueue")]
