@@ -21,8 +21,9 @@ Cells:
 - ``half-drained``: a channel whose workers took the first half of that backlog, as under
   load: the claimed messages' entries stay in the ready index, dead, until vacuum runs.
 
-``main(before="0018_faster_enqueue")`` names the migration whose version is "before" (read
-with ``git show``: run it from a git checkout).
+``main(before="0018_faster_enqueue")`` names the migration whose version is "before", and
+``main(before="commit:8d2b8b5")`` the version of a commit since the migrations stopped
+carrying copies (both read with ``git show``: run it from a git checkout).
 """
 
 from __future__ import annotations
@@ -54,8 +55,12 @@ BACKLOG = 20_000
 
 
 def migration_sql(migration: str) -> str:
-    """The function file as migration ``migration`` installed it, from the git history."""
-    path = f"{COPIES_AT}:django_fairqueue/migrations/sql/{migration}.sql"
+    """The function file as migration ``migration`` installed it, from the git history; for
+    ``commit:REV``, the enqueue functions' file at that commit."""
+    if migration.startswith("commit:"):
+        path = f"{migration.removeprefix('commit:')}:django_fairqueue/db/functions/enqueue.sql"
+    else:
+        path = f"{COPIES_AT}:django_fairqueue/migrations/sql/{migration}.sql"
     root = Path(__file__).resolve().parent.parent
     return subprocess.run(
         ["git", "show", path], cwd=root, check=True, capture_output=True, text=True
