@@ -1,9 +1,9 @@
-"""A worker plans each statement of the enqueue, the claim and the completion once per session, from the
-statistics of that moment, and keeps the plan while the tables grow. A worker started on a
-fresh deployment (a handful of channels, an empty delta table) must not keep a plan that
-scans a table sequentially once it holds thousands of rows: the claim's probe for waking
-deltas read every pending completion's delta on every claim, and the completion read the
-whole channel table once per channel it settled.
+"""A worker plans each statement of the enqueue, the claim and the completion once per
+session, from the statistics of that moment, and keeps the plan while the tables grow. A worker
+started on a fresh deployment (a handful of channels, an empty delta table) must not keep a
+plan that scans a table sequentially once it holds thousands of rows: the claim's probe for
+waking deltas read every pending completion's delta on every claim, the completion read the
+whole channel table once per channel it settled, and the enqueue read it on every call.
 
 Its own module: the test needs a session whose plans were made while the queue tables were
 small, and it empties them (``transactional_db``), which ``test_explain.py``'s shared backlog
@@ -57,8 +57,7 @@ def grown(fairness: str) -> None:
     # of uncapped channels waiting for the maintenance fold (not waking).
     channel_ids = f.bulk_load_ready(2_000, 2)
     ChannelDelta.objects.bulk_create(
-        ChannelDelta(channel_id=channel_ids[i % 100], succeeded=1, wake=False)
-        for i in range(5_000)
+        ChannelDelta(channel_id=channel_ids[i % 100], succeeded=1, wake=False) for i in range(5_000)
     )
 
     auto_explain.take()
