@@ -1,7 +1,7 @@
-"""A worker plans each statement of the enqueue, the claim and the completion once per
-session, from the statistics of that moment, and keeps the plan while the tables grow. A worker
-started on a fresh deployment (a handful of channels, an empty delta table) must not keep a
-plan that scans a table sequentially once it holds thousands of rows: the claim's probe for
+"""A worker plans each statement of the enqueue, the claim and the completion once, from the
+statistics of that moment, and keeps the plan until the table's next ANALYZE. A plan made while
+a table was small (a fresh deployment; the delta table just after a fold, as autovacuum often
+finds it) must not scan it sequentially once it holds thousands of rows: the claim's probe for
 waking deltas read every pending completion's delta on every claim, the completion read the
 whole channel table once per channel it settled, and the enqueue read it on every call.
 

@@ -1,7 +1,7 @@
-"""The claim and the completion plan no sequential scan, and the claim updates the rows it
-locked by their tuple ids. A generic plan made while a table looked small read every pending
-delta in the claim's probe for waking channels, and the whole channel table once per settled
-channel. Installs the claim and settle families.
+"""The claim, the completion and the enqueue plan no sequential scan, and the claim updates the
+rows it locked by their tuple ids. A plan made while a table looked small read every pending
+delta in the claim's probe for waking channels, the whole channel table once per settled
+channel, and at every enqueue. Installs the claim, settle and enqueue families.
 """
 
 from django.db import migrations

@@ -52,7 +52,7 @@ LANGUAGE plpgsql
 -- which PL/pgSQL would otherwise re-plan on every call.
 SET plan_cache_mode = force_generic_plan
 -- Never a sequential scan (see fairqueue_claim_v1): a plan made while the channel table was
--- small read the whole table on every enqueue once it had grown.
+-- small read the whole table on every enqueue until the table's next ANALYZE.
 SET enable_seqscan = off
 AS $$
 DECLARE
@@ -373,7 +373,7 @@ CREATE OR REPLACE FUNCTION fairqueue_enqueue_v1(
 RETURNS SETOF bigint
 LANGUAGE plpgsql
 -- Never a sequential scan (see fairqueue_claim_v1): a plan made while the channel table was
--- small read the whole table on every enqueue once it had grown.
+-- small read the whole table on every enqueue until the table's next ANALYZE.
 SET enable_seqscan = off
 AS $$
 DECLARE
@@ -674,7 +674,7 @@ CREATE OR REPLACE FUNCTION fairqueue_enqueue_one_v1(
 RETURNS bigint
 LANGUAGE plpgsql
 -- Never a sequential scan (see fairqueue_claim_v1): a plan made while the channel table was
--- small read the whole table on every enqueue once it had grown.
+-- small read the whole table on every enqueue until the table's next ANALYZE.
 SET enable_seqscan = off
 AS $$
 DECLARE
