@@ -1,4 +1,4 @@
-"""A worker plans each statement of the enqueue, the claim and the completion once, from the
+"""A worker plans each statement of the enqueue, the claims and the completion once, from the
 statistics of that moment, and keeps the plan until the table's next ANALYZE. A plan made while
 a table was small (a fresh deployment; the delta table just after a fold, as autovacuum often
 finds it) must not scan it sequentially once it holds thousands of rows: the claim's probe for
@@ -17,6 +17,7 @@ from datetime import timedelta
 import pytest
 from django.db import connection
 
+from django_fairqueue import batches
 from django_fairqueue.api import enqueue
 from django_fairqueue.db import message_store
 from django_fairqueue.models import ChannelDelta
@@ -51,6 +52,7 @@ def grown(fairness: str) -> None:
     for _ in range(6):
         first = message_store.claim_messages(1, lease=LEASE, worker_id="small", fairness=fairness)
         message_store.complete_messages([(m.id, m.lease_token, None) for m in first])
+        assert batches.claim(worker_id="small") is None  # no work batch: every probe runs
     auto_explain.take()
 
     # The deployment grows, with no ANALYZE in between: 2,000 channels, and 5,000 completions
@@ -66,6 +68,7 @@ def grown(fairness: str) -> None:
     enqueue(f.NOOP, 0, channel="bulk-01999")
     claimed = message_store.claim_messages(100, lease=LEASE, worker_id="grown", fairness=fairness)
     message_store.complete_messages([(m.id, m.lease_token, None) for m in claimed])
+    assert batches.claim(worker_id="grown") is None
     plans = auto_explain.take()
 
     assert len(claimed) == 100

@@ -37,7 +37,11 @@ RETURNS TABLE (
     row_count bigint, attempts integer, max_attempts integer, lease_token uuid,
     lease_expires_at timestamptz
 )
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+-- Never a sequential scan (see fairqueue_claim_v1): planned while the delta table looked
+-- empty, the probe for waking deltas below read every pending delta on every claim.
+SET enable_seqscan = off
+AS $$
 #variable_conflict use_column
 DECLARE
     v_now timestamptz := clock_timestamp();

@@ -1346,8 +1346,8 @@ BEGIN
             claimed_at = v_now,
             worker_id = p_worker
         -- = ANY(ARRAY(...)) of the locked rows' tuple ids makes this a TID scan: the rows are
-        -- read where `cand` locked them, without a primary-key descent each (a sixth of a
-        -- claim of 100). A row we hold locked cannot move, and one that moved before we
+        -- read where `cand` locked them, without a primary-key descent each (about a tenth
+        -- of a claim of 100). A row we hold locked cannot move, and one that moved before we
         -- locked it is returned at its new place; a stale id would find no row visible to this
         -- statement, never another row. Nothing else in this condition: with `state = 'ready'`
         -- a generic plan made while the table was small read every ready row by the state

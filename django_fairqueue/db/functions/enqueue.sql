@@ -372,9 +372,7 @@ CREATE OR REPLACE FUNCTION fairqueue_enqueue_v1(
 )
 RETURNS SETOF bigint
 LANGUAGE plpgsql
--- Never a sequential scan (see fairqueue_claim_v1): a plan made while the channel table was
--- small read the whole table on every enqueue until the table's next ANALYZE.
-SET enable_seqscan = off
+SET enable_seqscan = off  -- see fairqueue_enqueue_unique_v1
 AS $$
 DECLARE
     v_now timestamptz := clock_timestamp();
@@ -673,9 +671,7 @@ CREATE OR REPLACE FUNCTION fairqueue_enqueue_one_v1(
 )
 RETURNS bigint
 LANGUAGE plpgsql
--- Never a sequential scan (see fairqueue_claim_v1): a plan made while the channel table was
--- small read the whole table on every enqueue until the table's next ANALYZE.
-SET enable_seqscan = off
+SET enable_seqscan = off  -- see fairqueue_enqueue_unique_v1
 AS $$
 DECLARE
     v_now timestamptz := clock_timestamp();
