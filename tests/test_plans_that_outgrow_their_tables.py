@@ -43,7 +43,14 @@ def test_plans_made_while_the_tables_were_small_still_read_by_index_once_they_gr
 def grown(fairness: str) -> None:
     auto_explain = start_auto_explain()
     with connection.cursor() as cur:
-        cur.execute("ANALYZE fairqueue_message, fairqueue_channel, fairqueue_channel_delta")
+        # Empty tables of no pages, as a fresh deployment's (and the delta table's whenever
+        # autovacuum finds it just folded), and every statement planned once, generically, on
+        # first use: the plan cache's worst choice, which it may make at any later use.
+        cur.execute("VACUUM ANALYZE fairqueue_message, fairqueue_channel, fairqueue_channel_delta")
+        cur.execute("SET plan_cache_mode = force_generic_plan")
+    # A worker polls before anything is enqueued.
+    assert message_store.claim_messages(1, lease=LEASE, worker_id="small", fairness=fairness) == []
+    assert batches.claim(worker_id="small") is None
     # A first enqueue, claim and completion while the deployment is new: one channel, one
     # page of deltas. These make the session's plans.
     for i in range(6):  # past PL/pgSQL's switch to a generic plan, where it makes one

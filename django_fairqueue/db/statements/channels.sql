@@ -293,7 +293,8 @@ GROUP BY m.channel_id;
 -- name: select_waking_backlog
 -- Whether more than `beyond` waking counter deltas wait: a walk of at most that many entries of
 -- fq_delta_wake_idx (a claim folds the oldest thousand itself; a work-batch claim that found
--- nothing folds the rest when there are more, see fold_channel_deltas).
+-- nothing folds the rest when there are more, see fold_channel_deltas). Planned at every run
+-- (run_statement's replan): a plan kept from a moment the table was empty scanned it whole.
 SELECT EXISTS (
     SELECT FROM fairqueue_channel_delta d WHERE d.wake ORDER BY d.id OFFSET %(beyond)s::integer
 );
