@@ -3,7 +3,8 @@ statistics of that moment, and keeps the plan until the table's next ANALYZE. A 
 a table was small (a fresh deployment; the delta table just after a fold, as autovacuum often
 finds it) must not scan it sequentially once it holds thousands of rows: the claim's probe for
 waking deltas read every pending completion's delta on every claim, the completion read the
-whole channel table once per channel it settled, and the enqueue read it on every call.
+whole channel table once per channel it settled, and the enqueue read it on every call; an idle
+worker's question of when to claim again read the delta table once per channel.
 
 Its own module: the test needs a session whose plans were made while the queue tables were
 small, and it empties them (``transactional_db``), which ``test_explain.py``'s shared backlog
@@ -20,7 +21,7 @@ from django.db import connection
 from django_fairqueue import batches
 from django_fairqueue.api import enqueue
 from django_fairqueue.db import message_store
-from django_fairqueue.models import ChannelDelta
+from django_fairqueue.models import Channel, ChannelDelta, Message
 from tests import factories as f
 from tests.test_explain import assert_small_and_indexed, start_auto_explain, touched
 
@@ -51,6 +52,7 @@ def grown(fairness: str) -> None:
     # A worker polls before anything is enqueued.
     assert message_store.claim_messages(1, lease=LEASE, worker_id="small", fairness=fairness) == []
     assert batches.claim(worker_id="small") is None
+    message_store.select_next_due(timedelta(seconds=5), rescuing=True)
     # A first enqueue, claim and completion while the deployment is new: one channel, one
     # page of deltas. These make the session's plans.
     for i in range(6):  # past PL/pgSQL's switch to a generic plan, where it makes one
@@ -77,6 +79,8 @@ def grown(fairness: str) -> None:
     message_store.complete_messages([(m.id, m.lease_token, None) for m in claimed])
     assert batches.claim(worker_id="grown") is None
     plans = auto_explain.take()
+    message_store.select_next_due(timedelta(seconds=5), rescuing=True)
+    next_due = auto_explain.take()
 
     assert len(claimed) == 100
     assert_small_and_indexed(plans, budget=300, tables=QUEUE_TABLES)
@@ -88,3 +92,22 @@ def grown(fairness: str) -> None:
     )
     # the 104 waking deltas the claim folds, never the 5,000 left for maintenance
     assert deltas_read <= 150, "\n".join(p.describe() for p in plans)
+
+    # When its next claim is due, an idle worker asks, reading every channel with ready
+    # messages by design, but each table at most once: a plan kept from the empty tables read
+    # the delta table once per channel (10 million rows).
+    sizes = {
+        "fairqueue_message": Message.objects.count(),
+        "fairqueue_channel": Channel.objects.count(),
+        "fairqueue_channel_delta": ChannelDelta.objects.count(),
+    }
+    for table, size in sizes.items():
+        read = sum(
+            touched(node)
+            for plan in next_due
+            for node in plan.nodes()
+            if node.get("Relation Name") == table
+        )
+        assert read <= size, f"{table}: {read:.0f} rows read of {size}\n" + "\n".join(
+            p.describe() for p in next_due
+        )

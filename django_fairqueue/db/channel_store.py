@@ -353,4 +353,4 @@ def select_channel_wait_state(
 
 def select_waking_backlog(beyond: int, *, using: str | None = None) -> bool:
     """Whether more than ``beyond`` waking counter deltas wait to be folded."""
-    return bool(_run("select_waking_backlog", {"beyond": beyond}, using, replan=True)[0][0])
+    return bool(_run("select_waking_backlog", {"beyond": beyond}, using)[0][0])

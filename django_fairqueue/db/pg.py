@@ -75,10 +75,10 @@ class StatementFile:
         return named
 
     def run(
-        self, name: str, params: dict[str, Any], using: str | None = None, *, replan: bool = False
+        self, name: str, params: dict[str, Any], using: str | None = None
     ) -> list[tuple[Any, ...]]:
         """Run the statement ``name`` (see :func:`run_statement`) and return its rows."""
-        return run_statement(self()[name], params, using, replan=replan)
+        return run_statement(self()[name], params, using)
 
 
 queries = StatementFile("django_fairqueue.db", "statements/pg.sql")
@@ -180,23 +180,16 @@ def _new_cursor(raw: psycopg.Connection[Any], values: bool) -> psycopg.Cursor[An
 
 
 def run_statement(
-    statement: str, params: dict[str, Any], using: str | None = None, *, replan: bool = False
+    statement: str, params: dict[str, Any], using: str | None = None
 ) -> list[tuple[Any, ...]]:
     """Run one statement as every function of the db package runs its own (see the module's
     docstring) and return its rows ([] for a statement that returns none).
 
     The statement is named in a statement file (:class:`StatementFile`): the queue's own run
     through the function of their name, an optional app's through its own module.
-
-    ``replan``: plan the statement at every run instead of preparing it. A prepared statement
-    may keep one plan until its table's next ANALYZE; the delta table is often analyzed just
-    after a fold emptied it, and a plan made then scans it sequentially however many deltas
-    wait later. For a statement that reads it and is not in a server function of its own
-    (those plan no sequential scan), planning anew costs less than that risk.
     """
-    prepare = conf.get().PREPARED_STATEMENTS and not replan
     with kept_cursor(using) as cur:
-        cur.execute(statement, params, prepare=prepare, binary=True)
+        cur.execute(statement, params, prepare=conf.get().PREPARED_STATEMENTS, binary=True)
         # Not `cur.description`: it builds a Column object per result column on every call
         # (14 for a claim), a measurable share of a claim of one message's client time.
         result = cur.pgresult

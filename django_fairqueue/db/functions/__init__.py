@@ -26,6 +26,7 @@ FAMILIES = (
     "fold_counters",
     "unique_holds",
     "claim",
+    "next_due",
     "settle",
     "errors",
     "schedules",

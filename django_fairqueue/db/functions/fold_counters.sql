@@ -242,6 +242,24 @@ END;
 $$;
 
 
+-- Whether more than p_beyond waking counter deltas wait: a walk of at most that many entries of
+-- fq_delta_wake_idx. A claim folds the oldest thousand itself; a work-batch claim that found
+-- nothing asks this, and folds the rest when there are more (batches._fold_backlog). Never a
+-- sequential scan: a plan made while the table had no pages read every pending delta.
+CREATE OR REPLACE FUNCTION fairqueue_waking_backlog_v1(p_beyond integer)
+RETURNS boolean
+LANGUAGE plpgsql
+SET enable_seqscan = off
+SET plan_cache_mode = force_generic_plan  -- see fairqueue_claim_v1
+AS $$
+BEGIN
+    RETURN EXISTS (
+        SELECT FROM fairqueue_channel_delta d WHERE d.wake ORDER BY d.id OFFSET p_beyond
+    );
+END;
+$$;
+
+
 -- Fold one channel's pending deltas now, waiting for its row lock: after an operator changes a
 -- channel's limits (a cap added to a busy channel must count the completions not folded yet,
 -- and a rate limit removed must not leave the channel due later). The channel row is locked

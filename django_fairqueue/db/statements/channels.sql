@@ -291,10 +291,5 @@ WHERE m.channel_id = ANY (%(ids)s::bigint[]) AND m.state = 'scheduled' AND m.att
 GROUP BY m.channel_id;
 
 -- name: select_waking_backlog
--- Whether more than `beyond` waking counter deltas wait: a walk of at most that many entries of
--- fq_delta_wake_idx (a claim folds the oldest thousand itself; a work-batch claim that found
--- nothing folds the rest when there are more, see fold_channel_deltas). Planned at every run
--- (run_statement's replan): a plan kept from a moment the table was empty scanned it whole.
-SELECT EXISTS (
-    SELECT FROM fairqueue_channel_delta d WHERE d.wake ORDER BY d.id OFFSET %(beyond)s::integer
-);
+-- Whether more than `beyond` waking counter deltas wait to be folded (see the function).
+SELECT fairqueue_waking_backlog_v1(%(beyond)s::integer);
