@@ -116,9 +116,9 @@ def statements(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, dict
     seen: list[tuple[str, dict[str, Any]]] = []
     run = pg.run_statement
 
-    def spy(statement: str, params: dict[str, Any], using: str | None = None) -> Any:
+    def spy(statement: str, params: dict[str, Any], using: str | None = None, **kw: Any) -> Any:
         seen.append((statement, params))
-        return run(statement, params, using)
+        return run(statement, params, using, **kw)
 
     monkeypatch.setattr(pg, "run_statement", spy)
     yield seen

@@ -33,25 +33,38 @@ from django_fairqueue import conf
 from django_fairqueue.db.jsontext import JsonbLoader
 
 _NEVER = 2**31
-_NAME_RE = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+_NAME_RE = re.compile(r"^-- name: (\w+)( unprepared)?\s*$", re.MULTILINE)
 
 
-def named_statements(package: str, resource: str) -> dict[str, str]:
-    """The named statements of the SQL file ``resource`` of ``package``, by name.
+def named_statements(package: str, resource: str) -> tuple[dict[str, str], frozenset[str]]:
+    """The named statements of the SQL file ``resource`` of ``package``, by name, and the names
+    of those planned afresh at each run.
 
     The format of ``db/statements/*.sql``: ``-- name: NAME`` starts a statement, whose text
     runs to the next one. The optional apps (``django_fairqueue.contrib``) keep their
     statements in files of their own in the same format (see :class:`StatementFile`).
+
+    ``-- name: NAME unprepared``: a statement planned at each run. A prepared statement may
+    keep one plan, made from the table sizes of its first runs, until a table's next
+    ``ANALYZE``. Made while a table was nearly empty (the delta table whenever autovacuum has
+    just truncated it, a fresh deployment's tables, the message table before a tenant's bulk
+    upload is analyzed), a plan that reads one side of a join once per row of the other then
+    reads millions of rows. An operator's read (the admin, ``fairqueue status``, metrics) runs
+    seldom, and planning it each time costs nothing that matters; the worker's statements on
+    those tables are server functions that plan no sequential scan instead.
     """
     text = resources.files(package).joinpath(resource).read_text("utf-8")
     parts = _NAME_RE.split(text)
-    # parts = [preamble, name1, body1, name2, body2, ...]
+    # parts = [preamble, name1, unprepared1, body1, name2, unprepared2, body2, ...]
     named = {}
-    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+    unprepared = set()
+    for name, flag, body in zip(parts[1::3], parts[2::3], parts[3::3], strict=True):
         if name in named:
             raise RuntimeError(f"{resource} names {name!r} twice")
         named[name] = body.strip()
-    return named
+        if flag:
+            unprepared.add(name)
+    return named, frozenset(unprepared)
 
 
 class StatementFile:
@@ -67,18 +80,21 @@ class StatementFile:
         self.package = package
         self.resource = resource
         self._named: dict[str, str] | None = None
+        self._unprepared: frozenset[str] = frozenset()
 
     def __call__(self) -> dict[str, str]:
         named = self._named
         if named is None:
-            named = self._named = named_statements(self.package, self.resource)
+            named, self._unprepared = named_statements(self.package, self.resource)
+            self._named = named
         return named
 
     def run(
         self, name: str, params: dict[str, Any], using: str | None = None
     ) -> list[tuple[Any, ...]]:
         """Run the statement ``name`` (see :func:`run_statement`) and return its rows."""
-        return run_statement(self()[name], params, using)
+        statement = self()[name]
+        return run_statement(statement, params, using, prepare=name not in self._unprepared)
 
 
 queries = StatementFile("django_fairqueue.db", "statements/pg.sql")
@@ -180,16 +196,20 @@ def _new_cursor(raw: psycopg.Connection[Any], values: bool) -> psycopg.Cursor[An
 
 
 def run_statement(
-    statement: str, params: dict[str, Any], using: str | None = None
+    statement: str, params: dict[str, Any], using: str | None = None, *, prepare: bool = True
 ) -> list[tuple[Any, ...]]:
     """Run one statement as every function of the db package runs its own (see the module's
     docstring) and return its rows ([] for a statement that returns none).
 
     The statement is named in a statement file (:class:`StatementFile`): the queue's own run
-    through the function of their name, an optional app's through its own module.
+    through the function of their name, an optional app's through its own module. It is
+    prepared unless ``prepare`` is false (a statement its file names ``unprepared``, see
+    :func:`named_statements`) or ``FAIRQUEUE['PREPARED_STATEMENTS']`` is off.
     """
     with kept_cursor(using) as cur:
-        cur.execute(statement, params, prepare=conf.get().PREPARED_STATEMENTS, binary=True)
+        cur.execute(
+            statement, params, prepare=prepare and conf.get().PREPARED_STATEMENTS, binary=True
+        )
         # Not `cur.description`: it builds a Column object per result column on every call
         # (14 for a claim), a measurable share of a claim of one message's client time.
         result = cur.pgresult

@@ -35,14 +35,22 @@ BEGIN
     RETURN (
         WITH horizon AS (
             SELECT clock_timestamp() AS now, clock_timestamp() + p_horizon AS until
-        ), group_freed AS (
+        ), group_freed AS MATERIALIZED (
             -- slots of groups freed by settlements not folded yet (running deltas are never
-            -- positive): one pass over the pending deltas, which the fold keeps few
-            SELECT gc.group_id, sum(gd.running) AS running
-            FROM fairqueue_channel_delta gd
-            JOIN fairqueue_channel gc ON gc.id = gd.channel_id
-            WHERE gd.running <> 0 AND gc.group_id IS NOT NULL
-            GROUP BY gc.group_id
+            -- positive): one pass over the pending deltas, which the fold keeps few, and the
+            -- group of each that has a running count by its channel's primary key. Computed
+            -- once, and driven by the deltas: joined the other way, a plan summed a group's
+            -- channels once per channel of the group, and read every delta for each.
+            SELECT f.group_id, sum(f.running) AS running
+            FROM (
+                SELECT (SELECT gc.group_id FROM fairqueue_channel gc
+                        WHERE gc.id = gd.channel_id) AS group_id,
+                       gd.running
+                FROM fairqueue_channel_delta gd
+                WHERE gd.running <> 0
+            ) f
+            WHERE f.group_id IS NOT NULL
+            GROUP BY f.group_id
         ), next_turn AS (
             SELECT min(CASE WHEN g.id IS NULL THEN c.next_turn_at
                             ELSE greatest(c.next_turn_at, gt.at) END) AS at
