@@ -290,9 +290,8 @@ BEGIN
         v_vnow := fairqueue_group_virtual_time_v1(v_group, p_channel_id);
         -- the channel's new limits may make it due sooner than the group was parked for
         UPDATE fairqueue_channel_group g
-        SET next_turn_at = least(g.next_turn_at, greatest(
-            statement_timestamp(),
-            coalesce(g.last_claimed_at + g.release_interval, '-infinity'::timestamptz)))
+        SET next_turn_at = fairqueue_woken_turn_v1(g.next_turn_at, g.last_claimed_at,
+                                                   g.release_interval, statement_timestamp())
         WHERE g.id = v_group;
     END IF;
     WITH gone AS (

@@ -150,9 +150,9 @@ BEGIN
         SET ready_count = g.ready_count + NEW.ready_count - OLD.ready_count,
             running_count = g.running_count + NEW.running_count - OLD.running_count,
             claimable = g.claimable + v_new::integer - v_old::integer,
-            next_turn_at = CASE WHEN v_new AND NOT v_old THEN least(g.next_turn_at, greatest(
-                statement_timestamp(),
-                coalesce(g.last_claimed_at + g.release_interval, '-infinity'::timestamptz)))
+            next_turn_at = CASE WHEN v_new AND NOT v_old
+                THEN fairqueue_woken_turn_v1(g.next_turn_at, g.last_claimed_at,
+                                             g.release_interval, statement_timestamp())
                 ELSE g.next_turn_at END,
             vtime = CASE WHEN v_new AND NOT v_old AND g.claimable = 0
                 THEN fairqueue_lift_v1(g.vtime, fairqueue_queue_virtual_time_v1(g.queue::text, NULL, g.id), false,
@@ -173,9 +173,9 @@ BEGIN
         SET ready_count = g.ready_count + NEW.ready_count,
             running_count = g.running_count + NEW.running_count,
             claimable = g.claimable + v_new::integer,
-            next_turn_at = CASE WHEN v_new THEN least(g.next_turn_at, greatest(
-                statement_timestamp(),
-                coalesce(g.last_claimed_at + g.release_interval, '-infinity'::timestamptz)))
+            next_turn_at = CASE WHEN v_new
+                THEN fairqueue_woken_turn_v1(g.next_turn_at, g.last_claimed_at,
+                                             g.release_interval, statement_timestamp())
                 ELSE g.next_turn_at END,
             vtime = CASE WHEN v_new AND g.claimable = 0
                 THEN fairqueue_lift_v1(g.vtime, fairqueue_queue_virtual_time_v1(g.queue::text, NULL, g.id), false,
@@ -213,9 +213,8 @@ CREATE TRIGGER fairqueue_group_counters_delete
 CREATE OR REPLACE FUNCTION fairqueue_rearm_v1() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    NEW.next_turn_at := least(NEW.next_turn_at, greatest(
-        statement_timestamp(),
-        coalesce(NEW.last_claimed_at + NEW.release_interval, '-infinity'::timestamptz)));
+    NEW.next_turn_at := fairqueue_woken_turn_v1(NEW.next_turn_at, NEW.last_claimed_at,
+                                                NEW.release_interval, statement_timestamp());
     RETURN NEW;
 END;
 $$;
@@ -253,9 +252,8 @@ BEGIN
     -- locked first, so the virtual time below is read after any claim holding it committed
     PERFORM FROM fairqueue_channel_group g WHERE g.id = p_group FOR UPDATE;
     UPDATE fairqueue_channel_group g
-    SET next_turn_at = least(g.next_turn_at, greatest(
-            statement_timestamp(),
-            coalesce(g.last_claimed_at + g.release_interval, '-infinity'::timestamptz))),
+    SET next_turn_at = fairqueue_woken_turn_v1(g.next_turn_at, g.last_claimed_at,
+                                               g.release_interval, statement_timestamp()),
         -- At most one message's charge ahead: the charge of the group's next message, the
         -- mean run time of its claimable channel of the smallest tag (the walk's first within
         -- the group, fq_channel_in_group_vtime_idx; the default with none) over the group's

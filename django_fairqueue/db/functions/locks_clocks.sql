@@ -277,3 +277,17 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
         ELSE p_mean + (1 - power(0.9, p_runs)) * (p_run / p_runs - p_mean)
     END
 $$;
+
+
+-- A group's turn once it is woken (one of its channels made claimable, or its rate limit
+-- eased): no later than it was, and no earlier than now or its rate limit's next release. The
+-- counter trigger, the folds and the release-interval trigger set it so; the next-due question
+-- and the why-waiting reads compute it the same way for a group not woken yet.
+CREATE OR REPLACE FUNCTION fairqueue_woken_turn_v1(
+    p_turn timestamptz, p_last_claimed timestamptz, p_interval interval, p_now timestamptz
+)
+RETURNS timestamptz
+LANGUAGE sql STABLE PARALLEL SAFE AS $$
+    SELECT least(p_turn, greatest(p_now, coalesce(p_last_claimed + p_interval,
+                                                   '-infinity'::timestamptz)))
+$$;

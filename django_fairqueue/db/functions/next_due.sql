@@ -65,11 +65,10 @@ BEGIN
             LEFT JOIN fairqueue_channel_group g ON g.id = c.group_id
             LEFT JOIN LATERAL (
                 -- the group's turn: as the fold would set it were the channel made claimable
-                -- now
+                -- now (a group with claimable channels is awake)
                 SELECT CASE WHEN g.claimable > 0 THEN g.next_turn_at
-                            ELSE least(g.next_turn_at, greatest(h.now, coalesce(
-                                g.last_claimed_at + g.release_interval,
-                                '-infinity'::timestamptz)))
+                            ELSE fairqueue_woken_turn_v1(g.next_turn_at, g.last_claimed_at,
+                                                         g.release_interval, h.now)
                        END AS at
             ) gt ON g.id IS NOT NULL
             LEFT JOIN group_freed gf ON gf.group_id = g.id

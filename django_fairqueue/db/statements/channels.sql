@@ -258,7 +258,7 @@ SELECT c.name::text, c.paused, c.max_concurrency, c.release_interval, c.next_tur
         AS claimed_recently,
        -- its group's limits, as the claim checks them: the running count with its channels'
        -- settlements not folded yet (fq_channel_group_idx, fq_delta_channel_idx), and its turn
-       -- as the fold would set it were the channel made claimable now (select_next_due's rule)
+       -- as the fold would set it were the channel made claimable now (as select_next_due does)
        g.name::text AS group_name, g.max_concurrency AS group_max_concurrency,
        g.running_count + coalesce((
            SELECT sum(gd.running)
@@ -267,8 +267,8 @@ SELECT c.name::text, c.paused, c.max_concurrency, c.release_interval, c.next_tur
            WHERE gc.group_id IS NOT NULL AND gc.group_id = g.id), 0) AS group_running,
        g.release_interval AS group_release_interval,
        CASE WHEN g.claimable > 0 THEN g.next_turn_at
-            ELSE least(g.next_turn_at, greatest(clock_timestamp(), coalesce(
-                g.last_claimed_at + g.release_interval, '-infinity'::timestamptz)))
+            ELSE fairqueue_woken_turn_v1(g.next_turn_at, g.last_claimed_at, g.release_interval,
+                                         clock_timestamp())
        END AS group_next_turn_at
 FROM fairqueue_channel c
 LEFT JOIN LATERAL (
