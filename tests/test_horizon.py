@@ -14,6 +14,7 @@ import psycopg
 import pytest
 from django.contrib.auth.models import User
 from django.core.management import call_command
+from django.db import connection
 from django.test import Client, RequestFactory, override_settings
 from django.urls import reverse
 
@@ -91,6 +92,42 @@ def test_status_names_the_holder(old_snapshot: psycopg.Connection[Any]) -> None:
     data = json.loads(out.getvalue())
     (held,) = [h for h in data["xmin_horizon"] if h["pid"] == pid]
     assert held["query"] == QUERY and held["kind"] == "transaction"
+
+
+def test_a_role_that_may_not_see_the_holders_age_still_names_it_by_its_xmin(
+    old_snapshot: psycopg.Connection[Any], database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without pg_read_all_stats a role sees another role's transaction with its xmin but not
+    its start: named once it holds the horizon far enough back, with no age."""
+    pid = old_snapshot.info.backend_pid
+    with psycopg.connect(database_url, autocommit=True) as other:
+        for _ in range(12):  # transactions since the snapshot: its xmin ages
+            other.execute("SELECT txid_current()")
+    with connection.cursor() as cur:
+        cur.execute("CREATE ROLE fq_no_stats NOLOGIN")  # (the test's transaction drops it)
+        cur.execute("GRANT SELECT ON ALL TABLES IN SCHEMA public TO fq_no_stats")
+        cur.execute("SET LOCAL ROLE fq_no_stats")
+    monkeypatch.setattr(horizon, "HIDDEN_MIN_XID_AGE", 10)
+    with override_settings(FAIRQUEUE={"HORIZON_WARN_AFTER": 3600}):
+        found = _named(horizon.holders(), pid)
+        assert found is not None
+        assert (found.name, found.age_seconds, found.state, found.query) == (
+            "nightly-report",
+            None,
+            "",
+            None,
+        )
+        assert found.xid_age >= 12
+        assert horizon.describe(found) == (
+            f"pid {pid} (nightly-report) in a transaction holding the horizon "
+            f"{found.xid_age:,} transactions back; its age, state and query are not visible "
+            "to this role (GRANT pg_read_all_stats TO it)"
+        )
+        out = io.StringIO()
+        call_command("fairqueue", "status", "--json", stdout=out)
+        assert pid in [h["pid"] for h in json.loads(out.getvalue())["xmin_horizon"]]
+        monkeypatch.setattr(horizon, "HIDDEN_MIN_XID_AGE", 10**9)
+        assert _named(horizon.holders(), pid) is None  # not that far back
 
 
 def test_status_is_quiet_without_an_old_transaction() -> None:

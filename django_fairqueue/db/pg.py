@@ -266,16 +266,20 @@ class XminHolder:
     kind: str  # "transaction", "prepared" or "slot"
     pid: int | None  # the backend (a slot's: its consumer's, None when none is connected)
     name: str  # application name (or role), prepared transaction's gid, slot name
-    age_seconds: float | None  # since its transaction began (a slot: unknown, None)
+    # since its transaction began (None: a slot, or a session this role may not see the age of)
+    age_seconds: float | None
     xid_age: int | None  # how many transactions back its snapshot reaches
     state: str  # the session's state ("idle in transaction", ...), "prepared", "inactive"
     query: str | None  # the start of its latest query (None when not visible to this role)
 
 
 def select_xmin_holders(
-    min_age: timedelta, *, limit: int = 5, using: str | None = None
+    min_age: timedelta, *, min_xid_age: int, limit: int = 5, using: str | None = None
 ) -> list[XminHolder]:
     """Who holds the xmin horizon of the queue's database back, oldest snapshot first:
-    transactions and prepared transactions older than ``min_age``, inactive slots."""
-    rows = _run("select_xmin_holders", {"min_age": min_age, "limit": limit}, using)
+    transactions and prepared transactions older than ``min_age``, inactive slots, and the
+    transactions of other roles whose age this role may not see once they hold the horizon
+    ``min_xid_age`` transactions back."""
+    params = {"min_age": min_age, "min_xid_age": min_xid_age, "limit": limit}
+    rows = _run("select_xmin_holders", params, using)
     return [XminHolder(*row) for row in rows]

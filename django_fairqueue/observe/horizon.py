@@ -25,13 +25,22 @@ from django_fairqueue.observe.overview import format_age
 #: Longest start of a holder's query shown on one line (the JSON keeps the 200 read).
 QUERY_SHOWN = 80
 
+#: How many transactions back a session holds the horizon before it is named when its age is
+#: hidden: without pg_read_all_stats a role sees another role's sessions with their snapshot's
+#: xmin but not when their transaction began. A queue at work runs hundreds of transactions a
+#: second, so this is a minute or less of its traffic; a short query of another role passes
+#: long before it gets there.
+HIDDEN_MIN_XID_AGE = 10_000
+
 
 def holders(*, limit: int = 5, min_age: float | None = None) -> list[XminHolder]:
     """The holders of the queue database's xmin horizon older than ``min_age`` seconds
     (default ``HORIZON_WARN_AFTER``), oldest snapshot first, at most ``limit``."""
     cfg = conf.get()
     age = cfg.HORIZON_WARN_AFTER if min_age is None else min_age
-    return pg.select_xmin_holders(timedelta(seconds=age), limit=limit, using=cfg.DATABASE)
+    return pg.select_xmin_holders(
+        timedelta(seconds=age), min_xid_age=HIDDEN_MIN_XID_AGE, limit=limit, using=cfg.DATABASE
+    )
 
 
 def oldest_age() -> float:
@@ -54,14 +63,17 @@ def describe(holder: XminHolder) -> str:
             f"prepared transaction {printable(holder.name)!r} open for {age}, {back}: "
             "COMMIT PREPARED or ROLLBACK PREPARED it"
         )
+    who = f"pid {holder.pid} ({printable(holder.name) or 'no name'}"
+    if holder.age_seconds is None:  # another role's, seen without pg_read_all_stats
+        return (
+            f"{who}) in a transaction holding the horizon {back}; its age, state and query "
+            "are not visible to this role (GRANT pg_read_all_stats TO it)"
+        )
     query = printable(" ".join((holder.query or "").split()))
     if len(query) > QUERY_SHOWN:
         query = query[: QUERY_SHOWN - 3] + "..."
     shown = f": {query}" if query else " (its query is not visible to this role)"
-    return (
-        f"pid {holder.pid} ({printable(holder.name) or 'no name'}, {holder.state or 'unknown'}) "
-        f"in a transaction for {age}, {back}{shown}"
-    )
+    return f"{who}, {holder.state or 'unknown'}) in a transaction for {age}, {back}{shown}"
 
 
 def as_dict(holder: XminHolder) -> dict[str, object]:

@@ -20,20 +20,26 @@ SELECT current_setting('transaction_isolation');
 -- transactions of other databases do not hold this database's horizon (PostgreSQL 14 and
 -- later); slots hold every database's. Autovacuum's own snapshot is ignored by other vacuums,
 -- so it is not listed. A role without pg_read_all_stats sees other roles' sessions without
--- their query (NULL), still with their age.
+-- their start, state and query (NULL), but with their xmin: those are listed once they hold
+-- the horizon `min_xid_age` transactions back, with no age.
 SELECT h.kind, h.pid, h.name, h.age_seconds, h.xid_age, h.state, h.query
 FROM (
     SELECT 'transaction'::text AS kind, a.pid,
            coalesce(nullif(a.application_name, ''), a.usename::text, '') AS name,
            extract(epoch FROM clock_timestamp() - a.xact_start)::float8 AS age_seconds,
            age(coalesce(a.backend_xmin, a.backend_xid))::bigint AS xid_age,
-           coalesce(a.state, '') AS state, left(a.query, 200) AS query
+           coalesce(a.state, '') AS state,
+           -- (a hidden session's reads "<insufficient privilege>")
+           CASE WHEN a.xact_start IS NOT NULL THEN left(a.query, 200) END AS query
     FROM pg_stat_activity a
     WHERE a.datname = current_database()
       AND a.pid <> pg_backend_pid()
-      AND a.backend_type <> 'autovacuum worker'
+      -- (hidden, as the start and the query are, from a role without pg_read_all_stats)
+      AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
       AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
-      AND a.xact_start < clock_timestamp() - %(min_age)s::interval
+      AND (a.xact_start < clock_timestamp() - %(min_age)s::interval
+           OR (a.xact_start IS NULL  -- another role's, hidden from this one
+               AND age(coalesce(a.backend_xmin, a.backend_xid)) >= %(min_xid_age)s::integer))
     UNION ALL
     SELECT 'prepared', NULL, p.gid,
            extract(epoch FROM clock_timestamp() - p.prepared)::float8,
