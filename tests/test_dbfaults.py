@@ -11,9 +11,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from django.core.management import CommandError, call_command
 from django.db import DatabaseError, connections
 from django.db.utils import DatabaseErrorWrapper
 from django.utils import timezone
+from psycopg.conninfo import make_conninfo
 
 from django_fairqueue.models import Message
 from django_fairqueue.runtime import dbfaults
@@ -96,6 +98,40 @@ def test_errors_of_the_task_are_not_unavailability(database_url: str) -> None:
     with psycopg.connect(database_url) as conn:
         bad = _raised(lambda: conn.execute("SELECT 1 / 0"))
         assert dbfaults.unavailable(bad) is None
+
+
+def test_settings_the_server_refuses_are_not_an_outage(database_url: str) -> None:
+    """A database or role that does not exist, a password refused: waiting will not end these,
+    so they are not unavailability, and a worker stops at once instead of waiting for ever."""
+    missing_db = make_conninfo(database_url, dbname="fq_no_such_database", connect_timeout=3)
+    missing_role = make_conninfo(database_url, user="fq_no_such_role", connect_timeout=3)
+    exc = _raised(lambda: psycopg.connect(missing_db))
+    assert dbfaults.misconfigured(exc) == 'database "fq_no_such_database" does not exist'
+    wrapped = _raised(lambda: _connect_wrapped(missing_role))
+    assert dbfaults.misconfigured(wrapped) == 'role "fq_no_such_role" does not exist'
+    assert dbfaults.misconfigured(_raised(lambda: psycopg.connect(REFUSED))) is None
+    assert dbfaults.misconfigured(ValueError("bug")) is None
+
+
+def test_a_worker_whose_database_refuses_its_settings_stops_with_the_reason(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from django_fairqueue.management.commands import runfairworker
+
+    missing_db = make_conninfo(database_url, dbname="fq_no_such_database", connect_timeout=3)
+    monkeypatch.setattr(
+        runfairworker, "_require_migrated_now", lambda: _connect_wrapped(missing_db)
+    )
+    with pytest.raises(CommandError, match='database "fq_no_such_database" does not exist'):
+        call_command("runfairworker", "--burst", "--no-maintenance")
+    # an outage is still waited out (the worker checks again once the database answers)
+    monkeypatch.setattr(runfairworker, "_require_migrated_now", lambda: _connect_wrapped(REFUSED))
+    assert runfairworker._require_migrated() is False
+
+
+def _connect_wrapped(url: str) -> None:
+    with DatabaseErrorWrapper(connections["default"]):
+        psycopg.connect(url)
 
 
 @pytest.mark.django_db

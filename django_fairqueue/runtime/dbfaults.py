@@ -45,6 +45,12 @@ _REFUSALS = {
     "the database system is not yet accepting connections": "cannot connect now",
 }
 
+#: Refusals that waiting does not end: the settings name a database or a role the server does
+#: not have, or credentials (or a client address) it does not accept. SQLSTATEs, and the words
+#: of psycopg's text when the refusal came while connecting (no SQLSTATE).
+_MISCONFIGURED_SQLSTATES = {"3D000", "28000", "28P01"}
+_MISCONFIGURED = ("does not exist", "authentication failed", "no pg_hba.conf entry")
+
 #: Seconds before a given-back message is claimed again (50-100 %: jittered, so the messages
 #: of one outage do not all come back in the same instant).
 GIVE_BACK_DELAY = 2.0
@@ -83,6 +89,20 @@ def unavailable(exc: BaseException) -> str | None:
             return "connection closed"
         if isinstance(error, DjangoOperationalError) and _is_connection_failure(error.__cause__):
             return "connection failed"
+    return None
+
+
+def misconfigured(exc: BaseException) -> str | None:
+    """The server's reason, if ``exc`` is a connection refused for a reason waiting does not
+    end (a database or role that does not exist, credentials refused); None otherwise, an
+    unavailable database included."""
+    for error in _chain(exc):
+        sqlstate = getattr(error, "sqlstate", None) or getattr(error, "pgcode", None)
+        text = str(error)
+        if sqlstate in _MISCONFIGURED_SQLSTATES or (
+            _is_connection_failure(error) and any(words in text for words in _MISCONFIGURED)
+        ):
+            return " ".join(text.rpartition("FATAL:")[2].split())
     return None
 
 

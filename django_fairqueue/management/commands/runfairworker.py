@@ -22,6 +22,7 @@ from django_fairqueue.runtime import (
     RECYCLE_EXIT,
     SUPERVISION_ENV,
     configure_logging,
+    dbfaults,
     stop_signals,
 )
 from django_fairqueue.runtime.attempts import RESCUED
@@ -469,7 +470,14 @@ def _require_migrated() -> bool:
     it answers)."""
     try:
         _require_migrated_now()
-    except CONNECTION_ERRORS:
+    except CONNECTION_ERRORS as exc:
+        refused = dbfaults.misconfigured(exc)
+        if refused:  # not an outage: a worker would wait for ever (and a burst then exit 0)
+            alias = conf.get().DATABASE
+            raise CommandError(
+                f"the queue's database ({alias!r}) refused the connection: {refused}; "
+                "check its settings (DATABASES, or DATABASE_URL): waiting will not change that"
+            ) from exc
         return False
     return True
 
