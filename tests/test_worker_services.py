@@ -661,6 +661,58 @@ def test_a_crash_loop_is_logged_and_restarts_slow_down(
     assert "deaths in a row soon after starting (exit status 3 after" in loops[0].getMessage()
 
 
+def test_a_burst_gives_up_a_worker_that_could_not_start_and_ends_with_status_1(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its worker id in use, its metrics port taken: started again it would fail the same way,
+    so a burst's supervisor does not start it for ever; the other slots finish their burst."""
+    import sys
+
+    from django_fairqueue.runtime import STARTUP_FAILED_EXIT, StopFlag
+    from django_fairqueue.worker import supervisor
+
+    monkeypatch.setattr(supervisor, "RESTART_FIRST", 0.05)
+    stop = StopFlag()
+    timer = threading.Timer(30, stop.set)  # (a supervisor that would go on: the test fails)
+    timer.start()
+    try:
+
+        def command_for(i: int) -> list[str]:
+            return [sys.executable, "-c", f"raise SystemExit({STARTUP_FAILED_EXIT if i else 0})"]
+
+        started = time.monotonic()
+        code = supervisor.Supervisor(command_for, 2, burst=True, stop=stop).run()
+    finally:
+        timer.cancel()
+    assert not stop.is_set() and time.monotonic() - started < 20
+    assert code == 1
+    (gave_up,) = [r for r in caplog.records if "could not start" in r.getMessage()]
+    assert gave_up.levelname == "ERROR" and "worker 1 (pid" in gave_up.getMessage()
+
+
+def test_a_supervised_worker_that_cannot_start_says_so_by_its_exit_status(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import socket
+
+    from django.core.management import CommandError, call_command
+
+    from django_fairqueue.runtime import STARTUP_FAILED_EXIT, SUPERVISION_ENV
+
+    pytest.importorskip("prometheus_client")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        with pytest.raises(CommandError, match="--metrics-port") as alone:
+            call_command("runfairworker", "--burst", "--metrics-port", port)
+        assert alone.value.returncode == 1  # a worker on its own: the usual status
+        monkeypatch.setenv(SUPERVISION_ENV, "{}")
+        with pytest.raises(CommandError, match="--metrics-port") as supervised:
+            call_command("runfairworker", "--burst", "--metrics-port", port)
+        assert supervised.value.returncode == STARTUP_FAILED_EXIT
+
+
 def test_a_second_signal_ends_the_supervisor_with_128_plus_its_number(tmp_path: Any) -> None:
     import signal
     import sys

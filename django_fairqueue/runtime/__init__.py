@@ -66,6 +66,11 @@ SAME_STOP_SECONDS = 1.0
 #: The exit status of a supervised worker that handled its ``--max-messages`` and asks to be
 #: replaced (a recycle): a burst worker's 0 means its burst is done.
 RECYCLE_EXIT = 75
+#: The exit status of a supervised worker that could not start (its worker id in use, its
+#: metrics port taken, its database refusing its settings or lacking this release's
+#: migrations): started again, it would fail the same way, so a burst's supervisor gives its
+#: slot up instead of starting it for ever (sysexits' EX_CONFIG).
+STARTUP_FAILED_EXIT = 78
 
 
 #: The environment variable through which a supervisor (``runfairworker --processes``) tells

@@ -25,7 +25,9 @@ on, and the killer task reaches its last attempt and becomes a dead letter.
   with every task): it exits ``RECYCLE_EXIT`` after its N-th message and a fresh one takes its
   place at once, in burst mode too.
 * With ``--burst`` a child that exits 0 is done (nothing was left to run); one that died is
-  started again, since its work is not.
+  started again, since its work is not; one that could not start (``STARTUP_FAILED_EXIT``: its
+  worker id in use, its metrics port taken, its database refusing its settings) is not, since
+  it would fail the same way: the burst ends when the others are done, with exit status 1.
 * A child ignores a stop signal repeated within ``SAME_STOP_SECONDS`` of the first: a service
   manager that signals every process of the service (systemd's default ``KillMode``) reaches
   it directly and through this supervisor, and that is one stop, not two.
@@ -52,6 +54,7 @@ from typing import Any
 
 from django_fairqueue.runtime import (
     RECYCLE_EXIT,
+    STARTUP_FAILED_EXIT,
     STOP_SIGNALS,
     SUPERVISION_ENV,
     StopFlag,
@@ -245,6 +248,17 @@ class Supervisor:
             slot.done = True
             logger.info("supervisor: worker %s (pid %s) finished its burst", slot.index, pid)
             return
+        elif code == STARTUP_FAILED_EXIT and self.burst:
+            slot.exits.append(Exit(code, now - slot.started, time.time()))
+            slot.done = True
+            logger.error(
+                "supervisor: worker %s (pid %s) could not start (its error above); not starting "
+                "it again in a burst",
+                slot.index,
+                pid,
+                extra={"outcome": "could_not_start"},
+            )
+            return
         lived = now - slot.started
         delay = slot.exited(code, now)
         slot.restarts += 1
@@ -299,6 +313,8 @@ def _how(code: int) -> str:
             return f"signal {signal.Signals(-code).name}"
         except ValueError:
             return f"signal {-code}"
+    if code == STARTUP_FAILED_EXIT:
+        return f"exit status {code}: could not start"
     return f"exit status {code}"
 
 

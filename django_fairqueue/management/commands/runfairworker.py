@@ -20,6 +20,7 @@ from django_fairqueue.queues import parse_queue_list
 from django_fairqueue.runtime import (
     CONNECTION_ERRORS,
     RECYCLE_EXIT,
+    STARTUP_FAILED_EXIT,
     SUPERVISION_ENV,
     configure_logging,
     dbfaults,
@@ -264,22 +265,32 @@ class Command(FairCommand):
         if options["processes"] > 1 or options["max_tasks_per_child"] is not None:
             self._supervise(options, metrics_at)
             return
-        # the supervisor above claims nothing: only a worker process serves claim metrics
-        metrics_server = _serve_metrics(*metrics_at) if metrics_at is not None else None
+        metrics_server = None
         companions: list[extensions.Companion] = []
         try:
-            companions = self._start_companions(options, config)
-            # (a supervisor checked before its children, unless the database was unavailable)
-            checked = os.environ.get(MIGRATIONS_CHECKED_ENV) == "1" or _require_migrated()
-            # unchecked: the worker checks once the database answers, before it registers
-            worker = Worker(config, before_register=None if checked else _require_migrated_now)
-            handled = worker.run()
+            try:
+                # the supervisor above claims nothing: only a worker process serves claim
+                # metrics
+                if metrics_at is not None:
+                    metrics_server = _serve_metrics(*metrics_at)
+                companions = self._start_companions(options, config)
+                # (a supervisor checked before its children, unless the database was
+                # unavailable)
+                checked = os.environ.get(MIGRATIONS_CHECKED_ENV) == "1" or _require_migrated()
+                # unchecked: the worker checks once the database answers, before it registers
+                worker = Worker(config, before_register=None if checked else _require_migrated_now)
+                handled = worker.run()
+            except (CommandError, WorkerIdInUse) as exc:
+                # Could not start (run() raises these only before it registers): started
+                # again, it would fail the same way; a supervisor is told so.
+                code = STARTUP_FAILED_EXIT if SUPERVISION_ENV in os.environ else 1
+                raise CommandError(str(exc), returncode=code) from exc
+            except WorkerCrashed as exc:
+                raise CommandError(str(exc)) from exc
             if config.burst:  # the companions' work is part of the burst: let them finish
                 with stop_signals(lambda signum: _stop(companions)):
                     for companion in companions:
                         companion.finish()
-        except (WorkerCrashed, WorkerIdInUse) as exc:
-            raise CommandError(str(exc)) from exc
         finally:
             _stop(companions)
             _stop_serving(metrics_server)
