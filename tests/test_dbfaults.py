@@ -5,9 +5,14 @@ an attempt, after a short delay; warnings about one cause are rate-limited."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import psycopg
 import pytest
@@ -127,6 +132,56 @@ def test_a_worker_whose_database_refuses_its_settings_stops_with_the_reason(
     # an outage is still waited out (the worker checks again once the database answers)
     monkeypatch.setattr(runfairworker, "_require_migrated_now", lambda: _connect_wrapped(REFUSED))
     assert runfairworker._require_migrated() is False
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pooler_that_mixes_prepared_statements_is_named_with_the_setting_to_change() -> None:
+    """Behind PgBouncer in transaction mode (before 1.21), a server session holds the prepared
+    statements of whichever client used it: the next client's first one collides."""
+    from django.db import ProgrammingError, connection
+
+    from django_fairqueue.db import channel_store
+
+    connection.close()
+    connection.ensure_connection()
+    try:
+        # another client's statement on this server session, named as psycopg names its first
+        connection.connection.execute("PREPARE _pg3_0 AS SELECT 1", prepare=False)
+        with pytest.raises(ProgrammingError, match=r"PREPARED_STATEMENTS'\] = False"):
+            channel_store.select_channel_ids(["acme"])
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        (REFUSED, "Connection refused"),  # the server down
+        (None, 'database "fq_no_such_database" does not exist'),  # a setting wrong
+    ],
+)
+def test_commands_say_when_the_database_cannot_be_reached(
+    database_url: str, url: str | None, said: str
+) -> None:
+    """`fairqueue status` (and every command of the product) with the database down or named
+    wrong: one line saying so, exit 1, no traceback."""
+    project = Path(__file__).resolve().parent.parent / "example_project"
+    url = url or urlsplit(database_url)._replace(path="/fq_no_such_database").geturl()
+    env = {**os.environ, "DATABASE_URL": url}
+    env.pop("DJANGO_SETTINGS_MODULE", None)  # the project's own
+    for command in (["fairqueue", "status"], ["fairqueue", "workers"]):
+        done = subprocess.run(
+            [sys.executable, str(project / "manage.py"), *command],
+            env=env,
+            cwd=project,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 1, done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.startswith("CommandError: cannot reach the queue's database ('default')")
+        assert said in done.stderr
 
 
 def _connect_wrapped(url: str) -> None:

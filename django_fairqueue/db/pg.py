@@ -151,19 +151,27 @@ def kept_cursor(
             finally:
                 entry.busy = False
     except ProgrammingError as exc:
-        hint = missing_schema(exc)
+        hint = what_to_do(exc)
         if hint is None:
             raise
         raise ProgrammingError(f"{str(exc).splitlines()[0]} in database {alias!r}: {hint}") from exc
 
 
-def missing_schema(exc: BaseException) -> str | None:
-    """What to do when ``exc`` says a table or function of the queue does not exist (the
-    database was never migrated, or is another one than the one migrated); None otherwise."""
+def what_to_do(exc: BaseException) -> str | None:
+    """What to do when ``exc`` comes of the setup, not of the queue: a table or function of the
+    queue does not exist (the database was never migrated, or is another one than the one
+    migrated), or a pooler does not keep prepared statements; None otherwise."""
     cause: BaseException | None = exc
     while cause is not None and getattr(cause, "sqlstate", None) is None:
         cause = cause.__cause__  # (Django's error wraps psycopg's, which has the state)
     state = getattr(cause, "sqlstate", None)
+    if state == "42P05":  # duplicate_prepared_statement
+        return (
+            "a connection pooler in transaction mode that does not keep prepared statements "
+            "(PgBouncer before 1.21, or without max_prepared_statements) stands between "
+            "this process and PostgreSQL: set FAIRQUEUE['PREPARED_STATEMENTS'] = False "
+            '(docs/howto/deploy-workers.md, "Behind PgBouncer")'
+        )
     if state not in ("42P01", "42883") or "fairqueue_" not in str(exc):
         return None  # (42P01: undefined table, 42883: undefined function)
     return (

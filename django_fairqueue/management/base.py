@@ -6,17 +6,19 @@ import argparse
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser, OutputWrapper
-from django.db.utils import ProgrammingError
+from django.db.utils import InterfaceError, OperationalError, ProgrammingError
 
 from django_fairqueue import conf
 from django_fairqueue.cli.terminal import exit_quietly_on_closed_pipe, whole_stdout
 from django_fairqueue.db import pg
+from django_fairqueue.runtime import dbfaults
 
 
 class FairCommand(BaseCommand):
     """A management command that exits quietly when the reader of its output goes away
     (``manage.py fairqueue failures list | head``): status 141, no traceback; and that says
-    what to do, not a traceback, when the queue's tables are missing or a setting is bad.
+    what to do, not a traceback, when the queue's tables are missing, a setting is bad or the
+    database cannot be reached.
 
     A command with subcommands (``fairqueue``, ``fairpipeline``) takes Django's common options
     (``-v``, ``--settings``, ``--traceback``, ...) after a subcommand too, as every other
@@ -49,11 +51,19 @@ class FairCommand(BaseCommand):
         except conf.SettingsError as exc:  # met with --skip-checks: the check's words
             raise CommandError(str(exc)) from None
         except ProgrammingError as exc:
-            hint = pg.missing_schema(exc)
+            hint = pg.what_to_do(exc)
             if hint is None:
                 raise
             first = str(exc).splitlines()[0]
             raise CommandError(first if hint in first else f"{first}: {hint}") from exc
+        except (OperationalError, InterfaceError) as exc:
+            refused = dbfaults.misconfigured(exc)
+            if refused is None and dbfaults.unavailable(exc) is None:
+                raise
+            reason = refused or " ".join(str(exc).split())
+            raise CommandError(
+                f"cannot reach the queue's database ({conf.get().DATABASE!r}): {reason}"
+            ) from exc
 
     def run_from_argv(self, argv: list[str]) -> None:
         self.stdout = OutputWrapper(whole_stdout())
