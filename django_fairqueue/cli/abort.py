@@ -1,4 +1,4 @@
-"""Abort messages: cancel the waiting ones, ask the running ones to stop.
+"""Abort messages: ask the running ones to stop (given by id, cancel the waiting ones).
 
   fairqueue abort (ID ... | [--channel C] [--task T] [--queue Q]) [--json]
 
@@ -42,10 +42,14 @@ def handle(options: dict[str, Any], stdout: TextIO) -> None:
         "cancelled": cancelled,
         "abort_requested": requested,
     }
-    text = f"Cancelled {len(cancelled)} waiting, requested the abort of {len(requested)} running."
     if "ids" in chosen:
+        text = (
+            f"Cancelled {len(cancelled)} waiting, requested the abort of {len(requested)} running."
+        )
         skipped = sorted(set(chosen["ids"]) - set(done))
         report["skipped"] = skipped
         if skipped:
             text += f"\nSkipped (finished or unknown): {', '.join(map(str, skipped))}."
+    else:  # a selection: its running messages only (its waiting ones stay: fairqueue cancel)
+        text = f"Requested the abort of {len(requested)} running; waiting messages are left."
     write(stdout, json_text(report) if options["json"] else text)
