@@ -305,6 +305,16 @@ def test_cli_cancel_and_abort() -> None:
     call_command("fairqueue", "cancel", "--channel", "a", stdout=out)
     assert out.getvalue().strip() == "Cancelled 1 message."
     assert state(b) == "cancelled"
+    for task, said in (
+        ("tests.noop", "Cancelled 0 messages."),  # registered, nothing waiting
+        (
+            "tests.no_such",
+            "Cancelled 0 messages. No task named 'tests.no_such' is registered: check its name.",
+        ),
+    ):
+        out = StringIO()
+        call_command("fairqueue", "cancel", "--task", task, stdout=out)
+        assert out.getvalue().strip() == said
     claim()
     out = StringIO()
     call_command("fairqueue", "abort", str(c), "--json", stdout=out)

@@ -221,6 +221,7 @@ def test_status_warns_when_no_worker_is_alive_and_workers_lists_them() -> None:
     call_command("fairqueue", "status", stdout=out)
     assert "0 live workers" in out.getvalue()
     assert "WARNING: no live worker" in out.getvalue()
+    assert "belong to dead workers" not in out.getvalue()  # (none is running)
     worker_registry.Registration("w-1", concurrency=8, channels=["waiting"]).register()
     out = io.StringIO()
     call_command("fairqueue", "status", stdout=out)

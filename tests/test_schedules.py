@@ -784,6 +784,10 @@ def test_the_schedules_command_lists_syncs_and_fires(capsys: pytest.CaptureFixtu
     call_command("fairqueue", "schedules", "--json", "--channel", "acme", stdout=out)
     (row,) = jsonlib.loads(out.getvalue())
     assert row["next_fire_at"].endswith("03:00:00+00:00") and row["enabled"]
+    # a channel with none: said so (not "declare some": there is one, elsewhere)
+    out = io.StringIO()
+    call_command("fairqueue", "schedules", "--channel", "nosuch", stdout=out)
+    assert out.getvalue() == "No schedule of channel 'nosuch' (1 schedule in all).\n"
     # with --json, what --sync and --fire did goes to stderr: stdout stays JSON
     out = io.StringIO()
     call_command("fairqueue", "schedules", "--sync", "--fire", "--json", stdout=out)

@@ -22,8 +22,9 @@ from django.core.management.base import CommandError
 
 from django_fairqueue import api, limits
 from django_fairqueue.cli import channel_name
-from django_fairqueue.cli.terminal import json_text
-from django_fairqueue.exceptions import InvalidChannel
+from django_fairqueue.cli.terminal import json_text, printable
+from django_fairqueue.exceptions import InvalidChannel, UnknownTask
+from django_fairqueue.tasks.spec import registry
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +71,13 @@ def handle(options: dict[str, Any], stdout: TextIO) -> None:
         raise CommandError(f"cancel: {exc}") from exc
     report: dict[str, Any] = {"action": "cancel", "count": len(done), "ids": done}
     text = f"Cancelled {_messages(len(done))}."
+    task = chosen.get("task")
+    if not done and task is not None:
+        # (messages of a task no longer in the code can still wait: a hint, not an error)
+        try:
+            registry.get(task)
+        except UnknownTask:
+            text += f" No task named {printable(task)!r} is registered: check its name."
     if "ids" in chosen:
         skipped = sorted(set(chosen["ids"]) - set(done))
         report["skipped"] = skipped

@@ -100,6 +100,18 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
         if unsynced:
             notes.write(f"{_unsynced_note(unsynced)}\n")
         return
+    if not views and (options["channel"] is not None or queue is not None):
+        # (not "declare some": the filter may be what found none)
+        of = (
+            [f"channel {printable(options['channel'])!r}"] if options["channel"] is not None else []
+        )
+        of += [f"queue {printable(queue)!r}"] if queue is not None else []
+        total = Schedule.objects.count()
+        stdout.write(
+            f"No schedule of {' of '.join(of)} ({total:,} schedule{'' if total == 1 else 's'} "
+            "in all)."
+        )
+        return
     if not views:
         if unsynced:
             stdout.write(f"No schedules in the table yet. {_unsynced_note(unsynced)}")

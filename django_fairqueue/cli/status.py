@@ -306,7 +306,8 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
         f"({shown:,} shown, sorted by {data['sort']}; "
         f"{t['backlogged']:,} with ready messages, {t['paused']:,} paused): "
         f"{t['ready']:,} ready, {t['scheduled'] - t['retrying']:,} delayed, "
-        f"{t['retrying']:,} retrying, {t['running']:,} running, {t['failed']:,} dead letters; "
+        f"{t['retrying']:,} retrying, {t['running']:,} running, "
+        f"{_count(t['failed'], 'dead letter')}; "
         f"in the last {minutes} minutes {data['finished_last_5m']:,} finished, "
         f"{t[f'failures_last_{minutes}m']:,} failures, {t[f'timeouts_last_{minutes}m']:,} "
         "timeouts."
@@ -336,8 +337,13 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
     )
     if not w["live"] and (t["ready"] or t["running"]):
         out.append(
-            "WARNING: no live worker: nothing will run. Messages shown as running belong to "
-            "dead workers and are requeued once their leases expire and a worker rescues them."
+            "WARNING: no live worker: nothing will run."
+            + (
+                " Messages shown as running belong to dead workers and are requeued once their "
+                "leases expire and a worker rescues them."
+                if t["running"]
+                else ""
+            )
         )
     unserved = [
         name
