@@ -305,7 +305,7 @@ def test_cli_cancel_and_abort() -> None:
     call_command("fairqueue", "cancel", "--channel", "a", stdout=out)
     assert out.getvalue().strip() == "Cancelled 1 message."
     assert state(b) == "cancelled"
-    for task, said in (
+    for name, said in (
         ("tests.noop", "Cancelled 0 messages."),  # registered, nothing waiting
         (
             "tests.no_such",
@@ -313,7 +313,7 @@ def test_cli_cancel_and_abort() -> None:
         ),
     ):
         out = StringIO()
-        call_command("fairqueue", "cancel", "--task", task, stdout=out)
+        call_command("fairqueue", "cancel", "--task", name, stdout=out)
         assert out.getvalue().strip() == said
     claim()
     out = StringIO()
