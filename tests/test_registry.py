@@ -45,7 +45,9 @@ def test_registering_expires_the_leases_a_previous_process_with_the_same_id_left
     f.assert_counters_match_table()
 
 
-def test_a_silent_worker_is_dead_and_its_leases_expire(settings: Any) -> None:
+def test_a_silent_worker_is_dead_and_its_leases_expire(
+    settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     settings.FAIRQUEUE = {**settings.FAIRQUEUE, "WORKER_DEAD_AFTER": 30.0}
     f.enqueue("x", 1)
     worker_registry.Registration("gone", concurrency=1).register()
@@ -55,6 +57,7 @@ def test_a_silent_worker_is_dead_and_its_leases_expire(settings: Any) -> None:
     )
     (dead,) = worker_registry.rescue_dead_workers()
     assert (dead.worker_id, dead.leases_expired) == ("gone", 1)
+    assert "s; expired its 1 lease (the rescuer takes its messages back)" in caplog.text
     assert dead.silent_seconds >= 59
     assert Rescuer().run_once() == 1
     assert Message.objects.get(pk=m.id).state == MessageState.READY

@@ -334,13 +334,17 @@ def rescue_dead_workers() -> list[worker_store.DeadWorker]:
         conf.get().WORKER_DEAD_AFTER, alive=[r.worker_id for r in here]
     )
     for worker in dead:
+        n = worker.leases_expired
+        # (0: its leases had run out already; the rescuer logs each message it takes back)
+        leases = f"expired its {n} lease{'' if n == 1 else 's'}" if n else "no lease left to expire"
         logger.warning(
-            "worker %s (%s pid %s) is dead: no beat for %.0fs; expired its %d leases",
+            "worker %s (%s pid %s) is dead: no beat for %.0fs; %s (the rescuer takes its "
+            "messages back)",
             worker.worker_id,
             worker.host,
             worker.pid,
             worker.silent_seconds,
-            worker.leases_expired,
+            leases,
             extra={"worker_id": worker.worker_id},
         )
     return dead
