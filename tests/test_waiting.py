@@ -13,6 +13,7 @@ from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
+from django_fairqueue.api import cancel
 from django_fairqueue.db import message_store, stats_store, worker_store
 from django_fairqueue.models import Channel, Message
 from django_fairqueue.observe import waiting
@@ -126,6 +127,11 @@ def test_a_capped_channel_whose_workers_all_stopped_says_no_live_worker_not_at_c
     stopped = why("capped")
     assert stopped.cause == "no_worker", stopped
     assert "no live worker" in stopped.text and "cap" not in stopped.text
+    # none ready, two running of the stopped worker: not "nothing waits"
+    assert len(cancel(channel="capped")) == 1
+    emptied = why("capped")
+    assert emptied.cause == "no_worker", emptied
+    assert "its 2 running messages belong to a stopped worker" in emptied.text
 
 
 def test_channels_ahead_in_the_round_with_an_estimate() -> None:
