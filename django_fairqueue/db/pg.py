@@ -50,8 +50,8 @@ def named_statements(package: str, resource: str) -> tuple[dict[str, str], froze
     just truncated it, a fresh deployment's tables, the message table before a tenant's bulk
     upload is analyzed), a plan that reads one side of a join once per row of the other then
     reads millions of rows. An operator's read (the admin, ``fairqueue status``, metrics) runs
-    seldom, and planning it each time costs nothing that matters; the worker's statements on
-    those tables are server functions that plan no sequential scan instead.
+    seldom, and planning it each time costs nothing that matters; the worker's reads of the
+    delta table are server functions that plan no sequential scan instead.
     """
     text = resources.files(package).joinpath(resource).read_text("utf-8")
     parts = _NAME_RE.split(text)

@@ -36,11 +36,12 @@ BEGIN
         WITH horizon AS (
             SELECT clock_timestamp() AS now, clock_timestamp() + p_horizon AS until
         ), group_freed AS MATERIALIZED (
-            -- slots of groups freed by settlements not folded yet (running deltas are never
-            -- positive): one pass over the pending deltas, which the fold keeps few, and the
-            -- group of each that has a running count by its channel's primary key. Computed
-            -- once, and driven by the deltas: joined the other way, a plan summed a group's
-            -- channels once per channel of the group, and read every delta for each.
+            -- slots of capped groups freed by settlements not folded yet (running deltas are
+            -- never positive): one pass over the pending deltas, which the fold keeps few, and
+            -- the group of each that has a running count by its channel's primary key; none
+            -- at all without a capped group (a test made once). Computed once, and driven by
+            -- the deltas: joined the other way, a plan summed a group's channels once per
+            -- channel of the group, and read every delta for each.
             SELECT f.group_id, sum(f.running) AS running
             FROM (
                 SELECT (SELECT gc.group_id FROM fairqueue_channel gc
@@ -48,6 +49,8 @@ BEGIN
                        gd.running
                 FROM fairqueue_channel_delta gd
                 WHERE gd.running <> 0
+                  AND EXISTS (SELECT FROM fairqueue_channel_group cg
+                              WHERE cg.max_concurrency IS NOT NULL)
             ) f
             WHERE f.group_id IS NOT NULL
             GROUP BY f.group_id
