@@ -60,12 +60,14 @@ def channel(channel_id: int, *, views: list[worker_registry.WorkerView] | None =
         if state.running > 0:
             views = worker_registry.workers(state.now) if views is None else views
             if not worker_registry.live(views):  # so its running messages are a dead worker's
-                return Why(
-                    "no_worker",
-                    f"no live worker: no ready message, and its {state.running:,} running "
-                    f"message{'' if state.running == 1 else 's'} belong to a stopped worker: "
-                    "they run again once a worker starts and its rescuer takes them back",
+                running = (
+                    "its running message belongs to a stopped worker: it runs again once a "
+                    "worker starts and its rescuer takes it back"
+                    if state.running == 1
+                    else f"its {state.running:,} running messages belong to a stopped worker: "
+                    "they run again once a worker starts and its rescuer takes them back"
                 )
+                return Why("no_worker", f"no live worker: no ready message, and {running}")
         return Why("empty", "nothing waits: the channel has no ready message")
     return _channel_cause(channel_id, state, views)
 
