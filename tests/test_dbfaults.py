@@ -5,12 +5,8 @@ an attempt, after a short delay; warnings about one cause are rate-limited."""
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -165,19 +161,11 @@ def test_commands_say_when_the_database_cannot_be_reached(
 ) -> None:
     """`fairqueue status` (and every command of the product) with the database down or named
     wrong: one line saying so, exit 1, no traceback."""
-    project = Path(__file__).resolve().parent.parent / "example_project"
+    from tests.test_example_project import run_manage
+
     url = url or urlsplit(database_url)._replace(path="/fq_no_such_database").geturl()
-    env = {**os.environ, "DATABASE_URL": url}
-    env.pop("DJANGO_SETTINGS_MODULE", None)  # the project's own
-    for command in (["fairqueue", "status"], ["fairqueue", "workers"]):
-        done = subprocess.run(
-            [sys.executable, str(project / "manage.py"), *command],
-            env=env,
-            cwd=project,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+    for command in ("status", "workers"):
+        done = run_manage(url, "fairqueue", command)
         assert done.returncode == 1, done.stderr
         assert "Traceback" not in done.stderr, done.stderr
         assert done.stderr.startswith("CommandError: cannot reach the queue's database ('default')")

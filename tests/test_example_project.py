@@ -42,10 +42,11 @@ def example_database(database_url: str) -> Iterator[str]:
         conn.execute(f'DROP DATABASE IF EXISTS "{own}" WITH (FORCE)')
 
 
-def _manage(database_url: str, *argv: str) -> str:
+def run_manage(database_url: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``manage.py ARGV`` of the example project, on the database of ``database_url``."""
     env = {**os.environ, "DATABASE_URL": database_url}
     env.pop("DJANGO_SETTINGS_MODULE", None)  # the project's own
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(PROJECT / "manage.py"), *argv],
         env=env,
         cwd=PROJECT,
@@ -53,6 +54,10 @@ def _manage(database_url: str, *argv: str) -> str:
         text=True,
         timeout=120,
     )
+
+
+def _manage(database_url: str, *argv: str) -> str:
+    done = run_manage(database_url, *argv)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
