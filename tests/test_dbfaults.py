@@ -136,7 +136,7 @@ def test_a_pooler_that_mixes_prepared_statements_is_named_with_the_setting_to_ch
     statements of whichever client used it: the next client's first one collides."""
     from django.db import ProgrammingError, connection
 
-    from django_fairqueue.db import channel_store
+    from django_fairqueue.db import message_store
 
     connection.close()
     connection.ensure_connection()
@@ -144,7 +144,7 @@ def test_a_pooler_that_mixes_prepared_statements_is_named_with_the_setting_to_ch
         # another client's statement on this server session, named as psycopg names its first
         connection.connection.execute("PREPARE _pg3_0 AS SELECT 1", prepare=False)
         with pytest.raises(ProgrammingError, match=r"PREPARED_STATEMENTS'\] = False"):
-            channel_store.select_channel_ids(["acme"])
+            message_store.select_next_due(timedelta(seconds=1), rescuing=False)  # prepared
     finally:
         connection.close()
 

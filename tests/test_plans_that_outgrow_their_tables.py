@@ -6,7 +6,9 @@ waking deltas read every pending completion's delta on every claim, the completi
 whole channel table once per channel it settled, and the enqueue read it on every call. Nor may
 a plan read one table once per row of another: an idle worker's question of when to claim again
 read the delta table once per channel, and the admin's reads of channels and groups the delta
-or message table once per channel.
+or message table once per channel. Nor may the statements that settle or act on claimed
+messages (heartbeat, release, fail, retry, abort, rescue, cancel, delete): prepared from the
+empty tables, each scanned the whole message table.
 
 Its own module: the test needs a session whose plans were made while the queue tables were
 small, and it empties them (``transactional_db``), which ``test_explain.py``'s shared backlog
@@ -23,7 +25,7 @@ from django.db import connection
 
 from django_fairqueue import batches
 from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many
-from django_fairqueue.db import channel_store, message_store
+from django_fairqueue.db import channel_store, message_store, worker_store
 from django_fairqueue.models import Channel, ChannelDelta, ChannelGroup, Message
 from tests import factories as f
 from tests.test_explain import assert_small_and_indexed, start_auto_explain, touched
@@ -69,6 +71,8 @@ def grown(fairness: str) -> None:
     f.enqueue(("tenant", "doc-0"), 1)
     for _ in range(6):
         operator_reads()
+    f.enqueue("first", 12)
+    settle_every_way("small", fairness)
     auto_explain.take()
 
     # The deployment grows, with no ANALYZE in between: 2,000 channels, and 5,000 completions
@@ -83,6 +87,7 @@ def grown(fairness: str) -> None:
     claimed = message_store.claim_messages(100, lease=LEASE, worker_id="grown", fairness=fairness)
     message_store.complete_messages([(m.id, m.lease_token, None) for m in claimed])
     assert batches.claim(worker_id="grown") is None
+    settle_every_way("grown", fairness)
     plans = auto_explain.take()
 
     assert len(claimed) == 100
@@ -133,6 +138,41 @@ def add_pending_completions(channel_ids: Iterable[int]) -> None:
             " SELECT c, -1, 1, false FROM unnest(%s::bigint[]) AS c",
             [list(channel_ids)],
         )
+
+
+def settle_every_way(worker: str, fairness: str) -> None:
+    """Claim 10 messages and end or extend their attempts every way a worker, maintenance or
+    an operator does: each of these statements is planned once too."""
+    got = message_store.claim_messages(10, lease=LEASE, worker_id=worker, fairness=fairness)
+    assert len(got) == 10
+    leases = [(m.id, m.lease_token) for m in got]
+    assert message_store.heartbeat_messages(leases, lease=LEASE).keys() == {m.id for m in got}
+    released, delayed, retried, dead, aborted, expired, *rest = got
+    message_store.release_messages([(released.id, released.lease_token)])
+    message_store.release_messages(
+        [(delayed.id, delayed.lease_token)], delays=[timedelta(minutes=1)]
+    )
+    message_store.fail_messages(
+        [(retried.id, retried.lease_token, {"error": "x"}, timedelta(minutes=1))]
+    )
+    assert message_store.fail_messages([(dead.id, dead.lease_token, {"error": "x"}, None)]) == {
+        dead.id: "failed"
+    }
+    assert message_store.retry_failed_messages([dead.id]) == [dead.id]
+    assert message_store.abort_messages([aborted.id]) == {aborted.id: "abort_requested"}
+    message_store.settle_aborted_messages([(aborted.id, aborted.lease_token, {"error": "x"})])
+    with connection.cursor() as cur:
+        cur.execute(
+            "UPDATE fairqueue_message SET lease_expires_at = now() - interval '1 second'"
+            " WHERE id = %s",
+            [expired.id],
+        )
+    assert [r.id for r in message_store.rescue_expired_messages()] == [expired.id]
+    assert worker_store.expire_worker_leases(worker) == len(rest)  # a worker found dead
+    assert sorted(r.id for r in message_store.rescue_expired_messages()) == [m.id for m in rest]
+    waiting = [released.id, retried.id, dead.id, expired.id]
+    assert sorted(message_store.cancel_messages(waiting[:2])) == sorted(waiting[:2])
+    assert sorted(message_store.delete_messages(waiting[2:])) == sorted(waiting[2:])
 
 
 def operator_reads() -> None:

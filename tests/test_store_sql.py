@@ -22,6 +22,7 @@ import pytest
 import django_fairqueue
 from django_fairqueue import db
 from django_fairqueue.contrib.bench import db as bench_db
+from django_fairqueue.db import message_store
 
 PACKAGE = Path(django_fairqueue.__file__).parent
 DB = PACKAGE / "db"
@@ -148,6 +149,32 @@ def test_every_statement_has_a_description(module: ModuleType, sql_file: Path) -
         code = [line for line in body.splitlines() if line.strip() and not line.startswith("--")]
         assert code and code[-1].rstrip().endswith(";"), f"{name}: a statement ends with `;`"
     assert len(re.findall(r"^-- name: ", text, re.MULTILINE)) == len(module.queries())
+
+
+# A table named after FROM, JOIN, UPDATE, INTO or TABLE, not a function's call.
+READS_A_TABLE = re.compile(
+    r"\b(?:FROM|JOIN|UPDATE|INTO|TABLE)\s+(fairqueue_\w+|pg_\w+)\b(?!\s*\()", re.I
+)
+
+
+@pytest.mark.parametrize(("module", "sql_file"), STATEMENT_MODULES)
+def test_only_calls_of_server_functions_are_prepared(module: ModuleType, sql_file: Path) -> None:
+    """A prepared statement keeps a plan made from the table sizes of its first runs: only a
+    statement reading no table itself may be prepared (pg.named_statements)."""
+    for name in module.queries.prepared():
+        code = "\n".join(line.split("--")[0] for line in module.queries()[name].splitlines())
+        tables = READS_A_TABLE.findall(code)
+        assert not tables, f"{sql_file.name}: {name} is prepared and reads {sorted(set(tables))}"
+
+
+def test_the_prepared_statements_are_the_hot_calls() -> None:
+    """The rule above checks something: the claim, the completion and the enqueue are prepared,
+    a statement reading the message table is not, and the reading is detected."""
+    prepared = {n for m in family_modules() for n in m.queries.prepared()}
+    assert {"claim_messages", "complete_messages", "enqueue_message"} <= prepared
+    assert "heartbeat_messages" not in prepared
+    heartbeat = message_store.queries()["heartbeat_messages"]
+    assert READS_A_TABLE.findall(heartbeat) == ["fairqueue_message", "fairqueue_message"]
 
 
 def test_a_statement_name_belongs_to_one_file() -> None:

@@ -33,38 +33,41 @@ from django_fairqueue import conf
 from django_fairqueue.db.jsontext import JsonbLoader
 
 _NEVER = 2**31
-_NAME_RE = re.compile(r"^-- name: (\w+)( unprepared)?\s*$", re.MULTILINE)
+_NAME_RE = re.compile(r"^-- name: (\w+)( prepared)?\s*$", re.MULTILINE)
 
 
 def named_statements(package: str, resource: str) -> tuple[dict[str, str], frozenset[str]]:
     """The named statements of the SQL file ``resource`` of ``package``, by name, and the names
-    of those planned afresh at each run.
+    of those prepared.
 
     The format of ``db/statements/*.sql``: ``-- name: NAME`` starts a statement, whose text
     runs to the next one. The optional apps (``django_fairqueue.contrib``) keep their
     statements in files of their own in the same format (see :class:`StatementFile`).
 
-    ``-- name: NAME unprepared``: a statement planned at each run. A prepared statement may
-    keep one plan, made from the table sizes of its first runs, until a table's next
-    ``ANALYZE``. Made while a table was nearly empty (the delta table whenever autovacuum has
-    just truncated it, a fresh deployment's tables, the message table before a tenant's bulk
-    upload is analyzed), a plan that reads one side of a join once per row of the other then
-    reads millions of rows. An operator's read (the admin, ``fairqueue status``, metrics) runs
-    seldom, and planning it each time costs nothing that matters; the worker's reads of the
-    delta table are server functions that plan no sequential scan instead.
+    A statement is planned at each run, from the tables as they are then, unless its file
+    names it ``-- name: NAME prepared``. A prepared statement keeps one plan per session, made
+    from the table sizes of its first runs, until a table's next ``ANALYZE``; made while a
+    table was nearly empty (a fresh deployment's tables, the delta table whenever autovacuum
+    has just truncated it, the message table before a tenant's bulk upload is analyzed), that
+    plan scans the table sequentially or reads one side of a join once per row of the other
+    once it holds millions of rows. So only statements that read no table themselves are
+    prepared: calls of the server functions (the claim, the completion, the enqueue), which
+    plan their own statements without a sequential scan. Planning the others costs a fraction
+    of a millisecond, on paths that run seldom or settle many messages at once
+    (``tests/test_store_sql.py`` holds prepared statements to this).
     """
     text = resources.files(package).joinpath(resource).read_text("utf-8")
     parts = _NAME_RE.split(text)
-    # parts = [preamble, name1, unprepared1, body1, name2, unprepared2, body2, ...]
+    # parts = [preamble, name1, prepared1, body1, name2, prepared2, body2, ...]
     named = {}
-    unprepared = set()
+    prepared = set()
     for name, flag, body in zip(parts[1::3], parts[2::3], parts[3::3], strict=True):
         if name in named:
             raise RuntimeError(f"{resource} names {name!r} twice")
         named[name] = body.strip()
         if flag:
-            unprepared.add(name)
-    return named, frozenset(unprepared)
+            prepared.add(name)
+    return named, frozenset(prepared)
 
 
 class StatementFile:
@@ -80,21 +83,26 @@ class StatementFile:
         self.package = package
         self.resource = resource
         self._named: dict[str, str] | None = None
-        self._unprepared: frozenset[str] = frozenset()
+        self._prepared: frozenset[str] = frozenset()
 
     def __call__(self) -> dict[str, str]:
         named = self._named
         if named is None:
-            named, self._unprepared = named_statements(self.package, self.resource)
+            named, self._prepared = named_statements(self.package, self.resource)
             self._named = named
         return named
+
+    def prepared(self) -> frozenset[str]:
+        """The names of the statements this file says to prepare."""
+        self()
+        return self._prepared
 
     def run(
         self, name: str, params: dict[str, Any], using: str | None = None
     ) -> list[tuple[Any, ...]]:
         """Run the statement ``name`` (see :func:`run_statement`) and return its rows."""
         statement = self()[name]
-        return run_statement(statement, params, using, prepare=name not in self._unprepared)
+        return run_statement(statement, params, using, prepare=name in self._prepared)
 
 
 queries = StatementFile("django_fairqueue.db", "statements/pg.sql")
@@ -128,7 +136,7 @@ def kept_cursor(
                 # Django turns psycopg's statement preparation off (threshold None), and then
                 # psycopg ignores execute(prepare=True) too. A threshold no query reaches keeps
                 # Django's own queries unprepared and lets ours be prepared explicitly: planning
-                # a settle statement costs ~1 ms, about what executing it costs.
+                # the claim's call costs about what executing a claim of one message does.
                 raw.prepare_threshold = _NEVER
             # One cursor per connection and kind, kept for the next statement: a cursor's
             # transformer learns which dumper each parameter's type takes, and a new cursor per
@@ -204,15 +212,15 @@ def _new_cursor(raw: psycopg.Connection[Any], values: bool) -> psycopg.Cursor[An
 
 
 def run_statement(
-    statement: str, params: dict[str, Any], using: str | None = None, *, prepare: bool = True
+    statement: str, params: dict[str, Any], using: str | None = None, *, prepare: bool = False
 ) -> list[tuple[Any, ...]]:
     """Run one statement as every function of the db package runs its own (see the module's
     docstring) and return its rows ([] for a statement that returns none).
 
     The statement is named in a statement file (:class:`StatementFile`): the queue's own run
     through the function of their name, an optional app's through its own module. It is
-    prepared unless ``prepare`` is false (a statement its file names ``unprepared``, see
-    :func:`named_statements`) or ``FAIRQUEUE['PREPARED_STATEMENTS']`` is off.
+    prepared when ``prepare`` is true (a statement its file names ``prepared``, see
+    :func:`named_statements`) and ``FAIRQUEUE['PREPARED_STATEMENTS']`` is on.
     """
     with kept_cursor(using) as cur:
         cur.execute(

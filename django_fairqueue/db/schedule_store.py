@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django_fairqueue import conf
 from django_fairqueue.db import pg
 
 queries = pg.StatementFile("django_fairqueue.db", "statements/schedules.sql")
@@ -140,7 +139,7 @@ def prune_schedule_fires(before: datetime, *, limit: int = 10_000, using: str | 
         cur.execute(
             queries()["prune_schedule_fires"],
             {"before": before, "limit": limit},
-            prepare=conf.get().PREPARED_STATEMENTS,
+            prepare=False,  # planned at each run, as pg.named_statements says
             binary=True,
         )
         return cur.rowcount

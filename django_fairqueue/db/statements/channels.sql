@@ -25,7 +25,7 @@ ON CONFLICT (name) DO NOTHING;
 -- Create the named channel groups that do not exist (fairqueue_ensure_groups_v1).
 SELECT fairqueue_ensure_groups_v1(%(names)s::text[]);
 
--- name: fold_channel_deltas
+-- name: fold_channel_deltas prepared
 -- Fold up to `limit` of the oldest pending counter deltas into their channel rows: every kind
 -- (maintenance; claims fold what they need), or with `wake_only` those that can make a channel
 -- claimable (new work, freed slots, newly pending batches; see select_waking_backlog).
@@ -33,7 +33,7 @@ SELECT fairqueue_fold_deltas_v1(
     %(limit)s::integer, %(wake_only)s::boolean, %(by_time)s::boolean
 ) AS folded;
 
--- name: select_channel_counters unprepared
+-- name: select_channel_counters
 -- Channel counters including deltas not yet folded: exact, and bounded by the delta backlog.
 SELECT c.id, c.name,
        c.ready_count + coalesce(d.ready, 0) AS ready,
@@ -51,7 +51,7 @@ LEFT JOIN LATERAL (
 WHERE c.id = ANY (%(ids)s::bigint[])
 ORDER BY c.id;
 
--- name: select_group_state unprepared
+-- name: select_group_state
 -- Channel groups (of `ids`, or all) with their scheduler state, for operators (status, the
 -- admin): ready, running and claimable summed over their channels with the counter changes not
 -- folded yet, as select_all_channel_counts shows each channel (the folded sums, which the
@@ -173,7 +173,7 @@ CROSS JOIN LATERAL (
 ) o
 WHERE o.ready_since IS NOT NULL;
 
--- name: select_backlogged_oldest_ready unprepared
+-- name: select_backlogged_oldest_ready
 -- select_channel_oldest_ready for every channel whose counters (plus pending deltas) say it has ready messages: no list of ids sent.
 -- The same loose index scan per channel; the channels are picked here, so a caller ranking every
 -- backlogged channel (the admin's sort by oldest ready, its "oldest ready waits over N" filter)
@@ -227,7 +227,7 @@ UNION ALL
 -- this statement's snapshot does not see `created`'s row, so the name appears once
 SELECT c.id FROM fairqueue_channel c WHERE c.name = %(name)s::text;
 
--- name: select_channel_wait_state unprepared
+-- name: select_channel_wait_state
 -- What the "why is this waiting" sentence needs of one channel, read lock-free: its limits and exact counters, its turn, how many claimable channels come before it in the round, since when its oldest running message runs, and the messages claimed in the last 5 minutes over all channels.
 -- The channels ahead are counted on fq_channel_turn_idx (its predicate repeated word for word):
 -- the claimable channels whose turn comes before this one's; by time, on fq_channel_vtime_idx,
@@ -290,6 +290,6 @@ FROM fairqueue_message m
 WHERE m.channel_id = ANY (%(ids)s::bigint[]) AND m.state = 'scheduled' AND m.attempts > 0
 GROUP BY m.channel_id;
 
--- name: select_waking_backlog
+-- name: select_waking_backlog prepared
 -- Whether more than `beyond` waking counter deltas wait to be folded (see the function).
 SELECT fairqueue_waking_backlog_v1(%(beyond)s::integer);

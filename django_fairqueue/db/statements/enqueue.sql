@@ -5,7 +5,7 @@
 -- (tests/test_store_sql.py checks both ways).
 -- Parameters are psycopg named placeholders %(name)s, always bound, never formatted in.
 
--- name: enqueue_messages
+-- name: enqueue_messages prepared
 -- Insert a batch of messages (creating channels on first use) in one round trip.
 -- Parameters are bound in binary (the b placeholders): arrays then need no quoting or escaping per
 -- element on either side. Payloads come as JSON text (text[]), checked by the caller.
@@ -19,7 +19,7 @@ SELECT id FROM fairqueue_enqueue_v1(
     %(on_conflict)b::text[]
 ) AS id;
 
--- name: enqueue_message
+-- name: enqueue_message prepared
 -- Insert one message (creating its channel on first use) in one round trip: enqueue_messages for one.
 -- Scalar arguments, bound in binary: nothing to build per call but the values themselves.
 SELECT fairqueue_enqueue_one_v1(

@@ -12,7 +12,7 @@
 -- condition with a partial index on running rows and scan all of them (13 ms for 100 rows
 -- with 12,000 in flight) instead of 100 primary-key lookups.
 
--- name: claim_messages
+-- name: claim_messages prepared
 -- Fair claim of up to `limit` messages under fresh leases (see fairqueue_claim_v1).
 SELECT id, channel_id, channel_name, task_name, payload, priority, attempts, max_attempts,
        keep_result, lease_token, lease_expires_at, enqueued_at, run_at
@@ -46,7 +46,7 @@ FROM owned
 WHERE m.id = owned.id
 RETURNING m.id, m.abort_requested_at IS NOT NULL;
 
--- name: complete_messages
+-- name: complete_messages prepared
 -- Settle successful messages: delete them, or keep them as succeeded with their result.
 -- The statement is in fairqueue_complete_v1 (planned once per session there). The results
 -- come as one JSON array in the order of the ids: the worker encodes a batch's in one call
@@ -510,7 +510,7 @@ SELECT id FROM deleted;
 -- a value: message_store.listen_wakeups quotes the name with psycopg.sql.Identifier, never formatting it.
 LISTEN {channel};
 
--- name: select_next_due
+-- name: select_next_due prepared
 -- Seconds until a claim with these filters could take a message, if within the horizon (see
 -- the function).
 SELECT fairqueue_next_due_v1(

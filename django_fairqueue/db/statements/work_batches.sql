@@ -120,7 +120,7 @@ WITH added AS (
 )
 SELECT count(*)::integer, coalesce(sum(added.row_count), 0)::bigint FROM added;
 
--- name: claim_work_batch
+-- name: claim_work_batch prepared
 -- Claim one batch: fair across channels, under the channel's cap (fairqueue_claim_batch_v1).
 SELECT * FROM fairqueue_claim_batch_v1(
     %(worker)s::text, %(lease)s::interval, %(jobs)s::text[], %(job_prefixes)s::text[],
