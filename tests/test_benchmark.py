@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -95,6 +96,13 @@ def test_tiny_run_reports_every_scenario_as_json(tmp_path: Path) -> None:
         assert cell["samples"] == sizes.TINY.snapshot_samples
         assert 0 < cell["claim_p50_ms"] <= cell["claim_p95_ms"]
         assert (cell["cycles_per_second"] > 0) == (cell["cycles"] > 0)
+        # a cycle reads the claim's walk and the settlement's primary key at least
+        assert cell["index_reads_per_cycle"] >= 2
+        assert re.fullmatch(r"(fq|fairqueue)_\w+ \d+%", cell["most_read_index"]), cell
+        assert cell["most_read_index"].startswith(next(iter(cell["index_reads"])))
+        assert sum(cell["index_reads"].values()) == pytest.approx(
+            cell["index_reads_per_cycle"], abs=1
+        )
     assert [c["vs_first"] for c in snapshot_cells if c["cycles"] == 0] == [1.0, 1.0]
     schedule_cells = doc["scenarios"]["schedules"]["cells"]
     assert [(c["schedules"], c["due"]) for c in schedule_cells] == [(10, 0), (10, 2)]

@@ -71,6 +71,11 @@ def force_stats_flush(*, using: str | None = None) -> None:
     _run("force_stats_flush", {}, using)
 
 
+def select_index_reads(*, using: str | None = None) -> dict[str, int]:
+    """{index: entries read so far} of the queue tables' indexes (flushed statistics)."""
+    return {name: int(read) for name, read in _run("select_index_reads", {}, using)}
+
+
 def select_function_times(*, using: str | None = None) -> dict[str, tuple[int, float, float]]:
     """{function: (calls, total ms, self ms)} of the fairqueue_* PL/pgSQL functions."""
     return {

@@ -11,6 +11,9 @@ One cell: a few channels with a standing backlog; with the snapshot held (or, fo
 claiming one and completing it, as steady traffic would; then ``samples`` more cycles are run
 with their claim timed. The ``held`` series shows how a claim's cost grows with the traffic
 since the snapshot began; the ``none`` series, the same traffic without it, is the control.
+Over the timed cycles the scenario also counts the index entries the queue's statements read
+(``pg_stat_user_indexes``), live and dead, per cycle, and names the index read most: where a
+claim under an old snapshot spends its time.
 """
 
 from __future__ import annotations
@@ -56,6 +59,12 @@ class SnapshotResult:
     vs_first: float | None
     #: untimed cycles per second (enqueue + claim + complete, one process)
     cycles_per_second: float
+    #: index entries read per timed cycle (enqueue, claim, complete), over every queue index
+    index_reads_per_cycle: float
+    #: the index read most over the timed cycles, with its share of those reads
+    most_read_index: str
+    #: index entries read per timed cycle, by index (the JSON report's breakdown)
+    index_reads: dict[str, float]
     load1: float
 
 
@@ -79,7 +88,16 @@ def _cycle(bench: Bench, channels: list[str], i: int) -> float:
     return 1000 * (claimed - began)
 
 
-def _run_cycles(bench: Bench, channels: list[str], cell: SnapshotCell) -> tuple[list[float], float]:
+@dataclass(frozen=True)
+class TimedCycles:
+    claim_ms: list[float]
+    #: untimed cycles per second
+    per_second: float
+    #: index entries read per timed cycle, by index
+    index_reads: dict[str, float]
+
+
+def _run_cycles(bench: Bench, channels: list[str], cell: SnapshotCell) -> TimedCycles:
     sizes = bench.sizes
     began = time.perf_counter()
     for i in range(cell.cycles):
@@ -87,8 +105,24 @@ def _run_cycles(bench: Bench, channels: list[str], cell: SnapshotCell) -> tuple[
         if i % 200 == 0:
             bench.progress.update(f"{i:,}/{cell.cycles:,} cycles", i / cell.cycles)
     per_second = cell.cycles / (time.perf_counter() - began) if cell.cycles else 0.0
+    db.force_stats_flush(using=bench.using)  # every statement's reads so far are counted
+    before = db.select_index_reads(using=bench.using)
     claim_ms = [_cycle(bench, channels, cell.cycles + i) for i in range(sizes.snapshot_samples)]
-    return claim_ms, per_second
+    db.force_stats_flush(using=bench.using)
+    after = db.select_index_reads(using=bench.using)
+    reads = {
+        name: (read - before.get(name, 0)) / len(claim_ms)
+        for name, read in after.items()
+        if read > before.get(name, 0)
+    }
+    return TimedCycles(claim_ms, per_second, reads)
+
+
+def _most_read(reads: dict[str, float]) -> str:
+    if not reads:
+        return "-"
+    name = max(reads, key=lambda n: reads[n])
+    return f"{name} {100 * reads[name] / sum(reads.values()):.0f}%"
 
 
 def run(bench: Bench, cell: SnapshotCell) -> SnapshotResult:
@@ -99,15 +133,16 @@ def run(bench: Bench, cell: SnapshotCell) -> SnapshotResult:
     bench.load(channels, sizes.snapshot_backlog)
     if cell.series == "held":
         with db.hold_old_snapshot(using=bench.using) as pid:
-            claim_ms, per_second = _run_cycles(bench, channels, cell)
+            timed = _run_cycles(bench, channels, cell)
             # A snapshot that was not really held would make these figures the control's.
             if not db.select_backend_holds_xmin(pid, using=bench.using):
                 raise BenchmarkError(
                     "snapshot: the old snapshot did not hold back the xmin horizon"
                 )
     else:
-        claim_ms, per_second = _run_cycles(bench, channels, cell)
+        timed = _run_cycles(bench, channels, cell)
     bench.reset()
+    claim_ms = timed.claim_ms
     return SnapshotResult(
         series=cell.series,
         cycles=cell.cycles,
@@ -116,7 +151,13 @@ def run(bench: Bench, cell: SnapshotCell) -> SnapshotResult:
         claim_p50_ms=round(median(claim_ms), 3),
         claim_p95_ms=round(percentile(claim_ms, 95), 3),
         vs_first=None,
-        cycles_per_second=round(per_second, 1),
+        cycles_per_second=round(timed.per_second, 1),
+        index_reads_per_cycle=round(sum(timed.index_reads.values()), 1),
+        most_read_index=_most_read(timed.index_reads),
+        index_reads={
+            name: round(read, 1)
+            for name, read in sorted(timed.index_reads.items(), key=lambda kv: -kv[1])
+        },
         load1=round(load, 2),
     )
 
@@ -139,6 +180,8 @@ SCENARIO = Scenario(
         Column("p95 ms", "claim_p95_ms", ".2f"),
         Column("x first", "vs_first", ".2f"),
         Column("cycles/s", "cycles_per_second", ",.0f"),
+        Column("index reads/cycle", "index_reads_per_cycle", ",.0f"),
+        Column("read most", "most_read_index"),
         Column("samples", "samples"),
     ),
     summary=lambda r: f"p50 {r.claim_p50_ms:.2f} ms ({r.series})",
@@ -151,5 +194,7 @@ SCENARIO = Scenario(
         "none: the same traffic without the snapshot, the control.",
         "Nothing newer than the snapshot can be cleaned up, so each claim walks past every "
         "channel row version and counter delta written since it began.",
+        "index reads/cycle: index entries the timed cycles' statements read, live and dead "
+        "(pg_stat_user_indexes), per cycle; read most: the index read most, with its share.",
     ),
 )

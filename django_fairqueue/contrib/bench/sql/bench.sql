@@ -43,6 +43,14 @@ SELECT f.funcname::text AS name, f.calls, f.total_time, f.self_time
 FROM pg_stat_user_functions f
 WHERE f.funcname LIKE 'fairqueue\_%%';
 
+-- name: select_index_reads
+-- Index entries read so far (pg_stat_user_indexes.idx_tup_read), by index of the queue's
+-- tables: dead entries a held snapshot keeps are read too. The snapshot scenario takes
+-- differences.
+SELECT s.indexrelname::text AS name, s.idx_tup_read
+FROM pg_stat_user_indexes s
+WHERE s.relname LIKE 'fairqueue\_%%';
+
 -- name: select_queue_tables_in_use
 -- Which queue tables hold rows: fairbench refuses a database in use.
 SELECT EXISTS (SELECT FROM fairqueue_message) AS messages,
