@@ -625,8 +625,10 @@ def validate_group_name(name: Any) -> str:
     Returns it."""
     if not isinstance(name, str):
         raise InvalidChannel(f"channel group name must be a string, got {type(name).__name__}")
-    if not name or not name.strip():
+    if not name:
         raise InvalidChannel("channel group name must not be empty")
+    if not name.strip():
+        raise InvalidChannel(f"channel group name must not be only blanks: {name!r}")
     if name != name.strip():
         raise InvalidChannel(f"channel group name must not start or end with blanks: {name!r}")
     if "/" in name:
@@ -673,8 +675,10 @@ def validate_channel_name(name: Any) -> str:
         name = f"{name._meta.label_lower}:{name.pk}"
     if not isinstance(name, str):
         raise InvalidChannel(f"channel name must be a string, got {type(name).__name__}")
-    if not name or not name.strip():
+    if not name:
         raise InvalidChannel("channel name must not be empty")
+    if not name.strip():
+        raise InvalidChannel(f"channel name must not be only blanks: {name!r}")
     if name != name.strip():
         raise InvalidChannel(f"channel name must not start or end with blanks: {name!r}")
     if len(name) > CHANNEL_NAME_MAX_LENGTH:

@@ -460,7 +460,7 @@ class FairQueueBackend(BaseTaskBackend):
             _bound_task(
                 task,
                 backend=task.backend,
-                priority=task.priority,
+                priority=request.priority,  # as stored: 5.0 is 5, as get_result has it
                 channel=api.validate_channel_name(channel),  # its name, as get_result has it
                 queue_name=task.queue_name,
                 run_after=task.run_after,
@@ -839,7 +839,7 @@ def _bound_task(
         changes["backend"] = backend
     if task.queue_name != queue_name:
         changes["queue_name"] = queue_name
-    if task.priority != priority:
+    if task.priority != priority or type(task.priority) is not int:  # 5.0 == 5, not the same
         changes["priority"] = priority
     if task.run_after != run_after:
         changes["run_after"] = run_after

@@ -110,7 +110,7 @@ def test_channel_names_with_sql_and_unicode_are_stored_verbatim(
     ("name", "error"),
     [
         ("", "must not be empty"),
-        ("   ", "must not be empty"),
+        ("   ", "must not be only blanks: '   '"),
         (" padded", "must not start or end with blanks"),
         ("padded\n", "must not start or end with blanks"),
         ("nbsp\u00a0", "must not start or end with blanks"),

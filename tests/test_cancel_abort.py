@@ -324,6 +324,10 @@ def test_cli_cancel_and_abort() -> None:
     with pytest.raises(CommandError, match="give message ids") as neither:
         call_command("fairqueue", "abort")
     assert both.value.returncode == neither.value.returncode == 2  # usage errors
+    for verb in ("cancel", "abort"):
+        # a bad queue name is a usage error (argparse's, exit 2 at a shell), as a bad channel's
+        with pytest.raises(CommandError, match=r"argument --queue: queue name 'a b' may hold"):
+            call_command("fairqueue", verb, "--queue", "a b")
 
 
 @pytest.mark.django_db

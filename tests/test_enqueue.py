@@ -728,6 +728,16 @@ def test_task_parameters_named_self_or_task_reach_the_task() -> None:
         assert Message.objects.get(pk=mid).payload == {"args": [], "kwargs": kwargs}
 
 
+@pytest.mark.django_db
+def test_using_chains_as_djangos_task_using_does() -> None:
+    bound = self_and_task.using(channel="alice").using(priority=2)
+    message = Message.objects.get(pk=bound.using(priority=3).enqueue(self=1))
+    assert (message.channel.name, message.priority) == ("alice", 3)
+    assert (bound.channel, bound.priority) == ("alice", 2)  # each using() makes a new one
+    with pytest.raises(TypeError, match=r"using\(\) takes the queue options .*; got max_attempts"):
+        bound.using(max_attempts=2)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_rolled_back_enqueue_leaves_no_message_but_the_channel_and_group_it_created() -> None:
     """Inside a transaction new channels and groups are committed on a connection of their own

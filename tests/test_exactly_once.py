@@ -326,8 +326,13 @@ def test_a_result_that_cannot_be_stored_is_refused_by_complete_and_the_message_c
     (not_kept_id,) = enqueue("carol", 1)
     with transaction.atomic(), exactly_once.batch(limit=2) as batch:
         by_id = {m.id: m for m in batch}
-        with pytest.raises(ResultNotStorable, match=r"\(set\) cannot be stored as JSON"):
+        with pytest.raises(ResultNotStorable, match=r"\(set\) cannot be stored as JSON") as e:
             batch.complete(by_id[kept_id], {1, 2})
+        # what a worker's error says ("the task ran, and is not retried") is not true here
+        assert str(e.value).endswith(
+            f"message {kept_id} is not completed: complete it with a value JSON can hold, or "
+            "fail it"
+        )
         batch.fail(by_id[kept_id], ValueError("no JSON result"))  # still undecided
         batch.complete(by_id[not_kept_id], {1, 2})  # not stored, so not refused
     kept_row = Message.objects.get(pk=kept_id)

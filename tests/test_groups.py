@@ -121,6 +121,7 @@ def test_a_slash_in_a_name_groups_nothing_until_the_group_exists() -> None:
         (("acme",), "pair"),
         (("acme", "a", "b"), "pair"),
         (("", "alice"), "must not be empty"),
+        (("  ", "alice"), "must not be only blanks"),
         (("ac/me", "alice"), "must not contain '/'"),
         ((" acme", "alice"), "blanks"),
         (("acme", ""), "must not be empty"),

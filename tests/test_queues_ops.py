@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 from django.contrib.auth.models import Permission, User
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.db import connection
 from django.test import Client
 from django.urls import reverse
@@ -194,6 +194,21 @@ def test_status_counts_each_queues_live_workers_and_warns_of_a_queue_none_serves
     out = io.StringIO()
     call_command("fairqueue", "status", stdout=out)
     assert "no live worker serves" not in out.getvalue()
+
+
+@pytest.mark.django_db
+def test_status_of_a_queue_without_channels_is_an_error_naming_the_queues() -> None:
+    """A queue named wrong (`--queue reprots`) must not look like an idle, healthy one."""
+    f.enqueue_in_queue("reports", "acme", 2)
+    out = io.StringIO()
+    call_command("fairqueue", "status", "--queue", "reports", "--json", stdout=out)
+    assert json.loads(out.getvalue())["totals"]["ready"] == 2
+    for json_too in ([], ["--json"]):
+        with pytest.raises(CommandError) as raised:
+            call_command("fairqueue", "status", "--queue", "reprots", *json_too, stdout=out)
+        assert str(raised.value) == (
+            "no channel in queue 'reprots'; the queues with channels: reports"
+        )
 
 
 @pytest.mark.django_db

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 from django.core.management.base import CommandError
 
 from django_fairqueue import api, limits
-from django_fairqueue.cli import channel_name
+from django_fairqueue.cli import channel_name, queue_name
 from django_fairqueue.cli.terminal import json_text, printable
 from django_fairqueue.exceptions import InvalidChannel, UnknownTask
 from django_fairqueue.tasks.spec import registry
@@ -38,6 +38,7 @@ def add_selection(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--queue",
+        type=queue_name,
         help=(
             "Only this queue's messages; the queue of --channel (default: --channel is a "
             "channel of the default queue, --task alone selects in every queue)."

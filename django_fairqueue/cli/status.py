@@ -134,7 +134,15 @@ def snapshot(
     views = worker_registry.workers()  # beats age on the database's clock, which stamped them
     counts = overview.all_counts()
     if queue is not None:
-        counts = {k: c for k, c in counts.items() if split_row_name(c.name)[0] == queue}
+        every = counts
+        counts = {k: c for k, c in every.items() if split_row_name(c.name)[0] == queue}
+        if not counts:
+            # as for a channel that does not exist: a queue named wrong must not look idle
+            known = sorted({split_row_name(c.name)[0] for c in every.values()})
+            raise CommandError(
+                f"no channel in queue {queue!r}"
+                + (f"; the queues with channels: {', '.join(known)}" if known else "")
+            )
     ids = overview.ranked_ids(sort, limit, counts=counts)
     alive = worker_registry.live(views)
     retrying = channel_store.select_channel_retrying(

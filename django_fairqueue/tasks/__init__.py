@@ -8,7 +8,7 @@ knows task objects only by their ``spec`` (it imports nothing from this module).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from datetime import datetime, timedelta
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
@@ -97,6 +97,17 @@ class BoundTask:
     unique_scope: str | None = None
     on_conflict: str | None = None
     queue: str | None = None
+
+    def using(self, **options: Any) -> BoundTask:
+        """These options fixed too, on top of those fixed already (``.using(a=1).using(b=2)``,
+        as Django's ``Task.using()`` chains); an option given again replaces its value."""
+        unknown = sorted(options.keys() - _QUEUE_OPTIONS)
+        if unknown:
+            raise TypeError(
+                f"using() takes the queue options {', '.join(sorted(_QUEUE_OPTIONS))}; "
+                f"got {', '.join(unknown)}"
+            )
+        return replace(self, **options)
 
     def enqueue(self, /, *args: Any, **kwargs: Any) -> int:
         from django_fairqueue.api import EnqueueRequest, enqueue_many

@@ -72,10 +72,15 @@ class TaskSpec:
         return self.keep_result
 
 
-def check_result(task_name: str, value: Any) -> None:
+#: What becomes of a message whose result cannot be stored, said by a worker's error.
+NOT_RETRIED = "the task ran, and is not retried"
+
+
+def check_result(task_name: str, value: Any, *, then: str = NOT_RETRIED) -> None:
     """Raise :class:`ResultNotStorable` unless ``value`` can be stored as a message's result
     (jsonb): JSON without NaN or infinities, NUL characters or lone surrogates, dict keys that
-    are strings, not nested deeper than the encoder recurses. (Tuples are stored as lists.)"""
+    are strings, not nested deeper than the encoder recurses. (Tuples are stored as lists.)
+    ``then``: what becomes of the message, the error's last words."""
     try:
         text = json.dumps(value, allow_nan=False, ensure_ascii=False)
         if has_nul(text):
@@ -89,7 +94,7 @@ def check_result(task_name: str, value: Any) -> None:
             if keys:
                 raise ValueError(f"it has a dict key that is not a string ({keys[0]!r})")
     except (TypeError, ValueError, RecursionError) as exc:
-        raise result_not_storable(task_name, value, exc) from exc
+        raise result_not_storable(task_name, value, exc, then=then) from exc
 
 
 def _non_string_keys(value: Any) -> list[Any]:
@@ -108,13 +113,14 @@ def _non_string_keys(value: Any) -> list[Any]:
     return []
 
 
-def result_not_storable(task_name: str, value: Any, exc: BaseException) -> ResultNotStorable:
+def result_not_storable(
+    task_name: str, value: Any, exc: BaseException, *, then: str = NOT_RETRIED
+) -> ResultNotStorable:
     """The error of a return value that JSON cannot hold: the value's type, and why."""
     name = qualified_name(type(value))
     why = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
     return ResultNotStorable(
-        f"the return value of {task_name} ({name}) cannot be stored as JSON: {why}; "
-        "the task ran, and is not retried"
+        f"the return value of {task_name} ({name}) cannot be stored as JSON: {why}; {then}"
     )
 
 
