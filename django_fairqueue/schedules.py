@@ -459,7 +459,8 @@ class Firer:
                 schedule,
                 f"missed {schedule.next_fire_at:%Y-%m-%d %H:%M}",
                 logging.WARNING,
-                "schedule %r of channel %r missed slots since %s; %s: firing %d",
+                "schedule %r of channel %r missed slots since %s; %s: firing up to %d (a slot "
+                "fired already is not fired again)",
                 schedule.name,
                 display_name(schedule.channel),
                 schedule.next_fire_at,

@@ -416,3 +416,40 @@ def test_one_time_format_to_the_second_on_a_message_page(admin_client: Client) -
     assert "+00:00" not in text and "T" not in re.findall(r"\d{4}-\d\d-\d\d.\d\d:\d\d", text)[0]
     stamps = re.findall(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", text)
     assert len(stamps) >= 4  # enqueued, run at, claimed, the lease
+
+
+def test_one_time_format_on_every_page_of_the_app_that_shows_a_time(admin_client: Client) -> None:
+    """The work-batch, group, schedule and pipeline-job pages read their times as the others
+    do: `2026-11-28 21:04:05`, never Django's locale format (`Nov. 30, 2026, 9:53 p.m.`)."""
+    import datetime as dt
+
+    from django_fairqueue.contrib.pipeline.models import PipelineJob
+    from django_fairqueue.models import ChannelGroup, Schedule, WorkBatch
+
+    enqueue(("tenant", "acme"), 1)
+    acme = Channel.objects.get(name="tenant/acme")
+    now = timezone.now()
+    batch = WorkBatch.objects.create(
+        job_name="j", channel=acme, start_id=1, end_id=9, row_count=9, state="succeeded",
+        started_at=now, finished_at=now,
+    )  # fmt: skip
+    schedule = Schedule.objects.create(
+        name="s", channel=acme, task_name="tests.noop", cron="@daily"
+    )
+    job = PipelineJob.objects.create(
+        job_name="p:acme", pipeline="p", tenant="acme", version="v1", today=dt.date(2026, 1, 1)
+    )
+    job.record_success(WorkBatch.objects.none())
+    group = ChannelGroup.objects.get(name="tenant")
+    pages = {
+        reverse("admin:fairqueue_workbatch_changelist"): 2,  # started, finished
+        reverse("admin:fairqueue_workbatch_change", args=[batch.pk]): 3,
+        reverse("admin:fairqueue_channelgroup_change", args=[group.pk]): 1,
+        reverse("admin:fairqueue_schedule_change", args=[schedule.pk]): 1,
+        "/admin/fairqueue_pipeline/pipelinejob/": 2,
+        f"/admin/fairqueue_pipeline/pipelinejob/{job.pk}/change/": 2,
+    }
+    for url, at_least in pages.items():
+        text = admin_client.get(url).content.decode()
+        assert not re.search(r"\b[A-Z][a-z]{2}\.? \d{1,2}, \d{4}|[ap]\.m\.", text), url
+        assert len(re.findall(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", text)) >= at_least, url

@@ -543,6 +543,8 @@ def test_the_last_batch_of_a_run_records_it_as_the_last_successful_run(
     call_command("fairpipeline", "status", PIPELINE, "--json")
     (shown,) = json.loads(capsys.readouterr().out)
     assert shown["last_success"]["version"] == done.version
+    # ISO 8601 as every other time of --json (it read "2026-11-30 21:55:19+00:00")
+    assert shown["last_success"]["at"] == done.succeeded_at.isoformat()
 
 
 @needs_spark

@@ -197,6 +197,18 @@ def test_status_counts_each_queues_live_workers_and_warns_of_a_queue_none_serves
 
 
 @pytest.mark.django_db
+def test_status_aligns_names_left_and_figures_right() -> None:
+    f.enqueue_in_queue("reports", "acme", 2)
+    f.enqueue("a-much-longer-channel", 1)
+    out = io.StringIO()
+    call_command("fairqueue", "status", stdout=out)
+    header, *rows = out.getvalue().splitlines()[:3]
+    at = header.index("QUEUE")
+    assert sorted(row[at:].split()[0] for row in rows) == ["default", "reports"]  # left
+    assert {row[: header.index("READY") + len("READY")][-1] for row in rows} == {"1", "2"}
+
+
+@pytest.mark.django_db
 def test_status_of_a_queue_without_channels_is_an_error_naming_the_queues() -> None:
     """A queue named wrong (`--queue reprots`) must not look like an idle, healthy one."""
     f.enqueue_in_queue("reports", "acme", 2)

@@ -110,6 +110,20 @@ def test_a_bad_schedule_gets_a_clear_error_and_nothing_is_saved(
 
 
 @pytest.mark.parametrize(
+    ("args", "kwargs", "field"),
+    [("[]", '{"bogus": 1}', "kwargs"), ('["acme", 2]', "{}", "args")],
+)
+def test_arguments_that_do_not_fit_are_refused_under_the_field_given(
+    admin_client: Client, acme: Channel, args: str, kwargs: str, field: str
+) -> None:
+    data = form(acme, task_name=report.name, args=args, kwargs=kwargs)
+    response = admin_client.post(reverse(ADD), data)
+    errors = response.context["adminform"].form.errors
+    assert list(errors) == [field], errors
+    assert errors[field][0].startswith("arguments do not fit tests.schedules.report(tenant:")
+
+
+@pytest.mark.parametrize(
     ("typed", "field"),
     [
         ({"kwargs": '{"tenant": "\\ud800"}'}, "kwargs"),
@@ -127,7 +141,7 @@ def test_arguments_with_a_lone_surrogate_come_back_as_typed_with_the_error(
     for url in (reverse(ADD), change_url(schedule)):
         response = admin_client.post(url, bad)
         assert response.status_code == 200
-        (why,) = response.context["adminform"].form.errors["args"]  # where the firing fails
+        (why,) = response.context["adminform"].form.errors[field]  # the field typed in
         assert "are not valid Unicode" in why
         shown = response.context["adminform"].form[field].value()
         assert shown == typed[field] and escape(shown) in response.content.decode()

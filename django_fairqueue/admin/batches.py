@@ -23,6 +23,7 @@ from django_fairqueue.admin.common import (
     error_summary,
     ids_of,
     log_changes,
+    time_field,
 )
 from django_fairqueue.db import batch_store
 from django_fairqueue.models import BatchState, WorkBatch
@@ -43,8 +44,8 @@ class WorkBatchAdmin(lists.NulSafeAdmin, WorkBatchAdminBase):
         "rows_processed",
         "attempts_display",
         "worker_id",
-        "started_at",
-        "finished_at",
+        "started_display",
+        "finished_display",
         "error_summary",
     ]
     list_filter = ["state", "job_name"]
@@ -59,20 +60,35 @@ class WorkBatchAdmin(lists.NulSafeAdmin, WorkBatchAdminBase):
         "end_id",
         "row_count",
         "state",
-        "run_at",
+        "run_at_display",
         "attempts",
         "max_attempts",
         "worker_id",
         "lease_token",
+        "heartbeat_display",
+        "lease_expires_display",
+        "created_display",
+        "started_display",
+        "finished_display",
+        "rows_processed",
+        "error_display",
+    ]
+    # (the times are shown by the fields above, as every fairqueue page shows a time)
+    exclude = [
+        "last_error",
+        "run_at",
         "heartbeat_at",
         "lease_expires_at",
         "created_at",
         "started_at",
         "finished_at",
-        "rows_processed",
-        "error_display",
     ]
-    exclude = ["last_error"]
+    run_at_display = time_field("run_at", _("run at"))
+    heartbeat_display = time_field("heartbeat_at", _("heartbeat at"))
+    lease_expires_display = time_field("lease_expires_at", _("lease expires at"))
+    created_display = time_field("created_at", _("created at"))
+    started_display = time_field("started_at", _("started at"), sortable=True)
+    finished_display = time_field("finished_at", _("finished at"), sortable=True)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

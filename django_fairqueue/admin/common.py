@@ -144,6 +144,20 @@ def timestamp(value: datetime | None) -> str:
     return overview.format_time(value)
 
 
+def time_field(field: str, description: str, *, sortable: bool = False) -> Any:
+    """An admin column or read-only field showing the time ``field`` as every fairqueue page
+    shows a time (:func:`timestamp`); ``sortable``: its column header sorts by it. Named in
+    ``list_display``, ``readonly_fields`` or a fieldset in place of the field: Django's own
+    rendering of a time follows the project's locale (``Nov. 30, 2026, 9:53 p.m.``, no
+    seconds) and costs ten times more (a fifth of a list's rendering at 100 rows)."""
+
+    @admin.display(description=description, ordering=field if sortable else None)
+    def show(model_admin: Any, obj: Any) -> str:
+        return timestamp(getattr(obj, field))
+
+    return show
+
+
 def parse_time(text: Any) -> datetime | None:
     """A timestamp the database wrote into JSON (ISO 8601), or None."""
     if not isinstance(text, str):

@@ -21,6 +21,7 @@ from django_fairqueue.admin.common import (
     carry_initial,
     check_limits,
     duration,
+    time_field,
     timestamp,
 )
 from django_fairqueue.api import validate_group_name
@@ -77,8 +78,10 @@ class ChannelGroupAdmin(lists.NulSafeAdmin, GroupAdminBase):
     fieldsets = [
         (None, {"fields": ["name"]}),
         (_("Limits (take effect on the next claim)"), {"fields": list(GROUP_LIMITS)}),
-        (_("State"), {"fields": ["state_display", "channels_link", "created_at"]}),
+        (_("State"), {"fields": ["state_display", "channels_link", "created_display"]}),
     ]
+
+    created_display = time_field("created_at", _("created at"))
 
     @admin.display(description=_("name"), ordering="name")
     def name_display(self, obj: ChannelGroup) -> str:
@@ -87,7 +90,7 @@ class ChannelGroupAdmin(lists.NulSafeAdmin, GroupAdminBase):
     def get_readonly_fields(
         self, request: HttpRequest, obj: ChannelGroup | None = None
     ) -> list[str]:
-        fields = ["state_display", "channels_link", "created_at", "name_display", "queue"]
+        fields = ["state_display", "channels_link", "created_display", "name_display", "queue"]
         if obj is not None:
             fields.append("name")  # the group's identity: channel names refer to it
         return fields

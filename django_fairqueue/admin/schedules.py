@@ -39,6 +39,7 @@ from django.utils.translation import ngettext
 
 from django_fairqueue import conf, cron
 from django_fairqueue.admin import lists
+from django_fairqueue.admin.common import time_field
 from django_fairqueue.db import pg, schedule_store
 from django_fairqueue.exceptions import InvalidSchedule, PayloadError, UnknownTask
 from django_fairqueue.models import Schedule, ScheduleSource
@@ -174,12 +175,17 @@ class ScheduleForm(_ScheduleFormBase):
                 args = data["args"] = []
             if kwargs is None:
                 kwargs = data["kwargs"] = {}
+            # The field an error of the arguments shows under: the one given, kwargs when
+            # only they are (a missing argument, an unknown keyword, a value JSON cannot
+            # hold), else args.
+            blamed = "kwargs" if kwargs and not args else "args"
             try:
                 spec = registry.get(data.get("task_name") or "")
                 max_bytes = conf.get().MAX_PAYLOAD_BYTES
                 if not isinstance(args, list):
                     raise PayloadError('args must be a JSON list, e.g. [1, "x"]')
                 if not isinstance(kwargs, dict):
+                    blamed = "kwargs"
                     raise PayloadError('kwargs must be a JSON object, e.g. {"report": "daily"}')
                 from django_fairqueue.api import check_call
 
@@ -187,7 +193,7 @@ class ScheduleForm(_ScheduleFormBase):
             except UnknownTask:
                 pass  # reported on the task field
             except TypeError as exc:  # (PayloadError is one) what each firing would fail on
-                self.add_error("args", str(exc))
+                self.add_error(blamed, str(exc))
         if data.get("missed") and data.get("catch_up_max") is not None:
             try:
                 cron.validate_missed(data["missed"], data["catch_up_max"], "schedule")
@@ -279,10 +285,12 @@ class ScheduleAdmin(_StateColumns, lists.NulSafeAdmin, _ScheduleAdminBase):
                 "last_slot_display",
                 "last_fired_display",
                 "last_message_display",
-                "created_at",
+                "created_display",
             ]
         },
     )
+
+    created_display = time_field("created_at", _("created at"))
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Schedule]:
         self._now = None
@@ -308,7 +316,7 @@ class ScheduleAdmin(_StateColumns, lists.NulSafeAdmin, _ScheduleAdminBase):
             "last_slot_display",
             "last_fired_display",
             "last_message_display",
-            "created_at",
+            "created_display",
         ]
         if obj is not None and obj.source == ScheduleSource.CODE:
             declared = [f for f in ScheduleForm.Meta.fields if f not in CODE_EDITABLE]

@@ -298,7 +298,7 @@ def table(data: dict[str, Any], *, summary: bool = True) -> str:
                 "yes" if c["paused"] else "",
             )
         )
-    out = aligned(lines, right=range(1, len(header)))
+    out = aligned(lines, right=range(2, len(header)))  # names left, figures right
     if not summary:
         return "\n".join(out)
     if data.get("groups"):
@@ -402,7 +402,7 @@ def _group_table(groups: list[dict[str, Any]]) -> list[str]:
                 f"{interval:g}s" if interval else "-",
             )
         )
-    return aligned(lines, right=range(1, len(header)))
+    return aligned(lines, right=range(2, len(header)))  # names left, figures right
 
 
 def _isatty(stream: TextIO) -> bool:

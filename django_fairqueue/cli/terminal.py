@@ -37,10 +37,10 @@ def printable(text: object) -> str:
     )
 
 
-def json_text(data: object) -> str:
+def json_text(data: object, *, indent: int | None = None) -> str:
     """``data`` as the JSON a command prints (``--json``): a time as ISO 8601
     (``2026-12-01T03:00:00+00:00``), as every subcommand writes it."""
-    return json.dumps(data, default=_iso)
+    return json.dumps(data, default=_iso, indent=indent)
 
 
 def _iso(value: object) -> str:

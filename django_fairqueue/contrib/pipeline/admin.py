@@ -18,6 +18,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.translation import gettext_lazy as _
 
+from django_fairqueue.admin.common import time_field, timestamp
 from django_fairqueue.contrib.pipeline.models import PipelineJob
 
 if TYPE_CHECKING:
@@ -35,11 +36,11 @@ class PipelineJobAdmin(_PipelineJobAdminBase):
         "version",
         "output",
         "scope_display",
-        "today",
+        "today_display",
         "errors_display",
         "succeeded_display",
-        "created_at",
-        "cancelled_at",
+        "created_display",
+        "cancelled_display",
     ]
     list_filter = ["pipeline", "output"]
     search_fields = ["job_name", "version"]
@@ -48,20 +49,29 @@ class PipelineJobAdmin(_PipelineJobAdminBase):
         "pipeline",
         "tenant",
         "version",
-        "today",
+        "today_display",
         "formulas_display",
         "errors",
         "output",
         "changed_since",
         "watermark",
-        "created_at",
-        "cancelled_at",
+        "created_display",
+        "cancelled_display",
         "succeeded_version",
         "succeeded_output",
         "succeeded_watermark",
-        "succeeded_at",
+        "succeeded_at_display",
     ]
-    exclude = ["formulas", "aggregates"]
+    # (the times are shown by the fields above, as every fairqueue page shows a time)
+    exclude = ["formulas", "aggregates", "today", "created_at", "cancelled_at", "succeeded_at"]
+    created_display = time_field("created_at", _("created at"), sortable=True)
+    cancelled_display = time_field("cancelled_at", _("cancelled at"), sortable=True)
+    succeeded_at_display = time_field("succeeded_at", _("succeeded at"))
+
+    @admin.display(description=_("today"), ordering="today")
+    def today_display(self, obj: PipelineJob) -> str:
+        return obj.today.isoformat()  # as the times read: 2026-11-30
+
     actions = ["recompute_jobs", "cancel_jobs"]
 
     def has_add_permission(self, request: HttpRequest) -> bool:
@@ -134,7 +144,7 @@ class PipelineJobAdmin(_PipelineJobAdminBase):
     def succeeded_display(self, obj: PipelineJob) -> str:
         if obj.succeeded_at is None:
             return "-"
-        return f"{obj.succeeded_version} ({obj.succeeded_at:%Y-%m-%d %H:%M})"
+        return f"{obj.succeeded_version} ({timestamp(obj.succeeded_at)})"
 
     @admin.display(description=_("errors"))
     def errors_display(self, obj: PipelineJob) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 from django.core.management.base import CommandError, CommandParser
 
 from django_fairqueue import limits
+from django_fairqueue.cli.terminal import json_text
 from django_fairqueue.contrib.pipeline.runner import MAX_RUNNERS
 from django_fairqueue.management.base import FairCommand
 from django_fairqueue.management.commands.runfairworker import MAX_SECONDS
@@ -474,7 +475,7 @@ class Command(FairCommand):
                     else None
                 )
                 shown.append(row)
-            self.stdout.write(json.dumps(shown, indent=2, default=str))
+            self.stdout.write(json_text(shown, indent=2))  # times in ISO 8601, with a "T"
             return
         if not jobs:
             self.stdout.write("no pipeline jobs")
