@@ -87,16 +87,17 @@ class Batch:
 
         A result to be stored that JSON cannot hold raises
         :class:`~django_fairqueue.exceptions.ResultNotStorable` (a ``TypeError``) here, and
-        the message stays undecided: complete it with a value JSON can hold, or
-        :meth:`fail` it (an exception leaving the block rolls the claim back instead).
+        the message stays unmarked (left so, it completes with ``None`` when the block ends):
+        complete it with a value JSON can hold, or :meth:`fail` it (an exception leaving the
+        block rolls the claim back instead).
         """
         self._decide(message)
         if message.keep_result:
             check_result(
                 message.task_name,
                 result,
-                then=f"message {message.id} is not completed: complete it with a value JSON "
-                "can hold, or fail it",
+                then=f"message {message.id} is not marked (left so, it completes with None "
+                "when the block ends): complete it with a value JSON can hold, or fail it",
             )
         self._results[message.id] = result if message.keep_result else None
 

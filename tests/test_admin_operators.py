@@ -19,7 +19,7 @@ from django.utils import timezone
 from django_fairqueue import stats
 from django_fairqueue.admin import ChannelAdmin
 from django_fairqueue.db import message_store, stats_store, worker_store
-from django_fairqueue.models import Channel, Message
+from django_fairqueue.models import Channel, Message, WorkerRecord
 from django_fairqueue.runtime import worker_registry
 from tests.factories import channel_ids, enqueue
 
@@ -441,7 +441,11 @@ def test_one_time_format_on_every_page_of_the_app_that_shows_a_time(admin_client
     )
     job.record_success(WorkBatch.objects.none())
     group = ChannelGroup.objects.get(name="tenant")
+    register("w-1")
+    worker_store.deregister_worker("w-1", handled=1, last_claim_at=now)  # every time set
+    worker = WorkerRecord.objects.get(worker_id="w-1")
     pages = {
+        reverse("admin:fairqueue_workerrecord_change", args=[worker.pk]): 4,
         reverse("admin:fairqueue_workbatch_changelist"): 2,  # started, finished
         reverse("admin:fairqueue_workbatch_change", args=[batch.pk]): 3,
         reverse("admin:fairqueue_channelgroup_change", args=[group.pk]): 1,

@@ -734,6 +734,7 @@ def test_using_chains_as_djangos_task_using_does() -> None:
     message = Message.objects.get(pk=bound.using(priority=3).enqueue(self=1))
     assert (message.channel.name, message.priority) == ("alice", 3)
     assert (bound.channel, bound.priority) == ("alice", 2)  # each using() makes a new one
+    assert bound.using(channel=None).channel == "alice"  # None keeps it, as Django's does
     with pytest.raises(TypeError, match=r"using\(\) takes the queue options .*; got max_attempts"):
         bound.using(max_attempts=2)
 

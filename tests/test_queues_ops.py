@@ -209,17 +209,21 @@ def test_status_aligns_names_left_and_figures_right() -> None:
 
 
 @pytest.mark.django_db
-def test_status_of_a_queue_without_channels_is_an_error_naming_the_queues() -> None:
-    """A queue named wrong (`--queue reprots`) must not look like an idle, healthy one."""
+def test_status_of_a_queue_nothing_knows_is_an_error_naming_the_queues() -> None:
+    """A queue named wrong (`--queue reprots`) must not look like an idle, healthy one; the
+    default queue, and one a live worker serves, may be empty."""
     f.enqueue_in_queue("reports", "acme", 2)
-    out = io.StringIO()
-    call_command("fairqueue", "status", "--queue", "reports", "--json", stdout=out)
-    assert json.loads(out.getvalue())["totals"]["ready"] == 2
+    worker_registry.Registration("w-emails", concurrency=2, queues=["emails"]).register()
+    for queue, ready in (("reports", 2), ("default", 0), ("emails", 0)):
+        out = io.StringIO()
+        call_command("fairqueue", "status", "--queue", queue, "--json", stdout=out)
+        assert json.loads(out.getvalue())["totals"]["ready"] == ready, queue
     for json_too in ([], ["--json"]):
         with pytest.raises(CommandError) as raised:
             call_command("fairqueue", "status", "--queue", "reprots", *json_too, stdout=out)
         assert str(raised.value) == (
-            "no channel in queue 'reprots'; the queues with channels: reports"
+            "no channel in queue 'reprots', and no live worker serves it; the queues: default, "
+            "emails, reports"
         )
 
 

@@ -111,7 +111,11 @@ def test_a_bad_schedule_gets_a_clear_error_and_nothing_is_saved(
 
 @pytest.mark.parametrize(
     ("args", "kwargs", "field"),
-    [("[]", '{"bogus": 1}', "kwargs"), ('["acme", 2]', "{}", "args")],
+    [
+        ("[]", '{"bogus": 1}', "kwargs"),
+        ('["acme", 2]', "{}", "args"),
+        ("{}", '{"tenant": "acme"}', "args"),  # not a list: args's own error
+    ],
 )
 def test_arguments_that_do_not_fit_are_refused_under_the_field_given(
     admin_client: Client, acme: Channel, args: str, kwargs: str, field: str
@@ -120,7 +124,9 @@ def test_arguments_that_do_not_fit_are_refused_under_the_field_given(
     response = admin_client.post(reverse(ADD), data)
     errors = response.context["adminform"].form.errors
     assert list(errors) == [field], errors
-    assert errors[field][0].startswith("arguments do not fit tests.schedules.report(tenant:")
+    assert errors[field][0].startswith(
+        ("arguments do not fit tests.schedules.report(tenant:", "args must be a JSON list")
+    )
 
 
 @pytest.mark.parametrize(

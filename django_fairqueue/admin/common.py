@@ -20,6 +20,8 @@ from django_fairqueue.models import Channel, ChannelGroup, Message, WorkBatch, W
 from django_fairqueue.observe import overview
 
 if TYPE_CHECKING:
+    from django.utils.functional import _StrOrPromise as StrOrPromise
+
     ChannelAdminBase = admin.ModelAdmin[Channel]
     GroupAdminBase = admin.ModelAdmin[ChannelGroup]
     GroupFormBase = forms.ModelForm[ChannelGroup]
@@ -144,7 +146,7 @@ def timestamp(value: datetime | None) -> str:
     return overview.format_time(value)
 
 
-def time_field(field: str, description: str, *, sortable: bool = False) -> Any:
+def time_field(field: str, description: StrOrPromise, *, sortable: bool = False) -> Any:
     """An admin column or read-only field showing the time ``field`` as every fairqueue page
     shows a time (:func:`timestamp`); ``sortable``: its column header sorts by it. Named in
     ``list_display``, ``readonly_fields`` or a fieldset in place of the field: Django's own

@@ -183,6 +183,7 @@ class ScheduleForm(_ScheduleFormBase):
                 spec = registry.get(data.get("task_name") or "")
                 max_bytes = conf.get().MAX_PAYLOAD_BYTES
                 if not isinstance(args, list):
+                    blamed = "args"
                     raise PayloadError('args must be a JSON list, e.g. [1, "x"]')
                 if not isinstance(kwargs, dict):
                     blamed = "kwargs"

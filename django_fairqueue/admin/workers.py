@@ -19,7 +19,7 @@ from django.utils.translation import gettext_lazy as _
 
 from django_fairqueue import conf
 from django_fairqueue.admin import lists
-from django_fairqueue.admin.common import WorkerAdminBase
+from django_fairqueue.admin.common import WorkerAdminBase, time_field
 from django_fairqueue.db import pg
 from django_fairqueue.models import Message, MessageState, WorkerRecord
 from django_fairqueue.observe import overview
@@ -86,6 +86,15 @@ class WorkerAdmin(lists.NulSafeAdmin, WorkerAdminBase):
         "restarts_display",
     ]
     list_filter = [WorkerStateFilter, "host"]
+    # The worker's page: its times as every fairqueue page shows a time, not as form fields.
+    exclude = ["started_at", "heartbeat_at", "last_claim_at", "stopped_at"]
+    readonly_fields = [
+        "started_display",
+        "heartbeat_display",
+        "last_claim_display",
+        "stopped_display",
+    ]
+    stopped_display = time_field("stopped_at", _("stopped at"))
     search_fields = ["worker_id", "host", "supervisor"]
     show_full_result_count = False
     # a supervisor's children together, in slot order; workers on their own by id

@@ -37,7 +37,7 @@ from django_fairqueue.cli import channel_name
 from django_fairqueue.cli.terminal import aligned, cut, json_text, printable
 from django_fairqueue.db import channel_store, pg
 from django_fairqueue.observe import horizon, overview, waiting
-from django_fairqueue.queues import split_row_name, validate_queue_name
+from django_fairqueue.queues import DEFAULT_QUEUE, split_row_name, validate_queue_name
 from django_fairqueue.runtime import worker_registry
 
 #: Longest channel name printed in the table (the JSON has it whole).
@@ -132,19 +132,21 @@ def snapshot(
     every worker's)."""
     now = now or pg.select_clock()
     views = worker_registry.workers()  # beats age on the database's clock, which stamped them
+    alive = worker_registry.live(views)
     counts = overview.all_counts()
     if queue is not None:
         every = counts
         counts = {k: c for k, c in every.items() if split_row_name(c.name)[0] == queue}
-        if not counts:
-            # as for a channel that does not exist: a queue named wrong must not look idle
-            known = sorted({split_row_name(c.name)[0] for c in every.values()})
+        known = {DEFAULT_QUEUE, *(split_row_name(c.name)[0] for c in every.values())}
+        known.update(q for v in alive for q in v.queues or ())
+        if queue not in known:
+            # as for a channel that does not exist: a queue named wrong must not pass for an
+            # idle one (one a live worker serves, or the default, may be empty)
             raise CommandError(
-                f"no channel in queue {queue!r}"
-                + (f"; the queues with channels: {', '.join(known)}" if known else "")
+                f"no channel in queue {queue!r}, and no live worker serves it; the queues: "
+                + ", ".join(sorted(known))
             )
     ids = overview.ranked_ids(sort, limit, counts=counts)
-    alive = worker_registry.live(views)
     retrying = channel_store.select_channel_retrying(
         [c.id for c in counts.values() if c.scheduled > 0]
     )

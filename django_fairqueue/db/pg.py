@@ -3,8 +3,9 @@
 Every function of ``django_fairqueue.db`` runs its statement through :func:`run_statement` on
 the Django connection of ``FAIRQUEUE['DATABASE']`` (or ``using``), so it joins the caller's
 transaction (``transaction.atomic()``) or autocommits like any ORM query. Statements run on a
-psycopg cursor with server-side binding and prepared statements (Django's default cursor binds
-on the client), wrapped in Django's error translation so an error inside ``atomic()`` marks the
+psycopg cursor with server-side binding (Django's default cursor binds on the client), the calls
+of the server functions prepared (see :func:`named_statements`), wrapped in Django's error
+translation so an error inside ``atomic()`` marks the
 transaction for rollback exactly as an ORM error would. :func:`kept_cursor` is that cursor,
 kept per connection; :func:`own_connection` is a short-lived connection outside Django's
 handler, for work that must commit apart from the caller's transaction.

@@ -99,15 +99,16 @@ class BoundTask:
     queue: str | None = None
 
     def using(self, **options: Any) -> BoundTask:
-        """These options fixed too, on top of those fixed already (``.using(a=1).using(b=2)``,
-        as Django's ``Task.using()`` chains); an option given again replaces its value."""
+        """These options fixed too, on top of those fixed already (``.using(a=1).using(b=2)``),
+        as Django's ``Task.using()`` chains: an option given again replaces its value, and one
+        given as None keeps it."""
         unknown = sorted(options.keys() - _QUEUE_OPTIONS)
         if unknown:
             raise TypeError(
                 f"using() takes the queue options {', '.join(sorted(_QUEUE_OPTIONS))}; "
                 f"got {', '.join(unknown)}"
             )
-        return replace(self, **options)
+        return replace(self, **{k: v for k, v in options.items() if v is not None})
 
     def enqueue(self, /, *args: Any, **kwargs: Any) -> int:
         from django_fairqueue.api import EnqueueRequest, enqueue_many
