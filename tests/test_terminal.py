@@ -246,10 +246,11 @@ def test_tables_keep_their_columns_with_wide_characters() -> None:
     out = io.StringIO()
     call_command("fairqueue", "status", "--sort", "name", stdout=out)
     header, *rows = out.getvalue().splitlines()[: 1 + len(names)]
-    # the QUEUE column (right-aligned) ends at the same terminal column in every line
-    end = terminal.width(header[: header.index("QUEUE") + len("QUEUE")])
+    # the QUEUE column (left-aligned, as the names) starts at the same terminal column in
+    # every line
+    start = terminal.width(header[: header.index("QUEUE")])
     for row in rows:
-        assert terminal.width(row[: row.index("default") + len("default")]) == end, rows
+        assert terminal.width(row[: row.index("default")]) == start, rows
     assert "東" * 18 + "..." in out.getvalue()  # a long name is cut to 40 columns
     for name in ("東京テナント", "plain"):
         channel = Channel.objects.get(name=name)
