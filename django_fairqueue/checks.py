@@ -101,28 +101,34 @@ def _routing_problems(cfg: conf.FairQueueSettings) -> list[Problem]:
 
 
 def _routing_fix(cfg: conf.FairQueueSettings, action: str) -> str:
-    """How to route the queue's models to its database: add QueueRouter, or, when it is listed
-    but a router before it answers ``action`` first, move it before that one."""
+    """How to route the queue's models to its database: add QueueRouter, or, when a router
+    of the project answers ``action`` first, put QueueRouter before it (or have it leave the
+    queue's models alone). The models' tables are in ``default`` already; another database
+    needs them migrated there."""
     from django.db import router
 
     from django_fairqueue.models import Channel
     from django_fairqueue.routers import QueueRouter
 
     path = "django_fairqueue.routers.QueueRouter"
-    migrate = f"then run `manage.py migrate --database {cfg.DATABASE}`."
+    migrate = (
+        "."
+        if cfg.DATABASE == "default"
+        else f", then run `manage.py migrate --database {cfg.DATABASE}`."
+    )
+    listed = any(isinstance(r, QueueRouter) for r in router.routers)
     for found in router.routers:
         if isinstance(found, QueueRouter):
             break
         method = getattr(found, action, None)
         if method is not None and method(Channel) is not None:
             name = f"{type(found).__module__}.{type(found).__qualname__}"
-            if any(isinstance(r, QueueRouter) for r in router.routers):
-                return (
-                    f"Move {path!r} before {name!r} in DATABASE_ROUTERS ({name!r} answers first "
-                    f"for django-fairqueue's models), {migrate}"
-                )
-            break
-    return f"Add {path!r} to DATABASE_ROUTERS, {migrate}"
+            return (
+                f"{'Move' if listed else 'Add'} {path!r} before {name!r} in DATABASE_ROUTERS "
+                f"({name!r} answers first for django-fairqueue's models), or have {name!r} "
+                f"return None for them{migrate}"
+            )
+    return f"Add {path!r} to DATABASE_ROUTERS{migrate}"
 
 
 def _metrics_checks() -> list[Error]:

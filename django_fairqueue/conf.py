@@ -163,7 +163,8 @@ def _number(value: Any, name: str, *, minimum: float, integer: bool = False) -> 
 
 def validate_timeout(value: Any, name: str) -> float | None:
     """A task time limit in seconds: None (no limit of its own), or a positive number or
-    timedelta; 0 means no limit. Raise ``ValueError`` naming the bad value."""
+    timedelta up to a year, as every other interval; 0 means no limit. Raise ``ValueError``
+    naming the bad value."""
     if value is None:
         return None
     if isinstance(value, timedelta):
@@ -176,6 +177,11 @@ def validate_timeout(value: Any, name: str) -> float | None:
     ):
         raise ValueError(
             f"{name} must be a number of seconds >= 0 (0: no limit) or None, got {value!r}"
+        )
+    if value > MAX_RETRY_DELAY.total_seconds():
+        # (a year, as every other interval: the worker's timer must stay one Python holds)
+        raise ValueError(
+            f"{name} must be at most {seconds_text(MAX_RETRY_DELAY)} (0: no limit), got {value!r}"
         )
     return float(value)
 
@@ -208,7 +214,9 @@ def validate_channel_limits(
     if max_backlog is not None:
         _number(max_backlog, f"{where} max_backlog", minimum=1, integer=True)
         if max_backlog > 2_147_483_647:
-            raise ValueError(f"{where} max_backlog must fit in 32 bits, got {max_backlog}")
+            raise ValueError(
+                f"{where} max_backlog must be at most 2,147,483,647, got {max_backlog:,}"
+            )
     return ChannelDefaults(max_concurrency, interval, weight, max_backlog)
 
 

@@ -212,10 +212,16 @@ def test_the_routers_hint_names_a_router_listed_before_the_queues() -> None:
         (error,) = checks.check_settings()
     assert error.id == "fairqueue.E007"
     assert f"Move '{ROUTER}' before '{here}.WritesDefault'" in (error.hint or "")
-    # without the queue's router there is none to move
+    assert error.hint.endswith("then run `manage.py migrate --database pooled`.")
+    # without the queue's router: add it before the router answering first, or change that
+    # one; the queue's database being "default", nothing to migrate
     with override_settings(DATABASE_ROUTERS=[f"{here}.ReadsElsewhere"]):
         (warning,) = checks.check_settings()
-    assert f"Add '{ROUTER}' to DATABASE_ROUTERS" in (warning.hint or "")
+    assert warning.hint == (
+        f"Intended for a replica; otherwise: Add '{ROUTER}' before '{here}.ReadsElsewhere' in "
+        f"DATABASE_ROUTERS ('{here}.ReadsElsewhere' answers first for django-fairqueue's "
+        f"models), or have '{here}.ReadsElsewhere' return None for them."
+    )
 
 
 # -- the metrics' bound ---------------------------------------------------------------------------

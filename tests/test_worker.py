@@ -1033,8 +1033,10 @@ def test_worker_config_validates() -> None:
         WorkerConfig(concurrency=0)
     with pytest.raises(ValueError, match="burst_horizon must be 0 to 86400 seconds"):
         WorkerConfig(burst_horizon=-0.5)
-    with pytest.raises(ValueError, match="not a string"):
+    with pytest.raises(TypeError, match="not a string"):  # a value of the wrong kind
         WorkerConfig(channels="abc")
+    with pytest.raises(TypeError, match="queues must be a list of queue names, not a string"):
+        WorkerConfig(queues="reports")
     with pytest.raises(ValueError, match="concurrency must be 1 to 1000, got 1001"):
         WorkerConfig(concurrency=1001)
     with pytest.raises(ValueError, match="both included and excluded"):
@@ -1616,12 +1618,20 @@ def test_time_limits_are_validated(fq: Any) -> None:
     for bad in [-1, "30", float("nan"), float("inf"), True]:
         with pytest.raises(ValueError, match=r"TASK_TIMEOUT'\] must be a number of seconds"):
             conf.load({"TASK_TIMEOUT": bad})
+    # a year at most, as every other interval (1e300 passed, for a timer no thread could set)
+    fq(TASK_TIMEOUT=timedelta(days=365))
+    for bad in [1e300, timedelta(days=366)]:
+        with pytest.raises(
+            ValueError, match=r"TASK_TIMEOUT'\] must be at most 31536000 seconds \(365 days\)"
+        ):
+            conf.load({"TASK_TIMEOUT": bad})
 
     def plain() -> None:
         pass
 
-    with pytest.raises(ValueError, match=r"'tests\.worker\.bad_timeout': timeout must be"):
-        task(name="tests.worker.bad_timeout", timeout=-1)(plain)
+    for bad in (-1, 31_536_001):
+        with pytest.raises(ValueError, match=r"'tests\.worker\.bad_timeout': timeout must be"):
+            task(name="tests.worker.bad_timeout", timeout=bad)(plain)
     assert task(name="tests.worker.no_limit", timeout=0)(plain).spec.effective_timeout is None
     registry.unregister("tests.worker.no_limit")
     with pytest.raises(ValueError, match="max_abandoned_threads must be 1 to 1000"):
@@ -1718,3 +1728,27 @@ def test_a_stop_past_its_grace_expires_the_leases_it_leaves_for_the_rescuer() ->
         release.set()
         message_started.disconnect(hold)
         time.sleep(0.2)  # (the held thread ends its task; its outcome is not written)
+
+
+def test_verbosity_sets_the_packages_level_under_the_projects_own_handlers() -> None:
+    """With LOGGING's handlers (a root handler, as the observability page's JSON logging
+    sets), `-v 0` must still drop the per-message lines and `-v 2` add debug; the default
+    keeps the level LOGGING gave."""
+    from django_fairqueue.runtime import configure_logging
+
+    package, root = logging.getLogger("django_fairqueue"), logging.getLogger()
+    project = logging.NullHandler()
+    was = package.level
+    root.addHandler(project)
+    try:
+        package.setLevel(logging.INFO)
+        configure_logging(0)
+        assert package.level == logging.WARNING and not package.handlers
+        configure_logging(2)
+        assert package.level == logging.DEBUG
+        package.setLevel(logging.ERROR)  # what the project's LOGGING says
+        configure_logging(1)
+        assert package.level == logging.ERROR
+    finally:
+        root.removeHandler(project)
+        package.setLevel(was)

@@ -158,14 +158,14 @@ class WorkerConfig:
         for attr in ("channels", "exclude_channels"):
             names = getattr(self, attr)
             if isinstance(names, str):
-                raise ValueError(f"{attr} must be a list of channel names, not a string")
+                raise TypeError(f"{attr} must be a list of channel names, not a string")
             object.__setattr__(self, attr, tuple(validate_channel_name(n) for n in names))
         both = sorted(set(self.channels) & set(self.exclude_channels))
         if both:
             raise ValueError(f"channels both included and excluded: {both}")
         if self.queues is not None:
             if isinstance(self.queues, str):
-                raise ValueError("queues must be a list of queue names, not a string")
+                raise TypeError("queues must be a list of queue names, not a string")
             queues = tuple(dict.fromkeys(validate_queue_name(q) for q in self.queues))
             if not queues:
                 raise ValueError("queues must name at least one queue (None: every queue)")
