@@ -97,7 +97,8 @@ class Batch:
                 message.task_name,
                 result,
                 then=f"message {message.id} is not marked (left so, it completes with None "
-                "when the block ends): complete it with a value JSON can hold, or fail it",
+                "when the block ends; raised out of the block, this error rolls the claim "
+                "back): complete it with a value JSON can hold, or fail it",
             )
         self._results[message.id] = result if message.keep_result else None
 

@@ -331,7 +331,8 @@ def test_a_result_that_cannot_be_stored_is_refused_by_complete_and_the_message_c
         # what a worker's error says ("the task ran, and is not retried") is not true here
         assert str(e.value).endswith(
             f"message {kept_id} is not marked (left so, it completes with None when the block "
-            "ends): complete it with a value JSON can hold, or fail it"
+            "ends; raised out of the block, this error rolls the claim back): complete it with "
+            "a value JSON can hold, or fail it"
         )
         batch.fail(by_id[kept_id], ValueError("no JSON result"))  # still undecided
         batch.complete(by_id[not_kept_id], {1, 2})  # not stored, so not refused

@@ -185,3 +185,16 @@ def test_today_and_now_are_read_in_the_pipelines_zone_per_tenant(settings: Any) 
     assert execute.local_time(pipeline, "other", moment) == dt.datetime(2026, 11, 25, 21, 30, 15)
     with pytest.raises(execute.PipelineError, match="tenant 'bad': unknown time zone 'Nope/Zone'"):
         execute.local_time(pipeline, "bad", moment)
+
+
+def test_names_given_as_one_string_are_refused_not_split_into_letters() -> None:
+    """`channels="acme"` would claim for the channels a, c, m and e: a TypeError instead, as
+    WorkerConfig and exactly_once.batch() refuse it."""
+    from django_fairqueue.contrib.pipeline.core import Pipeline
+    from django_fairqueue.contrib.pipeline.runner import PipelineRunner
+
+    for kwargs in ({"channels": "acme"}, {"pipelines": "enrich"}):
+        with pytest.raises(TypeError, match="must be a list of names, not a string"):
+            PipelineRunner(worker_id="w", **kwargs)
+    with pytest.raises(TypeError, match="functions must be function names"):
+        Pipeline(name="p", source=None, sink=None, formulas=lambda t: {}, functions="SUM")  # type: ignore[arg-type]

@@ -217,7 +217,15 @@ def test_status_of_a_queue_nothing_knows_is_an_error_naming_the_queues() -> None
     for queue, ready in (("reports", 2), ("default", 0), ("emails", 0)):
         out = io.StringIO()
         call_command("fairqueue", "status", "--queue", queue, "--json", stdout=out)
-        assert json.loads(out.getvalue())["totals"]["ready"] == ready, queue
+        shown = json.loads(out.getvalue())
+        assert shown["totals"]["ready"] == ready, queue
+        assert shown["queues"][queue]["ready"] == ready  # listed, even without a channel
+    assert json.loads(out.getvalue())["queues"]["emails"]["live_workers"] == 1
+    # a watch checks the name at its first redraw only: the worker serving an empty queue
+    # may restart meanwhile
+    from django_fairqueue.cli.status import snapshot
+
+    assert snapshot(queue="reprots", check_queue=False)["channels"] == []
     for json_too in ([], ["--json"]):
         with pytest.raises(CommandError) as raised:
             call_command("fairqueue", "status", "--queue", "reprots", *json_too, stdout=out)

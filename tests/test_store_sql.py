@@ -151,10 +151,11 @@ def test_every_statement_has_a_description(module: ModuleType, sql_file: Path) -
     assert len(re.findall(r"^-- name: ", text, re.MULTILINE)) == len(module.queries())
 
 
-# Every name of the queue's in a statement, and whether a call follows it: a prepared statement
-# may name only server functions (fairqueue_..._vN, called). A table, however it is named (FROM,
-# a comma join, INSERT INTO, USING, schema-qualified or quoted), is a name without a call.
-QUEUE_NAME = re.compile(r"\b(fairqueue_\w+)\b\"?(\s*\()?", re.I)
+# Every name of the queue's or of the catalog's in a statement, and whether a call follows it:
+# a prepared statement may name only functions (fairqueue_..._vN, pg_...), called. A table or
+# a view, however it is named (FROM, a comma join, INSERT INTO, USING, schema-qualified or
+# quoted), is a name without a call.
+QUEUE_NAME = re.compile(r"\b((?:fairqueue|pg)_\w+)\b\"?(\s*\()?", re.I)
 SERVER_FUNCTION = re.compile(r"fairqueue_\w+_v\d+", re.I)
 
 
@@ -164,7 +165,7 @@ def tables_read(statement: str) -> list[str]:
     return [
         name
         for name, call in QUEUE_NAME.findall(code)
-        if not (call and SERVER_FUNCTION.fullmatch(name))
+        if not (call and (SERVER_FUNCTION.fullmatch(name) or name.lower().startswith("pg_")))
     ]
 
 
@@ -186,6 +187,7 @@ def test_only_calls_of_server_functions_are_prepared(module: ModuleType, sql_fil
         "DELETE FROM fairqueue_message m USING fairqueue_channel c WHERE m.channel_id = c.id",
         'SELECT 1 FROM public."fairqueue_message"',
         "SELECT fairqueue_claim_v1(1) FROM fairqueue_channel",
+        "SELECT count(*) FROM pg_stat_activity",
     ],
 )
 def test_the_rule_sees_a_table_however_it_is_named(statement: str) -> None:
@@ -199,6 +201,7 @@ def test_the_prepared_statements_are_the_hot_calls() -> None:
     assert {"claim_messages", "complete_messages", "enqueue_message"} <= prepared
     assert "heartbeat_messages" not in prepared
     assert tables_read(message_store.queries()["claim_messages"]) == []
+    assert tables_read("SELECT pg_notify(%(channel)s, ''), fairqueue_next_due_v1(1)") == []
     assert tables_read(message_store.queries()["heartbeat_messages"])
 
 

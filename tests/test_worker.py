@@ -1732,9 +1732,10 @@ def test_a_stop_past_its_grace_expires_the_leases_it_leaves_for_the_rescuer() ->
 
 def test_verbosity_sets_the_packages_level_under_the_projects_own_handlers() -> None:
     """With LOGGING's handlers (a root handler, as the observability page's JSON logging
-    sets), `-v 0` must still drop the per-message lines and `-v 2` add debug; the default
-    keeps the level LOGGING gave."""
-    from django_fairqueue.runtime import configure_logging
+    sets), `-v 0` must still drop the per-message lines (never showing more than LOGGING
+    does) and `-v 2` add debug; the default keeps the level LOGGING gave; and the command's
+    end puts the level back."""
+    from django_fairqueue.runtime import command_logging
 
     package, root = logging.getLogger("django_fairqueue"), logging.getLogger()
     project = logging.NullHandler()
@@ -1742,13 +1743,29 @@ def test_verbosity_sets_the_packages_level_under_the_projects_own_handlers() -> 
     root.addHandler(project)
     try:
         package.setLevel(logging.INFO)
-        configure_logging(0)
-        assert package.level == logging.WARNING and not package.handlers
-        configure_logging(2)
-        assert package.level == logging.DEBUG
+        with command_logging(0):
+            assert package.level == logging.WARNING and not package.handlers
+        assert package.level == logging.INFO  # put back
+        with command_logging(2):
+            assert package.level == logging.DEBUG
         package.setLevel(logging.ERROR)  # what the project's LOGGING says
-        configure_logging(1)
-        assert package.level == logging.ERROR
+        for verbosity in (0, 1):  # -v 0 shows no more than LOGGING does
+            with command_logging(verbosity):
+                assert package.level == logging.ERROR
     finally:
         root.removeHandler(project)
         package.setLevel(was)
+
+
+def test_a_command_without_the_projects_handlers_leaves_none_behind() -> None:
+    from django_fairqueue.runtime import command_logging
+
+    package, root = logging.getLogger("django_fairqueue"), logging.getLogger()
+    kept = root.handlers[:]
+    root.handlers.clear()  # (pytest's own: as a project without LOGGING handlers)
+    try:
+        with command_logging(0):
+            assert len(package.handlers) == 1 and package.level == logging.WARNING
+        assert package.handlers == []
+    finally:
+        root.handlers[:] = kept

@@ -86,15 +86,38 @@ class WorkerAdmin(lists.NulSafeAdmin, WorkerAdminBase):
         "restarts_display",
     ]
     list_filter = [WorkerStateFilter, "host"]
-    # The worker's page: its times as every fairqueue page shows a time, not as form fields.
-    exclude = ["started_at", "heartbeat_at", "last_claim_at", "stopped_at"]
-    readonly_fields = [
-        "started_display",
-        "heartbeat_display",
-        "last_claim_display",
-        "stopped_display",
+    # The worker's page: its fields in the model's order, the times as every fairqueue page
+    # shows a time (not Django's locale format).
+    fields = [
+        "worker_id",
+        "host",
+        "pid",
+        "version",
+        "concurrency",
+        "channels",
+        "exclude_channels",
+        "queues",
+        "state",
+        "started_at_display",
+        "heartbeat_at_display",
+        "last_claim_at_display",
+        "running",
+        "handled",
+        "stopped_at_display",
+        "wakeups",
+        "supervisor",
+        "supervision",
     ]
-    stopped_display = time_field("stopped_at", _("stopped at"))
+    readonly_fields = [
+        "started_at_display",
+        "heartbeat_at_display",
+        "last_claim_at_display",
+        "stopped_at_display",
+    ]
+    started_at_display = time_field("started_at", _("started at"))
+    heartbeat_at_display = time_field("heartbeat_at", _("last beat"))
+    last_claim_at_display = time_field("last_claim_at", _("last claim"))
+    stopped_at_display = time_field("stopped_at", _("stopped at"))
     search_fields = ["worker_id", "host", "supervisor"]
     show_full_result_count = False
     # a supervisor's children together, in slot order; workers on their own by id

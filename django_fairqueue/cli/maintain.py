@@ -15,7 +15,7 @@ from typing import Any
 from django.core.management.base import OutputWrapper
 
 from django_fairqueue.maintenance import MaintenanceRunner
-from django_fairqueue.runtime import StopFlag, configure_logging, stop_signals
+from django_fairqueue.runtime import StopFlag, command_logging, stop_signals
 from django_fairqueue.tasks.spec import registry
 
 logger = logging.getLogger("django_fairqueue.maintenance")
@@ -43,9 +43,7 @@ def handle(options: dict[str, Any], stdout: OutputWrapper) -> None:
     def on_signal(signum: int) -> None:
         stop.set()
 
-    configure_logging(options["verbosity"])
-
-    with stop_signals(on_signal):
+    with command_logging(options["verbosity"]), stop_signals(on_signal):
         if threading.current_thread() is threading.main_thread():
             logger.info("maintenance running; SIGTERM or Ctrl-C stops it")
         runner.run()

@@ -102,9 +102,11 @@ def handle(options: dict[str, Any], stdout: TextIO) -> None:
         _write(stdout, _render(options))
         return
     clear = "\x1b[H\x1b[2J" if _isatty(stdout) and not options["json"] else ""
+    checked = False  # the queue's name, at the first redraw only (its workers may restart)
     try:
         while True:
-            text = _render(options)
+            text = _render(options, check_queue=not checked)
+            checked = True
             if not options["json"]:
                 stamp = timezone.localtime().strftime("%Y-%m-%d %H:%M:%S %Z")
                 text = f"{stamp}, every {interval:g}s (Ctrl-C stops)\n\n{text}"
@@ -125,11 +127,13 @@ def snapshot(
     limit: int = 20,
     now: datetime | None = None,
     queue: str | None = None,
+    *,
+    check_queue: bool = True,
 ) -> dict[str, Any]:
     """What ``status --json`` prints. Ages are measured on the database's clock (``now``),
     which stamped the messages; the finished counts' minutes are the workers' own clocks.
     With ``queue``, the channels, groups and totals are that queue's only (the workers are
-    every worker's)."""
+    every worker's); ``check_queue``: refuse a queue nothing knows (see below)."""
     now = now or pg.select_clock()
     views = worker_registry.workers()  # beats age on the database's clock, which stamped them
     alive = worker_registry.live(views)
@@ -139,7 +143,7 @@ def snapshot(
         counts = {k: c for k, c in every.items() if split_row_name(c.name)[0] == queue}
         known = {DEFAULT_QUEUE, *(split_row_name(c.name)[0] for c in every.values())}
         known.update(q for v in alive for q in v.queues or ())
-        if queue not in known:
+        if check_queue and queue not in known:
             # as for a channel that does not exist: a queue named wrong must not pass for an
             # idle one (one a live worker serves, or the default, may be empty)
             raise CommandError(
@@ -171,7 +175,7 @@ def snapshot(
             "dead": sum(1 for v in views if v.state == "dead"),
         },
         "finished_last_5m": sum(stats.finished_of(recent).values()),
-        "queues": _queues(counts.values(), alive),
+        "queues": _queues(counts.values(), alive, queue),
         "channels": [_in_queue(row.as_dict(now)) for row in overview.rows(ids)],
         **_groups(limit, queue),
         # the long transactions (and slots) that hold VACUUM back and slow every claim
@@ -185,10 +189,15 @@ def _in_queue(row: dict[str, Any]) -> dict[str, Any]:
     return {**row, "name": name, "queue": queue}
 
 
-def _queues(counts: Any, alive: list[worker_registry.WorkerView]) -> dict[str, dict[str, int]]:
+def _queues(
+    counts: Any, alive: list[worker_registry.WorkerView], asked: str | None = None
+) -> dict[str, dict[str, int]]:
     """Per queue: its channels, their ready and running messages, and the live workers that
-    serve it (those of every queue, and those started with --queues naming it)."""
+    serve it (those of every queue, and those started with --queues naming it); the queue
+    ``asked`` for is listed even without a channel."""
     out: dict[str, dict[str, int]] = {}
+    if asked is not None:
+        out[asked] = {"channels": 0, "ready": 0, "running": 0}
     for c in counts:
         q = out.setdefault(split_row_name(c.name)[0], {"channels": 0, "ready": 0, "running": 0})
         q["channels"] += 1
@@ -226,12 +235,14 @@ def _groups(limit: int, queue: str | None = None) -> dict[str, Any]:
     }
 
 
-def _render(options: dict[str, Any]) -> str:
+def _render(options: dict[str, Any], *, check_queue: bool = True) -> str:
     now = pg.select_clock()  # the clock that stamped what is aged here
     if options.get("channel") is not None:
         queue = options.get("queue") or "default"
         return _render_channel(options["channel"], options["json"], now, queue)
-    data = snapshot(options["sort"], options["limit"], now, options.get("queue"))
+    data = snapshot(
+        options["sort"], options["limit"], now, options.get("queue"), check_queue=check_queue
+    )
     if options["json"]:
         return json_text(data)
     return table(data)

@@ -166,29 +166,41 @@ def drop_broken_connection(alias: str | None = None) -> None:
             reset_connection(alias)
 
 
-def configure_logging(verbosity: int) -> None:
-    """Show django-fairqueue's log lines on stderr for a command, unless the project's LOGGING
-    already routes them somewhere: its handlers are then left alone.
+@contextmanager
+def command_logging(verbosity: int) -> Iterator[None]:
+    """For a command's run, show django-fairqueue's log lines on stderr, unless the project's
+    LOGGING already routes them somewhere: its handlers are then left alone. Put back as it
+    was when the block ends (a command called in-process leaves no level behind).
 
     Verbosity 0: warnings and errors; 1: one line per message start and finish; 2+: debug.
-    With the project's handlers, ``-v 0`` and ``-v 2`` still set how much the package logs
-    (the per-message lines cost CPU at thousands of messages a second, whoever formats them);
-    the default, 1, leaves the level LOGGING gave it.
+    With the project's handlers, ``-v 0`` still drops the per-message lines (they cost CPU at
+    thousands of messages a second, whoever formats them) without showing more than LOGGING
+    does, ``-v 2`` adds debug, and the default, 1, keeps the level LOGGING gave.
     """
     import logging
     import sys
 
     package = logging.getLogger("django_fairqueue")
+    was = package.level
     level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    added = None
     if package.handlers or logging.getLogger().handlers:
-        if verbosity != 1:
+        if verbosity <= 0:
+            package.setLevel(max(level, package.getEffectiveLevel()))
+        elif verbosity >= 2:
             package.setLevel(level)
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    from django_fairqueue.cli.terminal import PrintableFormatter  # names and errors escaped
+    else:
+        from django_fairqueue.cli.terminal import PrintableFormatter  # names, errors escaped
 
-    handler.setFormatter(
-        PrintableFormatter("%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s")
-    )
-    package.addHandler(handler)
-    package.setLevel(level)
+        added = logging.StreamHandler(sys.stderr)
+        added.setFormatter(
+            PrintableFormatter("%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s")
+        )
+        package.addHandler(added)
+        package.setLevel(level)
+    try:
+        yield
+    finally:
+        package.setLevel(was)
+        if added is not None:
+            package.removeHandler(added)

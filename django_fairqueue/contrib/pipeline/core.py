@@ -264,7 +264,8 @@ class Pipeline:
             )
         functions: Any = self.functions
         if isinstance(functions, str) or not all(isinstance(f, str) for f in functions):
-            raise ValueError(f"pipeline {self.name!r}: functions must be function names")
+            # (a value of the wrong kind: TypeError, as elsewhere)
+            raise TypeError(f"pipeline {self.name!r}: functions must be function names")
         object.__setattr__(self, "functions", frozenset(f.upper() for f in functions))
         if (self.formulas is None) == (self.transform is None):
             raise ValueError(f"pipeline {self.name!r}: give formulas or transform (one of them)")

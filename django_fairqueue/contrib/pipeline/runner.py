@@ -534,6 +534,9 @@ class PipelineRunner:
         quota: _Quota | None = None,
     ) -> None:
         cfg = conf.get()
+        for what, names in (("pipelines", pipelines), ("channels", channels)):
+            if isinstance(names, str):  # list("acme") would be four channels
+                raise TypeError(f"{what} must be a list of names, not a string")
         self.worker_id = worker_id
         self.pipelines = list(pipelines) if pipelines else None
         self.channels = list(channels) if channels else None

@@ -22,7 +22,7 @@ from django_fairqueue.runtime import (
     RECYCLE_EXIT,
     STARTUP_FAILED_EXIT,
     SUPERVISION_ENV,
-    configure_logging,
+    command_logging,
     dbfaults,
     stop_signals,
 )
@@ -261,10 +261,15 @@ class Command(FairCommand):
                 f"FAIRQUEUE['TASK_MODULES'] names {module!r}, which cannot be imported: {exc} "
                 "(manage.py check reports it as fairqueue.E005)"
             ) from None
-        configure_logging(options["verbosity"])
-        if options["processes"] > 1 or options["max_tasks_per_child"] is not None:
-            self._supervise(options, metrics_at)
-            return
+        with command_logging(options["verbosity"]):
+            if options["processes"] > 1 or options["max_tasks_per_child"] is not None:
+                self._supervise(options, metrics_at)
+            else:
+                self._work(options, config, metrics_at)
+
+    def _work(
+        self, options: dict[str, Any], config: WorkerConfig, metrics_at: tuple[str, int] | None
+    ) -> None:
         metrics_server = None
         companions: list[extensions.Companion] = []
         try:

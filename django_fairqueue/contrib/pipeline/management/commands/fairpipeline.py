@@ -21,7 +21,7 @@ from django_fairqueue.cli.terminal import json_text
 from django_fairqueue.contrib.pipeline.runner import MAX_RUNNERS
 from django_fairqueue.management.base import FairCommand
 from django_fairqueue.management.commands.runfairworker import MAX_SECONDS
-from django_fairqueue.runtime import configure_logging
+from django_fairqueue.runtime import command_logging
 
 
 def _spark_conf(options: dict[str, Any]) -> dict[str, str]:
@@ -233,7 +233,10 @@ class Command(FairCommand):
         bench.add_argument("--json", action="store_true", help="Print JSON.")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        configure_logging(options["verbosity"])
+        with command_logging(options["verbosity"]):
+            self._handle(options)
+
+    def _handle(self, options: dict[str, Any]) -> None:
         action = options["action"]
         if any(not name.strip() for name in options.get("tenant") or ()):
             raise CommandError("--tenant needs a tenant's name (a channel), not an empty one")
