@@ -5,10 +5,10 @@ the Django connection of ``FAIRQUEUE['DATABASE']`` (or ``using``), so it joins t
 transaction (``transaction.atomic()``) or autocommits like any ORM query. Statements run on a
 psycopg cursor with server-side binding (Django's default cursor binds on the client), the calls
 of the server functions prepared (see :func:`named_statements`), wrapped in Django's error
-translation so an error inside ``atomic()`` marks the
-transaction for rollback exactly as an ORM error would. :func:`kept_cursor` is that cursor,
-kept per connection; :func:`own_connection` is a short-lived connection outside Django's
-handler, for work that must commit apart from the caller's transaction.
+translation so an error inside ``atomic()`` marks the transaction for rollback exactly as an ORM
+error would. :func:`kept_cursor` is that cursor, kept per connection; :func:`own_connection` is
+a short-lived connection outside Django's handler, for work that must commit apart from the
+caller's transaction.
 
 The optional apps (``django_fairqueue.contrib``) run their own statement files the same way,
 with :class:`StatementFile`.
