@@ -197,6 +197,15 @@ class WritesDefault:
         return "default"
 
 
+def test_use_tz_false_is_warned_of_as_w004() -> None:
+    assert not [e for e in checks.check_settings() if e.id == "fairqueue.W004"]
+    with override_settings(USE_TZ=False):
+        (warning,) = [e for e in checks.check_settings() if e.id == "fairqueue.W004"]
+    assert "USE_TZ is False" in warning.msg and warning.hint == (
+        "Set USE_TZ = True (Django's default since 5.0)."
+    )
+
+
 def test_the_routers_hint_names_a_router_listed_before_the_queues() -> None:
     here = __name__
     with override_settings(DATABASE_ROUTERS=[f"{here}.ReadsElsewhere", ROUTER]):

@@ -96,6 +96,23 @@ def test_claims_alone_write_no_usage_and_a_deleted_channel_none() -> None:
     assert not UsageHour.objects.exists() and not UsageTotal.objects.exists()
 
 
+def test_a_channel_deleted_and_created_again_is_one_line_of_the_report() -> None:
+    """One tenant, one line: the report sums a channel's rows by its name and queue (the text
+    and CSV forms carry no id to tell two lines apart), with the newest row's id."""
+    f.enqueue("again", 1)
+    flush("again", yesterday_at(9), ok=2, run_ms=1000)
+    Channel.objects.filter(name="again").delete()
+    f.enqueue("again", 1)
+    flush("again", yesterday_at(10), ok=1, run_ms=500)
+    day = timezone.localdate() - timedelta(days=1)
+    (row,) = [r for r in usage.report(*usage.day_range(day, day)) if r.name == "again"]
+    assert (row.attempts, row.worker_seconds, row.channel_id) == (
+        3,
+        1.5,
+        f.channel_ids(["again"])["again"],
+    )
+
+
 def test_drained_messages_count_in_the_statistics_and_usage_as_a_workers_do(
     settings: Any,
 ) -> None:
@@ -281,6 +298,13 @@ def test_the_last_day_a_report_reaches_is_9999_12_30_and_a_later_one_is_a_bad_da
     out = io.StringIO()
     call_command("fairqueue", "usage", "--from", "9999-12-30", stdout=out)
     assert out.getvalue().strip() == "No usage recorded for 9999-12-30."
+
+
+@pytest.mark.parametrize("text", ["20261130", "2026-W48-1", "2026-11-30T00:00", "2026-1-30"])
+def test_a_day_is_written_as_documented_only(text: str) -> None:
+    # Python's date.fromisoformat reads more forms than YYYY-MM-DD, which a typo could hit
+    with pytest.raises(CommandError, match=re.escape("a day is YYYY-MM-DD up to 9999-12-30")):
+        call_command("fairqueue", "usage", "--from", text)
 
 
 @pytest.mark.parametrize("form", [{}, {"format": "csv"}])

@@ -39,6 +39,31 @@ def why(name: str) -> waiting.Why:
     return waiting.channel(cid(name))
 
 
+def test_a_channel_whose_messages_are_all_delayed_or_retrying_says_so() -> None:
+    """Not "nothing waits" while 3 messages wait for their time."""
+    from django_fairqueue.api import enqueue
+
+    alive()
+    for _ in range(2):
+        enqueue(f.NOOP, channel="later", run_after=timedelta(minutes=10))
+    later = why("later")
+    assert (later.cause, later.text) == (
+        "delayed",
+        "no message is ready yet: 2 delayed (sent to run later); each becomes ready at its time",
+    )
+    f.enqueue("flaky", 1)
+    (m,) = message_store.claim_messages(
+        1, lease=LEASE, worker_id="w", only_channel_ids=[cid("flaky")]
+    )
+    message_store.fail_messages([(m.id, m.lease_token, {"error": "x"}, timedelta(minutes=5))])
+    assert why("flaky").cause == "retry"
+    enqueue(f.NOOP, channel="flaky", run_after=timedelta(minutes=10))
+    assert why("flaky").text == (
+        "no message is ready yet: 1 delayed (sent to run later) and 1 waiting to retry after a "
+        "failed attempt; each becomes ready at its time"
+    )
+
+
 def test_empty_paused_capped_and_rate_limited_channels() -> None:
     alive()
     f.enqueue("empty", 1)

@@ -14,7 +14,7 @@ Rows are hours in UTC: in a zone whose offset is not a whole number of hours, a 
 last hours are those of the UTC hours that start in it.
 
 Worker time is what the attempts ran, measured by their workers (an attempt whose lease expired
-is charged the time from its claim to its rescue, at most one lease). Usage counts attempts as
+is charged 0 s by the rescuer, which cannot know how long it ran). Usage counts attempts as
 they settle: an attempt running across midnight counts on the day it ended.
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, time, timedelta
@@ -111,6 +112,9 @@ class UsageRow:
 LAST_DAY = date.max - timedelta(days=1)
 
 
+_DAY = re.compile(r"\d{4}-\d\d-\d\d")
+
+
 def parse_day(text: str) -> date:
     """A day as ``YYYY-MM-DD`` (up to :data:`LAST_DAY`), or ``today`` / ``yesterday``;
     ValueError otherwise."""
@@ -120,7 +124,8 @@ def parse_day(text: str) -> date:
     if text == "yesterday":
         return today - timedelta(days=1)
     try:
-        day = date.fromisoformat(text)
+        # (fromisoformat also reads 20261130 and 2026-W48-1: the day as documented only)
+        day = date.fromisoformat(text) if _DAY.fullmatch(text) else None
     except ValueError:
         day = None
     if day is None or day > LAST_DAY:
@@ -174,16 +179,18 @@ def report(
             hours = hours.filter(channel_name__startswith=queue + SEPARATOR)
     sums = {name: Sum(name) for name in _SUMS}
     rows: list[UsageRow] = []
-    # per channel, with its names; per group (a group's row name says its queue), and the
-    # channels of no group together, in the queue asked for or every queue ("")
-    key = "channel_id" if by == "channel" else "group_name"
+    # per channel, by its row's name (queue and name): a channel deleted and created again is
+    # one tenant, one line, with the id of its newest row; per group (a group's row name says
+    # its queue), and the channels of no group together, in the queue asked for or every
+    # queue ("")
+    key = "channel_name" if by == "channel" else "group_name"
     grouped: Any = hours.values(key).annotate(
-        row=Max("channel_name"), grp=Max("group_name"), **sums
+        row=Max("channel_name"), grp=Max("group_name"), newest=Max("channel_id"), **sums
     )
     for r in grouped.order_by():
         if by == "channel":
             q, name = split_row_name(r["row"])
-            rows.append(_row(name, q, r, channel_id=r["channel_id"], group=r["grp"]))
+            rows.append(_row(name, q, r, channel_id=r["newest"], group=r["grp"]))
         elif r["grp"]:
             q, name = split_row_name(r["grp"])
             rows.append(_row(name, q, r, group=r["grp"]))

@@ -68,8 +68,25 @@ def channel(channel_id: int, *, views: list[worker_registry.WorkerView] | None =
                     "they run again once a worker starts and its rescuer takes them back"
                 )
                 return Why("no_worker", f"no live worker: no ready message, and {running}")
-        return Why("empty", "nothing waits: the channel has no ready message")
+        return _not_ready_yet(channel_id)
     return _channel_cause(channel_id, state, views)
+
+
+def _not_ready_yet(channel_id: int) -> Why:
+    """A channel without a ready message: its delayed and retrying ones, or nothing waits."""
+    counters = channel_store.select_channel_counters([channel_id])
+    scheduled = counters[0].scheduled if counters else 0
+    if scheduled <= 0:
+        return Why("empty", "nothing waits: the channel has no ready, delayed or retrying message")
+    retrying = channel_store.select_channel_retrying([channel_id]).get(channel_id, 0)
+    delayed = max(scheduled - retrying, 0)
+    parts = [f"{delayed:,} delayed (sent to run later)"] if delayed else []
+    if retrying:
+        parts.append(f"{retrying:,} waiting to retry after a failed attempt")
+    return Why(
+        "delayed" if delayed else "retry",
+        f"no message is ready yet: {' and '.join(parts)}; each becomes ready at its time",
+    )
 
 
 def _channel_cause(
