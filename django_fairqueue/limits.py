@@ -104,6 +104,15 @@ def worker_id(value: object) -> str:
     return value
 
 
+def not_one_name(value: object, name: str, kind: str = "") -> None:
+    """Refuse one string where a list of names is wanted (``name``: the parameter; ``kind``:
+    of what, "channel"): a str is a sequence of strings too, and ``list("acme")`` would be the
+    four channels a, c, m and e."""
+    if isinstance(value, str):
+        of = f"{kind} names" if kind else "names"
+        raise TypeError(f"{name} must be a list of {of}, not a string")
+
+
 def limit(value: object, name: str = "limit") -> int:
     """A row limit: 1 to :data:`MAX_LIMIT`."""
     return integer(value, name, minimum=1, maximum=MAX_LIMIT)

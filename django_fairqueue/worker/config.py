@@ -157,15 +157,13 @@ class WorkerConfig:
         limits.worker_id(self.worker_id)
         for attr in ("channels", "exclude_channels"):
             names = getattr(self, attr)
-            if isinstance(names, str):
-                raise TypeError(f"{attr} must be a list of channel names, not a string")
+            limits.not_one_name(names, attr, "channel")
             object.__setattr__(self, attr, tuple(validate_channel_name(n) for n in names))
         both = sorted(set(self.channels) & set(self.exclude_channels))
         if both:
             raise ValueError(f"channels both included and excluded: {both}")
         if self.queues is not None:
-            if isinstance(self.queues, str):
-                raise TypeError("queues must be a list of queue names, not a string")
+            limits.not_one_name(self.queues, "queues", "queue")
             queues = tuple(dict.fromkeys(validate_queue_name(q) for q in self.queues))
             if not queues:
                 raise ValueError("queues must name at least one queue (None: every queue)")

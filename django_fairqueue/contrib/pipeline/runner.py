@@ -29,7 +29,7 @@ from typing import Any
 from django.db import connections, transaction
 from django.utils import timezone
 
-from django_fairqueue import batches, conf
+from django_fairqueue import batches, conf, limits
 from django_fairqueue.contrib.pipeline import cluster, datastore
 from django_fairqueue.contrib.pipeline.batch_run import (
     BatchOutcome,
@@ -534,9 +534,8 @@ class PipelineRunner:
         quota: _Quota | None = None,
     ) -> None:
         cfg = conf.get()
-        for what, names in (("pipelines", pipelines), ("channels", channels)):
-            if isinstance(names, str):  # list("acme") would be four channels
-                raise TypeError(f"{what} must be a list of names, not a string")
+        limits.not_one_name(pipelines, "pipelines")
+        limits.not_one_name(channels, "channels")
         self.worker_id = worker_id
         self.pipelines = list(pipelines) if pipelines else None
         self.channels = list(channels) if channels else None
