@@ -222,9 +222,9 @@ def batch(
     alias = using or conf.get().DATABASE
     if not connections[alias].in_atomic_block:
         raise TransactionRequired(_outside_atomic(alias))
-    for names in (channels, exclude_channels, queues):
-        if isinstance(names, str):  # a str is a Sequence[str] too: catch batch(channels="a")
-            raise TypeError("channels, exclude_channels and queues are lists of names")
+    limits.not_one_name(channels, "channels", "channel")
+    limits.not_one_name(exclude_channels, "exclude_channels", "channel")
+    limits.not_one_name(queues, "queues", "queue")
     if queues is not None:
         queues = [validate_queue_name(q) for q in queues]
     if worker_id is not None:

@@ -150,11 +150,19 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="limit"), exactly_once.batch(limit=0):
         pass
     with (
-        pytest.raises(TypeError, match="lists of names"),
+        pytest.raises(TypeError, match="channels must be a list of channel names, not a string"),
         exactly_once.batch(channels="alice"),
     ):
         pass
-    with pytest.raises(TypeError, match="lists of names"), exactly_once.batch(queues="emails"):
+    with (
+        pytest.raises(TypeError, match="exclude_channels must be a list of channel names"),
+        exactly_once.batch(exclude_channels="alice"),
+    ):
+        pass
+    with (
+        pytest.raises(TypeError, match="queues must be a list of queue names, not a string"),
+        exactly_once.batch(queues="emails"),
+    ):
         pass
     for worker_id in ("w" * 201, "  ", 5):
         with (
