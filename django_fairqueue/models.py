@@ -666,11 +666,18 @@ class ChannelDelta(TrackedModel):
     running = models.IntegerField(default=0, db_default=0)
     failed = models.IntegerField(default=0, db_default=0)
     succeeded = models.IntegerField(default=0, db_default=0)
-    # True when folding this delta may make the channel claimable: it adds ready messages, or
-    # frees slots of a channel with a concurrency cap. The claim folds waking deltas before it
-    # picks channels; the others (completions on uncapped channels, which change no
-    # eligibility) wait for the workers' maintenance loop, which folds everything.
+    # True when folding this delta may make the channel claimable: it adds ready messages to a
+    # channel that counts none, or frees slots of a channel with a concurrency cap. The claim
+    # folds waking deltas before it picks channels; the others (completions on uncapped
+    # channels, and an enqueue's to a channel that already counts ready messages, which
+    # change no eligibility) wait for the workers' maintenance loop, which folds everything.
     wake = models.BooleanField(default=True, db_default=True)
+    # A marker (all counts zero, wake false): something brought the channel's count to zero or
+    # below (a claim took all it counted, a fold of removals) while quiet enqueue deltas
+    # (wake false) may count what waits, some perhaps of enqueues still in flight. A claim's
+    # fold adds them once no enqueue holds the channel's name (db/functions/fold_counters.sql,
+    # fairqueue_fold_deltas_v1's drained mode); one per channel at most.
+    drained = models.BooleanField(default=False, db_default=False)
     # The channel may have pending work batches now (planned, retried, failed or released
     # ones): the fold sets the channel's batch_pending flag.
     batch_pending = models.BooleanField(default=False, db_default=False)
@@ -692,6 +699,17 @@ class ChannelDelta(TrackedModel):
             # yet): an enqueue's wake-up decision subtracts them from the channel's counted
             # ready messages, with one probe of an index that is almost always empty.
             models.Index(F("channel"), name="fq_delta_lowered_idx", condition=Q(ready__lt=0)),
+            # Quiet enqueue deltas (ready messages for a channel that counted some already):
+            # what a claim that drains a channel, or the fold of its marker, adds first.
+            models.Index(
+                F("channel"), name="fq_delta_quiet_idx", condition=Q(ready__gt=0, wake=False)
+            ),
+        ]
+        constraints = [
+            # one `drained` marker per channel (writers insert it ON CONFLICT DO NOTHING)
+            models.UniqueConstraint(
+                fields=["channel"], condition=Q(drained=True), name="fq_delta_drained_uniq"
+            ),
         ]
 
     def __str__(self) -> str:

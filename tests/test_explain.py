@@ -275,7 +275,7 @@ def test_a_fold_into_channels_claimable_already_writes_no_index_entry(
 
     before = updates()
     with connection.cursor() as cur:
-        cur.execute("SELECT fairqueue_fold_deltas_v1(1000, true, %s)", [fairness == "time"])
+        cur.execute("SELECT fairqueue_fold_deltas_v1(1000, false, %s)", [fairness == "time"])
         assert cur.fetchone() == (100,)
     after = updates()
     assert (after[0] - before[0], after[1] - before[1]) == (100, 100)

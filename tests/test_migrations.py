@@ -97,7 +97,7 @@ def test_0013_leaves_one_signature_each_and_old_calls_still_work() -> None:
     (claim,) = signatures("fairqueue_claim_v1")
     assert claim.endswith("p_by_time boolean, p_queues text[], p_async_except text[]"), claim
     (fold,) = signatures("fairqueue_fold_deltas_v1")
-    assert fold.endswith("p_by_time boolean"), fold
+    assert fold.endswith("p_by_time boolean, p_drained boolean"), fold
     (complete,) = signatures("fairqueue_complete_v1")
     assert complete.endswith("p_runs double precision[], p_async_commit boolean"), complete
     with connection.cursor() as cur:
@@ -276,6 +276,12 @@ def test_every_path_through_the_migrations_ends_at_one_schema_with_the_live_func
         migrate_all()
 
 
+#: The delta table's `drained` (migration 0044), as its model declares it.
+LEND_DRAINED = (
+    "ALTER TABLE fairqueue_channel_delta ADD COLUMN drained boolean NOT NULL DEFAULT false"
+)
+
+
 def fill_every_kind_of_row() -> None:
     """Messages in every state, a group, a queue, unique holds, schedules and work batches."""
     ChannelGroup.objects.create(name="acme", weight=2, max_concurrency=5)
@@ -345,13 +351,15 @@ def test_a_database_at_0027_with_rows_of_every_kind_upgrades_with_nothing_lost()
     try:
         migrate_app_to_zero()
         replaced_chain().migrate([(APP, "0027_worker_queues")])
-        # The live functions, which write these rows, read a column a later migration adds:
+        # The live functions, which write these rows, read columns later migrations add:
         # lent to the schema of 0027 while they write, taken back before the upgrade.
         with connection.cursor() as cur:
             cur.execute(claim_cpu.ADD_COLUMN)
+            cur.execute(LEND_DRAINED)
         fill_every_kind_of_row()
         with connection.cursor() as cur:
             cur.execute("ALTER TABLE fairqueue_channel DROP COLUMN claimable")
+            cur.execute("ALTER TABLE fairqueue_channel_delta DROP COLUMN drained")
         before = every_row()
         with connection.cursor() as cur:
             cur.execute("SELECT DISTINCT state FROM fairqueue_message")

@@ -1,6 +1,23 @@
 -- django-fairqueue server functions: the claim. The promotion of due scheduled messages, and
 -- the fair claim of messages, with and without channel groups.
 
+-- The most a claim may give a channel but for its ready messages: its free slots, one release
+-- if it is rate limited or (by time) slow-starting (see fairqueue_claim_v1), else the claim's
+-- size.
+CREATE OR REPLACE FUNCTION fairqueue_claim_cap_v1(
+    p_max_concurrency integer, p_running integer, p_release_interval interval,
+    p_mean_run double precision, p_by_time boolean, p_limit integer
+)
+RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT LEAST(coalesce(p_max_concurrency - p_running, p_limit),
+                 CASE WHEN p_release_interval > interval '0' THEN 1
+                      WHEN p_by_time AND p_mean_run IS NULL THEN 1
+                      ELSE p_limit END)
+$$;
+
+
 -- Move due scheduled messages (delayed enqueues, retries after backoff) to ready.
 -- Returns how many were promoted. Bounded by p_limit; concurrent callers skip each other's rows.
 CREATE OR REPLACE FUNCTION fairqueue_promote_due_v1(p_now timestamptz, p_limit integer)
@@ -269,13 +286,9 @@ BEGIN
                 v_names[v_n] := r.name;
                 v_turn[v_n] := r.weight * p_quantum;
                 v_used[v_n] := LEAST(r.turn_used, v_turn[v_n] - 1);
-                v_room[v_n] := LEAST(
-                    r.ready_count,
-                    coalesce(r.max_concurrency - r.running_count, p_limit),
-                    CASE WHEN r.release_interval > interval '0' THEN 1
-                         -- by time, slow start (see fairqueue_claim_v1)
-                         WHEN p_by_time AND r.mean_run IS NULL THEN 1
-                         ELSE p_limit END);
+                v_room[v_n] := LEAST(r.ready_count, fairqueue_claim_cap_v1(
+                    r.max_concurrency, r.running_count, r.release_interval, r.mean_run, p_by_time,
+                    p_limit));
                 v_interval[v_n] := r.release_interval;
                 v_mean[v_n] := greatest(coalesce(r.mean_run, fairqueue_default_run_v1()), 1e-6);
                 v_est[v_n] := v_mean[v_n] / r.weight;
@@ -370,13 +383,9 @@ BEGIN
                     v_names[v_n] := r.name;
                     v_turn[v_n] := r.weight * p_quantum;
                     v_used[v_n] := LEAST(r.turn_used, v_turn[v_n] - 1);
-                    v_room[v_n] := LEAST(
-                        r.ready_count,
-                        coalesce(r.max_concurrency - r.running_count, p_limit),
-                        CASE WHEN r.release_interval > interval '0' THEN 1
-                             -- by time, slow start (see fairqueue_claim_v1)
-                             WHEN p_by_time AND r.mean_run IS NULL THEN 1
-                             ELSE p_limit END);
+                    v_room[v_n] := LEAST(r.ready_count, fairqueue_claim_cap_v1(
+                        r.max_concurrency, r.running_count, r.release_interval, r.mean_run, p_by_time,
+                        p_limit));
                     v_interval[v_n] := r.release_interval;
                     v_mean[v_n] := greatest(coalesce(r.mean_run, fairqueue_default_run_v1()),
                                             1e-6);
@@ -493,13 +502,9 @@ BEGIN
                 v_names[v_n] := r.name;
                 v_turn[v_n] := r.weight * p_quantum;
                 v_used[v_n] := LEAST(r.turn_used, v_turn[v_n] - 1);
-                v_room[v_n] := LEAST(
-                    r.ready_count,
-                    coalesce(r.max_concurrency - r.running_count, p_limit),
-                    CASE WHEN r.release_interval > interval '0' THEN 1
-                         -- by time, slow start (see fairqueue_claim_v1)
-                         WHEN p_by_time AND r.mean_run IS NULL THEN 1
-                         ELSE p_limit END);
+                v_room[v_n] := LEAST(r.ready_count, fairqueue_claim_cap_v1(
+                    r.max_concurrency, r.running_count, r.release_interval, r.mean_run, p_by_time,
+                    p_limit));
                 v_interval[v_n] := r.release_interval;
                 v_mean[v_n] := greatest(coalesce(r.mean_run, fairqueue_default_run_v1()), 1e-6);
                 v_est[v_n] := v_mean[v_n] / r.weight;
@@ -779,6 +784,14 @@ DECLARE
     v_front double precision;  -- the smallest claimable tag plus one charge (by time)
     v_skipped integer;  -- channels locked by the walk and given nothing (by time)
     v_kept_room integer[];
+    v_cap integer[];  -- the most each channel may take but for its ready messages
+    v_count integer[];  -- the ready messages each counts
+    v_short boolean;  -- some channel's share may be all it counts (step 3b)
+    v_cands bigint[];  -- channels whose share is all they count (step 3b)
+    v_free bigint[];  -- of those, the ones whose names step 3b holds
+    v_qids bigint[];  -- of those, the ones it added messages to, and how many
+    v_qadded integer[];
+    v_k integer;
     v_alloc integer[];
     v_last integer[];  -- when each channel was last given messages in this claim (sequence)
     v_seq integer;
@@ -805,8 +818,14 @@ DECLARE
     v_got integer;
     v_probe boolean;  -- the housekeeping's probes to make: scheduled messages due, waking deltas
     v_due boolean := false;
+    v_drained boolean := false;  -- drained markers wait (fairqueue_fold_deltas_v1)
     v_token uuid;  -- the lease token of every message this claim hands out
     v_waking boolean := true;  -- (unknown without housekeeping: as if some were waking)
+    -- This statement is its own transaction: only such a caller may wait (p_wait_ms,
+    -- CLAIM_WAIT) or commit asynchronously (p_async_except). Step 3b holds channel names to
+    -- the commit only then (fairqueue_free_names_v1); without, a channel it drains gets a
+    -- marker instead, which costs the next claim a fold.
+    v_own boolean := coalesce(p_wait_ms, 0) > 0 OR p_async_except IS NOT NULL;
     i integer;
 BEGIN
     IF p_limit IS NULL OR p_limit < 1 THEN
@@ -836,7 +855,7 @@ BEGIN
     -- whether a fold may be in flight.
     v_probe := p_maintain;
     WHILE v_probe OR p_queues IS NULL LOOP
-        SELECT q.due, q.waking, q.lo,
+        SELECT q.due, q.waking, q.drained, q.lo,
                -- the highest queues only when there is a lowest (an idle poll reads two
                -- index entries, not four)
                CASE WHEN q.lo IS NOT NULL THEN (
@@ -850,12 +869,12 @@ BEGIN
                    WHERE g.claimable > 0
                      AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
                    ORDER BY g.queue DESC LIMIT 1) END
-        INTO v_due, v_waking, v_lo, v_hi, v_glo, v_ghi
+        INTO v_due, v_waking, v_drained, v_lo, v_hi, v_glo, v_ghi
         FROM (
             -- The queues: the lowest (and above, the highest) queue of a claimable flow, the
             -- first and last entries of the two turn indexes, without a lock (see below);
             -- not when the housekeeping is to run first (they are read again after it).
-            SELECT x.due, x.waking,
+            SELECT x.due, x.waking, x.drained,
                    CASE WHEN p_queues IS NULL AND NOT (x.due OR x.waking AND v_probe) THEN (
                        SELECT c.queue::text FROM fairqueue_channel c
                        WHERE c.claimable
@@ -879,17 +898,31 @@ BEGIN
                        CASE WHEN v_probe THEN EXISTS (
                            SELECT FROM fairqueue_channel_delta d WHERE d.wake
                            ORDER BY d.id LIMIT 1)
-                            ELSE v_waking END AS waking
+                            ELSE v_waking END AS waking,
+                       CASE WHEN v_probe THEN EXISTS (
+                           SELECT FROM fairqueue_channel_delta d WHERE d.drained
+                           ORDER BY d.channel_id LIMIT 1)
+                            ELSE false END AS drained
                 OFFSET 0
             ) x
             OFFSET 0  -- (each level computed once: the next one's tests read it)
         ) q;
-        EXIT WHEN NOT v_probe OR NOT (v_due OR v_waking);
+        EXIT WHEN NOT v_probe OR NOT (v_due OR v_waking OR v_drained);
         IF v_due THEN
             PERFORM fairqueue_promote_due_v1(v_now, 1000);
             v_waking := true;  -- (its deltas wake)
         END IF;
-        PERFORM fairqueue_fold_deltas_v1(1000, true, p_by_time);
+        IF v_waking THEN
+            PERFORM fairqueue_fold_deltas_v1(1000, true, p_by_time);
+            -- (a fold of removals may have left one: fairqueue_fold_deltas_v1, step 3)
+            v_drained := v_drained
+                OR EXISTS (SELECT FROM fairqueue_channel_delta d WHERE d.drained);
+        END IF;
+        -- Drained markers: their channels' quiet deltas counted where no enqueue is in flight
+        -- (a channel brought to zero while one was keeps its marker, for the next claim).
+        IF v_drained THEN
+            PERFORM fairqueue_fold_deltas_v1(128, true, p_by_time, true);
+        END IF;
         v_probe := false;  -- (and once more for the queues alone, when claiming every queue)
     END LOOP;
 
@@ -1047,6 +1080,23 @@ BEGIN
         IF v_ids IS NULL THEN
             RETURN;
         END IF;
+        -- (for step 3b: what the ungrouped channels among them count, and may take but for
+        -- that; the plan holds their rows)
+        IF array_position(v_cg, 0) IS NOT NULL THEN
+            -- (primary-key lookups, placed by array_position: a join to the ids was planned
+            -- as a hash join over every channel)
+            SELECT array_agg(CASE WHEN v_cg[array_position(v_ids, c.id)] = 0
+                                  THEN c.ready_count END
+                             ORDER BY array_position(v_ids, c.id)),
+                   array_agg(fairqueue_claim_cap_v1(c.max_concurrency, c.running_count,
+                                                    c.release_interval, c.mean_run, p_by_time,
+                                                    p_limit)
+                             ORDER BY array_position(v_ids, c.id))
+            INTO v_count, v_cap
+            FROM fairqueue_channel c
+            WHERE c.id = ANY (v_ids);
+            v_short := true;
+        END IF;
     ELSE
         -- Step 2. Walk eligible channels in turn order, locking one per FETCH, and stop as soon as
         -- their shares cover p_limit: a claim locks only the channels it will serve.
@@ -1077,6 +1127,7 @@ BEGIN
         v_n := 0;
         v_covered := 0;
         v_skipped := 0;
+        v_short := false;
         v_waited := false;
         v_seq := 0;
         v_round := 0;
@@ -1157,14 +1208,14 @@ BEGIN
                 v_turn[v_n] := r.weight * v_quantum;
                 -- a turn left over from a larger quantum is simply finished
                 v_used[v_n] := LEAST(r.turn_used, v_turn[v_n] - 1);
-                -- the most this call may take: ready rows, free slots, one release if rate limited
-                v_room[v_n] := LEAST(
-                    r.ready_count,
-                    coalesce(r.max_concurrency - r.running_count, p_limit),
-                    CASE WHEN r.release_interval > interval '0' THEN 1
-                         -- by time, slow start (see fairqueue_claim_v1)
-                         WHEN p_by_time AND r.mean_run IS NULL THEN 1
-                         ELSE p_limit END);
+                -- the most this call may take: ready rows, free slots, one release if rate
+                -- limited; and all but the rows, should more be counted (step 3b)
+                v_cap[v_n] := fairqueue_claim_cap_v1(r.max_concurrency, r.running_count,
+                                                     r.release_interval, r.mean_run, p_by_time,
+                                                     p_limit);
+                v_count[v_n] := r.ready_count;
+                v_room[v_n] := LEAST(r.ready_count, v_cap[v_n]);
+                v_short := v_short OR r.ready_count <= v_cap[v_n];
                 v_interval[v_n] := r.release_interval;
                 IF p_by_time THEN  -- (not computed by count: a function call per channel)
                     v_tag[v_n] := r.vtime;
@@ -1302,6 +1353,65 @@ BEGIN
                 v_round := v_round + 1;
             END LOOP;
         END IF;
+
+    END IF;
+
+    -- Step 3b. A channel whose share is all the ready messages it counts may have more:
+    -- enqueues that found it counting some wrote quiet deltas (fairqueue_delta_wakes_v1),
+    -- which only the maintenance loop folds. Add the committed ones to its count now (we
+    -- hold its row), and give it what the claim has left, up to its other limits, in walk
+    -- order: every channel the walk found had its share (the walk stopped short of
+    -- p_limit), so the rest goes where it waits. First, in a claim that is its own
+    -- transaction, the names of those channels no enqueue holds (fairqueue_free_names_v1,
+    -- to our commit: nothing waits after this point, so holding them cannot deadlock):
+    -- for those, no quiet delta is in flight either, and a channel this claim drains needs
+    -- no marker (step 5). None of this in steady traffic: a backlog counts more than a
+    -- claim takes. (A group's channels are never such: their enqueues wake.)
+    IF v_short THEN
+        v_cands := ARRAY(
+            SELECT a.id FROM unnest(v_ids, v_alloc, v_count) AS a(id, n, counted)
+            WHERE a.n >= a.counted);
+    END IF;
+    IF cardinality(v_cands) > 0 THEN
+        IF v_own THEN
+            v_free := fairqueue_free_names_v1(v_cands, true);
+        END IF;
+        WITH gone AS (
+            DELETE FROM fairqueue_channel_delta d
+            WHERE d.channel_id = ANY (v_cands) AND d.ready > 0 AND NOT d.wake  -- (quiet index)
+            RETURNING d.channel_id, d.ready
+        ), s AS MATERIALIZED (
+            SELECT gone.channel_id, sum(gone.ready)::integer AS added
+            FROM gone GROUP BY gone.channel_id
+        ), counted AS (
+            UPDATE fairqueue_channel c
+            SET ready_count = c.ready_count + s.added
+            FROM s
+            WHERE c.id = s.channel_id AND c.id = ANY (v_cands)
+            RETURNING c.id, s.added
+        )
+        SELECT array_agg(counted.id), array_agg(counted.added)
+        INTO v_qids, v_qadded
+        FROM counted;
+        IF v_qids IS NOT NULL THEN
+            v_left := p_limit;
+            FOR i IN 1 .. cardinality(v_ids) LOOP
+                v_left := v_left - v_alloc[i];
+            END LOOP;
+            FOR i IN 1 .. cardinality(v_ids) LOOP
+                EXIT WHEN v_left <= 0;
+                v_k := array_position(v_qids, v_ids[i]);
+                CONTINUE WHEN v_k IS NULL;
+                v_count[i] := v_count[i] + v_qadded[v_k];
+                v_give := LEAST(v_left, LEAST(v_count[i], v_cap[i]) - v_alloc[i]);
+                IF v_give > 0 THEN
+                    v_alloc[i] := v_alloc[i] + v_give;
+                    v_left := v_left - v_give;
+                    v_seq := v_seq + 1;
+                    v_last[i] := v_seq;
+                END IF;
+            END LOOP;
+        END IF;
     END IF;
 
     -- Steps 4 and 5 in one statement. The LATERAL subquery reads each channel's head from
@@ -1396,7 +1506,17 @@ BEGIN
             vtime = CASE WHEN p_by_time THEN c.vtime + got.n * v_est[got.k] ELSE c.vtime END
         FROM got
         WHERE c.id = got.cid AND c.id = ANY (v_ids)  -- primary-key lookups, as above
-        RETURNING c.id
+        RETURNING c.id, c.ready_count
+    ), drained AS (
+        -- A channel whose counted ready messages this claim took all of, unless step 3b holds
+        -- its name: quiet deltas of enqueues still in flight (fairqueue_delta_wakes_v1) may be
+        -- all that will count what waits there. This marker, committed with the charge, has a
+        -- claim's fold add them once they commit (fairqueue_fold_deltas_v1, drained mode).
+        INSERT INTO fairqueue_channel_delta (channel_id, wake, drained)
+        SELECT charged.id, false, true FROM charged
+        WHERE charged.ready_count <= 0
+          AND NOT coalesce(charged.id = ANY (v_free), false)
+        ON CONFLICT DO NOTHING  -- (one marker a channel: fq_delta_drained_uniq)
     ), ggot AS MATERIALIZED (
         -- what each group's channels got; by time its charge, each channel's mean run time
         -- per message (the group's weight divides it below)
@@ -1434,7 +1554,7 @@ BEGIN
     FROM claimed
     -- In the order a worker should start them (it may prefetch more than it runs at once).
     ORDER BY claimed.priority DESC, claimed.id;
-    -- (`charged` and `gcharged` are not read: PostgreSQL runs every data-modifying CTE to
+    -- (`drained` and `gcharged` are not read: PostgreSQL runs every data-modifying CTE to
     -- completion, RETURNING lists included.)
 END;
 $$;

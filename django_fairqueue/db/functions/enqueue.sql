@@ -1,6 +1,29 @@
 -- django-fairqueue server functions: enqueue. Batches and single messages, and unique keys
 -- at enqueue.
 
+-- Whether an enqueue's counter delta wakes the claim (fairqueue_channel_delta.wake): unless the
+-- enqueue holds its channel's name and the channel counts ready messages already and is in no
+-- group (p_counted, read in the enqueue's statement, at READ COMMITTED: a snapshot older than
+-- the name lock could read a count a claim has since taken), or its messages are scheduled. A channel that counts ready
+-- messages is claimable whatever this delta adds, so folding it before every claim (three
+-- statements and a new version of the channel row, a third of a claim of one's server time
+-- in steady traffic) would buy nothing; the maintenance loop folds it in bulk. The count may
+-- run out first: a claim about to take all a channel counts adds its quiet deltas first, and
+-- whatever brings a count to zero without holding the channel's name (an enqueue may be in
+-- flight) leaves a marker (`drained`) that a claim's fold takes up once no enqueue holds the
+-- name (fairqueue_claim_v1, steps 3b, 5 and 6; fairqueue_fold_deltas_v1). A scheduled message's
+-- delta wakes: its promotion's delta, which wakes, takes it out of scheduled_count, and must
+-- not be folded before the delta that put it in. A grouped channel's wakes: the claim of a
+-- group's channels does not count quiet deltas before it takes all a channel counts
+-- (fairqueue_claim_v1, step 3b), so they would make its claims short.
+CREATE OR REPLACE FUNCTION fairqueue_delta_wakes_v1(p_counted boolean, p_scheduled boolean)
+RETURNS boolean
+LANGUAGE sql STABLE PARALLEL SAFE
+AS $$
+    SELECT p_scheduled OR NOT coalesce(p_counted, false)
+           OR current_setting('transaction_isolation') <> 'read committed'
+$$;
+
 -- Unique jobs: the part of fairqueue_enqueue_v1 that runs when a batch carries unique keys
 -- (p_keys, NULL elements for messages without one), after the channels exist and the names are
 -- held. At most one message per (channel, unique key) holds the key: while it is ready or
@@ -393,6 +416,7 @@ DECLARE
         AND cardinality(p_max_attempts) = 1 AND cardinality(p_keep_result) = 1
         AND coalesce(cardinality(p_delay), 1) = 1;
     v_cid bigint;
+    v_counted boolean;
     v_run_at timestamptz;
 BEGIN
     IF v_uniform THEN
@@ -444,9 +468,12 @@ BEGIN
               FROM unnest(v_names) AS n ORDER BY 1) s;
     END IF;
 
-    -- (v_cid: the channel of a uniform batch, which has one)
-    SELECT count(*), array_agg(c.id) FILTER (WHERE c.max_backlog IS NOT NULL), min(c.id)
-    INTO v_found, v_bounded, v_cid
+    -- (v_cid: the channel of a uniform batch, which has one; v_counted: whether it counts
+    -- ready messages already, ungrouped, which makes the batch's delta quiet:
+    -- fairqueue_delta_wakes_v1)
+    SELECT count(*), array_agg(c.id) FILTER (WHERE c.max_backlog IS NOT NULL), min(c.id),
+           bool_and(c.ready_count > 0 AND c.group_id IS NULL)
+    INTO v_found, v_bounded, v_cid, v_counted
     FROM fairqueue_channel c WHERE c.name = ANY (v_names);
     IF v_found < cardinality(v_names) THEN
         -- (Not at REPEATABLE READ or SERIALIZABLE: this transaction's snapshot would not see
@@ -519,12 +546,13 @@ BEGIN
             RETURNING fairqueue_message.id
         ), delta AS (
             INSERT INTO fairqueue_channel_delta (
-                channel_id, ready, scheduled, running, failed, succeeded, backlog_check
+                channel_id, ready, scheduled, running, failed, succeeded, backlog_check, wake
             )
             SELECT v_cid,
                    CASE WHEN v_run_at > v_now THEN 0 ELSE count(*) END,
                    CASE WHEN v_run_at > v_now THEN count(*) ELSE 0 END,
-                   0, 0, 0, v_bounded IS NOT NULL
+                   0, 0, 0, v_bounded IS NOT NULL,
+                   fairqueue_delta_wakes_v1(v_counted, v_run_at > v_now)
             FROM inserted
             HAVING count(*) > 0
         )
@@ -561,13 +589,19 @@ BEGIN
         RETURNING fairqueue_message.id, fairqueue_message.channel_id, fairqueue_message.state
     ), delta AS (
         INSERT INTO fairqueue_channel_delta (
-            channel_id, ready, scheduled, running, failed, succeeded, backlog_check
+            channel_id, ready, scheduled, running, failed, succeeded, backlog_check, wake
         )
         SELECT inserted.channel_id,
                count(*) FILTER (WHERE inserted.state = 'ready'),
                count(*) FILTER (WHERE inserted.state = 'scheduled'),
                0, 0, 0,
-               coalesce(inserted.channel_id = ANY (v_bounded), false)
+               coalesce(inserted.channel_id = ANY (v_bounded), false),
+               -- (many names are held by their stripes, not by name: such a batch wakes)
+               fairqueue_delta_wakes_v1(
+                   cardinality(v_names) <= 128
+                   AND (SELECT c.ready_count > 0 AND c.group_id IS NULL
+                        FROM fairqueue_channel c WHERE c.id = inserted.channel_id),
+                   bool_or(inserted.state = 'scheduled'))
         FROM inserted
         GROUP BY inserted.channel_id
         RETURNING 1
@@ -761,13 +795,14 @@ BEGIN
         RETURN v_id;
     END IF;
     -- (An expression, not PERFORM: PL/pgSQL evaluates it without starting an executor. The
-    -- lock is the one fairqueue_enqueue_v1 takes; it waits only while a deletion holds it.)
+    -- lock is the one fairqueue_enqueue_v1 takes; it waits only while a deletion holds it, or a
+    -- claim that drains the channel commits: fairqueue_free_names_v1.)
     IF NOT pg_try_advisory_xact_lock_shared(fairqueue_channel_lock_key_v1(), v_key) THEN
         PERFORM pg_advisory_xact_lock_shared(fairqueue_channel_lock_key_v1(), v_key);
     END IF;
     WITH ch AS (
         -- (`backlogged`: fairqueue_enqueue_v1's test, read once)
-        SELECT c.id,
+        SELECT c.id, c.group_id,
                CASE WHEN c.ready_count > 0 THEN c.ready_count + coalesce((
                         SELECT sum(d.ready) FROM fairqueue_channel_delta d
                         WHERE d.channel_id = c.id AND d.ready < 0), 0) > 0
@@ -792,10 +827,12 @@ BEGIN
         RETURNING fairqueue_message.id, fairqueue_message.channel_id
     ), delta AS (
         INSERT INTO fairqueue_channel_delta (
-            channel_id, ready, scheduled, running, failed, succeeded, backlog_check
+            channel_id, ready, scheduled, running, failed, succeeded, backlog_check, wake
         )
         SELECT inserted.channel_id, (v_run_at <= v_now)::integer, (v_run_at > v_now)::integer,
-               0, 0, 0, false
+               0, 0, 0, false,
+               fairqueue_delta_wakes_v1((SELECT ch.backlogged AND ch.group_id IS NULL FROM ch),
+                                        v_run_at > v_now)
         FROM inserted
     )
     SELECT inserted.id,

@@ -36,11 +36,61 @@ END;
 $$;
 
 
+-- Of the channels p_ids (rows this transaction holds), those no enqueue holds the name of, at
+-- this moment: each name's lock taken exclusively without waiting. Every enqueue holds its
+-- channel's name (a shared lock, fairqueue_channel_lock_key_v1) from before it reads the
+-- channel's count until it commits, so for these no enqueue that may have written a quiet
+-- delta (fairqueue_delta_wakes_v1) is in flight: a statement after this one sees every quiet
+-- delta there is. With p_hold, the names stay held to the end of this transaction (at most
+-- 128: the bound the name stripes keep on PostgreSQL's shared lock table; the rest are left
+-- as if held), so an enqueue that comes after waits for our commit and then finds the
+-- channel's count as we leave it: for a claim about to drain the channels, at a point where
+-- it waits for nothing more, in a transaction of its own (a caller's would keep enqueues
+-- waiting to its end). Without, each is released at once: enough for a fold that only adds
+-- the quiet deltas, as an enqueue that comes after reads a count of zero (and wakes) or one
+-- that makes the channel claimable. None above READ COMMITTED (a snapshot older than the
+-- locks would not see what committed before them). Ordered by id (the lock order).
+CREATE OR REPLACE FUNCTION fairqueue_free_names_v1(p_ids bigint[], p_hold boolean)
+RETURNS bigint[]
+LANGUAGE plpgsql
+SET enable_seqscan = off  -- (a lock attempt per row read: primary-key lookups only)
+SET plan_cache_mode = force_generic_plan  -- see fairqueue_claim_v1
+AS $$
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RETURN NULL;
+    ELSIF p_hold THEN
+        RETURN ARRAY(
+            SELECT x.id FROM (
+                SELECT c.id FROM fairqueue_channel c
+                WHERE c.id = ANY (p_ids)
+                  AND pg_try_advisory_xact_lock(fairqueue_channel_lock_key_v1(),
+                                                hashtext(c.name))
+                ORDER BY c.id
+                LIMIT 128
+            ) x);
+    END IF;
+    RETURN ARRAY(
+        SELECT c.id FROM fairqueue_channel c
+        WHERE c.id = ANY (p_ids)
+          AND CASE WHEN pg_try_advisory_lock(fairqueue_channel_lock_key_v1(), hashtext(c.name))
+                   THEN pg_advisory_unlock(fairqueue_channel_lock_key_v1(), hashtext(c.name))
+                   ELSE false END
+        ORDER BY c.id);
+END;
+$$;
+
+
 -- Fold pending counter deltas into their channel rows. With p_wake_only, only deltas that may
--- make a channel claimable (new ready messages; freed slots of a capped channel) are folded:
--- the claim does this before picking channels. The others (completions on uncapped channels)
--- change no eligibility, so the maintenance loop folds them in bulk (p_wake_only = false), one
--- channel update per channel per pass instead of one per completed batch.
+-- make a channel claimable (new ready messages for a channel that counts none; freed slots of
+-- a capped channel) are folded: the claim does this before picking channels. The others
+-- (completions on uncapped channels, quiet enqueues: fairqueue_delta_wakes_v1) change no
+-- eligibility, so the maintenance loop folds them in bulk (p_wake_only = false), one channel
+-- update per channel per pass instead of one per completed batch. With p_drained, the
+-- `drained` markers instead, with their channels' quiet deltas (step 2c): the claim's
+-- housekeeping, after its fold of waking deltas, and the maintenance loop's.
+-- A fold that lowers a channel's count to zero or below (removals) leaves a marker for it
+-- (step 3): quiet deltas, some perhaps of enqueues in flight, may count what still waits.
 -- Only deltas whose channel row can be locked right now are folded (SKIP LOCKED on both): a
 -- channel locked by a concurrent claim is folded by that claim, so nobody waits here.
 -- Returns how many delta rows were folded.
@@ -53,7 +103,8 @@ $$;
 -- servable to its queue's virtual time (fairqueue_queue_virtual_time_v1, read once per queue
 -- per call, before the update).
 CREATE OR REPLACE FUNCTION fairqueue_fold_deltas_v1(
-    p_limit integer, p_wake_only boolean, p_by_time boolean DEFAULT false
+    p_limit integer, p_wake_only boolean, p_by_time boolean DEFAULT false,
+    p_drained boolean DEFAULT false
 )
 RETURNS integer
 LANGUAGE plpgsql
@@ -69,13 +120,22 @@ DECLARE
     v_glocked bigint[];
     v_vqueues text[];
     v_vnows double precision[];
+    v_free bigint[];  -- p_drained: channels of markers whose names no enqueue holds
     v_count integer;
 BEGIN
     -- 1. Lock the oldest pending deltas. Two statements rather than `d.wake OR NOT
     --    p_wake_only`, so the first can use the partial index fq_delta_wake_idx. No probe of
     --    that index first: the callers make it (the claim's first statement probes it with
     --    the rest of its housekeeping), and call this only when it found a waking delta.
-    IF p_wake_only THEN
+    --    (Markers do not wake: p_drained folds them, from the index that keeps them one per
+    --    channel, fq_delta_drained_uniq.)
+    IF p_drained THEN
+        SELECT array_agg(x.id), array_agg(x.channel_id), array_agg(DISTINCT x.channel_id)
+        INTO v_deltas, v_delta_channels, v_wanted FROM (
+            SELECT d.id, d.channel_id FROM fairqueue_channel_delta d
+            WHERE d.drained ORDER BY d.channel_id LIMIT p_limit FOR UPDATE SKIP LOCKED
+        ) x;
+    ELSIF p_wake_only THEN
         SELECT array_agg(x.id), array_agg(x.channel_id), array_agg(DISTINCT x.channel_id)
         INTO v_deltas, v_delta_channels, v_wanted FROM (
             SELECT d.id, d.channel_id FROM fairqueue_channel_delta d
@@ -85,7 +145,7 @@ BEGIN
         SELECT array_agg(x.id), array_agg(x.channel_id), array_agg(DISTINCT x.channel_id)
         INTO v_deltas, v_delta_channels, v_wanted FROM (
             SELECT d.id, d.channel_id FROM fairqueue_channel_delta d
-            ORDER BY d.id LIMIT p_limit FOR UPDATE SKIP LOCKED
+            WHERE NOT d.drained ORDER BY d.id LIMIT p_limit FOR UPDATE SKIP LOCKED
         ) x;
     END IF;
     IF v_deltas IS NULL THEN
@@ -142,6 +202,27 @@ BEGIN
             SELECT x.id FROM unnest(v_deltas, v_delta_channels) AS x(id, channel_id)
             WHERE x.channel_id = ANY (v_locked)
         );
+    END IF;
+    -- 2c. Drained channels (p_drained): their markers' channels' quiet enqueue deltas
+    --     (fairqueue_delta_wakes_v1) are folded with the markers, once no enqueue that may
+    --     still write one is in flight (fairqueue_free_names_v1); a channel whose name is
+    --     held keeps its marker for the next such fold. Read by a statement after the locks',
+    --     so its snapshot sees every enqueue that committed before them. (Deadlock-free: the
+    --     quiet deltas are deleted below holding their channel, in the lock order; only the
+    --     maintenance loop's fold, which never waits, can hold one of them, and the claims'
+    --     folds of waking deltas hold none.)
+    IF p_drained THEN
+        v_free := fairqueue_free_names_v1(v_locked, false);
+        v_deltas := ARRAY(
+            SELECT x.id FROM unnest(v_deltas, v_delta_channels) AS x(id, channel_id)
+            WHERE x.channel_id = ANY (v_free)
+            UNION ALL
+            SELECT d.id FROM fairqueue_channel_delta d
+            WHERE d.channel_id = ANY (v_free) AND d.ready > 0 AND NOT d.wake  -- (quiet index)
+        );
+        IF cardinality(v_deltas) = 0 THEN
+            RETURN 0;
+        END IF;
     END IF;
     IF p_by_time THEN
         -- the virtual time of each queue of the ungrouped channels among them (one, usually)
@@ -233,9 +314,16 @@ BEGIN
             mean_run = fairqueue_mean_run_v1(c.mean_run, g.run, g.ran)
         FROM g
         WHERE c.id = g.channel_id AND c.id = ANY (v_locked)
-        RETURNING c.id
+        RETURNING c.id, c.ready_count, g.ready
+    ), lowered AS (
+        -- removals brought the count to zero or below: a marker, as a claim that takes all a
+        -- channel counts leaves one (fairqueue_claim_v1, step 5)
+        INSERT INTO fairqueue_channel_delta (channel_id, wake, drained)
+        SELECT added.id, false, true FROM added
+        WHERE added.ready < 0 AND added.ready_count <= 0
+        ON CONFLICT DO NOTHING  -- (one marker a channel: fq_delta_drained_uniq)
     )
-    -- (`added` is not read: PostgreSQL runs every data-modifying CTE to completion.)
+    -- (`lowered` is not read: PostgreSQL runs every data-modifying CTE to completion.)
     SELECT sum(g.n) INTO v_count FROM g;
     RETURN coalesce(v_count, 0);
 END;
@@ -276,6 +364,7 @@ DECLARE
     v_vnow double precision;
     v_group bigint;
     v_queue text;
+    v_ready integer;
     s record;
 BEGIN
     -- The channel, then its group (the lock order: channel rows, then group rows).
@@ -297,6 +386,7 @@ BEGIN
     WITH gone AS (
         DELETE FROM fairqueue_channel_delta d
         WHERE d.channel_id = p_channel_id
+          AND NOT d.drained  -- (a claim's fold takes it: fairqueue_fold_deltas_v1, drained mode)
         RETURNING d.ready, d.scheduled, d.running, d.failed, d.succeeded, d.batch_pending,
                   d.run_seconds, d.run_count
     )
@@ -332,9 +422,15 @@ BEGIN
             v_vnow, false, true,
             fairqueue_charge_v1(fairqueue_mean_run_v1(c.mean_run, s.run, s.ran), c.weight)),
         mean_run = fairqueue_mean_run_v1(c.mean_run, s.run, s.ran)
-    WHERE c.id = p_channel_id;
+    WHERE c.id = p_channel_id
+    RETURNING c.ready_count INTO v_ready;
     IF NOT FOUND THEN
         RETURN 0;
+    END IF;
+    IF s.ready < 0 AND v_ready <= 0 THEN  -- lowered to nothing: a marker, as the fold leaves
+        INSERT INTO fairqueue_channel_delta (channel_id, wake, drained)
+        VALUES (p_channel_id, false, true)
+        ON CONFLICT DO NOTHING;  -- (one marker a channel: fq_delta_drained_uniq)
     END IF;
     RETURN s.n;
 END;

@@ -86,6 +86,7 @@ BEGIN
         WITH gone AS (
             DELETE FROM fairqueue_channel_delta d
             WHERE d.channel_id = v_id
+              AND NOT d.drained  -- (a claim's fold takes it: fairqueue_fold_deltas_v1, drained mode)
             RETURNING d.succeeded, d.batch_pending, d.run_seconds, d.run_count
         ), kept AS (
             INSERT INTO fairqueue_channel_delta (channel_id, wake, run_seconds, run_count)
@@ -119,6 +120,11 @@ BEGIN
             batch_pending = c.batch_pending OR g.batches OR b.pending
         FROM m, b, g
         WHERE c.id = v_id;
+        -- Counted as its rows say: an enqueue in flight that found the old count wrote a quiet
+        -- delta (fairqueue_delta_wakes_v1), which a count of zero must not leave behind.
+        INSERT INTO fairqueue_channel_delta (channel_id, wake, drained)
+        SELECT v_id, false, true FROM fairqueue_channel c WHERE c.id = v_id AND c.ready_count <= 0
+        ON CONFLICT DO NOTHING;  -- (one marker a channel: fq_delta_drained_uniq)
     END LOOP;
 END;
 $$;

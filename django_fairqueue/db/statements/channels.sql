@@ -29,9 +29,9 @@ SELECT fairqueue_ensure_groups_v1(%(names)s::text[]);
 -- Fold up to `limit` of the oldest pending counter deltas into their channel rows: every kind
 -- (maintenance; claims fold what they need), or with `wake_only` those that can make a channel
 -- claimable (new work, freed slots, newly pending batches; see select_waking_backlog).
-SELECT fairqueue_fold_deltas_v1(
-    %(limit)s::integer, %(wake_only)s::boolean, %(by_time)s::boolean
-) AS folded;
+-- Then the drained markers, with their channels' quiet deltas (see fairqueue_free_names_v1).
+SELECT fairqueue_fold_deltas_v1(%(limit)s::integer, %(wake_only)s::boolean, %(by_time)s::boolean)
+       + fairqueue_fold_deltas_v1(128, true, %(by_time)s::boolean, true) AS folded;
 
 -- name: select_channel_counters
 -- Channel counters including deltas not yet folded: exact, and bounded by the delta backlog.

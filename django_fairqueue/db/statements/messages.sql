@@ -23,11 +23,15 @@ FROM fairqueue_claim_v1(
 );
 
 -- name: prepare_claims
--- The claim's housekeeping on its own: promote due messages and fold waking deltas.
--- (The fold only when a waking delta is pending: the fold leaves that probe to its callers.)
+-- The claim's housekeeping on its own: promote due messages, fold waking deltas, and then
+-- drained channels' markers (this statement is its transaction: see fairqueue_free_names_v1).
+-- (Each fold only when its probe finds something: the fold leaves that probe to its callers.)
 SELECT fairqueue_promote_due_v1(clock_timestamp(), 1000) AS promoted,
        CASE WHEN EXISTS (SELECT FROM fairqueue_channel_delta d WHERE d.wake)
-            THEN fairqueue_fold_deltas_v1(1000, true, %(by_time)s::boolean) ELSE 0 END AS folded;
+            THEN fairqueue_fold_deltas_v1(1000, true, %(by_time)s::boolean) ELSE 0 END
+       + CASE WHEN EXISTS (SELECT FROM fairqueue_channel_delta d WHERE d.drained)
+              THEN fairqueue_fold_deltas_v1(128, true, %(by_time)s::boolean, true) ELSE 0 END
+       AS folded;
 
 -- name: heartbeat_messages
 -- Extend the leases still held by these (id, token) pairs; returns the ids still owned, each with whether an abort was requested.
