@@ -48,11 +48,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from django.db.models import Max, Sum
-from django.utils import timezone
 
 from django_fairqueue import conf
 from django_fairqueue.db import message_store, stats_store
 from django_fairqueue.models import WAIT_BUCKETS_MS, ChannelStat, MinuteStat
+from django_fairqueue.observe import moments
 
 __all__ = [
     "BUCKETS",
@@ -93,8 +93,9 @@ def bucket_of(wait_ms: float) -> int:
 
 
 def minute_of(moment: datetime) -> datetime:
-    """``moment`` truncated to its minute, in UTC."""
-    return moment.astimezone(UTC).replace(second=0, microsecond=0)
+    """``moment`` truncated to its minute, in UTC (a naive one is in ``TIME_ZONE``, as Django
+    has it with ``USE_TZ = False``)."""
+    return moments.aware(moment).astimezone(UTC).replace(second=0, microsecond=0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -150,6 +151,7 @@ class StatsRecorder:
     ) -> None:
         """Count messages one claim returned at ``claimed_at`` (an aware datetime), with their
         wait: ``claimed_at - max(enqueued_at, run_at)``."""
+        claimed_at = moments.aware(claimed_at)
         minute = minute_of(claimed_at)
         # Grouped by channel first: a tally is found once per channel of the claim, not once
         # per message (its key hashes an aware datetime, which is not cheap).
@@ -194,7 +196,7 @@ class StatsRecorder:
         """Count finished attempts given as ``(channel_id, outcome, run_ms, timed_out)`` (see
         :meth:`record_settled`), all at ``at``: one lock and one minute for the lot, as a
         worker settles them."""
-        minute = minute_of(at if at is not None else timezone.now())
+        minute = minute_of(at if at is not None else moments.now())
         rows = list(attempts)
         for _channel_id, outcome, _run_ms, timed_out in rows:
             if outcome not in _OUTCOMES:
@@ -256,7 +258,7 @@ class StatsRecorder:
 
 def prune(older_than: timedelta = timedelta(days=1), *, using: str | None = None) -> None:
     """Delete statistics rows older than ``older_than`` (the maintenance loop's job)."""
-    stats_store.prune_channel_stats(timezone.now() - older_than, using=using)
+    stats_store.prune_channel_stats(moments.now() - older_than, using=using)
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,7 +270,7 @@ def window_start(minutes: int, now: datetime | None = None) -> datetime:
     minute and the ``minutes - 1`` before it."""
     if minutes < 1:
         raise ValueError(f"minutes must be >= 1, got {minutes}")
-    return minute_of(now or timezone.now()) - timedelta(minutes=minutes - 1)
+    return minute_of(now or moments.now()) - timedelta(minutes=minutes - 1)
 
 
 def _window(minutes: int, now: datetime | None, channel_ids: Sequence[int] | None) -> Any:
@@ -460,7 +462,7 @@ def minute_series(minutes: int = 30, *, now: datetime | None = None) -> list[Min
     """One summary per minute of the window, oldest first; minutes without claims included
     (with zeros), so a chart's time axis has no holes."""
     first = window_start(minutes, now)
-    rows = {row.minute: row for row in _minutes(minutes, now)}
+    rows = {moments.aware(row.minute): row for row in _minutes(minutes, now)}
     out = []
     for i in range(minutes):
         minute = first + timedelta(minutes=i)

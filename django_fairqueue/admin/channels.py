@@ -18,7 +18,6 @@ from django.db.models import F, IntegerField, Lookup, Q, QuerySet, Value
 from django.http import HttpRequest, JsonResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
-from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.http import urlencode
 from django.utils.safestring import SafeString, mark_safe
@@ -45,7 +44,7 @@ from django_fairqueue.db import channel_store, message_store, pg
 from django_fairqueue.exceptions import InvalidChannel, InvalidQueue
 from django_fairqueue.limits import CHANNEL_NAME_MAX_LENGTH
 from django_fairqueue.models import Channel, Message
-from django_fairqueue.observe import horizon, overview, waiting
+from django_fairqueue.observe import horizon, moments, overview, waiting
 from django_fairqueue.queues import DEFAULT_QUEUE, row_name, validate_queue_name
 from django_fairqueue.runtime import worker_registry
 
@@ -316,7 +315,7 @@ class ChannelChangeList(ChangeList):
         if self.computed_order is not None:
             self.result_list = self._by_computed(*self.computed_order)
         page = list(self.result_list)
-        now = timezone.now()
+        now = moments.now()
         found = {row.id: row for row in overview.rows([obj.pk for obj in page], now=now)}
         live = len(worker_registry.live(worker_registry.workers()))
         for obj in page:
@@ -377,7 +376,7 @@ def _row(obj: Channel) -> overview.ChannelRow | None:
     row: overview.ChannelRow | None = getattr(obj, "_fq_row", None)
     if row is None and getattr(obj, "_fq_now", None) is None:
         # Outside the change list (the change page, the shell): fetch this one row, once.
-        now = timezone.now()
+        now = moments.now()
         found = overview.rows([obj.pk], now=now)
         row = found[0] if found else None
         setattr(obj, "_fq_row", row)  # noqa: B010
@@ -679,7 +678,7 @@ class ChannelAdmin(lists.NulSafeAdmin, ChannelAdminBase):
         row = _row(obj)
         if row is None or row.oldest_ready_since is None:
             return "-"
-        now: Any = getattr(obj, "_fq_now", None) or timezone.now()
+        now: Any = getattr(obj, "_fq_now", None) or moments.now()
         return format_html(
             '<span title="ready since {}">{}</span>',
             timestamp(row.oldest_ready_since),
@@ -693,7 +692,7 @@ class ChannelAdmin(lists.NulSafeAdmin, ChannelAdminBase):
         row = _row(obj)
         if row is None or row.last_claimed_at is None:
             return "-"
-        now: Any = getattr(obj, "_fq_now", None) or timezone.now()
+        now: Any = getattr(obj, "_fq_now", None) or moments.now()
         age = max((now - row.last_claimed_at).total_seconds(), 0.0)
         late = row.ready > 0 and not obj.paused and age >= 60
         return format_html(
@@ -744,7 +743,7 @@ class ChannelAdmin(lists.NulSafeAdmin, ChannelAdminBase):
     def last_claimed_display(self, obj: Channel) -> Any:
         # a scheduler column, read by the queryset (overview.annotate_counters), not a field
         moment = getattr(obj, "last_claimed_at", None)
-        return overview.format_since(moment, timezone.now()) if moment else "-"
+        return overview.format_since(moment, moments.now()) if moment else "-"
 
     @admin.display(description=_("counts"))
     def counters_display(self, obj: Channel) -> str:

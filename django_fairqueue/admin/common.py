@@ -142,7 +142,7 @@ def error_html(error: Any) -> str:
 
 
 def timestamp(value: datetime | None) -> str:
-    """``2026-11-25 21:04:05`` in the current time zone; ``-`` for None."""
+    """``2026-11-25 21:04:05`` in the zone Django shows times in; ``-`` for None."""
     return overview.format_time(value)
 
 

@@ -36,7 +36,7 @@ from django_fairqueue.admin.common import (
 )
 from django_fairqueue.db import message_store, pg
 from django_fairqueue.models import Message, MessageState
-from django_fairqueue.observe import overview, waiting
+from django_fairqueue.observe import moments, overview, waiting
 
 
 @admin.register(Message)
@@ -379,7 +379,7 @@ class MessageAdmin(lists.NulSafeAdmin, MessageAdminBase):
     def running_for_display(self, obj: Message) -> str:
         if obj.state != MessageState.RUNNING or obj.claimed_at is None:
             return "-"
-        seconds = max(0.0, (self._clock(obj) - obj.claimed_at).total_seconds())
+        seconds = max(0.0, (self._clock(obj) - moments.aware(obj.claimed_at)).total_seconds())
         return format_html(
             '<span title="claimed at {}">{}</span>',
             timestamp(obj.claimed_at),
@@ -390,7 +390,7 @@ class MessageAdmin(lists.NulSafeAdmin, MessageAdminBase):
     def lease_display(self, obj: Message) -> str:
         if obj.state != MessageState.RUNNING or obj.lease_expires_at is None:
             return "-"
-        left = (obj.lease_expires_at - self._clock(obj)).total_seconds()
+        left = (moments.aware(obj.lease_expires_at) - self._clock(obj)).total_seconds()
         at = timestamp(obj.lease_expires_at)
         if left < 0:
             return format_html(

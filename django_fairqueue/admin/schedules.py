@@ -43,7 +43,7 @@ from django_fairqueue.admin.common import time_field
 from django_fairqueue.db import pg, schedule_store
 from django_fairqueue.exceptions import InvalidSchedule, PayloadError, UnknownTask
 from django_fairqueue.models import Schedule, ScheduleSource
-from django_fairqueue.observe import overview
+from django_fairqueue.observe import moments, overview
 from django_fairqueue.tasks.spec import registry
 
 if TYPE_CHECKING:
@@ -210,13 +210,13 @@ def _when(value: datetime | None, tz: str) -> str:
         zone = ZoneInfo(tz)
     except (ValueError, KeyError):
         zone = ZoneInfo("UTC")
-    return f"{value.astimezone(zone):%Y-%m-%d %H:%M %Z}"
+    return f"{moments.aware(value).astimezone(zone):%Y-%m-%d %H:%M %Z}"
 
 
 def _next_fire(obj: Schedule, now: datetime) -> str:
     if not obj.enabled:
         return str(_("paused"))
-    at: datetime | None = getattr(obj, "next_fire_at", None)
+    at: datetime | None = moments.aware(getattr(obj, "next_fire_at", None))
     if not getattr(obj, "state_current", False) or at is None:
         # new or just edited: the next pass computes this (from the database's clock)
         try:

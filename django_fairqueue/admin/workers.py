@@ -11,7 +11,6 @@ from django.db.models import Q, QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
-from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.http import urlencode
 from django.utils.safestring import mark_safe
@@ -22,7 +21,7 @@ from django_fairqueue.admin import lists
 from django_fairqueue.admin.common import WorkerAdminBase, time_field
 from django_fairqueue.db import pg
 from django_fairqueue.models import Message, MessageState, WorkerRecord
-from django_fairqueue.observe import overview
+from django_fairqueue.observe import moments, overview
 from django_fairqueue.runtime import worker_registry
 
 
@@ -152,7 +151,7 @@ class WorkerAdmin(lists.NulSafeAdmin, WorkerAdminBase):
         return cl
 
     def _ago(self, obj: WorkerRecord, moment: datetime | None) -> str:
-        now = getattr(obj, "_fq_now", None) or timezone.now()
+        now = getattr(obj, "_fq_now", None) or moments.now()
         return overview.format_since(moment, now) if moment else "-"
 
     @admin.display(description=_("worker"), ordering="worker_id")
@@ -264,7 +263,8 @@ class WorkerAdmin(lists.NulSafeAdmin, WorkerAdminBase):
         truncated = len(running) > self.BUSY_LIMIT
         by_worker: dict[str, list[dict[str, Any]]] = {}
         for m in running[: self.BUSY_LIMIT]:
-            left = (m.lease_expires_at - now).total_seconds() if m.lease_expires_at else None
+            expires = moments.aware(m.lease_expires_at)
+            left = (expires - now).total_seconds() if expires else None
             by_worker.setdefault(m.worker_id, []).append(
                 {
                     "id": m.pk,

@@ -24,6 +24,7 @@ from django.core.management.base import CommandError
 from django_fairqueue import failures, limits
 from django_fairqueue.cli import channel_name, queue_name
 from django_fairqueue.cli.terminal import aligned, cut, json_text, printable
+from django_fairqueue.observe import overview
 
 #: Longest error message shown in the text listing; --json has it whole.
 _ERROR_WIDTH = 80
@@ -136,7 +137,7 @@ def _list(options: dict[str, Any], stdout: TextIO) -> None:
         error = f"{m.error_type}: {m.error_message}" if m.error_message else m.error_type
         # escaped, as every table's text: one line each (an escaped \n breaks none)
         error = cut(printable(error), _ERROR_WIDTH)
-        finished = m.finished_at.strftime("%Y-%m-%d %H:%M:%S") if m.finished_at else "-"
+        finished = overview.format_time(m.finished_at)
         rows.append(
             (
                 str(m.id),

@@ -30,13 +30,12 @@ from typing import Any, TextIO
 
 from django.core.management.base import CommandError
 from django.db import connections
-from django.utils import timezone
 
 from django_fairqueue import conf, limits, stats
 from django_fairqueue.cli import channel_name
 from django_fairqueue.cli.terminal import aligned, cut, json_text, printable
 from django_fairqueue.db import channel_store, pg
-from django_fairqueue.observe import horizon, overview, waiting
+from django_fairqueue.observe import horizon, moments, overview, waiting
 from django_fairqueue.queues import DEFAULT_QUEUE, split_row_name, validate_queue_name
 from django_fairqueue.runtime import worker_registry
 
@@ -108,7 +107,7 @@ def handle(options: dict[str, Any], stdout: TextIO) -> None:
             text = _render(options, check_queue=not checked)
             checked = True
             if not options["json"]:
-                stamp = timezone.localtime().strftime("%Y-%m-%d %H:%M:%S %Z")
+                stamp = moments.local(moments.now()).strftime("%Y-%m-%d %H:%M:%S %Z")
                 text = f"{stamp}, every {interval:g}s (Ctrl-C stops)\n\n{text}"
             _write(stdout, clear + text if clear else text + ("" if options["json"] else "\n"))
             # Between redraws, like a worker between passes: a connection the server closed

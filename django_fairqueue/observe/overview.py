@@ -37,11 +37,11 @@ from django.db.models import (
 )
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Coalesce
-from django.utils import timezone
 
 from django_fairqueue import conf, stats
 from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.models import Channel, ChannelDelta
+from django_fairqueue.observe import moments
 from django_fairqueue.queues import split_row_name
 from django_fairqueue.runtime import worker_registry
 
@@ -210,7 +210,7 @@ class ChannelRow:
         """Seconds the oldest ready message has been waiting (None: nothing ready)."""
         if self.oldest_ready_since is None:
             return None
-        return max((now - self.oldest_ready_since).total_seconds(), 0.0)
+        return max((moments.aware(now) - self.oldest_ready_since).total_seconds(), 0.0)
 
     def as_dict(self, now: datetime) -> dict[str, Any]:
         age = self.oldest_age(now)
@@ -299,7 +299,7 @@ def rows(ids: Sequence[int], *, now: datetime | None = None) -> list[ChannelRow]
                 timeouts_recent=failing.get(cid, none).timeouts,
                 wait_p50_ms=waits[cid].p50_ms if cid in waits else None,
                 expired_leases=expired.get(cid, 0),
-                last_claimed_at=getattr(channel, "served_at", None),
+                last_claimed_at=moments.aware(getattr(channel, "served_at", None)),
                 served_recent=served.get(cid, 0),
             )
         )
@@ -333,7 +333,7 @@ def ranked_ids(
     shown = {c.id: split_row_name(c.name)[::-1] for c in pool}
     if sort == "age":
         since = channel_store.select_backlogged_oldest_ready(using=_db())
-        far = timezone.now() + timedelta(days=36500)
+        far = moments.now() + timedelta(days=36500)
         pool.sort(key=lambda c: (since.get(c.id, far), shown[c.id]))
     elif sort == "name":
         pool.sort(key=lambda c: shown[c.id])
@@ -379,13 +379,12 @@ def format_ms(ms: float | None) -> str:
 
 
 def format_time(moment: datetime | None) -> str:
-    """A moment as every operator view shows it: ``2026-11-25 21:04:05`` in the current time
-    zone, to the second; ``-`` for None."""
+    """A moment as every operator view shows it: ``2026-11-25 21:04:05`` in the zone Django
+    shows times in (:func:`~django_fairqueue.observe.moments.local`), to the second; ``-`` for
+    None."""
     if moment is None:
         return "-"
-    if timezone.is_aware(moment):
-        moment = timezone.localtime(moment)
-    return moment.strftime("%Y-%m-%d %H:%M:%S")
+    return moments.local(moment).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def format_since(moment: datetime | None, now: datetime) -> str:
@@ -393,7 +392,7 @@ def format_since(moment: datetime | None, now: datetime) -> str:
     ``... (in 45s)``; ``-`` for None."""
     if moment is None:
         return "-"
-    seconds = (moment - now).total_seconds()
+    seconds = (moments.aware(moment) - moments.aware(now)).total_seconds()
     if seconds >= 0:
         return f"{format_time(moment)} (in {format_age(seconds)})"
     return f"{format_time(moment)} ({format_age(-seconds)} ago)"
@@ -440,7 +439,7 @@ def dashboard(
     ``series`` has one entry per minute of the last ``series_minutes``; ``fairness`` is Jain's
     index over the backlogged channels (see :mod:`django_fairqueue.stats`).
     """
-    now = now or timezone.now()
+    now = moments.aware(now or moments.now())
     counts = all_counts()
     if queue is not None:
         counts = {k: c for k, c in counts.items() if split_row_name(c.name)[0] == queue}

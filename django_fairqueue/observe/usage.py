@@ -33,6 +33,7 @@ from django.utils import timezone
 
 from django_fairqueue import conf
 from django_fairqueue.models import UsageHour, UsageTotal
+from django_fairqueue.observe import moments
 from django_fairqueue.queues import DEFAULT_QUEUE, SEPARATOR, split_row_name
 
 __all__ = [
@@ -118,7 +119,7 @@ _DAY = re.compile(r"\d{4}-\d\d-\d\d")
 def parse_day(text: str) -> date:
     """A day as ``YYYY-MM-DD`` (up to :data:`LAST_DAY`), or ``today`` / ``yesterday``;
     ValueError otherwise."""
-    today = timezone.localdate()
+    today = moments.today()
     if text == "today":
         return today
     if text == "yesterday":
@@ -136,11 +137,12 @@ def parse_day(text: str) -> date:
 
 
 def day_range(first: date, last: date) -> tuple[datetime, datetime]:
-    """The instants from ``first``'s local midnight to the midnight after ``last`` (the
-    current time zone): the range of a report of the days ``first`` to ``last``."""
+    """The instants from ``first``'s local midnight to the midnight after ``last`` (in the
+    zone Django shows times in, :func:`~django_fairqueue.observe.moments.zone`): the range of
+    a report of the days ``first`` to ``last``."""
     if last < first:
         raise ValueError(f"the last day ({last}) is before the first ({first})")
-    zone = timezone.get_current_timezone()
+    zone = moments.zone()
     start = timezone.make_aware(datetime.combine(first, time()), zone)
     end = timezone.make_aware(datetime.combine(last + timedelta(days=1), time()), zone)
     return start, end

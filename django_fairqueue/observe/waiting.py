@@ -28,7 +28,7 @@ from datetime import datetime, timedelta
 from django_fairqueue import conf
 from django_fairqueue.db import channel_store, message_store
 from django_fairqueue.models import Message, MessageState
-from django_fairqueue.observe import overview
+from django_fairqueue.observe import moments, overview
 from django_fairqueue.queues import display_name, split_row_name
 from django_fairqueue.runtime import worker_registry
 
@@ -178,7 +178,7 @@ def message(msg: Message, *, views: list[worker_registry.WorkerView] | None = No
         return Why("missing", "its channel no longer exists")
     now = state.now
     if msg.state == MessageState.RUNNING:
-        expires = msg.lease_expires_at
+        expires = moments.aware(msg.lease_expires_at)  # (naive from the ORM without USE_TZ)
         if expires is not None and expires < now:
             every = conf.get().RESCUE_INTERVAL
             return Why(

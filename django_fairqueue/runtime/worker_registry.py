@@ -56,6 +56,7 @@ from datetime import UTC, datetime
 
 from django_fairqueue import __version__, conf, migrations
 from django_fairqueue.db import pg, worker_store
+from django_fairqueue.observe import moments
 from django_fairqueue.runtime import (
     CONNECTION_ERRORS,
     SUPERVISION_ENV,
@@ -396,12 +397,13 @@ def workers(now: datetime | None = None) -> list[WorkerView]:
     from django_fairqueue.models import WorkerRecord
 
     cfg = conf.get()
-    now = now or pg.select_clock(using=cfg.DATABASE)
+    now = moments.aware(now or pg.select_clock(using=cfg.DATABASE))
     rows = []
     for w in WorkerRecord.objects.using(cfg.DATABASE).order_by("-heartbeat_at"):
         state = w.state
+        heartbeat_at = moments.aware(w.heartbeat_at)  # naive from the ORM without USE_TZ
         if state == "running":
-            silent = (now - w.heartbeat_at).total_seconds()
+            silent = (now - heartbeat_at).total_seconds()
             state = "alive" if silent <= 3 * cfg.WORKER_HEARTBEAT else "silent"
             if silent > cfg.WORKER_DEAD_AFTER:
                 state = "dead"  # not marked yet: no maintenance pass since
@@ -417,9 +419,9 @@ def workers(now: datetime | None = None) -> list[WorkerView]:
                 w.handled,
                 list(w.channels or []),
                 list(w.exclude_channels or []),
-                w.started_at,
-                w.heartbeat_at,
-                w.last_claim_at,
+                moments.aware(w.started_at),
+                heartbeat_at,
+                moments.aware(w.last_claim_at),
                 list(w.queues) if w.queues is not None else None,
                 w.wakeups,
                 w.supervisor,

@@ -48,6 +48,7 @@ from django_fairqueue.contrib.bench.scenario import Column, Scenario
 from django_fairqueue.contrib.bench.sizes import Sizes
 from django_fairqueue.db import stats_store
 from django_fairqueue.models import Channel
+from django_fairqueue.observe import moments
 
 #: The bound for every page (median of the samples).
 TARGET_MS = 300.0
@@ -328,7 +329,7 @@ def _load(bench: Bench, cell: AdminCell) -> dict[str, Any]:
         "message_failed": one(MessageState.FAILED),
         "message_ready": one(MessageState.READY),
         "first_day": (
-            timezone.localdate() - timedelta(days=conf.get().USAGE_RETENTION.days - 1)
+            moments.today() - timedelta(days=conf.get().USAGE_RETENTION.days - 1)
         ).isoformat(),
     }
 
