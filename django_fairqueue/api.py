@@ -37,7 +37,7 @@ from django_fairqueue.limits import (
     UNIQUE_KEY_MAX_LENGTH,
 )
 from django_fairqueue.models import Message
-from django_fairqueue.observe import tracing
+from django_fairqueue.observe import moments, tracing
 from django_fairqueue.queues import DEFAULT_QUEUE, SEPARATOR, split_row_name, validate_queue_name
 from django_fairqueue.signals import message_enqueued
 from django_fairqueue.tasks.spec import TaskSpec, check_arguments, registry
@@ -822,6 +822,6 @@ def _run_at(run_after: datetime) -> datetime:
         if timezone.is_naive(run_after):
             if settings.USE_TZ:
                 raise ValueError("run_after must be an aware datetime (USE_TZ is on)")
-            return timezone.make_aware(run_after)
+            return moments.aware(run_after)  # a wall-clock time in TIME_ZONE, as Django has it
         return run_after
     raise TypeError(f"run_after must be a datetime or timedelta, got {type(run_after).__name__}")

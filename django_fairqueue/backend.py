@@ -58,6 +58,7 @@ from django_fairqueue.context import (
 )
 from django_fairqueue.exceptions import InvalidChannel, PayloadError, TaskAborted, UnknownTask
 from django_fairqueue.limits import MAX_LIMIT, integer
+from django_fairqueue.observe import moments
 from django_fairqueue.queues import validate_queue_name
 from django_fairqueue.tasks.django_compat import (
     DEFAULT_TASK_QUEUE_NAME,
@@ -806,7 +807,8 @@ def _result_from_message(
         ),
         id=str(message.id),
         status=TaskResultStatus.RUNNING,
-        enqueued_at=message.enqueued_at,
+        # as get_result reads it from the row: naive, like `started`, without USE_TZ
+        enqueued_at=moments.as_django(message.enqueued_at),
         started_at=started,
         last_attempted_at=started,
         args=args,
