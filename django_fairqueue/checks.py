@@ -36,25 +36,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     errors.extend(_task_checks(cfg))
     errors.extend(_lease_warnings(cfg))
     errors.extend(_default_channel_checks(cfg))
-    errors.extend(_time_zone_checks())
     return errors
-
-
-def _time_zone_checks() -> list[CheckMessage]:
-    """fairqueue.W004: the operator's views compare the database's aware times with Django's,
-    which ``USE_TZ = False`` makes naive (`fairqueue usage` and `workers`, the admin's channel
-    list, dashboard, usage and worker pages fail on it); enqueue and the workers do not."""
-    if getattr(settings, "USE_TZ", True):
-        return []
-    return [
-        Warning(
-            "USE_TZ is False: the admin's channel, dashboard, usage and worker pages and "
-            "`manage.py fairqueue usage` and `workers` need time-zone-aware datetimes and "
-            "fail without them (enqueue and the workers are unaffected).",
-            hint="Set USE_TZ = True (Django's default since 5.0).",
-            id="fairqueue.W004",
-        )
-    ]
 
 
 def _default_channel_checks(cfg: conf.FairQueueSettings) -> list[CheckMessage]:
