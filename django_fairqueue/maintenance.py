@@ -209,7 +209,8 @@ class Pruner:
 
 @dataclass
 class DeltaFolder:
-    """Fold pending channel counter deltas into the channel rows."""
+    """Fold pending channel counter deltas into the channel rows (completions of uncapped
+    channels, quiet enqueues), then the drained markers (docs/explanation/fairness.md)."""
 
     batch_size: int = 10_000
     max_batches: int = 10
@@ -227,7 +228,7 @@ class DeltaFolder:
             self.batch_size,
             self.max_batches,
         )
-        return total
+        return total + channel_store.fold_drained_markers(using=self.using)
 
 
 @dataclass

@@ -18,7 +18,8 @@ from django.test.utils import override_settings
 
 from django_fairqueue.api import EnqueueRequest, enqueue, enqueue_many
 from django_fairqueue.db import channel_store, integrity_store, message_store
-from django_fairqueue.models import ChannelGroup
+from django_fairqueue.maintenance import DeltaFolder
+from django_fairqueue.models import Channel, ChannelGroup
 from tests import factories as f
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -177,7 +178,7 @@ def test_the_maintenance_fold_counts_quiet_deltas_and_takes_markers() -> None:
     finally:
         commit.set()
         thread.join(30)
-    assert channel_store.fold_channel_deltas() == 2  # as the maintenance loop calls it
+    assert DeltaFolder().run_once() == 2  # the maintenance loop: the quiet delta, the marker
     assert deltas("alice") == [] and counted("alice") == 1
     assert len(claim(10)) == 1
 
@@ -313,17 +314,16 @@ def test_a_claim_waiting_for_a_held_channel_holds_no_name() -> None:
     assert "enqueued" in out and out["claimed"] >= 1
 
 
-def test_a_claim_of_the_grouped_walk_leaves_nothing_behind() -> None:
-    """With a group claimable in the queue, the walk has no top-up: a channel it drains gets
-    a marker, and the next claim takes the rest."""
+def test_a_claim_of_the_grouped_walk_takes_the_quiet_messages_too() -> None:
+    """With a group claimable in the queue, the grouped walk's claim gives an ungrouped
+    channel it drains what it counts besides."""
     backlogged("alice")  # counts 2
     for i in range(3):
         enqueue(f.NOOP, i, channel="alice")  # quiet
     ChannelGroup.objects.create(name="acme")
     enqueue(f.NOOP, 1, channel=("acme", "user"))
-    first = [m.channel for m in claim(10)]
-    second = [m.channel for m in claim(10)]
-    assert sorted(first + second) == ["acme/user"] + ["alice"] * 5
+    assert sorted(m.channel for m in claim(10)) == ["acme/user"] + ["alice"] * 5
+    assert deltas("alice") == []
 
 
 def test_an_enqueue_to_a_grouped_channel_wakes_whatever_it_counts() -> None:
@@ -338,3 +338,99 @@ def test_an_enqueue_to_a_grouped_channel_wakes_whatever_it_counts() -> None:
     enqueue_many([EnqueueRequest(f.NOOP, (1,), channel=("acme", "user"))])
     assert deltas("acme/user") == [(1, True, False), (1, True, False)]
     assert len(claim(10)) == 4
+
+
+def test_a_name_held_elsewhere_keeps_the_marker_not_the_committed_messages() -> None:
+    """A claim in a caller's transaction drains alice; an enqueue that read the count before
+    commits a quiet delta; an unrelated transaction that enqueued to alice is still open. The
+    marker stays (the open enqueue may write another), but the committed message is counted
+    and claimed at once."""
+    backlogged("alice")
+    thread, commit, (late,) = enqueue_held_open("alice")
+    try:
+        quiet: list[int] = []
+        with transaction.atomic():
+            assert len(claim(10)) == 2  # drains alice: a marker
+
+            def reads_the_old_count() -> None:
+                try:
+                    quiet.append(enqueue(f.NOOP, "e2", channel="alice"))
+                finally:
+                    connection.close()
+
+            t = threading.Thread(target=reads_the_old_count)
+            t.start()
+            t.join(30)
+        assert deltas("alice") == [MARKER, (1, False, False)]
+        assert [m.id for m in claim(10)] == quiet
+        assert deltas("alice") == [MARKER]
+    finally:
+        commit.set()
+        thread.join(30)
+    assert [m.id for m in claim(10)] == [late]
+
+
+def test_a_claim_holds_at_most_128_names() -> None:
+    """PostgreSQL's lock table is shared by every session: a claim draining hundreds of
+    channels takes the names of 128 of them, and marks the others."""
+    names = [f"c{i:03d}" for i in range(200)]
+    enqueue_many(EnqueueRequest(f.NOOP, (1,), channel=n) for n in names)
+    ids = [channel_id(n) for n in names]
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute("SELECT cardinality(fairqueue_free_names_v1(%s::bigint[], true))", [ids])
+        assert cur.fetchone() == (128,)
+        cur.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+            " AND mode = 'ExclusiveLock'"
+        )
+        assert cur.fetchone() == (128,)
+
+
+def test_a_marker_whose_name_is_held_locks_nothing() -> None:
+    """While an enqueue holds a marked channel's name and nothing quiet is committed, the
+    claims' housekeeping leaves the channel's row alone: its claimers are not kept out."""
+    for i in range(3):
+        enqueue(f.NOOP, i, channel="X")
+    channel_store.fold_channel_deltas()
+    with connection.cursor() as cur:
+        cur.execute(
+            "INSERT INTO fairqueue_channel_delta (channel_id, wake, drained)"
+            " VALUES (%s, false, true)",
+            [channel_id("X")],
+        )
+    thread, commit, _ = enqueue_held_open("X")
+    try:
+        with transaction.atomic():
+            # another queue's claim, its transaction still open
+            got = message_store.claim_messages(
+                10, lease=LEASE, worker_id="elsewhere", queues=["elsewhere"]
+            )
+            assert got == []
+
+            def claims_x() -> None:
+                try:
+                    assert len(claim(10)) == 3
+                finally:
+                    connection.close()
+
+            t = threading.Thread(target=claims_x)
+            t.start()
+            t.join(30)
+            assert not t.is_alive()
+        assert ready_ids("X") == []
+    finally:
+        commit.set()
+        thread.join(30)
+
+
+def test_the_shares_are_made_from_what_waits() -> None:
+    """B counts one message and has 99 quiet ones, A counts a hundred: the claim counts B's
+    quiet ones before it shares itself out, by weight (1 and 3)."""
+    enqueue(f.NOOP, 0, channel="B")
+    Channel.objects.filter(name="B").update(weight=3)
+    channel_store.fold_channel_deltas()
+    enqueue_many(EnqueueRequest(f.NOOP, (i,), channel="A") for i in range(100))
+    enqueue_many(EnqueueRequest(f.NOOP, (i,), channel="B") for i in range(99))
+    assert deltas("A") == [(100, True, False)] and deltas("B") == [(99, False, False)]
+    got = [m.channel for m in claim(40)]
+    assert (got.count("A"), got.count("B")) == (10, 30)

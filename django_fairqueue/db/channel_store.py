@@ -172,6 +172,14 @@ def fold_channel_deltas(
     return int(_run("fold_channel_deltas", params, using)[0][0])
 
 
+def fold_drained_markers(*, fairness: str | None = None, using: str | None = None) -> int:
+    """Fold the markers of channels whose count ran out while enqueues may have been in
+    flight, with their channels' quiet deltas (the maintenance loop's, after
+    :func:`fold_channel_deltas`, in a transaction of its own); returns how many rows."""
+    params = {"by_time": fairness_by_time(fairness)}
+    return int(_run("fold_drained_markers", params, using)[0][0])
+
+
 def select_channel_counters(
     ids: Sequence[int], *, using: str | None = None
 ) -> list[ChannelCounters]:

@@ -683,9 +683,12 @@ $$;
 --   3. share p_limit among them by weighted water-filling (deficit round-robin in memory);
 --      (steps 2 and 3 with channel groups: fairqueue_plan_grouped_v1, when a group is
 --      claimable)
+--   3b. count the quiet enqueue deltas of channels whose room is all they count
+--      (fairqueue_delta_wakes_v1): before step 3, or with groups after it, as a top-up;
 --   4. claim each channel's share from fq_message_ready_idx, SKIP LOCKED;
 --   5. charge the channels: running_count, ready_count, and the next turn; and the groups
---      of grouped channels: their turn, rate limit and tag.
+--      of grouped channels: their turn, rate limit and tag; and mark the channels it drains
+--      where an enqueue may be in flight (`drained`, folded by step 1 of a later claim).
 -- Steps 4 and 5 are one statement, the same with groups and without: a fix to it lands once.
 --
 -- Cost: steps 2-5 touch only the chosen channels and the rows claimed; nothing scans the
@@ -787,8 +790,7 @@ DECLARE
     v_cap integer[];  -- the most each channel may take but for its ready messages
     v_count integer[];  -- the ready messages each counts
     v_short boolean;  -- some channel's share may be all it counts (step 3b)
-    v_cands bigint[];  -- channels whose share is all they count (step 3b)
-    v_free bigint[];  -- of those, the ones whose names step 3b holds
+    v_free bigint[];  -- channels whose names step 3b holds
     v_qids bigint[];  -- of those, the ones it added messages to, and how many
     v_qadded integer[];
     v_k integer;
@@ -1300,6 +1302,25 @@ BEGIN
             RETURN;
         END IF;
 
+        -- Step 3b. A channel whose room is all the ready messages it counts may have more:
+        -- enqueues that found it counting some wrote quiet deltas (fairqueue_delta_wakes_v1),
+        -- which only the maintenance loop folds. Count them now (fairqueue_count_quiet_v1),
+        -- so the shares below are made from what waits. None of this in a backlog that counts
+        -- more than a claim takes, the steady traffic of many messages. (Not for a channel the
+        -- walk keeps but gives nothing, by time: its room is 0.)
+        IF v_short THEN
+            SELECT q.o_free, q.o_ids, q.o_added INTO v_free, v_qids, v_qadded
+            FROM fairqueue_count_quiet_v1(ARRAY(
+                SELECT a.id FROM unnest(v_ids, v_count, v_cap) AS a(id, counted, cap)
+                WHERE a.counted <= a.cap), v_own) q;
+            FOR i IN 1 .. coalesce(cardinality(v_qids), 0) LOOP
+                v_k := array_position(v_ids, v_qids[i]);
+                IF v_room[v_k] > 0 THEN
+                    v_room[v_k] := LEAST(v_count[v_k] + v_qadded[i], v_cap[v_k]);
+                END IF;
+            END LOOP;
+        END IF;
+
         -- Step 3, by time: each message goes to the channel whose next message would start at the
         -- smallest tag (its tag plus what this claim gave it already, at its charge per message),
         -- up to its room: a merge of the channels' sequences of start tags, one statement on the
@@ -1353,46 +1374,17 @@ BEGIN
                 v_round := v_round + 1;
             END LOOP;
         END IF;
-
     END IF;
 
-    -- Step 3b. A channel whose share is all the ready messages it counts may have more:
-    -- enqueues that found it counting some wrote quiet deltas (fairqueue_delta_wakes_v1),
-    -- which only the maintenance loop folds. Add the committed ones to its count now (we
-    -- hold its row), and give it what the claim has left, up to its other limits, in walk
-    -- order: every channel the walk found had its share (the walk stopped short of
-    -- p_limit), so the rest goes where it waits. First, in a claim that is its own
-    -- transaction, the names of those channels no enqueue holds (fairqueue_free_names_v1,
-    -- to our commit: nothing waits after this point, so holding them cannot deadlock):
-    -- for those, no quiet delta is in flight either, and a channel this claim drains needs
-    -- no marker (step 5). None of this in steady traffic: a backlog counts more than a
-    -- claim takes. (A group's channels are never such: their enqueues wake.)
-    IF v_short THEN
-        v_cands := ARRAY(
+    -- Step 3b, with groups (see step 3b below): the plan shared the claim out already, so
+    -- what the ungrouped channels it drains count besides goes to them as what the claim has
+    -- left, in walk order, up to their other limits (a group's channels are never such: their
+    -- enqueues wake).
+    IF v_grouped AND v_short THEN
+        SELECT q.o_free, q.o_ids, q.o_added INTO v_free, v_qids, v_qadded
+        FROM fairqueue_count_quiet_v1(ARRAY(
             SELECT a.id FROM unnest(v_ids, v_alloc, v_count) AS a(id, n, counted)
-            WHERE a.n >= a.counted);
-    END IF;
-    IF cardinality(v_cands) > 0 THEN
-        IF v_own THEN
-            v_free := fairqueue_free_names_v1(v_cands, true);
-        END IF;
-        WITH gone AS (
-            DELETE FROM fairqueue_channel_delta d
-            WHERE d.channel_id = ANY (v_cands) AND d.ready > 0 AND NOT d.wake  -- (quiet index)
-            RETURNING d.channel_id, d.ready
-        ), s AS MATERIALIZED (
-            SELECT gone.channel_id, sum(gone.ready)::integer AS added
-            FROM gone GROUP BY gone.channel_id
-        ), counted AS (
-            UPDATE fairqueue_channel c
-            SET ready_count = c.ready_count + s.added
-            FROM s
-            WHERE c.id = s.channel_id AND c.id = ANY (v_cands)
-            RETURNING c.id, s.added
-        )
-        SELECT array_agg(counted.id), array_agg(counted.added)
-        INTO v_qids, v_qadded
-        FROM counted;
+            WHERE a.n >= a.counted), v_own) q;
         IF v_qids IS NOT NULL THEN
             v_left := p_limit;
             FOR i IN 1 .. cardinality(v_ids) LOOP
@@ -1402,8 +1394,7 @@ BEGIN
                 EXIT WHEN v_left <= 0;
                 v_k := array_position(v_qids, v_ids[i]);
                 CONTINUE WHEN v_k IS NULL;
-                v_count[i] := v_count[i] + v_qadded[v_k];
-                v_give := LEAST(v_left, LEAST(v_count[i], v_cap[i]) - v_alloc[i]);
+                v_give := LEAST(v_left, LEAST(v_count[i] + v_qadded[v_k], v_cap[i]) - v_alloc[i]);
                 IF v_give > 0 THEN
                     v_alloc[i] := v_alloc[i] + v_give;
                     v_left := v_left - v_give;
@@ -1506,7 +1497,7 @@ BEGIN
             vtime = CASE WHEN p_by_time THEN c.vtime + got.n * v_est[got.k] ELSE c.vtime END
         FROM got
         WHERE c.id = got.cid AND c.id = ANY (v_ids)  -- primary-key lookups, as above
-        RETURNING c.id, c.ready_count
+        RETURNING c.id, c.ready_count, c.group_id
     ), drained AS (
         -- A channel whose counted ready messages this claim took all of, unless step 3b holds
         -- its name: quiet deltas of enqueues still in flight (fairqueue_delta_wakes_v1) may be
@@ -1515,6 +1506,7 @@ BEGIN
         INSERT INTO fairqueue_channel_delta (channel_id, wake, drained)
         SELECT charged.id, false, true FROM charged
         WHERE charged.ready_count <= 0
+          AND charged.group_id IS NULL  -- (a group's channels have no quiet deltas)
           AND NOT coalesce(charged.id = ANY (v_free), false)
         ON CONFLICT DO NOTHING  -- (one marker a channel: fq_delta_drained_uniq)
     ), ggot AS MATERIALIZED (

@@ -11,7 +11,7 @@
 -- run out first: a claim about to take all a channel counts adds its quiet deltas first, and
 -- whatever brings a count to zero without holding the channel's name (an enqueue may be in
 -- flight) leaves a marker (`drained`) that a claim's fold takes up once no enqueue holds the
--- name (fairqueue_claim_v1, steps 3b, 5 and 6; fairqueue_fold_deltas_v1). A scheduled message's
+-- name (fairqueue_claim_v1, steps 1, 3b and 5; fairqueue_fold_deltas_v1). A scheduled message's
 -- delta wakes: its promotion's delta, which wakes, takes it out of scheduled_count, and must
 -- not be folded before the delta that put it in. A grouped channel's wakes: the claim of a
 -- group's channels does not count quiet deltas before it takes all a channel counts

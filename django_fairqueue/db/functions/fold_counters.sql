@@ -60,15 +60,17 @@ BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RETURN NULL;
     ELSIF p_hold THEN
+        -- (the 128 chosen first, behind OFFSET 0, and only they tried: a lock attempt in the
+        -- same query's WHERE ran on every row before the sort and the limit)
         RETURN ARRAY(
             SELECT x.id FROM (
-                SELECT c.id FROM fairqueue_channel c
+                SELECT c.id, c.name FROM fairqueue_channel c
                 WHERE c.id = ANY (p_ids)
-                  AND pg_try_advisory_xact_lock(fairqueue_channel_lock_key_v1(),
-                                                hashtext(c.name))
                 ORDER BY c.id
-                LIMIT 128
-            ) x);
+                LIMIT 128 OFFSET 0
+            ) x
+            WHERE pg_try_advisory_xact_lock(fairqueue_channel_lock_key_v1(), hashtext(x.name))
+            ORDER BY x.id);
     END IF;
     RETURN ARRAY(
         SELECT c.id FROM fairqueue_channel c
@@ -77,6 +79,50 @@ BEGIN
                    THEN pg_advisory_unlock(fairqueue_channel_lock_key_v1(), hashtext(c.name))
                    ELSE false END
         ORDER BY c.id);
+END;
+$$;
+
+
+-- Count the committed quiet deltas (fairqueue_delta_wakes_v1) of channels p_ids, whose rows
+-- this transaction holds, into their ready_count: for a claim about to take all they count
+-- (fairqueue_claim_v1, step 3b). First, with p_own (the claim is its own transaction, past its
+-- last wait for a held channel), the names of those no enqueue holds, to the commit
+-- (fairqueue_free_names_v1): o_free, for which no enqueue that may write one is in flight
+-- either, so the claim leaves no marker should it drain them. o_ids and o_added: the channels
+-- it added to, and how many. Deleting a quiet delta may wait, briefly, for the maintenance
+-- loop's fold, the only one that holds deltas before their channel (it never waits itself).
+CREATE OR REPLACE FUNCTION fairqueue_count_quiet_v1(
+    p_ids bigint[], p_own boolean,
+    OUT o_free bigint[], OUT o_ids bigint[], OUT o_added integer[]
+)
+LANGUAGE plpgsql
+SET enable_seqscan = off
+SET plan_cache_mode = force_generic_plan  -- see fairqueue_claim_v1
+AS $$
+BEGIN
+    IF coalesce(cardinality(p_ids), 0) = 0 THEN
+        RETURN;
+    END IF;
+    IF p_own THEN
+        o_free := fairqueue_free_names_v1(p_ids, true);
+    END IF;
+    WITH gone AS (
+        DELETE FROM fairqueue_channel_delta d
+        WHERE d.channel_id = ANY (p_ids) AND d.ready > 0 AND NOT d.wake  -- (quiet index)
+        RETURNING d.channel_id, d.ready
+    ), s AS MATERIALIZED (
+        SELECT gone.channel_id, sum(gone.ready)::integer AS added
+        FROM gone GROUP BY gone.channel_id
+    ), counted AS (
+        UPDATE fairqueue_channel c
+        SET ready_count = c.ready_count + s.added
+        FROM s
+        WHERE c.id = s.channel_id AND c.id = ANY (p_ids)
+        RETURNING c.id, s.added
+    )
+    SELECT array_agg(counted.id), array_agg(counted.added)
+    INTO o_ids, o_added
+    FROM counted;
 END;
 $$;
 
@@ -92,7 +138,8 @@ $$;
 -- A fold that lowers a channel's count to zero or below (removals) leaves a marker for it
 -- (step 3): quiet deltas, some perhaps of enqueues in flight, may count what still waits.
 -- Only deltas whose channel row can be locked right now are folded (SKIP LOCKED on both): a
--- channel locked by a concurrent claim is folded by that claim, so nobody waits here.
+-- channel locked by a concurrent claim is folded by that claim, so nobody waits here (but for
+-- the drained mode's delete of quiet deltas, step 2c).
 -- Returns how many delta rows were folded.
 -- enable_seqscan = off: on a small channel table the planner prefers a sequential scan to a
 -- hundred primary-key lookups, which is cheaper there but makes the fold's cost grow with the
@@ -120,7 +167,9 @@ DECLARE
     v_glocked bigint[];
     v_vqueues text[];
     v_vnows double precision[];
-    v_free bigint[];  -- p_drained: channels of markers whose names no enqueue holds
+    v_markers bigint[];  -- p_drained: the markers read, their channels, and of those the
+    v_marked bigint[];   -- ones whose names no enqueue held a moment ago
+    v_free bigint[];
     v_count integer;
 BEGIN
     -- 1. Lock the oldest pending deltas. Two statements rather than `d.wake OR NOT
@@ -128,13 +177,32 @@ BEGIN
     --    that index first: the callers make it (the claim's first statement probes it with
     --    the rest of its housekeeping), and call this only when it found a waking delta.
     --    (Markers do not wake: p_drained folds them, from the index that keeps them one per
-    --    channel, fq_delta_drained_uniq.)
+    --    channel, fq_delta_drained_uniq. Read without a lock: a marker is deleted only by the
+    --    holder of its channel's row, step 3. Its channel is folded when no enqueue holds its
+    --    name right now (fairqueue_free_names_v1, let go at once), or when it has committed
+    --    quiet deltas to count whatever the name, or is gone (the marker is then deleted in
+    --    step 2); the others are left untouched, no row locked, for a later fold.)
     IF p_drained THEN
-        SELECT array_agg(x.id), array_agg(x.channel_id), array_agg(DISTINCT x.channel_id)
-        INTO v_deltas, v_delta_channels, v_wanted FROM (
+        SELECT array_agg(x.id), array_agg(x.channel_id)
+        INTO v_markers, v_marked FROM (
             SELECT d.id, d.channel_id FROM fairqueue_channel_delta d
-            WHERE d.drained ORDER BY d.channel_id LIMIT p_limit FOR UPDATE SKIP LOCKED
+            WHERE d.drained ORDER BY d.channel_id LIMIT p_limit
         ) x;
+        IF v_markers IS NULL THEN
+            RETURN 0;
+        END IF;
+        v_free := fairqueue_free_names_v1(v_marked, false);
+        v_deltas := v_markers;
+        v_delta_channels := v_marked;
+        v_wanted := ARRAY(
+            SELECT m.id FROM unnest(v_marked) AS m(id)
+            WHERE m.id = ANY (v_free)
+               OR EXISTS (SELECT FROM fairqueue_channel_delta q  -- (quiet index)
+                          WHERE q.channel_id = m.id AND q.ready > 0 AND NOT q.wake)
+               OR NOT EXISTS (SELECT FROM fairqueue_channel c WHERE c.id = m.id));
+        IF cardinality(v_wanted) = 0 THEN
+            RETURN 0;
+        END IF;
     ELSIF p_wake_only THEN
         SELECT array_agg(x.id), array_agg(x.channel_id), array_agg(DISTINCT x.channel_id)
         INTO v_deltas, v_delta_channels, v_wanted FROM (
@@ -203,22 +271,18 @@ BEGIN
             WHERE x.channel_id = ANY (v_locked)
         );
     END IF;
-    -- 2c. Drained channels (p_drained): their markers' channels' quiet enqueue deltas
-    --     (fairqueue_delta_wakes_v1) are folded with the markers, once no enqueue that may
-    --     still write one is in flight (fairqueue_free_names_v1); a channel whose name is
-    --     held keeps its marker for the next such fold. Read by a statement after the locks',
-    --     so its snapshot sees every enqueue that committed before them. (Deadlock-free: the
-    --     quiet deltas are deleted below holding their channel, in the lock order; only the
-    --     maintenance loop's fold, which never waits, can hold one of them, and the claims'
-    --     folds of waking deltas hold none.)
+    -- 2c. Drained channels (p_drained): the committed quiet deltas of every channel locked,
+    --     and the markers of those whose names were free (no enqueue that may write one was
+    --     in flight then: this statement, after those locks, sees all there are). Deleting a
+    --     quiet delta may wait, briefly, for the maintenance loop's fold, the only one that
+    --     holds deltas before their channel (it never waits itself).
     IF p_drained THEN
-        v_free := fairqueue_free_names_v1(v_locked, false);
         v_deltas := ARRAY(
-            SELECT x.id FROM unnest(v_deltas, v_delta_channels) AS x(id, channel_id)
-            WHERE x.channel_id = ANY (v_free)
+            SELECT m.id FROM unnest(v_markers, v_marked) AS m(id, channel_id)
+            WHERE m.channel_id = ANY (v_free) AND m.channel_id = ANY (v_locked)
             UNION ALL
             SELECT d.id FROM fairqueue_channel_delta d
-            WHERE d.channel_id = ANY (v_free) AND d.ready > 0 AND NOT d.wake  -- (quiet index)
+            WHERE d.channel_id = ANY (v_locked) AND d.ready > 0 AND NOT d.wake  -- (quiet index)
         );
         IF cardinality(v_deltas) = 0 THEN
             RETURN 0;

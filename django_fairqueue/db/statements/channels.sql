@@ -29,9 +29,16 @@ SELECT fairqueue_ensure_groups_v1(%(names)s::text[]);
 -- Fold up to `limit` of the oldest pending counter deltas into their channel rows: every kind
 -- (maintenance; claims fold what they need), or with `wake_only` those that can make a channel
 -- claimable (new work, freed slots, newly pending batches; see select_waking_backlog).
--- Then the drained markers, with their channels' quiet deltas (see fairqueue_free_names_v1).
-SELECT fairqueue_fold_deltas_v1(%(limit)s::integer, %(wake_only)s::boolean, %(by_time)s::boolean)
-       + fairqueue_fold_deltas_v1(128, true, %(by_time)s::boolean, true) AS folded;
+SELECT fairqueue_fold_deltas_v1(
+    %(limit)s::integer, %(wake_only)s::boolean, %(by_time)s::boolean
+) AS folded;
+
+-- name: fold_drained_markers prepared
+-- Fold the drained markers and their channels' quiet deltas (fairqueue_fold_deltas_v1's drained
+-- mode; the claims' housekeeping does the same): the maintenance loop's, after its fold of
+-- every kind, in a transaction of its own (one that held that fold's deltas as it deleted
+-- quiet ones could deadlock with another worker's loop doing the same).
+SELECT fairqueue_fold_deltas_v1(1000, true, %(by_time)s::boolean, true) AS folded;
 
 -- name: select_channel_counters
 -- Channel counters including deltas not yet folded: exact, and bounded by the delta backlog.
