@@ -4,7 +4,7 @@ claim folding one first. A claim about to take all a channel counts adds the cha
 deltas first (fq_delta_quiet_idx finds them); whatever brings a count to zero where an enqueue
 may be in flight leaves a `drained` marker, one per channel (fq_delta_drained_uniq), that a
 claim's fold takes up once no enqueue holds the channel's name. Installs the fold_counters,
-claim, enqueue and verify_repair families.
+claim, enqueue, verify_repair and groups families.
 """
 
 from django.db import migrations, models
@@ -42,5 +42,5 @@ class Migration(migrations.Migration):
             "DROP FUNCTION IF EXISTS fairqueue_fold_deltas_v1(integer, boolean, boolean)",
             migrations.RunSQL.noop,
         ),
-        InstallFunctions("fold_counters", "claim", "enqueue", "verify_repair"),
+        InstallFunctions("groups", "fold_counters", "claim", "enqueue", "verify_repair"),
     ]

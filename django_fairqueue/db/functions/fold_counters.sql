@@ -277,6 +277,11 @@ BEGIN
     --     quiet delta may wait, briefly, for the maintenance loop's fold, the only one that
     --     holds deltas before their channel (it never waits itself).
     IF p_drained THEN
+        -- (the names again, now that the rows are ours: between step 1 and step 2 a name
+        -- found free may have been taken by an enqueue whose channel a claim then drained,
+        -- its marker this one)
+        v_free := fairqueue_free_names_v1(ARRAY(
+            SELECT x.id FROM unnest(v_locked) AS x(id) WHERE x.id = ANY (v_free)), false);
         v_deltas := ARRAY(
             SELECT m.id FROM unnest(v_markers, v_marked) AS m(id, channel_id)
             WHERE m.channel_id = ANY (v_free) AND m.channel_id = ANY (v_locked)

@@ -81,10 +81,20 @@ CREATE TRIGGER fairqueue_group_keep_name
 -- collation). The counters move with them (fairqueue_group_counters_v1).
 CREATE OR REPLACE FUNCTION fairqueue_group_attach_v1() RETURNS trigger
 LANGUAGE plpgsql AS $$
+DECLARE
+    v_ids bigint[];
 BEGIN
-    UPDATE fairqueue_channel c
-    SET group_id = NEW.id
-    WHERE c.group_id IS NULL AND fairqueue_group_of_name_v1(c.name) = NEW.name;
+    WITH attached AS (
+        UPDATE fairqueue_channel c
+        SET group_id = NEW.id
+        WHERE c.group_id IS NULL AND fairqueue_group_of_name_v1(c.name) = NEW.name
+        RETURNING c.id
+    )
+    SELECT array_agg(attached.id) INTO v_ids FROM attached;
+    -- Their quiet enqueue deltas, counted now: a group's claims do not count them before they
+    -- take all a channel counts, as an ungrouped channel's do (fairqueue_delta_wakes_v1).
+    -- (One still in flight is counted by the maintenance loop's fold.)
+    PERFORM fairqueue_count_quiet_v1(v_ids, false);
     RETURN NULL;
 END;
 $$;
