@@ -139,16 +139,16 @@ def test_tiny_run_reports_every_scenario_as_json(tmp_path: Path) -> None:
         assert cell["server_us"] > 0 and cell["client_us"] > 0
     for cell in function_cells:
         # A claim's time includes the housekeeping calls it makes first: only those its probe
-        # finds work for (an idle poll makes none; in steady traffic each folds the enqueues'
-        # deltas, and nothing scheduled is ever due)
+        # finds work for (an idle poll makes none; nothing scheduled is ever due)
         assert cell["claim_us"] >= cell["claim_body_us"] > 0
         assert cell["promote_us"] == 0
-        assert (cell["fold_us"] == 0) == (cell["case"] == "empty")
+        assert cell["case"] != "empty" or cell["fold_us"] == cell["quiet_us"] == 0
         # a claim that takes messages writes WAL (their rows); the empty one writes none
         assert (cell["claim_wal_bytes"] is None) == (cell["case"] == "empty")
         assert cell["case"] == "empty" or cell["claim_wal_bytes"] > 0
         assert cell["claim_us"] == pytest.approx(
-            cell["claim_body_us"] + cell["promote_us"] + cell["fold_us"], abs=0.5
+            cell["claim_body_us"] + cell["promote_us"] + cell["fold_us"] + cell["quiet_us"],
+            abs=0.5,
         )
         assert (cell["complete_us"] is None) == (cell["case"] == "empty")
     # e2e and pickup ran real `runfairworker` subprocesses on this (the test) database.

@@ -46,6 +46,7 @@ WORKER_ID = "fairbench-functions"
 CLAIM = "fairqueue_claim_v1"
 PROMOTE = "fairqueue_promote_due_v1"
 FOLD = "fairqueue_fold_deltas_v1"
+QUIET = "fairqueue_count_quiet_v1"
 COMPLETE = "fairqueue_complete_v1"
 
 
@@ -69,11 +70,13 @@ class FunctionsResult:
     batch: int
     by: str
     calls: int
-    #: microseconds per claim call: all of it, and its own body (without the two below)
+    #: microseconds per claim call: all of it, and its own body (without the three below)
     claim_us: float
     claim_body_us: float
     promote_us: float
     fold_us: float
+    #: counting a channel's quiet enqueue deltas before taking all it counts (step 3b)
+    quiet_us: float
     #: microseconds per completion call (none in the empty case)
     complete_us: float | None
     #: the server backend's CPU microseconds per claim and per completion (None: unreadable)
@@ -209,6 +212,7 @@ def run(bench: Bench, cell: FunctionsCell) -> FunctionsResult:
         claim_body_us=per_call(before, after, CLAIM, calls, own=True),
         promote_us=per_claim(before, after, PROMOTE),
         fold_us=per_claim(before, after, FOLD),
+        quiet_us=per_claim(before, after, QUIET),
         complete_us=per_call(before, after, COMPLETE, completions) if completions else None,
         claim_cpu_us=round(1e6 * claim_cpu / calls) if cpu is not None else None,
         complete_cpu_us=(
@@ -232,6 +236,7 @@ SCENARIO = Scenario(
         Column("its body", "claim_body_us", ".1f"),
         Column("promote", "promote_us", ".1f"),
         Column("fold", "fold_us", ".1f"),
+        Column("quiet", "quiet_us", ".1f"),
         Column("complete µs", "complete_us", ".1f"),
         Column("claim CPU µs", "claim_cpu_us", ".0f"),
         Column("complete CPU µs", "complete_cpu_us", ".0f"),
@@ -245,9 +250,10 @@ SCENARIO = Scenario(
     unavailable=unavailable,
     notes=(
         "Time inside PL/pgSQL functions as pg_stat_user_functions counts it (track_functions = "
-        "'pl'), per call: no round trip, no client, no commit. claim µs includes promote and "
-        "fold (their time per claim: a claim calls them only when its probe finds work for "
-        "them); its body is the rest.",
+        "'pl'), per call: no round trip, no client, no commit. claim µs includes promote, "
+        "fold and quiet (their time per claim: a claim calls them only when there is work for "
+        "them; quiet counts the quiet enqueue deltas of a channel whose room is all it counts); "
+        "its body is the rest.",
         "empty: nothing to claim, promote or fold (an idle queue's poll). backlog: claims over "
         "100 channels, each completed and its messages enqueued again, untimed. key-queued, "
         "key-active: the same with every message a unique job of that scope.",
