@@ -694,7 +694,11 @@ class ChannelDelta(TrackedModel):
         db_table = "fairqueue_channel_delta"
         indexes = [
             models.Index(F("channel"), name="fq_delta_channel_idx"),
-            models.Index(F("id"), name="fq_delta_wake_idx", condition=Q(wake=True)),
+            # Waking deltas and `drained` markers: what a claim's housekeeping has to fold,
+            # found by one probe.
+            models.Index(
+                F("id"), name="fq_delta_wake_idx", condition=Q(wake=True) | Q(drained=True)
+            ),
             # Deltas that take ready messages out (a cancel, purge, delete or abort not folded
             # yet): an enqueue's wake-up decision subtracts them from the channel's counted
             # ready messages, with one probe of an index that is almost always empty.

@@ -29,6 +29,16 @@ class Migration(migrations.Migration):
                 name="fq_delta_quiet_idx",
             ),
         ),
+        # the claim's housekeeping probes waking deltas and markers with one index
+        migrations.RemoveIndex(model_name="channeldelta", name="fq_delta_wake_idx"),
+        migrations.AddIndex(
+            model_name="channeldelta",
+            index=models.Index(
+                models.F("id"),
+                condition=models.Q(("wake", True), ("drained", True), _connector="OR"),
+                name="fq_delta_wake_idx",
+            ),
+        ),
         migrations.AddConstraint(
             model_name="channeldelta",
             constraint=models.UniqueConstraint(

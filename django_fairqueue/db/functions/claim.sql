@@ -820,14 +820,9 @@ DECLARE
     v_got integer;
     v_probe boolean;  -- the housekeeping's probes to make: scheduled messages due, waking deltas
     v_due boolean := false;
-    v_drained boolean := false;  -- drained markers wait (fairqueue_fold_deltas_v1)
     v_token uuid;  -- the lease token of every message this claim hands out
     v_waking boolean := true;  -- (unknown without housekeeping: as if some were waking)
-    -- This statement is its own transaction: only such a caller may wait (p_wait_ms,
-    -- CLAIM_WAIT) or commit asynchronously (p_async_except). Step 3b holds channel names to
-    -- the commit only then (fairqueue_free_names_v1); without, a channel it drains gets a
-    -- marker instead, which costs the next claim a fold.
-    v_own boolean := coalesce(p_wait_ms, 0) > 0 OR p_async_except IS NOT NULL;
+    v_own boolean;  -- this statement is its own transaction (set after the idle poll's return)
     i integer;
 BEGIN
     IF p_limit IS NULL OR p_limit < 1 THEN
@@ -857,7 +852,7 @@ BEGIN
     -- whether a fold may be in flight.
     v_probe := p_maintain;
     WHILE v_probe OR p_queues IS NULL LOOP
-        SELECT q.due, q.waking, q.drained, q.lo,
+        SELECT q.due, q.waking, q.lo,
                -- the highest queues only when there is a lowest (an idle poll reads two
                -- index entries, not four)
                CASE WHEN q.lo IS NOT NULL THEN (
@@ -871,12 +866,12 @@ BEGIN
                    WHERE g.claimable > 0
                      AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
                    ORDER BY g.queue DESC LIMIT 1) END
-        INTO v_due, v_waking, v_drained, v_lo, v_hi, v_glo, v_ghi
+        INTO v_due, v_waking, v_lo, v_hi, v_glo, v_ghi
         FROM (
             -- The queues: the lowest (and above, the highest) queue of a claimable flow, the
             -- first and last entries of the two turn indexes, without a lock (see below);
             -- not when the housekeeping is to run first (they are read again after it).
-            SELECT x.due, x.waking, x.drained,
+            SELECT x.due, x.waking,
                    CASE WHEN p_queues IS NULL AND NOT (x.due OR x.waking AND v_probe) THEN (
                        SELECT c.queue::text FROM fairqueue_channel c
                        WHERE c.claimable
@@ -897,33 +892,26 @@ BEGIN
                            WHERE m.state = 'scheduled' AND m.run_at <= v_now
                            ORDER BY m.run_at, m.id LIMIT 1)
                             ELSE false END AS due,
+                       -- (waking deltas and drained markers: one index, one probe)
                        CASE WHEN v_probe THEN EXISTS (
-                           SELECT FROM fairqueue_channel_delta d WHERE d.wake
+                           SELECT FROM fairqueue_channel_delta d WHERE d.wake OR d.drained
                            ORDER BY d.id LIMIT 1)
-                            ELSE v_waking END AS waking,
-                       CASE WHEN v_probe THEN EXISTS (
-                           SELECT FROM fairqueue_channel_delta d WHERE d.drained
-                           ORDER BY d.channel_id LIMIT 1)
-                            ELSE false END AS drained
+                            ELSE v_waking END AS waking
                 OFFSET 0
             ) x
             OFFSET 0  -- (each level computed once: the next one's tests read it)
         ) q;
-        EXIT WHEN NOT v_probe OR NOT (v_due OR v_waking OR v_drained);
+        EXIT WHEN NOT v_probe OR NOT (v_due OR v_waking);
         IF v_due THEN
             PERFORM fairqueue_promote_due_v1(v_now, 1000);
             v_waking := true;  -- (its deltas wake)
         END IF;
-        IF v_waking THEN
-            PERFORM fairqueue_fold_deltas_v1(1000, true, p_by_time);
-            -- (a fold of removals may have left one: fairqueue_fold_deltas_v1, step 3)
-            v_drained := v_drained
-                OR EXISTS (SELECT FROM fairqueue_channel_delta d WHERE d.drained);
-        END IF;
-        -- Drained markers: their channels' quiet deltas counted where no enqueue is in flight
-        -- (a channel brought to zero while one was keeps its marker, for the next claim).
-        IF v_drained THEN
-            PERFORM fairqueue_fold_deltas_v1(128, true, p_by_time, true);
+        PERFORM fairqueue_fold_deltas_v1(1000, true, p_by_time);
+        -- Drained markers (the probe's, or one a fold of removals just left): their channels'
+        -- quiet deltas counted where no enqueue is in flight (a channel brought to zero while
+        -- one was keeps its marker, for a later claim).
+        IF EXISTS (SELECT FROM fairqueue_channel_delta d WHERE d.drained) THEN
+            PERFORM fairqueue_fold_deltas_v1(1000, true, p_by_time, true);
         END IF;
         v_probe := false;  -- (and once more for the queues alone, when claiming every queue)
     END LOOP;
@@ -1052,6 +1040,12 @@ BEGIN
         v_fold_waited := true;
         v_now := clock_timestamp();
     END IF;
+
+    -- This statement is its own transaction: only such a caller may wait (p_wait_ms,
+    -- CLAIM_WAIT) or commit asynchronously (p_async_except). Step 3b holds channel names to
+    -- the commit only then (fairqueue_free_names_v1); without, a channel it drains gets a
+    -- marker instead, which costs a later claim a fold.
+    v_own := coalesce(p_wait_ms, 0) > 0 OR p_async_except IS NOT NULL;
 
     -- Channel groups: when a group is claimable now (one probe of fq_group_turn_idx; the
     -- ORDER BY keeps a generic plan on the index, where EXISTS was a sequential scan that
