@@ -44,9 +44,9 @@ $$;
 -- delta there is. With p_hold, the names stay held to the end of this transaction (at most
 -- 128: the bound the name stripes keep on PostgreSQL's shared lock table; the rest are left
 -- as if held), so an enqueue that comes after waits for our commit and then finds the
--- channel's count as we leave it: for a claim about to drain the channels, at a point where
--- it waits for nothing more, in a transaction of its own (a caller's would keep enqueues
--- waiting to its end). Without, each is released at once: enough for a fold that only adds
+-- channel's count as we leave it: for a claim about to drain the channels, past its last wait
+-- for a held channel (it may still wait for the maintenance loop's fold, which never waits),
+-- in a transaction of its own (a caller's would keep enqueues waiting to its end). Without, each is released at once: enough for a fold that only adds
 -- the quiet deltas, as an enqueue that comes after reads a count of zero (and wakes) or one
 -- that makes the channel claimable. None above READ COMMITTED (a snapshot older than the
 -- locks would not see what committed before them). Ordered by id (the lock order).
@@ -176,8 +176,8 @@ BEGIN
     --    p_wake_only`, so the first can use the partial index fq_delta_wake_idx. No probe of
     --    that index first: the callers make it (the claim's first statement probes it with
     --    the rest of its housekeeping), and call this only when it found a waking delta.
-    --    (Markers do not wake: p_drained folds them, from the index that keeps them one per
-    --    channel, fq_delta_drained_uniq. Read without a lock: a marker is deleted only by the
+    --    (Markers do not wake: p_drained folds them, found by the index that keeps them one
+    --    per channel, fq_delta_drained_uniq. Read without a lock: a marker is deleted only by the
     --    holder of its channel's row, step 3. Its channel is folded when no enqueue holds its
     --    name right now (fairqueue_free_names_v1, let go at once), or when it has committed
     --    quiet deltas to count whatever the name, or is gone (the marker is then deleted in
