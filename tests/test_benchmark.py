@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import connection
+from django.db import DatabaseError, connection
 from psycopg import sql
 
 from django_fairqueue import enqueue
@@ -843,3 +843,29 @@ def test_the_sybil_target_judges_the_grouped_cells_only() -> None:
     ]
     assert verdict(cell(True, 50.1)) == [("50.1 ms (bob's backlog 10,000 in 100 channels)", False)]
     assert verdict(cell(False, 1.0)) == []
+
+
+def test_a_stop_signal_that_lands_in_a_commit_still_reads_as_a_stop() -> None:
+    """The signal's exception raised inside Django's COMMIT leaves the connection in its
+    transaction, and the atomic block's way out fails on that: the run still ends as stopped."""
+    from django_fairqueue.contrib.bench.management.commands import fairbench as command
+
+    def commit_interrupted() -> None:
+        try:
+            raise command.Stopped(signal.SIGINT)
+        except command.Stopped as stopped:
+            raise DatabaseError("can't change 'autocommit' now") from stopped
+
+    cmd = command.Command(stderr=StringIO())
+    cmd._handle = lambda options: commit_interrupted()  # type: ignore[method-assign]
+    with pytest.raises(SystemExit) as exit_:
+        cmd.handle()
+    assert exit_.value.code == 128 + signal.SIGINT
+    assert cmd.stderr.getvalue().strip() == "fairbench: run stopped by SIGINT"
+
+    def other_error() -> None:
+        raise DatabaseError("no")
+
+    cmd._handle = lambda options: other_error()  # type: ignore[method-assign]
+    with pytest.raises(DatabaseError, match="no"):
+        cmd.handle()

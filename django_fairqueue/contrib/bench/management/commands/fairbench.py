@@ -43,6 +43,20 @@ def _raise_stopped(signum: int) -> None:
     raise Stopped(signum)
 
 
+def _stopped_within(exc: BaseException) -> Stopped | None:
+    """The Stopped an error was raised in the handling of, if any: a signal that lands inside
+    Django's COMMIT leaves the connection in its transaction, and the atomic block's way out
+    then fails on that instead of passing the Stopped on."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, Stopped):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 class Command(FairCommand):
     help = (
         "Benchmark django-fairqueue on this database: enqueue rate, claim+complete throughput, "
@@ -143,8 +157,16 @@ class Command(FairCommand):
                 self._handle(options)
         except KeyboardInterrupt as exc:  # Stopped, or Ctrl-C before the handlers were set
             signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
-            self.stderr.write(f"fairbench: run stopped by {signal.Signals(signum).name}")
-            raise SystemExit(128 + signum) from None
+            self._stopped(signum)
+        except Exception as exc:
+            stopped = _stopped_within(exc)
+            if stopped is None:
+                raise
+            self._stopped(stopped.signum)
+
+    def _stopped(self, signum: int) -> None:
+        self.stderr.write(f"fairbench: run stopped by {signal.Signals(signum).name}")
+        raise SystemExit(128 + signum) from None
 
     def _handle(self, options: dict[str, Any]) -> None:
         if options["duration"] is not None and options["duration"] <= 0:
