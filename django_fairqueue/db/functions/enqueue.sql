@@ -4,10 +4,11 @@
 -- Whether an enqueue's counter delta wakes the claim (fairqueue_channel_delta.wake): unless the
 -- enqueue holds its channel's name and the channel counts ready messages already and is in no
 -- group (p_counted, read in the enqueue's statement, at READ COMMITTED: a snapshot older than
--- the name lock could read a count a claim has since taken), or its messages are scheduled. A channel that counts ready
--- messages is claimable whatever this delta adds, so folding it before every claim (three
--- statements and a new version of the channel row, a third of a claim of one's server time
--- in steady traffic) would buy nothing; the maintenance loop folds it in bulk. The count may
+-- the name lock could read a count a claim has since taken), or its messages are scheduled.
+-- A channel that counts ready messages is claimable whatever this delta adds, so folding it
+-- before every claim (three statements and a new version of the channel row, a third of a
+-- claim of one's server time in steady traffic) would buy nothing; the maintenance loop
+-- folds it in bulk. The count may
 -- run out first: a claim about to take all a channel counts adds its quiet deltas first, and
 -- whatever brings a count to zero without holding the channel's name (an enqueue may be in
 -- flight) leaves a marker (`drained`) that a claim's fold takes up once no enqueue holds the
