@@ -132,12 +132,6 @@ def ready_ids(channel: str) -> list[int]:
         return [r[0] for r in cur.fetchall()]
 
 
-def channel_id(name: str) -> int:
-    with connection.cursor() as cur:
-        cur.execute("SELECT id FROM fairqueue_channel WHERE name = %s", [name])
-        return cur.fetchone()[0]
-
-
 def test_an_enqueue_in_flight_while_a_claim_drains_its_channel_is_not_left_behind() -> None:
     """The race the marker closes: the enqueue found the channel counting messages (its delta
     is quiet), a claim took all it counted before the enqueue committed. No maintenance runs
@@ -190,7 +184,7 @@ def test_a_recount_to_zero_leaves_a_marker() -> None:
     thread, commit, _ = enqueue_held_open("alice")
     try:
         message_store.cancel_messages(ready_ids("alice"))
-        integrity_store.repair_channel_counters([channel_id("alice")])
+        integrity_store.repair_channel_counters([f.channel_ids(["alice"])["alice"]])
         assert counted("alice") == 0 and deltas("alice") == [MARKER]
     finally:
         commit.set()
@@ -275,7 +269,7 @@ def test_a_claim_waiting_for_a_held_channel_holds_no_name() -> None:
         assert cur.fetchone() == (1,)
     assert deltas("A") == [MARKER]
     enqueue_many(EnqueueRequest(f.NOOP, (i,), channel="B") for i in range(2))
-    channel_store.fold_deltas_of_channel(channel_id("B"))  # (A's marker stays)
+    channel_store.fold_deltas_of_channel(f.channel_ids(["B"])["B"])  # (A's marker stays)
     assert deltas("A") == [MARKER]
     held, go, out = threading.Event(), threading.Event(), {}
 
@@ -375,7 +369,7 @@ def test_a_claim_holds_at_most_128_names() -> None:
     channels takes the names of 128 of them, and marks the others."""
     names = [f"c{i:03d}" for i in range(200)]
     enqueue_many(EnqueueRequest(f.NOOP, (1,), channel=n) for n in names)
-    ids = [channel_id(n) for n in names]
+    ids = list(f.channel_ids(names).values())
     with transaction.atomic(), connection.cursor() as cur:
         cur.execute("SELECT cardinality(fairqueue_free_names_v1(%s::bigint[], true))", [ids])
         assert cur.fetchone() == (128,)
@@ -396,7 +390,7 @@ def test_a_marker_whose_name_is_held_locks_nothing() -> None:
         cur.execute(
             "INSERT INTO fairqueue_channel_delta (channel_id, wake, drained)"
             " VALUES (%s, false, true)",
-            [channel_id("X")],
+            [f.channel_ids(["X"])["X"]],
         )
     thread, commit, _ = enqueue_held_open("X")
     try:
@@ -478,7 +472,7 @@ def test_a_marker_a_later_drain_takes_over_is_kept() -> None:
         cur.execute(
             "INSERT INTO fairqueue_channel_delta (channel_id, wake, drained)"
             " VALUES (%s, false, true)",
-            [channel_id("X")],
+            [f.channel_ids(["X"])["X"]],
         )
         cur.execute(SLOW_NAMES)
     try:
@@ -495,7 +489,7 @@ def test_a_marker_a_later_drain_takes_over_is_kept() -> None:
         t.start()
         time.sleep(0.5)  # it read X's name free and sleeps before locking X
         enqueue(f.NOOP, "e1", channel="X")  # counts 0: wakes
-        channel_store.fold_deltas_of_channel(channel_id("X"))  # counts 1, the marker stays
+        channel_store.fold_deltas_of_channel(f.channel_ids(["X"])["X"])  # counts 1, marker stays
         thread, commit, (late,) = enqueue_held_open("X")  # reads 1: quiet, in flight
         assert len(claim(10)) == 1  # drains X, name held: its marker is the one there
         t.join(30)
