@@ -869,3 +869,19 @@ def test_a_stop_signal_that_lands_in_a_commit_still_reads_as_a_stop() -> None:
     cmd._handle = lambda options: other_error()  # type: ignore[method-assign]
     with pytest.raises(DatabaseError, match="no"):
         cmd.handle()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_fairness_cost_script_compares_both_modes_on_the_same_traffic(capsys: Any) -> None:
+    """benchmarks/fairness_cost.py, small: both modes claim full batches in turn and their
+    CPU per claim, ratio and per-block ratios are printed."""
+    from benchmarks import fairness_cost
+
+    out = fairness_cost.main(cycles=((1, 8), (5, 4)), blocks=2, backlog=100)
+    assert set(out) == {1, 5}
+    for batch, figures in out.items():
+        assert figures["claims"] == (8 if batch == 1 else 4)
+        assert len(figures["per_block"]) == 2
+        assert figures["by_count_cpu_us"] >= 0 and figures["by_time_cpu_us"] >= 0
+    assert capsys.readouterr().out.startswith("fairness_cost {")
+    assert not Message.objects.exists()  # it empties what it loaded

@@ -10,6 +10,7 @@ Concurrent claimers are at the end.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections import Counter, defaultdict
@@ -681,6 +682,59 @@ def test_concurrent_claimers_by_time_never_exceed_caps_nor_claim_twice() -> None
     f.assert_counters_match_table()
 
 
+@pytest.mark.parametrize("held_for", [0.1, 1.0])
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_waits_for_the_smallest_tag_held_by_another_claim(held_for: float) -> None:
+    """The channel of smallest tag is held (as by a concurrent claim): a claim that locked a
+    channel far ahead in tag order waits for it, up to CLAIM_WAIT, and serves only it, rather
+    than give the slot to the channel of long tasks; held longer than that, the claim comes
+    back empty (its lock wait timed out) and leaves both channels as they were."""
+    f.enqueue_spread({"heavy": 20, "light": 20})
+    f.measured()
+    f.fold_all()
+    ids = f.channel_ids(["heavy", "light"])
+    with connection.cursor() as cur:
+        cur.execute("UPDATE fairqueue_channel SET vtime = 1.0 WHERE id = %s", [ids["heavy"]])
+    holding, released = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def holder() -> None:
+        try:
+            from django.db import transaction
+
+            with transaction.atomic():
+                with connection.cursor() as cur:
+                    cur.execute(
+                        "SELECT 1 FROM fairqueue_channel WHERE id = %s FOR UPDATE", [ids["light"]]
+                    )
+                holding.set()
+                released.wait(held_for)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert holding.wait(10)
+        with override_settings(FAIRQUEUE={**_base(), **TIME, "CLAIM_WAIT": 0.5}):
+            started = time.monotonic()
+            got = claim(1)
+            waited = time.monotonic() - started
+    finally:
+        released.set()
+        thread.join(10)
+    assert not errors, errors
+    if held_for < 0.5:  # released within CLAIM_WAIT: the claim waited for it
+        assert [m.channel for m in got] == ["light"]
+        assert waited >= 0.08
+    else:  # held past CLAIM_WAIT: nothing, and the next claim finds both as they were
+        assert got == []
+        assert 0.4 <= waited < 1.0
+        assert [m.channel for m in claim(1)] == ["light"]
+
+
 @pytest.mark.django_db(transaction=True)
 def test_why_waiting_counts_the_channels_of_smaller_tags_ahead() -> None:
     f.enqueue_spread({"heavy": 50, "light": 50, "idle": 1})
@@ -707,6 +761,78 @@ def test_a_claim_of_several_goes_by_tags_not_one_turn_each() -> None:
     assert vtime("light") + 4 * 0.005 < vtime("heavy")
     got = claim(4, quantum=1)
     assert [m.channel for m in got] == ["light"] * 4
+
+
+def reference_allocation(channels: list[dict[str, Any]], limit: int) -> Counter:
+    """What a claim of ``limit`` by time gives each channel (quantum 1, no group): the walk
+    locks channels in tag order until their turns (``weight`` messages each, at most the
+    room) cover ``limit``, then every message goes to the locked channel whose next message
+    starts at the smallest tag, each up to its room."""
+    walked, covered = [], 0
+    for ch in sorted(channels, key=lambda c: (c["vtime"], c["id"])):
+        walked.append(ch)
+        covered += min(ch["weight"], ch["room"])
+        if covered >= limit:
+            break
+    starts = sorted(
+        (ch["vtime"] + i * (ch["mean_run"] / ch["weight"]), k)
+        for k, ch in enumerate(walked)
+        for i in range(min(ch["room"], limit))
+    )
+    return Counter(walked[k]["name"] for _, k in starts[:limit])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_of_several_gives_what_the_merge_of_start_tags_gives() -> None:
+    """Random tags, run times, weights, caps and backlogs: a claim of several by time gives
+    each channel exactly what the merge of the locked channels' start tags gives (the claim
+    reads only the head of each sequence, bounded by what the claim can take)."""
+    rnd = random.Random(20261201)
+    for trial in range(25):
+        limit = rnd.choice([2, 5, 8, 13])
+        names = [f"t{trial}-c{i:02d}" for i in range(rnd.randint(limit, limit + 6))]
+        backlog = {name: rnd.randint(1, 25) for name in names}
+        f.enqueue_spread(backlog)
+        f.fold_all()
+        ids = f.channel_ids(names)
+        channels = []
+        for name in names:
+            cap = rnd.choice([None, 1, 2, 3, 10])
+            ch = {
+                "name": name,
+                "id": ids[name],
+                "vtime": round(rnd.uniform(0, 0.05), 6),
+                "mean_run": rnd.choice([0.001, 0.01, 0.01, rnd.uniform(0.0005, 0.05)]),
+                "weight": rnd.choice([1, 1, 2, 3]),
+                "room": min(backlog[name], cap or backlog[name]),
+            }
+            channels.append(ch)
+            Channel.objects.filter(id=ch["id"]).update(weight=ch["weight"], max_concurrency=cap)
+            with connection.cursor() as cur:
+                cur.execute(
+                    "UPDATE fairqueue_channel SET vtime = %s, mean_run = %s WHERE id = %s",
+                    [ch["vtime"], ch["mean_run"], ch["id"]],
+                )
+        got = claim(limit, quantum=1)
+        assert Counter(m.channel for m in got) == reference_allocation(channels, limit), trial
+        message_store.complete_messages([(m.id, m.lease_token, None) for m in got])
+        Channel.objects.filter(name__in=names).update(paused=True)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_spreads_over_the_channels_its_turns_cover_whatever_earlier_claims_left() -> None:
+    """By time a turn only sizes the walk: a claim of 8 with turns of 4 locks two channels
+    and shares its messages between them, though earlier claims left each channel's turn
+    nearly used (by count that would make a turn of one, and eight channels)."""
+    names = [f"t{i}" for i in range(10)]
+    f.enqueue_spread({name: 20 for name in names})
+    f.measured()
+    f.fold_all()
+    with connection.cursor() as cur:
+        cur.execute("UPDATE fairqueue_channel SET turn_used = 3")
+    got = claim(8, quantum=4)
+    assert len(got) == 8
+    assert len({m.channel for m in got}) <= 2
 
 
 # ------------------------------------------------------------------------------------------------
