@@ -885,3 +885,13 @@ def test_the_fairness_cost_script_compares_both_modes_on_the_same_traffic(capsys
         assert figures["by_count_cpu_us"] >= 0 and figures["by_time_cpu_us"] >= 0
     assert capsys.readouterr().out.startswith("fairness_cost {")
     assert not Message.objects.exists()  # it empties what it loaded
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_idle_poll_script_prints_the_cpu_of_polls_that_find_nothing(capsys: Any) -> None:
+    from benchmarks import idle_poll
+
+    out = idle_poll.main(polls=20)
+    assert set(out) == {"server_cpu_us_per_poll", "wall_us_per_poll"}
+    assert out["wall_us_per_poll"] > 0
+    assert capsys.readouterr().out.startswith("idle_poll {")

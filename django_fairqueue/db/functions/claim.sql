@@ -852,9 +852,6 @@ BEGIN
     -- p_maintain = false skips this housekeeping: a claim inside a caller's long transaction
     -- (exactly-once) must not hold other channels' rows locked until that caller commits; it
     -- runs the same housekeeping in a short transaction of its own first.
-    IF p_async_except IS NOT NULL THEN
-        PERFORM fairqueue_relax_commit_v1();
-    END IF;
     -- Housekeeping only when there is some, and the queues' probe (below) in the same
     -- statement: one statement probes for due scheduled messages and waking deltas (the
     -- probes each function starts with) and, claiming every queue, reads the queues of
@@ -1061,6 +1058,11 @@ BEGIN
     -- the commit only then (fairqueue_free_names_v1); without, a channel it drains gets a
     -- marker instead, which costs a later claim a fold.
     v_own := coalesce(p_wait_ms, 0) > 0 OR p_async_except IS NOT NULL;
+    -- (Not before the idle poll's return: an idle poll writes nothing, so its commit has no
+    -- flush to wait for, and relaxing it cost a function call of four statements.)
+    IF p_async_except IS NOT NULL THEN
+        PERFORM fairqueue_relax_commit_v1();
+    END IF;
 
     -- Channel groups: when a group is claimable now (one probe of fq_group_turn_idx; the
     -- ORDER BY keeps a generic plan on the index, where EXISTS was a sequential scan that
