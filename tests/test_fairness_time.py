@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from django.contrib import admin
-from django.db import connection
+from django.db import connection, transaction
 from django.test import RequestFactory
 from django.test.utils import override_settings
 
@@ -29,6 +29,7 @@ from django_fairqueue.conf import load
 from django_fairqueue.db import channel_store, integrity_store, message_store
 from django_fairqueue.models import Channel, ChannelGroup
 from tests import factories as f
+from tests.test_claim_concurrency import run_threads
 
 LEASE = timedelta(minutes=5)
 TIME = {"FAIRNESS": "time"}
@@ -696,38 +697,27 @@ def test_a_claim_waits_for_the_smallest_tag_held_by_another_claim(held_for: floa
     with connection.cursor() as cur:
         cur.execute("UPDATE fairqueue_channel SET vtime = 1.0 WHERE id = %s", [ids["heavy"]])
     holding, released = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
 
-    def holder() -> None:
-        try:
-            from django.db import transaction
+    def holder() -> tuple[list[str], float]:
+        with transaction.atomic(), connection.cursor() as cur:
+            cur.execute("SELECT 1 FROM fairqueue_channel WHERE id = %s FOR UPDATE", [ids["light"]])
+            holding.set()
+            released.wait(held_for)
+        return [], 0.0
 
-            with transaction.atomic():
-                with connection.cursor() as cur:
-                    cur.execute(
-                        "SELECT 1 FROM fairqueue_channel WHERE id = %s FOR UPDATE", [ids["light"]]
-                    )
-                holding.set()
-                released.wait(held_for)
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            connection.close()
-
-    thread = threading.Thread(target=holder)
-    thread.start()
-    try:
+    def claimer() -> tuple[list[str], float]:
         assert holding.wait(10)
-        with override_settings(FAIRQUEUE={**_base(), **TIME, "CLAIM_WAIT": 0.5}):
-            started = time.monotonic()
-            got = claim(1)
-            waited = time.monotonic() - started
-    finally:
-        released.set()
-        thread.join(10)
-    assert not errors, errors
+        started = time.monotonic()
+        try:
+            got = [m.channel for m in claim(1)]
+        finally:
+            released.set()
+        return got, time.monotonic() - started
+
+    with override_settings(FAIRQUEUE={**_base(), **TIME, "CLAIM_WAIT": 0.5}):
+        _, (got, waited) = run_threads(2, lambda i: (holder, claimer)[i]())
     if held_for < 0.5:  # released within CLAIM_WAIT: the claim waited for it
-        assert [m.channel for m in got] == ["light"]
+        assert got == ["light"]
         assert waited >= 0.08
     else:  # held past CLAIM_WAIT: nothing, and the next claim finds both as they were
         assert got == []
