@@ -55,6 +55,23 @@ def test_a_claim_that_may_commit_early_turns_the_wal_wait_off_for_its_transactio
     assert synchronous_commit() == "off"
 
 
+def test_an_idle_poll_keeps_the_commit_as_it_is_unless_its_housekeeping_wrote() -> None:
+    """An idle poll writes nothing, so it leaves the commit alone; one whose housekeeping
+    promoted a due message (to a paused channel: still nothing to claim) relaxes it as any
+    claim that writes."""
+    assert claim_sql(1, [AT_MOST_ONCE]) == []
+    assert synchronous_commit() == "on"
+    f.enqueue("held", 1, run_after=timedelta(minutes=1))
+    f.set_limits(["held"], paused=True)
+    with connection.cursor() as cur:  # due now
+        cur.execute("UPDATE fairqueue_message SET run_at = now() - interval '1 second'")
+    assert claim_sql(1, [AT_MOST_ONCE]) == []
+    with connection.cursor() as cur:
+        cur.execute("SELECT state FROM fairqueue_message")
+        assert [r[0] for r in cur.fetchall()] == ["ready"]  # promoted
+    assert synchronous_commit() == "off"
+
+
 def test_a_claim_without_the_parameter_commits_as_the_session_does() -> None:
     f.enqueue("plain", 2)
     assert len(claim_sql(1, None)) == 1

@@ -810,6 +810,42 @@ def test_a_claim_of_several_gives_what_the_merge_of_start_tags_gives() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_claim_of_several_gives_a_whole_batch_when_charges_are_below_the_tags_precision() -> None:
+    """Weights of 1,000 and a mean run of 1 µs charge 1e-9 a message, below the rounding step
+    of a tag of 1e8: every start tag of a channel rounds to its tag, and the merge takes the
+    batch in channel order, all of it."""
+    f.enqueue_spread({"a": 3, "b": 20})
+    f.fold_all()
+    assert Channel.objects.filter(name__in=["a", "b"]).update(weight=1000) == 2
+    with connection.cursor() as cur:
+        cur.execute("UPDATE fairqueue_channel SET vtime = 1e8, mean_run = 1e-6")
+    got = claim(10)
+    assert Counter(m.channel for m in got) == {"a": 3, "b": 7}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_by_time_several_queues_still_take_turns_whatever_a_claim_gives_a_channel() -> None:
+    """The queues are served in the order of their channels' turns, which a claim moves only
+    once a channel has used up its turn (here two claims of one each, at weight 2): each
+    queue's turn comes."""
+    f.enqueue_in_queue("qa", "acme", 30)
+    f.enqueue_in_queue("qb", "bob", 30)
+    f.measured()
+    f.fold_all()
+    assert Channel.objects.filter(queue="qa").update(weight=2) == 1
+    order = []
+    for _ in range(12):
+        got = claim(1, queues=["qa", "qb"])
+        assert len(got) == 1
+        order.append(got[0].queue)
+        message_store.complete_messages(
+            [(m.id, m.lease_token, None) for m in got], run_seconds=[0.01]
+        )
+        f.fold_all()
+    assert Counter(order)["qb"] >= 3, order
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_claim_spreads_over_the_channels_its_turns_cover_whatever_earlier_claims_left() -> None:
     """By time a turn only sizes the walk: a claim of 8 with turns of 4 locks two channels
     and shares its messages between them, though earlier claims left each channel's turn

@@ -18,18 +18,18 @@ AS $$
 $$;
 
 
--- What a flow (a channel or a group) has used of its turn when a claim's walk finds it. A turn
--- left over from a larger quantum is simply finished. By time a turn only sizes the walk (how
--- many flows it locks), so none is left over: the merge of start tags left turns random
--- remainders, and a claim of 100 then locked 35 to 46 channels instead of 25 and spread its
--- take over all of them.
-CREATE OR REPLACE FUNCTION fairqueue_turn_used_v1(
-    p_used integer, p_turn integer, p_by_time boolean
+-- What of a flow's turn (a channel's or a group's) a claim's walk counts on to cover its batch:
+-- what is left of the turn by count; by time the whole turn, as turns only size the walk
+-- there (how many flows it locks). Counted as by count, the remainders the merge of start
+-- tags leaves made a claim of 100 lock 35 to 46 channels instead of 25, and spread its take
+-- over all of them. (What a claim has used is still kept by time, for the queues' order.)
+CREATE OR REPLACE FUNCTION fairqueue_turn_left_v1(
+    p_turn integer, p_used integer, p_by_time boolean
 )
 RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$
-    SELECT CASE WHEN p_by_time THEN 0 ELSE LEAST(p_used, p_turn - 1) END
+    SELECT CASE WHEN p_by_time THEN p_turn ELSE p_turn - p_used END
 $$;
 
 
@@ -189,6 +189,7 @@ DECLARE
     v_ng integer := 0;
     v_covered integer := 0;
     v_gcov integer;
+    v_cover integer;  -- what a channel found covers of its group's budget
     v_budget integer;
     v_passed boolean := false;
     v_waiting boolean := false;
@@ -300,7 +301,7 @@ BEGIN
                 v_ids[v_n] := r.id;
                 v_names[v_n] := r.name;
                 v_turn[v_n] := r.weight * p_quantum;
-                v_used[v_n] := fairqueue_turn_used_v1(r.turn_used, v_turn[v_n], p_by_time);
+                v_used[v_n] := LEAST(r.turn_used, v_turn[v_n] - 1);
                 v_room[v_n] := LEAST(r.ready_count, fairqueue_claim_cap_v1(
                     r.max_concurrency, r.running_count, r.release_interval, r.mean_run, p_by_time,
                     p_limit));
@@ -312,7 +313,8 @@ BEGIN
                 v_next[v_n] := 0;
                 v_top := v_top || v_n;
                 v_turns := v_turns + v_turn[v_n];
-                v_covered := v_covered + LEAST(v_turn[v_n] - v_used[v_n], v_room[v_n]);
+                v_covered := v_covered + LEAST(
+                    fairqueue_turn_left_v1(v_turn[v_n], v_used[v_n], p_by_time), v_room[v_n]);
             ELSE
                 -- A group: lock it, re-checking its predicate (cap, turn) on the newest row.
                 IF v_waiting THEN
@@ -343,7 +345,7 @@ BEGIN
                 v_ng := v_ng + 1;
                 v_gids[v_ng] := gr.id;
                 v_gturn[v_ng] := gr.weight * p_quantum;
-                v_gused[v_ng] := fairqueue_turn_used_v1(gr.turn_used, v_gturn[v_ng], p_by_time);
+                v_gused[v_ng] := LEAST(gr.turn_used, v_gturn[v_ng] - 1);
                 v_groom[v_ng] := LEAST(
                     coalesce(gr.max_concurrency - gr.running_count, p_limit),
                     CASE WHEN gr.release_interval > interval '0' THEN 1 ELSE p_limit END,
@@ -355,7 +357,8 @@ BEGIN
                 v_gtail[v_ng] := 0;
                 v_gcount[v_ng] := 0;
                 v_gcap[v_ng] := 0;
-                v_budget := LEAST(v_gturn[v_ng] - v_gused[v_ng], v_groom[v_ng],
+                v_budget := LEAST(fairqueue_turn_left_v1(v_gturn[v_ng], v_gused[v_ng], p_by_time),
+                                  v_groom[v_ng],
                                   p_limit - v_covered);
                 v_gcov := 0;
                 -- Its channels, in turn (tag) order; the WHERE repeats the predicate of
@@ -397,7 +400,7 @@ BEGIN
                     v_ids[v_n] := r.id;
                     v_names[v_n] := r.name;
                     v_turn[v_n] := r.weight * p_quantum;
-                    v_used[v_n] := fairqueue_turn_used_v1(r.turn_used, v_turn[v_n], p_by_time);
+                    v_used[v_n] := LEAST(r.turn_used, v_turn[v_n] - 1);
                     v_room[v_n] := LEAST(r.ready_count, fairqueue_claim_cap_v1(
                         r.max_concurrency, r.running_count, r.release_interval, r.mean_run, p_by_time,
                         p_limit));
@@ -415,8 +418,10 @@ BEGIN
                     v_next[v_n] := v_gfirst[v_ng];
                     v_gtail[v_ng] := v_n;
                     v_gcount[v_ng] := v_gcount[v_ng] + 1;
-                    v_gcap[v_ng] := v_gcap[v_ng] + LEAST(v_turn[v_n] - v_used[v_n], v_room[v_n]);
-                    v_gcov := v_gcov + LEAST(v_turn[v_n] - v_used[v_n], v_room[v_n]);
+                    v_cover := LEAST(fairqueue_turn_left_v1(v_turn[v_n], v_used[v_n], p_by_time),
+                                     v_room[v_n]);
+                    v_gcap[v_ng] := v_gcap[v_ng] + v_cover;
+                    v_gcov := v_gcov + v_cover;
                     EXIT WHEN v_gcov >= v_budget;
                 END LOOP;
                 CLOSE v_gcur;
@@ -516,7 +521,7 @@ BEGIN
                 v_ids[v_n] := r.id;
                 v_names[v_n] := r.name;
                 v_turn[v_n] := r.weight * p_quantum;
-                v_used[v_n] := fairqueue_turn_used_v1(r.turn_used, v_turn[v_n], p_by_time);
+                v_used[v_n] := LEAST(r.turn_used, v_turn[v_n] - 1);
                 v_room[v_n] := LEAST(r.ready_count, fairqueue_claim_cap_v1(
                     r.max_concurrency, r.running_count, r.release_interval, r.mean_run, p_by_time,
                     p_limit));
@@ -529,7 +534,8 @@ BEGIN
                 v_next[v_n] := v_gfirst[k];
                 v_gtail[k] := v_n;
                 v_gcount[k] := v_gcount[k] + 1;
-                v_gcap[k] := v_gcap[k] + LEAST(v_turn[v_n] - v_used[v_n], v_room[v_n]);
+                v_gcap[k] := v_gcap[k] + LEAST(
+                    fairqueue_turn_left_v1(v_turn[v_n], v_used[v_n], p_by_time), v_room[v_n]);
             END LOOP;
             CLOSE v_gcur;
         END IF;
@@ -838,6 +844,7 @@ DECLARE
     v_token uuid;  -- the lease token of every message this claim hands out
     v_waking boolean := true;  -- (unknown without housekeeping: as if some were waking)
     v_own boolean;  -- this statement is its own transaction (set after the idle poll's return)
+    v_relaxed boolean;  -- true once the commit is relaxed (p_async_except)
     i integer;
 BEGIN
     IF p_limit IS NULL OR p_limit < 1 THEN
@@ -914,6 +921,10 @@ BEGIN
             OFFSET 0  -- (each level computed once: the next one's tests read it)
         ) q;
         EXIT WHEN NOT v_probe OR NOT (v_due OR v_waking);
+        IF p_async_except IS NOT NULL THEN  -- (the housekeeping writes: see below)
+            PERFORM fairqueue_relax_commit_v1();
+            v_relaxed := true;
+        END IF;
         IF v_due THEN
             PERFORM fairqueue_promote_due_v1(v_now, 1000);
             v_waking := true;  -- (its deltas wake)
@@ -1058,9 +1069,11 @@ BEGIN
     -- the commit only then (fairqueue_free_names_v1); without, a channel it drains gets a
     -- marker instead, which costs a later claim a fold.
     v_own := coalesce(p_wait_ms, 0) > 0 OR p_async_except IS NOT NULL;
-    -- (Not before the idle poll's return: an idle poll writes nothing, so its commit has no
-    -- flush to wait for, and relaxing it cost a function call of four statements.)
-    IF p_async_except IS NOT NULL THEN
+    -- Its commit need not wait for the WAL flush: relaxed here, or by the housekeeping above
+    -- if it wrote. Not before the idle poll's return: an idle poll that found no housekeeping
+    -- to do writes nothing, so its commit has no flush to wait for, and relaxing it cost a
+    -- function call of four statements.
+    IF p_async_except IS NOT NULL AND v_relaxed IS NULL THEN
         PERFORM fairqueue_relax_commit_v1();
     END IF;
 
@@ -1151,7 +1164,11 @@ BEGIN
                 -- (a range scan there would have to sort every claimable channel by tag).
                 -- `front`, for the check after the walk (below), is read once, without a lock,
                 -- by the walk's statement (a subquery run on the first row): a statement of its
-                -- own cost about a tenth of a claim of 1.
+                -- own cost about a tenth of a claim of 1. It is read in the walk's snapshot, so
+                -- a channel a concurrent claim charged meanwhile may look ahead of its locked
+                -- self, and the claim then waits for the smallest tag and serves it alone (a
+                -- read after the walk had a narrower window for the same): never more than the
+                -- tags allow, at worst a claim of fewer channels.
                 OPEN v_cur FOR
                     SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
                            c.ready_count, c.max_concurrency, c.running_count, c.mean_run, c.vtime,
@@ -1236,7 +1253,8 @@ BEGIN
                 v_ids[v_n] := r.id;
                 v_names[v_n] := r.name;
                 v_turn[v_n] := r.weight * v_quantum;
-                v_used[v_n] := fairqueue_turn_used_v1(r.turn_used, v_turn[v_n], p_by_time);
+                -- a turn left over from a larger quantum is simply finished
+                v_used[v_n] := LEAST(r.turn_used, v_turn[v_n] - 1);
                 -- the most this call may take: ready rows, free slots, one release if rate
                 -- limited; and all but the rows, should more be counted (step 3b)
                 v_cap[v_n] := fairqueue_claim_cap_v1(r.max_concurrency, r.running_count,
@@ -1258,7 +1276,8 @@ BEGIN
                     v_est[v_n] := greatest(coalesce(r.mean_run, fairqueue_default_run_v1()), 1e-6)
                                   / r.weight;
                 END IF;
-                v_covered := v_covered + LEAST(v_turn[v_n] - v_used[v_n], v_room[v_n]);
+                v_covered := v_covered + LEAST(
+                    fairqueue_turn_left_v1(v_turn[v_n], v_used[v_n], p_by_time), v_room[v_n]);
                 EXIT WHEN v_covered >= p_limit;
             END LOOP;
             CLOSE v_cur;
@@ -1354,7 +1373,10 @@ BEGIN
         -- 100 sorted every channel's 100 start tags (2,500 for 25 channels, about 0.5 ms); now
         -- about what each gets and a few more. No `share` when the rooms hold less than
         -- p_limit: the sequences are whole, and the claim takes them all. (+ 2, not + 1: a
-        -- start tag at `bound` itself is kept however the division rounds.)
+        -- start tag at `bound` itself is kept however the division rounds. That holds while a
+        -- channel's charge per message is a few rounding steps of the tags or more, about 1e-15
+        -- of them; below, `tag + i * est` rounds to the same few values for many i, and the
+        -- sequence is kept whole.)
         IF p_by_time AND v_n = 1 THEN
             v_alloc := ARRAY[LEAST(v_room[1], p_limit)];  -- (a claim of one, mostly)
         ELSIF p_by_time THEN
@@ -1386,8 +1408,10 @@ BEGIN
                 FROM (
                     SELECT a.k
                     FROM a CROSS JOIN bound
-                    CROSS JOIN LATERAL generate_series(0, greatest(0, LEAST(
-                        a.room, floor((bound.tag - a.tag) / a.est) + 2))::integer - 1) AS s(i)
+                    CROSS JOIN LATERAL generate_series(0, CASE
+                        WHEN a.est > (abs(bound.tag) + abs(a.tag)) * 1e-15 THEN greatest(0, LEAST(
+                            a.room, floor((bound.tag - a.tag) / a.est) + 2))::integer
+                        ELSE a.room END - 1) AS s(i)
                     ORDER BY a.tag + s.i * a.est, a.k
                     LIMIT p_limit
                 ) x
