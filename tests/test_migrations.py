@@ -442,12 +442,14 @@ def test_every_migration_installs_functions_through_install_functions() -> None:
 
 def test_the_wheel_carries_no_copy_of_a_function_file() -> None:
     """pyproject's package data (what the wheel ships beside the modules): the only .sql files
-    with server functions in it are the family files."""
+    with server functions in it are the families' files."""
     pyproject = tomllib.loads((PACKAGE_DIR.parent / "pyproject.toml").read_text("utf-8"))
     patterns = pyproject["tool"]["setuptools"]["package-data"]["django_fairqueue"]
     shipped = {p for pattern in patterns for p in PACKAGE_DIR.glob(pattern) if p.is_file()}
     family_files = {
-        PACKAGE_DIR / "db" / "functions" / f"{f}.sql" for f in server_functions.FAMILIES
+        PACKAGE_DIR / "db" / "functions" / f"{name}.sql"
+        for f in server_functions.FAMILIES
+        for name in server_functions.files(f)
     }
     assert family_files <= shipped
     live = live_function_names()

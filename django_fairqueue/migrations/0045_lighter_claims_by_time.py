@@ -4,7 +4,8 @@ stops at a tag no message of the batch starts after (a claim of 100 over 25 chan
 not the 35 to 46 that turns left from earlier claims made it lock; and the smallest claimable
 tag is read by the walk's statement instead of one of its own (fairqueue_turn_left_v1 is new).
 And a worker's idle poll that finds no housekeeping to do no longer relaxes its commit (it
-writes nothing). Installs the claim family.
+writes nothing). Installs the claim family (claim.sql, and plan_grouped.sql, the claim's plan
+with groups, now a file of its own).
 """
 
 from django.db import migrations

@@ -37,11 +37,24 @@ FAMILIES = (
 )
 
 
-@cache
-def _read(family: str) -> str:
+#: A family's files beyond its own: the claim's plan with channel groups reads as a file of its
+#: own, and installs with the claim (the migrations name the claim family for both).
+EXTRA_FILES = {"claim": ("plan_grouped",)}
+
+
+def files(family: str) -> tuple[str, ...]:
+    """The names (without ``.sql``) of the files of ``family``, in install order."""
     if family not in FAMILIES:
         raise ValueError(f"no server function family {family!r}; the families: {FAMILIES}")
-    return resources.files(__name__).joinpath(f"{family}.sql").read_text("utf-8")
+    return (family, *EXTRA_FILES.get(family, ()))
+
+
+@cache
+def _read(family: str) -> str:
+    return "\n\n".join(
+        resources.files(__name__).joinpath(f"{name}.sql").read_text("utf-8")
+        for name in files(family)
+    )
 
 
 def sql(*families: str) -> str:
