@@ -1,7 +1,8 @@
-"""The server-side functions, one ``.sql`` file per family, and their loader.
+"""The server-side functions, a ``.sql`` file per family (the claim's two), and their loader.
 
 Each file holds ``CREATE OR REPLACE FUNCTION`` (and the triggers that call its trigger
-functions) for one family of the queue's work. These files are the live definitions: the code
+functions) for one family of the queue's work (``EXTRA_FILES``: a family's files beyond its
+own). These files are the live definitions: the code
 calls exactly these functions, and migrations install them from here (``InstallFunctions`` in
 ``migrations/_sql.py``), never from a copy. ``FAMILIES`` lists them in an order that installs
 with ``check_function_bodies`` on: a SQL-language function comes after the functions it calls.

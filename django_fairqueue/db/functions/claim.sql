@@ -654,6 +654,7 @@ BEGIN
                 IF p_by_time THEN  -- (not computed by count: a function call per channel)
                     v_tag[v_n] := r.vtime;
                     v_last[v_n] := v_n;  -- (by time, served channels go back in walk order)
+                    v_seq := v_n;
                     IF v_n = 1 THEN
                         v_first_tag := r.vtime;
                         IF NOT v_waited THEN
@@ -804,9 +805,6 @@ BEGIN
                 ) x
                 GROUP BY x.k
             ) g ON g.k = o.k;
-        END IF;
-        IF p_by_time THEN
-            v_seq := v_n;
         END IF;
 
         -- Step 3. Weighted water-filling in turn order. Round 0 gives each channel what is left of

@@ -8,15 +8,15 @@
 -- A channel that counts ready messages is claimable whatever this delta adds, so folding it
 -- before every claim (three statements and a new version of the channel row, a third of a
 -- claim of one's server time in steady traffic) would buy nothing; the maintenance loop
--- folds it in bulk. The count may
--- run out first: a claim about to take all a channel counts adds its quiet deltas first, and
--- whatever brings a count to zero without holding the channel's name (an enqueue may be in
--- flight) leaves a marker (`drained`) that a claim's fold takes up once no enqueue holds the
--- name (fairqueue_claim_v1, steps 1, 3b and 5; fairqueue_fold_deltas_v1). A scheduled message's
--- delta wakes: its promotion's delta, which wakes, takes it out of scheduled_count, and must
--- not be folded before the delta that put it in. A grouped channel's wakes: the claim of a
--- group's channels does not count quiet deltas before it takes all a channel counts
--- (fairqueue_claim_v1, step 3b), so they would make its claims short.
+-- folds it in bulk. The count may run out first: a claim about to take all a channel counts
+-- adds its quiet deltas first, and whatever brings a count to zero without holding the
+-- channel's name (an enqueue may be in flight) leaves a marker (`drained`) that a claim's fold
+-- takes up once no enqueue holds the name (fairqueue_claim_v1, steps 1, 3b and 5;
+-- fairqueue_fold_deltas_v1). A scheduled message's delta wakes: its promotion's delta, which
+-- wakes, takes it out of scheduled_count, and must not be folded before the delta that put it
+-- in. A grouped channel's wakes: the claim of a group's channels does not count quiet deltas
+-- before it takes all a channel counts (fairqueue_claim_v1, step 3b), so they would make its
+-- claims short.
 CREATE OR REPLACE FUNCTION fairqueue_delta_wakes_v1(p_counted boolean, p_scheduled boolean)
 RETURNS boolean
 LANGUAGE sql STABLE PARALLEL SAFE

@@ -46,10 +46,11 @@ $$;
 -- as if held), so an enqueue that comes after waits for our commit and then finds the
 -- channel's count as we leave it: for a claim about to drain the channels, past its last wait
 -- for a held channel (it may still wait for the maintenance loop's fold, which never waits),
--- in a transaction of its own (a caller's would keep enqueues waiting to its end). Without, each is released at once: enough for a fold that only adds
--- the quiet deltas, as an enqueue that comes after reads a count of zero (and wakes) or one
--- that makes the channel claimable. None above READ COMMITTED (a snapshot older than the
--- locks would not see what committed before them). Ordered by id (the lock order).
+-- in a transaction of its own (a caller's would keep enqueues waiting to its end). Without,
+-- each is released at once: enough for a fold that only adds the quiet deltas, as an enqueue
+-- that comes after reads a count of zero (and wakes) or one that makes the channel claimable.
+-- None above READ COMMITTED (a snapshot older than the locks would not see what committed
+-- before them). Ordered by id (the lock order).
 CREATE OR REPLACE FUNCTION fairqueue_free_names_v1(p_ids bigint[], p_hold boolean)
 RETURNS bigint[]
 LANGUAGE plpgsql
