@@ -230,7 +230,7 @@ def test_a_flow_the_claim_cannot_serve_now_does_not_hold_the_virtual_time_down(
         run({"low": 0.01, "bob": 0.01, "carol": 0.01}, 3)  # low's one release, then an hour
     elif held_low_by == "slow start":
         low_id = channel_store.select_channel_ids(["low"])["low"]
-        (first,) = claim(3, only_channel_ids=[low_id])  # one, until it settles
+        (first,) = claim(1, only_channel_ids=[low_id])  # slow-starting until it settles
     run({"bob": 0.1, "carol": 0.1}, 100, queues=["default"])  # 10 s while low stays put
     low = Channel.objects.get(name__endswith="low").name  # (in "reports": its row's name)
     assert vtime(low) < 1 < min(vtime("bob"), vtime("carol"))
@@ -293,8 +293,7 @@ def test_a_new_channel_is_charged_its_own_run_time_from_its_second_claim() -> No
     (10 ms) is charged for its first message only (slow start), not until the maintenance
     loop folds."""
     f.enqueue("quick", 50)
-    (first,) = claim(5, quantum=5)  # slow start: one message until its first settlement folds
-    assert claim(5, quantum=5) == []  # while it runs, nothing more of it
+    (first,) = claim(1)
     backdate([first.id], 0.001)
     message_store.complete_messages([(first.id, first.lease_token, None)], run_seconds=[0.001])
     before = vtime("quick")
@@ -684,13 +683,18 @@ def test_concurrent_claimers_by_time_never_exceed_caps_nor_claim_twice() -> None
 
 
 @pytest.mark.parametrize("held_for", [0.1, 1.0])
+@pytest.mark.parametrize("limit", [1, 5])
 @pytest.mark.django_db(transaction=True)
-def test_a_claim_waits_for_the_smallest_tag_held_by_another_claim(held_for: float) -> None:
+def test_a_claim_waits_for_the_smallest_tag_held_by_another_claim(
+    held_for: float, limit: int
+) -> None:
     """The channel of smallest tag is held (as by a concurrent claim): a claim that locked a
     channel far ahead in tag order waits for it, up to CLAIM_WAIT, and serves only it, rather
-    than give the slot to the channel of long tasks; held longer than that, the claim comes
-    back empty (its lock wait timed out) and leaves both channels as they were."""
-    f.enqueue_spread({"heavy": 20, "light": 20})
+    than give the slot to the channel of long tasks (also when the claim had room for more:
+    the channel it passed over gave way to the smaller tag, and is not topped up); held longer
+    than that, the claim comes back empty (its lock wait timed out) and leaves both channels
+    as they were."""
+    f.enqueue_spread({"heavy": 20, "light": 1})
     f.measured()
     f.fold_all()
     ids = f.channel_ids(["heavy", "light"])
@@ -709,7 +713,7 @@ def test_a_claim_waits_for_the_smallest_tag_held_by_another_claim(held_for: floa
         assert holding.wait(10)
         started = time.monotonic()
         try:
-            got = [m.channel for m in claim(1)]
+            got = [m.channel for m in claim(limit)]
         finally:
             released.set()
         return got, time.monotonic() - started
@@ -843,6 +847,54 @@ def test_by_time_several_queues_still_take_turns_whatever_a_claim_gives_a_channe
         )
         f.fold_all()
     assert Counter(order)["qb"] >= 3, order
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("grouped", [False, True])
+def test_slow_start_never_idles_a_worker(grouped: bool) -> None:
+    """Slow start orders, it does not hold free workers idle: with nobody else waiting, a new
+    tenant's claim of 8 gets 8, not 1, and a claim while those run gets more, up to the
+    channel's cap (and a group's channel up to its group's)."""
+    channel = ("acme", "new") if grouped else "new"
+    name = "acme/new" if grouped else "new"
+    enqueue_many([EnqueueRequest(f.NOOP, (i,), channel=channel) for i in range(30)])
+    first = claim(8)
+    assert [m.channel for m in first] == [name] * 8  # was 1: slow start held it to one
+    assert len(claim(8)) == 8  # its first messages still run: it was passed over, got 0
+    holder = ChannelGroup if grouped else Channel
+    assert holder.objects.filter(name="acme" if grouped else "new").update(max_concurrency=20)
+    assert len(claim(8)) == 4  # the cap holds in the top-up
+    f.assert_counters_match_table()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("queues", [None, ["qa", "qb"]])
+def test_slow_start_tops_up_only_after_every_known_channel_of_every_queue(
+    queues: list[str] | None,
+) -> None:
+    """A claim serves the channels whose run time is known first, in every queue it claims,
+    and gives only the rest to a new tenant: one message from slow start, the others from the
+    top-up. A tenant with work in two queues: the claim's queue order does not let the new
+    tenant's queue take the known tenant's messages."""
+    f.enqueue_in_queue("qa", "new", 30)  # first: its queue is served first
+    f.enqueue_in_queue("qb", "known", 3)
+    with connection.cursor() as cur:  # known has run before
+        cur.execute("UPDATE fairqueue_channel SET mean_run = 0.01 WHERE queue = 'qb'")
+    f.fold_all()
+    got = claim(8, queues=queues)
+    assert Counter(m.channel for m in got) == {"known": 3, "new": 5}
+    later = claim(8, queues=queues)  # known has nothing left: new gets the claim
+    assert Counter(m.channel for m in later) == {"new": 8}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rate_limit_holds_in_the_top_up() -> None:
+    """The top-up is the claim with slow start off, not without limits: a new, rate-limited
+    channel still gets one message an interval."""
+    f.enqueue("new", 10)
+    f.set_limits(["new"], release_interval=timedelta(hours=1))
+    assert len(claim(8)) == 1
+    assert claim(8) == []
 
 
 @pytest.mark.django_db(transaction=True)

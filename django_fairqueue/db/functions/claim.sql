@@ -3,8 +3,8 @@
 -- plan_grouped.sql).
 
 -- The most a claim may give a channel but for its ready messages: its free slots, one release
--- if it is rate limited or (by time) slow-starting (see fairqueue_claim_v1), else the claim's
--- size.
+-- if it is rate limited or slow-starting (p_by_time: by time, with slow start on; see
+-- fairqueue_claim_v1), else the claim's size.
 CREATE OR REPLACE FUNCTION fairqueue_claim_cap_v1(
     p_max_concurrency integer, p_running integer, p_release_interval interval,
     p_mean_run double precision, p_by_time boolean, p_limit integer
@@ -111,6 +111,10 @@ $$;
 -- time until its first settlement folds (its first settlements wake the claim, which folds
 -- them), so a tenant of long tasks charged the default estimate cannot take every worker at
 -- once; while its first message runs, the walks pass over it (as they do a capped channel).
+-- Slow start orders, it never idles a worker: a claim it leaves short serves the slow-starting
+-- channels with the rest (the top-up at the end). p_slow_start: true (the callers'), slow
+-- start then the top-up; NULL, slow start without the top-up (a queue's part of a claim of
+-- several queues, topped up once after all of them); false, no slow start (the top-up).
 --
 -- p_async_except (the worker's own claims, each its own transaction; NULL otherwise): the
 -- transaction commits without waiting for its WAL flush, unless it hands out a message of one
@@ -126,7 +130,8 @@ CREATE OR REPLACE FUNCTION fairqueue_claim_v1(
     p_wait_ms integer DEFAULT 0,
     p_by_time boolean DEFAULT false,
     p_queues text[] DEFAULT NULL,
-    p_async_except text[] DEFAULT NULL
+    p_async_except text[] DEFAULT NULL,
+    p_slow_start boolean DEFAULT true
 )
 RETURNS TABLE (
     id bigint,
@@ -335,6 +340,10 @@ BEGIN
     -- (without waiting for held channels: another queue may have work) until p_limit is met.
     -- None claimable: walk the first queue named, or 'default' (so that CLAIM_WAIT still
     -- waits for a channel a concurrent claim holds or has just folded).
+    -- (The claim proper is a block, not indented as one: a claim that comes back short leaves
+    -- it, for the top-up of slow-starting channels after it.)
+    <<claim>>
+    BEGIN
     IF cardinality(p_queues) = 1 THEN
         v_queue := p_queues[1];
     ELSIF p_queues IS NULL THEN
@@ -407,14 +416,16 @@ BEGIN
         ELSE
             v_got := 0;
             FOREACH v_queue IN ARRAY v_queues LOOP
+                -- (slow start held in each, and no top-up there: the top-up below serves
+                -- them all, after every queue's other channels)
                 RETURN QUERY SELECT * FROM fairqueue_claim_v1(
                     p_limit - v_got, p_lease, p_worker, p_only, p_exclude, v_quantum, false, 0,
-                    p_by_time, ARRAY[v_queue], p_async_except);
+                    p_by_time, ARRAY[v_queue], p_async_except, NULLIF(p_slow_start, true));
                 GET DIAGNOSTICS v_n = ROW_COUNT;
                 v_got := v_got + v_n;
                 EXIT WHEN v_got >= p_limit;
             END LOOP;
-            RETURN;
+            EXIT claim;
         END IF;
     END IF;
 
@@ -489,9 +500,10 @@ BEGIN
         INTO v_now, v_ids, v_names, v_alloc, v_used, v_turn, v_interval, v_last, v_seq, v_est,
              v_mean, v_cg, v_gids, v_gused, v_gturn, v_ginterval, v_glast, v_gweight
         FROM fairqueue_plan_grouped_v1(
-            p_limit, p_only, p_exclude, v_quantum, p_wait_ms, p_by_time, v_now, v_queue) p;
+            p_limit, p_only, p_exclude, v_quantum, p_wait_ms, p_by_time, v_now, v_queue,
+            p_slow_start IS NOT FALSE) p;
         IF v_ids IS NULL THEN
-            RETURN;
+            EXIT claim;
         END IF;
         -- (for step 3b: what the ungrouped channels among them count, and may take but for
         -- that; the plan holds their rows)
@@ -502,7 +514,8 @@ BEGIN
                                   THEN c.ready_count END
                              ORDER BY array_position(v_ids, c.id)),
                    array_agg(fairqueue_claim_cap_v1(c.max_concurrency, c.running_count,
-                                                    c.release_interval, c.mean_run, p_by_time,
+                                                    c.release_interval, c.mean_run,
+                                                    p_by_time AND p_slow_start IS NOT FALSE,
                                                     p_limit)
                              ORDER BY array_position(v_ids, c.id))
             INTO v_count, v_cap
@@ -568,7 +581,8 @@ BEGIN
                                  AND f.group_id IS NULL
                                  AND f.queue = v_queue
                                  AND (f.release_interval = interval '0' OR f.next_turn_at <= v_now)
-                                 AND (f.mean_run IS NOT NULL OR f.running_count = 0)
+                                 AND (f.mean_run IS NOT NULL OR f.running_count = 0
+                                      OR p_slow_start IS FALSE)
                                  AND (p_only IS NULL OR f.id = ANY (p_only))
                                  AND (p_exclude IS NULL OR NOT (f.id = ANY (p_exclude)))
                                ORDER BY f.vtime, f.id
@@ -578,7 +592,8 @@ BEGIN
                       AND c.group_id IS NULL
                       AND c.queue = v_queue
                       AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
-                      AND (c.mean_run IS NOT NULL OR c.running_count = 0)  -- not slow-starting
+                      AND (c.mean_run IS NOT NULL OR c.running_count = 0  -- not slow-starting
+                           OR p_slow_start IS FALSE)
                       AND (p_only IS NULL OR c.id = ANY (p_only))
                       AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
                     ORDER BY c.vtime, c.id
@@ -595,7 +610,8 @@ BEGIN
                       AND (c.release_interval = interval '0'
                            OR (c.next_turn_at <= v_wait_until
                                AND c.next_turn_at <= clock_timestamp()))
-                      AND (c.mean_run IS NOT NULL OR c.running_count = 0)  -- not slow-starting
+                      AND (c.mean_run IS NOT NULL OR c.running_count = 0  -- not slow-starting
+                           OR p_slow_start IS FALSE)
                       AND (p_only IS NULL OR c.id = ANY (p_only))
                       AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
                     ORDER BY c.vtime, c.id
@@ -645,7 +661,8 @@ BEGIN
                 -- the most this call may take: ready rows, free slots, one release if rate
                 -- limited; and all but the rows, should more be counted (step 3b)
                 v_cap[v_n] := fairqueue_claim_cap_v1(r.max_concurrency, r.running_count,
-                                                     r.release_interval, r.mean_run, p_by_time,
+                                                     r.release_interval, r.mean_run,
+                                                     p_by_time AND p_slow_start IS NOT FALSE,
                                                      p_limit);
                 v_count[v_n] := r.ready_count;
                 v_room[v_n] := LEAST(r.ready_count, v_cap[v_n]);
@@ -724,7 +741,7 @@ BEGIN
         END LOOP;
 
         IF v_n = 0 THEN
-            RETURN;
+            EXIT claim;
         END IF;
 
         -- Step 3b. A channel whose room is all the ready messages it counts may have more:
@@ -1009,5 +1026,22 @@ BEGIN
     ORDER BY claimed.priority DESC, claimed.id;
     -- (`drained` and `gcharged` are not read: PostgreSQL runs every data-modifying CTE to
     -- completion, RETURNING lists included.)
+    GET DIAGNOSTICS v_got = ROW_COUNT;
+    END claim;
+
+    -- The top-up (by time): slow start holds a new channel to one message at a time so that
+    -- the claim serves the channels whose run time is known first, not so that a worker
+    -- idles. A claim that came back short serves the slow-starting channels with the rest, in
+    -- tag order, within their caps and rate limits (the same claim with slow start off: the
+    -- channels it served already have no room left, or are slow-starting). Not when the walk
+    -- kept the smallest tag for itself and gave the channels it locked nothing (see the wait
+    -- above): those gave way to that tag, not to an idle worker.
+    IF p_by_time AND p_slow_start AND coalesce(v_got, 0) < p_limit
+       AND coalesce(v_skipped, 0) = 0 THEN
+        RETURN QUERY SELECT * FROM fairqueue_claim_v1(
+            p_limit - coalesce(v_got, 0), p_lease, p_worker, p_only, p_exclude, v_quantum, false,
+            0, true, CASE WHEN cardinality(v_queues) > 1 THEN v_queues ELSE ARRAY[v_queue] END,
+            p_async_except, false);
+    END IF;
 END;
 $$;

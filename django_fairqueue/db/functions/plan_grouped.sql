@@ -44,6 +44,7 @@ CREATE OR REPLACE FUNCTION fairqueue_plan_grouped_v1(
     p_by_time boolean,
     p_now timestamptz,
     p_queue text,
+    p_slow_start boolean,  -- false: the claim's top-up (see fairqueue_claim_v1)
     -- the plan (the arrays are fairqueue_claim_v1's, which it names after them)
     OUT o_now timestamptz,  -- the clock reading to charge with (read again after a wait)
     OUT o_ids bigint[],
@@ -154,7 +155,8 @@ BEGIN
                        AND c.group_id IS NULL
                        AND c.queue = p_queue
                        AND (c.release_interval = interval '0' OR c.next_turn_at <= v_due)
-                       AND (c.mean_run IS NOT NULL OR c.running_count = 0)  -- not slow-starting
+                       AND (c.mean_run IS NOT NULL OR c.running_count = 0  -- not slow-starting
+                            OR NOT p_slow_start)
                        AND (p_only IS NULL OR c.id = ANY (p_only))
                        AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
                      ORDER BY c.vtime, c.id)
@@ -204,7 +206,8 @@ BEGIN
                       AND c.group_id IS NULL
                       AND (c.release_interval = interval '0'
                            OR c.next_turn_at <= clock_timestamp())
-                      AND (NOT p_by_time OR c.mean_run IS NOT NULL OR c.running_count = 0)
+                      AND (NOT (p_by_time AND p_slow_start) OR c.mean_run IS NOT NULL
+                           OR c.running_count = 0)
                     FOR UPDATE;
                 ELSE
                     SELECT c.id, c.name::text AS name, c.weight, c.turn_used, c.release_interval,
@@ -213,7 +216,8 @@ BEGIN
                     WHERE c.id = t.fid AND c.claimable
                       AND c.group_id IS NULL
                       AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
-                      AND (NOT p_by_time OR c.mean_run IS NOT NULL OR c.running_count = 0)
+                      AND (NOT (p_by_time AND p_slow_start) OR c.mean_run IS NOT NULL
+                           OR c.running_count = 0)
                     FOR UPDATE SKIP LOCKED;
                 END IF;
                 IF NOT FOUND THEN
@@ -227,8 +231,8 @@ BEGIN
                 v_turn[v_n] := r.weight * p_quantum;
                 v_used[v_n] := LEAST(r.turn_used, v_turn[v_n] - 1);
                 v_room[v_n] := LEAST(r.ready_count, fairqueue_claim_cap_v1(
-                    r.max_concurrency, r.running_count, r.release_interval, r.mean_run, p_by_time,
-                    p_limit));
+                    r.max_concurrency, r.running_count, r.release_interval, r.mean_run,
+                    p_by_time AND p_slow_start, p_limit));
                 v_interval[v_n] := r.release_interval;
                 v_mean[v_n] := greatest(coalesce(r.mean_run, fairqueue_default_run_v1()), 1e-6);
                 v_est[v_n] := v_mean[v_n] / r.weight;
@@ -297,7 +301,8 @@ BEGIN
                           AND c.claimable
                           AND c.group_id = gr.id
                           AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
-                          AND (c.mean_run IS NOT NULL OR c.running_count = 0)  -- not slow-starting
+                          AND (c.mean_run IS NOT NULL OR c.running_count = 0  -- not slow-starting
+                               OR NOT p_slow_start)
                           AND (p_only IS NULL OR c.id = ANY (p_only))
                           AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
                         ORDER BY c.vtime, c.id
@@ -326,8 +331,8 @@ BEGIN
                     v_turn[v_n] := r.weight * p_quantum;
                     v_used[v_n] := LEAST(r.turn_used, v_turn[v_n] - 1);
                     v_room[v_n] := LEAST(r.ready_count, fairqueue_claim_cap_v1(
-                        r.max_concurrency, r.running_count, r.release_interval, r.mean_run, p_by_time,
-                        p_limit));
+                        r.max_concurrency, r.running_count, r.release_interval, r.mean_run,
+                        p_by_time AND p_slow_start, p_limit));
                     v_interval[v_n] := r.release_interval;
                     v_mean[v_n] := greatest(coalesce(r.mean_run, fairqueue_default_run_v1()),
                                             1e-6);
@@ -415,7 +420,8 @@ BEGIN
                       AND c.claimable
                       AND c.group_id = v_gids[k]
                       AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
-                      AND (c.mean_run IS NOT NULL OR c.running_count = 0)  -- not slow-starting
+                      AND (c.mean_run IS NOT NULL OR c.running_count = 0  -- not slow-starting
+                           OR NOT p_slow_start)
                       AND NOT (c.id = ANY (v_ids))
                       AND (p_only IS NULL OR c.id = ANY (p_only))
                       AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))
@@ -447,8 +453,8 @@ BEGIN
                 v_turn[v_n] := r.weight * p_quantum;
                 v_used[v_n] := LEAST(r.turn_used, v_turn[v_n] - 1);
                 v_room[v_n] := LEAST(r.ready_count, fairqueue_claim_cap_v1(
-                    r.max_concurrency, r.running_count, r.release_interval, r.mean_run, p_by_time,
-                    p_limit));
+                    r.max_concurrency, r.running_count, r.release_interval, r.mean_run,
+                    p_by_time AND p_slow_start, p_limit));
                 v_interval[v_n] := r.release_interval;
                 v_mean[v_n] := greatest(coalesce(r.mean_run, fairqueue_default_run_v1()), 1e-6);
                 v_est[v_n] := v_mean[v_n] / r.weight;
