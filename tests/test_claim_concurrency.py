@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from django.conf import settings
 from django.db import connection, transaction
 from django.test.utils import override_settings
 
@@ -217,7 +218,15 @@ def test_rate_limited_releases_are_never_closer_than_the_interval(alone: bool) -
 
 
 @pytest.mark.django_db(transaction=True)
-def test_concurrent_claimers_claim_every_message_exactly_once() -> None:
+@pytest.mark.parametrize("fairness", ["count", "time"])
+def test_concurrent_claimers_claim_every_message_exactly_once(fairness: str) -> None:
+    """Also by time, where new channels slow-start and claims that come back short are topped
+    up: still one fresh token per claim, shared by exactly what it handed out."""
+    with override_settings(FAIRQUEUE={**settings.FAIRQUEUE, "FAIRNESS": fairness}):
+        _claim_every_message_exactly_once()
+
+
+def _claim_every_message_exactly_once() -> None:
     names = [f"tenant-{i:02d}" for i in range(30)]
     enqueued = f.enqueue_spread(dict.fromkeys(names, 100))
     total = len(enqueued)
@@ -476,8 +485,15 @@ def test_a_claim_inside_a_transaction_never_waits() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-@override_settings(FAIRQUEUE={"CLAIM_WAIT": 5})
-def test_claimers_of_one_channel_come_back_empty_only_once_it_is_drained() -> None:
+@pytest.mark.parametrize("fairness", ["count", "time"])
+def test_claimers_of_one_channel_come_back_empty_only_once_it_is_drained(fairness: str) -> None:
+    """By time the channel slow-starts (no run time is reported): the claimers queue for it
+    in the top-up as they do in the claim."""
+    with override_settings(FAIRQUEUE={"CLAIM_WAIT": 5, "FAIRNESS": fairness}):
+        _claimers_of_one_channel_come_back_empty_only_once_it_is_drained()
+
+
+def _claimers_of_one_channel_come_back_empty_only_once_it_is_drained() -> None:
     total, claimers = 300, 4
     f.enqueue_spread({"alice": total})
     f.fold_all()

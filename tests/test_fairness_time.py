@@ -860,6 +860,7 @@ def test_slow_start_never_idles_a_worker(grouped: bool) -> None:
     enqueue_many([EnqueueRequest(f.NOOP, (i,), channel=channel) for i in range(30)])
     first = claim(8)
     assert [m.channel for m in first] == [name] * 8  # was 1: slow start held it to one
+    assert len({m.lease_token for m in first}) == 1  # the top-up is part of the claim
     assert len(claim(8)) == 8  # its first messages still run: it was passed over, got 0
     holder = ChannelGroup if grouped else Channel
     assert holder.objects.filter(name="acme" if grouped else "new").update(max_concurrency=20)
@@ -883,6 +884,7 @@ def test_slow_start_tops_up_only_after_every_known_channel_of_every_queue(
     f.fold_all()
     got = claim(8, queues=queues)
     assert Counter(m.channel for m in got) == {"known": 3, "new": 5}
+    assert len({m.lease_token for m in got}) == 1  # one token, its queues' and its top-up's
     later = claim(8, queues=queues)  # known has nothing left: new gets the claim
     assert Counter(m.channel for m in later) == {"new": 8}
 

@@ -1,8 +1,9 @@
 """Fairness by time: slow start orders, it never idles a worker. A claim that slow start left
 short (a new channel held to one message at a time, or passed over while its first message
 runs) serves the slow-starting channels with the rest, in tag order, within their caps and
-rate limits. Installs the claim family; the claim and its plan with groups each take a new
-argument (``p_slow_start``), so their old signatures are dropped first.
+rate limits, under the claim's one lease token. Installs the claim family; the claim takes two
+new arguments (``p_slow_start``, ``p_token``) and its plan with groups one (``p_slow_start``),
+so their old signatures are dropped first.
 """
 
 from django.db import migrations

@@ -115,6 +115,8 @@ $$;
 -- channels with the rest (the top-up at the end). p_slow_start: true (the callers'), slow
 -- start then the top-up; NULL, slow start without the top-up (a queue's part of a claim of
 -- several queues, topped up once after all of them); false, no slow start (the top-up).
+-- p_token: the lease token to hand out, for the parts of one claim (its queues, its top-up):
+-- one token for every message a claim hands out. NULL: a new one.
 --
 -- p_async_except (the worker's own claims, each its own transaction; NULL otherwise): the
 -- transaction commits without waiting for its WAL flush, unless it hands out a message of one
@@ -131,7 +133,8 @@ CREATE OR REPLACE FUNCTION fairqueue_claim_v1(
     p_by_time boolean DEFAULT false,
     p_queues text[] DEFAULT NULL,
     p_async_except text[] DEFAULT NULL,
-    p_slow_start boolean DEFAULT true
+    p_slow_start boolean DEFAULT true,
+    p_token uuid DEFAULT NULL
 )
 RETURNS TABLE (
     id bigint,
@@ -415,12 +418,14 @@ BEGIN
             v_queue := coalesce(v_queues[1], p_queues[1], 'default');
         ELSE
             v_got := 0;
+            v_token := coalesce(p_token, gen_random_uuid());
             FOREACH v_queue IN ARRAY v_queues LOOP
                 -- (slow start held in each, and no top-up there: the top-up below serves
                 -- them all, after every queue's other channels)
                 RETURN QUERY SELECT * FROM fairqueue_claim_v1(
                     p_limit - v_got, p_lease, p_worker, p_only, p_exclude, v_quantum, false, 0,
-                    p_by_time, ARRAY[v_queue], p_async_except, NULLIF(p_slow_start, true));
+                    p_by_time, ARRAY[v_queue], p_async_except, NULLIF(p_slow_start, true),
+                    v_token);
                 GET DIAGNOSTICS v_n = ROW_COUNT;
                 v_got := v_got + v_n;
                 EXIT WHEN v_got >= p_limit;
@@ -900,7 +905,7 @@ BEGIN
     -- (docs/explanation/message-states.md), and a token per message cost a tenth of a claim of
     -- 100's server CPU where PostgreSQL is built without OpenSSL (each gen_random_uuid() then
     -- opens, reads and closes /dev/urandom).
-    v_token := gen_random_uuid();
+    v_token := coalesce(p_token, gen_random_uuid());
     RETURN QUERY
     WITH alloc AS (
         SELECT a.cid, a.n FROM unnest(v_ids, v_alloc) AS a(cid, n)
@@ -1033,15 +1038,19 @@ BEGIN
     -- the claim serves the channels whose run time is known first, not so that a worker
     -- idles. A claim that came back short serves the slow-starting channels with the rest, in
     -- tag order, within their caps and rate limits (the same claim with slow start off: the
-    -- channels it served already have no room left, or are slow-starting). Not when the walk
-    -- kept the smallest tag for itself and gave the channels it locked nothing (see the wait
-    -- above): those gave way to that tag, not to an idle worker.
+    -- channels it served already have no room left, or are slow-starting), under the same
+    -- lease token. Not when the walk kept the smallest tag for itself and gave the channels it
+    -- locked nothing (see the wait above): those gave way to that tag, not to an idle worker.
+    -- It waits (CLAIM_WAIT) for a channel a concurrent claim holds only when the claim has
+    -- nothing yet, as the claim does: claimers of one new channel queue for it, not come back
+    -- empty.
     IF p_by_time AND p_slow_start AND coalesce(v_got, 0) < p_limit
        AND coalesce(v_skipped, 0) = 0 THEN
         RETURN QUERY SELECT * FROM fairqueue_claim_v1(
             p_limit - coalesce(v_got, 0), p_lease, p_worker, p_only, p_exclude, v_quantum, false,
-            0, true, CASE WHEN cardinality(v_queues) > 1 THEN v_queues ELSE ARRAY[v_queue] END,
-            p_async_except, false);
+            CASE WHEN coalesce(v_got, 0) = 0 THEN p_wait_ms ELSE 0 END, true,
+            CASE WHEN cardinality(v_queues) > 1 THEN v_queues ELSE ARRAY[v_queue] END,
+            p_async_except, false, v_token);
     END IF;
 END;
 $$;
