@@ -95,9 +95,7 @@ def test_0013_leaves_one_signature_each_and_old_calls_still_work() -> None:
     """Callers of the previous release (a rolling deploy) reach the new functions, which then
     behave as before: fairness by count, no run time recorded."""
     (claim,) = signatures("fairqueue_claim_v1")
-    assert claim.endswith(
-        "p_async_except text[], p_slow_start boolean, p_token uuid"
-    ), claim
+    assert claim.endswith("p_async_except text[], p_slow_start boolean, p_token uuid"), claim
     (plan,) = signatures("fairqueue_plan_grouped_v1")
     assert "p_queue text, p_slow_start boolean, OUT" in plan, plan
     (fold,) = signatures("fairqueue_fold_deltas_v1")
