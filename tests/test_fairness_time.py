@@ -899,6 +899,185 @@ def test_a_rate_limit_holds_in_the_top_up() -> None:
     assert claim(8) == []
 
 
+def claim_calls(limit: int, queues: list[str] | None) -> tuple[int, int]:
+    """What one claim (as the worker makes it, rolled back) returns, and how many calls of the
+    claim function it ran, its own parts and its top-up included."""
+    calls = (
+        "SELECT coalesce(sum(pg_stat_get_xact_function_calls(p.oid)), 0) FROM pg_proc p "
+        "WHERE p.proname = 'fairqueue_claim_v1'"
+    )
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute("SET LOCAL track_functions = 'pl'")
+        cur.execute(calls)  # (what earlier transactions counted may not be flushed yet)
+        (before,) = cur.fetchone()
+        cur.execute(
+            "SELECT count(*) FROM fairqueue_claim_v1(%s, interval '5 min', 'test-worker', NULL, "
+            "NULL, NULL, true, 50, true, %s::text[])",
+            [limit, queues],
+        )
+        (rows,) = cur.fetchone()
+        cur.execute(calls)
+        (after,) = cur.fetchone()
+        transaction.set_rollback(True)
+    return rows, int(after - before)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("queues", [None, ["default"], ["qa", "qb"]])
+def test_a_claim_with_no_slow_starting_channel_is_not_topped_up(queues: list[str] | None) -> None:
+    """The top-up runs only when slow start held a channel back: an idle poll of any queues,
+    and a short claim where no channel is new, are one call of the claim, not two."""
+    assert claim_calls(10, queues) == (0, 1)
+    f.enqueue_spread({f"k{i}": 2 for i in range(5)})
+    f.measured()
+    f.fold_all()
+    assert claim_calls(100, None) == (10, 1)
+    f.enqueue("new", 5)
+    f.fold_all()
+    assert claim_calls(100, None) == (15, 2)  # (it holds new to one, and tops up)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("how", ["several queues", "CLAIM_WAIT 0", "CLAIM_WAIT"])
+def test_a_known_channel_held_by_a_concurrent_claim_keeps_its_slot(how: str) -> None:
+    """A known tenant with work, its channel held for a moment by a concurrent claim; a new
+    tenant running its first message. A claim that finds the known channel held comes back
+    short, but that is lock traffic, not an idle worker: it is not topped up with the new
+    tenant (which would give it one more worker per collision)."""
+    f.enqueue("known", 20)
+    f.enqueue_in_queue("qa", "other", 20)
+    f.measured()
+    f.enqueue("new", 20)
+    f.fold_all()
+    new = f.channel_ids(["new"])["new"]
+    known = list(Channel.objects.exclude(id=new).values_list("id", flat=True))  # and other
+    claim(1, only_channel_ids=[new])  # new's first message runs
+    holding, released = threading.Event(), threading.Event()
+
+    def holder() -> list[str]:
+        with transaction.atomic(), connection.cursor() as cur:
+            cur.execute("SELECT 1 FROM fairqueue_channel WHERE id = ANY (%s) FOR UPDATE", [known])
+            holding.set()
+            released.wait(0.3)
+        return []
+
+    def claimer() -> list[str]:
+        assert holding.wait(10)
+        try:
+            queues = ["default", "qa"] if how == "several queues" else ["default"]
+            return [m.channel for m in claim(1, queues=queues)]
+        finally:
+            released.set()
+
+    wait = 0.0 if how == "CLAIM_WAIT 0" else 0.05
+    with override_settings(FAIRQUEUE={**_base(), **TIME, "CLAIM_WAIT": wait}):
+        _, got = run_threads(2, lambda i: (holder, claimer)[i]())
+    assert "new" not in got
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_top_up_keeps_the_claims_filters_and_a_callers_transaction() -> None:
+    """only/exclude hold in the top-up; inside a caller's transaction (exactly-once) it neither
+    waits nor leaves lock_timeout changed."""
+    f.enqueue("known", 1)
+    f.measured()
+    f.enqueue("new", 10)
+    f.fold_all()
+    ids = f.channel_ids(["known", "new"])
+    assert [m.channel for m in claim(8, only_channel_ids=[ids["known"]])] == ["known"]
+    assert claim(8, exclude_channel_ids=[ids["new"]]) == []
+    with transaction.atomic():
+        got = claim(5, exclude_channel_ids=[ids["known"]], maintain=False)
+        assert [m.channel for m in got] == ["new"] * 5
+        with connection.cursor() as cur:
+            cur.execute("SHOW lock_timeout")
+            assert cur.fetchone() == ("0",)
+    f.assert_counters_match_table()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_whose_waited_channel_left_serves_its_walk_and_is_topped_up() -> None:
+    """The claim waits for the smallest tag (held), which is no longer claimable once its
+    holder commits: the channels the walk locked did not give way to anything, so they are
+    served, and a slow-starting channel gets the rest."""
+    f.enqueue_spread({"heavy": 2, "light": 1})
+    f.measured()
+    f.enqueue("new", 10)
+    f.fold_all()
+    ids = f.channel_ids(["heavy", "light", "new"])
+    claim(1, only_channel_ids=[ids["new"]])  # new's first message runs
+    with connection.cursor() as cur:
+        cur.execute("UPDATE fairqueue_channel SET vtime = 1.0 WHERE id = %s", [ids["heavy"]])
+        cur.execute("UPDATE fairqueue_channel SET vtime = 5.0 WHERE id = %s", [ids["new"]])
+    holding, released = threading.Event(), threading.Event()
+
+    def holder() -> list[str]:
+        with transaction.atomic(), connection.cursor() as cur:
+            cur.execute("SELECT 1 FROM fairqueue_channel WHERE id = %s FOR UPDATE", [ids["light"]])
+            holding.set()
+            released.wait(0.2)
+            cur.execute("UPDATE fairqueue_channel SET paused = true WHERE id = %s", [ids["light"]])
+        return []
+
+    def claimer() -> list[str]:
+        assert holding.wait(10)
+        try:
+            return [m.channel for m in claim(6)]
+        finally:
+            released.set()
+
+    with override_settings(FAIRQUEUE={**_base(), **TIME, "CLAIM_WAIT": 0.5}):
+        _, got = run_threads(2, lambda i: (holder, claimer)[i]())
+    assert Counter(got) == {"heavy": 2, "new": 4}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_holding_channel_names_does_not_wait_in_its_top_up() -> None:
+    """A claim takes channel names (step 3b, held to its commit) only after its last wait for
+    a held channel. A first pass that locked and counted x (its name held) but got nothing
+    (x's ready rows locked by another transaction) is topped up without waiting for the new
+    channel a concurrent claim holds: an enqueue to x does not wait behind it."""
+    f.enqueue("x", 2)
+    f.measured()
+    f.enqueue("y", 5)
+    f.fold_all()
+    ids = f.channel_ids(["x", "y"])
+    claim(1, only_channel_ids=[ids["y"]])  # y's first message runs
+    with connection.cursor() as cur:
+        cur.execute("UPDATE fairqueue_channel SET vtime = 1.0 WHERE id = %s", [ids["x"]])
+        cur.execute("UPDATE fairqueue_channel SET vtime = 0.0 WHERE id = %s", [ids["y"]])
+    ready = threading.Barrier(3)
+    took: dict[str, float] = {}
+
+    def rows_holder() -> None:  # an operator's action on x's messages, say
+        with transaction.atomic(), connection.cursor() as cur:
+            cur.execute(
+                "SELECT 1 FROM fairqueue_message WHERE channel_id = %s FOR UPDATE", [ids["x"]]
+            )
+            ready.wait()
+            time.sleep(1.5)
+
+    def channel_holder() -> None:  # a concurrent claim holding y
+        with transaction.atomic(), connection.cursor() as cur:
+            cur.execute("SELECT 1 FROM fairqueue_channel WHERE id = %s FOR UPDATE", [ids["y"]])
+            ready.wait()
+            time.sleep(1.2)
+
+    def claimer() -> None:
+        ready.wait()
+        claim(5, queues=["default"])
+
+    def enqueuer() -> None:
+        time.sleep(0.25)  # the claim has locked x by now
+        started = time.monotonic()
+        f.enqueue("x", 1)
+        took["enqueue"] = time.monotonic() - started
+
+    with override_settings(FAIRQUEUE={**_base(), **TIME, "CLAIM_WAIT": 0.8}):
+        run_threads(4, lambda i: (rows_holder, channel_holder, claimer, enqueuer)[i]())
+    assert took["enqueue"] < 0.4, took  # (it waited for the claim's wait: 0.6 s and more)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_claim_spreads_over_the_channels_its_turns_cover_whatever_earlier_claims_left() -> None:
     """By time a turn only sizes the walk: a claim of 8 with turns of 4 locks two channels

@@ -240,6 +240,9 @@ DECLARE
     v_waking boolean := true;  -- (unknown without housekeeping: as if some were waking)
     v_own boolean;  -- this statement is its own transaction (set after the idle poll's return)
     v_relaxed boolean;  -- true once the commit is relaxed (p_async_except)
+    v_rest text[];  -- the queues of the top-up
+    v_slow_left boolean;  -- for it: a slow-starting channel could take more
+    v_known_left boolean;  -- a channel whose run time is known is claimable still
     i integer;
 BEGIN
     IF p_limit IS NULL OR p_limit < 1 THEN
@@ -718,8 +721,15 @@ BEGIN
                 END IF;
                 PERFORM set_config('lock_timeout', v_lock_timeout, true);
                 v_now := clock_timestamp();  -- for the charge, claimed_at and the lease
-                IF v_skipped > 0 AND v_n = v_skipped THEN
-                    v_room := v_kept_room;  -- the channel waited for was no longer claimable
+                -- The channel waited for was no longer claimable: the wait came back with no
+                -- channel, or with one this walk holds already (its cursor went on past the
+                -- one it waited for). The walk's channels are served as locked after all (not
+                -- the second entry of the same channel), and nothing gave way: the top-up
+                -- below may run.
+                IF v_skipped > 0 AND (v_n = v_skipped
+                                      OR array_position(v_ids, v_ids[v_n]) < v_n) THEN
+                    v_room := v_kept_room || array_fill(0, ARRAY[v_n - v_skipped]);
+                    v_skipped := 0;
                 END IF;
                 EXIT;
             END IF;
@@ -1039,18 +1049,57 @@ BEGIN
     -- idles. A claim that came back short serves the slow-starting channels with the rest, in
     -- tag order, within their caps and rate limits (the same claim with slow start off: the
     -- channels it served already have no room left, or are slow-starting), under the same
-    -- lease token. Not when the walk kept the smallest tag for itself and gave the channels it
-    -- locked nothing (see the wait above): those gave way to that tag, not to an idle worker.
-    -- It waits (CLAIM_WAIT) for a channel a concurrent claim holds only when the claim has
-    -- nothing yet, as the claim does: claimers of one new channel queue for it, not come back
-    -- empty.
+    -- lease token; its rows follow the claim's, so a worker starts the known channels' first.
+    -- Only when a slow-starting channel is left to serve, and no channel whose run time is
+    -- known is: one that is claimable still, though the claim came back short, is held by a
+    -- concurrent claim, and the slot is its own, not an idle worker's (one probe without a
+    -- lock, as the front's, of the two walks' indexes: a short claim has read them already).
+    -- Not when the walk kept the smallest tag for itself and gave the channels it locked
+    -- nothing (see the wait above): those gave way to that tag. It waits (CLAIM_WAIT) for a
+    -- channel a concurrent claim holds only when the claim holds no channel yet, as the claim
+    -- does: claimers of one new channel queue for it rather than come back empty.
     IF p_by_time AND p_slow_start AND coalesce(v_got, 0) < p_limit
        AND coalesce(v_skipped, 0) = 0 THEN
-        RETURN QUERY SELECT * FROM fairqueue_claim_v1(
-            p_limit - coalesce(v_got, 0), p_lease, p_worker, p_only, p_exclude, v_quantum, false,
-            CASE WHEN coalesce(v_got, 0) = 0 THEN p_wait_ms ELSE 0 END, true,
-            CASE WHEN cardinality(v_queues) > 1 THEN v_queues ELSE ARRAY[v_queue] END,
-            p_async_except, false, v_token);
+        v_rest := CASE WHEN cardinality(v_queues) > 1 THEN v_queues ELSE ARRAY[v_queue] END;
+        v_now := coalesce(v_now, clock_timestamp());  -- (an empty plan with groups has none)
+        SELECT bool_or(k.slow AND k.found), bool_or(NOT k.slow AND k.found)
+        INTO v_slow_left, v_known_left
+        FROM unnest(ARRAY[true, false]) AS k0(slow)
+        CROSS JOIN LATERAL (
+            SELECT k0.slow,
+                   EXISTS (
+                       SELECT FROM fairqueue_channel c
+                       WHERE c.claimable
+                         AND c.group_id IS NULL
+                         AND c.queue = ANY (v_rest)
+                         AND (c.release_interval = interval '0' OR c.next_turn_at <= v_now)
+                         AND (c.mean_run IS NULL) = k0.slow
+                         AND (p_only IS NULL OR c.id = ANY (p_only))
+                         AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude))))
+                   OR EXISTS (
+                       SELECT FROM fairqueue_channel_group g
+                       WHERE g.claimable > 0
+                         AND (g.max_concurrency IS NULL OR g.running_count < g.max_concurrency)
+                         AND g.queue = ANY (v_rest)
+                         AND g.next_turn_at <= v_now
+                         AND EXISTS (
+                             SELECT FROM fairqueue_channel c
+                             WHERE c.group_id IS NOT NULL
+                               AND c.claimable
+                               AND c.group_id = g.id
+                               AND (c.release_interval = interval '0'
+                                    OR c.next_turn_at <= v_now)
+                               AND (c.mean_run IS NULL) = k0.slow
+                               AND (p_only IS NULL OR c.id = ANY (p_only))
+                               AND (p_exclude IS NULL OR NOT (c.id = ANY (p_exclude)))))
+                   AS found
+        ) k;
+        IF v_slow_left AND NOT v_known_left THEN
+            RETURN QUERY SELECT * FROM fairqueue_claim_v1(
+                p_limit - coalesce(v_got, 0), p_lease, p_worker, p_only, p_exclude, v_quantum,
+                false, CASE WHEN v_ids IS NULL THEN p_wait_ms ELSE 0 END, true, v_rest,
+                p_async_except, false, v_token);
+        END IF;
     END IF;
 END;
 $$;
