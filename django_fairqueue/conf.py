@@ -82,10 +82,10 @@ class FairQueueSettings:
     # always waits). A database crash can then lose the last moments of them: those messages run
     # again, as at-least-once delivery allows. See docs/howto/delivery-modes.md.
     ASYNC_COMMIT: bool = True
-    # What channels share fairly: "count", turns of messages (weight x quantum each), or
-    # "time", the worker time their messages run (weights divide the charge). See
-    # docs/explanation/fairness.md, "Fairness by time".
-    FAIRNESS: str = "count"
+    # What channels share fairly: "time", the worker time their messages run (weights divide
+    # the charge), or "count", turns of messages (weight x quantum each; the default before
+    # migration 0046). See docs/explanation/fairness.md, "Fairness by time".
+    FAIRNESS: str = "time"
     RESCUE_INTERVAL: float = 15.0
     PRUNE_INTERVAL: float = 60.0
     # Seconds between recounts of every channel's counters from its rows (maintenance), which

@@ -22,6 +22,13 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"database: DATABASE_URL ({db['HOST']}:{db['PORT']}/{db['NAME']})"
 
 
+@pytest.fixture
+def by_count(settings: Any) -> None:
+    """Fairness by count (the default is by time), whatever FAIRQUEUE_TEST_OVERRIDES says: for
+    tests of turns of messages, which by time are ordered by the time charged."""
+    settings.FAIRQUEUE = {**settings.FAIRQUEUE, "FAIRNESS": "count"}
+
+
 @pytest.fixture(scope="session")
 def database_url(django_db_setup: None, django_db_blocker: Any) -> str:
     """URL of the test database that pytest-django created, for code run in subprocesses.

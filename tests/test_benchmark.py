@@ -361,6 +361,7 @@ def test_fairness_jain_runs_over_the_claims_the_other_columns_count() -> None:
     assert figures.waits_ms == pytest.approx([60.0] * 5 + [80.0] * 5)
 
 
+@pytest.mark.usefixtures("by_count")
 @pytest.mark.django_db(transaction=True)
 def test_a_fairness_row_agrees_with_itself() -> None:
     """The tiny run of one claimer, batch and burst of 10 (as the quick run's first row): when

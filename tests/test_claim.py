@@ -33,12 +33,6 @@ def _async_commit() -> Iterator[None]:
     yield
 
 
-@pytest.fixture
-def by_count(settings: Any) -> None:
-    """Fairness by count, whatever FAIRQUEUE_TEST_OVERRIDES says (a test of turn order)."""
-    settings.FAIRQUEUE = {**settings.FAIRQUEUE, "FAIRNESS": "count"}
-
-
 def claim(limit: int = 1, **kwargs: Any) -> list[message_store.ClaimedMessage]:
     return message_store.claim_messages(limit, lease=LEASE, worker_id="test-worker", **kwargs)
 
@@ -169,6 +163,7 @@ def assert_shares(served: Counter[str], weights: dict[str, int], tolerance: floa
         )
 
 
+@pytest.mark.usefixtures("by_count")
 @pytest.mark.django_db(transaction=True)
 def test_weights_1_2_3_share_3000_single_claims_1_2_3() -> None:
     weights = _weighted_channels(2_000)
@@ -211,6 +206,7 @@ def test_equal_channels_share_batch_claims_equally() -> None:
     assert_shares(served, dict.fromkeys(names, 1))
 
 
+@pytest.mark.usefixtures("by_count")
 @pytest.mark.django_db
 def test_batch_claim_with_many_channels_spreads_over_about_25() -> None:
     names = [f"tenant-{i:02d}" for i in range(60)]

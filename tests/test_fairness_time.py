@@ -101,7 +101,8 @@ def jain(values: list[float]) -> float:
 
 
 def test_the_setting_takes_count_or_time_only() -> None:
-    assert load({}).FAIRNESS == "count"
+    assert load({}).FAIRNESS == "time"  # the default
+    assert load({"FAIRNESS": "count"}).FAIRNESS == "count"
     assert load({"FAIRNESS": "time"}).FAIRNESS == "time"
     with pytest.raises(ValueError, match=r"FAIRNESS.*must be one of"):
         load({"FAIRNESS": "seconds"})

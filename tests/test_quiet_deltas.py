@@ -57,6 +57,7 @@ def backlogged(channel: str, n: int = 3) -> None:
     assert counted(channel) == n - 1 and deltas(channel) == []
 
 
+@pytest.mark.usefixtures("by_count")
 def test_an_enqueue_to_a_channel_that_counts_ready_messages_does_not_wake_the_claim() -> None:
     backlogged("alice")
     enqueue(f.NOOP, 1, channel="alice")  # one message
@@ -308,6 +309,7 @@ def test_a_claim_waiting_for_a_held_channel_holds_no_name() -> None:
     assert "enqueued" in out and out["claimed"] >= 1
 
 
+@pytest.mark.usefixtures("by_count")
 def test_a_claim_of_the_grouped_walk_takes_the_quiet_messages_too() -> None:
     """With a group claimable in the queue, the grouped walk's claim gives an ungrouped
     channel it drains what it counts besides."""

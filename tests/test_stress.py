@@ -66,8 +66,8 @@ CLIENTS = int(os.environ.get("FAIRQUEUE_STRESS_CLIENTS", "3"))
 #: Operation kinds left out of the mix (comma-separated, e.g. "edit_stale_save,delete_channel"),
 #: to tell which operation breaks an invariant.
 SKIP = os.environ.get("FAIRQUEUE_STRESS_SKIP", "")
-#: The workers' FAIRNESS setting: "count" (the default) or "time"; the invariants are the same.
-FAIRNESS = os.environ.get("FAIRQUEUE_STRESS_FAIRNESS", "count")
+#: The workers' FAIRNESS setting: "time" (the default) or "count"; the invariants are the same.
+FAIRNESS = os.environ.get("FAIRQUEUE_STRESS_FAIRNESS", "time")
 WORKERS = 2
 #: The workers drain what the clients left until nothing is left, or nothing more settled for
 #: DRAIN_STALL seconds, or DRAIN_LIMIT seconds passed.
