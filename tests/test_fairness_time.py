@@ -16,10 +16,12 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from datetime import timedelta
+from io import StringIO
 from typing import Any
 
 import pytest
 from django.contrib import admin
+from django.core.management import call_command
 from django.db import connection, transaction
 from django.test import RequestFactory
 from django.test.utils import override_settings
@@ -1077,6 +1079,31 @@ def test_a_claim_holding_channel_names_does_not_wait_in_its_top_up() -> None:
     with override_settings(FAIRQUEUE={**_base(), **TIME, "CLAIM_WAIT": 0.8}):
         run_threads(4, lambda i: (rows_holder, channel_holder, claimer, enqueuer)[i]())
     assert took["enqueue"] < 0.4, took  # (it waited for the claim's wait: 0.6 s and more)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_levelling_the_tags_after_a_period_by_count_starts_every_channel_even() -> None:
+    """Claims by count neither charge nor lift tags: a channel created while the fleet counted
+    starts at 0, far behind channels the fleet served by time before, and by time again would
+    take every claim until it caught up. `fairqueue level` starts every channel and group
+    even."""
+    f.enqueue_spread({"a": 30, "b": 30})
+    ChannelGroup.objects.create(name="acme")
+    enqueue_many([EnqueueRequest(f.NOOP, (i,), channel=("acme", "u")) for i in range(30)])
+    f.fold_all()
+    with connection.cursor() as cur:  # as after a long time by time
+        cur.execute("UPDATE fairqueue_channel SET vtime = 110")
+        cur.execute("UPDATE fairqueue_channel_group SET vtime = 110")
+    with override_settings(FAIRQUEUE={**_base(), "FAIRNESS": "count"}):
+        f.enqueue("late", 30)  # created, and its messages counted, while counting: tag 0
+        f.fold_all()
+    f.measured()
+    assert {m.channel for m in claim(8)} == {"late"}  # far behind: it takes the claim
+    out = StringIO()
+    call_command("fairqueue", "level", stdout=out)
+    assert out.getvalue().strip() == "levelled the tags of 4 channel(s) and 1 channel group(s)"
+    got = Counter(m.channel for m in claim(12))
+    assert got == {"a": 3, "b": 3, "acme/u": 3, "late": 3}, got
 
 
 @pytest.mark.django_db(transaction=True)

@@ -450,6 +450,7 @@ def test_the_worker_id_is_escaped_in_the_starting_line(caplog: pytest.LogCapture
     (line,) = [r.getMessage() for r in caplog.records if "starting:" in r.getMessage()]
     assert line.startswith("worker w\\x1b]0;x\\x07\\nFORGED starting: ")
     assert line.isprintable()
+    assert ", fair by time" in line  # the default mode: a fleet runs one, and the log shows it
 
 
 # ------------------------------------------------------------------------------------------------

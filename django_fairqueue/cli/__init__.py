@@ -26,6 +26,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "usage",
     "verify",
     "workers",
+    "level",
 )
 
 

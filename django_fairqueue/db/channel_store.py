@@ -236,6 +236,18 @@ def lift_group(group_id: int, *, using: str | None = None) -> None:
     _run("lift_group", {"group_id": group_id}, using)
 
 
+def level_channel_tags(*, using: str | None = None) -> int:
+    """Set every channel's tag (fairness by time) to 0, as on a fresh install; returns how
+    many moved. With :func:`level_group_tags` after it, in one transaction: ``manage.py
+    fairqueue level``."""
+    return int(_run("level_channel_tags", {}, using)[0][0])
+
+
+def level_group_tags(*, using: str | None = None) -> int:
+    """Set every channel group's tag to 0; returns how many moved (after the channels')."""
+    return int(_run("level_group_tags", {}, using)[0][0])
+
+
 def lock_channel_names(names: Sequence[str], *, using: str | None = None) -> None:
     """Hold channel names against enqueues until the current transaction ends: deleting a
     channel takes this first, so an enqueue in flight finishes (and its messages are deleted

@@ -339,13 +339,15 @@ class Worker:
         self._discover()
         self.claimer.observe_claim = claim_observer()
         logger.info(
-            "worker %s starting: %d threads, batch %d, lease %ss, poll %ss, listen %s%s",
+            "worker %s starting: %d threads, batch %d, lease %ss, poll %ss, listen %s, fair by "
+            "%s%s",
             printable(self.worker_id),  # (anyone's to choose: escaped for any handler)
             self.config.concurrency,
             self.config.batch_size,
             self.lease.total_seconds(),
             self.poll_interval,
             "on" if self.listen else "off",
+            conf.get().FAIRNESS,  # (a fleet runs one mode: the log shows each worker's)
             ", burst" if self.config.burst else "",
             extra={"worker_id": self.worker_id},
         )

@@ -117,6 +117,28 @@ SELECT fairqueue_fold_channel_v1(%(channel_id)s::bigint) AS folded;
 -- Lift one channel group to its queue's virtual time now (after an operator eases its limits, so it does not take every start).
 SELECT fairqueue_lift_group_v1(%(group_id)s::bigint);
 
+-- name: level_channel_tags
+-- Level every channel's tag (fairness by time) at 0, as on a fresh install: channel rows in id order (the lock order), waiting for claims that hold them; how many moved.
+WITH moved AS (
+    UPDATE fairqueue_channel c
+    SET vtime = 0
+    FROM (SELECT x.id FROM fairqueue_channel x WHERE x.vtime <> 0 ORDER BY x.id FOR UPDATE) l
+    WHERE c.id = l.id
+    RETURNING 1
+)
+SELECT count(*) FROM moved;
+
+-- name: level_group_tags
+-- Level every channel group's tag at 0 (after the channels': groups come second in the lock order); how many moved.
+WITH moved AS (
+    UPDATE fairqueue_channel_group g
+    SET vtime = 0
+    FROM (SELECT x.id FROM fairqueue_channel_group x WHERE x.vtime <> 0 ORDER BY x.id FOR UPDATE) l
+    WHERE g.id = l.id
+    RETURNING 1
+)
+SELECT count(*) FROM moved;
+
 -- name: lock_channel_names
 -- Hold channel names against enqueues until the transaction ends (deleting the channels): the
 -- names' locks in name order, then their stripes' in stripe order (an enqueue of many names
