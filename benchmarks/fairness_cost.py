@@ -45,8 +45,9 @@ def main(
 ) -> dict[int, dict]:
     """``cycles``: (claim size, claims per mode); ``blocks``: how many parts the per-block
     ratios split those claims into; ``backlog``: messages per channel. A claim larger than
-    the backlog (``cycles=((200, 1000),), backlog=1``) comes back short, every time: what such
-    a claim costs, the walk that finds the channels exhausted included."""
+    the backlog (``cycles=((200, 600),), backlog=1``, as docs/performance.md ran it) comes
+    back short, every time: what such a claim costs, the walk that finds the channels
+    exhausted included."""
     bench_db.truncate_queue_tables()
     for by in MODES:
         channels = [f"{by}-{i:03d}" for i in range(100)]
